@@ -1,0 +1,108 @@
+"""Attention over a paged KV cache (no RoPE, GQA), torch path.
+
+KV cache per attention layer: k_cache, v_cache (num_token_slots, kv_heads, head_dim); token slot
+= page * page_size + offset. Page 0 is the dummy page that padded rows point at.
+
+One function serves decode (one query per sequence) and extend (a chunk of queries over the
+cached prefix plus themselves, causal). The torch path pads queries to (num_seqs, max_q) and
+gathers each sequence's keys to (num_seqs, max_kv) once per call, then runs one SDPA.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import select_backend
+
+
+class AttentionLayout(NamedTuple):
+    """Per-forward plan shared by every attention layer (built from host data)."""
+
+    num_seqs: int
+    max_q: int
+    max_kv: int
+    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32 packed query offsets
+    kv_lens: torch.Tensor  # (num_seqs,) int32 tokens in cache after this step's writes
+    kv_indices: torch.Tensor  # (num_seqs, max_kv) int64 token slots; padding -> slot 0
+    q_slot: torch.Tensor  # (num_tokens,) int64 flat (seq * max_q + i) of each query
+    slot_q: torch.Tensor  # (num_seqs * max_q,) int64 query per padded slot, num_tokens if empty
+    mask: torch.Tensor  # (num_seqs, 1, max_q, max_kv) bool: causal and within kv_len
+
+
+def build_attention_layout(
+    q_lens: list[int], kv_lens: list[int], kv_indices: torch.Tensor, device: torch.device | str
+) -> AttentionLayout:
+    """q_lens / kv_lens: host lists; kv_indices: (num_seqs, >= max(kv_lens)) int64 token slots."""
+    num_seqs = len(q_lens)
+    max_q, max_kv = max(q_lens, default=0), max(kv_lens, default=0)
+    ql = torch.tensor(q_lens, dtype=torch.int64)
+    kl = torch.tensor(kv_lens, dtype=torch.int64)
+    num_tokens = int(ql.sum())
+    seq_of_q = torch.repeat_interleave(torch.arange(num_seqs), ql)
+    cu = torch.zeros(num_seqs + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(ql, 0)
+    local = torch.arange(num_tokens) - cu[:-1][seq_of_q]
+    q_slot = seq_of_q * max_q + local
+    slot_q = torch.full((num_seqs * max_q,), num_tokens, dtype=torch.int64)
+    slot_q[q_slot] = torch.arange(num_tokens)
+    # Query i of seq s sits at absolute position kv_len - q_len + i and sees keys 0..that.
+    q_pos = (kl - ql)[:, None] + torch.arange(max_q)[None, :]
+    key_pos = torch.arange(max_kv)
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]
+    mask &= key_pos[None, None, :] < kl[:, None, None]
+    mask[:, :, 0] = True  # empty (padding) query rows must not be all -inf
+    return AttentionLayout(
+        num_seqs=num_seqs,
+        max_q=max_q,
+        max_kv=max_kv,
+        query_start_loc=cu.to(device=device, dtype=torch.int32),
+        kv_lens=kl.to(device=device, dtype=torch.int32),
+        kv_indices=kv_indices[:, :max_kv].to(device),
+        q_slot=q_slot.to(device),
+        slot_q=slot_q.to(device),
+        mask=mask.unsqueeze(1).to(device),
+    )
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v: (num_tokens, kv_heads, head_dim) written at token slots `slot_mapping` (num_tokens,)."""
+    k_cache[slot_mapping] = k.to(k_cache.dtype)
+    v_cache[slot_mapping] = v.to(v_cache.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: AttentionLayout,
+    scale: float,
+) -> torch.Tensor:
+    """q: (num_tokens, heads, head_dim) packed queries (their K/V already stored). Returns like q."""
+    if select_backend(q) == "triton":
+        from kernels.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, layout, scale)
+    return paged_attention_torch(q, k_cache, v_cache, layout, scale)
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: AttentionLayout,
+    scale: float,
+) -> torch.Tensor:
+    num_tokens, H, Dh = q.shape
+    S, Q, K = layout.num_seqs, layout.max_q, layout.max_kv
+    qp = torch.cat([q, q.new_zeros(1, H, Dh)])[layout.slot_q].view(S, Q, H, Dh).transpose(1, 2)
+    k = k_cache[layout.kv_indices].to(q.dtype).transpose(1, 2)  # (S, KVH, K, Dh)
+    v = v_cache[layout.kv_indices].to(q.dtype).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        qp, k, v, attn_mask=layout.mask, scale=scale, enable_gqa=H != k.shape[1]
+    )  # (S, H, Q, Dh)
+    return out.transpose(1, 2).reshape(S * Q, H, Dh)[layout.q_slot]

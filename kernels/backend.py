@@ -1,0 +1,23 @@
+"""Which implementation a kernel call runs: the Triton kernels or the torch path.
+
+CUDA tensors go to Triton and CPU tensors to torch, unless `BATON_KERNELS=torch|triton` forces
+one (with `TRITON_INTERPRET=1`, `triton` runs the Triton kernels on CPU tensors).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+Backend = Literal["torch", "triton"]
+
+
+def select_backend(tensor: torch.Tensor) -> Backend:
+    forced = os.environ.get("BATON_KERNELS", "").strip().lower()
+    if forced in ("torch", "triton"):
+        return forced  # type: ignore[return-value]
+    if forced:
+        raise ValueError(f"BATON_KERNELS must be 'torch' or 'triton', got {forced!r}")
+    return "triton" if tensor.is_cuda else "torch"

@@ -1,0 +1,31 @@
+"""RMSNorm and gated RMSNorm (`norm(y * silu(z))`, normalised per group), torch path.
+
+Both compute in float32 and cast back like transformers' NemotronH: RMSNorm multiplies the
+weight in float32, the gated norm multiplies it after the cast to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: (num_tokens, hidden) any float dtype; weight: (hidden,). Returns x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)
+
+
+def gated_rms_norm(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int
+) -> torch.Tensor:
+    """y, z: (num_tokens, intermediate); weight: (intermediate,); groups of `group_size`.
+
+    Returns `weight * rmsnorm_per_group(y * silu(z))` in y's dtype.
+    """
+    num_tokens, width = y.shape
+    h = y.float() * F.silu(z.float())
+    h = h.view(num_tokens, width // group_size, group_size)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.view(num_tokens, width).to(y.dtype)

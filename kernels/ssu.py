@@ -1,0 +1,102 @@
+"""Selective state update: one (or k) recurrent Mamba2 steps per request on pool slots, torch path.
+
+    state <- state * exp(dt * A) + dt * x ⊗ B
+    y      = state · C + D * x
+
+ssm_states pool: (num_slots, nheads, headdim, dstate), float32 by default. Slot 0 is the dummy
+slot: padded rows point there and every live slot they do not own stays untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import select_backend
+from kernels.ssd import discretize_dt
+
+
+def selective_state_update(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor:
+    """x: (batch, nheads, headdim); dt: (batch, nheads) raw; A, D, dt_bias: (nheads,);
+    B, C: (batch, ngroups, dstate); state_indices: (batch,) int64. Returns y like x."""
+    if select_backend(x) == "triton":
+        from kernels.triton_ssu import selective_state_update_triton
+
+        return selective_state_update_triton(
+            ssm_states, x, dt, A, B, C, D, dt_bias, state_indices, dt_limit
+        )
+    return selective_state_update_torch(
+        ssm_states, x, dt, A, B, C, D, dt_bias, state_indices, dt_limit
+    )
+
+
+def selective_state_update_torch(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor:
+    batch, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    R = H // G
+    dt = discretize_dt(dt, dt_bias, dt_limit)  # (batch, H)
+    state = ssm_states[state_indices].float().view(batch, G, R, P, N)
+    decay = torch.exp(dt * A.float()).view(batch, G, R, 1, 1)
+    xdt = (x.float() * dt.unsqueeze(-1)).view(batch, G, R, P)
+    state = state * decay + xdt.unsqueeze(-1) * B.float().view(batch, G, 1, 1, N)
+    ssm_states[state_indices] = state.view(batch, H, P, N).to(ssm_states.dtype)
+    y = torch.einsum("bgrpn,bgn->bgrp", state, C.float()).reshape(batch, H, P)
+    return (y + x.float() * D.float().view(1, H, 1)).to(x.dtype)
+
+
+def selective_state_update_multi(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor:
+    """k tokens per request (speculative verify): x: (batch, k, nheads, headdim), dt: (batch, k,
+    nheads), B, C: (batch, k, ngroups, dstate); state_indices: (batch, k + 1): column 0 is the
+    slot read, column i + 1 receives the state after token i. Returns y: (batch, k, nheads, headdim)."""
+    if select_backend(x) == "triton":
+        from kernels.triton_ssu import selective_state_update_multi_triton
+
+        return selective_state_update_multi_triton(
+            ssm_states, x, dt, A, B, C, D, dt_bias, state_indices, dt_limit
+        )
+    k = x.shape[1]
+    ys = []
+    read = state_indices[:, 0]
+    for i in range(k):  # k is a handful of draft tokens, not a prompt
+        write = state_indices[:, i + 1]
+        if not torch.equal(read, write):
+            ssm_states[write] = ssm_states[read]
+        ys.append(
+            selective_state_update_torch(
+                ssm_states, x[:, i], dt[:, i], A, B[:, i], C[:, i], D, dt_bias, write, dt_limit
+            )
+        )
+        read = write
+    return torch.stack(ys, dim=1)

@@ -1,0 +1,73 @@
+"""Naive token-by-token references for the kernels (slow, obviously right)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def ssd_oracle(x, dt, A, B, C, D, dt_bias, init, seq_lens, dt_limit=(0.0, float("inf"))):
+    """Token-by-token recurrence per sequence. Returns y (T,H,P), final (S,H,P,N), and
+    states_after[s][j] = state after token j of sequence s."""
+    T, H, P = x.shape
+    G, N = B.shape[1:]
+    R = H // G
+    dt = F.softplus(dt.double() + dt_bias.double()).clamp(*dt_limit)
+    y = torch.zeros(T, H, P, dtype=torch.float64)
+    finals, per_token = [], []
+    t = 0
+    for s, n in enumerate(seq_lens):
+        h = init[s].double().clone()
+        states = []
+        for _ in range(n):
+            Bh = B[t].double().repeat_interleave(R, 0)  # (H, N)
+            Ch = C[t].double().repeat_interleave(R, 0)
+            h = h * torch.exp(dt[t] * A.double())[:, None, None] + (dt[t][:, None] * x[t].double())[
+                :, :, None
+            ] * Bh[:, None, :]
+            y[t] = torch.einsum("hpn,hn->hp", h, Ch) + D.double()[:, None] * x[t].double()
+            states.append(h.clone())
+            t += 1
+        finals.append(h)
+        per_token.append(states)
+    return y, torch.stack(finals), per_token
+
+
+def conv_oracle(x, weight, bias, init, seq_lens):
+    """Per token: out = silu(sum_k w[:, k] * window[k]); window = last K inputs incl. current."""
+    T, dim = x.shape
+    K = weight.shape[1]
+    out = torch.zeros(T, dim, dtype=torch.float64)
+    finals, windows = [], []
+    t = 0
+    for s, n in enumerate(seq_lens):
+        hist = init[s].double().clone()  # (dim, K-1)
+        per_tok = []
+        for _ in range(n):
+            window = torch.cat([hist, x[t].double()[:, None]], dim=1)
+            o = (window * weight.double()).sum(1)
+            if bias is not None:
+                o = o + bias.double()
+            out[t] = F.silu(o)
+            hist = window[:, 1:]
+            per_tok.append(hist.clone())
+            t += 1
+        finals.append(hist)
+        windows.append(per_tok)
+    return out, torch.stack(finals), windows
+
+
+def attention_oracle(q, keys, values, scale):
+    """q: (Q, H, D) queries at the last Q positions of keys/values (L, KVH, D); causal."""
+    Q, H, Dh = q.shape
+    L, KVH, _ = keys.shape
+    rep = H // KVH
+    out = torch.zeros(Q, H, Dh, dtype=torch.float64)
+    for i in range(Q):
+        pos = L - Q + i
+        for h in range(H):
+            k = keys[: pos + 1, h // rep].double()
+            v = values[: pos + 1, h // rep].double()
+            w = torch.softmax((k @ q[i, h].double()) * scale, dim=0)
+            out[i, h] = w @ v
+    return out
