@@ -53,7 +53,8 @@ def build_attention_layout(
     key_pos = torch.arange(max_kv)
     mask = key_pos[None, None, :] <= q_pos[:, :, None]
     mask &= key_pos[None, None, :] < kl[:, None, None]
-    mask[:, :, 0] = True  # empty (padding) query rows must not be all -inf
+    if max_kv:
+        mask[:, :, 0] = True  # empty (padding) query rows must not be all -inf
     return AttentionLayout(
         num_seqs=num_seqs,
         max_q=max_q,

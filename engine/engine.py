@@ -1,0 +1,255 @@
+"""The engine: model + pools + scheduler + sampler + detokenizers, advanced one step at a time.
+
+The server's engine process and the offline `LLM` both drive this class:
+`add_request`, `abort_request`, `step() -> [RequestDelta]`, `stats()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.memory import IndexPool, size_pools
+from engine.model_loader import load_model, resolve_dtype
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestDelta, TokenLogprobs
+from engine.request import Request
+from engine.sampler import Sampler, top_logprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.state_cache import StateCache
+
+
+@dataclass(kw_only=True)
+class EngineArgs:
+    """Serving knobs; defaults live here, at the boundary (CLI flags use the same names)."""
+
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    chunked_prefill_size: int = 512
+    max_running_requests: int = 128
+    max_total_tokens: int | None = None
+    max_mamba_slots: int | None = None
+    page_size: int = 16
+    seed: int = 0
+    mem_fraction: float = 0.85
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "chunked_prefill_size", "max_running_requests", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    mamba_slots_used: int
+    mamba_slots_total: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu", **engine_args):
+        self.args = EngineArgs(**engine_args)
+        self.device = torch.device(device)
+        self.model_config = ModelConfig.from_hf(model_dir)
+        self.dtype = resolve_dtype(dtype, self.model_config)
+        self.model = load_model(model_dir, self.dtype, self.device)
+        self.tokenizer = _load_tokenizer(model_dir)
+        args, config = self.args, self.model_config
+        max_total_tokens, max_slots = self._budgets()
+        sizes = size_pools(max_total_tokens=max_total_tokens, max_mamba_slots=max_slots, page_size=args.page_size)
+        self.cache = StateCache(
+            config,
+            num_pages=sizes.num_pages,
+            page_size=sizes.page_size,
+            num_mamba_slots=sizes.num_mamba_slots,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.pages = IndexPool(sizes.num_pages - 1, "KV pages")
+        self.slots = IndexPool(sizes.num_mamba_slots - 1, "Mamba slots")
+        self.max_model_len = min(
+            args.max_model_len or config.max_position_embeddings, (sizes.num_pages - 1) * sizes.page_size
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                chunked_prefill_size=min(args.chunked_prefill_size, args.max_num_batched_tokens),
+                max_running_requests=args.max_running_requests,
+                page_size=args.page_size,
+            ),
+            self.pages,
+            self.slots,
+            self.cache.reset_mamba_slot,
+        )
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.sampler = Sampler(args.seed, self.device)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def _budgets(self) -> tuple[int, int]:
+        args, config = self.args, self.model_config
+        slots = args.max_mamba_slots or args.max_running_requests
+        if args.max_total_tokens is not None:
+            return args.max_total_tokens, slots
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * args.mem_fraction
+            slot_bytes = StateCache.bytes_per_mamba_slot(config, self.dtype)
+            token_bytes = max(1, StateCache.bytes_per_kv_token(config, self.dtype))
+            if args.max_mamba_slots is None:  # keep Mamba state to at most half of the budget
+                slots = max(1, min(slots, int(budget * 0.5 // max(1, slot_bytes))))
+            return int((budget - slots * slot_bytes) // token_bytes), slots
+        return 65536, slots
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        params.validate()
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the maximum context length of {self.max_model_len} tokens"
+            )
+        req = Request(request_id=request_id, prompt_ids=list(prompt_token_ids), params=params, arrival=self._arrivals)
+        self._arrivals += 1
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self.requests[request_id] = req
+        if self.tokenizer is not None:
+            self.detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_ids, params.stop, params.skip_special_tokens
+            )
+        self.prompt_tokens_total += len(prompt_token_ids)
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        self.detokenizers.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_pages_used=self.pages.used,
+            kv_pages_total=self.pages.capacity,
+            mamba_slots_used=self.slots.used,
+            mamba_slots_total=self.slots.capacity,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        sched = self.scheduler.schedule()
+        if sched is None:
+            return []
+        md, logits = self.runner.forward(sched)
+        reqs = [self.requests[rid] for rid in sched.request_ids]
+        rows_of: dict[int, list[int]] = {}
+        for row, owner in enumerate(md.forward.batch.logits_row_owner):
+            rows_of.setdefault(owner, []).append(row)
+
+        for s in sched.prompt_logprob_seqs:
+            self._prompt_logprobs(reqs[s], sched.start_positions[s], logits[rows_of[s]])
+
+        sampled = {}
+        if sched.logits_seqs:
+            sample_rows = [rows_of[s][-1] for s in sched.logits_seqs]
+            result = self.sampler(
+                logits[sample_rows], [reqs[s] for s in sched.logits_seqs], self.model_config.eos_token_ids
+            )
+            sampled = {s: (t, lp) for s, t, lp in zip(sched.logits_seqs, result.token_ids, result.logprobs)}
+
+        deltas = []
+        for s, req in enumerate(reqs):
+            req.num_computed += sched.seq_lens[s]
+            if s not in sampled:
+                continue
+            token, logprobs = sampled[s]
+            deltas.append(self._append_token(req, token, logprobs))
+        return deltas
+
+    def _prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
+        """Row i of `logits` (position start + i) predicts the prompt token at start + i + 1."""
+        out: list[TokenLogprobs | None] = [None] if start == 0 else []
+        targets = req.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
+        if targets:
+            logprobs = logits[: len(targets)].log_softmax(dim=-1)
+            out.extend(top_logprobs(logprobs, torch.tensor(targets), req.params.prompt_logprobs))
+        req.prompt_logprobs.extend(out)
+
+    def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestDelta:
+        params = req.params
+        req.output_ids.append(token)
+        self.generation_tokens_total += 1
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+        detok = self.detokenizers.get(req.request_id)
+        finish, stop_reason = None, None
+        if not params.ignore_eos and token in self.model_config.eos_token_ids and len(req.output_ids) > params.min_tokens:
+            finish = "stop"
+        elif token in params.stop_token_ids and len(req.output_ids) > params.min_tokens:
+            finish, stop_reason = "stop", token
+        elif detok is not None:
+            detok.add(token)
+            if detok.stopped_by is not None:
+                finish, stop_reason = "stop", detok.stopped_by
+        if finish is None and (len(req.output_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len):
+            finish = "length"
+        if finish is not None:
+            self.scheduler.finish(req, finish, stop_reason)
+            del self.requests[req.request_id]
+            self.detokenizers.pop(req.request_id, None)
+        text = detok.take(final=finish is not None) if detok is not None else ""
+        first = len(req.output_ids) == 1
+        return RequestDelta(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            new_text=text,
+            new_logprobs=[logprobs] if logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs if first and params.prompt_logprobs is not None else None,
+            finished=finish is not None,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            num_prompt_tokens=len(req.prompt_ids),
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+
+def _load_tokenizer(model_dir: str | Path):
+    if not (Path(model_dir) / "tokenizer.json").is_file() and not (Path(model_dir) / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+

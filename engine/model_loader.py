@@ -1,0 +1,35 @@
+"""Build a model from an HF directory: config, module on the target device, weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.models.nemotron_h import NemotronHForCausalLM
+from engine.weights import load_into
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
+    if name == "auto":
+        name = config.torch_dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {name!r}")
+    return DTYPES[name]
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
+) -> NemotronHForCausalLM:
+    config = ModelConfig.from_hf(model_dir)
+    with torch.device(device):
+        model = NemotronHForCausalLM(config)
+    load_into(model, model_dir)
+    # Mamba parameters A_log, D, dt_bias and norms stay where they are read in float32 anyway;
+    # cast the whole module once so matmuls run in the serving dtype.
+    model.to(dtype=dtype)
+    model.eval().requires_grad_(False)
+    return model

@@ -1,0 +1,226 @@
+"""NemotronH (hybrid Mamba2 + attention + MLP) as a packed varlen forward.
+
+Plain single-device math over a packed batch of sequences (no padding between sequences), with
+per-sequence conv/SSM state in the Mamba pool and K/V in the paged KV pool. Parameter names match
+the Hugging Face checkpoint (`model.` prefix in memory) so weights load by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_metadata import Mamba2Metadata
+from engine.state_cache import StateCache
+from kernels.attention import paged_attention, store_kv
+from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from kernels.norm import gated_rms_norm, rms_norm
+from kernels.ssd import ssd_scan
+from kernels.ssu import selective_state_update
+from kernels.state_copy import copy_states
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.mlp_hidden_act != "relu2":
+            raise NotImplementedError(f"mlp_hidden_act {config.mlp_hidden_act!r} (baton supports relu2)")
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+class Attention(nn.Module):
+    """GQA without positional encoding (NemotronH attention is NoPE)."""
+
+    def __init__(self, config: ModelConfig, attention_index: int):
+        super().__init__()
+        self.attention_index = attention_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        bias, hidden = config.attention_bias, config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
+        fm = md.forward
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = cache.kv_layer(self.attention_index)
+        store_kv(k_cache, v_cache, k, v, fm.slot_mapping)
+        nd = fm.batch.num_decode_tokens
+        parts = []
+        if fm.decode_attention.num_seqs:
+            parts.append(paged_attention(q[:nd], k_cache, v_cache, fm.decode_attention, self.scale))
+        if fm.prefill_attention.num_seqs:
+            parts.append(paged_attention(q[nd:], k_cache, v_cache, fm.prefill_attention, self.scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class Mamba2Mixer(nn.Module):
+    """in_proj -> [z | xBC | dt]; causal conv1d + SiLU on xBC; SSD scan (prefill) or selective
+    state update (decode); gated RMSNorm norm(y * silu(z)); out_proj."""
+
+    def __init__(self, config: ModelConfig, mamba_index: int):
+        super().__init__()
+        self.mamba_index = mamba_index
+        self.num_heads = H = config.mamba_num_heads
+        self.head_dim = config.mamba_head_dim
+        self.n_groups = config.n_groups
+        self.d_state = config.ssm_state_size
+        self.intermediate = config.mamba_intermediate
+        self.conv_dim = config.conv_dim
+        self.group_size = self.intermediate // self.n_groups
+        self.eps = config.norm_eps
+        self.dt_limit = config.time_step_limit
+        self.in_proj = nn.Linear(
+            config.hidden_size, self.intermediate + self.conv_dim + H, bias=config.mamba_proj_bias
+        )
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, config.conv_kernel, groups=self.conv_dim,
+            bias=config.use_conv_bias, padding=config.conv_kernel - 1,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(H))
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.D = nn.Parameter(torch.ones(H))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.intermediate))
+        self.out_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mamba_proj_bias)
+
+    def split_xbc(self, xbc: torch.Tensor):
+        gn = self.n_groups * self.d_state
+        x, B, C = xbc.split([self.intermediate, gn, gn], dim=-1)
+        T = xbc.shape[0]
+        return (
+            x.reshape(T, self.num_heads, self.head_dim),
+            B.reshape(T, self.n_groups, self.d_state),
+            C.reshape(T, self.n_groups, self.d_state),
+        )
+
+    def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
+        T = hidden.shape[0]
+        nd = md.forward.batch.num_decode_tokens
+        conv_pool, ssm_pool = cache.mamba_layer(self.mamba_index)
+        z, xbc, dt = self.in_proj(hidden).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        A = -torch.exp(self.A_log.float())
+        weight = self.conv1d.weight.squeeze(1)
+        ys = []
+        if nd:
+            xbc_d = causal_conv1d_update(xbc[:nd], weight, self.conv1d.bias, conv_pool, md.decode_slots)
+            x_d, B_d, C_d = self.split_xbc(xbc_d)
+            ys.append(
+                selective_state_update(
+                    ssm_pool, x_d, dt[:nd], A, B_d, C_d, self.D, self.dt_bias, md.decode_slots, self.dt_limit
+                )
+            )
+        windows = None
+        chunk_states = None
+        if T > nd:
+            window_tokens = md.track_conv_indices[md.num_decode_tracks :] if md.has_mamba_track_mask else None
+            xbc_p, windows = causal_conv1d_varlen(
+                xbc[nd:], weight, self.conv1d.bias, conv_pool, md.prefill_slots, md.conv_layout, window_tokens
+            )
+            x_p, B_p, C_p = self.split_xbc(xbc_p)
+            out = ssd_scan(
+                x_p, dt[nd:], A, B_p, C_p, self.D, self.dt_bias,
+                ssm_pool[md.prefill_slots], md.chunk_layout, self.dt_limit,
+            )
+            ssm_pool[md.prefill_slots] = out.final_states.to(ssm_pool.dtype)
+            ys.append(out.y)
+            chunk_states = out.chunk_states
+        if md.has_mamba_track_mask:
+            self.checkpoint(md, conv_pool, ssm_pool, windows, chunk_states)
+        y = ys[0] if len(ys) == 1 else torch.cat(ys)
+        y = gated_rms_norm(y.reshape(T, self.intermediate), z, self.norm.weight, self.eps, self.group_size)
+        return self.out_proj(y)
+
+    def checkpoint(self, md, conv_pool, ssm_pool, windows, chunk_states) -> None:
+        """Copy the conv window and SSM state at each track point into its checkpoint slot.
+
+        SSM sources are [decode rows' updated states | prefill chunk-end states]; conv sources
+        are the decode rows' updated pool windows, then the prefill windows from the conv."""
+        ndt = md.num_decode_tracks
+        decode_slots = md.decode_slots
+        ssm_sources = [ssm_pool[decode_slots]]
+        if chunk_states is not None:
+            ssm_sources.append(chunk_states.flatten(0, 1))
+        ssm_src = torch.cat(ssm_sources) if len(ssm_sources) > 1 else ssm_sources[0]
+        copy_states(ssm_pool, md.track_ssm_dst, ssm_src, md.track_ssm_src)
+        if ndt:
+            rows = md.track_conv_indices[:ndt]
+            copy_states(conv_pool, md.track_ssm_dst[:ndt], conv_pool, decode_slots[rows])
+        if windows is not None and windows.shape[0]:
+            copy_states(
+                conv_pool, md.track_ssm_dst[ndt:], windows,
+                torch.arange(windows.shape[0], device=windows.device),
+            )
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        kind = config.layer_types[layer_id]
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        if kind == "mamba":
+            self.mixer = Mamba2Mixer(config, config.mamba_layer_ids.index(layer_id))
+        elif kind == "attention":
+            self.mixer = Attention(config, config.attention_layer_ids.index(layer_id))
+        elif kind == "mlp":
+            self.mixer = MLP(config)
+        else:
+            raise NotImplementedError(f"layer {layer_id}: block type {kind!r} (MoE) is not supported yet")
+
+    def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
+        return hidden + self.mixer(self.norm(hidden), md, cache)
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
+        hidden = self.embeddings(md.forward.batch.input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, md, cache)
+        return self.norm_f(hidden)
+
+
+class NemotronHForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = NemotronHModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tied_parameters: tuple[str, ...] = ()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embeddings.weight
+            self.tied_parameters = ("lm_head.weight",)
+
+    def forward(self, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
+        """Returns float32 logits for the rows `md.forward.batch.logits_indices`."""
+        hidden = self.model(md, cache)
+        rows = hidden[md.forward.batch.logits_indices]
+        return self.lm_head(rows).float()

@@ -1,0 +1,59 @@
+"""A request as the scheduler owns it: mutable, host-only."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import FinishReason, TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose K/V and Mamba state are in the cache
+    kv_pages: list[int] = field(default_factory=list)
+    mamba_slot: int = 0  # 0 = the dummy slot, i.e. none held
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    generator: torch.Generator | None = None  # per-request RNG when a seed is given
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to feed before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        # Prompt logprobs are produced once, during the first pass over the prompt.
+        return self.params.prompt_logprobs is not None and self.num_preemptions == 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
