@@ -99,7 +99,7 @@ def paged_attention_torch(
     scale: float,
 ) -> torch.Tensor:
     num_tokens, H, Dh = q.shape
-    S, Q, K = layout.num_seqs, layout.max_q, layout.max_kv
+    S, Q = layout.num_seqs, layout.max_q
     qp = torch.cat([q, q.new_zeros(1, H, Dh)])[layout.slot_q].view(S, Q, H, Dh).transpose(1, 2)
     k = k_cache[layout.kv_indices].to(q.dtype).transpose(1, 2)  # (S, KVH, K, Dh)
     v = v_cache[layout.kv_indices].to(q.dtype).transpose(1, 2)

@@ -36,7 +36,6 @@ def ssd_oracle(x, dt, A, B, C, D, dt_bias, init, seq_lens, dt_limit=(0.0, float(
 def conv_oracle(x, weight, bias, init, seq_lens):
     """Per token: out = silu(sum_k w[:, k] * window[k]); window = last K inputs incl. current."""
     T, dim = x.shape
-    K = weight.shape[1]
     out = torch.zeros(T, dim, dtype=torch.float64)
     finals, windows = [], []
     t = 0
