@@ -144,11 +144,21 @@ def _delta_to_payload(delta: RequestDelta) -> dict[str, Any]:
     return {field.name: getattr(delta, field.name) for field in dataclasses.fields(delta)}
 
 
-Message = AddRequest | AbortRequests | Shutdown | EngineReady | StepOutput | RequestFailed | EngineFailed
+Message = (
+    AddRequest | AbortRequests | Shutdown | EngineReady | StepOutput | RequestFailed | EngineFailed
+)
 
 _BY_TAG: dict[str, type] = {
     cls.tag: cls
-    for cls in (AddRequest, AbortRequests, Shutdown, EngineReady, StepOutput, RequestFailed, EngineFailed)
+    for cls in (
+        AddRequest,
+        AbortRequests,
+        Shutdown,
+        EngineReady,
+        StepOutput,
+        RequestFailed,
+        EngineFailed,
+    )
 }
 
 

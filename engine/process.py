@@ -155,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         outbox.send(encode(EngineFailed(message=f"failed to load model {spec.model}: {error}")))
         return 1
     outbox.send(
-        encode(EngineReady(vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len))
+        encode(
+            EngineReady(
+                vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len
+            )
+        )
     )
     try:
         return EngineLoop(engine, inbox, outbox, spec.parent_pid).run()

@@ -1,0 +1,76 @@
+"""The FastAPI app: generation routers plus models, health, metrics, tokenize and detokenize."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from server import chat, completions
+from server.errors import APIError, error_response, install_error_handlers
+from server.generation import ServerState, check_model
+from server.middleware import ApiKeyMiddleware, RequestCounterMiddleware
+from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.sampling import check_token_id
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(
+        title="baton", description="OpenAI-compatible server for hybrid Mamba2 + attention models"
+    )
+    app.state.baton = state
+    started = int(time.time())
+    install_error_handlers(app)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    if state.args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.args.api_key)
+    app.add_middleware(
+        RequestCounterMiddleware, counter=state.metrics.requests, paths=GENERATION_PATHS
+    )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.client.alive:
+            return error_response(503, f"engine unavailable: {state.client.unavailable_reason}")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": state.args.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "baton",
+            "root": state.args.model,
+            "max_model_len": state.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError.bad_request("give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            tokens = state.tokenizer.encode_chat(body.messages, body.add_generation_prompt)
+        else:
+            tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(state, body.model)
+        for token_id in body.tokens:
+            check_token_id(token_id, state.vocab_size, "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    return app

@@ -1,0 +1,69 @@
+"""ServerArgs: every `baton serve` setting and its default, in one place (the CLI boundary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+# Settings forwarded to `Engine(...)` as keyword arguments when the user sets them; unset ones
+# (None) are left to the engine, which sizes them from the model and the machine.
+ENGINE_ARG_NAMES = (
+    "max_model_len",
+    "max_num_batched_tokens",
+    "chunked_prefill_size",
+    "max_running_requests",
+    "max_total_tokens",
+    "max_mamba_slots",
+    "page_size",
+    "seed",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerArgs:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    chunked_prefill_size: int | None = None
+    max_running_requests: int | None = None
+    max_queued_requests: int | None = None
+    max_total_tokens: int | None = None
+    max_mamba_slots: int | None = None
+    page_size: int | None = None
+    seed: int | None = None
+    api_key: str | None = None
+    engine_start_timeout: float = 600.0
+    engine_class: str = "engine.engine:Engine"  # "module:Class"; tests swap in a fake
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not Path(self.model, "config.json").is_file():
+            raise ValueError(
+                f"--model {self.model}: no config.json there (expected a Hugging Face model directory)"
+            )
+        for name in (*ENGINE_ARG_NAMES, "max_queued_requests"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients pass as `model`: --served-model-name, else the model path."""
+        return self.served_model_name or self.model
+
+    def engine_args(self) -> dict[str, Any]:
+        return {
+            name: getattr(self, name)
+            for name in ENGINE_ARG_NAMES
+            if getattr(self, name) is not None
+        }
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [field.name for field in fields(cls)]

@@ -1,0 +1,131 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from server.errors import APIError
+from server.generation import (
+    ChoiceResult,
+    ServerState,
+    admit,
+    check_model,
+    collect,
+    fan_out,
+    new_request_id,
+    sse,
+    sse_guard,
+    timed_deltas,
+    usage,
+)
+from server.logprobs import chat_logprobs
+from server.protocol import ChatCompletionRequest
+from server.sampling import build_sampling_params, check_prompt
+
+router = APIRouter()
+
+
+def _max_tokens(body: ChatCompletionRequest, prompt_len: int, max_model_len: int) -> int:
+    """max_completion_tokens, else max_tokens, else whatever the context has left."""
+    requested = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    if requested is not None:
+        return requested
+    if prompt_len >= max_model_len:
+        raise APIError.bad_request(
+            f"messages: the prompt ({prompt_len} tokens) leaves no room within max-model-len ({max_model_len})",
+            "messages",
+        )
+    return max_model_len - prompt_len
+
+
+def _num_logprobs(body: ChatCompletionRequest) -> int | None:
+    if not body.logprobs:
+        if body.top_logprobs:
+            raise APIError.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        return None
+    return body.top_logprobs or 0
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
+    state: ServerState = raw_request.app.state.baton
+    arrival = time.monotonic()
+    check_model(state, body.model)
+    prompt = state.tokenizer.encode_chat(body.messages, body.add_generation_prompt)
+    max_tokens = _max_tokens(body, len(prompt), state.max_model_len)
+    params = build_sampling_params(
+        body, max_tokens=max_tokens, logprobs=_num_logprobs(body), vocab_size=state.vocab_size
+    )
+    check_prompt(
+        prompt,
+        max_tokens,
+        vocab_size=state.vocab_size,
+        max_model_len=state.max_model_len,
+        param="messages",
+    )
+    admit(state)
+    request_id = new_request_id("chatcmpl")
+    requests = fan_out(request_id, [prompt], params, body.n)
+    head = {"id": request_id, "created": int(time.time()), "model": state.args.model_name}
+    if body.stream:
+        chunks = _stream(state, body, head, prompt, requests, arrival)
+        return StreamingResponse(sse_guard(chunks), media_type="text/event-stream")
+    results = await collect(state, requests, arrival, raw_request)
+    choices = [
+        {
+            "index": index,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": _logprobs(state, body, result.token_ids, result.logprobs),
+            "finish_reason": result.finish_reason,
+        }
+        for index, result in enumerate(results)
+    ]
+    return {
+        **head,
+        "object": "chat.completion",
+        "choices": choices,
+        "usage": usage([prompt], results, body.n),
+    }
+
+
+def _logprobs(state: ServerState, body: ChatCompletionRequest, token_ids, logprobs) -> dict | None:
+    if not body.logprobs:
+        return None
+    return {"content": chat_logprobs(state.tokenizer, token_ids, logprobs, body.top_logprobs or 0)}
+
+
+async def _stream(
+    state: ServerState, body: ChatCompletionRequest, head: dict, prompt, requests, arrival: float
+) -> AsyncIterator[str]:
+    head = {**head, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if body.include_usage else {}
+    for index in range(len(requests)):
+        # OpenAI opens each choice with the assistant role and no content.
+        choice = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        yield sse({**head, "choices": [choice], **extra})
+    results = [ChoiceResult() for _ in requests]
+    async for index, delta in timed_deltas(state, requests, arrival):
+        results[index].add(delta)
+        wants_logprobs = body.logprobs and bool(delta.new_token_ids)
+        if not (delta.new_text or delta.finished or wants_logprobs):
+            continue
+        choice = {
+            "index": index,
+            "delta": {"content": delta.new_text} if delta.new_text or wants_logprobs else {},
+            "logprobs": _logprobs(state, body, delta.new_token_ids, delta.new_logprobs or []),
+            "finish_reason": delta.finish_reason if delta.finished else None,
+        }
+        yield sse({**head, "choices": [choice], **extra})
+    if body.include_usage:
+        yield sse({**head, "choices": [], "usage": usage([prompt], results, body.n)})

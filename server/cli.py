@@ -1,0 +1,156 @@
+"""`baton` command line: one subcommand per tool (`serve` now; `router`, `up`, `eval` later)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from server.args import ServerArgs
+
+_DEFAULTS = ServerArgs.__dataclass_fields__
+
+
+def _default(name: str):
+    return _DEFAULTS[name].default
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Show a flag's default when it has one (unset-by-default flags say what happens instead)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in help_text:
+            help_text += " (default: %(default)s)"
+        return help_text
+
+
+def add_serve_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model behind an OpenAI-compatible HTTP API",
+        description="Start an engine process for MODEL and an OpenAI-compatible HTTP server in front of it "
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face model directory (config.json, safetensors, tokenizer)",
+    )
+    parser.add_argument("--host", default=_default("host"), help="address to listen on")
+    parser.add_argument("--port", type=int, default=_default("port"), help="port to listen on")
+    parser.add_argument(
+        "--served-model-name", help="name clients pass as `model` (default: the --model path)"
+    )
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* requests")
+    parser.add_argument(
+        "--log-level",
+        default=_default("log_level"),
+        choices=["debug", "info", "warning", "error"],
+        help="logging level",
+    )
+
+    engine = parser.add_argument_group(
+        "engine", "unset sizes are chosen by the engine from the model and the machine"
+    )
+    engine.add_argument(
+        "--dtype",
+        default=_default("dtype"),
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and activations dtype",
+    )
+    engine.add_argument(
+        "--device", default=_default("device"), help="torch device: cpu, cuda, cuda:1…"
+    )
+    engine.add_argument(
+        "--max-model-len", type=_non_negative_int, help="longest prompt + completion, in tokens"
+    )
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=_non_negative_int,
+        help="tokens one engine step may process",
+    )
+    engine.add_argument(
+        "--chunked-prefill-size",
+        type=_non_negative_int,
+        help="longest prefill chunk of one request per step",
+    )
+    engine.add_argument(
+        "--max-running-requests", type=_non_negative_int, help="requests decoded together at most"
+    )
+    engine.add_argument(
+        "--max-total-tokens", type=_non_negative_int, help="KV cache size in tokens"
+    )
+    engine.add_argument(
+        "--max-mamba-slots",
+        type=_non_negative_int,
+        help="Mamba state slots (one per running request)",
+    )
+    engine.add_argument("--page-size", type=_non_negative_int, help="tokens per KV cache page")
+    engine.add_argument(
+        "--seed",
+        type=int,
+        help="engine random seed for requests that give none (default: chosen by the engine)",
+    )
+    engine.add_argument("--engine-class", default=_default("engine_class"), help=argparse.SUPPRESS)
+    engine.add_argument(
+        "--engine-start-timeout",
+        type=float,
+        default=_default("engine_start_timeout"),
+        help="seconds to wait for the model to load",
+    )
+
+    server = parser.add_argument_group("admission")
+    server.add_argument(
+        "--max-queued-requests",
+        type=_non_negative_int,
+        help="answer 503 while this many requests wait to be scheduled (default: no limit)",
+    )
+    parser.set_defaults(handler=_run_serve)
+
+
+def _run_serve(namespace: argparse.Namespace) -> int:
+    from server.launch import run
+
+    options = {
+        name: getattr(namespace, name)
+        for name in ServerArgs.field_names()
+        if hasattr(namespace, name)
+    }
+    try:
+        args = ServerArgs(**options)
+    except ValueError as error:
+        print(f"baton serve: {error}", file=sys.stderr)
+        return 2
+    try:
+        run(args)
+    except RuntimeError as error:
+        print(f"baton serve: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="baton",
+        description="baton: serve hybrid Mamba2 + attention LLMs (Nemotron-H) behind an OpenAI-compatible API.",
+    )
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    add_serve_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    namespace = build_parser().parse_args(argv)
+    return namespace.handler(namespace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

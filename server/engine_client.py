@@ -1,0 +1,230 @@
+"""The server's handle on its engine process: spawn it, send requests, route deltas back.
+
+    handler ──generate([EngineRequest…])──> AddRequest ─PUSH─> engine process
+       ^                                                          │
+       └── per-call asyncio.Queue <── receiver task <─PULL── StepOutput / RequestFailed
+
+One receiver task owns the PULL socket and routes each delta by request id to the queue of the
+`generate` call that owns it; a watcher task notices a dead engine process and fails every
+waiting call at once, so nothing hangs. Sends use a plain (blocking) zmq socket with no
+high-water mark: they never wait, which lets `generate`'s cleanup abort without awaiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from engine.ipc import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    RequestFailed,
+    Shutdown,
+    StepOutput,
+    decode,
+    encode,
+)
+from engine.outputs import RequestDelta
+from engine.process import EngineProcessSpec
+from engine.sampling_params import SamplingParams
+from server.args import ServerArgs
+
+logger = logging.getLogger("baton.server")
+
+_WATCH_INTERVAL_S = 0.2
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine process is gone or the server is shutting down (HTTP 503)."""
+
+
+class EngineRejected(ValueError):
+    """The engine refused one request as invalid (HTTP 400)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class EngineClient:
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.ready: EngineReady | None = None
+        self.stats: dict[str, int | float] = {}
+        self.unavailable_reason: str | None = "engine not started"
+        self._routes: dict[str, tuple[asyncio.Queue, int]] = {}
+        self._process: subprocess.Popen | None = None
+        self._tasks: list[asyncio.Task] = []
+        socket_base = os.path.join(
+            tempfile.gettempdir(), f"baton-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
+        self._socket_paths = (f"{socket_base}-in", f"{socket_base}-out")
+        self._sync_context = zmq.Context()
+        self._async_context = zmq.asyncio.Context()
+        self._outbox = self._sync_context.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.SNDHWM, 0)
+        self._inbox = self._async_context.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.RCVHWM, 0)
+
+    @property
+    def alive(self) -> bool:
+        return self.unavailable_reason is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def num_waiting(self) -> int:
+        """Engine requests not yet running: the ones we sent minus the engine's running count."""
+        return max(0, len(self._routes) - int(self.stats.get("num_running", 0)))
+
+    async def start(self) -> EngineReady:
+        """Spawn the engine process and wait until it has loaded the model."""
+        input_addr, output_addr = (f"ipc://{path}" for path in self._socket_paths)
+        self._outbox.bind(input_addr)
+        self._inbox.bind(output_addr)
+        spec = EngineProcessSpec(
+            model=self.args.model,
+            dtype=self.args.dtype,
+            device=self.args.device,
+            engine_args=self.args.engine_args(),
+            input_addr=input_addr,
+            output_addr=output_addr,
+            parent_pid=os.getpid(),
+            engine_class=self.args.engine_class,
+        )
+        self._process = subprocess.Popen([sys.executable, "-m", "engine.process", spec.to_json()])
+        deadline = asyncio.get_running_loop().time() + self.args.engine_start_timeout
+        while not await self._inbox.poll(500):
+            if self._process.poll() is not None:
+                raise RuntimeError(
+                    f"engine process exited with code {self._process.returncode} while loading"
+                )
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(
+                    f"engine did not load within {self.args.engine_start_timeout:.0f} s"
+                )
+        message = decode(await self._inbox.recv())
+        if isinstance(message, EngineFailed):
+            raise RuntimeError(message.message)
+        if not isinstance(message, EngineReady):
+            raise RuntimeError(f"engine sent {type(message).__name__} before EngineReady")
+        self.ready = message
+        self.unavailable_reason = None
+        self._tasks = [
+            asyncio.create_task(self._receive_loop()),
+            asyncio.create_task(self._watch_process()),
+        ]
+        return message
+
+    async def generate(
+        self, requests: list[EngineRequest]
+    ) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """Run the requests in the engine; yield (index in `requests`, delta) until all finish.
+
+        Closing the generator early (client gone, one request failed) aborts the unfinished
+        ones in the engine. Raises EngineRejected or EngineUnavailable.
+        """
+        if self.unavailable_reason is not None:
+            raise EngineUnavailable(self.unavailable_reason)
+        queue: asyncio.Queue = asyncio.Queue()
+        unfinished = {request.request_id for request in requests}
+        for index, request in enumerate(requests):
+            self._routes[request.request_id] = (queue, index)
+        try:
+            for request in requests:
+                self._send(
+                    AddRequest(
+                        request_id=request.request_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        params=request.params,
+                    )
+                )
+            while unfinished:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    unfinished.discard(item.request_id)
+                yield index, item
+        finally:
+            for request in requests:
+                self._routes.pop(request.request_id, None)
+            if unfinished and self._process is not None and self._process.poll() is None:
+                self._send(AbortRequests(request_ids=sorted(unfinished)))
+
+    def fail_all(self, reason: str) -> None:
+        """Refuse new requests and end every in-flight one with EngineUnavailable(reason)."""
+        if self.unavailable_reason is None:
+            self.unavailable_reason = reason
+        error = EngineUnavailable(reason)
+        for queue, index in self._routes.values():
+            queue.put_nowait((index, error))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything, ask the engine to exit, and make sure it did."""
+        self.fail_all("server is shutting down")
+        for task in self._tasks:
+            task.cancel()
+        process = self._process
+        if process is not None and process.poll() is None:
+            self._send(Shutdown())
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(process.wait, timeout)
+            if process.poll() is None:
+                logger.warning("engine process %d ignored shutdown; killing it", process.pid)
+                process.kill()
+                await asyncio.to_thread(process.wait)
+        self._outbox.close(linger=0)
+        self._inbox.close(linger=0)
+        self._sync_context.term()
+        self._async_context.term()
+        for path in self._socket_paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def _send(self, message) -> None:
+        if not self._outbox.closed:  # a late cleanup after shutdown has nobody to tell
+            self._outbox.send(encode(message))
+
+    async def _receive_loop(self) -> None:
+        while True:
+            message = decode(await self._inbox.recv())
+            if isinstance(message, StepOutput):
+                self.stats = message.stats
+                for delta in message.deltas:
+                    route = self._routes.get(delta.request_id)
+                    if route is not None:
+                        route[0].put_nowait((route[1], delta))
+            elif isinstance(message, RequestFailed):
+                route = self._routes.get(message.request_id)
+                if route is not None:
+                    route[0].put_nowait((route[1], EngineRejected(message.message)))
+            elif isinstance(message, EngineFailed):
+                logger.error("engine failed: %s", message.message)
+                self.fail_all(f"engine failed: {message.message}")
+
+    async def _watch_process(self) -> None:
+        assert self._process is not None
+        while self._process.poll() is None:
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+        logger.error(
+            "engine process %d exited with code %d", self._process.pid, self._process.returncode
+        )
+        self.fail_all(f"engine process exited with code {self._process.returncode}")

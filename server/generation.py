@@ -1,0 +1,202 @@
+"""What /v1/completions and /v1/chat/completions share: admission, fan-out, timing, collection.
+
+One HTTP request becomes len(prompts) x n engine requests ("choices"), numbered
+`prompt_index * n + sample_index`, each with id f"{request_id}-{choice}" and, when a seed is
+given, seed + sample_index (so n samples differ but a rerun repeats them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from engine.outputs import RequestDelta, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from server.args import ServerArgs
+from server.engine_client import EngineClient, EngineRejected, EngineRequest, EngineUnavailable
+from server.errors import APIError, error_body
+from server.metrics import ServerMetrics
+from server.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerState:
+    args: ServerArgs
+    client: EngineClient
+    tokenizer: Tokenizer
+    metrics: ServerMetrics
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.client.ready is not None
+        return self.client.ready.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.client.ready is not None
+        return self.client.ready.max_model_len
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    """404 for a model this server does not serve (omitting `model` means the served one)."""
+    if model is not None and model not in (state.args.model_name, state.args.model):
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{state.args.model_name}`.",
+            "model",
+            "model_not_found",
+        )
+
+
+def admit(state: ServerState) -> None:
+    """503 while the engine is unavailable or its waiting queue is full."""
+    if not state.client.alive:
+        raise APIError(503, f"engine unavailable: {state.client.unavailable_reason}")
+    limit = state.args.max_queued_requests
+    waiting = state.client.num_waiting()
+    if limit is not None and waiting >= limit:
+        raise APIError(
+            503,
+            f"the waiting queue is full ({waiting} requests waiting, --max-queued-requests {limit}); retry later",
+            code="queue_full",
+        )
+
+
+def fan_out(
+    request_id: str, prompts: list[list[int]], params: SamplingParams, n: int
+) -> list[EngineRequest]:
+    requests = []
+    for prompt_index, prompt in enumerate(prompts):
+        for sample in range(n):
+            sample_params = (
+                params
+                if params.seed is None
+                else dataclasses.replace(params, seed=params.seed + sample)
+            )
+            choice = prompt_index * n + sample
+            requests.append(
+                EngineRequest(
+                    request_id=f"{request_id}-{choice}",
+                    prompt_token_ids=prompt,
+                    params=sample_params,
+                )
+            )
+    return requests
+
+
+async def timed_deltas(
+    state: ServerState, requests: list[EngineRequest], arrival: float
+) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """The engine's deltas for `requests`, recording TTFT, ITL and e2e latency on the way."""
+    metrics = state.metrics
+    last_output: dict[int, float] = {}
+    async with contextlib.aclosing(state.client.generate(requests)) as deltas:
+        async for index, delta in deltas:
+            now = time.monotonic()
+            if delta.new_token_ids:
+                if index not in last_output:
+                    metrics.time_to_first_token.observe(now - arrival)
+                else:
+                    gap = (now - last_output[index]) / len(delta.new_token_ids)
+                    for _ in delta.new_token_ids:
+                        metrics.inter_token_latency.observe(gap)
+                last_output[index] = now
+            if delta.finished:
+                metrics.e2e_latency.observe(now - arrival)
+                metrics.finished.labels(delta.finish_reason or "abort").inc()
+            yield index, delta
+
+
+@dataclass(kw_only=True)
+class ChoiceResult:
+    """Everything one engine request produced, accumulated from its deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+    def add(self, delta: RequestDelta) -> None:
+        self.text += delta.new_text
+        self.token_ids.extend(delta.new_token_ids)
+        self.logprobs.extend(delta.new_logprobs or [])
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(
+    state: ServerState, requests: list[EngineRequest], arrival: float, http_request: Request
+) -> list[ChoiceResult]:
+    """Run the requests to completion; a client that hangs up aborts them (499, unsent)."""
+    results = [ChoiceResult() for _ in requests]
+
+    async def run() -> None:
+        async for index, delta in timed_deltas(state, requests, arrival):
+            results[index].add(delta)
+
+    work = asyncio.ensure_future(run())
+    hangup = asyncio.ensure_future(_wait_for_disconnect(http_request))
+    await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    hangup.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        raise APIError(499, "client closed the request")
+    try:
+        work.result()
+    except EngineRejected as error:
+        raise APIError.bad_request(str(error)) from error
+    except EngineUnavailable as error:
+        raise APIError(503, f"engine unavailable: {error}") from error
+    return results
+
+
+def usage(prompts: list[list[int]], results: list[ChoiceResult], n: int) -> dict:
+    """Prompt tokens count once per prompt, however many samples were drawn from it."""
+    prompt_tokens = sum(len(prompt) for prompt in prompts)
+    completion_tokens = sum(len(result.token_ids) for result in results)
+    cached = sum(
+        results[prompt_index * n].num_cached_tokens for prompt_index in range(len(prompts))
+    )
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def sse_guard(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """End every stream with `data: [DONE]`; a failure mid-stream becomes an error event first."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except EngineRejected as error:
+        yield sse(error_body(400, str(error)))
+    except EngineUnavailable as error:
+        yield sse(error_body(503, f"engine unavailable: {error}"))
+    yield sse("[DONE]")

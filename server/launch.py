@@ -1,0 +1,89 @@
+"""Run one colocated worker: engine process + HTTP server, and wind both down on a signal.
+
+start:    spawn engine ─> wait EngineReady ─> bind HTTP ─> serve
+SIGTERM/SIGINT while serving: refuse new work and fail in-flight requests (their engine
+          requests are aborted), uvicorn closes its sockets, the engine gets Shutdown and
+          exits; a stubborn engine is killed. Before serving, a signal cancels startup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+from server.app import build_app
+from server.args import ServerArgs
+from server.engine_client import EngineClient
+from server.generation import ServerState
+from server.metrics import ServerMetrics
+from server.tokenizer import Tokenizer
+
+logger = logging.getLogger("baton.server")
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which also fails in-flight requests as soon as a signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, client: EngineClient) -> None:
+        super().__init__(config)
+        self.client = client
+        self.loop = asyncio.get_running_loop()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs as a signal handler: hand the work to the event loop instead of doing it here.
+        self.loop.call_soon_threadsafe(self.client.fail_all, "server is shutting down")
+        super().handle_exit(sig, frame)
+
+
+async def serve(args: ServerArgs) -> None:
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    for sig in _SIGNALS:
+        loop.add_signal_handler(sig, main_task.cancel)
+    client = EngineClient(args)
+    try:
+        tokenizer_loading = asyncio.ensure_future(asyncio.to_thread(Tokenizer, args.model))
+        ready = await client.start()
+        tokenizer = await tokenizer_loading
+        logger.info(
+            "engine ready: vocab %d, max-model-len %d", ready.vocab_size, ready.max_model_len
+        )
+        for sig in _SIGNALS:
+            loop.remove_signal_handler(sig)
+            # uvicorn restores these handlers after serving and re-raises the signal it caught;
+            # ignoring it then lets the engine shut down below instead of killing us first.
+            signal.signal(sig, signal.SIG_IGN)
+        state = ServerState(
+            args=args,
+            client=client,
+            tokenizer=tokenizer,
+            metrics=ServerMetrics(lambda: client.stats),
+        )
+        config = uvicorn.Config(
+            build_app(state),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+        await _Server(config, client).serve()
+    finally:
+        await client.shutdown()
+
+
+def run(args: ServerArgs) -> None:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        asyncio.run(serve(args))
+    except asyncio.CancelledError:
+        logger.info("interrupted while starting; engine stopped")

@@ -1,0 +1,105 @@
+"""Prometheus metrics under the `baton:` prefix, in a registry of the server's own.
+
+Latencies and request counts are measured here, in the server; gauges and token counters come
+from the engine's latest `EngineStats` snapshot (a custom collector reads it at scrape time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+# EngineStats field -> (metric name, help, kind)
+_ENGINE_METRICS = {
+    "num_running": ("baton:num_requests_running", "Requests in the running batch.", "gauge"),
+    "num_waiting": ("baton:num_requests_waiting", "Requests waiting to be scheduled.", "gauge"),
+    "kv_pages_used": ("baton:kv_pages_used", "KV cache pages in use.", "gauge"),
+    "kv_pages_total": ("baton:kv_pages_total", "KV cache pages in the pool.", "gauge"),
+    "mamba_slots_used": ("baton:mamba_slots_used", "Mamba state slots in use.", "gauge"),
+    "mamba_slots_total": ("baton:mamba_slots_total", "Mamba state slots in the pool.", "gauge"),
+    "num_preemptions": ("baton:num_preemptions", "Requests preempted so far.", "counter"),
+    "prompt_tokens_total": ("baton:prompt_tokens", "Prompt tokens processed.", "counter"),
+    "generation_tokens_total": ("baton:generation_tokens", "Tokens generated.", "counter"),
+}
+
+
+class EngineStatsCollector(Collector):
+    """Exposes the engine's last reported stats; usage ratios are derived from used/total."""
+
+    def __init__(self, read_stats: Callable[[], dict[str, int | float]]) -> None:
+        self.read_stats = read_stats
+
+    def collect(self) -> Iterator:
+        stats = self.read_stats()
+        for field, (name, doc, kind) in _ENGINE_METRICS.items():
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            yield family(name, doc, value=float(stats.get(field, 0)))
+        for pool, used, total in (
+            ("kv", "kv_pages_used", "kv_pages_total"),
+            ("mamba", "mamba_slots_used", "mamba_slots_total"),
+        ):
+            capacity = stats.get(total, 0)
+            usage = stats.get(used, 0) / capacity if capacity else 0.0
+            yield GaugeMetricFamily(
+                f"baton:{pool}_usage_ratio", f"Fraction of the {pool} pool in use.", value=usage
+            )
+
+
+class ServerMetrics:
+    def __init__(self, read_engine_stats: Callable[[], dict[str, int | float]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineStatsCollector(read_engine_stats))
+        self.time_to_first_token = Histogram(
+            "baton:time_to_first_token_seconds",
+            "Time from request arrival to its first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "baton:inter_token_latency_seconds",
+            "Time between consecutive outputs of one request, per token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "baton:e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "baton:requests",
+            "HTTP generation requests by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "baton:request_success",
+            "Engine requests (one per choice) that finished, by finish reason.",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,69 @@
+"""From an OpenAI request to SamplingParams and validated prompts (HTTP 400 on anything wrong)."""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from server.errors import APIError
+from server.protocol import GenerationFields
+
+# Request fields copied to SamplingParams as they are when the client sets them.
+_PASS_THROUGH = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "seed",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "skip_special_tokens",
+)
+
+
+def build_sampling_params(
+    request: GenerationFields, *, max_tokens: int, logprobs: int | None, vocab_size: int
+) -> SamplingParams:
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    stop_token_ids = list(request.stop_token_ids or [])
+    for token_id in stop_token_ids:
+        check_token_id(token_id, vocab_size, "stop_token_ids")
+    kwargs = {
+        name: getattr(request, name) for name in _PASS_THROUGH if getattr(request, name) is not None
+    }
+    if request.top_k is not None:
+        # A top-k at least the vocabulary size keeps every token: the same as no top-k.
+        kwargs["top_k"] = -1 if request.top_k >= vocab_size else request.top_k
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            stop=[text for text in stop if text],  # an empty stop string would match everywhere
+            stop_token_ids=stop_token_ids,
+            logprobs=logprobs,
+            **kwargs,
+        )
+    except ValueError as error:
+        raise APIError.bad_request(str(error)) from error
+
+
+def check_token_id(token_id: int, vocab_size: int, param: str) -> None:
+    if not 0 <= token_id < vocab_size:
+        raise APIError.bad_request(
+            f"{param}: token id {token_id} is outside the vocabulary [0, {vocab_size})", param
+        )
+
+
+def check_prompt(
+    prompt_token_ids: list[int], max_tokens: int, *, vocab_size: int, max_model_len: int, param: str
+) -> None:
+    """Refuse an empty prompt, unknown token ids, and prompt + max_tokens over the context."""
+    if not prompt_token_ids:
+        raise APIError.bad_request(f"{param} must not be empty", param)
+    for token_id in prompt_token_ids:
+        check_token_id(token_id, vocab_size, param)
+    if len(prompt_token_ids) + max_tokens > max_model_len:
+        raise APIError.bad_request(
+            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) = "
+            f"{len(prompt_token_ids) + max_tokens} tokens exceeds max-model-len ({max_model_len})",
+            "max_tokens",
+        )

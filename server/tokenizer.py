@@ -1,0 +1,71 @@
+"""The server's tokenizer: prompts and chat templates to ids, ids to text and to exact bytes.
+
+Generated text itself is detokenized by the engine (RequestDelta.new_text); the server decodes
+single tokens only for logprobs, where OpenAI wants each token's string and raw bytes.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from transformers import AutoTokenizer
+
+from server.errors import APIError
+from server.protocol import ChatMessage
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable char standing for each byte."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str) -> None:
+        self.hf = AutoTokenizer.from_pretrained(model_dir)
+        decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self._alphabet = _byte_level_alphabet() if self._byte_level else {}
+        self.token_bytes = lru_cache(maxsize=None)(self._token_bytes)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_chat(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render the tokenizer's chat template, then tokenize (the template holds any BOS)."""
+        conversation = [{"role": message.role, "content": message.text()} for message in messages]
+        try:
+            text = self.hf.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as error:  # jinja raises its own errors for conversations it rejects
+            raise APIError.bad_request(
+                f"messages: the chat template failed: {error}", "messages"
+            ) from error
+        return self.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if self._byte_level and all(char in self._alphabet for char in piece):
+            return bytes(self._alphabet[char] for char in piece)
+        return self.hf.decode([token_id]).encode()
+
+    def token_text(self, token_id: int) -> str:
+        """The token's text; a token that is only part of a UTF-8 character shows as U+FFFD."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
