@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from engine.config import ModelConfig
 from engine.models.nemotron_h import NemotronHForCausalLM
-from engine.weights import load_into
+from engine.weights import load_into, tensor_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,6 +26,10 @@ def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
 ) -> NemotronHForCausalLM:
     config = ModelConfig.from_hf(model_dir)
+    if config.tie_word_embeddings and "lm_head.weight" in tensor_names(model_dir):
+        # transformers' NemotronH never ties lm_head to the embeddings (no tied-weight keys), so
+        # a checkpoint that carries its own lm_head uses it whatever the config says.
+        config = dataclasses.replace(config, tie_word_embeddings=False)
     with torch.device(device):
         model = NemotronHForCausalLM(config)
     load_into(model, model_dir)

@@ -38,6 +38,15 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise WeightError(f"{model_dir}: no {SINGLE_FILE}, {INDEX_FILE} or model-*.safetensors found")
 
 
+def tensor_names(model_dir: str | Path) -> set[str]:
+    """Canonical names of every tensor in the checkpoint (headers only, no data read)."""
+    names: set[str] = set()
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as shard:
+            names.update(canonical_name(n) for n in shard.keys())
+    return names
+
+
 def canonical_name(name: str) -> str:
     """On-disk NemotronH names use `backbone.`; baton's modules use `model.`."""
     if name.startswith("backbone."):

@@ -10,6 +10,22 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.tiny import save_tiny_model  # noqa: E402
+
+# Tiny NemotronH shapes the model tests cover (odd sizes, n_groups > 1, conv 3 and 4,
+# attention as the first block, chunk sizes smaller than the prompts, tied embeddings).
+TINY_CONFIGS = {
+    "base": dict(),
+    "odd": dict(
+        vocab_size=301, hidden_size=40, hybrid_override_pattern="*M-M*-M", num_attention_heads=5,
+        num_key_value_heads=1, head_dim=8, intermediate_size=72, mamba_num_heads=6, mamba_head_dim=12,
+        ssm_state_size=5, n_groups=3, conv_kernel=3, chunk_size=8,
+    ),
+    "single_group_tied": dict(
+        hybrid_override_pattern="MM*-", n_groups=1, conv_kernel=4, chunk_size=32, tie_word_embeddings=True,
+    ),
+}
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -18,3 +34,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """name -> (model_dir, transformers model), built once per session."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            path = tmp_path_factory.mktemp(f"tiny-{name}")
+            built[name] = (path, save_tiny_model(path, seed=len(built), **TINY_CONFIGS[name]))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def base_model(tiny_models):
+    return tiny_models("base")
