@@ -1,7 +1,8 @@
 """RMSNorm and gated RMSNorm (`norm(y * silu(z))`, normalised per group), torch path.
 
 Both compute in float32 and cast back like transformers' NemotronH: RMSNorm multiplies the
-weight in float32, the gated norm multiplies it after the cast to the input dtype.
+weight in float32, the gated norm multiplies it after the cast to the input dtype. The public
+functions dispatch with select_backend like every kernel (Triton path: kernels/triton_norm.py).
 """
 
 from __future__ import annotations
@@ -9,9 +10,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.backend import select_backend
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: (num_tokens, hidden) any float dtype; weight: (hidden,). Returns x's dtype."""
+    if select_backend(x) == "triton":
+        from kernels.triton_norm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * xf).to(x.dtype)
@@ -24,6 +35,16 @@ def gated_rms_norm(
 
     Returns `weight * rmsnorm_per_group(y * silu(z))` in y's dtype.
     """
+    if select_backend(y) == "triton":
+        from kernels.triton_norm import gated_rms_norm_triton
+
+        return gated_rms_norm_triton(y, z, weight, eps, group_size)
+    return gated_rms_norm_torch(y, z, weight, eps, group_size)
+
+
+def gated_rms_norm_torch(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int
+) -> torch.Tensor:
     num_tokens, width = y.shape
     h = y.float() * F.silu(z.float())
     h = h.view(num_tokens, width // group_size, group_size)
