@@ -1,0 +1,123 @@
+"""Start a real `baton serve` subprocess on a free 127.0.0.1 port, and stop it (server tests)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+
+BATON = Path(sys.executable).with_name("baton")  # the console script next to this interpreter
+STARTUP_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(child) for child in (task / "children").read_text().split()]
+    return children
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie awaiting its parent's wait() counts as gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+    api_key: str | None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine_pid(self) -> int:
+        (pid,) = children_of(self.process.pid)
+        return pid
+
+    def client(self, **options) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key=self.api_key or "none", max_retries=0, **options
+        )
+
+    def async_client(self, **options) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.base_url}/v1", api_key=self.api_key or "none", max_retries=0, **options
+        )
+
+    def http(self) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=30)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, wait, and SIGKILL as a last resort; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_server(
+    model_dir: str | Path, log_dir: Path, *flags: str, api_key: str | None = None
+) -> ServerProcess:
+    port = free_port()
+    log_path = log_dir / f"baton-serve-{port}.log"
+    command = [str(BATON), "serve", "--model", str(model_dir), "--port", str(port), *flags]
+    if api_key:
+        command += ["--api-key", api_key]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1]
+        )
+    server = ServerProcess(process=process, port=port, log_path=log_path, api_key=api_key)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"baton serve exited with {process.returncode}:\n{server.log()[-4000:]}"
+            )
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(
+        f"baton serve did not become healthy in {STARTUP_TIMEOUT_S} s:\n{server.log()[-4000:]}"
+    )
+
+
+def tiny_model(tmp_path_factory, **overrides) -> Path:
+    from tests.tiny import save_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    save_tiny_model(path, seed=0, **overrides)
+    return path

@@ -1,0 +1,262 @@
+"""/v1/completions and /v1/chat/completions against a live `baton serve`, via the openai client.
+
+One server for the module (tiny random NemotronH, fp32); the offline `LLM` on the same model
+directory is the reference for every greedy text.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.server_process import start_server, tiny_model
+
+MODEL_NAME = "tiny"
+MAX_MODEL_LEN = 256
+PROMPTS = ["Hello world", "The quick brown fox jumps"]
+MESSAGES = [{"role": "user", "content": "Tom has 3 apples and buys 4 more."}]
+GREEDY = {"temperature": 0, "max_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    server = start_server(
+        model_dir,
+        tmp_path_factory.mktemp("logs"),
+        "--served-model-name",
+        MODEL_NAME,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+    )
+    yield server
+    assert server.stop() == 0, server.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), max_model_len=MAX_MODEL_LEN)
+
+
+def chat_prompt_ids(llm: LLM, messages: list[dict]) -> list[int]:
+    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def streamed_completion(client, **kwargs) -> tuple[dict[int, str], dict[int, str], list]:
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    return texts, finish, chunks
+
+
+def streamed_chat(client, **kwargs) -> tuple[dict[int, str], dict[int, str], list]:
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    return texts, finish, chunks
+
+
+# ---- text identity ---------------------------------------------------------------------------
+
+
+def test_completion_text_is_the_same_streamed_unstreamed_and_offline(client, llm):
+    offline = llm.generate(PROMPTS, SamplingParams(**GREEDY))
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, **GREEDY)
+    texts, finish, _ = streamed_completion(client, model=MODEL_NAME, prompt=PROMPTS, **GREEDY)
+    assert [choice.text for choice in response.choices] == [output.text for output in offline]
+    assert texts == {index: output.text for index, output in enumerate(offline)}
+    assert [choice.finish_reason for choice in response.choices] == [
+        output.finish_reason for output in offline
+    ]
+    assert finish == {index: output.finish_reason for index, output in enumerate(offline)}
+    assert all(output.text for output in offline)
+
+
+def test_chat_text_is_the_same_streamed_unstreamed_and_offline(client, llm):
+    (offline,) = llm.generate([chat_prompt_ids(llm, MESSAGES)], SamplingParams(**GREEDY))
+    response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+    texts, finish, chunks = streamed_chat(client, model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == offline.text != ""
+    assert texts == {0: offline.text}
+    assert finish == {0: offline.finish_reason}
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_token_id_prompt_gives_the_same_text_as_its_string(client, llm):
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, **GREEDY)
+    by_text = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], **GREEDY)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+# ---- usage -------------------------------------------------------------------------------------
+
+
+def test_usage_counts_prompt_and_completion_tokens(client, llm):
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, **GREEDY)
+    prompt_tokens = sum(len(llm.tokenizer.encode(prompt)) for prompt in PROMPTS)
+    offline = llm.generate(PROMPTS, SamplingParams(**GREEDY))
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == sum(len(output.token_ids) for output in offline)
+    assert response.usage.total_tokens == prompt_tokens + response.usage.completion_tokens
+    assert response.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_usage_counts_the_templated_prompt(client, llm):
+    response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+    assert response.usage.prompt_tokens == len(chat_prompt_ids(llm, MESSAGES))
+    assert response.usage.completion_tokens == len(
+        llm.generate([chat_prompt_ids(llm, MESSAGES)], SamplingParams(**GREEDY))[0].token_ids
+    )
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_include_usage_adds_a_final_usage_chunk(client, endpoint):
+    options = {"stream_options": {"include_usage": True}, "model": MODEL_NAME, **GREEDY}
+    if endpoint == "completions":
+        unstreamed = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], **GREEDY)
+        _, _, chunks = streamed_completion(client, prompt=PROMPTS[0], **options)
+    else:
+        unstreamed = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+        _, _, chunks = streamed_chat(client, messages=MESSAGES, **options)
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.model_dump() == unstreamed.usage.model_dump()
+    assert all(chunk.usage is None for chunk in body)
+
+
+def test_without_include_usage_no_chunk_carries_usage(client):
+    _, _, chunks = streamed_completion(client, model=MODEL_NAME, prompt=PROMPTS[0], **GREEDY)
+    assert chunks and all(chunk.usage is None and chunk.choices for chunk in chunks)
+
+
+# ---- n, seeds, stops -----------------------------------------------------------------------------
+
+
+def test_n_samples_are_indexed_seeded_and_match_the_offline_fan_out(client, llm):
+    sampling = {"temperature": 1.0, "max_tokens": 12, "seed": 1234, "n": 3}
+    offline = llm.generate([PROMPTS[0]], SamplingParams(**sampling))
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], **sampling)
+    texts, _, _ = streamed_completion(client, model=MODEL_NAME, prompt=PROMPTS[0], **sampling)
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    assert [choice.text for choice in response.choices] == [output.text for output in offline]
+    assert texts == {index: output.text for index, output in enumerate(offline)}
+    assert len({output.text for output in offline}) > 1, "three seeded samples should not all agree"
+    assert response.usage.prompt_tokens == len(llm.tokenizer.encode(PROMPTS[0]))
+
+
+def test_stop_string_ends_the_text_before_it(client, llm):
+    (reference,) = llm.generate([PROMPTS[1]], SamplingParams(**GREEDY))
+    stop = reference.text[6:9]
+    expected = reference.text[: reference.text.index(stop)]
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], stop=[stop], **GREEDY)
+    texts, finish, _ = streamed_completion(
+        client, model=MODEL_NAME, prompt=PROMPTS[1], stop=stop, **GREEDY
+    )
+    assert response.choices[0].text == expected == texts[0]
+    assert response.choices[0].finish_reason == "stop" == finish[0]
+
+
+def test_stop_token_id_ends_generation_with_stop(client, llm):
+    (reference,) = llm.generate([PROMPTS[1]], SamplingParams(**GREEDY))
+    stop_token = reference.token_ids[4]
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[1], extra_body={"stop_token_ids": [stop_token]}, **GREEDY
+    )
+    assert response.choices[0].finish_reason == "stop"
+    assert response.usage.completion_tokens == reference.token_ids.index(stop_token) + 1
+
+
+def test_ignore_eos_and_penalties_are_accepted(client):
+    response = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS[0],
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.2, "top_k": 5, "min_p": 0.05},
+        **GREEDY,
+    )
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == GREEDY["max_tokens"]
+
+
+# ---- logprobs ----------------------------------------------------------------------------------
+
+
+def test_completion_logprobs_have_the_openai_shape_and_offline_values(client, llm):
+    (reference,) = llm.generate([PROMPTS[0]], SamplingParams(**GREEDY, logprobs=2))
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], logprobs=2, **GREEDY)
+    logprobs = response.choices[0].logprobs
+    count = len(reference.token_ids)
+    assert (
+        len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == count
+    )
+    assert logprobs.tokens == [llm.tokenizer.decode([token]) for token in reference.token_ids]
+    expected = [
+        entry[token] for entry, token in zip(reference.logprobs, reference.token_ids, strict=True)
+    ]
+    assert logprobs.token_logprobs == pytest.approx(expected, abs=1e-5)
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_chat_logprobs_list_tokens_bytes_and_top_alternatives(client):
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, logprobs=True, top_logprobs=2, **GREEDY
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        # greedy: the chosen token is the most likely one
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+    joined = b"".join(bytes(entry.bytes) for entry in content).decode("utf-8", errors="replace")
+    assert joined == response.choices[0].message.content
+
+
+# ---- the other endpoints -----------------------------------------------------------------------
+
+
+def test_models_lists_the_served_name(client):
+    assert [model.id for model in client.models.list().data] == [MODEL_NAME]
+
+
+def test_tokenize_and_detokenize_round_trip(server, llm):
+    with server.http() as http:
+        tokens = http.post("/tokenize", json={"prompt": PROMPTS[1]}).json()
+        assert tokens["tokens"] == llm.tokenizer.encode(PROMPTS[1])
+        assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
+        chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+        assert chat["tokens"] == chat_prompt_ids(llm, MESSAGES)
+        assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {
+            "prompt": PROMPTS[1]
+        }
+
+
+def test_health_is_ok(server):
+    with server.http() as http:
+        response = http.get("/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
