@@ -1,0 +1,204 @@
+"""The seed bug's cure: carriers without defaults, one builder that carries every field, and
+tracking that really writes checkpoint slots."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.forward_metadata import (
+    ForwardBatch,
+    ForwardMetadata,
+    Mamba2Metadata,
+    ScheduledBatch,
+    TrackPoint,
+    build_metadata,
+)
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner
+from engine.state_cache import StateCache
+
+CARRIERS = [TrackPoint, ScheduledBatch, ForwardBatch, ForwardMetadata, Mamba2Metadata]
+PAGE, CHUNK, CONV = 4, 8, 4
+
+
+@pytest.mark.parametrize("carrier", CARRIERS)
+def test_carriers_are_frozen_keyword_only_and_have_no_defaults(carrier):
+    params = carrier.__dataclass_params__
+    assert params.frozen
+    assert hasattr(carrier, "__slots__")
+    for field in dataclasses.fields(carrier):
+        assert field.kw_only, f"{carrier.__name__}.{field.name} is positional"
+        assert field.default is dataclasses.MISSING, f"{carrier.__name__}.{field.name} has a default"
+        assert field.default_factory is dataclasses.MISSING, f"{carrier.__name__}.{field.name} has a default"
+    with pytest.raises(TypeError):
+        carrier()  # leaving any field out is an error, never a silent default
+
+
+def scheduled(mode: str, track: bool) -> ScheduledBatch:
+    """Decode rows first, then prefill chunks starting at unaligned positions."""
+    decode = mode in ("decode", "mixed")
+    prefill = mode in ("extend", "mixed", "verify")
+    rows = []  # (rid, tokens, start, pages, slot)
+    if decode:
+        rows += [("d0", [7], 12, (3, 4, 5, 6), 1), ("d1", [9], 5, (7, 8), 2)]
+    if prefill:
+        n = 3 if mode == "verify" else None
+        rows += [("p0", list(range(10, 10 + (n or 21))), 3, (9, 10, 11, 12, 13, 14, 15), 3)]
+        rows += [("p1", list(range(40, 40 + (n or 13))), 16, tuple(range(16, 25)), 4)]
+    nd = 2 if decode else 0
+    points = ()
+    if track:
+        points = tuple(
+            ([TrackPoint(seq_index=0, token_offset=0, dst_slot=6)] if decode else [])
+            + ([TrackPoint(seq_index=nd, token_offset=4, dst_slot=7)] if prefill and mode != "verify" else [])
+            + ([TrackPoint(seq_index=nd + 1, token_offset=7, dst_slot=8)] if prefill and mode != "verify" else [])
+        )
+    return ScheduledBatch(
+        mode=mode,
+        request_ids=tuple(r[0] for r in rows),
+        num_decode_seqs=nd,
+        input_ids=tuple(t for r in rows for t in r[1]),
+        seq_lens=tuple(len(r[1]) for r in rows),
+        start_positions=tuple(r[2] for r in rows),
+        kv_pages=tuple(r[3] for r in rows),
+        mamba_slots=tuple(r[4] for r in rows),
+        logits_seqs=tuple(range(len(rows))),
+        prompt_logprob_seqs=(len(rows) - 1,) if prefill else (),
+        has_mamba_track_mask=bool(points),
+        track_points=points,
+    )
+
+
+def reconstruct(md: Mamba2Metadata, sched: ScheduledBatch) -> dict:
+    """Read every ScheduledBatch field back out of the built metadata."""
+    batch = md.forward.batch
+    nd = batch.num_decode_seqs
+    lens = [1] * nd + md.chunk_layout.cu_seqlens.diff().tolist()
+    starts = md.forward.decode_attention.kv_lens.tolist()[:nd]
+    starts = [kv - 1 for kv in starts] + md.chunk_layout.start_pos.tolist()
+    pages = []
+    slot_mapping = md.forward.slot_mapping.tolist()
+    offset = 0
+    for n, start, want in zip(lens, starts, sched.kv_pages):
+        slots = slot_mapping[offset : offset + n]
+        offset += n
+        # Every page used by this step's tokens appears in the table at its position.
+        for pos, slot in zip(range(start, start + n), slots):
+            assert want[pos // PAGE] == slot // PAGE
+        pages.append(want)
+    logits_seqs = sorted(set(batch.logits_row_owner))
+    prompt_seqs = sorted({s for s in batch.logits_row_owner if batch.logits_row_owner.count(s) > 1})
+    points = []
+    ndt = md.num_decode_tracks
+    for i, dst in enumerate(md.track_ssm_dst.tolist()):
+        conv = md.track_conv_indices[i].item()
+        if i < ndt:
+            points.append(TrackPoint(seq_index=conv, token_offset=0, dst_slot=dst))
+        else:
+            token = conv
+            cu = md.chunk_layout.cu_seqlens.tolist()
+            s_p = max(j for j in range(len(cu) - 1) if cu[j] <= token)
+            points.append(TrackPoint(seq_index=nd + s_p, token_offset=token - cu[s_p], dst_slot=dst))
+    return {
+        "mode": batch.mode,
+        "request_ids": sched.request_ids,  # host-only: the engine keeps it beside the metadata
+        "num_decode_seqs": nd,
+        "input_ids": tuple(batch.input_ids.tolist()),
+        "seq_lens": tuple(lens),
+        "start_positions": tuple(starts),
+        "kv_pages": tuple(pages),
+        "mamba_slots": tuple(md.decode_slots.tolist() + md.prefill_slots.tolist()),
+        "logits_seqs": tuple(logits_seqs),
+        "prompt_logprob_seqs": tuple(prompt_seqs),
+        "has_mamba_track_mask": md.has_mamba_track_mask,
+        "track_points": tuple(points),
+    }
+
+
+def build(sched):
+    return build_metadata(sched, page_size=PAGE, chunk_size=CHUNK, conv_kernel=CONV, device="cpu")
+
+
+def check_builder_carries_every_field(builder) -> None:
+    fields = {f.name for f in dataclasses.fields(ScheduledBatch)}
+    for mode in ("extend", "decode", "mixed", "verify"):
+        for track in (False, True):
+            sched = scheduled(mode, track)
+            got = reconstruct(builder(sched), sched)
+            assert set(got) == fields, "the check must cover every ScheduledBatch field"
+            for name in fields:
+                assert got[name] == getattr(sched, name), f"{mode}/track={track}: field {name} lost"
+
+
+def test_builder_carries_every_field_in_every_mode():
+    check_builder_carries_every_field(build)
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        lambda md: dataclasses.replace(md, has_mamba_track_mask=False),  # the seed bug itself
+        lambda md: dataclasses.replace(md, track_ssm_dst=md.track_ssm_dst[:0], track_ssm_src=md.track_ssm_src[:0], track_conv_indices=md.track_conv_indices[:0], num_decode_tracks=0),
+        lambda md: dataclasses.replace(md, prefill_slots=torch.zeros_like(md.prefill_slots)),
+    ],
+)
+def test_field_check_catches_a_broken_builder(breakage):
+    with pytest.raises(AssertionError):
+        check_builder_carries_every_field(lambda sched: breakage(build(sched)))
+
+
+def test_tracking_writes_true_states_into_checkpoint_slots(base_model):
+    """With the flag set, checkpoint slots receive the conv window and SSM state at the tracked
+    positions; they equal the working state of a run that stopped exactly there."""
+    model_dir, _ = base_model
+    config = ModelConfig.from_hf(model_dir)
+    model = load_model(model_dir, torch.float32, "cpu")
+    cs = config.chunk_size
+    tokens = torch.randint(3, config.vocab_size, (3 * cs + 5,), generator=torch.Generator().manual_seed(2)).tolist()
+    pages = tuple(range(1, 20))
+
+    def fresh():
+        cache = StateCache(config, num_pages=24, page_size=PAGE, num_mamba_slots=8, dtype=torch.float32, device="cpu")
+        return cache, ModelRunner(model, cache, "cpu")
+
+    def batch(toks, start, points):
+        return ScheduledBatch(
+            mode="extend", request_ids=("r",), num_decode_seqs=0, input_ids=tuple(toks), seq_lens=(len(toks),),
+            start_positions=(start,), kv_pages=(pages,), mamba_slots=(1,), logits_seqs=(0,), prompt_logprob_seqs=(),
+            has_mamba_track_mask=bool(points), track_points=points,
+        )
+
+    # Start mid-chunk (position 5) so the first chunk is short; track at 2*cs and 3*cs.
+    cache, runner = fresh()
+    runner.forward(batch(tokens[:5], 0, ()))
+    points = (TrackPoint(seq_index=0, token_offset=2 * cs - 5 - 1, dst_slot=3), TrackPoint(seq_index=0, token_offset=3 * cs - 5 - 1, dst_slot=4))
+    runner.forward(batch(tokens[5:], 5, points))
+    for dst, end in ((3, 2 * cs), (4, 3 * cs)):
+        ref_cache, ref_runner = fresh()
+        ref_runner.forward(batch(tokens[:end], 0, ()))
+        torch.testing.assert_close(cache.ssm[:, dst], ref_cache.ssm[:, 1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache.conv[:, dst], ref_cache.conv[:, 1])
+    # Without the flag nothing is written.
+    cache2, runner2 = fresh()
+    runner2.forward(batch(tokens, 0, ()))
+    assert cache2.ssm[:, 3].abs().sum() == 0 and cache2.conv[:, 3].abs().sum() == 0
+    # A decode-time checkpoint copies the working state after the step.
+    decode = ScheduledBatch(
+        mode="decode", request_ids=("r",), num_decode_seqs=1, input_ids=(5,), seq_lens=(1,),
+        start_positions=(len(tokens),), kv_pages=(pages,), mamba_slots=(1,), logits_seqs=(0,),
+        prompt_logprob_seqs=(), has_mamba_track_mask=True, track_points=(TrackPoint(seq_index=0, token_offset=0, dst_slot=5),),
+    )
+    runner2.forward(decode)
+    torch.testing.assert_close(cache2.ssm[:, 5], cache2.ssm[:, 1])
+    torch.testing.assert_close(cache2.conv[:, 5], cache2.conv[:, 1])
+    assert cache2.ssm[:, 5].abs().sum() > 0
+
+
+def test_track_flag_must_match_track_points():
+    sched = dataclasses.replace(scheduled("mixed", True), has_mamba_track_mask=False)
+    with pytest.raises(ValueError, match="has_mamba_track_mask"):
+        build(sched)
