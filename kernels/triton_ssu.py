@@ -19,11 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_ssd import _softplus
+
 
 @triton.jit
 def _discretize(dt_raw, dt_bias, dt_min, dt_max, HAS_LIMIT: tl.constexpr):
-    v = dt_raw + dt_bias
-    dt = tl.where(v <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(v, 20.0))), v)  # torch softplus
+    dt = _softplus(dt_raw + dt_bias)
     if HAS_LIMIT:
         dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     return dt

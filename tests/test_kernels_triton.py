@@ -21,8 +21,11 @@ from kernels.conv1d import (
 )
 from kernels.norm import gated_rms_norm, gated_rms_norm_torch, rms_norm, rms_norm_torch
 from kernels.ssd import build_chunk_layout, ssd_scan, ssd_scan_torch
-from kernels.ssu import selective_state_update, selective_state_update_multi
-from kernels.ssu import selective_state_update_torch
+from kernels.ssu import (
+    selective_state_update,
+    selective_state_update_multi,
+    selective_state_update_torch,
+)
 from kernels.state_copy import copy_states
 from tests.oracles import attention_oracle, conv_oracle, ssd_oracle
 
