@@ -52,6 +52,7 @@ def _softplus(v):
     return tl.where(v <= 20.0, log1p, v)
 
 
+# fmt: off
 @triton.jit
 def _chunk_cumsum_kernel(
     dt_ptr, dt_bias_ptr, A_ptr, cu_ptr, start_pos_ptr, dt_out_ptr, dA_cs_ptr,
@@ -59,6 +60,7 @@ def _chunk_cumsum_kernel(
     H, L, num_chunks, dt_min, dt_max,
     HAS_LIMIT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    # fmt: on
     sc = tl.program_id(0).to(tl.int64)
     s, c = sc // num_chunks, sc % num_chunks
     tok0, seq_len, offset = _chunk_coords(cu_ptr, start_pos_ptr, s, L)
@@ -87,6 +89,7 @@ def _chunk_cumsum_kernel(
     tl.store(dA_cs_ptr + out, dA_cs, mask=store_mask)
 
 
+# fmt: off
 @triton.jit
 def _chunk_state_kernel(
     x_ptr, B_ptr, dt_ptr, dA_cs_ptr, cu_ptr, start_pos_ptr, states_ptr,
@@ -95,6 +98,7 @@ def _chunk_state_kernel(
     H, P, N, L, num_chunks, heads_per_group,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # fmt: on
     sc = tl.program_id(0).to(tl.int64)
     s, c = sc // num_chunks, sc % num_chunks
     tok0, seq_len, offset = _chunk_coords(cu_ptr, start_pos_ptr, s, L)
@@ -129,6 +133,7 @@ def _chunk_state_kernel(
     tl.store(states_ptr + out, acc, mask=(p < P)[:, None] & (n < N)[None, :])
 
 
+# fmt: off
 @triton.jit
 def _state_passing_kernel(
     states_ptr, init_ptr, final_ptr, dA_cs_ptr, cu_ptr, start_pos_ptr,
@@ -136,6 +141,7 @@ def _state_passing_kernel(
     H, P, N, L, num_chunks,
     BLOCK: tl.constexpr,
 ):
+    # fmt: on
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     tok0, seq_len, offset = _chunk_coords(cu_ptr, start_pos_ptr, s, L)
@@ -161,6 +167,7 @@ def _state_passing_kernel(
     tl.store(final_ptr + (s * H + h) * P * N + e, state, mask=e_ok)
 
 
+# fmt: off
 @triton.jit
 def _chunk_scan_kernel(
     x_ptr, B_ptr, C_ptr, D_ptr, dt_ptr, dA_cs_ptr, cu_ptr, start_pos_ptr,
@@ -173,6 +180,7 @@ def _chunk_scan_kernel(
     H, P, N, L, num_chunks, heads_per_group,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # fmt: on
     sc = tl.program_id(0).to(tl.int64)
     s, c = sc // num_chunks, sc % num_chunks
     tok0, seq_len, offset = _chunk_coords(cu_ptr, start_pos_ptr, s, L)
@@ -306,12 +314,14 @@ def ssd_scan_triton(
     lo, hi = dt_limit
     BLOCK_L = triton.next_power_of_2(L)
     BLOCK_H = max(1, min(triton.next_power_of_2(H), 4096 // BLOCK_L))
+    # fmt: off
     _chunk_cumsum_kernel[(S * Cn, triton.cdiv(H, BLOCK_H))](
         dt, dt_bias, A, cu, start_pos, dt_chunk, dA_cs,
         dt.stride(0), dt.stride(1),
         H, L, Cn, float(lo), float(hi),
         HAS_LIMIT=lo > 0.0 or hi != float("inf"), BLOCK_L=BLOCK_L, BLOCK_H=BLOCK_H,
     )
+    # fmt: on
 
     # Hand-picked tiles (no autotune): every tl.dot dim >= 16; dstate is held whole.
     BLOCK_N = _pow2_at_least_16(N)
@@ -319,6 +329,7 @@ def ssd_scan_triton(
     BLOCK_P = min(64, _pow2_at_least_16(P))
     state_n = min(BLOCK_N, 64)
     grid = (S * Cn, H, triton.cdiv(P, BLOCK_P) * triton.cdiv(N, state_n))
+    # fmt: off
     _chunk_state_kernel[grid](
         x, B, dt_chunk, dA_cs, cu, start_pos, chunk_states,
         x.stride(0), x.stride(1), x.stride(2),
@@ -326,19 +337,23 @@ def ssd_scan_triton(
         H, P, N, L, Cn, H // G,
         BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=state_n, num_warps=4,
     )
+    # fmt: on
 
     BLOCK = min(2048, triton.next_power_of_2(P * N))
+    # fmt: off
     _state_passing_kernel[(S, H, triton.cdiv(P * N, BLOCK))](
         chunk_states, initial_states, final_states, dA_cs, cu, start_pos,
         *initial_states.stride(),
         H, P, N, L, Cn,
         BLOCK=BLOCK, num_warps=4,
     )
+    # fmt: on
 
     BLOCK_M = min(64, _pow2_at_least_16(L))
     BLOCK_K = BLOCK_M
     scan_p = min(32 if BLOCK_N > 64 else 64, BLOCK_P)
     grid = (S * Cn, H, triton.cdiv(L, BLOCK_M) * triton.cdiv(P, scan_p))
+    # fmt: off
     _chunk_scan_kernel[grid](
         x, B, C, D, dt_chunk, dA_cs, cu, start_pos, chunk_states, initial_states, y,
         x.stride(0), x.stride(1), x.stride(2),
@@ -347,6 +362,8 @@ def ssd_scan_triton(
         *initial_states.stride(),
         y.stride(0), y.stride(1), y.stride(2),
         H, P, N, L, Cn, H // G,
-        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=scan_p, BLOCK_N=BLOCK_N, num_warps=4,
+        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=scan_p, BLOCK_N=BLOCK_N,
+        num_warps=8 if BLOCK_M * BLOCK_N >= 8192 else 4,  # C_m and B_k tiles are M x dstate
     )
+    # fmt: on
     return SSDOutput(y=y, final_states=final_states, chunk_states=chunk_states)

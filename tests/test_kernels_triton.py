@@ -154,10 +154,8 @@ def test_selective_state_update_writes_only_its_slots(triton_calls, dtype):
         if slot == 0:
             continue
         one = slice(row, row + 1)
-        y_ref, final, _ = ssd_oracle(
-            x[one], dt[one], A, B[one], C[one], D, dt_bias, before[slot : slot + 1], [1],
-            dt_limit=(0.01, 5.0),
-        )
+        inputs = (x[one], dt[one], A, B[one], C[one], D, dt_bias, before[slot : slot + 1])
+        y_ref, final, _ = ssd_oracle(*inputs, [1], dt_limit=(0.01, 5.0))
         close(y[row], y_ref[0], dtype)
         close(y[row], y_torch[row], dtype)
         close(pool[slot], final[0], torch.float32)
@@ -319,7 +317,8 @@ def test_copy_states_fills_checkpoint_slots_only(triton_calls, dtype):
     chunk_states = torch.randn(2, 3, 4, 8, 6, generator=g)  # (seqs, chunks, H, P, N)
     before = ssm_pool.clone()
     copy_states(ssm_pool, torch.tensor([4, 2]), chunk_states.flatten(0, 1), torch.tensor([5, 1]))
-    assert torch.equal(ssm_pool[4], chunk_states[1, 2]) and torch.equal(ssm_pool[2], chunk_states[0, 1])
+    assert torch.equal(ssm_pool[4], chunk_states[1, 2])
+    assert torch.equal(ssm_pool[2], chunk_states[0, 1])
     for untouched in (0, 1, 3, 5):
         assert torch.equal(ssm_pool[untouched], before[untouched])
     conv_pool = torch.randn(5, 12, 3, generator=g).to(dtype)

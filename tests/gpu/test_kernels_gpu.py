@@ -59,7 +59,9 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def mamba_params(gen: torch.Generator):
     """A, D, dt_bias as Mamba2 initialises them (dt in [1e-3, 0.1], A in [-16, -1])."""
     A = -torch.exp(torch.rand(H, generator=gen) * math.log(16))
-    dt0 = torch.exp(torch.rand(H, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+    dt0 = torch.exp(
+        torch.rand(H, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)
+    )
     dt_bias = dt0 + torch.log(-torch.expm1(-dt0))
     D = torch.randn(H, generator=gen)
     return A.to(DEVICE), D.to(DEVICE), dt_bias.to(DEVICE)
@@ -113,7 +115,9 @@ def test_selective_state_update_matches_torch_path(batch):
 def test_selective_state_update_multi_matches_torch_path(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     batch, k = 8, 4
-    x, dt, B, C = (t.view(batch, k, *t.shape[1:]) for t in activations(batch * k, torch.bfloat16, gen))
+    x, dt, B, C = (
+        t.view(batch, k, *t.shape[1:]) for t in activations(batch * k, torch.bfloat16, gen)
+    )
     A, D, dt_bias = mamba_params(gen)
     pool = torch.randn(batch * (k + 1) + 1, H, P, N, generator=gen).to(DEVICE)
     slots = (torch.arange(batch * (k + 1), device=DEVICE) + 1).view(batch, k + 1)
@@ -195,7 +199,11 @@ def test_copy_states_copies_exactly():
     pool = torch.randn(6, H, P, N, generator=gen).to(DEVICE)
     chunk_states = torch.randn(2, 3, H, P, N, generator=gen).to(DEVICE)
     before = pool.clone()
-    copy_states_triton(pool, torch.tensor([4, 2], device=DEVICE), chunk_states.flatten(0, 1),
-                       torch.tensor([5, 1], device=DEVICE))
+    copy_states_triton(
+        pool,
+        torch.tensor([4, 2], device=DEVICE),
+        chunk_states.flatten(0, 1),
+        torch.tensor([5, 1], device=DEVICE),
+    )
     assert torch.equal(pool[4], chunk_states[1, 2]) and torch.equal(pool[2], chunk_states[0, 1])
     assert torch.equal(pool[[0, 1, 3, 5]], before[[0, 1, 3, 5]])
