@@ -1,0 +1,108 @@
+"""Scheduler unit tests on fake model outputs: no model, plain host data."""
+
+from __future__ import annotations
+
+from engine.memory import IndexPool
+from engine.request import Request, Status
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+
+
+def make(budget=32, chunk=16, max_running=8, pages=64, slots=8, page_size=4):
+    reset = []
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, chunked_prefill_size=chunk, max_running_requests=max_running, page_size=page_size),
+        IndexPool(pages, "pages"),
+        IndexPool(slots, "slots"),
+        reset.append,
+    )
+    return sched, reset
+
+
+def req(rid, n, max_tokens=4):
+    return Request(request_id=rid, prompt_ids=list(range(3, 3 + n)), params=SamplingParams(max_tokens=max_tokens), arrival=0)
+
+
+def fake_step(sched: Scheduler):
+    """Run one step: advance computed counts and append a fake token where one is sampled."""
+    batch = sched.schedule()
+    if batch is None:
+        return None
+    by_id = {r.request_id: r for r in sched.running}
+    for s, rid in enumerate(batch.request_ids):
+        r = by_id[rid]
+        r.num_computed += batch.seq_lens[s]
+        if s in batch.logits_seqs:
+            r.output_ids.append(7)
+            if len(r.output_ids) >= r.params.max_tokens:
+                sched.finish(r, "length")
+    return batch
+
+
+def test_budget_and_chunking():
+    sched, reset = make(budget=20, chunk=8)
+    for i, n in enumerate([30, 5, 3]):
+        sched.add(req(f"r{i}", n))
+    batch = sched.schedule()
+    assert sum(batch.seq_lens) <= 20
+    assert batch.seq_lens == (8, 5, 3)  # the long prompt is chunked, the others fit whole
+    assert batch.start_positions == (0, 0, 0)
+    assert batch.logits_seqs == (1, 2)  # only requests whose prompt is complete sample
+    assert len(reset) == 3  # every admitted request starts from a zeroed Mamba slot
+
+
+def test_decodes_come_first_and_mixed_batches_form():
+    sched, _ = make(budget=16, chunk=16)
+    sched.add(req("short", 3, max_tokens=10))
+    fake_step(sched)  # prefill of "short" samples its first token
+    sched.add(req("long", 40))
+    batch = fake_step(sched)
+    assert batch.mode == "mixed"
+    assert batch.request_ids[0] == "short" and batch.num_decode_seqs == 1
+    assert batch.seq_lens == (1, 15)
+
+
+def test_preemption_picks_latest_admitted_and_recomputes():
+    sched, _ = make(budget=64, chunk=64, pages=6, page_size=4)  # 24 token slots
+    a, b = req("a", 8, max_tokens=14), req("b", 8, max_tokens=14)  # 22 tokens each, 44 > 24
+    sched.add(a)
+    sched.add(b)
+    fake_step(sched)
+    for _ in range(12):
+        fake_step(sched)
+        if sched.num_preemptions:
+            break
+    assert sched.num_preemptions >= 1
+    assert b.status is Status.WAITING and b.num_computed == 0 and b.kv_pages == [] and b.mamba_slot == 0
+    assert a.status is Status.RUNNING
+    assert sched.waiting[0] is b and b.output_ids  # generated tokens kept for recompute
+    while sched.has_work():
+        fake_step(sched)
+    assert a.finish_reason == b.finish_reason == "length"
+    assert sched.pages.used == 0 and sched.slots.used == 0
+
+
+def test_max_running_requests_and_slot_limit():
+    sched, _ = make(max_running=2, slots=8)
+    for i in range(4):
+        sched.add(req(f"r{i}", 4))
+    batch = sched.schedule()
+    assert len(batch.request_ids) == 2 and len(sched.waiting) == 2
+    sched2, _ = make(max_running=8, slots=1)
+    for i in range(3):
+        sched2.add(req(f"r{i}", 4))
+    assert len(sched2.schedule().request_ids) == 1
+
+
+def test_abort_frees_pages_and_slot_everywhere():
+    sched, _ = make(max_running=1)
+    running, waiting = req("run", 10), req("wait", 10)
+    sched.add(running)
+    sched.add(waiting)
+    fake_step(sched)
+    assert sched.pages.used > 0 and sched.slots.used == 1
+    sched.finish(running, "abort")
+    sched.finish(waiting, "abort")
+    assert running.finish_reason == waiting.finish_reason == "abort"
+    assert sched.pages.used == 0 and sched.slots.used == 0 and not sched.has_work()
+    assert sched.schedule() is None
