@@ -1,0 +1,71 @@
+"""`baton` command line: help for every flag, ServerArgs defaults, refusal of a bad --model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server.args import ServerArgs
+from server.cli import build_parser
+
+BATON = Path(sys.executable).with_name("baton")
+SERVE_FLAGS = [
+    "--model", "--host", "--port", "--served-model-name", "--dtype", "--device", "--max-model-len",
+    "--max-num-batched-tokens", "--chunked-prefill-size", "--max-running-requests",
+    "--max-queued-requests", "--max-total-tokens", "--max-mamba-slots", "--api-key",
+]  # fmt: skip
+
+
+def test_baton_help_lists_serve():
+    result = subprocess.run([str(BATON), "--help"], capture_output=True, text=True, check=True)
+    assert "serve" in result.stdout and "OpenAI-compatible" in result.stdout
+
+
+def test_serve_help_explains_every_flag():
+    result = subprocess.run(
+        [str(BATON), "serve", "--help"], capture_output=True, text=True, check=True
+    )
+    for flag in SERVE_FLAGS:
+        line = next(
+            (line for line in result.stdout.splitlines() if line.strip().startswith(flag)), None
+        )
+        assert line is not None, f"{flag} missing from `baton serve --help`"
+    assert "(default: 127.0.0.1)" in result.stdout and "(default: 8000)" in result.stdout
+
+
+def test_parsed_flags_become_server_args_with_engine_args(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    namespace = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(tmp_path),
+            "--max-model-len",
+            "512",
+            "--max-queued-requests",
+            "3",
+            "--api-key",
+            "k",
+        ]
+    )
+    assert namespace.max_model_len == 512 and namespace.api_key == "k"
+    args = ServerArgs(model=str(tmp_path), max_model_len=512, max_queued_requests=3)
+    assert args.engine_args() == {"max_model_len": 512}  # unset sizes are left to the engine
+    assert args.model_name == str(tmp_path)
+    assert ServerArgs(model=str(tmp_path), served_model_name="tiny").model_name == "tiny"
+
+
+def test_serve_refuses_a_directory_without_a_model(tmp_path):
+    result = subprocess.run(
+        [str(BATON), "serve", "--model", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "config.json" in result.stderr and str(tmp_path) in result.stderr
+
+
+def test_negative_sizes_are_refused_by_the_parser():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--max-model-len", "-5"])
