@@ -21,5 +21,11 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# make serve MODEL=path/to/hf-model-dir [SERVE_ARGS="--port 8001 ..."]
+MODEL ?=
+serve: install
+	@test -n "$(MODEL)" || { echo "make serve needs MODEL=path/to/model-dir (no model ships in assets/ yet)"; exit 2; }
+	$(VENV)/bin/baton serve --model $(MODEL) $(SERVE_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

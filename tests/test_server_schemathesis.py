@@ -25,7 +25,7 @@ def server(tmp_path_factory):
     assert server.stop() == 0, server.log()[-3000:]
 
 
-def test_schemathesis_finds_no_server_error(server):
+def test_schemathesis_finds_no_server_error(server, tmp_path):
     run = subprocess.run(
         [
             str(SCHEMATHESIS), "run", f"{server.base_url}/openapi.json",
@@ -38,6 +38,7 @@ def test_schemathesis_finds_no_server_error(server):
         capture_output=True,
         text=True,
         timeout=90,
+        cwd=tmp_path,  # it keeps a .schemathesis/ cache in its working directory
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-5000:]
     assert re.search(r"\d+ generated, \d+ passed", run.stdout), run.stdout[-2000:]
