@@ -6,6 +6,7 @@ The server's engine process and the offline `LLM` both drive this class:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from engine.memory import IndexPool, size_pools
 from engine.model_loader import load_model, resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestDelta, TokenLogprobs
+from engine.prefix_cache import PrefixCache
 from engine.request import Request
 from engine.sampler import Sampler, top_logprobs
 from engine.sampling_params import SamplingParams
@@ -37,6 +39,8 @@ class EngineArgs:
     page_size: int = 16
     seed: int = 0
     mem_fraction: float = 0.85
+    enable_prefix_caching: bool = True
+    mamba_track_interval: int | None = None  # default: a multiple of chunk and page near 512
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "chunked_prefill_size", "max_running_requests", "page_size"):
@@ -46,6 +50,8 @@ class EngineArgs:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineStats:
+    """Pool usage counts what requests hold; idle prefix-cache blocks count as free (like vLLM)."""
+
     num_running: int
     num_waiting: int
     kv_pages_used: int
@@ -55,6 +61,15 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    prefix_cache_blocks: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_evictions: int
+
+
+def default_track_interval(chunk_size: int, page_size: int, target: int = 512) -> int:
+    step = math.lcm(chunk_size, page_size)
+    return step * max(1, target // step)
 
 
 class Engine:
@@ -81,6 +96,7 @@ class Engine:
         self.max_model_len = min(
             args.max_model_len or config.max_position_embeddings, (sizes.num_pages - 1) * sizes.page_size
         )
+        self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -91,6 +107,8 @@ class Engine:
             self.pages,
             self.slots,
             self.cache.reset_mamba_slot,
+            prefix_cache=self.prefix_cache,
+            copy_slot=self.cache.copy_mamba_slot,
         )
         self.runner = ModelRunner(self.model, self.cache, self.device)
         self.sampler = Sampler(args.seed, self.device)
@@ -99,6 +117,22 @@ class Engine:
         self._arrivals = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    def _make_prefix_cache(self) -> PrefixCache | None:
+        args, config = self.args, self.model_config
+        if not args.enable_prefix_caching:
+            return None
+        interval = args.mamba_track_interval or default_track_interval(config.chunk_size, args.page_size)
+        if interval % config.chunk_size or interval % args.page_size:
+            raise ValueError(
+                f"mamba_track_interval {interval} must be a multiple of the SSD chunk size "
+                f"{config.chunk_size} and of the KV page size {args.page_size}"
+            )
+        return PrefixCache(track_interval=interval, page_size=args.page_size, pages=self.pages, slots=self.slots)
+
+    def reset_prefix_cache(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def _budgets(self) -> tuple[int, int]:
         args, config = self.args, self.model_config
@@ -155,16 +189,21 @@ class Engine:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
+        cache = self.prefix_cache
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv_pages_used=self.pages.used,
+            kv_pages_used=self.pages.used - (cache.idle_pages if cache else 0),
             kv_pages_total=self.pages.capacity,
-            mamba_slots_used=self.slots.used,
+            mamba_slots_used=self.slots.used - (cache.idle_slots if cache else 0),
             mamba_slots_total=self.slots.capacity,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            prefix_cache_blocks=len(cache.blocks) if cache else 0,
+            prefix_cache_query_tokens=cache.stats.query_tokens if cache else 0,
+            prefix_cache_hit_tokens=cache.stats.hit_tokens if cache else 0,
+            prefix_cache_evictions=cache.stats.evicted_blocks if cache else 0,
         )
 
     # -- one step ---------------------------------------------------------------------------
@@ -175,6 +214,9 @@ class Engine:
             return []
         md, logits = self.runner.forward(sched)
         reqs = [self.requests[rid] for rid in sched.request_ids]
+        for s, req in enumerate(reqs):
+            req.num_computed += sched.seq_lens[s]
+        self.scheduler.commit_step()
         rows_of: dict[int, list[int]] = {}
         for row, owner in enumerate(md.forward.batch.logits_row_owner):
             rows_of.setdefault(owner, []).append(row)
@@ -192,7 +234,6 @@ class Engine:
 
         deltas = []
         for s, req in enumerate(reqs):
-            req.num_computed += sched.seq_lens[s]
             if s not in sampled:
                 continue
             token, logprobs = sampled[s]

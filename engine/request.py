@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.outputs import FinishReason, TokenLogprobs
+from engine.prefix_cache import CachedBlock
 from engine.sampling_params import SamplingParams
 
 
@@ -35,6 +36,8 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    # Prefix-cache blocks this request holds (locked); their pages are kv_pages[: k * pages_per_block].
+    cached_blocks: list[CachedBlock] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:

@@ -11,6 +11,12 @@ When the KV pool runs dry, the most recently admitted request not yet scheduled 
 preempted by recompute: its pages and slot are freed and it goes back to the front of the
 waiting queue with its generated tokens kept (they are re-fed as prompt on resumption).
 The batch lists decode sequences first, then prefill chunks (the order the model expects).
+
+With a prefix cache, admission first matches the prompt against cached blocks (sharing their KV
+pages and starting from a copy of the deepest checkpoint), and every step marks the requests whose
+tokens cross a multiple of `track_interval` (TrackPoints, plus the host flag
+`has_mamba_track_mask`) so the forward checkpoints their state; `commit_step` then registers the
+new blocks. Under memory pressure idle cached blocks are evicted before anything is preempted.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.forward_metadata import ScheduledBatch
+from engine.forward_metadata import ScheduledBatch, TrackPoint
 from engine.memory import IndexPool
 from engine.outputs import FinishReason
+from engine.prefix_cache import PrefixCache
 from engine.request import Request, Status
 
 
@@ -40,14 +47,20 @@ class Scheduler:
         pages: IndexPool,
         slots: IndexPool,
         reset_slot: Callable[[int], None],
+        prefix_cache: PrefixCache | None = None,
+        copy_slot: Callable[[int, int], None] | None = None,
     ):
         self.config = config
         self.pages = pages
         self.slots = slots
         self.reset_slot = reset_slot
+        self.prefix_cache = prefix_cache
+        self.copy_slot = copy_slot
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # (request, block index, block key, checkpoint slot) awaiting this step's forward
+        self._pending_blocks: list[tuple[Request, int, int, int]] = []
 
     # -- queue management -------------------------------------------------------------------
 
@@ -102,15 +115,13 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < cfg.max_running_requests:
             req = self.waiting[0]
-            n = min(req.num_remaining, cfg.chunked_prefill_size, budget)
-            if self.slots.available == 0 or self.pages.available < self._pages_for(n):
+            if not self._admit(req, budget):
                 break
             self.waiting.popleft()
-            req.mamba_slot = self.slots.alloc(1)[0]
-            self.reset_slot(req.mamba_slot)
             req.status = Status.RUNNING
             self.running.append(req)
-            self._reserve_pages(req, n, scheduled)
+            n = min(req.num_remaining, cfg.chunked_prefill_size, budget)
+            self._reserve_pages(req, req.num_computed + n, scheduled)
             (decodes if req.num_remaining == 1 else prefills).append((req, n))
             scheduled.add(id(req))
             budget -= n
@@ -118,6 +129,89 @@ class Scheduler:
         if not decodes and not prefills:
             return None
         return self._batch(decodes, prefills)
+
+    def _admit(self, req: Request, budget: int) -> bool:
+        """Give `req` a working Mamba slot (fresh, or a copy of its deepest cached checkpoint)
+        and the KV pages of its cached prefix; False if memory does not allow it now."""
+        cache = self.prefix_cache
+        if self.slots.available == 0 and not (cache and cache.evict(slots=1)):
+            return False
+        blocks = []
+        if cache is not None and not req.wants_prompt_logprobs:
+            blocks = cache.match(req.all_ids)
+        cached = len(blocks) * cache.track_interval if blocks else 0
+        n = min(req.num_tokens - cached, self.config.chunked_prefill_size, budget)
+        need = self._pages_for(cached + n) - len(blocks) * (cache.pages_per_block if cache else 0)
+        if self.pages.available < need and not (cache and cache.evict(pages=need)):
+            if blocks:
+                cache.release(blocks)
+            return False
+        req.mamba_slot = self.slots.alloc(1)[0]
+        if blocks:
+            self.copy_slot(blocks[-1].checkpoint_slot, req.mamba_slot)
+            req.cached_blocks = blocks
+            req.kv_pages = [p for b in blocks for p in b.pages]
+            req.num_computed = cached
+            req.num_cached_tokens = max(req.num_cached_tokens, cached)
+        else:
+            self.reset_slot(req.mamba_slot)
+        return True
+
+    def _track_points(self, rows: list[tuple[Request, int]]) -> list[TrackPoint]:
+        """Checkpoint every block boundary crossed this step that is not cached yet."""
+        cache = self.prefix_cache
+        if cache is None:
+            return []
+        interval, points = cache.track_interval, []
+        for s, (req, n) in enumerate(rows):
+            start, end = req.num_computed, req.num_computed + n
+            first = (start // interval + 1) * interval
+            for boundary in range(first, end + 1, interval):
+                k = boundary // interval - 1
+                if k < len(req.cached_blocks):
+                    continue
+                key = cache.chain_keys(req.all_ids, k + 1)[-1]
+                if cache.lookup(key) is not None:
+                    continue  # someone cached it meanwhile: adopted in commit_step
+                if self.slots.available == 0 and not cache.evict(slots=1):
+                    break
+                slot = self.slots.alloc(1)[0]
+                points.append(TrackPoint(seq_index=s, token_offset=boundary - start - 1, dst_slot=slot))
+                self._pending_blocks.append((req, k, key, slot))
+        return points
+
+    def commit_step(self) -> None:
+        """After the forward: register the blocks whose checkpoints it wrote, in order, and
+        adopt blocks other requests cached meanwhile (freeing our duplicate pages)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        pending = {(id(req), k): (key, slot) for req, k, key, slot in self._pending_blocks}
+        self._pending_blocks = []
+        ppb, interval = cache.pages_per_block, cache.track_interval
+        for req in self.running:
+            full = req.num_computed // interval
+            while len(req.cached_blocks) < full:
+                k = len(req.cached_blocks)
+                own = req.kv_pages[k * ppb : (k + 1) * ppb]
+                entry = pending.pop((id(req), k), None)
+                key = entry[0] if entry else cache.chain_keys(req.all_ids, k + 1)[-1]
+                existing = cache.lookup(key)
+                tokens = tuple(req.all_ids[k * interval : (k + 1) * interval])
+                if existing is not None and existing.tokens == tokens:
+                    existing.ref_count += 1
+                    self.pages.free(own)
+                    req.kv_pages[k * ppb : (k + 1) * ppb] = existing.pages
+                    req.cached_blocks.append(existing)
+                    if entry:
+                        self.slots.free([entry[1]])
+                elif entry is not None and existing is None:
+                    parent = req.cached_blocks[-1] if req.cached_blocks else None
+                    req.cached_blocks.append(cache.insert(key, tokens, parent, own, entry[1]))
+                else:
+                    break  # no checkpoint of this block: the chain stops here for this request
+        for _, slot in pending.values():  # checkpoints that could not be registered
+            self.slots.free([slot])
 
     def _batch(self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]) -> ScheduledBatch:
         rows = decodes + prefills
@@ -130,6 +224,7 @@ class Scheduler:
             if req.wants_prompt_logprobs and req.num_computed < len(req.prompt_ids):
                 prompt_logprob_seqs.append(s)
         mode = "decode" if not prefills else ("extend" if not decodes else "mixed")
+        points = self._track_points(rows)
         return ScheduledBatch(
             mode=mode,
             request_ids=tuple(req.request_id for req, _ in rows),
@@ -141,8 +236,8 @@ class Scheduler:
             mamba_slots=tuple(req.mamba_slot for req, _ in rows),
             logits_seqs=tuple(logits_seqs),
             prompt_logprob_seqs=tuple(prompt_logprob_seqs),
-            has_mamba_track_mask=False,
-            track_points=(),
+            has_mamba_track_mask=bool(points),
+            track_points=tuple(points),
         )
 
     # -- memory -----------------------------------------------------------------------------
@@ -154,6 +249,8 @@ class Scheduler:
         """Make req hold pages for `num_tokens` tokens, preempting later requests if needed.
         Returns False if req itself had to be preempted."""
         need = self._pages_for(num_tokens) - len(req.kv_pages)
+        if need > self.pages.available and self.prefix_cache is not None:
+            self.prefix_cache.evict(pages=need)
         while need > self.pages.available:
             victim = next(
                 (r for r in reversed(self.running) if r is not req and id(r) not in scheduled), None
@@ -177,8 +274,13 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
+        shared = 0
+        if req.cached_blocks:
+            self.prefix_cache.release(req.cached_blocks)
+            shared = len(req.cached_blocks) * self.prefix_cache.pages_per_block
+            req.cached_blocks = []
         if req.kv_pages:
-            self.pages.free(req.kv_pages)
+            self.pages.free(req.kv_pages[shared:])
             req.kv_pages = []
         if req.mamba_slot:
             self.slots.free([req.mamba_slot])
