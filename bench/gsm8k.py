@@ -1,0 +1,292 @@
+"""GSM8K accuracy against any OpenAI-compatible server: `baton eval gsm8k`.
+
+    baton eval gsm8k --base-url http://127.0.0.1:8000 --data bench/data/gsm8k_synthetic_heldout.jsonl
+
+The SGLang / lm-eval convention: the first `--num-shots` rows of the JSONL file are the few-shot
+examples ("Question: …\\nAnswer: …" separated by blank lines), the next `--num-questions` rows
+are asked after them ("Question: …\\nAnswer:"), greedy (temperature 0), generation stops at
+"Question", and the last number of each output is compared with the number after "####" of the
+row's answer (commas, `$` and a trailing period are ignored, a minus sign is kept).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+STOP = ["Question"]
+
+# A number as lm-eval's flexible extract sees it: an optional minus sign (not a hyphen between
+# words or digits), an optional `$`, digits with thousands commas and an optional decimal part.
+# A period that ends a sentence is not part of it ("is 5." gives 5).
+_NUMBER = re.compile(r"(?:(?<![\w)\]])(-))?(?:\$(-)?)?(\d[\d,]*(?:\.\d+)?)")
+
+
+def format_example(question: str, answer: str | None = None) -> str:
+    """One shot ("Question: Q\\nAnswer: A") or, without an answer, the prompt's tail."""
+    text = f"Question: {question}\nAnswer:"
+    return text if answer is None else f"{text} {answer}"
+
+
+def few_shot_prefix(rows: Sequence[dict]) -> str:
+    return "".join(format_example(row["question"], row["answer"]) + "\n\n" for row in rows)
+
+
+def build_prompts(rows: Sequence[dict], num_shots: int, num_questions: int) -> list[str]:
+    """Prompts for rows[num_shots : num_shots + num_questions], each led by the first shots."""
+    if len(rows) <= num_shots:
+        raise ValueError(
+            f"the data has {len(rows)} rows; --num-shots {num_shots} leaves no questions"
+        )
+    prefix = few_shot_prefix(rows[:num_shots])
+    questions = rows[num_shots : num_shots + num_questions]
+    return [prefix + format_example(row["question"]) for row in questions]
+
+
+def parse_number(text: str) -> Decimal | None:
+    try:
+        return Decimal(text.replace(",", "").replace("$", "").strip().rstrip("."))
+    except InvalidOperation:
+        return None
+
+
+def extract_answer(output: str) -> Decimal | None:
+    """The last number in a model's output, or None (an invalid answer) when it has none."""
+    matches = _NUMBER.findall(output)
+    if not matches:
+        return None
+    minus, minus_after_dollar, digits = matches[-1]
+    value = parse_number(digits)
+    return -value if value is not None and (minus or minus_after_dollar) else value
+
+
+def reference_answer(answer: str) -> Decimal:
+    """The number after "####" in a GSM8K answer."""
+    if "####" not in answer:
+        raise ValueError(f"answer has no '#### N' line: {answer[-80:]!r}")
+    value = parse_number(answer.rsplit("####", 1)[1])
+    if value is None:
+        raise ValueError(f"no number after '####' in {answer[-80:]!r}")
+    return value
+
+
+def format_number(value: Decimal | None) -> str | None:
+    if value is None:
+        return None
+    return str(int(value)) if value == value.to_integral_value() else str(value)
+
+
+class Completion(NamedTuple):
+    text: str
+    completion_tokens: int
+
+
+def score(
+    rows: Sequence[dict], outputs: Sequence[str], latency_s: float, output_tokens: int
+) -> dict:
+    """The `--output` JSON: accuracy, invalid rate, latency, throughput and every question."""
+    questions = []
+    correct = invalid = 0
+    for row, output in zip(rows, outputs):
+        pred = extract_answer(output)
+        label = reference_answer(row["answer"])
+        correct += pred == label
+        invalid += pred is None
+        questions.append(
+            {
+                "question": row["question"],
+                "answer": format_number(label),
+                "pred": format_number(pred),
+                "output": output,
+            }
+        )
+    count = max(len(questions), 1)
+    return {
+        "accuracy": correct / count,
+        "invalid": invalid / count,
+        "latency_s": latency_s,
+        "output_throughput": output_tokens / latency_s if latency_s > 0 else 0.0,
+        "questions": questions,
+    }
+
+
+class OpenAIClient:
+    """Greedy completions from an OpenAI-compatible server over a pooled httpx client."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api: Literal["completions", "chat"],
+        model: str | None,
+        max_tokens: int,
+        parallel: int,
+        api_key: str | None = None,
+        timeout_s: float = 600,
+    ):
+        import httpx
+
+        root = base_url.rstrip("/")
+        root = root if root.endswith("/v1") else root + "/v1"
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=parallel, max_keepalive_connections=parallel)
+        self.http = httpx.Client(base_url=root, headers=headers, timeout=timeout_s, limits=limits)
+        self.api = api
+        self.max_tokens = max_tokens
+        self.model = model or self._first_model()
+
+    def _first_model(self) -> str:
+        response = self.http.get("/models")
+        response.raise_for_status()
+        models = response.json()["data"]
+        if not models:
+            raise RuntimeError(f"{self.http.base_url}/models lists no model; pass --model")
+        return models[0]["id"]
+
+    def complete(self, prompt: str) -> Completion:
+        body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0, "stop": STOP}
+        if self.api == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+            response = self.http.post("/chat/completions", json=body)
+        else:
+            body["prompt"] = prompt
+            response = self.http.post("/completions", json=body)
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"{response.request.url} answered {response.status_code}: {response.text[:500]}"
+            )
+        payload = response.json()
+        choice = payload["choices"][0]
+        text = choice["message"]["content"] if self.api == "chat" else choice["text"]
+        usage = payload.get("usage") or {}
+        return Completion(text or "", int(usage.get("completion_tokens") or 0))
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def run_eval(
+    base_url: str,
+    rows: Sequence[dict],
+    *,
+    num_shots: int = 5,
+    num_questions: int = 200,
+    parallel: int = 64,
+    max_tokens: int = 512,
+    api: Literal["completions", "chat"] = "completions",
+    model: str | None = None,
+    api_key: str | None = None,
+    progress: bool = True,
+) -> dict:
+    from tqdm import tqdm
+
+    prompts = build_prompts(rows, num_shots, num_questions)
+    asked = rows[num_shots : num_shots + len(prompts)]
+    client = OpenAIClient(base_url, api, model, max_tokens, parallel, api_key)
+    try:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            completions = list(
+                tqdm(
+                    pool.map(client.complete, prompts),
+                    total=len(prompts),
+                    desc="gsm8k",
+                    disable=not progress,
+                )
+            )
+        latency_s = time.perf_counter() - start
+    finally:
+        client.close()
+    return score(
+        asked,
+        [c.text for c in completions],
+        latency_s,
+        sum(c.completion_tokens for c in completions),
+    )
+
+
+def summary(result: dict) -> str:
+    return (
+        f"Accuracy: {result['accuracy']:.3f}\n"
+        f"Invalid: {result['invalid']:.3f}\n"
+        f"Latency: {result['latency_s']:.3f} s\n"
+        f"Output throughput: {result['output_throughput']:.3f} token/s"
+    )
+
+
+def add_eval_parser(subparsers) -> None:
+    """`baton eval gsm8k ...` (registered by server/cli.py)."""
+    import argparse
+
+    evals = subparsers.add_parser(
+        "eval",
+        help="accuracy evals against an OpenAI-compatible server",
+        description="Accuracy evals.",
+    )
+    kinds = evals.add_subparsers(title="evals", metavar="EVAL", required=True)
+    parser = kinds.add_parser(
+        "gsm8k",
+        help="few-shot GSM8K (SGLang / lm-eval convention)",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--data", required=True, help="GSM8K-format JSONL (question, answer)")
+    parser.add_argument("--num-shots", type=int, default=5, help="few-shot rows (default: 5)")
+    parser.add_argument(
+        "--num-questions", type=int, default=200, help="questions asked (default: 200)"
+    )
+    parser.add_argument("--parallel", type=int, default=64, help="requests in flight (default: 64)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=512, help="tokens per answer (default: 512)"
+    )
+    parser.add_argument(
+        "--api",
+        choices=["completions", "chat"],
+        default="completions",
+        help="/v1/completions or /v1/chat/completions (default: completions)",
+    )
+    parser.add_argument("--model", help="model name to request (default: the first of /v1/models)")
+    parser.add_argument("--api-key", help="sent as `Authorization: Bearer KEY`")
+    parser.add_argument("--output", help="write the results JSON here")
+    parser.set_defaults(handler=_run_gsm8k)
+
+
+def _run_gsm8k(args) -> int:
+    for name in ("num_shots", "num_questions", "parallel", "max_tokens"):
+        if getattr(args, name) < (0 if name == "num_shots" else 1):
+            print(
+                f"baton eval gsm8k: --{name.replace('_', '-')} is too small: {getattr(args, name)}",
+                file=sys.stderr,
+            )
+            return 2
+    import httpx
+
+    from bench.gsm8k_data import read_jsonl
+
+    try:
+        rows = read_jsonl(args.data)
+        result = run_eval(
+            args.base_url,
+            rows,
+            num_shots=args.num_shots,
+            num_questions=args.num_questions,
+            parallel=args.parallel,
+            max_tokens=args.max_tokens,
+            api=args.api,
+            model=args.model,
+            api_key=args.api_key,
+        )
+    except (OSError, ValueError, RuntimeError, httpx.HTTPError) as error:
+        print(f"baton eval gsm8k: {error}", file=sys.stderr)
+        return 1
+    print(summary(result))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
