@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     add_serve_parser(subparsers)
+    from bench.gsm8k import add_eval_parser  # bench/ is a client of baton; only the CLI imports it
+
+    add_eval_parser(subparsers)
     return parser
 
 
