@@ -7,6 +7,7 @@ The server's engine process and the offline `LLM` both drive this class:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,12 +15,13 @@ import torch
 
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.memory import IndexPool, size_pools
+from engine.handover import Preallocation, RequestState
+from engine.memory import IndexPool, OutOfMemory, size_pools
 from engine.model_loader import load_model, resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestDelta, TokenLogprobs
 from engine.prefix_cache import PrefixCache
-from engine.request import Request
+from engine.request import Request, Status
 from engine.sampler import Sampler, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -114,6 +116,9 @@ class Engine:
         self.sampler = Sampler(args.seed, self.device)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # request id -> called with the request's state snapshot when it finishes (prefill side
+        # of a disaggregated pair), before its pages and slot are freed
+        self.finish_hooks: dict[str, Callable[[RequestState], None]] = {}
         self._arrivals = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -152,6 +157,10 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        req = self._new_request(request_id, prompt_token_ids, params)
+        self.scheduler.add(req)
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -177,11 +186,62 @@ class Engine:
                 self.tokenizer, req.prompt_ids, params.stop, params.skip_special_tokens
             )
         self.prompt_tokens_total += len(prompt_token_ids)
-        self.scheduler.add(req)
+        return req
+
+    # -- disaggregation: decode side ----------------------------------------------------------
+
+    def preallocate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Preallocation:
+        """Reserve KV pages for the prompt and a Mamba slot for a request whose prefill runs on
+        another engine. Raises ValueError for invalid requests, OutOfMemory when full."""
+        req = self._new_request(request_id, prompt_token_ids, params)
+        try:
+            self.scheduler.reserve_for_transfer(req)
+        except OutOfMemory:
+            self.requests.pop(request_id)
+            self.detokenizers.pop(request_id, None)
+            raise
+        return Preallocation(pages=tuple(req.kv_pages), mamba_slot=req.mamba_slot, num_prompt_tokens=len(req.prompt_ids))
+
+    def install(self, request_id: str, state: RequestState) -> RequestDelta | None:
+        """Write a transferred prefill into the preallocated pages and slot, append the first
+        token and start decoding. Returns the first token's delta (None if the request is gone)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not Status.TRANSFERRING:
+            return None
+        if state.num_prompt_tokens != len(req.prompt_ids) or state.k_pages.shape[1] > len(req.kv_pages):
+            raise ValueError(f"request {request_id}: transferred state does not fit its preallocation")
+        pages = torch.tensor(req.kv_pages[: state.k_pages.shape[1]], device=self.device)
+        ps = self.cache.page_size
+        for layer, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
+            k.view(-1, ps, *k.shape[1:])[pages] = state.k_pages[layer].to(self.device, k.dtype)
+            v.view(-1, ps, *v.shape[1:])[pages] = state.v_pages[layer].to(self.device, v.dtype)
+        self.cache.conv[:, req.mamba_slot] = state.conv.to(self.device, self.cache.conv.dtype)
+        self.cache.ssm[:, req.mamba_slot] = state.ssm.to(self.device, self.cache.ssm.dtype)
+        req.num_computed = len(req.prompt_ids)
+        self.scheduler.start_transferred(req)
+        return self._append_token(req, state.first_token, state.first_logprobs)
+
+    # -- disaggregation: prefill side ---------------------------------------------------------
+
+    def export_state(self, req: Request) -> RequestState:
+        """Snapshot (copy) a request's K/V pages and Mamba state after its prefill."""
+        ps = self.cache.page_size
+        num_pages = -(-len(req.prompt_ids) // ps)
+        pages = torch.tensor(req.kv_pages[:num_pages], device=self.device)
+        return RequestState(
+            num_prompt_tokens=len(req.prompt_ids),
+            first_token=req.output_ids[0],
+            first_logprobs=req.logprobs[0] if req.logprobs else None,
+            k_pages=torch.stack([k.view(-1, ps, *k.shape[1:])[pages] for k in self.cache.k]) if self.cache.k else torch.empty(0),
+            v_pages=torch.stack([v.view(-1, ps, *v.shape[1:])[pages] for v in self.cache.v]) if self.cache.v else torch.empty(0),
+            conv=self.cache.conv[:, req.mamba_slot].clone(),
+            ssm=self.cache.ssm[:, req.mamba_slot].clone(),
+        )
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         self.detokenizers.pop(request_id, None)
+        self.finish_hooks.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req, "abort")
 
@@ -268,6 +328,9 @@ class Engine:
         if finish is None and (len(req.output_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len):
             finish = "length"
         if finish is not None:
+            hook = self.finish_hooks.pop(req.request_id, None)
+            if hook is not None:
+                hook(self.export_state(req))
             self.scheduler.finish(req, finish, stop_reason)
             del self.requests[req.request_id]
             self.detokenizers.pop(req.request_id, None)

@@ -14,6 +14,7 @@ from engine.sampling_params import SamplingParams
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    TRANSFERRING = "transferring"  # decode side: pages reserved, prefill state not yet installed
     RUNNING = "running"
     FINISHED = "finished"
 

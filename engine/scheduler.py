@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.forward_metadata import ScheduledBatch, TrackPoint
-from engine.memory import IndexPool
+from engine.memory import IndexPool, OutOfMemory
 from engine.outputs import FinishReason
 from engine.prefix_cache import PrefixCache
 from engine.request import Request, Status
@@ -88,6 +88,23 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
+
+    def reserve_for_transfer(self, req: Request) -> None:
+        """Decode side of a disaggregated pair: a slot and pages for the prompt plus the first
+        generated token, held while the prefill engine computes and sends them."""
+        cache = self.prefix_cache
+        need = self._pages_for(len(req.prompt_ids) + 1)
+        if self.slots.available == 0 and not (cache and cache.evict(slots=1)):
+            raise OutOfMemory("no free Mamba slot for a transferred request")
+        if self.pages.available < need and not (cache and cache.evict(pages=need)):
+            raise OutOfMemory(f"need {need} free KV pages for a transferred request, {self.pages.available} free")
+        req.mamba_slot = self.slots.alloc(1)[0]
+        req.kv_pages = self.pages.alloc(need)
+        req.status = Status.TRANSFERRING
+
+    def start_transferred(self, req: Request) -> None:
+        req.status = Status.RUNNING
+        self.running.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
