@@ -1,0 +1,210 @@
+"""The decode side of a disaggregated pair: reserve, register, receive, install, decode.
+
+For each room the decode engine preallocates KV pages and a Mamba slot, sends Register to the
+prefill engine's transfer socket (a DEALER per prefill address), and waits for the StateTransfer.
+Every pending room has a deadline; heartbeats go to each prefill peer with pending rooms, and a
+peer that stops acknowledging is declared lost. A failed room frees its pages and slot and its
+client gets an error, never garbage tokens, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import zmq
+
+from disagg.protocol import (
+    Abort,
+    Heartbeat,
+    HeartbeatAck,
+    ProtocolError,
+    Register,
+    Reject,
+    StateTransfer,
+    decode,
+    encode,
+)
+from disagg.rooms import DisaggConfig, RoomState, TransferCounters, compat_of, now
+from engine.handover import RequestState
+from engine.memory import OutOfMemory
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("baton.disagg.decode")
+
+
+@dataclass
+class DecodeRoom:
+    room: str
+    request_id: str
+    peer: str  # prefill transfer address
+    registered: float
+    state: RoomState = "waiting_for_input"
+
+
+@dataclass
+class Peer:
+    socket: zmq.Socket
+    last_ack: float
+    last_heartbeat: float = 0.0
+
+
+@dataclass
+class DecodeWorker:
+    engine: object
+    config: DisaggConfig
+    context: zmq.Context
+    rooms: dict[str, DecodeRoom] = field(default_factory=dict)
+    peers: dict[str, Peer] = field(default_factory=dict)
+    counters: TransferCounters = field(default_factory=TransferCounters)
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    ready: list = field(default_factory=list)  # first-token deltas of installed rooms
+
+    def __post_init__(self) -> None:
+        self.compat = compat_of(self.engine)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    # -- the engine interface ---------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, room: str = "", prefill_addr: str = ""
+    ) -> None:
+        if not room:
+            self.engine.add_request(request_id, prompt_token_ids, params)
+            return
+        if not prefill_addr:
+            raise ValueError("a disaggregated decode request needs the prefill worker's transfer address")
+        try:
+            self.engine.preallocate(request_id, prompt_token_ids, params)
+        except OutOfMemory as error:
+            raise ValueError(f"decode worker is out of memory for this request: {error}") from None
+        peer = self._peer(prefill_addr)
+        self.rooms[room] = DecodeRoom(room=room, request_id=request_id, peer=prefill_addr, registered=now())
+        peer.socket.send_multipart(
+            encode(Register(room=room, compat=self.compat, num_prompt_tokens=len(prompt_token_ids)), secret=self.config.secret)
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        for r in list(self.rooms.values()):
+            if r.request_id == request_id:
+                self._send(r.peer, Abort(room=r.room, reason="decode request aborted"))
+                del self.rooms[r.room]
+        self.engine.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests() or bool(self.rooms) or bool(self.ready)
+
+    def step(self):
+        self.poll()
+        self._heartbeat_and_expire()
+        deltas, self.ready = self.ready, []
+        if self.engine.has_unfinished_requests():
+            deltas += self.engine.step()
+        return deltas
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        failures, self.failures = self.failures, []
+        return failures
+
+    def extra_stats(self) -> dict:
+        by_state: dict[str, int] = {}
+        for r in self.rooms.values():
+            by_state[r.state] = by_state.get(r.state, 0) + 1
+        return self.counters.as_dict(by_state)
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [p.socket for p in self.peers.values()]
+
+    def close(self) -> None:
+        for p in self.peers.values():
+            p.socket.close(linger=0)
+
+    # -- protocol -----------------------------------------------------------------------------
+
+    def _peer(self, address: str) -> Peer:
+        peer = self.peers.get(address)
+        if peer is None:
+            socket = self.context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+            peer = self.peers[address] = Peer(socket=socket, last_ack=now())
+        return peer
+
+    def poll(self) -> None:
+        for address, peer in self.peers.items():
+            while True:
+                try:
+                    frames = peer.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                try:
+                    message, tensors = decode([f.buffer for f in frames], self.config.secret)
+                except ProtocolError as error:
+                    logger.warning("rejected a message from %s: %s", address, error)
+                    continue
+                peer.last_ack = now()
+                self._handle(message, tensors)
+
+    def _handle(self, message, tensors) -> None:
+        if isinstance(message, StateTransfer):
+            r = self.rooms.pop(message.room, None)
+            if r is None:
+                return  # aborted or timed out meanwhile
+            k, v, conv, ssm = tensors
+            state = RequestState(
+                num_prompt_tokens=message.num_prompt_tokens, first_token=message.first_token,
+                first_logprobs=message.first_logprobs, k_pages=k, v_pages=v, conv=conv, ssm=ssm,
+            )
+            try:
+                delta = self.engine.install(r.request_id, state)
+            except ValueError as error:
+                self._fail(r, str(error))
+                return
+            self.counters.bytes_total += sum(t.numel() * t.element_size() for t in tensors)
+            self.counters.transfers_ok += 1
+            self.counters.latencies_s.append(now() - r.registered)
+            if delta is not None:
+                self.ready.append(delta)
+        elif isinstance(message, (Reject, Abort)):
+            r = self.rooms.pop(message.room, None)
+            if r is not None:
+                text = message.message if isinstance(message, Reject) else f"prefill worker aborted: {message.reason}"
+                self._fail(r, text, notify=False)
+        elif isinstance(message, HeartbeatAck):
+            for room in message.unknown_rooms:
+                r = self.rooms.get(room)
+                if r is not None and now() - r.registered > self.config.heartbeat_interval_s:
+                    self._fail(r, f"room {room}: the prefill worker has lost it")
+
+    def _heartbeat_and_expire(self) -> None:
+        t = now()
+        pending_by_peer: dict[str, list[str]] = {}
+        for r in list(self.rooms.values()):
+            if t - r.registered > self.config.transfer_timeout_s:
+                self._fail(r, f"room {r.room}: no state from the prefill worker within {self.config.transfer_timeout_s:.0f} s")
+            else:
+                pending_by_peer.setdefault(r.peer, []).append(r.room)
+        for address, rooms in pending_by_peer.items():
+            peer = self.peers[address]
+            if t - peer.last_ack > self.config.lease_timeout_s and t - min(self.rooms[x].registered for x in rooms) > self.config.lease_timeout_s:
+                for room in rooms:
+                    self._fail(self.rooms[room], f"prefill worker {address} stopped answering", notify=False)
+                continue
+            if t - peer.last_heartbeat >= self.config.heartbeat_interval_s:
+                peer.last_heartbeat = t
+                peer.socket.send_multipart(encode(Heartbeat(rooms=rooms), secret=self.config.secret))
+
+    def _fail(self, r: DecodeRoom, reason: str, notify: bool = True) -> None:
+        logger.warning("%s", reason)
+        r.state = "failed"
+        self.rooms.pop(r.room, None)
+        self.counters.transfers_failed += 1
+        if notify:
+            self._send(r.peer, Abort(room=r.room, reason=reason))
+        self.engine.abort_request(r.request_id)
+        self.failures.append((r.request_id, reason))
+
+    def _send(self, address: str, message) -> None:
+        self._peer(address).socket.send_multipart(encode(message, secret=self.config.secret))

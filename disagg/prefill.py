@@ -1,0 +1,224 @@
+"""The prefill side of a disaggregated pair: run prompts, push their state to decode engines.
+
+A room needs two things before its state can leave: the request itself (from the router via
+this worker's server) and the decode engine's Register (which says where the state goes and
+proves the two engines are compatible). They arrive in either order. Once the prefill has
+sampled the first token, the engine snapshots K/V pages and Mamba state (then frees its own pages
+and slot) and the snapshot is pushed as soon as the room is registered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from dataclasses import dataclass, field
+
+import zmq
+
+from disagg.protocol import (
+    Abort,
+    Heartbeat,
+    HeartbeatAck,
+    ProtocolError,
+    Register,
+    Reject,
+    StateTransfer,
+    TensorSpec,
+    decode,
+    dtype_name,
+    encode,
+)
+from disagg.rooms import DisaggConfig, FaultInjection, RoomState, TransferCounters, compat_of, now
+from engine.handover import RequestState
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("baton.disagg.prefill")
+
+
+@dataclass
+class PrefillRoom:
+    room: str
+    created: float
+    state: RoomState = "bootstrapping"
+    request_id: str | None = None
+    peer: bytes | None = None  # ROUTER identity of the registered decode engine
+    lease: float = 0.0  # last heartbeat
+    snapshot: RequestState | None = None
+    send_at: float | None = None  # fault injection: delayed send
+
+
+@dataclass
+class PrefillWorker:
+    """Wraps an Engine with the same step interface; the engine loop drives it."""
+
+    engine: object
+    config: DisaggConfig
+    context: zmq.Context
+    rooms: dict[str, PrefillRoom] = field(default_factory=dict)
+    counters: TransferCounters = field(default_factory=TransferCounters)
+    faults: FaultInjection = field(default_factory=FaultInjection.from_env)
+    failures: list[tuple[str, str]] = field(default_factory=list)  # (request_id, message)
+
+    def __post_init__(self) -> None:
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if self.config.port:
+            self.socket.bind(f"tcp://{self.config.host}:{self.config.port}")
+            self.port = self.config.port
+        else:
+            self.port = self.socket.bind_to_random_port(f"tcp://{self.config.host}")
+        self.address = f"tcp://{self.config.host}:{self.port}"
+        self.compat = compat_of(self.engine)
+        self.rng = random.Random()
+
+    # -- the engine interface ---------------------------------------------------------------
+
+    def __getattr__(self, name):  # model_config, max_model_len, stats, tokenizer, ...
+        return getattr(self.engine, name)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, room: str = "") -> None:
+        if not room:
+            self.engine.add_request(request_id, prompt_token_ids, params)
+            return
+        # The prefill worker computes the prompt and the first token only.
+        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1)
+        self.engine.add_request(request_id, prompt_token_ids, first_only)
+        r = self.rooms.setdefault(room, PrefillRoom(room=room, created=now()))
+        r.request_id = request_id
+        self.engine.finish_hooks[request_id] = lambda state, r=r: self._prefilled(r, state)
+
+    def abort_request(self, request_id: str) -> None:
+        for r in list(self.rooms.values()):
+            if r.request_id == request_id and r.snapshot is None:
+                self._fail(r, "prefill request aborted")
+        self.engine.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests() or any(r.snapshot is not None for r in self.rooms.values())
+
+    def step(self):
+        self.poll()
+        deltas = self.engine.step() if self.engine.has_unfinished_requests() else []
+        self._flush()
+        self._expire()
+        return deltas
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        failures, self.failures = self.failures, []
+        return failures
+
+    def extra_stats(self) -> dict:
+        by_state: dict[str, int] = {}
+        for r in self.rooms.values():
+            by_state[r.state] = by_state.get(r.state, 0) + 1
+        return self.counters.as_dict(by_state) | {"disagg_transfer_address": self.address}
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.socket]
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+    # -- protocol -----------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        while True:
+            try:
+                identity, *frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            try:
+                message, _ = decode(frames, self.config.secret)
+            except ProtocolError as error:
+                logger.warning("rejected a message from %r: %s", identity, error)
+                continue
+            if isinstance(message, Register):
+                self._register(identity, message)
+            elif isinstance(message, Heartbeat):
+                unknown = []
+                for room in message.rooms:
+                    r = self.rooms.get(room)
+                    if r is None:
+                        unknown.append(room)
+                    else:
+                        r.lease = now()
+                self._send(identity, HeartbeatAck(unknown_rooms=unknown))
+            elif isinstance(message, Abort):
+                r = self.rooms.get(message.room)
+                if r is not None:
+                    logger.info("room %s aborted by decode: %s", r.room, message.reason)
+                    self._drop(r, notify=False, reason=message.reason)
+
+    def _register(self, identity: bytes, message: Register) -> None:
+        mismatch = self.compat.mismatch(message.compat)
+        if mismatch:
+            self._send(identity, Reject(room=message.room, message=f"incompatible workers: {mismatch}"))
+            return
+        r = self.rooms.setdefault(message.room, PrefillRoom(room=message.room, created=now()))
+        r.peer, r.lease = identity, now()
+        if r.state == "bootstrapping":
+            r.state = "waiting_for_input"
+        if r.snapshot is not None:
+            self._schedule_send(r)
+
+    def _prefilled(self, r: PrefillRoom, state: RequestState) -> None:
+        r.snapshot = state
+        if r.peer is not None:
+            self._schedule_send(r)
+
+    def _schedule_send(self, r: PrefillRoom) -> None:
+        r.state = "transferring"
+        r.send_at = now() + self.faults.delay_ms / 1000
+
+    def _flush(self) -> None:
+        for r in list(self.rooms.values()):
+            if r.send_at is None or now() < r.send_at:
+                continue
+            if self.faults.should_drop(self.rng):
+                logger.warning("fault injection: dropping the transfer of room %s", r.room)
+                self.counters.transfers_failed += 1
+                del self.rooms[r.room]
+                continue
+            s = r.snapshot
+            tensors = [("k_pages", s.k_pages), ("v_pages", s.v_pages), ("conv", s.conv), ("ssm", s.ssm)]
+            message = StateTransfer(
+                room=r.room,
+                num_prompt_tokens=s.num_prompt_tokens,
+                first_token=s.first_token,
+                first_logprobs=s.first_logprobs,
+                tensors=[TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in tensors],
+            )
+            frames = encode(message, [t for _, t in tensors], self.config.secret)
+            self.socket.send_multipart([r.peer, *frames], copy=False)  # snapshot buffers are never reused
+            self.counters.bytes_total += sum(t.numel() * t.element_size() for _, t in tensors)
+            self.counters.transfers_ok += 1
+            r.state = "success"
+            del self.rooms[r.room]
+
+    def _expire(self) -> None:
+        t = now()
+        for r in list(self.rooms.values()):
+            if r.peer is None and t - r.created > self.config.bootstrap_timeout_s:
+                self._fail(r, f"room {r.room}: no decode worker registered within {self.config.bootstrap_timeout_s:.0f} s")
+            elif r.peer is not None and t - r.lease > self.config.lease_timeout_s:
+                self._fail(r, f"room {r.room}: decode worker stopped sending heartbeats", notify=False)
+
+    def _fail(self, r: PrefillRoom, reason: str, notify: bool = True) -> None:
+        logger.warning("%s", reason)
+        self.counters.transfers_failed += 1
+        self._drop(r, notify=notify, reason=reason)
+
+    def _drop(self, r: PrefillRoom, notify: bool, reason: str) -> None:
+        r.state = "failed"
+        self.rooms.pop(r.room, None)
+        if r.request_id is not None:
+            self.engine.finish_hooks.pop(r.request_id, None)
+            if r.snapshot is None and r.request_id in self.engine.requests:
+                self.failures.append((r.request_id, reason))  # its client gets the error
+            self.engine.abort_request(r.request_id)
+        if notify and r.peer is not None:
+            self._send(r.peer, Abort(room=r.room, reason=reason))
+
+    def _send(self, identity: bytes, message) -> None:
+        self.socket.send_multipart([identity, *encode(message, secret=self.config.secret)])
