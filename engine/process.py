@@ -13,7 +13,6 @@ Ctrl-C reaches the whole process group and the server decides how to wind down.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from engine.engine import Engine
 from engine.ipc import (
     AbortRequests,
     AddRequest,
@@ -53,7 +53,6 @@ class EngineProcessSpec:
     input_addr: str  # zmq address the server pushes requests to
     output_addr: str  # zmq address the server pulls outputs from
     parent_pid: int
-    engine_class: str  # "module:Class" to build; the real Engine unless a test swaps in a fake
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -144,29 +143,27 @@ def main(argv: list[str] | None = None) -> int:
     inbox = context.socket(zmq.PULL)
     inbox.connect(spec.input_addr)
     outbox = context.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.LINGER, 1000)
     outbox.connect(spec.output_addr)
     try:
-        module_name, class_name = spec.engine_class.split(":")
-        engine_class = getattr(importlib.import_module(module_name), class_name)
-        engine = engine_class(spec.model, dtype=spec.dtype, device=spec.device, **spec.engine_args)
+        return _load_and_run(spec, inbox, outbox)
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=1000)  # let the last message (EngineFailed, say) reach the server
+        context.term()
+
+
+def _load_and_run(spec: EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
+    try:
+        engine = Engine(spec.model, dtype=spec.dtype, device=spec.device, **spec.engine_args)
     except Exception as error:
         logger.exception("failed to load %s", spec.model)
         outbox.send(encode(EngineFailed(message=f"failed to load model {spec.model}: {error}")))
         return 1
+    config = engine.model_config
     outbox.send(
-        encode(
-            EngineReady(
-                vocab_size=engine.model_config.vocab_size, max_model_len=engine.max_model_len
-            )
-        )
+        encode(EngineReady(vocab_size=config.vocab_size, max_model_len=engine.max_model_len))
     )
-    try:
-        return EngineLoop(engine, inbox, outbox, spec.parent_pid).run()
-    finally:
-        inbox.close(linger=0)
-        outbox.close()
-        context.term()
+    return EngineLoop(engine, inbox, outbox, spec.parent_pid).run()
 
 
 if __name__ == "__main__":

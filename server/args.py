@@ -39,7 +39,6 @@ class ServerArgs:
     seed: int | None = None
     api_key: str | None = None
     engine_start_timeout: float = 600.0
-    engine_class: str = "engine.engine:Engine"  # "module:Class"; tests swap in a fake
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -99,7 +99,6 @@ def add_serve_parser(subparsers) -> None:
         type=int,
         help="engine random seed for requests that give none (default: chosen by the engine)",
     )
-    engine.add_argument("--engine-class", default=_default("engine_class"), help=argparse.SUPPRESS)
     engine.add_argument(
         "--engine-start-timeout",
         type=float,

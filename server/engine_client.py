@@ -107,7 +107,6 @@ class EngineClient:
             input_addr=input_addr,
             output_addr=output_addr,
             parent_pid=os.getpid(),
-            engine_class=self.args.engine_class,
         )
         self._process = subprocess.Popen([sys.executable, "-m", "engine.process", spec.to_json()])
         deadline = asyncio.get_running_loop().time() + self.args.engine_start_timeout
@@ -149,13 +148,13 @@ class EngineClient:
             self._routes[request.request_id] = (queue, index)
         try:
             for request in requests:
-                self._send(
-                    AddRequest(
-                        request_id=request.request_id,
-                        prompt_token_ids=request.prompt_token_ids,
-                        params=request.params,
-                    )
+                message = AddRequest(
+                    request_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    params=request.params,
                 )
+                if not self._send(message):
+                    raise EngineUnavailable("the engine process is not connected")
             while unfinished:
                 index, item = await queue.get()
                 if isinstance(item, Exception):
@@ -166,7 +165,7 @@ class EngineClient:
         finally:
             for request in requests:
                 self._routes.pop(request.request_id, None)
-            if unfinished and self._process is not None and self._process.poll() is None:
+            if unfinished:
                 self._send(AbortRequests(request_ids=sorted(unfinished)))
 
     def fail_all(self, reason: str) -> None:
@@ -199,9 +198,19 @@ class EngineClient:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
-    def _send(self, message) -> None:
-        if not self._outbox.closed:  # a late cleanup after shutdown has nobody to tell
-            self._outbox.send(encode(message))
+    def _send(self, message) -> bool:
+        """Queue a message for the engine without ever blocking the event loop.
+
+        PUSH has no high-water mark here, so a send fails only when no engine is connected
+        (it died, or shutdown closed the socket); then there is nobody to tell: return False.
+        """
+        if self._outbox.closed:
+            return False
+        try:
+            self._outbox.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     async def _receive_loop(self) -> None:
         while True:

@@ -107,7 +107,6 @@ def test_process_spec_round_trips_through_json():
         input_addr="ipc:///tmp/a",
         output_addr="ipc:///tmp/b",
         parent_pid=1,
-        engine_class="engine.engine:Engine",
     )
     assert EngineProcessSpec.from_json(spec.to_json()) == spec
 

@@ -69,3 +69,12 @@ def test_serve_refuses_a_directory_without_a_model(tmp_path):
 def test_negative_sizes_are_refused_by_the_parser():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--model", "m", "--max-model-len", "-5"])
+
+
+def test_serve_exits_1_and_says_why_when_the_engine_cannot_load(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "nemotron_h"}')
+    result = subprocess.run(
+        [str(BATON), "serve", "--model", str(tmp_path), "--port", "1"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert f"failed to load model {tmp_path}" in result.stderr
