@@ -183,11 +183,15 @@ class EngineClient:
             task.cancel()
         process = self._process
         if process is not None and process.poll() is None:
-            self._send(Shutdown())
+            # An engine still loading reads no messages: stop it with SIGTERM instead.
+            if self.ready is None or not self._send(Shutdown()):
+                process.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 await asyncio.to_thread(process.wait, timeout)
             if process.poll() is None:
-                logger.warning("engine process %d ignored shutdown; killing it", process.pid)
+                logger.warning(
+                    "engine process %d did not exit in %.0f s; killing it", process.pid, timeout
+                )
                 process.kill()
                 await asyncio.to_thread(process.wait)
         self._outbox.close(linger=0)
