@@ -15,6 +15,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.graph_runner import DecodeGraphRunner
 from engine.handover import Preallocation, RequestState
 from engine.memory import IndexPool, OutOfMemory, size_pools
 from engine.model_loader import load_model, resolve_dtype
@@ -41,6 +42,9 @@ class EngineArgs:
     page_size: int = 16
     seed: int = 0
     mem_fraction: float = 0.85
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None  # default: max_running_requests
+    cpu_padded_decode: bool = False  # run CPU decode steps through the padded graph runner
     enable_prefix_caching: bool = True
     mamba_track_interval: int | None = None  # default: a multiple of chunk and page near 512
 
@@ -113,6 +117,7 @@ class Engine:
             copy_slot=self.cache.copy_mamba_slot,
         )
         self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.graph_runner = self._make_graph_runner()
         self.sampler = Sampler(args.seed, self.device)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -134,6 +139,19 @@ class Engine:
                 f"{config.chunk_size} and of the KV page size {args.page_size}"
             )
         return PrefixCache(track_interval=interval, page_size=args.page_size, pages=self.pages, slots=self.slots)
+
+    def _make_graph_runner(self) -> DecodeGraphRunner | None:
+        args = self.args
+        on_cuda = self.device.type == "cuda" and not args.disable_cuda_graph
+        if not on_cuda and not args.cpu_padded_decode:
+            return None
+        page = args.page_size
+        return DecodeGraphRunner(
+            self.runner,
+            max_bs=min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests),
+            kv_capacity=-(-self.max_model_len // page) * page,
+            use_cuda_graphs=on_cuda,
+        )
 
     def reset_prefix_cache(self) -> None:
         if self.prefix_cache is not None:
@@ -272,7 +290,10 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched is None:
             return []
-        md, logits = self.runner.forward(sched)
+        if self.graph_runner is not None and self.graph_runner.can_run(sched):
+            md, logits = self.graph_runner.forward(sched)
+        else:
+            md, logits = self.runner.forward(sched)
         reqs = [self.requests[rid] for rid in sched.request_ids]
         for s, req in enumerate(reqs):
             req.num_computed += sched.seq_lens[s]

@@ -106,15 +106,30 @@ class Mamba2Metadata:
 
 
 def build_metadata(
-    sched: ScheduledBatch, *, page_size: int, chunk_size: int, conv_kernel: int, device: torch.device | str
+    sched: ScheduledBatch,
+    *,
+    page_size: int,
+    chunk_size: int,
+    conv_kernel: int,
+    device: torch.device | str,
+    kv_capacity: int | None,
+    track_capacity: int | None,
 ) -> Mamba2Metadata:
-    """The one builder: every mode, eager and graph capture alike."""
+    """The one builder: every mode, eager and graph capture alike.
+
+    Eager callers pass kv_capacity=None and track_capacity=None (shapes fit the batch). The decode
+    graph runner passes fixed capacities so every tensor has the shape captured in its graph:
+    attention key width `kv_capacity`, and (when tracking) exactly `track_capacity` track entries,
+    the extra ones copying dummy slot 0 onto itself.
+    """
     nd = sched.num_decode_seqs
     lens, starts = sched.seq_lens, sched.start_positions
     if nd and any(n != 1 for n in lens[:nd]):
         raise ValueError("decode sequences must feed exactly one token each")
     num_seqs = sched.num_seqs
     max_pages = max((len(p) for p in sched.kv_pages), default=0)
+    if kv_capacity is not None:
+        max_pages = max(max_pages, -(-kv_capacity // page_size))
     page_table = torch.tensor(
         [list(p) + [0] * (max_pages - len(p)) for p in sched.kv_pages], dtype=torch.int64
     ).view(num_seqs, max_pages)  # padding -> dummy page 0
@@ -156,7 +171,9 @@ def build_metadata(
     forward = ForwardMetadata(
         batch=batch,
         slot_mapping=slot_mapping.to(device),
-        decode_attention=build_attention_layout(list(lens[:nd]), kv_lens[:nd], token_table[:nd], device),
+        decode_attention=build_attention_layout(
+            list(lens[:nd]), kv_lens[:nd], token_table[:nd], device, kv_width=kv_capacity
+        ),
         prefill_attention=build_attention_layout(list(lens[nd:]), kv_lens[nd:], token_table[nd:], device),
     )
 
@@ -165,6 +182,12 @@ def build_metadata(
     track_conv, track_src, track_dst, num_decode_tracks = _track_indices(
         sched, chunk_layout.num_chunks, chunk_size, token_offsets
     )
+    if track_capacity is not None and sched.has_mamba_track_mask:
+        if len(track_dst) > track_capacity or num_decode_tracks != len(track_dst):
+            raise ValueError("graph-captured batches carry at most track_capacity decode checkpoints")
+        pad = track_capacity - len(track_dst)
+        track_conv, track_src, track_dst = track_conv + [0] * pad, track_src + [0] * pad, track_dst + [0] * pad
+        num_decode_tracks = track_capacity
     return Mamba2Metadata(
         forward=forward,
         decode_slots=torch.tensor(sched.mamba_slots[:nd], dtype=torch.int64, device=device),

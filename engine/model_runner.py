@@ -23,6 +23,8 @@ class ModelRunner:
             chunk_size=self.config.chunk_size,
             conv_kernel=self.config.conv_kernel,
             device=self.device,
+            kv_capacity=None,
+            track_capacity=None,
         )
 
     @torch.inference_mode()

@@ -33,11 +33,20 @@ class AttentionLayout(NamedTuple):
 
 
 def build_attention_layout(
-    q_lens: list[int], kv_lens: list[int], kv_indices: torch.Tensor, device: torch.device | str
+    q_lens: list[int],
+    kv_lens: list[int],
+    kv_indices: torch.Tensor,
+    device: torch.device | str,
+    kv_width: int | None = None,
 ) -> AttentionLayout:
-    """q_lens / kv_lens: host lists; kv_indices: (num_seqs, >= max(kv_lens)) int64 token slots."""
+    """q_lens / kv_lens: host lists; kv_indices: (num_seqs, >= max(kv_lens)) int64 token slots.
+    `kv_width` fixes max_kv (static shapes for CUDA graphs); default: the longest sequence."""
     num_seqs = len(q_lens)
     max_q, max_kv = max(q_lens, default=0), max(kv_lens, default=0)
+    if kv_width is not None:
+        if kv_width < max_kv:
+            raise ValueError(f"kv_width {kv_width} is shorter than the longest sequence ({max_kv})")
+        max_kv = kv_width
     ql = torch.tensor(q_lens, dtype=torch.int64)
     kl = torch.tensor(kv_lens, dtype=torch.int64)
     num_tokens = int(ql.sum())

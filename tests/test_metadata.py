@@ -120,7 +120,9 @@ def reconstruct(md: Mamba2Metadata, sched: ScheduledBatch) -> dict:
 
 
 def build(sched):
-    return build_metadata(sched, page_size=PAGE, chunk_size=CHUNK, conv_kernel=CONV, device="cpu")
+    return build_metadata(
+        sched, page_size=PAGE, chunk_size=CHUNK, conv_kernel=CONV, device="cpu", kv_capacity=None, track_capacity=None
+    )
 
 
 def check_builder_carries_every_field(builder) -> None:
