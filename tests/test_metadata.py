@@ -4,6 +4,7 @@ tracking that really writes checkpoint slots."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from engine.forward_metadata import (
     TrackPoint,
     build_metadata,
 )
+from engine.graph_runner import DecodeGraphRunner
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.state_cache import StateCache
@@ -95,6 +97,8 @@ def reconstruct(md: Mamba2Metadata, sched: ScheduledBatch) -> dict:
     points = []
     ndt = md.num_decode_tracks
     for i, dst in enumerate(md.track_ssm_dst.tolist()):
+        if dst == 0:
+            continue  # graph-capacity padding: dummy slot 0 onto itself
         conv = md.track_conv_indices[i].item()
         if i < ndt:
             points.append(TrackPoint(seq_index=conv, token_offset=0, dst_slot=dst))
@@ -125,9 +129,9 @@ def build(sched):
     )
 
 
-def check_builder_carries_every_field(builder) -> None:
+def check_builder_carries_every_field(builder, modes=("extend", "decode", "mixed", "verify")) -> None:
     fields = {f.name for f in dataclasses.fields(ScheduledBatch)}
-    for mode in ("extend", "decode", "mixed", "verify"):
+    for mode in modes:
         for track in (False, True):
             sched = scheduled(mode, track)
             got = reconstruct(builder(sched), sched)
@@ -138,6 +142,42 @@ def check_builder_carries_every_field(builder) -> None:
 
 def test_builder_carries_every_field_in_every_mode():
     check_builder_carries_every_field(build)
+
+
+def graph_runner(kv_capacity: int = 64) -> DecodeGraphRunner:
+    fake = SimpleNamespace(config=SimpleNamespace(chunk_size=CHUNK, conv_kernel=CONV), cache=SimpleNamespace(page_size=PAGE), device="cpu")
+    runner = DecodeGraphRunner(fake, max_bs=8, kv_capacity=kv_capacity, use_cuda_graphs=False)
+    runner.use_cuda_graphs = True  # build with the static capacities a CUDA graph uses
+    return runner
+
+
+def test_graph_path_builder_carries_every_field():
+    """Padded to a capture size with static capacities, the real rows keep every field."""
+    runner = graph_runner()
+
+    def padded_build(sched):
+        md = runner.build(runner.pad(sched, 8))
+        assert md.forward.decode_attention.max_kv == 64 and md.track_ssm_dst.shape[0] in (0, 8)
+        real = sched.num_seqs
+        return dataclasses.replace(
+            md,
+            forward=dataclasses.replace(
+                md.forward,
+                batch=dataclasses.replace(
+                    md.forward.batch, num_decode_seqs=real, input_ids=md.forward.batch.input_ids[:real],
+                    logits_row_owner=md.forward.batch.logits_row_owner[:real],
+                ),
+                slot_mapping=md.forward.slot_mapping[:real],
+                decode_attention=md.forward.decode_attention._replace(kv_lens=md.forward.decode_attention.kv_lens[:real]),
+            ),
+            decode_slots=md.decode_slots[:real],
+        )
+
+    check_builder_carries_every_field(padded_build, modes=("decode",))
+    with pytest.raises(AssertionError):
+        check_builder_carries_every_field(
+            lambda sched: dataclasses.replace(padded_build(sched), has_mamba_track_mask=False), modes=("decode",)
+        )
 
 
 @pytest.mark.parametrize(
