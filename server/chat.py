@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -115,17 +116,18 @@ async def _stream(
         }
         yield sse({**head, "choices": [choice], **extra})
     results = [ChoiceResult() for _ in requests]
-    async for index, delta in timed_deltas(state, requests, arrival):
-        results[index].add(delta)
-        wants_logprobs = body.logprobs and bool(delta.new_token_ids)
-        if not (delta.new_text or delta.finished or wants_logprobs):
-            continue
-        choice = {
-            "index": index,
-            "delta": {"content": delta.new_text} if delta.new_text or wants_logprobs else {},
-            "logprobs": _logprobs(state, body, delta.new_token_ids, delta.new_logprobs or []),
-            "finish_reason": delta.finish_reason if delta.finished else None,
-        }
-        yield sse({**head, "choices": [choice], **extra})
+    async with contextlib.aclosing(timed_deltas(state, requests, arrival)) as deltas:
+        async for index, delta in deltas:
+            results[index].add(delta)
+            wants_logprobs = body.logprobs and bool(delta.new_token_ids)
+            if not (delta.new_text or delta.finished or wants_logprobs):
+                continue
+            choice = {
+                "index": index,
+                "delta": {"content": delta.new_text} if delta.new_text or wants_logprobs else {},
+                "logprobs": _logprobs(state, body, delta.new_token_ids, delta.new_logprobs or []),
+                "finish_reason": delta.finish_reason if delta.finished else None,
+            }
+            yield sse({**head, "choices": [choice], **extra})
     if body.include_usage:
         yield sse({**head, "choices": [], "usage": usage([prompt], results, body.n)})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -107,21 +108,22 @@ async def _stream(
 ) -> AsyncIterator[str]:
     results = [ChoiceResult() for _ in requests]
     extra = {"usage": None} if body.include_usage else {}
-    async for index, delta in timed_deltas(state, requests, arrival):
-        result = results[index]
-        text_offset = len(result.text)
-        result.add(delta)
-        wants_logprobs = body.logprobs is not None and bool(delta.new_token_ids)
-        if not (delta.new_text or delta.finished or wants_logprobs):
-            continue
-        choice = {
-            "index": index,
-            "text": delta.new_text,
-            "logprobs": _logprobs(
-                state, body, delta.new_token_ids, delta.new_logprobs or [], text_offset
-            ),
-            "finish_reason": delta.finish_reason if delta.finished else None,
-        }
-        yield sse({**head, "choices": [choice], **extra})
+    async with contextlib.aclosing(timed_deltas(state, requests, arrival)) as deltas:
+        async for index, delta in deltas:
+            result = results[index]
+            text_offset = len(result.text)
+            result.add(delta)
+            wants_logprobs = body.logprobs is not None and bool(delta.new_token_ids)
+            if not (delta.new_text or delta.finished or wants_logprobs):
+                continue
+            choice = {
+                "index": index,
+                "text": delta.new_text,
+                "logprobs": _logprobs(
+                    state, body, delta.new_token_ids, delta.new_logprobs or [], text_offset
+                ),
+                "finish_reason": delta.finish_reason if delta.finished else None,
+            }
+            yield sse({**head, "choices": [choice], **extra})
     if body.include_usage:
         yield sse({**head, "choices": [], "usage": usage(prompts, results, body.n)})

@@ -193,8 +193,9 @@ def sse(payload: dict | str) -> str:
 async def sse_guard(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """End every stream with `data: [DONE]`; a failure mid-stream becomes an error event first."""
     try:
-        async for chunk in chunks:
-            yield chunk
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
     except EngineRejected as error:
         yield sse(error_body(400, str(error)))
     except EngineUnavailable as error:
