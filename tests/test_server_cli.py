@@ -74,7 +74,10 @@ def test_negative_sizes_are_refused_by_the_parser():
 def test_serve_exits_1_and_says_why_when_the_engine_cannot_load(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "nemotron_h"}')
     result = subprocess.run(
-        [str(BATON), "serve", "--model", str(tmp_path), "--port", "1"], capture_output=True, text=True, timeout=120
+        [str(BATON), "serve", "--model", str(tmp_path), "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 1
     assert f"failed to load model {tmp_path}" in result.stderr
