@@ -32,7 +32,13 @@ HEALTH_TIMEOUT_S = 2.0
 
 
 def error_body(status: int, message: str, code: str | None = None) -> dict:
-    kind = "invalid_request_error" if status < 500 else "service_unavailable" if status == 503 else "internal_error"
+    kind = (
+        "invalid_request_error"
+        if status < 500
+        else "service_unavailable"
+        if status == 503
+        else "internal_error"
+    )
     return {"error": {"message": message, "type": kind, "param": None, "code": code or status}}
 
 
@@ -80,14 +86,18 @@ class RouterState:
         if not healthy:
             worker.transfer_addr = None  # a restarted prefill worker may listen elsewhere
         if healthy != worker.healthy:
-            logger.info("%s worker %s is %s", worker.role, worker.url, "healthy" if healthy else "unhealthy")
+            logger.info(
+                "%s worker %s is %s", worker.role, worker.url, "healthy" if healthy else "unhealthy"
+            )
         worker.healthy = healthy
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.prefill + self.decode))
 
 
-def build_router_app(prefill_urls: list[str], decode_urls: list[str], api_key: str | None = None) -> FastAPI:
+def build_router_app(
+    prefill_urls: list[str], decode_urls: list[str], api_key: str | None = None
+) -> FastAPI:
     state = RouterState(
         prefill=[Worker(url=u.rstrip("/"), role="prefill") for u in prefill_urls],
         decode=[Worker(url=u.rstrip("/"), role="decode") for u in decode_urls],
@@ -112,7 +122,10 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], api_key: s
     app.state.router = state
 
     def authorized(request: Request) -> bool:
-        return state.api_key is None or request.headers.get("authorization") == f"Bearer {state.api_key}"
+        return (
+            state.api_key is None
+            or request.headers.get("authorization") == f"Bearer {state.api_key}"
+        )
 
     @app.get("/health")
     async def health() -> Response:
@@ -127,8 +140,12 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], api_key: s
         pair = state.pick()
         if pair is None:
             return error_response(503, "no healthy prefill + decode worker pair")
-        response = await state.client.get(f"{pair[1].url}/v1/models", headers=_forward_headers(request))
-        return Response(response.content, status_code=response.status_code, media_type="application/json")
+        response = await state.client.get(
+            f"{pair[1].url}/v1/models", headers=_forward_headers(request)
+        )
+        return Response(
+            response.content, status_code=response.status_code, media_type="application/json"
+        )
 
     async def generate(request: Request, path: str) -> Response:
         if not authorized(request):
@@ -153,7 +170,9 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], api_key: s
         )
         try:
             upstream = await state.client.send(
-                state.client.build_request("POST", f"{decode.url}{path}", json=decode_body, headers=headers),
+                state.client.build_request(
+                    "POST", f"{decode.url}{path}", json=decode_body, headers=headers
+                ),
                 stream=True,
             )
         except httpx.HTTPError as error:
@@ -164,9 +183,13 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], api_key: s
             content = await upstream.aread()
             await upstream.aclose()
             prefill_task.cancel()
-            return Response(content, status_code=upstream.status_code, media_type="application/json")
+            return Response(
+                content, status_code=upstream.status_code, media_type="application/json"
+            )
         if body.get("stream"):
-            return StreamingResponse(_relay(upstream, prefill_task, prefill, decode), media_type="text/event-stream")
+            return StreamingResponse(
+                _relay(upstream, prefill_task, prefill, decode), media_type="text/event-stream"
+            )
         return await _collect(upstream, prefill_task, prefill, decode)
 
     @app.post("/v1/completions")
@@ -205,7 +228,9 @@ async def _prefill_error(task: asyncio.Task, prefill: Worker) -> tuple[int, str]
     return None
 
 
-async def _relay(upstream: httpx.Response, prefill_task: asyncio.Task, prefill: Worker, decode: Worker):
+async def _relay(
+    upstream: httpx.Response, prefill_task: asyncio.Task, prefill: Worker, decode: Worker
+):
     """Pass the decode worker's SSE stream through; end with an error event if either side fails."""
     lines = upstream.aiter_lines()
     pending_line: asyncio.Task | None = None
@@ -213,7 +238,10 @@ async def _relay(upstream: httpx.Response, prefill_task: asyncio.Task, prefill: 
         while True:
             if pending_line is None:
                 pending_line = asyncio.ensure_future(lines.__anext__())
-            done, _ = await asyncio.wait({pending_line, prefill_task} - ({prefill_task} if prefill_task.done() else set()), return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {pending_line, prefill_task} - ({prefill_task} if prefill_task.done() else set()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             failure = await _prefill_error(prefill_task, prefill)
             if failure is not None:
                 yield f"data: {json.dumps(error_body(*failure))}\n\n"
@@ -237,11 +265,16 @@ async def _relay(upstream: httpx.Response, prefill_task: asyncio.Task, prefill: 
         await upstream.aclose()
 
 
-async def _collect(upstream: httpx.Response, prefill_task: asyncio.Task, prefill: Worker, decode: Worker) -> Response:
+async def _collect(
+    upstream: httpx.Response, prefill_task: asyncio.Task, prefill: Worker, decode: Worker
+) -> Response:
     read = asyncio.ensure_future(upstream.aread())
     try:
         while not read.done():
-            await asyncio.wait({read, prefill_task} - ({prefill_task} if prefill_task.done() else set()), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {read, prefill_task} - ({prefill_task} if prefill_task.done() else set()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             failure = await _prefill_error(prefill_task, prefill)
             if failure is not None:
                 read.cancel()
@@ -264,9 +297,13 @@ def add_router_parser(subparsers) -> None:
     )
     parser.add_argument("--prefill", required=True, help="prefill worker URL(s), comma-separated")
     parser.add_argument("--decode", required=True, help="decode worker URL(s), comma-separated")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
+    )
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` (forwarded to workers)")
+    parser.add_argument(
+        "--api-key", help="require `Authorization: Bearer KEY` (forwarded to workers)"
+    )
     parser.set_defaults(handler=_run_router)
 
 

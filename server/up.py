@@ -31,35 +31,91 @@ def add_up_parser(subparsers) -> None:
         help="start a prefill worker, a decode worker and a router on 127.0.0.1",
         description="Start the whole disaggregated stack locally and print where to send requests.",
     )
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model directory (default: the model shipped in assets/)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model directory (default: the model shipped in assets/)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="router port (default: 8000)")
-    parser.add_argument("--prefill-port", type=int, default=0, help="prefill worker HTTP port (default: a free port)")
-    parser.add_argument("--decode-port", type=int, default=0, help="decode worker HTTP port (default: a free port)")
-    parser.add_argument("--disagg-port", type=int, default=0, help="prefill transfer port (default: a free port)")
+    parser.add_argument(
+        "--prefill-port",
+        type=int,
+        default=0,
+        help="prefill worker HTTP port (default: a free port)",
+    )
+    parser.add_argument(
+        "--decode-port", type=int, default=0, help="decode worker HTTP port (default: a free port)"
+    )
+    parser.add_argument(
+        "--disagg-port", type=int, default=0, help="prefill transfer port (default: a free port)"
+    )
     parser.add_argument("--served-model-name", help="name clients pass as `model`")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for a healthy stack")
-    parser.add_argument("worker_args", nargs="*", help="extra `baton serve` flags for both workers (after --)")
+    parser.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds to wait for a healthy stack"
+    )
+    parser.add_argument(
+        "worker_args", nargs="*", help="extra `baton serve` flags for both workers (after --)"
+    )
     parser.set_defaults(handler=run_up)
 
 
 def run_up(ns) -> int:
     if not Path(ns.model, "config.json").is_file():
-        print(f"baton up: --model {ns.model}: no config.json there (expected a Hugging Face model directory)", file=sys.stderr)
+        print(
+            f"baton up: --model {ns.model}: no config.json there (expected a Hugging Face model directory)",
+            file=sys.stderr,
+        )
         return 2
     prefill_port, decode_port = ns.prefill_port or free_port(), ns.decode_port or free_port()
     disagg_port = ns.disagg_port or free_port()
-    common = ["--model", ns.model, "--host", "127.0.0.1", "--dtype", ns.dtype, "--device", ns.device]
+    common = [
+        "--model",
+        ns.model,
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        ns.dtype,
+        "--device",
+        ns.device,
+    ]
     if ns.served_model_name:
         common += ["--served-model-name", ns.served_model_name]
     baton = [sys.executable, "-m", "server.cli"]
     commands = {
-        "prefill": baton + ["serve", *common, "--port", str(prefill_port), "--disaggregation-mode", "prefill",
-                            "--disagg-port", str(disagg_port), *ns.worker_args],
-        "decode": baton + ["serve", *common, "--port", str(decode_port), "--disaggregation-mode", "decode", *ns.worker_args],
-        "router": baton + ["router", "--prefill", f"http://127.0.0.1:{prefill_port}",
-                           "--decode", f"http://127.0.0.1:{decode_port}", "--port", str(ns.port)],
+        "prefill": baton
+        + [
+            "serve",
+            *common,
+            "--port",
+            str(prefill_port),
+            "--disaggregation-mode",
+            "prefill",
+            "--disagg-port",
+            str(disagg_port),
+            *ns.worker_args,
+        ],
+        "decode": baton
+        + [
+            "serve",
+            *common,
+            "--port",
+            str(decode_port),
+            "--disaggregation-mode",
+            "decode",
+            *ns.worker_args,
+        ],
+        "router": baton
+        + [
+            "router",
+            "--prefill",
+            f"http://127.0.0.1:{prefill_port}",
+            "--decode",
+            f"http://127.0.0.1:{decode_port}",
+            "--port",
+            str(ns.port),
+        ],
     }
     children = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
     stopping = False
@@ -78,14 +134,16 @@ def run_up(ns) -> int:
         print(
             f"\nbaton is up: prefill :{prefill_port} -> decode :{decode_port} (transfer :{disagg_port}), router {url}\n"
             f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-            f"-d '{{\"model\": \"{name}\", \"prompt\": \"Question: 2 + 3 = ?\\nAnswer:\", \"max_tokens\": 32}}'\n"
+            f'-d \'{{"model": "{name}", "prompt": "Question: 2 + 3 = ?\\nAnswer:", "max_tokens": 32}}\'\n'
             f"  OpenAI clients: base_url={url}/v1   (Ctrl-C stops everything)",
             flush=True,
         )
         while not stopping:
             dead = [n for n, p in children.items() if p.poll() is not None]
             if dead:
-                print(f"baton up: the {dead[0]} process exited; stopping the stack", file=sys.stderr)
+                print(
+                    f"baton up: the {dead[0]} process exited; stopping the stack", file=sys.stderr
+                )
                 return 1
             time.sleep(0.5)
         return 0
