@@ -69,21 +69,33 @@ class DecodeWorker:
     # -- the engine interface ---------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, room: str = "", prefill_addr: str = ""
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        room: str = "",
+        prefill_addr: str = "",
     ) -> None:
         if not room:
             self.engine.add_request(request_id, prompt_token_ids, params)
             return
         if not prefill_addr:
-            raise ValueError("a disaggregated decode request needs the prefill worker's transfer address")
+            raise ValueError(
+                "a disaggregated decode request needs the prefill worker's transfer address"
+            )
         try:
             self.engine.preallocate(request_id, prompt_token_ids, params)
         except OutOfMemory as error:
             raise ValueError(f"decode worker is out of memory for this request: {error}") from None
         peer = self._peer(prefill_addr)
-        self.rooms[room] = DecodeRoom(room=room, request_id=request_id, peer=prefill_addr, registered=now())
+        self.rooms[room] = DecodeRoom(
+            room=room, request_id=request_id, peer=prefill_addr, registered=now()
+        )
         peer.socket.send_multipart(
-            encode(Register(room=room, compat=self.compat, num_prompt_tokens=len(prompt_token_ids)), secret=self.config.secret)
+            encode(
+                Register(room=room, compat=self.compat, num_prompt_tokens=len(prompt_token_ids)),
+                secret=self.config.secret,
+            )
         )
 
     def abort_request(self, request_id: str) -> None:
@@ -154,8 +166,13 @@ class DecodeWorker:
                 return  # aborted or timed out meanwhile
             k, v, conv, ssm = tensors
             state = RequestState(
-                num_prompt_tokens=message.num_prompt_tokens, first_token=message.first_token,
-                first_logprobs=message.first_logprobs, k_pages=k, v_pages=v, conv=conv, ssm=ssm,
+                num_prompt_tokens=message.num_prompt_tokens,
+                first_token=message.first_token,
+                first_logprobs=message.first_logprobs,
+                k_pages=k,
+                v_pages=v,
+                conv=conv,
+                ssm=ssm,
             )
             try:
                 delta = self.engine.install(r.request_id, state)
@@ -164,13 +181,17 @@ class DecodeWorker:
                 return
             self.counters.bytes_total += sum(t.numel() * t.element_size() for t in tensors)
             self.counters.transfers_ok += 1
-            self.counters.latencies_s.append(now() - r.registered)
+            self.counters.observe_latency(now() - r.registered)
             if delta is not None:
                 self.ready.append(delta)
         elif isinstance(message, (Reject, Abort)):
             r = self.rooms.pop(message.room, None)
             if r is not None:
-                text = message.message if isinstance(message, Reject) else f"prefill worker aborted: {message.reason}"
+                text = (
+                    message.message
+                    if isinstance(message, Reject)
+                    else f"prefill worker aborted: {message.reason}"
+                )
                 self._fail(r, text, notify=False)
         elif isinstance(message, HeartbeatAck):
             for room in message.unknown_rooms:
@@ -183,18 +204,30 @@ class DecodeWorker:
         pending_by_peer: dict[str, list[str]] = {}
         for r in list(self.rooms.values()):
             if t - r.registered > self.config.transfer_timeout_s:
-                self._fail(r, f"room {r.room}: no state from the prefill worker within {self.config.transfer_timeout_s:.0f} s")
+                self._fail(
+                    r,
+                    f"room {r.room}: no state from the prefill worker within {self.config.transfer_timeout_s:.0f} s",
+                )
             else:
                 pending_by_peer.setdefault(r.peer, []).append(r.room)
         for address, rooms in pending_by_peer.items():
             peer = self.peers[address]
-            if t - peer.last_ack > self.config.lease_timeout_s and t - min(self.rooms[x].registered for x in rooms) > self.config.lease_timeout_s:
+            if (
+                t - peer.last_ack > self.config.lease_timeout_s
+                and t - min(self.rooms[x].registered for x in rooms) > self.config.lease_timeout_s
+            ):
                 for room in rooms:
-                    self._fail(self.rooms[room], f"prefill worker {address} stopped answering", notify=False)
+                    self._fail(
+                        self.rooms[room],
+                        f"prefill worker {address} stopped answering",
+                        notify=False,
+                    )
                 continue
             if t - peer.last_heartbeat >= self.config.heartbeat_interval_s:
                 peer.last_heartbeat = t
-                peer.socket.send_multipart(encode(Heartbeat(rooms=rooms), secret=self.config.secret))
+                peer.socket.send_multipart(
+                    encode(Heartbeat(rooms=rooms), secret=self.config.secret)
+                )
 
     def _fail(self, r: DecodeRoom, reason: str, notify: bool = True) -> None:
         logger.warning("%s", reason)

@@ -77,7 +77,9 @@ class PrefillWorker:
     def __getattr__(self, name):  # model_config, max_model_len, stats, tokenizer, ...
         return getattr(self.engine, name)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, room: str = "") -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, room: str = ""
+    ) -> None:
         if not room:
             self.engine.add_request(request_id, prompt_token_ids, params)
             return
@@ -95,7 +97,9 @@ class PrefillWorker:
         self.engine.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests() or any(r.snapshot is not None for r in self.rooms.values())
+        return self.engine.has_unfinished_requests() or any(
+            r.snapshot is not None for r in self.rooms.values()
+        )
 
     def step(self):
         self.poll()
@@ -153,7 +157,9 @@ class PrefillWorker:
     def _register(self, identity: bytes, message: Register) -> None:
         mismatch = self.compat.mismatch(message.compat)
         if mismatch:
-            self._send(identity, Reject(room=message.room, message=f"incompatible workers: {mismatch}"))
+            self._send(
+                identity, Reject(room=message.room, message=f"incompatible workers: {mismatch}")
+            )
             return
         r = self.rooms.setdefault(message.room, PrefillRoom(room=message.room, created=now()))
         r.peer, r.lease = identity, now()
@@ -181,16 +187,26 @@ class PrefillWorker:
                 del self.rooms[r.room]
                 continue
             s = r.snapshot
-            tensors = [("k_pages", s.k_pages), ("v_pages", s.v_pages), ("conv", s.conv), ("ssm", s.ssm)]
+            tensors = [
+                ("k_pages", s.k_pages),
+                ("v_pages", s.v_pages),
+                ("conv", s.conv),
+                ("ssm", s.ssm),
+            ]
             message = StateTransfer(
                 room=r.room,
                 num_prompt_tokens=s.num_prompt_tokens,
                 first_token=s.first_token,
                 first_logprobs=s.first_logprobs,
-                tensors=[TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in tensors],
+                tensors=[
+                    TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape))
+                    for n, t in tensors
+                ],
             )
             frames = encode(message, [t for _, t in tensors], self.config.secret)
-            self.socket.send_multipart([r.peer, *frames], copy=False)  # snapshot buffers are never reused
+            self.socket.send_multipart(
+                [r.peer, *frames], copy=False
+            )  # snapshot buffers are never reused
             self.counters.bytes_total += sum(t.numel() * t.element_size() for _, t in tensors)
             self.counters.transfers_ok += 1
             r.state = "success"
@@ -200,9 +216,14 @@ class PrefillWorker:
         t = now()
         for r in list(self.rooms.values()):
             if r.peer is None and t - r.created > self.config.bootstrap_timeout_s:
-                self._fail(r, f"room {r.room}: no decode worker registered within {self.config.bootstrap_timeout_s:.0f} s")
+                self._fail(
+                    r,
+                    f"room {r.room}: no decode worker registered within {self.config.bootstrap_timeout_s:.0f} s",
+                )
             elif r.peer is not None and t - r.lease > self.config.lease_timeout_s:
-                self._fail(r, f"room {r.room}: decode worker stopped sending heartbeats", notify=False)
+                self._fail(
+                    r, f"room {r.room}: decode worker stopped sending heartbeats", notify=False
+                )
 
     def _fail(self, r: PrefillRoom, reason: str, notify: bool = True) -> None:
         logger.warning("%s", reason)

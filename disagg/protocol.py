@@ -48,7 +48,9 @@ class Compat:
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if mine != theirs:
-                return f"{f.name} differs: prefill worker has {mine!r}, decode worker has {theirs!r}"
+                return (
+                    f"{f.name} differs: prefill worker has {mine!r}, decode worker has {theirs!r}"
+                )
         return None
 
 
@@ -116,7 +118,9 @@ class StateTransfer:
     tensors: list[TensorSpec] = field(default_factory=list)
 
 
-MESSAGES = {cls.tag: cls for cls in (Register, Reject, Abort, Heartbeat, HeartbeatAck, StateTransfer)}
+MESSAGES = {
+    cls.tag: cls for cls in (Register, Reject, Abort, Heartbeat, HeartbeatAck, StateTransfer)
+}
 Message = Register | Reject | Abort | Heartbeat | HeartbeatAck | StateTransfer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -152,7 +156,9 @@ def _parse(tag: str, raw: dict) -> Message:
     if cls is Register:
         body["compat"] = Compat(**_check(Compat, body["compat"], "register.compat"))
     if cls is StateTransfer:
-        body["tensors"] = [TensorSpec(**_check(TensorSpec, t, "state.tensors")) for t in body["tensors"]]
+        body["tensors"] = [
+            TensorSpec(**_check(TensorSpec, t, "state.tensors")) for t in body["tensors"]
+        ]
         if body["first_logprobs"] is not None:
             body["first_logprobs"] = {int(k): float(v) for k, v in body["first_logprobs"].items()}
     try:
@@ -166,10 +172,15 @@ def _parse(tag: str, raw: dict) -> Message:
     return message
 
 
-def encode(message: Message, tensors: list[torch.Tensor] = (), secret: bytes | None = None) -> list[Any]:
+def encode(
+    message: Message, tensors: list[torch.Tensor] = (), secret: bytes | None = None
+) -> list[Any]:
     """Frames for `send_multipart(copy=False)`: header, mac, then the raw tensor bytes."""
     header = msgpack.packb({"v": PROTOCOL_VERSION, "type": message.tag, "body": _to_plain(message)})
-    payload = [memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()) if t.numel() else b"" for t in tensors]
+    payload = [
+        memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()) if t.numel() else b""
+        for t in tensors
+    ]
     return [header, _mac(secret, [header, *payload]), *payload]
 
 
@@ -183,20 +194,32 @@ def decode(frames: list[bytes], secret: bytes | None = None) -> tuple[Message, l
         raw = msgpack.unpackb(header, raw=False, strict_map_key=False)
     except Exception as error:
         raise ProtocolError(f"header is not msgpack: {error}") from None
-    if not isinstance(raw, dict) or raw.get("v") != PROTOCOL_VERSION or raw.get("type") not in MESSAGES:
+    if (
+        not isinstance(raw, dict)
+        or raw.get("v") != PROTOCOL_VERSION
+        or raw.get("type") not in MESSAGES
+    ):
         raise ProtocolError("header is not a baton disaggregation message")
     message = _parse(raw["type"], raw.get("body"))
     tensors = []
     if isinstance(message, StateTransfer):
         if len(payload) != len(message.tensors):
-            raise ProtocolError(f"state: {len(message.tensors)} tensors announced, {len(payload)} frames sent")
+            raise ProtocolError(
+                f"state: {len(message.tensors)} tensors announced, {len(payload)} frames sent"
+            )
         for spec, frame in zip(message.tensors, payload):
             if spec.dtype not in _DTYPES:
                 raise ProtocolError(f"state: unsupported dtype {spec.dtype!r}")
             buffer = bytearray(frame) if len(frame) else bytearray()
-            tensor = torch.frombuffer(buffer, dtype=_DTYPES[spec.dtype]) if buffer else torch.empty(0, dtype=_DTYPES[spec.dtype])
+            tensor = (
+                torch.frombuffer(buffer, dtype=_DTYPES[spec.dtype])
+                if buffer
+                else torch.empty(0, dtype=_DTYPES[spec.dtype])
+            )
             if tensor.numel() != _numel(spec.shape):
-                raise ProtocolError(f"state: tensor {spec.name} has {tensor.numel()} elements, header says {spec.shape}")
+                raise ProtocolError(
+                    f"state: tensor {spec.name} has {tensor.numel()} elements, header says {spec.shape}"
+                )
             tensors.append(tensor.view(spec.shape))
     return message, tensors
 

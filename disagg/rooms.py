@@ -6,7 +6,7 @@ import hashlib
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from disagg.protocol import Compat, dtype_name
@@ -24,7 +24,9 @@ class DisaggConfig:
     bootstrap_timeout_s: float  # a room must be registered and prefilled within this
     transfer_timeout_s: float  # decode side: state must arrive within this after registering
     heartbeat_interval_s: float  # decode -> prefill heartbeats for pending rooms
-    lease_timeout_s: float  # no heartbeat (prefill side) / no ack (decode side) for this long: peer lost
+    lease_timeout_s: (
+        float  # no heartbeat (prefill side) / no ack (decode side) for this long: peer lost
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,13 +54,20 @@ class TransferCounters:
     bytes_total: int = 0
     transfers_ok: int = 0
     transfers_failed: int = 0
-    latencies_s: list[float] = field(default_factory=list)  # drained by the metrics exporter
+    latency_sum_s: float = 0.0  # register -> install, decode side
+    latency_count: int = 0
+
+    def observe_latency(self, seconds: float) -> None:
+        self.latency_sum_s += seconds
+        self.latency_count += 1
 
     def as_dict(self, rooms_by_state: dict[str, int]) -> dict[str, float | int]:
         out: dict[str, float | int] = {
             "disagg_transfer_bytes_total": self.bytes_total,
             "disagg_transfers_ok_total": self.transfers_ok,
             "disagg_transfers_failed_total": self.transfers_failed,
+            "disagg_transfer_latency_sum": self.latency_sum_s,
+            "disagg_transfer_latency_count": self.latency_count,
         }
         for state in ("bootstrapping", "waiting_for_input", "transferring"):
             out[f"disagg_rooms_{state}"] = rooms_by_state.get(state, 0)
@@ -77,7 +86,11 @@ def compat_of(engine) -> Compat:
         model=hashlib.sha256(repr(config).encode()).hexdigest()[:16],
         dtype=dtype_name(engine.dtype),
         page_size=cache.page_size,
-        kv_page_shape=[len(cache.k), cache.page_size, *(list(k.shape[1:]) if k is not None else [0, 0])],
+        kv_page_shape=[
+            len(cache.k),
+            cache.page_size,
+            *(list(k.shape[1:]) if k is not None else [0, 0]),
+        ],
         conv_shape=[cache.conv.shape[0], *cache.conv.shape[2:]],
         ssm_shape=[cache.ssm.shape[0], *cache.ssm.shape[2:]],
         ssm_dtype=dtype_name(cache.ssm.dtype),

@@ -25,12 +25,16 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    room: str  # disaggregation room minted by the router ("" when colocated)
+    prefill_addr: str  # decode side: the prefill engine's transfer address ("" otherwise)
 
     def to_payload(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id,
             "prompt_token_ids": list(self.prompt_token_ids),
             "params": dataclasses.asdict(self.params),
+            "room": self.room,
+            "prefill_addr": self.prefill_addr,
         }
 
     @classmethod
@@ -39,6 +43,8 @@ class AddRequest:
             request_id=payload["request_id"],
             prompt_token_ids=payload["prompt_token_ids"],
             params=SamplingParams(**payload["params"]),
+            room=payload["room"],
+            prefill_addr=payload["prefill_addr"],
         )
 
 
@@ -74,13 +80,22 @@ class EngineReady:
     tag: ClassVar[str] = "ready"
     vocab_size: int
     max_model_len: int
+    transfer_addr: str  # prefill worker: where decode engines register ("" otherwise)
 
     def to_payload(self) -> dict[str, Any]:
-        return {"vocab_size": self.vocab_size, "max_model_len": self.max_model_len}
+        return {
+            "vocab_size": self.vocab_size,
+            "max_model_len": self.max_model_len,
+            "transfer_addr": self.transfer_addr,
+        }
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> EngineReady:
-        return cls(vocab_size=payload["vocab_size"], max_model_len=payload["max_model_len"])
+        return cls(
+            vocab_size=payload["vocab_size"],
+            max_model_len=payload["max_model_len"],
+            transfer_addr=payload["transfer_addr"],
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

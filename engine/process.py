@@ -53,6 +53,7 @@ class EngineProcessSpec:
     input_addr: str  # zmq address the server pushes requests to
     output_addr: str  # zmq address the server pulls outputs from
     parent_pid: int
+    disagg: dict[str, Any] | None  # read by `python -m disagg.process`; None when colocated
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -77,21 +78,28 @@ class EngineLoop:
             if os.getppid() != self.parent_pid:
                 logger.warning("parent process %d is gone; engine exiting", self.parent_pid)
                 return 0
-            busy = self.engine.has_unfinished_requests()
             handled = 0
-            if self.inbox.poll(0 if busy else IDLE_POLL_MS):
+            if self._wait_for_messages():
                 handled, shutdown = self._drain_inbox()
                 if shutdown:
                     return 0
             try:
                 if self.engine.has_unfinished_requests():
                     self._send(StepOutput(deltas=self.engine.step(), stats=self._stats()))
+                    self._after_step()
                 elif handled:
                     self._send(StepOutput(deltas=[], stats=self._stats()))
             except Exception as error:
                 logger.exception("engine step failed")
                 self._send(EngineFailed(message=f"engine step failed: {error!r}"))
                 return 1
+
+    def _wait_for_messages(self) -> bool:
+        """Whether the server sent something; waits only while the engine has nothing to do."""
+        return bool(self.inbox.poll(0 if self.engine.has_unfinished_requests() else IDLE_POLL_MS))
+
+    def _after_step(self) -> None:
+        """Hook for wrapped engines (disaggregation reports failed rooms here)."""
 
     def _drain_inbox(self) -> tuple[int, bool]:
         """Handle every queued message; return how many, and whether Shutdown was among them."""
@@ -114,6 +122,14 @@ class EngineLoop:
                 logger.error("engine ignores unexpected message %s", type(message).__name__)
 
     def _add(self, message: AddRequest) -> None:
+        if message.room:
+            self._send(
+                RequestFailed(
+                    request_id=message.request_id,
+                    message="this worker is not part of a disaggregated pair (no --disaggregation-mode)",
+                )
+            )
+            return
         try:
             self.engine.add_request(message.request_id, message.prompt_token_ids, message.params)
         except ValueError as error:
@@ -133,7 +149,10 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, load_and_run=None) -> int:
+    """Process setup shared by every engine process; `load_and_run` builds what runs inside
+    (disagg.process passes one that wraps the engine in a prefill or decode worker)."""
+    load_and_run = load_and_run or _load_and_run
     argv = sys.argv[1:] if argv is None else argv
     spec = EngineProcessSpec.from_json(argv[0])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -145,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     outbox = context.socket(zmq.PUSH)
     outbox.connect(spec.output_addr)
     try:
-        return _load_and_run(spec, inbox, outbox)
+        return load_and_run(spec, inbox, outbox)
     finally:
         inbox.close(linger=0)
         outbox.close(linger=1000)  # let the last message (EngineFailed, say) reach the server
@@ -161,7 +180,11 @@ def _load_and_run(spec: EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket
         return 1
     config = engine.model_config
     outbox.send(
-        encode(EngineReady(vocab_size=config.vocab_size, max_model_len=engine.max_model_len))
+        encode(
+            EngineReady(
+                vocab_size=config.vocab_size, max_model_len=engine.max_model_len, transfer_addr=""
+            )
+        )
     )
     return EngineLoop(engine, inbox, outbox, spec.parent_pid).run()
 

@@ -39,6 +39,17 @@ def build_app(state: ServerState) -> FastAPI:
             return error_response(503, f"engine unavailable: {state.client.unavailable_reason}")
         return JSONResponse({"status": "ok"})
 
+    @app.get("/disagg/info")
+    async def disagg_info() -> Response:
+        """Where decode engines register with this prefill worker (read by `baton router`)."""
+        mode = state.args.disaggregation_mode
+        if mode is None:
+            return error_response(404, "this worker is not part of a disaggregated pair")
+        assert state.client.ready is not None
+        return JSONResponse(
+            {"role": mode, "transfer_addr": state.client.ready.transfer_addr or None}
+        )
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -17,6 +17,7 @@ ENGINE_ARG_NAMES = (
     "max_mamba_slots",
     "page_size",
     "seed",
+    "mamba_track_interval",
 )
 
 
@@ -40,8 +41,21 @@ class ServerArgs:
     api_key: str | None = None
     engine_start_timeout: float = 600.0
     log_level: str = "info"
+    no_prefix_cache: bool = False
+    mamba_track_interval: int | None = None
+    disaggregation_mode: str | None = None  # None (colocated), "prefill" or "decode"
+    disagg_host: str = "127.0.0.1"  # prefill: where the transfer socket binds and is advertised
+    disagg_port: int = 0  # prefill: transfer port (0: a free one)
+    disagg_secret: str | None = (
+        None  # HMAC key for worker-to-worker messages (or $BATON_DISAGG_SECRET)
+    )
+    disagg_timeout: float = 30.0  # seconds a room may wait for its peer / its state
 
     def __post_init__(self) -> None:
+        if self.disaggregation_mode not in (None, "prefill", "decode"):
+            raise ValueError(
+                f"--disaggregation-mode must be prefill or decode, got {self.disaggregation_mode!r}"
+            )
         if not Path(self.model, "config.json").is_file():
             raise ValueError(
                 f"--model {self.model}: no config.json there (expected a Hugging Face model directory)"
@@ -57,10 +71,28 @@ class ServerArgs:
         return self.served_model_name or self.model
 
     def engine_args(self) -> dict[str, Any]:
-        return {
+        args = {
             name: getattr(self, name)
             for name in ENGINE_ARG_NAMES
             if getattr(self, name) is not None
+        }
+        if self.no_prefix_cache:
+            args["enable_prefix_caching"] = False
+        return args
+
+    def disagg_options(self) -> dict[str, Any] | None:
+        """What `python -m disagg.process` needs; None for a colocated worker."""
+        if self.disaggregation_mode is None:
+            return None
+        return {
+            "role": self.disaggregation_mode,
+            "host": self.disagg_host,
+            "port": self.disagg_port,
+            "secret": self.disagg_secret,
+            "bootstrap_timeout_s": self.disagg_timeout,
+            "transfer_timeout_s": self.disagg_timeout,
+            "heartbeat_interval_s": 0.5,
+            "lease_timeout_s": min(5.0, self.disagg_timeout),
         }
 
     @classmethod

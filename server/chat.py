@@ -14,6 +14,7 @@ from server.generation import (
     ChoiceResult,
     ServerState,
     admit,
+    check_disagg,
     check_model,
     collect,
     fan_out,
@@ -70,9 +71,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         max_model_len=state.max_model_len,
         param="messages",
     )
+    check_disagg(state, body.baton_disagg)
     admit(state)
     request_id = new_request_id("chatcmpl")
-    requests = fan_out(request_id, [prompt], params, body.n)
+    requests = fan_out(request_id, [prompt], params, body.n, body.baton_disagg)
     head = {"id": request_id, "created": int(time.time()), "model": state.args.model_name}
     if body.stream:
         chunks = _stream(state, body, head, prompt, requests, arrival)

@@ -1,4 +1,4 @@
-"""`baton` command line: one subcommand per tool (`serve` now; `router`, `up`, `eval` later)."""
+"""`baton` command line: one subcommand per tool (`serve`, `router`, `up`, `eval`)."""
 
 from __future__ import annotations
 
@@ -106,6 +106,50 @@ def add_serve_parser(subparsers) -> None:
         help="seconds to wait for the model to load",
     )
 
+    cache = parser.add_argument_group("prefix cache")
+    cache.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn prefix caching (shared KV pages + Mamba checkpoints) off",
+    )
+    cache.add_argument(
+        "--mamba-track-interval",
+        type=_non_negative_int,
+        help="tokens between Mamba state checkpoints; a multiple of the SSD chunk size and the "
+        "page size (default: near 512)",
+    )
+
+    disagg = parser.add_argument_group(
+        "disaggregation", "run as one half of a prefill/decode pair behind `baton router`"
+    )
+    disagg.add_argument(
+        "--disaggregation-mode",
+        choices=["prefill", "decode"],
+        help="prefill: compute prompts and push their state; decode: receive it and generate "
+        "(default: colocated, both in one worker)",
+    )
+    disagg.add_argument(
+        "--disagg-host",
+        default=_default("disagg_host"),
+        help="prefill: address the transfer socket binds to and advertises",
+    )
+    disagg.add_argument(
+        "--disagg-port",
+        type=_non_negative_int,
+        default=_default("disagg_port"),
+        help="prefill: transfer port (0 picks a free one)",
+    )
+    disagg.add_argument(
+        "--disagg-secret",
+        help="shared secret authenticating worker-to-worker messages (or $BATON_DISAGG_SECRET)",
+    )
+    disagg.add_argument(
+        "--disagg-timeout",
+        type=float,
+        default=_default("disagg_timeout"),
+        help="seconds a room may wait for its peer or its state before failing",
+    )
+
     server = parser.add_argument_group("admission")
     server.add_argument(
         "--max-queued-requests",
@@ -143,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     add_serve_parser(subparsers)
+    from server.router import add_router_parser
+    from server.up import add_up_parser
+
+    add_router_parser(subparsers)
+    add_up_parser(subparsers)
     from bench.gsm8k import add_eval_parser  # bench/ is a client of baton; only the CLI imports it
 
     add_eval_parser(subparsers)

@@ -14,6 +14,7 @@ from server.generation import (
     ChoiceResult,
     ServerState,
     admit,
+    check_disagg,
     check_model,
     collect,
     fan_out,
@@ -70,9 +71,10 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
             max_model_len=state.max_model_len,
             param="prompt",
         )
+    check_disagg(state, body.baton_disagg)
     admit(state)
     request_id = new_request_id("cmpl")
-    requests = fan_out(request_id, prompts, params, body.n)
+    requests = fan_out(request_id, prompts, params, body.n, body.baton_disagg)
     head = {
         "id": request_id,
         "object": "text_completion",

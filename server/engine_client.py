@@ -60,6 +60,8 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    room: str  # disaggregation room ("" when colocated)
+    prefill_addr: str  # decode worker: the prefill engine's transfer address
 
 
 class EngineClient:
@@ -107,8 +109,10 @@ class EngineClient:
             input_addr=input_addr,
             output_addr=output_addr,
             parent_pid=os.getpid(),
+            disagg=self.args.disagg_options(),
         )
-        self._process = subprocess.Popen([sys.executable, "-m", "engine.process", spec.to_json()])
+        module = "engine.process" if spec.disagg is None else "disagg.process"
+        self._process = subprocess.Popen([sys.executable, "-m", module, spec.to_json()])
         deadline = asyncio.get_running_loop().time() + self.args.engine_start_timeout
         while not await self._inbox.poll(500):
             if self._process.poll() is not None:
@@ -152,6 +156,8 @@ class EngineClient:
                     request_id=request.request_id,
                     prompt_token_ids=request.prompt_token_ids,
                     params=request.params,
+                    room=request.room,
+                    prefill_addr=request.prefill_addr,
                 )
                 if not self._send(message):
                     raise EngineUnavailable("the engine process is not connected")

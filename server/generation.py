@@ -24,6 +24,7 @@ from server.args import ServerArgs
 from server.engine_client import EngineClient, EngineRejected, EngineRequest, EngineUnavailable
 from server.errors import APIError, error_body
 from server.metrics import ServerMetrics
+from server.protocol import DisaggField
 from server.tokenizer import Tokenizer
 
 
@@ -60,6 +61,20 @@ def check_model(state: ServerState, model: str | None) -> None:
         )
 
 
+def check_disagg(state: ServerState, disagg: DisaggField | None) -> None:
+    """Room fields only make sense on a disaggregated worker (which, without them, simply
+    serves the request itself, colocated)."""
+    mode = state.args.disaggregation_mode
+    if disagg is not None and mode is None:
+        raise APIError.bad_request(
+            "this worker is not part of a disaggregated pair", "baton_disagg"
+        )
+    if disagg is not None and mode == "decode" and not disagg.prefill_addr:
+        raise APIError.bad_request(
+            "a decode worker needs baton_disagg.prefill_addr", "baton_disagg"
+        )
+
+
 def admit(state: ServerState) -> None:
     """503 while the engine is unavailable or its waiting queue is full."""
     if not state.client.alive:
@@ -75,8 +90,14 @@ def admit(state: ServerState) -> None:
 
 
 def fan_out(
-    request_id: str, prompts: list[list[int]], params: SamplingParams, n: int
+    request_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    n: int,
+    disagg: DisaggField | None = None,
 ) -> list[EngineRequest]:
+    """Each choice of a disaggregated request gets its own room, f"{room}-{choice}", which the
+    prefill and the decode worker derive the same way."""
     requests = []
     for prompt_index, prompt in enumerate(prompts):
         for sample in range(n):
@@ -91,6 +112,8 @@ def fan_out(
                     request_id=f"{request_id}-{choice}",
                     prompt_token_ids=prompt,
                     params=sample_params,
+                    room=f"{disagg.room}-{choice}" if disagg else "",
+                    prefill_addr=(disagg.prefill_addr or "") if disagg else "",
                 )
             )
     return requests

@@ -41,6 +41,66 @@ _ENGINE_METRICS = {
     "num_preemptions": ("baton:num_preemptions", "Requests preempted so far.", "counter"),
     "prompt_tokens_total": ("baton:prompt_tokens", "Prompt tokens processed.", "counter"),
     "generation_tokens_total": ("baton:generation_tokens", "Tokens generated.", "counter"),
+    "prefix_cache_blocks": (
+        "baton:prefix_cache_blocks",
+        "Cached prefix blocks (KV + Mamba checkpoint).",
+        "gauge",
+    ),
+    "prefix_cache_query_tokens": (
+        "baton:prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        "counter",
+    ),
+    "prefix_cache_hit_tokens": (
+        "baton:prefix_cache_hits",
+        "Prompt tokens served from the prefix cache.",
+        "counter",
+    ),
+    "prefix_cache_evictions": (
+        "baton:prefix_cache_evictions",
+        "Prefix cache blocks evicted.",
+        "counter",
+    ),
+    "disagg_transfer_bytes_total": (
+        "baton:disagg_transfer_bytes",
+        "Bytes of KV + state handed over.",
+        "counter",
+    ),
+    "disagg_transfers_ok_total": (
+        "baton:disagg_transfers",
+        "Completed prefill -> decode handovers.",
+        "counter",
+    ),
+    "disagg_transfers_failed_total": (
+        "baton:disagg_transfers_failed",
+        "Failed handovers (timeouts, drops, aborts).",
+        "counter",
+    ),
+    "disagg_rooms_bootstrapping": (
+        "baton:disagg_rooms_bootstrapping",
+        "Rooms waiting for their peer.",
+        "gauge",
+    ),
+    "disagg_rooms_waiting_for_input": (
+        "baton:disagg_rooms_waiting_for_input",
+        "Rooms registered, waiting for the prefill.",
+        "gauge",
+    ),
+    "disagg_rooms_transferring": (
+        "baton:disagg_rooms_transferring",
+        "Rooms whose state is on the wire.",
+        "gauge",
+    ),
+    "disagg_transfer_latency_sum": (
+        "baton:disagg_transfer_latency_seconds_sum",
+        "Total register-to-install latency.",
+        "counter",
+    ),
+    "disagg_transfer_latency_count": (
+        "baton:disagg_transfer_latency_seconds_count",
+        "Handovers timed.",
+        "counter",
+    ),
 }
 
 
@@ -55,6 +115,12 @@ class EngineStatsCollector(Collector):
         for field, (name, doc, kind) in _ENGINE_METRICS.items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(name, doc, value=float(stats.get(field, 0)))
+        queried = stats.get("prefix_cache_query_tokens", 0)
+        yield GaugeMetricFamily(
+            "baton:prefix_cache_hit_rate",
+            "Fraction of looked-up prompt tokens served from the prefix cache.",
+            value=stats.get("prefix_cache_hit_tokens", 0) / queried if queried else 0.0,
+        )
         for pool, used, total in (
             ("kv", "kv_pages_used", "kv_pages_total"),
             ("mamba", "mamba_slots_used", "mamba_slots_total"),

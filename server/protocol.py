@@ -22,6 +22,13 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class DisaggField(OpenAIModel):
+    """Set by `baton router` on requests it forwards to disaggregated workers."""
+
+    room: str = Field(min_length=1, max_length=128)
+    prefill_addr: str | None = None
+
+
 class GenerationFields(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -43,6 +50,7 @@ class GenerationFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    baton_disagg: DisaggField | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -311,6 +311,7 @@ def _run_router(namespace) -> int:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
     prefill = [u for u in namespace.prefill.split(",") if u]
     decode = [u for u in namespace.decode.split(",") if u]
     app = build_router_app(prefill, decode, namespace.api_key)

@@ -48,10 +48,12 @@ MESSAGES = [
         request_id="cmpl-1-0",
         prompt_token_ids=[1, 2, 3],
         params=SamplingParams(max_tokens=7, temperature=0.5, stop=["\n"], seed=2**62, logprobs=3),
+        room="room-1",
+        prefill_addr="tcp://127.0.0.1:9000",
     ),
     AbortRequests(request_ids=["a", "b"]),
     Shutdown(),
-    EngineReady(vocab_size=320, max_model_len=4096),
+    EngineReady(vocab_size=320, max_model_len=4096, transfer_addr=""),
     StepOutput(
         deltas=[
             _delta(),
@@ -107,6 +109,7 @@ def test_process_spec_round_trips_through_json():
         input_addr="ipc:///tmp/a",
         output_addr="ipc:///tmp/b",
         parent_pid=1,
+        disagg={"role": "prefill", "port": 0},
     )
     assert EngineProcessSpec.from_json(spec.to_json()) == spec
 
@@ -171,7 +174,13 @@ def _until_finished(receive, request_id: str) -> list[RequestDelta]:
 def test_loop_runs_a_request_to_its_end_and_reports_stats(loop):
     send, receive, engine, _ = loop
     send(
-        AddRequest(request_id="a", prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=4))
+        AddRequest(
+            request_id="a",
+            prompt_token_ids=[5, 6, 7],
+            params=SamplingParams(max_tokens=4),
+            room="",
+            prefill_addr="",
+        )
     )
     deltas = _until_finished(receive, "a")
     assert sum(len(delta.new_token_ids) for delta in deltas) == 4
@@ -181,7 +190,15 @@ def test_loop_runs_a_request_to_its_end_and_reports_stats(loop):
 
 def test_loop_answers_an_invalid_request_with_request_failed(loop):
     send, receive, _, _ = loop
-    send(AddRequest(request_id="bad", prompt_token_ids=[999], params=SamplingParams(max_tokens=1)))
+    send(
+        AddRequest(
+            request_id="bad",
+            prompt_token_ids=[999],
+            params=SamplingParams(max_tokens=1),
+            room="",
+            prefill_addr="",
+        )
+    )
     message = receive()
     assert isinstance(message, RequestFailed) and message.request_id == "bad"
     assert "[0, 320)" in message.message
@@ -189,7 +206,15 @@ def test_loop_answers_an_invalid_request_with_request_failed(loop):
 
 def test_loop_abort_frees_the_request_and_says_so_in_stats(loop):
     send, receive, engine, _ = loop
-    send(AddRequest(request_id="long", prompt_token_ids=[5], params=SamplingParams(max_tokens=60)))
+    send(
+        AddRequest(
+            request_id="long",
+            prompt_token_ids=[5],
+            params=SamplingParams(max_tokens=60),
+            room="",
+            prefill_addr="",
+        )
+    )
     assert receive().stats["num_running"] == 1
     send(AbortRequests(request_ids=["long", "never-heard-of"]))
     while (stats := receive().stats)["num_running"] or stats["num_waiting"]:

@@ -1,0 +1,110 @@
+"""The engine process of a disaggregated worker: `python -m disagg.process SPEC_JSON`.
+
+The same loop as the colocated engine process (engine.process.EngineLoop), around a
+PrefillWorker or DecodeWorker instead of a bare Engine: it also waits on the transfer sockets,
+reports failed rooms to the server as RequestFailed, and adds transfer counters to the stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import zmq
+
+from disagg.decode import DecodeWorker
+from disagg.prefill import PrefillWorker
+from disagg.rooms import DisaggConfig
+from engine import process as engine_process
+from engine.engine import Engine
+from engine.ipc import AddRequest, EngineFailed, EngineReady, RequestFailed, encode
+
+logger = logging.getLogger("baton.disagg")
+
+PEER_POLL_MS = 10  # while rooms wait on the other side: heartbeats and timeouts need steps
+
+
+class DisaggEngineLoop(engine_process.EngineLoop):
+    def _wait_for_messages(self) -> bool:
+        worker = self.engine
+        if worker.engine.has_unfinished_requests():
+            return bool(self.inbox.poll(0))
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        for socket in worker.sockets():
+            poller.register(socket, zmq.POLLIN)
+        waiting_on_peers = worker.has_unfinished_requests()
+        timeout = PEER_POLL_MS if waiting_on_peers else engine_process.IDLE_POLL_MS
+        events = dict(poller.poll(timeout))
+        return self.inbox in events
+
+    def _add(self, message: AddRequest) -> None:
+        try:
+            if isinstance(self.engine, DecodeWorker):
+                self.engine.add_request(
+                    message.request_id,
+                    message.prompt_token_ids,
+                    message.params,
+                    room=message.room,
+                    prefill_addr=message.prefill_addr,
+                )
+            else:
+                self.engine.add_request(
+                    message.request_id, message.prompt_token_ids, message.params, room=message.room
+                )
+        except ValueError as error:
+            self._send(RequestFailed(request_id=message.request_id, message=str(error)))
+
+    def _after_step(self) -> None:
+        for request_id, reason in self.engine.take_failures():
+            self._send(
+                RequestFailed(
+                    request_id=request_id, message=f"disaggregated transfer failed: {reason}"
+                )
+            )
+
+    def _stats(self) -> dict[str, int | float]:
+        extra = {k: v for k, v in self.engine.extra_stats().items() if isinstance(v, (int, float))}
+        return super()._stats() | extra
+
+
+def load_and_run(
+    spec: engine_process.EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket
+) -> int:
+    options = dict(spec.disagg or {})
+    secret = options.pop("secret", None) or os.environ.get("BATON_DISAGG_SECRET") or None
+    config = DisaggConfig(secret=secret.encode() if secret else None, **options)
+    try:
+        engine = Engine(spec.model, dtype=spec.dtype, device=spec.device, **spec.engine_args)
+        context = zmq.Context.instance()
+        worker_class = PrefillWorker if config.role == "prefill" else DecodeWorker
+        worker = worker_class(engine, config, context)
+    except Exception as error:
+        logger.exception("failed to start the %s worker for %s", spec.disagg, spec.model)
+        outbox.send(encode(EngineFailed(message=f"failed to start disaggregated worker: {error}")))
+        return 1
+    transfer_addr = worker.address if isinstance(worker, PrefillWorker) else ""
+    if transfer_addr:
+        logger.info("prefill transfer socket listening at %s", transfer_addr)
+    outbox.send(
+        encode(
+            EngineReady(
+                vocab_size=engine.model_config.vocab_size,
+                max_model_len=engine.max_model_len,
+                transfer_addr=transfer_addr,
+            )
+        )
+    )
+    try:
+        return DisaggEngineLoop(worker, inbox, outbox, spec.parent_pid).run()
+    finally:
+        worker.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return engine_process.main(argv, load_and_run=load_and_run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
