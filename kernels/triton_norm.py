@@ -4,8 +4,8 @@
     gated_rms_norm:  h = y * silu(z) per group of `group_size`;
                      out = weight * (h * rsqrt(mean_group(h^2) + eps)).to(y.dtype)
 
-One program normalises one (row, group) held whole in registers (BLOCK = next power of two of
-the group). Like the torch path, the gated norm rounds the normalised value to y's dtype before
+One program normalises ROWS rows of one group, each held whole in registers (BLOCK = next power
+of two of the group; ROWS > 1 only for small groups). Like the torch path, the gated norm rounds the normalised value to y's dtype before
 the weight multiply, and returns the promoted dtype of (weight, y).
 """
 
@@ -21,24 +21,28 @@ import triton.language as tl
 def _rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr,
     stride_x_t, stride_x_d, stride_z_t, stride_z_d, stride_o_t, stride_o_d,
-    group_size, eps,
-    GATED: tl.constexpr, BLOCK: tl.constexpr,
+    num_tokens, group_size, eps,
+    GATED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # fmt: on
-    t = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
-    d_ok = tl.arange(0, BLOCK) < group_size
-    x_raw = tl.load(x_ptr + t * stride_x_t + d * stride_x_d, mask=d_ok, other=0.0)
+    t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    col = tl.arange(0, BLOCK)
+    d = tl.program_id(1) * group_size + col
+    mask = (t < num_tokens)[:, None] & (col < group_size)[None, :]
+    x_raw = tl.load(x_ptr + t[:, None] * stride_x_t + d[None, :] * stride_x_d, mask=mask, other=0.0)
     h = x_raw.to(tl.float32)
     if GATED:
-        z = tl.load(z_ptr + t * stride_z_t + d * stride_z_d, mask=d_ok, other=0.0).to(tl.float32)
+        z = tl.load(
+            z_ptr + t[:, None] * stride_z_t + d[None, :] * stride_z_d, mask=mask, other=0.0
+        ).to(tl.float32)
         h = h * (z / (1.0 + tl.exp(-z)))
-    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
-    w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, axis=1) / group_size + eps)[:, None]
+    w = tl.load(w_ptr + d, mask=col < group_size, other=0.0).to(tl.float32)
     if GATED:
         h = h.to(x_raw.dtype).to(tl.float32)  # round like the torch path, then weight
     tl.store(
-        out_ptr + t * stride_o_t + d * stride_o_d, (w * h).to(out_ptr.dtype.element_ty), mask=d_ok
+        out_ptr + t[:, None] * stride_o_t + d[None, :] * stride_o_d,
+        (w[None, :] * h).to(out_ptr.dtype.element_ty), mask=mask,
     )
 
 
@@ -47,14 +51,15 @@ def _launch(x, z, weight, out, eps: float, group_size: int) -> None:
     if num_tokens == 0:
         return
     BLOCK = triton.next_power_of_2(group_size)
+    ROWS = max(1, min(64, 4096 // BLOCK))  # small groups: several rows per program
     gated = z is not None
     zz = z if gated else x
     # fmt: off
-    _rms_norm_kernel[(num_tokens, width // group_size)](
+    _rms_norm_kernel[(triton.cdiv(num_tokens, ROWS), width // group_size)](
         x, zz, weight, out,
         x.stride(0), x.stride(1), zz.stride(0), zz.stride(1), out.stride(0), out.stride(1),
-        group_size, float(eps),
-        GATED=gated, BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)),
+        num_tokens, group_size, float(eps),
+        GATED=gated, ROWS=ROWS, BLOCK=BLOCK, num_warps=min(16, max(1, ROWS * BLOCK // 256)),
     )
     # fmt: on
 

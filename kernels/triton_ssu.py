@@ -4,8 +4,8 @@
     state <- state * exp(dt * A) + dt * x ⊗ B
     y      = state · C + D * x
 
-One program owns one (request, head, headdim block) tile of the state: (BLOCK_P, dstate) read
-from `state_indices`, updated in registers and written back in place. The multi-token variant
+One program owns BLOCK_R rows (row = head * headdim + p) of one request's state, each row a whole
+dstate vector: read from `state_indices`, updated in registers and written back in place. The multi-token variant
 (speculative verify) reads slot state_indices[b, 0] once and writes the state after token i to
 state_indices[b, i + 1], keeping the running state in registers between tokens.
 
@@ -41,52 +41,56 @@ def _ssu_kernel(
     stride_C_b, stride_C_k, stride_C_g, stride_C_n,
     stride_y_b, stride_y_k, stride_y_h, stride_y_p,
     stride_slots_b, stride_slots_k,
-    num_tokens, P, N, heads_per_group, dt_min, dt_max,
-    HAS_LIMIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    num_tokens, H, P, N, heads_per_group, dt_min, dt_max,
+    HAS_LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # fmt: on
+    # Rows r = head * P + p of one request's state; a block may span several heads.
     b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < H * P
+    h, p = r // P, r % P
     g = h // heads_per_group
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
-    p_ok, n_ok = p < P, n < N
-    tile_mask = p_ok[:, None] & n_ok[None, :]
-    tile = p[:, None] * stride_state_p + n[None, :] * stride_state_n
-    head_at = h * stride_state_h
+    tile_mask = r_ok[:, None] & (n < N)[None, :]
+    tile = (h * stride_state_h + p * stride_state_p)[:, None] + n[None, :] * stride_state_n
     read_slot = tl.load(slots_ptr + b * stride_slots_b).to(tl.int64)
     state = tl.load(
-        state_ptr + read_slot * stride_state_s + head_at + tile, mask=tile_mask, other=0.0
+        state_ptr + read_slot * stride_state_s + tile, mask=tile_mask, other=0.0
     ).to(tl.float32)
-    A = tl.load(A_ptr + h).to(tl.float32)
-    D = tl.load(D_ptr + h).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    A = tl.load(A_ptr + h, mask=r_ok, other=0.0).to(tl.float32)
+    D = tl.load(D_ptr + h, mask=r_ok, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h, mask=r_ok, other=0.0).to(tl.float32)
     tl.debug_barrier()  # the slot read above may be the first slot written below
     for k in range(0, num_tokens):
-        dt_raw = tl.load(dt_ptr + b * stride_dt_b + k * stride_dt_k + h * stride_dt_h)
+        dt_raw = tl.load(
+            dt_ptr + b * stride_dt_b + k * stride_dt_k + h * stride_dt_h, mask=r_ok, other=0.0
+        )
         dt = _discretize(dt_raw.to(tl.float32), dt_bias, dt_min, dt_max, HAS_LIMIT)
         x = tl.load(
             x_ptr + b * stride_x_b + k * stride_x_k + h * stride_x_h + p * stride_x_p,
-            mask=p_ok, other=0.0,
+            mask=r_ok, other=0.0,
         ).to(tl.float32)
         B = tl.load(
-            B_ptr + b * stride_B_b + k * stride_B_k + g * stride_B_g + n * stride_B_n,
-            mask=n_ok, other=0.0,
+            B_ptr + b * stride_B_b + k * stride_B_k
+            + g[:, None] * stride_B_g + n[None, :] * stride_B_n,
+            mask=tile_mask, other=0.0,
         ).to(tl.float32)
         C = tl.load(
-            C_ptr + b * stride_C_b + k * stride_C_k + g * stride_C_g + n * stride_C_n,
-            mask=n_ok, other=0.0,
+            C_ptr + b * stride_C_b + k * stride_C_k
+            + g[:, None] * stride_C_g + n[None, :] * stride_C_n,
+            mask=tile_mask, other=0.0,
         ).to(tl.float32)
-        state = state * tl.exp(dt * A) + (x * dt)[:, None] * B[None, :]
+        state = state * tl.exp(dt * A)[:, None] + (x * dt)[:, None] * B
         write_slot = tl.load(slots_ptr + b * stride_slots_b + (k + 1) * stride_slots_k)
         tl.store(
-            state_ptr + write_slot.to(tl.int64) * stride_state_s + head_at + tile,
+            state_ptr + write_slot.to(tl.int64) * stride_state_s + tile,
             state.to(state_ptr.dtype.element_ty), mask=tile_mask,
         )
-        y = tl.sum(state * C[None, :], axis=1) + D * x
+        y = tl.sum(state * C, axis=1) + D * x
         tl.store(
             y_ptr + b * stride_y_b + k * stride_y_k + h * stride_y_h + p * stride_y_p,
-            y.to(y_ptr.dtype.element_ty), mask=p_ok,
+            y.to(y_ptr.dtype.element_ty), mask=r_ok,
         )
 
 
@@ -95,16 +99,17 @@ def _launch(ssm_states, x, dt, A, B, C, D, dt_bias, slots, y, dt_limit) -> None:
     batch, k, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     BLOCK_N = triton.next_power_of_2(N)
-    # Blocks of headdim: P = 80 -> 16 (five exact blocks); a tile of 16 x 128 float32 per program.
-    BLOCK_P = min(32, max(16, P & -P), triton.next_power_of_2(P))
+    # ~2048 state elements per program: 16 rows of dstate 128 (Nano: 640 programs per request),
+    # or every row of a tiny model's request at once.
+    BLOCK_R = min(triton.next_power_of_2(H * P), max(1, 2048 // BLOCK_N))
     lo, hi = dt_limit
     # fmt: off
-    _ssu_kernel[(batch, H, triton.cdiv(P, BLOCK_P))](
+    _ssu_kernel[(batch, triton.cdiv(H * P, BLOCK_R))](
         ssm_states, x, dt, A, B, C, D, dt_bias, slots, y,
         *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
         *slots.stride(),
-        k, P, N, H // G, float(lo), float(hi),
-        HAS_LIMIT=lo > 0.0 or hi != float("inf"), BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, num_warps=4,
+        k, H, P, N, H // G, float(lo), float(hi),
+        HAS_LIMIT=lo > 0.0 or hi != float("inf"), BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, num_warps=4,
     )
     # fmt: on
 
