@@ -37,6 +37,9 @@ class DisaggEngineLoop(engine_process.EngineLoop):
         waiting_on_peers = worker.has_unfinished_requests()
         timeout = PEER_POLL_MS if waiting_on_peers else engine_process.IDLE_POLL_MS
         events = dict(poller.poll(timeout))
+        if len(events) > (self.inbox in events):
+            worker.poll()  # peer messages are handled even while no request runs here
+            self._after_step()  # a Reject or Abort may have failed a request just now
         return self.inbox in events
 
     def _add(self, message: AddRequest) -> None:

@@ -85,13 +85,41 @@ class ServerProcess:
 
 
 def start_server(
-    model_dir: str | Path, log_dir: Path, *flags: str, api_key: str | None = None
+    model_dir: str | Path,
+    log_dir: Path,
+    *flags: str,
+    api_key: str | None = None,
+    port: int | None = None,
 ) -> ServerProcess:
-    port = free_port()
-    log_path = log_dir / f"baton-serve-{port}.log"
+    port = port or free_port()
+    log_path = log_dir / f"baton-serve-{port}-{time.monotonic_ns()}.log"
     command = [str(BATON), "serve", "--model", str(model_dir), "--port", str(port), *flags]
     if api_key:
         command += ["--api-key", api_key]
+    return _start(command, port, log_path, api_key)
+
+
+def start_router(
+    log_dir: Path, prefill: list[str], decode: list[str], *, require_ready: bool = True
+) -> ServerProcess:
+    port = free_port()
+    log_path = log_dir / f"baton-router-{port}.log"
+    command = [
+        str(BATON),
+        "router",
+        "--prefill",
+        ",".join(prefill),
+        "--decode",
+        ",".join(decode),
+        "--port",
+        str(port),
+    ]
+    return _start(command, port, log_path, None, require_ready=require_ready)
+
+
+def _start(
+    command: list[str], port: int, log_path: Path, api_key: str | None, require_ready: bool = True
+) -> ServerProcess:
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1]
@@ -104,7 +132,8 @@ def start_server(
                 f"baton serve exited with {process.returncode}:\n{server.log()[-4000:]}"
             )
         try:
-            if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
+            status = httpx.get(f"{server.base_url}/health", timeout=1).status_code
+            if status == 200 or (status == 503 and not require_ready):
                 return server
         except httpx.TransportError:
             pass

@@ -1,0 +1,321 @@
+"""Router -> prefill worker -> decode worker, as real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pickle
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_process import start_router, start_server
+
+WORKER_FLAGS = (
+    "--page-size",
+    "4",
+    "--chunked-prefill-size",
+    "32",
+    "--max-num-batched-tokens",
+    "64",
+)
+
+
+def gauge(server, name: str) -> float:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise KeyError(name)
+
+
+def prompts(n: int = 16) -> list[list[int]]:
+    lengths = [1, 5, 17, 33, 40, 64, 90, 130, 3, 8, 31, 32, 45, 77, 100, 12][:n]
+    return [[(7 * i + 3 * j) % 300 + 3 for j in range(length)] for i, length in enumerate(lengths)]
+
+
+def complete(
+    base_url: str, prompt, max_tokens: int = 12, timeout: float = 60.0, **extra
+) -> httpx.Response:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
+    return httpx.post(f"{base_url}/v1/completions", json=body, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.tiny import save_tiny_model
+
+    path = tmp_path_factory.mktemp("disagg-model")
+    save_tiny_model(path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("disagg-logs")
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dir, logs):
+    server = start_server(model_dir, logs, *WORKER_FLAGS)
+    expected = {}
+    for i, prompt in enumerate(prompts()):
+        expected[i] = complete(server.base_url, prompt).json()["choices"][0]["text"]
+    yield server, expected
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, logs):
+    prefill = start_server(
+        model_dir, logs, *WORKER_FLAGS, "--disaggregation-mode", "prefill", "--disagg-timeout", "30"
+    )
+    decode = start_server(
+        model_dir, logs, *WORKER_FLAGS, "--disaggregation-mode", "decode", "--disagg-timeout", "30"
+    )
+    router = start_router(logs, [prefill.base_url], [decode.base_url])
+    parts = {"prefill": prefill, "decode": decode, "router": router}
+    yield parts
+    for part in parts.values():
+        part.stop()
+
+
+def test_concurrent_requests_match_colocated_token_for_token(stack, colocated):
+    _, expected = colocated
+    router = stack["router"]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(lambda p: complete(router.base_url, p, logprobs=1), prompts()))
+    for i, response in enumerate(responses):
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected[i], f"request {i}"
+    streamed = httpx.post(
+        f"{router.base_url}/v1/completions",
+        json={
+            "prompt": prompts()[7],
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        },
+        timeout=60,
+    ).text
+    assert streamed.rstrip().endswith("data: [DONE]")
+    assert gauge(stack["decode"], "baton:disagg_transfers_total") >= 17
+    for worker in (stack["prefill"], stack["decode"]):
+        assert (
+            gauge(worker, "baton:kv_pages_used") == 0
+            and gauge(worker, "baton:mamba_slots_used") == 0
+        )
+
+
+def test_pickle_on_the_transfer_socket_is_rejected_and_harmless(stack):
+    info = httpx.get(f"{stack['prefill'].base_url}/disagg/info", timeout=10).json()
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.connect(info["transfer_addr"])
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/baton-pickle-pwned",))
+
+    sock.send_multipart([pickle.dumps(Exploit()), b""])
+    time.sleep(0.5)
+    sock.close(linger=0)
+    assert not os.path.exists("/tmp/baton-pickle-pwned")
+    assert "rejected a message" in stack["prefill"].log()
+    assert complete(stack["router"].base_url, [5, 6, 7]).status_code == 200
+
+
+def test_router_refuses_a_client_room_and_reports_health(stack):
+    router = stack["router"]
+    assert httpx.get(f"{router.base_url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{router.base_url}/v1/models", timeout=10).json()["data"]
+    body = {
+        "prompt": [5, 6, 7],
+        "max_tokens": 3,
+        "temperature": 0,
+        "baton_disagg": {"room": "evil", "prefill_addr": "tcp://10.0.0.1:1"},
+    }
+    assert httpx.post(f"{router.base_url}/v1/completions", json=body, timeout=30).status_code == 200
+
+
+def test_killed_decode_worker_errors_the_stream_then_recovers(stack, model_dir, logs):
+    router, decode = stack["router"], stack["decode"]
+    events: list[str] = []
+    done = threading.Event()
+
+    def stream():
+        body = {
+            "prompt": [5, 6, 7, 8],
+            "max_tokens": 3000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        try:
+            with httpx.stream(
+                "POST", f"{router.base_url}/v1/completions", json=body, timeout=30
+            ) as response:
+                for line in response.iter_lines():
+                    if line:
+                        events.append(line)
+        except httpx.HTTPError as error:
+            events.append(f"transport error: {error}")
+        done.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    deadline = time.time() + 60
+    while len(events) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(events) >= 3, "the stream never started"
+    os.kill(decode.process.pid, signal.SIGKILL)
+    for pid in _children(decode.process.pid):
+        os.kill(pid, signal.SIGKILL)
+    killed = time.time()
+    assert done.wait(10), "the client hung after the decode worker died"
+    assert time.time() - killed < 10
+    assert events[-1] != "data: [DONE]" and "error" in events[-1]
+    # New requests fail fast with a clean 503 while no decode worker is healthy.
+    start = time.time()
+    while True:
+        response = complete(router.base_url, [5, 6], max_tokens=2, timeout=10)
+        if response.status_code == 503:
+            break
+        assert time.time() - start < 10
+        time.sleep(0.2)
+    assert "error" in response.json()
+    # A decode worker started again on the same port brings the pair back.
+    stack["decode"] = start_server(
+        model_dir,
+        logs,
+        *WORKER_FLAGS,
+        "--disaggregation-mode",
+        "decode",
+        "--disagg-timeout",
+        "30",
+        port=decode.port,
+    )
+    deadline = time.time() + 30
+    while httpx.get(f"{router.base_url}/health", timeout=5).status_code != 200:
+        assert time.time() < deadline
+        time.sleep(0.2)
+    assert complete(router.base_url, [5, 6, 7]).status_code == 200
+
+
+def test_killed_prefill_worker_fails_pending_rooms_and_frees_them(stack):
+    prefill, decode = stack["prefill"], stack["decode"]
+    info = httpx.get(f"{prefill.base_url}/disagg/info", timeout=10).json()
+    result: dict = {}
+
+    def pending():
+        # A room whose prefill never comes: the decode worker holds pages and a slot for it.
+        body = {
+            "prompt": list(range(3, 60)),
+            "max_tokens": 5,
+            "temperature": 0,
+            "baton_disagg": {"room": "orphan", "prefill_addr": info["transfer_addr"]},
+        }
+        start = time.time()
+        result["response"] = httpx.post(f"{decode.base_url}/v1/completions", json=body, timeout=60)
+        result["seconds"] = time.time() - start
+
+    thread = threading.Thread(target=pending)
+    thread.start()
+    time.sleep(1.0)
+    assert gauge(decode, "baton:kv_pages_used") > 0
+    os.kill(prefill.process.pid, signal.SIGKILL)
+    for pid in _children(prefill.process.pid):
+        os.kill(pid, signal.SIGKILL)
+    thread.join(30)
+    response = result["response"]
+    assert (
+        response.status_code >= 400 and "stopped answering" in response.json()["error"]["message"]
+    )
+    assert result["seconds"] < 15  # the lease (5 s) caught it, not the 30 s transfer timeout
+    assert (
+        gauge(decode, "baton:kv_pages_used") == 0 and gauge(decode, "baton:mamba_slots_used") == 0
+    )
+    assert httpx.get(f"{decode.base_url}/health", timeout=10).status_code == 200
+
+
+def test_injected_transfer_drops_fail_cleanly(model_dir, logs, colocated, monkeypatch):
+    _, expected = colocated
+    monkeypatch.setenv("BATON_FAULT_DROP_TRANSFER", "0.1")
+    prefill = start_server(
+        model_dir, logs, *WORKER_FLAGS, "--disaggregation-mode", "prefill", "--disagg-timeout", "4"
+    )
+    monkeypatch.delenv("BATON_FAULT_DROP_TRANSFER")
+    decode = start_server(
+        model_dir, logs, *WORKER_FLAGS, "--disaggregation-mode", "decode", "--disagg-timeout", "4"
+    )
+    router = start_router(logs, [prefill.base_url], [decode.base_url])
+    try:
+        work = [(i % 16, prompts()[i % 16]) for i in range(60)]
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            responses = list(
+                pool.map(lambda item: (item[0], complete(router.base_url, item[1])), work)
+            )
+        ok = failed = 0
+        for index, response in responses:
+            if response.status_code == 200:
+                assert response.json()["choices"][0]["text"] == expected[index]
+                ok += 1
+            else:
+                assert "transfer failed" in response.json()["error"]["message"]
+                failed += 1
+        assert failed > 0 and ok > 0
+        dropped = gauge(prefill, "baton:disagg_transfers_failed_total")
+        assert (
+            1 <= dropped <= failed
+        )  # every drop failed its request (timeouts under load may add more)
+        for worker in (prefill, decode, router):
+            assert httpx.get(f"{worker.base_url}/health", timeout=10).status_code == 200
+        for worker in (prefill, decode):
+            assert (
+                gauge(worker, "baton:kv_pages_used") == 0
+                and gauge(worker, "baton:mamba_slots_used") == 0
+            )
+    finally:
+        for part in (router, decode, prefill):
+            part.stop()
+
+
+def test_handshake_rejects_a_decode_worker_with_another_dtype(model_dir, logs):
+    prefill = start_server(
+        model_dir, logs, *WORKER_FLAGS, "--disaggregation-mode", "prefill", "--disagg-timeout", "10"
+    )
+    decode = start_server(
+        model_dir, logs, *WORKER_FLAGS, "--disaggregation-mode", "decode", "--dtype", "bfloat16"
+    )
+    router = start_router(logs, [prefill.base_url], [decode.base_url])
+    try:
+        response = complete(router.base_url, [5, 6, 7, 8], max_tokens=4)
+        assert response.status_code == 400
+        message = response.json()["error"]["message"]
+        assert "dtype differs" in message and "float32" in message and "bfloat16" in message
+        assert gauge(decode, "baton:kv_pages_used") == 0
+    finally:
+        for part in (router, decode, prefill):
+            part.stop()
+
+
+def _children(pid: int) -> list[int]:
+    from tests.server_process import children_of
+
+    try:
+        return children_of(pid)
+    except FileNotFoundError:
+        return []
