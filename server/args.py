@@ -18,6 +18,8 @@ ENGINE_ARG_NAMES = (
     "page_size",
     "seed",
     "mamba_track_interval",
+    "mem_fraction",
+    "cuda_graph_max_bs",
 )
 
 
@@ -42,6 +44,9 @@ class ServerArgs:
     engine_start_timeout: float = 600.0
     log_level: str = "info"
     no_prefix_cache: bool = False
+    mem_fraction: float | None = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
     mamba_track_interval: int | None = None
     disaggregation_mode: str | None = None  # None (colocated), "prefill" or "decode"
     disagg_host: str = "127.0.0.1"  # prefill: where the transfer socket binds and is advertised
@@ -78,6 +83,8 @@ class ServerArgs:
         }
         if self.no_prefix_cache:
             args["enable_prefix_caching"] = False
+        if self.disable_cuda_graph:
+            args["disable_cuda_graph"] = True
         return args
 
     def disagg_options(self) -> dict[str, Any] | None:

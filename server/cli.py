@@ -106,6 +106,20 @@ def add_serve_parser(subparsers) -> None:
         help="seconds to wait for the model to load",
     )
 
+    engine.add_argument(
+        "--mem-fraction",
+        type=float,
+        help="CUDA: fraction of free GPU memory for the KV and Mamba pools (default: 0.85)",
+    )
+    engine.add_argument(
+        "--disable-cuda-graph", action="store_true", help="CUDA: run decode steps eagerly"
+    )
+    engine.add_argument(
+        "--cuda-graph-max-bs",
+        type=_non_negative_int,
+        help="CUDA: largest decode batch captured in a graph (default: --max-running-requests)",
+    )
+
     cache = parser.add_argument_group("prefix cache")
     cache.add_argument(
         "--no-prefix-cache",
