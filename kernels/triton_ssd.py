@@ -349,10 +349,12 @@ def ssd_scan_triton(
     )
     # fmt: on
 
-    BLOCK_M = min(64, _pow2_at_least_16(L))
-    BLOCK_K = BLOCK_M
-    scan_p = min(32 if BLOCK_N > 64 else 64, BLOCK_P)
-    grid = (S * Cn, H, triton.cdiv(L, BLOCK_M) * triton.cdiv(P, scan_p))
+    # Nano-9B-v2 (chunk 128, headdim 80, dstate 128): a whole chunk per program, headdim in two
+    # blocks of 64, keys in steps of 32, 8 warps -> 209 registers, no spills on sm_90 (ptxas -v;
+    # keys in steps of 64 or 4 warps spill).
+    BLOCK_M = min(128, _pow2_at_least_16(L))
+    BLOCK_K = min(32, BLOCK_M)
+    grid = (S * Cn, H, triton.cdiv(L, BLOCK_M) * triton.cdiv(P, BLOCK_P))
     # fmt: off
     _chunk_scan_kernel[grid](
         x, B, C, D, dt_chunk, dA_cs, cu, start_pos, chunk_states, initial_states, y,
@@ -362,8 +364,8 @@ def ssd_scan_triton(
         *initial_states.stride(),
         y.stride(0), y.stride(1), y.stride(2),
         H, P, N, L, Cn, H // G,
-        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=scan_p, BLOCK_N=BLOCK_N,
-        num_warps=8 if BLOCK_M * BLOCK_N >= 8192 else 4,  # C_m and B_k tiles are M x dstate
+        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
+        num_warps=8 if BLOCK_M * BLOCK_N >= 8192 else 4,  # C_m is M x dstate
     )
     # fmt: on
     return SSDOutput(y=y, final_states=final_states, chunk_states=chunk_states)
