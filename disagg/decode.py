@@ -84,19 +84,21 @@ class DecodeWorker:
                 "a disaggregated decode request needs the prefill worker's transfer address"
             )
         try:
-            self.engine.preallocate(request_id, prompt_token_ids, params)
+            reserved = self.engine.preallocate(request_id, prompt_token_ids, params)
         except OutOfMemory as error:
             raise ValueError(f"decode worker is out of memory for this request: {error}") from None
         peer = self._peer(prefill_addr)
         self.rooms[room] = DecodeRoom(
             room=room, request_id=request_id, peer=prefill_addr, registered=now()
         )
-        peer.socket.send_multipart(
-            encode(
-                Register(room=room, compat=self.compat, num_prompt_tokens=len(prompt_token_ids)),
-                secret=self.config.secret,
-            )
+        register = Register(
+            room=room,
+            compat=self.compat,
+            num_prompt_tokens=len(prompt_token_ids),
+            cached_tokens=reserved.cached_tokens,
+            track_interval=self.engine.track_interval,
         )
+        peer.socket.send_multipart(encode(register, secret=self.config.secret))
 
     def abort_request(self, request_id: str) -> None:
         for r in list(self.rooms.values()):
@@ -164,15 +166,19 @@ class DecodeWorker:
             r = self.rooms.pop(message.room, None)
             if r is None:
                 return  # aborted or timed out meanwhile
-            k, v, conv, ssm = tensors
+            k, v, conv, ssm, checkpoint_conv, checkpoint_ssm = tensors
             state = RequestState(
                 num_prompt_tokens=message.num_prompt_tokens,
                 first_token=message.first_token,
                 first_logprobs=message.first_logprobs,
+                first_page=message.first_page,
+                first_block=message.first_block,
                 k_pages=k,
                 v_pages=v,
                 conv=conv,
                 ssm=ssm,
+                checkpoint_conv=checkpoint_conv,
+                checkpoint_ssm=checkpoint_ssm,
             )
             try:
                 delta = self.engine.install(r.request_id, state)

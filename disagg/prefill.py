@@ -43,6 +43,7 @@ class PrefillRoom:
     state: RoomState = "bootstrapping"
     request_id: str | None = None
     peer: bytes | None = None  # ROUTER identity of the registered decode engine
+    registration: Register | None = None
     lease: float = 0.0  # last heartbeat
     snapshot: RequestState | None = None
     send_at: float | None = None  # fault injection: delayed send
@@ -162,7 +163,7 @@ class PrefillWorker:
             )
             return
         r = self.rooms.setdefault(message.room, PrefillRoom(room=message.room, created=now()))
-        r.peer, r.lease = identity, now()
+        r.peer, r.lease, r.registration = identity, now(), message
         if r.state == "bootstrapping":
             r.state = "waiting_for_input"
         if r.snapshot is not None:
@@ -186,16 +187,20 @@ class PrefillWorker:
                 self.counters.transfers_failed += 1
                 del self.rooms[r.room]
                 continue
-            s = r.snapshot
+            s = self._needed_part(r)
             tensors = [
                 ("k_pages", s.k_pages),
                 ("v_pages", s.v_pages),
                 ("conv", s.conv),
                 ("ssm", s.ssm),
+                ("checkpoint_conv", s.checkpoint_conv),
+                ("checkpoint_ssm", s.checkpoint_ssm),
             ]
             message = StateTransfer(
                 room=r.room,
                 num_prompt_tokens=s.num_prompt_tokens,
+                first_page=s.first_page,
+                first_block=s.first_block,
                 first_token=s.first_token,
                 first_logprobs=s.first_logprobs,
                 tensors=[
@@ -211,6 +216,20 @@ class PrefillWorker:
             self.counters.transfers_ok += 1
             r.state = "success"
             del self.rooms[r.room]
+
+    def _needed_part(self, r: PrefillRoom) -> RequestState:
+        """Skip what the decode engine caches; send block checkpoints only when both sides cut
+        blocks at the same interval."""
+        reg, state = r.registration, r.snapshot
+        cached = min(reg.cached_tokens, state.num_prompt_tokens)
+        same_blocks = reg.track_interval and reg.track_interval == self.engine.track_interval
+        blocks = cached // reg.track_interval if same_blocks else 0
+        state = state.skip(
+            cached // self.compat.page_size, min(blocks, state.checkpoint_conv.shape[0])
+        )
+        if not same_blocks:
+            state = state.skip(0, state.checkpoint_conv.shape[0])
+        return state
 
     def _expire(self) -> None:
         t = now()

@@ -62,6 +62,8 @@ class Register:
     room: str
     compat: Compat
     num_prompt_tokens: int
+    cached_tokens: int  # leading prompt tokens the decode engine caches itself: not sent
+    track_interval: int  # decode engine's prefix-cache block size (0: no cache)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,6 +115,8 @@ class StateTransfer:
     tag: ClassVar[str] = "state"
     room: str
     num_prompt_tokens: int
+    first_page: int  # k/v pages start at this page of the prompt
+    first_block: int  # checkpoints start at this prefix-cache block
     first_token: int
     first_logprobs: dict[int, float] | None
     tensors: list[TensorSpec] = field(default_factory=list)

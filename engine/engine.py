@@ -208,6 +208,10 @@ class Engine:
 
     # -- disaggregation: decode side ----------------------------------------------------------
 
+    @property
+    def track_interval(self) -> int:
+        return self.prefix_cache.track_interval if self.prefix_cache is not None else 0
+
     def preallocate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Preallocation:
         """Reserve KV pages for the prompt and a Mamba slot for a request whose prefill runs on
         another engine. Raises ValueError for invalid requests, OutOfMemory when full."""
@@ -218,38 +222,73 @@ class Engine:
             self.requests.pop(request_id)
             self.detokenizers.pop(request_id, None)
             raise
-        return Preallocation(pages=tuple(req.kv_pages), mamba_slot=req.mamba_slot, num_prompt_tokens=len(req.prompt_ids))
+        return Preallocation(
+            pages=tuple(req.kv_pages),
+            mamba_slot=req.mamba_slot,
+            num_prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.num_cached_tokens,
+        )
 
     def install(self, request_id: str, state: RequestState) -> RequestDelta | None:
-        """Write a transferred prefill into the preallocated pages and slot, append the first
-        token and start decoding. Returns the first token's delta (None if the request is gone)."""
+        """Write a transferred prefill into the preallocated pages and slot, register the prompt's
+        checkpointed blocks in this engine's prefix cache, append the first token and start
+        decoding. Returns the first token's delta (None if the request is gone)."""
         req = self.requests.get(request_id)
         if req is None or req.status is not Status.TRANSFERRING:
             return None
-        if state.num_prompt_tokens != len(req.prompt_ids) or state.k_pages.shape[1] > len(req.kv_pages):
+        num_pages = state.k_pages.shape[1] if self.cache.k else 0
+        if state.num_prompt_tokens != len(req.prompt_ids) or state.first_page + num_pages > len(req.kv_pages):
             raise ValueError(f"request {request_id}: transferred state does not fit its preallocation")
-        pages = torch.tensor(req.kv_pages[: state.k_pages.shape[1]], device=self.device)
         ps = self.cache.page_size
-        for layer, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
-            k.view(-1, ps, *k.shape[1:])[pages] = state.k_pages[layer].to(self.device, k.dtype)
-            v.view(-1, ps, *v.shape[1:])[pages] = state.v_pages[layer].to(self.device, v.dtype)
+        if num_pages:
+            pages = torch.tensor(req.kv_pages[state.first_page : state.first_page + num_pages], device=self.device)
+            for layer, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
+                k.view(-1, ps, *k.shape[1:])[pages] = state.k_pages[layer].to(self.device, k.dtype)
+                v.view(-1, ps, *v.shape[1:])[pages] = state.v_pages[layer].to(self.device, v.dtype)
         self.cache.conv[:, req.mamba_slot] = state.conv.to(self.device, self.cache.conv.dtype)
         self.cache.ssm[:, req.mamba_slot] = state.ssm.to(self.device, self.cache.ssm.dtype)
         req.num_computed = len(req.prompt_ids)
+        self._register_transferred_blocks(req, state)
         self.scheduler.start_transferred(req)
         return self._append_token(req, state.first_token, state.first_logprobs)
+
+    def _register_transferred_blocks(self, req: Request, state: RequestState) -> None:
+        """The prompt's block checkpoints let later requests (the next turn of a chat) reuse
+        this prompt on the decode side too."""
+        if self.prefix_cache is None:
+            return
+        for i in range(state.checkpoint_conv.shape[0]):
+            k = state.first_block + i
+            if k != len(req.cached_blocks):
+                return
+            slot = None
+            key = self.prefix_cache.chain_keys(req.all_ids, k + 1)[-1]
+            if self.prefix_cache.lookup(key) is None:
+                slot = self.scheduler.checkpoint_slot()
+                if slot is None:
+                    return
+                self.cache.conv[:, slot] = state.checkpoint_conv[i].to(self.device, self.cache.conv.dtype)
+                self.cache.ssm[:, slot] = state.checkpoint_ssm[i].to(self.device, self.cache.ssm.dtype)
+            if not self.scheduler.extend_chain(req, k, slot):
+                return
 
     # -- disaggregation: prefill side ---------------------------------------------------------
 
     def export_state(self, req: Request) -> RequestState:
-        """Snapshot (copy) a request's K/V pages and Mamba state after its prefill."""
+        """Snapshot (copy) a request's K/V pages and Mamba state after its prefill, with the
+        checkpoints of its prefix-cache blocks."""
         ps = self.cache.page_size
         num_pages = -(-len(req.prompt_ids) // ps)
         pages = torch.tensor(req.kv_pages[:num_pages], device=self.device)
+        slots = [b.checkpoint_slot for b in req.cached_blocks]
         return RequestState(
             num_prompt_tokens=len(req.prompt_ids),
             first_token=req.output_ids[0],
             first_logprobs=req.logprobs[0] if req.logprobs else None,
+            first_page=0,
+            first_block=0,
+            checkpoint_conv=self.cache.conv[:, slots].transpose(0, 1).contiguous(),
+            checkpoint_ssm=self.cache.ssm[:, slots].transpose(0, 1).contiguous(),
             k_pages=torch.stack([k.view(-1, ps, *k.shape[1:])[pages] for k in self.cache.k]) if self.cache.k else torch.empty(0),
             v_pages=torch.stack([v.view(-1, ps, *v.shape[1:])[pages] for v in self.cache.v]) if self.cache.v else torch.empty(0),
             conv=self.cache.conv[:, req.mamba_slot].clone(),

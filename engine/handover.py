@@ -7,6 +7,7 @@ installs the snapshot and continues decoding as if it had run the prefill itself
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,13 +17,32 @@ from engine.outputs import TokenLogprobs
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RequestState:
+    """A prefill's state from page `first_page` and prefix-cache block `first_block` on (the
+    decode engine already holds what comes before: its own cached prefix)."""
+
     num_prompt_tokens: int
     first_token: int
     first_logprobs: TokenLogprobs | None
+    first_page: int
+    first_block: int
     k_pages: torch.Tensor  # (attention_layers, num_pages, page_size, kv_heads, head_dim)
     v_pages: torch.Tensor  # same
-    conv: torch.Tensor  # (mamba_layers, conv_dim, K-1)
-    ssm: torch.Tensor  # (mamba_layers, heads, head_dim, d_state)
+    conv: torch.Tensor  # (mamba_layers, conv_dim, K-1) final conv window
+    ssm: torch.Tensor  # (mamba_layers, heads, head_dim, d_state) final SSM state
+    checkpoint_conv: torch.Tensor  # (num_blocks, mamba_layers, conv_dim, K-1) at block ends
+    checkpoint_ssm: torch.Tensor  # (num_blocks, mamba_layers, heads, head_dim, d_state)
+
+    def skip(self, pages: int, blocks: int) -> RequestState:
+        """The part a decode engine that caches `pages` pages / `blocks` blocks still needs."""
+        return dataclasses.replace(
+            self,
+            first_page=self.first_page + pages,
+            first_block=self.first_block + blocks,
+            k_pages=self.k_pages[:, pages:],
+            v_pages=self.v_pages[:, pages:],
+            checkpoint_conv=self.checkpoint_conv[blocks:],
+            checkpoint_ssm=self.checkpoint_ssm[blocks:],
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,3 +50,4 @@ class Preallocation:
     pages: tuple[int, ...]  # decode-side pages the prompt's K/V go to
     mamba_slot: int
     num_prompt_tokens: int
+    cached_tokens: int  # prompt tokens this engine already caches (their pages need no transfer)

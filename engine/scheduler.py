@@ -91,15 +91,23 @@ class Scheduler:
 
     def reserve_for_transfer(self, req: Request) -> None:
         """Decode side of a disaggregated pair: a slot and pages for the prompt plus the first
-        generated token, held while the prefill engine computes and sends them."""
+        generated token, held while the prefill engine computes and sends them. Blocks of the
+        prompt this engine already caches are shared, not reserved (their pages need no
+        transfer)."""
         cache = self.prefix_cache
-        need = self._pages_for(len(req.prompt_ids) + 1)
         if self.slots.available == 0 and not (cache and cache.evict(slots=1)):
             raise OutOfMemory("no free Mamba slot for a transferred request")
+        blocks = cache.match(req.prompt_ids) if cache is not None else []
+        shared = [p for b in blocks for p in b.pages]
+        need = self._pages_for(len(req.prompt_ids) + 1) - len(shared)
         if self.pages.available < need and not (cache and cache.evict(pages=need)):
+            if blocks:
+                cache.release(blocks)
             raise OutOfMemory(f"need {need} free KV pages for a transferred request, {self.pages.available} free")
         req.mamba_slot = self.slots.alloc(1)[0]
-        req.kv_pages = self.pages.alloc(need)
+        req.kv_pages = shared + self.pages.alloc(need)
+        req.cached_blocks = blocks
+        req.num_cached_tokens = len(blocks) * cache.track_interval if blocks else 0
         req.status = Status.TRANSFERRING
 
     def start_transferred(self, req: Request) -> None:
@@ -190,9 +198,9 @@ class Scheduler:
                 key = cache.chain_keys(req.all_ids, k + 1)[-1]
                 if cache.lookup(key) is not None:
                     continue  # someone cached it meanwhile: adopted in commit_step
-                if self.slots.available == 0 and not cache.evict(slots=1):
+                slot = self.checkpoint_slot()
+                if slot is None:
                     break
-                slot = self.slots.alloc(1)[0]
                 points.append(TrackPoint(seq_index=s, token_offset=boundary - start - 1, dst_slot=slot))
                 self._pending_blocks.append((req, k, key, slot))
         return points
@@ -203,32 +211,46 @@ class Scheduler:
         cache = self.prefix_cache
         if cache is None:
             return
-        pending = {(id(req), k): (key, slot) for req, k, key, slot in self._pending_blocks}
+        pending = {(id(req), k): slot for req, k, _, slot in self._pending_blocks}
         self._pending_blocks = []
-        ppb, interval = cache.pages_per_block, cache.track_interval
         for req in self.running:
-            full = req.num_computed // interval
+            full = req.num_computed // cache.track_interval
             while len(req.cached_blocks) < full:
                 k = len(req.cached_blocks)
-                own = req.kv_pages[k * ppb : (k + 1) * ppb]
-                entry = pending.pop((id(req), k), None)
-                key = entry[0] if entry else cache.chain_keys(req.all_ids, k + 1)[-1]
-                existing = cache.lookup(key)
-                tokens = tuple(req.all_ids[k * interval : (k + 1) * interval])
-                if existing is not None and existing.tokens == tokens:
-                    existing.ref_count += 1
-                    self.pages.free(own)
-                    req.kv_pages[k * ppb : (k + 1) * ppb] = existing.pages
-                    req.cached_blocks.append(existing)
-                    if entry:
-                        self.slots.free([entry[1]])
-                elif entry is not None and existing is None:
-                    parent = req.cached_blocks[-1] if req.cached_blocks else None
-                    req.cached_blocks.append(cache.insert(key, tokens, parent, own, entry[1]))
-                else:
+                if not self.extend_chain(req, k, pending.pop((id(req), k), None)):
                     break  # no checkpoint of this block: the chain stops here for this request
-        for _, slot in pending.values():  # checkpoints that could not be registered
+        for slot in pending.values():  # checkpoints that could not be registered
             self.slots.free([slot])
+
+    def extend_chain(self, req: Request, k: int, checkpoint_slot: int | None) -> bool:
+        """Make block k (== len(req.cached_blocks)) of `req` cached: adopt an identical cached
+        block (our duplicate pages and checkpoint are freed) or insert our own pages with the
+        checkpoint already written to `checkpoint_slot`. False when neither is possible."""
+        cache = self.prefix_cache
+        ppb, interval = cache.pages_per_block, cache.track_interval
+        tokens = tuple(req.all_ids[k * interval : (k + 1) * interval])
+        key = cache.chain_keys(req.all_ids, k + 1)[-1]
+        own = req.kv_pages[k * ppb : (k + 1) * ppb]
+        existing = cache.lookup(key)
+        if existing is not None and existing.tokens == tokens:
+            existing.ref_count += 1
+            self.pages.free(own)
+            req.kv_pages[k * ppb : (k + 1) * ppb] = existing.pages
+            req.cached_blocks.append(existing)
+            if checkpoint_slot is not None:
+                self.slots.free([checkpoint_slot])
+            return True
+        if checkpoint_slot is None or existing is not None:
+            return False
+        parent = req.cached_blocks[-1] if req.cached_blocks else None
+        req.cached_blocks.append(cache.insert(key, tokens, parent, own, checkpoint_slot))
+        return True
+
+    def checkpoint_slot(self) -> int | None:
+        """A free Mamba slot for a checkpoint (evicting idle cached blocks if needed), or None."""
+        if self.slots.available == 0 and not self.prefix_cache.evict(slots=1):
+            return None
+        return self.slots.alloc(1)[0]
 
     def _batch(self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]) -> ScheduledBatch:
         rows = decodes + prefills

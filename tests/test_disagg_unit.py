@@ -26,15 +26,30 @@ from engine.engine import Engine
 
 
 def config(role, **overrides):
-    values = dict(role=role, host="127.0.0.1", port=0, secret=b"s3cret", bootstrap_timeout_s=5.0,
-                  transfer_timeout_s=5.0, heartbeat_interval_s=0.2, lease_timeout_s=1.5)
+    values = dict(
+        role=role,
+        host="127.0.0.1",
+        port=0,
+        secret=b"s3cret",
+        bootstrap_timeout_s=5.0,
+        transfer_timeout_s=5.0,
+        heartbeat_interval_s=0.2,
+        lease_timeout_s=1.5,
+    )
     values.update(overrides)
     return DisaggConfig(**values)
 
 
 def test_messages_round_trip_with_tensors_and_mac():
-    message = StateTransfer(room="r", num_prompt_tokens=7, first_token=3, first_logprobs={3: -0.5},
-                            tensors=[TensorSpec(name="k", dtype="bfloat16", shape=[2, 3])])
+    message = StateTransfer(
+        room="r",
+        num_prompt_tokens=7,
+        first_page=0,
+        first_block=0,
+        first_token=3,
+        first_logprobs={3: -0.5},
+        tensors=[TensorSpec(name="k", dtype="bfloat16", shape=[2, 3])],
+    )
     tensor = torch.randn(2, 3).bfloat16()
     frames = [bytes(f) for f in encode(message, [tensor], secret=b"k")]
     decoded, tensors = decode(frames, secret=b"k")
@@ -69,7 +84,9 @@ def run_pair(prefill, decoder, prompts, params, timeout=20.0):
         decoder.add_request(f"r{i}", prompt, params, room=f"room{i}", prefill_addr=prefill.address)
         prefill.add_request(f"r{i}", prompt, params, room=f"room{i}")
     start = time.time()
-    while (decoder.has_unfinished_requests() or prefill.has_unfinished_requests()) and time.time() - start < timeout:
+    while (
+        decoder.has_unfinished_requests() or prefill.has_unfinished_requests()
+    ) and time.time() - start < timeout:
         prefill.step()
         for delta in decoder.step():
             got.setdefault(delta.request_id, []).extend(delta.new_token_ids)
@@ -88,7 +105,9 @@ def test_pair_is_token_identical_to_colocated_and_frees_everything(base_model):
     while colocated.has_unfinished_requests():
         for d in colocated.step():
             expect.setdefault(d.request_id, []).extend(d.new_token_ids)
-    prefill = PrefillWorker(Engine(model_dir, page_size=4, chunked_prefill_size=32), config("prefill"), ctx)
+    prefill = PrefillWorker(
+        Engine(model_dir, page_size=4, chunked_prefill_size=32), config("prefill"), ctx
+    )
     decoder = DecodeWorker(Engine(model_dir, page_size=4), config("decode"), ctx)
     assert run_pair(prefill, decoder, prompts, params) == expect
     assert decoder.take_failures() == [] and prefill.take_failures() == []
@@ -105,10 +124,21 @@ def test_handshake_rejects_other_dtype_with_clear_message(base_model):
     ctx = zmq.Context()
     prefill = PrefillWorker(Engine(model_dir, page_size=4), config("prefill"), ctx)
     decoder = DecodeWorker(Engine(model_dir, dtype="bfloat16", page_size=4), config("decode"), ctx)
-    got = run_pair(prefill, decoder, [list(range(3, 20))], SamplingParams(max_tokens=4, temperature=0), timeout=5)
+    got = run_pair(
+        prefill,
+        decoder,
+        [list(range(3, 20))],
+        SamplingParams(max_tokens=4, temperature=0),
+        timeout=5,
+    )
     failures = decoder.take_failures()
     assert got == {}
-    assert len(failures) == 1 and "dtype" in failures[0][1] and "float32" in failures[0][1] and "bfloat16" in failures[0][1]
+    assert (
+        len(failures) == 1
+        and "dtype" in failures[0][1]
+        and "float32" in failures[0][1]
+        and "bfloat16" in failures[0][1]
+    )
     assert decoder.stats().kv_pages_used == 0 and decoder.stats().mamba_slots_used == 0
     prefill.close()
     decoder.close()
@@ -117,11 +147,21 @@ def test_handshake_rejects_other_dtype_with_clear_message(base_model):
 def test_lost_prefill_worker_fails_pending_rooms_and_frees(base_model):
     model_dir, _ = base_model
     ctx = zmq.Context()
-    decoder = DecodeWorker(Engine(model_dir, page_size=4), config("decode", lease_timeout_s=0.6, transfer_timeout_s=30), ctx)
+    decoder = DecodeWorker(
+        Engine(model_dir, page_size=4),
+        config("decode", lease_timeout_s=0.6, transfer_timeout_s=30),
+        ctx,
+    )
     dead = ctx.socket(zmq.ROUTER)
     port = dead.bind_to_random_port("tcp://127.0.0.1")
     dead.close(linger=0)  # nobody answers there any more
-    decoder.add_request("r0", list(range(3, 30)), SamplingParams(max_tokens=4), room="room0", prefill_addr=f"tcp://127.0.0.1:{port}")
+    decoder.add_request(
+        "r0",
+        list(range(3, 30)),
+        SamplingParams(max_tokens=4),
+        room="room0",
+        prefill_addr=f"tcp://127.0.0.1:{port}",
+    )
     assert decoder.stats().kv_pages_used > 0
     start = time.time()
     while decoder.has_unfinished_requests() and time.time() - start < 5:
@@ -131,4 +171,80 @@ def test_lost_prefill_worker_fails_pending_rooms_and_frees(base_model):
     assert failures and "stopped answering" in failures[0][1]
     assert time.time() - start < 3
     assert decoder.stats().kv_pages_used == 0 and decoder.stats().mamba_slots_used == 0
+    decoder.close()
+
+
+def collect(prefill, decoder, items, params, timeout=30.0):
+    """items: (request_id, prompt); returns request_id -> (tokens, num_cached_tokens)."""
+    got: dict[str, list] = {}
+    cached: dict[str, int] = {}
+    for rid, prompt in items:
+        decoder.add_request(rid, prompt, params, room=f"room-{rid}", prefill_addr=prefill.address)
+        prefill.add_request(rid, prompt, params, room=f"room-{rid}")
+    start = time.time()
+    while (
+        decoder.has_unfinished_requests() or prefill.has_unfinished_requests()
+    ) and time.time() - start < timeout:
+        prefill.step()
+        for delta in decoder.step():
+            got.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            cached[delta.request_id] = delta.num_cached_tokens
+    assert decoder.take_failures() == []
+    return {rid: (got[rid], cached[rid]) for rid, _ in items}
+
+
+def test_both_workers_reuse_cached_prefixes_and_stay_token_identical(base_model):
+    """Shared few-shot prefixes hit the prefill worker's cache; the decode worker caches the
+    transferred block checkpoints, so a second chat turn (prompt + answer + more) skips the
+    pages it already holds. Outputs equal a colocated run with the cache off."""
+    model_dir, _ = base_model
+    ctx = zmq.Context()
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    args = dict(page_size=4, mamba_track_interval=32, chunked_prefill_size=48)
+    prefill = PrefillWorker(Engine(model_dir, **args), config("prefill"), ctx)
+    decoder = DecodeWorker(Engine(model_dir, **args), config("decode"), ctx)
+    reference = Engine(model_dir, page_size=4, enable_prefix_caching=False)
+
+    def colocated(prompt):
+        reference.add_request("ref", prompt, params)
+        tokens = []
+        while reference.has_unfinished_requests():
+            for delta in reference.step():
+                tokens.extend(delta.new_token_ids)
+        return tokens
+
+    shared = [(5 * j) % 290 + 3 for j in range(150)]
+    questions = [shared + [(11 * i + j) % 290 + 3 for j in range(10 + i)] for i in range(4)]
+    first = collect(prefill, decoder, [("q0", questions[0])], params)
+    rest = collect(prefill, decoder, [(f"q{i}", q) for i, q in enumerate(questions[1:], 1)], params)
+    results = first | rest
+    for i, q in enumerate(questions):
+        assert results[f"q{i}"][0] == colocated(q), f"question {i}"
+    assert (
+        prefill.engine.stats().prefix_cache_hit_tokens >= 3 * 128
+    )  # prefill reused the shared prefix
+    assert all(results[f"q{i}"][1] >= 128 for i in range(1, 4))  # decode matched its own blocks
+
+    # Second turn of a chat: the decode worker already holds turn one's prompt blocks and the
+    # blocks its own decode checkpointed.
+    turn2 = questions[0] + results["q0"][0] + [17, 18, 19]
+    bytes_before = decoder.counters.bytes_total
+    second = collect(prefill, decoder, [("turn2", turn2)], params)
+    assert second["turn2"][0] == colocated(turn2)
+    assert second["turn2"][1] >= 160
+    full_pages = -(-len(turn2) // 4)
+    sent = decoder.counters.bytes_total - bytes_before
+    per_page = (
+        2
+        * len(prefill.engine.cache.k)
+        * 4
+        * prefill.engine.cache.k[0].shape[1]
+        * prefill.engine.cache.k[0].shape[2]
+        * 4
+    )
+    assert sent < full_pages * per_page  # the cached pages were not sent again
+    for worker in (prefill, decoder):
+        stats = worker.stats()
+        assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+    prefill.close()
     decoder.close()
