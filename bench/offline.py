@@ -130,8 +130,11 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=None, help="override the workload size")
     ap.add_argument("--hf-batch-sizes", default="1,8,32")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results = []
     for name in ["19m", "110m"] if args.config == "all" else [args.config]:
         with tempfile.TemporaryDirectory() as model_dir:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -214,18 +215,25 @@ def decode(frames: list[bytes], secret: bytes | None = None) -> tuple[Message, l
         for spec, frame in zip(message.tensors, payload):
             if spec.dtype not in _DTYPES:
                 raise ProtocolError(f"state: unsupported dtype {spec.dtype!r}")
-            buffer = bytearray(frame) if len(frame) else bytearray()
-            tensor = (
-                torch.frombuffer(buffer, dtype=_DTYPES[spec.dtype])
-                if buffer
-                else torch.empty(0, dtype=_DTYPES[spec.dtype])
-            )
+            tensor = _view(frame, _DTYPES[spec.dtype])
             if tensor.numel() != _numel(spec.shape):
                 raise ProtocolError(
                     f"state: tensor {spec.name} has {tensor.numel()} elements, header says {spec.shape}"
                 )
             tensors.append(tensor.view(spec.shape))
     return message, tensors
+
+
+def _view(frame, dtype: torch.dtype) -> torch.Tensor:
+    """A read-only tensor over the received frame, no copy (the receiver copies it into its
+    pools anyway, and the tensor keeps the frame alive)."""
+    if not len(frame):
+        return torch.empty(0, dtype=dtype)
+    if len(frame) % torch.empty((), dtype=dtype).element_size():
+        raise ProtocolError(f"frame of {len(frame)} bytes is not a whole number of {dtype} values")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(frame, dtype=dtype)
 
 
 def _numel(shape: list[int]) -> int:
