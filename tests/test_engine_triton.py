@@ -1,0 +1,54 @@
+"""The whole engine on the Triton kernels (interpreter on CPU) against the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.triton_attention
+import kernels.triton_conv1d
+import kernels.triton_norm
+import kernels.triton_ssd
+import kernels.triton_ssu
+from engine import LLM, SamplingParams
+
+LAUNCHERS = [
+    (kernels.triton_ssd, "ssd_scan_triton"),
+    (kernels.triton_conv1d, "causal_conv1d_varlen_triton"),
+    (kernels.triton_conv1d, "causal_conv1d_update_triton"),
+    (kernels.triton_ssu, "selective_state_update_triton"),
+    (kernels.triton_attention, "paged_attention_triton"),
+]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    counts: dict[str, int] = {}
+    for module, name in LAUNCHERS:
+        original = getattr(module, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return counts
+
+
+def test_triton_engine_matches_torch_engine(base_model, monkeypatch, launches):
+    model_dir, hf = base_model
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (1, 9, 23)]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2)
+    args = dict(page_size=16, chunked_prefill_size=16, max_num_batched_tokens=32, enable_prefix_caching=False)
+    monkeypatch.setenv("BATON_KERNELS", "torch")
+    reference = LLM(model_dir, **args).generate(prompts, params)
+    assert not launches
+    monkeypatch.setenv("BATON_KERNELS", "triton")
+    outs = LLM(model_dir, **args).generate(prompts, params)
+    assert set(launches) == {name for _, name in LAUNCHERS}, launches  # every kernel really ran
+    for out, ref in zip(outs, reference):
+        assert out.token_ids == ref.token_ids
+        for mine, theirs in zip(out.logprobs, ref.logprobs):
+            for token, lp in theirs.items():
+                assert abs(mine[token] - lp) < 1e-3
