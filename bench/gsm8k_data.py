@@ -32,14 +32,15 @@ HELDOUT_PATH = Path(__file__).parent / "data" / "gsm8k_synthetic_heldout.jsonl"
 HELDOUT_SEED = 1
 NUM_FEW_SHOT_ROWS = 5  # the held-out file's first rows: the eval's few-shot examples
 
-# Operand ranges. Sums and differences stay below 1000 (three digits, with carries and borrows);
-# products are a one-digit by two-digit multiplication; divisions are exact.
-MAX_ADD = 499
-MAX_SUB = 999
+# Operand ranges: sums up to 198 and differences of numbers up to 199 (carries and borrows,
+# two- and three-digit results), one-digit by two-digit products, exact divisions; two-step
+# problems chain them (answers stay below 400).
+MAX_ADD = 99
+MAX_SUB = 199
 MUL_SMALL = (2, 9)
-MUL_LARGE = (11, 99)
+MUL_LARGE = (11, 29)
 DIV_DIVISOR = (2, 9)
-DIV_QUOTIENT = (2, 60)
+DIV_QUOTIENT = (2, 30)
 
 NAMES = [
     ("Tom", "he"),
@@ -184,7 +185,7 @@ def _mul_add(rng: random.Random) -> Problem:
 def _change(rng: random.Random) -> Problem:
     a, b = rng.randint(*MUL_SMALL), rng.randint(*MUL_LARGE)
     d = a * b
-    c = rng.randint(d + 1, min(d + MAX_ADD, MAX_SUB))
+    c = rng.randint(d + 1, d + MAX_ADD)
     e = c - d
     name, he, _ = _person(rng)
     item, items = rng.choice(PRICED)

@@ -1,0 +1,120 @@
+"""`make gsm8k`: serve the shipped model, run `baton eval gsm8k` on the held-out file, stop.
+
+    python -m bench.run_gsm8k [--model assets] [EVAL FLAGS, e.g. --num-questions 50 --output r.json]
+
+Starts one colocated `baton serve` on a free 127.0.0.1 port and waits for /health, runs the
+eval against it (flags it does not know are passed on to `baton eval gsm8k`), prints the
+accuracy and stops the server. Exits with the eval's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.gsm8k_data import HELDOUT_PATH
+
+ROOT = Path(__file__).resolve().parents[1]
+BATON = Path(sys.executable).with_name("baton")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(
+                f"baton serve exited with {server.returncode}:\n{log.read_text()[-4000:]}"
+            )
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(
+        f"baton serve was not healthy after {timeout_s:g} s:\n{log.read_text()[-4000:]}"
+    )
+
+
+def stop(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run_gsm8k", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--model", default=str(ROOT / "assets"), help="model directory (default: assets/)"
+    )
+    parser.add_argument(
+        "--data", default=str(HELDOUT_PATH), help="GSM8K JSONL (default: the held-out file)"
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=300, help="seconds to wait for /health"
+    )
+    args, eval_flags = parser.parse_known_args(argv)
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="baton-gsm8k-") as scratch:
+        log = Path(scratch) / "serve.log"
+        with open(log, "wb") as sink:
+            server = subprocess.Popen(
+                [
+                    str(BATON),
+                    "serve",
+                    "--model",
+                    args.model,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+        try:
+            print(f"serving {args.model} on {url} (log: {log})", flush=True)
+            wait_healthy(server, url, log, args.startup_timeout)
+            command = [
+                str(BATON),
+                "eval",
+                "gsm8k",
+                "--base-url",
+                url,
+                "--data",
+                args.data,
+                *eval_flags,
+            ]
+            return subprocess.call(command, cwd=ROOT)
+        except RuntimeError as error:
+            print(f"make gsm8k: {error}", file=sys.stderr)
+            return 1
+        finally:
+            stop(server)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
