@@ -84,8 +84,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request], eos_ids: tuple[int, ...]) -> SampleResult:
         """logits: (rows, vocab) float32, one row per request in `reqs`."""
         raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in reqs) else None
-        logits = apply_penalties(logits.clone(), reqs)
-        self._mask_early_stops(logits, reqs, eos_ids)
+        if any(r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in reqs):
+            logits = logits.clone()  # the raw logits stay untouched for logprobs
+            apply_penalties(logits, reqs)
+            self._mask_early_stops(logits, reqs, eos_ids)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_rows:
