@@ -24,14 +24,34 @@ import torch
 
 CONFIGS = {
     "110m": dict(
-        vocab_size=32000, hidden_size=768, hybrid_override_pattern="M-M-M*-M-M-M*-M-",
-        mamba_num_heads=24, mamba_head_dim=64, ssm_state_size=128, n_groups=8, chunk_size=128,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=128, intermediate_size=2048, conv_kernel=4,
+        vocab_size=32000,
+        hidden_size=768,
+        hybrid_override_pattern="M-M-M*-M-M-M*-M-",
+        mamba_num_heads=24,
+        mamba_head_dim=64,
+        ssm_state_size=128,
+        n_groups=8,
+        chunk_size=128,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=2048,
+        conv_kernel=4,
     ),
     "19m": dict(
-        vocab_size=32000, hidden_size=256, hybrid_override_pattern="M-M*-M-M*-",
-        mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=64, n_groups=2, chunk_size=64,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512, conv_kernel=4,
+        vocab_size=32000,
+        hidden_size=256,
+        hybrid_override_pattern="M-M*-M-M*-",
+        mamba_num_heads=8,
+        mamba_head_dim=32,
+        ssm_state_size=64,
+        n_groups=2,
+        chunk_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        conv_kernel=4,
     ),
 }
 
@@ -57,11 +77,20 @@ def save_model(name: str, path: str):
     return model
 
 
-def run_baton(model_dir: str, dtype: str, requests) -> dict:
+def run_baton(model_dir: str, dtype: str, requests, padded_decode: bool = False) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model_dir, dtype=dtype, max_running_requests=64, max_num_batched_tokens=2048, chunked_prefill_size=1024)
-    llm.generate([[5] * 16], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    llm = LLM(
+        model_dir,
+        dtype=dtype,
+        max_running_requests=64,
+        max_num_batched_tokens=2048,
+        chunked_prefill_size=1024,
+        cpu_padded_decode=padded_decode,
+    )
+    llm.generate(
+        [[5] * 16], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    )  # warm-up
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in requests]
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in requests], params)
@@ -83,7 +112,14 @@ def run_hf(model, dtype: str, requests, batch_size: int) -> dict:
             mask[row, width - len(p) :] = 1
         new = max(o for _, o in group)
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         useful += sum(o for _, o in group)  # tokens past a request's own max_tokens are waste
     elapsed = time.perf_counter() - start
     return {"batch_size": batch_size, "seconds": elapsed, "tok_per_s": useful / elapsed}
@@ -106,7 +142,9 @@ def decode_flop_fraction(llm, batch: int = 64) -> dict:
 
     engine = llm.engine
     for i in range(batch):
-        engine.add_request(f"flop-{i}", [7 + i] * 64, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        engine.add_request(
+            f"flop-{i}", [7 + i] * 64, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        )
     while any(r.num_remaining > 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     times = []
@@ -120,17 +158,31 @@ def decode_flop_fraction(llm, batch: int = 64) -> dict:
     params = sum(p.numel() for n, p in engine.model.named_parameters() if "embeddings" not in n)
     flops = 2 * params * batch / step
     peak = mm_peak(engine.dtype)
-    return {"decode_step_ms": step * 1e3, "flops": flops, "mm_peak_flops": peak, "fraction": flops / peak}
+    return {
+        "decode_step_ms": step * 1e3,
+        "flops": flops,
+        "mm_peak_flops": peak,
+        "fraction": flops / peak,
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", choices=["19m", "110m", "all"], default="all")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "all"], default="all")
     ap.add_argument("--num-requests", type=int, default=None, help="override the workload size")
     ap.add_argument("--hf-batch-sizes", default="1,8,32")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    ap.add_argument(
+        "--compare-padded",
+        action="store_true",
+        help="also run decode through the padded graph runner",
+    )
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads (default: torch's choice)"
+    )
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -144,8 +196,11 @@ def main() -> None:
                 baton = run_baton(model_dir, dtype, requests)
                 flop = decode_flop_fraction(baton.pop("llm"))
                 row = {"config": name, "dtype": dtype, "baton": baton, "decode_flops": flop}
-                print(f"[{name} {dtype}] baton {baton['tok_per_s']:.0f} out tok/s; decode step at batch 64 "
-                      f"{flop['decode_step_ms']:.1f} ms = {flop['fraction']:.1%} of torch.mm peak", flush=True)
+                print(
+                    f"[{name} {dtype}] baton {baton['tok_per_s']:.0f} out tok/s; decode step at batch 64 "
+                    f"{flop['decode_step_ms']:.1f} ms = {flop['fraction']:.1%} of torch.mm peak",
+                    flush=True,
+                )
                 if not args.skip_hf:
                     sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
                     if name == "19m":
@@ -154,8 +209,20 @@ def main() -> None:
                     best = max(hf_runs, key=lambda r: r["tok_per_s"])
                     row["transformers"] = hf_runs
                     row["ratio"] = baton["tok_per_s"] / best["tok_per_s"]
-                    print(f"[{name} {dtype}] transformers best {best['tok_per_s']:.0f} tok/s (batch {best['batch_size']}); "
-                          f"ratio {row['ratio']:.2f}x", flush=True)
+                    print(
+                        f"[{name} {dtype}] transformers best {best['tok_per_s']:.0f} tok/s (batch {best['batch_size']}); "
+                        f"ratio {row['ratio']:.2f}x",
+                        flush=True,
+                    )
+                if args.compare_padded:
+                    padded = run_baton(model_dir, dtype, requests, padded_decode=True)
+                    padded.pop("llm")
+                    row["baton_padded_decode"] = padded
+                    print(
+                        f"[{name} {dtype}] baton with the padded decode runner {padded['tok_per_s']:.0f} tok/s "
+                        f"({padded['tok_per_s'] / baton['tok_per_s']:.2f}x of eager)",
+                        flush=True,
+                    )
                 results.append(row)
     if args.output:
         with open(args.output, "w") as f:
