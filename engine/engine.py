@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
+from engine.cpu_allocator import keep_freed_memory_in_heap
 from engine.detokenizer import IncrementalDetokenizer
 from engine.graph_runner import DecodeGraphRunner
 from engine.handover import Preallocation, RequestState
@@ -82,6 +83,8 @@ class Engine:
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu", **engine_args):
         self.args = EngineArgs(**engine_args)
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
         self.model_config = ModelConfig.from_hf(model_dir)
         self.dtype = resolve_dtype(dtype, self.model_config)
         self.model = load_model(model_dir, self.dtype, self.device)

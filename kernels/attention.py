@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import select_backend
+from kernels.workspace import scratch
 
 
 class AttentionLayout(NamedTuple):
@@ -78,7 +79,11 @@ def build_attention_layout(
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """k, v: (num_tokens, kv_heads, head_dim) written at token slots `slot_mapping` (num_tokens,)."""
     k_cache[slot_mapping] = k.to(k_cache.dtype)
@@ -110,8 +115,18 @@ def paged_attention_torch(
     num_tokens, H, Dh = q.shape
     S, Q = layout.num_seqs, layout.max_q
     qp = torch.cat([q, q.new_zeros(1, H, Dh)])[layout.slot_q].view(S, Q, H, Dh).transpose(1, 2)
-    k = k_cache[layout.kv_indices].to(q.dtype).transpose(1, 2)  # (S, KVH, K, Dh)
-    v = v_cache[layout.kv_indices].to(q.dtype).transpose(1, 2)
+    flat = layout.kv_indices.reshape(-1)
+    shape = (S, layout.max_kv, *k_cache.shape[1:])
+    # Gathered keys/values go to reused buffers: a fresh (S, max_kv, ...) tensor per layer and
+    # step costs more in page faults than the attention itself on the CPU.
+    k = torch.index_select(
+        k_cache, 0, flat, out=scratch("attn_k", shape, k_cache.dtype, q.device).view(-1, *shape[2:])
+    )
+    v = torch.index_select(
+        v_cache, 0, flat, out=scratch("attn_v", shape, v_cache.dtype, q.device).view(-1, *shape[2:])
+    )
+    k = k.view(shape).to(q.dtype).transpose(1, 2)  # (S, KVH, K, Dh)
+    v = v.view(shape).to(q.dtype).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         qp, k, v, attn_mask=layout.mask, scale=scale, enable_gqa=H != k.shape[1]
     )  # (S, H, Q, Dh)

@@ -13,6 +13,7 @@ import torch
 
 from kernels.backend import select_backend
 from kernels.ssd import discretize_dt
+from kernels.workspace import scratch
 
 
 def selective_state_update(
@@ -56,13 +57,19 @@ def selective_state_update_torch(
     G, N = B.shape[1], B.shape[2]
     R = H // G
     dt = discretize_dt(dt, dt_bias, dt_limit)  # (batch, H)
-    state = ssm_states[state_indices].float().view(batch, G, R, P, N)
-    decay = torch.exp(dt * A.float()).view(batch, G, R, 1, 1)
-    xdt = (x.float() * dt.unsqueeze(-1)).view(batch, G, R, P)
-    state = state * decay + xdt.unsqueeze(-1) * B.float().view(batch, G, 1, 1, N)
-    ssm_states[state_indices] = state.view(batch, H, P, N).to(ssm_states.dtype)
-    y = torch.einsum("bgrpn,bgn->bgrp", state, C.float()).reshape(batch, H, P)
-    return (y + x.float() * D.float().view(1, H, 1)).to(x.dtype)
+    # Gather into a reused buffer and update in place: no fresh state-sized temporaries.
+    state = scratch("ssu_state", (batch, H, P, N), torch.float32, x.device)
+    if ssm_states.dtype == torch.float32:
+        torch.index_select(ssm_states, 0, state_indices, out=state)
+    else:
+        state.copy_(ssm_states.index_select(0, state_indices))
+    state5 = state.view(batch, G, R, P, N)
+    state5.mul_(torch.exp(dt * A.float()).view(batch, G, R, 1, 1))
+    xdt = (x.float() * dt.unsqueeze(-1)).view(batch, G, R, P, 1)
+    state5.addcmul_(xdt, B.float().view(batch, G, 1, 1, N))
+    ssm_states.index_copy_(0, state_indices, state.to(ssm_states.dtype))
+    y = torch.bmm(state.view(batch * G, R * P, N), C.float().reshape(batch * G, N, 1))
+    return (y.view(batch, H, P) + x.float() * D.float().view(1, H, 1)).to(x.dtype)
 
 
 def selective_state_update_multi(
