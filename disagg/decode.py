@@ -18,6 +18,7 @@ from disagg.protocol import (
     Abort,
     Heartbeat,
     HeartbeatAck,
+    KVChunk,
     ProtocolError,
     Register,
     Reject,
@@ -162,7 +163,17 @@ class DecodeWorker:
                 self._handle(message, tensors)
 
     def _handle(self, message, tensors) -> None:
-        if isinstance(message, StateTransfer):
+        if isinstance(message, KVChunk):
+            r = self.rooms.get(message.room)
+            if r is not None:
+                r.state = "transferring"
+                try:
+                    self.engine.install_pages(r.request_id, message.first_page, *tensors)
+                except ValueError as error:
+                    self._fail(r, str(error))
+                    return
+                self.counters.bytes_total += sum(t.numel() * t.element_size() for t in tensors)
+        elif isinstance(message, StateTransfer):
             r = self.rooms.pop(message.room, None)
             if r is None:
                 return  # aborted or timed out meanwhile

@@ -20,6 +20,7 @@ from disagg.protocol import (
     Abort,
     Heartbeat,
     HeartbeatAck,
+    KVChunk,
     ProtocolError,
     Register,
     Reject,
@@ -44,6 +45,7 @@ class PrefillRoom:
     request_id: str | None = None
     peer: bytes | None = None  # ROUTER identity of the registered decode engine
     registration: Register | None = None
+    pages_sent: int = 0  # K/V pages already streamed (or cached by the decode engine)
     lease: float = 0.0  # last heartbeat
     snapshot: RequestState | None = None
     send_at: float | None = None  # fault injection: delayed send
@@ -105,6 +107,7 @@ class PrefillWorker:
     def step(self):
         self.poll()
         deltas = self.engine.step() if self.engine.has_unfinished_requests() else []
+        self._stream_pages()
         self._flush()
         self._expire()
         return deltas
@@ -164,6 +167,7 @@ class PrefillWorker:
             return
         r = self.rooms.setdefault(message.room, PrefillRoom(room=message.room, created=now()))
         r.peer, r.lease, r.registration = identity, now(), message
+        r.pages_sent = max(r.pages_sent, message.cached_tokens // self.compat.page_size)
         if r.state == "bootstrapping":
             r.state = "waiting_for_input"
         if r.snapshot is not None:
@@ -216,6 +220,30 @@ class PrefillWorker:
             self.counters.transfers_ok += 1
             r.state = "success"
             del self.rooms[r.room]
+
+    def _stream_pages(self) -> None:
+        """Push the K/V pages each registered room's prefill completed this step, so the final
+        message carries only the last pages and the Mamba state."""
+        for r in self.rooms.values():
+            if r.peer is None or r.snapshot is not None or r.request_id is None:
+                continue
+            exported = self.engine.export_pages(r.request_id, r.pages_sent)
+            if exported is None:
+                continue
+            end, k, v = exported
+            message = KVChunk(
+                room=r.room,
+                first_page=r.pages_sent,
+                tensors=[
+                    TensorSpec(name="k_pages", dtype=dtype_name(k.dtype), shape=list(k.shape)),
+                    TensorSpec(name="v_pages", dtype=dtype_name(v.dtype), shape=list(v.shape)),
+                ],
+            )
+            frames = encode(message, [k, v], self.config.secret)
+            self.socket.send_multipart([r.peer, *frames], copy=False)  # fresh copies, never reused
+            self.counters.bytes_total += 2 * k.numel() * k.element_size()
+            self.counters.kv_chunks += 1
+            r.pages_sent = end
 
     def _needed_part(self, r: PrefillRoom) -> RequestState:
         """Skip what the decode engine caches; send block checkpoints only when both sides cut

@@ -123,10 +123,23 @@ class StateTransfer:
     tensors: list[TensorSpec] = field(default_factory=list)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KVChunk:
+    """prefill -> decode: K/V pages completed by a prefill chunk, sent while the prompt's later
+    chunks still compute (frames: k pages, v pages)."""
+
+    tag: ClassVar[str] = "kv"
+    room: str
+    first_page: int
+    tensors: list[TensorSpec] = field(default_factory=list)
+
+
 MESSAGES = {
-    cls.tag: cls for cls in (Register, Reject, Abort, Heartbeat, HeartbeatAck, StateTransfer)
+    cls.tag: cls
+    for cls in (Register, Reject, Abort, Heartbeat, HeartbeatAck, StateTransfer, KVChunk)
 }
-Message = Register | Reject | Abort | Heartbeat | HeartbeatAck | StateTransfer
+Message = Register | Reject | Abort | Heartbeat | HeartbeatAck | StateTransfer | KVChunk
+WITH_TENSORS = (StateTransfer, KVChunk)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -160,10 +173,11 @@ def _parse(tag: str, raw: dict) -> Message:
     body = dict(_check(cls, raw, tag))
     if cls is Register:
         body["compat"] = Compat(**_check(Compat, body["compat"], "register.compat"))
-    if cls is StateTransfer:
+    if cls in WITH_TENSORS:
         body["tensors"] = [
-            TensorSpec(**_check(TensorSpec, t, "state.tensors")) for t in body["tensors"]
+            TensorSpec(**_check(TensorSpec, t, f"{tag}.tensors")) for t in body["tensors"]
         ]
+    if cls is StateTransfer:
         if body["first_logprobs"] is not None:
             body["first_logprobs"] = {int(k): float(v) for k, v in body["first_logprobs"].items()}
     try:
@@ -207,7 +221,7 @@ def decode(frames: list[bytes], secret: bytes | None = None) -> tuple[Message, l
         raise ProtocolError("header is not a baton disaggregation message")
     message = _parse(raw["type"], raw.get("body"))
     tensors = []
-    if isinstance(message, StateTransfer):
+    if isinstance(message, WITH_TENSORS):
         if len(payload) != len(message.tensors):
             raise ProtocolError(
                 f"state: {len(message.tensors)} tensors announced, {len(payload)} frames sent"

@@ -54,6 +54,7 @@ class TransferCounters:
     bytes_total: int = 0
     transfers_ok: int = 0
     transfers_failed: int = 0
+    kv_chunks: int = 0  # K/V page batches streamed ahead of the final state
     latency_sum_s: float = 0.0  # register -> install, decode side
     latency_count: int = 0
 
@@ -66,6 +67,7 @@ class TransferCounters:
             "disagg_transfer_bytes_total": self.bytes_total,
             "disagg_transfers_ok_total": self.transfers_ok,
             "disagg_transfers_failed_total": self.transfers_failed,
+            "disagg_kv_chunks_total": self.kv_chunks,
             "disagg_transfer_latency_sum": self.latency_sum_s,
             "disagg_transfer_latency_count": self.latency_count,
         }

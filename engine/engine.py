@@ -50,7 +50,12 @@ class EngineArgs:
     mamba_track_interval: int | None = None  # default: a multiple of chunk and page near 512
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "chunked_prefill_size", "max_running_requests", "page_size"):
+        for name in (
+            "max_num_batched_tokens",
+            "chunked_prefill_size",
+            "max_running_requests",
+            "page_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -80,7 +85,9 @@ def default_track_interval(chunk_size: int, page_size: int, target: int = 512) -
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu", **engine_args):
+    def __init__(
+        self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu", **engine_args
+    ):
         self.args = EngineArgs(**engine_args)
         self.device = torch.device(device)
         if self.device.type == "cpu":
@@ -91,7 +98,9 @@ class Engine:
         self.tokenizer = _load_tokenizer(model_dir)
         args, config = self.args, self.model_config
         max_total_tokens, max_slots = self._budgets()
-        sizes = size_pools(max_total_tokens=max_total_tokens, max_mamba_slots=max_slots, page_size=args.page_size)
+        sizes = size_pools(
+            max_total_tokens=max_total_tokens, max_mamba_slots=max_slots, page_size=args.page_size
+        )
         self.cache = StateCache(
             config,
             num_pages=sizes.num_pages,
@@ -103,7 +112,8 @@ class Engine:
         self.pages = IndexPool(sizes.num_pages - 1, "KV pages")
         self.slots = IndexPool(sizes.num_mamba_slots - 1, "Mamba slots")
         self.max_model_len = min(
-            args.max_model_len or config.max_position_embeddings, (sizes.num_pages - 1) * sizes.page_size
+            args.max_model_len or config.max_position_embeddings,
+            (sizes.num_pages - 1) * sizes.page_size,
         )
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(
@@ -135,13 +145,17 @@ class Engine:
         args, config = self.args, self.model_config
         if not args.enable_prefix_caching:
             return None
-        interval = args.mamba_track_interval or default_track_interval(config.chunk_size, args.page_size)
+        interval = args.mamba_track_interval or default_track_interval(
+            config.chunk_size, args.page_size
+        )
         if interval % config.chunk_size or interval % args.page_size:
             raise ValueError(
                 f"mamba_track_interval {interval} must be a multiple of the SSD chunk size "
                 f"{config.chunk_size} and of the KV page size {args.page_size}"
             )
-        return PrefixCache(track_interval=interval, page_size=args.page_size, pages=self.pages, slots=self.slots)
+        return PrefixCache(
+            track_interval=interval, page_size=args.page_size, pages=self.pages, slots=self.slots
+        )
 
     def _make_graph_runner(self) -> DecodeGraphRunner | None:
         args = self.args
@@ -151,7 +165,9 @@ class Engine:
         page = args.page_size
         return DecodeGraphRunner(
             self.runner,
-            max_bs=min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests),
+            max_bs=min(
+                args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests
+            ),
             kv_capacity=-(-self.max_model_len // page) * page,
             use_cuda_graphs=on_cuda,
         )
@@ -177,11 +193,15 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         req = self._new_request(request_id, prompt_token_ids, params)
         self.scheduler.add(req)
 
-    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -197,7 +217,12 @@ class Engine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds the maximum context length of {self.max_model_len} tokens"
             )
-        req = Request(request_id=request_id, prompt_ids=list(prompt_token_ids), params=params, arrival=self._arrivals)
+        req = Request(
+            request_id=request_id,
+            prompt_ids=list(prompt_token_ids),
+            params=params,
+            arrival=self._arrivals,
+        )
         self._arrivals += 1
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -215,7 +240,9 @@ class Engine:
     def track_interval(self) -> int:
         return self.prefix_cache.track_interval if self.prefix_cache is not None else 0
 
-    def preallocate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Preallocation:
+    def preallocate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Preallocation:
         """Reserve KV pages for the prompt and a Mamba slot for a request whose prefill runs on
         another engine. Raises ValueError for invalid requests, OutOfMemory when full."""
         req = self._new_request(request_id, prompt_token_ids, params)
@@ -239,21 +266,34 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.status is not Status.TRANSFERRING:
             return None
-        num_pages = state.k_pages.shape[1] if self.cache.k else 0
-        if state.num_prompt_tokens != len(req.prompt_ids) or state.first_page + num_pages > len(req.kv_pages):
-            raise ValueError(f"request {request_id}: transferred state does not fit its preallocation")
-        ps = self.cache.page_size
-        if num_pages:
-            pages = torch.tensor(req.kv_pages[state.first_page : state.first_page + num_pages], device=self.device)
-            for layer, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
-                k.view(-1, ps, *k.shape[1:])[pages] = state.k_pages[layer].to(self.device, k.dtype)
-                v.view(-1, ps, *v.shape[1:])[pages] = state.v_pages[layer].to(self.device, v.dtype)
+        if state.num_prompt_tokens != len(req.prompt_ids):
+            raise ValueError(
+                f"request {request_id}: transferred state is for another prompt length"
+            )
+        self.install_pages(request_id, state.first_page, state.k_pages, state.v_pages)
         self.cache.conv[:, req.mamba_slot] = state.conv.to(self.device, self.cache.conv.dtype)
         self.cache.ssm[:, req.mamba_slot] = state.ssm.to(self.device, self.cache.ssm.dtype)
         req.num_computed = len(req.prompt_ids)
         self._register_transferred_blocks(req, state)
         self.scheduler.start_transferred(req)
         return self._append_token(req, state.first_token, state.first_logprobs)
+
+    def install_pages(
+        self, request_id: str, first_page: int, k_pages: torch.Tensor, v_pages: torch.Tensor
+    ) -> None:
+        """Write K/V pages that arrive ahead of the final state (streamed per prefill chunk)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not Status.TRANSFERRING:
+            return
+        n = k_pages.shape[1] if self.cache.k else 0
+        if first_page + n > len(req.kv_pages):
+            raise ValueError(f"request {request_id}: streamed pages do not fit its preallocation")
+        if n:
+            ps = self.cache.page_size
+            pages = torch.tensor(req.kv_pages[first_page : first_page + n], device=self.device)
+            for layer, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
+                k.view(-1, ps, *k.shape[1:])[pages] = k_pages[layer].to(self.device, k.dtype)
+                v.view(-1, ps, *v.shape[1:])[pages] = v_pages[layer].to(self.device, v.dtype)
 
     def _register_transferred_blocks(self, req: Request, state: RequestState) -> None:
         """The prompt's block checkpoints let later requests (the next turn of a chat) reuse
@@ -270,12 +310,33 @@ class Engine:
                 slot = self.scheduler.checkpoint_slot()
                 if slot is None:
                     return
-                self.cache.conv[:, slot] = state.checkpoint_conv[i].to(self.device, self.cache.conv.dtype)
-                self.cache.ssm[:, slot] = state.checkpoint_ssm[i].to(self.device, self.cache.ssm.dtype)
+                self.cache.conv[:, slot] = state.checkpoint_conv[i].to(
+                    self.device, self.cache.conv.dtype
+                )
+                self.cache.ssm[:, slot] = state.checkpoint_ssm[i].to(
+                    self.device, self.cache.ssm.dtype
+                )
             if not self.scheduler.extend_chain(req, k, slot):
                 return
 
     # -- disaggregation: prefill side ---------------------------------------------------------
+
+    def export_pages(
+        self, request_id: str, first_page: int
+    ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """Copies of the K/V pages a running prefill has completed from `first_page` on:
+        (end page, k (layers, n, page, kv_heads, head_dim), v). None if nothing new is complete."""
+        req = self.requests.get(request_id)
+        if req is None or not self.cache.k:
+            return None
+        ps = self.cache.page_size
+        end = min(req.num_computed, len(req.prompt_ids)) // ps
+        if end <= first_page:
+            return None
+        pages = torch.tensor(req.kv_pages[first_page:end], device=self.device)
+        k = torch.stack([k.view(-1, ps, *k.shape[1:])[pages] for k in self.cache.k])
+        v = torch.stack([v.view(-1, ps, *v.shape[1:])[pages] for v in self.cache.v])
+        return end, k, v
 
     def export_state(self, req: Request) -> RequestState:
         """Snapshot (copy) a request's K/V pages and Mamba state after its prefill, with the
@@ -292,8 +353,12 @@ class Engine:
             first_block=0,
             checkpoint_conv=self.cache.conv[:, slots].transpose(0, 1).contiguous(),
             checkpoint_ssm=self.cache.ssm[:, slots].transpose(0, 1).contiguous(),
-            k_pages=torch.stack([k.view(-1, ps, *k.shape[1:])[pages] for k in self.cache.k]) if self.cache.k else torch.empty(0),
-            v_pages=torch.stack([v.view(-1, ps, *v.shape[1:])[pages] for v in self.cache.v]) if self.cache.v else torch.empty(0),
+            k_pages=torch.stack([k.view(-1, ps, *k.shape[1:])[pages] for k in self.cache.k])
+            if self.cache.k
+            else torch.empty(0),
+            v_pages=torch.stack([v.view(-1, ps, *v.shape[1:])[pages] for v in self.cache.v])
+            if self.cache.v
+            else torch.empty(0),
             conv=self.cache.conv[:, req.mamba_slot].clone(),
             ssm=self.cache.ssm[:, req.mamba_slot].clone(),
         )
@@ -351,9 +416,13 @@ class Engine:
         if sched.logits_seqs:
             sample_rows = [rows_of[s][-1] for s in sched.logits_seqs]
             result = self.sampler(
-                logits[sample_rows], [reqs[s] for s in sched.logits_seqs], self.model_config.eos_token_ids
+                logits[sample_rows],
+                [reqs[s] for s in sched.logits_seqs],
+                self.model_config.eos_token_ids,
             )
-            sampled = {s: (t, lp) for s, t, lp in zip(sched.logits_seqs, result.token_ids, result.logprobs)}
+            sampled = {
+                s: (t, lp) for s, t, lp in zip(sched.logits_seqs, result.token_ids, result.logprobs)
+            }
 
         deltas = []
         for s, req in enumerate(reqs):
@@ -372,7 +441,9 @@ class Engine:
             out.extend(top_logprobs(logprobs, torch.tensor(targets), req.params.prompt_logprobs))
         req.prompt_logprobs.extend(out)
 
-    def _append_token(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestDelta:
+    def _append_token(
+        self, req: Request, token: int, logprobs: TokenLogprobs | None
+    ) -> RequestDelta:
         params = req.params
         req.output_ids.append(token)
         self.generation_tokens_total += 1
@@ -380,7 +451,11 @@ class Engine:
             req.logprobs.append(logprobs)
         detok = self.detokenizers.get(req.request_id)
         finish, stop_reason = None, None
-        if not params.ignore_eos and token in self.model_config.eos_token_ids and len(req.output_ids) > params.min_tokens:
+        if (
+            not params.ignore_eos
+            and token in self.model_config.eos_token_ids
+            and len(req.output_ids) > params.min_tokens
+        ):
             finish = "stop"
         elif token in params.stop_token_ids and len(req.output_ids) > params.min_tokens:
             finish, stop_reason = "stop", token
@@ -388,7 +463,9 @@ class Engine:
             detok.add(token)
             if detok.stopped_by is not None:
                 finish, stop_reason = "stop", detok.stopped_by
-        if finish is None and (len(req.output_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len):
+        if finish is None and (
+            len(req.output_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len
+        ):
             finish = "length"
         if finish is not None:
             hook = self.finish_hooks.pop(req.request_id, None)
@@ -404,7 +481,9 @@ class Engine:
             new_token_ids=[token],
             new_text=text,
             new_logprobs=[logprobs] if logprobs is not None else None,
-            prompt_logprobs=req.prompt_logprobs if first and params.prompt_logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs
+            if first and params.prompt_logprobs is not None
+            else None,
             finished=finish is not None,
             finish_reason=finish,
             stop_reason=stop_reason,
@@ -414,9 +493,11 @@ class Engine:
 
 
 def _load_tokenizer(model_dir: str | Path):
-    if not (Path(model_dir) / "tokenizer.json").is_file() and not (Path(model_dir) / "tokenizer_config.json").is_file():
+    if (
+        not (Path(model_dir) / "tokenizer.json").is_file()
+        and not (Path(model_dir) / "tokenizer_config.json").is_file()
+    ):
         return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
-

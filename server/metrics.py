@@ -76,6 +76,11 @@ _ENGINE_METRICS = {
         "Failed handovers (timeouts, drops, aborts).",
         "counter",
     ),
+    "disagg_kv_chunks_total": (
+        "baton:disagg_kv_chunks",
+        "K/V page batches streamed per prefill chunk.",
+        "counter",
+    ),
     "disagg_rooms_bootstrapping": (
         "baton:disagg_rooms_bootstrapping",
         "Rooms waiting for their peer.",
