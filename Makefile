@@ -3,7 +3,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint serve clean
+.PHONY: install test lint serve gsm8k clean
 
 install: $(STAMP)
 
@@ -21,11 +21,18 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# make serve MODEL=path/to/hf-model-dir [SERVE_ARGS="--port 8001 ..."]
-MODEL ?=
+# make serve [MODEL=path/to/hf-model-dir] [SERVE_ARGS="--port 8001 ..."]: a prefill worker, a
+# decode worker and a router on 127.0.0.1 (`baton up`), serving the model shipped in assets/
+# unless MODEL says otherwise.
+MODEL ?= assets
 serve: install
-	@test -n "$(MODEL)" || { echo "make serve needs MODEL=path/to/model-dir (no model ships in assets/ yet)"; exit 2; }
-	$(VENV)/bin/baton serve --model $(MODEL) $(SERVE_ARGS)
+	@test -f "$(MODEL)/config.json" || { echo "make serve: $(MODEL)/config.json not found (pass MODEL=path/to/hf-model-dir)"; exit 2; }
+	$(VENV)/bin/baton up --model $(MODEL) $(SERVE_ARGS)
+
+# make gsm8k [GSM8K_ARGS="--num-questions 50 --output results.json"]: serve the shipped assets/
+# model on a free port, run `baton eval gsm8k` on the held-out file, print the accuracy, stop.
+gsm8k: install
+	$(VPY) -m bench.run_gsm8k $(GSM8K_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
