@@ -101,7 +101,9 @@ class ModelConfig:
     def from_hf(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise ConfigError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
+            raise ConfigError(
+                f"{model_dir}: no config.json (expected a Hugging Face model directory)"
+            )
         return cls.from_dict(json.loads(path.read_text()), source=str(path))
 
     @classmethod
@@ -174,7 +176,9 @@ def _layer_types(hf: dict[str, Any], source: str) -> tuple[LayerType, ...]:
         pattern = hf["hybrid_override_pattern"]
         unknown = sorted({c for c in pattern if c not in PATTERN_CHARS})
         if unknown:
-            raise ConfigError(f"{source}: 'hybrid_override_pattern' has unknown characters {unknown}")
+            raise ConfigError(
+                f"{source}: 'hybrid_override_pattern' has unknown characters {unknown}"
+            )
         return tuple(PATTERN_CHARS[c] for c in pattern)
     raise ConfigError(
         f"{source}: missing required key 'hybrid_override_pattern' or 'layers_block_type'"

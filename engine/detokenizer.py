@@ -14,7 +14,9 @@ CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool):
+    def __init__(
+        self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool
+    ):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.skip_special_tokens = skip_special_tokens

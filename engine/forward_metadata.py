@@ -100,8 +100,12 @@ class Mamba2Metadata:
     conv_layout: ConvLayout  # conv rows of the prefill segment
     has_mamba_track_mask: bool  # host flag: run the checkpoint copies this step
     num_decode_tracks: int  # the first this-many track entries come from decode rows
-    track_conv_indices: torch.Tensor  # (M,) int64: decode entries: decode row; prefill: prefill-segment token
-    track_ssm_src: torch.Tensor  # (M,) int64 into [decode rows' new states | prefill chunk-end states (S_p * C)]
+    track_conv_indices: (
+        torch.Tensor
+    )  # (M,) int64: decode entries: decode row; prefill: prefill-segment token
+    track_ssm_src: (
+        torch.Tensor
+    )  # (M,) int64 into [decode rows' new states | prefill chunk-end states (S_p * C)]
     track_ssm_dst: torch.Tensor  # (M,) int64 checkpoint slots (conv window and SSM state)
 
 
@@ -138,9 +142,14 @@ def build_metadata(
     token_offsets = [0]
     for n in lens:
         token_offsets.append(token_offsets[-1] + n)
-    local = torch.arange(len(sched.input_ids)) - torch.tensor(token_offsets[:-1], dtype=torch.int64)[seq_of_token]
+    local = (
+        torch.arange(len(sched.input_ids))
+        - torch.tensor(token_offsets[:-1], dtype=torch.int64)[seq_of_token]
+    )
     positions = torch.tensor(starts, dtype=torch.int64)[seq_of_token] + local
-    slot_mapping = page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
+    slot_mapping = (
+        page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
+    )
     # Token-slot table: row s lists the cache slot of each of its positions, page by page.
     token_table = (page_table[:, :, None] * page_size + torch.arange(page_size)).view(num_seqs, -1)
     num_decode_tokens = nd
@@ -174,7 +183,9 @@ def build_metadata(
         decode_attention=build_attention_layout(
             list(lens[:nd]), kv_lens[:nd], token_table[:nd], device, kv_width=kv_capacity
         ),
-        prefill_attention=build_attention_layout(list(lens[nd:]), kv_lens[nd:], token_table[nd:], device),
+        prefill_attention=build_attention_layout(
+            list(lens[nd:]), kv_lens[nd:], token_table[nd:], device
+        ),
     )
 
     prefill_lens, prefill_starts = list(lens[nd:]), list(starts[nd:])
@@ -184,9 +195,15 @@ def build_metadata(
     )
     if track_capacity is not None and sched.has_mamba_track_mask:
         if len(track_dst) > track_capacity or num_decode_tracks != len(track_dst):
-            raise ValueError("graph-captured batches carry at most track_capacity decode checkpoints")
+            raise ValueError(
+                "graph-captured batches carry at most track_capacity decode checkpoints"
+            )
         pad = track_capacity - len(track_dst)
-        track_conv, track_src, track_dst = track_conv + [0] * pad, track_src + [0] * pad, track_dst + [0] * pad
+        track_conv, track_src, track_dst = (
+            track_conv + [0] * pad,
+            track_src + [0] * pad,
+            track_dst + [0] * pad,
+        )
         num_decode_tracks = track_capacity
     return Mamba2Metadata(
         forward=forward,

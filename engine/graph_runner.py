@@ -49,17 +49,25 @@ def copy_from(static: Any, new: Any) -> None:
 
 
 class DecodeGraphRunner:
-    def __init__(self, runner: ModelRunner, *, max_bs: int, kv_capacity: int, use_cuda_graphs: bool):
+    def __init__(
+        self, runner: ModelRunner, *, max_bs: int, kv_capacity: int, use_cuda_graphs: bool
+    ):
         self.runner = runner
         self.sizes = capture_sizes(max_bs)
         self.max_bs = max_bs
         self.kv_capacity = kv_capacity
         self.use_cuda_graphs = use_cuda_graphs and torch.cuda.is_available()
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Mamba2Metadata, torch.Tensor]] = {}
+        self.graphs: dict[
+            tuple[int, bool], tuple[torch.cuda.CUDAGraph, Mamba2Metadata, torch.Tensor]
+        ] = {}
         self.num_padded_steps = 0
 
     def can_run(self, sched: ScheduledBatch) -> bool:
-        return sched.mode == "decode" and sched.num_seqs <= self.max_bs and not sched.prompt_logprob_seqs
+        return (
+            sched.mode == "decode"
+            and sched.num_seqs <= self.max_bs
+            and not sched.prompt_logprob_seqs
+        )
 
     def pad(self, sched: ScheduledBatch, bs: int) -> ScheduledBatch:
         n, extra = sched.num_seqs, bs - sched.num_seqs
@@ -74,7 +82,9 @@ class DecodeGraphRunner:
             start_positions=sched.start_positions + (0,) * extra,
             kv_pages=sched.kv_pages + ((0,),) * extra,
             mamba_slots=sched.mamba_slots + (0,) * extra,
-            logits_seqs=tuple(range(bs)) if sched.logits_seqs == tuple(range(n)) else sched.logits_seqs,
+            logits_seqs=tuple(range(bs))
+            if sched.logits_seqs == tuple(range(n))
+            else sched.logits_seqs,
         )
 
     def build(self, padded: ScheduledBatch) -> Mamba2Metadata:
@@ -113,9 +123,18 @@ class DecodeGraphRunner:
         """bs padding rows only: capturing it touches nothing but dummy page 0 and slot 0."""
         points = (TrackPoint(seq_index=0, token_offset=0, dst_slot=0),) if track else ()
         return ScheduledBatch(
-            mode="decode", request_ids=("",) * bs, num_decode_seqs=bs, input_ids=(0,) * bs,
-            seq_lens=(1,) * bs, start_positions=(0,) * bs, kv_pages=((0,),) * bs, mamba_slots=(0,) * bs,
-            logits_seqs=tuple(range(bs)), prompt_logprob_seqs=(), has_mamba_track_mask=track, track_points=points,
+            mode="decode",
+            request_ids=("",) * bs,
+            num_decode_seqs=bs,
+            input_ids=(0,) * bs,
+            seq_lens=(1,) * bs,
+            start_positions=(0,) * bs,
+            kv_pages=((0,),) * bs,
+            mamba_slots=(0,) * bs,
+            logits_seqs=tuple(range(bs)),
+            prompt_logprob_seqs=(),
+            has_mamba_track_mask=track,
+            track_points=points,
         )
 
     def _capture(self, bs: int, track: bool):

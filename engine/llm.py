@@ -22,7 +22,9 @@ class LLM:
     chunked_prefill_size, max_total_tokens, max_mamba_slots, max_running_requests, ...).
     """
 
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", **engine_args):
+    def __init__(
+        self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", **engine_args
+    ):
         self.engine = Engine(model_dir, dtype=dtype, device=device, **engine_args)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
@@ -46,15 +48,25 @@ class LLM:
         for prompt, p in zip(prompts, params):
             ids = self._encode(prompt)
             for i in range(p.n):
-                sample = p if p.n == 1 else dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                sample = (
+                    p
+                    if p.n == 1
+                    else dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                )
                 rid = str(self._next_id)
                 self._next_id += 1
                 self.engine.add_request(rid, ids, sample)
                 order.append(rid)
                 outputs[rid] = RequestOutput(
-                    request_id=rid, prompt_token_ids=ids, token_ids=[], text="", finish_reason=None,
-                    stop_reason=None, logprobs=[] if sample.logprobs is not None else None,
-                    prompt_logprobs=None, num_cached_tokens=0,
+                    request_id=rid,
+                    prompt_token_ids=ids,
+                    token_ids=[],
+                    text="",
+                    finish_reason=None,
+                    stop_reason=None,
+                    logprobs=[] if sample.logprobs is not None else None,
+                    prompt_logprobs=None,
+                    num_cached_tokens=0,
                 )
         bar = tqdm(total=len(order), disable=not use_tqdm, desc="Generating")
         while self.engine.has_unfinished_requests():

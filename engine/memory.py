@@ -66,4 +66,6 @@ def size_pools(
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     usable_pages = max(1, max_total_tokens // page_size)
-    return PoolSizes(num_pages=usable_pages + 1, page_size=page_size, num_mamba_slots=max_mamba_slots + 1)
+    return PoolSizes(
+        num_pages=usable_pages + 1, page_size=page_size, num_mamba_slots=max_mamba_slots + 1
+    )

@@ -77,7 +77,9 @@ class PrefixCache:
     def chain_keys(self, token_ids: list[int], num_blocks: int) -> list[int]:
         keys, prev = [], None
         for k in range(num_blocks):
-            prev = self.block_key(prev, tuple(token_ids[k * self.track_interval : (k + 1) * self.track_interval]))
+            prev = self.block_key(
+                prev, tuple(token_ids[k * self.track_interval : (k + 1) * self.track_interval])
+            )
             keys.append(prev)
         return keys
 
@@ -108,12 +110,23 @@ class PrefixCache:
     # -- insertion / release ----------------------------------------------------------------
 
     def insert(
-        self, key: int, tokens: tuple[int, ...], parent: CachedBlock | None, pages: list[int], checkpoint_slot: int
+        self,
+        key: int,
+        tokens: tuple[int, ...],
+        parent: CachedBlock | None,
+        pages: list[int],
+        checkpoint_slot: int,
     ) -> CachedBlock:
         """Register a block whose KV pages and checkpoint were just written; returned locked."""
         block = CachedBlock(
-            key=key, tokens=tokens, parent=parent, pages=list(pages), checkpoint_slot=checkpoint_slot,
-            ref_count=1, last_used=next(self._clock), depth=0 if parent is None else parent.depth + 1,
+            key=key,
+            tokens=tokens,
+            parent=parent,
+            pages=list(pages),
+            checkpoint_slot=checkpoint_slot,
+            ref_count=1,
+            last_used=next(self._clock),
+            depth=0 if parent is None else parent.depth + 1,
         )
         if parent is not None:
             parent.num_children += 1

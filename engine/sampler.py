@@ -45,16 +45,22 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(req.all_ids)), dtype=torch.int64, device=logits.device)
             vals = logits[row, seen]
-            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            logits[row, seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
         if req.output_ids and (p.presence_penalty or p.frequency_penalty):
-            ids, counts = torch.tensor(req.output_ids, device=logits.device).unique(return_counts=True)
+            ids, counts = torch.tensor(req.output_ids, device=logits.device).unique(
+                return_counts=True
+            )
             logits[row, ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
     return logits
 
 
 def filter_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on random rows; returns probabilities."""
-    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype, device=logits.device)
+    temps = torch.tensor(
+        [r.params.temperature for r in reqs], dtype=logits.dtype, device=logits.device
+    )
     logits = logits / temps[:, None]
     vocab = logits.shape[-1]
     top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs]
@@ -72,7 +78,10 @@ def filter_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor
         probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
     min_p = [r.params.min_p for r in reqs]
     if any(m > 0.0 for m in min_p):
-        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None]
+        floor = (
+            probs.max(dim=-1, keepdim=True).values
+            * torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None]
+        )
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs
 
@@ -81,9 +90,13 @@ class Sampler:
     def __init__(self, seed: int, device: torch.device | str):
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request], eos_ids: tuple[int, ...]) -> SampleResult:
+    def __call__(
+        self, logits: torch.Tensor, reqs: Sequence[Request], eos_ids: tuple[int, ...]
+    ) -> SampleResult:
         """logits: (rows, vocab) float32, one row per request in `reqs`."""
-        raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in reqs) else None
+        raw_logprobs = (
+            logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in reqs) else None
+        )
         if any(r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in reqs):
             logits = logits.clone()  # the raw logits stay untouched for logprobs
             apply_penalties(logits, reqs)
@@ -112,9 +125,13 @@ class Sampler:
         return SampleResult(token_ids=tokens.tolist(), logprobs=logprob_rows)
 
     @staticmethod
-    def _mask_early_stops(logits: torch.Tensor, reqs: Sequence[Request], eos_ids: tuple[int, ...]) -> None:
+    def _mask_early_stops(
+        logits: torch.Tensor, reqs: Sequence[Request], eos_ids: tuple[int, ...]
+    ) -> None:
         for row, req in enumerate(reqs):
             if len(req.output_ids) < req.params.min_tokens:
-                banned = list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else list(eos_ids))
+                banned = list(req.params.stop_token_ids) + (
+                    [] if req.params.ignore_eos else list(eos_ids)
+                )
                 if banned:
                     logits[row, banned] = -torch.inf

@@ -76,7 +76,9 @@ class Scheduler:
                 return req
         return None
 
-    def finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+    def finish(
+        self, req: Request, reason: FinishReason, stop_reason: str | int | None = None
+    ) -> None:
         """End a request (stop, length or abort) and give back everything it holds."""
         if req.finished:
             return
@@ -103,7 +105,9 @@ class Scheduler:
         if self.pages.available < need and not (cache and cache.evict(pages=need)):
             if blocks:
                 cache.release(blocks)
-            raise OutOfMemory(f"need {need} free KV pages for a transferred request, {self.pages.available} free")
+            raise OutOfMemory(
+                f"need {need} free KV pages for a transferred request, {self.pages.available} free"
+            )
         req.mamba_slot = self.slots.alloc(1)[0]
         req.kv_pages = shared + self.pages.alloc(need)
         req.cached_blocks = blocks
@@ -131,7 +135,11 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = 1 if req.num_remaining == 1 else min(req.num_remaining, cfg.chunked_prefill_size, budget)
+            n = (
+                1
+                if req.num_remaining == 1
+                else min(req.num_remaining, cfg.chunked_prefill_size, budget)
+            )
             if not self._reserve_pages(req, req.num_computed + n, scheduled):
                 continue  # req itself was preempted
             (decodes if req.num_remaining == 1 else prefills).append((req, n))
@@ -201,7 +209,9 @@ class Scheduler:
                 slot = self.checkpoint_slot()
                 if slot is None:
                     break
-                points.append(TrackPoint(seq_index=s, token_offset=boundary - start - 1, dst_slot=slot))
+                points.append(
+                    TrackPoint(seq_index=s, token_offset=boundary - start - 1, dst_slot=slot)
+                )
                 self._pending_blocks.append((req, k, key, slot))
         return points
 
@@ -252,7 +262,9 @@ class Scheduler:
             return None
         return self.slots.alloc(1)[0]
 
-    def _batch(self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]) -> ScheduledBatch:
+    def _batch(
+        self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]
+    ) -> ScheduledBatch:
         rows = decodes + prefills
         input_ids: list[int] = []
         logits_seqs, prompt_logprob_seqs = [], []

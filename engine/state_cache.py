@@ -34,15 +34,27 @@ class StateCache:
         self.num_mamba_slots = num_mamba_slots
         num_tokens = num_pages * page_size
         kv_shape = (num_tokens, config.num_key_value_heads, config.head_dim)
-        self.k = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in config.attention_layer_ids]
-        self.v = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in config.attention_layer_ids]
+        self.k = [
+            torch.zeros(kv_shape, dtype=dtype, device=device) for _ in config.attention_layer_ids
+        ]
+        self.v = [
+            torch.zeros(kv_shape, dtype=dtype, device=device) for _ in config.attention_layer_ids
+        ]
         num_mamba = len(config.mamba_layer_ids)
         self.conv = torch.zeros(
-            (num_mamba, num_mamba_slots, config.conv_dim, config.conv_kernel - 1), dtype=dtype, device=device
+            (num_mamba, num_mamba_slots, config.conv_dim, config.conv_kernel - 1),
+            dtype=dtype,
+            device=device,
         )
         ssm_dtype = getattr(torch, config.mamba_ssm_cache_dtype)
         self.ssm = torch.zeros(
-            (num_mamba, num_mamba_slots, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size),
+            (
+                num_mamba,
+                num_mamba_slots,
+                config.mamba_num_heads,
+                config.mamba_head_dim,
+                config.ssm_state_size,
+            ),
             dtype=ssm_dtype,
             device=device,
         )
@@ -65,12 +77,20 @@ class StateCache:
     @staticmethod
     def bytes_per_kv_token(config: ModelConfig, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * len(config.attention_layer_ids) * config.num_key_value_heads * config.head_dim * itemsize
+        return (
+            2
+            * len(config.attention_layer_ids)
+            * config.num_key_value_heads
+            * config.head_dim
+            * itemsize
+        )
 
     @staticmethod
     def bytes_per_mamba_slot(config: ModelConfig, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        ssm_itemsize = torch.empty((), dtype=getattr(torch, config.mamba_ssm_cache_dtype)).element_size()
+        ssm_itemsize = torch.empty(
+            (), dtype=getattr(torch, config.mamba_ssm_cache_dtype)
+        ).element_size()
         per_layer = config.conv_dim * (config.conv_kernel - 1) * itemsize + (
             config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size * ssm_itemsize
         )

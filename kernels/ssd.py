@@ -36,7 +36,9 @@ class ChunkLayout(NamedTuple):
     num_chunks: int  # chunks of the longest sequence; shorter ones are padded with no-op slots
     chunk_size: int
     token_slot: torch.Tensor  # (num_tokens,) int64: flat slot of each packed token
-    slot_token: torch.Tensor  # (num_seqs * num_chunks * chunk_size,) int64: token per slot, or num_tokens (empty)
+    slot_token: (
+        torch.Tensor
+    )  # (num_seqs * num_chunks * chunk_size,) int64: token per slot, or num_tokens (empty)
     cu_seqlens: torch.Tensor  # (num_seqs + 1,) int32: packed token offsets
     start_pos: torch.Tensor  # (num_seqs,) int64: absolute position of each sequence's first token
 
@@ -47,7 +49,9 @@ def build_chunk_layout(
     """seq_lens / start_pos: host lists, one entry per sequence (all lengths >= 1)."""
     num_seqs = len(seq_lens)
     offsets = [p % chunk_size for p in start_pos]
-    num_chunks = max(((o + n + chunk_size - 1) // chunk_size for o, n in zip(offsets, seq_lens)), default=0)
+    num_chunks = max(
+        ((o + n + chunk_size - 1) // chunk_size for o, n in zip(offsets, seq_lens)), default=0
+    )
     span = num_chunks * chunk_size
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     num_tokens = int(lens.sum())
@@ -55,7 +59,9 @@ def build_chunk_layout(
     cu = torch.zeros(num_seqs + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(lens, 0)
     local = torch.arange(num_tokens) - cu[:-1][seq_of_token]
-    token_slot = seq_of_token * span + torch.tensor(offsets, dtype=torch.int64)[seq_of_token] + local
+    token_slot = (
+        seq_of_token * span + torch.tensor(offsets, dtype=torch.int64)[seq_of_token] + local
+    )
     slot_token = torch.full((num_seqs * span,), num_tokens, dtype=torch.int64)
     slot_token[token_slot] = torch.arange(num_tokens)
     return ChunkLayout(
@@ -72,7 +78,9 @@ def build_chunk_layout(
 class SSDOutput(NamedTuple):
     y: torch.Tensor  # (num_tokens, nheads, headdim), x's dtype
     final_states: torch.Tensor  # (num_seqs, nheads, headdim, dstate) float32
-    chunk_states: torch.Tensor  # (num_seqs, num_chunks, nheads, headdim, dstate) float32, state after each chunk
+    chunk_states: (
+        torch.Tensor
+    )  # (num_seqs, num_chunks, nheads, headdim, dstate) float32, state after each chunk
 
 
 def segsum(x: torch.Tensor) -> torch.Tensor:
@@ -171,9 +179,7 @@ def ssd_scan_torch(
     before_chunk, after_last = passed[:, :-1], passed[:, -1]
 
     # 4. Contribution of the state entering each chunk.
-    y_off = torch.einsum(
-        "bclgn,bcgrpn,bgrcl->bclgrp", Cc, before_chunk, torch.exp(dA_cum)
-    )
+    y_off = torch.einsum("bclgn,bcgrpn,bgrcl->bclgrp", Cc, before_chunk, torch.exp(dA_cum))
     y = (y_diag + y_off).reshape(S * Cn * L, H, P)[layout.token_slot]
     y = y + x.float() * D.float().view(1, H, 1)
     return SSDOutput(

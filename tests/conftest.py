@@ -17,12 +17,26 @@ from tests.tiny import save_tiny_model  # noqa: E402
 TINY_CONFIGS = {
     "base": dict(),
     "odd": dict(
-        vocab_size=301, hidden_size=40, hybrid_override_pattern="*M-M*-M", num_attention_heads=5,
-        num_key_value_heads=1, head_dim=8, intermediate_size=72, mamba_num_heads=6, mamba_head_dim=12,
-        ssm_state_size=5, n_groups=3, conv_kernel=3, chunk_size=8,
+        vocab_size=301,
+        hidden_size=40,
+        hybrid_override_pattern="*M-M*-M",
+        num_attention_heads=5,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=72,
+        mamba_num_heads=6,
+        mamba_head_dim=12,
+        ssm_state_size=5,
+        n_groups=3,
+        conv_kernel=3,
+        chunk_size=8,
     ),
     "single_group_tied": dict(
-        hybrid_override_pattern="MM*-", n_groups=1, conv_kernel=4, chunk_size=32, tie_word_embeddings=True,
+        hybrid_override_pattern="MM*-",
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=32,
+        tie_word_embeddings=True,
     ),
 }
 

@@ -22,9 +22,10 @@ def ssd_oracle(x, dt, A, B, C, D, dt_bias, init, seq_lens, dt_limit=(0.0, float(
         for _ in range(n):
             Bh = B[t].double().repeat_interleave(R, 0)  # (H, N)
             Ch = C[t].double().repeat_interleave(R, 0)
-            h = h * torch.exp(dt[t] * A.double())[:, None, None] + (dt[t][:, None] * x[t].double())[
-                :, :, None
-            ] * Bh[:, None, :]
+            h = (
+                h * torch.exp(dt[t] * A.double())[:, None, None]
+                + (dt[t][:, None] * x[t].double())[:, :, None] * Bh[:, None, :]
+            )
             y[t] = torch.einsum("hpn,hn->hp", h, Ch) + D.double()[:, None] * x[t].double()
             states.append(h.clone())
             t += 1

@@ -32,7 +32,9 @@ def hf_prompt_logprobs(hf_model, prompt: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
 
 
-def assert_greedy_matches(ours: list[int], ref: list[int], ref_logprobs: torch.Tensor, what: str = "") -> int:
+def assert_greedy_matches(
+    ours: list[int], ref: list[int], ref_logprobs: torch.Tensor, what: str = ""
+) -> int:
     """Tokens must agree until a divergence that happens exactly at a reference near-tie
     (top-2 logprobs within TIE_GAP): that is float noise, not a bug, and comparison stops there.
     Returns the number of positions compared."""

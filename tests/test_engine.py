@@ -27,7 +27,9 @@ def references(base_model):
 def check_against_reference(outs, prompts, references):
     compared = total = 0
     for i, (out, (ref, ref_lp)) in enumerate(zip(outs, references)):
-        upto = assert_greedy_matches(out.token_ids, ref, ref_lp, f"request {i} (prompt {len(prompts[i])})")
+        upto = assert_greedy_matches(
+            out.token_ids, ref, ref_lp, f"request {i} (prompt {len(prompts[i])})"
+        )
         for step in range(upto):
             token = out.token_ids[step]
             assert abs(out.logprobs[step][token] - float(ref_lp[step, token])) < 1e-4, (i, step)
@@ -44,7 +46,9 @@ def test_batched_chunked_mixed_matches_transformers(base_model, references):
     modes = []
     original = llm.engine.runner.forward
     llm.engine.runner.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=1) for m in max_tokens]
+    params = [
+        SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=1) for m in max_tokens
+    ]
     outs = llm.generate(prompts, params)
     assert {"mixed", "decode"} <= set(modes)  # the workload really mixed batches
     check_against_reference(outs, prompts, refs)
@@ -56,10 +60,16 @@ def test_preemption_keeps_outputs_identical(base_model, references):
     model_dir, _ = base_model
     prompts, max_tokens, refs = references
     llm = LLM(
-        model_dir, page_size=4, max_num_batched_tokens=128, chunked_prefill_size=64,
-        max_total_tokens=420, max_mamba_slots=6,
+        model_dir,
+        page_size=4,
+        max_num_batched_tokens=128,
+        chunked_prefill_size=64,
+        max_total_tokens=420,
+        max_mamba_slots=6,
     )
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=1) for m in max_tokens]
+    params = [
+        SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=1) for m in max_tokens
+    ]
     outs = llm.generate(prompts, params)
     stats = llm.stats()
     assert stats.num_preemptions > 0
@@ -69,10 +79,20 @@ def test_preemption_keeps_outputs_identical(base_model, references):
 
 def test_abort_mid_flight_frees_everything(base_model):
     model_dir, _ = base_model
-    llm = LLM(model_dir, page_size=4, max_num_batched_tokens=64, chunked_prefill_size=32, max_running_requests=3)
+    llm = LLM(
+        model_dir,
+        page_size=4,
+        max_num_batched_tokens=64,
+        chunked_prefill_size=32,
+        max_running_requests=3,
+    )
     engine = llm.engine
     for i in range(6):
-        engine.add_request(f"r{i}", list(range(3, 3 + 20 * (i + 1))), SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.add_request(
+            f"r{i}",
+            list(range(3, 3 + 20 * (i + 1))),
+            SamplingParams(max_tokens=50, ignore_eos=True),
+        )
     for _ in range(4):
         engine.step()
     busy = engine.stats()
@@ -89,15 +109,24 @@ def test_seeded_sampling_is_batch_independent(base_model):
     model_dir, _ = base_model
     llm = LLM(model_dir, page_size=4)
     prompt = list(range(5, 30))
-    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
     (alone,) = llm.generate([prompt], params)
     others = [list(range(40, 40 + n)) for n in (3, 17, 60)]
     batch = llm.generate(
         others[:2] + [prompt] + others[2:],
-        [SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)] * 2 + [params] + [SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)],
+        [SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)] * 2
+        + [params]
+        + [SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)],
     )
     assert batch[2].token_ids == alone.token_ids
-    (other_seed,) = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=99, ignore_eos=True))
+    (other_seed,) = llm.generate(
+        [prompt],
+        SamplingParams(
+            max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=99, ignore_eos=True
+        ),
+    )
     assert other_seed.token_ids != alone.token_ids
 
 
@@ -108,13 +137,18 @@ def test_stop_conditions(base_model):
     (free,) = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     stop_id = free.token_ids[5]
     first = free.token_ids.index(stop_id)
-    (by_id,) = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]))
+    (by_id,) = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]),
+    )
     assert by_id.token_ids == free.token_ids[: first + 1]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
     # A stop string taken from the free-running text ends the output before it.
     text = free.text
     stop = text[len(text) // 2 : len(text) // 2 + 2]
-    (by_str,) = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]))
+    (by_str,) = llm.generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop])
+    )
     assert by_str.finish_reason == "stop" and by_str.stop_reason == stop
     assert by_str.text == text[: text.index(stop)]
     # EOS stops unless ignore_eos.
@@ -130,11 +164,20 @@ def test_n_samples_and_penalties(base_model):
     model_dir, _ = base_model
     llm = LLM(model_dir, page_size=4)
     prompt = list(range(3, 12))
-    outs = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, n=3, seed=7, ignore_eos=True))
+    outs = llm.generate(
+        [prompt], SamplingParams(max_tokens=10, temperature=1.0, n=3, seed=7, ignore_eos=True)
+    )
     assert len(outs) == 3 and len({tuple(o.token_ids) for o in outs}) > 1
     (plain,) = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     (penalised,) = llm.generate(
-        [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=2.0, frequency_penalty=2.0)
+        [prompt],
+        SamplingParams(
+            max_tokens=24,
+            temperature=0,
+            ignore_eos=True,
+            repetition_penalty=2.0,
+            frequency_penalty=2.0,
+        ),
     )
     assert len(set(penalised.token_ids)) >= len(set(plain.token_ids))
     assert penalised.token_ids != plain.token_ids

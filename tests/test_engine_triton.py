@@ -38,9 +38,16 @@ def launches(monkeypatch):
 def test_triton_engine_matches_torch_engine(base_model, monkeypatch, launches):
     model_dir, hf = base_model
     g = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (1, 9, 23)]
+    prompts = [
+        torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (1, 9, 23)
+    ]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2)
-    args = dict(page_size=16, chunked_prefill_size=16, max_num_batched_tokens=32, enable_prefix_caching=False)
+    args = dict(
+        page_size=16,
+        chunked_prefill_size=16,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+    )
     monkeypatch.setenv("BATON_KERNELS", "torch")
     reference = LLM(model_dir, **args).generate(prompts, params)
     assert not launches

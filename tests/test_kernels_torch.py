@@ -80,8 +80,15 @@ def test_selective_state_update_writes_only_its_slots():
         if slot == 0:
             continue
         y_ref, final, _ = ssd_oracle(
-            x[row : row + 1], dt[row : row + 1], A, B[row : row + 1], C[row : row + 1], D, dt_bias,
-            before[slot : slot + 1], [1],
+            x[row : row + 1],
+            dt[row : row + 1],
+            A,
+            B[row : row + 1],
+            C[row : row + 1],
+            D,
+            dt_bias,
+            before[slot : slot + 1],
+            [1],
         )
         torch.testing.assert_close(y[row].double(), y_ref[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(pool[slot].double(), final[0], atol=1e-5, rtol=1e-5)

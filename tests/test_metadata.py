@@ -34,8 +34,12 @@ def test_carriers_are_frozen_keyword_only_and_have_no_defaults(carrier):
     assert hasattr(carrier, "__slots__")
     for field in dataclasses.fields(carrier):
         assert field.kw_only, f"{carrier.__name__}.{field.name} is positional"
-        assert field.default is dataclasses.MISSING, f"{carrier.__name__}.{field.name} has a default"
-        assert field.default_factory is dataclasses.MISSING, f"{carrier.__name__}.{field.name} has a default"
+        assert field.default is dataclasses.MISSING, (
+            f"{carrier.__name__}.{field.name} has a default"
+        )
+        assert field.default_factory is dataclasses.MISSING, (
+            f"{carrier.__name__}.{field.name} has a default"
+        )
     with pytest.raises(TypeError):
         carrier()  # leaving any field out is an error, never a silent default
 
@@ -56,8 +60,16 @@ def scheduled(mode: str, track: bool) -> ScheduledBatch:
     if track:
         points = tuple(
             ([TrackPoint(seq_index=0, token_offset=0, dst_slot=6)] if decode else [])
-            + ([TrackPoint(seq_index=nd, token_offset=4, dst_slot=7)] if prefill and mode != "verify" else [])
-            + ([TrackPoint(seq_index=nd + 1, token_offset=7, dst_slot=8)] if prefill and mode != "verify" else [])
+            + (
+                [TrackPoint(seq_index=nd, token_offset=4, dst_slot=7)]
+                if prefill and mode != "verify"
+                else []
+            )
+            + (
+                [TrackPoint(seq_index=nd + 1, token_offset=7, dst_slot=8)]
+                if prefill and mode != "verify"
+                else []
+            )
         )
     return ScheduledBatch(
         mode=mode,
@@ -106,7 +118,9 @@ def reconstruct(md: Mamba2Metadata, sched: ScheduledBatch) -> dict:
             token = conv
             cu = md.chunk_layout.cu_seqlens.tolist()
             s_p = max(j for j in range(len(cu) - 1) if cu[j] <= token)
-            points.append(TrackPoint(seq_index=nd + s_p, token_offset=token - cu[s_p], dst_slot=dst))
+            points.append(
+                TrackPoint(seq_index=nd + s_p, token_offset=token - cu[s_p], dst_slot=dst)
+            )
     return {
         "mode": batch.mode,
         "request_ids": sched.request_ids,  # host-only: the engine keeps it beside the metadata
@@ -125,11 +139,19 @@ def reconstruct(md: Mamba2Metadata, sched: ScheduledBatch) -> dict:
 
 def build(sched):
     return build_metadata(
-        sched, page_size=PAGE, chunk_size=CHUNK, conv_kernel=CONV, device="cpu", kv_capacity=None, track_capacity=None
+        sched,
+        page_size=PAGE,
+        chunk_size=CHUNK,
+        conv_kernel=CONV,
+        device="cpu",
+        kv_capacity=None,
+        track_capacity=None,
     )
 
 
-def check_builder_carries_every_field(builder, modes=("extend", "decode", "mixed", "verify")) -> None:
+def check_builder_carries_every_field(
+    builder, modes=("extend", "decode", "mixed", "verify")
+) -> None:
     fields = {f.name for f in dataclasses.fields(ScheduledBatch)}
     for mode in modes:
         for track in (False, True):
@@ -145,7 +167,11 @@ def test_builder_carries_every_field_in_every_mode():
 
 
 def graph_runner(kv_capacity: int = 64) -> DecodeGraphRunner:
-    fake = SimpleNamespace(config=SimpleNamespace(chunk_size=CHUNK, conv_kernel=CONV), cache=SimpleNamespace(page_size=PAGE), device="cpu")
+    fake = SimpleNamespace(
+        config=SimpleNamespace(chunk_size=CHUNK, conv_kernel=CONV),
+        cache=SimpleNamespace(page_size=PAGE),
+        device="cpu",
+    )
     runner = DecodeGraphRunner(fake, max_bs=8, kv_capacity=kv_capacity, use_cuda_graphs=False)
     runner.use_cuda_graphs = True  # build with the static capacities a CUDA graph uses
     return runner
@@ -164,11 +190,15 @@ def test_graph_path_builder_carries_every_field():
             forward=dataclasses.replace(
                 md.forward,
                 batch=dataclasses.replace(
-                    md.forward.batch, num_decode_seqs=real, input_ids=md.forward.batch.input_ids[:real],
+                    md.forward.batch,
+                    num_decode_seqs=real,
+                    input_ids=md.forward.batch.input_ids[:real],
                     logits_row_owner=md.forward.batch.logits_row_owner[:real],
                 ),
                 slot_mapping=md.forward.slot_mapping[:real],
-                decode_attention=md.forward.decode_attention._replace(kv_lens=md.forward.decode_attention.kv_lens[:real]),
+                decode_attention=md.forward.decode_attention._replace(
+                    kv_lens=md.forward.decode_attention.kv_lens[:real]
+                ),
             ),
             decode_slots=md.decode_slots[:real],
         )
@@ -176,7 +206,8 @@ def test_graph_path_builder_carries_every_field():
     check_builder_carries_every_field(padded_build, modes=("decode",))
     with pytest.raises(AssertionError):
         check_builder_carries_every_field(
-            lambda sched: dataclasses.replace(padded_build(sched), has_mamba_track_mask=False), modes=("decode",)
+            lambda sched: dataclasses.replace(padded_build(sched), has_mamba_track_mask=False),
+            modes=("decode",),
         )
 
 
@@ -184,7 +215,13 @@ def test_graph_path_builder_carries_every_field():
     "breakage",
     [
         lambda md: dataclasses.replace(md, has_mamba_track_mask=False),  # the seed bug itself
-        lambda md: dataclasses.replace(md, track_ssm_dst=md.track_ssm_dst[:0], track_ssm_src=md.track_ssm_src[:0], track_conv_indices=md.track_conv_indices[:0], num_decode_tracks=0),
+        lambda md: dataclasses.replace(
+            md,
+            track_ssm_dst=md.track_ssm_dst[:0],
+            track_ssm_src=md.track_ssm_src[:0],
+            track_conv_indices=md.track_conv_indices[:0],
+            num_decode_tracks=0,
+        ),
         lambda md: dataclasses.replace(md, prefill_slots=torch.zeros_like(md.prefill_slots)),
     ],
 )
@@ -200,24 +237,45 @@ def test_tracking_writes_true_states_into_checkpoint_slots(base_model):
     config = ModelConfig.from_hf(model_dir)
     model = load_model(model_dir, torch.float32, "cpu")
     cs = config.chunk_size
-    tokens = torch.randint(3, config.vocab_size, (3 * cs + 5,), generator=torch.Generator().manual_seed(2)).tolist()
+    tokens = torch.randint(
+        3, config.vocab_size, (3 * cs + 5,), generator=torch.Generator().manual_seed(2)
+    ).tolist()
     pages = tuple(range(1, 20))
 
     def fresh():
-        cache = StateCache(config, num_pages=24, page_size=PAGE, num_mamba_slots=8, dtype=torch.float32, device="cpu")
+        cache = StateCache(
+            config,
+            num_pages=24,
+            page_size=PAGE,
+            num_mamba_slots=8,
+            dtype=torch.float32,
+            device="cpu",
+        )
         return cache, ModelRunner(model, cache, "cpu")
 
     def batch(toks, start, points):
         return ScheduledBatch(
-            mode="extend", request_ids=("r",), num_decode_seqs=0, input_ids=tuple(toks), seq_lens=(len(toks),),
-            start_positions=(start,), kv_pages=(pages,), mamba_slots=(1,), logits_seqs=(0,), prompt_logprob_seqs=(),
-            has_mamba_track_mask=bool(points), track_points=points,
+            mode="extend",
+            request_ids=("r",),
+            num_decode_seqs=0,
+            input_ids=tuple(toks),
+            seq_lens=(len(toks),),
+            start_positions=(start,),
+            kv_pages=(pages,),
+            mamba_slots=(1,),
+            logits_seqs=(0,),
+            prompt_logprob_seqs=(),
+            has_mamba_track_mask=bool(points),
+            track_points=points,
         )
 
     # Start mid-chunk (position 5) so the first chunk is short; track at 2*cs and 3*cs.
     cache, runner = fresh()
     runner.forward(batch(tokens[:5], 0, ()))
-    points = (TrackPoint(seq_index=0, token_offset=2 * cs - 5 - 1, dst_slot=3), TrackPoint(seq_index=0, token_offset=3 * cs - 5 - 1, dst_slot=4))
+    points = (
+        TrackPoint(seq_index=0, token_offset=2 * cs - 5 - 1, dst_slot=3),
+        TrackPoint(seq_index=0, token_offset=3 * cs - 5 - 1, dst_slot=4),
+    )
     runner.forward(batch(tokens[5:], 5, points))
     for dst, end in ((3, 2 * cs), (4, 3 * cs)):
         ref_cache, ref_runner = fresh()
@@ -230,9 +288,18 @@ def test_tracking_writes_true_states_into_checkpoint_slots(base_model):
     assert cache2.ssm[:, 3].abs().sum() == 0 and cache2.conv[:, 3].abs().sum() == 0
     # A decode-time checkpoint copies the working state after the step.
     decode = ScheduledBatch(
-        mode="decode", request_ids=("r",), num_decode_seqs=1, input_ids=(5,), seq_lens=(1,),
-        start_positions=(len(tokens),), kv_pages=(pages,), mamba_slots=(1,), logits_seqs=(0,),
-        prompt_logprob_seqs=(), has_mamba_track_mask=True, track_points=(TrackPoint(seq_index=0, token_offset=0, dst_slot=5),),
+        mode="decode",
+        request_ids=("r",),
+        num_decode_seqs=1,
+        input_ids=(5,),
+        seq_lens=(1,),
+        start_positions=(len(tokens),),
+        kv_pages=(pages,),
+        mamba_slots=(1,),
+        logits_seqs=(0,),
+        prompt_logprob_seqs=(),
+        has_mamba_track_mask=True,
+        track_points=(TrackPoint(seq_index=0, token_offset=0, dst_slot=5),),
     )
     runner2.forward(decode)
     torch.testing.assert_close(cache2.ssm[:, 5], cache2.ssm[:, 1])

@@ -29,7 +29,9 @@ def test_prompt_logprobs_match_transformers(tiny_models, name):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
     llm = LLM(model_dir, page_size=4, chunked_prefill_size=cs + 3, max_num_batched_tokens=2 * cs)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3, logprobs=3))
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3, logprobs=3)
+    )
     for prompt, out in zip(prompts, outs):
         ref = hf_prompt_logprobs(hf, prompt)
         assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
@@ -62,10 +64,18 @@ def test_greedy_tokens_match_transformers(tiny_models, name):
 
 def _batch(tokens, start, slot, pages, logits=True) -> ScheduledBatch:
     return ScheduledBatch(
-        mode="extend", request_ids=("r",), num_decode_seqs=0, input_ids=tuple(tokens),
-        seq_lens=(len(tokens),), start_positions=(start,), kv_pages=(tuple(pages),),
-        mamba_slots=(slot,), logits_seqs=(0,) if logits else (), prompt_logprob_seqs=(),
-        has_mamba_track_mask=False, track_points=(),
+        mode="extend",
+        request_ids=("r",),
+        num_decode_seqs=0,
+        input_ids=tuple(tokens),
+        seq_lens=(len(tokens),),
+        start_positions=(start,),
+        kv_pages=(tuple(pages),),
+        mamba_slots=(slot,),
+        logits_seqs=(0,) if logits else (),
+        prompt_logprob_seqs=(),
+        has_mamba_track_mask=False,
+        track_points=(),
     )
 
 
@@ -76,10 +86,14 @@ def test_split_prefill_equals_one_pass(base_model, splits):
     model_dir, hf = base_model
     config = ModelConfig.from_hf(model_dir)
     model = load_model(model_dir, torch.float32, "cpu")
-    tokens = torch.randint(3, config.vocab_size, (45,), generator=torch.Generator().manual_seed(3)).tolist()
+    tokens = torch.randint(
+        3, config.vocab_size, (45,), generator=torch.Generator().manual_seed(3)
+    ).tolist()
 
     def run(pieces):
-        cache = StateCache(config, num_pages=16, page_size=4, num_mamba_slots=2, dtype=torch.float32, device="cpu")
+        cache = StateCache(
+            config, num_pages=16, page_size=4, num_mamba_slots=2, dtype=torch.float32, device="cpu"
+        )
         runner = ModelRunner(model, cache, "cpu")
         pages, start = list(range(1, 13)), 0
         for n in pieces:
@@ -118,13 +132,23 @@ def test_legacy_checkpoint_loads(base_model, tmp_path):
     """Legacy spelling: hybrid_override_pattern, mamba_* aliases, and `model.`-prefixed names."""
     model_dir, hf = base_model
     config = json.loads((model_dir / "config.json").read_text())
-    pattern = "".join({"linear_attention": "M", "full_attention": "*", "mlp": "-"}[t] for t in config.pop("layers_block_type"))
+    pattern = "".join(
+        {"linear_attention": "M", "full_attention": "*", "mlp": "-"}[t]
+        for t in config.pop("layers_block_type")
+    )
     config["hybrid_override_pattern"] = pattern
-    for new, old in [("n_groups", "mamba_n_groups"), ("conv_kernel", "mamba_d_conv"), ("chunk_size", "mamba_chunk_size")]:
+    for new, old in [
+        ("n_groups", "mamba_n_groups"),
+        ("conv_kernel", "mamba_d_conv"),
+        ("chunk_size", "mamba_chunk_size"),
+    ]:
         config[old] = config.pop(new)
     (tmp_path / "config.json").write_text(json.dumps(config))
     tensors = load_file(model_dir / "model.safetensors")
-    save_file({k.replace("backbone.", "model.", 1): v for k, v in tensors.items()}, tmp_path / "model.safetensors")
+    save_file(
+        {k.replace("backbone.", "model.", 1): v for k, v in tensors.items()},
+        tmp_path / "model.safetensors",
+    )
     parsed = ModelConfig.from_hf(tmp_path)
     assert parsed == ModelConfig.from_hf(model_dir)
     tokens = list(range(3, 40))

@@ -20,7 +20,13 @@ def few_shot_prompts(vocab: int, num_questions: int = 32, prefix_len: int = 5 * 
     """A shared 5-shot-like prefix (several times the interval) + different questions."""
     g = torch.Generator().manual_seed(21)
     prefix = torch.randint(3, vocab, (prefix_len,), generator=g).tolist()
-    return [prefix + torch.randint(3, vocab, (int(torch.randint(5, 40, (1,), generator=g)),), generator=g).tolist() for _ in range(num_questions)]
+    return [
+        prefix
+        + torch.randint(
+            3, vocab, (int(torch.randint(5, 40, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(num_questions)
+    ]
 
 
 def greedy(max_tokens=16):
@@ -49,7 +55,11 @@ def test_shared_few_shot_prefix_hits_and_matches_cache_off(base_model, cache_off
     assert outs[0].num_cached_tokens == 0
     assert all(o.num_cached_tokens >= 4 * INTERVAL for o in outs[1:])
     stats = on.stats()
-    assert stats.prefix_cache_hit_tokens > 0 and stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+    assert (
+        stats.prefix_cache_hit_tokens > 0
+        and stats.kv_pages_used == 0
+        and stats.mamba_slots_used == 0
+    )
 
 
 def test_multi_turn_chat_hits_on_previous_answer(base_model):
@@ -58,9 +68,15 @@ def test_multi_turn_chat_hits_on_previous_answer(base_model):
     turn1 = torch.randint(3, hf.config.vocab_size, (50,), generator=g).tolist()
     results = {}
     for enabled in (False, True):
-        llm = LLM(model_dir, page_size=4, mamba_track_interval=INTERVAL, enable_prefix_caching=enabled)
+        llm = LLM(
+            model_dir, page_size=4, mamba_track_interval=INTERVAL, enable_prefix_caching=enabled
+        )
         (a1,) = llm.generate([turn1], greedy(40))
-        turn2 = turn1 + a1.token_ids + torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+        turn2 = (
+            turn1
+            + a1.token_ids
+            + torch.randint(3, 300, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+        )
         (a2,) = llm.generate([turn2], greedy(20))
         results[enabled] = (a1.token_ids, a2.token_ids, a2.num_cached_tokens)
     assert results[True][:2] == results[False][:2]
@@ -72,7 +88,14 @@ def test_multi_turn_chat_hits_on_previous_answer(base_model):
 def test_small_pools_force_evictions_and_outputs_stay_identical(base_model, cache_off_outputs):
     model_dir, _ = base_model
     prompts, expected = cache_off_outputs
-    small = LLM(model_dir, page_size=4, mamba_track_interval=INTERVAL, max_total_tokens=900, max_mamba_slots=10, max_running_requests=4)
+    small = LLM(
+        model_dir,
+        page_size=4,
+        mamba_track_interval=INTERVAL,
+        max_total_tokens=900,
+        max_mamba_slots=10,
+        max_running_requests=4,
+    )
     outs = run_sequentially_then_batched(small, prompts)
     stats = small.stats()
     assert stats.prefix_cache_evictions > 0
@@ -95,16 +118,30 @@ def test_batched_unaligned_checkpoints_hold_true_states(base_model):
     page_sets = [tuple(range(1 + 30 * i, 31 + 30 * i)) for i in range(3)]
 
     def fresh():
-        cache = StateCache(config, num_pages=100, page_size=4, num_mamba_slots=32, dtype=torch.float32, device="cpu")
+        cache = StateCache(
+            config,
+            num_pages=100,
+            page_size=4,
+            num_mamba_slots=32,
+            dtype=torch.float32,
+            device="cpu",
+        )
         return cache, ModelRunner(model, cache, "cpu")
 
     def batch(parts, points=()):
         return ScheduledBatch(
-            mode="extend", request_ids=tuple(f"r{i}" for i, _ in parts), num_decode_seqs=0,
-            input_ids=tuple(t for _, (toks, _) in parts for t in toks), seq_lens=tuple(len(toks) for _, (toks, _) in parts),
-            start_positions=tuple(start for _, (_, start) in parts), kv_pages=tuple(page_sets[i] for i, _ in parts),
-            mamba_slots=tuple(1 + i for i, _ in parts), logits_seqs=tuple(range(len(parts))), prompt_logprob_seqs=(),
-            has_mamba_track_mask=bool(points), track_points=tuple(points),
+            mode="extend",
+            request_ids=tuple(f"r{i}" for i, _ in parts),
+            num_decode_seqs=0,
+            input_ids=tuple(t for _, (toks, _) in parts for t in toks),
+            seq_lens=tuple(len(toks) for _, (toks, _) in parts),
+            start_positions=tuple(start for _, (_, start) in parts),
+            kv_pages=tuple(page_sets[i] for i, _ in parts),
+            mamba_slots=tuple(1 + i for i, _ in parts),
+            logits_seqs=tuple(range(len(parts))),
+            prompt_logprob_seqs=(),
+            has_mamba_track_mask=bool(points),
+            track_points=tuple(points),
         )
 
     cache, runner = fresh()
@@ -113,7 +150,9 @@ def test_batched_unaligned_checkpoints_hold_true_states(base_model):
     dst = 8
     for i in range(3):
         for boundary in range((starts[i] // cs + 1) * cs, len(seqs[i]) + 1, cs):
-            points.append(TrackPoint(seq_index=i, token_offset=boundary - starts[i] - 1, dst_slot=dst))
+            points.append(
+                TrackPoint(seq_index=i, token_offset=boundary - starts[i] - 1, dst_slot=dst)
+            )
             expect.append((dst, i, boundary))
             dst += 1
     runner.forward(batch([(i, (seqs[i][starts[i] :], starts[i])) for i in range(3)], points))
@@ -122,7 +161,9 @@ def test_batched_unaligned_checkpoints_hold_true_states(base_model):
         ref_cache, ref_runner = fresh()
         ref_runner.forward(batch([(i, (seqs[i][:boundary], 0))]))
         torch.testing.assert_close(cache.ssm[:, dst], ref_cache.ssm[:, 1 + i], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(cache.conv[:, dst], ref_cache.conv[:, 1 + i], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(
+            cache.conv[:, dst], ref_cache.conv[:, 1 + i], atol=1e-6, rtol=1e-6
+        )
 
 
 def test_skipping_the_ssm_checkpoint_copy_is_caught(base_model, cache_off_outputs, monkeypatch):

@@ -11,7 +11,12 @@ from engine.scheduler import Scheduler, SchedulerConfig
 def make(budget=32, chunk=16, max_running=8, pages=64, slots=8, page_size=4):
     reset = []
     sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, chunked_prefill_size=chunk, max_running_requests=max_running, page_size=page_size),
+        SchedulerConfig(
+            max_num_batched_tokens=budget,
+            chunked_prefill_size=chunk,
+            max_running_requests=max_running,
+            page_size=page_size,
+        ),
         IndexPool(pages, "pages"),
         IndexPool(slots, "slots"),
         reset.append,
@@ -20,7 +25,12 @@ def make(budget=32, chunk=16, max_running=8, pages=64, slots=8, page_size=4):
 
 
 def req(rid, n, max_tokens=4):
-    return Request(request_id=rid, prompt_ids=list(range(3, 3 + n)), params=SamplingParams(max_tokens=max_tokens), arrival=0)
+    return Request(
+        request_id=rid,
+        prompt_ids=list(range(3, 3 + n)),
+        params=SamplingParams(max_tokens=max_tokens),
+        arrival=0,
+    )
 
 
 def fake_step(sched: Scheduler):
@@ -73,7 +83,12 @@ def test_preemption_picks_latest_admitted_and_recomputes():
         if sched.num_preemptions:
             break
     assert sched.num_preemptions >= 1
-    assert b.status is Status.WAITING and b.num_computed == 0 and b.kv_pages == [] and b.mamba_slot == 0
+    assert (
+        b.status is Status.WAITING
+        and b.num_computed == 0
+        and b.kv_pages == []
+        and b.mamba_slot == 0
+    )
     assert a.status is Status.RUNNING
     assert sched.waiting[0] is b and b.output_ids  # generated tokens kept for recompute
     while sched.has_work():

@@ -38,7 +38,10 @@ def save_tokenizer(path: Path, vocab_size: int) -> None:
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -95,7 +98,9 @@ def build_hf_model(seed: int = 0, **overrides):
             if name.endswith("A_log"):
                 param.copy_(torch.log(torch.rand_like(param) * 8 + 0.5))
             elif name.endswith("dt_bias"):
-                dt = torch.exp(torch.rand_like(param) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+                dt = torch.exp(
+                    torch.rand_like(param) * (math.log(0.1) - math.log(0.001)) + math.log(0.001)
+                )
                 param.copy_(dt + torch.log(-torch.expm1(-dt)))
             elif name.endswith(".D"):
                 param.copy_(torch.randn_like(param))

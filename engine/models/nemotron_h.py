@@ -35,9 +35,13 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         if config.mlp_hidden_act != "relu2":
-            raise NotImplementedError(f"mlp_hidden_act {config.mlp_hidden_act!r} (baton supports relu2)")
+            raise NotImplementedError(
+                f"mlp_hidden_act {config.mlp_hidden_act!r} (baton supports relu2)"
+            )
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
 
     def forward(self, x: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
         return self.down_proj(torch.relu(self.up_proj(x)).square())
@@ -72,7 +76,9 @@ class Attention(nn.Module):
         if fm.decode_attention.num_seqs:
             parts.append(paged_attention(q[:nd], k_cache, v_cache, fm.decode_attention, self.scale))
         if fm.prefill_attention.num_seqs:
-            parts.append(paged_attention(q[nd:], k_cache, v_cache, fm.prefill_attention, self.scale))
+            parts.append(
+                paged_attention(q[nd:], k_cache, v_cache, fm.prefill_attention, self.scale)
+            )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.reshape(T, -1))
 
@@ -97,15 +103,21 @@ class Mamba2Mixer(nn.Module):
             config.hidden_size, self.intermediate + self.conv_dim + H, bias=config.mamba_proj_bias
         )
         self.conv1d = nn.Conv1d(
-            self.conv_dim, self.conv_dim, config.conv_kernel, groups=self.conv_dim,
-            bias=config.use_conv_bias, padding=config.conv_kernel - 1,
+            self.conv_dim,
+            self.conv_dim,
+            config.conv_kernel,
+            groups=self.conv_dim,
+            bias=config.use_conv_bias,
+            padding=config.conv_kernel - 1,
         )
         self.dt_bias = nn.Parameter(torch.ones(H))
         self.A_log = nn.Parameter(torch.zeros(H))
         self.D = nn.Parameter(torch.ones(H))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.intermediate))
-        self.out_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mamba_proj_bias)
+        self.out_proj = nn.Linear(
+            self.intermediate, config.hidden_size, bias=config.mamba_proj_bias
+        )
 
     def split_xbc(self, xbc: torch.Tensor):
         gn = self.n_groups * self.d_state
@@ -121,29 +133,58 @@ class Mamba2Mixer(nn.Module):
         T = hidden.shape[0]
         nd = md.forward.batch.num_decode_tokens
         conv_pool, ssm_pool = cache.mamba_layer(self.mamba_index)
-        z, xbc, dt = self.in_proj(hidden).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        z, xbc, dt = self.in_proj(hidden).split(
+            [self.intermediate, self.conv_dim, self.num_heads], dim=-1
+        )
         A = -torch.exp(self.A_log.float())
         weight = self.conv1d.weight.squeeze(1)
         ys = []
         if nd:
-            xbc_d = causal_conv1d_update(xbc[:nd], weight, self.conv1d.bias, conv_pool, md.decode_slots)
+            xbc_d = causal_conv1d_update(
+                xbc[:nd], weight, self.conv1d.bias, conv_pool, md.decode_slots
+            )
             x_d, B_d, C_d = self.split_xbc(xbc_d)
             ys.append(
                 selective_state_update(
-                    ssm_pool, x_d, dt[:nd], A, B_d, C_d, self.D, self.dt_bias, md.decode_slots, self.dt_limit
+                    ssm_pool,
+                    x_d,
+                    dt[:nd],
+                    A,
+                    B_d,
+                    C_d,
+                    self.D,
+                    self.dt_bias,
+                    md.decode_slots,
+                    self.dt_limit,
                 )
             )
         windows = None
         chunk_states = None
         if T > nd:
-            window_tokens = md.track_conv_indices[md.num_decode_tracks :] if md.has_mamba_track_mask else None
+            window_tokens = (
+                md.track_conv_indices[md.num_decode_tracks :] if md.has_mamba_track_mask else None
+            )
             xbc_p, windows = causal_conv1d_varlen(
-                xbc[nd:], weight, self.conv1d.bias, conv_pool, md.prefill_slots, md.conv_layout, window_tokens
+                xbc[nd:],
+                weight,
+                self.conv1d.bias,
+                conv_pool,
+                md.prefill_slots,
+                md.conv_layout,
+                window_tokens,
             )
             x_p, B_p, C_p = self.split_xbc(xbc_p)
             out = ssd_scan(
-                x_p, dt[nd:], A, B_p, C_p, self.D, self.dt_bias,
-                ssm_pool[md.prefill_slots], md.chunk_layout, self.dt_limit,
+                x_p,
+                dt[nd:],
+                A,
+                B_p,
+                C_p,
+                self.D,
+                self.dt_bias,
+                ssm_pool[md.prefill_slots],
+                md.chunk_layout,
+                self.dt_limit,
             )
             ssm_pool[md.prefill_slots] = out.final_states.to(ssm_pool.dtype)
             ys.append(out.y)
@@ -151,7 +192,9 @@ class Mamba2Mixer(nn.Module):
         if md.has_mamba_track_mask:
             self.checkpoint(md, conv_pool, ssm_pool, windows, chunk_states)
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
-        y = gated_rms_norm(y.reshape(T, self.intermediate), z, self.norm.weight, self.eps, self.group_size)
+        y = gated_rms_norm(
+            y.reshape(T, self.intermediate), z, self.norm.weight, self.eps, self.group_size
+        )
         return self.out_proj(y)
 
     def checkpoint(self, md, conv_pool, ssm_pool, windows, chunk_states) -> None:
@@ -171,7 +214,9 @@ class Mamba2Mixer(nn.Module):
             copy_states(conv_pool, md.track_ssm_dst[:ndt], conv_pool, decode_slots[rows])
         if windows is not None and windows.shape[0]:
             copy_states(
-                conv_pool, md.track_ssm_dst[ndt:], windows,
+                conv_pool,
+                md.track_ssm_dst[ndt:],
+                windows,
                 torch.arange(windows.shape[0], device=windows.device),
             )
 
@@ -188,7 +233,9 @@ class Block(nn.Module):
         elif kind == "mlp":
             self.mixer = MLP(config)
         else:
-            raise NotImplementedError(f"layer {layer_id}: block type {kind!r} (MoE) is not supported yet")
+            raise NotImplementedError(
+                f"layer {layer_id}: block type {kind!r} (MoE) is not supported yet"
+            )
 
     def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
         return hidden + self.mixer(self.norm(hidden), md, cache)
