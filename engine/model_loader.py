@@ -37,4 +37,6 @@ def load_model(
     # cast the whole module once so matmuls run in the serving dtype.
     model.to(dtype=dtype)
     model.eval().requires_grad_(False)
+    if torch.device(device).type == "cpu":
+        model.prepare_for_cpu()
     return model
