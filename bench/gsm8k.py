@@ -7,6 +7,7 @@ examples ("Question: …\\nAnswer: …" separated by blank lines), the next `--n
 are asked after them ("Question: …\\nAnswer:"), greedy (temperature 0), generation stops at
 "Question", and the last number of each output is compared with the number after "####" of the
 row's answer (commas, `$` and a trailing period are ignored, a minus sign is kept).
+With `--api chat` the shots are user/assistant turns (lm-eval's few-shot-as-multiturn).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -48,6 +49,24 @@ def build_prompts(rows: Sequence[dict], num_shots: int, num_questions: int) -> l
     prefix = few_shot_prefix(rows[:num_shots])
     questions = rows[num_shots : num_shots + num_questions]
     return [prefix + format_example(row["question"]) for row in questions]
+
+
+def build_chat_messages(
+    rows: Sequence[dict], num_shots: int, num_questions: int
+) -> list[list[dict]]:
+    """The same few-shot prompts as chat turns (lm-eval's few-shot-as-multiturn): each shot is a
+    user turn "Question: Q\\nAnswer:" and an assistant turn with its answer, then the question."""
+    prompts = build_prompts(rows, num_shots, num_questions)  # validates the counts
+    shots = []
+    for row in rows[:num_shots]:
+        shots += [
+            {"role": "user", "content": format_example(row["question"])},
+            {"role": "assistant", "content": row["answer"]},
+        ]
+    questions = rows[num_shots : num_shots + len(prompts)]
+    return [
+        shots + [{"role": "user", "content": format_example(row["question"])}] for row in questions
+    ]
 
 
 def parse_number(text: str) -> Decimal | None:
@@ -149,13 +168,14 @@ class OpenAIClient:
             raise RuntimeError(f"{self.http.base_url}/models lists no model; pass --model")
         return models[0]["id"]
 
-    def complete(self, prompt: str) -> Completion:
+    def complete(self, request: str | list[dict]) -> Completion:
+        """One greedy answer to a prompt (completions) or a list of messages (chat)."""
         body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0, "stop": STOP}
         if self.api == "chat":
-            body["messages"] = [{"role": "user", "content": prompt}]
+            body["messages"] = request
             response = self.http.post("/chat/completions", json=body)
         else:
-            body["prompt"] = prompt
+            body["prompt"] = request
             response = self.http.post("/completions", json=body)
         if response.status_code != 200:
             raise RuntimeError(
@@ -186,20 +206,21 @@ def run_eval(
 ) -> dict:
     from tqdm import tqdm
 
-    prompts = build_prompts(rows, num_shots, num_questions)
-    asked = rows[num_shots : num_shots + len(prompts)]
+    if api == "chat":
+        requests = build_chat_messages(rows, num_shots, num_questions)
+    else:
+        requests = build_prompts(rows, num_shots, num_questions)
+    asked = rows[num_shots : num_shots + len(requests)]
     client = OpenAIClient(base_url, api, model, max_tokens, parallel, api_key)
     try:
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=parallel) as pool:
-            completions = list(
-                tqdm(
-                    pool.map(client.complete, prompts),
-                    total=len(prompts),
-                    desc="gsm8k",
-                    disable=not progress,
-                )
-            )
+            futures = [pool.submit(client.complete, request) for request in requests]
+            for _ in tqdm(
+                as_completed(futures), total=len(futures), desc="gsm8k", disable=not progress
+            ):
+                pass
+            completions = [future.result() for future in futures]
         latency_s = time.perf_counter() - start
     finally:
         client.close()
@@ -250,7 +271,8 @@ def add_eval_parser(subparsers) -> None:
         "--api",
         choices=["completions", "chat"],
         default="completions",
-        help="/v1/completions or /v1/chat/completions (default: completions)",
+        help="/v1/completions (one few-shot prompt) or /v1/chat/completions (each shot a "
+        "user turn and an assistant turn) (default: completions)",
     )
     parser.add_argument("--model", help="model name to request (default: the first of /v1/models)")
     parser.add_argument("--api-key", help="sent as `Authorization: Bearer KEY`")

@@ -1,18 +1,22 @@
 """Train the small NemotronH shipped in assets/ on synthetic GSM8K problems, on the CPU.
 
-    python -m bench.train_demo --output assets
+    python -m bench.train_demo --output assets [--threads N]
 
 The model (~1.3M parameters: hidden 192, blocks `M*M-M*M-`, 8 Mamba heads x 32, d_state 16,
 4 query / 2 KV heads of 48, MLP 384) and a byte-level BPE tokenizer with digits split are
 built from scratch. Every training sequence is a 5-shot prompt exactly as `baton eval gsm8k`
 writes it, followed by its answer: six problems from the generator's training space, with the
-loss on the answers (the questions are random). AdamW with a warmup and a cosine decay over
-the time budget (`--minutes`), so a faster machine simply takes more steps.
+loss on the answers (the questions are random). AdamW, linear warmup, cosine decay over
+`--steps`; data, initialization and schedule depend on the seed only, not on the machine.
 
-Every `--eval-every` seconds the model is saved and the offline `LLM` answers the validation
+Every `--eval-every` steps the model is saved and the offline `LLM` answers the validation
 space's questions greedily in the eval's 5-shot format; training stops once that accuracy
-reaches `--target`. The final model is then scored on the held-out file (never trained on,
-never used to stop) and that accuracy is printed.
+reaches `--target` (or at `--steps`, or after `--minutes` of training). The final model is
+scored the same way on the held-out file (never trained on, never used to stop) and saved.
+
+The chat template renders messages into the same format, so `/v1/chat/completions` works:
+a user message is asked as "Question: ...\nAnswer:" (kept as is if it already starts with
+"Question:"), an assistant message is an answer, a system message a preamble.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import shutil
 import sys
 import tempfile
@@ -42,10 +45,13 @@ from bench.gsm8k_data import HELDOUT_PATH, Problem, generate, read_jsonl, take
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2, NemotronH's pad/bos/eos
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{{ ' ' + message['content'] + '\\n\\n' }}"
+    "{%- elif message['role'] == 'system' -%}{{ message['content'] + '\\n\\n' }}"
+    "{%- elif message['content'].startswith('Question:') -%}{{ message['content'] }}"
+    "{%- else -%}{{ 'Question: ' + message['content'] + '\\nAnswer:' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
 )
 MODEL_CONFIG = dict(
     hidden_size=192,
@@ -158,10 +164,21 @@ def masked_loss(model, batch: Batch) -> torch.Tensor:
 
 
 def save(model, tokenizer, directory: Path) -> None:
+    """config.json, model.safetensors (fp32), tokenizer.json and a tokenizer_config.json that
+    holds the chat template and names a tokenizer class older transformers versions know."""
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
-    (directory / "generation_config.json").unlink(missing_ok=True)
+    config_path = directory / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config.update(
+        tokenizer_class="PreTrainedTokenizerFast",
+        model_max_length=model.config.max_position_embeddings,
+        chat_template=CHAT_TEMPLATE,
+    )
+    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    for extra in ("chat_template.jinja", "generation_config.json"):
+        (directory / extra).unlink(missing_ok=True)
 
 
 def answers_correct(model_dir: Path, rows: list[dict], num_questions: int) -> list[bool]:
@@ -188,56 +205,45 @@ def by_kind(problems: list[Problem], correct: list[bool]) -> str:
     )
 
 
-def lr_at(progress: float, peak: float, warmup: float) -> float:
-    """Linear warmup over the first `warmup` of the run, then cosine to 5% of `peak`."""
-    if progress < warmup:
-        return peak * progress / warmup
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup))))
-    return peak * (0.05 + 0.95 * cosine)
+def lr_at(step: int, steps: int, peak: float, warmup_steps: int) -> float:
+    """Linear warmup, then cosine down to 5% of `peak` at `steps`."""
+    if step < warmup_steps:
+        return peak * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, steps - warmup_steps))
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.train_demo",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--output", default="assets", help="model directory to write")
+    add("--steps", type=int, default=3000, help="optimizer steps at most; the cosine ends here")
+    add("--minutes", type=float, default=90.0, help="stop after this much training time")
+    add("--target", type=float, default=0.9, help="stop once validation accuracy reaches it")
+    add("--eval-every", type=int, default=200, help="steps between validation evals")
+    add("--eval-questions", type=int, default=100, help="validation questions per eval")
+    add("--batch-size", type=int, default=8, help="sequences (of 6 problems) per step")
+    add("--lr", type=float, default=2e-3, help="peak learning rate")
+    add("--warmup-steps", type=int, default=100, help="linear warmup steps")
+    add("--vocab-size", type=int, default=512, help="BPE vocabulary size at most")
+    add("--seed", type=int, default=0, help="initialization, data and tokenizer seed")
+    add("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
+    add("--heldout", default=str(HELDOUT_PATH), help="held-out JSONL scored at the end")
+    return parser.parse_args(argv)
+
+
+def validate(model, tokenizer, checkpoint: Path, valid: list[Problem]) -> tuple[float, str]:
+    save(model, tokenizer, checkpoint)
+    correct = answers_correct(checkpoint, [p.row() for p in valid], len(valid) - NUM_SHOTS)
+    return sum(correct) / len(correct), by_kind(valid[NUM_SHOTS:], correct)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.train_demo", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "--output", default="assets", help="model directory to write (default: assets)"
-    )
-    parser.add_argument(
-        "--minutes", type=float, default=30.0, help="training time budget (default: 30)"
-    )
-    parser.add_argument(
-        "--target",
-        type=float,
-        default=0.9,
-        help="stop once validation accuracy reaches this (default: 0.9)",
-    )
-    parser.add_argument(
-        "--eval-every",
-        type=float,
-        default=180.0,
-        help="seconds between validation evals (default: 180)",
-    )
-    parser.add_argument(
-        "--eval-questions", type=int, default=100, help="validation questions (default: 100)"
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=8, help="sequences of 6 problems per step (default: 8)"
-    )
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: 2e-3)")
-    parser.add_argument(
-        "--vocab-size", type=int, default=512, help="BPE vocabulary size at most (default: 512)"
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="initialization and data seed (default: 0)"
-    )
-    parser.add_argument(
-        "--threads", type=int, help="torch CPU threads (default: torch's own choice)"
-    )
-    parser.add_argument(
-        "--heldout", default=str(HELDOUT_PATH), help="held-out JSONL scored at the end"
-    )
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
@@ -247,29 +253,23 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = train_tokenizer(args.vocab_size, args.seed)
     model = build_model(len(tokenizer), args.seed)
     params = sum(p.numel() for p in model.parameters())
-    print(
-        f"model: {params / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}, {torch.get_num_threads()} threads"
-    )
+    print(f"model: {params / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}, ", end="")
+    print(f"{torch.get_num_threads()} threads", flush=True)
     valid = take(args.seed, NUM_SHOTS + args.eval_questions, "valid", unique=True)
-    valid_rows = [p.row() for p in valid]
+    stream = generate(args.seed, "train")
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01
     )
-    stream = generate(args.seed, "train")
-    random.seed(args.seed)
 
-    budget_s = args.minutes * 60
     checkpoint = Path(tempfile.mkdtemp(prefix="baton-train-"))
-    start = last_eval = time.monotonic()
-    eval_s = 0.0  # validation time, left out of the training clock
-    step, tokens, smoothed = 0, 0, None
+    train_s, step, tokens, smoothed = 0.0, 0, 0, None
     try:
-        while True:
-            elapsed = time.monotonic() - start - eval_s
-            if elapsed >= budget_s:
+        while step < args.steps:
+            if train_s >= args.minutes * 60:
                 print(f"time budget of {args.minutes:g} min reached")
                 break
-            lr = lr_at(elapsed / budget_s, args.lr, warmup=0.03)
+            started = time.monotonic()
+            lr = lr_at(step, args.steps, args.lr, args.warmup_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             model.train()
@@ -281,31 +281,23 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             step += 1
             tokens += batch.input_ids.numel()
+            train_s += time.monotonic() - started
             smoothed = loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
             if step % 50 == 0:
-                elapsed = time.monotonic() - start - eval_s
                 print(
-                    f"step {step}  {elapsed / 60:5.1f} min  loss {smoothed:.4f}  lr {lr:.2e}  {tokens / elapsed:,.0f} tok/s",
+                    f"step {step}  {train_s / 60:5.1f} min  loss {smoothed:.4f}  lr {lr:.2e}  "
+                    f"{tokens / train_s:,.0f} tok/s",
                     flush=True,
                 )
-            if time.monotonic() - last_eval >= args.eval_every:
-                eval_start = time.monotonic()
+            if step % args.eval_every == 0:
                 model.eval()
-                save(model, tokenizer, checkpoint)
-                correct = answers_correct(checkpoint, valid_rows, args.eval_questions)
-                score = sum(correct) / len(correct)
-                print(
-                    f"step {step}  validation accuracy {score:.3f}  ({by_kind(valid[NUM_SHOTS:], correct)})",
-                    flush=True,
-                )
-                last_eval = time.monotonic()
-                eval_s += last_eval - eval_start
+                score, kinds = validate(model, tokenizer, checkpoint, valid)
+                print(f"step {step}  validation accuracy {score:.3f}  ({kinds})", flush=True)
                 if score >= args.target:
                     print(f"validation accuracy {score:.3f} >= {args.target}: stopping")
                     break
     finally:
         shutil.rmtree(checkpoint, ignore_errors=True)
-    train_s = time.monotonic() - start - eval_s
     model.eval()
     output = Path(args.output)
     save(model, tokenizer, output)
@@ -315,14 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "steps": step,
         "train_minutes": round(train_s / 60, 2),
-        "tokens_per_s": round(tokens / train_s),
+        "tokens_per_s": round(tokens / max(train_s, 1e-9)),
         "heldout_accuracy": heldout,
-        "heldout_questions": len(heldout_rows) - NUM_SHOTS,
+        "heldout_questions": len(correct),
     }
     print(json.dumps(summary))
-    print(
-        f"held-out accuracy: {heldout:.3f} on {summary['heldout_questions']} questions; model saved to {output}"
-    )
+    print(f"held-out accuracy: {heldout:.3f} on {len(correct)} questions; model saved to {output}")
     return 0
 
 
