@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-_buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+# Keyed by inference mode too: a buffer made under torch.inference_mode() is an inference tensor
+# and cannot be written outside it (and the engine runs in it while unit tests may not).
+_buffers: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
 
 
 def scratch(
@@ -21,7 +23,7 @@ def scratch(
     numel = 1
     for size in shape:
         numel *= size
-    key = (name, dtype, device)
+    key = (name, dtype, torch.device(device), torch.is_inference_mode_enabled())
     buffer = _buffers.get(key)
     if buffer is None or buffer.numel() < numel:
         buffer = torch.empty(max(numel, 1), dtype=dtype, device=device)
