@@ -109,6 +109,7 @@ class PrefillWorker:
         deltas = self.engine.step() if self.engine.has_unfinished_requests() else []
         self._stream_pages()
         self._flush()
+        self.poll()  # heartbeats that arrived during a long step count before leases expire
         self._expire()
         return deltas
 
@@ -267,7 +268,10 @@ class PrefillWorker:
                     r,
                     f"room {r.room}: no decode worker registered within {self.config.bootstrap_timeout_s:.0f} s",
                 )
-            elif r.peer is not None and t - r.lease > self.config.lease_timeout_s:
+            elif r.peer is not None and t - r.lease > max(
+                self.config.lease_timeout_s, self.config.bootstrap_timeout_s
+            ):
+                # Generous on this side: a lost decode worker only costs a held snapshot here.
                 self._fail(
                     r, f"room {r.room}: decode worker stopped sending heartbeats", notify=False
                 )

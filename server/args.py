@@ -99,7 +99,7 @@ class ServerArgs:
             "bootstrap_timeout_s": self.disagg_timeout,
             "transfer_timeout_s": self.disagg_timeout,
             "heartbeat_interval_s": 0.5,
-            "lease_timeout_s": min(5.0, self.disagg_timeout),
+            "lease_timeout_s": min(10.0, self.disagg_timeout),
         }
 
     @classmethod
