@@ -2,7 +2,7 @@
 
     python -m bench.run_gsm8k [--model assets] [EVAL FLAGS, e.g. --num-questions 50 --output r.json]
 
-Starts one colocated `baton serve` on a free 127.0.0.1 port and waits for /health, runs the
+Starts the disaggregated stack (`baton up`: prefill + decode + router) on a free 127.0.0.1 port, waits for /health, runs the
 eval against it (flags it does not know are passed on to `baton eval gsm8k`), prints the
 accuracy and stops the server. Exits with the eval's status.
 """
@@ -81,22 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         log = Path(scratch) / "serve.log"
         with open(log, "wb") as sink:
             server = subprocess.Popen(
-                [
-                    str(BATON),
-                    "serve",
-                    "--model",
-                    args.model,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                ],
+                # the disaggregated stack: prefill worker + decode worker + router
+                [str(BATON), "up", "--model", args.model, "--port", str(port)],
                 stdout=sink,
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,
             )
         try:
-            print(f"serving {args.model} on {url} (log: {log})", flush=True)
+            print(f"serving {args.model} with baton up on {url} (log: {log})", flush=True)
             wait_healthy(server, url, log, args.startup_timeout)
             command = [
                 str(BATON),
