@@ -154,8 +154,8 @@ def build_metadata(
     token_table = (page_table[:, :, None] * page_size + torch.arange(page_size)).view(num_seqs, -1)
     num_decode_tokens = nd
 
-    logits_rows: list[int] = []
-    owners: list[int] = []
+    logits_rows = []  # rows of the hidden states projected to logits
+    owners = []  # sequence owning each of those rows
     for s in range(sched.num_seqs):
         if s in sched.prompt_logprob_seqs:
             rows = range(token_offsets[s], token_offsets[s + 1])
