@@ -134,7 +134,7 @@ def run_up(ns) -> int:
         print(
             f"\nbaton is up: prefill :{prefill_port} -> decode :{decode_port} (transfer :{disagg_port}), router {url}\n"
             f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-            f'-d \'{{"model": "{name}", "prompt": "Question: 2 + 3 = ?\\nAnswer:", "max_tokens": 32}}\'\n'
+            f'-d \'{{"model": "{name}", "prompt": "Question: A pen costs $12. Anna buys 4 pens and pays with $60. How much change does she get?\\nAnswer:", "max_tokens": 48, "temperature": 0, "stop": ["Question"]}}\'\n'
             f"  OpenAI clients: base_url={url}/v1   (Ctrl-C stops everything)",
             flush=True,
         )
