@@ -16,14 +16,15 @@ import torch
 from engine.config import ModelConfig
 from engine.cpu_allocator import keep_freed_memory_in_heap
 from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_handover import HandoverMixin
 from engine.graph_runner import DecodeGraphRunner
-from engine.handover import Preallocation, RequestState
-from engine.memory import IndexPool, OutOfMemory, size_pools
+from engine.handover import RequestState
+from engine.memory import IndexPool, size_pools
 from engine.model_loader import load_model, resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestDelta, TokenLogprobs
 from engine.prefix_cache import PrefixCache
-from engine.request import Request, Status
+from engine.request import Request
 from engine.sampler import Sampler, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -84,7 +85,7 @@ def default_track_interval(chunk_size: int, page_size: int, target: int = 512) -
     return step * max(1, target // step)
 
 
-class Engine:
+class Engine(HandoverMixin):
     def __init__(
         self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu", **engine_args
     ):
@@ -233,135 +234,6 @@ class Engine:
             )
         self.prompt_tokens_total += len(prompt_token_ids)
         return req
-
-    # -- disaggregation: decode side ----------------------------------------------------------
-
-    @property
-    def track_interval(self) -> int:
-        return self.prefix_cache.track_interval if self.prefix_cache is not None else 0
-
-    def preallocate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> Preallocation:
-        """Reserve KV pages for the prompt and a Mamba slot for a request whose prefill runs on
-        another engine. Raises ValueError for invalid requests, OutOfMemory when full."""
-        req = self._new_request(request_id, prompt_token_ids, params)
-        try:
-            self.scheduler.reserve_for_transfer(req)
-        except OutOfMemory:
-            self.requests.pop(request_id)
-            self.detokenizers.pop(request_id, None)
-            raise
-        return Preallocation(
-            pages=tuple(req.kv_pages),
-            mamba_slot=req.mamba_slot,
-            num_prompt_tokens=len(req.prompt_ids),
-            cached_tokens=req.num_cached_tokens,
-        )
-
-    def install(self, request_id: str, state: RequestState) -> RequestDelta | None:
-        """Write a transferred prefill into the preallocated pages and slot, register the prompt's
-        checkpointed blocks in this engine's prefix cache, append the first token and start
-        decoding. Returns the first token's delta (None if the request is gone)."""
-        req = self.requests.get(request_id)
-        if req is None or req.status is not Status.TRANSFERRING:
-            return None
-        if state.num_prompt_tokens != len(req.prompt_ids):
-            raise ValueError(
-                f"request {request_id}: transferred state is for another prompt length"
-            )
-        self.install_pages(request_id, state.first_page, state.k_pages, state.v_pages)
-        self.cache.conv[:, req.mamba_slot] = state.conv.to(self.device, self.cache.conv.dtype)
-        self.cache.ssm[:, req.mamba_slot] = state.ssm.to(self.device, self.cache.ssm.dtype)
-        req.num_computed = len(req.prompt_ids)
-        self._register_transferred_blocks(req, state)
-        self.scheduler.start_transferred(req)
-        return self._append_token(req, state.first_token, state.first_logprobs)
-
-    def install_pages(
-        self, request_id: str, first_page: int, k_pages: torch.Tensor, v_pages: torch.Tensor
-    ) -> None:
-        """Write K/V pages that arrive ahead of the final state (streamed per prefill chunk)."""
-        req = self.requests.get(request_id)
-        if req is None or req.status is not Status.TRANSFERRING:
-            return
-        n = k_pages.shape[1] if self.cache.k else 0
-        if first_page + n > len(req.kv_pages):
-            raise ValueError(f"request {request_id}: streamed pages do not fit its preallocation")
-        if n:
-            ps = self.cache.page_size
-            pages = torch.tensor(req.kv_pages[first_page : first_page + n], device=self.device)
-            for layer, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
-                k.view(-1, ps, *k.shape[1:])[pages] = k_pages[layer].to(self.device, k.dtype)
-                v.view(-1, ps, *v.shape[1:])[pages] = v_pages[layer].to(self.device, v.dtype)
-
-    def _register_transferred_blocks(self, req: Request, state: RequestState) -> None:
-        """The prompt's block checkpoints let later requests (the next turn of a chat) reuse
-        this prompt on the decode side too."""
-        if self.prefix_cache is None:
-            return
-        for i in range(state.checkpoint_conv.shape[0]):
-            k = state.first_block + i
-            if k != len(req.cached_blocks):
-                return
-            slot = None
-            key = self.prefix_cache.chain_keys(req.all_ids, k + 1)[-1]
-            if self.prefix_cache.lookup(key) is None:
-                slot = self.scheduler.checkpoint_slot()
-                if slot is None:
-                    return
-                self.cache.conv[:, slot] = state.checkpoint_conv[i].to(
-                    self.device, self.cache.conv.dtype
-                )
-                self.cache.ssm[:, slot] = state.checkpoint_ssm[i].to(
-                    self.device, self.cache.ssm.dtype
-                )
-            if not self.scheduler.extend_chain(req, k, slot):
-                return
-
-    # -- disaggregation: prefill side ---------------------------------------------------------
-
-    def export_pages(
-        self, request_id: str, first_page: int
-    ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-        """Copies of the K/V pages a running prefill has completed from `first_page` on:
-        (end page, k (layers, n, page, kv_heads, head_dim), v). None if nothing new is complete."""
-        req = self.requests.get(request_id)
-        if req is None or not self.cache.k:
-            return None
-        ps = self.cache.page_size
-        end = min(req.num_computed, len(req.prompt_ids)) // ps
-        if end <= first_page:
-            return None
-        pages = torch.tensor(req.kv_pages[first_page:end], device=self.device)
-        k = torch.stack([k.view(-1, ps, *k.shape[1:])[pages] for k in self.cache.k])
-        v = torch.stack([v.view(-1, ps, *v.shape[1:])[pages] for v in self.cache.v])
-        return end, k, v
-
-    def export_state(self, req: Request) -> RequestState:
-        """Snapshot (copy) a request's K/V pages and Mamba state after its prefill, with the
-        checkpoints of its prefix-cache blocks."""
-        ps = self.cache.page_size
-        num_pages = -(-len(req.prompt_ids) // ps)
-        pages = torch.tensor(req.kv_pages[:num_pages], device=self.device)
-        slots = [b.checkpoint_slot for b in req.cached_blocks]
-        return RequestState(
-            num_prompt_tokens=len(req.prompt_ids),
-            first_token=req.output_ids[0],
-            first_logprobs=req.logprobs[0] if req.logprobs else None,
-            first_page=0,
-            first_block=0,
-            checkpoint_conv=self.cache.conv[:, slots].transpose(0, 1).contiguous(),
-            checkpoint_ssm=self.cache.ssm[:, slots].transpose(0, 1).contiguous(),
-            k_pages=torch.stack([k.view(-1, ps, *k.shape[1:])[pages] for k in self.cache.k])
-            if self.cache.k
-            else torch.empty(0),
-            v_pages=torch.stack([v.view(-1, ps, *v.shape[1:])[pages] for v in self.cache.v])
-            if self.cache.v
-            else torch.empty(0),
-            conv=self.cache.conv[:, req.mamba_slot].clone(),
-            ssm=self.cache.ssm[:, req.mamba_slot].clone(),
-        )
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
