@@ -139,6 +139,7 @@ def mm_peak(dtype: torch.dtype) -> float:
 def decode_flop_fraction(llm, batch: int = 64) -> dict:
     """Time steady decode steps at `batch` and compare 2 * params * batch FLOPs to the mm peak."""
     from engine import SamplingParams
+    from kernels.linear import matmul_params
 
     engine = llm.engine
     for i in range(batch):
@@ -155,7 +156,7 @@ def decode_flop_fraction(llm, batch: int = 64) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     step = sorted(times)[len(times) // 2]
-    params = sum(p.numel() for n, p in engine.model.named_parameters() if "embeddings" not in n)
+    params = matmul_params(engine.model)
     flops = 2 * params * batch / step
     peak = mm_peak(engine.dtype)
     return {

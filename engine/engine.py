@@ -287,8 +287,10 @@ class Engine(HandoverMixin):
         sampled = {}
         if sched.logits_seqs:
             sample_rows = [rows_of[s][-1] for s in sched.logits_seqs]
+            if sample_rows != list(range(logits.shape[0])):  # decode-only: skip the copy
+                logits = logits[sample_rows]
             result = self.sampler(
-                logits[sample_rows],
+                logits,
                 [reqs[s] for s in sched.logits_seqs],
                 self.model_config.eos_token_ids,
             )

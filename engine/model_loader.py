@@ -38,5 +38,5 @@ def load_model(
     model.to(dtype=dtype)
     model.eval().requires_grad_(False)
     if torch.device(device).type == "cpu":
-        model.prepare_for_cpu()
+        model.prepare_for_cpu(dtype)
     return model

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from kernels.backend import select_backend
 
 
@@ -130,6 +131,8 @@ def causal_conv1d_update(
         from kernels.triton_conv1d import causal_conv1d_update_triton
 
         return causal_conv1d_update_triton(x, weight, bias, conv_states, state_indices)
+    if cpu_ops.conv_update_supported(conv_states, x, weight.shape[1]):
+        return cpu_ops.causal_conv1d_update_cpu(x, weight, bias, conv_states, state_indices)
     return causal_conv1d_update_torch(x, weight, bias, conv_states, state_indices)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_ops
 from kernels.backend import select_backend
 from kernels.ssd import discretize_dt
 from kernels.workspace import scratch
@@ -36,6 +37,9 @@ def selective_state_update(
         return selective_state_update_triton(
             ssm_states, x, dt, A, B, C, D, dt_bias, state_indices, dt_limit
         )
+    if cpu_ops.ssu_supported(ssm_states, x):
+        dt = discretize_dt(dt, dt_bias, dt_limit)
+        return cpu_ops.selective_state_update_cpu(ssm_states, x, dt, A, B, C, D, state_indices)
     return selective_state_update_torch(
         ssm_states, x, dt, A, B, C, D, dt_bias, state_indices, dt_limit
     )
@@ -101,7 +105,7 @@ def selective_state_update_multi(
         if not torch.equal(read, write):
             ssm_states[write] = ssm_states[read]
         ys.append(
-            selective_state_update_torch(
+            selective_state_update(
                 ssm_states, x[:, i], dt[:, i], A, B[:, i], C[:, i], D, dt_bias, write, dt_limit
             )
         )

@@ -15,6 +15,7 @@ from engine.forward_metadata import Mamba2Metadata
 from engine.state_cache import StateCache
 from kernels.attention import paged_attention, store_kv
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from kernels.linear import pack_linears
 from kernels.norm import gated_rms_norm, rms_norm
 from kernels.ssd import ssd_scan
 from kernels.ssu import selective_state_update
@@ -262,7 +263,6 @@ class NemotronHForCausalLM(nn.Module):
         self.model = NemotronHModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tied_parameters: tuple[str, ...] = ()
-        self.lm_head_t: torch.Tensor | None = None
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embeddings.weight
             self.tied_parameters = ("lm_head.weight",)
@@ -271,12 +271,10 @@ class NemotronHForCausalLM(nn.Module):
         """Returns float32 logits for the rows `md.forward.batch.logits_indices`."""
         hidden = self.model(md, cache)
         rows = hidden[md.forward.batch.logits_indices]
-        if self.lm_head_t is not None:
-            return (rows @ self.lm_head_t).float()
         return self.lm_head(rows).float()
 
-    def prepare_for_cpu(self) -> None:
-        """On the CPU a few-row fp32 matmul against a (hidden, vocab) contiguous weight runs ~25%
-        faster than F.linear's (vocab, hidden) layout; lm_head dominates small models' decode.
-        Costs one more copy of lm_head, so it is only done on the CPU."""
-        self.lm_head_t = self.lm_head.weight.detach().t().contiguous()
+    def prepare_for_cpu(self, dtype: torch.dtype) -> None:
+        """Prepack every linear weight for oneDNN once (kernels/linear.py): decode's few-row
+        matmuls, lm_head above all, run 1.2-3x faster than F.linear repacking on each call.
+        Call after the weights are loaded and cast; the plain weights are dropped."""
+        pack_linears(self, dtype)

@@ -1,0 +1,170 @@
+"""The fused C decode kernels (kernels/cpu_ops.c) and the prepacked linears (kernels/linear.py)
+against the torch path they replace. The token-by-token oracles in test_kernels_torch.py run
+through the public dispatchers, so they cover the C kernels too whenever those are built."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import cpu_ops
+from kernels.conv1d import causal_conv1d_update, causal_conv1d_update_torch
+from kernels.linear import PackedLinear, can_pack, matmul_params, pack_linears
+from kernels.ssd import discretize_dt
+from kernels.ssu import selective_state_update, selective_state_update_torch
+
+needs_cc = pytest.mark.skipif(
+    cpu_ops.library() is None,
+    reason="no C compiler (" + str(shutil.which("cc")) + "): the torch path runs instead",
+)
+
+
+def ssu_inputs(batch, H, P, G, N, slots, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(slots, H, P, N, generator=g)
+    x = torch.randn(batch, H, P, generator=g).to(dtype)
+    dt = torch.randn(batch, H, generator=g).to(dtype)
+    A = -torch.rand(H, generator=g) * 4
+    B = torch.randn(batch, G, N, generator=g).to(dtype)
+    C = torch.randn(batch, G, N, generator=g).to(dtype)
+    D = torch.randn(H, generator=g)
+    dt_bias = torch.randn(H, generator=g)
+    return pool, x, dt, A, B, C, D, dt_bias
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    "H,P,G,N,dtype",
+    [(4, 8, 2, 6, torch.float32), (6, 5, 3, 7, torch.float32), (24, 64, 8, 128, torch.bfloat16)],
+)
+def test_fused_ssu_matches_torch_path(H, P, G, N, dtype):
+    batch, num_slots = 5, 9
+    pool, x, dt, A, B, C, D, dt_bias = ssu_inputs(batch, H, P, G, N, num_slots, dtype)
+    slots = torch.tensor([7, 2, 5, 1, 8])
+    ref_pool = pool.clone()
+    limit = (0.01, 2.0)
+    y_ref = selective_state_update_torch(ref_pool, x, dt, A, B, C, D, dt_bias, slots, limit)
+    y = cpu_ops.selective_state_update_cpu(
+        pool, x, discretize_dt(dt, dt_bias, limit), A, B, C, D, slots
+    )
+    assert y.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
+    for untouched in (0, 3, 4, 6):
+        assert torch.equal(pool[untouched], ref_pool[untouched])
+
+
+@needs_cc
+@pytest.mark.parametrize("K", [2, 3, 4])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fused_conv_update_matches_torch_path(K, pool_dtype, with_bias):
+    g = torch.Generator().manual_seed(K)
+    dim, batch = 37, 4
+    pool = torch.randn(6, dim, K - 1, generator=g).to(pool_dtype)
+    ref_pool = pool.clone()
+    x = torch.randn(batch, dim, generator=g).to(pool_dtype)
+    w = torch.randn(dim, K, generator=g).to(pool_dtype)
+    b = torch.randn(dim, generator=g).to(pool_dtype) if with_bias else None
+    slots = torch.tensor([3, 1, 5, 2])
+    y_ref = causal_conv1d_update_torch(x, w, b, ref_pool, slots)
+    y = cpu_ops.causal_conv1d_update_cpu(x, w, b, pool, slots)
+    tol = 1e-5 if pool_dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(pool, ref_pool)  # the shifted window is exact in any dtype
+
+
+@needs_cc
+def test_fused_kernels_reject_out_of_range_slots_without_writing():
+    pool, x, dt, A, B, C, D, dt_bias = ssu_inputs(3, 4, 8, 2, 6, 5, torch.float32)
+    before = pool.clone()
+    for bad in (5, -1):
+        with pytest.raises(IndexError, match=f"slot index {bad} of row 2 is outside the pool of 5"):
+            selective_state_update(pool, x, dt, A, B, C, D, dt_bias, torch.tensor([1, 2, bad]))
+    assert torch.equal(pool, before)
+    conv = torch.randn(4, 6, 3)
+    conv_before = conv.clone()
+    with pytest.raises(IndexError, match="slot index 9 of row 0"):
+        causal_conv1d_update(torch.randn(2, 6), torch.randn(6, 4), None, conv, torch.tensor([9, 1]))
+    assert torch.equal(conv, conv_before)
+
+
+@needs_cc
+def test_dispatchers_use_the_fused_kernels_on_the_cpu(monkeypatch):
+    """Prove the C path is what the model runs: a broken fused kernel must break the public
+    functions (and the torch path must still agree once the fused kernels are disabled)."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("fused kernel called")
+
+    monkeypatch.setattr(cpu_ops, "selective_state_update_cpu", broken)
+    monkeypatch.setattr(cpu_ops, "causal_conv1d_update_cpu", broken)
+    pool, x, dt, A, B, C, D, dt_bias = ssu_inputs(2, 4, 8, 2, 6, 4, torch.float32)
+    with pytest.raises(RuntimeError, match="fused kernel called"):
+        selective_state_update(pool, x, dt, A, B, C, D, dt_bias, torch.tensor([1, 2]))
+    with pytest.raises(RuntimeError, match="fused kernel called"):
+        causal_conv1d_update(
+            torch.randn(2, 6), torch.randn(6, 4), None, torch.randn(4, 6, 3), torch.tensor([1, 2])
+        )
+    monkeypatch.setenv("BATON_CPU_OPS", "0")
+    cpu_ops.library.cache_clear()
+    try:
+        assert cpu_ops.library() is None
+        y = selective_state_update(pool, x, dt, A, B, C, D, dt_bias, torch.tensor([1, 2]))
+        assert y.shape == x.shape
+    finally:
+        monkeypatch.delenv("BATON_CPU_OPS")
+        cpu_ops.library.cache_clear()
+    assert cpu_ops.library() is not None
+
+
+def test_broken_compiler_falls_back_to_torch(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_ops.library.cache_clear()
+    try:
+        assert cpu_ops.library() is None
+        pool, x, dt, A, B, C, D, dt_bias = ssu_inputs(2, 4, 8, 2, 6, 4, torch.float32)
+        ref_pool = pool.clone()
+        y = selective_state_update(pool, x, dt, A, B, C, D, dt_bias, torch.tensor([1, 3]))
+        y_ref = selective_state_update_torch(
+            ref_pool, x, dt, A, B, C, D, dt_bias, torch.tensor([1, 3])
+        )
+        assert torch.equal(y, y_ref) and torch.equal(pool, ref_pool)
+    finally:
+        monkeypatch.delenv("CC")
+        cpu_ops.library.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 7, 64])
+def test_packed_linear_matches_f_linear(dtype, rows):
+    if not can_pack(dtype):
+        pytest.skip(f"oneDNN cannot run {dtype} on this CPU")
+    torch.manual_seed(rows)
+    linear = nn.Linear(48, 33, bias=True).to(dtype)
+    packed = PackedLinear(linear)
+    x = torch.randn(rows, 48).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), atol=tol, rtol=tol)
+    strided = torch.randn(rows, 96).to(dtype)[:, ::2]
+    torch.testing.assert_close(
+        packed(strided), F.linear(strided, linear.weight, linear.bias), atol=tol, rtol=tol
+    )
+
+
+def test_pack_linears_swaps_every_linear_and_keeps_the_math():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4, bias=False)))
+    x = torch.randn(5, 8)
+    expect = model(x)
+    params = matmul_params(model)
+    assert pack_linears(model, torch.float32) == 2
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert matmul_params(model) == params == 8 * 16 + 16 * 4
+    torch.testing.assert_close(model(x), expect)
+    assert pack_linears(nn.Linear(2, 2).half(), torch.float16) == 0  # not packable: left alone
