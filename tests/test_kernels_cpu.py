@@ -151,7 +151,9 @@ def test_packed_linear_matches_f_linear(dtype, rows):
     packed = PackedLinear(linear)
     x = torch.randn(rows, 48).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        packed(x), F.linear(x, linear.weight, linear.bias), atol=tol, rtol=tol
+    )
     strided = torch.randn(rows, 96).to(dtype)[:, ::2]
     torch.testing.assert_close(
         packed(strided), F.linear(strided, linear.weight, linear.bias), atol=tol, rtol=tol
