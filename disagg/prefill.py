@@ -91,7 +91,7 @@ class PrefillWorker:
         self.engine.add_request(request_id, prompt_token_ids, first_only)
         r = self.rooms.setdefault(room, PrefillRoom(room=room, created=now()))
         r.request_id = request_id
-        self.engine.finish_hooks[request_id] = lambda state, r=r: self._prefilled(r, state)
+        self.engine.finish_hooks[request_id] = lambda req, r=r: self._prefilled(r, req)
 
     def abort_request(self, request_id: str) -> None:
         for r in list(self.rooms.values()):
@@ -174,8 +174,9 @@ class PrefillWorker:
         if r.snapshot is not None:
             self._schedule_send(r)
 
-    def _prefilled(self, r: PrefillRoom, state: RequestState) -> None:
-        r.snapshot = state
+    def _prefilled(self, r: PrefillRoom, req) -> None:
+        """The prefill finished: snapshot what has not been streamed yet."""
+        r.snapshot = self.engine.export_state(req, first_page=r.pages_sent)
         if r.peer is not None:
             self._schedule_send(r)
 
@@ -253,9 +254,9 @@ class PrefillWorker:
         cached = min(reg.cached_tokens, state.num_prompt_tokens)
         same_blocks = reg.track_interval and reg.track_interval == self.engine.track_interval
         blocks = cached // reg.track_interval if same_blocks else 0
-        state = state.skip(
-            cached // self.compat.page_size, min(blocks, state.checkpoint_conv.shape[0])
-        )
+        # Pages before r.pages_sent were streamed or are cached there (registration raised it).
+        skip_pages = min(max(r.pages_sent - state.first_page, 0), state.k_pages.shape[1])
+        state = state.skip(skip_pages, min(blocks, state.checkpoint_conv.shape[0]))
         if not same_blocks:
             state = state.skip(0, state.checkpoint_conv.shape[0])
         return state

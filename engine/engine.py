@@ -18,7 +18,6 @@ from engine.cpu_allocator import keep_freed_memory_in_heap
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_handover import HandoverMixin
 from engine.graph_runner import DecodeGraphRunner
-from engine.handover import RequestState
 from engine.memory import IndexPool, size_pools
 from engine.model_loader import load_model, resolve_dtype
 from engine.model_runner import ModelRunner
@@ -135,9 +134,9 @@ class Engine(HandoverMixin):
         self.sampler = Sampler(args.seed, self.device)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        # request id -> called with the request's state snapshot when it finishes (prefill side
-        # of a disaggregated pair), before its pages and slot are freed
-        self.finish_hooks: dict[str, Callable[[RequestState], None]] = {}
+        # request id -> called with the finished Request before its pages and slot are freed
+        # (the prefill side of a disaggregated pair snapshots it with export_state)
+        self.finish_hooks: dict[str, Callable[[Request], None]] = {}
         self._arrivals = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -344,7 +343,7 @@ class Engine(HandoverMixin):
         if finish is not None:
             hook = self.finish_hooks.pop(req.request_id, None)
             if hook is not None:
-                hook(self.export_state(req))
+                hook(req)  # before its pages and slot are freed
             self.scheduler.finish(req, finish, stop_reason)
             del self.requests[req.request_id]
             self.detokenizers.pop(req.request_id, None)

@@ -104,6 +104,24 @@ class HandoverMixin:
 
     # -- disaggregation: prefill side ---------------------------------------------------------
 
+    def _gather_pages(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K/V `pages` of every attention layer, (layers, n, page, kv_heads, head_dim),
+        gathered straight into one tensor each (the wire frames)."""
+        if not self.cache.k:
+            return torch.empty(0), torch.empty(0)
+        ps = self.cache.page_size
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        out = []
+        for pool in (self.cache.k, self.cache.v):
+            first = pool[0]
+            dst = torch.empty(
+                len(pool), len(pages), ps, *first.shape[1:], dtype=first.dtype, device=self.device
+            )
+            for layer, src in enumerate(pool):
+                torch.index_select(src.view(-1, ps, *src.shape[1:]), 0, index, out=dst[layer])
+            out.append(dst)
+        return out[0], out[1]
+
     def export_pages(
         self, request_id: str, first_page: int
     ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
@@ -112,36 +130,30 @@ class HandoverMixin:
         req = self.requests.get(request_id)
         if req is None or not self.cache.k:
             return None
-        ps = self.cache.page_size
-        end = min(req.num_computed, len(req.prompt_ids)) // ps
+        end = min(req.num_computed, len(req.prompt_ids)) // self.cache.page_size
         if end <= first_page:
             return None
-        pages = torch.tensor(req.kv_pages[first_page:end], device=self.device)
-        k = torch.stack([k.view(-1, ps, *k.shape[1:])[pages] for k in self.cache.k])
-        v = torch.stack([v.view(-1, ps, *v.shape[1:])[pages] for v in self.cache.v])
+        k, v = self._gather_pages(req.kv_pages[first_page:end])
         return end, k, v
 
-    def export_state(self, req: Request) -> RequestState:
-        """Snapshot (copy) a request's K/V pages and Mamba state after its prefill, with the
-        checkpoints of its prefix-cache blocks."""
-        ps = self.cache.page_size
-        num_pages = -(-len(req.prompt_ids) // ps)
-        pages = torch.tensor(req.kv_pages[:num_pages], device=self.device)
+    def export_state(self, req: Request, first_page: int = 0) -> RequestState:
+        """Snapshot (copy) a request's K/V pages from `first_page` on (the ones before were
+        streamed already) and its Mamba state after its prefill, with the checkpoints of its
+        prefix-cache blocks."""
+        num_pages = -(-len(req.prompt_ids) // self.cache.page_size)
+        first_page = min(first_page, num_pages)
+        k_pages, v_pages = self._gather_pages(req.kv_pages[first_page:num_pages])
         slots = [b.checkpoint_slot for b in req.cached_blocks]
         return RequestState(
             num_prompt_tokens=len(req.prompt_ids),
             first_token=req.output_ids[0],
             first_logprobs=req.logprobs[0] if req.logprobs else None,
-            first_page=0,
+            first_page=first_page,
             first_block=0,
             checkpoint_conv=self.cache.conv[:, slots].transpose(0, 1).contiguous(),
             checkpoint_ssm=self.cache.ssm[:, slots].transpose(0, 1).contiguous(),
-            k_pages=torch.stack([k.view(-1, ps, *k.shape[1:])[pages] for k in self.cache.k])
-            if self.cache.k
-            else torch.empty(0),
-            v_pages=torch.stack([v.view(-1, ps, *v.shape[1:])[pages] for v in self.cache.v])
-            if self.cache.v
-            else torch.empty(0),
+            k_pages=k_pages,
+            v_pages=v_pages,
             conv=self.cache.conv[:, req.mamba_slot].clone(),
             ssm=self.cache.ssm[:, req.mamba_slot].clone(),
         )

@@ -109,10 +109,22 @@ def test_pair_is_token_identical_to_colocated_and_frees_everything(base_model):
         Engine(model_dir, page_size=4, chunked_prefill_size=32), config("prefill"), ctx
     )
     decoder = DecodeWorker(Engine(model_dir, page_size=4), config("decode"), ctx)
+    installed_pages = []
+    install_pages = decoder.engine.install_pages
+
+    def counting_install_pages(request_id, first_page, k_pages, v_pages):
+        installed_pages.extend((request_id, first_page + i) for i in range(k_pages.shape[1]))
+        return install_pages(request_id, first_page, k_pages, v_pages)
+
+    decoder.engine.install_pages = counting_install_pages
     assert run_pair(prefill, decoder, prompts, params) == expect
     assert decoder.take_failures() == [] and prefill.take_failures() == []
     # The 130-token prompt prefills in 32-token chunks: its pages streamed ahead of the state.
     assert prefill.counters.kv_chunks >= 3
+    # ... and each page crossed the wire exactly once (the final message carries only the rest).
+    assert sorted(installed_pages) == sorted(
+        (f"r{i}", page) for i, p in enumerate(prompts) for page in range(-(-len(p) // 4))
+    )
     for worker in (prefill, decoder):
         stats = worker.stats()
         assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
