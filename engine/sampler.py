@@ -14,6 +14,7 @@ import torch
 
 from engine.outputs import TokenLogprobs
 from engine.request import Request
+from kernels.cpu_ops import argmax_rows
 
 
 class SampleResult(NamedTuple):
@@ -101,7 +102,7 @@ class Sampler:
             logits = logits.clone()  # the raw logits stay untouched for logprobs
             apply_penalties(logits, reqs)
             self._mask_early_stops(logits, reqs, eos_ids)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)  # greedy rows (random rows are redrawn below)
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_rows:
             sub = [reqs[i] for i in random_rows]

@@ -125,9 +125,12 @@ def paged_attention_torch(
     v = torch.index_select(
         v_cache, 0, flat, out=scratch("attn_v", shape, v_cache.dtype, q.device).view(-1, *shape[2:])
     )
-    k = k.view(shape).to(q.dtype).transpose(1, 2)  # (S, KVH, K, Dh)
-    v = v.view(shape).to(q.dtype).transpose(1, 2)
+    # The CPU's reduced-precision SDPA is ~5x slower than float32 for one query per sequence
+    # (decode); upcasting the gathered keys/values costs a fraction of that.
+    compute = torch.float32 if Q == 1 and q.device.type == "cpu" else q.dtype
+    k = k.view(shape).to(compute).transpose(1, 2)  # (S, KVH, K, Dh)
+    v = v.view(shape).to(compute).transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        qp, k, v, attn_mask=layout.mask, scale=scale, enable_gqa=H != k.shape[1]
+        qp.to(compute), k, v, attn_mask=layout.mask, scale=scale, enable_gqa=H != k.shape[1]
     )  # (S, H, Q, Dh)
-    return out.transpose(1, 2).reshape(S * Q, H, Dh)[layout.q_slot]
+    return out.to(q.dtype).transpose(1, 2).reshape(S * Q, H, Dh)[layout.q_slot]

@@ -116,3 +116,35 @@ int64_t baton_conv_update(void *pool, int pool_bf16, int64_t num_slots, const in
     }
     return 0;
 }
+
+/* Row-wise argmax of a float32 (rows, cols) matrix with row stride `stride`; the first index of
+ * the maximum wins, like torch.argmax. A row holding NaN gets `cols` (the caller resolves it).
+ * Vectorised block maxima find the first block holding the row maximum; one short scalar scan
+ * of that block finds the position. */
+#define ARGMAX_BLOCK 256
+void baton_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out,
+                      int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * stride;
+        float best = row[0];
+        int64_t best_block = 0;
+        int nan = 0;
+        for (int64_t start = 0; start < cols; start += ARGMAX_BLOCK) {
+            const int64_t end = start + ARGMAX_BLOCK < cols ? start + ARGMAX_BLOCK : cols;
+            float m = row[start];
+#pragma omp simd reduction(max : m) reduction(| : nan)
+            for (int64_t c = start; c < end; c++) {
+                m = row[c] > m ? row[c] : m;
+                nan |= row[c] != row[c];
+            }
+            if (m > best) {
+                best = m;
+                best_block = start;
+            }
+        }
+        int64_t at = best_block;
+        while (row[at] != best) at++;
+        out[r] = nan ? cols : at;
+    }
+}

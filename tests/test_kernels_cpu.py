@@ -170,3 +170,21 @@ def test_pack_linears_swaps_every_linear_and_keeps_the_math():
     assert matmul_params(model) == params == 8 * 16 + 16 * 4
     torch.testing.assert_close(model(x), expect)
     assert pack_linears(nn.Linear(2, 2).half(), torch.float16) == 0  # not packable: left alone
+
+
+@needs_cc
+def test_argmax_rows_matches_torch_including_ties_nan_and_strides():
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(9, 1000, generator=g)
+    logits[0, 17] = logits[0, 900] = 50.0  # tie: the first index wins
+    logits[1, 999] = 50.0  # last column
+    logits[2, 0] = 50.0  # first column
+    logits[3] = -torch.inf
+    logits[4, 300] = torch.nan  # torch ranks NaN highest
+    logits[5, :] = 1.0
+    logits[6, 255:257] = 60.0  # tie across the kernel's block boundary
+    assert torch.equal(cpu_ops.argmax_rows(logits), logits.argmax(dim=-1))
+    wide = torch.randn(5, 2048, generator=g)
+    strided = wide[:, :1500]  # rows with a stride larger than their length
+    assert torch.equal(cpu_ops.argmax_rows(strided), strided.argmax(dim=-1))
+    assert torch.equal(cpu_ops.argmax_rows(logits[:0]), logits[:0].argmax(dim=-1))
