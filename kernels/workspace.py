@@ -26,6 +26,9 @@ def scratch(
     key = (name, dtype, torch.device(device), torch.is_inference_mode_enabled())
     buffer = _buffers.get(key)
     if buffer is None or buffer.numel() < numel:
-        buffer = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        # Grow geometrically: gathers that grow by a token per step (decode K/V) would otherwise
+        # reallocate, and page-fault, on every step.
+        grown = 2 * buffer.numel() if buffer is not None else 0
+        buffer = torch.empty(max(numel, grown, 1), dtype=dtype, device=device)
         _buffers[key] = buffer
     return buffer[:numel].view(shape)
