@@ -29,9 +29,9 @@ static inline float bf16_to_f32(uint16_t v) {
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, like torch */
     uint32_t bits;
     memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded); /* no branch */
 }
 
 /* Selective state update, one token per row, float32 pool updated in place.
@@ -147,4 +147,184 @@ void baton_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t stride
         while (row[at] != best) at++;
         out[r] = nan ? cols : at;
     }
+}
+
+/* exp for vectorised loops: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial
+ * (relative error ~2e-7, below float32 rounding of the results it feeds). Branch-free so
+ * `omp simd` loops vectorise it. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    /* round to nearest by the 1.5 * 2^23 trick: branch-free, no libm call */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+static inline float silu(float v) { return v / (1.0f + exp_approx(-v)); }
+
+static inline float load(const void *base, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline void store(void *base, int bf16, int64_t i, float v) {
+    if (bf16)
+        ((uint16_t *)base)[i] = f32_to_bf16(v);
+    else
+        ((float *)base)[i] = v;
+}
+
+/* The value a tensor of the model dtype would hold (the torch path rounds between ops). */
+static inline float round_to(int bf16, float v) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* One Mamba2 decode step for `batch` rows, from the in_proj output to the out_proj input:
+ *   xBC = silu(conv(window[slot] | xBC_in)) (window shifted in place)
+ *   dt  = clamp(softplus(dt_in + dt_bias), dt_min, dt_max)
+ *   state[slot] = state * exp(dt A) + dt x (outer) B;  y = state . C + D x      (SSM pool fp32)
+ *   out = norm_w * rmsnorm_per_group(y * silu(z))
+ * zxbcdt: (batch, row_stride) model dtype rows [z (I) | xBC (conv_dim) | dt (H)];
+ * conv pool (num_slots, conv_dim, K-1) model dtype; conv_w (conv_dim, K), conv_b, dt_bias, A, D
+ * and norm_w float32; xbc, y: float32 scratch (batch, conv_dim), (batch, I); out (batch, I)
+ * model dtype (conv_b zeros when the conv has no bias). `bf16` says whether the model dtype is bfloat16 (else float32); values are
+ * rounded to it where the torch path rounds, so both paths agree to float32 rounding. */
+static inline __attribute__((always_inline)) void mamba_decode_body(
+    const void *zxbcdt, int64_t row_stride, void *conv_pool, float *ssm_pool,
+    const int64_t *slots, int64_t batch, const float *conv_w, const float *conv_b,
+    const float *dt_bias, const float *A, const float *D, float dt_min, float dt_max,
+    const float *norm_w, float eps, float *xbc, float *y, void *out, const int bf16, int64_t I,
+    int64_t H, int64_t P, int64_t N, int64_t G, const int64_t K, int64_t norm_group,
+    int nthreads) {
+    const int64_t conv_dim = I + 2 * G * N, km1 = K - 1, heads_per_group = H / G;
+    const int64_t num_norm_groups = I / norm_group;
+#pragma omp parallel num_threads(nthreads)
+    {
+        /* 1. conv + SiLU, window shift. */
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < batch; b++) {
+            const int64_t in = b * row_stride + I;
+            const int64_t pool_row = slots[b] * conv_dim * km1;
+            float *xb = xbc + b * conv_dim;
+            if (K == 4) { /* the usual width: straight-line window shift */
+#pragma omp simd
+                for (int64_t c = 0; c < conv_dim; c++) {
+                    const int64_t at = pool_row + c * 3;
+                    const float *wc = conv_w + c * 4;
+                    const float w0 = load(conv_pool, bf16, at), w1 = load(conv_pool, bf16, at + 1);
+                    const float w2 = load(conv_pool, bf16, at + 2);
+                    const float xin = load(zxbcdt, bf16, in + c);
+                    xb[c] = conv_b[c] + w0 * wc[0] + w1 * wc[1] + w2 * wc[2] + xin * wc[3];
+                    store(conv_pool, bf16, at, w1);
+                    store(conv_pool, bf16, at + 1, w2);
+                    store(conv_pool, bf16, at + 2, xin);
+                }
+            } else {
+                for (int64_t c = 0; c < conv_dim; c++) {
+                    const int64_t at = pool_row + c * km1;
+                    const float *wc = conv_w + c * K;
+                    float acc = conv_b[c];
+                    for (int64_t k = 0; k < km1; k++) {
+                        const float v = load(conv_pool, bf16, at + k);
+                        acc += v * wc[k];
+                        if (k) store(conv_pool, bf16, at + k - 1, v);
+                    }
+                    const float xin = load(zxbcdt, bf16, in + c);
+                    xb[c] = acc + xin * wc[km1];
+                    if (km1) store(conv_pool, bf16, at + km1 - 1, xin);
+                }
+            }
+#pragma omp simd
+            for (int64_t c = 0; c < conv_dim; c++) xb[c] = round_to(bf16, silu(round_to(bf16, xb[c])));
+        }
+        /* 2. selective state update per (row, head). */
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < batch; b++) {
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t g = h / heads_per_group;
+                float dt = load(zxbcdt, bf16, b * row_stride + I + conv_dim + h) + dt_bias[h];
+                dt = dt > 20.0f ? dt : log1pf(expf(dt)); /* softplus, torch's threshold */
+                dt = dt < dt_min ? dt_min : (dt > dt_max ? dt_max : dt);
+                const float decay = expf(dt * A[h]);
+                const float *xv = xbc + b * conv_dim + h * P;
+                const float *Bv = xbc + b * conv_dim + I + g * N;
+                const float *Cv = xbc + b * conv_dim + I + G * N + g * N;
+                float *yv = y + b * I + h * P;
+                float *state = ssm_pool + (slots[b] * H + h) * P * N;
+                for (int64_t p = 0; p < P; p++) {
+                    const float xdt = xv[p] * dt;
+                    float *row = state + p * N;
+                    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t n = 0; n < N; n++) {
+                        const float s = row[n] * decay + xdt * Bv[n];
+                        row[n] = s;
+                        acc += s * Cv[n];
+                    }
+                    yv[p] = round_to(bf16, acc + D[h] * xv[p]);
+                }
+            }
+        }
+        /* 3. gate, grouped RMS norm, weight. */
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < batch; b++) {
+            for (int64_t q = 0; q < num_norm_groups; q++) {
+                float *yg = y + b * I + q * norm_group;
+                const int64_t zoff = b * row_stride + q * norm_group;
+                float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+                for (int64_t i = 0; i < norm_group; i++) {
+                    const float hv = yg[i] * silu(load(zxbcdt, bf16, zoff + i));
+                    yg[i] = hv;
+                    ss += hv * hv;
+                }
+                const float inv = 1.0f / sqrtf(ss / (float)norm_group + eps);
+                const float *wg = norm_w + q * norm_group;
+                const int64_t o = b * I + q * norm_group;
+                if (bf16) {
+                    for (int64_t i = 0; i < norm_group; i++)
+                        ((uint16_t *)out)[o + i] =
+                            f32_to_bf16(wg[i] * round_to(1, yg[i] * inv));
+                } else {
+#pragma omp simd
+                    for (int64_t i = 0; i < norm_group; i++)
+                        ((float *)out)[o + i] = wg[i] * (yg[i] * inv);
+                }
+            }
+        }
+    }
+}
+
+int64_t baton_mamba_decode(const void *zxbcdt, int64_t row_stride, void *conv_pool,
+                           float *ssm_pool, int64_t num_slots, const int64_t *slots,
+                           int64_t batch, const float *conv_w, const float *conv_b,
+                           const float *dt_bias, const float *A, const float *D, float dt_min,
+                           float dt_max, const float *norm_w, float eps, float *xbc, float *y,
+                           void *out, int bf16, int64_t I, int64_t H, int64_t P, int64_t N,
+                           int64_t G, int64_t K, int64_t norm_group, int nthreads) {
+    int64_t bad = check_slots(slots, batch, num_slots);
+    if (bad) return bad;
+    /* Copies of the body per model dtype and for the usual kernel width 4, so the inner loops
+     * carry no dtype branch and the conv window loops unroll. */
+#define BODY(BF16, KW)                                                                           \
+    mamba_decode_body(zxbcdt, row_stride, conv_pool, ssm_pool, slots, batch, conv_w, conv_b,     \
+                      dt_bias, A, D, dt_min, dt_max, norm_w, eps, xbc, y, out, BF16, I, H, P, N, \
+                      G, KW, norm_group, nthreads)
+    if (bf16 && K == 4)
+        BODY(1, 4);
+    else if (bf16)
+        BODY(1, K);
+    else if (K == 4)
+        BODY(0, 4);
+    else
+        BODY(0, K);
+#undef BODY
+    return 0;
 }

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -86,6 +87,27 @@ def library() -> ctypes.CDLL | None:
     lib.baton_ssu_f32.argtypes = [_ptr, _i64, _ptr, _i64, *[_ptr] * 7, _i64, _i64, _i64, _i64, _int]
     lib.baton_conv_update.restype = _i64
     lib.baton_conv_update.argtypes = [_ptr, _int, _i64, _ptr, _i64, *[_ptr] * 4, _i64, _i64, _int]
+    lib.baton_mamba_decode.restype = _i64
+    lib.baton_mamba_decode.argtypes = [
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,  # rows, stride, pools, num_slots, slots, batch
+        *[_ptr] * 5,  # conv_w, conv_b, dt_bias, A, D
+        ctypes.c_float,
+        ctypes.c_float,
+        _ptr,
+        ctypes.c_float,  # dt_min, dt_max, norm_w, eps
+        _ptr,
+        _ptr,
+        _ptr,
+        _int,  # xbc, y, out, bf16
+        *[_i64] * 7,  # I, H, P, N, G, K, norm_group
+        _int,
+    ]
     lib.baton_argmax_f32.restype = None
     lib.baton_argmax_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _int]
     return lib
@@ -216,4 +238,91 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     bad = out >= cols  # no element equals the max: the row has a NaN
     if bool(bad.any()):
         out[bad] = logits[bad].argmax(dim=-1)
+    return out
+
+
+class MambaDecodeParams(NamedTuple):
+    """A Mamba2 mixer's small parameters as the fused decode step reads them (float32)."""
+
+    conv_weight: torch.Tensor  # (conv_dim, K)
+    conv_bias: torch.Tensor  # (conv_dim,), zeros when the conv has no bias
+    dt_bias: torch.Tensor  # (H,)
+    A: torch.Tensor  # (H,) = -exp(A_log)
+    D: torch.Tensor  # (H,)
+    norm_weight: torch.Tensor  # (intermediate,)
+
+
+def mamba_decode_supported(zxbcdt: torch.Tensor, conv_states: torch.Tensor, ssm_states) -> bool:
+    return (
+        zxbcdt.device.type == "cpu"
+        and zxbcdt.dtype in (torch.float32, torch.bfloat16)
+        and conv_states.dtype == zxbcdt.dtype
+        and ssm_states.dtype == torch.float32
+        and zxbcdt.stride(1) == 1
+        and conv_states.is_contiguous()
+        and ssm_states.is_contiguous()
+        and library() is not None
+    )
+
+
+def mamba_decode_cpu(
+    zxbcdt: torch.Tensor,
+    conv_states: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    params: MambaDecodeParams,
+    dt_limit: tuple[float, float],
+    eps: float,
+    *,
+    num_heads: int,
+    head_dim: int,
+    n_groups: int,
+    d_state: int,
+    norm_group: int,
+) -> torch.Tensor:
+    """One fused Mamba2 decode step (kernels/cpu_ops.c: baton_mamba_decode): conv + SiLU, dt,
+    selective state update and the gated RMS norm, pools updated in place.
+
+    zxbcdt: (batch, I + conv_dim + H) in_proj output rows (model dtype, unit column stride);
+    returns (batch, I) in the model dtype: the out_proj input. Same result as
+    causal_conv1d_update + selective_state_update + gated_rms_norm to float32 rounding."""
+    batch = zxbcdt.shape[0]
+    intermediate = num_heads * head_dim
+    conv_dim = intermediate + 2 * n_groups * d_state
+    K = params.conv_weight.shape[1]
+    slots = state_indices.to(torch.int64).contiguous()
+    xbc = torch.empty(batch, conv_dim, dtype=torch.float32)
+    y = torch.empty(batch, intermediate, dtype=torch.float32)
+    out = torch.empty(batch, intermediate, dtype=zxbcdt.dtype)
+    result = library().baton_mamba_decode(
+        zxbcdt.data_ptr(),
+        zxbcdt.stride(0),
+        conv_states.data_ptr(),
+        ssm_states.data_ptr(),
+        ssm_states.shape[0],
+        slots.data_ptr(),
+        batch,
+        params.conv_weight.data_ptr(),
+        params.conv_bias.data_ptr(),
+        params.dt_bias.data_ptr(),
+        params.A.data_ptr(),
+        params.D.data_ptr(),
+        dt_limit[0],
+        min(dt_limit[1], 3.0e38),
+        params.norm_weight.data_ptr(),
+        eps,
+        xbc.data_ptr(),
+        y.data_ptr(),
+        out.data_ptr(),
+        int(zxbcdt.dtype == torch.bfloat16),
+        intermediate,
+        num_heads,
+        head_dim,
+        d_state,
+        n_groups,
+        K,
+        norm_group,
+        torch.get_num_threads(),
+    )
+    _check(result, slots, ssm_states.shape[0], "mamba_decode")
     return out

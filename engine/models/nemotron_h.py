@@ -13,6 +13,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.forward_metadata import Mamba2Metadata
 from engine.state_cache import StateCache
+from kernels import cpu_ops
 from kernels.attention import paged_attention, store_kv
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.linear import pack_linears
@@ -119,6 +120,7 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(
             self.intermediate, config.hidden_size, bias=config.mamba_proj_bias
         )
+        self.frozen: cpu_ops.MambaDecodeParams | None = None
 
     def split_xbc(self, xbc: torch.Tensor):
         gn = self.n_groups * self.d_state
@@ -130,73 +132,117 @@ class Mamba2Mixer(nn.Module):
             C.reshape(T, self.n_groups, self.d_state),
         )
 
+    def decode_params(self) -> cpu_ops.MambaDecodeParams:
+        """Float32 forms of the small parameters the fused CPU decode step reads; cached by
+        `freeze()` once the weights are loaded and cast."""
+        if self.frozen is not None:
+            return self.frozen
+        bias = self.conv1d.bias
+        return cpu_ops.MambaDecodeParams(
+            conv_weight=self.conv1d.weight.squeeze(1).float().contiguous(),
+            conv_bias=(
+                bias.float().contiguous()
+                if bias is not None
+                else torch.zeros(self.conv_dim, device=self.conv1d.weight.device)
+            ),
+            dt_bias=self.dt_bias.float().contiguous(),
+            A=-torch.exp(self.A_log.float()),
+            D=self.D.float().contiguous(),
+            norm_weight=self.norm.weight.float().contiguous(),
+        )
+
+    def freeze(self) -> None:
+        self.frozen = None
+        self.frozen = self.decode_params()
+
     def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
+        """Decode rows first, then prefill rows; each part ends gated-normed (row-wise)."""
         T = hidden.shape[0]
         nd = md.forward.batch.num_decode_tokens
         conv_pool, ssm_pool = cache.mamba_layer(self.mamba_index)
-        z, xbc, dt = self.in_proj(hidden).split(
-            [self.intermediate, self.conv_dim, self.num_heads], dim=-1
-        )
-        A = -torch.exp(self.A_log.float())
-        weight = self.conv1d.weight.squeeze(1)
-        ys = []
+        zxbcdt = self.in_proj(hidden)
+        parts = []
+        windows = chunk_states = None
         if nd:
-            xbc_d = causal_conv1d_update(
-                xbc[:nd], weight, self.conv1d.bias, conv_pool, md.decode_slots
-            )
-            x_d, B_d, C_d = self.split_xbc(xbc_d)
-            ys.append(
-                selective_state_update(
-                    ssm_pool,
-                    x_d,
-                    dt[:nd],
-                    A,
-                    B_d,
-                    C_d,
-                    self.D,
-                    self.dt_bias,
-                    md.decode_slots,
-                    self.dt_limit,
-                )
-            )
-        windows = None
-        chunk_states = None
+            parts.append(self.decode(zxbcdt[:nd], md, conv_pool, ssm_pool))
         if T > nd:
-            window_tokens = (
-                md.track_conv_indices[md.num_decode_tracks :] if md.has_mamba_track_mask else None
-            )
-            xbc_p, windows = causal_conv1d_varlen(
-                xbc[nd:],
-                weight,
-                self.conv1d.bias,
-                conv_pool,
-                md.prefill_slots,
-                md.conv_layout,
-                window_tokens,
-            )
-            x_p, B_p, C_p = self.split_xbc(xbc_p)
-            out = ssd_scan(
-                x_p,
-                dt[nd:],
-                A,
-                B_p,
-                C_p,
-                self.D,
-                self.dt_bias,
-                ssm_pool[md.prefill_slots],
-                md.chunk_layout,
-                self.dt_limit,
-            )
-            ssm_pool[md.prefill_slots] = out.final_states.to(ssm_pool.dtype)
-            ys.append(out.y)
-            chunk_states = out.chunk_states
+            normed, windows, chunk_states = self.extend(zxbcdt[nd:], md, conv_pool, ssm_pool)
+            parts.append(normed)
         if md.has_mamba_track_mask:
             self.checkpoint(md, conv_pool, ssm_pool, windows, chunk_states)
-        y = ys[0] if len(ys) == 1 else torch.cat(ys)
-        y = gated_rms_norm(
-            y.reshape(T, self.intermediate), z, self.norm.weight, self.eps, self.group_size
+        return self.out_proj(parts[0] if len(parts) == 1 else torch.cat(parts))
+
+    def decode(self, zxbcdt, md: Mamba2Metadata, conv_pool, ssm_pool) -> torch.Tensor:
+        if cpu_ops.mamba_decode_supported(zxbcdt, conv_pool, ssm_pool):
+            return cpu_ops.mamba_decode_cpu(
+                zxbcdt,
+                conv_pool,
+                ssm_pool,
+                md.decode_slots,
+                self.decode_params(),
+                self.dt_limit,
+                self.eps,
+                num_heads=self.num_heads,
+                head_dim=self.head_dim,
+                n_groups=self.n_groups,
+                d_state=self.d_state,
+                norm_group=self.group_size,
+            )
+        z, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        xbc = causal_conv1d_update(
+            xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_pool, md.decode_slots
         )
-        return self.out_proj(y)
+        x, B, C = self.split_xbc(xbc)
+        y = selective_state_update(
+            ssm_pool,
+            x,
+            dt,
+            -torch.exp(self.A_log.float()),
+            B,
+            C,
+            self.D,
+            self.dt_bias,
+            md.decode_slots,
+            self.dt_limit,
+        )
+        return self.gate(y, z)
+
+    def extend(self, zxbcdt, md: Mamba2Metadata, conv_pool, ssm_pool):
+        """Prefill chunks: varlen conv + SSD scan. Returns (normed rows, conv windows and chunk
+        states at the track points, for checkpoints)."""
+        z, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        window_tokens = (
+            md.track_conv_indices[md.num_decode_tracks :] if md.has_mamba_track_mask else None
+        )
+        xbc, windows = causal_conv1d_varlen(
+            xbc,
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            conv_pool,
+            md.prefill_slots,
+            md.conv_layout,
+            window_tokens,
+        )
+        x, B, C = self.split_xbc(xbc)
+        out = ssd_scan(
+            x,
+            dt,
+            -torch.exp(self.A_log.float()),
+            B,
+            C,
+            self.D,
+            self.dt_bias,
+            ssm_pool[md.prefill_slots],
+            md.chunk_layout,
+            self.dt_limit,
+        )
+        ssm_pool[md.prefill_slots] = out.final_states.to(ssm_pool.dtype)
+        return self.gate(out.y, z), windows, out.chunk_states
+
+    def gate(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(
+            y.reshape(z.shape[0], self.intermediate), z, self.norm.weight, self.eps, self.group_size
+        )
 
     def checkpoint(self, md, conv_pool, ssm_pool, windows, chunk_states) -> None:
         """Copy the conv window and SSM state at each track point into its checkpoint slot.
@@ -278,3 +324,6 @@ class NemotronHForCausalLM(nn.Module):
         matmuls, lm_head above all, run 1.2-3x faster than F.linear repacking on each call.
         Call after the weights are loaded and cast; the plain weights are dropped."""
         pack_linears(self, dtype)
+        for module in self.modules():
+            if isinstance(module, Mamba2Mixer):
+                module.freeze()
