@@ -37,6 +37,11 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger("baton.disagg.prefill")
 
 
+# K/V bytes per message: small enough that gathering one batch overlaps the wire time of the
+# previous one, large enough that per-message overhead stays negligible.
+PUSH_BYTES = 4 << 20
+
+
 @dataclass
 class PrefillRoom:
     room: str
@@ -175,7 +180,12 @@ class PrefillWorker:
             self._schedule_send(r)
 
     def _prefilled(self, r: PrefillRoom, req) -> None:
-        """The prefill finished: snapshot what has not been streamed yet."""
+        """The prefill finished. When the decode side is registered and the send is due now,
+        push the remaining K/V pages at once in page batches (each batch is on the wire while
+        the next is gathered, and the decode side installs one while the next arrives); then
+        snapshot what is left: the Mamba state and the prefix-cache checkpoints."""
+        if r.peer is not None and not self.faults.delay_ms:
+            self._push_pages(r)
         r.snapshot = self.engine.export_state(req, first_page=r.pages_sent)
         if r.peer is not None:
             self._schedule_send(r)
@@ -229,9 +239,17 @@ class PrefillWorker:
         for r in self.rooms.values():
             if r.peer is None or r.snapshot is not None or r.request_id is None:
                 continue
-            exported = self.engine.export_pages(r.request_id, r.pages_sent)
+            self._push_pages(r)
+
+    def _push_pages(self, r: PrefillRoom) -> None:
+        """Send the completed pages from r.pages_sent on as KVChunks of ~PUSH_BYTES each."""
+        cache = self.engine.cache
+        page_bytes = sum(2 * t[: cache.page_size].numel() * t.element_size() for t in cache.k)
+        batch = max(1, PUSH_BYTES // page_bytes) if page_bytes else None
+        while True:
+            exported = self.engine.export_pages(r.request_id, r.pages_sent, batch)
             if exported is None:
-                continue
+                return
             end, k, v = exported
             message = KVChunk(
                 room=r.room,

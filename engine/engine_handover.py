@@ -123,14 +123,19 @@ class HandoverMixin:
         return out[0], out[1]
 
     def export_pages(
-        self, request_id: str, first_page: int
+        self, request_id: str, first_page: int, max_pages: int | None = None
     ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-        """Copies of the K/V pages a running prefill has completed from `first_page` on:
-        (end page, k (layers, n, page, kv_heads, head_dim), v). None if nothing new is complete."""
+        """Copies of the K/V pages a prefill has completed from `first_page` on, at most
+        `max_pages`: (end page, k (layers, n, page, kv_heads, head_dim), v). Once the prompt is
+        fully computed its last, partial page counts as complete. None if nothing new."""
         req = self.requests.get(request_id)
         if req is None or not self.cache.k:
             return None
-        end = min(req.num_computed, len(req.prompt_ids)) // self.cache.page_size
+        ps, prompt = self.cache.page_size, len(req.prompt_ids)
+        done = min(req.num_computed, prompt)
+        end = -(-prompt // ps) if done == prompt else done // ps
+        if max_pages is not None:
+            end = min(end, first_page + max_pages)
         if end <= first_page:
             return None
         k, v = self._gather_pages(req.kv_pages[first_page:end])
