@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.backend import select_backend
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
@@ -253,8 +255,10 @@ class MambaDecodeParams(NamedTuple):
 
 
 def mamba_decode_supported(zxbcdt: torch.Tensor, conv_states: torch.Tensor, ssm_states) -> bool:
+    """CPU tensors on the torch backend (BATON_KERNELS=triton runs the Triton kernels instead)."""
     return (
         zxbcdt.device.type == "cpu"
+        and select_backend(zxbcdt) == "torch"
         and zxbcdt.dtype in (torch.float32, torch.bfloat16)
         and conv_states.dtype == zxbcdt.dtype
         and ssm_states.dtype == torch.float32
