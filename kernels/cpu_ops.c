@@ -328,3 +328,33 @@ int64_t baton_mamba_decode(const void *zxbcdt, int64_t row_stride, void *conv_po
 #undef BODY
     return 0;
 }
+
+/* RMSNorm of (rows, hidden) rows like kernels/norm.py's torch path: float32 statistics,
+ * out = weight * (x / sqrt(mean(x^2) + eps)) rounded once to the model dtype (bf16 = 1). */
+void baton_rms_norm(const void *x, int64_t x_stride, const float *weight, void *out, int64_t rows,
+                    int64_t hidden, float eps, int bf16, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * hidden > 16384)
+    for (int64_t r = 0; r < rows; r++) {
+        float ss = 0.0f;
+        if (bf16) {
+            const uint16_t *xr = (const uint16_t *)x + r * x_stride;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < hidden; i++) {
+                const float v = bf16_to_f32(xr[i]);
+                ss += v * v;
+            }
+            const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+            uint16_t *o = (uint16_t *)out + r * hidden;
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; i++) o[i] = f32_to_bf16(weight[i] * (bf16_to_f32(xr[i]) * inv));
+        } else {
+            const float *xr = (const float *)x + r * x_stride;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < hidden; i++) ss += xr[i] * xr[i];
+            const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+            float *o = (float *)out + r * hidden;
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; i++) o[i] = weight[i] * (xr[i] * inv);
+        }
+    }
+}

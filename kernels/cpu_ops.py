@@ -110,6 +110,8 @@ def library() -> ctypes.CDLL | None:
         *[_i64] * 7,  # I, H, P, N, G, K, norm_group
         _int,
     ]
+    lib.baton_rms_norm.restype = None
+    lib.baton_rms_norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_float, _int, _int]
     lib.baton_argmax_f32.restype = None
     lib.baton_argmax_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _int]
     return lib
@@ -329,4 +331,32 @@ def mamba_decode_cpu(
         torch.get_num_threads(),
     )
     _check(result, slots, ssm_states.shape[0], "mamba_decode")
+    return out
+
+
+def rms_norm_supported(x: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.stride(1) == 1
+        and library() is not None
+    )
+
+
+def rms_norm_cpu(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
+    """kernels.norm.rms_norm_torch in one pass; `weight_f32` float32 contiguous."""
+    rows, hidden = x.shape
+    out = torch.empty(rows, hidden, dtype=x.dtype)
+    library().baton_rms_norm(
+        x.data_ptr(),
+        x.stride(0),
+        weight_f32.data_ptr(),
+        out.data_ptr(),
+        rows,
+        hidden,
+        eps,
+        int(x.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from kernels.backend import select_backend
 
 
@@ -19,6 +20,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from kernels.triton_norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)
+    if cpu_ops.rms_norm_supported(x):
+        return cpu_ops.rms_norm_cpu(x, weight.float().contiguous(), eps)
     return rms_norm_torch(x, weight, eps)
 
 

@@ -345,3 +345,19 @@ def test_engine_decode_runs_the_fused_kernel_and_matches_the_composite_path(
         chosen_a = [lp[t] for lp, t in zip(a.logprobs, a.token_ids)]
         chosen_b = [lp[t] for lp, t in zip(b.logprobs, b.token_ids)]
         assert max(abs(x - y) for x, y in zip(chosen_a, chosen_b)) < 1e-4
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_matches_torch_path(dtype):
+    from kernels.norm import rms_norm, rms_norm_torch
+
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(7, 80, generator=g).to(dtype)
+    x = wide[:, :37]  # rows with a stride wider than the row
+    w = (1 + 0.1 * torch.randn(37, generator=g)).to(dtype)
+    assert cpu_ops.rms_norm_supported(x)
+    out = rms_norm(x, w, 1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), rms_norm_torch(x, w, 1e-5).float(), atol=tol, rtol=tol)
+    assert out.dtype == dtype and out.is_contiguous()
