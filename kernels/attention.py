@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from kernels.backend import select_backend
 from kernels.workspace import scratch
 
@@ -114,6 +115,11 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     num_tokens, H, Dh = q.shape
     S, Q = layout.num_seqs, layout.max_q
+    if Q == 1 and num_tokens == S and cpu_ops.decode_attention_supported(q, k_cache):
+        # Decode: straight from the paged cache, no gathered copy (kernels/cpu_ops.c).
+        return cpu_ops.decode_attention_cpu(
+            q, k_cache, v_cache, layout.kv_indices, layout.kv_lens, scale
+        )
     qp = torch.cat([q, q.new_zeros(1, H, Dh)])[layout.slot_q].view(S, Q, H, Dh).transpose(1, 2)
     flat = layout.kv_indices.reshape(-1)
     shape = (S, layout.max_kv, *k_cache.shape[1:])

@@ -358,3 +358,65 @@ void baton_rms_norm(const void *x, int64_t x_stride, const float *weight, void *
         }
     }
 }
+
+/* Decode attention straight from the paged K/V cache (one query per sequence, GQA, no mask
+ * beyond each sequence's length): online softmax in float32, no gathered copy of the keys.
+ * q, out (S, H, Dh) model dtype rows; caches (num_token_slots, KVH, Dh) model dtype;
+ * kv_indices (S, >= max kv_len) token slots with row stride idx_stride; kv_lens (S) int32.
+ * Returns the first bad sequence + 1 when a token slot is outside the cache, before writing. */
+int64_t baton_decode_attention(const void *q, const void *k_cache, const void *v_cache,
+                               int64_t num_token_slots, const int64_t *kv_indices,
+                               int64_t idx_stride, const int32_t *kv_lens, void *out, int64_t S,
+                               int64_t H, int64_t KVH, int64_t Dh, float scale, int bf16,
+                               int nthreads) {
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t j = 0; j < kv_lens[s]; j++) {
+            const int64_t t = kv_indices[s * idx_stride + j];
+            if (t < 0 || t >= num_token_slots) return s + 1;
+        }
+    const int64_t group = H / KVH;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float acc[512], qv[512];
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t s = 0; s < S; s++) {
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t kvh = h / group, qoff = (s * H + h) * Dh;
+                for (int64_t d = 0; d < Dh; d++) {
+                    qv[d] = load(q, bf16, qoff + d) * scale;
+                    acc[d] = 0.0f;
+                }
+                float m = -INFINITY, l = 0.0f;
+                for (int64_t j = 0; j < kv_lens[s]; j++) {
+                    const int64_t row = (kv_indices[s * idx_stride + j] * KVH + kvh) * Dh;
+                    float score = 0.0f;
+                    if (bf16) {
+                        const uint16_t *kr = (const uint16_t *)k_cache + row;
+#pragma omp simd reduction(+ : score)
+                        for (int64_t d = 0; d < Dh; d++) score += qv[d] * bf16_to_f32(kr[d]);
+                    } else {
+                        const float *kr = (const float *)k_cache + row;
+#pragma omp simd reduction(+ : score)
+                        for (int64_t d = 0; d < Dh; d++) score += qv[d] * kr[d];
+                    }
+                    const float m_new = score > m ? score : m;
+                    const float rescale = expf(m - m_new), p = expf(score - m_new);
+                    l = l * rescale + p;
+                    m = m_new;
+                    if (bf16) {
+                        const uint16_t *vr = (const uint16_t *)v_cache + row;
+#pragma omp simd
+                        for (int64_t d = 0; d < Dh; d++) acc[d] = acc[d] * rescale + p * bf16_to_f32(vr[d]);
+                    } else {
+                        const float *vr = (const float *)v_cache + row;
+#pragma omp simd
+                        for (int64_t d = 0; d < Dh; d++) acc[d] = acc[d] * rescale + p * vr[d];
+                    }
+                }
+                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+                for (int64_t d = 0; d < Dh; d++) store(out, bf16, qoff + d, acc[d] * inv);
+            }
+        }
+    }
+    return 0;
+}

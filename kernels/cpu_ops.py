@@ -110,6 +110,24 @@ def library() -> ctypes.CDLL | None:
         *[_i64] * 7,  # I, H, P, N, G, K, norm_group
         _int,
     ]
+    lib.baton_decode_attention.restype = _i64
+    lib.baton_decode_attention.argtypes = [
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        ctypes.c_float,
+        _int,
+        _int,
+    ]
     lib.baton_rms_norm.restype = None
     lib.baton_rms_norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_float, _int, _int]
     lib.baton_argmax_f32.restype = None
@@ -359,4 +377,59 @@ def rms_norm_cpu(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch
         int(x.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
+    return out
+
+
+MAX_HEAD_DIM = 512  # the per-thread accumulators in baton_decode_attention
+
+
+def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (
+        q.device.type == "cpu"
+        and select_backend(q) == "torch"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.dtype == q.dtype
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and library() is not None
+    )
+
+
+def decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence over the paged cache. q: (S, H, Dh); caches (slots, KVH, Dh);
+    kv_indices (S, >= max len) int64; kv_lens (S,) int32. Returns (S, H, Dh) in q's dtype."""
+    S, H, Dh = q.shape
+    q = q.contiguous()
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    kv_lens = kv_lens.to(torch.int32).contiguous()
+    if kv_indices.stride(-1) != 1:
+        kv_indices = kv_indices.contiguous()
+    out = torch.empty(S, H, Dh, dtype=q.dtype)
+    result = library().baton_decode_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.shape[0],
+        kv_indices.data_ptr(),
+        kv_indices.stride(0),
+        kv_lens.data_ptr(),
+        out.data_ptr(),
+        S,
+        H,
+        k_cache.shape[1],
+        Dh,
+        scale,
+        int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if result:
+        raise IndexError(
+            f"decode_attention: sequence {result - 1} has a token slot outside the cache"
+        )
     return out

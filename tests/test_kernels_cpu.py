@@ -361,3 +361,33 @@ def test_fused_rms_norm_matches_torch_path(dtype):
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), rms_norm_torch(x, w, 1e-5).float(), atol=tol, rtol=tol)
     assert out.dtype == dtype and out.is_contiguous()
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_reads_the_paged_cache_like_the_gather_path(dtype, monkeypatch):
+    from kernels.attention import build_attention_layout, paged_attention, paged_attention_torch
+
+    g = torch.Generator().manual_seed(11)
+    S, H, KVH, Dh, slots = 5, 6, 2, 16, 200
+    k_cache = torch.randn(slots, KVH, Dh, generator=g).to(dtype)
+    v_cache = torch.randn(slots, KVH, Dh, generator=g).to(dtype)
+    kv_lens = [1, 7, 33, 2, 19]
+    kv_indices = torch.zeros(S, 40, dtype=torch.int64)  # padding columns point at slot 0
+    for s, n in enumerate(kv_lens):
+        kv_indices[s, :n] = torch.randperm(slots - 1, generator=g)[:n] + 1
+    layout = build_attention_layout([1] * S, kv_lens, kv_indices, "cpu")
+    q = torch.randn(S, H, Dh, generator=g).to(dtype)
+    calls = []
+    fused = cpu_ops.decode_attention_cpu
+    monkeypatch.setattr(cpu_ops, "decode_attention_cpu", lambda *a: calls.append(1) or fused(*a))
+    out = paged_attention(q, k_cache, v_cache, layout, 0.25)
+    assert calls == [1]
+    ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), layout, 0.25)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    bad = kv_indices.clone()
+    bad[3, 1] = slots
+    bad_layout = build_attention_layout([1] * S, kv_lens, bad, "cpu")
+    with pytest.raises(IndexError, match="sequence 3 has a token slot outside the cache"):
+        paged_attention(q, k_cache, v_cache, bad_layout, 0.25)
