@@ -27,19 +27,28 @@ def can_pack(dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """`y = x @ W.T + b` with W held only in oneDNN's layout (the plain copy is dropped)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, activation: str = "none"):
+        """activation: oneDNN post-op fused into the matmul ("none" or "relu")."""
         super().__init__()
+        if activation not in ("none", "relu"):
+            raise ValueError(f"unsupported fused activation {activation!r}")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.activation = activation
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(
+            x, self.packed, self.bias, self.activation, [], ""
+        )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"activation={self.activation}, packed"
+        )
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:

@@ -16,7 +16,7 @@ from engine.state_cache import StateCache
 from kernels import cpu_ops
 from kernels.attention import paged_attention, store_kv
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.linear import pack_linears
+from kernels.linear import PackedLinear, can_pack, pack_linears
 from kernels.norm import gated_rms_norm, rms_norm
 from kernels.ssd import ssd_scan
 from kernels.ssu import selective_state_update
@@ -28,9 +28,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
         self.eps = eps
+        self.weight_f32: torch.Tensor | None = None  # CPU: cached float32 copy (freeze)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_f32 is not None and cpu_ops.rms_norm_supported(x):
+            return cpu_ops.rms_norm_cpu(x, self.weight_f32, self.eps)
         return rms_norm(x, self.weight, self.eps)
+
+    def freeze(self) -> None:
+        self.weight_f32 = self.weight.detach().float().contiguous()
 
 
 class MLP(nn.Module):
@@ -46,7 +52,14 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(x)).square())
+        up = self.up_proj(x)
+        if getattr(self.up_proj, "activation", "none") != "relu":
+            up = torch.relu(up)
+        return self.down_proj(up.square())
+
+    def pack_for_cpu(self) -> None:
+        """relu fused into the up projection's packed matmul (kernels/linear.py)."""
+        self.up_proj = PackedLinear(self.up_proj, activation="relu")
 
 
 class Attention(nn.Module):
@@ -64,13 +77,36 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.qkv_proj: PackedLinear | None = None  # CPU: q, k, v in one packed matmul
+        self.qkv_sizes = [
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        ]
+
+    def pack_for_cpu(self) -> None:
+        """One packed matmul for q, k and v (the three plain projections are dropped)."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        fused = nn.Linear(parts[0].in_features, sum(self.qkv_sizes), bias=parts[0].bias is not None)
+        fused = fused.to(device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([p.weight for p in parts]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        fused.requires_grad_(False)
+        self.qkv_proj = PackedLinear(fused)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
         fm = md.forward
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = cache.kv_layer(self.attention_index)
         store_kv(k_cache, v_cache, k, v, fm.slot_mapping)
         nd = fm.batch.num_decode_tokens
@@ -323,7 +359,11 @@ class NemotronHForCausalLM(nn.Module):
         """Prepack every linear weight for oneDNN once (kernels/linear.py): decode's few-row
         matmuls, lm_head above all, run 1.2-3x faster than F.linear repacking on each call.
         Call after the weights are loaded and cast; the plain weights are dropped."""
+        if can_pack(dtype):
+            for module in list(self.modules()):
+                if isinstance(module, (Attention, MLP)):
+                    module.pack_for_cpu()
         pack_linears(self, dtype)
         for module in self.modules():
-            if isinstance(module, Mamba2Mixer):
+            if isinstance(module, (Mamba2Mixer, RMSNorm)):
                 module.freeze()
