@@ -19,6 +19,7 @@ from disagg.protocol import (
     Heartbeat,
     HeartbeatAck,
     KVChunk,
+    MambaChunk,
     ProtocolError,
     Register,
     Reject,
@@ -41,6 +42,7 @@ class DecodeRoom:
     peer: str  # prefill transfer address
     registered: float
     state: RoomState = "waiting_for_input"
+    mamba_layers: int = 0  # Mamba layers installed ahead of the StateTransfer (MambaChunk)
 
 
 @dataclass
@@ -173,11 +175,29 @@ class DecodeWorker:
                     self._fail(r, str(error))
                     return
                 self.counters.bytes_total += sum(t.numel() * t.element_size() for t in tensors)
+        elif isinstance(message, MambaChunk):
+            r = self.rooms.get(message.room)
+            if r is not None:
+                r.state = "transferring"
+                conv, ssm = tensors
+                try:
+                    if self.engine.install_mamba(r.request_id, message.first_layer, conv, ssm):
+                        r.mamba_layers += conv.shape[0]
+                except ValueError as error:
+                    self._fail(r, str(error))
+                    return
+                self.counters.bytes_total += sum(t.numel() * t.element_size() for t in tensors)
         elif isinstance(message, StateTransfer):
             r = self.rooms.pop(message.room, None)
             if r is None:
                 return  # aborted or timed out meanwhile
             k, v, conv, ssm, checkpoint_conv, checkpoint_ssm = tensors
+            layers = self.engine.cache.conv.shape[0]
+            if conv.shape[0] == 0 and r.mamba_layers != layers:
+                self._fail(
+                    r, f"Mamba state incomplete: {r.mamba_layers} of {layers} layers arrived"
+                )
+                return
             state = RequestState(
                 num_prompt_tokens=message.num_prompt_tokens,
                 first_token=message.first_token,

@@ -21,6 +21,7 @@ from disagg.protocol import (
     Heartbeat,
     HeartbeatAck,
     KVChunk,
+    MambaChunk,
     ProtocolError,
     Register,
     Reject,
@@ -184,9 +185,11 @@ class PrefillWorker:
         push the remaining K/V pages at once in page batches (each batch is on the wire while
         the next is gathered, and the decode side installs one while the next arrives); then
         snapshot what is left: the Mamba state and the prefix-cache checkpoints."""
-        if r.peer is not None and not self.faults.delay_ms:
+        pushed = r.peer is not None and not self.faults.delay_ms
+        if pushed:
             self._push_pages(r)
-        r.snapshot = self.engine.export_state(req, first_page=r.pages_sent)
+            self._push_mamba(r, req)
+        r.snapshot = self.engine.export_state(req, first_page=r.pages_sent, with_mamba=not pushed)
         if r.peer is not None:
             self._schedule_send(r)
 
@@ -264,6 +267,29 @@ class PrefillWorker:
             self.counters.bytes_total += 2 * k.numel() * k.element_size()
             self.counters.kv_chunks += 1
             r.pages_sent = end
+
+    def _push_mamba(self, r: PrefillRoom, req) -> None:
+        """Send the final conv + SSM state in groups of layers of ~PUSH_BYTES each."""
+        cache = self.engine.cache
+        layers = cache.conv.shape[0]
+        layer_bytes = (
+            cache.conv[0, 0].numel() * cache.conv.element_size()
+            + cache.ssm[0, 0].numel() * cache.ssm.element_size()
+        )
+        step = max(1, PUSH_BYTES // max(layer_bytes, 1))
+        for first in range(0, layers, step):
+            conv, ssm = self.engine.export_mamba(req, first, min(first + step, layers))
+            message = MambaChunk(
+                room=r.room,
+                first_layer=first,
+                tensors=[
+                    TensorSpec(name="conv", dtype=dtype_name(conv.dtype), shape=list(conv.shape)),
+                    TensorSpec(name="ssm", dtype=dtype_name(ssm.dtype), shape=list(ssm.shape)),
+                ],
+            )
+            frames = encode(message, [conv, ssm], self.config.secret)
+            self.socket.send_multipart([r.peer, *frames], copy=False)  # fresh copies
+            self.counters.bytes_total += sum(t.numel() * t.element_size() for t in (conv, ssm))
 
     def _needed_part(self, r: PrefillRoom) -> RequestState:
         """Skip what the decode engine caches; send block checkpoints only when both sides cut

@@ -134,12 +134,34 @@ class KVChunk:
     tensors: list[TensorSpec] = field(default_factory=list)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MambaChunk:
+    """prefill -> decode: the final conv + SSM state of Mamba layers first_layer.. (frames: conv
+    (n, conv_dim, K-1), ssm (n, heads, head_dim, d_state)), pushed ahead of the StateTransfer so
+    the decode side installs one group while the next is on the wire. A StateTransfer whose
+    conv/ssm carry no layers means all of them came this way."""
+
+    tag: ClassVar[str] = "mamba"
+    room: str
+    first_layer: int
+    tensors: list[TensorSpec] = field(default_factory=list)
+
+
 MESSAGES = {
     cls.tag: cls
-    for cls in (Register, Reject, Abort, Heartbeat, HeartbeatAck, StateTransfer, KVChunk)
+    for cls in (
+        Register,
+        Reject,
+        Abort,
+        Heartbeat,
+        HeartbeatAck,
+        StateTransfer,
+        KVChunk,
+        MambaChunk,
+    )
 }
 Message = Register | Reject | Abort | Heartbeat | HeartbeatAck | StateTransfer | KVChunk
-WITH_TENSORS = (StateTransfer, KVChunk)
+WITH_TENSORS = (StateTransfer, KVChunk, MambaChunk)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

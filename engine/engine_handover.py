@@ -54,8 +54,9 @@ class HandoverMixin:
                 f"request {request_id}: transferred state is for another prompt length"
             )
         self.install_pages(request_id, state.first_page, state.k_pages, state.v_pages)
-        self.cache.conv[:, req.mamba_slot] = state.conv.to(self.device, self.cache.conv.dtype)
-        self.cache.ssm[:, req.mamba_slot] = state.ssm.to(self.device, self.cache.ssm.dtype)
+        if state.conv.shape[0]:  # else every layer came ahead in install_mamba
+            self.cache.conv[:, req.mamba_slot] = state.conv.to(self.device, self.cache.conv.dtype)
+            self.cache.ssm[:, req.mamba_slot] = state.ssm.to(self.device, self.cache.ssm.dtype)
         req.num_computed = len(req.prompt_ids)
         self._register_transferred_blocks(req, state)
         self.scheduler.start_transferred(req)
@@ -141,9 +142,38 @@ class HandoverMixin:
         k, v = self._gather_pages(req.kv_pages[first_page:end])
         return end, k, v
 
-    def export_state(self, req: Request, first_page: int = 0) -> RequestState:
+    def export_mamba(
+        self, req: Request, first_layer: int, end_layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the request's conv and SSM state for Mamba layers [first_layer, end_layer)."""
+        slot = req.mamba_slot
+        return (
+            self.cache.conv[first_layer:end_layer, slot].clone(),
+            self.cache.ssm[first_layer:end_layer, slot].clone(),
+        )
+
+    def install_mamba(
+        self, request_id: str, first_layer: int, conv: torch.Tensor, ssm: torch.Tensor
+    ) -> bool:
+        """Write Mamba layers pushed ahead of the final state; False if the request is gone."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not Status.TRANSFERRING:
+            return False
+        end = first_layer + conv.shape[0]
+        if end > self.cache.conv.shape[0] or ssm.shape[0] != conv.shape[0]:
+            raise ValueError(f"request {request_id}: Mamba layers {first_layer}..{end} do not fit")
+        self.cache.conv[first_layer:end, req.mamba_slot] = conv.to(
+            self.device, self.cache.conv.dtype
+        )
+        self.cache.ssm[first_layer:end, req.mamba_slot] = ssm.to(self.device, self.cache.ssm.dtype)
+        return True
+
+    def export_state(
+        self, req: Request, first_page: int = 0, with_mamba: bool = True
+    ) -> RequestState:
         """Snapshot (copy) a request's K/V pages from `first_page` on (the ones before were
-        streamed already) and its Mamba state after its prefill, with the checkpoints of its
+        streamed already) and its Mamba state after its prefill (unless it was pushed already:
+        `with_mamba=False` leaves conv/ssm with no layers), with the checkpoints of its
         prefix-cache blocks."""
         num_pages = -(-len(req.prompt_ids) // self.cache.page_size)
         first_page = min(first_page, num_pages)
@@ -159,6 +189,8 @@ class HandoverMixin:
             checkpoint_ssm=self.cache.ssm[:, slots].transpose(0, 1).contiguous(),
             k_pages=k_pages,
             v_pages=v_pages,
-            conv=self.cache.conv[:, req.mamba_slot].clone(),
-            ssm=self.cache.ssm[:, req.mamba_slot].clone(),
+            conv=self.cache.conv[:, req.mamba_slot].clone()
+            if with_mamba
+            else self.cache.conv[:0, 0],
+            ssm=self.cache.ssm[:, req.mamba_slot].clone() if with_mamba else self.cache.ssm[:0, 0],
         )

@@ -14,6 +14,7 @@ from disagg.prefill import PrefillWorker
 from disagg.protocol import (
     Abort,
     Heartbeat,
+    MambaChunk,
     ProtocolError,
     StateTransfer,
     TensorSpec,
@@ -78,12 +79,19 @@ def test_wrong_secret_and_wrong_schema_are_rejected():
         decode([bad, b""])
 
 
-def run_pair(prefill, decoder, prompts, params, timeout=20.0):
+def run_pair(prefill, decoder, prompts, params, timeout=20.0, registered_first=False):
+    """registered_first: let every Register reach the prefill worker before it computes (the
+    usual order in production, where the router contacts the decode worker first)."""
     got = {}
     for i, prompt in enumerate(prompts):
         decoder.add_request(f"r{i}", prompt, params, room=f"room{i}", prefill_addr=prefill.address)
         prefill.add_request(f"r{i}", prompt, params, room=f"room{i}")
     start = time.time()
+    while registered_first and any(r.peer is None for r in prefill.rooms.values()):
+        assert time.time() - start < timeout, "registrations never arrived"
+        decoder.poll()
+        decoder.step()
+        prefill.poll()
     while (
         decoder.has_unfinished_requests() or prefill.has_unfinished_requests()
     ) and time.time() - start < timeout:
@@ -257,6 +265,48 @@ def test_both_workers_reuse_cached_prefixes_and_stay_token_identical(base_model)
         * 4
     )
     assert sent < full_pages * per_page  # the cached pages were not sent again
+    for worker in (prefill, decoder):
+        stats = worker.stats()
+        assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+    prefill.close()
+    decoder.close()
+
+
+def test_mamba_state_pushed_ahead_and_a_lost_part_fails_cleanly(base_model, monkeypatch):
+    """A registered decode side gets the final Mamba state in MambaChunks ahead of the
+    StateTransfer (which then carries no layers); if one of them never arrives, the room
+    fails with a message naming it and both pools return to zero."""
+    model_dir, _ = base_model
+    ctx = zmq.Context()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(5, 60))]
+    prefill = PrefillWorker(Engine(model_dir, page_size=4), config("prefill"), ctx)
+    decoder = DecodeWorker(Engine(model_dir, page_size=4), config("decode"), ctx)
+    colocated = Engine(model_dir, page_size=4)
+    expect = {}
+    for i, p in enumerate(prompts):
+        colocated.add_request(f"r{i}", p, params)
+    while colocated.has_unfinished_requests():
+        for d in colocated.step():
+            expect.setdefault(d.request_id, []).extend(d.new_token_ids)
+    sent = []
+    send = prefill.socket.send_multipart
+
+    def spy(frames, *args, **kwargs):
+        sent.append(decode(frames[1:])[0])
+        return send(frames, *args, **kwargs)
+
+    monkeypatch.setattr(prefill.socket, "send_multipart", spy)
+    assert run_pair(prefill, decoder, prompts, params, registered_first=True) == expect
+    finals = [m for m in sent if isinstance(m, StateTransfer)]
+    assert len(finals) == 2 and all(m.tensors[2].shape[0] == 0 for m in finals)  # conv: none
+    assert sum(isinstance(m, MambaChunk) for m in sent) >= 2
+    # Now lose the Mamba push of the next request.
+    monkeypatch.setattr(prefill, "_push_mamba", lambda r, req: None)
+    got = run_pair(prefill, decoder, [prompts[0]], params, timeout=10, registered_first=True)
+    assert got == {}
+    failures = decoder.take_failures()
+    assert len(failures) == 1 and "Mamba state incomplete: 0 of" in failures[0][1]
     for worker in (prefill, decoder):
         stats = worker.stats()
         assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
