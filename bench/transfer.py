@@ -173,6 +173,8 @@ def main() -> None:
         decode_context = zmq.Context()
         decoder = DecodeWorker(Engine(model_dir, **engine_args), config("decode"), decode_context)
         colocated = Engine(model_dir, **engine_args)
+        # TTFT compares like with like: a prefill worker chunking exactly as the colocated engine.
+        prefill_ttft = PrefillWorker(Engine(model_dir, **engine_args), config("prefill"), context)
         handover(prefill, decoder, [5] * 64, "warmup")
         ttft_colocated(colocated, [5] * 64, "warmup")
         for n in lengths:
@@ -187,7 +189,7 @@ def main() -> None:
             raw = max(raws)
             t_colo = min(ttft_colocated(colocated, prompt, f"c{n}-{i}") for i in range(2))
             t_disagg = min(
-                ttft_disaggregated(prefill, decoder, prompt, f"d{n}-{i}") for i in range(2)
+                ttft_disaggregated(prefill_ttft, decoder, prompt, f"d{n}-{i}") for i in range(2)
             )
             row = {
                 "prompt_tokens": n,
@@ -205,6 +207,7 @@ def main() -> None:
                 flush=True,
             )
         prefill.close()
+        prefill_ttft.close()
         decoder.close()
     if args.output:
         with open(args.output, "w") as f:
