@@ -10,6 +10,7 @@ and slot) and the snapshot is pushed as soon as the room is registered.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 from dataclasses import dataclass, field
@@ -215,23 +216,16 @@ class PrefillWorker:
                 ("checkpoint_conv", s.checkpoint_conv),
                 ("checkpoint_ssm", s.checkpoint_ssm),
             ]
-            message = StateTransfer(
+            message = functools.partial(
+                StateTransfer,
                 room=r.room,
                 num_prompt_tokens=s.num_prompt_tokens,
                 first_page=s.first_page,
                 first_block=s.first_block,
                 first_token=s.first_token,
                 first_logprobs=s.first_logprobs,
-                tensors=[
-                    TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape))
-                    for n, t in tensors
-                ],
             )
-            frames = encode(message, [t for _, t in tensors], self.config.secret)
-            self.socket.send_multipart(
-                [r.peer, *frames], copy=False
-            )  # snapshot buffers are never reused
-            self.counters.bytes_total += sum(t.numel() * t.element_size() for _, t in tensors)
+            self._send_tensors(r, message, tensors)
             self.counters.transfers_ok += 1
             r.state = "success"
             del self.rooms[r.room]
@@ -254,17 +248,8 @@ class PrefillWorker:
             if exported is None:
                 return
             end, k, v = exported
-            message = KVChunk(
-                room=r.room,
-                first_page=r.pages_sent,
-                tensors=[
-                    TensorSpec(name="k_pages", dtype=dtype_name(k.dtype), shape=list(k.shape)),
-                    TensorSpec(name="v_pages", dtype=dtype_name(v.dtype), shape=list(v.shape)),
-                ],
-            )
-            frames = encode(message, [k, v], self.config.secret)
-            self.socket.send_multipart([r.peer, *frames], copy=False)  # fresh copies, never reused
-            self.counters.bytes_total += 2 * k.numel() * k.element_size()
+            message = functools.partial(KVChunk, room=r.room, first_page=r.pages_sent)
+            self._send_tensors(r, message, [("k_pages", k), ("v_pages", v)])
             self.counters.kv_chunks += 1
             r.pages_sent = end
 
@@ -279,17 +264,18 @@ class PrefillWorker:
         step = max(1, PUSH_BYTES // max(layer_bytes, 1))
         for first in range(0, layers, step):
             conv, ssm = self.engine.export_mamba(req, first, min(first + step, layers))
-            message = MambaChunk(
-                room=r.room,
-                first_layer=first,
-                tensors=[
-                    TensorSpec(name="conv", dtype=dtype_name(conv.dtype), shape=list(conv.shape)),
-                    TensorSpec(name="ssm", dtype=dtype_name(ssm.dtype), shape=list(ssm.shape)),
-                ],
-            )
-            frames = encode(message, [conv, ssm], self.config.secret)
-            self.socket.send_multipart([r.peer, *frames], copy=False)  # fresh copies
-            self.counters.bytes_total += sum(t.numel() * t.element_size() for t in (conv, ssm))
+            message = functools.partial(MambaChunk, room=r.room, first_layer=first)
+            self._send_tensors(r, message, [("conv", conv), ("ssm", ssm)])
+
+    def _send_tensors(self, r: PrefillRoom, message, tensors: list[tuple[str, object]]) -> None:
+        """Send `message(tensors=specs)` to the room's decode side with the named tensors as
+        zero-copy frames: they are fresh copies (exports, snapshots) that nothing reuses."""
+        specs = [
+            TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in tensors
+        ]
+        frames = encode(message(tensors=specs), [t for _, t in tensors], self.config.secret)
+        self.socket.send_multipart([r.peer, *frames], copy=False)
+        self.counters.bytes_total += sum(t.numel() * t.element_size() for _, t in tensors)
 
     def _needed_part(self, r: PrefillRoom) -> RequestState:
         """Skip what the decode engine caches; send block checkpoints only when both sides cut

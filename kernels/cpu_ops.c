@@ -34,121 +34,6 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, like tor
     return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded); /* no branch */
 }
 
-/* Selective state update, one token per row, float32 pool updated in place.
- *   state[s,h] <- state[s,h] * exp(dt[b,h] * A[h]) + (dt[b,h] * x[b,h]) (outer) B[b,g]
- *   y[b,h]      = state[s,h] . C[b,g] + D[h] * x[b,h]          (g = h / (H / G))
- * pool (num_slots, H, P, N); x, y (batch, H, P); dt (batch, H) already discretized;
- * A, D (H); B, C (batch, G, N). */
-int64_t baton_ssu_f32(float *pool, int64_t num_slots, const int64_t *slots, int64_t batch,
-                      const float *x, const float *dt, const float *A, const float *B,
-                      const float *C, const float *D, float *y, int64_t H, int64_t P, int64_t N,
-                      int64_t G, int nthreads) {
-    int64_t bad = check_slots(slots, batch, num_slots);
-    if (bad) return bad;
-    const int64_t heads_per_group = H / G;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < batch; b++) {
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t g = h / heads_per_group;
-            const float dt_bh = dt[b * H + h];
-            const float decay = expf(dt_bh * A[h]);
-            const float *Bv = B + (b * G + g) * N;
-            const float *Cv = C + (b * G + g) * N;
-            const float *xv = x + (b * H + h) * P;
-            float *yv = y + (b * H + h) * P;
-            float *state = pool + (slots[b] * H + h) * P * N;
-            for (int64_t p = 0; p < P; p++) {
-                const float xdt = xv[p] * dt_bh;
-                float *row = state + p * N;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t n = 0; n < N; n++) {
-                    const float s = row[n] * decay + xdt * Bv[n];
-                    row[n] = s;
-                    acc += s * Cv[n];
-                }
-                yv[p] = acc + D[h] * xv[p];
-            }
-        }
-    }
-    return 0;
-}
-
-/* One causal-conv decode step on the conv pool (num_slots, dim, K-1), then SiLU.
- * x, out (batch, dim) float32; w (dim, K) float32; bias (dim) or NULL. The pool holds float32
- * (pool_bf16 = 0) or bfloat16 (pool_bf16 = 1); the window shifts left by one and takes x. */
-#define CONV_UPDATE_LOOP(T, LOAD, STORE)                                                      \
-    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                        \
-    for (int64_t b = 0; b < batch; b++) {                                                     \
-        T *rows = (T *)pool + slots[b] * dim * km1;                                           \
-        const float *xb = x + b * dim;                                                        \
-        float *ob = out + b * dim;                                                            \
-        _Pragma("omp simd")                                                                    \
-        for (int64_t c = 0; c < dim; c++) {                                                   \
-            T *win = rows + c * km1;                                                          \
-            const float *wc = w + c * K;                                                      \
-            float acc = bias ? bias[c] : 0.0f;                                                \
-            float prev = LOAD(win[0]);                                                        \
-            acc += prev * wc[0];                                                              \
-            for (int64_t k = 1; k < km1; k++) {                                               \
-                const float v = LOAD(win[k]);                                                 \
-                acc += v * wc[k];                                                             \
-                win[k - 1] = STORE(v);                                                        \
-            }                                                                                 \
-            acc += xb[c] * wc[km1];                                                           \
-            win[km1 - 1] = STORE(xb[c]);                                                      \
-            ob[c] = acc / (1.0f + expf(-acc));                                                \
-        }                                                                                     \
-    }
-
-#define IDENTITY(v) (v)
-
-int64_t baton_conv_update(void *pool, int pool_bf16, int64_t num_slots, const int64_t *slots,
-                          int64_t batch, const float *x, const float *w, const float *bias,
-                          float *out, int64_t dim, int64_t K, int nthreads) {
-    int64_t bad = check_slots(slots, batch, num_slots);
-    if (bad) return bad;
-    const int64_t km1 = K - 1;
-    if (pool_bf16) {
-        CONV_UPDATE_LOOP(uint16_t, bf16_to_f32, f32_to_bf16)
-    } else {
-        CONV_UPDATE_LOOP(float, IDENTITY, IDENTITY)
-    }
-    return 0;
-}
-
-/* Row-wise argmax of a float32 (rows, cols) matrix with row stride `stride`; the first index of
- * the maximum wins, like torch.argmax. A row holding NaN gets `cols` (the caller resolves it).
- * Vectorised block maxima find the first block holding the row maximum; one short scalar scan
- * of that block finds the position. */
-#define ARGMAX_BLOCK 256
-void baton_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out,
-                      int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * stride;
-        float best = row[0];
-        int64_t best_block = 0;
-        int nan = 0;
-        for (int64_t start = 0; start < cols; start += ARGMAX_BLOCK) {
-            const int64_t end = start + ARGMAX_BLOCK < cols ? start + ARGMAX_BLOCK : cols;
-            float m = row[start];
-#pragma omp simd reduction(max : m) reduction(| : nan)
-            for (int64_t c = start; c < end; c++) {
-                m = row[c] > m ? row[c] : m;
-                nan |= row[c] != row[c];
-            }
-            if (m > best) {
-                best = m;
-                best_block = start;
-            }
-        }
-        int64_t at = best_block;
-        while (row[at] != best) at++;
-        out[r] = nan ? cols : at;
-    }
-}
-
 /* exp for vectorised loops: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial
  * (relative error ~2e-7, below float32 rounding of the results it feeds). Branch-free so
  * `omp simd` loops vectorise it. */
@@ -186,6 +71,147 @@ static inline void store(void *base, int bf16, int64_t i, float v) {
 /* The value a tensor of the model dtype would hold (the torch path rounds between ops). */
 static inline float round_to(int bf16, float v) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
+/* One (row, head) of the selective state update, in place on its pool state (P, N):
+ *   state = state * decay + (dt x) (outer) B;  y = state . C + D x   (y rounded like the model
+ * dtype when bf16). */
+static inline __attribute__((always_inline)) void ssu_head(float *state, const float *xv,
+                                                           float dt, float decay, const float *Bv,
+                                                           const float *Cv, float Dh, float *yv,
+                                                           int64_t P, int64_t N, const int bf16) {
+    for (int64_t p = 0; p < P; p++) {
+        const float xdt = xv[p] * dt;
+        float *row = state + p * N;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < N; n++) {
+            const float s = row[n] * decay + xdt * Bv[n];
+            row[n] = s;
+            acc += s * Cv[n];
+        }
+        yv[p] = round_to(bf16, acc + Dh * xv[p]);
+    }
+}
+
+/* One row's causal conv over `dim` channels: pre[c] = bias[c] + window . w[c] with the window
+ * [pool (K-1) | x], then the pool window shifts left by one and takes x. The pool row starts at
+ * `pool_row`; pool and x hold float32 or bfloat16 each. */
+static inline __attribute__((always_inline)) void conv_row(
+    void *pool, const int pool_bf16, int64_t pool_row, const void *x, const int x_bf16,
+    int64_t x_off, const float *w, const float *bias, float *pre, int64_t dim, const int64_t K) {
+    const int64_t km1 = K - 1;
+    if (K == 4) { /* the usual width: straight-line window shift */
+#pragma omp simd
+        for (int64_t c = 0; c < dim; c++) {
+            const int64_t at = pool_row + c * 3;
+            const float *wc = w + c * 4;
+            const float w0 = load(pool, pool_bf16, at), w1 = load(pool, pool_bf16, at + 1);
+            const float w2 = load(pool, pool_bf16, at + 2);
+            const float xin = load(x, x_bf16, x_off + c);
+            pre[c] = bias[c] + w0 * wc[0] + w1 * wc[1] + w2 * wc[2] + xin * wc[3];
+            store(pool, pool_bf16, at, w1);
+            store(pool, pool_bf16, at + 1, w2);
+            store(pool, pool_bf16, at + 2, xin);
+        }
+    } else {
+        for (int64_t c = 0; c < dim; c++) {
+            const int64_t at = pool_row + c * km1;
+            const float *wc = w + c * K;
+            float acc = bias[c];
+            for (int64_t k = 0; k < km1; k++) {
+                const float v = load(pool, pool_bf16, at + k);
+                acc += v * wc[k];
+                if (k) store(pool, pool_bf16, at + k - 1, v);
+            }
+            const float xin = load(x, x_bf16, x_off + c);
+            pre[c] = acc + xin * wc[km1];
+            if (km1) store(pool, pool_bf16, at + km1 - 1, xin);
+        }
+    }
+}
+
+/* Selective state update, one token per row, float32 pool updated in place.
+ *   state[s,h] <- state[s,h] * exp(dt[b,h] * A[h]) + (dt[b,h] * x[b,h]) (outer) B[b,g]
+ *   y[b,h]      = state[s,h] . C[b,g] + D[h] * x[b,h]          (g = h / (H / G))
+ * pool (num_slots, H, P, N); x, y (batch, H, P); dt (batch, H) already discretized;
+ * A, D (H); B, C (batch, G, N). */
+int64_t baton_ssu_f32(float *pool, int64_t num_slots, const int64_t *slots, int64_t batch,
+                      const float *x, const float *dt, const float *A, const float *B,
+                      const float *C, const float *D, float *y, int64_t H, int64_t P, int64_t N,
+                      int64_t G, int nthreads) {
+    int64_t bad = check_slots(slots, batch, num_slots);
+    if (bad) return bad;
+    const int64_t heads_per_group = H / G;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t g = h / heads_per_group;
+            const float dt_bh = dt[b * H + h];
+            const float decay = expf(dt_bh * A[h]);
+            const float *Bv = B + (b * G + g) * N;
+            const float *Cv = C + (b * G + g) * N;
+            const float *xv = x + (b * H + h) * P;
+            float *yv = y + (b * H + h) * P;
+            float *state = pool + (slots[b] * H + h) * P * N;
+            ssu_head(state, xv, dt_bh, decay, Bv, Cv, D[h], yv, P, N, 0);
+        }
+    }
+    return 0;
+}
+
+/* One causal-conv decode step on the conv pool (num_slots, dim, K-1), then SiLU.
+ * x, out (batch, dim) float32; w (dim, K) float32; bias (dim) float32 (zeros for none). The
+ * pool holds float32 (pool_bf16 = 0) or bfloat16 (pool_bf16 = 1). */
+int64_t baton_conv_update(void *pool, int pool_bf16, int64_t num_slots, const int64_t *slots,
+                          int64_t batch, const float *x, const float *w, const float *bias,
+                          float *out, int64_t dim, int64_t K, int nthreads) {
+    int64_t bad = check_slots(slots, batch, num_slots);
+    if (bad) return bad;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < batch; b++) {
+        float *ob = out + b * dim;
+        const int64_t pool_row = slots[b] * dim * (K - 1);
+        if (pool_bf16)
+            conv_row(pool, 1, pool_row, x, 0, b * dim, w, bias, ob, dim, K);
+        else
+            conv_row(pool, 0, pool_row, x, 0, b * dim, w, bias, ob, dim, K);
+#pragma omp simd
+        for (int64_t c = 0; c < dim; c++) ob[c] = silu(ob[c]);
+    }
+    return 0;
+}
+
+/* Row-wise argmax of a float32 (rows, cols) matrix with row stride `stride`; the first index of
+ * the maximum wins, like torch.argmax. A row holding NaN gets `cols` (the caller resolves it).
+ * Vectorised block maxima find the first block holding the row maximum; one short scalar scan
+ * of that block finds the position. */
+#define ARGMAX_BLOCK 256
+void baton_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out,
+                      int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * stride;
+        float best = row[0];
+        int64_t best_block = 0;
+        int nan = 0;
+        for (int64_t start = 0; start < cols; start += ARGMAX_BLOCK) {
+            const int64_t end = start + ARGMAX_BLOCK < cols ? start + ARGMAX_BLOCK : cols;
+            float m = row[start];
+#pragma omp simd reduction(max : m) reduction(| : nan)
+            for (int64_t c = start; c < end; c++) {
+                m = row[c] > m ? row[c] : m;
+                nan |= row[c] != row[c];
+            }
+            if (m > best) {
+                best = m;
+                best_block = start;
+            }
+        }
+        int64_t at = best_block;
+        while (row[at] != best) at++;
+        out[r] = nan ? cols : at;
+    }
+}
+
 /* One Mamba2 decode step for `batch` rows, from the in_proj output to the out_proj input:
  *   xBC = silu(conv(window[slot] | xBC_in)) (window shifted in place)
  *   dt  = clamp(softplus(dt_in + dt_bias), dt_min, dt_max)
@@ -194,8 +220,9 @@ static inline float round_to(int bf16, float v) { return bf16 ? bf16_to_f32(f32_
  * zxbcdt: (batch, row_stride) model dtype rows [z (I) | xBC (conv_dim) | dt (H)];
  * conv pool (num_slots, conv_dim, K-1) model dtype; conv_w (conv_dim, K), conv_b, dt_bias, A, D
  * and norm_w float32; xbc, y: float32 scratch (batch, conv_dim), (batch, I); out (batch, I)
- * model dtype (conv_b zeros when the conv has no bias). `bf16` says whether the model dtype is bfloat16 (else float32); values are
- * rounded to it where the torch path rounds, so both paths agree to float32 rounding. */
+ * model dtype (conv_b zeros when the conv has no bias). `bf16` says whether the model dtype
+ * is bfloat16 (else float32); values are rounded to it where the torch path rounds, so both
+ * paths agree to float32 rounding. */
 static inline __attribute__((always_inline)) void mamba_decode_body(
     const void *zxbcdt, int64_t row_stride, void *conv_pool, float *ssm_pool,
     const int64_t *slots, int64_t batch, const float *conv_w, const float *conv_b,
@@ -213,34 +240,7 @@ static inline __attribute__((always_inline)) void mamba_decode_body(
             const int64_t in = b * row_stride + I;
             const int64_t pool_row = slots[b] * conv_dim * km1;
             float *xb = xbc + b * conv_dim;
-            if (K == 4) { /* the usual width: straight-line window shift */
-#pragma omp simd
-                for (int64_t c = 0; c < conv_dim; c++) {
-                    const int64_t at = pool_row + c * 3;
-                    const float *wc = conv_w + c * 4;
-                    const float w0 = load(conv_pool, bf16, at), w1 = load(conv_pool, bf16, at + 1);
-                    const float w2 = load(conv_pool, bf16, at + 2);
-                    const float xin = load(zxbcdt, bf16, in + c);
-                    xb[c] = conv_b[c] + w0 * wc[0] + w1 * wc[1] + w2 * wc[2] + xin * wc[3];
-                    store(conv_pool, bf16, at, w1);
-                    store(conv_pool, bf16, at + 1, w2);
-                    store(conv_pool, bf16, at + 2, xin);
-                }
-            } else {
-                for (int64_t c = 0; c < conv_dim; c++) {
-                    const int64_t at = pool_row + c * km1;
-                    const float *wc = conv_w + c * K;
-                    float acc = conv_b[c];
-                    for (int64_t k = 0; k < km1; k++) {
-                        const float v = load(conv_pool, bf16, at + k);
-                        acc += v * wc[k];
-                        if (k) store(conv_pool, bf16, at + k - 1, v);
-                    }
-                    const float xin = load(zxbcdt, bf16, in + c);
-                    xb[c] = acc + xin * wc[km1];
-                    if (km1) store(conv_pool, bf16, at + km1 - 1, xin);
-                }
-            }
+            conv_row(conv_pool, bf16, pool_row, zxbcdt, bf16, in, conv_w, conv_b, xb, conv_dim, K);
 #pragma omp simd
             for (int64_t c = 0; c < conv_dim; c++) xb[c] = round_to(bf16, silu(round_to(bf16, xb[c])));
         }
@@ -258,18 +258,7 @@ static inline __attribute__((always_inline)) void mamba_decode_body(
                 const float *Cv = xbc + b * conv_dim + I + G * N + g * N;
                 float *yv = y + b * I + h * P;
                 float *state = ssm_pool + (slots[b] * H + h) * P * N;
-                for (int64_t p = 0; p < P; p++) {
-                    const float xdt = xv[p] * dt;
-                    float *row = state + p * N;
-                    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                    for (int64_t n = 0; n < N; n++) {
-                        const float s = row[n] * decay + xdt * Bv[n];
-                        row[n] = s;
-                        acc += s * Cv[n];
-                    }
-                    yv[p] = round_to(bf16, acc + D[h] * xv[p]);
-                }
+                ssu_head(state, xv, dt, decay, Bv, Cv, D[h], yv, P, N, bf16);
             }
         }
         /* 3. gate, grouped RMS norm, weight. */

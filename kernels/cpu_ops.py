@@ -217,7 +217,7 @@ def causal_conv1d_update_cpu(
     batch, dim = x.shape
     K = weight.shape[1]
     xf, wf = _f32(x), _f32(weight)
-    bf = _f32(bias) if bias is not None else None
+    bf = _f32(bias) if bias is not None else torch.zeros(dim)
     slots = state_indices.to(torch.int64).contiguous()
     out = torch.empty(batch, dim, dtype=torch.float32)
     result = library().baton_conv_update(
@@ -228,7 +228,7 @@ def causal_conv1d_update_cpu(
         batch,
         xf.data_ptr(),
         wf.data_ptr(),
-        bf.data_ptr() if bf is not None else None,
+        bf.data_ptr(),
         out.data_ptr(),
         dim,
         K,

@@ -31,9 +31,8 @@ class RMSNorm(nn.Module):
         self.weight_f32: torch.Tensor | None = None  # CPU: cached float32 copy (freeze)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_f32 is not None and cpu_ops.rms_norm_supported(x):
-            return cpu_ops.rms_norm_cpu(x, self.weight_f32, self.eps)
-        return rms_norm(x, self.weight, self.eps)
+        weight = self.weight_f32 if self.weight_f32 is not None else self.weight
+        return rms_norm(x, weight, self.eps)
 
     def freeze(self) -> None:
         self.weight_f32 = self.weight.detach().float().contiguous()
