@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 
 import torch
@@ -38,7 +37,6 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from engine.forward_metadata import ScheduledBatch
     from engine.graph_runner import DecodeGraphRunner
-    from engine.model_loader import load_model
     from engine.model_runner import ModelRunner
     from engine.state_cache import StateCache
     from tests.gpu.test_graph_runner_gpu import NANO_LIKE
@@ -49,84 +47,77 @@ def main() -> None:
         hybrid_override_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
     )
     rows = []
-    with tempfile.TemporaryDirectory() as d:
-        from safetensors.torch import save_file
+    # Built on the GPU directly: saving and loading a 9B checkpoint would take minutes.
+    from engine.config import ModelConfig
+    from engine.models.nemotron_h import NemotronHForCausalLM
+    from tests.gpu.test_graph_runner_gpu import init_random_
 
-        from engine.config import ModelConfig
-        from engine.models.nemotron_h import NemotronHForCausalLM
-
-        (Path(d) / "config.json").write_text(json.dumps(config_json))
-        with torch.device("cuda"):
-            m = NemotronHForCausalLM(ModelConfig.from_dict(config_json)).to(torch.bfloat16)
-        save_file(
-            {k: v.cpu().contiguous() for k, v in m.state_dict().items()},
-            Path(d) / "model.safetensors",
+    with torch.device("cuda"):
+        model = NemotronHForCausalLM(ModelConfig.from_dict(config_json)).to(torch.bfloat16)
+    init_random_(model)
+    model.eval().requires_grad_(False)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    page = 16
+    max_b = max(batches)
+    pages_per_seq = (args.context + 16) // page + 1
+    cache = StateCache(
+        model.config,
+        num_pages=max_b * pages_per_seq + 1,
+        page_size=page,
+        num_mamba_slots=max_b + 1,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    eager = ModelRunner(model, cache, "cuda")
+    graphed = DecodeGraphRunner(
+        eager, max_bs=max_b, kv_capacity=pages_per_seq * page, use_cuda_graphs=True
+    )
+    state_bytes = (
+        StateCache.bytes_per_mamba_slot(model.config, torch.bfloat16) * 2
+        + StateCache.bytes_per_kv_token(model.config, torch.bfloat16) * args.context
+    )
+    for b in batches:
+        sched = ScheduledBatch(
+            mode="decode",
+            request_ids=tuple(str(i) for i in range(b)),
+            num_decode_seqs=b,
+            input_ids=(5,) * b,
+            seq_lens=(1,) * b,
+            start_positions=(args.context,) * b,
+            kv_pages=tuple(
+                tuple(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(b)
+            ),
+            mamba_slots=tuple(range(1, b + 1)),
+            logits_seqs=tuple(range(b)),
+            prompt_logprob_seqs=(),
+            has_mamba_track_mask=False,
+            track_points=(),
         )
-        del m
-        model = load_model(d, torch.bfloat16, "cuda")
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        page = 16
-        max_b = max(batches)
-        pages_per_seq = (args.context + 16) // page + 1
-        cache = StateCache(
-            model.config,
-            num_pages=max_b * pages_per_seq + 1,
-            page_size=page,
-            num_mamba_slots=max_b + 1,
-            dtype=torch.bfloat16,
-            device="cuda",
+        timings = {}
+        for name, run in (("eager", eager.forward), ("graph", graphed.forward)):
+            for _ in range(3):
+                run(sched)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(10):
+                run(sched)
+            torch.cuda.synchronize()
+            timings[name] = (time.perf_counter() - start) / 10
+        roofline = (weight_bytes + b * state_bytes) / (args.peak_gbps * 1e9)
+        row = {
+            "batch": b,
+            "eager_ms": timings["eager"] * 1e3,
+            "graph_ms": timings["graph"] * 1e3,
+            "roofline_ms": roofline * 1e3,
+            "graph_fraction_of_roofline": roofline / timings["graph"],
+        }
+        rows.append(row)
+        print(
+            f"batch {b:4d}: eager {row['eager_ms']:7.2f} ms, graph {row['graph_ms']:7.2f} ms "
+            f"({timings['eager'] / timings['graph']:.2f}x), roofline {row['roofline_ms']:6.2f} ms "
+            f"({row['graph_fraction_of_roofline']:.0%})",
+            flush=True,
         )
-        eager = ModelRunner(model, cache, "cuda")
-        graphed = DecodeGraphRunner(
-            eager, max_bs=max_b, kv_capacity=pages_per_seq * page, use_cuda_graphs=True
-        )
-        state_bytes = (
-            StateCache.bytes_per_mamba_slot(model.config, torch.bfloat16) * 2
-            + StateCache.bytes_per_kv_token(model.config, torch.bfloat16) * args.context
-        )
-        for b in batches:
-            sched = ScheduledBatch(
-                mode="decode",
-                request_ids=tuple(str(i) for i in range(b)),
-                num_decode_seqs=b,
-                input_ids=(5,) * b,
-                seq_lens=(1,) * b,
-                start_positions=(args.context,) * b,
-                kv_pages=tuple(
-                    tuple(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq))
-                    for i in range(b)
-                ),
-                mamba_slots=tuple(range(1, b + 1)),
-                logits_seqs=tuple(range(b)),
-                prompt_logprob_seqs=(),
-                has_mamba_track_mask=False,
-                track_points=(),
-            )
-            timings = {}
-            for name, run in (("eager", eager.forward), ("graph", graphed.forward)):
-                for _ in range(3):
-                    run(sched)
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(10):
-                    run(sched)
-                torch.cuda.synchronize()
-                timings[name] = (time.perf_counter() - start) / 10
-            roofline = (weight_bytes + b * state_bytes) / (args.peak_gbps * 1e9)
-            row = {
-                "batch": b,
-                "eager_ms": timings["eager"] * 1e3,
-                "graph_ms": timings["graph"] * 1e3,
-                "roofline_ms": roofline * 1e3,
-                "graph_fraction_of_roofline": roofline / timings["graph"],
-            }
-            rows.append(row)
-            print(
-                f"batch {b:4d}: eager {row['eager_ms']:7.2f} ms, graph {row['graph_ms']:7.2f} ms "
-                f"({timings['eager'] / timings['graph']:.2f}x), roofline {row['roofline_ms']:6.2f} ms "
-                f"({row['graph_fraction_of_roofline']:.0%})",
-                flush=True,
-            )
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=2)

@@ -213,15 +213,19 @@ def _parse(tag: str, raw: dict) -> Message:
     return message
 
 
+def _frame(t: torch.Tensor) -> memoryview | bytes:
+    """A tensor's bytes without a copy on the host; a GPU tensor is first copied down once."""
+    if not t.numel():
+        return b""
+    return memoryview(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
 def encode(
     message: Message, tensors: list[torch.Tensor] = (), secret: bytes | None = None
 ) -> list[Any]:
     """Frames for `send_multipart(copy=False)`: header, mac, then the raw tensor bytes."""
     header = msgpack.packb({"v": PROTOCOL_VERSION, "type": message.tag, "body": _to_plain(message)})
-    payload = [
-        memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()) if t.numel() else b""
-        for t in tensors
-    ]
+    payload = [_frame(t) for t in tensors]
     return [header, _mac(secret, [header, *payload]), *payload]
 
 

@@ -188,7 +188,12 @@ class Engine(HandoverMixin):
             token_bytes = max(1, StateCache.bytes_per_kv_token(config, self.dtype))
             if args.max_mamba_slots is None:  # keep Mamba state to at most half of the budget
                 slots = max(1, min(slots, int(budget * 0.5 // max(1, slot_bytes))))
-            return int((budget - slots * slot_bytes) // token_bytes), slots
+            tokens = int((budget - slots * slot_bytes) // token_bytes)
+            # A small model on a large card would otherwise get hundreds of millions of tokens
+            # (and a host free list as long): no more than every running request at full length
+            # can use, twice over so that the prefix cache keeps pages too.
+            full = args.max_model_len or config.max_position_embeddings
+            return min(tokens, 2 * args.max_running_requests * full), slots
         return 65536, slots
 
     # -- requests ---------------------------------------------------------------------------

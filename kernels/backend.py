@@ -21,3 +21,15 @@ def select_backend(tensor: torch.Tensor) -> Backend:
     if forced:
         raise ValueError(f"BATON_KERNELS must be 'torch' or 'triton', got {forced!r}")
     return "triton" if tensor.is_cuda else "torch"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input precision for a model served in `dtype`.
+
+    A float32 model is served for exactness, so its products stay IEEE float32 (TF32 would cut
+    them to a 10-bit mantissa and move logprobs by ~1e-3 against transformers). bfloat16 and
+    float16 inputs already fit TF32 exactly; only the float32 intermediates (decay weights,
+    softmax probabilities) are rounded, below the serving dtype's own precision, so they use the
+    tensor cores.
+    """
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import AttentionLayout
+from kernels.backend import dot_precision
 
 
 # fmt: off
@@ -38,7 +39,7 @@ def _paged_attention_kernel(
     scale, num_kv_heads, blocks_per_split,
     H: tl.constexpr, HEAD_DIM: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # fmt: on
     s = tl.program_id(0).to(tl.int64)
@@ -81,7 +82,7 @@ def _paged_attention_kernel(
             k_ptr + slot[:, None] * stride_k_t + kv_head * stride_k_h + d[None, :] * stride_k_d,
             mask=kv_mask, other=0.0,
         ).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         scores = tl.where(visible, scores, -1.0e30)  # finite: no inf - inf on masked rows
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -92,7 +93,7 @@ def _paged_attention_kernel(
             v_ptr + slot[:, None] * stride_v_t + kv_head * stride_v_h + d[None, :] * stride_v_d,
             mask=kv_mask, other=0.0,
         ).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(probs, v)
+        acc = acc * alpha[:, None] + tl.dot(probs, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
@@ -207,7 +208,8 @@ def paged_attention_triton(
         *layout.kv_indices.stride(),
         float(scale), KVH, blocks_per_split,
         H=H, HEAD_DIM=Dh, REP=REP, REP_PAD=REP_PAD, NUM_SPLITS=num_splits, BLOCK_Q=BLOCK_Q,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=4 if BLOCK_D <= 64 else 8,
+        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4 if BLOCK_D <= 64 else 8,
     )
     if num_splits > 1:
         _combine_splits_kernel[(T, H)](

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.backend import dot_precision
 from kernels.ssd import ChunkLayout, SSDOutput
 
 
@@ -97,6 +98,7 @@ def _chunk_state_kernel(
     stride_B_t, stride_B_g, stride_B_n,
     H, P, N, L, num_chunks, heads_per_group,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # fmt: on
     sc = tl.program_id(0).to(tl.int64)
@@ -128,7 +130,7 @@ def _chunk_state_kernel(
         dt = tl.load(dt_ptr + chunk_row + l, mask=l < L, other=0.0)
         dA_cs = tl.load(dA_cs_ptr + chunk_row + l, mask=l < L, other=0.0)
         weight = tl.exp(dA_last - dA_cs) * dt  # 0 on empty slots (dt = 0)
-        acc += tl.dot(tl.trans(x * weight[:, None]), b)
+        acc += tl.dot(tl.trans(x * weight[:, None]), b, input_precision=DOT_PRECISION)
     out = ((sc * H + h) * P + p[:, None]) * N + n[None, :]
     tl.store(states_ptr + out, acc, mask=(p < P)[:, None] & (n < N)[None, :])
 
@@ -179,6 +181,7 @@ def _chunk_scan_kernel(
     stride_y_t, stride_y_h, stride_y_p,
     H, P, N, L, num_chunks, heads_per_group,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # fmt: on
     sc = tl.program_id(0).to(tl.int64)
@@ -215,7 +218,8 @@ def _chunk_scan_kernel(
     prev_n = tl.where(c > 0, N, 0)
     prev = ((sc - 1) * H + h) * P * N + p[None, :] * N + n[:, None]
     from_prev = tl.load(states_ptr + prev, mask=(n < prev_n)[:, None] & p_ok[None, :], other=0.0)
-    acc = tl.dot(C_m, from_init + from_prev) * tl.exp(dA_m)[:, None]
+    acc = tl.dot(C_m, from_init + from_prev, input_precision=DOT_PRECISION)
+    acc = acc * tl.exp(dA_m)[:, None]
 
     # Inside the chunk, causal: sum over k <= m of (C_m . B_k) exp(dA_m - dA_k) dt_k x_k.
     for k0 in range(0, tl.minimum(m_start + BLOCK_M, L), BLOCK_K):
@@ -231,12 +235,13 @@ def _chunk_scan_kernel(
         dt_k = tl.load(dt_ptr + chunk_row + k, mask=k < L, other=0.0)
         causal = m[:, None] >= k[None, :]
         decay = tl.where(causal, tl.exp(tl.minimum(dA_m[:, None] - dA_k[None, :], 0.0)), 0.0)
-        weight = tl.dot(C_m, tl.trans(B_k)) * decay * dt_k[None, :]
+        weight = tl.dot(C_m, tl.trans(B_k), input_precision=DOT_PRECISION)
+        weight = weight * decay * dt_k[None, :]
         x_k = tl.load(
             x_ptr + tok_k[:, None] * stride_x_t + h * stride_x_h + p[None, :] * stride_x_p,
             mask=valid_k[:, None] & p_ok[None, :], other=0.0,
         ).to(tl.float32)
-        acc += tl.dot(weight, x_k)
+        acc += tl.dot(weight, x_k, input_precision=DOT_PRECISION)
 
     mp_mask = valid_m[:, None] & p_ok[None, :]
     x_m = tl.load(
@@ -323,6 +328,7 @@ def ssd_scan_triton(
     )
     # fmt: on
 
+    precision = dot_precision(x.dtype)
     # Hand-picked tiles (no autotune): every tl.dot dim >= 16; dstate is held whole.
     BLOCK_N = _pow2_at_least_16(N)
     BLOCK_K = min(64, _pow2_at_least_16(L))
@@ -335,7 +341,7 @@ def ssd_scan_triton(
         x.stride(0), x.stride(1), x.stride(2),
         B.stride(0), B.stride(1), B.stride(2),
         H, P, N, L, Cn, H // G,
-        BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=state_n, num_warps=4,
+        BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=state_n, DOT_PRECISION=precision, num_warps=4,
     )
     # fmt: on
 
@@ -364,7 +370,7 @@ def ssd_scan_triton(
         *initial_states.stride(),
         y.stride(0), y.stride(1), y.stride(2),
         H, P, N, L, Cn, H // G,
-        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
+        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, DOT_PRECISION=precision,
         num_warps=8 if BLOCK_M * BLOCK_N >= 8192 else 4,  # C_m is M x dstate
     )
     # fmt: on

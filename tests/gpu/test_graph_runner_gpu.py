@@ -52,6 +52,17 @@ NANO_LIKE = {
 PAGE = 16
 
 
+@torch.no_grad()
+def init_random_(model: torch.nn.Module) -> None:
+    """Weights at the scales a trained Mamba2 hybrid has (A in [-e^2, -1], unit norms)."""
+    for name, p in model.named_parameters():
+        p.normal_(0, 0.02 if p.dim() > 1 else 0.1)
+        if name.endswith("A_log"):
+            p.uniform_(0, 2)
+        if "norm" in name:
+            p.fill_(1.0)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from safetensors.torch import save_file
@@ -64,12 +75,7 @@ def model_dir(tmp_path_factory):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = NemotronHForCausalLM(ModelConfig.from_dict(NANO_LIKE)).to(torch.bfloat16)
-        for name, p in model.named_parameters():
-            p.data.normal_(0, 0.02 if p.dim() > 1 else 0.1)
-            if name.endswith("A_log"):
-                p.data.uniform_(0, 2)
-            if "norm" in name:
-                p.data.fill_(1.0)
+    init_random_(model)
     save_file(
         {k: v.cpu().contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors"
     )

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark in one run, for a lent CUDA machine with its own torch and
+# Triton (nothing installed by this script):
+#
+#     OUT=/tmp/baton-gpu PYTHON=python3 bash tests/gpu/run_all.sh
+#
+# Each step has its own time limit, so a hang costs that step only; logs and JSON land in $OUT.
+# pyzmq is the only package the GPU tests need beyond torch/triton/transformers/msgpack
+# (tests/gpu/test_disagg_gpu.py skips without it).
+set -u
+out=${OUT:-/tmp/baton-gpu}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+
+step() {
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    echo "== $name (limit ${limit} s)"
+    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
+    local rc=$?
+    tail -n 60 "$out/$name.txt"
+    echo "== $name: rc $rc in $((SECONDS - start)) s"
+}
+
+step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
+    $py -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, \
+    transformers.__version__, torch.cuda.get_device_name())'"
+step pytest "${PYTEST_LIMIT:-300}" "$py" -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
+    --durations=8 ${PYTEST_ARGS:-}
+step kernels "${KERNELS_LIMIT:-150}" "$py" -m bench.kernels --json "$out/kernels.json"
+step graphs "${GRAPHS_LIMIT:-180}" "$py" -m bench.decode_graphs --output "$out/graphs.json"
