@@ -1,17 +1,25 @@
 """Attention over a paged KV cache (no RoPE, GQA), Triton path (semantics: kernels/attention.py).
 
 One flash-attention kernel serves decode and extend. A program owns one sequence, one block of
-its queries and one KV head, and takes every query head of that KV head's group at once, so each
-K/V tile is loaded once per group:
+its queries and GROUP query heads that share a KV head:
 
-    rows of the (BLOCK_Q * REP_PAD, head_dim) query tile:  row r = (query r // REP_PAD,
-    head kv_head * REP + r % REP_PAD); rows with r % REP_PAD >= REP or past q_len are masked.
+    rows of the (BLOCK_Q * GROUP_PAD, head_dim) query tile:  row r = (query r // GROUP_PAD,
+    head group * GROUP + r % GROUP_PAD); rows with r % GROUP_PAD >= GROUP or past q_len are
+    masked.
+
+Decode (one query per sequence) takes the whole GQA group (GROUP = heads per KV head), so each
+K/V tile is loaded once per group and the 16-row minimum of tl.dot is filled by heads. Extend
+takes one head per program (GROUP = 1) and 128 queries: prefill attention is compute-bound, and
+packing a group of 5 heads into 8 rows would waste 3/8 of every product.
 
 Query i of sequence s sits at absolute position kv_len - q_len + i and sees keys 0..that
 position; keys are gathered token by token through layout.kv_indices (token slots), so the page
-size never matters. Online softmax in float32, float32 operands (TF32 tl.dot on a GPU).
+size never matters. Products take their operands in the cache's dtype (bf16/fp16 on the tensor
+cores; float32 in IEEE precision, see kernels.backend.dot_precision) and accumulate in float32;
+the online softmax is float32 and its probabilities are rounded to the cache's dtype for the
+P @ V product, as flash attention does.
 
-Decode with few (sequence, KV head) pairs splits the keys across programs (flash-decoding):
+Decode with few (sequence, head group) pairs splits the keys across programs (flash-decoding):
 each split writes an unnormalised partial output with its running max and sum, and
 _combine_splits_kernel merges them. Read-only on the caches; no autotune.
 """
@@ -36,42 +44,43 @@ def _paged_attention_kernel(
     stride_v_t, stride_v_h, stride_v_d,
     stride_o_t, stride_o_h, stride_o_d,
     stride_kvi_s, stride_kvi_n,
-    scale, num_kv_heads, blocks_per_split,
-    H: tl.constexpr, HEAD_DIM: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    scale, num_groups, blocks_per_split,
+    H: tl.constexpr, HEAD_DIM: tl.constexpr, REP: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # fmt: on
     s = tl.program_id(0).to(tl.int64)
     q_block = tl.program_id(1)
-    kv_head = tl.program_id(2) % num_kv_heads
-    split = tl.program_id(2) // num_kv_heads
+    group = tl.program_id(2) % num_groups
+    split = tl.program_id(2) // num_groups
     q_start = tl.load(query_start_ptr + s).to(tl.int64)
     q_len = tl.load(query_start_ptr + s + 1).to(tl.int64) - q_start
     if q_block * BLOCK_Q >= q_len:
         return
     kv_len = tl.load(kv_lens_ptr + s).to(tl.int64)
 
-    r = tl.arange(0, BLOCK_Q * REP_PAD)
-    qi = q_block * BLOCK_Q + r // REP_PAD
-    head = kv_head * REP + r % REP_PAD
-    row_ok = (qi < q_len) & (r % REP_PAD < REP)
+    r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    qi = q_block * BLOCK_Q + r // GROUP_PAD
+    head = group * GROUP + r % GROUP_PAD
+    kv_head = (group * GROUP) // REP  # GROUP divides REP: every row shares this KV head
+    row_ok = (qi < q_len) & (r % GROUP_PAD < GROUP)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q = tl.load(
         q_ptr + (q_start + qi)[:, None] * stride_q_t + head[:, None] * stride_q_h
         + d[None, :] * stride_q_d,
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-    ).to(tl.float32)
+    )
     q_pos = kv_len - q_len + qi  # absolute position of each query row
 
     # Keys this program visits: causal limit of its last query, cut to its split's range.
     key_end = tl.minimum(kv_len, kv_len - q_len + (q_block + 1) * BLOCK_Q)
     key_lo = split * blocks_per_split * BLOCK_N
     key_hi = tl.minimum(key_end, key_lo + blocks_per_split * BLOCK_N)
-    m_i = tl.full((BLOCK_Q * REP_PAD,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_Q * REP_PAD,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_Q * REP_PAD, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_Q * GROUP_PAD,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_Q * GROUP_PAD,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_Q * GROUP_PAD, BLOCK_D), dtype=tl.float32)
     for n0 in range(key_lo, key_hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < key_hi
@@ -81,7 +90,7 @@ def _paged_attention_kernel(
         k = tl.load(
             k_ptr + slot[:, None] * stride_k_t + kv_head * stride_k_h + d[None, :] * stride_k_d,
             mask=kv_mask, other=0.0,
-        ).to(tl.float32)
+        ).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         scores = tl.where(visible, scores, -1.0e30)  # finite: no inf - inf on masked rows
@@ -92,8 +101,9 @@ def _paged_attention_kernel(
         v = tl.load(
             v_ptr + slot[:, None] * stride_v_t + kv_head * stride_v_h + d[None, :] * stride_v_d,
             mask=kv_mask, other=0.0,
-        ).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(probs, v, input_precision=DOT_PRECISION)
+        ).to(q.dtype)
+        pv = tl.dot(probs.to(q.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
@@ -137,9 +147,9 @@ def _combine_splits_kernel(
     )
 
 
-def _decode_splits(num_seqs: int, num_kv_heads: int, max_kv: int, block_n: int) -> int:
+def _decode_splits(num_seqs: int, num_groups: int, max_kv: int, block_n: int) -> int:
     """Key splits for decode: enough programs to fill a large GPU (~256), >= 4 key blocks each."""
-    programs = num_seqs * num_kv_heads
+    programs = num_seqs * num_groups
     by_occupancy = max(1, 256 // max(1, programs))
     by_length = max(1, triton.cdiv(max_kv, 4 * block_n))
     return min(16, triton.next_power_of_2(min(by_occupancy, by_length)))
@@ -183,14 +193,22 @@ def paged_attention_triton(
         return out
 
     REP = H // KVH
-    REP_PAD = triton.next_power_of_2(REP)
     BLOCK_D = max(16, triton.next_power_of_2(Dh))
-    BLOCK_N = 64 if BLOCK_D <= 64 else 32
     decode = layout.max_q == 1
-    rows = max(16, REP_PAD) if decode else max(64, REP_PAD)  # tl.dot needs >= 16 rows
-    BLOCK_Q = rows // REP_PAD
+    if decode:  # the whole GQA group per program; tl.dot needs >= 16 rows
+        GROUP = REP
+        GROUP_PAD = triton.next_power_of_2(REP)
+        BLOCK_Q = max(16, GROUP_PAD) // GROUP_PAD
+        BLOCK_N = 64 if BLOCK_D <= 64 else 32
+        num_warps, num_stages = (4 if BLOCK_D <= 64 else 8), 2
+    else:  # one head per program, 128 queries (64 when head_dim > 128, for registers)
+        GROUP = GROUP_PAD = 1
+        BLOCK_Q = 128 if BLOCK_D <= 128 else 64
+        BLOCK_N = 64 if BLOCK_D <= 128 else 32
+        num_warps, num_stages = 8, 2
+    num_groups = H // GROUP
     if num_splits is None:
-        num_splits = _decode_splits(S, KVH, layout.max_kv, BLOCK_N) if decode else 1
+        num_splits = _decode_splits(S, num_groups, layout.max_kv, BLOCK_N) if decode else 1
     if num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     blocks_per_split = triton.cdiv(triton.cdiv(max(layout.max_kv, 1), BLOCK_N), num_splits)
@@ -199,17 +217,17 @@ def paged_attention_triton(
         part_ml = torch.empty(T, H, num_splits, 2, device=q.device, dtype=torch.float32)
     else:
         part_out = part_ml = out  # unused
-    grid = (S, triton.cdiv(layout.max_q, BLOCK_Q), KVH * num_splits)
+    grid = (S, triton.cdiv(layout.max_q, BLOCK_Q), num_groups * num_splits)
     # fmt: off
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_ml,
         layout.query_start_loc, layout.kv_lens, layout.kv_indices,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *layout.kv_indices.stride(),
-        float(scale), KVH, blocks_per_split,
-        H=H, HEAD_DIM=Dh, REP=REP, REP_PAD=REP_PAD, NUM_SPLITS=num_splits, BLOCK_Q=BLOCK_Q,
-        BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4 if BLOCK_D <= 64 else 8,
+        float(scale), num_groups, blocks_per_split,
+        H=H, HEAD_DIM=Dh, REP=REP, GROUP=GROUP, GROUP_PAD=GROUP_PAD, NUM_SPLITS=num_splits,
+        BLOCK_Q=BLOCK_Q, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _combine_splits_kernel[(T, H)](

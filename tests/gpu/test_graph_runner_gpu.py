@@ -52,6 +52,11 @@ NANO_LIKE = {
 PAGE = 16
 
 
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    diff = (actual.double() - expected.double()).norm()
+    return (diff / expected.double().norm().clamp_min(1e-30)).item()
+
+
 @torch.no_grad()
 def init_random_(model: torch.nn.Module) -> None:
     """Weights at the scales a trained Mamba2 hybrid has (A in [-e^2, -1], unit norms)."""
@@ -150,12 +155,14 @@ def test_graph_replay_equals_eager_with_tracking(model_dir):
         )
         _, ref = eager.forward(sched)
         _, got = graphed.forward(sched)
+        # The graph runs the padded batch (16 rows for 13) and attention over the static key
+        # capacity, so cuBLAS and the key splits may pick other reduction orders: bf16 logits
+        # move by an ulp or two (~0.03 at |logit| ~ 4), a wrong index or state by O(1).
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
-        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+        assert rel_err(got, ref) < 1e-2
+        assert (got.float() - ref.float()).abs().max() < 0.25
     assert graphed.graphs, "no CUDA graph was captured"
     live = slots + [40 + i for i in range(0, n, 3)]
-    torch.testing.assert_close(caches[1].ssm[:, live], caches[0].ssm[:, live], atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(
-        caches[1].conv[:, live].float(), caches[0].conv[:, live].float(), atol=1e-2, rtol=1e-2
-    )
+    assert rel_err(caches[1].ssm[:, live], caches[0].ssm[:, live]) < 1e-2
+    assert rel_err(caches[1].conv[:, live], caches[0].conv[:, live]) < 1e-2
     assert caches[1].ssm[:, 40].abs().sum() > 0
