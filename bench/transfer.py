@@ -2,23 +2,26 @@
 
     python -m bench.transfer [--config 110m] [--lengths 128,512,1024,2048,4096] [--output out.json]
 
-Both workers run in this process on their own engines and ZMQ contexts and talk over
-tcp://127.0.0.1 exactly as in production (msgpack header + raw tensor frames, zero-copy sends);
-the decode worker polls in its own thread. For each prompt length (prefilled in one step, so no
-page streams while computing) it times the handover from the prefill engine finishing the prompt
-(gather + push of the K/V pages, Mamba state snapshot) to the decode engine having installed
-everything, and divides the bytes moved by that time. The baseline is a raw ZMQ DEALER -> ROUTER
-message of the same bytes between two contexts, alternated with the handovers (best of
---repeats each). TTFT compares the time to the first token of one request at low load,
-colocated vs disaggregated (no HTTP in either).
+The prefill worker runs in this process and the decode worker in a child process, each with its
+own engine and ZMQ context, talking over tcp://127.0.0.1 exactly as in production (msgpack
+header + raw tensor frames, zero-copy sends). For each prompt length (prefilled in one step, so
+no page streams while computing) it times the handover from the prefill engine finishing the
+prompt (its finish hook: K/V pages and Mamba state pushed) to the decode engine having installed
+everything (CLOCK_MONOTONIC on both sides, which Linux keeps system-wide), and divides the bytes
+moved by that time. The baseline is one raw ZMQ DEALER -> ROUTER multipart message of the same
+bytes between the same two processes, alternated with the handovers. Medians and bests of
+--repeats each are printed; the fraction is median over median. TTFT compares one request at low
+load, colocated (one engine) vs disaggregated (prefill here, first token from the decode
+process), no HTTP in either.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import statistics
 import tempfile
-import threading
 import time
 
 import torch
@@ -30,6 +33,8 @@ from disagg.prefill import PrefillWorker
 from disagg.rooms import DisaggConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+
+ENGINE_ARGS = dict(enable_prefix_caching=False, max_total_tokens=16384, max_running_requests=4)
 
 
 def config(role: str) -> DisaggConfig:
@@ -45,73 +50,119 @@ def config(role: str) -> DisaggConfig:
     )
 
 
-def raw_zmq_bytes_per_s(
-    context: zmq.Context, peer_context: zmq.Context, frames: list[torch.Tensor], repeats: int = 3
-) -> float:
-    """One multipart message of `frames`, DEALER (context) -> ROUTER (peer_context): two
-    contexts, so two I/O threads, like the two worker processes of a deployment."""
-    router = peer_context.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    dealer = context.socket(zmq.DEALER)
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    payload = [memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()) for t in frames]
-    size = sum(len(p) for p in payload)
-    dealer.send_multipart([b"warm"])
-    router.recv_multipart()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dealer.send_multipart(payload, copy=False)
-        router.recv_multipart(copy=False)
-        best = min(best, time.perf_counter() - start)
-    dealer.close(linger=0)
-    router.close(linger=0)
-    return size / best
+def decode_process(conn, model_dir: str, dtype: str, threads: int) -> None:
+    """The decode side: a DecodeWorker and a raw ROUTER socket, driven by commands on `conn`."""
+    if threads:
+        torch.set_num_threads(threads)
+    context = zmq.Context()
+    decoder = DecodeWorker(Engine(model_dir, dtype=dtype, **ENGINE_ARGS), config("decode"), context)
+    raw = context.socket(zmq.ROUTER)
+    conn.send(raw.bind_to_random_port("tcp://127.0.0.1"))
+    while True:
+        command, *args = conn.recv()
+        if command == "stop":
+            break
+        if command == "raw":
+            for _ in range(args[0]):
+                raw.recv_multipart(copy=False)
+            conn.send(time.monotonic())
+            continue
+        rid, prompt, address = args
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        before = decoder.counters.bytes_total
+        decoder.add_request(rid, prompt, params, room=rid, prefill_addr=address)
+        poller = zmq.Poller()
+        for socket in decoder.sockets():
+            poller.register(socket, zmq.POLLIN)
+        if command == "handover":
+            while rid in decoder.rooms:  # installed once the room is gone
+                poller.poll(5)
+                decoder.poll()
+            result = (time.monotonic(), decoder.counters.bytes_total - before)
+        else:  # "ttft": the first token as the decode worker emits it
+            result = None
+            while result is None:
+                if not decoder.engine.has_unfinished_requests():
+                    poller.poll(5)  # waiting on the prefill side, as the engine loop does
+                for delta in decoder.step():
+                    if delta.request_id == rid and delta.new_token_ids:
+                        result = time.monotonic()
+        while decoder.has_unfinished_requests():
+            decoder.step()
+        conn.send(result)
+    decoder.close()
+    raw.close(linger=0)
 
 
-def handover(prefill: PrefillWorker, decoder: DecodeWorker, prompt: list[int], rid: str) -> dict:
-    """One handover, timed from the prefill engine finishing the prompt (its finish hook:
-    the K/V pages are gathered and pushed, the Mamba state snapshot follows) to the decode engine
-    having installed everything. The decode worker runs its own loop in a thread, as it runs
-    in its own process in production, so it installs while later messages are on the wire."""
+class DecodeSide:
+    def __init__(self, model_dir: str, dtype: str, threads: int, context: zmq.Context):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=decode_process, args=(child, model_dir, dtype, threads), daemon=True
+        )
+        self.process.start()
+        self.raw = context.socket(zmq.DEALER)
+        self.raw.connect(f"tcp://127.0.0.1:{self.conn.recv()}")
+        self.source = torch.ones(0, dtype=torch.uint8)
+
+    def raw_bytes_per_s(self, nbytes: int) -> float:
+        """The same bytes as plain ZMQ messages of 4 MiB (the size the K/V pushes use, and
+        faster here than one multipart message), sent zero-copy from memory already touched."""
+        if self.source.numel() < nbytes:
+            self.source = torch.ones(nbytes, dtype=torch.uint8)
+        frame = 4 << 20
+        view = memoryview(self.source.numpy())
+        self.conn.send(("raw", -(-nbytes // frame)))
+        time.sleep(0.01)  # the child is waiting in recv
+        start = time.monotonic()
+        for offset in range(0, nbytes, frame):
+            self.raw.send(view[offset : min(offset + frame, nbytes)], copy=False)
+        return nbytes / (self.conn.recv() - start)
+
+    def close(self) -> None:
+        self.conn.send(("stop",))
+        self.process.join(timeout=30)
+        self.raw.close(linger=0)
+
+
+def run_prefill(prefill: PrefillWorker, rid: str) -> None:
+    while rid in prefill.rooms or prefill.engine.has_unfinished_requests():
+        prefill.step()
+
+
+def release_holds(prefill: PrefillWorker) -> None:
+    """Pages and slots held by zero-copy sends come back once ZMQ has sent them."""
+    while prefill.has_unfinished_requests():
+        time.sleep(0.001)
+        prefill.step()
+
+
+def handover(prefill: PrefillWorker, decode: DecodeSide, prompt: list[int], rid: str) -> dict:
+    """One handover, timed from the prefill engine finishing the prompt (its finish hook) to the
+    decode engine having installed everything."""
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    decoder.add_request(rid, prompt, params, room=rid, prefill_addr=prefill.address)
+    decode.conn.send(("handover", rid, prompt, prefill.address))
     prefill.add_request(rid, prompt, params, room=rid)
     room = prefill.rooms[rid]
     while room.peer is None:  # the Register message: bootstrapping is not part of the handover
-        decoder.poll()
+        prefill.socket.poll(5)
         prefill.poll()
     marks: dict[str, float] = {}
     finished = prefill._prefilled
 
     def timed(r, req):
-        marks["start"] = time.perf_counter()
+        marks["start"] = time.monotonic()
         finished(r, req)
 
     prefill._prefilled = timed
-    bytes_before = decoder.counters.bytes_total
-    poller = zmq.Poller()
-    for socket in decoder.sockets():
-        poller.register(socket, zmq.POLLIN)
-
-    def decode_loop():
-        while rid in decoder.rooms:
-            poller.poll(5)
-            decoder.poll()
-        marks["end"] = time.perf_counter()
-
-    thread = threading.Thread(target=decode_loop)
-    thread.start()
     try:
-        while rid in prefill.rooms or prefill.engine.has_unfinished_requests():
-            prefill.step()
-        thread.join()
+        run_prefill(prefill, rid)
     finally:
         del prefill._prefilled
-    elapsed = marks["end"] - marks["start"]
-    moved = decoder.counters.bytes_total - bytes_before
-    while decoder.has_unfinished_requests():
-        decoder.step()
+    end, moved = decode.conn.recv()
+    release_holds(prefill)
+    elapsed = end - marks["start"]
     return {"bytes": moved, "seconds": elapsed, "bytes_per_s": moved / elapsed}
 
 
@@ -125,16 +176,16 @@ def ttft_colocated(engine: Engine, prompt: list[int], rid: str) -> float:
 
 
 def ttft_disaggregated(
-    prefill: PrefillWorker, decoder: DecodeWorker, prompt: list[int], rid: str
+    prefill: PrefillWorker, decode: DecodeSide, prompt: list[int], rid: str
 ) -> float:
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    decoder.add_request(rid, prompt, params, room=rid, prefill_addr=prefill.address)
+    start = time.monotonic()
+    decode.conn.send(("ttft", rid, prompt, prefill.address))
     prefill.add_request(rid, prompt, params, room=rid)
-    while True:
-        prefill.step()
-        if decoder.step():
-            return time.perf_counter() - start
+    run_prefill(prefill, rid)
+    first = decode.conn.recv()
+    release_holds(prefill)
+    return first - start
 
 
 def main() -> None:
@@ -144,10 +195,11 @@ def main() -> None:
     ap.add_argument("--config", default="110m", choices=["19m", "110m"])
     ap.add_argument("--lengths", default="128,512,1024,2048,4096")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--repeats", type=int, default=5, help="handovers (and raw runs) per length")
+    ap.add_argument("--repeats", type=int, default=9, help="handovers (and raw runs) per length")
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads (default: torch's choice)"
     )
+    ap.add_argument("--no-ttft", action="store_true", help="time the handover only")
     ap.add_argument("--output")
     args = ap.parse_args()
     if args.threads:
@@ -157,58 +209,60 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as model_dir:
         save_model(args.config, model_dir)
-        engine_args = dict(
-            dtype=args.dtype,
-            enable_prefix_caching=False,
-            max_total_tokens=16384,
-            max_running_requests=4,
-        )
+        engine_args = dict(dtype=args.dtype, **ENGINE_ARGS)
         # The whole prompt in one prefill step: every byte moves after the prefill, so the
         # handover is measured alone (chunked prefills also stream pages while computing).
         one_chunk = dict(chunked_prefill_size=8192, max_num_batched_tokens=8192)
         prefill = PrefillWorker(
             Engine(model_dir, **engine_args, **one_chunk), config("prefill"), context
         )
-        # Each worker gets its own context (its own ZMQ I/O thread), as separate processes do.
-        decode_context = zmq.Context()
-        decoder = DecodeWorker(Engine(model_dir, **engine_args), config("decode"), decode_context)
+        decode = DecodeSide(model_dir, args.dtype, args.threads, context)
         colocated = Engine(model_dir, **engine_args)
         # TTFT compares like with like: a prefill worker chunking exactly as the colocated engine.
         prefill_ttft = PrefillWorker(Engine(model_dir, **engine_args), config("prefill"), context)
-        handover(prefill, decoder, [5] * 64, "warmup")
+        handover(prefill, decode, [5] * 64, "warmup")
+        decode.raw_bytes_per_s(1 << 20)
         ttft_colocated(colocated, [5] * 64, "warmup")
         for n in lengths:
             prompt = [(7 * i) % 31000 + 3 for i in range(n)]
-            # Best of `repeats` each, alternating, so both see the same machine noise.
+            handover(prefill, decode, prompt, f"w{n}")  # first use of this many pages
+            # Alternating, so both see the same machine noise.
             runs, raws = [], []
             for i in range(args.repeats):
-                runs.append(handover(prefill, decoder, prompt, f"h{n}-{i}"))
-                frames = [torch.empty(runs[-1]["bytes"] // 4, dtype=torch.float32)]  # same bytes
-                raws.append(raw_zmq_bytes_per_s(context, decode_context, frames, repeats=1))
-            h = max(runs, key=lambda r: r["bytes_per_s"])
-            raw = max(raws)
-            t_colo = min(ttft_colocated(colocated, prompt, f"c{n}-{i}") for i in range(2))
-            t_disagg = min(
-                ttft_disaggregated(prefill_ttft, decoder, prompt, f"d{n}-{i}") for i in range(2)
-            )
+                runs.append(handover(prefill, decode, prompt, f"h{n}-{i}"))
+                raws.append(decode.raw_bytes_per_s(runs[-1]["bytes"]))
+            rates = [r["bytes_per_s"] for r in runs]
+            h, raw = statistics.median(rates), statistics.median(raws)
+            t_colo = t_disagg = float("nan")
+            if not args.no_ttft:
+                t_colo = min(ttft_colocated(colocated, prompt, f"c{n}-{i}") for i in range(2))
+                t_disagg = min(
+                    ttft_disaggregated(prefill_ttft, decode, prompt, f"d{n}-{i}") for i in range(2)
+                )
             row = {
                 "prompt_tokens": n,
-                "handover": h,
-                "raw_zmq_bytes_per_s": raw,
-                "fraction_of_raw": h["bytes_per_s"] / raw,
+                "bytes": runs[0]["bytes"],
+                "handover_seconds": [r["seconds"] for r in runs],
+                "handover_bytes_per_s_median": h,
+                "raw_zmq_bytes_per_s": raws,
+                "raw_zmq_bytes_per_s_median": raw,
+                "fraction_of_raw": h / raw,
+                "fraction_of_raw_best": max(rates) / max(raws),
                 "ttft_colocated_s": t_colo,
                 "ttft_disaggregated_s": t_disagg,
             }
             rows.append(row)
             print(
-                f"{n:5d} tokens: {h['bytes'] / 2**20:7.1f} MiB in {h['seconds'] * 1e3:7.1f} ms = "
-                f"{h['bytes_per_s'] / 2**30:5.2f} GiB/s = {row['fraction_of_raw']:.2f} of raw ZMQ "
-                f"({raw / 2**30:.2f} GiB/s); TTFT colocated {t_colo * 1e3:.0f} ms, disaggregated {t_disagg * 1e3:.0f} ms",
+                f"{n:5d} tokens: {row['bytes'] / 2**20:6.1f} MiB, handover median "
+                f"{row['bytes'] / h * 1e3:6.2f} ms = {h / 2**30:5.2f} GiB/s, raw ZMQ "
+                f"{raw / 2**30:5.2f} GiB/s: {row['fraction_of_raw']:.2f} of raw "
+                f"(best vs best {row['fraction_of_raw_best']:.2f}); TTFT colocated "
+                f"{t_colo * 1e3:.0f} ms, disaggregated {t_disagg * 1e3:.0f} ms",
                 flush=True,
             )
         prefill.close()
         prefill_ttft.close()
-        decoder.close()
+        decode.close()
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=2)

@@ -169,8 +169,11 @@ class DecodeWorker:
             r = self.rooms.get(message.room)
             if r is not None:
                 r.state = "transferring"
+                half = len(tensors) // 2  # k per attention layer, then v per layer
                 try:
-                    self.engine.install_pages(r.request_id, message.first_page, *tensors)
+                    self.engine.install_pages(
+                        r.request_id, message.first_page, tensors[:half], tensors[half:]
+                    )
                 except ValueError as error:
                     self._fail(r, str(error))
                     return
@@ -179,10 +182,11 @@ class DecodeWorker:
             r = self.rooms.get(message.room)
             if r is not None:
                 r.state = "transferring"
-                conv, ssm = tensors
+                half = len(tensors) // 2  # conv per Mamba layer, then ssm per layer
+                conv, ssm = tensors[:half], tensors[half:]
                 try:
                     if self.engine.install_mamba(r.request_id, message.first_layer, conv, ssm):
-                        r.mamba_layers += conv.shape[0]
+                        r.mamba_layers += half
                 except ValueError as error:
                     self._fail(r, str(error))
                     return

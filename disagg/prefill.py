@@ -39,9 +39,26 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger("baton.disagg.prefill")
 
 
-# K/V bytes per message: small enough that gathering one batch overlaps the wire time of the
-# previous one, large enough that per-message overhead stays negligible.
+# K/V bytes per message: small enough that the decode side installs one while the next is on
+# the wire, large enough that per-message overhead stays negligible.
 PUSH_BYTES = 4 << 20
+
+
+class PendingSends:
+    """The request's hold (engine Request.hold) while ZMQ still reads frames that are views of
+    its pages and Mamba slot: the engine gives them back only once every tracked frame has left
+    (or was dropped with a dead peer's connection)."""
+
+    def __init__(self) -> None:
+        self.trackers: list[zmq.MessageTracker] = []
+
+    def add(self, tracker: zmq.MessageTracker) -> None:
+        self.trackers = [t for t in self.trackers if not t.done]
+        self.trackers.append(tracker)
+
+    @property
+    def done(self) -> bool:
+        return all(t.done for t in self.trackers)
 
 
 @dataclass
@@ -56,6 +73,7 @@ class PrefillRoom:
     lease: float = 0.0  # last heartbeat
     snapshot: RequestState | None = None
     send_at: float | None = None  # fault injection: delayed send
+    sends: PendingSends = field(default_factory=PendingSends)
 
 
 @dataclass
@@ -98,6 +116,7 @@ class PrefillWorker:
         self.engine.add_request(request_id, prompt_token_ids, first_only)
         r = self.rooms.setdefault(room, PrefillRoom(room=room, created=now()))
         r.request_id = request_id
+        self.engine.requests[request_id].hold = r.sends
         self.engine.finish_hooks[request_id] = lambda req, r=r: self._prefilled(r, req)
 
     def abort_request(self, request_id: str) -> None:
@@ -107,13 +126,16 @@ class PrefillWorker:
         self.engine.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests() or any(
-            r.snapshot is not None for r in self.rooms.values()
+        return (
+            self.engine.has_unfinished_requests()
+            or bool(self.engine.scheduler.held)  # pages and slots wait for their sends
+            or any(r.snapshot is not None for r in self.rooms.values())
         )
 
     def step(self):
         self.poll()
         deltas = self.engine.step() if self.engine.has_unfinished_requests() else []
+        self.engine.scheduler.release_held()
         self._stream_pages()
         self._flush()
         self.poll()  # heartbeats that arrived during a long step count before leases expire
@@ -249,7 +271,10 @@ class PrefillWorker:
                 return
             end, k, v = exported
             message = functools.partial(KVChunk, room=r.room, first_page=r.pages_sent)
-            self._send_tensors(r, message, [("k_pages", k), ("v_pages", v)])
+            named = [(f"k{i}", t) for i, t in enumerate(k)] + [
+                (f"v{i}", t) for i, t in enumerate(v)
+            ]
+            self._send_tensors(r, message, named, track=True)
             self.counters.kv_chunks += 1
             r.pages_sent = end
 
@@ -265,16 +290,27 @@ class PrefillWorker:
         for first in range(0, layers, step):
             conv, ssm = self.engine.export_mamba(req, first, min(first + step, layers))
             message = functools.partial(MambaChunk, room=r.room, first_layer=first)
-            self._send_tensors(r, message, [("conv", conv), ("ssm", ssm)])
+            named = [(f"conv{first + i}", t) for i, t in enumerate(conv)]
+            named += [(f"ssm{first + i}", t) for i, t in enumerate(ssm)]
+            self._send_tensors(r, message, named, track=True)
 
-    def _send_tensors(self, r: PrefillRoom, message, tensors: list[tuple[str, object]]) -> None:
+    def _send_tensors(
+        self, r: PrefillRoom, message, tensors: list[tuple[str, object]], track: bool = False
+    ) -> None:
         """Send `message(tensors=specs)` to the room's decode side with the named tensors as
-        zero-copy frames: they are fresh copies (exports, snapshots) that nothing reuses."""
+        zero-copy frames. `track`: they may be views of the engine's pools, which the room's
+        PendingSends (the request's hold) keeps in place until ZMQ has sent them."""
         specs = [
             TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in tensors
         ]
-        frames = encode(message(tensors=specs), [t for _, t in tensors], self.config.secret)
-        self.socket.send_multipart([r.peer, *frames], copy=False)
+        header, mac, *payload = encode(
+            message(tensors=specs), [t for _, t in tensors], self.config.secret
+        )
+        if track:
+            payload = [zmq.Frame(p, copy=False, track=True) for p in payload]
+            if payload:
+                r.sends.add(zmq.MessageTracker(*payload))
+        self.socket.send_multipart([r.peer, header, mac, *payload], copy=False)
         self.counters.bytes_total += sum(t.numel() * t.element_size() for _, t in tensors)
 
     def _needed_part(self, r: PrefillRoom) -> RequestState:

@@ -4,6 +4,8 @@ scheduler know nothing of the wire (that is disagg/)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine.handover import Preallocation, RequestState
@@ -63,21 +65,38 @@ class HandoverMixin:
         return self._append_token(req, state.first_token, state.first_logprobs)
 
     def install_pages(
-        self, request_id: str, first_page: int, k_pages: torch.Tensor, v_pages: torch.Tensor
+        self,
+        request_id: str,
+        first_page: int,
+        k_pages: Sequence[torch.Tensor],
+        v_pages: Sequence[torch.Tensor],
     ) -> None:
-        """Write K/V pages that arrive ahead of the final state (streamed per prefill chunk)."""
+        """Write K/V pages that arrive ahead of the final state (streamed per prefill chunk):
+        k_pages[layer] and v_pages[layer] are (n, page, kv_heads, head_dim) for each attention
+        layer (a list, or one stacked tensor)."""
         req = self.requests.get(request_id)
         if req is None or req.status is not Status.TRANSFERRING:
             return
-        n = k_pages.shape[1] if self.cache.k else 0
+        if len(k_pages) != len(self.cache.k) or len(v_pages) != len(self.cache.v):
+            raise ValueError(
+                f"request {request_id}: pages for {len(k_pages)} attention layers, "
+                f"this model has {len(self.cache.k)}"
+            )
+        n = k_pages[0].shape[0] if self.cache.k else 0
         if first_page + n > len(req.kv_pages):
             raise ValueError(f"request {request_id}: streamed pages do not fit its preallocation")
-        if n:
-            ps = self.cache.page_size
-            pages = torch.tensor(req.kv_pages[first_page : first_page + n], device=self.device)
-            for layer, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
-                k.view(-1, ps, *k.shape[1:])[pages] = k_pages[layer].to(self.device, k.dtype)
-                v.view(-1, ps, *v.shape[1:])[pages] = v_pages[layer].to(self.device, v.dtype)
+        if not n:
+            return
+        ps = self.cache.page_size
+        pages = req.kv_pages[first_page : first_page + n]
+        if pages[-1] - pages[0] == n - 1:  # one run of pool pages: plain slice copies
+            rows = slice(pages[0] * ps, (pages[-1] + 1) * ps)
+            for pool, src in zip((*self.cache.k, *self.cache.v), (*k_pages, *v_pages)):
+                pool[rows].view(n, ps, *pool.shape[1:]).copy_(src)
+            return
+        index = torch.tensor(pages, device=self.device)
+        for pool, src in zip((*self.cache.k, *self.cache.v), (*k_pages, *v_pages)):
+            pool.view(-1, ps, *pool.shape[1:])[index] = src.to(self.device, pool.dtype)
 
     def _register_transferred_blocks(self, req: Request, state: RequestState) -> None:
         """The prompt's block checkpoints let later requests (the next turn of a chat) reuse
@@ -125,10 +144,15 @@ class HandoverMixin:
 
     def export_pages(
         self, request_id: str, first_page: int, max_pages: int | None = None
-    ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-        """Copies of the K/V pages a prefill has completed from `first_page` on, at most
-        `max_pages`: (end page, k (layers, n, page, kv_heads, head_dim), v). Once the prompt is
-        fully computed its last, partial page counts as complete. None if nothing new."""
+    ) -> tuple[int, list[torch.Tensor], list[torch.Tensor]] | None:
+        """The K/V pages a prefill has completed from `first_page` on, at most `max_pages`:
+        (end page, k per attention layer, v per attention layer), each (n, page, kv_heads,
+        head_dim). Once the prompt is fully computed its last, partial page counts as complete.
+        None if nothing new.
+
+        On a CPU pool a run of consecutive pool pages comes back as views of the pool itself (no
+        copy; the run ends early at a gap), so the caller must keep the pages in place until it
+        has sent them (Request.hold). Elsewhere the pages are gathered into copies."""
         req = self.requests.get(request_id)
         if req is None or not self.cache.k:
             return None
@@ -139,33 +163,45 @@ class HandoverMixin:
             end = min(end, first_page + max_pages)
         if end <= first_page:
             return None
-        k, v = self._gather_pages(req.kv_pages[first_page:end])
-        return end, k, v
+        pages = req.kv_pages[first_page:end]
+        if self.device.type != "cpu":
+            k, v = self._gather_pages(pages)
+            return end, list(k.unbind(0)), list(v.unbind(0))
+        run = 1
+        while run < len(pages) and pages[run] == pages[0] + run:
+            run += 1
+        rows = slice(pages[0] * ps, (pages[0] + run) * ps)
+        k = [pool[rows].view(run, ps, *pool.shape[1:]) for pool in self.cache.k]
+        v = [pool[rows].view(run, ps, *pool.shape[1:]) for pool in self.cache.v]
+        return first_page + run, k, v
 
     def export_mamba(
         self, req: Request, first_layer: int, end_layer: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the request's conv and SSM state for Mamba layers [first_layer, end_layer)."""
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The request's conv and SSM state for Mamba layers [first_layer, end_layer), one tensor
+        per layer: views of the pool (the caller keeps the slot until it has sent them)."""
+        layers = range(first_layer, end_layer)
         slot = req.mamba_slot
-        return (
-            self.cache.conv[first_layer:end_layer, slot].clone(),
-            self.cache.ssm[first_layer:end_layer, slot].clone(),
-        )
+        return [self.cache.conv[i, slot] for i in layers], [self.cache.ssm[i, slot] for i in layers]
 
     def install_mamba(
-        self, request_id: str, first_layer: int, conv: torch.Tensor, ssm: torch.Tensor
+        self,
+        request_id: str,
+        first_layer: int,
+        conv: Sequence[torch.Tensor],
+        ssm: Sequence[torch.Tensor],
     ) -> bool:
-        """Write Mamba layers pushed ahead of the final state; False if the request is gone."""
+        """Write Mamba layers pushed ahead of the final state (one tensor per layer, or stacked);
+        False if the request is gone."""
         req = self.requests.get(request_id)
         if req is None or req.status is not Status.TRANSFERRING:
             return False
-        end = first_layer + conv.shape[0]
-        if end > self.cache.conv.shape[0] or ssm.shape[0] != conv.shape[0]:
+        end = first_layer + len(conv)
+        if end > self.cache.conv.shape[0] or len(ssm) != len(conv):
             raise ValueError(f"request {request_id}: Mamba layers {first_layer}..{end} do not fit")
-        self.cache.conv[first_layer:end, req.mamba_slot] = conv.to(
-            self.device, self.cache.conv.dtype
-        )
-        self.cache.ssm[first_layer:end, req.mamba_slot] = ssm.to(self.device, self.cache.ssm.dtype)
+        for i in range(len(conv)):
+            self.cache.conv[first_layer + i, req.mamba_slot].copy_(conv[i])
+            self.cache.ssm[first_layer + i, req.mamba_slot].copy_(ssm[i])
         return True
 
     def export_state(

@@ -45,7 +45,9 @@ class IndexPool:
             if i not in self._in_use:
                 raise RuntimeError(f"{self.what}: double free or foreign index {i}")
             self._in_use.remove(i)
-            self._free.append(i)
+        # Reversed onto the stack so that the next alloc pops them in their old order: a run of
+        # consecutive pages comes back as a run (one slice to copy, one frame to send).
+        self._free.extend(reversed(indices))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from engine.outputs import FinishReason, TokenLogprobs
 from engine.prefix_cache import CachedBlock
 from engine.sampling_params import SamplingParams
+
+
+class Hold(Protocol):
+    @property
+    def done(self) -> bool: ...
 
 
 class Status(enum.Enum):
@@ -39,6 +45,9 @@ class Request:
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     # Prefix-cache blocks this request holds (locked); their pages are kv_pages[: k * pages_per_block].
     cached_blocks: list[CachedBlock] = field(default_factory=list)
+    # Something still reading this request's pages and slot in place (a disaggregated prefill's
+    # zero-copy sends): while `hold.done` is False, releasing the request defers giving them back.
+    hold: Hold | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -29,7 +29,7 @@ from engine.forward_metadata import ScheduledBatch, TrackPoint
 from engine.memory import IndexPool, OutOfMemory
 from engine.outputs import FinishReason
 from engine.prefix_cache import PrefixCache
-from engine.request import Request, Status
+from engine.request import Hold, Request, Status
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +61,8 @@ class Scheduler:
         self.num_preemptions = 0
         # (request, block index, block key, checkpoint slot) awaiting this step's forward
         self._pending_blocks: list[tuple[Request, int, int, int]] = []
+        # What released requests still held (Request.hold): (hold, pages, slot, cached blocks)
+        self.held: list[tuple[Hold, list[int], int, list]] = []
 
     # -- queue management -------------------------------------------------------------------
 
@@ -121,9 +123,22 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def release_held(self) -> None:
+        """Give back the pages and slots of released requests whose holds are done."""
+        if not self.held:
+            return
+        still = []
+        for hold, pages, slot, blocks in self.held:
+            if hold.done:
+                self._free(pages, slot, blocks)
+            else:
+                still.append((hold, pages, slot, blocks))
+        self.held = still
+
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
+        self.release_held()
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         decodes: list[tuple[Request, int]] = []
@@ -325,14 +340,20 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
+        pages, slot, blocks = req.kv_pages, req.mamba_slot, req.cached_blocks
+        req.kv_pages, req.mamba_slot, req.cached_blocks = [], 0, []
+        if req.hold is not None and not req.hold.done:
+            self.held.append((req.hold, pages, slot, blocks))
+        else:
+            self._free(pages, slot, blocks)
+        req.hold = None
+
+    def _free(self, pages: list[int], slot: int, blocks: list) -> None:
         shared = 0
-        if req.cached_blocks:
-            self.prefix_cache.release(req.cached_blocks)
-            shared = len(req.cached_blocks) * self.prefix_cache.pages_per_block
-            req.cached_blocks = []
-        if req.kv_pages:
-            self.pages.free(req.kv_pages[shared:])
-            req.kv_pages = []
-        if req.mamba_slot:
-            self.slots.free([req.mamba_slot])
-            req.mamba_slot = 0
+        if blocks:
+            self.prefix_cache.release(blocks)
+            shared = len(blocks) * self.prefix_cache.pages_per_block
+        if pages:
+            self.pages.free(pages[shared:])
+        if slot:
+            self.slots.free([slot])

@@ -121,7 +121,7 @@ def test_pair_is_token_identical_to_colocated_and_frees_everything(base_model):
     install_pages = decoder.engine.install_pages
 
     def counting_install_pages(request_id, first_page, k_pages, v_pages):
-        installed_pages.extend((request_id, first_page + i) for i in range(k_pages.shape[1]))
+        installed_pages.extend((request_id, first_page + i) for i in range(k_pages[0].shape[0]))
         return install_pages(request_id, first_page, k_pages, v_pages)
 
     decoder.engine.install_pages = counting_install_pages
@@ -312,3 +312,50 @@ def test_mamba_state_pushed_ahead_and_a_lost_part_fails_cleanly(base_model, monk
         assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
     prefill.close()
     decoder.close()
+
+
+class Hold:
+    def __init__(self):
+        self.done = False
+
+
+def test_held_pages_and_slot_outlive_the_request_until_the_hold_is_done(base_model):
+    """A zero-copy send reads the pool in place: a finished (or aborted) request whose hold is
+    not done keeps its pages and slot out of the free lists, so no new request can overwrite
+    them, and gives them back on the first step after the hold is done."""
+    model_dir, _ = base_model
+    engine = Engine(model_dir, page_size=4)
+    prompt = list(range(3, 40))  # 37 tokens: 10 pages of 4
+    holds = {"finished": Hold(), "aborted": Hold()}
+    for rid, hold in holds.items():
+        max_tokens = 1 if rid == "finished" else 4
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        engine.requests[rid].hold = hold
+    engine.step()  # both prefill; "finished" samples its one token and finishes
+    assert "finished" not in engine.requests
+    held_pages = set(engine.requests["aborted"].kv_pages)
+    engine.abort_request("aborted")
+    assert engine.stats().kv_pages_used == 20 and engine.stats().mamba_slots_used == 2
+    engine.add_request("next", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert not held_pages & set(engine.requests["next"].kv_pages)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().kv_pages_used == 20
+    holds["finished"].done = True
+    engine.step()  # nothing to run: the step still gives back what is no longer held
+    assert engine.stats().kv_pages_used == 10 and engine.stats().mamba_slots_used == 1
+    holds["aborted"].done = True
+    engine.step()
+    assert engine.stats().kv_pages_used == 0 and engine.stats().mamba_slots_used == 0
+
+
+def test_pages_freed_as_a_run_come_back_as_a_run():
+    from engine.memory import IndexPool
+
+    pool = IndexPool(16, "pages")
+    first = pool.alloc(5)
+    assert first == [1, 2, 3, 4, 5]
+    pool.alloc(2)
+    pool.free(first)
+    assert pool.alloc(5) == first  # one slice to copy and one frame to send, not five
