@@ -306,10 +306,11 @@ class PrefillWorker:
         header, mac, *payload = encode(
             message(tensors=specs), [t for _, t in tensors], self.config.secret
         )
-        if track:
-            payload = [zmq.Frame(p, copy=False, track=True) for p in payload]
-            if payload:
-                r.sends.add(zmq.MessageTracker(*payload))
+        if track and payload:
+            # ZMQ writes a message's frames in order and releases each once written, so the
+            # last frame's release means the whole message is off the pool.
+            payload[-1] = zmq.Frame(payload[-1], copy=False, track=True)
+            r.sends.add(payload[-1].tracker)
         self.socket.send_multipart([r.peer, header, mac, *payload], copy=False)
         self.counters.bytes_total += sum(t.numel() * t.element_size() for _, t in tensors)
 

@@ -17,6 +17,7 @@ Room state machine (both sides):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import warnings
@@ -170,9 +171,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
 def _to_plain(value: Any) -> Any:
     if hasattr(value, "__dataclass_fields__"):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in fields(value)}
+        return {name: _to_plain(getattr(value, name)) for name in _field_names(type(value))}
     if isinstance(value, list):
         return [_to_plain(v) for v in value]
     if isinstance(value, dict):
@@ -217,7 +223,9 @@ def _frame(t: torch.Tensor) -> memoryview | bytes:
     """A tensor's bytes without a copy on the host; a GPU tensor is first copied down once."""
     if not t.numel():
         return b""
-    return memoryview(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.detach().cpu().contiguous()
+    return memoryview(t.detach().view(torch.uint8).numpy()).cast("B")
 
 
 def encode(
