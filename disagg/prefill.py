@@ -42,6 +42,11 @@ logger = logging.getLogger("baton.disagg.prefill")
 # K/V bytes per message: small enough that the decode side installs one while the next is on
 # the wire, large enough that per-message overhead stays negligible.
 PUSH_BYTES = 4 << 20
+# Mamba state per message: it is all ready at once when the prefill ends and is most of what a
+# short prompt moves, so smaller messages (about one layer each) let the decode side install
+# layer i while the next is on the wire (-20% handover time at 128..512 tokens on the 110M config
+# than with 4 MiB groups, in alternated runs of bench.transfer).
+MAMBA_PUSH_BYTES = 1 << 20
 
 
 class PendingSends:
@@ -279,14 +284,14 @@ class PrefillWorker:
             r.pages_sent = end
 
     def _push_mamba(self, r: PrefillRoom, req) -> None:
-        """Send the final conv + SSM state in groups of layers of ~PUSH_BYTES each."""
+        """Send the final conv + SSM state in groups of layers of ~MAMBA_PUSH_BYTES each."""
         cache = self.engine.cache
         layers = cache.conv.shape[0]
         layer_bytes = (
             cache.conv[0, 0].numel() * cache.conv.element_size()
             + cache.ssm[0, 0].numel() * cache.ssm.element_size()
         )
-        step = max(1, PUSH_BYTES // max(layer_bytes, 1))
+        step = max(1, MAMBA_PUSH_BYTES // max(layer_bytes, 1))
         for first in range(0, layers, step):
             conv, ssm = self.engine.export_mamba(req, first, min(first + step, layers))
             message = functools.partial(MambaChunk, room=r.room, first_layer=first)
