@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import msgpack
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: K/V and Mamba chunks carry one frame per layer
 
 
 class ProtocolError(ValueError):
@@ -127,7 +127,8 @@ class StateTransfer:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class KVChunk:
     """prefill -> decode: K/V pages completed by a prefill chunk, sent while the prompt's later
-    chunks still compute (frames: k pages, v pages)."""
+    chunks still compute (frames: k of each attention layer, then v of each, every one
+    (n, page, kv_heads, head_dim); on a CPU pool they are sent straight from it)."""
 
     tag: ClassVar[str] = "kv"
     room: str
@@ -138,9 +139,9 @@ class KVChunk:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MambaChunk:
     """prefill -> decode: the final conv + SSM state of Mamba layers first_layer.. (frames: conv
-    (n, conv_dim, K-1), ssm (n, heads, head_dim, d_state)), pushed ahead of the StateTransfer so
-    the decode side installs one group while the next is on the wire. A StateTransfer whose
-    conv/ssm carry no layers means all of them came this way."""
+    (conv_dim, K-1) of each layer, then ssm (heads, head_dim, d_state) of each), pushed ahead of
+    the StateTransfer so the decode side installs one group while the next is on the wire. A
+    StateTransfer whose conv/ssm carry no layers means all of them came this way."""
 
     tag: ClassVar[str] = "mamba"
     room: str
@@ -247,12 +248,13 @@ def decode(frames: list[bytes], secret: bytes | None = None) -> tuple[Message, l
         raw = msgpack.unpackb(header, raw=False, strict_map_key=False)
     except Exception as error:
         raise ProtocolError(f"header is not msgpack: {error}") from None
-    if (
-        not isinstance(raw, dict)
-        or raw.get("v") != PROTOCOL_VERSION
-        or raw.get("type") not in MESSAGES
-    ):
+    if not isinstance(raw, dict) or raw.get("type") not in MESSAGES:
         raise ProtocolError("header is not a baton disaggregation message")
+    if raw.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"peer speaks disaggregation protocol {raw.get('v')!r}, this worker {PROTOCOL_VERSION}"
+            " (run the same baton version on both sides)"
+        )
     message = _parse(raw["type"], raw.get("body"))
     tensors = []
     if isinstance(message, WITH_TENSORS):

@@ -12,6 +12,7 @@ import zmq
 from disagg.decode import DecodeWorker
 from disagg.prefill import PrefillWorker
 from disagg.protocol import (
+    PROTOCOL_VERSION,
     Abort,
     Heartbeat,
     MambaChunk,
@@ -74,7 +75,9 @@ def test_wrong_secret_and_wrong_schema_are_rejected():
         decode(frames, secret=b"b")
     import msgpack
 
-    bad = msgpack.packb({"v": 1, "type": "abort", "body": {"room": "r", "reason": "x", "extra": 1}})
+    bad = msgpack.packb(
+        {"v": PROTOCOL_VERSION, "type": "abort", "body": {"room": "r", "reason": "x", "extra": 1}}
+    )
     with pytest.raises(ProtocolError, match="fields"):
         decode([bad, b""])
 
@@ -359,3 +362,12 @@ def test_pages_freed_as_a_run_come_back_as_a_run():
     pool.alloc(2)
     pool.free(first)
     assert pool.alloc(5) == first  # one slice to copy and one frame to send, not five
+
+
+def test_other_protocol_version_is_rejected_by_name():
+    import msgpack
+
+    old = PROTOCOL_VERSION - 1
+    header = msgpack.packb({"v": old, "type": "abort", "body": {"room": "r", "reason": "x"}})
+    with pytest.raises(ProtocolError, match=f"protocol {old}, this worker {PROTOCOL_VERSION}"):
+        decode([header, b""])
