@@ -6,7 +6,10 @@
 #
 # Each step has its own time limit, so a hang costs that step only; logs and JSON land in $OUT.
 # pyzmq is the only package the GPU tests need beyond torch/triton/transformers/msgpack
-# (tests/gpu/test_disagg_gpu.py skips without it).
+# (tests/gpu/test_disagg_gpu.py skips without it). On a machine without a registry, carry its
+# wheel: here `pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation
+# cp --platform manylinux_2_28_x86_64 -d .whl pyzmq`, there `pip install --no-index --no-deps
+# --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site` before this script.
 set -u
 out=${OUT:-/tmp/baton-gpu}
 py=${PYTHON:-python3}
