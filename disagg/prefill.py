@@ -2,9 +2,11 @@
 
 A room needs two things before its state can leave: the request itself (from the router via
 this worker's server) and the decode engine's Register (which says where the state goes and
-proves the two engines are compatible). They arrive in either order. Once the prefill has
-sampled the first token, the engine snapshots K/V pages and Mamba state (then frees its own pages
-and slot) and the snapshot is pushed as soon as the room is registered.
+proves the two engines are compatible). They arrive in either order. K/V pages stream as the
+prefill computes them; once it has sampled the first token, a registered room gets the rest of
+the pages and the Mamba state straight from the pools (the request's pages and slot are held
+until ZMQ has sent them), then a StateTransfer with the first token. A room not yet registered
+gets a snapshot (copies) instead, pushed once it registers.
 """
 
 from __future__ import annotations
@@ -210,9 +212,9 @@ class PrefillWorker:
 
     def _prefilled(self, r: PrefillRoom, req) -> None:
         """The prefill finished. When the decode side is registered and the send is due now,
-        push the remaining K/V pages at once in page batches (each batch is on the wire while
-        the next is gathered, and the decode side installs one while the next arrives); then
-        snapshot what is left: the Mamba state and the prefix-cache checkpoints."""
+        push the remaining K/V pages and the Mamba state at once in batches (the decode side
+        installs one while the next is on the wire); then snapshot what is left: the first
+        token and the prefix-cache checkpoints (and everything, if nothing was pushed)."""
         pushed = r.peer is not None and not self.faults.delay_ms
         if pushed:
             self._push_pages(r)

@@ -224,9 +224,10 @@ def _frame(t: torch.Tensor) -> memoryview | bytes:
     """A tensor's bytes without a copy on the host; a GPU tensor is first copied down once."""
     if not t.numel():
         return b""
+    t = t.detach()
     if t.device.type != "cpu" or not t.is_contiguous():
-        t = t.detach().cpu().contiguous()
-    return memoryview(t.detach().view(torch.uint8).numpy()).cast("B")
+        t = t.cpu().contiguous()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
 def encode(

@@ -82,6 +82,17 @@ def test_wrong_secret_and_wrong_schema_are_rejected():
         decode([bad, b""])
 
 
+def colocated_tokens(engine, prompts, params) -> dict[str, list[int]]:
+    """Request id ("r0", "r1", ...) -> tokens, all prompts run together on one engine."""
+    expect: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            expect.setdefault(d.request_id, []).extend(d.new_token_ids)
+    return expect
+
+
 def run_pair(prefill, decoder, prompts, params, timeout=20.0, registered_first=False):
     """registered_first: let every Register reach the prefill worker before it computes (the
     usual order in production, where the router contacts the decode worker first)."""
@@ -110,12 +121,7 @@ def test_pair_is_token_identical_to_colocated_and_frees_everything(base_model):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (1, 6, 45, 130)]
     colocated = Engine(model_dir, page_size=4)
-    expect = {}
-    for i, p in enumerate(prompts):
-        colocated.add_request(f"r{i}", p, params)
-    while colocated.has_unfinished_requests():
-        for d in colocated.step():
-            expect.setdefault(d.request_id, []).extend(d.new_token_ids)
+    expect = colocated_tokens(colocated, prompts, params)
     prefill = PrefillWorker(
         Engine(model_dir, page_size=4, chunked_prefill_size=32), config("prefill"), ctx
     )
@@ -286,12 +292,7 @@ def test_mamba_state_pushed_ahead_and_a_lost_part_fails_cleanly(base_model, monk
     prefill = PrefillWorker(Engine(model_dir, page_size=4), config("prefill"), ctx)
     decoder = DecodeWorker(Engine(model_dir, page_size=4), config("decode"), ctx)
     colocated = Engine(model_dir, page_size=4)
-    expect = {}
-    for i, p in enumerate(prompts):
-        colocated.add_request(f"r{i}", p, params)
-    while colocated.has_unfinished_requests():
-        for d in colocated.step():
-            expect.setdefault(d.request_id, []).extend(d.new_token_ids)
+    expect = colocated_tokens(colocated, prompts, params)
     sent = []
     send = prefill.socket.send_multipart
 

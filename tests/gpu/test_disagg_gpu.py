@@ -17,7 +17,7 @@ from disagg.decode import DecodeWorker  # noqa: E402
 from disagg.prefill import PrefillWorker  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from tests.test_disagg_unit import config, run_pair  # noqa: E402
+from tests.test_disagg_unit import colocated_tokens, config, run_pair  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,12 +32,7 @@ def test_cuda_pair_is_token_identical_to_colocated(base_model, dtype):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (1, 6, 45, 130)]
     colocated = Engine(model_dir, **args, chunked_prefill_size=32)
-    expect = {}
-    for i, p in enumerate(prompts):
-        colocated.add_request(f"r{i}", p, params)
-    while colocated.has_unfinished_requests():
-        for d in colocated.step():
-            expect.setdefault(d.request_id, []).extend(d.new_token_ids)
+    expect = colocated_tokens(colocated, prompts, params)
     ctx = zmq.Context()
     prefill = PrefillWorker(
         Engine(model_dir, **args, chunked_prefill_size=32), config("prefill"), ctx
