@@ -12,7 +12,6 @@ gets a snapshot (copies) instead, pushed once it registers.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import random
 from dataclasses import dataclass, field
@@ -31,8 +30,8 @@ from disagg.protocol import (
     StateTransfer,
     TensorSpec,
     decode,
-    dtype_name,
     encode,
+    tensor_specs,
 )
 from disagg.rooms import DisaggConfig, FaultInjection, RoomState, TransferCounters, compat_of, now
 from engine.handover import RequestState
@@ -94,6 +93,7 @@ class PrefillWorker:
     counters: TransferCounters = field(default_factory=TransferCounters)
     faults: FaultInjection = field(default_factory=FaultInjection.from_env)
     failures: list[tuple[str, str]] = field(default_factory=list)  # (request_id, message)
+    mamba_groups: list | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.socket = self.context.socket(zmq.ROUTER)
@@ -237,7 +237,7 @@ class PrefillWorker:
                 del self.rooms[r.room]
                 continue
             s = self._needed_part(r)
-            tensors = [
+            named = [
                 ("k_pages", s.k_pages),
                 ("v_pages", s.v_pages),
                 ("conv", s.conv),
@@ -245,16 +245,16 @@ class PrefillWorker:
                 ("checkpoint_conv", s.checkpoint_conv),
                 ("checkpoint_ssm", s.checkpoint_ssm),
             ]
-            message = functools.partial(
-                StateTransfer,
+            message = StateTransfer(
                 room=r.room,
                 num_prompt_tokens=s.num_prompt_tokens,
                 first_page=s.first_page,
                 first_block=s.first_block,
                 first_token=s.first_token,
                 first_logprobs=s.first_logprobs,
+                tensors=tensor_specs(named),
             )
-            self._send_tensors(r, message, tensors)
+            self._send_tensors(r, message, [t for _, t in named], track=False)  # copies
             self.counters.transfers_ok += 1
             r.state = "success"
             del self.rooms[r.room]
@@ -272,54 +272,61 @@ class PrefillWorker:
         cache = self.engine.cache
         page_bytes = sum(2 * t[: cache.page_size].numel() * t.element_size() for t in cache.k)
         batch = max(1, PUSH_BYTES // page_bytes) if page_bytes else None
-        while True:
-            exported = self.engine.export_pages(r.request_id, r.pages_sent, batch)
-            if exported is None:
-                return
+        chunks = []
+        while (exported := self.engine.export_pages(r.request_id, r.pages_sent, batch)) is not None:
             end, k, v = exported
-            message = functools.partial(KVChunk, room=r.room, first_page=r.pages_sent)
             named = [(f"k{i}", t) for i, t in enumerate(k)] + [
                 (f"v{i}", t) for i, t in enumerate(v)
             ]
-            self._send_tensors(r, message, named, track=True)
-            self.counters.kv_chunks += 1
+            message = KVChunk(room=r.room, first_page=r.pages_sent, tensors=tensor_specs(named))
+            chunks.append((message, [t for _, t in named]))
             r.pages_sent = end
+        for i, (message, tensors) in enumerate(chunks):
+            self._send_tensors(r, message, tensors, track=i == len(chunks) - 1)
+        self.counters.kv_chunks += len(chunks)
 
     def _push_mamba(self, r: PrefillRoom, req) -> None:
         """Send the final conv + SSM state in groups of layers of ~MAMBA_PUSH_BYTES each."""
-        cache = self.engine.cache
-        layers = cache.conv.shape[0]
-        layer_bytes = (
-            cache.conv[0, 0].numel() * cache.conv.element_size()
-            + cache.ssm[0, 0].numel() * cache.ssm.element_size()
-        )
-        step = max(1, MAMBA_PUSH_BYTES // max(layer_bytes, 1))
-        for first in range(0, layers, step):
-            conv, ssm = self.engine.export_mamba(req, first, min(first + step, layers))
-            message = functools.partial(MambaChunk, room=r.room, first_layer=first)
-            named = [(f"conv{first + i}", t) for i, t in enumerate(conv)]
-            named += [(f"ssm{first + i}", t) for i, t in enumerate(ssm)]
-            self._send_tensors(r, message, named, track=True)
+        groups = self._mamba_groups()
+        for first, end, specs in groups:
+            conv, ssm = self.engine.export_mamba(req, first, end)
+            self._send_tensors(
+                r,
+                MambaChunk(room=r.room, first_layer=first, tensors=specs),
+                [*conv, *ssm],
+                track=end == groups[-1][1],
+            )
 
-    def _send_tensors(
-        self, r: PrefillRoom, message, tensors: list[tuple[str, object]], track: bool = False
-    ) -> None:
-        """Send `message(tensors=specs)` to the room's decode side with the named tensors as
-        zero-copy frames. `track`: they may be views of the engine's pools, which the room's
-        PendingSends (the request's hold) keeps in place until ZMQ has sent them."""
-        specs = [
-            TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in tensors
-        ]
-        header, mac, *payload = encode(
-            message(tensors=specs), [t for _, t in tensors], self.config.secret
-        )
+    def _mamba_groups(self) -> list[tuple[int, int, list[TensorSpec]]]:
+        """(first layer, end layer, frame specs) of each MambaChunk: the same for every room."""
+        if self.mamba_groups is not None:
+            return self.mamba_groups
+        cache = self.engine.cache
+        layers, groups = cache.conv.shape[0], []
+        if layers:
+            conv, ssm = cache.conv[0, 0], cache.ssm[0, 0]
+            step = max(1, MAMBA_PUSH_BYTES // (conv.nbytes + ssm.nbytes))
+            for first in range(0, layers, step):
+                end = min(first + step, layers)
+                named = [(f"conv{i}", conv) for i in range(first, end)]
+                named += [(f"ssm{i}", ssm) for i in range(first, end)]
+                groups.append((first, end, tensor_specs(named)))
+        self.mamba_groups = groups
+        return groups
+
+    def _send_tensors(self, r: PrefillRoom, message, tensors: list, track: bool) -> None:
+        """Send `message` to the room's decode side with its tensors as zero-copy frames.
+
+        They may be views of the engine's pools, which the room's PendingSends (the request's
+        hold) keeps in place until ZMQ has sent them: every batch of such messages ends with a
+        tracked one (`track`). ZMQ writes, then releases, the messages to one peer in order, so
+        the last one's release means that all before it are off the pools too."""
+        header, mac, *payload = encode(message, tensors, self.config.secret)
+        self.counters.bytes_total += sum(len(f) for f in payload)
         if track and payload:
-            # ZMQ writes a message's frames in order and releases each once written, so the
-            # last frame's release means the whole message is off the pool.
             payload[-1] = zmq.Frame(payload[-1], copy=False, track=True)
             r.sends.add(payload[-1].tracker)
         self.socket.send_multipart([r.peer, header, mac, *payload], copy=False)
-        self.counters.bytes_total += sum(t.numel() * t.element_size() for _, t in tensors)
 
     def _needed_part(self, r: PrefillRoom) -> RequestState:
         """Skip what the decode engine caches; send block checkpoints only when both sides cut

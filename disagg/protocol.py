@@ -172,27 +172,29 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def tensor_specs(named: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+    """The header's description of each (name, tensor) frame."""
+    return [TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in named]
+
+
 @functools.cache
 def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
-def _to_plain(value: Any) -> Any:
-    if hasattr(value, "__dataclass_fields__"):
-        return {name: _to_plain(getattr(value, name)) for name in _field_names(type(value))}
-    if isinstance(value, list):
-        return [_to_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
-    return value
+def _plain(value: Any) -> dict:
+    """msgpack's hook for the message dataclasses (msgpack itself recurses into the fields)."""
+    if not hasattr(value, "__dataclass_fields__"):
+        raise TypeError(f"cannot encode {type(value).__name__}")
+    return {name: getattr(value, name) for name in _field_names(type(value))}
 
 
 def _check(cls, raw: Any, where: str):
     """Build dataclass `cls` from a msgpack map, checking that the keys match exactly."""
     if not isinstance(raw, dict):
         raise ProtocolError(f"{where}: expected a map, got {type(raw).__name__}")
-    names = {f.name for f in fields(cls)}
-    if set(raw) != names:
+    names = _field_names(cls)
+    if len(raw) != len(names) or any(name not in raw for name in names):
         raise ProtocolError(f"{where}: fields {sorted(raw)} do not match {sorted(names)}")
     return raw
 
@@ -234,7 +236,9 @@ def encode(
     message: Message, tensors: list[torch.Tensor] = (), secret: bytes | None = None
 ) -> list[Any]:
     """Frames for `send_multipart(copy=False)`: header, mac, then the raw tensor bytes."""
-    header = msgpack.packb({"v": PROTOCOL_VERSION, "type": message.tag, "body": _to_plain(message)})
+    header = msgpack.packb(
+        {"v": PROTOCOL_VERSION, "type": message.tag, "body": message}, default=_plain
+    )
     payload = [_frame(t) for t in tensors]
     return [header, _mac(secret, [header, *payload]), *payload]
 
@@ -275,16 +279,19 @@ def decode(frames: list[bytes], secret: bytes | None = None) -> tuple[Message, l
     return message, tensors
 
 
+# Received frames are read-only and the tensors over them are only ever copied from (into the
+# pools); torch warns on every such tensor, which would also cost a catch_warnings per frame.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
 def _view(frame, dtype: torch.dtype) -> torch.Tensor:
     """A read-only tensor over the received frame, no copy (the receiver copies it into its
     pools anyway, and the tensor keeps the frame alive)."""
     if not len(frame):
         return torch.empty(0, dtype=dtype)
-    if len(frame) % torch.empty((), dtype=dtype).element_size():
+    if len(frame) % dtype.itemsize:
         raise ProtocolError(f"frame of {len(frame)} bytes is not a whole number of {dtype} values")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(frame, dtype=dtype)
+    return torch.frombuffer(frame, dtype=dtype)
 
 
 def _numel(shape: list[int]) -> int:

@@ -180,9 +180,10 @@ class HandoverMixin:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The request's conv and SSM state for Mamba layers [first_layer, end_layer), one tensor
         per layer: views of the pool (the caller keeps the slot until it has sent them)."""
-        layers = range(first_layer, end_layer)
-        slot = req.mamba_slot
-        return [self.cache.conv[i, slot] for i in layers], [self.cache.ssm[i, slot] for i in layers]
+        layers, slot = slice(first_layer, end_layer), req.mamba_slot
+        return list(self.cache.conv[layers, slot].unbind(0)), list(
+            self.cache.ssm[layers, slot].unbind(0)
+        )
 
     def install_mamba(
         self,

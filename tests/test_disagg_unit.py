@@ -115,8 +115,16 @@ def run_pair(prefill, decoder, prompts, params, timeout=20.0, registered_first=F
     return got
 
 
-def test_pair_is_token_identical_to_colocated_and_frees_everything(base_model):
+@pytest.mark.parametrize("one_layer_messages", [False, True])
+def test_pair_is_token_identical_to_colocated_and_frees_everything(
+    base_model, monkeypatch, one_layer_messages
+):
+    """one_layer_messages: every K/V push carries one page and every Mamba push one layer, so a
+    room's state crosses in many messages, of which only the last of each batch is tracked."""
     model_dir, _ = base_model
+    if one_layer_messages:
+        monkeypatch.setattr("disagg.prefill.PUSH_BYTES", 1)
+        monkeypatch.setattr("disagg.prefill.MAMBA_PUSH_BYTES", 1)
     ctx = zmq.Context()
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (1, 6, 45, 130)]
@@ -134,8 +142,23 @@ def test_pair_is_token_identical_to_colocated_and_frees_everything(base_model):
         return install_pages(request_id, first_page, k_pages, v_pages)
 
     decoder.engine.install_pages = counting_install_pages
-    assert run_pair(prefill, decoder, prompts, params) == expect
+    installed_layers = []
+    install_mamba = decoder.engine.install_mamba
+
+    def counting_install_mamba(request_id, first_layer, conv, ssm):
+        installed_layers.extend((request_id, first_layer + i) for i in range(len(conv)))
+        return install_mamba(request_id, first_layer, conv, ssm)
+
+    decoder.engine.install_mamba = counting_install_mamba
+    got = run_pair(prefill, decoder, prompts, params, registered_first=one_layer_messages)
+    assert got == expect
     assert decoder.take_failures() == [] and prefill.take_failures() == []
+    if one_layer_messages:  # every room was registered in time: its state was pushed
+        layers = decoder.engine.cache.conv.shape[0]
+        assert sorted(installed_layers) == sorted(
+            (f"r{i}", layer) for i in range(len(prompts)) for layer in range(layers)
+        )
+        assert prefill.counters.kv_chunks >= sum(-(-len(p) // 4) for p in prompts)
     # The 130-token prompt prefills in 32-token chunks: its pages streamed ahead of the state.
     assert prefill.counters.kv_chunks >= 3
     # ... and each page crossed the wire exactly once (the final message carries only the rest).
