@@ -279,8 +279,8 @@ def decode(frames: list[bytes], secret: bytes | None = None) -> tuple[Message, l
     return message, tensors
 
 
-# Received frames are read-only and the tensors over them are only ever copied from (into the
-# pools); torch warns on every such tensor, which would also cost a catch_warnings per frame.
+# Received frames are read-only, and the tensors over them are only ever copied from (into the
+# pools). torch warns about such tensors: one filter here, not a catch_warnings per frame.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
