@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--config", default="110m", choices=["19m", "110m"])
     ap.add_argument("--lengths", default="128,512,1024,2048,4096")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--repeats", type=int, default=9, help="handovers (and raw runs) per length")
+    ap.add_argument("--repeats", type=int, default=15, help="handovers (and raw runs) per length")
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads (default: torch's choice)"
     )
