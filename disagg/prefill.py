@@ -135,14 +135,14 @@ class PrefillWorker:
     def has_unfinished_requests(self) -> bool:
         return (
             self.engine.has_unfinished_requests()
-            or bool(self.engine.scheduler.held)  # pages and slots wait for their sends
+            or self.engine.has_held()  # pages and slots wait for their sends
             or any(r.snapshot is not None for r in self.rooms.values())
         )
 
     def step(self):
         self.poll()
         deltas = self.engine.step() if self.engine.has_unfinished_requests() else []
-        self.engine.scheduler.release_held()
+        self.engine.release_held()
         self._stream_pages()
         self._flush()
         self.poll()  # heartbeats that arrived during a long step count before leases expire

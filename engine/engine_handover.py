@@ -124,6 +124,15 @@ class HandoverMixin:
 
     # -- disaggregation: prefill side ---------------------------------------------------------
 
+    def has_held(self) -> bool:
+        """Whether pages or slots of ended requests wait for their holds (sends in flight)."""
+        return bool(self.scheduler.held)
+
+    def release_held(self) -> None:
+        """Give back the held pages and slots whose holds are done (each step does it too; this
+        is for a worker that has no request to step)."""
+        self.scheduler.release_held()
+
     def _gather_pages(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K/V `pages` of every attention layer, (layers, n, page, kv_heads, head_dim),
         gathered straight into one tensor each (the wire frames)."""
