@@ -15,6 +15,14 @@ from engine.request import Request, Status
 from engine.sampling_params import SamplingParams
 
 
+def _run_length(pages: list[int]) -> int:
+    """How many of `pages` from the first on are consecutive pool pages (one slice of a pool)."""
+    run = 1
+    while run < len(pages) and pages[run] == pages[0] + run:
+        run += 1
+    return run
+
+
 class HandoverMixin:
     """Needs from Engine: requests, detokenizers, scheduler, cache, prefix_cache, device,
     _new_request and _append_token."""
@@ -89,7 +97,7 @@ class HandoverMixin:
             return
         ps = self.cache.page_size
         pages = req.kv_pages[first_page : first_page + n]
-        if pages[-1] - pages[0] == n - 1:  # one run of pool pages: plain slice copies
+        if _run_length(pages) == n:  # one run of pool pages: plain slice copies
             rows = slice(pages[0] * ps, (pages[-1] + 1) * ps)
             for pool, src in zip((*self.cache.k, *self.cache.v), (*k_pages, *v_pages)):
                 pool[rows].view(n, ps, *pool.shape[1:]).copy_(src)
@@ -176,9 +184,7 @@ class HandoverMixin:
         if self.device.type != "cpu":
             k, v = self._gather_pages(pages)
             return end, list(k.unbind(0)), list(v.unbind(0))
-        run = 1
-        while run < len(pages) and pages[run] == pages[0] + run:
-            run += 1
+        run = _run_length(pages)
         rows = slice(pages[0] * ps, (pages[0] + run) * ps)
         k = [pool[rows].view(run, ps, *pool.shape[1:]) for pool in self.cache.k]
         v = [pool[rows].view(run, ps, *pool.shape[1:]) for pool in self.cache.v]

@@ -395,3 +395,23 @@ def test_other_protocol_version_is_rejected_by_name():
     header = msgpack.packb({"v": old, "type": "abort", "body": {"room": "r", "reason": "x"}})
     with pytest.raises(ProtocolError, match=f"protocol {old}, this worker {PROTOCOL_VERSION}"):
         decode([header, b""])
+
+
+def test_install_pages_puts_each_page_where_the_request_has_it(base_model):
+    """Pages that span a contiguous range out of order (3, 5, 4, 6) are not one run: each
+    streamed page must land in its own pool page, as with any scattered allocation."""
+    model_dir, _ = base_model
+    engine = Engine(model_dir, page_size=4)
+    engine.preallocate("r", list(range(3, 19)), SamplingParams(max_tokens=2))
+    req = engine.requests["r"]
+    first = min(req.kv_pages)
+    for order in ([0, 2, 1, 3], [0, 1, 2, 3], [3, 0, 1, 2]):
+        req.kv_pages = [first + i for i in order]
+        n, ps = 4, engine.cache.page_size
+        k = [torch.randn(n, ps, *pool.shape[1:]) for pool in engine.cache.k]
+        v = [torch.randn(n, ps, *pool.shape[1:]) for pool in engine.cache.v]
+        engine.install_pages("r", 0, k, v)
+        for pools, sent in ((engine.cache.k, k), (engine.cache.v, v)):
+            for pool, src in zip(pools, sent):
+                for i, page in enumerate(req.kv_pages):
+                    assert torch.equal(pool[page * ps : (page + 1) * ps], src[i]), (order, i)
