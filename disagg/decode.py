@@ -35,6 +35,12 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger("baton.disagg.decode")
 
 
+def _halves(tensors: list) -> tuple[list, list]:
+    """A chunk's frames: one per layer of the first kind (k, conv), then of the second (v, ssm)."""
+    half = len(tensors) // 2
+    return tensors[:half], tensors[half:]
+
+
 @dataclass
 class DecodeRoom:
     room: str
@@ -169,11 +175,8 @@ class DecodeWorker:
             r = self.rooms.get(message.room)
             if r is not None:
                 r.state = "transferring"
-                half = len(tensors) // 2  # k per attention layer, then v per layer
                 try:
-                    self.engine.install_pages(
-                        r.request_id, message.first_page, tensors[:half], tensors[half:]
-                    )
+                    self.engine.install_pages(r.request_id, message.first_page, *_halves(tensors))
                 except ValueError as error:
                     self._fail(r, str(error))
                     return
@@ -182,11 +185,10 @@ class DecodeWorker:
             r = self.rooms.get(message.room)
             if r is not None:
                 r.state = "transferring"
-                half = len(tensors) // 2  # conv per Mamba layer, then ssm per layer
-                conv, ssm = tensors[:half], tensors[half:]
+                conv, ssm = _halves(tensors)
                 try:
                     if self.engine.install_mamba(r.request_id, message.first_layer, conv, ssm):
-                        r.mamba_layers += half
+                        r.mamba_layers += len(conv)
                 except ValueError as error:
                     self._fail(r, str(error))
                     return

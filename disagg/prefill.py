@@ -67,6 +67,20 @@ class PendingSends:
         return all(t.done for t in self.trackers)
 
 
+def _mamba_groups(cache) -> list[tuple[int, int, list[TensorSpec]]]:
+    """(first layer, end layer, frame specs) of each MambaChunk: the same for every room."""
+    layers, groups = cache.conv.shape[0], []
+    if layers:
+        conv, ssm = cache.conv[0, 0], cache.ssm[0, 0]
+        step = max(1, MAMBA_PUSH_BYTES // (conv.nbytes + ssm.nbytes))
+        for first in range(0, layers, step):
+            end = min(first + step, layers)
+            named = [(f"conv{i}", conv) for i in range(first, end)]
+            named += [(f"ssm{i}", ssm) for i in range(first, end)]
+            groups.append((first, end, tensor_specs(named)))
+    return groups
+
+
 @dataclass
 class PrefillRoom:
     room: str
@@ -93,7 +107,6 @@ class PrefillWorker:
     counters: TransferCounters = field(default_factory=TransferCounters)
     faults: FaultInjection = field(default_factory=FaultInjection.from_env)
     failures: list[tuple[str, str]] = field(default_factory=list)  # (request_id, message)
-    mamba_groups: list | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.socket = self.context.socket(zmq.ROUTER)
@@ -105,6 +118,7 @@ class PrefillWorker:
             self.port = self.socket.bind_to_random_port(f"tcp://{self.config.host}")
         self.address = f"tcp://{self.config.host}:{self.port}"
         self.compat = compat_of(self.engine)
+        self.mamba_groups = _mamba_groups(self.engine.cache)
         self.rng = random.Random()
 
     # -- the engine interface ---------------------------------------------------------------
@@ -287,7 +301,7 @@ class PrefillWorker:
 
     def _push_mamba(self, r: PrefillRoom, req) -> None:
         """Send the final conv + SSM state in groups of layers of ~MAMBA_PUSH_BYTES each."""
-        groups = self._mamba_groups()
+        groups = self.mamba_groups
         for first, end, specs in groups:
             conv, ssm = self.engine.export_mamba(req, first, end)
             self._send_tensors(
@@ -296,23 +310,6 @@ class PrefillWorker:
                 [*conv, *ssm],
                 track=end == groups[-1][1],
             )
-
-    def _mamba_groups(self) -> list[tuple[int, int, list[TensorSpec]]]:
-        """(first layer, end layer, frame specs) of each MambaChunk: the same for every room."""
-        if self.mamba_groups is not None:
-            return self.mamba_groups
-        cache = self.engine.cache
-        layers, groups = cache.conv.shape[0], []
-        if layers:
-            conv, ssm = cache.conv[0, 0], cache.ssm[0, 0]
-            step = max(1, MAMBA_PUSH_BYTES // (conv.nbytes + ssm.nbytes))
-            for first in range(0, layers, step):
-                end = min(first + step, layers)
-                named = [(f"conv{i}", conv) for i in range(first, end)]
-                named += [(f"ssm{i}", ssm) for i in range(first, end)]
-                groups.append((first, end, tensor_specs(named)))
-        self.mamba_groups = groups
-        return groups
 
     def _send_tensors(self, r: PrefillRoom, message, tensors: list, track: bool) -> None:
         """Send `message` to the room's decode side with its tensors as zero-copy frames.

@@ -194,7 +194,7 @@ def _check(cls, raw: Any, where: str):
     if not isinstance(raw, dict):
         raise ProtocolError(f"{where}: expected a map, got {type(raw).__name__}")
     names = _field_names(cls)
-    if len(raw) != len(names) or any(name not in raw for name in names):
+    if set(raw) != set(names):
         raise ProtocolError(f"{where}: fields {sorted(raw)} do not match {sorted(names)}")
     return raw
 
