@@ -106,6 +106,7 @@ class DecodeWorker:
             num_prompt_tokens=len(prompt_token_ids),
             cached_tokens=reserved.cached_tokens,
             track_interval=self.engine.track_interval,
+            transfer_timeout_s=self.config.transfer_timeout_s,
         )
         peer.socket.send_multipart(encode(register, secret=self.config.secret))
 
@@ -172,7 +173,7 @@ class DecodeWorker:
 
     def _handle(self, message, tensors) -> None:
         if isinstance(message, KVChunk):
-            r = self.rooms.get(message.room)
+            r = self._room_for(message)
             if r is not None:
                 r.state = "transferring"
                 try:
@@ -182,7 +183,7 @@ class DecodeWorker:
                     return
                 self.counters.bytes_total += sum(t.numel() * t.element_size() for t in tensors)
         elif isinstance(message, MambaChunk):
-            r = self.rooms.get(message.room)
+            r = self._room_for(message)
             if r is not None:
                 r.state = "transferring"
                 conv, ssm = _halves(tensors)
@@ -194,9 +195,10 @@ class DecodeWorker:
                     return
                 self.counters.bytes_total += sum(t.numel() * t.element_size() for t in tensors)
         elif isinstance(message, StateTransfer):
-            r = self.rooms.pop(message.room, None)
+            r = self._room_for(message)
             if r is None:
                 return  # aborted or timed out meanwhile
+            del self.rooms[r.room]
             k, v, conv, ssm, checkpoint_conv, checkpoint_ssm = tensors
             layers = self.engine.cache.conv.shape[0]
             if conv.shape[0] == 0 and r.mamba_layers != layers:
@@ -241,6 +243,21 @@ class DecodeWorker:
                 r = self.rooms.get(room)
                 if r is not None and now() - r.registered > self.config.heartbeat_interval_s:
                     self._fail(r, f"room {room}: the prefill worker has lost it")
+
+    def _room_for(self, message) -> DecodeRoom | None:
+        """The pending room a state message is for, or None: gone (aborted, failed), or past its
+        transfer timeout. Then the room fails here and now, whatever the timers say: after that
+        timeout the prefill engine may reuse the pages its unsent frames still read (Register
+        told it the timeout), so late frames may hold another request's state."""
+        r = self.rooms.get(message.room)
+        if r is not None and now() - r.registered > self.config.transfer_timeout_s:
+            self._fail(
+                r,
+                f"room {r.room}: state arrived after the transfer timeout "
+                f"({self.config.transfer_timeout_s:g} s)",
+            )
+            return None
+        return r
 
     def _heartbeat_and_expire(self) -> None:
         t = now()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -50,13 +51,24 @@ PUSH_BYTES = 4 << 20
 MAMBA_PUSH_BYTES = 1 << 20
 
 
+# How long past the decode side's transfer timeout (sent in its Register) the pages and slot of a
+# room whose sends it never read stay held: it has failed the room by then, and never installs
+# what arrives later (another request's state, once they are reused).
+HOLD_GRACE_S = 1.0
+
+
 class PendingSends:
     """The request's hold (engine Request.hold) while ZMQ still reads frames that are views of
     its pages and Mamba slot: the engine gives them back only once every tracked frame has left
-    (or was dropped with a dead peer's connection)."""
+    (or was dropped with a dead peer's connection), or once the decode side can no longer use
+    them: a decode worker that stopped reading (hung, or its socket full) while its connection
+    stays up would otherwise keep them forever."""
 
-    def __init__(self) -> None:
+    def __init__(self, room: str, counters: TransferCounters) -> None:
+        self.room, self.counters = room, counters
         self.trackers: list[zmq.MessageTracker] = []
+        self.deadline = math.inf  # set when the decode side registers
+        self.expired = False
 
     def add(self, tracker: zmq.MessageTracker) -> None:
         self.trackers = [t for t in self.trackers if not t.done]
@@ -64,7 +76,17 @@ class PendingSends:
 
     @property
     def done(self) -> bool:
-        return all(t.done for t in self.trackers)
+        if self.expired or all(t.done for t in self.trackers):
+            return True
+        if now() > self.deadline:
+            self.expired = True
+            self.counters.holds_expired += 1
+            logger.warning(
+                "room %s: the decode worker has not read its state within its transfer timeout;"
+                " giving the request's pages and slot back",
+                self.room,
+            )
+        return self.expired
 
 
 def _mamba_groups(cache) -> list[tuple[int, int, list[TensorSpec]]]:
@@ -85,6 +107,7 @@ def _mamba_groups(cache) -> list[tuple[int, int, list[TensorSpec]]]:
 class PrefillRoom:
     room: str
     created: float
+    sends: PendingSends
     state: RoomState = "bootstrapping"
     request_id: str | None = None
     peer: bytes | None = None  # ROUTER identity of the registered decode engine
@@ -92,8 +115,8 @@ class PrefillRoom:
     pages_sent: int = 0  # K/V pages already streamed (or cached by the decode engine)
     lease: float = 0.0  # last heartbeat
     snapshot: RequestState | None = None
+    ready_at: float | None = None  # prefill done and decode side registered
     send_at: float | None = None  # fault injection: delayed send
-    sends: PendingSends = field(default_factory=PendingSends)
 
 
 @dataclass
@@ -135,7 +158,7 @@ class PrefillWorker:
         # The prefill worker computes the prompt and the first token only.
         first_only = dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1)
         self.engine.add_request(request_id, prompt_token_ids, first_only)
-        r = self.rooms.setdefault(room, PrefillRoom(room=room, created=now()))
+        r = self._room(room)
         r.request_id = request_id
         self.engine.requests[request_id].hold = r.sends
         self.engine.finish_hooks[request_id] = lambda req, r=r: self._prefilled(r, req)
@@ -216,19 +239,31 @@ class PrefillWorker:
                 identity, Reject(room=message.room, message=f"incompatible workers: {mismatch}")
             )
             return
-        r = self.rooms.setdefault(message.room, PrefillRoom(room=message.room, created=now()))
+        r = self._room(message.room)
         r.peer, r.lease, r.registration = identity, now(), message
+        r.sends.deadline = now() + message.transfer_timeout_s + HOLD_GRACE_S
         r.pages_sent = max(r.pages_sent, message.cached_tokens // self.compat.page_size)
         if r.state == "bootstrapping":
             r.state = "waiting_for_input"
         if r.snapshot is not None:
+            r.ready_at = now()
             self._schedule_send(r)
+
+    def _room(self, room: str) -> PrefillRoom:
+        r = self.rooms.get(room)
+        if r is None:
+            r = self.rooms[room] = PrefillRoom(
+                room=room, created=now(), sends=PendingSends(room, self.counters)
+            )
+        return r
 
     def _prefilled(self, r: PrefillRoom, req) -> None:
         """The prefill finished. When the decode side is registered and the send is due now,
         push the remaining K/V pages and the Mamba state at once in batches (the decode side
         installs one while the next is on the wire); then snapshot what is left: the first
         token and the prefix-cache checkpoints (and everything, if nothing was pushed)."""
+        if r.peer is not None:
+            r.ready_at = now()
         pushed = r.peer is not None and not self.faults.delay_ms
         if pushed:
             self._push_pages(r)
@@ -270,6 +305,7 @@ class PrefillWorker:
             )
             self._send_tensors(r, message, [t for _, t in named], track=False)  # copies
             self.counters.transfers_ok += 1
+            self.counters.observe_latency(now() - r.ready_at)
             r.state = "success"
             del self.rooms[r.room]
 

@@ -27,7 +27,9 @@ from typing import Any, ClassVar
 import msgpack
 import torch
 
-PROTOCOL_VERSION = 2  # 2: K/V and Mamba chunks carry one frame per layer
+# 2: K/V and Mamba chunks carry one frame per layer. 3: Register carries the decode side's
+# transfer timeout (the prefill side keeps zero-copy sends' pages no longer than that).
+PROTOCOL_VERSION = 3
 
 
 class ProtocolError(ValueError):
@@ -66,6 +68,9 @@ class Register:
     num_prompt_tokens: int
     cached_tokens: int  # leading prompt tokens the decode engine caches itself: not sent
     track_interval: int  # decode engine's prefix-cache block size (0: no cache)
+    # The decode engine ignores this room's state once this long has passed since it registered
+    # (so the prefill engine may reuse pages that its sends for the room still read).
+    transfer_timeout_s: float
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from disagg.protocol import Compat, dtype_name
@@ -47,6 +48,11 @@ class FaultInjection:
         return self.drop_probability > 0 and rng.random() < self.drop_probability
 
 
+# Upper bounds (seconds) of the transfer latency histogram's buckets; the last is +Inf.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKET_KEY = "disagg_transfer_latency_le_"  # + the bound, in the stats dict
+
+
 @dataclass
 class TransferCounters:
     """Exported on /metrics by the server (`baton:disagg_*`)."""
@@ -55,12 +61,15 @@ class TransferCounters:
     transfers_ok: int = 0
     transfers_failed: int = 0
     kv_chunks: int = 0  # K/V page batches streamed ahead of the final state
-    latency_sum_s: float = 0.0  # register -> install, decode side
-    latency_count: int = 0
+    holds_expired: int = 0  # prefill side: sends a decode engine never read, given up on
+    # Decode side: register -> installed. Prefill side: state ready (prefill done and decode
+    # side registered) -> its last message handed to ZMQ.
+    latency_sum_s: float = 0.0
+    latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
 
     def observe_latency(self, seconds: float) -> None:
         self.latency_sum_s += seconds
-        self.latency_count += 1
+        self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
 
     def as_dict(self, rooms_by_state: dict[str, int]) -> dict[str, float | int]:
         out: dict[str, float | int] = {
@@ -68,9 +77,13 @@ class TransferCounters:
             "disagg_transfers_ok_total": self.transfers_ok,
             "disagg_transfers_failed_total": self.transfers_failed,
             "disagg_kv_chunks_total": self.kv_chunks,
+            "disagg_holds_expired_total": self.holds_expired,
             "disagg_transfer_latency_sum": self.latency_sum_s,
-            "disagg_transfer_latency_count": self.latency_count,
         }
+        cumulative = 0
+        for bound, count in zip((*LATENCY_BUCKETS, float("inf")), self.latency_counts):
+            cumulative += count
+            out[f"{LATENCY_BUCKET_KEY}{bound}"] = cumulative
         for state in ("bootstrapping", "waiting_for_input", "transferring"):
             out[f"disagg_rooms_{state}"] = rooms_by_state.get(state, 0)
         return out

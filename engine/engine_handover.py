@@ -154,7 +154,7 @@ class HandoverMixin:
             dst = torch.empty(
                 len(pool), len(pages), ps, *first.shape[1:], dtype=first.dtype, device=self.device
             )
-            for layer, src in enumerate(pool):
+            for layer, src in enumerate(pool if pages else ()):
                 torch.index_select(src.view(-1, ps, *src.shape[1:]), 0, index, out=dst[layer])
             out.append(dst)
         return out[0], out[1]
@@ -230,7 +230,8 @@ class HandoverMixin:
         num_pages = -(-len(req.prompt_ids) // self.cache.page_size)
         first_page = min(first_page, num_pages)
         k_pages, v_pages = self._gather_pages(req.kv_pages[first_page:num_pages])
-        slots = [b.checkpoint_slot for b in req.cached_blocks]
+        # The blocks' checkpoint slots (a list: indexing copies), or an empty slice when none.
+        slots = [b.checkpoint_slot for b in req.cached_blocks] or slice(0)
         return RequestState(
             num_prompt_tokens=len(req.prompt_ids),
             first_token=req.output_ids[0],

@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from disagg.rooms import LATENCY_BUCKET_KEY
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -96,14 +98,10 @@ _ENGINE_METRICS = {
         "Rooms whose state is on the wire.",
         "gauge",
     ),
-    "disagg_transfer_latency_sum": (
-        "baton:disagg_transfer_latency_seconds_sum",
-        "Total register-to-install latency.",
-        "counter",
-    ),
-    "disagg_transfer_latency_count": (
-        "baton:disagg_transfer_latency_seconds_count",
-        "Handovers timed.",
+    "disagg_holds_expired_total": (
+        "baton:disagg_holds_expired",
+        "Prefill side: handovers whose sends the decode worker never read within its transfer"
+        " timeout (their pages and slot were given back).",
         "counter",
     ),
 }
@@ -120,6 +118,20 @@ class EngineStatsCollector(Collector):
         for field, (name, doc, kind) in _ENGINE_METRICS.items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(name, doc, value=float(stats.get(field, 0)))
+        # A disaggregated worker's handover latencies, as cumulative counts per bucket bound.
+        buckets = sorted(
+            (float(key[len(LATENCY_BUCKET_KEY) :]), count)
+            for key, count in stats.items()
+            if key.startswith(LATENCY_BUCKET_KEY)
+        )
+        if buckets:
+            yield HistogramMetricFamily(
+                "baton:disagg_transfer_latency_seconds",
+                "Handover latency: decode side from register to installed, prefill side from"
+                " state ready to its last message queued.",
+                buckets=[("+Inf" if le == float("inf") else str(le), n) for le, n in buckets],
+                sum_value=stats.get("disagg_transfer_latency_sum", 0.0),
+            )
         queried = stats.get("prefix_cache_query_tokens", 0)
         yield GaugeMetricFamily(
             "baton:prefix_cache_hit_rate",

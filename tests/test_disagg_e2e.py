@@ -26,11 +26,11 @@ WORKER_FLAGS = (
 )
 
 
-def gauge(server, name: str) -> float:
+def gauge(server, name: str, **labels: str) -> float:
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name:
+            if sample.name == name and labels.items() <= sample.labels.items():
                 return sample.value
     raise KeyError(name)
 
@@ -113,6 +113,10 @@ def test_concurrent_requests_match_colocated_token_for_token(stack, colocated):
     ).text
     assert streamed.rstrip().endswith("data: [DONE]")
     assert gauge(stack["decode"], "baton:disagg_transfers_total") >= 17
+    for worker in (stack["prefill"], stack["decode"]):  # the handover latency histogram
+        count = gauge(worker, "baton:disagg_transfer_latency_seconds_count")
+        assert count >= 17 and gauge(worker, "baton:disagg_transfer_latency_seconds_sum") > 0
+        assert gauge(worker, "baton:disagg_transfer_latency_seconds_bucket", le="+Inf") == count
     for worker in (stack["prefill"], stack["decode"]):
         assert (
             gauge(worker, "baton:kv_pages_used") == 0

@@ -168,7 +168,9 @@ def test_pair_is_token_identical_to_colocated_and_frees_everything(
     for worker in (prefill, decoder):
         stats = worker.stats()
         assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
-        assert worker.extra_stats()["disagg_transfers_ok_total"] == len(prompts)
+        extra = worker.extra_stats()
+        assert extra["disagg_transfers_ok_total"] == len(prompts)
+        assert extra["disagg_transfer_latency_le_inf"] == len(prompts)  # one latency each
     prefill.close()
     decoder.close()
 
@@ -415,3 +417,62 @@ def test_install_pages_puts_each_page_where_the_request_has_it(base_model):
             for pool, src in zip(pools, sent):
                 for i, page in enumerate(req.kv_pages):
                     assert torch.equal(pool[page * ps : (page + 1) * ps], src[i]), (order, i)
+
+
+class StuckSend:
+    """A zero-copy send ZMQ never gets to write: the decode worker stopped reading."""
+
+    done = False
+
+
+def test_sends_a_decode_worker_never_reads_free_the_pages_after_its_timeout(
+    base_model, monkeypatch
+):
+    """A decode worker that stops reading while its connection stays up (hung, or its socket
+    full) must not keep the prefill worker's pages and slot forever: they come back once its
+    transfer timeout (sent in Register) and a grace period have passed, and the decode worker,
+    reading again, installs nothing of what it gets after that timeout (those frames may hold
+    another request's state by then): the room fails and both pools return to zero."""
+    import disagg.prefill
+
+    monkeypatch.setattr(disagg.prefill, "HOLD_GRACE_S", 0.2)
+    model_dir, _ = base_model
+    ctx = zmq.Context()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = list(range(3, 40))
+    prefill = PrefillWorker(Engine(model_dir, page_size=4), config("prefill"), ctx)
+    decoder = DecodeWorker(
+        Engine(model_dir, page_size=4), config("decode", transfer_timeout_s=1.0), ctx
+    )
+    decoder.add_request("r0", prompt, params, room="room0", prefill_addr=prefill.address)
+    prefill.add_request("r0", prompt, params, room="room0")
+    room = prefill.rooms["room0"]
+    start = time.monotonic()
+    while room.peer is None:
+        assert time.monotonic() - start < 10, "the Register never arrived"
+        prefill.socket.poll(10)
+        prefill.poll()
+    room.sends.add(StuckSend())
+    while prefill.engine.has_unfinished_requests() or prefill.rooms:
+        prefill.step()
+    assert prefill.stats().kv_pages_used == 10 and prefill.stats().mamba_slots_used == 1
+    while time.monotonic() - start < 0.9:  # within the decode side's timeout: still held
+        prefill.step()
+        time.sleep(0.05)
+    assert prefill.has_held() and prefill.stats().kv_pages_used == 10
+    while prefill.has_unfinished_requests():
+        assert time.monotonic() - start < 5, "held pages were never given back"
+        prefill.step()
+        time.sleep(0.05)
+    assert prefill.stats().kv_pages_used == 0 and prefill.stats().mamba_slots_used == 0
+    assert prefill.extra_stats()["disagg_holds_expired_total"] == 1
+    got = []
+    while decoder.has_unfinished_requests():
+        got += decoder.step()
+    assert got == []
+    (failure,) = decoder.take_failures()
+    assert failure[0] == "r0" and "after the transfer timeout (1 s)" in failure[1]
+    assert decoder.stats().kv_pages_used == 0 and decoder.stats().mamba_slots_used == 0
+    assert decoder.counters.bytes_total == 0  # nothing installed
+    prefill.close()
+    decoder.close()
