@@ -18,7 +18,7 @@ from disagg.prefill import PrefillWorker
 from disagg.rooms import DisaggConfig
 from engine import process as engine_process
 from engine.engine import Engine
-from engine.ipc import AddRequest, EngineFailed, EngineReady, RequestFailed, encode
+from engine.ipc import AddRequest, EngineFailed, EngineReady, RequestFailed, StepOutput, encode
 
 logger = logging.getLogger("baton.disagg")
 
@@ -39,7 +39,8 @@ class DisaggEngineLoop(engine_process.EngineLoop):
         events = dict(poller.poll(timeout))
         if len(events) > (self.inbox in events):
             worker.poll()  # peer messages are handled even while no request runs here
-            self._after_step()  # a Reject or Abort may have failed a request just now
+            self._after_step()  # a Reject or Abort may have failed a request just now ...
+            self._send(StepOutput(deltas=[], stats=self._stats()))  # ... and freed its pages
         return self.inbox in events
 
     def _add(self, message: AddRequest) -> None:

@@ -476,3 +476,69 @@ def test_sends_a_decode_worker_never_reads_free_the_pages_after_its_timeout(
     assert decoder.counters.bytes_total == 0  # nothing installed
     prefill.close()
     decoder.close()
+
+
+def test_worker_loop_reports_freed_pages_after_a_peer_fails_a_room(base_model):
+    """A room failed by a peer message (here a Reject) while the worker has nothing else to do:
+    the loop reports the failure *and* stats with the pages and slot back, without waiting for
+    anything else to happen (the server's /metrics reads those stats)."""
+    import os
+    import threading
+
+    from disagg.process import DisaggEngineLoop
+    from disagg.protocol import Register, Reject
+    from engine import ipc
+
+    model_dir, _ = base_model
+    ctx = zmq.Context()
+    to_engine, inbox = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    outbox, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_engine.bind("inproc://loop-in")
+    inbox.connect("inproc://loop-in")
+    from_engine.bind("inproc://loop-out")
+    outbox.connect("inproc://loop-out")
+    fake_prefill = ctx.socket(zmq.ROUTER)
+    address = f"tcp://127.0.0.1:{fake_prefill.bind_to_random_port('tcp://127.0.0.1')}"
+    decoder = DecodeWorker(Engine(model_dir, page_size=4), config("decode"), ctx)
+    loop = DisaggEngineLoop(decoder, inbox, outbox, os.getppid())
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+
+    def receive():
+        assert from_engine.poll(5000), "the loop sent nothing within 5 s"
+        return ipc.decode(from_engine.recv())
+
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        to_engine.send(
+            ipc.encode(
+                ipc.AddRequest(
+                    request_id="r0",
+                    prompt_token_ids=list(range(3, 40)),
+                    params=params,
+                    room="room0",
+                    prefill_addr=address,
+                )
+            )
+        )
+        while receive().stats["kv_pages_used"] == 0:
+            pass
+        assert fake_prefill.poll(5000)
+        identity, *frames = fake_prefill.recv_multipart()
+        assert isinstance(decode(frames, b"s3cret")[0], Register)
+        reject = Reject(room="room0", message="incompatible workers: test")
+        fake_prefill.send_multipart([identity, *encode(reject, secret=b"s3cret")])
+        messages = [receive()]
+        while not (
+            isinstance(messages[-1], ipc.StepOutput) and messages[-1].stats["kv_pages_used"] == 0
+        ):
+            messages.append(receive())
+        failed = [m for m in messages if isinstance(m, ipc.RequestFailed)]
+        assert [m.request_id for m in failed] == ["r0"] and "test" in failed[0].message
+        assert messages[-1].stats["mamba_slots_used"] == 0
+    finally:
+        to_engine.send(ipc.encode(ipc.Shutdown()))
+        thread.join(10)
+        decoder.close()
+        for socket in (to_engine, inbox, outbox, from_engine, fake_prefill):
+            socket.close(linger=0)
