@@ -33,3 +33,7 @@ step pytest "${PYTEST_LIMIT:-300}" "$py" -m pytest -m gpu tests/gpu -q -p no:cac
     --durations=8 ${PYTEST_ARGS:-}
 step kernels "${KERNELS_LIMIT:-150}" "$py" -m bench.kernels --json "$out/kernels.json"
 step graphs "${GRAPHS_LIMIT:-180}" "$py" -m bench.decode_graphs --output "$out/graphs.json"
+# The prefill -> decode handover against raw ZMQ, on this machine's CPUs (#6's 0.7 target could
+# not be shown on the 2-vCPU development VM, where raw ZMQ alone keeps both vCPUs busy).
+step transfer "${TRANSFER_LIMIT:-200}" "$py" -m bench.transfer --config 110m \
+    --lengths 128,512,1024,2048,4096 --threads 4 --no-ttft --output "$out/transfer.json"
