@@ -144,8 +144,8 @@ class HandoverMixin:
     def _gather_pages(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K/V `pages` of every attention layer, (layers, n, page, kv_heads, head_dim),
         gathered straight into one tensor each (the wire frames)."""
-        if not self.cache.k:
-            return torch.empty(0), torch.empty(0)
+        if not self.cache.k:  # no attention layers: (0 layers, n pages)
+            return torch.empty(0, len(pages)), torch.empty(0, len(pages))
         ps = self.cache.page_size
         index = torch.tensor(pages, dtype=torch.int64, device=self.device)
         out = []

@@ -31,6 +31,8 @@ TINY_CONFIGS = {
         conv_kernel=3,
         chunk_size=8,
     ),
+    "mamba_only": dict(hybrid_override_pattern="M-M-"),
+    "attention_only": dict(hybrid_override_pattern="*-*-"),
     "single_group_tied": dict(
         hybrid_override_pattern="MM*-",
         n_groups=1,

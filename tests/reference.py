@@ -8,6 +8,13 @@ TIE_GAP = 1e-5  # top-2 logprob gap under which a greedy divergence is a tie, no
 
 
 @torch.no_grad()
+def _cache_kwargs(hf_model) -> dict:
+    """transformers' hybrid cache cannot tell its length without an attention layer
+    (`get_seq_length` raises), so a Mamba-only model runs without one: every step recomputes
+    the whole sequence, the naive oracle."""
+    return {} if "*" in hf_model.config.hybrid_override_pattern else {"use_cache": False}
+
+
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and the (steps, vocab) logprobs the reference computed at each step."""
     out = hf_model.generate(
@@ -20,6 +27,7 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[in
         pad_token_id=0,
         output_logits=True,
         return_dict_in_generate=True,
+        **_cache_kwargs(hf_model),
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = torch.stack(out.logits, dim=1)[0].float().log_softmax(-1)
@@ -29,7 +37,12 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[in
 @torch.no_grad()
 def hf_prompt_logprobs(hf_model, prompt: list[int]) -> torch.Tensor:
     """(len(prompt), vocab) logprobs; row i predicts token i + 1."""
-    return hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    return (
+        hf_model(torch.tensor([prompt]), **_cache_kwargs(hf_model))
+        .logits[0]
+        .float()
+        .log_softmax(-1)
+    )
 
 
 def assert_greedy_matches(

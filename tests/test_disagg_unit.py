@@ -175,6 +175,33 @@ def test_pair_is_token_identical_to_colocated_and_frees_everything(
     decoder.close()
 
 
+@pytest.mark.parametrize("name", ["odd", "mamba_only", "attention_only"])
+def test_pair_is_token_identical_for_other_model_shapes(tiny_models, name):
+    """Odd head and state sizes, and models with no attention layer (no K/V pages to move) or
+    no Mamba layer (no state to move): the handover carries what there is, whether the decode
+    side registers before the prefill runs (pushed from the pools) or after (a snapshot)."""
+    model_dir, _ = tiny_models(name)
+    ctx = zmq.Context()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(5, 100)), [7]]
+    expect = colocated_tokens(Engine(model_dir, page_size=4), prompts, params)
+    for registered_first in (False, True):
+        prefill = PrefillWorker(
+            Engine(model_dir, page_size=4, chunked_prefill_size=32), config("prefill"), ctx
+        )
+        decoder = DecodeWorker(Engine(model_dir, page_size=4), config("decode"), ctx)
+        try:
+            got = run_pair(prefill, decoder, prompts, params, registered_first=registered_first)
+            assert got == expect, registered_first
+            assert decoder.take_failures() == [] and prefill.take_failures() == []
+            for worker in (prefill, decoder):
+                stats = worker.stats()
+                assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+        finally:
+            prefill.close()
+            decoder.close()
+
+
 def test_handshake_rejects_other_dtype_with_clear_message(base_model):
     model_dir, _ = base_model
     ctx = zmq.Context()

@@ -18,7 +18,7 @@ from engine.state_cache import StateCache
 from engine.weights import WeightError
 from tests.reference import assert_greedy_matches, hf_greedy, hf_prompt_logprobs
 
-CONFIG_NAMES = ["base", "odd", "single_group_tied"]
+CONFIG_NAMES = ["base", "odd", "single_group_tied", "mamba_only", "attention_only"]
 
 
 @pytest.mark.parametrize("name", CONFIG_NAMES)
