@@ -70,6 +70,7 @@ class HandoverMixin:
         req.num_computed = len(req.prompt_ids)
         self._register_transferred_blocks(req, state)
         self.scheduler.start_transferred(req)
+        self.sampler.skip_seeded_draws(req, 1, self.model_config.vocab_size)  # the first token
         return self._append_token(req, state.first_token, state.first_logprobs)
 
     def install_pages(

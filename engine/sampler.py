@@ -108,7 +108,7 @@ class Sampler:
             sub = [reqs[i] for i in random_rows]
             probs = filter_logits(logits[random_rows], sub)
             noise = torch.empty_like(probs)
-            for j, req in enumerate(sub):
+            for j, req in enumerate(sub):  # skip_seeded_draws below mirrors this draw
                 noise[j].exponential_(generator=req.generator or self.generator)
             tokens[random_rows] = (probs / noise).argmax(dim=-1)
         logprob_rows: list[TokenLogprobs | None] = [None] * len(reqs)
@@ -124,6 +124,18 @@ class Sampler:
                     entry = dict(best) | {chosen: entry[chosen]}
                 logprob_rows[i] = entry
         return SampleResult(token_ids=tokens.tolist(), logprobs=logprob_rows)
+
+    @staticmethod
+    def skip_seeded_draws(req: Request, tokens: int, vocab_size: int) -> None:
+        """Advance a seeded sampling request's generator past the noise of `tokens` tokens
+        sampled elsewhere (the first token, on a disaggregated prefill engine), so that it goes
+        on drawing exactly what one engine would have drawn: seeded output stays the same with
+        or without disaggregation. One draw per token: a float32 row of the vocabulary."""
+        if req.generator is None or req.params.greedy:
+            return
+        row = torch.empty(vocab_size, dtype=torch.float32, device=req.generator.device)
+        for _ in range(tokens):
+            row.exponential_(generator=req.generator)
 
     @staticmethod
     def _mask_early_stops(

@@ -202,6 +202,26 @@ def test_pair_is_token_identical_for_other_model_shapes(tiny_models, name):
             decoder.close()
 
 
+def test_seeded_sampling_is_the_same_with_and_without_disaggregation(base_model):
+    """A seeded request draws its noise from its own generator. The prefill engine drew the
+    first token's; the decode engine skips that draw on install, so every later token is the
+    one a single engine would have drawn (and reruns repeat, as users of `seed` expect)."""
+    model_dir, _ = base_model
+    ctx = zmq.Context()
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(5, 100)), [7]]
+    expect = colocated_tokens(Engine(model_dir, page_size=4), prompts, params)
+    for registered_first in (False, True):
+        prefill = PrefillWorker(Engine(model_dir, page_size=4), config("prefill"), ctx)
+        decoder = DecodeWorker(Engine(model_dir, page_size=4), config("decode"), ctx)
+        try:
+            got = run_pair(prefill, decoder, prompts, params, registered_first=registered_first)
+            assert got == expect, registered_first
+        finally:
+            prefill.close()
+            decoder.close()
+
+
 def test_handshake_rejects_other_dtype_with_clear_message(base_model):
     model_dir, _ = base_model
     ctx = zmq.Context()
