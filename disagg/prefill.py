@@ -155,8 +155,11 @@ class PrefillWorker:
         if not room:
             self.engine.add_request(request_id, prompt_token_ids, params)
             return
-        # The prefill worker computes the prompt and the first token only.
-        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=0, n=1)
+        # The prefill worker computes the prompt and the first token only (with EOS and the
+        # stop tokens banned for it if min_tokens asks for at least one token).
+        first_only = dataclasses.replace(
+            params, max_tokens=1, min_tokens=min(params.min_tokens, 1), n=1
+        )
         self.engine.add_request(request_id, prompt_token_ids, first_only)
         r = self._room(room)
         r.request_id = request_id

@@ -222,6 +222,32 @@ def test_seeded_sampling_is_the_same_with_and_without_disaggregation(base_model)
             decoder.close()
 
 
+def test_min_tokens_holds_for_the_first_token_too(base_model):
+    """The prefill engine samples the first token: it must ban EOS and the stop tokens for it
+    as one engine does while fewer than min_tokens were generated."""
+    model_dir, _ = base_model
+    ctx = zmq.Context()
+    prompts = [list(range(3, 40)), list(range(5, 100))]
+    greedy = SamplingParams(max_tokens=1, temperature=0)
+    firsts = colocated_tokens(Engine(model_dir, page_size=4), prompts, greedy)
+    # Each prompt's unconstrained first token becomes a stop token it may not use yet.
+    params = SamplingParams(
+        max_tokens=6,
+        temperature=0,
+        min_tokens=3,
+        stop_token_ids=[firsts["r0"][0], firsts["r1"][0]],
+    )
+    expect = colocated_tokens(Engine(model_dir, page_size=4), prompts, params)
+    assert all(expect[f"r{i}"][0] != firsts[f"r{i}"][0] for i in range(2))
+    prefill = PrefillWorker(Engine(model_dir, page_size=4), config("prefill"), ctx)
+    decoder = DecodeWorker(Engine(model_dir, page_size=4), config("decode"), ctx)
+    try:
+        assert run_pair(prefill, decoder, prompts, params) == expect
+    finally:
+        prefill.close()
+        decoder.close()
+
+
 def test_handshake_rejects_other_dtype_with_clear_message(base_model):
     model_dir, _ = base_model
     ctx = zmq.Context()
