@@ -10,6 +10,7 @@ client gets an error, never garbage tokens, never a hang.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 import zmq
@@ -52,6 +53,20 @@ class DecodeRoom:
 
 
 @dataclass
+class QueuedRoom:
+    """A room whose pages and slot do not fit in the pools yet: it registers (oldest first) once
+    they do, like a request waiting in a colocated engine's queue, or fails after the bootstrap
+    timeout (the prefill side gives up on an unregistered room after the same time)."""
+
+    room: str
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    peer: str  # prefill transfer address
+    queued: float
+
+
+@dataclass
 class Peer:
     socket: zmq.Socket
     last_ack: float
@@ -68,6 +83,7 @@ class DecodeWorker:
     counters: TransferCounters = field(default_factory=TransferCounters)
     failures: list[tuple[str, str]] = field(default_factory=list)
     ready: list = field(default_factory=list)  # first-token deltas of installed rooms
+    queued: deque[QueuedRoom] = field(default_factory=deque)  # waiting for pages or a slot
 
     def __post_init__(self) -> None:
         self.compat = compat_of(self.engine)
@@ -92,25 +108,52 @@ class DecodeWorker:
             raise ValueError(
                 "a disaggregated decode request needs the prefill worker's transfer address"
             )
+        self.engine.validate_request(prompt_token_ids, params)
+        queued = QueuedRoom(
+            room=room,
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            peer=prefill_addr,
+            queued=now(),
+        )
+        if self.queued or not self._register(queued):  # behind earlier ones, or no room now
+            self.queued.append(queued)
+
+    def _register(self, q: QueuedRoom) -> bool:
+        """Reserve pages and a slot for the room and register it with its prefill engine; False
+        if the pools cannot hold it now. ValueError for a request the engine refuses."""
         try:
-            reserved = self.engine.preallocate(request_id, prompt_token_ids, params)
-        except OutOfMemory as error:
-            raise ValueError(f"decode worker is out of memory for this request: {error}") from None
-        peer = self._peer(prefill_addr)
-        self.rooms[room] = DecodeRoom(
-            room=room, request_id=request_id, peer=prefill_addr, registered=now()
+            reserved = self.engine.preallocate(q.request_id, q.prompt_token_ids, q.params)
+        except OutOfMemory:
+            return False
+        self.rooms[q.room] = DecodeRoom(
+            room=q.room, request_id=q.request_id, peer=q.peer, registered=now()
         )
         register = Register(
-            room=room,
+            room=q.room,
             compat=self.compat,
-            num_prompt_tokens=len(prompt_token_ids),
+            num_prompt_tokens=len(q.prompt_token_ids),
             cached_tokens=reserved.cached_tokens,
             track_interval=self.engine.track_interval,
             transfer_timeout_s=self.config.transfer_timeout_s,
         )
-        peer.socket.send_multipart(encode(register, secret=self.config.secret))
+        self._peer(q.peer).socket.send_multipart(encode(register, secret=self.config.secret))
+        return True
+
+    def _register_queued(self) -> None:
+        """Register queued rooms, oldest first, while the pools hold them."""
+        while self.queued:
+            q = self.queued[0]
+            try:
+                if not self._register(q):
+                    return
+            except ValueError as error:  # e.g. its request id is in use by now
+                self.failures.append((q.request_id, str(error)))
+            self.queued.popleft()
 
     def abort_request(self, request_id: str) -> None:
+        self.queued = deque(q for q in self.queued if q.request_id != request_id)
         for r in list(self.rooms.values()):
             if r.request_id == request_id:
                 self._send(r.peer, Abort(room=r.room, reason="decode request aborted"))
@@ -118,11 +161,17 @@ class DecodeWorker:
         self.engine.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests() or bool(self.rooms) or bool(self.ready)
+        return (
+            self.engine.has_unfinished_requests()
+            or bool(self.rooms)
+            or bool(self.ready)
+            or bool(self.queued)
+        )
 
     def step(self):
         self.poll()
         self._heartbeat_and_expire()
+        self._register_queued()  # pages and slots the last step freed
         deltas, self.ready = self.ready, []
         if self.engine.has_unfinished_requests():
             deltas += self.engine.step()
@@ -133,7 +182,7 @@ class DecodeWorker:
         return failures
 
     def extra_stats(self) -> dict:
-        by_state: dict[str, int] = {}
+        by_state: dict[str, int] = {"bootstrapping": len(self.queued)}
         for r in self.rooms.values():
             by_state[r.state] = by_state.get(r.state, 0) + 1
         return self.counters.as_dict(by_state)
@@ -261,6 +310,15 @@ class DecodeWorker:
 
     def _heartbeat_and_expire(self) -> None:
         t = now()
+        while self.queued and t - self.queued[0].queued > self.config.bootstrap_timeout_s:
+            q = self.queued.popleft()
+            reason = (
+                f"room {q.room}: no free KV pages or Mamba slot on the decode worker within "
+                f"{self.config.bootstrap_timeout_s:g} s"
+            )
+            logger.warning("%s", reason)
+            self.counters.transfers_failed += 1
+            self.failures.append((q.request_id, reason))
         pending_by_peer: dict[str, list[str]] = {}
         for r in list(self.rooms.values()):
             if t - r.registered > self.config.transfer_timeout_s:

@@ -204,11 +204,8 @@ class Engine(HandoverMixin):
         req = self._new_request(request_id, prompt_token_ids, params)
         self.scheduler.add(req)
 
-    def _new_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> Request:
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what is wrong with this request; nothing is created."""
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         vocab = self.model_config.vocab_size
@@ -222,6 +219,13 @@ class Engine(HandoverMixin):
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds the maximum context length of {self.max_model_len} tokens"
             )
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_request(prompt_token_ids, params)
         req = Request(
             request_id=request_id,
             prompt_ids=list(prompt_token_ids),

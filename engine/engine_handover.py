@@ -41,9 +41,10 @@ class HandoverMixin:
         req = self._new_request(request_id, prompt_token_ids, params)
         try:
             self.scheduler.reserve_for_transfer(req)
-        except OutOfMemory:
+        except OutOfMemory:  # as if never added: the caller may try again later
             self.requests.pop(request_id)
             self.detokenizers.pop(request_id, None)
+            self.prompt_tokens_total -= len(req.prompt_ids)
             raise
         return Preallocation(
             pages=tuple(req.kv_pages),

@@ -617,3 +617,68 @@ def test_worker_loop_reports_freed_pages_after_a_peer_fails_a_room(base_model):
         decoder.close()
         for socket in (to_engine, inbox, outbox, from_engine, fake_prefill):
             socket.close(linger=0)
+
+
+def test_decode_worker_queues_rooms_its_pools_cannot_hold_yet(base_model):
+    """More rooms than the decode pools hold at once: the rest wait (oldest first) and register
+    as pages and slots come back, instead of failing (as a colocated engine queues requests).
+    Every output stays token-identical, preemptions on the decode side included."""
+    model_dir, _ = base_model
+    ctx = zmq.Context()
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [[(7 * i + 3 * j) % 300 + 3 for j in range(60 + 10 * i)] for i in range(6)]
+    expect = colocated_tokens(Engine(model_dir, page_size=4), prompts, params)
+    prefill = PrefillWorker(Engine(model_dir, page_size=4), config("prefill"), ctx)
+    decoder = DecodeWorker(
+        Engine(model_dir, page_size=4, max_total_tokens=400), config("decode"), ctx
+    )
+    try:
+        for i, prompt in enumerate(prompts):
+            decoder.add_request(
+                f"r{i}", prompt, params, room=f"room{i}", prefill_addr=prefill.address
+            )
+        waiting = decoder.extra_stats()["disagg_rooms_bootstrapping"]
+        assert 0 < waiting < len(prompts) and len(decoder.rooms) == len(prompts) - waiting
+        for i, prompt in enumerate(prompts):
+            prefill.add_request(f"r{i}", prompt, params, room=f"room{i}")
+        got = run_pair(prefill, decoder, [], params, timeout=60)
+        assert got == expect and decoder.take_failures() == []
+        for worker in (prefill, decoder):
+            stats = worker.stats()
+            assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+    finally:
+        prefill.close()
+        decoder.close()
+
+
+def test_a_room_that_never_fits_in_time_fails_with_a_clear_message(base_model):
+    model_dir, _ = base_model
+    ctx = zmq.Context()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prefill = PrefillWorker(Engine(model_dir, page_size=4), config("prefill"), ctx)
+    decoder = DecodeWorker(
+        Engine(model_dir, page_size=4, max_total_tokens=200),
+        config("decode", bootstrap_timeout_s=0.5),
+        ctx,
+    )
+    try:
+        for i in range(2):  # the first holds most of the pool; its prefill never comes
+            prompt = list(range(3, 130 + i))
+            decoder.add_request(
+                f"r{i}", prompt, params, room=f"room{i}", prefill_addr=prefill.address
+            )
+        assert list(decoder.rooms) == ["room0"] and len(decoder.queued) == 1
+        start = time.monotonic()
+        while not decoder.failures:
+            assert time.monotonic() - start < 5
+            decoder.step()
+            time.sleep(0.02)
+        (failure,) = decoder.take_failures()
+        assert failure[0] == "r1" and "no free KV pages or Mamba slot" in failure[1]
+        assert "within 0.5 s" in failure[1] and not decoder.queued
+        assert list(decoder.rooms) == ["room0"]  # the registered room still waits for its state
+        decoder.abort_request("r0")
+        assert decoder.stats().kv_pages_used == 0 and decoder.stats().mamba_slots_used == 0
+    finally:
+        prefill.close()
+        decoder.close()
