@@ -71,6 +71,16 @@ class Peer:
     socket: zmq.Socket
     last_ack: float
     last_heartbeat: float = 0.0
+    answered: bool = False  # a message from it passed authentication
+
+    def silence(self, address: str) -> str:
+        """What to say when this peer did not deliver in time."""
+        if self.answered:
+            return f"prefill worker {address} stopped answering"
+        return (
+            f"prefill worker {address} never answered (is it running, and do both workers use"
+            " the same --disagg-secret?)"
+        )
 
 
 @dataclass
@@ -217,7 +227,7 @@ class DecodeWorker:
                 except ProtocolError as error:
                     logger.warning("rejected a message from %s: %s", address, error)
                     continue
-                peer.last_ack = now()
+                peer.last_ack, peer.answered = now(), True
                 self._handle(message, tensors)
 
     def _handle(self, message, tensors) -> None:
@@ -322,9 +332,12 @@ class DecodeWorker:
         pending_by_peer: dict[str, list[str]] = {}
         for r in list(self.rooms.values()):
             if t - r.registered > self.config.transfer_timeout_s:
+                peer = self.peers[r.peer]
+                hint = "" if peer.answered else f"; {peer.silence(r.peer)}"
                 self._fail(
                     r,
-                    f"room {r.room}: no state from the prefill worker within {self.config.transfer_timeout_s:.0f} s",
+                    f"room {r.room}: no state from the prefill worker within "
+                    f"{self.config.transfer_timeout_s:g} s{hint}",
                 )
             else:
                 pending_by_peer.setdefault(r.peer, []).append(r.room)
@@ -337,7 +350,7 @@ class DecodeWorker:
                 for room in rooms:
                     self._fail(
                         self.rooms[room],
-                        f"prefill worker {address} stopped answering",
+                        peer.silence(address),
                         notify=False,
                     )
                 continue

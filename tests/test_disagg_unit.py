@@ -297,7 +297,7 @@ def test_lost_prefill_worker_fails_pending_rooms_and_frees(base_model):
         decoder.step()
         time.sleep(0.02)
     failures = decoder.take_failures()
-    assert failures and "stopped answering" in failures[0][1]
+    assert failures and "never answered (is it running" in failures[0][1]
     assert time.time() - start < 3
     assert decoder.stats().kv_pages_used == 0 and decoder.stats().mamba_slots_used == 0
     decoder.close()
@@ -679,6 +679,35 @@ def test_a_room_that_never_fits_in_time_fails_with_a_clear_message(base_model):
         assert list(decoder.rooms) == ["room0"]  # the registered room still waits for its state
         decoder.abort_request("r0")
         assert decoder.stats().kv_pages_used == 0 and decoder.stats().mamba_slots_used == 0
+    finally:
+        prefill.close()
+        decoder.close()
+
+
+def test_a_prefill_worker_with_another_secret_is_named_as_the_likely_cause(base_model):
+    """Messages under another --disagg-secret are dropped unread on both sides, so nothing can
+    say "wrong secret" over the wire; the decode side's timeout says what to check instead."""
+    model_dir, _ = base_model
+    ctx = zmq.Context()
+    prefill = PrefillWorker(Engine(model_dir, page_size=4), config("prefill"), ctx)
+    decoder = DecodeWorker(
+        Engine(model_dir, page_size=4),
+        config("decode", secret=b"other", transfer_timeout_s=0.5),
+        ctx,
+    )
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0)
+        decoder.add_request("r0", [5, 6, 7], params, room="room0", prefill_addr=prefill.address)
+        prefill.add_request("r0", [5, 6, 7], params, room="room0")
+        start = time.monotonic()
+        while not decoder.failures:
+            assert time.monotonic() - start < 5
+            prefill.step()
+            decoder.step()
+            time.sleep(0.02)
+        (failure,) = decoder.take_failures()
+        assert "never answered" in failure[1] and "--disagg-secret" in failure[1]
+        assert decoder.stats().kv_pages_used == 0
     finally:
         prefill.close()
         decoder.close()
