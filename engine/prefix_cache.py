@@ -100,9 +100,14 @@ class PrefixCache:
         for block in found:
             block.ref_count += 1
             block.last_used = now
-        self.stats.query_tokens += len(token_ids)
-        self.stats.hit_tokens += len(found) * self.track_interval
         return found
+
+    def record_lookup(self, num_tokens: int, found: list[CachedBlock]) -> None:
+        """Count a lookup of `num_tokens` tokens whose match was used. A match given back for
+        lack of memory is not counted: a request retried each step would inflate the hit rate's
+        denominator."""
+        self.stats.query_tokens += num_tokens
+        self.stats.hit_tokens += len(found) * self.track_interval
 
     def lookup(self, key: int) -> CachedBlock | None:
         return self.blocks.get(key)

@@ -110,6 +110,8 @@ class Scheduler:
             raise OutOfMemory(
                 f"need {need} free KV pages for a transferred request, {self.pages.available} free"
             )
+        if cache is not None:
+            cache.record_lookup(len(req.prompt_ids), blocks)
         req.mamba_slot = self.slots.alloc(1)[0]
         req.kv_pages = shared + self.pages.alloc(need)
         req.cached_blocks = blocks
@@ -194,6 +196,8 @@ class Scheduler:
             if blocks:
                 cache.release(blocks)
             return False
+        if cache is not None and not req.wants_prompt_logprobs:
+            cache.record_lookup(len(req.all_ids), blocks)
         req.mamba_slot = self.slots.alloc(1)[0]
         if blocks:
             self.copy_slot(blocks[-1].checkpoint_slot, req.mamba_slot)

@@ -182,3 +182,22 @@ def test_track_interval_must_align_with_chunk_and_page(base_model):
     model_dir, _ = base_model
     with pytest.raises(ValueError, match="multiple of the SSD chunk size"):
         LLM(model_dir, page_size=4, mamba_track_interval=24)
+
+
+def test_a_request_waiting_for_memory_is_looked_up_once(base_model):
+    """Prefix-cache lookups count when their match is used: a request retried every step while
+    the pool is full must not inflate the queries (the hit rate's denominator)."""
+    from engine.engine import Engine
+
+    model_dir, _ = base_model
+    engine = Engine(model_dir, page_size=4, mamba_track_interval=INTERVAL, max_total_tokens=160)
+    first, second = list(range(3, 120)), list(range(5, 100))
+    engine.add_request("a", first, greedy(max_tokens=30))
+    engine.step()
+    engine.add_request("b", second, greedy(max_tokens=4))
+    waited = 0
+    while engine.has_unfinished_requests():
+        waited += "b" in engine.requests and engine.requests["b"].num_computed == 0
+        engine.step()
+    assert waited >= 3  # b waited for a's pages over several steps
+    assert engine.stats().prefix_cache_query_tokens == len(first) + len(second)
