@@ -118,7 +118,6 @@ class DecodeWorker:
             raise ValueError(
                 "a disaggregated decode request needs the prefill worker's transfer address"
             )
-        self.engine.validate_request(prompt_token_ids, params)
         queued = QueuedRoom(
             room=room,
             request_id=request_id,
@@ -127,7 +126,10 @@ class DecodeWorker:
             peer=prefill_addr,
             queued=now(),
         )
-        if self.queued or not self._register(queued):  # behind earlier ones, or no room now
+        if self.queued:  # behind earlier ones; an invalid request is still refused now
+            self.engine.validate_request(prompt_token_ids, params)
+            self.queued.append(queued)
+        elif not self._register(queued):  # (validated there) no room now
             self.queued.append(queued)
 
     def _register(self, q: QueuedRoom) -> bool:
@@ -322,13 +324,11 @@ class DecodeWorker:
         t = now()
         while self.queued and t - self.queued[0].queued > self.config.bootstrap_timeout_s:
             q = self.queued.popleft()
-            reason = (
+            self._report(
+                q.request_id,
                 f"room {q.room}: no free KV pages or Mamba slot on the decode worker within "
-                f"{self.config.bootstrap_timeout_s:g} s"
+                f"{self.config.bootstrap_timeout_s:g} s",
             )
-            logger.warning("%s", reason)
-            self.counters.transfers_failed += 1
-            self.failures.append((q.request_id, reason))
         pending_by_peer: dict[str, list[str]] = {}
         for r in list(self.rooms.values()):
             if t - r.registered > self.config.transfer_timeout_s:
@@ -361,14 +361,18 @@ class DecodeWorker:
                 )
 
     def _fail(self, r: DecodeRoom, reason: str, notify: bool = True) -> None:
-        logger.warning("%s", reason)
         r.state = "failed"
         self.rooms.pop(r.room, None)
-        self.counters.transfers_failed += 1
         if notify:
             self._send(r.peer, Abort(room=r.room, reason=reason))
         self.engine.abort_request(r.request_id)
-        self.failures.append((r.request_id, reason))
+        self._report(r.request_id, reason)
+
+    def _report(self, request_id: str, reason: str) -> None:
+        """A failed handover: logged, counted, and its client gets `reason`."""
+        logger.warning("%s", reason)
+        self.counters.transfers_failed += 1
+        self.failures.append((request_id, reason))
 
     def _send(self, address: str, message) -> None:
         self._peer(address).socket.send_multipart(encode(message, secret=self.config.secret))

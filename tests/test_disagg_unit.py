@@ -82,6 +82,12 @@ def test_wrong_secret_and_wrong_schema_are_rejected():
         decode([bad, b""])
 
 
+def assert_pools_empty(*workers) -> None:
+    for worker in workers:
+        stats = worker.stats()
+        assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0, worker
+
+
 def colocated_tokens(engine, prompts, params) -> dict[str, list[int]]:
     """Request id ("r0", "r1", ...) -> tokens, all prompts run together on one engine."""
     expect: dict[str, list[int]] = {}
@@ -165,9 +171,8 @@ def test_pair_is_token_identical_to_colocated_and_frees_everything(
     assert sorted(installed_pages) == sorted(
         (f"r{i}", page) for i, p in enumerate(prompts) for page in range(-(-len(p) // 4))
     )
+    assert_pools_empty(prefill, decoder)
     for worker in (prefill, decoder):
-        stats = worker.stats()
-        assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
         extra = worker.extra_stats()
         assert extra["disagg_transfers_ok_total"] == len(prompts)
         assert extra["disagg_transfer_latency_le_inf"] == len(prompts)  # one latency each
@@ -194,9 +199,7 @@ def test_pair_is_token_identical_for_other_model_shapes(tiny_models, name):
             got = run_pair(prefill, decoder, prompts, params, registered_first=registered_first)
             assert got == expect, registered_first
             assert decoder.take_failures() == [] and prefill.take_failures() == []
-            for worker in (prefill, decoder):
-                stats = worker.stats()
-                assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+            assert_pools_empty(prefill, decoder)
         finally:
             prefill.close()
             decoder.close()
@@ -372,9 +375,7 @@ def test_both_workers_reuse_cached_prefixes_and_stay_token_identical(base_model)
         * 4
     )
     assert sent < full_pages * per_page  # the cached pages were not sent again
-    for worker in (prefill, decoder):
-        stats = worker.stats()
-        assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+    assert_pools_empty(prefill, decoder)
     prefill.close()
     decoder.close()
 
@@ -409,9 +410,7 @@ def test_mamba_state_pushed_ahead_and_a_lost_part_fails_cleanly(base_model, monk
     assert got == {}
     failures = decoder.take_failures()
     assert len(failures) == 1 and "Mamba state incomplete: 0 of" in failures[0][1]
-    for worker in (prefill, decoder):
-        stats = worker.stats()
-        assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+    assert_pools_empty(prefill, decoder)
     prefill.close()
     decoder.close()
 
@@ -643,9 +642,7 @@ def test_decode_worker_queues_rooms_its_pools_cannot_hold_yet(base_model):
             prefill.add_request(f"r{i}", prompt, params, room=f"room{i}")
         got = run_pair(prefill, decoder, [], params, timeout=60)
         assert got == expect and decoder.take_failures() == []
-        for worker in (prefill, decoder):
-            stats = worker.stats()
-            assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+        assert_pools_empty(prefill, decoder)
     finally:
         prefill.close()
         decoder.close()

@@ -17,7 +17,12 @@ from disagg.decode import DecodeWorker  # noqa: E402
 from disagg.prefill import PrefillWorker  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from tests.test_disagg_unit import colocated_tokens, config, run_pair  # noqa: E402
+from tests.test_disagg_unit import (  # noqa: E402
+    assert_pools_empty,
+    colocated_tokens,
+    config,
+    run_pair,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,9 +53,7 @@ def test_cuda_pair_is_token_identical_to_colocated(base_model, dtype):
             assert same >= 0.9 * sum(len(t) for t in expect.values()), (got, expect)
         assert decoder.take_failures() == [] and prefill.take_failures() == []
         assert prefill.counters.kv_chunks >= 3
-        for worker in (prefill, decoder):
-            stats = worker.stats()
-            assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+        assert_pools_empty(prefill, decoder)
     finally:
         prefill.close()
         decoder.close()
