@@ -74,6 +74,7 @@ MODEL_CONFIG = dict(
     eos_token_id=2,
 )
 NUM_SHOTS = 5
+NEXT_QUESTION = "Question:"  # what follows an answer in the few-shot format
 
 
 def train_tokenizer(vocab_size: int, seed: int):
@@ -122,16 +123,17 @@ class Batch(NamedTuple):
 
 
 def encode_sequence(tokenizer, problems: list[Problem]) -> tuple[list[int], list[float]]:
-    """A 5-shot prompt plus its answer, as the eval writes it, ending with the "Question" that
+    """A 5-shot prompt plus its answer, as the eval writes it, ending with the "Question:" that
     would follow. The mask selects the tokens that predict answer text: " <worked answer>\n\n"
-    and the next "Question", which the eval's stop string needs to see to end the answer."""
+    and the next "Question:", colon included, so that both baton's stop string ("Question") and
+    lm-eval's stock gsm8k stop sequence ("Question:") end the answer right after "#### N"."""
     text, answer_spans = "", []
     for problem in problems:
         text += format_example(problem.question)
         start = len(text)
         text += f" {problem.answer}\n\n"
-        answer_spans.append((start, len(text) + len(STOP[0])))
-    text += STOP[0]
+        answer_spans.append((start, len(text) + len(NEXT_QUESTION)))
+    text += NEXT_QUESTION
     encoding = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
     in_answer = [any(a <= start < b for a, b in answer_spans) for start, _ in encoding.offsets]
     # Position t predicts token t + 1: learn it when token t + 1 belongs to an answer.
