@@ -105,16 +105,38 @@ def format_number(value: Decimal | None) -> str | None:
 class Completion(NamedTuple):
     text: str
     completion_tokens: int
+    retries: int  # attempts after the first one (429, 503 or a dropped connection)
+    error: str | None  # why the request still failed after its retries; None when it answered
+
+
+class Answer(NamedTuple):
+    response: object | None  # the httpx.Response answered 200, or None
+    retries: int
+    failure: str | None
+
+
+# Answers worth retrying: the server is busy (429) or has no worker for it right now (503), or the
+# connection dropped. Any other status is the request's own fault and is not retried.
+RETRY_STATUSES = (429, 503)
+MAX_BACKOFF_S = 8.0
 
 
 def score(
-    rows: Sequence[dict], outputs: Sequence[str], latency_s: float, output_tokens: int
+    rows: Sequence[dict],
+    outputs: Sequence[str],
+    latency_s: float,
+    output_tokens: int,
+    retried: int = 0,
+    errors: Sequence[str | None] = (),
 ) -> dict:
-    """The `--output` JSON: accuracy, invalid rate, latency, throughput and every question."""
+    """The `--output` JSON: accuracy, invalid rate, latency, throughput, how many requests were
+    retried and how many failed (a failed request has no output: it counts as wrong and stays in
+    the denominator), and every question."""
+    errors = list(errors) or [None] * len(rows)
     questions = []
     correct = invalid = 0
-    for row, output in zip(rows, outputs):
-        pred = extract_answer(output)
+    for row, output, error in zip(rows, outputs, errors):
+        pred = None if error else extract_answer(output)
         label = reference_answer(row["answer"])
         correct += pred == label
         invalid += pred is None
@@ -124,6 +146,7 @@ def score(
                 "answer": format_number(label),
                 "pred": format_number(pred),
                 "output": output,
+                **({"error": error} if error else {}),
             }
         )
     count = max(len(questions), 1)
@@ -132,6 +155,8 @@ def score(
         "invalid": invalid / count,
         "latency_s": latency_s,
         "output_throughput": output_tokens / latency_s if latency_s > 0 else 0.0,
+        "retried_requests": retried,
+        "failed_requests": sum(error is not None for error in errors),
         "questions": questions,
     }
 
@@ -148,6 +173,7 @@ class OpenAIClient:
         parallel: int,
         api_key: str | None = None,
         timeout_s: float = 600,
+        retries: int = 4,
     ):
         import httpx
 
@@ -158,12 +184,14 @@ class OpenAIClient:
         self.http = httpx.Client(base_url=root, headers=headers, timeout=timeout_s, limits=limits)
         self.api = api
         self.max_tokens = max_tokens
+        self.retries = retries
         self.model = model or self._first_model()
 
     def _first_model(self) -> str:
-        response = self.http.get("/models")
-        response.raise_for_status()
-        models = response.json()["data"]
+        answer = self._request("GET", "/models")
+        if answer.response is None:
+            raise RuntimeError(answer.failure)
+        models = answer.response.json()["data"]
         if not models:
             raise RuntimeError(f"{self.http.base_url}/models lists no model; pass --model")
         return models[0]["id"]
@@ -173,19 +201,44 @@ class OpenAIClient:
         body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0, "stop": STOP}
         if self.api == "chat":
             body["messages"] = request
-            response = self.http.post("/chat/completions", json=body)
         else:
             body["prompt"] = request
-            response = self.http.post("/completions", json=body)
-        if response.status_code != 200:
-            raise RuntimeError(
-                f"{response.request.url} answered {response.status_code}: {response.text[:500]}"
-            )
-        payload = response.json()
+        path = "/chat/completions" if self.api == "chat" else "/completions"
+        answer = self._request("POST", path, body)
+        if answer.response is None:
+            return Completion("", 0, answer.retries, answer.failure)
+        payload = answer.response.json()
         choice = payload["choices"][0]
         text = choice["message"]["content"] if self.api == "chat" else choice["text"]
         usage = payload.get("usage") or {}
-        return Completion(text or "", int(usage.get("completion_tokens") or 0))
+        return Completion(
+            text or "", int(usage.get("completion_tokens") or 0), answer.retries, None
+        )
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> Answer:
+        """The 200 answer to one request, retried with exponential backoff (honouring
+        Retry-After) on 429, 503 and dropped connections; or why it failed."""
+        import httpx
+
+        attempt = 0
+        while True:
+            wait_s = min(MAX_BACKOFF_S, 0.5 * 2**attempt)
+            try:
+                response = self.http.request(method, path, json=body)
+            except httpx.TransportError as error:
+                failure = f"{self.http.base_url}{path}: {type(error).__name__}: {error}"
+            else:
+                if response.status_code == 200:
+                    return Answer(response, attempt, None)
+                text = response.text[:500]
+                failure = f"{response.request.url} answered {response.status_code}: {text}"
+                if response.status_code not in RETRY_STATUSES:
+                    return Answer(None, attempt, failure)
+                wait_s = _retry_after(response, wait_s)
+            if attempt == self.retries:
+                return Answer(None, attempt, failure)
+            attempt += 1
+            time.sleep(wait_s)
 
     def close(self) -> None:
         self.http.close()
@@ -203,6 +256,7 @@ def run_eval(
     model: str | None = None,
     api_key: str | None = None,
     progress: bool = True,
+    retries: int = 4,
 ) -> dict:
     from tqdm import tqdm
 
@@ -211,7 +265,7 @@ def run_eval(
     else:
         requests = build_prompts(rows, num_shots, num_questions)
     asked = rows[num_shots : num_shots + len(requests)]
-    client = OpenAIClient(base_url, api, model, max_tokens, parallel, api_key)
+    client = OpenAIClient(base_url, api, model, max_tokens, parallel, api_key, retries=retries)
     try:
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=parallel) as pool:
@@ -229,7 +283,17 @@ def run_eval(
         [c.text for c in completions],
         latency_s,
         sum(c.completion_tokens for c in completions),
+        retried=sum(c.retries > 0 for c in completions),
+        errors=[c.error for c in completions],
     )
+
+
+def _retry_after(response, default_s: float) -> float:
+    """The server's Retry-After in seconds (the delta-seconds form), else `default_s`."""
+    try:
+        return min(MAX_BACKOFF_S, max(0.0, float(response.headers["retry-after"])))
+    except (KeyError, ValueError):
+        return default_s
 
 
 def summary(result: dict) -> str:
@@ -237,7 +301,9 @@ def summary(result: dict) -> str:
         f"Accuracy: {result['accuracy']:.3f}\n"
         f"Invalid: {result['invalid']:.3f}\n"
         f"Latency: {result['latency_s']:.3f} s\n"
-        f"Output throughput: {result['output_throughput']:.3f} token/s"
+        f"Output throughput: {result['output_throughput']:.3f} token/s\n"
+        f"Retried requests: {result['retried_requests']}\n"
+        f"Failed requests: {result['failed_requests']}"
     )
 
 
@@ -276,13 +342,21 @@ def add_eval_parser(subparsers) -> None:
     )
     parser.add_argument("--model", help="model name to request (default: the first of /v1/models)")
     parser.add_argument("--api-key", help="sent as `Authorization: Bearer KEY`")
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=4,
+        help="retries of a request answered 429 or 503 or whose connection dropped, with "
+        "exponential backoff honouring Retry-After; a request that still fails counts as wrong "
+        "and makes the command exit 1 (default: 4)",
+    )
     parser.add_argument("--output", help="write the results JSON here")
     parser.set_defaults(handler=_run_gsm8k)
 
 
 def _run_gsm8k(args) -> int:
-    for name in ("num_shots", "num_questions", "parallel", "max_tokens"):
-        if getattr(args, name) < (0 if name == "num_shots" else 1):
+    for name in ("num_shots", "num_questions", "parallel", "max_tokens", "retries"):
+        if getattr(args, name) < (0 if name in ("num_shots", "retries") else 1):
             print(
                 f"baton eval gsm8k: --{name.replace('_', '-')} is too small: {getattr(args, name)}",
                 file=sys.stderr,
@@ -304,6 +378,7 @@ def _run_gsm8k(args) -> int:
             api=args.api,
             model=args.model,
             api_key=args.api_key,
+            retries=args.retries,
         )
     except (OSError, ValueError, RuntimeError, httpx.HTTPError) as error:
         print(f"baton eval gsm8k: {error}", file=sys.stderr)
@@ -311,4 +386,12 @@ def _run_gsm8k(args) -> int:
     print(summary(result))
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    failed = [q for q in result["questions"] if "error" in q]
+    if failed:
+        print(
+            f"baton eval gsm8k: {len(failed)} requests failed after {args.retries} retries "
+            f"(counted as wrong); first: {failed[0]['error']}",
+            file=sys.stderr,
+        )
+        return 1
     return 0

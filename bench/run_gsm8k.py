@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.gsm8k_data import HELDOUT_PATH
 
@@ -48,6 +49,25 @@ def wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout_s: float
     raise RuntimeError(
         f"baton serve was not healthy after {timeout_s:g} s:\n{log.read_text()[-4000:]}"
     )
+
+
+def router_summary(url: str) -> str:
+    """What the router saw during the eval, from its /metrics: answers by status and worker health
+    changes (a worker marked unhealthy while it was serving is a router bug, not load)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError as error:
+        return f"router: /metrics unreachable ({error!r})"
+    by_status: dict[str, int] = {}
+    unhealthy = 0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "baton:router_requests_total":
+                by_status[sample.labels["status"]] = int(sample.value)
+            elif sample.name == "baton:router_worker_transitions_total":
+                unhealthy += int(sample.value) * (sample.labels["state"] == "unhealthy")
+    answers = ", ".join(f"{count} x {status}" for status, count in sorted(by_status.items()))
+    return f"router: answered {answers or 'nothing'}; workers marked unhealthy: {unhealthy}"
 
 
 def stop(server: subprocess.Popen) -> None:
@@ -100,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.data,
                 *eval_flags,
             ]
-            return subprocess.call(command, cwd=ROOT)
+            status = subprocess.call(command, cwd=ROOT)
+            print(router_summary(url), flush=True)
+            return status
         except RuntimeError as error:
             print(f"make gsm8k: {error}", file=sys.stderr)
             return 1

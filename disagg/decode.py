@@ -3,7 +3,8 @@
 For each room the decode engine preallocates KV pages and a Mamba slot, sends Register to the
 prefill engine's transfer socket (a DEALER per prefill address), and waits for the StateTransfer.
 Every pending room has a deadline; heartbeats go to each prefill peer with pending rooms, and a
-peer that stops acknowledging is declared lost. A failed room frees its pages and slot and its
+peer whose connection drops (its process died, or it stopped answering ZMTP heartbeats) or that
+stops acknowledging for the lease timeout is declared lost. A failed room frees its pages and slot and its
 client gets an error, never garbage tokens, never a hang.
 """
 
@@ -14,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from disagg.protocol import (
     Abort,
@@ -32,6 +34,11 @@ from disagg.rooms import DisaggConfig, RoomState, TransferCounters, compat_of, n
 from engine.handover import RequestState
 from engine.memory import OutOfMemory
 from engine.sampling_params import SamplingParams
+
+# ZMTP heartbeats on each connection to a prefill worker: a ping a second, the connection dropped
+# after 5 s without an answer (a host that vanished without closing its sockets).
+ZMQ_HEARTBEAT_IVL_MS = 1000
+ZMQ_HEARTBEAT_TIMEOUT_MS = 5000
 
 logger = logging.getLogger("baton.disagg.decode")
 
@@ -69,6 +76,7 @@ class QueuedRoom:
 @dataclass
 class Peer:
     socket: zmq.Socket
+    monitor: zmq.Socket  # the socket's connection events: a disconnect means the peer is gone
     last_ack: float
     last_heartbeat: float = 0.0
     answered: bool = False  # a message from it passed authentication
@@ -200,10 +208,12 @@ class DecodeWorker:
         return self.counters.as_dict(by_state)
 
     def sockets(self) -> list[zmq.Socket]:
-        return [p.socket for p in self.peers.values()]
+        return [s for p in self.peers.values() for s in (p.socket, p.monitor)]
 
     def close(self) -> None:
         for p in self.peers.values():
+            p.socket.disable_monitor()
+            p.monitor.close(linger=0)
             p.socket.close(linger=0)
 
     # -- protocol -----------------------------------------------------------------------------
@@ -213,12 +223,21 @@ class DecodeWorker:
         if peer is None:
             socket = self.context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            # ZMTP heartbeats run in libzmq's I/O thread, so a prefill worker busy with a long
+            # step still answers them; a peer that stops answering them, or whose process dies,
+            # drops the connection, which the monitor reports at once. Liveness then does not
+            # depend on how long either side's engine steps take (under load, prefill steps of
+            # several seconds made an application-level lease fail healthy rooms).
+            socket.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+            socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
+            monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             socket.connect(address)
-            peer = self.peers[address] = Peer(socket=socket, last_ack=now())
+            peer = self.peers[address] = Peer(socket=socket, monitor=monitor, last_ack=now())
         return peer
 
     def poll(self) -> None:
         for address, peer in self.peers.items():
+            self._watch_connection(address, peer)
             while True:
                 try:
                     frames = peer.socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -231,6 +250,26 @@ class DecodeWorker:
                     continue
                 peer.last_ack, peer.answered = now(), True
                 self._handle(message, tensors)
+
+    def _watch_connection(self, address: str, peer: Peer) -> None:
+        """Fail the rooms pending on a peer whose connection dropped: its process is gone (or it
+        stopped answering ZMTP heartbeats), and what it had in flight is lost with it."""
+        lost = False
+        while True:
+            try:
+                event = recv_monitor_message(peer.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            lost |= event["event"] == zmq.EVENT_DISCONNECTED
+        if not lost:
+            return
+        rooms = [r for r in self.rooms.values() if r.peer == address]
+        if rooms:
+            logger.warning("lost the connection to prefill worker %s", address)
+        for r in rooms:
+            self._fail(
+                r, f"prefill worker {address} stopped answering (connection lost)", notify=False
+            )
 
     def _handle(self, message, tensors) -> None:
         if isinstance(message, KVChunk):

@@ -54,7 +54,11 @@ class ServerArgs:
     disagg_secret: str | None = (
         None  # HMAC key for worker-to-worker messages (or $BATON_DISAGG_SECRET)
     )
-    disagg_timeout: float = 30.0  # seconds a room may wait for its peer / its state
+    # Seconds a room may wait for its peer / its state. It includes the time the request waits in
+    # the prefill worker's queue, so it is long (SGLang's bootstrap and waiting timeouts are 300 s
+    # too): under a burst a room waits its turn like a colocated request. A peer that dies is
+    # noticed by the heartbeat lease (10 s), not by this timeout.
+    disagg_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in (None, "prefill", "decode"):
@@ -99,7 +103,10 @@ class ServerArgs:
             "bootstrap_timeout_s": self.disagg_timeout,
             "transfer_timeout_s": self.disagg_timeout,
             "heartbeat_interval_s": 0.5,
-            "lease_timeout_s": min(10.0, self.disagg_timeout),
+            # Application-level silence (no message, no heartbeat) that fails a peer's rooms. It
+            # must outlast the slowest engine step on either side, since each answers between
+            # steps; a peer that dies is noticed sooner, by its connection (ZMTP heartbeats).
+            "lease_timeout_s": min(30.0, self.disagg_timeout),
         }
 
     @classmethod

@@ -161,7 +161,8 @@ def add_serve_parser(subparsers) -> None:
         "--disagg-timeout",
         type=float,
         default=_default("disagg_timeout"),
-        help="seconds a room may wait for its peer or its state before failing",
+        help="seconds a room may wait for its peer or its state before failing, queueing on the "
+        "prefill worker included; a dead peer is noticed within 10 s by heartbeats (default: 300)",
     )
 
     server = parser.add_argument_group("admission")

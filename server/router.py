@@ -6,7 +6,9 @@
 
 The router mints the room id itself (a client's `baton_disagg` field is dropped), picks workers
 round-robin among the healthy ones, learns each prefill worker's transfer address from its
-`/disagg/info`, and health-checks every worker once a second. If the prefill side fails, the
+`/disagg/info`, and probes every worker's health once a second on connections of its own
+(`router_workers.py`). At most `--max-concurrent-requests` requests are in flight; past that the
+router answers 429 with Retry-After rather than queueing where nobody can see it. If the prefill side fails, the
 decode request is cancelled (the decode worker aborts it on disconnect) and the client gets the
 error; a broken decode stream ends with an error event, never with `[DONE]`.
 """
@@ -15,20 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import uuid
-from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
-logger = logging.getLogger("baton.router")
+from server.router_workers import PROBE_TIMEOUT_S, RETRY_AFTER_S, Worker, WorkerSet, describe
 
-HEALTH_INTERVAL_S = 1.0
-HEALTH_TIMEOUT_S = 2.0
+DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 
 
 def error_body(status: int, message: str, code: str | None = None) -> dict:
@@ -46,103 +46,71 @@ def error_response(status: int, message: str) -> JSONResponse:
     return JSONResponse(error_body(status, message), status_code=status)
 
 
-@dataclass
-class Worker:
-    url: str
-    role: str
-    healthy: bool = False
-    transfer_addr: str | None = None  # prefill workers only
-
-
-@dataclass
-class RouterState:
-    prefill: list[Worker]
-    decode: list[Worker]
-    client: httpx.AsyncClient
-    api_key: str | None = None
-    _turn: itertools.count = field(default_factory=itertools.count)
-
-    def pick(self) -> tuple[Worker, Worker] | None:
-        prefill = [w for w in self.prefill if w.healthy and w.transfer_addr]
-        decode = [w for w in self.decode if w.healthy]
-        if not prefill or not decode:
-            return None
-        turn = next(self._turn)
-        return prefill[turn % len(prefill)], decode[turn % len(decode)]
-
-    @property
-    def ready(self) -> bool:
-        return self.pick() is not None
-
-    async def check(self, worker: Worker) -> None:
-        try:
-            response = await self.client.get(f"{worker.url}/health", timeout=HEALTH_TIMEOUT_S)
-            healthy = response.status_code == 200
-            if healthy and worker.role == "prefill" and worker.transfer_addr is None:
-                info = await self.client.get(f"{worker.url}/disagg/info", timeout=HEALTH_TIMEOUT_S)
-                worker.transfer_addr = info.json()["transfer_addr"]
-        except (httpx.HTTPError, KeyError, ValueError):
-            healthy = False
-        if not healthy:
-            worker.transfer_addr = None  # a restarted prefill worker may listen elsewhere
-        if healthy != worker.healthy:
-            logger.info(
-                "%s worker %s is %s", worker.role, worker.url, "healthy" if healthy else "unhealthy"
-            )
-        worker.healthy = healthy
-
-    async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(w) for w in self.prefill + self.decode))
-
-
 def build_router_app(
-    prefill_urls: list[str], decode_urls: list[str], api_key: str | None = None
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    api_key: str | None = None,
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> FastAPI:
-    state = RouterState(
+    """The router's app. `transport` replaces the network under both of its HTTP clients (tests
+    pass an in-process fake of the workers)."""
+    workers = WorkerSet(
         prefill=[Worker(url=u.rstrip("/"), role="prefill") for u in prefill_urls],
         decode=[Worker(url=u.rstrip("/"), role="decode") for u in decode_urls],
-        client=httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0)),
-        api_key=api_key,
+        max_concurrent_requests=max_concurrent_requests,
+        # Probes have connections of their own, apart from request traffic.
+        probe_client=httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, transport=transport),
+    )
+    # Request traffic has no hidden connection cap: each request in flight holds two connections
+    # (the prefill POST and the decode stream) and the explicit limit is the admission check.
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=5.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        transport=transport,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async def health_loop():
-            while True:
-                await state.check_all()
-                await asyncio.sleep(HEALTH_INTERVAL_S)
-
-        await state.check_all()
-        task = asyncio.create_task(health_loop())
+        await workers.probe_all()
+        task = asyncio.create_task(workers.probe_forever())
         yield
         task.cancel()
-        await state.client.aclose()
+        await client.aclose()
+        await workers.probe_client.aclose()
 
     app = FastAPI(title="baton router", lifespan=lifespan)
-    app.state.router = state
+    app.state.workers = workers
 
     def authorized(request: Request) -> bool:
-        return (
-            state.api_key is None
-            or request.headers.get("authorization") == f"Bearer {state.api_key}"
-        )
+        return api_key is None or request.headers.get("authorization") == f"Bearer {api_key}"
 
     @app.get("/health")
     async def health() -> Response:
-        if not state.ready:
+        if not workers.ready:
             return error_response(503, "no healthy prefill + decode worker pair")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(workers.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if not authorized(request):
             return error_response(401, "invalid or missing API key")
-        pair = state.pick()
+        pair = workers.pick()
         if pair is None:
             return error_response(503, "no healthy prefill + decode worker pair")
-        response = await state.client.get(
-            f"{pair[1].url}/v1/models", headers=_forward_headers(request)
-        )
+        try:
+            response = await client.get(
+                f"{pair[1].url}/v1/models", headers=_forward_headers(request)
+            )
+        except httpx.HTTPError as error:
+            return error_response(
+                503, f"decode worker {pair[1].url} unreachable: {describe(error)}"
+            )
         return Response(
             response.content, status_code=response.status_code, media_type="application/json"
         )
@@ -150,13 +118,36 @@ def build_router_app(
     async def generate(request: Request, path: str) -> Response:
         if not authorized(request):
             return error_response(401, "invalid or missing API key")
+        if not workers.try_admit():
+            workers.metrics.requests.labels(status="429").inc()
+            return JSONResponse(
+                error_body(
+                    429,
+                    f"the router has {workers.max_concurrent_requests} requests in flight "
+                    "(--max-concurrent-requests); retry later",
+                ),
+                status_code=429,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        release = _once(workers.release)
+        try:
+            response = await dispatch(request, path, release)
+        except BaseException:
+            release()
+            raise
+        workers.metrics.requests.labels(status=str(response.status_code)).inc()
+        if not isinstance(response, StreamingResponse):
+            release()
+        return response
+
+    async def dispatch(request: Request, path: str, release) -> Response:
         try:
             body = await request.json()
         except ValueError:
             return error_response(400, "request body is not valid JSON")
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
-        pair = state.pick()
+        pair = workers.pick()
         if pair is None:
             return error_response(503, "no healthy prefill + decode worker pair")
         prefill, decode = pair
@@ -166,19 +157,20 @@ def build_router_app(
         prefill_body = dict(body, stream=False, baton_disagg={"room": room})
         prefill_body.pop("stream_options", None)
         prefill_task = asyncio.create_task(
-            state.client.post(f"{prefill.url}{path}", json=prefill_body, headers=headers)
+            client.post(f"{prefill.url}{path}", json=prefill_body, headers=headers)
         )
         try:
-            upstream = await state.client.send(
-                state.client.build_request(
+            upstream = await client.send(
+                client.build_request(
                     "POST", f"{decode.url}{path}", json=decode_body, headers=headers
                 ),
                 stream=True,
             )
         except httpx.HTTPError as error:
-            decode.healthy = False
+            if isinstance(error, _GONE):
+                workers.lost(decode, error)
             prefill_task.cancel()
-            return error_response(503, f"decode worker {decode.url} unreachable: {error}")
+            return error_response(503, f"decode worker {decode.url} unreachable: {describe(error)}")
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
@@ -188,9 +180,12 @@ def build_router_app(
             )
         if body.get("stream"):
             return StreamingResponse(
-                _relay(upstream, prefill_task, prefill, decode), media_type="text/event-stream"
+                _relay(upstream, prefill_task, prefill, decode, workers, release),
+                media_type="text/event-stream",
+                # Also when the client left before the first chunk and the relay never ran.
+                background=BackgroundTask(release),
             )
-        return await _collect(upstream, prefill_task, prefill, decode)
+        return await _collect(upstream, prefill_task, prefill, decode, workers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -203,12 +198,32 @@ def build_router_app(
     return app
 
 
+def _once(action):
+    """`action` wrapped so that only its first call runs (a place is released exactly once)."""
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            action()
+
+    return run
+
+
+# Transport errors that prove a worker is gone (refused, or its connection dropped), as opposed to
+# a slow answer; they take the worker out at once, and the next passing probe puts it back.
+_GONE = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
 def _forward_headers(request: Request) -> dict[str, str]:
     keep = ("authorization", "content-type")
     return {k: v for k, v in request.headers.items() if k.lower() in keep}
 
 
-async def _prefill_error(task: asyncio.Task, prefill: Worker) -> tuple[int, str] | None:
+async def _prefill_error(
+    task: asyncio.Task, prefill: Worker, workers: WorkerSet
+) -> tuple[int, str] | None:
     """None while the prefill side is fine or still running; (status, message) once it failed."""
     if not task.done():
         return None
@@ -217,8 +232,9 @@ async def _prefill_error(task: asyncio.Task, prefill: Worker) -> tuple[int, str]
     except asyncio.CancelledError:
         return None
     except httpx.HTTPError as error:
-        prefill.healthy = False
-        return 503, f"prefill worker {prefill.url} failed: {error}"
+        if isinstance(error, _GONE):
+            workers.lost(prefill, error)
+        return 503, f"prefill worker {prefill.url} failed: {describe(error)}"
     if response.status_code != 200:
         try:
             message = response.json()["error"]["message"]
@@ -229,7 +245,12 @@ async def _prefill_error(task: asyncio.Task, prefill: Worker) -> tuple[int, str]
 
 
 async def _relay(
-    upstream: httpx.Response, prefill_task: asyncio.Task, prefill: Worker, decode: Worker
+    upstream: httpx.Response,
+    prefill_task: asyncio.Task,
+    prefill: Worker,
+    decode: Worker,
+    workers: WorkerSet,
+    release,
 ):
     """Pass the decode worker's SSE stream through; end with an error event if either side fails."""
     lines = upstream.aiter_lines()
@@ -242,7 +263,7 @@ async def _relay(
                 {pending_line, prefill_task} - ({prefill_task} if prefill_task.done() else set()),
                 return_when=asyncio.FIRST_COMPLETED,
             )
-            failure = await _prefill_error(prefill_task, prefill)
+            failure = await _prefill_error(prefill_task, prefill, workers)
             if failure is not None:
                 yield f"data: {json.dumps(error_body(*failure))}\n\n"
                 return
@@ -255,9 +276,12 @@ async def _relay(
                 if line:
                     yield line + "\n\n"
     except httpx.HTTPError as error:
-        decode.healthy = False
-        yield f"data: {json.dumps(error_body(503, f'decode worker {decode.url} failed mid-stream: {error}'))}\n\n"
+        if isinstance(error, _GONE):
+            workers.lost(decode, error)
+        message = f"decode worker {decode.url} failed mid-stream: {describe(error)}"
+        yield f"data: {json.dumps(error_body(503, message))}\n\n"
     finally:
+        release()
         if pending_line is not None and not pending_line.done():
             pending_line.cancel()
         if not prefill_task.done():
@@ -266,7 +290,11 @@ async def _relay(
 
 
 async def _collect(
-    upstream: httpx.Response, prefill_task: asyncio.Task, prefill: Worker, decode: Worker
+    upstream: httpx.Response,
+    prefill_task: asyncio.Task,
+    prefill: Worker,
+    decode: Worker,
+    workers: WorkerSet,
 ) -> Response:
     read = asyncio.ensure_future(upstream.aread())
     try:
@@ -275,14 +303,15 @@ async def _collect(
                 {read, prefill_task} - ({prefill_task} if prefill_task.done() else set()),
                 return_when=asyncio.FIRST_COMPLETED,
             )
-            failure = await _prefill_error(prefill_task, prefill)
+            failure = await _prefill_error(prefill_task, prefill, workers)
             if failure is not None:
                 read.cancel()
                 return error_response(*failure)
         content = read.result()
     except httpx.HTTPError as error:
-        decode.healthy = False
-        return error_response(503, f"decode worker {decode.url} failed: {error}")
+        if isinstance(error, _GONE):
+            workers.lost(decode, error)
+        return error_response(503, f"decode worker {decode.url} failed: {describe(error)}")
     finally:
         await upstream.aclose()
     return Response(content, status_code=upstream.status_code, media_type="application/json")
@@ -304,7 +333,21 @@ def add_router_parser(subparsers) -> None:
     parser.add_argument(
         "--api-key", help="require `Authorization: Bearer KEY` (forwarded to workers)"
     )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+        help="generation requests in flight at most; past it the router answers 429 with "
+        f"Retry-After (default: {DEFAULT_MAX_CONCURRENT_REQUESTS})",
+    )
     parser.set_defaults(handler=_run_router)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
 
 
 def _run_router(namespace) -> int:
@@ -314,6 +357,6 @@ def _run_router(namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
     prefill = [u for u in namespace.prefill.split(",") if u]
     decode = [u for u in namespace.decode.split(",") if u]
-    app = build_router_app(prefill, decode, namespace.api_key)
+    app = build_router_app(prefill, decode, namespace.api_key, namespace.max_concurrent_requests)
     uvicorn.run(app, host=namespace.host, port=namespace.port, log_level="warning")
     return 0

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from server.router import DEFAULT_MAX_CONCURRENT_REQUESTS
+
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets")
 
 
@@ -54,6 +56,13 @@ def add_up_parser(subparsers) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for a healthy stack"
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+        help="the router's limit on generation requests in flight; past it, 429 with Retry-After "
+        f"(default: {DEFAULT_MAX_CONCURRENT_REQUESTS})",
     )
     parser.add_argument(
         "worker_args", nargs="*", help="extra `baton serve` flags for both workers (after --)"
@@ -115,6 +124,8 @@ def run_up(ns) -> int:
             f"http://127.0.0.1:{decode_port}",
             "--port",
             str(ns.port),
+            "--max-concurrent-requests",
+            str(ns.max_concurrent_requests),
         ],
     }
     children = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}

@@ -36,7 +36,9 @@ def config(role, **overrides):
         bootstrap_timeout_s=5.0,
         transfer_timeout_s=5.0,
         heartbeat_interval_s=0.2,
-        lease_timeout_s=1.5,
+        # Longer than any step of these tests on a loaded 2-core machine: a peer that goes away
+        # is caught by its dropped connection, and the tests of the lease set their own.
+        lease_timeout_s=10.0,
     )
     values.update(overrides)
     return DisaggConfig(**values)
@@ -303,6 +305,37 @@ def test_lost_prefill_worker_fails_pending_rooms_and_frees(base_model):
     assert failures and "never answered (is it running" in failures[0][1]
     assert time.time() - start < 3
     assert decoder.stats().kv_pages_used == 0 and decoder.stats().mamba_slots_used == 0
+    decoder.close()
+
+
+def test_a_prefill_worker_that_goes_away_fails_its_rooms_by_the_dropped_connection(base_model):
+    """The lease is long (it must outlast the slowest step of a busy prefill worker); a prefill
+    worker whose process goes away is noticed by its connection, at once."""
+    model_dir, _ = base_model
+    ctx = zmq.Context()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prefill = PrefillWorker(Engine(model_dir, page_size=4), config("prefill"), ctx)
+    decoder = DecodeWorker(
+        Engine(model_dir, page_size=4), config("decode", lease_timeout_s=60.0), ctx
+    )
+    decoder.add_request(
+        "r0", list(range(3, 30)), params, room="room0", prefill_addr=prefill.address
+    )
+    prefill.add_request("r0", list(range(3, 30)), params, room="room0")  # never stepped
+    start = time.time()
+    while prefill.rooms["room0"].peer is None:  # registered: the connection is up
+        assert time.time() - start < 10, "the Register never arrived"
+        decoder.step()
+        prefill.poll()
+    prefill.close()  # the prefill worker's socket goes away before it sends anything
+    start = time.time()
+    while decoder.has_unfinished_requests() and time.time() - start < 10:
+        decoder.step()
+        time.sleep(0.02)
+    (failure,) = decoder.take_failures()
+    assert failure[0] == "r0" and "stopped answering (connection lost)" in failure[1]
+    assert time.time() - start < 5  # the connection, not the 60 s lease
+    assert_pools_empty(decoder)
     decoder.close()
 
 

@@ -32,7 +32,15 @@ from bench.gsm8k_data import (
 from tests.server_process import BATON, start_server
 
 ASSETS = Path(__file__).parents[1] / "assets"
-RESULT_KEYS = {"accuracy", "invalid", "latency_s", "output_throughput", "questions"}
+RESULT_KEYS = {
+    "accuracy",
+    "invalid",
+    "latency_s",
+    "output_throughput",
+    "retried_requests",
+    "failed_requests",
+    "questions",
+}
 
 
 @pytest.mark.parametrize(
@@ -201,3 +209,93 @@ def test_shipped_chat_template_renders_chat_shots_as_the_few_shot_prompt():
     assert tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True) == (
         "Question: Tom has 3 apples. How many?\nAnswer:"
     )
+
+
+class ScriptedServer:
+    """An OpenAI-like /v1/completions on 127.0.0.1 that answers from a script, one entry per
+    request: an HTTP status (with `Retry-After: 0` on 429/503), "reset" (the connection is closed
+    without an answer) or "ok" (a completion whose text is "#### 7")."""
+
+    def __init__(self, script: list):
+        import http.server
+        import threading
+
+        self.script = list(script)
+        self.seen = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                step = outer.script.pop(0)
+                outer.seen += 1
+                if step == "reset":
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                status = 200 if step == "ok" else step
+                payload = (
+                    {"choices": [{"text": " #### 7"}], "usage": {"completion_tokens": 3}}
+                    if status == 200
+                    else {"error": {"message": f"scripted {status}"}}
+                )
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                if status in (429, 503):
+                    self.send_header("Retry-After", "0")
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+ROWS = [{"question": f"q{i}?", "answer": "#### 7"} for i in range(4)]
+
+
+def test_eval_retries_busy_and_unavailable_answers_and_dropped_connections():
+    server = ScriptedServer([429, 503, "reset", "ok", "ok", "ok"])
+    try:
+        result = run_eval(
+            server.url, ROWS, num_shots=1, num_questions=3, parallel=1, model="m", progress=False
+        )
+    finally:
+        server.close()
+    assert server.seen == 6 and not server.script
+    assert result["accuracy"] == 1.0
+    assert result["retried_requests"] == 1 and result["failed_requests"] == 0
+
+
+def test_a_request_that_keeps_failing_counts_as_wrong_and_the_command_exits_1(tmp_path):
+    from server.cli import main
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    # First question: 400 (not retried). Second: 503 three times (--retries 2). Third: answered.
+    server = ScriptedServer([400, 503, 503, 503, "ok"])
+    output = tmp_path / "result.json"
+    try:
+        status = main(
+            ["eval", "gsm8k", "--base-url", server.url, "--data", str(data), "--num-shots", "1",
+             "--parallel", "1", "--model", "m", "--retries", "2", "--output", str(output)]
+        )  # fmt: skip
+    finally:
+        server.close()
+    assert status == 1
+    assert server.seen == 5
+    result = json.loads(output.read_text())
+    assert len(result["questions"]) == 3  # failures stay in the denominator
+    assert result["accuracy"] == pytest.approx(1 / 3)
+    assert result["failed_requests"] == 2 and result["retried_requests"] == 1
+    assert "answered 400" in result["questions"][0]["error"]
+    assert "answered 503" in result["questions"][1]["error"]

@@ -1,0 +1,146 @@
+"""The router's health probes and admission limit, in process, against fake workers
+(an httpx transport), so each rule is tested alone and fast."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.router import build_router_app
+from server.router_workers import FAILURES_TO_REMOVE, Worker, WorkerSet
+
+PREFILL, DECODE = "http://prefill.test", "http://decode.test"
+
+
+class FakeWorkers(httpx.AsyncBaseTransport):
+    """Both workers: `/health` answers per `health[url]` ("ok", "slow", "refused", "503"),
+    generation requests wait until `release` is set, then answer a completion."""
+
+    def __init__(self) -> None:
+        self.health = {PREFILL: "ok", DECODE: "ok"}
+        self.release = asyncio.Event()
+        self.generations = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        origin = f"{request.url.scheme}://{request.url.host}"
+        path = request.url.path
+        if path == "/health":
+            mode = self.health[origin]
+            if mode == "refused":
+                raise httpx.ConnectError("connection refused", request=request)
+            if mode == "slow":
+                raise httpx.ReadTimeout("timed out", request=request)
+            return httpx.Response(503 if mode == "503" else 200, json={})
+        if path == "/disagg/info":
+            return httpx.Response(200, json={"transfer_addr": "tcp://127.0.0.1:1"})
+        self.generations += 1
+        await self.release.wait()
+        body = {"choices": [{"text": "ok", "index": 0}], "object": "text_completion"}
+        return httpx.Response(200, json=body)
+
+
+def worker_set(fake: FakeWorkers) -> WorkerSet:
+    return WorkerSet(
+        prefill=[Worker(url=PREFILL, role="prefill")],
+        decode=[Worker(url=DECODE, role="decode")],
+        max_concurrent_requests=8,
+        probe_client=httpx.AsyncClient(transport=fake),
+    )
+
+
+def transitions(workers: WorkerSet, state: str) -> float:
+    text = workers.metrics.render().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "baton:router_worker_transitions_total"
+        and sample.labels["state"] == state
+    )
+
+
+def test_slow_probes_take_a_worker_out_only_after_several_in_a_row():
+    async def scenario():
+        fake = FakeWorkers()
+        workers = worker_set(fake)
+        await workers.probe_all()
+        assert workers.ready
+        fake.health[DECODE] = "slow"
+        for _ in range(FAILURES_TO_REMOVE - 1):
+            await workers.probe_all()
+        assert workers.ready and transitions(workers, "unhealthy") == 0
+        fake.health[DECODE] = "ok"  # one good answer resets the count
+        await workers.probe_all()
+        fake.health[DECODE] = "slow"
+        for _ in range(FAILURES_TO_REMOVE - 1):
+            await workers.probe_all()
+        assert workers.ready
+        await workers.probe_all()
+        assert not workers.ready and transitions(workers, "unhealthy") == 1
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("failure", ["refused", "503"])
+def test_a_refused_connection_or_a_503_takes_a_worker_out_at_once_and_one_pass_puts_it_back(
+    failure,
+):
+    async def scenario():
+        fake = FakeWorkers()
+        workers = worker_set(fake)
+        await workers.probe_all()
+        fake.health[PREFILL] = failure
+        await workers.probe_all()
+        assert not workers.ready
+        assert workers.prefill[0].transfer_addr is None  # relearnt when it comes back
+        fake.health[PREFILL] = "ok"
+        await workers.probe_all()
+        assert workers.ready and workers.prefill[0].transfer_addr == "tcp://127.0.0.1:1"
+        assert transitions(workers, "unhealthy") == 1
+
+    asyncio.run(scenario())
+
+
+async def _router_client(fake: FakeWorkers, limit: int):
+    app = build_router_app([PREFILL], [DECODE], max_concurrent_requests=limit, transport=fake)
+    return app, httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://router.test"
+    )
+
+
+def test_past_the_concurrency_limit_the_router_answers_429_with_retry_after():
+    async def scenario():
+        fake = FakeWorkers()
+        app, client = await _router_client(fake, limit=3)
+        async with app.router.lifespan_context(app), client:
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+            running = [
+                asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(3)
+            ]
+            while app.state.workers.running < 3:
+                await asyncio.sleep(0.01)
+            refused = await client.post("/v1/completions", json=body)
+            assert refused.status_code == 429
+            assert refused.headers["retry-after"] == "1"
+            assert "--max-concurrent-requests" in refused.json()["error"]["message"]
+            fake.release.set()
+            assert [r.status_code for r in await asyncio.gather(*running)] == [200] * 3
+            # The places came back: the next request is admitted.
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            assert app.state.workers.running == 0
+            metrics = (await client.get("/metrics")).text
+            assert 'baton:router_requests_total{status="429"} 1.0' in metrics
+            assert 'baton:router_requests_total{status="200"} 4.0' in metrics
+
+    asyncio.run(scenario())
+
+
+def test_router_refuses_a_zero_concurrency_limit():
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["router", "--prefill", PREFILL, "--decode", DECODE, "--max-concurrent-requests", "0"])
+    assert exit_info.value.code == 2
