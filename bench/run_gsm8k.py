@@ -55,12 +55,14 @@ def router_summary(url: str) -> str:
     """What the router saw during the eval, from its /metrics: answers by status and worker health
     changes (a worker marked unhealthy while it was serving is a router bug, not load)."""
     try:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-    except httpx.HTTPError as error:
-        return f"router: /metrics unreachable ({error!r})"
+        response = httpx.get(f"{url}/metrics", timeout=10)
+        response.raise_for_status()
+        families = list(text_string_to_metric_families(response.text))
+    except (httpx.HTTPError, ValueError) as error:
+        return f"router: no usable /metrics ({error!r})"
     by_status: dict[str, int] = {}
     unhealthy = 0
-    for family in text_string_to_metric_families(text):
+    for family in families:
         for sample in family.samples:
             if sample.name == "baton:router_requests_total":
                 by_status[sample.labels["status"]] = int(sample.value)
