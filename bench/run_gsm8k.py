@@ -10,6 +10,7 @@ accuracy and stops the server. Exits with the eval's status.
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import socket
 import subprocess
@@ -99,37 +100,42 @@ def main(argv: list[str] | None = None) -> int:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory(prefix="baton-gsm8k-") as scratch:
-        log = Path(scratch) / "serve.log"
-        with open(log, "wb") as sink:
-            server = subprocess.Popen(
-                # the disaggregated stack: prefill worker + decode worker + router
-                [str(BATON), "up", "--model", args.model, "--port", str(port)],
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-            )
-        try:
-            print(f"serving {args.model} with baton up on {url} (log: {log})", flush=True)
-            wait_healthy(server, url, log, args.startup_timeout)
-            command = [
-                str(BATON),
-                "eval",
-                "gsm8k",
-                "--base-url",
-                url,
-                "--data",
-                args.data,
-                *eval_flags,
-            ]
-            status = subprocess.call(command, cwd=ROOT)
-            print(router_summary(url), flush=True)
-            return status
-        except RuntimeError as error:
-            print(f"make gsm8k: {error}", file=sys.stderr)
-            return 1
-        finally:
-            stop(server)
+    scratch = Path(tempfile.mkdtemp(prefix="baton-gsm8k-"))
+    log = scratch / "serve.log"
+    status = 1
+    with open(log, "wb") as sink:
+        server = subprocess.Popen(
+            # the disaggregated stack: prefill worker + decode worker + router
+            [str(BATON), "up", "--model", args.model, "--port", str(port)],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    try:
+        print(f"serving {args.model} with baton up on {url} (log: {log})", flush=True)
+        wait_healthy(server, url, log, args.startup_timeout)
+        command = [
+            str(BATON),
+            "eval",
+            "gsm8k",
+            "--base-url",
+            url,
+            "--data",
+            args.data,
+            *eval_flags,
+        ]
+        status = subprocess.call(command, cwd=ROOT)
+        print(router_summary(url), flush=True)
+        return status
+    except RuntimeError as error:
+        print(f"make gsm8k: {error}", file=sys.stderr)
+        return 1
+    finally:
+        stop(server)
+        if status == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+        else:  # what the stack logged is what explains a failure: keep it
+            print(f"make gsm8k: the stack's log is kept at {log}", file=sys.stderr)
 
 
 if __name__ == "__main__":
