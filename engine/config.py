@@ -1,11 +1,17 @@
 """ModelConfig: a frozen, complete description of a NemotronH checkpoint, read from config.json.
 
-No defaults: every field comes from the file (or from a documented alias / derivation), and a
-missing key is an error that names it. Defaults for *serving* live at the CLI boundary.
+No defaults of baton's own: every field comes from the file (or from a documented alias /
+derivation). A key the shapes cannot be guessed without (`hidden_size`, the layer layout...) is
+required and its absence is an error that names it; any other missing key takes the default of
+transformers' `NemotronHConfig` (read from the class, so the two cannot drift), because that is
+what transformers would run the same directory with. A key whose value baton cannot honour is a
+`ConfigError` that names it. Defaults for *serving* live at the CLI boundary.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
 from dataclasses import dataclass
@@ -43,6 +49,44 @@ class ConfigError(ValueError):
     """A model directory whose config.json cannot be served; the message names the key."""
 
 
+@functools.cache
+def transformers_defaults() -> dict[str, Any]:
+    """Keyword defaults of transformers' `NemotronHConfig.__init__`: what a key missing from
+    config.json means to the reference implementation."""
+    from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
+
+    return {
+        name: param.default
+        for name, param in inspect.signature(NemotronHConfig.__init__).parameters.items()
+        if param.default is not inspect.Parameter.empty
+    }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoEConfig:
+    """A routed mixture of experts plus one always-on shared expert (NemotronH's `moe` block).
+
+    Router: sigmoid scores of a float32 linear; top-k choice on scores + `e_score_correction_bias`
+    restricted to the best `topk_group` of `n_group` expert groups (a group's score is the sum
+    of its two best experts); weights are the chosen sigmoid scores, renormalised to sum 1 when
+    `norm_topk_prob`, times `routed_scaling_factor`.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per routed expert
+    shared_intermediate_size: int  # the shared expert (an MLP beside the routed ones)
+    # Experts run in a smaller space: fc1_latent_proj (hidden -> latent) before them and
+    # fc2_latent_proj (latent -> hidden) after (Nemotron 3 Super). None: no projection.
+    latent_size: int | None
+    activation: Literal["relu2", "swiglu"]  # relu2: up/down experts; swiglu: gate_up/down
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    bias: bool  # bias of the shared expert and latent projections (`mlp_bias`)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     architecture: str
@@ -72,6 +116,11 @@ class ModelConfig:
     mamba_proj_bias: bool
     time_step_limit: tuple[float, float]
     mamba_ssm_cache_dtype: str
+    # MoE: None when no layer is a `moe` block (then no MoE key is read or checked)
+    moe: MoEConfig | None
+    # Multi-token-prediction layers stored in the checkpoint (`mtp.*`); baton does not run them
+    # yet, the loader skips their weights.
+    num_nextn_predict_layers: int
     # tokens
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
@@ -118,6 +167,12 @@ class ModelConfig:
                 raise ConfigError(f"{source}: missing required key {key!r}")
             return hf[key]
 
+        defaults = transformers_defaults()
+
+        def opt(key: str) -> Any:
+            """The file's value, else transformers' default for NemotronH."""
+            return hf[key] if key in hf else defaults[key]
+
         architectures = hf.get("architectures") or [hf.get("model_type", "")]
         arch = architectures[0]
         if arch not in SUPPORTED_ARCHITECTURES and hf.get("model_type") != "nemotron_h":
@@ -128,41 +183,92 @@ class ModelConfig:
         layer_types = _layer_types(hf, source)
         hidden = need("hidden_size")
         num_heads = need("num_attention_heads")
-        head_dim = hf.get("head_dim") or hidden // num_heads
         eos = need("eos_token_id")
-        limit = hf.get("time_step_limit", (0.0, math.inf))
+        limit = opt("time_step_limit")
         limit = tuple(math.inf if isinstance(v, dict) or v is None else float(v) for v in limit)
         if "mamba_num_heads" not in hf and "mamba" in layer_types:
             raise ConfigError(f"{source}: missing required key 'mamba_num_heads'")
+        # transformers turns an explicit null into num_attention_heads (a missing key is 8).
+        kv_heads = opt("num_key_value_heads")
+        for key, supported in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+            if opt(key) != supported:
+                raise ConfigError(
+                    f"{source}: {key}={opt(key)!r} is not supported (baton runs {supported!r})"
+                )
         return cls(
             architecture="NemotronHForCausalLM",
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
             layer_types=layer_types,
             norm_eps=float(need("layer_norm_epsilon")),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(opt("tie_word_embeddings")),
             max_position_embeddings=need("max_position_embeddings"),
             num_attention_heads=num_heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            attention_bias=bool(hf.get("attention_bias", False)),
+            num_key_value_heads=num_heads if kv_heads is None else kv_heads,
+            head_dim=opt("head_dim") or hidden // num_heads,
+            attention_bias=bool(opt("attention_bias")),
             intermediate_size=need("intermediate_size"),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            mlp_hidden_act=hf.get("mlp_hidden_act", "relu2"),
-            mamba_num_heads=hf.get("mamba_num_heads", 0),
-            mamba_head_dim=hf.get("mamba_head_dim", 0),
-            ssm_state_size=hf.get("ssm_state_size", 0),
-            n_groups=hf.get("n_groups", 1),
-            conv_kernel=hf.get("conv_kernel", 4),
-            chunk_size=hf.get("chunk_size", 128),
-            use_conv_bias=bool(hf.get("use_conv_bias", True)),
-            mamba_proj_bias=bool(hf.get("mamba_proj_bias", hf.get("use_bias", False))),
+            mlp_bias=bool(opt("mlp_bias")),
+            mlp_hidden_act=opt("mlp_hidden_act"),
+            mamba_num_heads=opt("mamba_num_heads"),
+            mamba_head_dim=opt("mamba_head_dim"),
+            ssm_state_size=opt("ssm_state_size"),
+            n_groups=opt("n_groups"),
+            conv_kernel=opt("conv_kernel"),
+            chunk_size=opt("chunk_size"),
+            use_conv_bias=bool(opt("use_conv_bias")),
+            # transformers' Mamba mixer builds in_proj/out_proj with `use_bias` (its
+            # `mamba_proj_bias` key is read by nothing); a legacy file may only have the latter.
+            mamba_proj_bias=bool(hf["use_bias"] if "use_bias" in hf else opt("mamba_proj_bias")),
             time_step_limit=(limit[0], limit[1]),
-            mamba_ssm_cache_dtype=hf.get("mamba_ssm_cache_dtype") or "float32",
+            mamba_ssm_cache_dtype=opt("mamba_ssm_cache_dtype") or "float32",
+            moe=_moe_config(hf, opt, source) if "moe" in layer_types else None,
+            num_nextn_predict_layers=int(opt("num_nextn_predict_layers") or 0),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
-            bos_token_id=hf.get("bos_token_id"),
+            bos_token_id=opt("bos_token_id"),
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype") or "bfloat16",
         )
+
+
+def _moe_config(hf: dict[str, Any], opt, source: str) -> MoEConfig:
+    """NemotronH's MoE keys, each checked against what transformers' block can build."""
+    num_experts = int(opt("n_routed_experts"))
+    top_k = int(opt("num_experts_per_tok"))
+    n_group, topk_group = int(opt("n_group")), int(opt("topk_group"))
+    if opt("n_shared_experts") != 1:
+        # transformers' NemotronH builds exactly one shared expert whatever this key says.
+        raise ConfigError(
+            f"{source}: n_shared_experts={opt('n_shared_experts')!r} is not supported "
+            "(NemotronH has exactly one shared expert)"
+        )
+    if n_group < 1 or num_experts % n_group:
+        raise ConfigError(f"{source}: n_group={n_group} must divide n_routed_experts={num_experts}")
+    if n_group > 1 and num_experts // n_group < 2:
+        raise ConfigError(
+            f"{source}: n_group={n_group} leaves fewer than 2 experts per group "
+            "(a group's score is the sum of its two best experts)"
+        )
+    if not 1 <= topk_group <= n_group:
+        raise ConfigError(f"{source}: topk_group={topk_group} must be in 1..n_group={n_group}")
+    if not 1 <= top_k <= topk_group * (num_experts // n_group):
+        raise ConfigError(
+            f"{source}: num_experts_per_tok={top_k} must be in 1..{topk_group * num_experts // n_group}"
+            f" (the experts of topk_group={topk_group} of n_group={n_group} groups)"
+        )
+    latent = opt("moe_latent_size")
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=int(opt("moe_intermediate_size")),
+        shared_intermediate_size=int(opt("moe_shared_expert_intermediate_size")),
+        latent_size=None if latent is None else int(latent),
+        activation="relu2",
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=bool(opt("norm_topk_prob")),
+        routed_scaling_factor=float(opt("routed_scaling_factor")),
+        bias=bool(opt("mlp_bias")),
+    )
 
 
 def _layer_types(hf: dict[str, Any], source: str) -> tuple[LayerType, ...]:

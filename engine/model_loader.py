@@ -35,8 +35,19 @@ def load_model(
     load_into(model, model_dir)
     # Mamba parameters A_log, D, dt_bias and norms stay where they are read in float32 anyway;
     # cast the whole module once so matmuls run in the serving dtype.
-    model.to(dtype=dtype)
+    cast_model(model, dtype)
     model.eval().requires_grad_(False)
     if torch.device(device).type == "cpu":
         model.prepare_for_cpu(dtype)
     return model
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """`model.to(dtype)`, except modules marked `keep_float32` (the MoE router: a bf16 gate
+    flips near-equal top-k choices, so transformers keeps it in float32 too)."""
+    for module in model.modules():
+        if getattr(module, "keep_float32", False):
+            continue
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +12,15 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+log = logging.getLogger(__name__)
+
 INDEX_FILE = "model.safetensors.index.json"
+# One routed expert's matrix as checkpoints store it (transformers' save_pretrained and NVIDIA's
+# Nemotron 3 releases alike): `...mixer.experts.{e}.up_proj.weight`. In memory the experts of a
+# layer are one stacked (E, out, in) parameter `...mixer.experts.up_proj`, as in transformers.
+EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<proj>\w+)\.weight$")
+# Multi-token-prediction layers (Nemotron 3 Super): baton does not run them yet.
+SKIPPED_PREFIXES = ("mtp.",)
 SINGLE_FILE = "model.safetensors"
 
 
@@ -64,33 +74,75 @@ def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
                 yield canonical_name(name), shard.get_tensor(name)
 
 
-def load_into(module: torch.nn.Module, model_dir: str | Path, ignore: tuple[str, ...] = ()) -> None:
-    """Copy every checkpoint tensor into the parameter of the same name, casting to its dtype.
+def expert_slot(name: str) -> tuple[str, int] | None:
+    """(stacked parameter name, expert index) for a per-expert checkpoint tensor, else None."""
+    match = EXPERT_NAME.match(name)
+    if match is None:
+        return None
+    return f"{match['prefix']}.{match['proj']}", int(match["index"])
 
-    Raises WeightError naming missing tensors, unexpected tensors and shape mismatches.
+
+def load_into(module: torch.nn.Module, model_dir: str | Path, ignore: tuple[str, ...] = ()) -> None:
+    """Copy every checkpoint tensor into the parameter of the same name, casting to its dtype;
+    per-expert tensors go into their row of the stacked expert parameter.
+
+    Raises WeightError naming missing tensors (a missing expert by its checkpoint name),
+    unexpected tensors and shape mismatches. MTP tensors are skipped with one log line.
     """
     params = dict(module.named_parameters())
     tied = set(getattr(module, "tied_parameters", ()))
     loaded: set[str] = set()
+    experts_loaded: dict[str, set[int]] = {}
     unexpected: list[str] = []
+    skipped = 0
     for name, tensor in iterate_weights(model_dir):
         if name in tied:
             continue  # shares its storage with a parameter loaded under another name
-        param = params.get(name)
+        if name.startswith(SKIPPED_PREFIXES):
+            skipped += 1
+            continue
+        target, index = name, None
+        slot = expert_slot(name) if name not in params else None
+        if slot is not None and slot[0] in params:
+            target, index = slot
+        param = params.get(target)
         if param is None:
             if not any(name.startswith(prefix) for prefix in ignore):
                 unexpected.append(name)
             continue
-        if tuple(param.shape) != tuple(tensor.shape):
+        dest = param if index is None else _expert_row(param, index, name, model_dir)
+        if tuple(dest.shape) != tuple(tensor.shape):
             raise WeightError(
                 f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"the model expects {tuple(param.shape)}"
+                f"the model expects {tuple(dest.shape)}"
             )
         with torch.no_grad():
-            param.copy_(tensor.to(param.dtype))
-        loaded.add(name)
-    missing = sorted(set(params) - loaded)
+            dest.copy_(tensor.to(param.dtype))
+        if index is None:
+            loaded.add(target)
+        else:
+            experts_loaded.setdefault(target, set()).add(index)
+    if skipped:
+        log.info("%s: skipped %d multi-token-prediction (mtp.*) tensors", model_dir, skipped)
+    missing = []
+    for name in sorted(set(params) - loaded):
+        rows = experts_loaded.get(name)
+        if rows is None:
+            missing.append(name)
+            continue
+        prefix, proj = name.rsplit(".", 1)
+        missing += [
+            f"{prefix}.{e}.{proj}.weight" for e in range(params[name].shape[0]) if e not in rows
+        ]
     if missing:
         raise WeightError(f"{model_dir}: checkpoint is missing tensor(s) {missing}")
     if unexpected:
         raise WeightError(f"{model_dir}: checkpoint has unexpected tensor(s) {sorted(unexpected)}")
+
+
+def _expert_row(param: torch.Tensor, index: int, name: str, model_dir) -> torch.Tensor:
+    if index >= param.shape[0]:
+        raise WeightError(
+            f"{model_dir}: tensor {name!r} is expert {index}, the model has {param.shape[0]} experts"
+        )
+    return param[index]

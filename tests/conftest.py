@@ -42,6 +42,34 @@ TINY_CONFIGS = {
     ),
 }
 
+# Tiny MoE NemotronH shapes (tests/test_moe_model.py and the engine/disagg tests that take them).
+_MOE = dict(
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    moe_shared_expert_intermediate_size=40,
+    routed_scaling_factor=2.5,
+)
+MOE_CONFIGS = {
+    # Nemotron-3-Nano-like: mostly Mamba and MoE, one attention layer, sigmoid top-k, scaled.
+    "moe_nano": dict(_MOE, hybrid_override_pattern="MEM*EMEME"),
+    # Group-limited routing: 16 experts in 4 groups, the best 2 groups, 3 experts per token,
+    # weights not renormalised.
+    "moe_grouped": dict(
+        _MOE,
+        hybrid_override_pattern="ME*EM-",
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+    ),
+    # Nemotron-3-Super-like latent MoE: the experts run at 32 wide inside a 64-wide model.
+    "moe_latent": dict(_MOE, hybrid_override_pattern="M*EME", moe_latent_size=32),
+}
+TINY_CONFIGS.update(MOE_CONFIGS)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -191,16 +191,6 @@ def test_missing_config_key_and_bad_architecture_are_named(base_model, tmp_path)
         ModelConfig.from_hf(tmp_path)
 
 
-def test_moe_blocks_raise_clear_error(base_model):
-    model_dir, _ = base_model
-    config = json.loads((model_dir / "config.json").read_text())
-    config["layers_block_type"] = ["linear_attention", "moe"]
-    from engine.models.nemotron_h import NemotronHForCausalLM
-
-    with pytest.raises(NotImplementedError, match="MoE"):
-        NemotronHForCausalLM(ModelConfig.from_dict(config))
-
-
 def test_tied_checkpoint_without_lm_head_uses_embeddings(base_model, tmp_path):
     model_dir, _ = base_model
     config = json.loads((model_dir / "config.json").read_text())

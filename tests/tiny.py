@@ -110,6 +110,10 @@ def build_hf_model(seed: int = 0, **overrides):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # The MoE router's load-balancing bias (zeros at init): make it steer choices.
+                buffer.copy_(0.05 * torch.randn_like(buffer))
     align_dt_limit(model)
     return model
 

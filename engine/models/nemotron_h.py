@@ -12,6 +12,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_metadata import Mamba2Metadata
+from engine.layers.mlp import ReluSquaredMLP
+from engine.layers.moe import MoE
 from engine.state_cache import StateCache
 from kernels import cpu_ops
 from kernels.attention import paged_attention, store_kv
@@ -36,29 +38,6 @@ class RMSNorm(nn.Module):
 
     def freeze(self) -> None:
         self.weight_f32 = self.weight.detach().float().contiguous()
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        if config.mlp_hidden_act != "relu2":
-            raise NotImplementedError(
-                f"mlp_hidden_act {config.mlp_hidden_act!r} (baton supports relu2)"
-            )
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
-
-    def forward(self, x: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
-        up = self.up_proj(x)
-        if getattr(self.up_proj, "activation", "none") != "relu":
-            up = torch.relu(up)
-        return self.down_proj(up.square())
-
-    def pack_for_cpu(self) -> None:
-        """relu fused into the up projection's packed matmul (kernels/linear.py)."""
-        self.up_proj = PackedLinear(self.up_proj, activation="relu")
 
 
 class Attention(nn.Module):
@@ -308,19 +287,24 @@ class Block(nn.Module):
         super().__init__()
         kind = config.layer_types[layer_id]
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        # Mamba and attention read and write the pools; MLP and MoE see only their rows.
+        self.stateful = kind in ("mamba", "attention")
         if kind == "mamba":
             self.mixer = Mamba2Mixer(config, config.mamba_layer_ids.index(layer_id))
         elif kind == "attention":
             self.mixer = Attention(config, config.attention_layer_ids.index(layer_id))
         elif kind == "mlp":
-            self.mixer = MLP(config)
-        else:
-            raise NotImplementedError(
-                f"layer {layer_id}: block type {kind!r} (MoE) is not supported yet"
+            self.mixer = ReluSquaredMLP(
+                config.hidden_size, config.intermediate_size, config.mlp_bias
             )
+        else:
+            assert config.moe is not None  # from_dict builds it whenever a layer is `moe`
+            self.mixer = MoE(config.hidden_size, config.moe)
 
     def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
-        return hidden + self.mixer(self.norm(hidden), md, cache)
+        normed = self.norm(hidden)
+        out = self.mixer(normed, md, cache) if self.stateful else self.mixer(normed)
+        return hidden + out
 
 
 class NemotronHModel(nn.Module):
@@ -360,7 +344,7 @@ class NemotronHForCausalLM(nn.Module):
         Call after the weights are loaded and cast; the plain weights are dropped."""
         if can_pack(dtype):
             for module in list(self.modules()):
-                if isinstance(module, (Attention, MLP)):
+                if hasattr(module, "pack_for_cpu"):
                     module.pack_for_cpu()
         pack_linears(self, dtype)
         for module in self.modules():

@@ -1,0 +1,89 @@
+"""The MoE block: float32 router, routed experts, one shared expert, optional latent projection.
+
+Parameter names follow transformers' NemotronH (`gate.weight`, `gate.e_score_correction_bias`,
+`experts.up_proj` / `experts.down_proj` stacked (E, out, in), `shared_experts.*`,
+`fc1_latent_proj` / `fc2_latent_proj`); the loader stacks a checkpoint's per-expert tensors
+(`experts.{e}.up_proj.weight`) into the stacked parameters.
+
+    x ──> gate (float32) ──> (weights, ids)
+    x ──> [fc1_latent_proj] ──> experts (fused_moe) ──> [fc2_latent_proj] ──┐
+    x ──> shared_experts ───────────────────────────────────────────────────+──> out
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import MoEConfig
+from engine.layers.mlp import ReluSquaredMLP
+from kernels.moe import PackedExperts, Routing, fused_moe, pack_experts, route_sigmoid_grouped
+
+
+class Router(nn.Module):
+    """Kept in float32 whatever the model dtype (the loader skips modules with
+    `keep_float32`), as transformers keeps `gate.weight` and the correction bias."""
+
+    keep_float32 = True
+
+    def __init__(self, hidden_size: int, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        c = self.config
+        return route_sigmoid_grouped(
+            x,
+            self.weight,
+            self.e_score_correction_bias,
+            top_k=c.top_k,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            norm_topk_prob=c.norm_topk_prob,
+            scaling=c.routed_scaling_factor,
+        )
+
+
+class Experts(nn.Module):
+    def __init__(self, width: int, config: MoEConfig):
+        super().__init__()
+        E, inter = config.num_experts, config.intermediate_size
+        up_rows = 2 * inter if config.activation == "swiglu" else inter
+        self.activation = config.activation
+        self.up_proj = nn.Parameter(torch.zeros(E, up_rows, width))
+        self.down_proj = nn.Parameter(torch.zeros(E, width, inter))
+        self.packed: PackedExperts | None = None  # CPU: per-expert oneDNN layouts
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return fused_moe(x, self.up_proj, self.down_proj, routing, self.activation, self.packed)
+
+    def pack_for_cpu(self) -> None:
+        """Reorder each expert's weights once for oneDNN; the stacked copies stay (the Triton
+        path and BATON_KERNELS=triton in the interpreter read them)."""
+        self.packed = pack_experts(self.up_proj.detach(), self.down_proj.detach())
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden_size: int, config: MoEConfig):
+        super().__init__()
+        self.gate = Router(hidden_size, config)
+        latent = config.latent_size
+        self.experts = Experts(latent if latent is not None else hidden_size, config)
+        self.shared_experts = ReluSquaredMLP(
+            hidden_size, config.shared_intermediate_size, config.bias
+        )
+        self.fc1_latent_proj: nn.Module | None = None
+        self.fc2_latent_proj: nn.Module | None = None
+        if latent is not None:
+            self.fc1_latent_proj = nn.Linear(hidden_size, latent, bias=config.bias)
+            self.fc2_latent_proj = nn.Linear(latent, hidden_size, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing = self.gate(x)
+        routed = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        routed = self.experts(routed, routing)
+        if self.fc2_latent_proj is not None:
+            routed = self.fc2_latent_proj(routed)
+        return routed + self.shared_experts(x)

@@ -1,0 +1,172 @@
+"""Mixture-of-experts: the router and the routed experts (torch path; Triton in triton_moe.py).
+
+Shapes (T tokens, D model width seen by the experts, I expert width, E experts, k per token):
+  x:           (T, D)            model dtype
+  w_up:        (E, I, D)         relu2 experts: up_proj
+               (E, 2I, D)        swiglu experts: gate_up_proj, gate rows first
+  w_down:      (E, D, I)
+  topk_ids:    (T, k) int64      chosen experts per token
+  topk_weights:(T, k) float32    their weights
+  returns      (T, D)            model dtype; sum over k of weight * expert(x), summed in float32
+
+The torch path sorts the (token, choice) pairs by expert and runs one matmul pair per expert
+that received tokens: no per-token Python loop and no dense all-experts compute. Per-expert
+counts come back to the host (a sync), which is fine on the CPU; the Triton path
+(kernels/triton_moe.py) keeps them on the device so a CUDA graph can capture it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import select_backend
+from kernels.linear import can_pack
+
+Activation = Literal["relu2", "swiglu"]
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor  # (T, k) float32
+    ids: torch.Tensor  # (T, k) int64
+
+
+def route_sigmoid_grouped(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> Routing:
+    """NemotronH's (DeepSeek-V3-style) router, in float32 whatever x's dtype: bf16 logits flip
+    near-equal top-k choices, so transformers keeps the gate and the bias in float32 too.
+
+    x: (T, hidden); gate_weight: (E, hidden) float32; correction_bias: (E,) float32.
+    The bias only steers the choice; the weights are the unbiased sigmoid scores."""
+    E = gate_weight.shape[0]
+    scores = F.linear(x.float(), gate_weight.float()).sigmoid()
+    choice = scores + correction_bias.float()
+    if n_group > 1:
+        # A group's score is the sum of its two best experts; keep the best topk_group groups.
+        group_scores = choice.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        expert_mask = group_mask.repeat_interleave(E // n_group, dim=1).bool()
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(weights * scaling, ids)
+
+
+class PackedExperts(NamedTuple):
+    """Per-expert weights reordered once into oneDNN's blocked layout (kernels/linear.py): the
+    few-row matmuls of decode then skip F.linear's per-call repacking."""
+
+    up: list[torch.Tensor]
+    down: list[torch.Tensor]
+
+
+def pack_experts(w_up: torch.Tensor, w_down: torch.Tensor) -> PackedExperts | None:
+    """None where oneDNN cannot run the dtype or the weights are not on the CPU."""
+    if w_up.device.type != "cpu" or not can_pack(w_up.dtype):
+        return None
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    return PackedExperts(
+        up=[reorder(w_up[e].contiguous(), None) for e in range(w_up.shape[0])],
+        down=[reorder(w_down[e].contiguous(), None) for e in range(w_down.shape[0])],
+    )
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    routing: Routing,
+    activation: Activation,
+    packed: PackedExperts | None = None,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); dispatches on device like every kernel."""
+    _check(x, w_up, w_down, routing, activation)
+    if select_backend(x) == "triton":
+        from kernels.triton_moe import fused_moe_triton
+
+        return fused_moe_triton(x, w_up, w_down, routing, activation)
+    return fused_moe_torch(x, w_up, w_down, routing, activation, packed)
+
+
+def fused_moe_torch(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    routing: Routing,
+    activation: Activation,
+    packed: PackedExperts | None = None,
+) -> torch.Tensor:
+    T, k = routing.ids.shape
+    E = w_up.shape[0]
+    if T == 0:
+        return x.new_zeros(0, x.shape[1])
+    flat_ids = routing.ids.flatten()
+    # Stable sort: within an expert, pairs keep token order, as transformers' loop does.
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=E).tolist()
+    token_of = order // k
+    rows = x[token_of]
+    outs = []
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        outs.append(_expert(rows[start : start + n], e, w_up, w_down, activation, packed))
+        start += n
+    ys = torch.cat(outs) if len(outs) > 1 else outs[0]
+    # Weighted and summed in float32, like transformers (its routing weights are float32).
+    ys = ys.float() * routing.weights.flatten()[order].unsqueeze(1)
+    out = torch.zeros(T, ys.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, token_of, ys)
+    return out.to(x.dtype)
+
+
+def _expert(rows, e, w_up, w_down, activation: Activation, packed: PackedExperts | None):
+    """One expert on its rows: (n, D) -> (n, D)."""
+    if packed is not None:
+        linear = torch.ops.mkldnn._linear_pointwise
+        if activation == "relu2":
+            h = linear(rows, packed.up[e], None, "relu", [], "").square()
+        else:
+            gate, up = linear(rows, packed.up[e], None, "none", [], "").chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return linear(h, packed.down[e], None, "none", [], "")
+    h = F.linear(rows, w_up[e])
+    if activation == "relu2":
+        h = torch.relu(h).square()
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    return F.linear(h, w_down[e])
+
+
+def _check(x, w_up, w_down, routing: Routing, activation: Activation) -> None:
+    T, D = x.shape
+    E, up_rows, D_up = w_up.shape
+    width = up_rows // 2 if activation == "swiglu" else up_rows
+    if activation not in ("relu2", "swiglu"):
+        raise ValueError(f"unsupported expert activation {activation!r}")
+    if D_up != D or tuple(w_down.shape) != (E, D, width):
+        raise ValueError(
+            f"expert weights {tuple(w_up.shape)} / {tuple(w_down.shape)} do not fit x {tuple(x.shape)}"
+            f" with {activation} experts"
+        )
+    if routing.ids.shape != routing.weights.shape or routing.ids.shape[0] != T:
+        raise ValueError(
+            f"routing ids {tuple(routing.ids.shape)} / weights {tuple(routing.weights.shape)} "
+            f"do not fit {T} tokens"
+        )
