@@ -7,7 +7,10 @@ move at least (inputs read once, outputs written once) and the bandwidth that gi
 fraction of the device's theoretical peak (memory clock x bus width, from the CUDA device
 properties) and of a device-to-device copy measured in the same run (the practical ceiling).
 Decode kernels (selective state update, conv update, paged attention) run at batches 1..256,
-prefill kernels at 8k tokens. Attention prefill is compute-bound, so its bandwidth fraction is
+prefill kernels at 8k tokens. The fused MoE kernel runs at Nemotron-3-Nano-30B-A3B's expert
+shapes (hidden 2688, 128 experts of width 1856, top-6) at decode batches 1..256 against the
+torch path (which syncs for per-expert counts); its bytes are the weights of the experts the
+batch really touches plus the activations. Attention prefill is compute-bound, so its bandwidth fraction is
 low by nature; read its Triton/torch ratio instead.
 
 On a machine without CUDA it says so and exits 0. `--smoke` runs tiny shapes wherever it is
@@ -350,6 +353,52 @@ def bench_prefill(s: Shapes, device, dtype, timer) -> list[Result]:
     return results
 
 
+@dataclass(frozen=True, kw_only=True)
+class MoEShapes:
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    decode_batches: tuple[int, ...]
+
+
+NANO_30B_A3B_MOE = MoEShapes(
+    hidden=2688, inter=1856, experts=128, top_k=6, decode_batches=(1, 8, 32, 64, 128, 256)
+)
+SMOKE_MOE = MoEShapes(hidden=64, inter=32, experts=8, top_k=2, decode_batches=(1, 3))
+
+
+def bench_moe(s: MoEShapes, device, dtype, timer) -> list[Result]:
+    from kernels.moe import fused_moe_torch, route_sigmoid_grouped
+    from kernels.triton_moe import fused_moe_triton
+
+    w_up = torch.randn(s.experts, s.inter, s.hidden, device=device, dtype=dtype) / s.hidden**0.5
+    w_down = torch.randn(s.experts, s.hidden, s.inter, device=device, dtype=dtype) / s.inter**0.5
+    gate = torch.randn(s.experts, s.hidden, device=device)
+    bias = torch.zeros(s.experts, device=device)
+    elt = torch.finfo(dtype).bits // 8
+    results = []
+    for batch in s.decode_batches:
+        x = torch.randn(batch, s.hidden, device=device, dtype=dtype)
+        routing = route_sigmoid_grouped(
+            x, gate, bias, top_k=s.top_k, n_group=1, topk_group=1, norm_topk_prob=True, scaling=2.5
+        )
+        touched = routing.ids.unique().numel()
+        moved = touched * 2 * s.inter * s.hidden * elt + 2 * batch * s.hidden * elt
+        results.append(
+            measure(
+                timer,
+                "fused_moe relu2",
+                f"B={batch} {touched}/{s.experts} experts",
+                moved,
+                fused_moe_triton,
+                fused_moe_torch,
+                (x, w_up, w_down, routing, "relu2"),
+            )
+        )
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -367,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     interpreted = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
     if args.smoke:
         device = torch.device("cuda" if torch.cuda.is_available() and not interpreted else "cpu")
-        shapes, context = SMOKE, 40
+        shapes, moe_shapes, context = SMOKE, SMOKE_MOE, 40
     else:
         if not torch.cuda.is_available():
             print(
@@ -379,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             print("bench.kernels: TRITON_INTERPRET is on; unset it to time compiled kernels.")
             return 1
         device, shapes, context = torch.device("cuda"), NANO_9B_V2, args.context
+        moe_shapes = NANO_30B_A3B_MOE
     dtype = getattr(torch, args.dtype)
     timer = make_timer(device)
     torch.manual_seed(0)
@@ -391,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = bench_decode(shapes, device, dtype, timer, context)
     results += bench_prefill(shapes, device, dtype, timer)
+    results += bench_moe(moe_shapes, device, dtype, timer)
     print(
         f"{'kernel':<22} {'shape':<28} {'triton ms':>9} {'torch ms':>9} {'speedup':>8} "
         f"{'GB/s':>8} {'%peak':>6} {'%copy':>6}"
@@ -401,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": name,
         "dtype": args.dtype,
         "shapes": asdict(shapes),
+        "moe_shapes": asdict(moe_shapes),
         "theoretical_peak_gbps": peak,
         "copy_gbps": copy,
         "results": [

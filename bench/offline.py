@@ -8,6 +8,10 @@ Workloads (random-weight NemotronH, fixed seed, ignore_eos):
         left-padded batches, best of batch sizes 1, 8, 32 (--hf-batch-sizes).
   19m : 32 prompts x 128 tokens, 64 new tokens each (the vLLM-CPU comparison point:
         ~2,500 out tok/s bf16, ~1,850 fp32 on this kind of 2-core machine).
+  moe100m: Nemotron-3-Nano-style MoE hybrid (`MEMEM*EMEMEM*EME`: Mamba and MoE alternate, two
+        attention layers; 64 routed experts, top-6, one shared expert, sigmoid routing x2.5):
+        ~95M parameters, ~21M of them in matmuls per token; the 19m workload, transformers in
+        one static batch.
 Also prints the decode step's FLOP rate at batch 64 as a fraction of a torch.mm peak measured in
 the same run. Useful output tokens/s counts generated tokens only.
 """
@@ -53,6 +57,26 @@ CONFIGS = {
         intermediate_size=512,
         conv_kernel=4,
     ),
+    "moe100m": dict(
+        vocab_size=32000,
+        hidden_size=256,
+        hybrid_override_pattern="MEMEM*EMEMEM*EME",
+        mamba_num_heads=8,
+        mamba_head_dim=64,
+        ssm_state_size=64,
+        n_groups=2,
+        chunk_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=640,
+        conv_kernel=4,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        moe_intermediate_size=320,
+        moe_shared_expert_intermediate_size=640,
+        routed_scaling_factor=2.5,
+    ),
 }
 
 
@@ -73,8 +97,28 @@ def save_model(name: str, path: str):
 
     torch.manual_seed(0)
     model = NemotronHForCausalLM(NemotronHConfig(max_position_embeddings=8192, **CONFIGS[name]))
+    with torch.no_grad():
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                # zeros at init; a trained router's bias spreads the load: so does this one
+                buffer.normal_(0.0, 0.02)
     model.save_pretrained(path)
     return model
+
+
+def param_counts(model, hf_model) -> dict:
+    """Total parameters (transformers' copy: baton's prepacked linears hold theirs outside
+    `parameters()`), and those in baton's matmuls per token (routed experts: top_k of them)."""
+    from engine.layers.moe import Experts
+    from kernels.linear import matmul_params
+
+    active = matmul_params(model)
+    for module in model.modules():
+        if isinstance(module, Experts):
+            per_expert = module.up_proj[0].numel() + module.down_proj[0].numel()
+            active += model.config.moe.top_k * per_expert
+    total = sum(p.numel() for p in hf_model.parameters())
+    return {"total_params": total, "active_matmul_params": active}
 
 
 def run_baton(model_dir: str, dtype: str, requests, padded_decode: bool = False) -> dict:
@@ -139,7 +183,6 @@ def mm_peak(dtype: torch.dtype) -> float:
 def decode_flop_fraction(llm, batch: int = 64) -> dict:
     """Time steady decode steps at `batch` and compare 2 * params * batch FLOPs to the mm peak."""
     from engine import SamplingParams
-    from kernels.linear import matmul_params
 
     engine = llm.engine
     for i in range(batch):
@@ -158,7 +201,7 @@ def decode_flop_fraction(llm, batch: int = 64) -> dict:
     # Best of 20 steps against the best of 5 torch.mm runs: the same statistic on both sides
     # (a noisy 2-core machine moves medians by +-5%); the median is reported too.
     step = min(times)
-    params = matmul_params(engine.model)
+    params = param_counts(engine.model, engine.model)["active_matmul_params"]
     flops = 2 * params * batch / step
     peak = mm_peak(engine.dtype)
     return {
@@ -174,7 +217,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--config", choices=["19m", "110m", "all"], default="all")
+    ap.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "all"], default="all")
     ap.add_argument("--num-requests", type=int, default=None, help="override the workload size")
     ap.add_argument("--hf-batch-sizes", default="1,8,32")
@@ -192,14 +235,27 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
-    for name in ["19m", "110m"] if args.config == "all" else [args.config]:
+    for name in list(CONFIGS) if args.config == "all" else [args.config]:
         with tempfile.TemporaryDirectory() as model_dir:
             hf = save_model(name, model_dir)
             requests = workload(name, args.num_requests)
             for dtype in ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]:
                 baton = run_baton(model_dir, dtype, requests)
-                flop = decode_flop_fraction(baton.pop("llm"))
-                row = {"config": name, "dtype": dtype, "baton": baton, "decode_flops": flop}
+                llm = baton.pop("llm")
+                counts = param_counts(llm.engine.model, hf)
+                flop = decode_flop_fraction(llm)
+                row = {
+                    "config": name,
+                    "dtype": dtype,
+                    "baton": baton,
+                    "decode_flops": flop,
+                    **counts,
+                }
+                print(
+                    f"[{name} {dtype}] {counts['total_params'] / 1e6:.1f}M parameters, "
+                    f"{counts['active_matmul_params'] / 1e6:.1f}M in matmuls per token",
+                    flush=True,
+                )
                 print(
                     f"[{name} {dtype}] baton {baton['tok_per_s']:.0f} out tok/s; decode step at batch 64 "
                     f"{flop['decode_step_ms']:.1f} ms (median {flop['decode_step_median_ms']:.1f}) = "
@@ -208,7 +264,7 @@ def main() -> None:
                 )
                 if not args.skip_hf:
                     sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
-                    if name == "19m":
+                    if name in ("19m", "moe100m"):
                         sizes = [len(requests)]  # the vLLM comparison used one static batch
                     hf_runs = [run_hf(hf, dtype, requests, b) for b in sizes]
                     best = max(hf_runs, key=lambda r: r["tok_per_s"])
