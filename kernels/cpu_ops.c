@@ -409,3 +409,79 @@ int64_t baton_decode_attention(const void *q, const void *k_cache, const void *v
     }
     return 0;
 }
+
+/* Four dot products of one weight row (n elements, float32 or bfloat16) with rows x0..x3. */
+static inline __attribute__((always_inline)) void dot4(const void *w, const int bf16,
+                                                       const float *x0, const float *x1,
+                                                       const float *x2, const float *x3,
+                                                       int64_t n, float *out) {
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    if (bf16) {
+        const uint16_t *wb = (const uint16_t *)w;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int64_t k = 0; k < n; k++) {
+            const float wk = bf16_to_f32(wb[k]);
+            a0 += wk * x0[k];
+            a1 += wk * x1[k];
+            a2 += wk * x2[k];
+            a3 += wk * x3[k];
+        }
+    } else {
+        const float *wf = (const float *)w;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int64_t k = 0; k < n; k++) {
+            const float wk = wf[k];
+            a0 += wk * x0[k];
+            a1 += wk * x1[k];
+            a2 += wk * x2[k];
+            a3 += wk * x3[k];
+        }
+    }
+    out[0] = a0;
+    out[1] = a1;
+    out[2] = a2;
+    out[3] = a3;
+}
+
+/* Routed experts for decode-sized batches (kernels/moe.py). Rows are sorted by expert: expert e
+ * owns rows offsets[e] .. offsets[e + 1]. Each weight row is read once per block of four rows
+ * and dotted with all four (the rows stay in L1, the expert's weights in L2), so a step streams
+ * the touched experts' weights about once: with a few rows per expert that is what bounds it,
+ * and oneDNN's small-M GEMMs reach only a fraction of it.
+ *   xs (P, D) float32; w_up (E, I or 2I, D) and w_down (E, D, I) float32 or bfloat16;
+ *   h (P, I) float32 scratch; ys (P, D) float32 out.
+ *   act 0: relu(x W_upᵀ)²; act 1: silu(gate) * up with gate rows [0, I) and up rows [I, 2I). */
+void baton_moe_experts(const float *xs, const int64_t *offsets, int64_t E, const void *w_up,
+                       const void *w_down, int w_bf16, float *h, float *ys, int64_t D, int64_t I,
+                       int act, int threads) {
+    const int64_t esize = w_bf16 ? 2 : 4, up_rows = act ? 2 * I : I;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t e = 0; e < E; e++) {
+        const char *wu = (const char *)w_up + e * up_rows * D * esize;
+        const char *wd = (const char *)w_down + e * D * I * esize;
+        for (int64_t rb = offsets[e]; rb < offsets[e + 1]; rb += 4) {
+            const int64_t nr = offsets[e + 1] - rb < 4 ? offsets[e + 1] - rb : 4;
+            /* rows past the block's end repeat its first row; their results are dropped */
+            const float *x[4], *hr[4];
+            for (int r = 0; r < 4; r++) {
+                x[r] = xs + (rb + (r < nr ? r : 0)) * D;
+                hr[r] = h + (rb + (r < nr ? r : 0)) * I;
+            }
+            for (int64_t i = 0; i < I; i++) {
+                float g[4], u[4];
+                dot4(wu + i * D * esize, w_bf16, x[0], x[1], x[2], x[3], D, g);
+                if (act) dot4(wu + (I + i) * D * esize, w_bf16, x[0], x[1], x[2], x[3], D, u);
+                for (int r = 0; r < nr; r++) {
+                    const float v = g[r];
+                    h[(rb + r) * I + i] =
+                        act ? v / (1.0f + expf(-v)) * u[r] : (v > 0.0f ? v * v : 0.0f);
+                }
+            }
+            for (int64_t j = 0; j < D; j++) {
+                float y[4];
+                dot4(wd + j * I * esize, w_bf16, hr[0], hr[1], hr[2], hr[3], I, y);
+                for (int r = 0; r < nr; r++) ys[(rb + r) * D + j] = y[r];
+            }
+        }
+    }
+}

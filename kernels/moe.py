@@ -22,10 +22,16 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from kernels.backend import select_backend
 from kernels.linear import can_pack
 
 Activation = Literal["relu2", "swiglu"]
+# Up to this many (token, choice) pairs per expert on average, the CPU runs the experts in one C
+# call that streams each touched expert's weights about once (kernels/cpu_ops.c): decode steps,
+# where oneDNN's few-row GEMMs reach ~half the memory bandwidth (1.4-2.7x at batches 8-32 of
+# the moe100m benchmark's experts). Past it, prefill-sized groups go to the prepacked GEMMs.
+SMALL_BATCH_PAIRS_PER_EXPERT = 4
 
 
 class Routing(NamedTuple):
@@ -120,6 +126,11 @@ def fused_moe_torch(
     counts = torch.bincount(flat_ids, minlength=E).tolist()
     token_of = order // k
     rows = x[token_of]
+    if flat_ids.numel() <= SMALL_BATCH_PAIRS_PER_EXPERT * E and cpu_ops.moe_experts_supported(
+        rows, w_up, w_down
+    ):
+        ys = cpu_ops.moe_experts_cpu(rows, counts, w_up, w_down, activation == "swiglu")
+        return _combine(ys, routing, order, token_of, T, x.dtype)
     outs = []
     start = 0
     for e, n in enumerate(counts):
@@ -128,11 +139,15 @@ def fused_moe_torch(
         outs.append(_expert(rows[start : start + n], e, w_up, w_down, activation, packed))
         start += n
     ys = torch.cat(outs) if len(outs) > 1 else outs[0]
-    # Weighted and summed in float32, like transformers (its routing weights are float32).
+    return _combine(ys, routing, order, token_of, T, x.dtype)
+
+
+def _combine(ys, routing: Routing, order, token_of, T: int, dtype: torch.dtype) -> torch.Tensor:
+    """Weighted and summed in float32, like transformers (its routing weights are float32)."""
     ys = ys.float() * routing.weights.flatten()[order].unsqueeze(1)
-    out = torch.zeros(T, ys.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(T, ys.shape[1], dtype=torch.float32, device=ys.device)
     out.index_add_(0, token_of, ys)
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
 def _expert(rows, e, w_up, w_down, activation: Activation, packed: PackedExperts | None):
