@@ -10,6 +10,7 @@
  * range) before it writes anything, so a bad index is an error rather than a stray write.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -443,6 +444,81 @@ static inline __attribute__((always_inline)) void dot4(const void *w, const int 
     out[3] = a3;
 }
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+/* dot4 for bfloat16 weights and rows with the CPU's bf16 dot-product instruction: products are
+ * exact in float32, sums in float32 (as oneDNN's bf16 GEMM), 32 elements per instruction
+ * instead of a conversion per weight. */
+static inline __attribute__((always_inline)) void dot4_bf16(const uint16_t *w, const uint16_t *x0,
+                                                            const uint16_t *x1, const uint16_t *x2,
+                                                            const uint16_t *x3, int64_t n,
+                                                            float *out) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+        a0 = _mm512_dpbf16_ps(a0, wv, (__m512bh)_mm512_loadu_si512(x0 + k));
+        a1 = _mm512_dpbf16_ps(a1, wv, (__m512bh)_mm512_loadu_si512(x1 + k));
+        a2 = _mm512_dpbf16_ps(a2, wv, (__m512bh)_mm512_loadu_si512(x2 + k));
+        a3 = _mm512_dpbf16_ps(a3, wv, (__m512bh)_mm512_loadu_si512(x3 + k));
+    }
+    float s0 = _mm512_reduce_add_ps(a0), s1 = _mm512_reduce_add_ps(a1);
+    float s2 = _mm512_reduce_add_ps(a2), s3 = _mm512_reduce_add_ps(a3);
+    for (; k < n; k++) {
+        const float wk = bf16_to_f32(w[k]);
+        s0 += wk * bf16_to_f32(x0[k]);
+        s1 += wk * bf16_to_f32(x1[k]);
+        s2 += wk * bf16_to_f32(x2[k]);
+        s3 += wk * bf16_to_f32(x3[k]);
+    }
+    out[0] = s0;
+    out[1] = s1;
+    out[2] = s2;
+    out[3] = s3;
+}
+
+/* baton_moe_experts for bfloat16 weights on a CPU with AVX512-BF16. The rows are a bf16
+ * model's activations (exact in bf16); the activation h is rounded to bf16 before the down
+ * projection, as the model's own dtype does in transformers. */
+static void moe_experts_bf16dot(const float *xs, const int64_t *offsets, int64_t E,
+                                const uint16_t *w_up, const uint16_t *w_down, float *ys,
+                                int64_t D, int64_t I, int act, int threads) {
+    const int64_t up_rows = act ? 2 * I : I;
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * 4 * (D + I));
+        uint16_t *hb = xb + 4 * D;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t e = 0; e < E; e++) {
+            const uint16_t *wu = w_up + e * up_rows * D, *wd = w_down + e * D * I;
+            for (int64_t rb = offsets[e]; rb < offsets[e + 1]; rb += 4) {
+                const int64_t nr = offsets[e + 1] - rb < 4 ? offsets[e + 1] - rb : 4;
+                for (int r = 0; r < 4; r++) /* past the end: the block's first row again */
+                    for (int64_t d = 0; d < D; d++)
+                        xb[r * D + d] = f32_to_bf16(xs[(rb + (r < nr ? r : 0)) * D + d]);
+                for (int64_t i = 0; i < I; i++) {
+                    float g[4], u[4];
+                    dot4_bf16(wu + i * D, xb, xb + D, xb + 2 * D, xb + 3 * D, D, g);
+                    if (act) dot4_bf16(wu + (I + i) * D, xb, xb + D, xb + 2 * D, xb + 3 * D, D, u);
+                    for (int r = 0; r < 4; r++) {
+                        const float v = round_to(1, g[r]);
+                        const float hv = act ? round_to(1, v / (1.0f + expf(-v))) * round_to(1, u[r])
+                                             : (v > 0.0f ? v * v : 0.0f);
+                        hb[r * I + i] = f32_to_bf16(hv);
+                    }
+                }
+                for (int64_t j = 0; j < D; j++) {
+                    float y[4];
+                    dot4_bf16(wd + j * I, hb, hb + I, hb + 2 * I, hb + 3 * I, I, y);
+                    for (int r = 0; r < nr; r++) ys[(rb + r) * D + j] = y[r];
+                }
+            }
+        }
+        free(xb);
+    }
+}
+#endif
+
 /* Routed experts for decode-sized batches (kernels/moe.py). Rows are sorted by expert: expert e
  * owns rows offsets[e] .. offsets[e + 1]. Each weight row is read once per block of four rows
  * and dotted with all four (the rows stay in L1, the expert's weights in L2), so a step streams
@@ -450,10 +526,19 @@ static inline __attribute__((always_inline)) void dot4(const void *w, const int 
  * and oneDNN's small-M GEMMs reach only a fraction of it.
  *   xs (P, D) float32; w_up (E, I or 2I, D) and w_down (E, D, I) float32 or bfloat16;
  *   h (P, I) float32 scratch; ys (P, D) float32 out.
- *   act 0: relu(x W_upᵀ)²; act 1: silu(gate) * up with gate rows [0, I) and up rows [I, 2I). */
+ *   act 0: relu(x W_upᵀ)²; act 1: silu(gate) * up with gate rows [0, I) and up rows [I, 2I).
+ *   With bf16 weights the projections' outputs and the activation are rounded to bf16, as a
+ *   bf16 model computes them (transformers, oneDNN); sums stay float32. */
 void baton_moe_experts(const float *xs, const int64_t *offsets, int64_t E, const void *w_up,
                        const void *w_down, int w_bf16, float *h, float *ys, int64_t D, int64_t I,
                        int act, int threads) {
+#if defined(__AVX512BF16__)
+    if (w_bf16) {
+        moe_experts_bf16dot(xs, offsets, E, (const uint16_t *)w_up, (const uint16_t *)w_down, ys,
+                            D, I, act, threads);
+        return;
+    }
+#endif
     const int64_t esize = w_bf16 ? 2 : 4, up_rows = act ? 2 * I : I;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t e = 0; e < E; e++) {
@@ -471,10 +556,12 @@ void baton_moe_experts(const float *xs, const int64_t *offsets, int64_t E, const
                 float g[4], u[4];
                 dot4(wu + i * D * esize, w_bf16, x[0], x[1], x[2], x[3], D, g);
                 if (act) dot4(wu + (I + i) * D * esize, w_bf16, x[0], x[1], x[2], x[3], D, u);
-                for (int r = 0; r < nr; r++) {
-                    const float v = g[r];
-                    h[(rb + r) * I + i] =
-                        act ? v / (1.0f + expf(-v)) * u[r] : (v > 0.0f ? v * v : 0.0f);
+                for (int r = 0; r < nr; r++) { /* bf16 experts round like a bf16 model */
+                    const float v = round_to(w_bf16, g[r]);
+                    const float hv = act ? round_to(w_bf16, v / (1.0f + expf(-v))) *
+                                               round_to(w_bf16, u[r])
+                                         : (v > 0.0f ? v * v : 0.0f);
+                    h[(rb + r) * I + i] = round_to(w_bf16, hv);
                 }
             }
             for (int64_t j = 0; j < D; j++) {
