@@ -190,3 +190,25 @@ def test_bf16_model_keeps_its_router_in_float32(tiny_models):
     torch.testing.assert_close(
         block.gate.weight, fp32.model.layers[1].mixer.gate.weight, atol=0, rtol=0
     )
+
+
+def test_stacked_expert_tensors_load_too(tiny_models, tmp_path):
+    """A checkpoint holding each layer's experts as one (E, out, in) tensor, as transformers
+    keeps them in memory, loads into the same model as the per-expert layout."""
+    model_dir, _ = tiny_models("moe_nano")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    tensors = load_file(model_dir / "model.safetensors")
+    stacked = {}
+    for name in list(tensors):
+        parts = name.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            at = parts.index("experts")
+            key = ".".join(parts[: at + 1] + [parts[at + 2]])
+            stacked.setdefault(key, {})[int(parts[at + 1])] = tensors.pop(name)
+    assert stacked  # the per-expert layout really was there
+    for key, rows in stacked.items():
+        tensors[key] = torch.stack([rows[e] for e in sorted(rows)])
+    save_file(tensors, tmp_path / "model.safetensors")
+    tokens = list(range(3, 30))
+    assert _logits(tmp_path, tokens) == _logits(model_dir, tokens)
