@@ -45,12 +45,17 @@ def test_moe_disaggregated_pair_matches_colocated(tiny_models, name):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [list(range(3, 40)), list(range(5, 90)), [7]]
     expect = colocated_tokens(Engine(model_dir, page_size=4), prompts, params)
+    # This test is about the handover's content, not its timeouts: generous ones, so that a
+    # slow first step on a loaded machine cannot fail a room.
+    slow_ok = dict(bootstrap_timeout_s=60.0, transfer_timeout_s=60.0)
     prefill = PrefillWorker(
-        Engine(model_dir, page_size=4, chunked_prefill_size=32), config("prefill"), ctx
+        Engine(model_dir, page_size=4, chunked_prefill_size=32),
+        config("prefill", **slow_ok),
+        ctx,
     )
-    decoder = DecodeWorker(Engine(model_dir, page_size=4), config("decode"), ctx)
+    decoder = DecodeWorker(Engine(model_dir, page_size=4), config("decode", **slow_ok), ctx)
     try:
-        got = run_pair(prefill, decoder, prompts, params)
+        got = run_pair(prefill, decoder, prompts, params, timeout=120.0)
         assert got == expect
         assert decoder.take_failures() == [] and prefill.take_failures() == []
         assert_pools_empty(prefill, decoder)
