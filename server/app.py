@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import FastAPI
@@ -11,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from server import chat, completions
 from server.errors import APIError, error_response, install_error_handlers
 from server.generation import ServerState, check_model
-from server.middleware import ApiKeyMiddleware, RequestCounterMiddleware
+from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware, RequestCounterMiddleware
 from server.protocol import DetokenizeRequest, TokenizeRequest
 from server.sampling import check_token_id
 
@@ -27,6 +28,9 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    # Outermost last: count every answer, check the key before reading a body, read the body
+    # (413 / strict JSON) before any handler parses it.
+    app.add_middleware(RequestBodyMiddleware, max_bytes=state.args.max_request_bytes)
     if state.args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=state.args.api_key)
     app.add_middleware(
@@ -71,10 +75,15 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(state, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError.bad_request("give exactly one of prompt and messages", "prompt")
+        # Off the event loop: a long text would hold /health and every other client up.
         if body.messages is not None:
-            tokens = state.tokenizer.encode_chat(body.messages, body.add_generation_prompt)
+            tokens = await asyncio.to_thread(
+                state.tokenizer.encode_chat, body.messages, body.add_generation_prompt
+            )
         else:
-            tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await asyncio.to_thread(
+                state.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")
@@ -82,6 +91,6 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(state, body.model)
         for token_id in body.tokens:
             check_token_id(token_id, state.vocab_size, "tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, body.tokens)}
 
     return app

@@ -22,6 +22,10 @@ ENGINE_ARG_NAMES = (
     "cuda_graph_max_bs",
 )
 
+# Bodies past this get 413 before they are parsed (worker and router). 8 MiB holds a 128k-token
+# prompt as text or as token ids many times over.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServerArgs:
@@ -41,6 +45,7 @@ class ServerArgs:
     page_size: int | None = None
     seed: int | None = None
     api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     engine_start_timeout: float = 600.0
     log_level: str = "info"
     no_prefix_cache: bool = False
@@ -69,6 +74,8 @@ class ServerArgs:
             raise ValueError(
                 f"--model {self.model}: no config.json there (expected a Hugging Face model directory)"
             )
+        if self.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
         for name in (*ENGINE_ARG_NAMES, "max_queued_requests"):
             value = getattr(self, name)
             if value is not None and value < 0:

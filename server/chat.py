@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -27,15 +28,14 @@ from server.generation import (
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest
 from server.sampling import build_sampling_params, check_prompt
+from server.validation import check_generation, num_logprobs, requested_max_tokens
 
 router = APIRouter()
 
 
 def _max_tokens(body: ChatCompletionRequest, prompt_len: int, max_model_len: int) -> int:
     """max_completion_tokens, else max_tokens, else whatever the context has left."""
-    requested = (
-        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    )
+    requested = requested_max_tokens(body)
     if requested is not None:
         return requested
     if prompt_len >= max_model_len:
@@ -46,23 +46,18 @@ def _max_tokens(body: ChatCompletionRequest, prompt_len: int, max_model_len: int
     return max_model_len - prompt_len
 
 
-def _num_logprobs(body: ChatCompletionRequest) -> int | None:
-    if not body.logprobs:
-        if body.top_logprobs:
-            raise APIError.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        return None
-    return body.top_logprobs or 0
-
-
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
     state: ServerState = raw_request.app.state.baton
     arrival = time.monotonic()
     check_model(state, body.model)
-    prompt = state.tokenizer.encode_chat(body.messages, body.add_generation_prompt)
+    check_generation(body)  # the rules the router applies too, before any tokenizing
+    prompt = await asyncio.to_thread(
+        state.tokenizer.encode_chat, body.messages, body.add_generation_prompt
+    )
     max_tokens = _max_tokens(body, len(prompt), state.max_model_len)
     params = build_sampling_params(
-        body, max_tokens=max_tokens, logprobs=_num_logprobs(body), vocab_size=state.vocab_size
+        body, max_tokens=max_tokens, logprobs=num_logprobs(body), vocab_size=state.vocab_size
     )
     check_prompt(
         prompt,

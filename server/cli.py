@@ -49,7 +49,17 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument(
         "--served-model-name", help="name clients pass as `model` (default: the --model path)"
     )
-    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* requests")
+    parser.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
+        "(/v1/*, /tokenize, /detokenize, /docs, /openapi.json)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=_default("max_request_bytes"),
+        help="answer 413 to a request body larger than this",
+    )
     parser.add_argument(
         "--log-level",
         default=_default("log_level"),

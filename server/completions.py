@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -9,7 +10,6 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from server.errors import APIError
 from server.generation import (
     ChoiceResult,
     ServerState,
@@ -25,21 +25,19 @@ from server.generation import (
     usage,
 )
 from server.logprobs import completion_logprobs
-from server.protocol import MAX_N, CompletionRequest
+from server.protocol import CompletionRequest
 from server.sampling import build_sampling_params, check_prompt
+from server.validation import check_generation, requested_max_tokens
 
 router = APIRouter()
-
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
 def tokenize_prompts(
     state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]
 ) -> list[list[int]]:
+    """Runs in a worker thread (the fast tokenizer releases the GIL while it encodes)."""
     if isinstance(prompt, str):
         return [state.tokenizer.encode(prompt)]
-    if not prompt:
-        raise APIError.bad_request("prompt must not be empty", "prompt")
     if all(isinstance(item, int) for item in prompt):
         return [list(prompt)]
     return [
@@ -52,14 +50,10 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
     state: ServerState = raw_request.app.state.baton
     arrival = time.monotonic()
     check_model(state, body.model)
-    if body.echo:
-        raise APIError.bad_request("echo is not supported", "echo")
-    prompts = tokenize_prompts(state, body.prompt)
-    if len(prompts) * body.n > MAX_N:
-        raise APIError.bad_request(
-            f"n ({body.n}) x {len(prompts)} prompts must be at most {MAX_N} choices", "n"
-        )
-    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    check_generation(body)  # the rules the router applies too, before any tokenizing
+    prompts = await asyncio.to_thread(tokenize_prompts, state, body.prompt)
+    max_tokens = requested_max_tokens(body)
+    assert max_tokens is not None  # completions default to 16
     params = build_sampling_params(
         body, max_tokens=max_tokens, logprobs=body.logprobs, vocab_size=state.vocab_size
     )

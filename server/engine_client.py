@@ -6,7 +6,7 @@
 
 One receiver task owns the PULL socket and routes each delta by request id to the queue of the
 `generate` call that owns it; a watcher task notices a dead engine process and fails every
-waiting call at once, so nothing hangs. Sends use a plain (blocking) zmq socket with no
+waiting call at once, so nothing hangs, and sets `engine_died` (the server then exits). Sends use a plain (blocking) zmq socket with no
 high-water mark: they never wait, which lets `generate`'s cleanup abort without awaiting.
 """
 
@@ -70,6 +70,9 @@ class EngineClient:
         self.ready: EngineReady | None = None
         self.stats: dict[str, int | float] = {}
         self.unavailable_reason: str | None = "engine not started"
+        # Set when the engine process exits on its own (not by shutdown): the server then
+        # fails what is in flight and exits non-zero, so a supervisor restarts the pair.
+        self.engine_died = asyncio.Event()
         self._routes: dict[str, tuple[asyncio.Queue, int]] = {}
         self._process: subprocess.Popen | None = None
         self._tasks: list[asyncio.Task] = []
@@ -247,3 +250,4 @@ class EngineClient:
             "engine process %d exited with code %d", self._process.pid, self._process.returncode
         )
         self.fail_all(f"engine process exited with code {self._process.returncode}")
+        self.engine_died.set()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,6 +15,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    413: "invalid_request_error",
     503: "service_unavailable",
 }
 
@@ -55,23 +58,48 @@ def error_body(
     }
 
 
+class ErrorJSONResponse(JSONResponse):
+    """ASCII-escaped JSON: an error message that quotes undecodable client text (a lone
+    surrogate) still renders, where UTF-8 encoding would fail and turn a 400 into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+    return ErrorJSONResponse(error_body(status, message, param), status_code=status)
+
+
+def _is_location(part: Any) -> bool:
+    """pydantic puts union branches and validators in `loc` too ('list[int]', 'function-after[…]',
+    'str'); a client wants only the path through its own JSON."""
+    return isinstance(part, int) or (
+        part != "body" and "[" not in part and part not in ("str", "int", "float", "bool")
+    )
+
+
+def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for pydantic's errors: the most specific one (a failed check of ours
+    beats "Input should be a valid string" from a union branch that never applied)."""
+    if not errors:
+        return "invalid request", None
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    location = [str(part) for part in first.get("loc", ()) if _is_location(part)]
+    param = location[0] if location else None
+    reason = str(first["msg"]).removeprefix("Value error, ")
+    message = f"{'.'.join(location)}: {reason}" if location else reason
+    return message, param
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return ErrorJSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422; OpenAI answers 400 for a malformed body.
-        first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = location[0] if location else None
-        message = f"{'.'.join(location)}: {first['msg']}" if location else str(first["msg"])
-        return error_response(400, message, param)
+        return error_response(400, *describe_validation_errors(list(error.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

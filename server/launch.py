@@ -4,6 +4,10 @@ start:    spawn engine ─> wait EngineReady ─> bind HTTP ─> serve
 SIGTERM/SIGINT while serving: refuse new work and fail in-flight requests (their engine
           requests are aborted), uvicorn closes its sockets, the engine gets Shutdown and
           exits; a stubborn engine is killed. Before serving, a signal cancels startup.
+engine process dies while serving: its in-flight requests have already failed (error event,
+          then [DONE]); uvicorn winds down the same way and `serve` raises EngineDied, so the
+          server exits non-zero and a supervisor (docker's restart policy, systemd,
+          Kubernetes, `baton up`) sees it, instead of a live port answering 503 forever.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ from server.tokenizer import Tokenizer
 logger = logging.getLogger("baton.server")
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class EngineDied(RuntimeError):
+    """The engine process exited while the server was serving (the server exits non-zero)."""
 
 
 class _Server(uvicorn.Server):
@@ -74,7 +82,20 @@ async def serve(args: ServerArgs) -> None:
             lifespan="off",
             timeout_graceful_shutdown=5,
         )
-        await _Server(config, client).serve()
+        server = _Server(config, client)
+        serving = asyncio.ensure_future(server.serve())
+        died = asyncio.ensure_future(client.engine_died.wait())
+        await asyncio.wait({serving, died}, return_when=asyncio.FIRST_COMPLETED)
+        engine_died = died.done() and not server.should_exit  # not while a signal stops us
+        died.cancel()
+        if engine_died:
+            logger.error("the engine process died; stopping the server (exit code 1)")
+            server.should_exit = True
+        await serving
+        if engine_died:
+            raise EngineDied(
+                f"{client.unavailable_reason}; exiting so that a supervisor can restart the server"
+            )
     finally:
         await client.shutdown()
 

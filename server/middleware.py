@@ -7,25 +7,93 @@ import secrets
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import error_response
+from server.errors import APIError, error_response
+from server.validation import parse_json_body
+
+# Open with or without --api-key: probes (Kubernetes, the router) and Prometheus scrapes carry no
+# key, as with vLLM. Everything else (/v1/*, /tokenize, /detokenize, /disagg/info, /docs,
+# /openapi.json) costs CPU or describes the deployment, so it follows the key.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def bearer_matches(authorization: bytes, api_key: str) -> bool:
+    """`Authorization: Bearer KEY`, the scheme in any case (RFC 9110 makes it case-insensitive)."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), api_key.encode())
 
 
 class ApiKeyMiddleware:
-    """With --api-key, every /v1/* request must carry `Authorization: Bearer KEY` (else 401)."""
+    """With --api-key, every request but OPEN_PATHS must carry `Authorization: Bearer KEY`."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            if not bearer_matches(given, self.api_key):
                 message = "missing API key" if not given else "invalid API key"
                 response = error_response(401, f"{message}: send `Authorization: Bearer <key>`")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestBodyMiddleware:
+    """Reads a POST body before the app sees it: 413 once it passes `max_bytes` (without reading
+    the rest), 400 for JSON that the shared strict parser refuses (NaN, Infinity, 1e400, nesting
+    too deep). The parsed body is left in `request.state.json_body` for handlers that want it;
+    after the body, `receive` is the client's own again, so disconnects are still seen."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before it finished sending: nobody to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        raw = b"".join(chunks)
+        if raw:
+            try:
+                scope.setdefault("state", {})["json_body"] = parse_json_body(raw)
+            except APIError as error:
+                await error_response(error.status, error.message, error.param)(scope, receive, send)
+                return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(
+            413,
+            f"request body is larger than --max-request-bytes ({self.max_bytes} bytes)",
+        )
+        await response(scope, receive, send)
 
 
 class RequestCounterMiddleware:

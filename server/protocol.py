@@ -1,21 +1,41 @@
 """OpenAI request bodies (pydantic). Unknown fields are ignored; NaN and infinities refused.
 
+Types are strict, as OpenAI's API has them: `max_tokens: "16"` or `true` is a 400, not a 16 or
+a 1 (vLLM coerces both); bools are not ints; an int is accepted where a float is expected. Every
+string is checked to be encodable text (a lone UTF-16 surrogate such as "\ud800" parses from
+JSON but cannot reach the tokenizer, msgpack or a UTF-8 response), so it is refused here with the
+field's name instead of failing later as a 500.
+
 Range checks that SamplingParams already makes are left to it (one place names the limit);
 the bounds here are the ones only the HTTP layer needs: `n` fan-out and a 64-bit seed.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 MAX_N = 128  # choices per request; each one is an engine request
 MAX_SEED = 2**63 - 1 - MAX_N  # seed + choice index must stay a signed 64-bit integer
 
 
+def _encodable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"not valid Unicode text: lone surrogate {text[error.start]!r} at character {error.start}"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]  # OpenAI's set
+
+
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(OpenAIModel):
@@ -25,21 +45,21 @@ class StreamOptions(OpenAIModel):
 class DisaggField(OpenAIModel):
     """Set by `baton router` on requests it forwards to disaggregated workers."""
 
-    room: str = Field(min_length=1, max_length=128)
-    prefill_addr: str | None = None
+    room: Text = Field(min_length=1, max_length=128)
+    prefill_addr: Text | None = None
 
 
 class GenerationFields(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -49,7 +69,7 @@ class GenerationFields(OpenAIModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     baton_disagg: DisaggField | None = None
 
     @property
@@ -58,7 +78,7 @@ class GenerationFields(OpenAIModel):
 
 
 class CompletionRequest(GenerationFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -66,13 +86,13 @@ class CompletionRequest(GenerationFields):
 
 class TextContentPart(OpenAIModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(OpenAIModel):
-    role: str
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    role: ChatRole
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -94,13 +114,13 @@ class ChatCompletionRequest(GenerationFields):
 class TokenizeRequest(OpenAIModel):
     """Either `prompt` (tokenized as /v1/completions would) or `messages` (chat template)."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]

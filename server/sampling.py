@@ -22,8 +22,9 @@ _PASS_THROUGH = (
 
 
 def build_sampling_params(
-    request: GenerationFields, *, max_tokens: int, logprobs: int | None, vocab_size: int
+    request: GenerationFields, *, max_tokens: int, logprobs: int | None, vocab_size: int | None
 ) -> SamplingParams:
+    """vocab_size None (the router, which has no model) checks everything but the vocabulary."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     stop_token_ids = list(request.stop_token_ids or [])
     for token_id in stop_token_ids:
@@ -33,7 +34,8 @@ def build_sampling_params(
     }
     if request.top_k is not None:
         # A top-k at least the vocabulary size keeps every token: the same as no top-k.
-        kwargs["top_k"] = -1 if request.top_k >= vocab_size else request.top_k
+        keeps_all = vocab_size is not None and request.top_k >= vocab_size
+        kwargs["top_k"] = -1 if keeps_all else request.top_k
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -46,10 +48,11 @@ def build_sampling_params(
         raise APIError.bad_request(str(error)) from error
 
 
-def check_token_id(token_id: int, vocab_size: int, param: str) -> None:
-    if not 0 <= token_id < vocab_size:
+def check_token_id(token_id: int, vocab_size: int | None, param: str) -> None:
+    if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+        bounds = f"[0, {vocab_size})" if vocab_size is not None else "(ids are >= 0)"
         raise APIError.bad_request(
-            f"{param}: token id {token_id} is outside the vocabulary [0, {vocab_size})", param
+            f"{param}: token id {token_id} is outside the vocabulary {bounds}", param
         )
 
 

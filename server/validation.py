@@ -1,0 +1,142 @@
+"""The request rules that need no model, shared by the workers and the router.
+
+A worker applies them before it tokenizes anything; the router applies the very same functions
+before it dispatches anything, so a request that either worker would refuse for its JSON, its
+types or its sampling parameters never starts a prefill (the two halves see different bodies:
+the prefill half has `stream` off and no `stream_options`). Rules that need the model (the
+served name, token ids within the vocabulary, prompt + max_tokens within the context, the chat
+template) are applied by both workers alike to the same prompt, so the prefill worker refuses
+such a request before it opens a room.
+
+    raw body ──parse_json_body──> dict ──parse_generation──> CompletionRequest | ChatCompletionRequest
+                                                  └──check_generation (sampling parameters, n, echo…)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from pydantic import ValidationError
+
+from server.errors import APIError, describe_validation_errors
+from server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
+from server.sampling import build_sampling_params
+
+MAX_JSON_DEPTH = 64  # OpenAI bodies nest a few levels; 100k-deep JSON must not reach a parser
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+GENERATION_MODELS = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+
+
+def _body_error(message: str) -> APIError:
+    return APIError(400, message)  # about the body as a whole: no parameter to name
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _body_error(f"request body: {name} is not a valid JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _body_error(f"request body: {text} is out of range for a number")
+    return value
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Strict JSON: NaN, Infinity and numbers that overflow a double (1e400) are refused, and so
+    is nesting deeper than MAX_JSON_DEPTH (APIError 400 for each)."""
+    try:
+        value = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise _body_error(
+            f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels"
+        ) from None
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError, int digit limits
+        raise _body_error(f"request body is not valid JSON: {error}") from None
+    _check_depth(value)
+    return value
+
+
+def _check_depth(value: Any) -> None:
+    """Iterative (a recursive walk would itself overflow on the input it is meant to refuse)."""
+    level = [value]
+    for _ in range(MAX_JSON_DEPTH + 1):
+        level = [
+            child
+            for container in level
+            if isinstance(container, (dict, list))
+            for child in (container.values() if isinstance(container, dict) else container)
+            if isinstance(child, (dict, list))
+        ]
+        if not level:
+            return
+    raise _body_error(f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def parse_generation(path: str, body: Any) -> CompletionRequest | ChatCompletionRequest:
+    """The request model for `path`, with the worker's messages (400) for a body it refuses."""
+    if not isinstance(body, dict):
+        raise _body_error("request body must be a JSON object")
+    try:
+        request = GENERATION_MODELS[path].model_validate(body)
+    except ValidationError as error:
+        message, param = describe_validation_errors(error.errors())
+        raise APIError(400, message, param) from None
+    check_generation(request)
+    return request
+
+
+def num_prompts(prompt: str | list) -> int:
+    """How many prompts a completions `prompt` holds: text and a token-id list are one each."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(item, int) for item in prompt)):
+        return 1
+    return len(prompt)
+
+
+def num_logprobs(request: ChatCompletionRequest) -> int | None:
+    if not request.logprobs:
+        if request.top_logprobs:
+            raise APIError.bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        return None
+    return request.top_logprobs or 0
+
+
+def requested_max_tokens(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """What the client asked for; None (chat only) means whatever the context leaves."""
+    if isinstance(request, CompletionRequest):
+        return DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+    if request.max_completion_tokens is not None:
+        return request.max_completion_tokens
+    return request.max_tokens
+
+
+def check_generation(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """Every rule on a generation request that needs no model or tokenizer (APIError 400)."""
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            raise APIError.bad_request("echo is not supported", "echo")
+        prompts = num_prompts(request.prompt)
+        if prompts == 0:
+            raise APIError.bad_request("prompt must not be empty", "prompt")
+        if prompts * request.n > MAX_N:
+            raise APIError.bad_request(
+                f"n ({request.n}) x {prompts} prompts must be at most {MAX_N} choices", "n"
+            )
+        logprobs = request.logprobs
+    else:
+        logprobs = num_logprobs(request)
+    # Unset chat max_tokens depends on the prompt's length; min_tokens is checked against it
+    # by the worker once the prompt is tokenized.
+    max_tokens = requested_max_tokens(request)
+    build_sampling_params(
+        request,
+        max_tokens=max_tokens if max_tokens is not None else max(1, request.min_tokens),
+        logprobs=logprobs,
+        vocab_size=None,
+    )
