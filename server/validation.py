@@ -37,30 +37,67 @@ def _body_error(message: str) -> APIError:
     return APIError(400, message)  # about the body as a whole: no parameter to name
 
 
+class _NotFinite(ValueError):
+    pass
+
+
 def _refuse_constant(name: str) -> Any:
-    raise _body_error(f"request body: {name} is not a valid JSON number")
+    raise _NotFinite(name)
 
 
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise _body_error(f"request body: {text} is out of range for a number")
+        raise _NotFinite(text)
     return value
 
 
-def parse_json_body(raw: bytes) -> Any:
-    """Strict JSON: NaN, Infinity and numbers that overflow a double (1e400) are refused, and so
+def parse_json_body(raw: bytes) -> dict:
+    """A JSON object, strictly: NaN, Infinity and numbers that overflow a double (1e400) are refused, and so
     is nesting deeper than MAX_JSON_DEPTH (APIError 400 for each)."""
     try:
         value = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except _NotFinite as error:
+        where = _path_to_non_finite(raw)
+        raise APIError(
+            400,
+            f"{where or 'request body'}: {error} is not a finite JSON number",
+            where.split(".")[0] if where else None,
+        ) from None
     except RecursionError:
         raise _body_error(
             f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels"
         ) from None
     except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError, int digit limits
         raise _body_error(f"request body is not valid JSON: {error}") from None
+    if not isinstance(value, dict):  # every body this API takes is an object
+        raise _body_error("request body must be a JSON object")
     _check_depth(value)
     return value
+
+
+def _path_to_non_finite(raw: bytes) -> str | None:
+    """Where the first NaN / infinity sits ("temperature", "messages.0.x"), for the message;
+    only runs on the error path, so the lenient second parse costs a valid request nothing."""
+    try:
+        stack: list[tuple[str, Any]] = [("", json.loads(raw))]
+    except (ValueError, RecursionError):
+        return None
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return path or None
+        items = (
+            value.items()
+            if isinstance(value, dict)
+            else enumerate(value)
+            if isinstance(value, list)
+            else ()
+        )
+        stack.extend(
+            (f"{path}.{key}" if path else str(key), child) for key, child in reversed(list(items))
+        )
+    return None
 
 
 def _check_depth(value: Any) -> None:

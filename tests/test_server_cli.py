@@ -16,6 +16,7 @@ SERVE_FLAGS = [
     "--model", "--host", "--port", "--served-model-name", "--dtype", "--device", "--max-model-len",
     "--max-num-batched-tokens", "--chunked-prefill-size", "--max-running-requests",
     "--max-queued-requests", "--max-total-tokens", "--max-mamba-slots", "--api-key",
+    "--max-request-bytes",
 ]  # fmt: skip
 
 
@@ -34,6 +35,7 @@ def test_serve_help_explains_every_flag():
         )
         assert line is not None, f"{flag} missing from `baton serve --help`"
     assert "(default: 127.0.0.1)" in result.stdout and "(default: 8000)" in result.stdout
+    assert f"(default: {8 * 1024 * 1024})" in result.stdout  # --max-request-bytes
 
 
 def test_parsed_flags_become_server_args_with_engine_args(tmp_path):

@@ -203,3 +203,158 @@ def test_metrics_parse_and_count_the_requests_made(server, client):
     )
     for gauge in ("kv_pages_total", "mamba_slots_total"):
         assert after[(f"baton:{gauge}", ())] > 0
+
+
+def post_raw(server, path: str, raw: bytes, **headers: str) -> httpx.Response:
+    """A body as the client wrote it (the openai client cannot send lone surrogates or NaN)."""
+    with server.http() as http:
+        return http.post(path, content=raw, headers={"content-type": "application/json", **headers})
+
+
+LONE = '"\\ud800"'  # JSON text for a lone UTF-16 surrogate: valid JSON, not valid Unicode
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", f'{{"prompt": {LONE}}}', "prompt"),
+        ("/v1/completions", f'{{"prompt": ["ok", {LONE}]}}', "prompt"),
+        ("/v1/completions", f'{{"prompt": "hi", "stop": {LONE}}}', "stop"),
+        ("/v1/completions", f'{{"prompt": "hi", "stop": ["a", {LONE}]}}', "stop"),
+        ("/v1/completions", f'{{"prompt": "hi", "model": {LONE}}}', "model"),
+        ("/v1/completions", f'{{"prompt": "hi", "user": {LONE}}}', "user"),
+        (
+            "/v1/chat/completions",
+            f'{{"messages": [{{"role": "user", "content": {LONE}}}]}}',
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": {LONE}}}]}}]}}',
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            f'{{"messages": [{{"role": "user", "content": "hi"}}], "stream": true, "stop": [{LONE}]}}',
+            "stop",
+        ),
+        ("/tokenize", f'{{"prompt": {LONE}}}', "prompt"),
+    ],
+)
+def test_lone_surrogates_answer_400_naming_the_field(server, path, body, param):
+    response = post_raw(server, path, body.encode())
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "surrogate" in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "hi", "max_tokens": "16"}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 4.0}, "max_tokens"),
+        ({"prompt": "hi", "n": True}, "n"),
+        ({"prompt": "hi", "seed": "7"}, "seed"),
+        ({"prompt": "hi", "temperature": "0.5"}, "temperature"),
+        ({"prompt": "hi", "stream": "yes"}, "stream"),
+        ({"prompt": "hi", "ignore_eos": 1}, "ignore_eos"),
+        (
+            {"prompt": "hi", "stream_options": {"include_usage": "yes"}, "stream": True},
+            "stream_options",
+        ),
+        ({"prompt": [1, True, 3]}, "prompt"),
+    ],
+    ids=repr,
+)
+def test_types_are_strict_as_in_openai(server, body, param):
+    with server.http() as http:
+        response = http.post("/v1/completions", json={"model": MODEL_NAME, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_an_int_is_still_a_valid_float(client):
+    response = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, temperature=0)
+    assert response.choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_roles_are_openais(server, client):
+    with server.http() as http:
+        response = http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "hi"}]},
+        )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "'developer'" in error["message"], error
+    for role in ("system", "developer", "user"):
+        answer = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": role, "content": "hi"}], max_tokens=2
+        )
+        assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b'{"prompt": "hi", "max_tokens": 2, "extra": NaN}', "NaN"),
+        (b'{"prompt": "hi", "max_tokens": 2, "temperature": Infinity}', "Infinity"),
+        (b'{"prompt": "hi", "max_tokens": 2, "temperature": -Infinity}', "Infinity"),
+        (b'{"prompt": "hi", "max_tokens": 2, "top_p": 1e400}', "1e400"),
+        (b'{"prompt": "hi", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested"),
+        (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", "not valid JSON"),
+        (b'{"prompt": "hi"', "not valid JSON"),
+        (b'"just a string"', "JSON object"),
+    ],
+    ids=["nan", "inf", "-inf", "1e400", "deep-field", "deep-body", "huge-int", "truncated", "str"],
+)
+def test_json_the_strict_parser_refuses_answers_400(server, raw, needle):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        response = post_raw(server, path, raw)
+        assert response.status_code == 400, (path, response.text[:300])
+        assert needle in response.json()["error"]["message"], response.json()
+
+
+def test_body_over_max_request_bytes_answers_413_in_the_openai_shape(server):
+    nine_mb = b'{"prompt": "' + b"a" * (9 * 1024 * 1024) + b'"}'
+    declared = post_raw(server, "/v1/completions", nine_mb)
+
+    def chunks():  # no Content-Length: the limit must hold while reading, too
+        for start in range(0, len(nine_mb), 1 << 20):
+            yield nine_mb[start : start + (1 << 20)]
+
+    with server.http() as http:
+        streamed = http.post(
+            "/tokenize", content=chunks(), headers={"content-type": "application/json"}
+        )
+    for response in (declared, streamed):
+        assert response.status_code == 413, response.text[:300]
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert (
+            "--max-request-bytes" in error["message"] and str(8 * 1024 * 1024) in error["message"]
+        )
+    assert server.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2).usage
+
+
+def test_api_key_guards_tokenize_detokenize_and_the_docs(server):
+    url = server.base_url
+    guarded = [
+        ("POST", "/tokenize", {"prompt": "hi"}),
+        ("POST", "/detokenize", {"tokens": [5, 6]}),
+        ("GET", "/docs", None),
+        ("GET", "/openapi.json", None),
+        ("GET", "/v1/models", None),
+    ]
+    for method, path, body in guarded:
+        assert httpx.request(method, url + path, json=body).status_code == 401, path
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            headers = {"Authorization": f"{scheme} {API_KEY}"}
+            response = httpx.request(method, url + path, json=body, headers=headers)
+            assert response.status_code == 200, (path, scheme, response.text[:200])
+        wrong = httpx.request(method, url + path, json=body, headers={"Authorization": "Bearer x"})
+        assert wrong.status_code == 401
+    for path in ("/health", "/metrics"):
+        assert httpx.get(url + path).status_code == 200, path
