@@ -185,7 +185,7 @@ def add_serve_parser(subparsers) -> None:
 
 
 def _run_serve(namespace: argparse.Namespace) -> int:
-    from server.launch import run
+    from server.launch import ENGINE_DIED_EXIT_CODE, EngineDied, run
 
     options = {
         name: getattr(namespace, name)
@@ -199,6 +199,9 @@ def _run_serve(namespace: argparse.Namespace) -> int:
         return 2
     try:
         run(args)
+    except EngineDied as error:
+        print(f"baton serve: {error}", file=sys.stderr)
+        return ENGINE_DIED_EXIT_CODE
     except RuntimeError as error:
         print(f"baton serve: {error}", file=sys.stderr)
         return 1

@@ -31,6 +31,11 @@ logger = logging.getLogger("baton.server")
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+# `baton serve` exits with this code when its engine died under it (1: any other failure), so
+# a supervisor's log, and `baton up`, can tell which of the two processes failed first.
+ENGINE_DIED_EXIT_CODE = 3
+
+
 class EngineDied(RuntimeError):
     """The engine process exited while the server was serving (the server exits non-zero)."""
 

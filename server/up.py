@@ -2,11 +2,21 @@
 
 Each part is a child process (`baton serve --disaggregation-mode …`, `baton router`); the command
 waits until the router reports a healthy pair, prints where to send requests, and stays in the
-foreground. Ctrl-C or SIGTERM stops all three; if any child dies, the others are stopped too.
+foreground. Ctrl-C or SIGTERM stops all three (exit 0). It watches every process of the stack —
+the three children and each worker's engine process (a grandchild) — and when one dies it stops
+the rest and exits 1, naming the part that died: restarting is the job of whatever supervises
+`baton up` (systemd, a container runtime), as for `baton serve`.
+
+Without a secret (`--disagg-secret` among the worker flags, or $BATON_DISAGG_SECRET), it makes a
+random one and hands it to both workers in their environment (never on a command line, which
+`ps` shows), so worker-to-worker messages are authenticated by default.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -128,7 +138,11 @@ def run_up(ns) -> int:
             str(ns.max_concurrent_requests),
         ],
     }
-    children = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
+    worker_env = _with_disagg_secret(os.environ, ns.worker_args)
+    children = {
+        name: subprocess.Popen(cmd, env=worker_env if name != "router" else None)
+        for name, cmd in commands.items()
+    }
     stopping = False
 
     def stop(*_):
@@ -149,17 +163,69 @@ def run_up(ns) -> int:
             f"  OpenAI clients: base_url={url}/v1   (Ctrl-C stops everything)",
             flush=True,
         )
+        engines = {}
         while not stopping:
-            dead = [n for n, p in children.items() if p.poll() is not None]
+            engines.update(_engine_pids(children, engines))
+            dead = _dead_parts(children, engines)
             if dead:
-                print(
-                    f"baton up: the {dead[0]} process exited; stopping the stack", file=sys.stderr
-                )
+                print(f"baton up: the {dead[0]} died; stopping the stack", file=sys.stderr)
                 return 1
             time.sleep(0.5)
         return 0
     finally:
         _stop_all(children)
+
+
+def _with_disagg_secret(environ, worker_args: list[str]) -> dict[str, str]:
+    env = dict(environ)
+    given = any(arg.split("=")[0] == "--disagg-secret" for arg in worker_args)
+    if not given and not env.get("BATON_DISAGG_SECRET"):
+        env["BATON_DISAGG_SECRET"] = secrets.token_hex(32)
+    return env
+
+
+def _engine_pids(children, known: dict[str, int]) -> dict[str, int]:
+    """The engine process of each worker not yet known: the worker server's only child. Linux
+    (/proc); elsewhere only the children themselves are watched."""
+    found = {}
+    for name in ("prefill", "decode"):
+        if name in known or children[name].poll() is not None:
+            continue
+        pids = []
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{children[name].pid}/task").iterdir():
+                pids += [int(pid) for pid in (task / "children").read_text().split()]
+        if len(pids) == 1:
+            found[name] = pids[0]
+    return found
+
+
+def _dead_parts(children, engines: dict[str, int]) -> list[str]:
+    """What has died, named for a person: a worker that exited because its engine died
+    (ENGINE_DIED_EXIT_CODE) names the engine; a killed worker takes its engine with it, and
+    names itself."""
+    from server.launch import ENGINE_DIED_EXIT_CODE
+
+    dead = []
+    for name, process in children.items():
+        engine = engines.get(name)
+        if process.poll() is None:
+            if engine is not None and not _alive(engine):
+                dead.append(f"{name} engine (pid {engine})")
+        elif process.returncode == ENGINE_DIED_EXIT_CODE:
+            dead.append(f"{name} engine (pid {engine}; its worker exited)")
+        else:
+            kind = "process" if name == "router" else "worker"
+            dead.append(f"{name} {kind} (pid {process.pid}, exit code {process.returncode})")
+    return dead
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (dead, not yet reaped by its worker) counts as dead."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
 
 
 def _wait_healthy(url: str, children, timeout: float, stopping) -> bool:

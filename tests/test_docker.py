@@ -30,3 +30,16 @@ def test_dockerfile_installs_the_pinned_torch_and_the_console_script():
     assert "torch==2.13.0" in text and 'ENTRYPOINT ["baton"]' in text
     for package in ("server", "engine", "kernels", "disagg"):
         assert f"COPY {package} ./{package}" in text
+
+
+def test_compose_requires_a_disagg_secret_and_restarts_what_exits():
+    """No fallback secret (`change-me` authenticated anyone); a worker that exits because its
+    engine died is restarted by the policy."""
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    for name in ("prefill", "decode"):
+        service = compose["services"][name]
+        secret = service["environment"]["BATON_DISAGG_SECRET"]
+        assert secret.startswith("${BATON_DISAGG_SECRET:?") and secret.endswith("}"), secret
+        assert ":-" not in secret and "change-me" not in secret
+    for service in compose["services"].values():
+        assert service["restart"] == "unless-stopped"

@@ -1,0 +1,106 @@
+"""`baton up`: a random worker secret by default, and a stack that stops as a whole, exit code 1,
+naming the part, when any of its processes dies (engines included)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_process import BATON, children_of, free_port, pid_alive, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory)
+
+
+class Stack:
+    def __init__(self, model_dir: Path, log_path: Path) -> None:
+        self.port = free_port()
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if k != "BATON_DISAGG_SECRET"}
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [str(BATON), "up", "--model", str(model_dir), "--port", str(self.port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=Path(__file__).parents[1],
+            )
+        deadline = time.monotonic() + 180
+        while "baton is up" not in self.log():
+            assert self.process.poll() is None, self.log()[-3000:]
+            assert time.monotonic() < deadline, self.log()[-3000:]
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def parts(self) -> dict[str, int]:
+        """name -> pid for the three children and the two engines."""
+        found = {}
+        for pid in children_of(self.process.pid):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"router" in command:
+                found["router"] = pid
+            else:
+                role = command[command.index(b"--disaggregation-mode") + 1].decode()
+                found[f"{role} worker"] = pid
+                (found[f"{role} engine"],) = children_of(pid)
+        return found
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(30)
+
+
+def environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
+
+
+def test_up_gives_both_workers_one_random_secret(model_dir, tmp_path):
+    stack = Stack(model_dir, tmp_path / "up.log")
+    try:
+        parts = stack.parts()
+        secrets_seen = {
+            name: environ(parts[name]).get("BATON_DISAGG_SECRET")
+            for name in ("prefill worker", "decode worker", "router")
+        }
+        secret = secrets_seen["prefill worker"]
+        assert secret and re.fullmatch(r"[0-9a-f]{64}", secret), secrets_seen
+        assert secrets_seen["decode worker"] == secret and secrets_seen["router"] is None
+        for name in ("prefill worker", "decode worker"):  # never on a command line
+            assert secret.encode() not in Path(f"/proc/{parts[name]}/cmdline").read_bytes()
+        body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+        url = f"http://127.0.0.1:{stack.port}/v1/completions"
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
+    finally:
+        stack.stop()
+    assert stack.process.returncode == 0, stack.log()[-3000:]
+
+
+@pytest.mark.parametrize("victim", ["decode engine", "prefill engine", "prefill worker"])
+def test_up_stops_the_whole_stack_and_names_the_part_that_died(model_dir, tmp_path, victim):
+    stack = Stack(model_dir, tmp_path / "up.log")
+    try:
+        parts = stack.parts()
+        os.kill(parts[victim], signal.SIGKILL)
+        stack.process.wait(60)
+    finally:
+        stack.stop()
+    assert stack.process.returncode == 1, stack.log()[-3000:]
+    assert f"the {victim} (pid {parts[victim]}" in stack.log(), stack.log()[-3000:]
+    assert "stopping the stack" in stack.log()
+    deadline = time.monotonic() + 10
+    while any(pid_alive(pid) for pid in parts.values()):
+        assert time.monotonic() < deadline, {n: pid_alive(p) for n, p in parts.items()}
+        time.sleep(0.1)
