@@ -14,7 +14,7 @@ from server.errors import APIError, error_response, install_error_handlers
 from server.generation import ServerState, check_model
 from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware, RequestCounterMiddleware
 from server.protocol import DetokenizeRequest, TokenizeRequest
-from server.sampling import check_token_id
+from server.sampling import check_token_ids
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -89,8 +89,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(state, body.model)
-        for token_id in body.tokens:
-            check_token_id(token_id, state.vocab_size, "tokens")
+        check_token_ids(body.tokens, state.vocab_size, "tokens")
         return {"prompt": await asyncio.to_thread(state.tokenizer.decode, body.tokens)}
 
     return app

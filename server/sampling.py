@@ -62,11 +62,18 @@ def check_prompt(
     """Refuse an empty prompt, unknown token ids, and prompt + max_tokens over the context."""
     if not prompt_token_ids:
         raise APIError.bad_request(f"{param} must not be empty", param)
-    for token_id in prompt_token_ids:
-        check_token_id(token_id, vocab_size, param)
+    # Length first: a prompt of millions of tokens is refused before anything walks it.
     if len(prompt_token_ids) + max_tokens > max_model_len:
         raise APIError.bad_request(
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) = "
             f"{len(prompt_token_ids) + max_tokens} tokens exceeds max-model-len ({max_model_len})",
             "max_tokens",
         )
+    check_token_ids(prompt_token_ids, vocab_size, param)
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """min/max run in C: millions of ids are checked without a Python loop on the event loop."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        for token_id in token_ids:
+            check_token_id(token_id, vocab_size, param)

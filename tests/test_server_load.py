@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 
+import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -126,3 +129,57 @@ def test_abandoned_requests_are_aborted_and_free_the_pools(server):
         f"{admitted_requests:.0f} abandoned requests reached the engine; {generated:.0f} tokens generated in all"
     )
     assert generated < 50 * 2000 / 10, f"{generated} tokens: the abandoned requests ran on"
+
+
+def huge_prompt_body(model: str, size: int = 4_000_000) -> bytes:
+    """A completions body whose prompt is `size` characters of words (millions of tokens)."""
+    words = ["apple", "banana", "cherry", "42", "question", "answer:", "the", "of", "pens", "7"]
+    text = " ".join(words[(i * 7 + i // 3) % len(words)] for i in range(size // 6))
+    return json.dumps({"model": model, "prompt": text, "max_tokens": 4}).encode()
+
+
+class HugeRequest(threading.Thread):
+    """Sends one huge request; `sent` is set once its whole body is on the wire, `finished`
+    once the answer came back (so other requests can be ordered against both)."""
+
+    def __init__(self, url: str, body: bytes) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.sent, self.finished = threading.Event(), threading.Event()
+        self.response: httpx.Response | None = None
+
+    def chunks(self):
+        for start in range(0, len(self.body), 1 << 20):
+            yield self.body[start : start + (1 << 20)]
+        self.sent.set()  # httpx asks for more only after writing the last chunk
+
+    def run(self) -> None:
+        try:
+            self.response = httpx.post(
+                self.url, content=self.chunks(), headers={"content-type": "application/json"},
+                timeout=600,
+            )  # fmt: skip
+        finally:
+            self.finished.set()
+
+
+def test_a_huge_prompt_does_not_hold_up_health_or_other_clients(server):
+    """Tokenizing millions of characters runs in a worker thread: while it runs, /health answers
+    and another client's request completes (ordered against the huge one, not timed)."""
+    huge = HugeRequest(f"{server.base_url}/v1/completions", huge_prompt_body(MODEL_NAME))
+    huge.start()
+    assert huge.sent.wait(120)
+    with server.http() as http:
+        health = http.get("/health", timeout=600)
+        health_before_huge = not huge.finished.is_set()
+        other = http.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4},
+            timeout=600,
+        )  # fmt: skip
+        other_before_huge = not huge.finished.is_set()
+    huge.join(600)
+    assert health.status_code == 200 and other.status_code == 200, other.text
+    assert health_before_huge, "/health waited for the huge prompt's tokenization"
+    assert other_before_huge, "another client's request waited for the huge prompt"
+    assert huge.response is not None and huge.response.status_code == 400, huge.response
+    assert "exceeds max-model-len" in huge.response.json()["error"]["message"]
