@@ -62,6 +62,11 @@ def add_up_parser(subparsers) -> None:
         "--disagg-port", type=int, default=0, help="prefill transfer port (default: a free port)"
     )
     parser.add_argument("--served-model-name", help="name clients pass as `model`")
+    parser.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on the router and both workers "
+        "(every route but /health and /metrics)",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
@@ -101,6 +106,8 @@ def run_up(ns) -> int:
     ]
     if ns.served_model_name:
         common += ["--served-model-name", ns.served_model_name]
+    keyed = ["--api-key", ns.api_key] if ns.api_key else []
+    common += keyed
     baton = [sys.executable, "-m", "server.cli"]
     commands = {
         "prefill": baton
@@ -136,6 +143,7 @@ def run_up(ns) -> int:
             str(ns.port),
             "--max-concurrent-requests",
             str(ns.max_concurrent_requests),
+            *keyed,
         ],
     }
     worker_env = _with_disagg_secret(os.environ, ns.worker_args)
