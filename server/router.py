@@ -26,7 +26,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from server.args import DEFAULT_MAX_REQUEST_BYTES
+from server.errors import APIError, ErrorJSONResponse
+from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware
 from server.router_workers import PROBE_TIMEOUT_S, RETRY_AFTER_S, Worker, WorkerSet, describe
+from server.validation import parse_generation
 
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 
@@ -43,7 +47,7 @@ def error_body(status: int, message: str, code: str | None = None) -> dict:
 
 
 def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status)
+    return ErrorJSONResponse(error_body(status, message), status_code=status)
 
 
 def build_router_app(
@@ -51,6 +55,7 @@ def build_router_app(
     decode_urls: list[str],
     api_key: str | None = None,
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     *,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> FastAPI:
@@ -60,8 +65,13 @@ def build_router_app(
         prefill=[Worker(url=u.rstrip("/"), role="prefill") for u in prefill_urls],
         decode=[Worker(url=u.rstrip("/"), role="decode") for u in decode_urls],
         max_concurrent_requests=max_concurrent_requests,
-        # Probes have connections of their own, apart from request traffic.
-        probe_client=httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, transport=transport),
+        # Probes have connections of their own, apart from request traffic; they carry the
+        # router's key, which the workers' /disagg/info requires (their /health is open).
+        probe_client=httpx.AsyncClient(
+            timeout=PROBE_TIMEOUT_S,
+            transport=transport,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+        ),
     )
     # Request traffic has no hidden connection cap: each request in flight holds two connections
     # (the prefill POST and the decode stream) and the explicit limit is the admission check.
@@ -82,9 +92,10 @@ def build_router_app(
 
     app = FastAPI(title="baton router", lifespan=lifespan)
     app.state.workers = workers
-
-    def authorized(request: Request) -> bool:
-        return api_key is None or request.headers.get("authorization") == f"Bearer {api_key}"
+    # The workers' own body checks (413, strict JSON) and key rule (all but /health, /metrics).
+    app.add_middleware(RequestBodyMiddleware, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -98,8 +109,6 @@ def build_router_app(
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        if not authorized(request):
-            return error_response(401, "invalid or missing API key")
         pair = workers.pick()
         if pair is None:
             return error_response(503, "no healthy prefill + decode worker pair")
@@ -116,8 +125,6 @@ def build_router_app(
         )
 
     async def generate(request: Request, path: str) -> Response:
-        if not authorized(request):
-            return error_response(401, "invalid or missing API key")
         if not workers.try_admit():
             workers.metrics.requests.labels(status="429").inc()
             return JSONResponse(
@@ -141,12 +148,14 @@ def build_router_app(
         return response
 
     async def dispatch(request: Request, path: str, release) -> Response:
+        # The workers' own rules, before anything is dispatched: a request either half would
+        # refuse never starts a prefill (the prefill half never sees `stream_options`).
+        body = getattr(request.state, "json_body", None)  # parsed by RequestBodyMiddleware
         try:
-            body = await request.json()
-        except ValueError:
-            return error_response(400, "request body is not valid JSON")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
+            parse_generation(path, body)
+        except APIError as error:
+            return ErrorJSONResponse(error.body(), status_code=error.status)
+        assert isinstance(body, dict)
         pair = workers.pick()
         if pair is None:
             return error_response(503, "no healthy prefill + decode worker pair")
@@ -159,13 +168,21 @@ def build_router_app(
         prefill_task = asyncio.create_task(
             client.post(f"{prefill.url}{path}", json=prefill_body, headers=headers)
         )
-        try:
-            upstream = await client.send(
+        sending = asyncio.ensure_future(
+            client.send(
                 client.build_request(
                     "POST", f"{decode.url}{path}", json=decode_body, headers=headers
                 ),
                 stream=True,
             )
+        )
+        try:
+            # A non-streaming answer has no headers until it is complete: watch the client all
+            # along, and if it leaves, close both halves' connections (each worker then aborts).
+            if await _client_left(request, sending):
+                prefill_task.cancel()
+                return error_response(499, "client closed the request")  # nobody reads it
+            upstream = sending.result()
         except httpx.HTTPError as error:
             if isinstance(error, _GONE):
                 workers.lost(decode, error)
@@ -185,7 +202,7 @@ def build_router_app(
                 # Also when the client left before the first chunk and the relay never ran.
                 background=BackgroundTask(release),
             )
-        return await _collect(upstream, prefill_task, prefill, decode, workers)
+        return await _collect(request, upstream, prefill_task, prefill, decode, workers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -289,20 +306,48 @@ async def _relay(
         await upstream.aclose()
 
 
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _client_left(request: Request, work: asyncio.Future) -> bool:
+    """Wait for `work` unless the client disconnects first (then cancel it and say so)."""
+    hangup = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hangup.cancel()
+    if work.done():
+        return False
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        await work
+    return True
+
+
 async def _collect(
+    request: Request,
     upstream: httpx.Response,
     prefill_task: asyncio.Task,
     prefill: Worker,
     decode: Worker,
     workers: WorkerSet,
 ) -> Response:
+    """Read the decode worker's whole answer; a client that hangs up meanwhile aborts both
+    halves (closing each connection makes its worker abort the request)."""
     read = asyncio.ensure_future(upstream.aread())
+    hangup = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         while not read.done():
             await asyncio.wait(
-                {read, prefill_task} - ({prefill_task} if prefill_task.done() else set()),
+                {read, hangup, prefill_task} - ({prefill_task} if prefill_task.done() else set()),
                 return_when=asyncio.FIRST_COMPLETED,
             )
+            if hangup.done():
+                read.cancel()
+                prefill_task.cancel()
+                return error_response(499, "client closed the request")  # nobody reads it
             failure = await _prefill_error(prefill_task, prefill, workers)
             if failure is not None:
                 read.cancel()
@@ -313,6 +358,7 @@ async def _collect(
             workers.lost(decode, error)
         return error_response(503, f"decode worker {decode.url} failed: {describe(error)}")
     finally:
+        hangup.cancel()
         await upstream.aclose()
     return Response(content, status_code=upstream.status_code, media_type="application/json")
 
@@ -331,7 +377,15 @@ def add_router_parser(subparsers) -> None:
     )
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument(
-        "--api-key", help="require `Authorization: Bearer KEY` (forwarded to workers)"
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on every route but /health and /metrics; "
+        "forwarded to the workers (requests and /disagg/info), so give them the same key",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"answer 413 to a request body larger than this (default: {DEFAULT_MAX_REQUEST_BYTES})",
     )
     parser.add_argument(
         "--max-concurrent-requests",
@@ -357,6 +411,12 @@ def _run_router(namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
     prefill = [u for u in namespace.prefill.split(",") if u]
     decode = [u for u in namespace.decode.split(",") if u]
-    app = build_router_app(prefill, decode, namespace.api_key, namespace.max_concurrent_requests)
+    app = build_router_app(
+        prefill,
+        decode,
+        namespace.api_key,
+        namespace.max_concurrent_requests,
+        namespace.max_request_bytes,
+    )
     uvicorn.run(app, host=namespace.host, port=namespace.port, log_level="warning")
     return 0

@@ -100,7 +100,12 @@ def start_server(
 
 
 def start_router(
-    log_dir: Path, prefill: list[str], decode: list[str], *, require_ready: bool = True
+    log_dir: Path,
+    prefill: list[str],
+    decode: list[str],
+    *flags: str,
+    require_ready: bool = True,
+    api_key: str | None = None,
 ) -> ServerProcess:
     port = free_port()
     log_path = log_dir / f"baton-router-{port}.log"
@@ -113,8 +118,11 @@ def start_router(
         ",".join(decode),
         "--port",
         str(port),
+        *flags,
     ]
-    return _start(command, port, log_path, None, require_ready=require_ready)
+    if api_key:
+        command += ["--api-key", api_key]
+    return _start(command, port, log_path, api_key, require_ready=require_ready)
 
 
 def _start(

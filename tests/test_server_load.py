@@ -131,11 +131,12 @@ def test_abandoned_requests_are_aborted_and_free_the_pools(server):
     assert generated < 50 * 2000 / 10, f"{generated} tokens: the abandoned requests ran on"
 
 
-def huge_prompt_body(model: str, size: int = 4_000_000) -> bytes:
+def huge_prompt_body(model: str | None, size: int = 4_000_000) -> bytes:
     """A completions body whose prompt is `size` characters of words (millions of tokens)."""
     words = ["apple", "banana", "cherry", "42", "question", "answer:", "the", "of", "pens", "7"]
     text = " ".join(words[(i * 7 + i // 3) % len(words)] for i in range(size // 6))
-    return json.dumps({"model": model, "prompt": text, "max_tokens": 4}).encode()
+    named = {"model": model} if model else {}
+    return json.dumps({**named, "prompt": text, "max_tokens": 4}).encode()
 
 
 class HugeRequest(threading.Thread):

@@ -1,0 +1,235 @@
+"""The router against a real prefill + decode pair: it refuses what a worker would refuse before
+dispatching anything, never answers 5xx to input, stays responsive under a huge prompt, aborts
+both halves of a request whose client left, and guards its routes with the workers' key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_process import start_router, start_server, tiny_model
+from tests.test_server_errors import LONE
+from tests.test_server_load import HugeRequest, huge_prompt_body
+
+API_KEY = "sesame"
+MODEL_NAME = "tiny"
+
+
+def samples(server) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def total(server, name: str) -> float:
+    return sum(value for (sample, _), value in samples(server).items() if sample == name)
+
+
+def pools_in_use(worker) -> list[float]:
+    values = samples(worker)
+    return [values[(f"baton:{name}", ())] for name in ("kv_pages_used", "mamba_slots_used")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("router-logs")
+    named = ("--served-model-name", MODEL_NAME)
+    prefill = start_server(model_dir, logs, *named, "--disaggregation-mode", "prefill")
+    decode = start_server(model_dir, logs, *named, "--disaggregation-mode", "decode")
+    router = start_router(logs, [prefill.base_url], [decode.base_url])
+    parts = {"prefill": prefill, "decode": decode, "router": router}
+    yield parts
+    for part in parts.values():
+        part.stop()
+
+
+def post_raw(router, path: str, raw: bytes) -> httpx.Response:
+    return httpx.post(
+        f"{router.base_url}{path}",
+        content=raw,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        ("/v1/completions", f'{{"prompt": {LONE}}}', "prompt"),
+        ("/v1/completions", f'{{"prompt": "hi", "model": {LONE}}}', "model"),
+        ("/v1/completions", f'{{"prompt": "hi", "user": {LONE}}}', "user"),
+        ("/v1/completions", f'{{"prompt": "hi", "stop": [{LONE}], "stream": true}}', "stop"),
+        ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": {LONE}}}]}}', "messages"),
+        ("/v1/chat/completions", '{"messages": [{"role": "wizard", "content": "hi"}]}', "messages"),
+        ("/v1/completions", '{"prompt": "hi", "max_tokens": "16"}', "max_tokens"),
+        ("/v1/completions", '{"prompt": "hi", "max_tokens": true}', "max_tokens"),
+        ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', "temperature"),
+        ("/v1/completions", '{"prompt": "hi", "temperature": Infinity}', "temperature"),
+        ("/v1/completions", '{"prompt": "hi", "top_p": 1e400}', "top_p"),
+        ("/v1/completions", '{"prompt": "hi", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
+        ("/v1/completions", '{"prompt": "hi", "max_tokens": -3}', "max_tokens"),
+        ("/v1/completions", '{"prompt": "hi", "stream": true, "stream_options": 5}', "stream_options"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "top_logprobs"),
+    ],
+)  # fmt: skip
+def test_router_refuses_what_a_worker_would_with_400_before_dispatching(stack, path, raw, param):
+    """One validation, the workers' own: a request either half would refuse never reaches a
+    worker (its requests counter does not move), and no input gets a 5xx."""
+    router, prefill, decode = stack["router"], stack["prefill"], stack["decode"]
+    seen = {name: total(stack[name], "baton:requests_total") for name in ("prefill", "decode")}
+    response = post_raw(router, path, raw.encode())
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    # A valid request after it: once it is counted, a dispatched invalid one would be too.
+    barrier = httpx.post(
+        f"{router.base_url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=60
+    )
+    assert barrier.status_code == 200, barrier.text
+    time.sleep(0.5)
+    for name, worker in (("prefill", prefill), ("decode", decode)):
+        assert total(worker, "baton:requests_total") == seen[name] + 1, name
+    assert "Traceback" not in router.log()
+
+
+def test_invalid_stream_options_never_start_a_prefill(stack):
+    """The prefill half is sent without `stream_options`, so only the decode worker could see
+    that they are invalid; the router must refuse them before it sends either half."""
+    prefill = stack["prefill"]
+    prompt_tokens = total(prefill, "baton:prompt_tokens_total")
+    body = {
+        "prompt": list(range(5, 100)),
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": "yes"},
+    }
+    response = httpx.post(f"{stack['router'].base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stream_options"
+    time.sleep(1.0)
+    assert total(prefill, "baton:prompt_tokens_total") == prompt_tokens
+    assert pools_in_use(prefill) == [0, 0]
+
+
+def test_router_answers_413_over_max_request_bytes(stack):
+    prefill = stack["prefill"]
+    seen = total(prefill, "baton:requests_total")
+    raw = b'{"prompt": "' + b"a" * (9 * 1024 * 1024) + b'"}'
+    response = post_raw(stack["router"], "/v1/completions", raw)
+    assert response.status_code == 413
+    assert "--max-request-bytes" in response.json()["error"]["message"]
+    assert total(prefill, "baton:requests_total") == seen
+
+
+def test_a_huge_prompt_leaves_the_router_and_its_workers_responsive(stack):
+    """Both workers tokenize the huge prompt in a thread: the router's probes keep passing (no
+    worker is marked unhealthy) and another client's request succeeds meanwhile."""
+    router = stack["router"]
+    log_before = router.log()
+    huge = HugeRequest(f"{router.base_url}/v1/completions", huge_prompt_body(None))
+    huge.start()
+    assert huge.sent.wait(120)
+    health = httpx.get(f"{router.base_url}/health", timeout=600)
+    other = httpx.post(
+        f"{router.base_url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=600
+    )
+    other_before_huge = not huge.finished.is_set()
+    huge.join(600)
+    assert health.status_code == 200 and other.status_code == 200, other.text
+    assert other_before_huge, "another client's request waited for the huge prompt"
+    assert huge.response is not None and huge.response.status_code == 400, huge.response.text
+    assert "exceeds max-model-len" in huge.response.json()["error"]["message"]
+    assert "unhealthy" not in router.log().removeprefix(log_before), router.log()[-2000:]
+
+
+def test_clients_that_give_up_cost_few_tokens_and_free_both_halves(stack):
+    """Non-streaming and streaming clients that hang up: the router aborts both halves."""
+    router, decode = stack["router"], stack["decode"]
+    before = total(decode, "baton:generation_tokens_total")
+    long = {"prompt": "Once upon a time", "max_tokens": 2000, "extra_body": {"ignore_eos": True}}
+
+    async def stream_forever(client) -> None:
+        async with await client.completions.create(model=MODEL_NAME, stream=True, **long) as stream:
+            async for _ in stream:
+                pass
+
+    async def give_up() -> None:
+        async with openai.AsyncOpenAI(
+            base_url=f"{router.base_url}/v1", api_key="none", max_retries=0, timeout=120
+        ) as client:
+            tasks = [
+                *(asyncio.create_task(client.completions.create(model=MODEL_NAME, **long)) for _ in range(12)),
+                *(asyncio.create_task(stream_forever(client)) for _ in range(4)),
+            ]  # fmt: skip
+            deadline = time.monotonic() + 60
+            # Give up once every request is decoding (not on a clock a loaded machine can beat).
+            while samples(decode)[("baton:num_requests_running", ())] < 16:
+                assert time.monotonic() < deadline, "the 16 requests never all ran"
+                await asyncio.sleep(0.05)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(give_up())
+    deadline = time.monotonic() + 20
+    while any(pools_in_use(w) != [0, 0] for w in (stack["prefill"], decode)):
+        assert time.monotonic() < deadline, {
+            n: pools_in_use(stack[n]) for n in ("prefill", "decode")
+        }
+        time.sleep(0.1)
+    generated = total(decode, "baton:generation_tokens_total") - before
+    assert generated < 16 * 2000 / 10, f"{generated:.0f} tokens: abandoned requests ran on"
+
+
+def test_router_error_texts_name_the_cause():
+    from server.router_workers import describe
+
+    assert "ReadError" in describe(httpx.ReadError(""))
+    assert "RemoteProtocolError" in describe(httpx.RemoteProtocolError(""))
+    assert "connection refused" in describe(httpx.ConnectError("connection refused"))
+
+
+@pytest.fixture(scope="module")
+def keyed_stack(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("keyed-logs")
+    prefill = start_server(model_dir, logs, "--disaggregation-mode", "prefill", api_key=API_KEY)
+    decode = start_server(model_dir, logs, "--disaggregation-mode", "decode", api_key=API_KEY)
+    router = start_router(logs, [prefill.base_url], [decode.base_url], api_key=API_KEY)
+    parts = {"prefill": prefill, "decode": decode, "router": router}
+    yield parts
+    for part in parts.values():
+        part.stop()
+
+
+def test_keyed_router_reaches_keyed_workers_and_guards_its_routes(keyed_stack):
+    """The router became healthy, so it sent its key to the workers' /disagg/info; the Bearer
+    scheme is case-insensitive; /health stays open."""
+    router = keyed_stack["router"]
+    url = router.base_url
+    info = httpx.get(f"{keyed_stack['prefill'].base_url}/disagg/info", timeout=10)
+    assert info.status_code == 401  # the workers' /disagg/info follows their key
+    body = {"prompt": [5, 6, 7], "max_tokens": 3}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 401
+    for scheme in ("Bearer", "bearer"):
+        headers = {"Authorization": f"{scheme} {API_KEY}"}
+        response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+    wrong = {"Authorization": "Bearer nope"}
+    assert httpx.get(f"{url}/v1/models", headers=wrong, timeout=10).status_code == 401
+    for path in ("/docs", "/openapi.json"):
+        assert httpx.get(f"{url}{path}", timeout=10).status_code == 401, path
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert json.loads(httpx.get(f"{url}/health", timeout=10).text)["status"] == "ok"
