@@ -247,9 +247,7 @@ class Soak:
             self.note("valid: gave up" if give_up else "valid: timeout", None if give_up else name)
             return
         except httpx.TransportError as error:
-            during = outage or self.outage.is_set() or epoch != self.epoch
-            self.note("valid: transport error during a kill" if during else "valid: transport error",
-                      None if during else f"{name}: {error!r}")  # fmt: skip
+            self.transport_error("valid", name, error, outage, epoch)
             return
         during = outage or self.outage.is_set() or epoch != self.epoch
         if response.status_code == 200 and '"error"' not in text:
@@ -261,6 +259,15 @@ class Soak:
         else:
             self.note("valid: refused", f"{name}: {response.status_code} {text[:300]}")
 
+    def transport_error(self, kind: str, name: str, error, outage: bool, epoch: int) -> None:
+        """A dropped or refused connection: expected while a killed stack restarts (then back
+        off a little instead of spinning on a closed port), a failure at any other time."""
+        if outage or self.outage.is_set() or epoch != self.epoch:
+            self.note(f"{kind}: transport error during a kill")
+            time.sleep(0.2)
+        else:
+            self.note("dropped connections outside a kill", f"{kind} {name}: {error!r}")
+
     def send_invalid(self, base_url: str, case, direct: bool = False) -> None:
         name, path, raw = case
         kind = "invalid (to a worker)" if direct else "invalid"
@@ -270,8 +277,8 @@ class Soak:
                 f"{base_url}{path}", content=raw, timeout=120,
                 headers={"content-type": "application/json"},
             )  # fmt: skip
-        except httpx.TransportError:
-            self.note(f"{kind}: transport error")
+        except httpx.TransportError as error:
+            self.transport_error(kind, name, error, outage, epoch)
             return
         during = outage or self.outage.is_set() or epoch != self.epoch
         if 400 <= response.status_code < 500:
@@ -347,6 +354,7 @@ class Soak:
             + self.counts["valid: 5xx outside a kill"],
             "kills": self.counts["kills"],
             "valid_requests_refused": self.counts["valid: refused"],
+            "dropped_connections_outside_a_kill": self.counts["dropped connections outside a kill"],
             "counts": dict(sorted(self.counts.items())),
             "problems": self.problems,
         }
@@ -403,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         Path(args.output).write_text(json.dumps(summary, indent=2))
     bad = (
-        summary["engine_deaths_caused_by_input"]
+        summary["dropped_connections_outside_a_kill"]
+        + summary["valid_requests_refused"]
+        + summary["engine_deaths_caused_by_input"]
         + summary["leaked_pages_or_slots"]
         + summary["5xx_caused_by_input"]
     )
