@@ -7,17 +7,18 @@
 The router mints the room id itself (a client's `baton_disagg` field is dropped), picks workers
 round-robin among the healthy ones, learns each prefill worker's transfer address from its
 `/disagg/info`, and probes every worker's health once a second on connections of its own
-(`router_workers.py`). At most `--max-concurrent-requests` requests are in flight; past that the
-router answers 429 with Retry-After rather than queueing where nobody can see it. If the prefill side fails, the
-decode request is cancelled (the decode worker aborts it on disconnect) and the client gets the
-error; a broken decode stream ends with an error event, never with `[DONE]`.
+(`router_workers.py`). It checks every request with the workers' own rules before it sends
+anything (`validation.py`). At most `--max-concurrent-requests` requests are in flight; past
+that the router answers 429 with Retry-After rather than queueing where nobody can see it.
+Relaying one request is `router_relay.py`: if the prefill side fails, the decode request is
+cancelled (the decode worker aborts it on disconnect) and the client gets the error; a broken
+decode stream ends with an error event; a client that leaves aborts both halves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 
@@ -29,25 +30,19 @@ from starlette.background import BackgroundTask
 from server.args import DEFAULT_MAX_REQUEST_BYTES
 from server.errors import APIError, ErrorJSONResponse
 from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware
+from server.router_relay import (
+    GONE,
+    client_left,
+    collect,
+    error_body,
+    error_response,
+    forward_headers,
+    relay,
+)
 from server.router_workers import PROBE_TIMEOUT_S, RETRY_AFTER_S, Worker, WorkerSet, describe
 from server.validation import parse_generation
 
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
-
-
-def error_body(status: int, message: str, code: str | None = None) -> dict:
-    kind = (
-        "invalid_request_error"
-        if status < 500
-        else "service_unavailable"
-        if status == 503
-        else "internal_error"
-    )
-    return {"error": {"message": message, "type": kind, "param": None, "code": code or status}}
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return ErrorJSONResponse(error_body(status, message), status_code=status)
 
 
 def build_router_app(
@@ -114,14 +109,16 @@ def build_router_app(
             return error_response(503, "no healthy prefill + decode worker pair")
         try:
             response = await client.get(
-                f"{pair[1].url}/v1/models", headers=_forward_headers(request)
+                f"{pair[1].url}/v1/models", headers=forward_headers(request)
             )
         except httpx.HTTPError as error:
             return error_response(
                 503, f"decode worker {pair[1].url} unreachable: {describe(error)}"
             )
         return Response(
-            response.content, status_code=response.status_code, media_type="application/json"
+            response.content,
+            status_code=response.status_code,
+            media_type="application/json",
         )
 
     async def generate(request: Request, path: str) -> Response:
@@ -161,7 +158,7 @@ def build_router_app(
             return error_response(503, "no healthy prefill + decode worker pair")
         prefill, decode = pair
         room = uuid.uuid4().hex  # minted here; a client's value is never trusted
-        headers = _forward_headers(request)
+        headers = forward_headers(request)
         decode_body = dict(body, baton_disagg={"room": room, "prefill_addr": prefill.transfer_addr})
         prefill_body = dict(body, stream=False, baton_disagg={"room": room})
         prefill_body.pop("stream_options", None)
@@ -179,12 +176,12 @@ def build_router_app(
         try:
             # A non-streaming answer has no headers until it is complete: watch the client all
             # along, and if it leaves, close both halves' connections (each worker then aborts).
-            if await _client_left(request, sending):
+            if await client_left(request, sending):
                 prefill_task.cancel()
                 return error_response(499, "client closed the request")  # nobody reads it
             upstream = sending.result()
         except httpx.HTTPError as error:
-            if isinstance(error, _GONE):
+            if isinstance(error, GONE):
                 workers.lost(decode, error)
             prefill_task.cancel()
             return error_response(503, f"decode worker {decode.url} unreachable: {describe(error)}")
@@ -197,12 +194,12 @@ def build_router_app(
             )
         if body.get("stream"):
             return StreamingResponse(
-                _relay(upstream, prefill_task, prefill, decode, workers, release),
+                relay(upstream, prefill_task, prefill, decode, workers, release),
                 media_type="text/event-stream",
                 # Also when the client left before the first chunk and the relay never ran.
                 background=BackgroundTask(release),
             )
-        return await _collect(request, upstream, prefill_task, prefill, decode, workers)
+        return await collect(request, upstream, prefill_task, prefill, decode, workers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -226,141 +223,6 @@ def _once(action):
             action()
 
     return run
-
-
-# Transport errors that prove a worker is gone (refused, or its connection dropped), as opposed to
-# a slow answer; they take the worker out at once, and the next passing probe puts it back.
-_GONE = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
-
-
-def _forward_headers(request: Request) -> dict[str, str]:
-    keep = ("authorization", "content-type")
-    return {k: v for k, v in request.headers.items() if k.lower() in keep}
-
-
-async def _prefill_error(
-    task: asyncio.Task, prefill: Worker, workers: WorkerSet
-) -> tuple[int, str] | None:
-    """None while the prefill side is fine or still running; (status, message) once it failed."""
-    if not task.done():
-        return None
-    try:
-        response = task.result()
-    except asyncio.CancelledError:
-        return None
-    except httpx.HTTPError as error:
-        if isinstance(error, _GONE):
-            workers.lost(prefill, error)
-        return 503, f"prefill worker {prefill.url} failed: {describe(error)}"
-    if response.status_code != 200:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text
-        return response.status_code, f"prefill worker: {message}"
-    return None
-
-
-async def _relay(
-    upstream: httpx.Response,
-    prefill_task: asyncio.Task,
-    prefill: Worker,
-    decode: Worker,
-    workers: WorkerSet,
-    release,
-):
-    """Pass the decode worker's SSE stream through; end with an error event if either side fails."""
-    lines = upstream.aiter_lines()
-    pending_line: asyncio.Task | None = None
-    try:
-        while True:
-            if pending_line is None:
-                pending_line = asyncio.ensure_future(lines.__anext__())
-            done, _ = await asyncio.wait(
-                {pending_line, prefill_task} - ({prefill_task} if prefill_task.done() else set()),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            failure = await _prefill_error(prefill_task, prefill, workers)
-            if failure is not None:
-                yield f"data: {json.dumps(error_body(*failure))}\n\n"
-                return
-            if pending_line in done:
-                try:
-                    line = pending_line.result()
-                except StopAsyncIteration:
-                    return
-                pending_line = None
-                if line:
-                    yield line + "\n\n"
-    except httpx.HTTPError as error:
-        if isinstance(error, _GONE):
-            workers.lost(decode, error)
-        message = f"decode worker {decode.url} failed mid-stream: {describe(error)}"
-        yield f"data: {json.dumps(error_body(503, message))}\n\n"
-    finally:
-        release()
-        if pending_line is not None and not pending_line.done():
-            pending_line.cancel()
-        if not prefill_task.done():
-            prefill_task.cancel()
-        await upstream.aclose()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _client_left(request: Request, work: asyncio.Future) -> bool:
-    """Wait for `work` unless the client disconnects first (then cancel it and say so)."""
-    hangup = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        hangup.cancel()
-    if work.done():
-        return False
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-        await work
-    return True
-
-
-async def _collect(
-    request: Request,
-    upstream: httpx.Response,
-    prefill_task: asyncio.Task,
-    prefill: Worker,
-    decode: Worker,
-    workers: WorkerSet,
-) -> Response:
-    """Read the decode worker's whole answer; a client that hangs up meanwhile aborts both
-    halves (closing each connection makes its worker abort the request)."""
-    read = asyncio.ensure_future(upstream.aread())
-    hangup = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        while not read.done():
-            await asyncio.wait(
-                {read, hangup, prefill_task} - ({prefill_task} if prefill_task.done() else set()),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            if hangup.done():
-                read.cancel()
-                prefill_task.cancel()
-                return error_response(499, "client closed the request")  # nobody reads it
-            failure = await _prefill_error(prefill_task, prefill, workers)
-            if failure is not None:
-                read.cancel()
-                return error_response(*failure)
-        content = read.result()
-    except httpx.HTTPError as error:
-        if isinstance(error, _GONE):
-            workers.lost(decode, error)
-        return error_response(503, f"decode worker {decode.url} failed: {describe(error)}")
-    finally:
-        hangup.cancel()
-        await upstream.aclose()
-    return Response(content, status_code=upstream.status_code, media_type="application/json")
 
 
 def add_router_parser(subparsers) -> None:

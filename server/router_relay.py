@@ -1,0 +1,182 @@
+"""How the router relays one request: the decode worker's answer passed through (streamed or
+collected), the prefill half watched alongside, and both halves aborted when the client leaves.
+
+Closing a worker connection is how an abort reaches it: each worker aborts a request whose
+client disconnected. A non-streaming decode answer has no headers until it is complete, so the
+client is watched from the moment the request is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from server.errors import ErrorJSONResponse
+from server.router_workers import Worker, WorkerSet, describe
+
+
+def error_body(status: int, message: str, code: str | None = None) -> dict:
+    kind = (
+        "invalid_request_error"
+        if status < 500
+        else "service_unavailable"
+        if status == 503
+        else "internal_error"
+    )
+    return {
+        "error": {
+            "message": message,
+            "type": kind,
+            "param": None,
+            "code": code or status,
+        }
+    }
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return ErrorJSONResponse(error_body(status, message), status_code=status)
+
+
+# Transport errors that prove a worker is gone (refused, or its connection dropped), as opposed to
+# a slow answer; they take the worker out at once, and the next passing probe puts it back.
+GONE = (
+    httpx.ConnectError,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.RemoteProtocolError,
+)
+
+
+def forward_headers(request: Request) -> dict[str, str]:
+    keep = ("authorization", "content-type")
+    return {k: v for k, v in request.headers.items() if k.lower() in keep}
+
+
+async def prefill_error(
+    task: asyncio.Task, prefill: Worker, workers: WorkerSet
+) -> tuple[int, str] | None:
+    """None while the prefill side is fine or still running; (status, message) once it failed."""
+    if not task.done():
+        return None
+    try:
+        response = task.result()
+    except asyncio.CancelledError:
+        return None
+    except httpx.HTTPError as error:
+        if isinstance(error, GONE):
+            workers.lost(prefill, error)
+        return 503, f"prefill worker {prefill.url} failed: {describe(error)}"
+    if response.status_code != 200:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text
+        return response.status_code, f"prefill worker: {message}"
+    return None
+
+
+async def relay(
+    upstream: httpx.Response,
+    prefill_task: asyncio.Task,
+    prefill: Worker,
+    decode: Worker,
+    workers: WorkerSet,
+    release,
+):
+    """Pass the decode worker's SSE stream through; end with an error event if either side fails."""
+    lines = upstream.aiter_lines()
+    pending_line: asyncio.Task | None = None
+    try:
+        while True:
+            if pending_line is None:
+                pending_line = asyncio.ensure_future(lines.__anext__())
+            done, _ = await asyncio.wait(
+                {pending_line, prefill_task} - ({prefill_task} if prefill_task.done() else set()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            failure = await prefill_error(prefill_task, prefill, workers)
+            if failure is not None:
+                yield f"data: {json.dumps(error_body(*failure))}\n\n"
+                return
+            if pending_line in done:
+                try:
+                    line = pending_line.result()
+                except StopAsyncIteration:
+                    return
+                pending_line = None
+                if line:
+                    yield line + "\n\n"
+    except httpx.HTTPError as error:
+        if isinstance(error, GONE):
+            workers.lost(decode, error)
+        message = f"decode worker {decode.url} failed mid-stream: {describe(error)}"
+        yield f"data: {json.dumps(error_body(503, message))}\n\n"
+    finally:
+        release()
+        if pending_line is not None and not pending_line.done():
+            pending_line.cancel()
+        if not prefill_task.done():
+            prefill_task.cancel()
+        await upstream.aclose()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def client_left(request: Request, work: asyncio.Future) -> bool:
+    """Wait for `work` unless the client disconnects first (then cancel it and say so)."""
+    hangup = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hangup.cancel()
+    if work.done():
+        return False
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        await work
+    return True
+
+
+async def collect(
+    request: Request,
+    upstream: httpx.Response,
+    prefill_task: asyncio.Task,
+    prefill: Worker,
+    decode: Worker,
+    workers: WorkerSet,
+) -> Response:
+    """Read the decode worker's whole answer; a client that hangs up meanwhile aborts both
+    halves (closing each connection makes its worker abort the request)."""
+    read = asyncio.ensure_future(upstream.aread())
+    hangup = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        while not read.done():
+            await asyncio.wait(
+                {read, hangup, prefill_task} - ({prefill_task} if prefill_task.done() else set()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if hangup.done():
+                read.cancel()
+                prefill_task.cancel()
+                return error_response(499, "client closed the request")  # nobody reads it
+            failure = await prefill_error(prefill_task, prefill, workers)
+            if failure is not None:
+                read.cancel()
+                return error_response(*failure)
+        content = read.result()
+    except httpx.HTTPError as error:
+        if isinstance(error, GONE):
+            workers.lost(decode, error)
+        return error_response(503, f"decode worker {decode.url} failed: {describe(error)}")
+    finally:
+        hangup.cancel()
+        await upstream.aclose()
+    return Response(content, status_code=upstream.status_code, media_type="application/json")
