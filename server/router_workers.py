@@ -12,7 +12,7 @@ worker dead (issue 22: above 50 requests in flight the shared pool starved every
 A refused connection (the process is gone) or a `/health` that answers 503 (its engine is dead) is
 proof; a slow answer is only a hint, so it takes FAILURES_TO_REMOVE of them in a row. A worker is put
 back as soon as one probe passes. Request traffic that finds a worker's port refused also takes it
-out at once (`Worker.refused`), so a killed worker is out before the next probe.
+out at once (`WorkerSet.lost`), so a killed worker is out before the next probe.
 """
 
 from __future__ import annotations
@@ -142,9 +142,9 @@ class WorkerSet:
                 f" ({reason})" * bool(reason),
             )
 
-    def refused(self, worker: Worker, error: Exception) -> None:
-        """Request traffic found the worker gone (connection refused): out at once."""
-        self.set_health(worker, False, f"connection refused: {describe(error)}")
+    def lost(self, worker: Worker, error: Exception) -> None:
+        """Request traffic found the worker gone (refused or dropped connection): out at once."""
+        self.set_health(worker, False, f"request traffic: {describe(error)}")
 
     async def probe(self, worker: Worker) -> None:
         try:

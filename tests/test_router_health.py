@@ -23,6 +23,7 @@ class FakeWorkers(httpx.AsyncBaseTransport):
         self.health = {PREFILL: "ok", DECODE: "ok"}
         self.release = asyncio.Event()
         self.generations = 0
+        self.gone: set[str] = set()  # workers whose generation requests are refused
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         origin = f"{request.url.scheme}://{request.url.host}"
@@ -37,6 +38,8 @@ class FakeWorkers(httpx.AsyncBaseTransport):
         if path == "/disagg/info":
             return httpx.Response(200, json={"transfer_addr": "tcp://127.0.0.1:1"})
         self.generations += 1
+        if origin in self.gone:
+            raise httpx.ConnectError("connection refused", request=request)
         await self.release.wait()
         body = {"choices": [{"text": "ok", "index": 0}], "object": "text_completion"}
         return httpx.Response(200, json=body)
@@ -134,6 +137,24 @@ def test_past_the_concurrency_limit_the_router_answers_429_with_retry_after():
             metrics = (await client.get("/metrics")).text
             assert 'baton:router_requests_total{status="429"} 1.0' in metrics
             assert 'baton:router_requests_total{status="200"} 4.0' in metrics
+
+    asyncio.run(scenario())
+
+
+def test_request_traffic_that_finds_a_worker_gone_takes_it_out_at_once():
+    async def scenario():
+        fake = FakeWorkers()
+        fake.release.set()
+        fake.gone.add(DECODE)
+        app, client = await _router_client(fake, limit=8)
+        async with app.router.lifespan_context(app), client:
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+            answer = await client.post("/v1/completions", json=body)
+            assert answer.status_code == 503
+            assert "ConnectError: connection refused" in answer.json()["error"]["message"]
+            workers: WorkerSet = app.state.workers
+            assert not workers.ready and transitions(workers, "unhealthy") == 1
+            assert app.state.workers.running == 0
 
     asyncio.run(scenario())
 
