@@ -77,6 +77,12 @@ class EngineStats:
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
     prefix_cache_evictions: int
+    # Mamba checkpoints the forward wrote, by the kind of step that wrote them: a cache hit past
+    # a prompt's own blocks resumes from one written in a decode or mixed step (the seed bug's
+    # ground), so tests and operators can see that those steps checkpoint at all.
+    mamba_checkpoints_extend: int
+    mamba_checkpoints_decode: int
+    mamba_checkpoints_mixed: int
 
 
 def default_track_interval(chunk_size: int, page_size: int, target: int = 512) -> int:
@@ -138,6 +144,7 @@ class Engine(HandoverMixin):
         # (the prefill side of a disaggregated pair snapshots it with export_state)
         self.finish_hooks: dict[str, Callable[[Request], None]] = {}
         self._arrivals = 0
+        self.checkpoints_by_mode: dict[str, int] = {"extend": 0, "decode": 0, "mixed": 0}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -269,6 +276,9 @@ class Engine(HandoverMixin):
             prefix_cache_query_tokens=cache.stats.query_tokens if cache else 0,
             prefix_cache_hit_tokens=cache.stats.hit_tokens if cache else 0,
             prefix_cache_evictions=cache.stats.evicted_blocks if cache else 0,
+            mamba_checkpoints_extend=self.checkpoints_by_mode["extend"],
+            mamba_checkpoints_decode=self.checkpoints_by_mode["decode"],
+            mamba_checkpoints_mixed=self.checkpoints_by_mode["mixed"],
         )
 
     # -- one step ---------------------------------------------------------------------------
@@ -281,6 +291,10 @@ class Engine(HandoverMixin):
             md, logits = self.graph_runner.forward(sched)
         else:
             md, logits = self.runner.forward(sched)
+        if sched.track_points:
+            self.checkpoints_by_mode[sched.mode] = self.checkpoints_by_mode.get(
+                sched.mode, 0
+            ) + len(sched.track_points)
         reqs = [self.requests[rid] for rid in sched.request_ids]
         for s, req in enumerate(reqs):
             req.num_computed += sched.seq_lens[s]

@@ -132,6 +132,15 @@ class EngineStatsCollector(Collector):
                 buckets=[("+Inf" if le == float("inf") else str(le), n) for le, n in buckets],
                 sum_value=stats.get("disagg_transfer_latency_sum", 0.0),
             )
+        checkpoints = CounterMetricFamily(
+            "baton:mamba_checkpoints",
+            "Mamba state checkpoints written for the prefix cache, by the kind of step that"
+            " wrote them.",
+            labels=["step"],
+        )
+        for step in ("extend", "decode", "mixed"):
+            checkpoints.add_metric([step], float(stats.get(f"mamba_checkpoints_{step}", 0)))
+        yield checkpoints
         queried = stats.get("prefix_cache_query_tokens", 0)
         yield GaugeMetricFamily(
             "baton:prefix_cache_hit_rate",
