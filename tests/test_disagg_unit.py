@@ -25,6 +25,7 @@ from disagg.protocol import (
 from disagg.rooms import DisaggConfig
 from engine import SamplingParams
 from engine.engine import Engine
+from tests.same_outputs import assert_same_tokens_and_logprobs, chosen
 
 
 def config(role, **overrides):
@@ -340,8 +341,10 @@ def test_a_prefill_worker_that_goes_away_fails_its_rooms_by_the_dropped_connecti
 
 
 def collect(prefill, decoder, items, params, timeout=30.0):
-    """items: (request_id, prompt); returns request_id -> (tokens, num_cached_tokens)."""
+    """items: (request_id, prompt); returns request_id -> (tokens, num_cached_tokens, logprob of
+    each token)."""
     got: dict[str, list] = {}
+    logprobs: dict[str, list] = {}
     cached: dict[str, int] = {}
     for rid, prompt in items:
         decoder.add_request(rid, prompt, params, room=f"room-{rid}", prefill_addr=prefill.address)
@@ -353,9 +356,12 @@ def collect(prefill, decoder, items, params, timeout=30.0):
         prefill.step()
         for delta in decoder.step():
             got.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            logprobs.setdefault(delta.request_id, []).extend(
+                chosen(delta.new_token_ids, delta.new_logprobs)
+            )
             cached[delta.request_id] = delta.num_cached_tokens
     assert decoder.take_failures() == []
-    return {rid: (got[rid], cached[rid]) for rid, _ in items}
+    return {rid: (got[rid], cached[rid], logprobs[rid]) for rid, _ in items}
 
 
 def test_both_workers_reuse_cached_prefixes_and_stay_token_identical(base_model):
@@ -364,19 +370,20 @@ def test_both_workers_reuse_cached_prefixes_and_stay_token_identical(base_model)
     pages it already holds. Outputs equal a colocated run with the cache off."""
     model_dir, _ = base_model
     ctx = zmq.Context()
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
     args = dict(page_size=4, mamba_track_interval=32, chunked_prefill_size=48)
     prefill = PrefillWorker(Engine(model_dir, **args), config("prefill"), ctx)
     decoder = DecodeWorker(Engine(model_dir, **args), config("decode"), ctx)
     reference = Engine(model_dir, page_size=4, enable_prefix_caching=False)
 
-    def colocated(prompt):
+    def same_as_colocated(result, prompt, where):
         reference.add_request("ref", prompt, params)
-        tokens = []
+        tokens, logprobs = [], []
         while reference.has_unfinished_requests():
             for delta in reference.step():
                 tokens.extend(delta.new_token_ids)
-        return tokens
+                logprobs.extend(chosen(delta.new_token_ids, delta.new_logprobs))
+        assert_same_tokens_and_logprobs(result[0], result[2], tokens, logprobs, where)
 
     shared = [(5 * j) % 290 + 3 for j in range(150)]
     questions = [shared + [(11 * i + j) % 290 + 3 for j in range(10 + i)] for i in range(4)]
@@ -384,7 +391,7 @@ def test_both_workers_reuse_cached_prefixes_and_stay_token_identical(base_model)
     rest = collect(prefill, decoder, [(f"q{i}", q) for i, q in enumerate(questions[1:], 1)], params)
     results = first | rest
     for i, q in enumerate(questions):
-        assert results[f"q{i}"][0] == colocated(q), f"question {i}"
+        same_as_colocated(results[f"q{i}"], q, f"question {i}")
     assert (
         prefill.engine.stats().prefix_cache_hit_tokens >= 3 * 128
     )  # prefill reused the shared prefix
@@ -395,8 +402,10 @@ def test_both_workers_reuse_cached_prefixes_and_stay_token_identical(base_model)
     turn2 = questions[0] + results["q0"][0] + [17, 18, 19]
     bytes_before = decoder.counters.bytes_total
     second = collect(prefill, decoder, [("turn2", turn2)], params)
-    assert second["turn2"][0] == colocated(turn2)
-    assert second["turn2"][1] >= 160
+    same_as_colocated(second["turn2"], turn2, "second turn")
+    # Turn one's prompt (150 tokens) has 4 blocks; the 5th (to 160) was checkpointed by the
+    # decode worker's own decode steps.
+    assert second["turn2"][1] >= 160 and decoder.engine.stats().mamba_checkpoints_decode > 0
     full_pages = -(-len(turn2) // 4)
     sent = decoder.counters.bytes_total - bytes_before
     per_page = (

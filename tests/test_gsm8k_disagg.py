@@ -1,5 +1,9 @@
 """The shipped model through router -> prefill -> decode (prefix caching on) on 200 held-out
-questions: accuracy >= 0.8 and every output identical to a colocated server without the cache."""
+questions: accuracy >= 0.8 and every output identical to a colocated server without the cache.
+
+The track interval is 64 (the shortest the shipped model allows): the shared 5-shot prefix
+(~325 tokens) then spans checkpointed blocks, so both workers really serve prompts from their
+caches (at the default interval, 512, no prompt would ever reach a checkpoint)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import pytest
 
 from bench.gsm8k_data import HELDOUT_PATH
 from tests.server_process import BATON, start_router, start_server
+from tests.test_seed_regression import metric
 
 ASSETS = Path(__file__).parents[1] / "assets"
 
@@ -37,11 +42,17 @@ def run_eval(url: str, output: Path) -> dict:
 
 @pytest.mark.slow
 def test_disaggregated_cached_run_scores_and_matches_colocated_uncached(tmp_path):
-    prefill = start_server(ASSETS, tmp_path, "--disaggregation-mode", "prefill")
-    decode = start_server(ASSETS, tmp_path, "--disaggregation-mode", "decode")
+    cache = ("--mamba-track-interval", "64")
+    prefill = start_server(ASSETS, tmp_path, *cache, "--disaggregation-mode", "prefill")
+    decode = start_server(ASSETS, tmp_path, *cache, "--disaggregation-mode", "decode")
     router = start_router(tmp_path, [prefill.base_url], [decode.base_url])
     try:
         disaggregated = run_eval(router.base_url, tmp_path / "disagg.json")
+        # Every prompt after the first few shares the 5-shot prefix's blocks: the prefill worker
+        # resumes from their checkpoints, the decode worker holds their pages (not re-sent).
+        for worker in (prefill, decode):
+            queried = metric(worker, "baton:prefix_cache_queries_total")
+            assert metric(worker, "baton:prefix_cache_hits_total") > 0.5 * queried
     finally:
         for part in (router, decode, prefill):
             part.stop()
