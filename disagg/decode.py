@@ -14,6 +14,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -23,15 +24,18 @@ from disagg.protocol import (
     HeartbeatAck,
     KVChunk,
     MambaChunk,
+    Message,
     ProtocolError,
     Register,
     Reject,
     StateTransfer,
     decode,
+    dtype_name,
     encode,
+    request_state,
 )
 from disagg.rooms import DisaggConfig, RoomState, TransferCounters, compat_of, now
-from engine.handover import RequestState
+from engine.engine import Engine, EngineStats
 from engine.memory import OutOfMemory
 from engine.sampling_params import SamplingParams
 
@@ -43,10 +47,31 @@ ZMQ_HEARTBEAT_TIMEOUT_MS = 5000
 logger = logging.getLogger("baton.disagg.decode")
 
 
-def _halves(tensors: list) -> tuple[list, list]:
-    """A chunk's frames: one per layer of the first kind (k, conv), then of the second (v, ssm)."""
-    half = len(tensors) // 2
-    return tensors[:half], tensors[half:]
+def _layers(
+    tensors: dict[str, torch.Tensor],
+    kinds: tuple[str, str],
+    layers: range,
+    shapes: tuple[tuple[int, ...], tuple[int, ...]],
+    dtypes: tuple[str, str],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A chunk's frames by name (kinds[0] + layer, kinds[1] + layer for every layer), each
+    checked against its expected per-layer shape (a leading page count is free when the shape
+    given is one page's) and dtype. ValueError names what does not fit."""
+    expected = {f"{kind}{i}" for kind in kinds for i in layers}
+    if set(tensors) != expected:
+        raise ValueError(f"frames named {sorted(tensors)}, expected {sorted(expected)}")
+    out: tuple[list, list] = ([], [])
+    for half, kind, shape, dtype in zip(out, kinds, shapes, dtypes):
+        for i in layers:
+            t = tensors[f"{kind}{i}"]
+            got = tuple(t.shape[1:] if t.dim() == len(shape) + 1 else t.shape)
+            if got != shape or dtype_name(t.dtype) != dtype or t.dim() < len(shape):
+                raise ValueError(
+                    f"frame {kind}{i} is {dtype_name(t.dtype)} {list(t.shape)}, expected {dtype}"
+                    f" {list(shape)}"
+                )
+            half.append(t)
+    return out
 
 
 @dataclass
@@ -93,7 +118,7 @@ class Peer:
 
 @dataclass
 class DecodeWorker:
-    engine: object
+    engine: Engine
     config: DisaggConfig
     context: zmq.Context
     rooms: dict[str, DecodeRoom] = field(default_factory=dict)
@@ -104,10 +129,15 @@ class DecodeWorker:
     queued: deque[QueuedRoom] = field(default_factory=deque)  # waiting for pages or a slot
 
     def __post_init__(self) -> None:
-        self.compat = compat_of(self.engine)
+        self.layout = self.engine.handover_layout()
+        self.compat = compat_of(self.layout)
 
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def computing(self) -> bool:
+        """Whether the engine itself has requests to step (not just rooms waiting on peers)."""
+        return self.engine.has_unfinished_requests()
 
     # -- the engine interface ---------------------------------------------------------------
 
@@ -236,7 +266,7 @@ class DecodeWorker:
         return peer
 
     def poll(self) -> None:
-        for address, peer in self.peers.items():
+        for address, peer in list(self.peers.items()):
             self._watch_connection(address, peer)
             while True:
                 try:
@@ -246,10 +276,14 @@ class DecodeWorker:
                 try:
                     message, tensors = decode([f.buffer for f in frames], self.config.secret)
                 except ProtocolError as error:
-                    logger.warning("rejected a message from %s: %s", address, error)
+                    self._refuse(address, error.room, f"rejected a message: {error}")
                     continue
                 peer.last_ack, peer.answered = now(), True
-                self._handle(message, tensors)
+                try:
+                    self._handle(message, tensors)
+                except Exception as error:  # one peer message never takes the engine down
+                    room = getattr(message, "room", None)
+                    self._refuse(address, room, f"could not use its {message.tag}: {error}")
 
     def _watch_connection(self, address: str, peer: Peer) -> None:
         """Fail the rooms pending on a peer whose connection dropped: its process is gone (or it
@@ -271,60 +305,64 @@ class DecodeWorker:
                 r, f"prefill worker {address} stopped answering (connection lost)", notify=False
             )
 
-    def _handle(self, message, tensors) -> None:
+    def _refuse(self, address: str, room: str | None, reason: str) -> None:
+        """A message from `address` was malformed or unusable: logged and counted, and the room
+        it names (when that room waits on this peer) fails now rather than at its timeout."""
+        logger.warning("prefill worker %s: %s", address, reason)
+        self.counters.messages_refused += 1
+        r = self.rooms.get(room) if isinstance(room, str) else None
+        if r is not None and r.peer == address:
+            self._fail(r, f"room {r.room}: {reason}")
+
+    def _handle(self, message: Message, tensors: dict[str, torch.Tensor]) -> None:
+        layout = self.layout
         if isinstance(message, KVChunk):
             r = self._room_for(message)
             if r is not None:
                 r.state = "transferring"
-                try:
-                    self.engine.install_pages(r.request_id, message.first_page, *_halves(tensors))
-                except ValueError as error:
-                    self._fail(r, str(error))
-                    return
-                self.counters.bytes_total += sum(t.numel() * t.element_size() for t in tensors)
+                k, v = _layers(
+                    tensors,
+                    ("k", "v"),
+                    range(layout.attention_layers),
+                    (layout.kv_page_shape, layout.kv_page_shape),
+                    (layout.dtype, layout.dtype),
+                )
+                if len({t.shape[0] for t in (*k, *v)}) > 1 or any(t.dim() != 4 for t in k):
+                    raise ValueError("K/V frames of one chunk hold different page counts")
+                self.engine.install_pages(r.request_id, message.first_page, k, v)
+                self.counters.bytes_total += _nbytes(tensors)
         elif isinstance(message, MambaChunk):
             r = self._room_for(message)
             if r is not None:
                 r.state = "transferring"
-                conv, ssm = _halves(tensors)
-                try:
-                    if self.engine.install_mamba(r.request_id, message.first_layer, conv, ssm):
-                        r.mamba_layers += len(conv)
-                except ValueError as error:
-                    self._fail(r, str(error))
-                    return
-                self.counters.bytes_total += sum(t.numel() * t.element_size() for t in tensors)
+                count = len(tensors) // 2
+                conv, ssm = _layers(
+                    tensors,
+                    ("conv", "ssm"),
+                    range(message.first_layer, message.first_layer + count),
+                    (layout.conv_shape, layout.ssm_shape),
+                    (layout.dtype, layout.ssm_dtype),
+                )
+                if self.engine.install_mamba(r.request_id, message.first_layer, conv, ssm):
+                    r.mamba_layers += len(conv)
+                self.counters.bytes_total += _nbytes(tensors)
         elif isinstance(message, StateTransfer):
             r = self._room_for(message)
             if r is None:
                 return  # aborted or timed out meanwhile
-            del self.rooms[r.room]
-            k, v, conv, ssm, checkpoint_conv, checkpoint_ssm = tensors
-            layers = self.engine.cache.conv.shape[0]
-            if conv.shape[0] == 0 and r.mamba_layers != layers:
-                self._fail(
-                    r, f"Mamba state incomplete: {r.mamba_layers} of {layers} layers arrived"
+            state = request_state(message, tensors)
+            layers = layout.mamba_layers
+            if state.conv.shape[0] == 0 and r.mamba_layers != layers:
+                raise ValueError(
+                    f"Mamba state incomplete: {r.mamba_layers} of {layers} layers arrived"
                 )
-                return
-            state = RequestState(
-                num_prompt_tokens=message.num_prompt_tokens,
-                first_token=message.first_token,
-                first_logprobs=message.first_logprobs,
-                first_page=message.first_page,
-                first_block=message.first_block,
-                k_pages=k,
-                v_pages=v,
-                conv=conv,
-                ssm=ssm,
-                checkpoint_conv=checkpoint_conv,
-                checkpoint_ssm=checkpoint_ssm,
-            )
+            del self.rooms[r.room]
             try:
                 delta = self.engine.install(r.request_id, state)
-            except ValueError as error:
-                self._fail(r, str(error))
-                return
-            self.counters.bytes_total += sum(t.numel() * t.element_size() for t in tensors)
+            except ValueError:
+                self.rooms[r.room] = r  # failed below, with its peer told
+                raise
+            self.counters.bytes_total += _nbytes(tensors)
             self.counters.transfers_ok += 1
             self.counters.observe_latency(now() - r.registered)
             if delta is not None:
@@ -415,3 +453,7 @@ class DecodeWorker:
 
     def _send(self, address: str, message) -> None:
         self._peer(address).socket.send_multipart(encode(message, secret=self.config.secret))
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -25,17 +25,20 @@ from disagg.protocol import (
     HeartbeatAck,
     KVChunk,
     MambaChunk,
+    Message,
     ProtocolError,
     Register,
     Reject,
-    StateTransfer,
     TensorSpec,
     decode,
     encode,
+    state_message,
     tensor_specs,
 )
 from disagg.rooms import DisaggConfig, FaultInjection, RoomState, TransferCounters, compat_of, now
-from engine.handover import RequestState
+from disagg.schema import MAX_STRING
+from engine.engine import Engine, EngineStats
+from engine.handover import HandoverLayout, RequestState
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("baton.disagg.prefill")
@@ -89,17 +92,21 @@ class PendingSends:
         return self.expired
 
 
-def _mamba_groups(cache) -> list[tuple[int, int, list[TensorSpec]]]:
+def _mamba_groups(layout: HandoverLayout) -> list[tuple[int, int, list[TensorSpec]]]:
     """(first layer, end layer, frame specs) of each MambaChunk: the same for every room."""
-    layers, groups = cache.conv.shape[0], []
-    if layers:
-        conv, ssm = cache.conv[0, 0], cache.ssm[0, 0]
-        step = max(1, MAMBA_PUSH_BYTES // (conv.nbytes + ssm.nbytes))
-        for first in range(0, layers, step):
-            end = min(first + step, layers)
-            named = [(f"conv{i}", conv) for i in range(first, end)]
-            named += [(f"ssm{i}", ssm) for i in range(first, end)]
-            groups.append((first, end, tensor_specs(named)))
+    groups = []
+    step = max(1, MAMBA_PUSH_BYTES // max(1, layout.mamba_layer_bytes))
+    for first in range(0, layout.mamba_layers, step):
+        end = min(first + step, layout.mamba_layers)
+        specs = [
+            TensorSpec(name=f"conv{i}", dtype=layout.dtype, shape=list(layout.conv_shape))
+            for i in range(first, end)
+        ]
+        specs += [
+            TensorSpec(name=f"ssm{i}", dtype=layout.ssm_dtype, shape=list(layout.ssm_shape))
+            for i in range(first, end)
+        ]
+        groups.append((first, end, specs))
     return groups
 
 
@@ -123,7 +130,7 @@ class PrefillRoom:
 class PrefillWorker:
     """Wraps an Engine with the same step interface; the engine loop drives it."""
 
-    engine: object
+    engine: Engine
     config: DisaggConfig
     context: zmq.Context
     rooms: dict[str, PrefillRoom] = field(default_factory=dict)
@@ -140,14 +147,19 @@ class PrefillWorker:
         else:
             self.port = self.socket.bind_to_random_port(f"tcp://{self.config.host}")
         self.address = f"tcp://{self.config.host}:{self.port}"
-        self.compat = compat_of(self.engine)
-        self.mamba_groups = _mamba_groups(self.engine.cache)
+        self.layout = self.engine.handover_layout()
+        self.compat = compat_of(self.layout)
+        self.mamba_groups = _mamba_groups(self.layout)
         self.rng = random.Random()
 
     # -- the engine interface ---------------------------------------------------------------
 
-    def __getattr__(self, name):  # model_config, max_model_len, stats, tokenizer, ...
-        return getattr(self.engine, name)
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def computing(self) -> bool:
+        """Whether the engine itself has requests to step (not just rooms waiting on peers)."""
+        return self.engine.has_unfinished_requests()
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, room: str = ""
@@ -163,8 +175,8 @@ class PrefillWorker:
         self.engine.add_request(request_id, prompt_token_ids, first_only)
         r = self._room(room)
         r.request_id = request_id
-        self.engine.requests[request_id].hold = r.sends
-        self.engine.finish_hooks[request_id] = lambda req, r=r: self._prefilled(r, req)
+        self.engine.hold_request(request_id, r.sends)
+        self.engine.on_finish(request_id, lambda req, r=r: self._prefilled(r, req))
 
     def abort_request(self, request_id: str) -> None:
         for r in list(self.rooms.values()):
@@ -216,24 +228,41 @@ class PrefillWorker:
             try:
                 message, _ = decode(frames, self.config.secret)
             except ProtocolError as error:
-                logger.warning("rejected a message from %r: %s", identity, error)
+                self._refuse(identity, error.room, f"rejected a message: {error}")
                 continue
-            if isinstance(message, Register):
-                self._register(identity, message)
-            elif isinstance(message, Heartbeat):
-                unknown = []
-                for room in message.rooms:
-                    r = self.rooms.get(room)
-                    if r is None:
-                        unknown.append(room)
-                    else:
-                        r.lease = now()
-                self._send(identity, HeartbeatAck(unknown_rooms=unknown))
-            elif isinstance(message, Abort):
-                r = self.rooms.get(message.room)
-                if r is not None:
-                    logger.info("room %s aborted by decode: %s", r.room, message.reason)
-                    self._drop(r, notify=False, reason=message.reason)
+            try:
+                self._handle(identity, message)
+            except Exception as error:  # one peer message never takes the engine down
+                room = getattr(message, "room", None)
+                self._refuse(identity, room, f"could not use its {message.tag}: {error}")
+
+    def _refuse(self, identity: bytes, room: str | None, reason: str) -> None:
+        """Logged and counted; a message that named its room gets a Reject for it (one that
+        failed authentication names nothing: its sender hears nothing back)."""
+        logger.warning("decode worker %r: %s", identity[:64], reason)
+        self.counters.messages_refused += 1
+        if isinstance(room, str):
+            self._send(identity, Reject(room=room[:MAX_STRING], message=reason[:MAX_STRING]))
+
+    def _handle(self, identity: bytes, message: Message) -> None:
+        if isinstance(message, Register):
+            self._register(identity, message)
+        elif isinstance(message, Heartbeat):
+            unknown = []
+            for room in message.rooms:
+                r = self.rooms.get(room)
+                if r is None:
+                    unknown.append(room)
+                else:
+                    r.lease = now()
+            self._send(identity, HeartbeatAck(unknown_rooms=unknown))
+        elif isinstance(message, Abort):
+            r = self.rooms.get(message.room)
+            if r is not None:
+                logger.info("room %s aborted by decode: %s", r.room, message.reason)
+                self._drop(r, notify=False, reason=message.reason)
+        else:
+            raise ValueError("a prefill worker receives Register, Heartbeat and Abort only")
 
     def _register(self, identity: bytes, message: Register) -> None:
         mismatch = self.compat.mismatch(message.compat)
@@ -288,25 +317,8 @@ class PrefillWorker:
                 self.counters.transfers_failed += 1
                 del self.rooms[r.room]
                 continue
-            s = self._needed_part(r)
-            named = [
-                ("k_pages", s.k_pages),
-                ("v_pages", s.v_pages),
-                ("conv", s.conv),
-                ("ssm", s.ssm),
-                ("checkpoint_conv", s.checkpoint_conv),
-                ("checkpoint_ssm", s.checkpoint_ssm),
-            ]
-            message = StateTransfer(
-                room=r.room,
-                num_prompt_tokens=s.num_prompt_tokens,
-                first_page=s.first_page,
-                first_block=s.first_block,
-                first_token=s.first_token,
-                first_logprobs=s.first_logprobs,
-                tensors=tensor_specs(named),
-            )
-            self._send_tensors(r, message, [t for _, t in named], track=False)  # copies
+            message, tensors = state_message(r.room, self._needed_part(r))
+            self._send_tensors(r, message, tensors, track=False)  # copies
             self.counters.transfers_ok += 1
             self.counters.observe_latency(now() - r.ready_at)
             r.state = "success"
@@ -322,8 +334,7 @@ class PrefillWorker:
 
     def _push_pages(self, r: PrefillRoom) -> None:
         """Send the completed pages from r.pages_sent on as KVChunks of ~PUSH_BYTES each."""
-        cache = self.engine.cache
-        page_bytes = sum(2 * t[: cache.page_size].numel() * t.element_size() for t in cache.k)
+        page_bytes = self.layout.kv_page_bytes
         batch = max(1, PUSH_BYTES // page_bytes) if page_bytes else None
         chunks = []
         while (exported := self.engine.export_pages(r.request_id, r.pages_sent, batch)) is not None:
@@ -403,8 +414,8 @@ class PrefillWorker:
         r.state = "failed"
         self.rooms.pop(r.room, None)
         if r.request_id is not None:
-            self.engine.finish_hooks.pop(r.request_id, None)
-            if r.snapshot is None and r.request_id in self.engine.requests:
+            self.engine.on_finish(r.request_id, None)
+            if r.snapshot is None and self.engine.has_request(r.request_id):
                 self.failures.append((r.request_id, reason))  # its client gets the error
             self.engine.abort_request(r.request_id)
         if notify and r.peer is not None:

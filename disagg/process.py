@@ -28,7 +28,7 @@ PEER_POLL_MS = 10  # while rooms wait on the other side: heartbeats and timeouts
 class DisaggEngineLoop(engine_process.EngineLoop):
     def _wait_for_messages(self) -> bool:
         worker = self.engine
-        if worker.engine.has_unfinished_requests():
+        if worker.computing():
             return bool(self.inbox.poll(0))
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
@@ -58,13 +58,17 @@ class DisaggEngineLoop(engine_process.EngineLoop):
                     message.request_id, message.prompt_token_ids, message.params, room=message.room
                 )
         except ValueError as error:
-            self._send(RequestFailed(request_id=message.request_id, message=str(error)))
+            self._send(
+                RequestFailed(request_id=message.request_id, message=str(error), kind="client")
+            )
 
     def _after_step(self) -> None:
         for request_id, reason in self.engine.take_failures():
             self._send(
                 RequestFailed(
-                    request_id=request_id, message=f"disaggregated transfer failed: {reason}"
+                    request_id=request_id,
+                    message=f"disaggregated transfer failed: {reason}",
+                    kind="server",
                 )
             )
 

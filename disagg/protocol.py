@@ -4,9 +4,13 @@ Every message is a multipart ZMQ message:
 
     [ header (msgpack map) | mac (32 bytes, HMAC-SHA256 of all other frames, or empty) | tensor frames... ]
 
-Headers have explicit schemas: `decode_header` checks the type tag and every field's type and
+Headers are the messages' dataclasses, their wire form derived from the fields (disagg.schema):
+`decode` checks the type tag and every field against its annotation, nested ones included, and
 rejects anything else (a pickle payload is just bytes that do not parse as a msgpack map with a
-known tag). Tensors travel as raw frames, described in the header by dtype and shape.
+known tag). Tensors travel as raw frames, each described in the header by name, dtype and shape,
+and are handed on by name, never by position. The request state itself (engine.handover's
+RequestState) is never listed here: a StateTransfer carries its non-tensor fields in `state` and
+its tensor fields as frames named after them, both derived from the dataclass.
 
 Room state machine (both sides):
 
@@ -17,23 +21,33 @@ Room state machine (both sides):
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
+import typing
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import msgpack
 import torch
 
+from disagg.schema import (
+    ProtocolError,
+    from_wire,
+    header_fields,
+    header_from_wire,
+    tensor_fields,
+    to_wire,
+)
+from engine.handover import RequestState
+
 # 2: K/V and Mamba chunks carry one frame per layer. 3: Register carries the decode side's
 # transfer timeout (the prefill side keeps zero-copy sends' pages no longer than that).
-PROTOCOL_VERSION = 3
+# 4: StateTransfer carries RequestState's fields as derived from the dataclass, tensors by name.
+PROTOCOL_VERSION = 4
 
-
-class ProtocolError(ValueError):
-    """A message that does not parse, has the wrong schema, or fails authentication."""
+# What a StateTransfer carries (a module attribute, so a test can carry an extended state).
+STATE_CARRIER: type = RequestState
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,17 +130,15 @@ class TensorSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StateTransfer:
-    """prefill -> decode: the prompt's K/V pages, final Mamba state and first token. The tensor
-    frames follow the header in `tensors` order."""
+    """prefill -> decode: a RequestState (the prompt's remaining K/V pages, final Mamba state,
+    first token, block checkpoints). Build it with `state_message`, read it with
+    `request_state`."""
 
     tag: ClassVar[str] = "state"
+    carries: ClassVar[str] = "state"  # the field holding STATE_CARRIER's non-tensor fields
     room: str
-    num_prompt_tokens: int
-    first_page: int  # k/v pages start at this page of the prompt
-    first_block: int  # checkpoints start at this prefix-cache block
-    first_token: int
-    first_logprobs: dict[int, float] | None
-    tensors: list[TensorSpec] = field(default_factory=list)
+    state: dict[str, object]  # checked against STATE_CARRIER's annotations by `decode`
+    tensors: list[TensorSpec]  # STATE_CARRIER's tensor fields, one frame each, named after them
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,7 +150,7 @@ class KVChunk:
     tag: ClassVar[str] = "kv"
     room: str
     first_page: int
-    tensors: list[TensorSpec] = field(default_factory=list)
+    tensors: list[TensorSpec]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,23 +163,13 @@ class MambaChunk:
     tag: ClassVar[str] = "mamba"
     room: str
     first_layer: int
-    tensors: list[TensorSpec] = field(default_factory=list)
+    tensors: list[TensorSpec]
 
 
-MESSAGES = {
-    cls.tag: cls
-    for cls in (
-        Register,
-        Reject,
-        Abort,
-        Heartbeat,
-        HeartbeatAck,
-        StateTransfer,
-        KVChunk,
-        MambaChunk,
-    )
-}
-Message = Register | Reject | Abort | Heartbeat | HeartbeatAck | StateTransfer | KVChunk
+Message = (
+    Register | Reject | Abort | Heartbeat | HeartbeatAck | StateTransfer | KVChunk | MambaChunk
+)
+MESSAGES: dict[str, type] = {cls.tag: cls for cls in typing.get_args(Message)}
 WITH_TENSORS = (StateTransfer, KVChunk, MambaChunk)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -182,48 +184,39 @@ def tensor_specs(named: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
     return [TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in named]
 
 
-@functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
+def state_message(room: str, state: Any) -> tuple[StateTransfer, list[torch.Tensor]]:
+    """A request state's message and frames: every field of its dataclass, tensors by name."""
+    carrier = type(state)
+    named = [(name, getattr(state, name)) for name in tensor_fields(carrier)]
+    message = StateTransfer(
+        room=room,
+        state={name: getattr(state, name) for name in header_fields(carrier)},
+        tensors=tensor_specs(named),
+    )
+    return message, [t for _, t in named]
 
 
-def _plain(value: Any) -> dict:
-    """msgpack's hook for the message dataclasses (msgpack itself recurses into the fields)."""
-    if not hasattr(value, "__dataclass_fields__"):
-        raise TypeError(f"cannot encode {type(value).__name__}")
-    return {name: getattr(value, name) for name in _field_names(type(value))}
+def request_state(message: StateTransfer, tensors: dict[str, torch.Tensor]) -> Any:
+    """The STATE_CARRIER a decoded StateTransfer holds (its fields were checked by `decode`)."""
+    return STATE_CARRIER(**message.state, **tensors)
 
 
-def _check(cls, raw: Any, where: str):
-    """Build dataclass `cls` from a msgpack map, checking that the keys match exactly."""
-    if not isinstance(raw, dict):
-        raise ProtocolError(f"{where}: expected a map, got {type(raw).__name__}")
-    names = _field_names(cls)
-    if set(raw) != set(names):
-        raise ProtocolError(f"{where}: fields {sorted(raw)} do not match {sorted(names)}")
-    return raw
-
-
-def _parse(tag: str, raw: dict) -> Message:
+def _parse(tag: str, raw: Any) -> Message:
     cls = MESSAGES[tag]
-    body = dict(_check(cls, raw, tag))
-    if cls is Register:
-        body["compat"] = Compat(**_check(Compat, body["compat"], "register.compat"))
-    if cls in WITH_TENSORS:
-        body["tensors"] = [
-            TensorSpec(**_check(TensorSpec, t, f"{tag}.tensors")) for t in body["tensors"]
-        ]
-    if cls is StateTransfer:
-        if body["first_logprobs"] is not None:
-            body["first_logprobs"] = {int(k): float(v) for k, v in body["first_logprobs"].items()}
-    try:
-        message = cls(**body)
-    except TypeError as error:
-        raise ProtocolError(f"{tag}: {error}") from None
-    for f in fields(cls):
-        value = getattr(message, f.name)
-        if f.type in ("str", "int") and not isinstance(value, {"str": str, "int": int}[f.type]):
-            raise ProtocolError(f"{tag}.{f.name}: expected {f.type}, got {type(value).__name__}")
+    carries = getattr(cls, "carries", None)
+    if carries and isinstance(raw, dict) and carries in raw:
+        raw = {**raw, carries: header_from_wire(STATE_CARRIER, raw[carries], f"{tag}.{carries}")}
+    message = from_wire(cls, raw, tag)
+    if isinstance(message, WITH_TENSORS):
+        names = [spec.name for spec in message.tensors]
+        if len(set(names)) != len(names):
+            raise ProtocolError(f"{tag}.tensors: a tensor name appears twice in {names}")
+    if isinstance(message, StateTransfer):
+        expected = tensor_fields(STATE_CARRIER)
+        if sorted(names) != sorted(expected):
+            raise ProtocolError(
+                f"{tag}.tensors: named {sorted(names)}, a request state has {sorted(expected)}"
+            )
     return message
 
 
@@ -242,13 +235,16 @@ def encode(
 ) -> list[Any]:
     """Frames for `send_multipart(copy=False)`: header, mac, then the raw tensor bytes."""
     header = msgpack.packb(
-        {"v": PROTOCOL_VERSION, "type": message.tag, "body": message}, default=_plain
+        {"v": PROTOCOL_VERSION, "type": message.tag, "body": message}, default=to_wire
     )
     payload = [_frame(t) for t in tensors]
     return [header, _mac(secret, [header, *payload]), *payload]
 
 
-def decode(frames: list[bytes], secret: bytes | None = None) -> tuple[Message, list[torch.Tensor]]:
+def decode(
+    frames: list[bytes], secret: bytes | None = None
+) -> tuple[Message, dict[str, torch.Tensor]]:
+    """The message and its tensors by name (views of the frames), every field checked."""
     if len(frames) < 2:
         raise ProtocolError(f"expected at least 2 frames, got {len(frames)}")
     header, mac, payload = bytes(frames[0]), bytes(frames[1]), frames[2:]
@@ -265,23 +261,37 @@ def decode(frames: list[bytes], secret: bytes | None = None) -> tuple[Message, l
             f"peer speaks disaggregation protocol {raw.get('v')!r}, this worker {PROTOCOL_VERSION}"
             " (run the same baton version on both sides)"
         )
-    message = _parse(raw["type"], raw.get("body"))
-    tensors = []
-    if isinstance(message, WITH_TENSORS):
-        if len(payload) != len(message.tensors):
-            raise ProtocolError(
-                f"state: {len(message.tensors)} tensors announced, {len(payload)} frames sent"
-            )
-        for spec, frame in zip(message.tensors, payload):
-            if spec.dtype not in _DTYPES:
-                raise ProtocolError(f"state: unsupported dtype {spec.dtype!r}")
-            tensor = _view(frame, _DTYPES[spec.dtype])
-            if tensor.numel() != _numel(spec.shape):
-                raise ProtocolError(
-                    f"state: tensor {spec.name} has {tensor.numel()} elements, header says {spec.shape}"
-                )
-            tensors.append(tensor.view(spec.shape))
+    try:
+        message, tensors = _parse(raw["type"], raw.get("body")), {}
+        tensors = _tensors(message, payload)
+    except ProtocolError as error:
+        body = raw.get("body")
+        room = body.get("room") if isinstance(body, dict) else None
+        error.room = room if isinstance(room, str) else None
+        raise
     return message, tensors
+
+
+def _tensors(message: Message, payload: list) -> dict[str, torch.Tensor]:
+    specs = message.tensors if isinstance(message, WITH_TENSORS) else []
+    if len(payload) != len(specs):
+        raise ProtocolError(
+            f"{message.tag}: {len(specs)} tensors announced, {len(payload)} frames sent"
+        )
+    tensors = {}
+    for spec, frame in zip(specs, payload):
+        if spec.dtype not in _DTYPES:
+            raise ProtocolError(
+                f"{message.tag}: tensor {spec.name}: unsupported dtype {spec.dtype!r}"
+            )
+        tensor = _view(frame, _DTYPES[spec.dtype])
+        if tensor.numel() != _numel(spec.shape):
+            raise ProtocolError(
+                f"{message.tag}: tensor {spec.name} has {tensor.numel()} elements, header says"
+                f" {spec.shape}"
+            )
+        tensors[spec.name] = tensor.view(spec.shape)
+    return tensors
 
 
 # Received frames are read-only, and the tensors over them are only ever copied from (into the

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import bisect
-import hashlib
 import os
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from disagg.protocol import Compat, dtype_name
+from disagg.protocol import Compat
+from engine.handover import HandoverLayout
 
 Role = Literal["prefill", "decode"]
 RoomState = Literal["bootstrapping", "waiting_for_input", "transferring", "success", "failed"]
@@ -62,6 +62,7 @@ class TransferCounters:
     transfers_failed: int = 0
     kv_chunks: int = 0  # K/V page batches streamed ahead of the final state
     holds_expired: int = 0  # prefill side: sends a decode engine never read, given up on
+    messages_refused: int = 0  # peer messages that did not parse or could not be used
     # Decode side: register -> installed. Prefill side: state ready (prefill done and decode
     # side registered) -> its last message handed to ZMQ.
     latency_sum_s: float = 0.0
@@ -78,6 +79,7 @@ class TransferCounters:
             "disagg_transfers_failed_total": self.transfers_failed,
             "disagg_kv_chunks_total": self.kv_chunks,
             "disagg_holds_expired_total": self.holds_expired,
+            "disagg_messages_refused_total": self.messages_refused,
             "disagg_transfer_latency_sum": self.latency_sum_s,
         }
         cumulative = 0
@@ -93,20 +95,14 @@ def now() -> float:
     return time.monotonic()
 
 
-def compat_of(engine) -> Compat:
-    """The facts both engines must share, read from a live Engine."""
-    config, cache = engine.model_config, engine.cache
-    k = cache.k[0] if cache.k else None
+def compat_of(layout: HandoverLayout) -> Compat:
+    """The facts both engines must share."""
     return Compat(
-        model=hashlib.sha256(repr(config).encode()).hexdigest()[:16],
-        dtype=dtype_name(engine.dtype),
-        page_size=cache.page_size,
-        kv_page_shape=[
-            len(cache.k),
-            cache.page_size,
-            *(list(k.shape[1:]) if k is not None else [0, 0]),
-        ],
-        conv_shape=[cache.conv.shape[0], *cache.conv.shape[2:]],
-        ssm_shape=[cache.ssm.shape[0], *cache.ssm.shape[2:]],
-        ssm_dtype=dtype_name(cache.ssm.dtype),
+        model=layout.model_fingerprint,
+        dtype=layout.dtype,
+        page_size=layout.page_size,
+        kv_page_shape=[layout.attention_layers, *layout.kv_page_shape],
+        conv_shape=[layout.mamba_layers, *layout.conv_shape],
+        ssm_shape=[layout.mamba_layers, *layout.ssm_shape],
+        ssm_dtype=layout.ssm_dtype,
     )

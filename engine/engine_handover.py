@@ -4,15 +4,31 @@ scheduler know nothing of the wire (that is disagg/)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
-from engine.handover import Preallocation, RequestState
+from engine.config import ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.handover import HandoverLayout, Preallocation, RequestState
 from engine.memory import OutOfMemory
-from engine.outputs import RequestDelta
+from engine.outputs import RequestDelta, TokenLogprobs
+from engine.prefix_cache import PrefixCache
 from engine.request import Request, Status
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.state_cache import StateCache
+
+
+class Hold(Protocol):
+    """Keeps an ended request's pages and slot in place while `done` is False (sends in
+    flight that still read them)."""
+
+    @property
+    def done(self) -> bool: ...
 
 
 def _run_length(pages: list[int]) -> int:
@@ -24,8 +40,67 @@ def _run_length(pages: list[int]) -> int:
 
 
 class HandoverMixin:
-    """Needs from Engine: requests, detokenizers, scheduler, cache, prefix_cache, device,
-    _new_request and _append_token."""
+    """The operations a disaggregation worker performs on its engine, as typed methods (a
+    worker never touches the engine's attributes). Mixed into Engine, which provides what is
+    declared here."""
+
+    model_config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    cache: StateCache
+    scheduler: Scheduler
+    sampler: Sampler
+    prefix_cache: PrefixCache | None
+    requests: dict[str, Request]
+    detokenizers: dict[str, IncrementalDetokenizer]
+    finish_hooks: dict[str, Callable[[Request], None]]
+    prompt_tokens_total: int
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        raise NotImplementedError  # Engine's
+
+    def _append_token(
+        self, req: Request, token: int, logprobs: TokenLogprobs | None
+    ) -> RequestDelta:
+        raise NotImplementedError  # Engine's
+
+    # -- both sides ---------------------------------------------------------------------------
+
+    def handover_layout(self) -> HandoverLayout:
+        cache, config = self.cache, self.model_config
+        k = cache.k[0] if cache.k else None
+        page_shape = (cache.page_size, *k.shape[1:]) if k is not None else (cache.page_size, 0, 0)
+        return HandoverLayout(
+            model_fingerprint=hashlib.sha256(repr(config).encode()).hexdigest()[:16],
+            dtype=str(self.dtype).removeprefix("torch."),
+            page_size=cache.page_size,
+            attention_layers=len(cache.k),
+            kv_page_shape=page_shape,
+            kv_page_bytes=sum(2 * t[: cache.page_size].numel() * t.element_size() for t in cache.k),
+            mamba_layers=cache.conv.shape[0],
+            conv_shape=tuple(cache.conv.shape[2:]),
+            ssm_shape=tuple(cache.ssm.shape[2:]),
+            ssm_dtype=str(cache.ssm.dtype).removeprefix("torch."),
+            mamba_layer_bytes=cache.conv[:, 0].nbytes // max(1, cache.conv.shape[0])
+            + cache.ssm[:, 0].nbytes // max(1, cache.ssm.shape[0]),
+        )
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def hold_request(self, request_id: str, hold: Hold) -> None:
+        """Keep the request's pages and slot in place after it ends, until `hold.done`."""
+        self.requests[request_id].hold = hold
+
+    def on_finish(self, request_id: str, hook: Callable[[Request], None] | None) -> None:
+        """Call `hook` with the finished request before its pages and slot are freed (None:
+        forget the hook)."""
+        if hook is None:
+            self.finish_hooks.pop(request_id, None)
+        else:
+            self.finish_hooks[request_id] = hook
 
     # -- disaggregation: decode side ----------------------------------------------------------
 

@@ -51,3 +51,22 @@ class Preallocation:
     mamba_slot: int
     num_prompt_tokens: int
     cached_tokens: int  # prompt tokens this engine already caches (their pages need no transfer)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HandoverLayout:
+    """What a disaggregation worker needs to know of its engine's pools (the same for every
+    request): the facts both sides of a handover must share, and the sizes its messages are cut
+    by."""
+
+    model_fingerprint: str  # of the model config
+    dtype: str  # model dtype (K/V pages, conv state)
+    page_size: int
+    attention_layers: int
+    kv_page_shape: tuple[int, ...]  # one layer's page: (page_size, kv_heads, head_dim)
+    kv_page_bytes: int  # one page of K and V over every attention layer
+    mamba_layers: int
+    conv_shape: tuple[int, ...]  # one layer's conv window: (conv_dim, K-1)
+    ssm_shape: tuple[int, ...]  # one layer's SSM state: (heads, head_dim, d_state)
+    ssm_dtype: str
+    mamba_layer_bytes: int  # conv window + SSM state of one layer

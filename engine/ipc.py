@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgpack
 
@@ -123,6 +123,11 @@ class StepOutput:
         )
 
 
+# Whose fault a failed request is: "client" (the request itself is invalid: HTTP 400) or
+# "server" (a disaggregated handover failed, the pair is misconfigured: HTTP 503).
+FailureKind = Literal["client", "server"]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RequestFailed:
     """The engine refused or dropped one request; `message` is meant for the client."""
@@ -130,13 +135,16 @@ class RequestFailed:
     tag: ClassVar[str] = "failed"
     request_id: str
     message: str
+    kind: FailureKind
 
     def to_payload(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "message": self.message}
+        return {"request_id": self.request_id, "message": self.message, "kind": self.kind}
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> RequestFailed:
-        return cls(request_id=payload["request_id"], message=payload["message"])
+        return cls(
+            request_id=payload["request_id"], message=payload["message"], kind=payload["kind"]
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

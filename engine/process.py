@@ -127,13 +127,16 @@ class EngineLoop:
                 RequestFailed(
                     request_id=message.request_id,
                     message="this worker is not part of a disaggregated pair (no --disaggregation-mode)",
+                    kind="server",
                 )
             )
             return
         try:
             self.engine.add_request(message.request_id, message.prompt_token_ids, message.params)
         except ValueError as error:
-            self._send(RequestFailed(request_id=message.request_id, message=str(error)))
+            self._send(
+                RequestFailed(request_id=message.request_id, message=str(error), kind="client")
+            )
 
     def _stats(self) -> dict[str, int | float]:
         return asdict(self.engine.stats())

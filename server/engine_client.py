@@ -55,6 +55,11 @@ class EngineRejected(ValueError):
     """The engine refused one request as invalid (HTTP 400)."""
 
 
+class RequestFailedServerSide(RuntimeError):
+    """The engine could not serve one request through no fault of the client: a disaggregated
+    handover failed (peer lost, timed out, misconfigured) (HTTP 503)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EngineRequest:
     request_id: str
@@ -237,7 +242,10 @@ class EngineClient:
             elif isinstance(message, RequestFailed):
                 route = self._routes.get(message.request_id)
                 if route is not None:
-                    route[0].put_nowait((route[1], EngineRejected(message.message)))
+                    error_class = (
+                        EngineRejected if message.kind == "client" else RequestFailedServerSide
+                    )
+                    route[0].put_nowait((route[1], error_class(message.message)))
             elif isinstance(message, EngineFailed):
                 logger.error("engine failed: %s", message.message)
                 self.fail_all(f"engine failed: {message.message}")

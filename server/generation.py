@@ -21,7 +21,13 @@ from fastapi import Request
 from engine.outputs import RequestDelta, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from server.args import ServerArgs
-from server.engine_client import EngineClient, EngineRejected, EngineRequest, EngineUnavailable
+from server.engine_client import (
+    EngineClient,
+    EngineRejected,
+    EngineRequest,
+    EngineUnavailable,
+    RequestFailedServerSide,
+)
 from server.errors import APIError, error_body
 from server.metrics import ServerMetrics
 from server.protocol import DisaggField
@@ -189,6 +195,8 @@ async def collect(
         work.result()
     except EngineRejected as error:
         raise APIError.bad_request(str(error)) from error
+    except RequestFailedServerSide as error:
+        raise APIError(503, str(error)) from error
     except EngineUnavailable as error:
         raise APIError(503, f"engine unavailable: {error}") from error
     return results
@@ -221,6 +229,8 @@ async def sse_guard(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
                 yield chunk
     except EngineRejected as error:
         yield sse(error_body(400, str(error)))
+    except RequestFailedServerSide as error:
+        yield sse(error_body(503, str(error)))
     except EngineUnavailable as error:
         yield sse(error_body(503, f"engine unavailable: {error}"))
     yield sse("[DONE]")

@@ -98,6 +98,12 @@ _ENGINE_METRICS = {
         "Rooms whose state is on the wire.",
         "gauge",
     ),
+    "disagg_messages_refused_total": (
+        "baton:disagg_messages_refused",
+        "Worker-to-worker messages refused: unauthenticated, malformed, or unusable (each logged;"
+        " the room it named, if any, failed).",
+        "counter",
+    ),
     "disagg_holds_expired_total": (
         "baton:disagg_holds_expired",
         "Prefill side: handovers whose sends the decode worker never read within its transfer"

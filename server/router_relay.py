@@ -88,7 +88,8 @@ async def relay(
     workers: WorkerSet,
     release,
 ):
-    """Pass the decode worker's SSE stream through; end with an error event if either side fails."""
+    """Pass the decode worker's SSE stream through; if either side fails, end with an error
+    event followed by `data: [DONE]` (as vLLM and the workers end a failed stream)."""
     lines = upstream.aiter_lines()
     pending_line: asyncio.Task | None = None
     try:
@@ -102,6 +103,7 @@ async def relay(
             failure = await prefill_error(prefill_task, prefill, workers)
             if failure is not None:
                 yield f"data: {json.dumps(error_body(*failure))}\n\n"
+                yield "data: [DONE]\n\n"
                 return
             if pending_line in done:
                 try:
@@ -116,6 +118,7 @@ async def relay(
             workers.lost(decode, error)
         message = f"decode worker {decode.url} failed mid-stream: {describe(error)}"
         yield f"data: {json.dumps(error_body(503, message))}\n\n"
+        yield "data: [DONE]\n\n"
     finally:
         release()
         if pending_line is not None and not pending_line.done():

@@ -15,6 +15,7 @@ from disagg.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Heartbeat,
+    KVChunk,
     MambaChunk,
     ProtocolError,
     StateTransfer,
@@ -46,19 +47,13 @@ def config(role, **overrides):
 
 
 def test_messages_round_trip_with_tensors_and_mac():
-    message = StateTransfer(
-        room="r",
-        num_prompt_tokens=7,
-        first_page=0,
-        first_block=0,
-        first_token=3,
-        first_logprobs={3: -0.5},
-        tensors=[TensorSpec(name="k", dtype="bfloat16", shape=[2, 3])],
+    message = KVChunk(
+        room="r", first_page=2, tensors=[TensorSpec(name="k0", dtype="bfloat16", shape=[2, 3])]
     )
     tensor = torch.randn(2, 3).bfloat16()
     frames = [bytes(f) for f in encode(message, [tensor], secret=b"k")]
     decoded, tensors = decode(frames, secret=b"k")
-    assert decoded == message and torch.equal(tensors[0], tensor)
+    assert decoded == message and torch.equal(tensors["k0"], tensor)
     assert decode([bytes(f) for f in encode(Heartbeat(rooms=["a"]))])[0] == Heartbeat(rooms=["a"])
 
 
@@ -575,7 +570,7 @@ def test_sends_a_decode_worker_never_reads_free_the_pages_after_its_timeout(
     while time.monotonic() < deadline - 0.3:  # within the decode side's timeout: still held
         prefill.step()
         time.sleep(0.05)
-    assert prefill.has_held() and prefill.stats().kv_pages_used == 10
+    assert prefill.engine.has_held() and prefill.stats().kv_pages_used == 10
     while prefill.has_unfinished_requests():
         assert time.monotonic() - start < 5, "held pages were never given back"
         prefill.step()

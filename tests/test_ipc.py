@@ -72,6 +72,7 @@ MESSAGES = [
     RequestFailed(
         request_id="r-2",
         message="prompt (10 tokens) + max_tokens (5000) exceeds max_model_len (4096)",
+        kind="client",
     ),
     EngineFailed(message="engine step failed: RuntimeError('boom')"),
 ]
