@@ -47,6 +47,7 @@ def config(role: str) -> DisaggConfig:
         transfer_timeout_s=600,
         heartbeat_interval_s=1.0,
         lease_timeout_s=600,
+        max_rooms_per_peer=1024,
     )
 
 

@@ -11,6 +11,7 @@ client gets an error, never garbage tokens, never a hang.
 from __future__ import annotations
 
 import logging
+import re
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from disagg.protocol import (
     ProtocolError,
     Register,
     Reject,
+    ReplayGuard,
     StateTransfer,
     decode,
     dtype_name,
@@ -45,6 +47,9 @@ ZMQ_HEARTBEAT_IVL_MS = 1000
 ZMQ_HEARTBEAT_TIMEOUT_MS = 5000
 
 logger = logging.getLogger("baton.disagg.decode")
+
+# What a prefill worker advertises: tcp://host:port (a name, IPv4, or [IPv6]).
+_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):[0-9]{1,5}")
 
 
 def _layers(
@@ -131,6 +136,7 @@ class DecodeWorker:
     def __post_init__(self) -> None:
         self.layout = self.engine.handover_layout()
         self.compat = compat_of(self.layout)
+        self.replay = ReplayGuard()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -156,6 +162,7 @@ class DecodeWorker:
             raise ValueError(
                 "a disaggregated decode request needs the prefill worker's transfer address"
             )
+        self._peer(prefill_addr)  # a malformed address fails here, before any reservation
         queued = QueuedRoom(
             room=room,
             request_id=request_id,
@@ -249,8 +256,14 @@ class DecodeWorker:
     # -- protocol -----------------------------------------------------------------------------
 
     def _peer(self, address: str) -> Peer:
+        """The DEALER connected to prefill worker `address`; ValueError naming the address when
+        it is not a tcp://host:port endpoint ZMQ can connect to."""
         peer = self.peers.get(address)
         if peer is None:
+            if not _ENDPOINT.fullmatch(address) or not 0 < int(address.rsplit(":", 1)[1]) < 65536:
+                raise ValueError(
+                    f"baton_disagg.prefill_addr {address[:200]!r} is not a tcp://host:port address"
+                )
             socket = self.context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
             # ZMTP heartbeats run in libzmq's I/O thread, so a prefill worker busy with a long
@@ -261,9 +274,24 @@ class DecodeWorker:
             socket.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
             socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
             monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            socket.connect(address)
+            try:
+                socket.connect(address)
+            except zmq.ZMQError as error:
+                socket.disable_monitor()
+                monitor.close(linger=0)
+                socket.close(linger=0)
+                raise ValueError(
+                    f"baton_disagg.prefill_addr {address!r}: cannot connect ({error})"
+                ) from None
             peer = self.peers[address] = Peer(socket=socket, monitor=monitor, last_ack=now())
         return peer
+
+    def expire_idle(self) -> bool:
+        """Timeouts and heartbeats between steps (the engine loop calls it while idle too);
+        True if a room failed."""
+        failed = len(self.failures)
+        self._heartbeat_and_expire()
+        return len(self.failures) > failed
 
     def poll(self) -> None:
         for address, peer in list(self.peers.items()):
@@ -274,7 +302,9 @@ class DecodeWorker:
                 except zmq.Again:
                     break
                 try:
-                    message, tensors = decode([f.buffer for f in frames], self.config.secret)
+                    message, tensors = decode(
+                        [f.buffer for f in frames], self.config.secret, self.replay
+                    )
                 except ProtocolError as error:
                     self._refuse(address, error.room, f"rejected a message: {error}")
                     continue

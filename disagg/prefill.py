@@ -29,13 +29,22 @@ from disagg.protocol import (
     ProtocolError,
     Register,
     Reject,
+    ReplayGuard,
     TensorSpec,
     decode,
     encode,
     state_message,
     tensor_specs,
 )
-from disagg.rooms import DisaggConfig, FaultInjection, RoomState, TransferCounters, compat_of, now
+from disagg.rooms import (
+    DisaggConfig,
+    FaultInjection,
+    RoomState,
+    TransferCounters,
+    compat_of,
+    is_loopback,
+    now,
+)
 from disagg.schema import MAX_STRING
 from engine.engine import Engine, EngineStats
 from engine.handover import HandoverLayout, RequestState
@@ -139,6 +148,11 @@ class PrefillWorker:
     failures: list[tuple[str, str]] = field(default_factory=list)  # (request_id, message)
 
     def __post_init__(self) -> None:
+        if self.config.secret is None and not is_loopback(self.config.host):
+            raise ValueError(
+                f"the transfer port would listen on {self.config.host} without a shared secret:"
+                " anyone who reaches it could send messages (pass --disagg-secret)"
+            )
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         if self.config.port:
@@ -151,6 +165,7 @@ class PrefillWorker:
         self.compat = compat_of(self.layout)
         self.mamba_groups = _mamba_groups(self.layout)
         self.rng = random.Random()
+        self.replay = ReplayGuard()
 
     # -- the engine interface ---------------------------------------------------------------
 
@@ -226,7 +241,7 @@ class PrefillWorker:
             except zmq.Again:
                 return
             try:
-                message, _ = decode(frames, self.config.secret)
+                message, _ = decode(frames, self.config.secret, self.replay)
             except ProtocolError as error:
                 self._refuse(identity, error.room, f"rejected a message: {error}")
                 continue
@@ -271,6 +286,14 @@ class PrefillWorker:
                 identity, Reject(room=message.room, message=f"incompatible workers: {mismatch}")
             )
             return
+        r = self.rooms.get(message.room)
+        if r is not None and r.peer is not None:
+            raise ValueError(f"room {message.room} is registered already")
+        if r is None and self._rooms_of(identity) >= self.config.max_rooms_per_peer:
+            raise ValueError(
+                f"this decode worker holds {self.config.max_rooms_per_peer} open rooms here"
+                " already (--disagg-max-rooms-per-peer)"
+            )
         r = self._room(message.room)
         r.peer, r.lease, r.registration = identity, now(), message
         r.sends.deadline = now() + message.transfer_timeout_s + HOLD_GRACE_S
@@ -280,6 +303,9 @@ class PrefillWorker:
         if r.snapshot is not None:
             r.ready_at = now()
             self._schedule_send(r)
+
+    def _rooms_of(self, identity: bytes) -> int:
+        return sum(1 for r in self.rooms.values() if r.peer == identity)
 
     def _room(self, room: str) -> PrefillRoom:
         r = self.rooms.get(room)
@@ -389,6 +415,13 @@ class PrefillWorker:
             state = state.skip(0, state.checkpoint_conv.shape[0])
         return state
 
+    def expire_idle(self) -> bool:
+        """Timeouts between steps (the engine loop calls it while idle too); True if a room
+        failed."""
+        before = self.counters.transfers_failed
+        self._expire()
+        return self.counters.transfers_failed > before
+
     def _expire(self) -> None:
         t = now()
         for r in list(self.rooms.values()):
@@ -397,6 +430,9 @@ class PrefillWorker:
                     r,
                     f"room {r.room}: no decode worker registered within {self.config.bootstrap_timeout_s:.0f} s",
                 )
+            elif r.request_id is None and t - r.created > self.config.bootstrap_timeout_s:
+                # Registered, but its request never came here: heartbeats do not keep it.
+                self._fail(r, f"room {r.room}: its request never reached this prefill worker")
             elif r.peer is not None and t - r.lease > max(
                 self.config.lease_timeout_s, self.config.bootstrap_timeout_s
             ):

@@ -37,9 +37,13 @@ class DisaggEngineLoop(engine_process.EngineLoop):
         waiting_on_peers = worker.has_unfinished_requests()
         timeout = PEER_POLL_MS if waiting_on_peers else engine_process.IDLE_POLL_MS
         events = dict(poller.poll(timeout))
-        if len(events) > (self.inbox in events):
+        peer_messages = len(events) > (self.inbox in events)
+        if peer_messages:
             worker.poll()  # peer messages are handled even while no request runs here
-            self._after_step()  # a Reject or Abort may have failed a request just now ...
+        # Rooms expire on this timer too: peers that register and never follow up cost nothing
+        # for long even while no request runs here.
+        if worker.expire_idle() or peer_messages:
+            self._after_step()  # a Reject, Abort or expiry may have failed a request just now ...
             self._send(StepOutput(deltas=[], stats=self._stats()))  # ... and freed its pages
         return self.inbox in events
 
@@ -57,9 +61,18 @@ class DisaggEngineLoop(engine_process.EngineLoop):
                 self.engine.add_request(
                     message.request_id, message.prompt_token_ids, message.params, room=message.room
                 )
-        except ValueError as error:
+        except ValueError as error:  # the request itself (its prompt, its handover address)
             self._send(
                 RequestFailed(request_id=message.request_id, message=str(error), kind="client")
+            )
+        except Exception as error:  # no request may take the engine down
+            logger.exception("request %s could not be added", message.request_id)
+            self._send(
+                RequestFailed(
+                    request_id=message.request_id,
+                    message=f"the worker could not start this request: {error!r}",
+                    kind="server",
+                )
             )
 
     def _after_step(self) -> None:

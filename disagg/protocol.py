@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import time
 import typing
 import warnings
 from dataclasses import dataclass, fields
@@ -44,7 +46,13 @@ from engine.handover import RequestState
 # 2: K/V and Mamba chunks carry one frame per layer. 3: Register carries the decode side's
 # transfer timeout (the prefill side keeps zero-copy sends' pages no longer than that).
 # 4: StateTransfer carries RequestState's fields as derived from the dataclass, tensors by name.
-PROTOCOL_VERSION = 4
+# 5: the header holds a timestamp and a nonce (under the MAC): replays are refused.
+PROTOCOL_VERSION = 5
+
+# With a secret, a message is accepted within this many seconds of the time it was sent (two
+# hosts need clocks within this of each other, e.g. NTP), and only once.
+REPLAY_WINDOW_S = 60.0
+NONCE_BYTES = 16
 
 # What a StateTransfer carries (a module attribute, so a test can carry an extended state).
 STATE_CARRIER: type = RequestState
@@ -235,16 +243,51 @@ def encode(
 ) -> list[Any]:
     """Frames for `send_multipart(copy=False)`: header, mac, then the raw tensor bytes."""
     header = msgpack.packb(
-        {"v": PROTOCOL_VERSION, "type": message.tag, "body": message}, default=to_wire
+        {
+            "v": PROTOCOL_VERSION,
+            "type": message.tag,
+            "ts": time.time(),
+            "nonce": os.urandom(NONCE_BYTES),
+            "body": message,
+        },
+        default=to_wire,
     )
     payload = [_frame(t) for t in tensors]
     return [header, _mac(secret, [header, *payload]), *payload]
 
 
+class ReplayGuard:
+    """Nonces of the authenticated messages seen within the replay window (a worker keeps one):
+    a message is accepted once. Bounded: past `capacity` nonces the oldest are forgotten (a
+    worker would have to receive capacity / REPLAY_WINDOW_S messages a second for that to
+    matter)."""
+
+    def __init__(self, capacity: int = 1 << 20) -> None:
+        self.capacity = capacity
+        self.seen: dict[bytes, float] = {}  # nonce -> when it expires, oldest first
+
+    def admit(self, nonce: bytes, sent_at: float) -> None:
+        t = time.time()
+        if not abs(t - sent_at) <= REPLAY_WINDOW_S:
+            raise ProtocolError(
+                f"message sent {t - sent_at:+.0f} s from now, outside the {REPLAY_WINDOW_S:g} s"
+                " window (are both hosts' clocks right?)"
+            )
+        while self.seen:  # drop the expired (and, when full, the oldest): oldest first
+            oldest = next(iter(self.seen))
+            if self.seen[oldest] > t and len(self.seen) < self.capacity:
+                break
+            del self.seen[oldest]
+        if nonce in self.seen:
+            raise ProtocolError("message replayed (its nonce was seen before)")
+        self.seen[nonce] = t + 2 * REPLAY_WINDOW_S
+
+
 def decode(
-    frames: list[bytes], secret: bytes | None = None
+    frames: list[bytes], secret: bytes | None = None, replay: ReplayGuard | None = None
 ) -> tuple[Message, dict[str, torch.Tensor]]:
-    """The message and its tensors by name (views of the frames), every field checked."""
+    """The message and its tensors by name (views of the frames), every field checked. With a
+    secret and a ReplayGuard, a message outside the time window or seen before is refused."""
     if len(frames) < 2:
         raise ProtocolError(f"expected at least 2 frames, got {len(frames)}")
     header, mac, payload = bytes(frames[0]), bytes(frames[1]), frames[2:]
@@ -254,13 +297,22 @@ def decode(
         raw = msgpack.unpackb(header, raw=False, strict_map_key=False)
     except Exception as error:
         raise ProtocolError(f"header is not msgpack: {error}") from None
-    if not isinstance(raw, dict) or raw.get("type") not in MESSAGES:
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         raise ProtocolError("header is not a baton disaggregation message")
     if raw.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"peer speaks disaggregation protocol {raw.get('v')!r}, this worker {PROTOCOL_VERSION}"
-            " (run the same baton version on both sides)"
+            f"peer speaks disaggregation protocol {_short(raw.get('v'))}, this worker"
+            f" {PROTOCOL_VERSION} (run the same baton version on both sides)"
         )
+    if raw["type"] not in MESSAGES or set(raw) != {"v", "type", "ts", "nonce", "body"}:
+        raise ProtocolError(
+            f"header is not a baton disaggregation message: {sorted(map(str, raw))}"
+        )
+    sent_at, nonce = raw["ts"], raw["nonce"]
+    if not isinstance(sent_at, float) or not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+        raise ProtocolError("header: ts must be a float and nonce 16 bytes")
+    if secret is not None and replay is not None:
+        replay.admit(nonce, sent_at)
     try:
         message, tensors = _parse(raw["type"], raw.get("body")), {}
         tensors = _tensors(message, payload)
@@ -307,6 +359,10 @@ def _view(frame, dtype: torch.dtype) -> torch.Tensor:
     if len(frame) % dtype.itemsize:
         raise ProtocolError(f"frame of {len(frame)} bytes is not a whole number of {dtype} values")
     return torch.frombuffer(frame, dtype=dtype)
+
+
+def _short(value: Any) -> str:
+    return str(value) if isinstance(value, int) else repr(str(value)[:20])
 
 
 def _numel(shape: list[int]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import ipaddress
 import os
 import random
 import time
@@ -28,6 +29,7 @@ class DisaggConfig:
     lease_timeout_s: (
         float  # no heartbeat (prefill side) / no ack (decode side) for this long: peer lost
     )
+    max_rooms_per_peer: int  # prefill side: rooms one decode worker may hold open at once
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,6 +91,16 @@ class TransferCounters:
         for state in ("bootstrapping", "waiting_for_input", "transferring"):
             out[f"disagg_rooms_{state}"] = rooms_by_state.get(state, 0)
         return out
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a port on this machine (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
 
 
 def now() -> float:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from disagg.rooms import is_loopback
 
 # Settings forwarded to `Engine(...)` as keyword arguments when the user sets them; unset ones
 # (None) are left to the engine, which sizes them from the model and the machine.
@@ -64,6 +67,7 @@ class ServerArgs:
     # too): under a burst a room waits its turn like a colocated request. A peer that dies is
     # noticed by the heartbeat lease (10 s), not by this timeout.
     disagg_timeout: float = 300.0
+    disagg_max_rooms_per_peer: int = 1024  # prefill: rooms one decode worker may hold open
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in (None, "prefill", "decode"):
@@ -76,6 +80,20 @@ class ServerArgs:
             )
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+        if self.disagg_max_rooms_per_peer < 1:
+            raise ValueError(
+                f"--disagg-max-rooms-per-peer must be >= 1, got {self.disagg_max_rooms_per_peer}"
+            )
+        if (
+            self.disaggregation_mode == "prefill"
+            and not is_loopback(self.disagg_host)
+            and not (self.disagg_secret or os.environ.get("BATON_DISAGG_SECRET"))
+        ):
+            raise ValueError(
+                f"--disagg-host {self.disagg_host} exposes the transfer port beyond this machine:"
+                " pass --disagg-secret (or set BATON_DISAGG_SECRET) so that only your decode"
+                " workers can talk to it"
+            )
         for name in (*ENGINE_ARG_NAMES, "max_queued_requests"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -114,6 +132,7 @@ class ServerArgs:
             # must outlast the slowest engine step on either side, since each answers between
             # steps; a peer that dies is noticed sooner, by its connection (ZMTP heartbeats).
             "lease_timeout_s": min(30.0, self.disagg_timeout),
+            "max_rooms_per_peer": self.disagg_max_rooms_per_peer,
         }
 
     @classmethod

@@ -174,6 +174,12 @@ def add_serve_parser(subparsers) -> None:
         help="seconds a room may wait for its peer or its state before failing, queueing on the "
         "prefill worker included; a dead peer is noticed within 10 s by heartbeats (default: 300)",
     )
+    disagg.add_argument(
+        "--disagg-max-rooms-per-peer",
+        type=int,
+        default=_default("disagg_max_rooms_per_peer"),
+        help="prefill: rooms one decode worker may hold open at once (more are rejected)",
+    )
 
     server = parser.add_argument_group("admission")
     server.add_argument(

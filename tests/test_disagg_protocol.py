@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import time
 import typing
 
 import msgpack
@@ -131,7 +132,8 @@ def test_the_message_union_lists_every_message_class():
 
 
 def raw_message(tag: str, body) -> list[bytes]:
-    return [msgpack.packb({"v": PROTOCOL_VERSION, "type": tag, "body": body}), b""]
+    header = {"v": PROTOCOL_VERSION, "type": tag, "ts": time.time(), "nonce": b"n" * 16}
+    return [msgpack.packb(header | {"body": body}), b""]
 
 
 def register_body(**overrides) -> dict:

@@ -41,6 +41,7 @@ def config(role, **overrides):
         # Longer than any step of these tests on a loaded 2-core machine: a peer that goes away
         # is caught by its dropped connection, and the tests of the lease set their own.
         lease_timeout_s=10.0,
+        max_rooms_per_peer=64,
     )
     values.update(overrides)
     return DisaggConfig(**values)
@@ -74,7 +75,13 @@ def test_wrong_secret_and_wrong_schema_are_rejected():
     import msgpack
 
     bad = msgpack.packb(
-        {"v": PROTOCOL_VERSION, "type": "abort", "body": {"room": "r", "reason": "x", "extra": 1}}
+        {
+            "v": PROTOCOL_VERSION,
+            "type": "abort",
+            "ts": time.time(),
+            "nonce": bytes(16),
+            "body": {"room": "r", "reason": "x", "extra": 1},
+        }
     )
     with pytest.raises(ProtocolError, match="fields"):
         decode([bad, b""])
