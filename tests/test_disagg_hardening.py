@@ -1,0 +1,300 @@
+"""No peer message and no request field can take a disaggregated worker's engine down (issue 17,
+findings 1, 2 and 6): each is refused, logged, counted and answered, and the engine keeps
+serving with its pools back to zero. Workers run in-process, driven as their engine loop
+drives them."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from disagg.decode import DecodeWorker
+from disagg.prefill import PrefillWorker
+from disagg.process import DisaggEngineLoop
+from disagg.protocol import (
+    PROTOCOL_VERSION,
+    Heartbeat,
+    HeartbeatAck,
+    KVChunk,
+    Register,
+    Reject,
+    TensorSpec,
+    decode,
+    encode,
+    state_message,
+)
+from engine import SamplingParams
+from engine.engine import Engine
+from server.args import ServerArgs
+from tests.test_disagg_protocol import a_state, register_body
+from tests.test_disagg_unit import assert_pools_empty, config
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+def serves_a_request(worker, request_id: str = "check") -> bool:
+    """The worker's engine still runs a plain request to the end (and frees it)."""
+    worker.add_request(request_id, [5, 6, 7, 8], PARAMS)
+    tokens = []
+    deadline = time.time() + 30
+    while worker.computing() and time.time() < deadline:
+        for delta in worker.step():
+            tokens.extend(delta.new_token_ids)
+    return len(tokens) == PARAMS.max_tokens
+
+
+def header(tag, body, **fields) -> bytes:
+    values = {"v": PROTOCOL_VERSION, "type": tag, "ts": time.time(), "nonce": os.urandom(16)}
+    return msgpack.packb(values | {"body": body} | fields)
+
+
+def receive_all(socket: zmq.Socket, wait_s: float = 0.5) -> list:
+    out = []
+    while socket.poll(int(wait_s * 1000)):
+        out.append(decode(socket.recv_multipart())[0])
+    return out
+
+
+@pytest.fixture
+def prefill(base_model):
+    model_dir, _ = base_model
+    worker = PrefillWorker(
+        Engine(model_dir, page_size=4), config("prefill", secret=None), zmq.Context.instance()
+    )
+    yield worker
+    worker.close()
+
+
+@pytest.fixture
+def dealer(prefill):
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(prefill.address)
+    yield socket
+    socket.close()
+
+
+# -- finding 1: crafted messages to the prefill worker's transfer port --------------------------
+
+
+def test_crafted_messages_are_refused_and_the_prefill_engine_keeps_serving(prefill, dealer):
+    crafted = [
+        [header(["register"], {}), b""],  # a list where the type is expected (unhashable)
+        [header("heartbeat", {"rooms": 5}), b""],
+        [header("heartbeat", {"rooms": [["a"], ["b"]]}), b""],
+        [header("register", register_body(room="r1", transfer_timeout_s="30")), b""],
+        [header("register", register_body(room="r2", compat=[1, 2])), b""],
+        [header("abort", {"room": {"x": 1}, "reason": "x"}), b""],
+        [header("state", {"room": "r3"}), b""],  # a message only decode workers receive
+        [msgpack.packb([1, 2, 3]), b""],
+        [b"\xc1", b""],  # not msgpack at all
+        [b"x"],  # one frame
+    ]
+    for frames in crafted:
+        dealer.send_multipart(frames)
+    time.sleep(0.3)
+    prefill.poll()  # raised into the engine loop before
+    assert prefill.counters.messages_refused == len(crafted)
+    answers = receive_all(dealer)
+    # Messages that named their room (as a string) are answered with a Reject naming the field.
+    rejects = {m.room: m.message for m in answers if isinstance(m, Reject)}
+    assert set(rejects) == {"r1", "r2", "r3"}
+    assert "transfer_timeout_s" in rejects["r1"] and "compat" in rejects["r2"]
+    assert not prefill.rooms
+    assert serves_a_request(prefill)
+    assert_pools_empty(prefill)
+
+
+def test_a_decode_worker_may_hold_only_so_many_rooms(base_model, dealer, prefill):
+    limit = prefill.config.max_rooms_per_peer
+    for i in range(limit + 5):
+        body = register_body(room=f"room{i}") | {"compat": prefill.compat}
+        message = Register(**(body | {"transfer_timeout_s": 30.0}))
+        dealer.send_multipart(encode(message))
+    time.sleep(0.3)
+    prefill.poll()
+    assert len(prefill.rooms) == limit
+    rejects = [m for m in receive_all(dealer) if isinstance(m, Reject)]
+    assert len(rejects) == 5 and "--disagg-max-rooms-per-peer" in rejects[0].message
+
+
+def test_rooms_that_never_see_their_request_expire_while_the_worker_idles(base_model):
+    """Registers with no request behind them: the idle engine loop (no request runs, no more
+    messages come) expires them after the bootstrap timeout."""
+    model_dir, _ = base_model
+    context = zmq.Context.instance()
+    worker = PrefillWorker(
+        Engine(model_dir, page_size=4),
+        config("prefill", secret=None, bootstrap_timeout_s=0.5, lease_timeout_s=0.5),
+        context,
+    )
+    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    inbox.bind("inproc://hardening-in")
+    outbox.bind("inproc://hardening-out")
+    sink = context.socket(zmq.PULL)
+    sink.connect("inproc://hardening-out")
+    loop = DisaggEngineLoop(worker, inbox, outbox, os.getppid())
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(worker.address)
+    try:
+        for i in range(20):
+            body = register_body(room=f"idle{i}") | {"compat": worker.compat}
+            dealer.send_multipart(encode(Register(**(body | {"transfer_timeout_s": 30.0}))))
+        deadline = time.time() + 5
+        while len(worker.rooms) < 20 and time.time() < deadline:
+            loop._wait_for_messages()
+        assert len(worker.rooms) == 20
+        heartbeats_until = time.time() + 1.0  # heartbeats do not keep request-less rooms
+        while time.time() < heartbeats_until:
+            dealer.send_multipart(encode(Heartbeat(rooms=[f"idle{i}" for i in range(20)])))
+            loop._wait_for_messages()
+        assert not worker.rooms and not worker.has_unfinished_requests()
+        assert worker.counters.transfers_failed == 20
+    finally:
+        for socket in (dealer, sink, inbox, outbox):
+            socket.close(linger=0)
+        worker.close()
+
+
+# -- replays and exposure ---------------------------------------------------------------------
+
+
+def test_a_replayed_or_stale_message_is_refused_with_a_secret(base_model):
+    model_dir, _ = base_model
+    worker = PrefillWorker(
+        Engine(model_dir, page_size=4), config("prefill"), zmq.Context.instance()
+    )
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(worker.address)
+    try:
+        frames = [bytes(f) for f in encode(Heartbeat(rooms=["x"]), secret=b"s3cret")]
+        for _ in range(2):
+            dealer.send_multipart(frames)
+        time.sleep(0.3)
+        worker.poll()
+        assert worker.counters.messages_refused == 1  # the replay
+        acks = [m for m in receive_all(dealer) if isinstance(m, HeartbeatAck)]
+        assert len(acks) == 1
+        stale = msgpack.unpackb(frames[0])
+        stale["ts"] -= 61.0
+        forged = msgpack.packb(stale)
+        from disagg.protocol import _mac
+
+        dealer.send_multipart([forged, _mac(b"s3cret", [forged])])
+        time.sleep(0.3)
+        worker.poll()
+        assert worker.counters.messages_refused == 2 and not receive_all(dealer, 0.2)
+    finally:
+        dealer.close(linger=0)
+        worker.close()
+
+
+def test_a_prefill_worker_beyond_loopback_needs_a_secret(tmp_path, monkeypatch):
+    monkeypatch.delenv("BATON_DISAGG_SECRET", raising=False)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="--disagg-secret"):
+        ServerArgs(model=str(tmp_path), disaggregation_mode="prefill", disagg_host="0.0.0.0")
+    ServerArgs(model=str(tmp_path), disaggregation_mode="prefill", disagg_host="127.0.0.1")
+    ServerArgs(
+        model=str(tmp_path),
+        disaggregation_mode="prefill",
+        disagg_host="0.0.0.0",
+        disagg_secret="s",
+    )
+    with pytest.raises(ValueError, match="without a shared secret"):
+        PrefillWorker(None, config("prefill", secret=None, host="0.0.0.0"), zmq.Context.instance())
+
+
+# -- finding 2: the decode side ---------------------------------------------------------------
+
+
+@pytest.fixture
+def decoder(base_model):
+    model_dir, _ = base_model
+    worker = DecodeWorker(Engine(model_dir, page_size=4), config("decode"), zmq.Context.instance())
+    yield worker
+    worker.close()
+
+
+@pytest.mark.parametrize(
+    "address", ["not-a-zmq-endpoint", "tcp://", "tcp://host:99999", "ipc:///tmp/x", "tcp://a b:1"]
+)
+def test_a_malformed_prefill_address_is_a_clear_error_not_a_dead_engine(decoder, address):
+    with pytest.raises(ValueError, match="prefill_addr"):
+        decoder.add_request("r", [5, 6, 7], PARAMS, room="room", prefill_addr=address)
+    assert not decoder.rooms and not decoder.queued
+    assert serves_a_request(decoder)
+    assert_pools_empty(decoder)
+
+
+@pytest.fixture
+def fake_prefill():
+    """A ROUTER socket standing in for a prefill worker that sends what a test tells it to."""
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    yield socket, f"tcp://127.0.0.1:{port}"
+    socket.close()
+
+
+def registered_room(decoder, fake_prefill, request_id: str) -> tuple[bytes, str]:
+    socket, address = fake_prefill
+    decoder.add_request(request_id, [5, 6, 7, 8, 9], PARAMS, room=request_id, prefill_addr=address)
+    assert socket.poll(5000)
+    identity, *frames = socket.recv_multipart()
+    message, _ = decode(frames, b"s3cret")
+    assert isinstance(message, Register)
+    return identity, message.room
+
+
+def forged_states(room: str) -> list[tuple[str, list]]:
+    """(what is wrong, frames) of state messages a hostile or broken prefill worker might send,
+    each properly signed."""
+    message, tensors = state_message(room, a_state())
+    bad_logprobs = message.__class__(
+        room=room,
+        state=message.state | {"first_logprobs": {"a": "b"}},
+        tensors=message.tensors,
+    )
+    wrong_shapes = KVChunk(
+        room=room,
+        first_page=0,
+        tensors=[TensorSpec(name="k0", dtype="float32", shape=[1, 3])],
+    )
+    import torch
+
+    return [
+        ("malformed first_logprobs", encode(bad_logprobs, tensors, secret=b"s3cret")),
+        ("no tensor frames", encode(message, [], secret=b"s3cret")[:2]),
+        ("frames of another model", encode(message, tensors, secret=b"s3cret")),
+        ("a chunk of the wrong shape", encode(wrong_shapes, [torch.zeros(1, 3)], b"s3cret")),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_a_hostile_prefill_worker_fails_the_room_not_the_engine(decoder, fake_prefill, case):
+    socket, _ = fake_prefill
+    identity, room = registered_room(decoder, fake_prefill, f"req{case}")
+    what, frames = forged_states(room)[case]
+    socket.send_multipart([identity, *frames])
+    deadline = time.time() + 5
+    while decoder.rooms and time.time() < deadline:
+        decoder.step()  # raised into the engine loop before
+    failures = decoder.take_failures()
+    assert [rid for rid, _ in failures] == [f"req{case}"], what
+    assert decoder.counters.messages_refused == 1, what
+    aborts = [decode(f[1:], b"s3cret")[0] for f in _drain(socket)]
+    assert any(getattr(m, "room", None) == room for m in aborts), what  # the peer is told
+    assert serves_a_request(decoder)
+    assert_pools_empty(decoder)
+
+
+def _drain(socket: zmq.Socket) -> list[list[bytes]]:
+    out = []
+    while socket.poll(200):
+        out.append(socket.recv_multipart())
+    return out
