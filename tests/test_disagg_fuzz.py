@@ -40,7 +40,7 @@ EXAMPLES = 40
 leaves = (
     st.none()
     | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=12)
     | st.binary(max_size=12)
@@ -87,7 +87,7 @@ def hostile_frames(draw, room: str) -> list[bytes]:
     the header, or the frames) mutated; signed with the secret or not."""
     kind = draw(st.sampled_from(["bytes", "msgpack", "mutated", "mutated", "mutated"]))
     if kind == "bytes":
-        frames = draw(st.lists(st.binary(max_size=64), min_size=0, max_size=4))
+        frames = draw(st.lists(st.binary(max_size=64), min_size=1, max_size=4))
         return frames
     if kind == "msgpack":
         header = msgpack.packb(draw(values))
@@ -194,19 +194,26 @@ def test_fuzzed_messages_never_take_the_decode_worker_down(base_model, secret):
         count[0] += 1
         rid = f"req{count[0]}"
         decoder.add_request(rid, [5, 6, 7, 8, 9], PARAMS, room=rid, prefill_addr=address)
-        assert fake.poll(5000)
-        identity, *_ = fake.recv_multipart()  # the Register
-        fake.send_multipart([identity, *data.draw(hostile_frames(rid))])
-        deadline = time.time() + 2
-        while time.time() < deadline and rid in decoder.rooms:
+        try:  # (hypothesis may abandon an example while drawing: clean up whatever happens)
+            assert fake.poll(5000)
+            identity, *_ = fake.recv_multipart()  # the Register
+            fake.send_multipart([identity, *data.draw(hostile_frames(rid))])
+            deadline = time.time() + 2
+            while time.time() < deadline and rid in decoder.rooms:
+                decoder.step()
+                if not decoder.peers[address].socket.poll(10):
+                    break
             decoder.step()
-            if not decoder.peers[address].socket.poll(10):
-                break
-        decoder.step()
-        decoder.abort_request(rid)  # still waiting (the message did nothing): give up on it
-        decoder.take_failures()
+        finally:
+            decoder.abort_request(rid)  # still waiting (the message did nothing): give up on it
+            decoder.take_failures()
         assert serves_a_request(decoder, f"check{count[0]}")
-        assert_pools_empty(decoder)
+        stats = decoder.stats()
+        assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0, (
+            stats,
+            decoder.rooms,
+            list(decoder.engine.requests),
+        )
         while fake.poll(0):
             fake.recv_multipart()
 
