@@ -138,6 +138,12 @@ def test_rooms_that_never_see_their_request_expire_while_the_worker_idles(base_m
     sink = context.socket(zmq.PULL)
     sink.connect("inproc://hardening-out")
     loop = DisaggEngineLoop(worker, inbox, outbox, os.getppid())
+
+    def run_loop_once():
+        loop._wait_for_messages()
+        while sink.poll(0):  # what the loop reports to its server (StepOutputs)
+            sink.recv()
+
     dealer = context.socket(zmq.DEALER)
     dealer.connect(worker.address)
     try:
@@ -146,12 +152,12 @@ def test_rooms_that_never_see_their_request_expire_while_the_worker_idles(base_m
             dealer.send_multipart(encode(Register(**(body | {"transfer_timeout_s": 30.0}))))
         deadline = time.time() + 5
         while len(worker.rooms) < 20 and time.time() < deadline:
-            loop._wait_for_messages()
+            run_loop_once()
         assert len(worker.rooms) == 20
         heartbeats_until = time.time() + 1.0  # heartbeats do not keep request-less rooms
         while time.time() < heartbeats_until:
             dealer.send_multipart(encode(Heartbeat(rooms=[f"idle{i}" for i in range(20)])))
-            loop._wait_for_messages()
+            run_loop_once()
         assert not worker.rooms and not worker.has_unfinished_requests()
         assert worker.counters.transfers_failed == 20
     finally:
