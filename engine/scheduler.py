@@ -344,13 +344,15 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
+        """Give back what `req` holds, or park it while its hold reads it. The hold stays on the
+        request: a preempted one that runs again writes new pages that its hold reads too (a
+        disaggregated prefill streams pages while it computes), and they must outlive its end."""
         pages, slot, blocks = req.kv_pages, req.mamba_slot, req.cached_blocks
         req.kv_pages, req.mamba_slot, req.cached_blocks = [], 0, []
         if req.hold is not None and not req.hold.done:
             self.held.append((req.hold, pages, slot, blocks))
         else:
             self._free(pages, slot, blocks)
-        req.hold = None
 
     def _free(self, pages: list[int], slot: int, blocks: list) -> None:
         shared = 0

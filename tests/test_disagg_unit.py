@@ -495,6 +495,28 @@ def test_held_pages_and_slot_outlive_the_request_until_the_hold_is_done(base_mod
     assert engine.stats().kv_pages_used == 0 and engine.stats().mamba_slots_used == 0
 
 
+def test_a_preempted_request_keeps_its_hold_for_the_pages_it_writes_after(base_model):
+    """A disaggregated prefill streams pages while it computes, so a request preempted midway
+    and run again still has sends reading its pages in place: the hold guards the pages of its
+    second run too, not only those it had when it was preempted."""
+    model_dir, _ = base_model
+    engine = Engine(model_dir, page_size=4, chunked_prefill_size=16, max_num_batched_tokens=16)
+    hold = Hold()
+    engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.requests["a"].hold = hold
+    engine.step()  # 16 of 37 prompt tokens
+    req = engine.requests["a"]
+    engine.scheduler.preempt(req)
+    assert engine.stats().kv_pages_used == 4  # parked with the hold, not freed
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert "a" not in engine.requests
+    assert engine.stats().kv_pages_used == 4 + 10 and engine.stats().mamba_slots_used == 2
+    hold.done = True
+    engine.step()
+    assert engine.stats().kv_pages_used == 0 and engine.stats().mamba_slots_used == 0
+
+
 def test_pages_freed_as_a_run_come_back_as_a_run():
     from engine.memory import IndexPool
 
@@ -671,9 +693,12 @@ def test_decode_worker_queues_rooms_its_pools_cannot_hold_yet(base_model):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = [[(7 * i + 3 * j) % 300 + 3 for j in range(60 + 10 * i)] for i in range(6)]
     expect = colocated_tokens(Engine(model_dir, page_size=4), prompts, params)
-    prefill = PrefillWorker(Engine(model_dir, page_size=4), config("prefill"), ctx)
+    # Queued rooms wait as long as the prefill of those ahead takes: several seconds when this
+    # 2-core machine is loaded, so the bootstrap timeout here is generous.
+    slow = dict(bootstrap_timeout_s=60.0, transfer_timeout_s=60.0)
+    prefill = PrefillWorker(Engine(model_dir, page_size=4), config("prefill", **slow), ctx)
     decoder = DecodeWorker(
-        Engine(model_dir, page_size=4, max_total_tokens=400), config("decode"), ctx
+        Engine(model_dir, page_size=4, max_total_tokens=400), config("decode", **slow), ctx
     )
     try:
         for i, prompt in enumerate(prompts):
