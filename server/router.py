@@ -32,8 +32,8 @@ from server.errors import APIError, ErrorJSONResponse
 from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware
 from server.router_relay import (
     GONE,
-    client_left,
     collect,
+    decode_headers,
     error_body,
     error_response,
     forward_headers,
@@ -174,11 +174,11 @@ def build_router_app(
             )
         )
         try:
-            # A non-streaming answer has no headers until it is complete: watch the client all
-            # along, and if it leaves, close both halves' connections (each worker then aborts).
-            if await client_left(request, sending):
-                prefill_task.cancel()
-                return error_response(499, "client closed the request")  # nobody reads it
+            # A non-streaming answer has no headers until it is complete: watch the client and
+            # the prefill half all along (a failure of either closes both halves' connections).
+            stopped = await decode_headers(request, sending, prefill_task, prefill, workers)
+            if stopped is not None:
+                return stopped
             upstream = sending.result()
         except httpx.HTTPError as error:
             if isinstance(error, GONE):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 
 import httpx
 from fastapi import Request
@@ -18,6 +19,8 @@ from fastapi.responses import JSONResponse, Response
 
 from server.errors import ErrorJSONResponse
 from server.router_workers import Worker, WorkerSet, describe
+
+logger = logging.getLogger("baton.router")
 
 
 def error_body(status: int, message: str, code: str | None = None) -> dict:
@@ -76,6 +79,9 @@ async def prefill_error(
             message = response.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = response.text
+        logger.warning(
+            "prefill worker %s answered %d: %s", prefill.url, response.status_code, message[:500]
+        )
         return response.status_code, f"prefill worker: {message}"
     return None
 
@@ -133,19 +139,44 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def client_left(request: Request, work: asyncio.Future) -> bool:
-    """Wait for `work` unless the client disconnects first (then cancel it and say so)."""
+async def decode_headers(
+    request: Request,
+    sending: asyncio.Future,
+    prefill_task: asyncio.Task,
+    prefill: Worker,
+    workers: WorkerSet,
+) -> Response | None:
+    """Wait for the decode worker's answer to start; None once it has. A non-streaming answer
+    starts only when it is complete, so the prefill half is watched meanwhile: when it fails
+    (it refused the request, or its worker went away), the decode half is cancelled and the
+    client gets the prefill's error now, not when the decode side gives up waiting for state
+    that will never come (its transfer timeout, minutes). A client that leaves cancels both."""
     hangup = asyncio.ensure_future(wait_for_disconnect(request))
     try:
-        await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
+        while not sending.done():
+            watched = {sending, hangup} | (set() if prefill_task.done() else {prefill_task})
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            if sending.done():
+                break
+            if hangup.done():
+                prefill_task.cancel()
+                await _cancel(sending)
+                return error_response(499, "client closed the request")  # nobody reads it
+            failure = await prefill_error(prefill_task, prefill, workers)
+            if failure is not None:
+                await _cancel(sending)
+                return error_response(*failure)
     finally:
         hangup.cancel()
-    if work.done():
-        return False
+    return None
+
+
+async def _cancel(work: asyncio.Future) -> None:
+    """Cancel an HTTP exchange and wait until its connection is closed (the worker on the other
+    end then aborts the request)."""
     work.cancel()
     with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
         await work
-    return True
 
 
 async def collect(

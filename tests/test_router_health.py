@@ -24,6 +24,8 @@ class FakeWorkers(httpx.AsyncBaseTransport):
         self.release = asyncio.Event()
         self.generations = 0
         self.gone: set[str] = set()  # workers whose generation requests are refused
+        self.prefill_refuses: tuple[int, str] | None = None  # (status, message), at once
+        self.cancelled: list[str] = []  # workers whose generation request was cancelled
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         origin = f"{request.url.scheme}://{request.url.host}"
@@ -40,7 +42,14 @@ class FakeWorkers(httpx.AsyncBaseTransport):
         self.generations += 1
         if origin in self.gone:
             raise httpx.ConnectError("connection refused", request=request)
-        await self.release.wait()
+        if origin == PREFILL and self.prefill_refuses is not None:
+            status, message = self.prefill_refuses
+            return httpx.Response(status, json={"error": {"message": message}})
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(origin)
+            raise
         body = {"choices": [{"text": "ok", "index": 0}], "object": "text_completion"}
         return httpx.Response(200, json=body)
 
@@ -165,3 +174,28 @@ def test_router_refuses_a_zero_concurrency_limit():
     with pytest.raises(SystemExit) as exit_info:
         main(["router", "--prefill", PREFILL, "--decode", DECODE, "--max-concurrent-requests", "0"])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("status", [400, 503])
+def test_a_failed_prefill_half_answers_at_once_and_cancels_the_decode_half(stream, status):
+    """The decode half of a disaggregated request answers only once the prefill state arrives
+    (a non-streaming one only when it is complete). When the prefill half fails, the client gets
+    its error at once and the decode request is cancelled, instead of both waiting for the
+    decode worker's transfer timeout (300 s by default)."""
+
+    async def scenario():
+        fake = FakeWorkers()
+        fake.prefill_refuses = (status, "the prefill worker refused it")
+        app, client = await _router_client(fake, limit=8)
+        async with app.router.lifespan_context(app), client:
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2, "stream": stream}
+            answer = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)
+            assert answer.status_code == status
+            assert "the prefill worker refused it" in answer.json()["error"]["message"]
+            assert fake.cancelled == [DECODE]
+            assert app.state.workers.running == 0
+            metrics = (await client.get("/metrics")).text
+            assert f'baton:router_requests_total{{status="{status}"}} 1.0' in metrics
+
+    asyncio.run(scenario())
