@@ -29,6 +29,13 @@ ENGINE_ARG_NAMES = (
 # prompt as text or as token ids many times over.
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
+# How long baton's HTTP servers (workers and router) keep an idle connection open. Longer than
+# the clients' own idle expiry (httpx 5 s, aiohttp 15 s, the router's 10 s): when a server drops
+# an idle connection at the instant its client reuses it, the request is lost in flight ("server
+# disconnected without sending a response"), which uvicorn's 5 s default, equal to httpx's,
+# made happen under load. The client must always be the side that gives up first.
+SERVER_KEEP_ALIVE_S = 60
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServerArgs:

@@ -20,7 +20,7 @@ from types import FrameType
 import uvicorn
 
 from server.app import build_app
-from server.args import ServerArgs
+from server.args import SERVER_KEEP_ALIVE_S, ServerArgs
 from server.engine_client import EngineClient
 from server.generation import ServerState
 from server.metrics import ServerMetrics
@@ -86,6 +86,7 @@ async def serve(args: ServerArgs) -> None:
             log_level=args.log_level,
             lifespan="off",
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=SERVER_KEEP_ALIVE_S,
         )
         server = _Server(config, client)
         serving = asyncio.ensure_future(server.serve())

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from server.args import DEFAULT_MAX_REQUEST_BYTES
+from server.args import DEFAULT_MAX_REQUEST_BYTES, SERVER_KEEP_ALIVE_S
 from server.errors import APIError, ErrorJSONResponse
 from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware
 from server.router_relay import (
@@ -43,6 +43,7 @@ from server.router_workers import PROBE_TIMEOUT_S, RETRY_AFTER_S, Worker, Worker
 from server.validation import parse_generation
 
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
+ROUTER_KEEPALIVE_EXPIRY_S = 10.0  # idle connections to workers; below SERVER_KEEP_ALIVE_S
 
 
 def build_router_app(
@@ -72,7 +73,11 @@ def build_router_app(
     # (the prefill POST and the decode stream) and the explicit limit is the admission check.
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=5.0),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        limits=httpx.Limits(
+            max_connections=None,
+            max_keepalive_connections=256,
+            keepalive_expiry=ROUTER_KEEPALIVE_EXPIRY_S,  # well before the workers drop them
+        ),
         transport=transport,
     )
 
@@ -280,5 +285,11 @@ def _run_router(namespace) -> int:
         namespace.max_concurrent_requests,
         namespace.max_request_bytes,
     )
-    uvicorn.run(app, host=namespace.host, port=namespace.port, log_level="warning")
+    uvicorn.run(
+        app,
+        host=namespace.host,
+        port=namespace.port,
+        log_level="warning",
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+    )
     return 0

@@ -71,6 +71,7 @@ async def prefill_error(
     except asyncio.CancelledError:
         return None
     except httpx.HTTPError as error:
+        logger.warning("prefill worker %s failed: %s", prefill.url, describe(error))
         if isinstance(error, GONE):
             workers.lost(prefill, error)
         return 503, f"prefill worker {prefill.url} failed: {describe(error)}"

@@ -5,6 +5,7 @@ both halves of a request whose client left, and guards its routes with the worke
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
 
@@ -13,6 +14,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.args import SERVER_KEEP_ALIVE_S
+from server.router import ROUTER_KEEPALIVE_EXPIRY_S
 from tests.server_process import start_router, start_server, tiny_model
 from tests.test_server_errors import LONE
 from tests.test_server_load import HugeRequest, huge_prompt_body
@@ -233,3 +236,31 @@ def test_keyed_router_reaches_keyed_workers_and_guards_its_routes(keyed_stack):
         assert httpx.get(f"{url}{path}", timeout=10).status_code == 401, path
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     assert json.loads(httpx.get(f"{url}/health", timeout=10).text)["status"] == "ok"
+
+
+def _health_status(connection: http.client.HTTPConnection) -> int:
+    connection.request("GET", "/health")
+    response = connection.getresponse()
+    response.read()
+    return response.status
+
+
+def test_servers_keep_idle_connections_longer_than_their_clients_do(stack):
+    """A server that drops an idle connection at the instant its client reuses it loses that
+    request in flight (uvicorn's 5 s default equals httpx's 5 s expiry: under load the router
+    lost a prefill POST that way and the request waited out the 300 s transfer timeout). The
+    router and the workers keep an idle connection past the router's own expiry (and so past
+    httpx's 5 s default)."""
+    assert ROUTER_KEEPALIVE_EXPIRY_S < SERVER_KEEP_ALIVE_S
+    connections, sockets = {}, {}
+    for name in ("router", "prefill", "decode"):
+        url = httpx.URL(stack[name].base_url)
+        connections[name] = http.client.HTTPConnection(url.host, url.port, timeout=10)
+        assert _health_status(connections[name]) == 200
+        sockets[name] = connections[name].sock
+    time.sleep(ROUTER_KEEPALIVE_EXPIRY_S + 1)
+    for name, connection in connections.items():
+        # a connection the server closed meanwhile fails here (RemoteDisconnected)
+        assert _health_status(connection) == 200, name
+        assert connection.sock is sockets[name], name  # the same connection, not a new one
+        connection.close()
