@@ -1,4 +1,9 @@
-"""Attention over a paged KV cache (no RoPE, GQA), torch path.
+"""Attention over a paged KV cache (GQA; rotary embeddings applied at the cache write), torch path.
+
+Rotary embeddings (NeoX / "rotate half" form, as transformers' Llama, Bamba, Granite, Zamba2):
+`rotary_store_kv` rotates the first `rotary_dim` channels of every query and key head at its
+absolute position and writes the rotated keys into the cache, so the cache holds rotated K and
+attention never needs positions again; decode and extend read the same cached keys.
 
 KV cache per attention layer: k_cache, v_cache (num_token_slots, kv_heads, head_dim); token slot
 = page * page_size + offset. Page 0 is the dummy page that padded rows point at.
@@ -89,6 +94,62 @@ def store_kv(
     """k, v: (num_tokens, kv_heads, head_dim) written at token slots `slot_mapping` (num_tokens,)."""
     k_cache[slot_mapping] = k.to(k_cache.dtype)
     v_cache[slot_mapping] = v.to(v_cache.dtype)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: (num_tokens,) int64; inv_freq: (rotary_dim // 2,) float32.
+    Returns cos, sin: (num_tokens, rotary_dim // 2) float32 (the angle product is computed as
+    transformers does, position times frequency in float32, so both see the same angles)."""
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim); cos, sin:
+    (num_tokens, rotary_dim // 2) float32 with rotary_dim <= head_dim. Rotates the first
+    rotary_dim channels of q and k, stores the rotated k and v at `slot_mapping`; returns the
+    rotated q (a new tensor; the inputs are not modified)."""
+    if select_backend(q) == "triton":
+        from kernels.triton_attention import rotary_store_kv_triton
+
+        return rotary_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    return rotary_store_kv_torch(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (num_tokens, heads, head_dim). transformers' `x * cos + rotate_half(x) * sin` on the
+    first 2 * cos.shape[1] channels, in x's dtype (cos/sin are cast to it first, as there)."""
+    half = cos.shape[1]
+    c = torch.cat([cos, cos], dim=-1).to(x.dtype)[:, None, :]
+    s = torch.cat([sin, sin], dim=-1).to(x.dtype)[:, None, :]
+    rot, rest = x[..., : 2 * half], x[..., 2 * half :]
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * c + rotated * s, rest], dim=-1)
+
+
+def rotary_store_kv_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    store_kv(k_cache, v_cache, apply_rotary_torch(k, cos, sin), v, slot_mapping)
+    return apply_rotary_torch(q, cos, sin)
 
 
 def paged_attention(

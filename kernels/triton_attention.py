@@ -1,4 +1,5 @@
-"""Attention over a paged KV cache (no RoPE, GQA), Triton path (semantics: kernels/attention.py).
+"""Attention over a paged KV cache (GQA), Triton path (semantics: kernels/attention.py), and the
+rotary cache write (`rotary_store_kv_triton`: rotate q and k, store k and v, one launch).
 
 One flash-attention kernel serves decode and extend. A program owns one sequence, one block of
 its queries and GROUP query heads that share a KV head:
@@ -236,3 +237,91 @@ def paged_attention_triton(
         )
     # fmt: on
     return out
+
+
+# fmt: off
+@triton.jit
+def _rotary_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_k_t, stride_k_h, stride_k_d,
+    stride_v_t, stride_v_h, stride_v_d,
+    stride_cs_t, stride_cs_d,
+    stride_qo_t, stride_qo_h, stride_qo_d,
+    stride_kc_t, stride_kc_h, stride_kc_d,
+    stride_vc_t, stride_vc_h, stride_vc_d,
+    H: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # fmt: on
+    # One program per (token, head) of the H query heads followed by the KV heads.
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    in_row = d < HEAD_DIM
+    is_rot = d < 2 * HALF
+    # rotate_half: channel d < HALF pairs with d + HALF (negated), d in [HALF, 2 HALF) with d - HALF
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    freq = tl.where(d < HALF, d, d - HALF)
+    c = tl.load(cos_ptr + t * stride_cs_t + freq * stride_cs_d, mask=is_rot, other=1.0)
+    s = tl.load(sin_ptr + t * stride_cs_t + freq * stride_cs_d, mask=is_rot, other=0.0)
+    if head < H:
+        base = q_ptr + t * stride_q_t + head * stride_q_h
+        x = tl.load(base + d * stride_q_d, mask=in_row, other=0.0).to(tl.float32)
+        p = tl.load(base + partner * stride_q_d, mask=in_row & is_rot, other=0.0).to(tl.float32)
+        out = tl.where(is_rot, x * c + sign * p * s, x)
+        dst = q_out_ptr + t * stride_qo_t + head * stride_qo_h + d * stride_qo_d
+        tl.store(dst, out.to(q_out_ptr.dtype.element_ty), mask=in_row)
+    else:
+        kv_head = head - H
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        base = k_ptr + t * stride_k_t + kv_head * stride_k_h
+        x = tl.load(base + d * stride_k_d, mask=in_row, other=0.0).to(tl.float32)
+        p = tl.load(base + partner * stride_k_d, mask=in_row & is_rot, other=0.0).to(tl.float32)
+        out = tl.where(is_rot, x * c + sign * p * s, x)
+        dst = k_cache_ptr + slot * stride_kc_t + kv_head * stride_kc_h + d * stride_kc_d
+        tl.store(dst, out.to(k_cache_ptr.dtype.element_ty), mask=in_row)
+        val = tl.load(v_ptr + t * stride_v_t + kv_head * stride_v_h + d * stride_v_d, mask=in_row)
+        dst = v_cache_ptr + slot * stride_vc_t + kv_head * stride_vc_h + d * stride_vc_d
+        tl.store(dst, val.to(v_cache_ptr.dtype.element_ty), mask=in_row)
+
+
+def rotary_store_kv_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Shapes as kernels.attention.rotary_store_kv. The rotation is computed in float32 and
+    rounded once to the output dtype (the torch path rounds after each product, as transformers
+    does: identical in float32, within one rounding in half precision)."""
+    T, H, Dh = q.shape
+    KVH = k.shape[1]
+    half = cos.shape[1] if cos.dim() == 2 else -1
+    if k.shape != (T, KVH, Dh) or v.shape != k.shape:
+        raise ValueError(f"k and v must be (num_tokens, kv_heads, {Dh}) like q's tokens, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if cos.shape != (T, half) or sin.shape != cos.shape or not 0 < 2 * half <= Dh:
+        raise ValueError(f"cos and sin must be (num_tokens, rotary_dim // 2) with rotary_dim <= "
+                         f"{Dh}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if k_cache.shape[1:] != (KVH, Dh) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must be (num_token_slots, {KVH}, {Dh})")
+    if slot_mapping.shape != (T,):
+        raise ValueError(f"slot_mapping must be ({T},), got {tuple(slot_mapping.shape)}")
+    q_out = torch.empty_like(q)
+    if T == 0:
+        return q_out
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()  # one stride pair for both
+    # fmt: off
+    _rotary_store_kv_kernel[(T, H + KVH)](
+        q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+        *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *q_out.stride(),
+        *k_cache.stride(), *v_cache.stride(),
+        H=H, HEAD_DIM=Dh, HALF=half, BLOCK_D=triton.next_power_of_2(Dh), num_warps=1,
+    )
+    # fmt: on
+    return q_out
