@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
-from engine.models.nemotron_h import NemotronHForCausalLM
+from engine.layers.causal_lm import CausalLM
+from engine.layers.cpu_backend import prepare_for_cpu
+from engine.models.registry import family_for
 from engine.weights import load_into, tensor_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,23 +24,23 @@ def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
-) -> NemotronHForCausalLM:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
     config = ModelConfig.from_hf(model_dir)
     if config.tie_word_embeddings and "lm_head.weight" in tensor_names(model_dir):
         # transformers' NemotronH never ties lm_head to the embeddings (no tied-weight keys), so
-        # a checkpoint that carries its own lm_head uses it whatever the config says.
+        # a checkpoint that carries its own lm_head uses it whatever the config says (the other
+        # families tie, and their save_pretrained leaves lm_head out when tied).
         config = dataclasses.replace(config, tie_word_embeddings=False)
+    model_class = family_for({"architectures": [config.architecture]}).model_class
     with torch.device(device):
-        model = NemotronHForCausalLM(config)
+        model = model_class(config)
     load_into(model, model_dir)
     # Mamba parameters A_log, D, dt_bias and norms stay where they are read in float32 anyway;
     # cast the whole module once so matmuls run in the serving dtype.
     cast_model(model, dtype)
     model.eval().requires_grad_(False)
     if torch.device(device).type == "cpu":
-        model.prepare_for_cpu(dtype)
+        prepare_for_cpu(model, dtype)
     return model
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from engine.forward_metadata import Mamba2Metadata, ScheduledBatch, build_metadata
-from engine.models.nemotron_h import NemotronHForCausalLM
+from engine.layers.causal_lm import CausalLM
 from engine.state_cache import StateCache
 
 
 class ModelRunner:
-    def __init__(self, model: NemotronHForCausalLM, cache: StateCache, device: torch.device | str):
+    def __init__(self, model: CausalLM, cache: StateCache, device: torch.device | str):
         self.model = model
         self.cache = cache
         self.device = device

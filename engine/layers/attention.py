@@ -1,0 +1,111 @@
+"""Attention over the paged KV cache: GQA, optional bias, with or without rotary embeddings
+(full or partial), any softmax scale (Granite's `attention_multiplier`).
+
+Rotary embeddings are applied at the cache write (kernels.attention.rotary_store_kv), so the
+cache holds rotated keys and decode and extend read the same ones.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import RotaryConfig
+from engine.forward_metadata import Mamba2Metadata
+from engine.state_cache import StateCache
+from kernels.attention import paged_attention, rotary_cos_sin, rotary_store_kv, store_kv
+from kernels.linear import PackedLinear
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections named as transformers names them; `kv_index` is this layer's KV
+    pool in the StateCache (one per use: a block reused at several depths gets one per use)."""
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool,
+        scale: float,
+        rotary: RotaryConfig | None,
+        kv_index: int,
+    ):
+        super().__init__()
+        self.kv_index = kv_index
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.qkv_proj: PackedLinear | None = None  # CPU: q, k, v in one packed matmul
+        self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.inv_freq: torch.Tensor | None = None
+        if rotary is not None:
+            if not 0 < rotary.dim <= head_dim or rotary.dim % 2:
+                raise ValueError(f"rotary dim {rotary.dim} must be even and in 1..{head_dim}")
+            # transformers' default rope: theta ** -(2i / dim), computed the same way so that
+            # both sides rotate by the same float32 angles. A plain attribute, not a buffer:
+            # it is not in checkpoints and stays float32 when the model is cast.
+            exponent = torch.arange(0, rotary.dim, 2, dtype=torch.int64).float() / rotary.dim
+            self.inv_freq = 1.0 / (rotary.theta**exponent)
+
+    def pack_for_cpu(self) -> None:
+        """One packed matmul for q, k and v (the three plain projections are dropped)."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        fused = nn.Linear(parts[0].in_features, sum(self.qkv_sizes), bias=parts[0].bias is not None)
+        fused = fused.to(device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([p.weight for p in parts]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        fused.requires_grad_(False)
+        self.qkv_proj = PackedLinear(fused)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def forward(self, x: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
+        q, k, v = self.project_qkv(x)
+        return self.o_proj(self.attend(q, k, v, md, cache))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        md: Mamba2Metadata,
+        cache: StateCache,
+    ) -> torch.Tensor:
+        """q: (T, heads * head_dim), k, v: (T, kv_heads * head_dim) projected rows. Stores K/V
+        (rotated when this layer has rotary) and returns (T, heads * head_dim) before o_proj."""
+        fm = md.forward
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = cache.kv_layer(self.kv_index)
+        if self.inv_freq is not None:
+            # A few cos/sin per token per layer: cheaper than threading a shared table through.
+            cos, sin = rotary_cos_sin(fm.batch.positions, self.inv_freq)
+            q = rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, fm.slot_mapping)
+        else:
+            store_kv(k_cache, v_cache, k, v, fm.slot_mapping)
+        nd = fm.batch.num_decode_tokens
+        parts = []
+        if fm.decode_attention.num_seqs:
+            parts.append(paged_attention(q[:nd], k_cache, v_cache, fm.decode_attention, self.scale))
+        if fm.prefill_attention.num_seqs:
+            parts.append(
+                paged_attention(q[nd:], k_cache, v_cache, fm.prefill_attention, self.scale)
+            )
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.reshape(T, -1)

@@ -1,0 +1,203 @@
+"""The Mamba2 mixer every family shares: in_proj -> [z | xBC | dt]; causal conv1d + SiLU on xBC;
+SSD scan (prefill) or selective state update (decode); gated RMSNorm norm(y * silu(z)) in groups
+of intermediate / n_groups; out_proj. Parameter names are transformers' (`in_proj`, `conv1d`,
+`dt_bias`, `A_log`, `D`, `norm.weight`, `out_proj`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_metadata import Mamba2Metadata
+from engine.state_cache import StateCache
+from kernels import cpu_ops
+from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from kernels.norm import gated_rms_norm
+from kernels.ssd import ssd_scan
+from kernels.ssu import selective_state_update
+from kernels.state_copy import copy_states
+
+
+class Mamba2Mixer(nn.Module):
+    """in_proj -> [z | xBC | dt]; causal conv1d + SiLU on xBC; SSD scan (prefill) or selective
+    state update (decode); gated RMSNorm norm(y * silu(z)); out_proj."""
+
+    def __init__(self, config: ModelConfig, mamba_index: int):
+        super().__init__()
+        self.mamba_index = mamba_index
+        self.num_heads = H = config.mamba_num_heads
+        self.head_dim = config.mamba_head_dim
+        self.n_groups = config.n_groups
+        self.d_state = config.ssm_state_size
+        self.intermediate = config.mamba_intermediate
+        self.conv_dim = config.conv_dim
+        self.group_size = self.intermediate // self.n_groups
+        self.eps = config.norm_eps
+        self.dt_limit = config.time_step_limit
+        self.in_proj = nn.Linear(
+            config.hidden_size, self.intermediate + self.conv_dim + H, bias=config.mamba_proj_bias
+        )
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            config.conv_kernel,
+            groups=self.conv_dim,
+            bias=config.use_conv_bias,
+            padding=config.conv_kernel - 1,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(H))
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.D = nn.Parameter(torch.ones(H))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.intermediate))
+        self.out_proj = nn.Linear(
+            self.intermediate, config.hidden_size, bias=config.mamba_proj_bias
+        )
+        self.frozen: cpu_ops.MambaDecodeParams | None = None
+
+    def split_xbc(self, xbc: torch.Tensor):
+        gn = self.n_groups * self.d_state
+        x, B, C = xbc.split([self.intermediate, gn, gn], dim=-1)
+        T = xbc.shape[0]
+        return (
+            x.reshape(T, self.num_heads, self.head_dim),
+            B.reshape(T, self.n_groups, self.d_state),
+            C.reshape(T, self.n_groups, self.d_state),
+        )
+
+    def decode_params(self) -> cpu_ops.MambaDecodeParams:
+        """Float32 forms of the small parameters the fused CPU decode step reads; cached by
+        `freeze()` once the weights are loaded and cast."""
+        if self.frozen is not None:
+            return self.frozen
+        bias = self.conv1d.bias
+        return cpu_ops.MambaDecodeParams(
+            conv_weight=self.conv1d.weight.squeeze(1).float().contiguous(),
+            conv_bias=(
+                bias.float().contiguous()
+                if bias is not None
+                else torch.zeros(self.conv_dim, device=self.conv1d.weight.device)
+            ),
+            dt_bias=self.dt_bias.float().contiguous(),
+            A=-torch.exp(self.A_log.float()),
+            D=self.D.float().contiguous(),
+            norm_weight=self.norm.weight.float().contiguous(),
+        )
+
+    def freeze(self) -> None:
+        self.frozen = None
+        self.frozen = self.decode_params()
+
+    def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
+        """Decode rows first, then prefill rows; each part ends gated-normed (row-wise)."""
+        T = hidden.shape[0]
+        nd = md.forward.batch.num_decode_tokens
+        conv_pool, ssm_pool = cache.mamba_layer(self.mamba_index)
+        zxbcdt = self.in_proj(hidden)
+        parts = []
+        windows = chunk_states = None
+        if nd:
+            parts.append(self.decode(zxbcdt[:nd], md, conv_pool, ssm_pool))
+        if T > nd:
+            normed, windows, chunk_states = self.extend(zxbcdt[nd:], md, conv_pool, ssm_pool)
+            parts.append(normed)
+        if md.has_mamba_track_mask:
+            self.checkpoint(md, conv_pool, ssm_pool, windows, chunk_states)
+        return self.out_proj(parts[0] if len(parts) == 1 else torch.cat(parts))
+
+    def decode(self, zxbcdt, md: Mamba2Metadata, conv_pool, ssm_pool) -> torch.Tensor:
+        if cpu_ops.mamba_decode_supported(zxbcdt, conv_pool, ssm_pool):
+            return cpu_ops.mamba_decode_cpu(
+                zxbcdt,
+                conv_pool,
+                ssm_pool,
+                md.decode_slots,
+                self.decode_params(),
+                self.dt_limit,
+                self.eps,
+                num_heads=self.num_heads,
+                head_dim=self.head_dim,
+                n_groups=self.n_groups,
+                d_state=self.d_state,
+                norm_group=self.group_size,
+            )
+        z, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        xbc = causal_conv1d_update(
+            xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_pool, md.decode_slots
+        )
+        x, B, C = self.split_xbc(xbc)
+        y = selective_state_update(
+            ssm_pool,
+            x,
+            dt,
+            -torch.exp(self.A_log.float()),
+            B,
+            C,
+            self.D,
+            self.dt_bias,
+            md.decode_slots,
+            self.dt_limit,
+        )
+        return self.gate(y, z)
+
+    def extend(self, zxbcdt, md: Mamba2Metadata, conv_pool, ssm_pool):
+        """Prefill chunks: varlen conv + SSD scan. Returns (normed rows, conv windows and chunk
+        states at the track points, for checkpoints)."""
+        z, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        window_tokens = (
+            md.track_conv_indices[md.num_decode_tracks :] if md.has_mamba_track_mask else None
+        )
+        xbc, windows = causal_conv1d_varlen(
+            xbc,
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            conv_pool,
+            md.prefill_slots,
+            md.conv_layout,
+            window_tokens,
+        )
+        x, B, C = self.split_xbc(xbc)
+        out = ssd_scan(
+            x,
+            dt,
+            -torch.exp(self.A_log.float()),
+            B,
+            C,
+            self.D,
+            self.dt_bias,
+            ssm_pool[md.prefill_slots],
+            md.chunk_layout,
+            self.dt_limit,
+        )
+        ssm_pool[md.prefill_slots] = out.final_states.to(ssm_pool.dtype)
+        return self.gate(out.y, z), windows, out.chunk_states
+
+    def gate(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(
+            y.reshape(z.shape[0], self.intermediate), z, self.norm.weight, self.eps, self.group_size
+        )
+
+    def checkpoint(self, md, conv_pool, ssm_pool, windows, chunk_states) -> None:
+        """Copy the conv window and SSM state at each track point into its checkpoint slot.
+
+        SSM sources are [decode rows' updated states | prefill chunk-end states]; conv sources
+        are the decode rows' updated pool windows, then the prefill windows from the conv."""
+        ndt = md.num_decode_tracks
+        decode_slots = md.decode_slots
+        ssm_sources = [ssm_pool[decode_slots]]
+        if chunk_states is not None:
+            ssm_sources.append(chunk_states.flatten(0, 1))
+        ssm_src = torch.cat(ssm_sources) if len(ssm_sources) > 1 else ssm_sources[0]
+        copy_states(ssm_pool, md.track_ssm_dst, ssm_src, md.track_ssm_src)
+        if ndt:
+            rows = md.track_conv_indices[:ndt]
+            copy_states(conv_pool, md.track_ssm_dst[:ndt], conv_pool, decode_slots[rows])
+        if windows is not None and windows.shape[0]:
+            copy_states(
+                conv_pool,
+                md.track_ssm_dst[ndt:],
+                windows,
+                torch.arange(windows.shape[0], device=windows.device),
+            )
