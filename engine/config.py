@@ -39,14 +39,29 @@ def class_defaults(config_class: type) -> dict[str, Any]:
     }
 
 
+@functools.cache
+def rope_defaults(config_class: type) -> dict[str, Any]:
+    """The rope parameters of a default instance (Bamba's, for one, carry partial rotary 0.5)."""
+    return dict(getattr(config_class(), "rope_parameters", None) or {})
+
+
 class ConfigReader:
     """config.json's keys for one family: `need` (required, no default), `opt` (the file's
     value, else the transformers class default), `has`."""
 
-    def __init__(self, hf: dict[str, Any], source: str, defaults: dict[str, Any]):
+    def __init__(
+        self,
+        hf: dict[str, Any],
+        source: str,
+        defaults: dict[str, Any],
+        rope_defaults: dict[str, Any] | None = None,
+    ):
+        """defaults: the config class's keyword defaults; rope_defaults: the rope parameters a
+        default instance of it carries (transformers fills theta and partial rotary there)."""
         self.hf = hf
         self.source = source
         self.defaults = defaults
+        self.rope_defaults = rope_defaults or {}
 
     def has(self, key: str) -> bool:
         return key in self.hf
@@ -103,10 +118,12 @@ class ConfigReader:
             raise self.error(f"rope_type={rope_type!r} is not supported (baton runs 'default')")
         theta = params.get("rope_theta", self.hf.get("rope_theta"))
         if theta is None:
-            theta = self.defaults.get("rope_theta")
+            theta = self.rope_defaults.get("rope_theta")
         if theta is None:
             raise self.error("missing required key 'rope_parameters' (its 'rope_theta')")
-        factor = params.get("partial_rotary_factor", self.hf.get("partial_rotary_factor", 1.0))
+        factor = params.get("partial_rotary_factor", self.hf.get("partial_rotary_factor"))
+        if factor is None:
+            factor = self.rope_defaults.get("partial_rotary_factor", 1.0)
         return RotaryConfig(dim=int(head_dim * factor), theta=float(theta))
 
 
@@ -123,12 +140,15 @@ class RotaryConfig:
 class MoEConfig:
     """A routed mixture of experts plus one always-on shared expert (NemotronH's `moe` block).
 
+    Router "softmax_topk" (Granite-4.0-H): softmax over the top-k logits; the grouping fields
+    are then 1 and no correction bias exists.
     Router "sigmoid_grouped" (NemotronH): sigmoid scores of a float32 linear; top-k choice on
     scores + `e_score_correction_bias` restricted to the best `topk_group` of `n_group` expert
     groups (a group's score is the sum of its two best experts); weights are the chosen sigmoid
     scores, renormalised to sum 1 when `norm_topk_prob`, times `routed_scaling_factor`.
     """
 
+    router: Literal["sigmoid_grouped", "softmax_topk"]  # softmax_topk: Mixtral/Granite
     num_experts: int
     top_k: int
     intermediate_size: int  # per routed expert
@@ -224,5 +244,8 @@ class ModelConfig:
         from engine.models.registry import family_for
 
         family = family_for(raw, source)
-        defaults = class_defaults(family.hf_config_class())
-        return family.read_config(ConfigReader(raw, source, defaults))
+        config_class = family.hf_config_class()
+        reader = ConfigReader(
+            raw, source, class_defaults(config_class), rope_defaults(config_class)
+        )
+        return family.read_config(reader)

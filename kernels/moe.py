@@ -72,6 +72,16 @@ def route_sigmoid_grouped(
     return Routing(weights * scaling, ids)
 
 
+def route_softmax_topk(x: torch.Tensor, weight: torch.Tensor, *, top_k: int) -> Routing:
+    """Mixtral-style router (Granite-4.0-H): the top-k of the logits, softmax over those k.
+
+    x: (T, hidden); weight: (E, hidden), both in the model dtype as transformers keeps them
+    (the logits are upcast after the matmul, the weights rounded back to x's dtype)."""
+    logits = F.linear(x, weight).float()
+    top, ids = logits.topk(top_k, dim=-1)
+    return Routing(torch.softmax(top, dim=-1).to(x.dtype).float(), ids)
+
+
 class PackedExperts(NamedTuple):
     """Per-expert weights reordered once into oneDNN's blocked layout (kernels/linear.py): the
     few-row matmuls of decode then skip F.linear's per-call repacking."""

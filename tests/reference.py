@@ -12,7 +12,13 @@ def _cache_kwargs(hf_model) -> dict:
     """transformers' hybrid cache cannot tell its length without an attention layer
     (`get_seq_length` raises), so a Mamba-only model runs without one: every step recomputes
     the whole sequence, the naive oracle."""
-    return {} if "*" in hf_model.config.hybrid_override_pattern else {"use_cache": False}
+    config = hf_model.config
+    pattern = getattr(config, "hybrid_override_pattern", None)
+    if pattern is not None:  # NemotronH
+        has_attention = "*" in pattern
+    else:  # the other families name their layers
+        has_attention = "full_attention" in config.layers_block_type
+    return {} if has_attention else {"use_cache": False}
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:

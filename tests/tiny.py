@@ -91,8 +91,16 @@ def build_hf_model(seed: int = 0, **overrides):
     config = NemotronHConfig(**tiny_config_kwargs(**overrides))
     torch.manual_seed(seed)
     model = NemotronHForCausalLM(config).eval()
-    # Random init leaves A_log/D/dt_bias near identity and weights tiny; spread them so the
-    # model's logits are not all ties and the state really matters.
+    spread_parameters(model)
+    align_dt_limit(model)
+    return model
+
+
+def spread_parameters(model) -> None:
+    """Random init leaves A_log/D/dt_bias near identity and weights tiny; spread them so the
+    model's logits are not all ties and the state really matters (any hybrid family)."""
+    import torch
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("A_log"):
@@ -114,8 +122,6 @@ def build_hf_model(seed: int = 0, **overrides):
             if name.endswith("e_score_correction_bias"):
                 # The MoE router's load-balancing bias (zeros at init): make it steer choices.
                 buffer.copy_(0.05 * torch.randn_like(buffer))
-    align_dt_limit(model)
-    return model
 
 
 def align_dt_limit(model) -> None:

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.config import RotaryConfig
 from engine.forward_metadata import Mamba2Metadata
+from engine.layers.mlp import fuse_linears
 from engine.state_cache import StateCache
 from kernels.attention import paged_attention, rotary_cos_sin, rotary_store_kv, store_kv
 from kernels.linear import PackedLinear
@@ -57,15 +58,7 @@ class Attention(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """One packed matmul for q, k and v (the three plain projections are dropped)."""
-        parts = [self.q_proj, self.k_proj, self.v_proj]
-        fused = nn.Linear(parts[0].in_features, sum(self.qkv_sizes), bias=parts[0].bias is not None)
-        fused = fused.to(device=parts[0].weight.device, dtype=parts[0].weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([p.weight for p in parts]))
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat([p.bias for p in parts]))
-        fused.requires_grad_(False)
-        self.qkv_proj = PackedLinear(fused)
+        self.qkv_proj = PackedLinear(fuse_linears([self.q_proj, self.k_proj, self.v_proj]))
         del self.q_proj, self.k_proj, self.v_proj
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

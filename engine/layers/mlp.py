@@ -1,8 +1,10 @@
-"""Dense MLPs (NemotronH's up/down with relu², also its MoE's shared expert)."""
+"""Dense MLPs: relu² up/down (NemotronH's `mlp` block and its MoE's shared expert) and gated
+down(act(gate) * up) with SiLU (SwiGLU: Bamba, Falcon-H1) or GELU."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.linear import PackedLinear
@@ -25,3 +27,71 @@ class ReluSquaredMLP(nn.Module):
     def pack_for_cpu(self) -> None:
         """relu fused into the up projection's packed matmul (kernels/linear.py)."""
         self.up_proj = PackedLinear(self.up_proj, activation="relu")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}  # transformers' ACT2FN for these two names
+
+
+class GatedMLP(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: str):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"gated MLP activation must be one of {sorted(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[activation]
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up: PackedLinear | None = None  # CPU: gate and up in one packed matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
+
+    def pack_for_cpu(self) -> None:
+        """One packed matmul for gate and up (the two plain projections are dropped)."""
+        self.gate_up = PackedLinear(fuse_linears([self.gate_proj, self.up_proj]))
+        del self.gate_proj, self.up_proj
+
+
+class FusedGatedMLP(nn.Module):
+    """down(act(gate) * up) with gate and up stored as one matrix, gate rows first (Granite's
+    `shared_mlp.input_linear` / `output_linear`, Zamba2's `gate_up_proj` / `down_proj`)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        activation: str,
+        names: tuple[str, str],
+    ):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"gated MLP activation must be one of {sorted(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[activation]
+        self.names = names
+        self.add_module(names[0], nn.Linear(hidden_size, 2 * intermediate_size, bias=bias))
+        self.add_module(names[1], nn.Linear(intermediate_size, hidden_size, bias=bias))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = getattr(self, self.names[0])(x).chunk(2, dim=-1)
+        return getattr(self, self.names[1])(self.act(gate) * up)
+
+
+def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear whose output is the parts' outputs side by side."""
+    first = parts[0]
+    fused = nn.Linear(
+        first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None
+    )
+    fused = fused.to(device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused.requires_grad_(False)

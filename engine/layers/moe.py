@@ -17,7 +17,14 @@ from torch import nn
 
 from engine.config import MoEConfig
 from engine.layers.mlp import ReluSquaredMLP
-from kernels.moe import PackedExperts, Routing, fused_moe, pack_experts, route_sigmoid_grouped
+from kernels.moe import (
+    PackedExperts,
+    Routing,
+    fused_moe,
+    pack_experts,
+    route_sigmoid_grouped,
+    route_softmax_topk,
+)
 
 
 class Router(nn.Module):
@@ -87,3 +94,38 @@ class MoE(nn.Module):
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         return routed + self.shared_experts(x)
+
+
+class StackedWeight(nn.Module):
+    """A module holding one `weight` (checkpoint names like `router.layer.weight`)."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(*shape))
+
+
+class SoftmaxTopKMoE(nn.Module):
+    """Mixtral-style routed SwiGLU experts, no shared expert inside (Granite-4.0-H's
+    `block_sparse_moe`): `router.layer.weight` (E, hidden), experts stacked as
+    `input_linear.weight` (E, 2I, hidden, gate rows first) and `output_linear.weight`
+    (E, hidden, I), as transformers' save_pretrained writes them."""
+
+    def __init__(self, hidden_size: int, config: MoEConfig):
+        super().__init__()
+        E, inter = config.num_experts, config.intermediate_size
+        self.top_k = config.top_k
+        self.router = nn.Module()
+        self.router.layer = StackedWeight(E, hidden_size)
+        self.input_linear = StackedWeight(E, 2 * inter, hidden_size)
+        self.output_linear = StackedWeight(E, hidden_size, inter)
+        self.packed: PackedExperts | None = None  # CPU: per-expert oneDNN layouts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing = route_softmax_topk(x, self.router.layer.weight, top_k=self.top_k)
+        w_up, w_down = self.input_linear.weight, self.output_linear.weight
+        return fused_moe(x, w_up, w_down, routing, "swiglu", self.packed)
+
+    def pack_for_cpu(self) -> None:
+        self.packed = pack_experts(
+            self.input_linear.weight.detach(), self.output_linear.weight.detach()
+        )

@@ -134,6 +134,7 @@ def _moe_config(r: ConfigReader) -> MoEConfig:
         )
     latent = opt("moe_latent_size")
     return MoEConfig(
+        router="sigmoid_grouped",
         num_experts=num_experts,
         top_k=top_k,
         intermediate_size=int(opt("moe_intermediate_size")),

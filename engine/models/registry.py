@@ -20,6 +20,7 @@ from engine.config import ConfigError
 FAMILIES: dict[str, tuple[str, str]] = {
     "NemotronHForCausalLM": ("nemotron_h", "engine.models.nemotron_h"),
     "BambaForCausalLM": ("bamba", "engine.models.bamba"),
+    "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "engine.models.granite_moe_hybrid"),
 }
 
 

@@ -1,0 +1,148 @@
+"""Bamba (`BambaForCausalLM`, IBM): two-step layers (engine/layers/blocks.py), each a Mamba2
+mixer or a rotary attention (partial rotary, GQA) followed by a SwiGLU MLP; attention at
+`attn_layer_indices`, Mamba elsewhere.
+
+Weights (transformers' save_pretrained): `model.embed_tokens`, `model.layers.{i}.input_layernorm`,
+`.mamba.*` or `.self_attn.*`, `.pre_ff_layernorm`, `.feed_forward.{gate,up,down}_proj`,
+`model.final_layernorm`, `lm_head`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ConfigReader, ModelConfig
+from engine.forward_metadata import Mamba2Metadata
+from engine.layers.attention import Attention
+from engine.layers.blocks import MixerFFNLayer
+from engine.layers.causal_lm import CausalLM
+from engine.layers.mamba2 import Mamba2Mixer
+from engine.layers.mlp import GatedMLP
+from engine.layers.norm import RMSNorm
+from engine.state_cache import StateCache
+
+HF_CONFIG_CLASS_PATH = "transformers.models.bamba.configuration_bamba.BambaConfig"
+
+
+def read_mamba_keys(r: ConfigReader, hidden: int) -> dict:
+    """The `mamba_*` keys Bamba and Granite-4.0-H share, as ModelConfig fields."""
+    n_heads = r.opt("mamba_n_heads")
+    intermediate = r.opt("mamba_expand") * hidden
+    head_dim = r.opt("mamba_d_head")
+    if head_dim == "auto":  # transformers' rule
+        head_dim = intermediate // n_heads
+    if head_dim * n_heads != intermediate:
+        raise r.error(
+            f"mamba_d_head={head_dim} x mamba_n_heads={n_heads} must equal "
+            f"mamba_expand x hidden_size={intermediate}"
+        )
+    return dict(
+        mamba_num_heads=n_heads,
+        mamba_head_dim=head_dim,
+        ssm_state_size=r.opt("mamba_d_state"),
+        n_groups=r.opt("mamba_n_groups"),
+        conv_kernel=r.opt("mamba_d_conv"),
+        chunk_size=r.opt("mamba_chunk_size"),
+        use_conv_bias=bool(r.opt("mamba_conv_bias")),
+        mamba_proj_bias=bool(r.opt("mamba_proj_bias")),
+        time_step_limit=r.time_step_limit(),
+        # transformers keeps no other SSM cache dtype for these families; baton's pool default
+        mamba_ssm_cache_dtype="float32",
+    )
+
+
+def read_attention_keys(r: ConfigReader, hidden: int) -> dict:
+    num_heads = r.need("num_attention_heads")
+    kv_heads = r.opt("num_key_value_heads")
+    # transformers reads `head_dim` when the file has it (getattr), else hidden / heads
+    head_dim = r.hf.get("head_dim") or hidden // num_heads
+    return dict(
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads if kv_heads is None else kv_heads,
+        head_dim=head_dim,
+        attention_bias=bool(r.opt("attention_bias")),
+    )
+
+
+def read_config(r: ConfigReader) -> ModelConfig:
+    hidden = r.need("hidden_size")
+    num_layers = r.need("num_hidden_layers")
+    attn = r.opt("attn_layer_indices") or []
+    if any(not 0 <= i < num_layers for i in attn):
+        raise r.error(f"attn_layer_indices {attn} must lie in 0..num_hidden_layers-1")
+    r.require("hidden_act", ("silu",))
+    attention = read_attention_keys(r, hidden)
+    return ModelConfig(
+        architecture="BambaForCausalLM",
+        vocab_size=r.need("vocab_size"),
+        hidden_size=hidden,
+        layer_types=tuple("attention" if i in attn else "mamba" for i in range(num_layers)),
+        norm_eps=float(r.opt("rms_norm_eps")),
+        tie_word_embeddings=bool(r.opt("tie_word_embeddings")),
+        max_position_embeddings=r.opt("max_position_embeddings"),
+        **attention,
+        attention_scale=attention["head_dim"] ** -0.5,
+        rotary=r.rotary(attention["head_dim"]),
+        intermediate_size=r.need("intermediate_size"),
+        mlp_bias=bool(r.opt("mlp_bias")),
+        mlp_hidden_act="silu",
+        embedding_multiplier=1.0,
+        residual_multiplier=1.0,
+        logits_scaling=1.0,
+        **read_mamba_keys(r, hidden),
+        moe=None,
+        num_nextn_predict_layers=0,
+        eos_token_ids=r.eos_token_ids(),
+        bos_token_id=r.opt("bos_token_id"),
+        torch_dtype=r.torch_dtype(),
+    )
+
+
+def mixer_for(config: ModelConfig, layer_id: int) -> tuple[str, nn.Module]:
+    """(name, module) of layer `layer_id`'s mixer as Bamba and Granite-4.0-H name them."""
+    if config.layer_types[layer_id] == "mamba":
+        return "mamba", Mamba2Mixer(config, config.mamba_layer_ids.index(layer_id))
+    return "self_attn", Attention(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        bias=config.attention_bias,
+        scale=config.attention_scale,
+        rotary=config.rotary,
+        kv_index=config.attention_layer_ids.index(layer_id),
+    )
+
+
+class BambaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers = []
+        for i in range(config.num_layers):
+            name, mixer = mixer_for(config, i)
+            ffn = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, "silu")
+            layers.append(
+                MixerFFNLayer(
+                    names=("input_layernorm", name, "pre_ff_layernorm"),
+                    hidden_size=config.hidden_size,
+                    eps=config.norm_eps,
+                    mixer=mixer,
+                    ffn={"feed_forward": ffn},
+                    residual_multiplier=1.0,
+                )
+            )
+        self.layers = nn.ModuleList(layers)
+        self.final_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
+        hidden = self.embed_tokens(md.forward.batch.input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, md, cache)
+        return self.final_layernorm(hidden)
+
+
+class Model(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config, BambaModel(config), "embed_tokens")

@@ -1,0 +1,141 @@
+"""Granite-4.0-H (`GraniteMoeHybridForCausalLM`, IBM): Bamba's two-step layers with µP
+multipliers and a Mixtral-style MoE beside an always-on shared SwiGLU MLP.
+
+    h = embed(ids) * embedding_multiplier
+    h = h + residual_multiplier * mixer(input_layernorm(h))           Mamba2 or attention
+    h = h + residual_multiplier * (moe(x) + shared_mlp(x)),  x = post_attention_layernorm(h)
+    logits = lm_head(norm(h)) / logits_scaling
+
+Attention: softmax scale `attention_multiplier` (not head_dim ** -0.5); rotary only when
+`position_embedding_type` is "rope" (else NoPE). `num_local_experts` 0: the shared MLP alone.
+Weights: `model.embed_tokens`, `model.layers.{i}.{input_layernorm, mamba | self_attn,
+post_attention_layernorm, block_sparse_moe.{router.layer, input_linear, output_linear},
+shared_mlp.{input_linear, output_linear}}`, `model.norm`, `lm_head`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ConfigReader, LayerType, ModelConfig, MoEConfig
+from engine.forward_metadata import Mamba2Metadata
+from engine.layers.blocks import MixerFFNLayer
+from engine.layers.causal_lm import CausalLM
+from engine.layers.mlp import FusedGatedMLP
+from engine.layers.moe import SoftmaxTopKMoE
+from engine.layers.norm import RMSNorm
+from engine.models.bamba import mixer_for, read_attention_keys, read_mamba_keys
+from engine.state_cache import StateCache
+
+HF_CONFIG_CLASS_PATH = (
+    "transformers.models.granitemoehybrid.configuration_granitemoehybrid.GraniteMoeHybridConfig"
+)
+LAYER_NAMES: dict[str, LayerType] = {
+    "mamba": "mamba",
+    "linear_attention": "mamba",
+    "attention": "attention",
+    "full_attention": "attention",
+}
+
+
+def read_config(r: ConfigReader) -> ModelConfig:
+    hidden = r.need("hidden_size")
+    num_layers = r.need("num_hidden_layers")
+    names = r.opt("layer_types") or ["mamba"] * num_layers  # transformers' default
+    unknown = sorted({n for n in names if n not in LAYER_NAMES})
+    if unknown:
+        raise r.error(f"'layer_types' has unknown layer types {unknown}")
+    if len(names) != num_layers:
+        raise r.error(f"'layer_types' lists {len(names)} layers, num_hidden_layers={num_layers}")
+    r.require("hidden_act", ("silu",))
+    position = r.require("position_embedding_type", (None, "rope"))
+    attention = read_attention_keys(r, hidden)
+    num_experts = int(r.opt("num_local_experts"))
+    shared = int(r.opt("shared_intermediate_size"))
+    moe = None
+    if num_experts > 0:
+        top_k = int(r.opt("num_experts_per_tok"))
+        if not 1 <= top_k <= num_experts:
+            raise r.error(f"num_experts_per_tok={top_k} must be in 1..{num_experts}")
+        moe = MoEConfig(
+            router="softmax_topk",
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=r.need("intermediate_size"),
+            shared_intermediate_size=shared,
+            latent_size=None,
+            activation="swiglu",
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,  # the softmax over the k chosen logits sums to one
+            routed_scaling_factor=1.0,
+            bias=False,
+        )
+    return ModelConfig(
+        architecture="GraniteMoeHybridForCausalLM",
+        vocab_size=r.need("vocab_size"),
+        hidden_size=hidden,
+        layer_types=tuple(LAYER_NAMES[n] for n in names),
+        norm_eps=float(r.opt("rms_norm_eps")),
+        tie_word_embeddings=bool(r.opt("tie_word_embeddings")),
+        max_position_embeddings=r.opt("max_position_embeddings"),
+        **attention,
+        attention_scale=float(r.opt("attention_multiplier")),
+        rotary=r.rotary(attention["head_dim"]) if position == "rope" else None,
+        intermediate_size=shared,  # the dense MLP every layer has is the shared one
+        mlp_bias=False,
+        mlp_hidden_act="silu",
+        embedding_multiplier=float(r.opt("embedding_multiplier")),
+        residual_multiplier=float(r.opt("residual_multiplier")),
+        logits_scaling=float(r.opt("logits_scaling")),
+        **read_mamba_keys(r, hidden),
+        moe=moe,
+        num_nextn_predict_layers=0,
+        eos_token_ids=r.eos_token_ids(),
+        bos_token_id=r.opt("bos_token_id"),
+        torch_dtype=r.torch_dtype(),
+    )
+
+
+class GraniteMoeHybridModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embedding_multiplier = config.embedding_multiplier
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers = []
+        for i in range(config.num_layers):
+            name, mixer = mixer_for(config, i)
+            ffn: dict[str, nn.Module] = {}
+            if config.moe is not None:
+                ffn["block_sparse_moe"] = SoftmaxTopKMoE(config.hidden_size, config.moe)
+            ffn["shared_mlp"] = FusedGatedMLP(
+                config.hidden_size,
+                config.intermediate_size,
+                False,
+                "silu",
+                names=("input_linear", "output_linear"),
+            )
+            layers.append(
+                MixerFFNLayer(
+                    names=("input_layernorm", name, "post_attention_layernorm"),
+                    hidden_size=config.hidden_size,
+                    eps=config.norm_eps,
+                    mixer=mixer,
+                    ffn=ffn,
+                    residual_multiplier=config.residual_multiplier,
+                )
+            )
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
+        hidden = self.embed_tokens(md.forward.batch.input_ids) * self.embedding_multiplier
+        for layer in self.layers:
+            hidden = layer(hidden, md, cache)
+        return self.norm(hidden)
+
+
+class Model(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config, GraniteMoeHybridModel(config), "embed_tokens")

@@ -1,0 +1,155 @@
+"""Tiny random models of every non-NemotronH family, built by transformers at test time (fp32,
+fixed seeds, parameters spread like tests/tiny.py), saved with save_pretrained plus the tiny
+byte-level tokenizer, and shared per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny import align_dt_limit, save_tokenizer, spread_parameters
+
+# name -> (transformers config class, causal LM class, config kwargs)
+FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    # Bamba: attention in the middle, GQA 4/2, partial rotary (transformers' 0.5 default),
+    # two Mamba groups, chunk 16.
+    "bamba_a": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attn_layer_indices=[1],
+            mamba_n_heads=8,
+            mamba_d_state=8,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,
+            max_position_embeddings=4096,
+        ),
+    ),
+    # Bamba, odd shapes: attention first and last, MQA (5 heads of 8 on 1 KV head), full rotary
+    # with its own theta, conv 3, chunk 8, one group, tied embeddings.
+    "bamba_b": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(
+            vocab_size=301,
+            hidden_size=40,
+            intermediate_size=72,
+            num_hidden_layers=4,
+            num_attention_heads=5,
+            num_key_value_heads=1,
+            attn_layer_indices=[0, 3],
+            mamba_n_heads=5,
+            mamba_d_state=6,
+            mamba_n_groups=1,
+            mamba_d_conv=3,
+            mamba_chunk_size=8,
+            max_position_embeddings=4096,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 500.0,
+                "partial_rotary_factor": 1.0,
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Granite-4.0-H: MoE (8 experts, top 2) beside the shared MLP, rotary, µP multipliers
+    # (embeddings x12, residual x0.22, softmax scale 1/64 instead of 1/4, logits / 6).
+    "granite_moe": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=24,
+            shared_intermediate_size=48,
+            num_hidden_layers=4,
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            position_embedding_type="rope",
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=1 / 64,
+            logits_scaling=6.0,
+            mamba_n_heads=8,
+            mamba_d_state=8,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,
+            max_position_embeddings=4096,
+        ),
+    ),
+    # Granite-4.0-H dense (no experts, the shared MLP alone), NoPE attention first, MQA, odd
+    # widths, tied embeddings.
+    "granite_dense": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            vocab_size=301,
+            hidden_size=40,
+            intermediate_size=24,
+            shared_intermediate_size=56,
+            num_hidden_layers=3,
+            layer_types=["attention", "mamba", "mamba"],
+            num_attention_heads=5,
+            num_key_value_heads=1,
+            num_local_experts=0,
+            position_embedding_type=None,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.7,
+            attention_multiplier=0.25,
+            logits_scaling=0.5,
+            mamba_n_heads=5,
+            mamba_d_state=6,
+            mamba_n_groups=1,
+            mamba_d_conv=3,
+            mamba_chunk_size=8,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+
+def build_family_model(name: str, seed: int):
+    import torch
+    import transformers
+
+    config_class, model_class, kwargs = FAMILY_CONFIGS[name]
+    config = getattr(transformers, config_class)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config).eval()
+    spread_parameters(model)
+    align_dt_limit(model)
+    return model
+
+
+def save_family_model(path: Path, name: str, seed: int):
+    model = build_family_model(name, seed)
+    model.save_pretrained(str(path))
+    save_tokenizer(path, vocab_size=model.config.vocab_size)
+    return model
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """name -> (model_dir, transformers model), built once per session."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            path = tmp_path_factory.mktemp(f"family-{name}")
+            built[name] = (path, save_family_model(path, name, seed=100 + len(built)))
+        return built[name]
+
+    return get
