@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-LayerType = Literal["mamba", "attention", "mlp", "moe"]
+# "parallel": attention and Mamba2 side by side on the same normed input (Falcon-H1); such a
+# layer owns both a KV pool and a Mamba state.
+LayerType = Literal["mamba", "attention", "mlp", "moe", "parallel"]
+MambaNorm = Literal["gated", "norm_then_gate", "none"]
 
 
 class ConfigError(ValueError):
@@ -127,6 +130,19 @@ class ConfigReader:
         return RotaryConfig(dim=int(head_dim * factor), theta=float(theta))
 
 
+# The multipliers of families that have none of Falcon-H1's (ModelConfig fields).
+NO_FALCON_MULTIPLIERS: dict[str, Any] = dict(
+    lm_head_multiplier=1.0,
+    attention_in_multiplier=1.0,
+    attention_out_multiplier=1.0,
+    key_multiplier=1.0,
+    ssm_in_multiplier=1.0,
+    ssm_out_multiplier=1.0,
+    ssm_multipliers=(1.0, 1.0, 1.0, 1.0, 1.0),
+    mlp_multipliers=(1.0, 1.0),
+)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RotaryConfig:
     """NeoX-style rotary embeddings on the first `dim` channels of each head (partial rotary
@@ -189,6 +205,17 @@ class ModelConfig:
     embedding_multiplier: float
     residual_multiplier: float
     logits_scaling: float
+    # Falcon-H1's multipliers (1.0 elsewhere): lm_head output, attention input/output and its
+    # keys, Mamba input/output, the five in_proj segments [z | x | B | C | dt] (`mup_vector`),
+    # and the dense MLP's gate input and down output.
+    lm_head_multiplier: float
+    attention_in_multiplier: float
+    attention_out_multiplier: float
+    key_multiplier: float
+    ssm_in_multiplier: float
+    ssm_out_multiplier: float
+    ssm_multipliers: tuple[float, float, float, float, float]
+    mlp_multipliers: tuple[float, float]
     # Mamba2
     mamba_num_heads: int
     mamba_head_dim: int
@@ -199,6 +226,9 @@ class ModelConfig:
     use_conv_bias: bool
     mamba_proj_bias: bool
     time_step_limit: tuple[float, float]
+    # "gated": norm(y * silu(z)) per group (NemotronH, Bamba, Granite, Falcon-H1 with
+    # mamba_norm_before_gate=False); "norm_then_gate": norm(y) * silu(z); "none": y * silu(z).
+    mamba_norm: MambaNorm
     mamba_ssm_cache_dtype: str
     # MoE: None when no layer is a `moe` block (then no MoE key is read or checked)
     moe: MoEConfig | None
@@ -216,11 +246,13 @@ class ModelConfig:
 
     @property
     def mamba_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "mamba")
+        """Layers with a Mamba state, in pool order."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in ("mamba", "parallel"))
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "attention")
+        """Layers with a KV pool, in pool order."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in ("attention", "parallel"))
 
     @property
     def mamba_intermediate(self) -> int:

@@ -53,3 +53,15 @@ def gated_rms_norm_torch(
     h = h.view(num_tokens, width // group_size, group_size)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.view(num_tokens, width).to(y.dtype)
+
+
+def group_rms_norm(
+    y: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int
+) -> torch.Tensor:
+    """y: (num_tokens, width); weight: (width,). Returns float32 `weight * rmsnorm_per_group(y)`
+    with the weight applied in float32 (Falcon-H1's norm before its gate; the caller gates and
+    casts)."""
+    num_tokens, width = y.shape
+    h = y.float().view(num_tokens, width // group_size, group_size)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.float() * h.view(num_tokens, width)

@@ -90,7 +90,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         ),
     ),
     # Granite-4.0-H dense (no experts, the shared MLP alone), NoPE attention first, MQA, odd
-    # widths, tied embeddings.
+    # widths, tied embeddings, logits multiplied (logits_scaling < 1).
     "granite_dense": (
         "GraniteMoeHybridConfig",
         "GraniteMoeHybridForCausalLM",
@@ -105,7 +105,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             num_key_value_heads=1,
             num_local_experts=0,
             position_embedding_type=None,
-            embedding_multiplier=2.0,
+            embedding_multiplier=1.0,  # with tied embeddings a larger one makes greedy loop
             residual_multiplier=0.7,
             attention_multiplier=0.25,
             logits_scaling=0.5,

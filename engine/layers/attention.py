@@ -33,13 +33,16 @@ class Attention(nn.Module):
         scale: float,
         rotary: RotaryConfig | None,
         kv_index: int,
+        key_multiplier: float = 1.0,
     ):
+        """key_multiplier: keys are scaled after k_proj, before the rotary (Falcon-H1)."""
         super().__init__()
         self.kv_index = kv_index
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.key_multiplier = key_multiplier
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
@@ -84,6 +87,8 @@ class Attention(nn.Module):
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         v = v.view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = cache.kv_layer(self.kv_index)
         if self.inv_freq is not None:

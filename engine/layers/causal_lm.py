@@ -29,6 +29,9 @@ class CausalLM(nn.Module):
         """Returns float32 logits for the rows `md.forward.batch.logits_indices`."""
         hidden = self.model(md, cache)
         logits = self.lm_head(hidden[md.forward.batch.logits_indices])
+        # In the model dtype, as transformers: Granite divides, Falcon-H1 multiplies.
         if self.config.logits_scaling != 1.0:
-            logits = logits / self.config.logits_scaling  # in the model dtype, as transformers
+            logits = logits / self.config.logits_scaling
+        if self.config.lm_head_multiplier != 1.0:
+            logits = logits * self.config.lm_head_multiplier
         return logits.float()

@@ -1,7 +1,12 @@
 """The Mamba2 mixer every family shares: in_proj -> [z | xBC | dt]; causal conv1d + SiLU on xBC;
-SSD scan (prefill) or selective state update (decode); gated RMSNorm norm(y * silu(z)) in groups
-of intermediate / n_groups; out_proj. Parameter names are transformers' (`in_proj`, `conv1d`,
-`dt_bias`, `A_log`, `D`, `norm.weight`, `out_proj`).
+SSD scan (prefill) or selective state update (decode); the gate; out_proj. Parameter names are
+transformers' (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm.weight`, `out_proj`).
+
+Family variants are parameters, not copies (ModelConfig):
+  mamba_norm        "gated": norm(y * silu(z)) in groups of intermediate / n_groups;
+                    "norm_then_gate": norm(y) * silu(z); "none": y * silu(z), no norm weight
+  ssm_in_multiplier the input is scaled before in_proj (Falcon-H1)
+  ssm_multipliers   in_proj's [z | x | B | C | dt] segments are scaled (Falcon-H1's mup_vector)
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from engine.forward_metadata import Mamba2Metadata
 from engine.state_cache import StateCache
 from kernels import cpu_ops
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.norm import gated_rms_norm
+from kernels.norm import gated_rms_norm, group_rms_norm
 from kernels.ssd import ssd_scan
 from kernels.ssu import selective_state_update
 from kernels.state_copy import copy_states
@@ -50,8 +55,18 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(H))
         self.A_log = nn.Parameter(torch.zeros(H))
         self.D = nn.Parameter(torch.ones(H))
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(self.intermediate))
+        self.norm_mode = config.mamba_norm
+        if self.norm_mode != "none":
+            self.norm = nn.Module()
+            self.norm.weight = nn.Parameter(torch.ones(self.intermediate))
+        self.in_multiplier = config.ssm_in_multiplier
+        self.mup_vector: torch.Tensor | None = None
+        if config.ssm_multipliers != (1.0,) * 5:
+            gn = self.n_groups * self.d_state
+            sizes = [self.intermediate, self.intermediate, gn, gn, H]
+            self.mup_vector = torch.cat(
+                [torch.full((n,), m) for n, m in zip(sizes, config.ssm_multipliers)]
+            )
         self.out_proj = nn.Linear(
             self.intermediate, config.hidden_size, bias=config.mamba_proj_bias
         )
@@ -83,7 +98,11 @@ class Mamba2Mixer(nn.Module):
             dt_bias=self.dt_bias.float().contiguous(),
             A=-torch.exp(self.A_log.float()),
             D=self.D.float().contiguous(),
-            norm_weight=self.norm.weight.float().contiguous(),
+            norm_weight=(
+                self.norm.weight.float().contiguous()
+                if self.norm_mode != "none"
+                else torch.ones(self.intermediate, device=self.D.device)
+            ),
         )
 
     def freeze(self) -> None:
@@ -95,7 +114,11 @@ class Mamba2Mixer(nn.Module):
         T = hidden.shape[0]
         nd = md.forward.batch.num_decode_tokens
         conv_pool, ssm_pool = cache.mamba_layer(self.mamba_index)
+        if self.in_multiplier != 1.0:
+            hidden = hidden * self.in_multiplier
         zxbcdt = self.in_proj(hidden)
+        if self.mup_vector is not None:
+            zxbcdt = zxbcdt * self.mup_vector.to(device=zxbcdt.device, dtype=zxbcdt.dtype)
         parts = []
         windows = chunk_states = None
         if nd:
@@ -108,7 +131,9 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(parts[0] if len(parts) == 1 else torch.cat(parts))
 
     def decode(self, zxbcdt, md: Mamba2Metadata, conv_pool, ssm_pool) -> torch.Tensor:
-        if cpu_ops.mamba_decode_supported(zxbcdt, conv_pool, ssm_pool):
+        if self.norm_mode == "gated" and cpu_ops.mamba_decode_supported(
+            zxbcdt, conv_pool, ssm_pool
+        ):
             return cpu_ops.mamba_decode_cpu(
                 zxbcdt,
                 conv_pool,
@@ -175,9 +200,13 @@ class Mamba2Mixer(nn.Module):
         return self.gate(out.y, z), windows, out.chunk_states
 
     def gate(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(
-            y.reshape(z.shape[0], self.intermediate), z, self.norm.weight, self.eps, self.group_size
-        )
+        y = y.reshape(z.shape[0], self.intermediate)
+        if self.norm_mode == "gated":
+            return gated_rms_norm(y, z, self.norm.weight, self.eps, self.group_size)
+        if self.norm_mode == "norm_then_gate":
+            normed = group_rms_norm(y, self.norm.weight, self.eps, self.group_size)
+            return (normed * torch.nn.functional.silu(z.float())).to(z.dtype)
+        return (y.float() * torch.nn.functional.silu(z.float())).to(z.dtype)
 
     def checkpoint(self, md, conv_pool, ssm_pool, windows, chunk_states) -> None:
         """Copy the conv window and SSM state at each track point into its checkpoint slot.

@@ -33,10 +33,19 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}  # transformers' ACT2FN for these
 
 
 class GatedMLP(nn.Module):
-    """down_proj(act(gate_proj(x)) * up_proj(x))."""
+    """down_proj(act(gate_proj(x) * gate_multiplier) * up_proj(x)) * down_multiplier (the
+    multipliers are Falcon-H1's `mlp_multipliers`, 1.0 elsewhere)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: str):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        activation: str,
+        multipliers: tuple[float, float] = (1.0, 1.0),
+    ):
         super().__init__()
+        self.gate_multiplier, self.down_multiplier = multipliers
         if activation not in ACTIVATIONS:
             raise ValueError(f"gated MLP activation must be one of {sorted(ACTIVATIONS)}")
         self.act = ACTIVATIONS[activation]
@@ -50,7 +59,10 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act(gate) * up)
+        if self.gate_multiplier != 1.0:
+            gate = gate * self.gate_multiplier
+        out = self.down_proj(up * self.act(gate))
+        return out if self.down_multiplier == 1.0 else out * self.down_multiplier
 
     def pack_for_cpu(self) -> None:
         """One packed matmul for gate and up (the two plain projections are dropped)."""

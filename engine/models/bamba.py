@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ConfigReader, ModelConfig
+from engine.config import NO_FALCON_MULTIPLIERS, ConfigReader, ModelConfig
 from engine.forward_metadata import Mamba2Metadata
 from engine.layers.attention import Attention
 from engine.layers.blocks import MixerFFNLayer
@@ -47,6 +47,7 @@ def read_mamba_keys(r: ConfigReader, hidden: int) -> dict:
         use_conv_bias=bool(r.opt("mamba_conv_bias")),
         mamba_proj_bias=bool(r.opt("mamba_proj_bias")),
         time_step_limit=r.time_step_limit(),
+        mamba_norm="gated",
         # transformers keeps no other SSM cache dtype for these families; baton's pool default
         mamba_ssm_cache_dtype="float32",
     )
@@ -90,6 +91,7 @@ def read_config(r: ConfigReader) -> ModelConfig:
         embedding_multiplier=1.0,
         residual_multiplier=1.0,
         logits_scaling=1.0,
+        **NO_FALCON_MULTIPLIERS,
         **read_mamba_keys(r, hidden),
         moe=None,
         num_nextn_predict_layers=0,

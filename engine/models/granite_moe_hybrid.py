@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ConfigReader, LayerType, ModelConfig, MoEConfig
+from engine.config import NO_FALCON_MULTIPLIERS, ConfigReader, LayerType, ModelConfig, MoEConfig
 from engine.forward_metadata import Mamba2Metadata
 from engine.layers.blocks import MixerFFNLayer
 from engine.layers.causal_lm import CausalLM
@@ -89,6 +89,7 @@ def read_config(r: ConfigReader) -> ModelConfig:
         embedding_multiplier=float(r.opt("embedding_multiplier")),
         residual_multiplier=float(r.opt("residual_multiplier")),
         logits_scaling=float(r.opt("logits_scaling")),
+        **NO_FALCON_MULTIPLIERS,
         **read_mamba_keys(r, hidden),
         moe=moe,
         num_nextn_predict_layers=0,

@@ -13,7 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import ConfigError, ConfigReader, LayerType, ModelConfig, MoEConfig
+from engine.config import (
+    NO_FALCON_MULTIPLIERS,
+    ConfigError,
+    ConfigReader,
+    LayerType,
+    ModelConfig,
+    MoEConfig,
+)
 from engine.forward_metadata import Mamba2Metadata
 from engine.layers.attention import Attention
 from engine.layers.causal_lm import CausalLM
@@ -86,6 +93,7 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         embedding_multiplier=1.0,
         residual_multiplier=1.0,
         logits_scaling=1.0,
+        **NO_FALCON_MULTIPLIERS,
         mamba_num_heads=opt("mamba_num_heads"),
         mamba_head_dim=opt("mamba_head_dim"),
         ssm_state_size=opt("ssm_state_size"),
@@ -97,6 +105,7 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         # `mamba_proj_bias` key is read by nothing); a legacy file may only have the latter.
         mamba_proj_bias=bool(hf["use_bias"] if "use_bias" in hf else opt("mamba_proj_bias")),
         time_step_limit=r.time_step_limit(),
+        mamba_norm="gated",
         mamba_ssm_cache_dtype=opt("mamba_ssm_cache_dtype") or "float32",
         moe=_moe_config(r) if "moe" in layer_types else None,
         num_nextn_predict_layers=int(opt("num_nextn_predict_layers") or 0),
