@@ -109,9 +109,11 @@ class ConfigReader:
     def torch_dtype(self) -> str:
         return self.hf.get("dtype") or self.hf.get("torch_dtype") or "bfloat16"
 
-    def rotary(self, head_dim: int) -> RotaryConfig:
+    def rotary(self, head_dim: int, partial: bool = True) -> RotaryConfig:
         """transformers 5 writes `rope_parameters` ({rope_type, rope_theta,
-        partial_rotary_factor}); older files a top-level `rope_theta` (and `rope_scaling`)."""
+        partial_rotary_factor}); older files a top-level `rope_theta` (and `rope_scaling`).
+        partial=False: the family's transformers code rotates whole heads whatever the factor
+        says (Falcon-H1)."""
         params = self.hf.get("rope_parameters") or {}
         scaling = self.hf.get("rope_scaling") or {}
         rope_type = params.get(
@@ -125,8 +127,8 @@ class ConfigReader:
         if theta is None:
             raise self.error("missing required key 'rope_parameters' (its 'rope_theta')")
         factor = params.get("partial_rotary_factor", self.hf.get("partial_rotary_factor"))
-        if factor is None:
-            factor = self.rope_defaults.get("partial_rotary_factor", 1.0)
+        if factor is None or not partial:
+            factor = self.rope_defaults.get("partial_rotary_factor", 1.0) if partial else 1.0
         return RotaryConfig(dim=int(head_dim * factor), theta=float(theta))
 
 

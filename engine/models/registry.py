@@ -21,6 +21,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "NemotronHForCausalLM": ("nemotron_h", "engine.models.nemotron_h"),
     "BambaForCausalLM": ("bamba", "engine.models.bamba"),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "engine.models.granite_moe_hybrid"),
+    "FalconH1ForCausalLM": ("falcon_h1", "engine.models.falcon_h1"),
 }
 
 
