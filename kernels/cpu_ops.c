@@ -230,7 +230,7 @@ static inline __attribute__((always_inline)) void mamba_decode_body(
     const float *dt_bias, const float *A, const float *D, float dt_min, float dt_max,
     const float *norm_w, float eps, float *xbc, float *y, void *out, const int bf16, int64_t I,
     int64_t H, int64_t P, int64_t N, int64_t G, const int64_t K, int64_t norm_group,
-    int nthreads) {
+    int64_t norm_mode, int nthreads) {
     const int64_t conv_dim = I + 2 * G * N, km1 = K - 1, heads_per_group = H / G;
     const int64_t num_norm_groups = I / norm_group;
 #pragma omp parallel num_threads(nthreads)
@@ -262,23 +262,49 @@ static inline __attribute__((always_inline)) void mamba_decode_body(
                 ssu_head(state, xv, dt, decay, Bv, Cv, D[h], yv, P, N, bf16);
             }
         }
-        /* 3. gate, grouped RMS norm, weight. */
+        /* 3. the gate and the grouped RMS norm, by norm_mode:
+         *    0: w * norm(y * silu(z))  (NemotronH, Bamba, Granite; Falcon-H1 norm after gate)
+         *    1: (w * norm(y)) * silu(z) (Falcon-H1 mamba_norm_before_gate)
+         *    2: y * silu(z), no norm    (Falcon-H1 without mamba_rms_norm) */
 #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < batch; b++) {
             for (int64_t q = 0; q < num_norm_groups; q++) {
                 float *yg = y + b * I + q * norm_group;
                 const int64_t zoff = b * row_stride + q * norm_group;
+                const int64_t o = b * I + q * norm_group;
+                if (norm_mode == 2) {
+                    for (int64_t i = 0; i < norm_group; i++) {
+                        const float v = yg[i] * silu(load(zxbcdt, bf16, zoff + i));
+                        if (bf16)
+                            ((uint16_t *)out)[o + i] = f32_to_bf16(v);
+                        else
+                            ((float *)out)[o + i] = v;
+                    }
+                    continue;
+                }
                 float ss = 0.0f;
+                if (norm_mode == 0) {
 #pragma omp simd reduction(+ : ss)
-                for (int64_t i = 0; i < norm_group; i++) {
-                    const float hv = yg[i] * silu(load(zxbcdt, bf16, zoff + i));
-                    yg[i] = hv;
-                    ss += hv * hv;
+                    for (int64_t i = 0; i < norm_group; i++) {
+                        const float hv = yg[i] * silu(load(zxbcdt, bf16, zoff + i));
+                        yg[i] = hv;
+                        ss += hv * hv;
+                    }
+                } else {
+#pragma omp simd reduction(+ : ss)
+                    for (int64_t i = 0; i < norm_group; i++) ss += yg[i] * yg[i];
                 }
                 const float inv = 1.0f / sqrtf(ss / (float)norm_group + eps);
                 const float *wg = norm_w + q * norm_group;
-                const int64_t o = b * I + q * norm_group;
-                if (bf16) {
+                if (norm_mode == 1) {
+                    for (int64_t i = 0; i < norm_group; i++) {
+                        const float v = (wg[i] * (yg[i] * inv)) * silu(load(zxbcdt, bf16, zoff + i));
+                        if (bf16)
+                            ((uint16_t *)out)[o + i] = f32_to_bf16(v);
+                        else
+                            ((float *)out)[o + i] = v;
+                    }
+                } else if (bf16) {
                     for (int64_t i = 0; i < norm_group; i++)
                         ((uint16_t *)out)[o + i] =
                             f32_to_bf16(wg[i] * round_to(1, yg[i] * inv));
@@ -298,7 +324,8 @@ int64_t baton_mamba_decode(const void *zxbcdt, int64_t row_stride, void *conv_po
                            const float *dt_bias, const float *A, const float *D, float dt_min,
                            float dt_max, const float *norm_w, float eps, float *xbc, float *y,
                            void *out, int bf16, int64_t I, int64_t H, int64_t P, int64_t N,
-                           int64_t G, int64_t K, int64_t norm_group, int nthreads) {
+                           int64_t G, int64_t K, int64_t norm_group, int64_t norm_mode,
+                           int nthreads) {
     int64_t bad = check_slots(slots, batch, num_slots);
     if (bad) return bad;
     /* Copies of the body per model dtype and for the usual kernel width 4, so the inner loops
@@ -306,7 +333,7 @@ int64_t baton_mamba_decode(const void *zxbcdt, int64_t row_stride, void *conv_po
 #define BODY(BF16, KW)                                                                           \
     mamba_decode_body(zxbcdt, row_stride, conv_pool, ssm_pool, slots, batch, conv_w, conv_b,     \
                       dt_bias, A, D, dt_min, dt_max, norm_w, eps, xbc, y, out, BF16, I, H, P, N, \
-                      G, KW, norm_group, nthreads)
+                      G, KW, norm_group, norm_mode, nthreads)
     if (bf16 && K == 4)
         BODY(1, 4);
     else if (bf16)

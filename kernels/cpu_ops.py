@@ -107,7 +107,7 @@ def library() -> ctypes.CDLL | None:
         _ptr,
         _ptr,
         _int,  # xbc, y, out, bf16
-        *[_i64] * 7,  # I, H, P, N, G, K, norm_group
+        *[_i64] * 8,  # I, H, P, N, G, K, norm_group, norm_mode
         _int,
     ]
     lib.baton_decode_attention.restype = _i64
@@ -266,6 +266,9 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+NORM_MODES = {"gated": 0, "norm_then_gate": 1, "none": 2}  # baton_mamba_decode's norm_mode
+
+
 class MambaDecodeParams(NamedTuple):
     """A Mamba2 mixer's small parameters as the fused decode step reads them (float32)."""
 
@@ -306,9 +309,12 @@ def mamba_decode_cpu(
     n_groups: int,
     d_state: int,
     norm_group: int,
+    norm_mode: str = "gated",
 ) -> torch.Tensor:
     """One fused Mamba2 decode step (kernels/cpu_ops.c: baton_mamba_decode): conv + SiLU, dt,
-    selective state update and the gated RMS norm, pools updated in place.
+    selective state update and the gate with the grouped RMS norm, pools updated in place.
+    norm_mode (engine.config.MambaNorm): "gated" norm(y * silu(z)), "norm_then_gate"
+    norm(y) * silu(z), "none" y * silu(z) (params.norm_weight is then unused).
 
     zxbcdt: (batch, I + conv_dim + H) in_proj output rows (model dtype, unit column stride);
     returns (batch, I) in the model dtype: the out_proj input. Same result as
@@ -349,6 +355,7 @@ def mamba_decode_cpu(
         n_groups,
         K,
         norm_group,
+        NORM_MODES[norm_mode],
         torch.get_num_threads(),
     )
     _check(result, slots, ssm_states.shape[0], "mamba_decode")

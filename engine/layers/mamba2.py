@@ -131,9 +131,7 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(parts[0] if len(parts) == 1 else torch.cat(parts))
 
     def decode(self, zxbcdt, md: Mamba2Metadata, conv_pool, ssm_pool) -> torch.Tensor:
-        if self.norm_mode == "gated" and cpu_ops.mamba_decode_supported(
-            zxbcdt, conv_pool, ssm_pool
-        ):
+        if cpu_ops.mamba_decode_supported(zxbcdt, conv_pool, ssm_pool):
             return cpu_ops.mamba_decode_cpu(
                 zxbcdt,
                 conv_pool,
@@ -147,6 +145,7 @@ class Mamba2Mixer(nn.Module):
                 n_groups=self.n_groups,
                 d_state=self.d_state,
                 norm_group=self.group_size,
+                norm_mode=self.norm_mode,
             )
         z, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         xbc = causal_conv1d_update(
