@@ -10,7 +10,7 @@ import torch
 from engine.config import ModelConfig
 from engine.layers.causal_lm import CausalLM
 from engine.layers.cpu_backend import prepare_for_cpu
-from engine.models.registry import family_for
+from engine.models.registry import family_named
 from engine.weights import load_into, tensor_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,7 +31,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
         # a checkpoint that carries its own lm_head uses it whatever the config says (the other
         # families tie, and their save_pretrained leaves lm_head out when tied).
         config = dataclasses.replace(config, tie_word_embeddings=False)
-    model_class = family_for({"architectures": [config.architecture]}).model_class
+    model_class = family_named(config.architecture).model_class
     with torch.device(device):
         model = model_class(config)
     load_into(model, model_dir)

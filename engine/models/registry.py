@@ -46,6 +46,13 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(FAMILIES)
 
 
+def family_named(architecture: str) -> Family:
+    """The family of a ModelConfig's `architecture` (one family_for already accepted)."""
+    return Family(
+        architecture=architecture, module=importlib.import_module(FAMILIES[architecture][1])
+    )
+
+
 def family_for(hf: dict[str, Any], source: str = "config.json") -> Family:
     """The family of a config.json. `architectures[0]` decides; a file without it is looked up
     by `model_type`. Anything else is refused with the list of what baton serves."""
@@ -62,4 +69,4 @@ def family_for(hf: dict[str, Any], source: str = "config.json") -> Family:
         )
         supported = ", ".join(f"{a} ({t})" for a, (t, _) in FAMILIES.items())
         raise ConfigError(f"{source}: unsupported {named}; baton serves {supported}")
-    return Family(architecture=arch, module=importlib.import_module(FAMILIES[arch][1]))
+    return family_named(arch)
