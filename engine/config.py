@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-# "parallel": attention and Mamba2 side by side on the same normed input (Falcon-H1); such a
-# layer owns both a KV pool and a Mamba state.
-LayerType = Literal["mamba", "attention", "mlp", "moe", "parallel"]
+# "parallel": attention and Mamba2 side by side on the same normed input (Falcon-H1); "hybrid":
+# a use of a shared attention block, then a Mamba2 layer (Zamba2). Both own a KV pool (one per
+# use) and a Mamba state.
+LayerType = Literal["mamba", "attention", "mlp", "moe", "parallel", "hybrid"]
 MambaNorm = Literal["gated", "norm_then_gate", "none"]
 
 
@@ -146,6 +147,17 @@ NO_FALCON_MULTIPLIERS: dict[str, Any] = dict(
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SharedBlocksConfig:
+    """`num_blocks` attention blocks reused in turn at the `hybrid` layers (Zamba2), with per-use
+    LoRA adapters of rank `adapter_rank` on q/k/v when `attention_adapters` (the MLP's
+    gate_up_proj always has them)."""
+
+    num_blocks: int
+    attention_adapters: bool
+    adapter_rank: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RotaryConfig:
     """NeoX-style rotary embeddings on the first `dim` channels of each head (partial rotary
     when dim < head_dim), frequencies theta ** -(2i / dim)."""
@@ -232,6 +244,8 @@ class ModelConfig:
     # mamba_norm_before_gate=False); "norm_then_gate": norm(y) * silu(z); "none": y * silu(z).
     mamba_norm: MambaNorm
     mamba_ssm_cache_dtype: str
+    # Zamba2's shared attention blocks: None in families without them
+    shared_blocks: SharedBlocksConfig | None
     # MoE: None when no layer is a `moe` block (then no MoE key is read or checked)
     moe: MoEConfig | None
     # Multi-token-prediction layers stored in the checkpoint (`mtp.*`); baton does not run them
@@ -249,12 +263,16 @@ class ModelConfig:
     @property
     def mamba_layer_ids(self) -> tuple[int, ...]:
         """Layers with a Mamba state, in pool order."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t in ("mamba", "parallel"))
+        return tuple(
+            i for i, t in enumerate(self.layer_types) if t in ("mamba", "parallel", "hybrid")
+        )
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
         """Layers with a KV pool, in pool order."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t in ("attention", "parallel"))
+        return tuple(
+            i for i, t in enumerate(self.layer_types) if t in ("attention", "parallel", "hybrid")
+        )
 
     @property
     def mamba_intermediate(self) -> int:

@@ -198,6 +198,59 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             max_position_embeddings=4096,
         ),
     ),
+    # Zamba2: two shared blocks over three hybrid layers (block 0 used twice, with its own
+    # adapters and KV pages per use), q/k/v adapters, rotary; time_step_min 1e-6 (transformers'
+    # decode path does not clamp dt, its prefill clamps at time_step_min: so low, both agree).
+    "zamba2_shared": (
+        "Zamba2Config",
+        "Zamba2ForCausalLM",
+        dict(
+            vocab_size=320,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=5,
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+            num_attention_heads=4,
+            num_key_value_heads=4,  # transformers' k/v adapters only fit without GQA
+            num_mem_blocks=2,
+            use_shared_attention_adapter=True,
+            adapter_rank=4,
+            use_mem_rope=True,
+            n_mamba_heads=4,
+            mamba_d_state=8,
+            mamba_ngroups=2,
+            chunk_size=16,
+            time_step_min=1e-6,
+            max_position_embeddings=4096,
+        ),
+    ),
+    # Zamba2: one shared block at every hybrid layer, no q/k/v adapters (the MLP's remain), NoPE,
+    # untied lm_head, conv 3, chunk 8.
+    "zamba2_single": (
+        "Zamba2Config",
+        "Zamba2ForCausalLM",
+        dict(
+            vocab_size=301,
+            hidden_size=40,
+            intermediate_size=56,
+            num_hidden_layers=4,
+            layers_block_type=["hybrid", "mamba", "hybrid", "mamba"],
+            num_attention_heads=5,
+            num_key_value_heads=5,
+            num_mem_blocks=1,
+            use_shared_attention_adapter=False,
+            adapter_rank=6,
+            use_mem_rope=False,
+            n_mamba_heads=5,
+            mamba_d_state=6,
+            mamba_ngroups=1,
+            mamba_d_conv=3,
+            chunk_size=8,
+            time_step_min=1e-6,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+        ),
+    ),
 }
 
 

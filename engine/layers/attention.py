@@ -80,9 +80,11 @@ class Attention(nn.Module):
         v: torch.Tensor,
         md: Mamba2Metadata,
         cache: StateCache,
+        kv_index: int | None = None,
     ) -> torch.Tensor:
         """q: (T, heads * head_dim), k, v: (T, kv_heads * head_dim) projected rows. Stores K/V
-        (rotated when this layer has rotary) and returns (T, heads * head_dim) before o_proj."""
+        (rotated when this layer has rotary) and returns (T, heads * head_dim) before o_proj.
+        kv_index: the KV pool of this use when one module serves several depths (Zamba2)."""
         fm = md.forward
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
@@ -90,7 +92,7 @@ class Attention(nn.Module):
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = cache.kv_layer(self.kv_index)
+        k_cache, v_cache = cache.kv_layer(self.kv_index if kv_index is None else kv_index)
         if self.inv_freq is not None:
             # A few cos/sin per token per layer: cheaper than threading a shared table through.
             cos, sin = rotary_cos_sin(fm.batch.positions, self.inv_freq)

@@ -104,6 +104,7 @@ def read_config(r: ConfigReader) -> ModelConfig:
         mamba_norm=norm,
         mamba_ssm_cache_dtype="float32",
         moe=None,
+        shared_blocks=None,
         num_nextn_predict_layers=0,
         eos_token_ids=r.eos_token_ids(),
         bos_token_id=r.opt("bos_token_id"),

@@ -92,6 +92,7 @@ def read_config(r: ConfigReader) -> ModelConfig:
         **NO_FALCON_MULTIPLIERS,
         **read_mamba_keys(r, hidden),
         moe=moe,
+        shared_blocks=None,
         num_nextn_predict_layers=0,
         eos_token_ids=r.eos_token_ids(),
         bos_token_id=r.opt("bos_token_id"),

@@ -108,6 +108,7 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         mamba_norm="gated",
         mamba_ssm_cache_dtype=opt("mamba_ssm_cache_dtype") or "float32",
         moe=_moe_config(r) if "moe" in layer_types else None,
+        shared_blocks=None,
         num_nextn_predict_layers=int(opt("num_nextn_predict_layers") or 0),
         eos_token_ids=r.eos_token_ids(),
         bos_token_id=opt("bos_token_id"),

@@ -22,6 +22,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "BambaForCausalLM": ("bamba", "engine.models.bamba"),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "engine.models.granite_moe_hybrid"),
     "FalconH1ForCausalLM": ("falcon_h1", "engine.models.falcon_h1"),
+    "Zamba2ForCausalLM": ("zamba2", "engine.models.zamba2"),
 }
 
 
