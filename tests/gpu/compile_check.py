@@ -63,7 +63,7 @@ def run_launchers(dtype: torch.dtype, dims: dict) -> None:
     from kernels.attention import build_attention_layout
     from kernels.conv1d import build_conv_layout
     from kernels.ssd import build_chunk_layout
-    from kernels.triton_attention import paged_attention_triton
+    from kernels.triton_attention import paged_attention_triton, rotary_store_kv_triton
     from kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
     from kernels.triton_norm import gated_rms_norm_triton, rms_norm_triton
     from kernels.triton_ssd import ssd_scan_triton
@@ -105,6 +105,11 @@ def run_launchers(dtype: torch.dtype, dims: dict) -> None:
     paged_attention_triton(q[:2], k_cache, v_cache, decode, 0.1, num_splits=4)
     extend = build_attention_layout(seq_lens, [100, 50], kv_indices, "cpu")
     paged_attention_triton(q, k_cache, v_cache, extend, 0.1)
+    k_new, v_new = torch.randn(T, KVH, Dh).to(dtype), torch.randn(T, KVH, Dh).to(dtype)
+    token_slots = torch.arange(100, 100 + T)
+    for rotary_dim in (Dh, Dh // 2):  # whole-head and partial rotary
+        cos, sin = torch.randn(T, rotary_dim // 2), torch.randn(T, rotary_dim // 2)
+        rotary_store_kv_triton(q, k_new, v_new, cos, sin, k_cache, v_cache, token_slots)
     hidden, inter = dims["hidden"], H * P
     rms_norm_triton(torch.randn(3, hidden).to(dtype), torch.randn(hidden).to(dtype), 1e-5)
     y, z = torch.randn(3, inter).to(dtype), torch.randn(3, inter).to(dtype)
