@@ -1,4 +1,4 @@
-"""`baton` command line: one subcommand per tool (`serve`, `router`, `up`, `eval`)."""
+"""`baton` command line: one subcommand per tool (`serve`, `router`, `up`, `eval`, `bench`)."""
 
 from __future__ import annotations
 
@@ -229,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.gsm8k import add_eval_parser  # bench/ is a client of baton; only the CLI imports it
 
     add_eval_parser(subparsers)
+    from bench.cli import add_bench_parser
+
+    add_bench_parser(subparsers)
     return parser
 
 

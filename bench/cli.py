@@ -1,0 +1,150 @@
+"""`baton bench ...` (registered by server/cli.py, the only place that imports bench/)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+
+import httpx
+
+from bench.serve_metrics import SLO_METRICS
+
+
+def _slo(text: str) -> tuple[str, float]:
+    name, _, value = text.partition(":")
+    if name not in SLO_METRICS or not value:
+        raise argparse.ArgumentTypeError(
+            f"expected METRIC:MS with METRIC in {list(SLO_METRICS)}, got {text!r}"
+        )
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {value!r} is not a number") from None
+
+
+def add_bench_parser(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks against a running server")
+    kinds = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
+    from bench import serve
+
+    parser = kinds.add_parser(
+        "serve",
+        help="serving load test: TTFT, TPOT, ITL, throughput, goodput (like `vllm bench serve`)",
+        description=serve.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    parser.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        choices=["/v1/completions", "/v1/chat/completions"],
+        help="API route (default: /v1/completions)",
+    )
+    parser.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    parser.add_argument("--api-key", help="sent as `Authorization: Bearer KEY`")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt length (default: 128)")
+    parser.add_argument("--output-len", type=int, default=64, help="max_tokens (default: 64)")
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform within this fraction of --input-len/--output-len (default: 0)",
+    )
+    parser.add_argument(
+        "--prompt-kind",
+        choices=["ids", "text"],
+        default="ids",
+        help="random token ids (exact lengths) or random words (default: ids)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=1000,
+        help="token ids are drawn from [3, this) (default: 1000)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (default: inf, all at once)",
+    )
+    parser.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="send ignore_eos (baton, vLLM) for exact lengths"
+    )
+    parser.add_argument(
+        "--num-warmups", type=int, default=1, help="untimed requests sent first (default: 1)"
+    )
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        type=_slo,
+        default=[],
+        metavar="METRIC:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="prompts and arrivals (default: 0)")
+    parser.add_argument("--result-json", type=Path, help="write the summary and records here")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    parser.set_defaults(handler=_run_serve_bench)
+
+
+def _first_model(base_url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def _run_serve_bench(namespace: argparse.Namespace) -> int:
+    from bench.serve import BenchConfig, run_benchmark, synthetic_prompts
+    from bench.serve_metrics import format_summary
+
+    base_url = namespace.base_url.rstrip("/")
+    try:
+        model = namespace.model or _first_model(base_url, namespace.api_key)
+        prompts = synthetic_prompts(
+            num_prompts=namespace.num_prompts,
+            input_len=namespace.input_len,
+            output_len=namespace.output_len,
+            range_ratio=namespace.range_ratio,
+            kind=namespace.prompt_kind,
+            vocab_size=namespace.vocab_size,
+            seed=namespace.seed,
+        )
+        config = BenchConfig(
+            base_url=base_url,
+            endpoint=namespace.endpoint,
+            model=model,
+            prompts=prompts,
+            request_rate=namespace.request_rate,
+            max_concurrency=namespace.max_concurrency,
+            ignore_eos=namespace.ignore_eos,
+            num_warmups=namespace.num_warmups,
+            slos_ms=dict(namespace.goodput),
+            api_key=namespace.api_key,
+            seed=namespace.seed,
+            progress=not namespace.no_progress,
+        )
+        result = asyncio.run(run_benchmark(config))
+    except (ValueError, RuntimeError, httpx.HTTPError) as error:
+        print(f"baton bench serve: {error}", file=sys.stderr)
+        return 1
+    print(format_summary(result))
+    if namespace.result_json:
+        settings = {
+            key: value
+            for key, value in vars(namespace).items()
+            if key not in ("handler", "api_key", "result_json")
+        }
+        settings["goodput"] = dict(namespace.goodput)
+        settings["model"] = model
+        if math.isinf(namespace.request_rate):
+            settings["request_rate"] = "inf"  # JSON has no infinity
+        namespace.result_json.write_text(json.dumps({"config": settings, **result}, indent=1))
+    return 0 if result["completed"] else 1

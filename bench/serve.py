@@ -1,0 +1,229 @@
+"""`baton bench serve`: load an OpenAI-compatible server and report TTFT, TPOT, ITL, throughput.
+
+Works against any `/v1/completions` (or `/v1/chat/completions`) server: `baton serve`, a
+`baton router` in front of a prefill/decode pair, vLLM's OpenAI server. Requests arrive as a
+Poisson process at `--request-rate` (inf: all at once), at most `--max-concurrency` in flight;
+prompts are synthetic, of `--input-len` tokens (token ids, exact) or words (text, about that
+many tokens), their lengths drawn uniformly within `--range-ratio` of the given one. Every
+request streams with `stream_options.include_usage`, so output tokens are the server's count.
+Metric definitions are those of `vllm bench serve`; see bench/serve_metrics.py.
+
+    baton bench serve --base-url http://127.0.0.1:8000 --num-prompts 64 --input-len 128 \
+        --output-len 64 --ignore-eos --request-rate 4 --goodput ttft:500 tpot:50 --result-json out.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from bench.serve_metrics import RequestRecord, summarize
+
+PromptKind = Literal["ids", "text"]
+Clock = Callable[[], float]
+
+# Text prompts draw from short common words, most of which are one token in BPE vocabularies.
+_WORDS = (
+    "the of and to in is it you that he was for on are as with his they at be this have from "
+    "or one had by word but not what all were we when your can said there use an each which "
+    "she do how their if will up other about out many then them these so some her would make "
+    "like him into time has look two more write go see number no way could people my than first"
+).split()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchPrompt:
+    prompt: list[int] | str
+    prompt_len: int  # tokens (ids) or words (text) asked for
+    output_len: int  # max_tokens
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    base_url: str  # server root, e.g. http://127.0.0.1:8000
+    endpoint: Literal["/v1/completions", "/v1/chat/completions"]
+    model: str
+    prompts: list[BenchPrompt]
+    request_rate: float  # requests/s of the Poisson process; math.inf: all at once
+    max_concurrency: int | None  # requests in flight at most (None: no limit)
+    ignore_eos: bool
+    num_warmups: int
+    slos_ms: dict[str, float]  # ttft / tpot / e2el -> limit in ms, for goodput
+    api_key: str | None
+    seed: int
+    progress: bool
+
+
+def synthetic_prompts(
+    *,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    kind: PromptKind,
+    vocab_size: int,
+    seed: int,
+) -> list[BenchPrompt]:
+    """Prompts of random token ids (in [3, vocab_size): past the usual pad/bos/eos) or words;
+    lengths uniform in [len * (1 - range_ratio), len * (1 + range_ratio)] like vLLM's random set."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
+    if input_len < 1 or output_len < 1:
+        raise ValueError("--input-len and --output-len must be >= 1")
+    if kind == "ids" and vocab_size <= 3:
+        raise ValueError(f"--vocab-size must be > 3, got {vocab_size}")
+    rng = np.random.default_rng(seed)
+
+    def lengths(center: int) -> np.ndarray:
+        low = max(1, math.floor(center * (1 - range_ratio)))
+        high = max(low, math.ceil(center * (1 + range_ratio)))
+        return rng.integers(low, high + 1, size=num_prompts)
+
+    prompts = []
+    for n_in, n_out in zip(lengths(input_len), lengths(output_len)):
+        if kind == "ids":
+            prompt: list[int] | str = rng.integers(3, vocab_size, size=n_in).tolist()
+        else:
+            prompt = " ".join(rng.choice(_WORDS, size=n_in).tolist())
+        prompts.append(BenchPrompt(prompt=prompt, prompt_len=int(n_in), output_len=int(n_out)))
+    return prompts
+
+
+def arrival_gaps(num_prompts: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds to wait after sending each request: exponential gaps (a Poisson process)."""
+    if request_rate <= 0:
+        raise ValueError(f"--request-rate must be > 0, got {request_rate}")
+    if math.isinf(request_rate):
+        return [0.0] * num_prompts
+    return np.random.default_rng(seed + 1).exponential(1.0 / request_rate, num_prompts).tolist()
+
+
+def _payload(config: BenchConfig, prompt: BenchPrompt) -> dict:
+    payload: dict = {
+        "model": config.model,
+        "max_tokens": prompt.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if config.ignore_eos:
+        payload["ignore_eos"] = True  # a vLLM / baton extension of the OpenAI API
+    if config.endpoint == "/v1/chat/completions":
+        if not isinstance(prompt.prompt, str):
+            raise ValueError("the chat endpoint takes text prompts (--prompt-kind text)")
+        payload["messages"] = [{"role": "user", "content": prompt.prompt}]
+    else:
+        payload["prompt"] = prompt.prompt
+    return payload
+
+
+def _failure(prompt: BenchPrompt, error: str, latency: float) -> RequestRecord:
+    return RequestRecord(
+        success=False,
+        error=error,
+        prompt_tokens=prompt.prompt_len,
+        output_tokens=0,
+        ttft=0.0,
+        itl=(),
+        latency=latency,
+    )
+
+
+async def send_request(
+    client: httpx.AsyncClient, config: BenchConfig, prompt: BenchPrompt, clock: Clock
+) -> RequestRecord:
+    """Stream one request. `clock` is read once at the send and once per chunk with choices
+    (the e2e latency ends at the last of them, as in vLLM)."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    start = clock()
+    last = start
+    ttft, gaps, chunks = None, [], 0
+    usage: dict = {}
+    try:
+        async with client.stream(
+            "POST",
+            config.base_url + config.endpoint,
+            json=_payload(config, prompt),
+            headers=headers,
+        ) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                return _failure(prompt, f"HTTP {response.status_code}: {body[:300]}", 0.0)
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    message = chunk["error"].get("message", str(chunk["error"]))
+                    return _failure(prompt, f"stream error: {message}", last - start)
+                if chunk.get("choices"):
+                    now = clock()
+                    if ttft is None:
+                        ttft = now - start
+                    else:
+                        gaps.append(now - last)
+                    last = now
+                    chunks += 1
+                elif chunk.get("usage"):
+                    usage = chunk["usage"]
+    except (httpx.HTTPError, json.JSONDecodeError) as error:
+        return _failure(prompt, f"{type(error).__name__}: {error}", last - start)
+    if ttft is None:
+        return _failure(prompt, "the stream ended without a single token", last - start)
+    return RequestRecord(
+        success=True,
+        error="",
+        prompt_tokens=int(usage.get("prompt_tokens", prompt.prompt_len)),
+        output_tokens=int(usage.get("completion_tokens", chunks)),
+        ttft=ttft,
+        itl=tuple(gaps),
+        latency=last - start,
+    )
+
+
+async def run_benchmark(config: BenchConfig, clock: Clock = time.perf_counter) -> dict:
+    """Warm up, send every prompt on the arrival schedule, and return the summary plus the
+    per-request records (`requests`). Raises RuntimeError when the warm-up fails."""
+    limits = httpx.Limits(max_connections=config.max_concurrency or len(config.prompts) or 1)
+    timeout = httpx.Timeout(None, connect=30.0)
+    semaphore = asyncio.Semaphore(config.max_concurrency or max(1, len(config.prompts)))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+
+        async def limited(prompt: BenchPrompt, clock: Clock) -> RequestRecord:
+            async with semaphore:
+                return await send_request(client, config, prompt, clock)
+
+        if config.num_warmups and config.prompts:
+            warm = await asyncio.gather(
+                *(limited(config.prompts[0], time.perf_counter) for _ in range(config.num_warmups))
+            )
+            failed = [record.error for record in warm if not record.success]
+            if failed:
+                raise RuntimeError(f"warm-up request failed: {failed[0]}")
+        bar = tqdm(total=len(config.prompts), disable=not config.progress, desc="bench serve")
+        gaps = arrival_gaps(len(config.prompts), config.request_rate, config.seed)
+        tasks = []
+        started = clock()
+        for prompt, gap in zip(config.prompts, gaps):
+            task = asyncio.create_task(limited(prompt, clock))
+            task.add_done_callback(lambda _: bar.update(1))
+            tasks.append(task)
+            if gap:
+                await asyncio.sleep(gap)
+        records = await asyncio.gather(*tasks)
+        duration = clock() - started
+        bar.close()
+    summary = summarize(list(records), duration, config.slos_ms)
+    return {**summary, "requests": [{**asdict(r), "itl": list(r.itl)} for r in records]}

@@ -1,0 +1,128 @@
+"""`baton bench serve` metrics: what one streamed request recorded, and the run's summary.
+
+The definitions follow `vllm bench serve` (vllm/benchmarks/serve.py, `calculate_metrics`) and
+SGLang's `bench_serving`, so figures are comparable with theirs:
+
+* TTFT: from sending the request to the first streamed chunk that carries a choice.
+* ITL: the gap between consecutive choice chunks, pooled over all requests (a chunk that holds
+  several tokens is one gap, as in vLLM).
+* TPOT: per request, (e2e latency - TTFT) / (output tokens - 1), for requests with more than
+  one output token; then averaged over requests.
+* E2EL: from sending the request to the end of its stream.
+* Output tokens: the server's `usage.completion_tokens` (requested with
+  `stream_options.include_usage`); a server that sends no usage falls back to the number of
+  choice chunks.
+* Goodput: completed requests that meet every given SLO (TTFT, TPOT, E2EL, in ms), per second.
+* Throughputs divide by the run's duration (first send to last end); failed requests count in
+  `failed` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RequestRecord:
+    """What the client saw of one request; times in seconds from its own send."""
+
+    success: bool
+    error: str  # "" on success
+    prompt_tokens: int  # the server's usage.prompt_tokens (the requested length if absent)
+    output_tokens: int
+    ttft: float  # 0.0 when no chunk arrived
+    itl: tuple[float, ...]  # gaps between consecutive choice chunks
+    latency: float  # e2e
+
+    @property
+    def tpot(self) -> float:
+        if self.output_tokens <= 1:
+            return 0.0
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+def _stats(name: str, values_s: list[float]) -> dict[str, float]:
+    """mean / median / std / p50 / p90 / p99 of `values_s`, in milliseconds (0 when empty)."""
+    values = np.asarray(values_s, dtype=np.float64) * 1000.0 if values_s else np.zeros(1)
+    out = {
+        f"mean_{name}_ms": float(values.mean()),
+        f"median_{name}_ms": float(np.median(values)),
+        f"std_{name}_ms": float(values.std()),
+    }
+    for p in PERCENTILES:
+        out[f"p{p}_{name}_ms"] = float(np.percentile(values, p))
+    return out
+
+
+def meets_slos(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
+    values = {"ttft": record.ttft, "tpot": record.tpot, "e2el": record.latency}
+    return all(values[name] * 1000.0 <= limit for name, limit in slos_ms.items())
+
+
+def summarize(
+    records: list[RequestRecord], duration_s: float, slos_ms: dict[str, float]
+) -> dict[str, float | int]:
+    """The run's summary (vLLM's key names). `slos_ms` maps ttft / tpot / e2el to a limit."""
+    unknown = set(slos_ms) - set(SLO_METRICS)
+    if unknown:
+        raise ValueError(f"unknown SLO metric(s) {sorted(unknown)}; use {list(SLO_METRICS)}")
+    done = [r for r in records if r.success]
+    input_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    summary: dict[str, float | int] = {
+        "duration": duration_s,
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": output_tokens / duration_s,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
+    }
+    if slos_ms:
+        good = sum(meets_slos(r, slos_ms) for r in done)
+        summary["request_goodput"] = good / duration_s
+    summary.update(_stats("ttft", [r.ttft for r in done]))
+    summary.update(_stats("tpot", [r.tpot for r in done if r.output_tokens > 1]))
+    summary.update(_stats("itl", [gap for r in done for gap in r.itl]))
+    summary.update(_stats("e2el", [r.latency for r in done]))
+    return summary
+
+
+def format_summary(summary: dict[str, float | int]) -> str:
+    """The human-readable table, laid out like vLLM's."""
+    lines = [
+        "{:=^60}".format(" Serving Benchmark Result "),
+        f"{'Successful requests:':<40}{summary['completed']:>20}",
+        f"{'Failed requests:':<40}{summary['failed']:>20}",
+        f"{'Benchmark duration (s):':<40}{summary['duration']:>20.2f}",
+        f"{'Total input tokens:':<40}{summary['total_input_tokens']:>20}",
+        f"{'Total generated tokens:':<40}{summary['total_output_tokens']:>20}",
+        f"{'Request throughput (req/s):':<40}{summary['request_throughput']:>20.2f}",
+    ]
+    if "request_goodput" in summary:
+        lines.append(f"{'Request goodput (req/s):':<40}{summary['request_goodput']:>20.2f}")
+    lines += [
+        f"{'Output token throughput (tok/s):':<40}{summary['output_throughput']:>20.2f}",
+        f"{'Total token throughput (tok/s):':<40}{summary['total_token_throughput']:>20.2f}",
+    ]
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
+    for name, title in titles.items():
+        lines.append(f"{title:-^60}")
+        upper = name.upper()
+        lines.append(f"{f'Mean {upper} (ms):':<40}{summary[f'mean_{name}_ms']:>20.2f}")
+        lines.append(f"{f'Median {upper} (ms):':<40}{summary[f'median_{name}_ms']:>20.2f}")
+        for p in PERCENTILES:
+            lines.append(f"{f'P{p} {upper} (ms):':<40}{summary[f'p{p}_{name}_ms']:>20.2f}")
+    lines.append("=" * 60)
+    return "\n".join(lines)

@@ -1,0 +1,267 @@
+"""`baton bench serve`: metrics computed exactly from known chunk timings, errors counted,
+concurrency and arrivals honoured, and a short run against a real `baton serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from bench.serve import BenchConfig, BenchPrompt, arrival_gaps, run_benchmark, synthetic_prompts
+from bench.serve_metrics import RequestRecord, summarize
+from tests.server_process import BATON, free_port, start_server, tiny_model
+
+# -- a scripted OpenAI-compatible server ------------------------------------------------------
+
+# prompt -> what the fake server streams: ("chunks", texts, completion_tokens) or an error.
+SCRIPTS = {
+    "five-tokens-in-three-chunks": ("chunks", ["a", "bc", "de"], 5),
+    "one-token": ("chunks", ["z"], 1),
+    "http-error": ("status", 503),
+    "error-mid-stream": ("midstream", ["x"]),
+}
+
+
+def _sse(payload) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def fake_openai_app(state: dict) -> FastAPI:
+    app = FastAPI()
+    state.setdefault("inflight", 0)
+    state.setdefault("max_inflight", 0)
+    state.setdefault("bodies", [])
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        state["bodies"].append(body)
+        script = SCRIPTS.get(body["prompt"]) if isinstance(body["prompt"], str) else None
+        if script is None:  # token-id prompts: a slow one-chunk answer (concurrency test)
+            script = ("slow", ["t"], 1)
+        if script[0] == "status":
+            return JSONResponse({"error": {"message": "queue full", "code": 503}}, 503)
+
+        async def stream():
+            state["inflight"] += 1
+            state["max_inflight"] = max(state["max_inflight"], state["inflight"])
+            if script[0] == "slow":
+                # Hold every request until a second one is in flight (or 5 s pass), so the
+                # test sees the concurrency limit reached, never exceeded.
+                for _ in range(500):
+                    if state["inflight"] >= 2:
+                        break
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.05)
+            for text in script[1]:
+                choice = {"index": 0, "text": text, "finish_reason": None}
+                yield _sse({"id": "c", "object": "text_completion", "choices": [choice]})
+            state["inflight"] -= 1
+            if script[0] == "midstream":
+                yield _sse({"error": {"message": "engine died", "code": 503}})
+            else:
+                usage = {"prompt_tokens": 7, "completion_tokens": script[2], "total_tokens": 0}
+                yield _sse({"id": "c", "object": "text_completion", "choices": [], "usage": usage})
+            yield _sse("[DONE]")
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture
+def fake_server():
+    state: dict = {}
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(fake_openai_app(state), host="127.0.0.1", port=port, log_level="error")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", state
+    server.should_exit = True
+    thread.join(10)
+
+
+def _config(base_url: str, prompts: list[BenchPrompt], **overrides) -> BenchConfig:
+    fields = dict(
+        base_url=base_url,
+        endpoint="/v1/completions",
+        model="fake",
+        prompts=prompts,
+        request_rate=math.inf,
+        max_concurrency=1,
+        ignore_eos=True,
+        num_warmups=0,
+        slos_ms={},
+        api_key=None,
+        seed=0,
+        progress=False,
+    )
+    fields.update(overrides)
+    return BenchConfig(**fields)
+
+
+def _scripted_clock(times: list[float]):
+    """A clock that returns `times` in order: the instants the script says each read happens."""
+    readings = iter(times)
+    return lambda: next(readings)
+
+
+# Concurrency 1 makes the clock reads a fixed sequence: the run's start, then per request its
+# send and each chunk with choices, then the run's end.
+SCRIPTED_PROMPTS = [
+    "five-tokens-in-three-chunks",  # send 10.0, chunks at 10.25, 10.5, 11.0
+    "one-token",  # send 11.0, chunk at 11.5
+    "http-error",  # send 11.5
+    "error-mid-stream",  # send 11.5, chunk at 11.75, then an error event
+]
+SCRIPTED_TIMES = [10.0, 10.0, 10.25, 10.5, 11.0, 11.0, 11.5, 11.5, 11.5, 11.75, 12.0]
+
+
+def _run_scripted(base_url: str, slos_ms: dict[str, float]) -> dict:
+    prompts = [BenchPrompt(prompt=p, prompt_len=3, output_len=8) for p in SCRIPTED_PROMPTS]
+    config = _config(base_url, prompts, slos_ms=slos_ms)
+    return asyncio.run(run_benchmark(config, clock=_scripted_clock(SCRIPTED_TIMES)))
+
+
+def test_metrics_from_known_chunk_timings_are_exact(fake_server):
+    base_url, state = fake_server
+    result = _run_scripted(base_url, {"ttft": 300.0})
+    assert result["duration"] == 2.0
+    assert (result["completed"], result["failed"]) == (2, 2)
+    # Output tokens are the server's usage count, not the number of chunks (3 + 1).
+    assert result["total_output_tokens"] == 5 + 1
+    assert result["total_input_tokens"] == 7 + 7
+    assert result["output_throughput"] == 3.0
+    assert result["request_throughput"] == 1.0
+    assert result["mean_ttft_ms"] == pytest.approx((250 + 500) / 2, abs=1e-9)
+    # ITL pools the gaps between chunks: 10.25 -> 10.5 -> 11.0.
+    assert result["mean_itl_ms"] == pytest.approx(375.0, abs=1e-9)
+    assert result["p99_itl_ms"] == pytest.approx(250 + 0.99 * 250, abs=1e-9)
+    # TPOT: (latency - ttft) / (tokens - 1) = (1.0 - 0.25) / 4; the 1-token request has none.
+    assert result["mean_tpot_ms"] == pytest.approx(187.5, abs=1e-9)
+    assert result["mean_e2el_ms"] == pytest.approx((1000 + 500) / 2, abs=1e-9)
+    # TTFT <= 300 ms: only the first request is good.
+    assert result["request_goodput"] == 0.5
+    records = result["requests"]
+    assert records[0]["itl"] == [0.25, 0.5]
+    assert records[2]["error"].startswith("HTTP 503") and not records[2]["success"]
+    assert "engine died" in records[3]["error"] and not records[3]["success"]
+    body = state["bodies"][0]
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["max_tokens"] == 8
+
+
+def test_goodput_counts_a_one_token_request_as_meeting_a_tpot_slo(fake_server):
+    """As in vLLM, a request with one output token has TPOT 0 for its SLO check."""
+    base_url, _ = fake_server
+    assert _run_scripted(base_url, {"tpot": 100.0})["request_goodput"] == 0.5
+    assert _run_scripted(base_url, {"tpot": 200.0, "e2el": 999.0})["request_goodput"] == 0.5
+    assert _run_scripted(base_url, {"tpot": 200.0})["request_goodput"] == 1.0
+
+
+def test_max_concurrency_is_reached_and_never_exceeded(fake_server):
+    base_url, state = fake_server
+    prompts = synthetic_prompts(
+        num_prompts=6, input_len=4, output_len=2, range_ratio=0, kind="ids", vocab_size=50, seed=0
+    )
+    result = asyncio.run(run_benchmark(_config(base_url, prompts, max_concurrency=2)))
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert state["max_inflight"] == 2
+
+
+def test_warm_up_failure_is_reported_not_benchmarked(fake_server):
+    base_url, state = fake_server
+    prompts = [BenchPrompt(prompt="http-error", prompt_len=1, output_len=1)]
+    with pytest.raises(RuntimeError, match="warm-up request failed: HTTP 503"):
+        asyncio.run(run_benchmark(_config(base_url, prompts, num_warmups=1)))
+    assert len(state["bodies"]) == 1
+
+
+def test_poisson_arrivals_have_the_requested_rate():
+    gaps = np.array(arrival_gaps(20000, 4.0, seed=3))
+    assert gaps.mean() == pytest.approx(0.25, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)  # exponential: CV = 1
+    assert arrival_gaps(5, math.inf, seed=0) == [0.0] * 5
+    with pytest.raises(ValueError, match="request-rate"):
+        arrival_gaps(5, 0.0, seed=0)
+
+
+def test_synthetic_prompt_lengths_stay_in_range():
+    prompts = synthetic_prompts(
+        num_prompts=200,
+        input_len=100,
+        output_len=10,
+        range_ratio=0.5,
+        kind="ids",
+        vocab_size=9,
+        seed=1,
+    )
+    lengths = [len(p.prompt) for p in prompts]
+    assert min(lengths) >= 50 and max(lengths) <= 150 and len(set(lengths)) > 20
+    assert all(3 <= t < 9 for p in prompts for t in p.prompt)
+    assert all(5 <= p.output_len <= 15 for p in prompts)
+    words = synthetic_prompts(
+        num_prompts=3, input_len=12, output_len=4, range_ratio=0, kind="text", vocab_size=0, seed=1
+    )
+    assert all(len(p.prompt.split()) == 12 for p in words)
+
+
+def test_unknown_slo_metric_is_refused():
+    record = RequestRecord(
+        success=True, error="", prompt_tokens=1, output_tokens=1, ttft=0.1, itl=(), latency=0.1
+    )
+    with pytest.raises(ValueError, match="unknown SLO"):
+        summarize([record], 1.0, {"itl": 5.0})
+
+
+def test_cli_rejects_a_malformed_slo():
+    result = subprocess.run(
+        [str(BATON), "bench", "serve", "--base-url", "http://127.0.0.1:1", "--goodput", "ttft"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and "METRIC:MS" in result.stderr
+
+
+def test_short_run_against_a_real_baton_serve(tmp_path_factory, tmp_path):
+    model = tiny_model(tmp_path_factory)
+    server = start_server(model, tmp_path)
+    try:
+        out = tmp_path / "bench.json"
+        result = subprocess.run(
+            [
+                str(BATON), "bench", "serve", "--base-url", server.base_url,
+                "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
+                "--vocab-size", "320", "--ignore-eos", "--max-concurrency", "2",
+                "--goodput", "e2el:600000", "--no-progress", "--result-json", str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert "Serving Benchmark Result" in result.stdout
+        summary = json.loads(out.read_text())
+    finally:
+        server.stop()
+    assert (summary["completed"], summary["failed"]) == (4, 0)
+    assert summary["total_input_tokens"] == 4 * 16
+    assert summary["total_output_tokens"] == 4 * 8  # ignore_eos honoured, usage counted
+    assert summary["request_goodput"] == summary["request_throughput"] > 0
+    assert all(0 < r["ttft"] <= r["latency"] for r in summary["requests"])
+    assert summary["config"]["model"] == str(model)
