@@ -1,7 +1,8 @@
-"""The engine: model + pools + scheduler + sampler + detokenizers, advanced one step at a time.
+"""The engine: model + pools + scheduler + sampler, advanced one step at a time.
 
 The server's engine process and the offline `LLM` both drive this class:
-`add_request`, `abort_request`, `step() -> [RequestDelta]`, `stats()`.
+`add_request`, `abort_request`, `step() -> [RequestDelta]`, `stats()`. Deltas carry token ids;
+text and stop strings are the next stage's work (engine/detokenizer.py), outside the step loop.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 
 from engine.config import ModelConfig
 from engine.cpu_allocator import keep_freed_memory_in_heap
-from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_handover import HandoverMixin
 from engine.graph_runner import DecodeGraphRunner
 from engine.memory import IndexPool, size_pools
@@ -139,7 +139,6 @@ class Engine(HandoverMixin):
         self.graph_runner = self._make_graph_runner()
         self.sampler = Sampler(args.seed, self.device)
         self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         # request id -> called with the finished Request before its pages and slot are freed
         # (the prefill side of a disaggregated pair snapshots it with export_state)
         self.finish_hooks: dict[str, Callable[[Request], None]] = {}
@@ -243,16 +242,11 @@ class Engine(HandoverMixin):
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = req
-        if self.tokenizer is not None:
-            self.detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_ids, params.stop, params.skip_special_tokens
-            )
         self.prompt_tokens_total += len(prompt_token_ids)
         return req
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
-        self.detokenizers.pop(request_id, None)
         self.finish_hooks.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req, "abort")
@@ -345,7 +339,6 @@ class Engine(HandoverMixin):
         self.generation_tokens_total += 1
         if logprobs is not None:
             req.logprobs.append(logprobs)
-        detok = self.detokenizers.get(req.request_id)
         finish, stop_reason = None, None
         if (
             not params.ignore_eos
@@ -355,10 +348,6 @@ class Engine(HandoverMixin):
             finish = "stop"
         elif token in params.stop_token_ids and len(req.output_ids) > params.min_tokens:
             finish, stop_reason = "stop", token
-        elif detok is not None:
-            detok.add(token)
-            if detok.stopped_by is not None:
-                finish, stop_reason = "stop", detok.stopped_by
         if finish is None and (
             len(req.output_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len
         ):
@@ -369,13 +358,11 @@ class Engine(HandoverMixin):
                 hook(req)  # before its pages and slot are freed
             self.scheduler.finish(req, finish, stop_reason)
             del self.requests[req.request_id]
-            self.detokenizers.pop(req.request_id, None)
-        text = detok.take(final=finish is not None) if detok is not None else ""
         first = len(req.output_ids) == 1
         return RequestDelta(
             request_id=req.request_id,
             new_token_ids=[token],
-            new_text=text,
+            new_text="",  # filled by the detokenizer stage
             new_logprobs=[logprobs] if logprobs is not None else None,
             prompt_logprobs=req.prompt_logprobs
             if first and params.prompt_logprobs is not None

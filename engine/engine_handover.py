@@ -11,7 +11,6 @@ from typing import Protocol
 import torch
 
 from engine.config import ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.handover import HandoverLayout, Preallocation, RequestState
 from engine.memory import OutOfMemory
 from engine.outputs import RequestDelta, TokenLogprobs
@@ -52,7 +51,6 @@ class HandoverMixin:
     sampler: Sampler
     prefix_cache: PrefixCache | None
     requests: dict[str, Request]
-    detokenizers: dict[str, IncrementalDetokenizer]
     finish_hooks: dict[str, Callable[[Request], None]]
     prompt_tokens_total: int
 
@@ -118,7 +116,6 @@ class HandoverMixin:
             self.scheduler.reserve_for_transfer(req)
         except OutOfMemory:  # as if never added: the caller may try again later
             self.requests.pop(request_id)
-            self.detokenizers.pop(request_id, None)
             self.prompt_tokens_total -= len(req.prompt_ids)
             raise
         return Preallocation(

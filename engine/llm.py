@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from engine.detokenizer import OutputDetokenizer
 from engine.engine import Engine, EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -44,6 +45,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         order: list[str] = []
+        detokenizer = OutputDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         outputs: dict[str, RequestOutput] = {}
         for prompt, p in zip(prompts, params):
             ids = self._encode(prompt)
@@ -56,6 +58,8 @@ class LLM:
                 rid = str(self._next_id)
                 self._next_id += 1
                 self.engine.add_request(rid, ids, sample)
+                if detokenizer is not None:
+                    detokenizer.add_request(rid, ids, sample.stop, sample.skip_special_tokens)
                 order.append(rid)
                 outputs[rid] = RequestOutput(
                     request_id=rid,
@@ -70,7 +74,14 @@ class LLM:
                 )
         bar = tqdm(total=len(order), disable=not use_tqdm, desc="Generating")
         while self.engine.has_unfinished_requests():
-            for delta in self.engine.step():
+            for engine_delta in self.engine.step():
+                delta = engine_delta
+                if detokenizer is not None:
+                    delta = detokenizer.process(engine_delta)
+                    if delta is None:
+                        continue  # ended by a stop string already
+                    if delta.finished and not engine_delta.finished:
+                        self.engine.abort_request(delta.request_id)  # a stop string
                 out = outputs[delta.request_id]
                 out.token_ids.extend(delta.new_token_ids)
                 out.text += delta.new_text

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from engine.detokenizer import OutputDetokenizer
 from engine.ipc import (
     AbortRequests,
     AddRequest,
@@ -145,19 +146,29 @@ class EngineClient:
         return message
 
     async def generate(
-        self, requests: list[EngineRequest]
+        self, requests: list[EngineRequest], tokenizer
     ) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Run the requests in the engine; yield (index in `requests`, delta) until all finish.
 
-        Closing the generator early (client gone, one request failed) aborts the unfinished
-        ones in the engine. Raises EngineRejected or EngineUnavailable.
+        The engine sends token ids; their text is made here, with `tokenizer` (Hugging Face),
+        once per token and outside the engine process. A stop string ends a request here and
+        aborts it in the engine. Closing the generator early (client gone, one request failed)
+        aborts the unfinished ones in the engine. Raises EngineRejected or EngineUnavailable.
         """
         if self.unavailable_reason is not None:
             raise EngineUnavailable(self.unavailable_reason)
         queue: asyncio.Queue = asyncio.Queue()
         unfinished = {request.request_id for request in requests}
+        detokenizer = OutputDetokenizer(tokenizer)
         for index, request in enumerate(requests):
             self._routes[request.request_id] = (queue, index)
+            params = request.params
+            detokenizer.add_request(
+                request.request_id,
+                request.prompt_token_ids,
+                params.stop,
+                params.skip_special_tokens,
+            )
         try:
             for request in requests:
                 message = AddRequest(
@@ -173,9 +184,15 @@ class EngineClient:
                 index, item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                if item.finished:
-                    unfinished.discard(item.request_id)
-                yield index, item
+                delta = detokenizer.process(item)
+                if delta is None:
+                    continue  # a step the engine ran before our abort reached it
+                if delta.finished:
+                    unfinished.discard(delta.request_id)
+                    if not item.finished:  # a stop string: the engine would go on
+                        self._routes.pop(delta.request_id, None)
+                        self._send(AbortRequests(request_ids=[delta.request_id]))
+                yield index, delta
         finally:
             for request in requests:
                 self._routes.pop(request.request_id, None)

@@ -131,7 +131,7 @@ async def timed_deltas(
     """The engine's deltas for `requests`, recording TTFT, ITL and e2e latency on the way."""
     metrics = state.metrics
     last_output: dict[int, float] = {}
-    async with contextlib.aclosing(state.client.generate(requests)) as deltas:
+    async with contextlib.aclosing(state.client.generate(requests, state.tokenizer.hf)) as deltas:
         async for index, delta in deltas:
             now = time.monotonic()
             if delta.new_token_ids:

@@ -1,7 +1,8 @@
 """The server's tokenizer: prompts and chat templates to ids, ids to text and to exact bytes.
 
-Generated text itself is detokenized by the engine (RequestDelta.new_text); the server decodes
-single tokens only for logprobs, where OpenAI wants each token's string and raw bytes.
+Generated text is detokenized incrementally by EngineClient.generate (engine/detokenizer.py)
+from the engine's token ids; this class decodes single tokens for logprobs, where OpenAI wants
+each token's string and raw bytes.
 """
 
 from __future__ import annotations

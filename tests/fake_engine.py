@@ -37,7 +37,6 @@ class _FakeRequest:
         self.prompt = prompt
         self.params = params
         self.output: list[int] = []
-        self.emitted_text = ""
 
 
 def fake_token(prompt: list[int], position: int, vocab_size: int) -> int:
@@ -102,10 +101,6 @@ class FakeEngine:
         request.output.append(token)
         self.generation_tokens_total += 1
         finished = len(request.output) >= request.params.max_tokens
-        text = self.tokenizer.decode(request.output)
-        if not finished:
-            text = text.rstrip("\ufffd")  # hold back an incomplete UTF-8 character
-        new_text, request.emitted_text = text[len(request.emitted_text) :], text
         logprobs = None
         if request.params.logprobs is not None:
             alternatives = {
@@ -115,7 +110,7 @@ class FakeEngine:
         return RequestDelta(
             request_id=request.request_id,
             new_token_ids=[token],
-            new_text=new_text,
+            new_text="",  # like the real engine: the server detokenizes
             new_logprobs=logprobs,
             prompt_logprobs=None,
             finished=finished,

@@ -6,6 +6,8 @@ directory is the reference for every greedy text.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -176,6 +178,34 @@ def test_stop_string_ends_the_text_before_it(client, llm):
     )
     assert response.choices[0].text == expected == texts[0]
     assert response.choices[0].finish_reason == "stop" == finish[0]
+
+
+def _metric(server, name: str) -> float:
+    with server.http() as http:
+        for line in http.get("/metrics").text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_stop_string_found_by_the_server_aborts_the_engine_request(server, client, llm):
+    """Stop strings are matched where the text is made (the server); the engine, which would
+    otherwise run to max_tokens, is told to stop."""
+    long = {"temperature": 0, "max_tokens": 200, "extra_body": {"ignore_eos": True}}
+    (reference,) = llm.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    )
+    stop = reference.text[6:9]
+    before = _metric(server, "baton:generation_tokens_total")
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], stop=[stop], **long)
+    assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].text == reference.text[: reference.text.index(stop)]
+    for _ in range(100):  # the engine reports its counters with its next message
+        if _metric(server, "baton:num_requests_running") == 0:
+            break
+        time.sleep(0.05)
+    generated = _metric(server, "baton:generation_tokens_total") - before
+    assert response.usage.completion_tokens <= generated < 100
 
 
 def test_stop_token_id_ends_generation_with_stop(client, llm):
