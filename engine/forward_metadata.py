@@ -17,14 +17,17 @@ Token order inside a batch: all decode sequences first (one token each), then pr
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
-from kernels.attention import AttentionLayout, build_attention_layout
-from kernels.conv1d import ConvLayout, build_conv_layout
-from kernels.ssd import ChunkLayout, build_chunk_layout
+from engine.metadata_buffers import MetadataBuffers, decode_attention_layout, prefill_layouts
+from kernels.attention import AttentionLayout
+from kernels.conv1d import ConvLayout
+from kernels.ssd import ChunkLayout
 
 ForwardMode = Literal["extend", "decode", "mixed", "verify"]
 
@@ -115,11 +118,17 @@ def build_metadata(
     page_size: int,
     chunk_size: int,
     conv_kernel: int,
-    device: torch.device | str,
+    buffers: MetadataBuffers,
+    decode_mask: bool,
     kv_capacity: int | None,
     track_capacity: int | None,
 ) -> Mamba2Metadata:
     """The one builder: every mode, eager and graph capture alike.
+
+    Every per-token and per-sequence index goes through `buffers` (one host-to-device copy of
+    int32s, the decode page table as pages); the decode attention layout is derived on the
+    device. `decode_mask`: build the decode rows' attention mask (only the torch attention path
+    reads it; the C and Triton decode kernels stop at kv_len), else it has width 0.
 
     Eager callers pass kv_capacity=None and track_capacity=None (shapes fit the batch). The decode
     graph runner passes fixed capacities so every tensor has the shape captured in its graph:
@@ -131,32 +140,39 @@ def build_metadata(
     if nd and any(n != 1 for n in lens[:nd]):
         raise ValueError("decode sequences must feed exactly one token each")
     num_seqs = sched.num_seqs
-    max_pages = max((len(p) for p in sched.kv_pages), default=0)
-    if kv_capacity is not None:
-        max_pages = max(max_pages, -(-kv_capacity // page_size))
-    page_table = torch.tensor(
-        [list(p) + [0] * (max_pages - len(p)) for p in sched.kv_pages], dtype=torch.int64
-    ).view(num_seqs, max_pages)  # padding -> dummy page 0
-    lens_t = torch.tensor(lens, dtype=torch.int64)
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), lens_t)
+    lens_np = np.asarray(lens, dtype=np.int64).reshape(num_seqs)
+    starts_np = np.asarray(starts, dtype=np.int64).reshape(num_seqs)
     token_offsets = [0]
     for n in lens:
         token_offsets.append(token_offsets[-1] + n)
-    local = (
-        torch.arange(len(sched.input_ids))
-        - torch.tensor(token_offsets[:-1], dtype=torch.int64)[seq_of_token]
+    seq_of_token = np.repeat(np.arange(num_seqs), lens_np)
+    positions = np.repeat(starts_np - np.asarray(token_offsets[:-1]), lens_np) + np.arange(
+        token_offsets[-1]
     )
-    positions = torch.tensor(starts, dtype=torch.int64)[seq_of_token] + local
+    # Page table as wide as the batch's longest page list (padding -> dummy page 0); it
+    # crosses over as int32 pages, never as a token-level table.
+    page_counts = np.fromiter(map(len, sched.kv_pages), dtype=np.int64, count=num_seqs)
+    num_pages = int(page_counts.max(initial=0))
+    page_table = np.zeros((num_seqs, num_pages), dtype=np.int64)
+    all_pages = np.fromiter(
+        itertools.chain.from_iterable(sched.kv_pages), dtype=np.int64, count=int(page_counts.sum())
+    )
+    page_row = np.repeat(np.arange(num_seqs), page_counts)
+    page_table[
+        page_row,
+        np.arange(len(all_pages)) - np.repeat(np.cumsum(page_counts) - page_counts, page_counts),
+    ] = all_pages
     slot_mapping = (
         page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
     )
-    # Token-slot table: row s lists the cache slot of each of its positions, page by page.
-    token_table = (page_table[:, :, None] * page_size + torch.arange(page_size)).view(num_seqs, -1)
-    num_decode_tokens = nd
+    kv_lens = starts_np + lens_np
 
-    logits_rows = []  # rows of the hidden states projected to logits
-    owners = []  # sequence owning each of those rows
-    for s in range(sched.num_seqs):
+    logits_rows: list[int] = []  # rows of the hidden states projected to logits
+    owners: list[int] = []  # sequence owning each of those rows
+    if not sched.prompt_logprob_seqs:  # the common case: each sampled sequence's last row
+        owners = sorted(sched.logits_seqs)
+        logits_rows = [token_offsets[s + 1] - 1 for s in owners]
+    for s in range(sched.num_seqs) if sched.prompt_logprob_seqs else ():
         if s in sched.prompt_logprob_seqs:
             rows = range(token_offsets[s], token_offsets[s + 1])
         elif s in sched.logits_seqs:
@@ -166,32 +182,16 @@ def build_metadata(
         logits_rows.extend(rows)
         owners.extend([s] * len(rows))
 
-    batch = ForwardBatch(
-        mode=sched.mode,
-        num_seqs=sched.num_seqs,
-        num_decode_seqs=nd,
-        num_decode_tokens=num_decode_tokens,
-        input_ids=torch.tensor(sched.input_ids, dtype=torch.int64, device=device),
-        positions=positions.to(device),
-        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
-        logits_row_owner=tuple(owners),
-    )
-    kv_lens = [start + n for start, n in zip(starts, lens)]
-    forward = ForwardMetadata(
-        batch=batch,
-        slot_mapping=slot_mapping.to(device),
-        decode_attention=build_attention_layout(
-            list(lens[:nd]), kv_lens[:nd], token_table[:nd], device, kv_width=kv_capacity
-        ),
-        prefill_attention=build_attention_layout(
-            list(lens[nd:]), kv_lens[nd:], token_table[nd:], device
-        ),
-    )
-
     prefill_lens, prefill_starts = list(lens[nd:]), list(starts[nd:])
-    chunk_layout = build_chunk_layout(prefill_lens, prefill_starts, chunk_size, device)
+    num_chunks = max(
+        (
+            (p % chunk_size + n + chunk_size - 1) // chunk_size
+            for p, n in zip(prefill_starts, prefill_lens)
+        ),
+        default=0,
+    )
     track_conv, track_src, track_dst, num_decode_tracks = _track_indices(
-        sched, chunk_layout.num_chunks, chunk_size, token_offsets
+        sched, num_chunks, chunk_size, token_offsets
     )
     if track_capacity is not None and sched.has_mamba_track_mask:
         if len(track_dst) > track_capacity or num_decode_tracks != len(track_dst):
@@ -205,17 +205,68 @@ def build_metadata(
             track_dst + [0] * pad,
         )
         num_decode_tracks = track_capacity
+
+    ints, longs = buffers.stage(
+        [
+            np.asarray(sched.input_ids, dtype=np.int64),
+            positions,
+            slot_mapping,
+            np.asarray(logits_rows, dtype=np.int64),
+            np.asarray(sched.mamba_slots, dtype=np.int64),
+            kv_lens[:nd],
+            np.asarray(track_conv, dtype=np.int64),
+            np.asarray(track_src, dtype=np.int64),
+            np.asarray(track_dst, dtype=np.int64),
+            page_table[:nd].reshape(-1),
+        ]
+    )
+    input_ids, positions_d, slot_mapping_d, logits_d, slots = longs[:5]
+    track_conv_d, track_src_d, track_dst_d = longs[6:9]
+    decode_kv_lens_d, decode_pages_d = ints[5], ints[9]
+    batch = ForwardBatch(
+        mode=sched.mode,
+        num_seqs=sched.num_seqs,
+        num_decode_seqs=nd,
+        num_decode_tokens=nd,
+        input_ids=input_ids,
+        positions=positions_d,
+        logits_indices=logits_d,
+        logits_row_owner=tuple(owners),
+    )
+    prefill_attention, chunk_layout, conv_layout = prefill_layouts(
+        buffers,
+        prefill_lens,
+        prefill_starts,
+        kv_lens[nd:].tolist(),
+        page_table[nd:],
+        page_size=page_size,
+        chunk_size=chunk_size,
+        conv_kernel=conv_kernel,
+    )
+    forward = ForwardMetadata(
+        batch=batch,
+        slot_mapping=slot_mapping_d,
+        decode_attention=decode_attention_layout(
+            buffers,
+            decode_kv_lens_d,
+            decode_pages_d.view(nd, num_pages),
+            page_size,
+            max_kv=kv_capacity if kv_capacity is not None else int(kv_lens[:nd].max(initial=0)),
+            with_mask=decode_mask,
+        ),
+        prefill_attention=prefill_attention,
+    )
     return Mamba2Metadata(
         forward=forward,
-        decode_slots=torch.tensor(sched.mamba_slots[:nd], dtype=torch.int64, device=device),
-        prefill_slots=torch.tensor(sched.mamba_slots[nd:], dtype=torch.int64, device=device),
+        decode_slots=slots[:nd],
+        prefill_slots=slots[nd:],
         chunk_layout=chunk_layout,
-        conv_layout=build_conv_layout(prefill_lens, conv_kernel, device),
+        conv_layout=conv_layout,
         has_mamba_track_mask=sched.has_mamba_track_mask,
         num_decode_tracks=num_decode_tracks,
-        track_conv_indices=torch.tensor(track_conv, dtype=torch.int64, device=device),
-        track_ssm_src=torch.tensor(track_src, dtype=torch.int64, device=device),
-        track_ssm_dst=torch.tensor(track_dst, dtype=torch.int64, device=device),
+        track_conv_indices=track_conv_d,
+        track_ssm_src=track_src_d,
+        track_ssm_dst=track_dst_d,
     )
 
 

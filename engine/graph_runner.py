@@ -5,8 +5,11 @@ feed token 0 at position 0 into the dummy KV page 0 and the dummy Mamba slot 0, 
 write lands where no live request reads; a live request never owns page 0 or slot 0 (asserted).
 
 Both capture and replay build metadata with the one `build_metadata` (the builder every eager
-step uses) at fixed capacities, then `copy_from` copies its tensors into the static buffers the
-graph was captured with. Checkpoints (the track mask) work inside graphs: each size is captured
+step uses) at fixed capacities into this runner's MetadataBuffers, allocated once for the
+largest batch and the full KV capacity: one host-to-device copy of int32s per step (the page
+table as pages, as wide as the batch's longest sequence), the decode token table expanded on
+the device in place. `copy_from` then moves what the builder made elsewhere (int64 views) into
+the captured tensors and skips those already built in place. Checkpoints (the track mask) work inside graphs: each size is captured
 twice, without and with the checkpoint copies; the host flag `has_mamba_track_mask` picks the
 graph to replay, and the device-side track buffers hold exactly bs entries, the unused ones
 copying dummy slot 0 onto itself. Capturing both variants keeps the common no-checkpoint step
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from engine.forward_metadata import Mamba2Metadata, ScheduledBatch, TrackPoint, build_metadata
+from engine.metadata_buffers import MetadataBuffers
 from engine.model_runner import ModelRunner
 
 
@@ -37,6 +41,8 @@ def copy_from(static: Any, new: Any) -> None:
     if isinstance(static, torch.Tensor):
         if static.shape != new.shape:
             raise ValueError(f"static buffer {tuple(static.shape)} cannot take {tuple(new.shape)}")
+        if static.data_ptr() == new.data_ptr() and static.stride() == new.stride():
+            return  # built in place (the decode token table): no copy as wide as the capacity
         static.copy_(new)
     elif dataclasses.is_dataclass(static):
         for f in dataclasses.fields(static):
@@ -57,6 +63,20 @@ class DecodeGraphRunner:
         self.max_bs = max_bs
         self.kv_capacity = kv_capacity
         self.use_cuda_graphs = use_cuda_graphs and torch.cuda.is_available()
+        page = runner.cache.page_size
+        # Graphs captured the addresses of these buffers: sized once for the worst step (every
+        # row at full capacity, every row checkpointing), never reallocated.
+        self.buffers = (
+            MetadataBuffers(
+                runner.device,
+                ints=max_bs * (9 + -(-kv_capacity // page)),
+                kv_rows=max_bs,
+                kv_width=-(-kv_capacity // page) * page,
+                fixed=True,
+            )
+            if self.use_cuda_graphs
+            else runner.buffers
+        )
         self.graphs: dict[
             tuple[int, bool], tuple[torch.cuda.CUDAGraph, Mamba2Metadata, torch.Tensor]
         ] = {}
@@ -94,7 +114,8 @@ class DecodeGraphRunner:
             page_size=self.runner.cache.page_size,
             chunk_size=config.chunk_size,
             conv_kernel=config.conv_kernel,
-            device=self.runner.device,
+            buffers=self.buffers,
+            decode_mask=self.runner.decode_reads_mask(),
             # Static key width only matters for graphs; the CPU step keeps it tight.
             kv_capacity=self.kv_capacity if self.use_cuda_graphs else None,
             track_capacity=padded.num_seqs,

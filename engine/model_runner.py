@@ -6,7 +6,10 @@ import torch
 
 from engine.forward_metadata import Mamba2Metadata, ScheduledBatch, build_metadata
 from engine.layers.causal_lm import CausalLM
+from engine.metadata_buffers import MetadataBuffers
 from engine.state_cache import StateCache
+from kernels import cpu_ops
+from kernels.backend import select_backend
 
 
 class ModelRunner:
@@ -15,6 +18,32 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.config = model.config
+        # Eager steps vary in shape: these grow to the largest step seen, then stay.
+        self.buffers = MetadataBuffers(device, ints=4096, kv_rows=16, kv_width=256, fixed=False)
+        # A (1, heads, head_dim) query in the KV dtype: what the decode-kernel choice looks at.
+        self._query_probe = (
+            torch.empty(
+                1,
+                self.config.num_attention_heads,
+                self.config.head_dim,
+                dtype=cache.k[0].dtype,
+                device=device,
+            )
+            if cache.k
+            else None
+        )
+
+    def decode_reads_mask(self) -> bool:
+        """Whether decode attention runs the torch path, the only one that reads a mask (the C
+        and Triton decode kernels stop at each row's kv_len). Asked per step: BATON_KERNELS may
+        change the path."""
+        probe = self._query_probe
+        if probe is None:
+            return False
+        k_cache = self.cache.k[0]
+        if select_backend(probe) == "triton":
+            return False
+        return not cpu_ops.decode_attention_supported(probe, k_cache)
 
     def build(self, sched: ScheduledBatch) -> Mamba2Metadata:
         return build_metadata(
@@ -22,7 +51,8 @@ class ModelRunner:
             page_size=self.cache.page_size,
             chunk_size=self.config.chunk_size,
             conv_kernel=self.config.conv_kernel,
-            device=self.device,
+            buffers=self.buffers,
+            decode_mask=self.decode_reads_mask(),
             kv_capacity=None,
             track_capacity=None,
         )

@@ -19,6 +19,7 @@ from engine.forward_metadata import (
     build_metadata,
 )
 from engine.graph_runner import DecodeGraphRunner
+from engine.metadata_buffers import MetadataBuffers
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.state_cache import StateCache
@@ -143,7 +144,9 @@ def build(sched):
         page_size=PAGE,
         chunk_size=CHUNK,
         conv_kernel=CONV,
-        device="cpu",
+        # Small on purpose: every build grows them (the path eager steps take).
+        buffers=MetadataBuffers("cpu", ints=8, kv_rows=1, kv_width=4, fixed=False),
+        decode_mask=True,
         kv_capacity=None,
         track_capacity=None,
     )
@@ -171,6 +174,8 @@ def graph_runner(kv_capacity: int = 64) -> DecodeGraphRunner:
         config=SimpleNamespace(chunk_size=CHUNK, conv_kernel=CONV),
         cache=SimpleNamespace(page_size=PAGE),
         device="cpu",
+        buffers=MetadataBuffers("cpu", ints=8, kv_rows=1, kv_width=4, fixed=False),
+        decode_reads_mask=lambda: True,
     )
     runner = DecodeGraphRunner(fake, max_bs=8, kv_capacity=kv_capacity, use_cuda_graphs=False)
     runner.use_cuda_graphs = True  # build with the static capacities a CUDA graph uses

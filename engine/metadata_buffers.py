@@ -1,0 +1,176 @@
+"""Buffers the metadata builder fills every step, allocated once per runner.
+
+    host ints (int32, pinned on CUDA)  ──one copy of the used prefix──>  device ints (int32)
+                                                                       └─widened─> device longs (int64)
+    [input_ids | positions | slot_mapping | logits rows | mamba slots | decode kv_lens |
+     track conv | track src | track dst | decode page table (num_decode_seqs x batch pages)]
+
+    device ints' page table ──expanded on the device──> decode token table (rows x width, int64)
+
+One step moves only what its batch holds: the page table is int32 pages, as wide as the batch's
+longest sequence, never a token-level table and never as wide as `max_model_len`, so the bytes
+copied per decode step do not depend on the capacity the engine was sized for. The decode token
+table the attention kernels read lives on the device only; a step writes the columns its pages
+cover and leaves the rest (stale but valid slots, never read: every kernel stops at kv_len).
+
+On the CPU host and device are one tensor and nothing is copied. The int64 fields of the metadata are views of the device longs: a CUDA-graph replay finds them
+already where its graph reads them (same offsets for the same batch size). The buffers grow
+(doubling)
+when a step needs more, except when `fixed`: a CUDA-graph runner sizes them for its largest
+batch and full capacity up front, since its graphs captured their addresses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels.attention import AttentionLayout, build_attention_layout
+from kernels.conv1d import ConvLayout, build_conv_layout
+from kernels.ssd import ChunkLayout, build_chunk_layout
+
+
+class MetadataBuffers:
+    def __init__(
+        self, device: torch.device | str, *, ints: int, kv_rows: int, kv_width: int, fixed: bool
+    ):
+        self.device = torch.device(device)
+        self.fixed = fixed
+        self.last_copy_bytes = 0  # bytes of the latest step's host-to-device copy (0 on CPU)
+        self._copy_done: torch.cuda.Event | None = None
+        self._alloc_ints(ints)
+        self.kv_indices = torch.zeros(kv_rows, kv_width, dtype=torch.int64, device=self.device)
+        # (chunk_size, conv_kernel) -> the empty prefill layouts of decode-only steps
+        self.empty_layouts: dict[tuple[int, int], tuple] = {}
+
+    def _alloc_ints(self, size: int) -> None:
+        on_cuda = self.device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=on_cuda)
+        self.host_np = self.host.numpy()
+        self.ints = (
+            self.host
+            if self.device.type == "cpu"
+            else torch.zeros(size, dtype=torch.int32, device=self.device)
+        )
+        self.longs = torch.zeros(size, dtype=torch.int64, device=self.device)
+
+    def stage(self, parts: list[np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Pack `parts` (1-D integer arrays) into the host buffer, copy the used prefix to the
+        device in one copy, widen it there in one more, and return an int32 and an int64 device
+        view of each part."""
+        total = sum(len(p) for p in parts)
+        if total > self.host.numel():
+            if self.fixed:
+                raise ValueError(
+                    f"step needs {total} metadata ints, buffers hold {self.host.numel()}"
+                )
+            self._alloc_ints(max(total, 2 * self.host.numel()))
+        if self._copy_done is not None:
+            # The previous step's asynchronous copy may still read the pinned buffer.
+            self._copy_done.synchronize()
+        offsets = [0]
+        for part in parts:
+            start = offsets[-1]
+            self.host_np[start : start + len(part)] = part
+            offsets.append(start + len(part))
+        if self.ints is not self.host:
+            self.ints[:total].copy_(self.host[:total], non_blocking=True)
+            if self.device.type == "cuda":
+                self._copy_done = torch.cuda.Event()
+                self._copy_done.record()
+        self.last_copy_bytes = 0 if self.ints is self.host else total * 4
+        self.longs[:total].copy_(self.ints[:total])
+        spans = list(zip(offsets[:-1], offsets[1:]))
+        return [self.ints[a:b] for a, b in spans], [self.longs[a:b] for a, b in spans]
+
+    def decode_token_table(
+        self, page_table: torch.Tensor, page_size: int, width: int
+    ) -> torch.Tensor:
+        """(rows, width) int64 token slots of the decode rows from their int32 page table
+        (rows, pages), expanded on the device into the allocated-once table."""
+        rows, pages = page_table.shape
+        covered = pages * page_size
+        if rows > self.kv_indices.shape[0] or max(width, covered) > self.kv_indices.shape[1]:
+            if self.fixed:
+                raise ValueError(
+                    f"decode table of {rows} x {max(width, covered)} exceeds the fixed "
+                    f"{tuple(self.kv_indices.shape)}"
+                )
+            self.kv_indices = torch.zeros(
+                max(rows, 2 * self.kv_indices.shape[0]),
+                max(width, covered, 2 * self.kv_indices.shape[1]),
+                dtype=torch.int64,
+                device=self.device,
+            )
+        offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
+        table = self.kv_indices[:rows]
+        table[:, :covered].view(rows, pages, page_size).copy_(
+            page_table.to(torch.int64)[:, :, None] * page_size + offsets
+        )
+        return table[:, :width]
+
+
+def prefill_layouts(
+    buffers: MetadataBuffers,
+    lens: list[int],
+    starts: list[int],
+    kv_lens: list[int],
+    page_table: np.ndarray,
+    *,
+    page_size: int,
+    chunk_size: int,
+    conv_kernel: int,
+) -> tuple[AttentionLayout, ChunkLayout, ConvLayout]:
+    """The prefill segment's layouts, by the kernels' own builders (their host token table is
+    as long as the chunks, and prefill steps are few). A decode-only step reuses empty layouts
+    built once, so that nothing but the staged ints crosses over."""
+    device = buffers.device
+    if not lens:
+        key = (chunk_size, conv_kernel)
+        if key not in buffers.empty_layouts:
+            buffers.empty_layouts[key] = (
+                build_attention_layout([], [], torch.zeros(0, 0, dtype=torch.int64), device),
+                build_chunk_layout([], [], chunk_size, device),
+                build_conv_layout([], conv_kernel, device),
+            )
+        return buffers.empty_layouts[key]
+    table = torch.from_numpy(page_table[:, :, None] * page_size + np.arange(page_size))
+    return (
+        build_attention_layout(lens, kv_lens, table.reshape(len(lens), -1), device),
+        build_chunk_layout(lens, starts, chunk_size, device),
+        build_conv_layout(lens, conv_kernel, device),
+    )
+
+
+def decode_attention_layout(
+    buffers: MetadataBuffers,
+    kv_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    *,
+    max_kv: int,
+    with_mask: bool,
+) -> AttentionLayout:
+    """What `build_attention_layout` gives for one query per sequence, built on the device from
+    the staged int32 kv_lens (nd,) and page table (nd, pages): nothing else crosses over."""
+    nd = kv_lens.shape[0]
+    device = buffers.device
+    rows = torch.arange(nd, dtype=torch.int64, device=device)
+    if with_mask:
+        mask = torch.arange(max_kv, device=device)[None, :] < kv_lens[:, None]
+        if max_kv:
+            mask[:, 0] = True  # as build_attention_layout: no all -inf rows
+        mask = mask.view(nd, 1, 1, max_kv)
+    else:
+        mask = torch.ones(nd, 1, 1, 0, dtype=torch.bool, device=device)
+    return AttentionLayout(
+        num_seqs=nd,
+        max_q=1 if nd else 0,
+        max_kv=max_kv,
+        query_start_loc=torch.arange(nd + 1, dtype=torch.int32, device=device),
+        kv_lens=kv_lens,
+        kv_indices=buffers.decode_token_table(page_table, page_size, max_kv),
+        q_slot=rows,
+        slot_q=rows,
+        mask=mask,
+    )
