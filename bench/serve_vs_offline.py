@@ -26,23 +26,10 @@ from pathlib import Path
 import httpx
 
 from bench.offline import CONFIGS, save_model
+from bench.peer import save_word_tokenizer
 from bench.serve import BenchConfig, BenchPrompt, run_benchmark
 
 ENGINE_FLAGS = {"max_running_requests": 64, "max_num_batched_tokens": 2048}
-
-
-def save_word_tokenizer(path: str, vocab_size: int) -> None:
-    """One word per id ("<pad>", "<s>", "</s>", then w3, w4, ...)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.Metaspace()  # a plain joiner: each word comes out as " wN"
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    ).save_pretrained(path)
 
 
 def offline_rate(model_dir: str, dtype: str, prompts: list[list[int]], new: int) -> float:
