@@ -42,6 +42,9 @@ class MetadataBuffers:
         self.kv_indices = torch.zeros(kv_rows, kv_width, dtype=torch.int64, device=self.device)
         # (chunk_size, conv_kernel) -> the empty prefill layouts of decode-only steps
         self.empty_layouts: dict[tuple[int, int], tuple] = {}
+        # decode rows -> (arange(rows) int64, arange(rows + 1) int32): the query layout of one
+        # query per sequence
+        self.decode_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _alloc_ints(self, size: int) -> None:
         on_cuda = self.device.type == "cuda"
@@ -155,7 +158,12 @@ def decode_attention_layout(
     the staged int32 kv_lens (nd,) and page table (nd, pages): nothing else crosses over."""
     nd = kv_lens.shape[0]
     device = buffers.device
-    rows = torch.arange(nd, dtype=torch.int64, device=device)
+    if nd not in buffers.decode_rows:  # per batch size, once: replays find them in place
+        buffers.decode_rows[nd] = (
+            torch.arange(nd, dtype=torch.int64, device=device),
+            torch.arange(nd + 1, dtype=torch.int32, device=device),
+        )
+    rows, query_start_loc = buffers.decode_rows[nd]
     if with_mask:
         mask = torch.arange(max_kv, device=device)[None, :] < kv_lens[:, None]
         if max_kv:
@@ -167,7 +175,7 @@ def decode_attention_layout(
         num_seqs=nd,
         max_q=1 if nd else 0,
         max_kv=max_kv,
-        query_start_loc=torch.arange(nd + 1, dtype=torch.int32, device=device),
+        query_start_loc=query_start_loc,
         kv_lens=kv_lens,
         kv_indices=buffers.decode_token_table(page_table, page_size, max_kv),
         q_slot=rows,

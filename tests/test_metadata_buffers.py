@@ -135,20 +135,24 @@ def test_fixed_buffers_refuse_to_grow():
         buffers.decode_token_table(torch.zeros(2, 1, dtype=torch.int32), PAGE, 4)
 
 
-def test_graph_replay_skips_tensors_built_in_place():
-    """The decode token table is written where the captured graph reads it: copy_from must not
-    copy a capacity-wide table onto itself every step, but still copy everything else."""
+def test_graph_replay_finds_every_tensor_built_in_place(monkeypatch):
+    """With buffers allocated once, a replay's metadata lands where the captured graph reads
+    it: copy_from copies nothing (no capacity-wide table, not even the small index tensors)."""
     buffers = MetadataBuffers("cpu", ints=64, kv_rows=2, kv_width=64, fixed=True)
-    sched = scheduled("decode", track=False)
-    static = _build(sched, buffers, kv_capacity=64)
-    moved = dataclasses.replace(sched, input_ids=(11, 12))
-    new = _build(moved, buffers, kv_capacity=64)
+    sched = scheduled("decode", track=True)
+    kw = dict(decode_mask=False, kv_capacity=64, track_capacity=2)
+    static = _build(sched, buffers, **kw)
+    moved = dataclasses.replace(sched, input_ids=(11, 12), start_positions=(13, 6))
+    new = _build(moved, buffers, **kw)
     calls = []
     original = torch.Tensor.copy_
-    try:
-        torch.Tensor.copy_ = lambda t, s, *a, **k: calls.append(t.shape) or original(t, s, *a, **k)
-        copy_from(static, new)
-    finally:
-        torch.Tensor.copy_ = original
+    monkeypatch.setattr(
+        torch.Tensor,
+        "copy_",
+        lambda t, s, *a, **k: calls.append(t.shape) or original(t, s, *a, **k),
+    )
+    copy_from(static, new)
+    monkeypatch.undo()
+    assert calls == []
     assert static.forward.batch.input_ids.tolist() == [11, 12]
-    assert (2, 64) not in calls
+    assert static.forward.decode_attention.kv_lens.tolist() == [14, 7]
