@@ -330,10 +330,10 @@ class DecodeWorker:
         rooms = [r for r in self.rooms.values() if r.peer == address]
         if rooms:
             logger.warning("lost the connection to prefill worker %s", address)
+        # A peer that never authenticated a message did not "stop": the connection that dropped
+        # may not even have been to a prefill worker (a closed port, or a self-connection).
         for r in rooms:
-            self._fail(
-                r, f"prefill worker {address} stopped answering (connection lost)", notify=False
-            )
+            self._fail(r, f"{peer.silence(address)} (connection lost)", notify=False)
 
     def _refuse(self, address: str, room: str | None, reason: str) -> None:
         """A message from `address` was malformed or unusable: logged and counted, and the room
