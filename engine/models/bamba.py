@@ -25,6 +25,20 @@ from engine.state_cache import StateCache
 HF_CONFIG_CLASS_PATH = "transformers.models.bamba.configuration_bamba.BambaConfig"
 
 
+def read_ssm_keys(r: ConfigReader) -> dict:
+    """The SSM and conv `mamba_*` keys every family named after Bamba's config (Bamba,
+    Granite-4.0-H, Falcon-H1) reads the same way, as ModelConfig fields."""
+    return dict(
+        ssm_state_size=r.opt("mamba_d_state"),
+        n_groups=r.opt("mamba_n_groups"),
+        conv_kernel=r.opt("mamba_d_conv"),
+        chunk_size=r.opt("mamba_chunk_size"),
+        use_conv_bias=bool(r.opt("mamba_conv_bias")),
+        mamba_proj_bias=bool(r.opt("mamba_proj_bias")),
+        time_step_limit=r.time_step_limit(),
+    )
+
+
 def read_mamba_keys(r: ConfigReader, hidden: int) -> dict:
     """The `mamba_*` keys Bamba and Granite-4.0-H share, as ModelConfig fields."""
     n_heads = r.opt("mamba_n_heads")
@@ -40,13 +54,7 @@ def read_mamba_keys(r: ConfigReader, hidden: int) -> dict:
     return dict(
         mamba_num_heads=n_heads,
         mamba_head_dim=head_dim,
-        ssm_state_size=r.opt("mamba_d_state"),
-        n_groups=r.opt("mamba_n_groups"),
-        conv_kernel=r.opt("mamba_d_conv"),
-        chunk_size=r.opt("mamba_chunk_size"),
-        use_conv_bias=bool(r.opt("mamba_conv_bias")),
-        mamba_proj_bias=bool(r.opt("mamba_proj_bias")),
-        time_step_limit=r.time_step_limit(),
+        **read_ssm_keys(r),
         mamba_norm="gated",
         # transformers keeps no other SSM cache dtype for these families; baton's pool default
         mamba_ssm_cache_dtype="float32",

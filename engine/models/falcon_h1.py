@@ -28,7 +28,7 @@ from engine.layers.causal_lm import CausalLM
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
-from engine.models.bamba import read_attention_keys
+from engine.models.bamba import read_attention_keys, read_ssm_keys
 from engine.state_cache import StateCache
 
 HF_CONFIG_CLASS_PATH = "transformers.models.falcon_h1.configuration_falcon_h1.FalconH1Config"
@@ -94,13 +94,7 @@ def read_config(r: ConfigReader) -> ModelConfig:
         mlp_multipliers=floats(r, "mlp_multipliers", 2, (1.0, 1.0)),
         mamba_num_heads=n_heads,
         mamba_head_dim=head_dim,
-        ssm_state_size=r.opt("mamba_d_state"),
-        n_groups=r.opt("mamba_n_groups"),
-        conv_kernel=r.opt("mamba_d_conv"),
-        chunk_size=r.opt("mamba_chunk_size"),
-        use_conv_bias=bool(r.opt("mamba_conv_bias")),
-        mamba_proj_bias=bool(r.opt("mamba_proj_bias")),
-        time_step_limit=r.time_step_limit(),
+        **read_ssm_keys(r),
         mamba_norm=norm,
         mamba_ssm_cache_dtype="float32",
         moe=None,
