@@ -63,6 +63,9 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     mamba_track_interval: int | None = None
+    # CPU threads of the engine process (None: one per core). `baton up` gives each of its two
+    # workers half the cores (engine/cpu_threads.py says why).
+    cpu_threads: int | None = None
     disaggregation_mode: str | None = None  # None (colocated), "prefill" or "decode"
     disagg_host: str = "127.0.0.1"  # prefill: where the transfer socket binds and is advertised
     disagg_port: int = 0  # prefill: transfer port (0: a free one)
@@ -101,6 +104,8 @@ class ServerArgs:
                 " pass --disagg-secret (or set BATON_DISAGG_SECRET) so that only your decode"
                 " workers can talk to it"
             )
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         for name in (*ENGINE_ARG_NAMES, "max_queued_requests"):
             value = getattr(self, name)
             if value is not None and value < 0:

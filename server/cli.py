@@ -103,6 +103,12 @@ def add_serve_parser(subparsers) -> None:
         type=_non_negative_int,
         help="Mamba state slots (one per running request)",
     )
+    engine.add_argument(
+        "--cpu-threads",
+        type=int,
+        help="CPU threads of the engine process (default: one per core; `baton up` gives each "
+        "worker half the cores)",
+    )
     engine.add_argument("--page-size", type=_non_negative_int, help="tokens per KV cache page")
     engine.add_argument(
         "--seed",

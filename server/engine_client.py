@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from engine.cpu_threads import engine_environment
 from engine.detokenizer import OutputDetokenizer
 from engine.ipc import (
     AbortRequests,
@@ -121,7 +122,10 @@ class EngineClient:
             disagg=self.args.disagg_options(),
         )
         module = "engine.process" if spec.disagg is None else "disagg.process"
-        self._process = subprocess.Popen([sys.executable, "-m", module, spec.to_json()])
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", module, spec.to_json()],
+            env=engine_environment(os.environ, self.args.cpu_threads),
+        )
         deadline = asyncio.get_running_loop().time() + self.args.engine_start_timeout
         while not await self._inbox.poll(500):
             if self._process.poll() is not None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from engine.cpu_threads import cores_per_engine
 from server.router import DEFAULT_MAX_CONCURRENT_REQUESTS
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets")
@@ -106,6 +107,9 @@ def run_up(ns) -> int:
     ]
     if ns.served_model_name:
         common += ["--served-model-name", ns.served_model_name]
+    if ns.device == "cpu" and not any(a.split("=")[0] == "--cpu-threads" for a in ns.worker_args):
+        # Two engines on one machine: each gets its own half of the cores (engine/cpu_threads.py).
+        common += ["--cpu-threads", str(cores_per_engine(2))]
     keyed = ["--api-key", ns.api_key] if ns.api_key else []
     common += keyed
     baton = [sys.executable, "-m", "server.cli"]

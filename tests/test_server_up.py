@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.cpu_threads import cores_per_engine
 from tests.server_process import BATON, children_of, free_port, pid_alive, tiny_model
 
 
@@ -80,6 +81,12 @@ def test_up_gives_both_workers_one_random_secret(model_dir, tmp_path):
         assert secrets_seen["decode worker"] == secret and secrets_seen["router"] is None
         for name in ("prefill worker", "decode worker"):  # never on a command line
             assert secret.encode() not in Path(f"/proc/{parts[name]}/cmdline").read_bytes()
+        # Two engines on one machine: each runs on its half of the cores (engine/cpu_threads.py).
+        share = str(cores_per_engine(2))
+        for name in ("prefill engine", "decode engine"):
+            assert environ(parts[name]).get("OMP_NUM_THREADS") == os.environ.get(
+                "OMP_NUM_THREADS", share
+            ), name
         body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
         url = f"http://127.0.0.1:{stack.port}/v1/completions"
         assert httpx.post(url, json=body, timeout=60).status_code == 200
