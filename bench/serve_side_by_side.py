@@ -59,7 +59,7 @@ def server_commands(kind: str, model: str, dtype: str, port: int, vllm_dir: str 
             "--dtype", dtype, "--max-model-len", "2048", "--no-enable-prefix-caching",
             "--max-num-seqs", str(LIMITS["max_running_requests"]),
             "--max-num-batched-tokens", str(LIMITS["max_num_batched_tokens"]),
-            "--disable-log-requests", "--seed", "0"]  # fmt: skip
+            "--disable-uvicorn-access-log", "--seed", "0"]  # fmt: skip
 
 
 def start(command: list[str], port: int, log: Path, timeout_s: float) -> subprocess.Popen:
