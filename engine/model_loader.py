@@ -7,10 +7,13 @@ from pathlib import Path
 
 import torch
 
+from engine import parallel
 from engine.config import ModelConfig
 from engine.layers.causal_lm import CausalLM
 from engine.layers.cpu_backend import prepare_for_cpu
 from engine.models.registry import family_named
+from engine.parallel import TensorParallel
+from engine.tp_shard import check_tp_supported
 from engine.weights import load_into, tensor_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -24,15 +27,22 @@ def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TensorParallel = parallel.SINGLE,
+) -> CausalLM:
+    """tp: this rank's place; every layer is built with, and loads, its shard only."""
     config = ModelConfig.from_hf(model_dir)
+    check_tp_supported(config, tp.size)
     if config.tie_word_embeddings and "lm_head.weight" in tensor_names(model_dir):
         # transformers' NemotronH never ties lm_head to the embeddings (no tied-weight keys), so
         # a checkpoint that carries its own lm_head uses it whatever the config says (the other
         # families tie, and their save_pretrained leaves lm_head out when tied).
         config = dataclasses.replace(config, tie_word_embeddings=False)
     model_class = family_named(config.architecture).model_class
-    with torch.device(device):
+    with torch.device(device), parallel.building(tp):
         model = model_class(config)
     load_into(model, model_dir)
     # Mamba parameters A_log, D, dt_bias and norms stay where they are read in float32 anyway;

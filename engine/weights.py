@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from engine.parallel import shard_rule
+
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -84,7 +86,9 @@ def expert_slot(name: str) -> tuple[str, int] | None:
 
 def load_into(module: torch.nn.Module, model_dir: str | Path, ignore: tuple[str, ...] = ()) -> None:
     """Copy every checkpoint tensor into the parameter of the same name, casting to its dtype;
-    per-expert tensors go into their row of the stacked expert parameter.
+    per-expert tensors go into their row of the stacked expert parameter. A parameter that
+    holds a tensor-parallel shard carries its rule (engine/parallel.py, set by the layer that
+    owns it) and takes only its slice of the checkpoint tensor.
 
     Raises WeightError naming missing tensors (a missing expert by its checkpoint name),
     unexpected tensors and shape mismatches. MTP tensors are skipped with one log line.
@@ -111,6 +115,9 @@ def load_into(module: torch.nn.Module, model_dir: str | Path, ignore: tuple[str,
                 unexpected.append(name)
             continue
         dest = param if index is None else _expert_row(param, index, name, model_dir)
+        rule = shard_rule(param)
+        if rule is not None:
+            tensor = rule(tensor)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise WeightError(
                 f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine import parallel
 from engine.config import RotaryConfig
 from engine.forward_metadata import Mamba2Metadata
 from engine.layers.mlp import fuse_linears
@@ -35,8 +36,13 @@ class Attention(nn.Module):
         kv_index: int,
         key_multiplier: float = 1.0,
     ):
-        """key_multiplier: keys are scaled after k_proj, before the rotary (Falcon-H1)."""
+        """key_multiplier: keys are scaled after k_proj, before the rotary (Falcon-H1).
+        Under tensor parallelism (parallel.current()) this rank holds its query heads and the
+        KV heads they attend with; o_proj is row-parallel, its output all-reduced."""
         super().__init__()
+        self.tp = tp = parallel.current()
+        first_q, num_heads = parallel.split_evenly(num_heads, tp, "num_attention_heads")
+        first_kv, num_kv_heads = parallel.kv_head_part(num_kv_heads, num_heads * tp.size, tp)
         self.kv_index = kv_index
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -47,6 +53,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        if tp.size > 1:
+            q_rows = parallel.Slices(dim=0, ranges=((first_q * head_dim, num_heads * head_dim),))
+            kv_rows = parallel.Slices(
+                dim=0, ranges=((first_kv * head_dim, num_kv_heads * head_dim),)
+            )
+            for proj, rows in (
+                (self.q_proj, q_rows),
+                (self.k_proj, kv_rows),
+                (self.v_proj, kv_rows),
+            ):
+                parallel.shard(proj.weight, rows)
+                parallel.shard(proj.bias, rows)
+            parallel.shard(self.o_proj.weight, parallel.Slices(dim=1, ranges=q_rows.ranges))
+            parallel.shard(self.o_proj.bias, parallel.FirstRankOnly(rank=tp.rank))
         self.qkv_proj: PackedLinear | None = None  # CPU: q, k, v in one packed matmul
         self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         self.inv_freq: torch.Tensor | None = None
@@ -71,7 +91,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
-        return self.o_proj(self.attend(q, k, v, md, cache))
+        return self.tp.all_reduce(self.o_proj(self.attend(q, k, v, md, cache)))
 
     def attend(
         self,

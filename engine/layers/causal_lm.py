@@ -1,14 +1,42 @@
 """What every family's `...ForCausalLM` shares: a backbone that maps the batch to final hidden
-states, an lm_head (tied to the embeddings or not), logits for the sampled rows only."""
+states, an lm_head (tied to the embeddings or not), logits for the sampled rows only; and the
+vocab-parallel embedding.
+
+Under tensor parallelism the vocabulary is cut in equal parts (the last padded with zero rows):
+each rank embeds the ids in its part (zeros elsewhere, all-reduced) and computes the logits of
+its part, which rank 0 gathers.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from engine import parallel
 from engine.config import ModelConfig
 from engine.forward_metadata import Mamba2Metadata
 from engine.state_cache import StateCache
+
+
+class VocabParallelEmbedding(nn.Module):
+    """nn.Embedding's `weight` name and result; at TP > 1 this rank's rows of the table."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.tp = tp = parallel.current()
+        self.first, rows = parallel.padded_part(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        if tp.size > 1:
+            parallel.shard(self.weight, parallel.Slices(dim=0, ranges=((self.first, rows),)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside[:, None], 0.0))
 
 
 class CausalLM(nn.Module):
@@ -19,16 +47,23 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = backbone
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp = parallel.current()
+        first, rows = parallel.padded_part(config.vocab_size, tp)
+        self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
+        if tp.size > 1:
+            parallel.shard(self.lm_head.weight, parallel.Slices(dim=0, ranges=((first, rows),)))
         self.tied_parameters: tuple[str, ...] = ()
         if config.tie_word_embeddings:
             self.lm_head.weight = getattr(self.model, embedding_name).weight
             self.tied_parameters = ("lm_head.weight",)
 
     def forward(self, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
-        """Returns float32 logits for the rows `md.forward.batch.logits_indices`."""
+        """Returns float32 logits for the rows `md.forward.batch.logits_indices` (at TP > 1 on
+        rank 0; the other ranks return their vocabulary part, which nobody reads)."""
         hidden = self.model(md, cache)
         logits = self.lm_head(hidden[md.forward.batch.logits_indices])
+        if self.tp.size > 1:
+            logits = self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]
         # In the model dtype, as transformers: Granite divides, Falcon-H1 multiplies.
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling

@@ -14,9 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine import parallel
 from engine.config import ModelConfig
 from engine.forward_metadata import Mamba2Metadata
 from engine.state_cache import StateCache
+from engine.tp_shard import mamba_shard
 from kernels import cpu_ops
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.norm import gated_rms_norm, group_rms_norm
@@ -31,14 +33,18 @@ class Mamba2Mixer(nn.Module):
 
     def __init__(self, config: ModelConfig, mamba_index: int):
         super().__init__()
+        # Under tensor parallelism this rank holds its heads and groups (engine/tp_shard.py);
+        # the norm's group size stays the model's, spanning the ranks when n_groups == 1.
+        self.tp = tp = parallel.current()
+        self.shard = mamba_shard(config, tp)
         self.mamba_index = mamba_index
-        self.num_heads = H = config.mamba_num_heads
+        self.num_heads = H = self.shard.num_heads
         self.head_dim = config.mamba_head_dim
-        self.n_groups = config.n_groups
+        self.n_groups = self.shard.num_groups
         self.d_state = config.ssm_state_size
-        self.intermediate = config.mamba_intermediate
-        self.conv_dim = config.conv_dim
-        self.group_size = self.intermediate // self.n_groups
+        self.intermediate = H * self.head_dim
+        self.conv_dim = self.intermediate + 2 * self.n_groups * self.d_state
+        self.group_size = config.mamba_intermediate // config.n_groups
         self.eps = config.norm_eps
         self.dt_limit = config.time_step_limit
         self.in_proj = nn.Linear(
@@ -71,6 +77,26 @@ class Mamba2Mixer(nn.Module):
             self.intermediate, config.hidden_size, bias=config.mamba_proj_bias
         )
         self.frozen: cpu_ops.MambaDecodeParams | None = None
+        if tp.size > 1:
+            self.shard_parameters()
+
+    def shard_parameters(self) -> None:
+        """Attach each parameter's slice of the checkpoint (column-parallel in, row-parallel
+        out_proj whose bias rank 0 alone adds)."""
+        rows = self.shard.in_proj_rows
+        parallel.shard(self.in_proj.weight, parallel.Slices(dim=0, ranges=rows))
+        parallel.shard(self.in_proj.bias, parallel.Slices(dim=0, ranges=rows))
+        channels = parallel.Slices(dim=0, ranges=self.shard.conv_channels)
+        parallel.shard(self.conv1d.weight, channels)
+        parallel.shard(self.conv1d.bias, channels)
+        heads = parallel.Slices(dim=0, ranges=((self.shard.first_head, self.num_heads),))
+        for param in (self.dt_bias, self.A_log, self.D):
+            parallel.shard(param, heads)
+        width = rows[0]  # this rank's z rows: its heads' channels of the intermediate
+        if self.norm_mode != "none":
+            parallel.shard(self.norm.weight, parallel.Slices(dim=0, ranges=(width,)))
+        parallel.shard(self.out_proj.weight, parallel.Slices(dim=1, ranges=(width,)))
+        parallel.shard(self.out_proj.bias, parallel.FirstRankOnly(rank=self.tp.rank))
 
     def split_xbc(self, xbc: torch.Tensor):
         gn = self.n_groups * self.d_state
@@ -128,11 +154,17 @@ class Mamba2Mixer(nn.Module):
             parts.append(normed)
         if md.has_mamba_track_mask:
             self.checkpoint(md, conv_pool, ssm_pool, windows, chunk_states)
-        return self.out_proj(parts[0] if len(parts) == 1 else torch.cat(parts))
+        return self.tp.all_reduce(self.out_proj(parts[0] if len(parts) == 1 else torch.cat(parts)))
 
     def decode(self, zxbcdt, md: Mamba2Metadata, conv_pool, ssm_pool) -> torch.Tensor:
-        if cpu_ops.mamba_decode_supported(zxbcdt, conv_pool, ssm_pool):
-            return cpu_ops.mamba_decode_cpu(
+        # A norm spanning the ranks: the fused step gates only, the variance is all-reduced here
+        # (norm_then_gate needs y before the gate: the torch path below).
+        across = self.shard.norm_across_ranks
+        fused_norm = "none" if across else self.norm_mode
+        if (not across or self.norm_mode == "gated") and cpu_ops.mamba_decode_supported(
+            zxbcdt, conv_pool, ssm_pool
+        ):
+            gated = cpu_ops.mamba_decode_cpu(
                 zxbcdt,
                 conv_pool,
                 ssm_pool,
@@ -145,8 +177,9 @@ class Mamba2Mixer(nn.Module):
                 n_groups=self.n_groups,
                 d_state=self.d_state,
                 norm_group=self.group_size,
-                norm_mode=self.norm_mode,
+                norm_mode=fused_norm,
             )
+            return self.norm_across_ranks(gated.float(), gated.dtype) if across else gated
         z, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         xbc = causal_conv1d_update(
             xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_pool, md.decode_slots
@@ -200,12 +233,25 @@ class Mamba2Mixer(nn.Module):
 
     def gate(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         y = y.reshape(z.shape[0], self.intermediate)
+        if self.shard.norm_across_ranks:
+            silu_z = torch.nn.functional.silu(z.float())
+            if self.norm_mode == "gated":
+                return self.norm_across_ranks(y.float() * silu_z, y.dtype)
+            return (self.norm_across_ranks(y.float(), torch.float32) * silu_z).to(z.dtype)
         if self.norm_mode == "gated":
             return gated_rms_norm(y, z, self.norm.weight, self.eps, self.group_size)
         if self.norm_mode == "norm_then_gate":
             normed = group_rms_norm(y, self.norm.weight, self.eps, self.group_size)
             return (normed * torch.nn.functional.silu(z.float())).to(z.dtype)
         return (y.float() * torch.nn.functional.silu(z.float())).to(z.dtype)
+
+    def norm_across_ranks(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """h: (T, local intermediate) float32. RMS-normalise over the whole intermediate, which
+        the ranks hold in pieces (one group replicated): the sum of squares is all-reduced.
+        Same rounding as kernels.norm's gated norm: weight applied after casting to `dtype`."""
+        squares = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
+        h = h * torch.rsqrt(squares / self.group_size + self.eps)
+        return self.norm.weight * h.to(dtype)
 
     def checkpoint(self, md, conv_pool, ssm_pool, windows, chunk_states) -> None:
         """Copy the conv window and SSM state at each track point into its checkpoint slot.

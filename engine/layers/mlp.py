@@ -7,22 +7,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import parallel
 from kernels.linear import PackedLinear
 
 
 class ReluSquaredMLP(nn.Module):
-    """down_proj(relu(up_proj(x))²): NemotronH's `mlp` block and its MoE's shared expert."""
+    """down_proj(relu(up_proj(x))²): NemotronH's `mlp` block and its MoE's shared expert.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+    Under tensor parallelism up_proj is column-parallel and down_proj row-parallel: each rank
+    holds a slice of the intermediate and the partial outputs are all-reduced, here or, with
+    reduce_output=False, by the owner (the MoE sums its parts first: one all-reduce)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        reduce_output: bool = True,
+        what: str = "intermediate_size",
+    ):
         super().__init__()
+        self.tp = tp = parallel.current()
+        self.reduce_output = reduce_output
+        first, intermediate_size = parallel.split_evenly(intermediate_size, tp, what)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        if tp.size > 1:
+            part = ((first, intermediate_size),)
+            parallel.shard(self.up_proj.weight, parallel.Slices(dim=0, ranges=part))
+            parallel.shard(self.up_proj.bias, parallel.Slices(dim=0, ranges=part))
+            parallel.shard(self.down_proj.weight, parallel.Slices(dim=1, ranges=part))
+            parallel.shard(self.down_proj.bias, parallel.FirstRankOnly(rank=tp.rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up_proj(x)
         if getattr(self.up_proj, "activation", "none") != "relu":
             up = torch.relu(up)
-        return self.down_proj(up.square())
+        out = self.down_proj(up.square())
+        return self.tp.all_reduce(out) if self.reduce_output else out
 
     def pack_for_cpu(self) -> None:
         """relu fused into the up projection's packed matmul (kernels/linear.py)."""

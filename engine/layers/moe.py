@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine import parallel
 from engine.config import MoEConfig
 from engine.layers.mlp import ReluSquaredMLP
 from kernels.moe import (
@@ -54,13 +55,25 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    """Under tensor parallelism every rank holds every expert, with a slice of its
+    intermediate (vLLM's default, not expert parallelism): all ranks do equal work whatever
+    the routing picks, and the partial outputs join the MoE's one all-reduce."""
+
     def __init__(self, width: int, config: MoEConfig):
         super().__init__()
-        E, inter = config.num_experts, config.intermediate_size
+        tp = parallel.current()
+        first, inter = parallel.split_evenly(config.intermediate_size, tp, "moe_intermediate_size")
+        E, full = config.num_experts, config.intermediate_size
         up_rows = 2 * inter if config.activation == "swiglu" else inter
         self.activation = config.activation
         self.up_proj = nn.Parameter(torch.zeros(E, up_rows, width))
         self.down_proj = nn.Parameter(torch.zeros(E, width, inter))
+        if tp.size > 1:
+            # Rules on the last two dims: they fit one expert's (out, in) checkpoint tensor and
+            # the stacked (E, out, in) alike. swiglu rows are [gate | up].
+            up = ((first, inter), (full + first, inter)) if up_rows > inter else ((first, inter),)
+            parallel.shard(self.up_proj, parallel.Slices(dim=-2, ranges=up))
+            parallel.shard(self.down_proj, parallel.Slices(dim=-1, ranges=((first, inter),)))
         self.packed: PackedExperts | None = None  # CPU: per-expert oneDNN layouts
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -78,14 +91,22 @@ class MoE(nn.Module):
         self.gate = Router(hidden_size, config)
         latent = config.latent_size
         self.experts = Experts(latent if latent is not None else hidden_size, config)
+        self.tp = tp = parallel.current()
         self.shared_experts = ReluSquaredMLP(
-            hidden_size, config.shared_intermediate_size, config.bias
+            hidden_size,
+            config.shared_intermediate_size,
+            config.bias,
+            reduce_output=False,
+            what="moe_shared_expert_intermediate_size",
         )
         self.fc1_latent_proj: nn.Module | None = None
         self.fc2_latent_proj: nn.Module | None = None
         if latent is not None:
             self.fc1_latent_proj = nn.Linear(hidden_size, latent, bias=config.bias)
             self.fc2_latent_proj = nn.Linear(latent, hidden_size, bias=config.bias)
+            # Replicated, but fed partial expert sums: linear, so its outputs add up across
+            # ranks once rank 0 alone adds the bias.
+            parallel.shard(self.fc2_latent_proj.bias, parallel.FirstRankOnly(rank=tp.rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = self.gate(x)
@@ -93,7 +114,7 @@ class MoE(nn.Module):
         routed = self.experts(routed, routing)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
-        return routed + self.shared_experts(x)
+        return self.tp.all_reduce(routed + self.shared_experts(x))
 
 
 class StackedWeight(nn.Module):

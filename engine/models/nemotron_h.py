@@ -23,7 +23,7 @@ from engine.config import (
 )
 from engine.forward_metadata import Mamba2Metadata
 from engine.layers.attention import Attention
-from engine.layers.causal_lm import CausalLM
+from engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import ReluSquaredMLP
 from engine.layers.moe import MoE
@@ -216,7 +216,7 @@ class Block(nn.Module):
 class NemotronHModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)
 

@@ -1,0 +1,200 @@
+"""Tensor parallelism: who this process is among the ranks, the collectives the layers call, and
+the rule by which a parameter takes its slice of a checkpoint tensor.
+
+    rank 0 (engine process: scheduler, sampler)     rank 1 .. N-1 (engine/tp_worker.py)
+        every layer holds its shard ──── gloo all-reduce after each row-parallel layer ────
+        logits: vocab slices gathered to rank 0
+
+A `TensorParallel` is built once per engine and handed to the model while it is constructed
+(`building`, a context that refuses nesting), so each layer keeps its own and two engines of
+different sizes can live in one process (the tests compare TP=2 against TP=1 side by side).
+With size 1 every collective returns its input untouched: TP=1 costs one integer comparison.
+
+The process group is a `ProcessGroupGloo` of its own over a TCP store (not torch.distributed's
+global default group), with a timeout: a rank that dies or hangs makes the collective raise
+instead of blocking forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ConfigError
+
+
+class TensorParallel:
+    """This rank's place among `size` ranks, and the collectives over their group."""
+
+    def __init__(self, rank: int, size: int, group: dist.ProcessGroup | None, timeout_s: float):
+        self.rank = rank
+        self.size = size
+        self.group = group
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        # Bytes this rank handed to all-reduces (bench/tp.py compares them with the analytic
+        # count); an integer add per call.
+        self.all_reduce_bytes = 0
+        self.all_reduce_calls = 0
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the ranks (in place where possible); `x` itself at size 1."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        self.all_reduce_bytes += x.numel() * x.element_size()
+        self.all_reduce_calls += 1
+        self.group.allreduce([x]).wait(self.timeout)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0: every rank's `x` side by side along the last dim; other ranks: `x` unchanged
+        (their result is never read: only rank 0 samples)."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        outputs = [[torch.empty_like(x) for _ in range(self.size)]] if self.is_first else []
+        self.group.gather(outputs, [x], options).wait(self.timeout)
+        return torch.cat(outputs[0], dim=-1) if self.is_first else x
+
+    def barrier(self) -> None:
+        """All ranks reached this point (used once, after every rank has loaded its shard)."""
+        if self.size > 1:
+            self.all_reduce(torch.zeros(1))
+
+
+SINGLE = TensorParallel(rank=0, size=1, group=None, timeout_s=0.0)
+
+
+def connect(rank: int, size: int, port: int, timeout_s: float) -> TensorParallel:
+    """Join the group of `size` ranks whose rank 0 hosts the TCP store on 127.0.0.1:`port`."""
+    if size == 1:
+        return SINGLE
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout)
+    group = dist.ProcessGroupGloo(store, rank, size, timeout)
+    return TensorParallel(rank, size, group, timeout_s)
+
+
+_building: list[TensorParallel] = []
+
+
+@contextlib.contextmanager
+def building(tp: TensorParallel) -> Iterator[None]:
+    """The layers constructed inside take their shard of `tp` (see `current`)."""
+    if _building:
+        raise RuntimeError("a model is already being built for tensor parallelism")
+    _building.append(tp)
+    try:
+        yield
+    finally:
+        _building.pop()
+
+
+def current() -> TensorParallel:
+    """The TensorParallel of the model under construction; TP=1 outside `building`."""
+    return _building[-1] if _building else SINGLE
+
+
+# -- what each rank holds ------------------------------------------------------------------
+
+
+def split_evenly(total: int, tp: TensorParallel, what: str) -> tuple[int, int]:
+    """(start, length) of this rank's equal part of `total` items; ConfigError if uneven."""
+    if total % tp.size:
+        raise ConfigError(f"{what}={total} is not divisible by the tensor-parallel size {tp.size}")
+    part = total // tp.size
+    return tp.rank * part, part
+
+
+def padded_part(total: int, tp: TensorParallel) -> tuple[int, int]:
+    """(start, length) of this rank's part of `total` rows cut in `size` parts of equal,
+    rounded-up length (the vocabulary: the last part may run past `total`, padded with zeros)."""
+    part = -(-total // tp.size)
+    return tp.rank * part, part
+
+
+def kv_head_part(num_kv_heads: int, num_heads: int, tp: TensorParallel) -> tuple[int, int]:
+    """(first KV head, count) of this rank. With fewer KV heads than ranks each KV head is
+    replicated on size / num_kv_heads ranks: the one its query heads attend with."""
+    if num_kv_heads >= tp.size:
+        return split_evenly(num_kv_heads, tp, "num_key_value_heads")
+    if tp.size % num_kv_heads:
+        raise ConfigError(
+            f"num_key_value_heads={num_kv_heads} must divide the tensor-parallel size {tp.size} "
+            f"when it is smaller"
+        )
+    first_q, _ = split_evenly(num_heads, tp, "num_attention_heads")
+    return first_q // (num_heads // num_kv_heads), 1
+
+
+def mamba_group_part(n_groups: int, tp: TensorParallel) -> tuple[int, int]:
+    """(first group, count) of this rank: groups split when divisible, all replicated when
+    there is one (the gated norm then spans the ranks); any other pair cannot be served."""
+    if n_groups == 1:
+        return 0, 1
+    if n_groups % tp.size:
+        raise ConfigError(
+            f"n_groups={n_groups} cannot be served with tensor-parallel size {tp.size}: "
+            f"n_groups must be 1 or divisible by it"
+        )
+    return split_evenly(n_groups, tp, "n_groups")
+
+
+# -- how a parameter takes its slice of a checkpoint tensor --------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Slices:
+    """This rank's parameter = the checkpoint tensor's `ranges` (start, length) along `dim`,
+    concatenated in order; a range past the tensor's end is padded with zeros (vocab)."""
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+
+    def __call__(self, full: torch.Tensor) -> torch.Tensor:
+        size = full.shape[self.dim]
+        parts = []
+        for start, length in self.ranges:
+            have = max(0, min(length, size - start))
+            if have:
+                parts.append(full.narrow(self.dim, start, have))
+            if have < length:
+                shape = list(full.shape)
+                shape[self.dim] = length - have
+                parts.append(full.new_zeros(shape))
+        return torch.cat(parts, dim=self.dim) if len(parts) > 1 else parts[0]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FirstRankOnly:
+    """A row-parallel layer's bias: rank 0 adds it, the others hold zeros, so the all-reduce
+    sums it exactly once."""
+
+    rank: int
+
+    def __call__(self, full: torch.Tensor) -> torch.Tensor:
+        return full if self.rank == 0 else torch.zeros_like(full)
+
+
+ShardRule = Slices | FirstRankOnly
+
+
+def shard(param: torch.Tensor | None, rule: ShardRule) -> None:
+    """Attach the rule the loader applies to this parameter's checkpoint tensor."""
+    if param is not None:
+        param.tp_shard = rule
+
+
+def shard_rule(param: torch.Tensor) -> ShardRule | None:
+    return getattr(param, "tp_shard", None)
