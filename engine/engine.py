@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from engine import parallel
 from engine.config import ModelConfig
 from engine.cpu_allocator import keep_freed_memory_in_heap
 from engine.engine_handover import HandoverMixin
@@ -28,6 +29,9 @@ from engine.sampler import Sampler, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.state_cache import StateCache
+from engine.tp_messages import PoolOps
+from engine.tp_ranks import RankedRunner, start_ranks
+from engine.tp_shard import check_tp_supported, pool_config
 
 
 @dataclass(kw_only=True)
@@ -48,6 +52,11 @@ class EngineArgs:
     cpu_padded_decode: bool = False  # run CPU decode steps through the padded graph runner
     enable_prefix_caching: bool = True
     mamba_track_interval: int | None = None  # default: a multiple of chunk and page near 512
+    tensor_parallel_size: int = 1  # ranks, one process each; rank 0 is this process
+    # A collective that waits longer fails the engine (a rank hung); above the slowest real
+    # step (a 2048-token prefill of a 110M model takes ~2.3 s on 2 CPU cores).
+    tp_timeout: float = 60.0
+    tp_load_timeout: float = 600.0  # how long the ranks may take to start and load
 
     def __post_init__(self) -> None:
         for name in (
@@ -55,6 +64,7 @@ class EngineArgs:
             "chunked_prefill_size",
             "max_running_requests",
             "page_size",
+            "tensor_parallel_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -100,21 +110,33 @@ class Engine(HandoverMixin):
             keep_freed_memory_in_heap()
         self.model_config = ModelConfig.from_hf(model_dir)
         self.dtype = resolve_dtype(dtype, self.model_config)
-        self.model = load_model(model_dir, self.dtype, self.device)
-        self.tokenizer = _load_tokenizer(model_dir)
         args, config = self.args, self.model_config
         max_total_tokens, max_slots = self._budgets()
         sizes = size_pools(
             max_total_tokens=max_total_tokens, max_mamba_slots=max_slots, page_size=args.page_size
         )
+        # Before any process starts: a model and TP size that cannot be served are refused.
+        check_tp_supported(config, args.tensor_parallel_size)
+        self.ranks = start_ranks(model_dir, dtype, device, args, sizes)
+        tp = self.ranks.tp if self.ranks is not None else parallel.SINGLE
+        try:
+            self.model = load_model(model_dir, self.dtype, self.device, tp)
+            if self.ranks is not None:
+                self.ranks.wait_loaded()
+        except BaseException:
+            self.close()
+            raise
+        self.tokenizer = _load_tokenizer(model_dir)
         self.cache = StateCache(
-            config,
+            pool_config(config, tp),
             num_pages=sizes.num_pages,
             page_size=sizes.page_size,
             num_mamba_slots=sizes.num_mamba_slots,
             dtype=self.dtype,
             device=self.device,
         )
+        # The scheduler's pool operations, recorded for the other ranks' next step at TP > 1.
+        self.pool_ops = PoolOps(self.cache, record=self.ranks is not None)
         self.pages = IndexPool(sizes.num_pages - 1, "KV pages")
         self.slots = IndexPool(sizes.num_mamba_slots - 1, "Mamba slots")
         self.max_model_len = min(
@@ -131,12 +153,14 @@ class Engine(HandoverMixin):
             ),
             self.pages,
             self.slots,
-            self.cache.reset_mamba_slot,
+            self.pool_ops.reset,
             prefix_cache=self.prefix_cache,
-            copy_slot=self.cache.copy_mamba_slot,
+            copy_slot=self.pool_ops.copy,
         )
         self.runner = ModelRunner(self.model, self.cache, self.device)
-        self.graph_runner = self._make_graph_runner()
+        if self.ranks is not None:
+            self.runner = RankedRunner(self.runner, self.ranks, self.pool_ops)
+        self.graph_runner = self._make_graph_runner() if self.ranks is None else None
         self.sampler = Sampler(args.seed, self.device)
         self.requests: dict[str, Request] = {}
         # request id -> called with the finished Request before its pages and slot are freed
@@ -146,6 +170,11 @@ class Engine(HandoverMixin):
         self.checkpoints_by_mode: dict[str, int] = {"extend": 0, "decode": 0, "mixed": 0}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing at TP=1); idempotent."""
+        if getattr(self, "ranks", None) is not None:
+            self.ranks.stop("engine closed")
 
     def _make_prefix_cache(self) -> PrefixCache | None:
         args, config = self.args, self.model_config

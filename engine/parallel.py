@@ -67,22 +67,30 @@ class TensorParallel:
         self.group.gather(outputs, [x], options).wait(self.timeout)
         return torch.cat(outputs[0], dim=-1) if self.is_first else x
 
-    def barrier(self) -> None:
-        """All ranks reached this point (used once, after every rank has loaded its shard)."""
+    def barrier(self, timeout_s: float) -> None:
+        """All ranks reached this point, waiting up to `timeout_s` (used once, after every rank
+        has loaded its shard: loading may take longer than any step)."""
         if self.size > 1:
-            self.all_reduce(torch.zeros(1))
+            options = dist.AllreduceOptions()
+            options.timeout = datetime.timedelta(seconds=timeout_s)
+            self.group.allreduce([torch.zeros(1)], options).wait(options.timeout)
 
 
 SINGLE = TensorParallel(rank=0, size=1, group=None, timeout_s=0.0)
 
 
-def connect(rank: int, size: int, port: int, timeout_s: float) -> TensorParallel:
-    """Join the group of `size` ranks whose rank 0 hosts the TCP store on 127.0.0.1:`port`."""
+def connect(
+    rank: int, size: int, port: int, timeout_s: float, join_timeout_s: float
+) -> TensorParallel:
+    """Join the group of `size` ranks whose rank 0 hosts the TCP store on 127.0.0.1:`port`,
+    waiting up to `join_timeout_s` for the others; collectives then time out after
+    `timeout_s`."""
     if size == 1:
         return SINGLE
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout)
-    group = dist.ProcessGroupGloo(store, rank, size, timeout)
+    store = dist.TCPStore(
+        "127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=join_timeout_s)
+    )
+    group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
     return TensorParallel(rank, size, group, timeout_s)
 
 

@@ -176,7 +176,8 @@ class Mamba2Mixer(nn.Module):
                 head_dim=self.head_dim,
                 n_groups=self.n_groups,
                 d_state=self.d_state,
-                norm_group=self.group_size,
+                # (spanning the ranks, the norm is not the fused step's: one group of its width)
+                norm_group=self.intermediate if across else self.group_size,
                 norm_mode=fused_norm,
             )
             return self.norm_across_ranks(gated.float(), gated.dtype) if across else gated

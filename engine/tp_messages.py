@@ -1,0 +1,154 @@
+"""The step message rank 0 sends every other tensor-parallel rank (msgpack over ZMQ, no pickle).
+
+    rank 0: schedule ─> pool operations done outside the forward (PoolOps) ─┐
+                                                                            ├─> RankStep ─> rank r
+            ScheduledBatch (None when only operations are pending) ─────────┘
+    rank r: apply the operations in order, then build the metadata with the one builder and run
+            the forward (whose collectives meet rank 0's).
+
+The wire form of every carrier is derived from its dataclass fields (a new field travels
+without anyone listing it); tuples come back as tuples, nested carriers by their type name.
+Only the carriers registered here can be decoded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgpack
+
+from engine.forward_metadata import ScheduledBatch, TrackPoint
+from engine.state_cache import StateCache
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankSpec:
+    """Everything a rank process needs, passed as JSON on its command line."""
+
+    model: str
+    dtype: str
+    device: str
+    rank: int
+    size: int
+    store_port: int  # rank 0's TCP store on 127.0.0.1
+    step_addr: str  # rank 0's PUSH socket for this rank
+    timeout_s: float  # a collective that waits longer fails (a peer hung)
+    load_timeout_s: float  # how long every rank may take to load its shard
+    num_pages: int
+    page_size: int
+    num_mamba_slots: int
+    threads: int
+    parent_pid: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RankSpec:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResetSlot:
+    """A fresh request starts from zero conv and SSM state in `slot`."""
+
+    slot: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CopySlot:
+    """Copy the conv and SSM state of slot `src` into `dst` (a prefix-cache hit resumes from
+    its checkpoint)."""
+
+    src: int
+    dst: int
+
+
+PoolOp = ResetSlot | CopySlot
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankStep:
+    ops: tuple[PoolOp, ...]  # in the order rank 0 applied them
+    batch: ScheduledBatch | None  # None: operations only, no forward
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankShutdown:
+    """Rank 0 is stopping: exit."""
+
+    reason: str
+
+
+RankMessage = RankStep | RankShutdown
+
+_CARRIERS: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (ResetSlot, CopySlot, RankStep, RankShutdown, ScheduledBatch, TrackPoint)
+}
+
+
+def _to_wire(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        fields = {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"type": type(value).__name__, "fields": fields}
+    if isinstance(value, (tuple, list)):
+        return [_to_wire(v) for v in value]
+    return value
+
+
+def _from_wire(value: Any) -> Any:
+    if isinstance(value, dict):
+        cls = _CARRIERS.get(value.get("type"))
+        if cls is None:
+            raise ValueError(f"unknown rank message carrier {value.get('type')!r}")
+        return cls(**{name: _from_wire(v) for name, v in value["fields"].items()})
+    if isinstance(value, list):
+        return tuple(_from_wire(v) for v in value)
+    return value
+
+
+def encode(message: RankMessage) -> bytes:
+    return msgpack.packb(_to_wire(message), use_bin_type=True)
+
+
+def decode(frame: bytes) -> RankMessage:
+    message = _from_wire(msgpack.unpackb(frame, raw=False))
+    if not isinstance(message, (RankStep, RankShutdown)):
+        raise ValueError(f"a rank message must be RankStep or RankShutdown, got {message!r}")
+    return message
+
+
+class PoolOps:
+    """Applies the scheduler's pool operations to this rank's cache and, when other ranks exist,
+    records them for the next RankStep (the scheduler calls `reset` / `copy`)."""
+
+    def __init__(self, cache: StateCache, record: bool):
+        self.cache = cache
+        self.record = record
+        self.pending: list[PoolOp] = []
+
+    def reset(self, slot: int) -> None:
+        self.cache.reset_mamba_slot(slot)
+        if self.record:
+            self.pending.append(ResetSlot(slot=slot))
+
+    def copy(self, src: int, dst: int) -> None:
+        self.cache.copy_mamba_slot(src, dst)
+        if self.record:
+            self.pending.append(CopySlot(src=src, dst=dst))
+
+    def drain(self) -> tuple[PoolOp, ...]:
+        ops, self.pending = tuple(self.pending), []
+        return ops
+
+
+def apply(op: PoolOp, cache: StateCache) -> None:
+    """What a rank other than 0 does with one recorded operation."""
+    if isinstance(op, ResetSlot):
+        cache.reset_mamba_slot(op.slot)
+    else:
+        cache.copy_mamba_slot(op.src, op.dst)

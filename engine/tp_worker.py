@@ -1,0 +1,93 @@
+"""A tensor-parallel rank other than 0: `python -m engine.tp_worker SPEC_JSON`, started and
+stopped by rank 0 (engine/tp_ranks.py).
+
+It joins the gloo group, loads its shard of the model, sizes its pools like rank 0's (its
+shard of each KV head and Mamba state), then follows rank 0 step by step:
+
+    PULL RankStep ─> apply pool operations ─> build metadata (the one builder) ─> forward
+                                                          collectives with every rank ─┘
+
+It exits on RankShutdown, when rank 0's process dies (PR_SET_PDEATHSIG plus a parent-pid
+check), and when a collective fails (a peer died, or hung past the timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import torch
+import zmq
+
+from engine import parallel
+from engine.config import ModelConfig
+from engine.model_loader import load_model, resolve_dtype
+from engine.model_runner import ModelRunner
+from engine.state_cache import StateCache
+from engine.tp_messages import RankShutdown, RankSpec, apply, decode
+from engine.tp_shard import pool_config
+
+logger = logging.getLogger("baton.tp_worker")
+
+POLL_MS = 200  # idle wait between parent checks
+
+
+def run(spec: RankSpec) -> int:
+    torch.set_num_threads(spec.threads)
+    tp = parallel.connect(
+        spec.rank, spec.size, spec.store_port, spec.timeout_s, spec.load_timeout_s
+    )
+    config = ModelConfig.from_hf(spec.model)
+    dtype = resolve_dtype(spec.dtype, config)
+    model = load_model(spec.model, dtype, spec.device, tp)
+    cache = StateCache(
+        pool_config(model.config, tp),
+        num_pages=spec.num_pages,
+        page_size=spec.page_size,
+        num_mamba_slots=spec.num_mamba_slots,
+        dtype=dtype,
+        device=spec.device,
+    )
+    runner = ModelRunner(model, cache, spec.device)
+    context = zmq.Context()
+    steps = context.socket(zmq.PULL)
+    steps.connect(spec.step_addr)
+    tp.barrier(spec.load_timeout_s)
+    try:
+        while True:
+            if not steps.poll(POLL_MS):
+                if os.getppid() != spec.parent_pid:
+                    logger.warning("rank %d: rank 0 (pid %d) is gone", spec.rank, spec.parent_pid)
+                    return 0
+                continue
+            message = decode(steps.recv())
+            if isinstance(message, RankShutdown):
+                return 0
+            for op in message.ops:
+                apply(op, cache)
+            if message.batch is not None:
+                runner.forward(message.batch)
+    finally:
+        steps.close(linger=0)
+        context.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = RankSpec.from_json(argv[0])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from engine.process import _die_with_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the group: rank 0 decides
+    _die_with_parent()
+    try:
+        return run(spec)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", spec.rank)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
