@@ -1,0 +1,176 @@
+"""Tensor parallelism on the CPU (gloo, two processes): TP=2 gives TP=1's greedy tokens and
+logprobs (within 1e-4: the all-reduces sum in another order) through chunked prefill,
+preemption and prefix-cache hits, on tiny NemotronH shapes that cover every sharding rule:
+
+    single_group: n_groups = 1 (B/C replicated, the gated norm all-reduces its variance),
+                  1 KV head for 2 ranks (replicated), tied vocab-parallel embeddings, odd vocab
+    moe:          n_groups = 2 and 2 KV heads (both split), MoE experts and shared expert split
+
+One TP=1 and one TP=2 engine per shape serve every case of this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.config import ConfigError, ModelConfig
+from engine.forward_metadata import ScheduledBatch, TrackPoint
+from engine.llm import LLM
+from engine.parallel import TensorParallel
+from engine.sampling_params import SamplingParams
+from engine.tp_messages import CopySlot, RankShutdown, RankStep, ResetSlot, decode, encode
+from engine.tp_shard import check_tp_supported, mamba_shard
+from tests.tiny import save_tiny_model
+
+SHAPES = {
+    "single_group": dict(
+        n_groups=1,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        vocab_size=301,
+        hybrid_override_pattern="M*-M-M*",
+    ),
+    "moe": dict(
+        hybrid_override_pattern="MEM*EME",
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=40,
+        routed_scaling_factor=2.5,
+    ),
+}
+
+# Small pools so that the batch below preempts; checkpoints every 16 tokens so that the second
+# round hits the prefix cache; chunks of 16 so that every prompt is prefilled in pieces.
+ENGINE_ARGS = dict(
+    page_size=4,
+    max_num_batched_tokens=32,
+    chunked_prefill_size=16,
+    max_total_tokens=112,
+    max_mamba_slots=4,
+    mamba_track_interval=16,
+)
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    built: dict[str, tuple[LLM, LLM]] = {}
+
+    def get(name: str) -> tuple[LLM, LLM]:
+        if name not in built:
+            path = tmp_path_factory.mktemp(f"tp-{name}")
+            save_tiny_model(path, seed=3, tokenizer=False, **SHAPES[name])
+            built[name] = (
+                LLM(path, **ENGINE_ARGS),
+                LLM(path, tensor_parallel_size=2, **ENGINE_ARGS),
+            )
+        return built[name]
+
+    yield get
+    for _, tp2 in built.values():
+        tp2.engine.close()
+
+
+def _assert_same(outs_1, outs_2) -> None:
+    for one, two in zip(outs_1, outs_2, strict=True):
+        assert two.token_ids == one.token_ids
+        for lp_1, lp_2 in zip(one.logprobs, two.logprobs, strict=True):
+            assert lp_2.keys() == lp_1.keys()
+            for token, value in lp_1.items():
+                assert abs(lp_2[token] - value) <= 1e-4, (token, value, lp_2[token])
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_tp2_matches_tp1_through_chunks_preemption_and_cache_hits(engines, name):
+    tp1, tp2 = engines(name)
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+    first = _prompts(0, (5, 40, 63, 77))
+    # Round 2 shares round 1's prefixes: the prefix cache resumes from Mamba checkpoints.
+    second = [p[:48] + q for p, q in zip(first[1:], _prompts(1, (9, 20, 3)))]
+    for prompts in (first, second):
+        _assert_same(tp1.generate(prompts, params), tp2.generate(prompts, params))
+    s1, s2 = tp1.stats(), tp2.stats()
+    assert s2.num_preemptions == s1.num_preemptions > 0
+    assert s2.prefix_cache_hit_tokens == s1.prefix_cache_hit_tokens > 0
+    assert s2.kv_pages_used == 0 and s2.mamba_slots_used == 0
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_rank0_pools_hold_its_slice_of_tp1_state(engines, name):
+    """After the runs above (same schedule on both engines, so the same slots), every Mamba
+    slot and KV page of rank 0 holds its heads' / segments' slice of the TP=1 pools: the slot
+    copies and resets of preemption and cache hits reached the shard, and nothing else."""
+    tp1, tp2 = engines(name)
+    tp1.generate(_prompts(2, (30, 50)), SamplingParams(max_tokens=4, temperature=0.0))
+    tp2.generate(_prompts(2, (30, 50)), SamplingParams(max_tokens=4, temperature=0.0))
+    full, shard = tp1.engine.cache, tp2.engine.cache
+    config = tp1.engine.model_config
+    rank0 = mamba_shard(config, TensorParallel(rank=0, size=2, group=None, timeout_s=0.0))
+    channels = torch.cat([torch.arange(s, s + n) for s, n in rank0.conv_channels])
+    torch.testing.assert_close(shard.conv, full.conv[:, :, channels], atol=1e-4, rtol=1e-4)
+    heads = slice(rank0.first_head, rank0.first_head + rank0.num_heads)
+    torch.testing.assert_close(shard.ssm, full.ssm[:, :, heads], atol=1e-4, rtol=1e-4)
+    kv_heads = shard.k[0].shape[1]
+    for k_1, k_2 in zip(full.k, shard.k, strict=True):
+        torch.testing.assert_close(k_2, k_1[:, :kv_heads], atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_groups_for_tp_size_are_refused_naming_both(tmp_path):
+    save_tiny_model(tmp_path, tokenizer=False, n_groups=3, mamba_num_heads=6)
+    with pytest.raises(ConfigError, match=r"n_groups=3 .*tensor-parallel size 2"):
+        LLM(tmp_path, tensor_parallel_size=2)
+    config = ModelConfig.from_hf(tmp_path)
+    # 3 groups on 3 ranks: one each (the heads must divide too)
+    check_tp_supported(dataclasses.replace(config, num_attention_heads=6, num_key_value_heads=3), 3)
+    with pytest.raises(ConfigError, match=r"num_attention_heads=4 .*tensor-parallel size 3"):
+        check_tp_supported(config, 3)
+
+
+def _every_field_set() -> ScheduledBatch:
+    """A batch whose fields all differ from any zero/empty value, so that a field dropped on
+    the way reads back differently."""
+    return ScheduledBatch(
+        mode="mixed",
+        request_ids=("a", "b"),
+        num_decode_seqs=1,
+        input_ids=(7, 8, 9),
+        seq_lens=(1, 2),
+        start_positions=(4, 0),
+        kv_pages=((1, 2), (3,)),
+        mamba_slots=(5, 6),
+        logits_seqs=(0, 1),
+        prompt_logprob_seqs=(1,),
+        has_mamba_track_mask=True,
+        track_points=(TrackPoint(seq_index=1, token_offset=1, dst_slot=7),),
+    )
+
+
+def test_every_field_of_the_step_message_round_trips():
+    batch = _every_field_set()
+    step = RankStep(ops=(ResetSlot(slot=3), CopySlot(src=4, dst=5)), batch=batch)
+    back = decode(encode(step))
+    assert back == step
+    for field in dataclasses.fields(ScheduledBatch):
+        value = getattr(back.batch, field.name)
+        assert value == getattr(batch, field.name), field.name
+        assert type(value) is type(getattr(batch, field.name)), field.name
+    for field in dataclasses.fields(RankStep):
+        assert getattr(back, field.name) == getattr(step, field.name), field.name
+    assert decode(encode(RankStep(ops=(), batch=None))) == RankStep(ops=(), batch=None)
+    assert decode(encode(RankShutdown(reason="done"))) == RankShutdown(reason="done")
+
+
+def test_a_message_of_an_unknown_carrier_is_refused():
+    import msgpack
+
+    frame = msgpack.packb({"type": "Pickle", "fields": {}})
+    with pytest.raises(ValueError, match="unknown rank message carrier 'Pickle'"):
+        decode(frame)
