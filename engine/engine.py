@@ -171,6 +171,11 @@ class Engine(HandoverMixin):
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
+    def check_ranks(self) -> None:
+        """Raise RankFailed if a tensor-parallel rank has exited (a waitpid per rank)."""
+        if self.ranks is not None:
+            self.ranks.check_alive()
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing at TP=1); idempotent."""
         if getattr(self, "ranks", None) is not None:

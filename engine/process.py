@@ -71,6 +71,9 @@ class EngineLoop:
         self.inbox = inbox
         self.outbox = outbox
         self.parent_pid = parent_pid
+        # A dead tensor-parallel rank fails the engine even while it idles (so /health turns
+        # unhealthy before a request finds out); wrapped engines (disagg workers) run at TP=1.
+        self.check_ranks = getattr(engine, "check_ranks", lambda: None)
 
     def run(self) -> int:
         """Return the process exit code: 0 after Shutdown or parent death, 1 after a failure."""
@@ -84,6 +87,7 @@ class EngineLoop:
                 if shutdown:
                     return 0
             try:
+                self.check_ranks()
                 if self.engine.has_unfinished_requests():
                     self._send(StepOutput(deltas=self.engine.step(), stats=self._stats()))
                     self._after_step()
@@ -189,7 +193,10 @@ def _load_and_run(spec: EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket
             )
         )
     )
-    return EngineLoop(engine, inbox, outbox, spec.parent_pid).run()
+    try:
+        return EngineLoop(engine, inbox, outbox, spec.parent_pid).run()
+    finally:
+        engine.close()  # the tensor-parallel ranks, if any
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import torch
@@ -118,9 +119,15 @@ class Ranks:
             except zmq.Again:
                 raise RankFailed(f"tensor-parallel rank {rank} is not taking steps") from None
 
-    def check_alive(self) -> None:
+    def check_alive(self, grace_s: float = 0.0) -> None:
+        """Raise RankFailed naming the first rank that has exited; `grace_s`: wait that long
+        for a rank that is exiting right now."""
+        deadline = time.monotonic() + grace_s
         for rank, proc in enumerate(self.procs, start=1):
-            code = proc.poll()
+            try:
+                code = proc.wait(max(0.0, deadline - time.monotonic())) if grace_s else proc.poll()
+            except subprocess.TimeoutExpired:
+                code = None
             if code is not None:
                 raise RankFailed(
                     f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
@@ -135,10 +142,12 @@ class Ranks:
         except RankFailed:
             raise
         except Exception as error:
-            self.check_alive()
+            # gloo may see the connection drop a moment before the dead rank can be reaped.
+            self.check_alive(grace_s=1.0)
+            detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
             raise RankFailed(
                 f"tensor-parallel ranks stopped answering while {doing} "
-                f"(timeout {self.timeout_s:g} s): {error}"
+                f"(timeout {self.timeout_s:g} s): {detail}"
             ) from error
 
     def stop(self, reason: str) -> None:

@@ -23,6 +23,8 @@ ENGINE_ARG_NAMES = (
     "mamba_track_interval",
     "mem_fraction",
     "cuda_graph_max_bs",
+    "tensor_parallel_size",
+    "tp_timeout",
 )
 
 # Bodies past this get 413 before they are parsed (worker and router). 8 MiB holds a 128k-token
@@ -66,6 +68,8 @@ class ServerArgs:
     # CPU threads of the engine process (None: one per core). `baton up` gives each of its two
     # workers half the cores (engine/cpu_threads.py says why).
     cpu_threads: int | None = None
+    tensor_parallel_size: int | None = None  # ranks of the engine (default 1)
+    tp_timeout: float | None = None  # seconds a rank may take in one step before it is failed
     disaggregation_mode: str | None = None  # None (colocated), "prefill" or "decode"
     disagg_host: str = "127.0.0.1"  # prefill: where the transfer socket binds and is advertised
     disagg_port: int = 0  # prefill: transfer port (0: a free one)
@@ -87,6 +91,17 @@ class ServerArgs:
         if not Path(self.model, "config.json").is_file():
             raise ValueError(
                 f"--model {self.model}: no config.json there (expected a Hugging Face model directory)"
+            )
+        if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"
+            )
+        if self.tp_timeout is not None and self.tp_timeout <= 0:
+            raise ValueError(f"--tp-timeout must be > 0, got {self.tp_timeout}")
+        if (self.tensor_parallel_size or 1) > 1 and self.disaggregation_mode is not None:
+            raise ValueError(
+                "--tensor-parallel-size > 1 with --disaggregation-mode is not supported yet: "
+                "serve a tensor-parallel worker colocated"
             )
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")

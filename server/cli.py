@@ -123,6 +123,20 @@ def add_serve_parser(subparsers) -> None:
     )
 
     engine.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        dest="tensor_parallel_size",
+        type=int,
+        help="ranks (processes) the model is sharded over; rank 0 is the engine process "
+        "(default: 1)",
+    )
+    engine.add_argument(
+        "--tp-timeout",
+        type=float,
+        help="seconds a tensor-parallel rank may take in one step before the engine fails "
+        "its requests and exits (default: 60)",
+    )
+    engine.add_argument(
         "--mem-fraction",
         type=float,
         help="CUDA: fraction of free GPU memory for the KV and Mamba pools (default: 0.85)",
