@@ -20,7 +20,10 @@ class LLM:
     """Runs every prompt of a `generate` call together through the continuous-batching engine.
 
     `engine_args` use the CLI flag names with underscores (max_num_batched_tokens,
-    chunked_prefill_size, max_total_tokens, max_mamba_slots, max_running_requests, ...).
+    chunked_prefill_size, max_total_tokens, max_mamba_slots, max_running_requests,
+    tensor_parallel_size, ...). With tensor_parallel_size > 1 this process is rank 0 and
+    starts the other ranks: `close()` (or a `with` block) stops them, as does this process's
+    exit.
     """
 
     def __init__(
@@ -96,6 +99,16 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [outputs[rid] for rid in order]
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do at TP=1)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def stats(self) -> EngineStats:
         """Pool occupancy and counters (KV pages and Mamba slots in use)."""

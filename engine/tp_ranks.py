@@ -73,6 +73,9 @@ class Ranks:
         try:
             for rank in range(1, size):
                 sock = self.context.socket(zmq.PUSH)
+                # A send waits for the rank's connection (the first step may come before its
+                # handshake completes), but never longer than a step may take.
+                sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
                 sock.bind("tcp://127.0.0.1:*")
                 self.sockets.append(sock)
                 spec = RankSpec(
@@ -115,7 +118,7 @@ class Ranks:
         frame = encode(step)
         for rank, sock in enumerate(self.sockets, start=1):
             try:
-                sock.send(frame, zmq.NOBLOCK)
+                sock.send(frame)
             except zmq.Again:
                 raise RankFailed(f"tensor-parallel rank {rank} is not taking steps") from None
 

@@ -76,7 +76,7 @@ def engines(tmp_path_factory):
 
     yield get
     for _, tp2 in built.values():
-        tp2.engine.close()
+        tp2.close()
 
 
 def _assert_same(outs_1, outs_2) -> None:
