@@ -40,6 +40,7 @@ class TensorParallel:
         # count); an integer add per call.
         self.all_reduce_bytes = 0
         self.all_reduce_calls = 0
+        self.gather_bytes = 0  # bytes this rank handed to gathers (logits)
 
     @property
     def is_first(self) -> bool:
@@ -61,6 +62,7 @@ class TensorParallel:
         if self.size == 1:
             return x
         x = x.contiguous()
+        self.gather_bytes += x.numel() * x.element_size()
         options = dist.GatherOptions()
         options.rootRank = 0
         outputs = [[torch.empty_like(x) for _ in range(self.size)]] if self.is_first else []

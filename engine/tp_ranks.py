@@ -179,6 +179,7 @@ class RankedRunner:
 
     def __init__(self, runner: ModelRunner, ranks: Ranks, pool_ops: PoolOps):
         self.runner = runner
+        self.model, self.cache, self.config = runner.model, runner.cache, runner.config
         self.ranks = ranks
         self.pool_ops = pool_ops
 
