@@ -61,13 +61,14 @@ class TensorParallel:
         (their result is never read: only rank 0 samples)."""
         if self.size == 1:
             return x
-        x = x.contiguous()
-        self.gather_bytes += x.numel() * x.element_size()
+        # gloo gathers host tensors only: a CUDA rank's logits travel through host memory.
+        host = x.contiguous().cpu()
+        self.gather_bytes += host.numel() * host.element_size()
         options = dist.GatherOptions()
         options.rootRank = 0
-        outputs = [[torch.empty_like(x) for _ in range(self.size)]] if self.is_first else []
-        self.group.gather(outputs, [x], options).wait(self.timeout)
-        return torch.cat(outputs[0], dim=-1) if self.is_first else x
+        outputs = [[torch.empty_like(host) for _ in range(self.size)]] if self.is_first else []
+        self.group.gather(outputs, [host], options).wait(self.timeout)
+        return torch.cat(outputs[0], dim=-1).to(x.device) if self.is_first else x
 
     def barrier(self, timeout_s: float) -> None:
         """All ranks reached this point, waiting up to `timeout_s` (used once, after every rank
