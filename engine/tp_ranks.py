@@ -24,6 +24,7 @@ import torch
 import zmq
 
 from engine import parallel
+from engine.cpu_threads import engine_environment
 from engine.forward_metadata import Mamba2Metadata, ScheduledBatch
 from engine.memory import PoolSizes
 from engine.model_runner import ModelRunner
@@ -45,8 +46,9 @@ def free_port() -> int:
 
 
 def threads_per_rank(size: int) -> int:
-    """Each rank's share of the cores (one torch thread per rank on a 2-core machine)."""
-    return max(1, (os.cpu_count() or 1) // size)
+    """Each rank's share of this engine's threads (one per rank on a 2-core machine): the
+    ranks divide what the engine process was given (--cpu-threads, else one per core)."""
+    return max(1, torch.get_num_threads() // size)
 
 
 class Ranks:
@@ -70,6 +72,7 @@ class Ranks:
         self.sockets: list[zmq.Socket] = []
         self.procs: list[subprocess.Popen] = []
         port = free_port()
+        threads = threads_per_rank(size)
         try:
             for rank in range(1, size):
                 sock = self.context.socket(zmq.PUSH)
@@ -91,18 +94,22 @@ class Ranks:
                     num_pages=sizes.num_pages,
                     page_size=sizes.page_size,
                     num_mamba_slots=sizes.num_mamba_slots,
-                    threads=threads_per_rank(size),
+                    threads=threads,
                     parent_pid=os.getpid(),
                 )
                 self.procs.append(
-                    subprocess.Popen([sys.executable, "-m", "engine.tp_worker", spec.to_json()])
+                    subprocess.Popen(
+                        [sys.executable, "-m", "engine.tp_worker", spec.to_json()],
+                        # OpenMP reads its thread count and wait policy as torch loads
+                        env=engine_environment(os.environ, threads),
+                    )
                 )
             with self.failures("joining the tensor-parallel group"):
                 self.tp = parallel.connect(0, size, port, timeout_s, join_timeout_s=load_timeout_s)
         except BaseException:
             self.stop("startup failed")
             raise
-        torch.set_num_threads(threads_per_rank(size))
+        torch.set_num_threads(threads)
 
     @property
     def pids(self) -> list[int]:
