@@ -67,6 +67,12 @@ class HandoverMixin:
     # -- both sides ---------------------------------------------------------------------------
 
     def handover_layout(self) -> HandoverLayout:
+        if self.ranks is not None:
+            # The handover moves rank 0's pools only; the other ranks' shards would be lost.
+            raise ValueError(
+                "disaggregation with tensor parallelism is not supported yet "
+                f"(tensor_parallel_size={self.args.tensor_parallel_size})"
+            )
         cache, config = self.cache, self.model_config
         k = cache.k[0] if cache.k else None
         page_shape = (cache.page_size, *k.shape[1:]) if k is not None else (cache.page_size, 0, 0)
