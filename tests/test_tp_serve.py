@@ -83,3 +83,22 @@ def _healthy(server):
             return False
 
     return check
+
+
+def test_tp_flags_reach_the_engine_and_bad_values_are_refused(model_dir):
+    from server.args import ServerArgs
+    from server.cli import build_parser
+
+    ns = build_parser().parse_args(
+        ["serve", "--model", str(model_dir), "--tp", "2", "--tp-timeout", "5"]
+    )
+    assert (ns.tensor_parallel_size, ns.tp_timeout) == (2, 5.0)
+    args = ServerArgs(model=str(model_dir), tensor_parallel_size=2, tp_timeout=5.0)
+    assert args.engine_args()["tensor_parallel_size"] == 2
+    assert args.engine_args()["tp_timeout"] == 5.0
+    with pytest.raises(ValueError, match="--tensor-parallel-size must be >= 1, got 0"):
+        ServerArgs(model=str(model_dir), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="--tp-timeout must be > 0"):
+        ServerArgs(model=str(model_dir), tp_timeout=0.0)
+    with pytest.raises(ValueError, match="with --disaggregation-mode is not supported yet"):
+        ServerArgs(model=str(model_dir), tensor_parallel_size=2, disaggregation_mode="decode")
