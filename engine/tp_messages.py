@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import msgpack
+import torch
 
 from engine.forward_metadata import ScheduledBatch, TrackPoint
 from engine.state_cache import StateCache
@@ -83,11 +84,27 @@ class RankShutdown:
     reason: str
 
 
-RankMessage = RankStep | RankShutdown
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReportPools:
+    """Every rank contributes the digest of its pools (`pool_digest`) to a gather on rank 0:
+    a check that all ranks' pools follow rank 0's bookkeeping."""
+
+    reason: str
+
+
+RankMessage = RankStep | RankShutdown | ReportPools
 
 _CARRIERS: dict[str, type] = {
     cls.__name__: cls
-    for cls in (ResetSlot, CopySlot, RankStep, RankShutdown, ScheduledBatch, TrackPoint)
+    for cls in (
+        ResetSlot,
+        CopySlot,
+        RankStep,
+        RankShutdown,
+        ReportPools,
+        ScheduledBatch,
+        TrackPoint,
+    )
 }
 
 
@@ -117,8 +134,10 @@ def encode(message: RankMessage) -> bytes:
 
 def decode(frame: bytes) -> RankMessage:
     message = _from_wire(msgpack.unpackb(frame, raw=False))
-    if not isinstance(message, (RankStep, RankShutdown)):
-        raise ValueError(f"a rank message must be RankStep or RankShutdown, got {message!r}")
+    if not isinstance(message, (RankStep, RankShutdown, ReportPools)):
+        raise ValueError(
+            f"a rank message must be RankStep, RankShutdown or ReportPools, got {message!r}"
+        )
     return message
 
 
@@ -144,6 +163,22 @@ class PoolOps:
     def drain(self) -> tuple[PoolOp, ...]:
         ops, self.pending = tuple(self.pending), []
         return ops
+
+
+def pool_digest(cache: StateCache) -> torch.Tensor:
+    """(2 * num_slots + 2 * num_tokens,) float64: per Mamba slot the sums of its conv and SSM
+    state over every layer, per KV token slot the sums of its K and V over every layer."""
+
+    def per_row(pools: list[torch.Tensor], dim: int) -> torch.Tensor:
+        return sum(pool.double().flatten(dim + 1).sum(-1) for pool in pools).reshape(-1)
+
+    parts = [
+        cache.conv.double().transpose(0, 1).flatten(1).sum(-1),
+        cache.ssm.double().transpose(0, 1).flatten(1).sum(-1),
+    ]
+    if cache.k:
+        parts += [per_row(cache.k, 0), per_row(cache.v, 0)]
+    return torch.cat(parts).cpu()
 
 
 def apply(op: PoolOp, cache: StateCache) -> None:

@@ -28,7 +28,15 @@ from engine.cpu_threads import engine_environment
 from engine.forward_metadata import Mamba2Metadata, ScheduledBatch
 from engine.memory import PoolSizes
 from engine.model_runner import ModelRunner
-from engine.tp_messages import PoolOps, RankShutdown, RankSpec, RankStep, encode
+from engine.tp_messages import (
+    PoolOps,
+    RankShutdown,
+    RankSpec,
+    RankStep,
+    ReportPools,
+    encode,
+    pool_digest,
+)
 
 logger = logging.getLogger("baton.tp")
 
@@ -121,13 +129,23 @@ class Ranks:
             self.tp.barrier(self.load_timeout_s)
 
     def send(self, step: RankStep) -> None:
+        self.send_message(step)
+
+    def send_message(self, message: RankStep | ReportPools) -> None:
         self.check_alive()
-        frame = encode(step)
+        frame = encode(message)
         for rank, sock in enumerate(self.sockets, start=1):
             try:
                 sock.send(frame)
             except zmq.Again:
                 raise RankFailed(f"tensor-parallel rank {rank} is not taking steps") from None
+
+    def pool_digests(self, cache) -> list[torch.Tensor]:
+        """Every rank's `pool_digest`, rank 0's (of `cache`) first."""
+        self.send_message(ReportPools(reason="pool check"))
+        with self.failures("gathering pool digests"):
+            digests = self.tp.gather_last_dim(pool_digest(cache))
+        return list(digests.chunk(self.size))
 
     def check_alive(self, grace_s: float = 0.0) -> None:
         """Raise RankFailed naming the first rank that has exited; `grace_s`: wait that long

@@ -26,7 +26,7 @@ from engine.config import ModelConfig
 from engine.model_loader import load_model, resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.state_cache import StateCache
-from engine.tp_messages import RankShutdown, RankSpec, apply, decode
+from engine.tp_messages import RankShutdown, RankSpec, ReportPools, apply, decode, pool_digest
 from engine.tp_shard import pool_config
 
 logger = logging.getLogger("baton.tp_worker")
@@ -65,6 +65,9 @@ def run(spec: RankSpec) -> int:
             message = decode(steps.recv())
             if isinstance(message, RankShutdown):
                 return 0
+            if isinstance(message, ReportPools):
+                tp.gather_last_dim(pool_digest(cache))
+                continue
             for op in message.ops:
                 apply(op, cache)
             if message.batch is not None:

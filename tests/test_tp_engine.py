@@ -12,6 +12,7 @@ One TP=1 and one TP=2 engine per shape serve every case of this file.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,9 +20,18 @@ import torch
 from engine.config import ConfigError, ModelConfig
 from engine.forward_metadata import ScheduledBatch, TrackPoint
 from engine.llm import LLM
-from engine.parallel import TensorParallel
+from engine.parallel import TensorParallel, kv_head_part
 from engine.sampling_params import SamplingParams
-from engine.tp_messages import CopySlot, RankShutdown, RankStep, ResetSlot, decode, encode
+from engine.tp_messages import (
+    CopySlot,
+    RankShutdown,
+    RankStep,
+    ReportPools,
+    ResetSlot,
+    decode,
+    encode,
+    pool_digest,
+)
 from engine.tp_shard import check_tp_supported, mamba_shard
 from tests.tiny import save_tiny_model
 
@@ -104,23 +114,40 @@ def test_tp2_matches_tp1_through_chunks_preemption_and_cache_hits(engines, name)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_rank0_pools_hold_its_slice_of_tp1_state(engines, name):
-    """After the runs above (same schedule on both engines, so the same slots), every Mamba
-    slot and KV page of rank 0 holds its heads' / segments' slice of the TP=1 pools: the slot
-    copies and resets of preemption and cache hits reached the shard, and nothing else."""
+def test_every_rank_pools_hold_its_slice_of_tp1_state(engines, name):
+    """After the runs above (the same schedule on both engines, so the same slots and pages),
+    every Mamba slot and KV token slot of every rank holds its heads' / segments' slice of the
+    TP=1 pools: the slot resets and copies of preemption and cache hits reached every rank, in
+    order, and nothing else changed them. Rank 0 is compared tensor by tensor, the others by
+    the per-slot digests they send."""
     tp1, tp2 = engines(name)
-    tp1.generate(_prompts(2, (30, 50)), SamplingParams(max_tokens=4, temperature=0.0))
-    tp2.generate(_prompts(2, (30, 50)), SamplingParams(max_tokens=4, temperature=0.0))
-    full, shard = tp1.engine.cache, tp2.engine.cache
-    config = tp1.engine.model_config
-    rank0 = mamba_shard(config, TensorParallel(rank=0, size=2, group=None, timeout_s=0.0))
-    channels = torch.cat([torch.arange(s, s + n) for s, n in rank0.conv_channels])
-    torch.testing.assert_close(shard.conv, full.conv[:, :, channels], atol=1e-4, rtol=1e-4)
-    heads = slice(rank0.first_head, rank0.first_head + rank0.num_heads)
-    torch.testing.assert_close(shard.ssm, full.ssm[:, :, heads], atol=1e-4, rtol=1e-4)
-    kv_heads = shard.k[0].shape[1]
-    for k_1, k_2 in zip(full.k, shard.k, strict=True):
-        torch.testing.assert_close(k_2, k_1[:, :kv_heads], atol=1e-4, rtol=1e-4)
+    for llm in (tp1, tp2):
+        llm.generate(_prompts(2, (30, 50)), SamplingParams(max_tokens=4, temperature=0.0))
+    full, config = tp1.engine.cache, tp1.engine.model_config
+    digests = tp2.engine.ranks.pool_digests(tp2.engine.cache)
+    assert len(digests) == 2
+    for rank, digest in enumerate(digests):
+        tp = TensorParallel(rank=rank, size=2, group=None, timeout_s=0.0)
+        mamba = mamba_shard(config, tp)
+        channels = torch.cat([torch.arange(s, s + n) for s, n in mamba.conv_channels])
+        heads = slice(mamba.first_head, mamba.first_head + mamba.num_heads)
+        first_kv, kv_heads = kv_head_part(
+            config.num_key_value_heads, config.num_attention_heads, tp
+        )
+        kv = slice(first_kv, first_kv + kv_heads)
+        expected = SimpleNamespace(
+            conv=full.conv[:, :, channels],
+            ssm=full.ssm[:, :, heads],
+            k=[k[:, kv] for k in full.k],
+            v=[v[:, kv] for v in full.v],
+        )
+        torch.testing.assert_close(digest, pool_digest(expected), atol=1e-3, rtol=1e-4)
+        if rank == 0:
+            shard = tp2.engine.cache
+            torch.testing.assert_close(shard.conv, expected.conv, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(shard.ssm, expected.ssm, atol=1e-4, rtol=1e-4)
+            for k_1, k_2 in zip(expected.k, shard.k, strict=True):
+                torch.testing.assert_close(k_2, k_1, atol=1e-4, rtol=1e-4)
 
 
 def test_unsupported_groups_for_tp_size_are_refused_naming_both(tmp_path):
@@ -166,6 +193,7 @@ def test_every_field_of_the_step_message_round_trips():
         assert getattr(back, field.name) == getattr(step, field.name), field.name
     assert decode(encode(RankStep(ops=(), batch=None))) == RankStep(ops=(), batch=None)
     assert decode(encode(RankShutdown(reason="done"))) == RankShutdown(reason="done")
+    assert decode(encode(ReportPools(reason="check"))) == ReportPools(reason="check")
 
 
 def test_a_message_of_an_unknown_carrier_is_refused():
