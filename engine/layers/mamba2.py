@@ -180,7 +180,7 @@ class Mamba2Mixer(nn.Module):
                 norm_group=self.intermediate if across else self.group_size,
                 norm_mode=fused_norm,
             )
-            return self.norm_across_ranks(gated.float(), gated.dtype) if across else gated
+            return self.rms_norm_across_ranks(gated.float(), gated.dtype) if across else gated
         z, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         xbc = causal_conv1d_update(
             xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_pool, md.decode_slots
@@ -237,8 +237,8 @@ class Mamba2Mixer(nn.Module):
         if self.shard.norm_across_ranks:
             silu_z = torch.nn.functional.silu(z.float())
             if self.norm_mode == "gated":
-                return self.norm_across_ranks(y.float() * silu_z, y.dtype)
-            return (self.norm_across_ranks(y.float(), torch.float32) * silu_z).to(z.dtype)
+                return self.rms_norm_across_ranks(y.float() * silu_z, y.dtype)
+            return (self.rms_norm_across_ranks(y.float(), torch.float32) * silu_z).to(z.dtype)
         if self.norm_mode == "gated":
             return gated_rms_norm(y, z, self.norm.weight, self.eps, self.group_size)
         if self.norm_mode == "norm_then_gate":
@@ -246,7 +246,7 @@ class Mamba2Mixer(nn.Module):
             return (normed * torch.nn.functional.silu(z.float())).to(z.dtype)
         return (y.float() * torch.nn.functional.silu(z.float())).to(z.dtype)
 
-    def norm_across_ranks(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def rms_norm_across_ranks(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """h: (T, local intermediate) float32. RMS-normalise over the whole intermediate, which
         the ranks hold in pieces (one group replicated): the sum of squares is all-reduced.
         Same rounding as kernels.norm's gated norm: weight applied after casting to `dtype`."""
