@@ -174,17 +174,24 @@ class Slices:
     ranges: tuple[tuple[int, int], ...]
 
     def __call__(self, full: torch.Tensor) -> torch.Tensor:
-        size = full.shape[self.dim]
+        return self.read(full, tuple(full.shape))
+
+    def read(self, source, shape: tuple[int, ...]) -> torch.Tensor:
+        """This rank's slice of `source`, a tensor or anything indexed like one (a safetensors
+        slice: only the bytes of the slice are read from the file) of the given full shape."""
+        dim = self.dim % len(shape)
         parts = []
         for start, length in self.ranges:
-            have = max(0, min(length, size - start))
+            have = max(0, min(length, shape[dim] - start))
             if have:
-                parts.append(full.narrow(self.dim, start, have))
+                index = [slice(None)] * len(shape)
+                index[dim] = slice(start, start + have)
+                parts.append(source[tuple(index)])
             if have < length:
-                shape = list(full.shape)
-                shape[self.dim] = length - have
-                parts.append(full.new_zeros(shape))
-        return torch.cat(parts, dim=self.dim) if len(parts) > 1 else parts[0]
+                padding = list(shape)
+                padding[dim] = length - have
+                parts.append(torch.zeros(padding, dtype=parts[0].dtype if parts else None))
+        return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

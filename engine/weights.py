@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.parallel import shard_rule
+from engine.parallel import ShardRule, Slices, shard_rule
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +66,29 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (canonical name, tensor) for every tensor of every shard, with a progress bar for
-    multi-shard checkpoints."""
+class CheckpointTensor:
+    """One tensor of an open shard, read only when asked: whole, or only the slice a
+    tensor-parallel rank holds (the other bytes are never read from the file)."""
+
+    def __init__(self, shard, name: str):
+        self.shard, self.name = shard, name
+
+    def read(self, rule: ShardRule | None) -> torch.Tensor:
+        if isinstance(rule, Slices):
+            part = self.shard.get_slice(self.name)
+            return rule.read(part, tuple(part.get_shape()))
+        tensor = self.shard.get_tensor(self.name)
+        return tensor if rule is None else rule(tensor)
+
+
+def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yield (canonical name, tensor to read) for every tensor of every shard, with a progress
+    bar for multi-shard checkpoints."""
     files = checkpoint_files(model_dir)
     for path in tqdm(files, desc="Loading shards", disable=len(files) < 2, unit="shard"):
         with safe_open(str(path), framework="pt") as shard:
             for name in shard.keys():
-                yield canonical_name(name), shard.get_tensor(name)
+                yield canonical_name(name), CheckpointTensor(shard, name)
 
 
 def expert_slot(name: str) -> tuple[str, int] | None:
@@ -99,7 +114,7 @@ def load_into(module: torch.nn.Module, model_dir: str | Path, ignore: tuple[str,
     experts_loaded: dict[str, set[int]] = {}
     unexpected: list[str] = []
     skipped = 0
-    for name, tensor in iterate_weights(model_dir):
+    for name, checkpoint in iterate_weights(model_dir):
         if name in tied:
             continue  # shares its storage with a parameter loaded under another name
         if name.startswith(SKIPPED_PREFIXES):
@@ -115,9 +130,7 @@ def load_into(module: torch.nn.Module, model_dir: str | Path, ignore: tuple[str,
                 unexpected.append(name)
             continue
         dest = param if index is None else _expert_row(param, index, name, model_dir)
-        rule = shard_rule(param)
-        if rule is not None:
-            tensor = rule(tensor)
+        tensor = checkpoint.read(shard_rule(param))
         if tuple(dest.shape) != tuple(tensor.shape):
             raise WeightError(
                 f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, "
