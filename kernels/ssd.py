@@ -187,3 +187,45 @@ def ssd_scan_torch(
         final_states=after_last.reshape(S, H, P, N),
         chunk_states=passed[:, 1:].reshape(S, Cn, H, P, N),
     )
+
+
+def ssd_scan_pool(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    layout: ChunkLayout,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    want_chunk_states: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`ssd_scan` with the states in the pool: sequence s starts from `ssm_pool[slots[s]]` and
+    its final state is written back there. Returns (y, chunk_states or None); chunk_states as
+    SSDOutput's, computed only when asked for (the C scan skips the copies otherwise).
+
+    On the CPU the fused C scan (kernels/cpu_prefill.c) runs when it is built and the pool is
+    contiguous float32; otherwise `ssd_scan` (torch or Triton) and a scatter into the pool."""
+    from kernels import cpu_prefill
+
+    if cpu_prefill.supported(x, ssm_pool, layout.chunk_size):
+        return cpu_prefill.ssd_prefill_cpu(
+            x,
+            discretize_dt(dt, dt_bias, dt_limit),
+            A,
+            B,
+            C,
+            D,
+            ssm_pool,
+            slots,
+            layout.cu_seqlens,
+            layout.start_pos,
+            layout.chunk_size,
+            layout.num_chunks if want_chunk_states else None,
+        )
+    out = ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_pool[slots], layout, dt_limit)
+    ssm_pool[slots] = out.final_states.to(ssm_pool.dtype)
+    return out.y, out.chunk_states

@@ -22,7 +22,7 @@ from engine.tp_shard import mamba_shard
 from kernels import cpu_ops
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.norm import gated_rms_norm, group_rms_norm
-from kernels.ssd import ssd_scan
+from kernels.ssd import ssd_scan_pool
 from kernels.ssu import selective_state_update
 from kernels.state_copy import copy_states
 
@@ -217,7 +217,7 @@ class Mamba2Mixer(nn.Module):
             window_tokens,
         )
         x, B, C = self.split_xbc(xbc)
-        out = ssd_scan(
+        y, chunk_states = ssd_scan_pool(
             x,
             dt,
             -torch.exp(self.A_log.float()),
@@ -225,12 +225,13 @@ class Mamba2Mixer(nn.Module):
             C,
             self.D,
             self.dt_bias,
-            ssm_pool[md.prefill_slots],
+            ssm_pool,
+            md.prefill_slots,
             md.chunk_layout,
             self.dt_limit,
+            want_chunk_states=md.has_mamba_track_mask,  # only checkpoints read them
         )
-        ssm_pool[md.prefill_slots] = out.final_states.to(ssm_pool.dtype)
-        return self.gate(out.y, z), windows, out.chunk_states
+        return self.gate(y, z), windows, chunk_states
 
     def gate(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         y = y.reshape(z.shape[0], self.intermediate)

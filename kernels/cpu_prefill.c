@@ -1,0 +1,147 @@
+/* Fused CPU prefill scan for baton (built at first use by kernels/cpu_prefill.py).
+ *
+ * The chunked SSD scan of kernels/ssd.py, per sequence and per head, over the packed tokens as
+ * they lie: no (num_seqs, num_chunks, chunk_size) padded layout, no permute copies, no
+ * segment-sum masks. Chunks follow the same rule as the torch path: aligned to the sequence's
+ * absolute position (a sequence resumed at position 100 with chunk 64 starts with a 28-token
+ * chunk), so the state after each chunk is the state at a multiple of the chunk size, which is
+ * what prefix-cache checkpoints store.
+ *
+ * Per chunk of l tokens, with cs[k] = sum_{i<=k} dt_i A (inclusive, within the chunk):
+ *   y_k  = exp(cs_k) C_k . S  +  sum_{j<=k} (C_k . B_j) exp(cs_k - cs_j) dt_j x_j  +  D x_k
+ *   S   <- exp(cs_last) S  +  sum_j exp(cs_last - cs_j) dt_j x_j (x) B_j
+ * The state S (headdim x d_state, float32) is updated in place in the pool slot: the initial
+ * state is read from it and the final state is left in it. One OpenMP task per (sequence, head):
+ * C_k . B_j is recomputed per head of a group (l^2 N / 2 per chunk, less than the l P N of the
+ * state terms for the shapes in use), which keeps every task independent and the cores busy
+ * even for a single long prompt.
+ *
+ * Layouts: x rows (T, H, P) with row stride x_stride; B, C rows (T, G, N) with row stride
+ * bc_stride (views into the conv output need no copy); dt (T, H) contiguous, already discretised;
+ * y (T, H, P) contiguous; pool (num_slots, H, P, N) contiguous; chunk_states (S, Cn, H, P, N)
+ * contiguous or NULL. The slots are checked before anything is written (return first bad
+ * row + 1, 0 when all are in range), like cpu_ops.c.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* exp for vectorised loops, the same polynomial as cpu_ops.c's (which is not linked here):
+ * 2^n * p(r), |r| <= ln2/2, relative error ~2e-7, branch-free so `omp simd` loops vectorise. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+static void scan_one(const float *x, int64_t x_stride, const float *B, const float *C,
+                     int64_t bc_stride, const float *dt, float A, float Dh, float *state,
+                     float *y, float *chunk_states, int64_t num_chunks_out, int64_t t0, int64_t n,
+                     int64_t offset, int64_t h, int64_t g, int64_t H, int64_t P, int64_t N,
+                     int64_t L, float *cs, float *w) {
+    const int64_t PN = P * N;
+    int64_t a = 0, c = 0;
+    while (a < n) {
+        int64_t l = L - (c == 0 ? offset : 0);
+        if (l > n - a) l = n - a;
+        const int64_t base = t0 + a;
+        float sum = 0.0f;
+        for (int64_t k = 0; k < l; k++) {
+            sum += dt[(base + k) * H + h] * A;
+            cs[k] = sum;
+        }
+        for (int64_t k = 0; k < l; k++) {
+            const int64_t t = base + k;
+            const float *Ck = C + t * bc_stride + g * N;
+            const float *xk = x + t * x_stride + h * P;
+            float *yk = y + t * H * P + h * P;
+            const float eck = exp_approx(cs[k]);
+            /* the state entering the chunk, decayed to token k */
+            for (int64_t p = 0; p < P; p++) {
+                const float *Sp = state + p * N;
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t i = 0; i < N; i++) acc += Sp[i] * Ck[i];
+                yk[p] = eck * acc + Dh * xk[p];
+            }
+            /* within the chunk: w_j = (C_k . B_j) exp(cs_k - cs_j) dt_j for j <= k */
+            for (int64_t j = 0; j <= k; j++) {
+                const float *Bj = B + (base + j) * bc_stride + g * N;
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t i = 0; i < N; i++) acc += Ck[i] * Bj[i];
+                w[j] = acc * dt[(base + j) * H + h];
+            }
+            const float csk = cs[k];
+#pragma omp simd
+            for (int64_t j = 0; j <= k; j++) w[j] *= exp_approx(csk - cs[j]);
+            for (int64_t j = 0; j <= k; j++) {
+                const float *xj = x + (base + j) * x_stride + h * P;
+                const float wj = w[j];
+#pragma omp simd
+                for (int64_t p = 0; p < P; p++) yk[p] += wj * xj[p];
+            }
+        }
+        /* the state after the chunk */
+        const float last = cs[l - 1];
+        const float decay = exp_approx(last);
+#pragma omp simd
+        for (int64_t i = 0; i < PN; i++) state[i] *= decay;
+        for (int64_t j = 0; j < l; j++) {
+            const float *xj = x + (base + j) * x_stride + h * P;
+            const float *Bj = B + (base + j) * bc_stride + g * N;
+            const float wj = exp_approx(last - cs[j]) * dt[(base + j) * H + h];
+            for (int64_t p = 0; p < P; p++) {
+                const float wx = wj * xj[p];
+                float *Sp = state + p * N;
+#pragma omp simd
+                for (int64_t i = 0; i < N; i++) Sp[i] += wx * Bj[i];
+            }
+        }
+        if (chunk_states) memcpy(chunk_states + (c * H + h) * PN, state, PN * sizeof(float));
+        a += l;
+        c++;
+    }
+    /* chunks past this sequence's last (the batch's count is the longest sequence's) hold its
+     * final state, as the torch path's no-op padding leaves them */
+    if (chunk_states)
+        for (; c < num_chunks_out; c++)
+            memcpy(chunk_states + (c * H + h) * PN, state, PN * sizeof(float));
+}
+
+int64_t baton_ssd_prefill(const float *x, int64_t x_stride, const float *B, const float *C,
+                          int64_t bc_stride, const float *dt, const float *A, const float *D,
+                          float *pool, int64_t num_slots, const int64_t *slots,
+                          const int64_t *cu_seqlens, const int64_t *start_pos, int64_t num_seqs,
+                          float *y, float *chunk_states, int64_t num_chunks_out, int64_t H,
+                          int64_t P, int64_t N, int64_t G, int64_t L, int nthreads) {
+    for (int64_t s = 0; s < num_seqs; s++)
+        if (slots[s] < 0 || slots[s] >= num_slots) return s + 1;
+    const int64_t R = H / G, PN = P * N, tasks = num_seqs * H;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float cs[L], w[L]; /* per thread; L is the chunk size (<= a few hundred) */
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t s = task / H, h = task % H;
+            const int64_t t0 = cu_seqlens[s], n = cu_seqlens[s + 1] - t0;
+            float *cstates = chunk_states ? chunk_states + s * num_chunks_out * H * PN : NULL;
+            if (n > 0)
+                scan_one(x, x_stride, B, C, bc_stride, dt, A[h], D[h],
+                         pool + (slots[s] * H + h) * PN, y, cstates, num_chunks_out, t0, n,
+                         start_pos[s] % L, h, h / R, H, P, N, L, cs, w);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,168 @@
+"""The fused C prefill scan (kernels/cpu_prefill.c) against the naive token recurrence and the
+torch SSD path: varlen, lengths not multiples of the chunk, resumed sequences (initial states,
+chunks aligned to absolute positions), the chunk states checkpoints read, dt limits, fp16/bf16
+inputs, and bad slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_prefill
+from kernels.ssd import build_chunk_layout, discretize_dt, ssd_scan_pool, ssd_scan_torch
+from tests.oracles import ssd_oracle
+from tests.test_kernels_torch import ssd_inputs
+
+pytestmark = pytest.mark.skipif(
+    cpu_prefill.library() is None, reason="no C compiler: the fused prefill scan is not built"
+)
+
+
+def run_c(seq_lens, start_pos, chunk, inputs, dt_limit=(0.0, float("inf")), slots=None):
+    x, dt, A, B, C, D, dt_bias, init = inputs
+    S = len(seq_lens)
+    # a pool with more slots than sequences, the sequences in scattered slots
+    pool = torch.randn(S + 3, *init.shape[1:])
+    slots = torch.arange(S + 2, 2, -1)[:S] if slots is None else slots
+    pool[slots] = init
+    layout = build_chunk_layout(seq_lens, start_pos, chunk, "cpu")
+    y, chunk_states = cpu_prefill.ssd_prefill_cpu(
+        x,
+        discretize_dt(dt, dt_bias, dt_limit),
+        A,
+        B,
+        C,
+        D,
+        pool,
+        slots,
+        layout.cu_seqlens,
+        layout.start_pos,
+        chunk,
+        layout.num_chunks,
+    )
+    return y, pool[slots], chunk_states, layout
+
+
+CASES = [
+    ([1], [0], 4),
+    ([7], [0], 4),
+    ([8], [0], 4),
+    ([9, 3, 17], [0, 5, 2], 4),
+    ([28, 1, 40], [100, 3, 64], 16),
+    ([5, 12], [13, 0], 8),
+    ([130, 7, 64], [0, 200, 64], 64),
+]
+
+
+@pytest.mark.parametrize("seq_lens,start_pos,chunk", CASES)
+def test_c_scan_matches_token_recurrence(seq_lens, start_pos, chunk):
+    inputs = ssd_inputs(seq_lens, H=6, P=8, G=3, N=10, seed=1)
+    y, final, chunk_states, layout = run_c(seq_lens, start_pos, chunk, inputs)
+    y_ref, final_ref, per_token = ssd_oracle(*inputs, seq_lens)
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final.double(), final_ref, atol=1e-4, rtol=1e-4)
+    for s, (n, p0) in enumerate(zip(seq_lens, start_pos)):
+        first_chunk_start = p0 - p0 % chunk
+        for c in range(layout.num_chunks):
+            j = first_chunk_start + (c + 1) * chunk - p0 - 1  # last token inside chunk c
+            expected = per_token[s][min(j, n - 1)]  # past the end: the final state
+            torch.testing.assert_close(chunk_states[s, c].double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seq_lens,start_pos,chunk", CASES)
+def test_c_scan_matches_torch_path(seq_lens, start_pos, chunk):
+    inputs = ssd_inputs(seq_lens, H=4, P=16, G=2, N=12, seed=2)
+    y, final, chunk_states, layout = run_c(seq_lens, start_pos, chunk, inputs)
+    ref = ssd_scan_torch(*inputs, layout)
+    torch.testing.assert_close(y, ref.y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final, ref.final_states, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chunk_states, ref.chunk_states, atol=1e-4, rtol=1e-4)
+
+
+def test_c_scan_applies_dt_limit():
+    seq_lens, start_pos = [9, 20], [0, 3]
+    inputs = ssd_inputs(seq_lens, seed=3)
+    limited, _, _, _ = run_c(seq_lens, start_pos, 8, inputs, dt_limit=(0.5, 0.6))
+    ref, _, _ = ssd_oracle(*inputs, seq_lens, dt_limit=(0.5, 0.6))
+    torch.testing.assert_close(limited.double(), ref, atol=1e-4, rtol=1e-4)
+    unlimited, _, _, _ = run_c(seq_lens, start_pos, 8, inputs)
+    assert not torch.allclose(limited, unlimited, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_c_scan_half_inputs_match_torch_path(dtype):
+    seq_lens, start_pos, chunk = [19, 6], [0, 11], 8
+    x, dt, A, B, C, D, dt_bias, init = ssd_inputs(seq_lens, seed=4)
+    half = (x.to(dtype), dt.to(dtype), A, B.to(dtype), C.to(dtype), D, dt_bias, init)
+    y, final, _, layout = run_c(seq_lens, start_pos, chunk, half)
+    ref = ssd_scan_torch(*half, layout)
+    assert y.dtype == dtype
+    tol = 1e-2 if dtype == torch.float16 else 3e-2
+    torch.testing.assert_close(y.float(), ref.y.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(final, ref.final_states, atol=1e-4, rtol=1e-4)
+
+
+def test_strided_views_of_the_conv_output_need_no_copy_and_agree():
+    """x / B / C as column views of one (T, conv_dim) float32 tensor, as the mixer passes them."""
+    seq_lens, start_pos, chunk = [13, 4], [0, 6], 4
+    H, P, G, N = 4, 8, 2, 6
+    x, dt, A, B, C, D, dt_bias, init = ssd_inputs(seq_lens, H, P, G, N, seed=5)
+    T = x.shape[0]
+    xbc = torch.cat([x.reshape(T, -1), B.reshape(T, -1), C.reshape(T, -1)], dim=1)
+    xv, Bv, Cv = xbc.split([H * P, G * N, G * N], dim=1)
+    views = (xv.view(T, H, P), dt, A, Bv.view(T, G, N), Cv.view(T, G, N), D, dt_bias, init)
+    assert cpu_prefill._rows(views[0]).data_ptr() == xv.data_ptr()  # no copy
+    y, final, _, _ = run_c(seq_lens, start_pos, chunk, views)
+    y_ref, final_ref, _ = ssd_oracle(x, dt, A, B, C, D, dt_bias, init, seq_lens)
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final.double(), final_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_slot_is_an_error_and_writes_nothing():
+    seq_lens = [5, 3]
+    x, dt, A, B, C, D, dt_bias, _ = ssd_inputs(seq_lens, seed=6)
+    layout = build_chunk_layout(seq_lens, [0, 0], 4, "cpu")
+    pool = torch.randn(5, *x.shape[1:], B.shape[2])
+    before = pool.clone()
+    with pytest.raises(IndexError, match="slot index 9 of sequence 1 is outside the pool of 5"):
+        cpu_prefill.ssd_prefill_cpu(
+            x,
+            dt.abs(),
+            A,
+            B,
+            C,
+            D,
+            pool,
+            torch.tensor([0, 9]),
+            layout.cu_seqlens,
+            layout.start_pos,
+            4,
+            layout.num_chunks,
+        )
+    assert torch.equal(pool, before)
+
+
+def test_pool_entry_point_agrees_with_the_torch_fallback(monkeypatch):
+    """ssd_scan_pool: the C scan, and the torch scan + scatter it replaces, leave the same pool
+    and return the same rows; without chunk states asked for, the C path returns none."""
+    seq_lens, start_pos, chunk = [10, 21, 2], [0, 37, 5], 8
+    x, dt, A, B, C, D, dt_bias, init = ssd_inputs(seq_lens, seed=7)
+    layout = build_chunk_layout(seq_lens, start_pos, chunk, "cpu")
+    slots = torch.tensor([4, 0, 2])
+    pools = []
+    for fused in (True, False):
+        monkeypatch.setattr(cpu_prefill, "supported", lambda *a, fused=fused: fused)
+        pool = torch.zeros(5, *init.shape[1:])
+        pool[slots] = init
+        y, states = ssd_scan_pool(x, dt, A, B, C, D, dt_bias, pool, slots, layout)
+        pools.append((y, states, pool))
+    (y_c, s_c, pool_c), (y_t, s_t, pool_t) = pools
+    torch.testing.assert_close(y_c, y_t, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s_c, s_t, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pool_c, pool_t, atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(cpu_prefill, "supported", lambda *a: True)
+    pool = torch.zeros(5, *init.shape[1:])
+    _, none = ssd_scan_pool(
+        x, dt, A, B, C, D, dt_bias, pool, slots, layout, want_chunk_states=False
+    )
+    assert none is None
