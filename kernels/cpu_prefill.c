@@ -98,13 +98,13 @@ static void scan_one(const float *x, int64_t x_stride, const float *B, const flo
         const float decay = exp_approx(last);
 #pragma omp simd
         for (int64_t i = 0; i < PN; i++) state[i] *= decay;
-        for (int64_t j = 0; j < l; j++) {
-            const float *xj = x + (base + j) * x_stride + h * P;
-            const float *Bj = B + (base + j) * bc_stride + g * N;
-            const float wj = exp_approx(last - cs[j]) * dt[(base + j) * H + h];
-            for (int64_t p = 0; p < P; p++) {
-                const float wx = wj * xj[p];
-                float *Sp = state + p * N;
+        for (int64_t j = 0; j < l; j++) w[j] = exp_approx(last - cs[j]) * dt[(base + j) * H + h];
+        /* row by row of the state, so one row (d_state floats) stays in L1 across the tokens */
+        for (int64_t p = 0; p < P; p++) {
+            float *Sp = state + p * N;
+            for (int64_t j = 0; j < l; j++) {
+                const float wx = w[j] * x[(base + j) * x_stride + h * P + p];
+                const float *Bj = B + (base + j) * bc_stride + g * N;
 #pragma omp simd
                 for (int64_t i = 0; i < N; i++) Sp[i] += wx * Bj[i];
             }

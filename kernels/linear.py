@@ -6,12 +6,38 @@ time (`torch.ops.mkldnn._reorder_linear_weight`) and calling `_linear_pointwise`
 faster on this project's shapes (bench numbers in the engine issue's note), with the same
 float32 accumulation. `pack_linears` swaps every `nn.Linear` of a model for a `PackedLinear`;
 dtypes oneDNN cannot run on this CPU keep `nn.Linear`.
+
+The matmul dtype is chosen at load. Whether a bf16 GEMM beats the fp32 one depends on the CPU:
+without AVX512-BF16/AMX, oneDNN's bf16 runs at about half the fp32 rate; with them (this
+project's dev VM), at about twice. `MatmulChooser` times both forms for each weight shape of the
+model (a few ms per shape, the output width capped so the lm_head costs no more than the rest)
+and a bf16/fp16 model's `PackedLinear` then holds its weight in the faster dtype. A float32
+weight computes from the model-dtype input (exact: bf16/fp16 widen losslessly) with the same
+float32 accumulation, and its output is cast back to the model dtype, so every layer downstream
+sees the dtype, and the rounding point, it always did. `BATON_CPU_MATMUL_DTYPE` forces a form:
+`model` (the model's dtype), `float32`, or `auto` (default: timed).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
+
+MATMUL_DTYPE_ENV = "BATON_CPU_MATMUL_DTYPE"
+POLICIES = ("auto", "model", "float32")
+TIMING_ROWS = (16, 64)  # decode-like and prefill-like row counts, timed and summed
+TIMING_MAX_OUT = 2048  # columns timed per shape: the rate of a 32000-wide lm_head is the same
+# fp32 must beat the model dtype by this much: the casts it adds cost a little in every layer,
+# and a near-tie is noise on a loaded machine
+FLOAT32_MARGIN = 0.9
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -24,11 +50,128 @@ def can_pack(dtype: torch.dtype) -> bool:
     return False
 
 
-class PackedLinear(nn.Module):
-    """`y = x @ W.T + b` with W held only in oneDNN's layout (the plain copy is dropped)."""
+def matmul_policy() -> str:
+    """`BATON_CPU_MATMUL_DTYPE` (default auto); anything else is an error naming the variable."""
+    policy = os.environ.get(MATMUL_DTYPE_ENV, "auto").strip().lower() or "auto"
+    if policy not in POLICIES:
+        raise ValueError(f"{MATMUL_DTYPE_ENV}={policy!r}: expected one of {', '.join(POLICIES)}")
+    return policy
 
-    def __init__(self, linear: nn.Linear, activation: str = "none"):
-        """activation: oneDNN post-op fused into the matmul ("none" or "relu")."""
+
+def _best_of(fn: Callable[..., object], *args: object, repeats: int = 3) -> float:
+    fn(*args)  # warm-up: oneDNN builds its kernel for the shape on the first call
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _upcast_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return _packed_mm(x.float(), packed).to(x.dtype)
+
+
+def time_linear(in_features: int, out_features: int, dtype: torch.dtype, form: str) -> float:
+    """Seconds for one (in, out) linear of a `dtype` model, summed over TIMING_ROWS, as the
+    forward runs it: form "model" computes in `dtype` (packed where oneDNN packs it, else
+    F.linear); "float32" widens the input, runs the fp32 packed matmul, narrows the output."""
+    out_features = min(out_features, TIMING_MAX_OUT)
+    weight = torch.randn(out_features, in_features)
+    if form == "float32":
+        fn, w = _upcast_mm, torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    elif can_pack(dtype):
+        fn, w = _packed_mm, torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), None)
+    else:
+        fn, w = torch.nn.functional.linear, weight.to(dtype)
+    return sum(_best_of(fn, torch.randn(rows, in_features).to(dtype), w) for rows in TIMING_ROWS)
+
+
+class MatmulChooser:
+    """The dtype each linear of a `model_dtype` model computes in, per (in, out) shape, chosen
+    once per shape. `timer(in, out, "model" | "float32") -> seconds` is injectable (tests give
+    fake timings: the choice is a pure function of them)."""
+
+    def __init__(
+        self,
+        model_dtype: torch.dtype,
+        policy: str | None = None,
+        timer: Callable[[int, int, str], float] | None = None,
+    ):
+        self.model_dtype = model_dtype
+        self.policy = matmul_policy() if policy is None else policy
+        if self.policy not in POLICIES:
+            raise ValueError(f"matmul dtype policy {self.policy!r}: expected one of {POLICIES}")
+        self.timer = timer or self._time
+        self.choices: dict[tuple[int, int], torch.dtype] = {}
+        self.timings: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def _time(self, in_features: int, out_features: int, form: str) -> float:
+        return time_linear(in_features, out_features, self.model_dtype, form)
+
+    def __call__(self, in_features: int, out_features: int) -> torch.dtype:
+        if self.model_dtype == torch.float32 or self.policy == "model":
+            return self.model_dtype
+        fp32_packs = can_pack(torch.float32)
+        if self.policy == "float32":
+            return torch.float32 if fp32_packs else self.model_dtype
+        if not fp32_packs:
+            return self.model_dtype
+        shape = (in_features, out_features)
+        if shape not in self.choices:
+            model_s = self.timer(in_features, out_features, "model")
+            fp32_s = self.timer(in_features, out_features, "float32")
+            self.timings[shape] = (model_s, fp32_s)
+            faster = fp32_s < FLOAT32_MARGIN * model_s
+            self.choices[shape] = torch.float32 if faster else self.model_dtype
+        return self.choices[shape]
+
+    def summary(self) -> str:
+        if not self.timings:
+            return f"{self.policy}: every matmul in {self.model_dtype}"
+        parts = [
+            f"{i}x{o}: {str(self.choices[(i, o)]).removeprefix('torch.')} "
+            f"({m * 1e3:.2f} ms {str(self.model_dtype).removeprefix('torch.')} / "
+            f"{f * 1e3:.2f} ms float32)"
+            for (i, o), (m, f) in self.timings.items()
+        ]
+        return f"{self.policy}: " + "; ".join(parts)
+
+
+_chooser: MatmulChooser | None = None
+
+
+@contextlib.contextmanager
+def matmul_dtypes(chooser: MatmulChooser | None) -> Iterator[MatmulChooser | None]:
+    """PackedLinears built inside take their compute dtype from `chooser` (the layers that fuse
+    their own projections build PackedLinear directly, so the choice reaches them this way)."""
+    global _chooser
+    previous, _chooser = _chooser, chooser
+    try:
+        yield chooser
+    finally:
+        _chooser = previous
+
+
+class PackedLinear(nn.Module):
+    """`y = x @ W.T + b` with W held only in oneDNN's layout (the plain copy is dropped).
+
+    Inside `matmul_dtypes(chooser)`, W is packed in the dtype the chooser picks for its shape;
+    when that is float32 for a lower-precision model, the input is widened and the output
+    narrowed back to the input's dtype."""
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        activation: str = "none",
+        compute_dtype: torch.dtype | None = None,
+    ):
+        """activation: oneDNN post-op fused into the matmul ("none" or "relu");
+        compute_dtype: the weight's packed dtype (default: the chooser's, else the weight's)."""
         super().__init__()
         if activation not in ("none", "relu"):
             raise ValueError(f"unsupported fused activation {activation!r}")
@@ -36,10 +179,27 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         self.activation = activation
         weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        self.bias = linear.bias
+        if compute_dtype is None:
+            chooser = _chooser
+            compute_dtype = (
+                chooser(self.in_features, self.out_features)
+                if chooser is not None and chooser.model_dtype == weight.dtype
+                else weight.dtype
+            )
+        self.compute_dtype = compute_dtype
+        self.upcast = compute_dtype != weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(compute_dtype), None)
+        bias = linear.bias
+        if bias is not None and self.upcast:
+            bias = nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.upcast:
+            y = torch.ops.mkldnn._linear_pointwise(
+                x.to(self.compute_dtype), self.packed, self.bias, self.activation, [], ""
+            )
+            return y.to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(
             x, self.packed, self.bias, self.activation, [], ""
         )
@@ -47,23 +207,29 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"activation={self.activation}, packed"
+            f"activation={self.activation}, packed {self.compute_dtype}"
         )
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:
-    """Replace each `nn.Linear` under `model` by a PackedLinear; returns how many were packed."""
-    if not can_pack(dtype):
-        return 0
+    """Replace each `nn.Linear` under `model` by a PackedLinear; returns how many were packed.
+    Inside `matmul_dtypes(chooser)` a linear is packed when its chosen dtype packs (an fp16
+    model's linears pack where float32 is chosen; the rest stay `nn.Linear`)."""
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) is nn.Linear and child.weight.device.type == "cpu"
     ]
+    packed = 0
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
-    return len(targets)
+        compute = child.weight.dtype
+        if _chooser is not None and _chooser.model_dtype == compute:
+            compute = _chooser(child.in_features, child.out_features)
+        if can_pack(compute):
+            setattr(parent, name, PackedLinear(child, compute_dtype=compute))
+            packed += 1
+    return packed
 
 
 def matmul_params(model: nn.Module) -> int:

@@ -5,25 +5,38 @@
    prepacked matmul, relu fused into an up projection, gate/up fused, MoE experts reordered);
 2. every remaining `nn.Linear` becomes a oneDNN-prepacked `PackedLinear` (kernels/linear.py):
    decode's few-row matmuls, lm_head above all, run 1.2-3x faster than F.linear;
+   steps 1 and 2 pack each weight in the dtype `MatmulChooser` picks for its shape: a bf16 or
+   fp16 model's matmuls run in float32 where this CPU's float32 GEMM is the faster one (timed
+   here, once per shape; `BATON_CPU_MATMUL_DTYPE` forces `model` or `float32`);
 3. layers that cache float32 forms of small parameters for the C kernels (`freeze`: the Mamba
    mixer's fused decode step, norms) take them now that the weights are final.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
-from kernels.linear import can_pack, pack_linears
+from kernels.linear import MATMUL_DTYPE_ENV, MatmulChooser, can_pack, matmul_dtypes, pack_linears
+
+log = logging.getLogger(__name__)
 
 
-def prepare_for_cpu(model: nn.Module, dtype: torch.dtype) -> None:
-    """Call after the weights are loaded and cast; the plain linear weights are dropped."""
-    if can_pack(dtype):
-        for module in list(model.modules()):
-            if hasattr(module, "pack_for_cpu"):
-                module.pack_for_cpu()
-    pack_linears(model, dtype)
+def prepare_for_cpu(
+    model: nn.Module, dtype: torch.dtype, chooser: MatmulChooser | None = None
+) -> None:
+    """Call after the weights are loaded and cast; the plain linear weights are dropped.
+    chooser: the matmul dtype per shape (default: timed, or as `BATON_CPU_MATMUL_DTYPE` says)."""
+    chooser = chooser or MatmulChooser(dtype)
+    with matmul_dtypes(chooser):
+        if can_pack(dtype):
+            for module in list(model.modules()):
+                if hasattr(module, "pack_for_cpu"):
+                    module.pack_for_cpu()
+        pack_linears(model, dtype)
+    log.info("CPU matmul dtype (%s=%s) %s", MATMUL_DTYPE_ENV, chooser.policy, chooser.summary())
     for module in model.modules():
         if hasattr(module, "freeze"):
             module.freeze()
