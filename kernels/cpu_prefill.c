@@ -145,3 +145,55 @@ int64_t baton_ssd_prefill(const float *x, int64_t x_stride, const float *B, cons
     }
     return 0;
 }
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, like torch */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float load(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* The Mamba2 gate of prefill rows, `weight * rmsnorm_per_group(y * silu(z))`, in one pass over
+ * the rows (the torch path makes six: casts, silu, product, square, mean, scale). Rounding as
+ * kernels/norm.py's torch path and transformers': the normalised product is rounded to the
+ * model dtype before the weight multiplies it, and the product is rounded again. y, z, weight
+ * and out share the dtype (bf16 or float32); y and z rows are strided, out is contiguous. */
+void baton_gated_norm(const void *y, int64_t y_stride, const void *z, int64_t z_stride,
+                      const void *weight, void *out, int64_t T, int64_t I, int64_t group,
+                      float eps, int bf16, int nthreads) {
+    const int64_t groups = I / group;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t task = 0; task < T * groups; task++) {
+        const int64_t t = task / groups, g0 = (task % groups) * group;
+        float h[group];
+        float ss = 0.0f;
+        for (int64_t i = 0; i < group; i++) {
+            const float zv = load(z, t * z_stride + g0 + i, bf16);
+            const float v = load(y, t * y_stride + g0 + i, bf16) * (zv / (1.0f + expf(-zv)));
+            h[i] = v;
+            ss += v * v;
+        }
+        const float r = 1.0f / sqrtf(ss / (float)group + eps);
+        for (int64_t i = 0; i < group; i++) {
+            const int64_t o = t * I + g0 + i;
+            float v = h[i] * r;
+            if (bf16) {
+                v = bf16_to_f32(f32_to_bf16(v)) * load(weight, g0 + i, 1);
+                ((uint16_t *)out)[o] = f32_to_bf16(v);
+            } else {
+                ((float *)out)[o] = v * ((const float *)weight)[g0 + i];
+            }
+        }
+    }
+}

@@ -93,6 +93,9 @@ def library() -> ctypes.CDLL | None:
         *[_i64] * 5,  # H, P, N, G, L
         _int,
     ]
+    lib.baton_gated_norm.restype = None
+    lib.baton_gated_norm.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, *[_i64] * 3]
+    lib.baton_gated_norm.argtypes += [ctypes.c_float, _int, _int]
     return lib
 
 
@@ -182,3 +185,44 @@ def ssd_prefill_cpu(
             f"of {ssm_pool.shape[0]}"
         )
     return y.to(x.dtype), chunk_states
+
+
+def gated_norm_supported(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        y.device.type == "cpu"
+        and select_backend(y) == "torch"
+        and y.dtype in (torch.float32, torch.bfloat16)
+        and z.dtype == y.dtype
+        and weight.dtype == y.dtype
+        and y.dim() == 2
+        and y.stride(1) == 1
+        and z.stride(1) == 1
+        and weight.is_contiguous()
+        and library() is not None
+    )
+
+
+def gated_rms_norm_cpu(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int
+) -> torch.Tensor:
+    """Same contract and rounding as kernels.norm.gated_rms_norm_torch (y, z: (T, I) rows that
+    may be strided, e.g. z a view of in_proj's output; weight (I,) in y's dtype)."""
+    T, width = y.shape
+    if width % group_size:
+        raise ValueError(f"gated norm: width {width} is not a multiple of the group {group_size}")
+    out = torch.empty(T, width, dtype=y.dtype)
+    library().baton_gated_norm(
+        y.data_ptr(),
+        y.stride(0),
+        z.data_ptr(),
+        z.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        T,
+        width,
+        group_size,
+        eps,
+        int(y.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from kernels import cpu_ops, cpu_prefill
 from kernels.backend import select_backend
 
 
@@ -42,6 +42,8 @@ def gated_rms_norm(
         from kernels.triton_norm import gated_rms_norm_triton
 
         return gated_rms_norm_triton(y, z, weight, eps, group_size)
+    if cpu_prefill.gated_norm_supported(y, z, weight):
+        return cpu_prefill.gated_rms_norm_cpu(y, z, weight, eps, group_size)
     return gated_rms_norm_torch(y, z, weight, eps, group_size)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import cpu_prefill
+from kernels.norm import gated_rms_norm_torch
 from kernels.ssd import build_chunk_layout, discretize_dt, ssd_scan_pool, ssd_scan_torch
 from tests.oracles import ssd_oracle
 from tests.test_kernels_torch import ssd_inputs
@@ -166,3 +167,26 @@ def test_pool_entry_point_agrees_with_the_torch_fallback(monkeypatch):
         x, dt, A, B, C, D, dt_bias, pool, slots, layout, want_chunk_states=False
     )
     assert none is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [16, 48])
+def test_fused_gate_matches_torch_path(dtype, group):
+    """The prefill gate norm(y * silu(z)) in C against kernels/norm.py's torch path, z a strided
+    view of a wider projection as the mixer passes it; bf16 rounds where the torch path does."""
+    g = torch.Generator().manual_seed(8)
+    T, width = 37, 96
+    y = (torch.randn(T, width, generator=g) * 3).to(dtype)
+    zxbcdt = torch.randn(T, width + 20, generator=g).to(dtype)
+    z = zxbcdt[:, 5 : 5 + width]
+    weight = (torch.rand(width, generator=g) + 0.5).to(dtype)
+    out = cpu_prefill.gated_rms_norm_cpu(y, z, weight, 1e-5, group)
+    ref = gated_rms_norm_torch(y, z, weight, 1e-5, group)
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out, ref)  # bf16 tolerance: one rounding step at most
+        assert (out == ref).float().mean() > 0.97  # and nearly all bits equal
+    with pytest.raises(ValueError, match="width 96 is not a multiple of the group 40"):
+        cpu_prefill.gated_rms_norm_cpu(y, z, weight, 1e-5, 40)
