@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from kernels import cpu_ops, cpu_prefill
 from kernels.backend import select_backend
 
 
@@ -81,6 +81,10 @@ def causal_conv1d_varlen(
         from kernels.triton_conv1d import causal_conv1d_varlen_triton
 
         return causal_conv1d_varlen_triton(
+            x, weight, bias, conv_states, state_indices, layout, window_tokens
+        )
+    if cpu_prefill.conv_supported(x, conv_states, weight.shape[1]):
+        return cpu_prefill.causal_conv1d_varlen_cpu(
             x, weight, bias, conv_states, state_indices, layout, window_tokens
         )
     return causal_conv1d_varlen_torch(

@@ -197,3 +197,61 @@ void baton_gated_norm(const void *y, int64_t y_stride, const void *z, int64_t z_
         }
     }
 }
+
+static inline void store(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+#define CONV_BLOCK 64
+#define CONV_MAX_K 16
+
+/* Depthwise causal conv + SiLU of the packed prefill tokens, continuing from and updating the
+ * pool's conv states (kernels/conv1d.py's contract, without its padded (S, dim, K-1 + max_len)
+ * gather). One task per (sequence, block of 64 channels): the block's last K-1 inputs stay in a
+ * local array while the tokens stream past. x, pool, out and windows share the dtype (bf16 or
+ * float32); weight (dim, K) and bias (dim) are float32 copies of the model's. Rounding as the
+ * torch path: the conv output is rounded to the dtype before the SiLU, the SiLU output again.
+ * window_of_token (T,): index into windows (M, dim, K-1) of the window after that token, or -1.
+ * Returns the first bad slot's row + 1 (nothing written), 0 when all are in range. */
+int64_t baton_conv_varlen(const void *x, int64_t x_stride, const float *weight, const float *bias,
+                          void *pool, int64_t num_slots, const int64_t *slots,
+                          const int64_t *cu_seqlens, int64_t num_seqs, void *out,
+                          const int64_t *window_of_token, void *windows, int64_t dim, int64_t K,
+                          int bf16, int nthreads) {
+    for (int64_t s = 0; s < num_seqs; s++)
+        if (slots[s] < 0 || slots[s] >= num_slots) return s + 1;
+    const int64_t km1 = K - 1, blocks = (dim + CONV_BLOCK - 1) / CONV_BLOCK;
+#pragma omp parallel for schedule(dynamic) num_threads(nthreads)
+    for (int64_t task = 0; task < num_seqs * blocks; task++) {
+        const int64_t s = task / blocks, d0 = (task % blocks) * CONV_BLOCK;
+        const int64_t nb = dim - d0 < CONV_BLOCK ? dim - d0 : CONV_BLOCK;
+        float hist[CONV_MAX_K][CONV_BLOCK]; /* hist[k][c]: input k steps before the oldest */
+        const int64_t pbase = slots[s] * dim * km1;
+        for (int64_t c = 0; c < nb; c++)
+            for (int64_t k = 0; k < km1; k++) hist[k][c] = load(pool, pbase + (d0 + c) * km1 + k, bf16);
+        for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; t++) {
+            for (int64_t c = 0; c < nb; c++) {
+                const int64_t d = d0 + c;
+                const float xv = load(x, t * x_stride + d, bf16);
+                float acc = bias ? bias[d] : 0.0f;
+                for (int64_t k = 0; k < km1; k++) acc += weight[d * K + k] * hist[k][c];
+                acc += weight[d * K + km1] * xv;
+                if (bf16) acc = bf16_to_f32(f32_to_bf16(acc));
+                store(out, t * dim + d, acc / (1.0f + expf(-acc)), bf16);
+                for (int64_t k = 0; k + 1 < km1; k++) hist[k][c] = hist[k + 1][c];
+                if (km1 > 0) hist[km1 - 1][c] = xv;
+            }
+            const int64_t m = window_of_token ? window_of_token[t] : -1;
+            if (m >= 0)
+                for (int64_t c = 0; c < nb; c++)
+                    for (int64_t k = 0; k < km1; k++)
+                        store(windows, (m * dim + d0 + c) * km1 + k, hist[k][c], bf16);
+        }
+        for (int64_t c = 0; c < nb; c++)
+            for (int64_t k = 0; k < km1; k++) store(pool, pbase + (d0 + c) * km1 + k, hist[k][c], bf16);
+    }
+    return 0;
+}

@@ -96,6 +96,9 @@ def library() -> ctypes.CDLL | None:
     lib.baton_gated_norm.restype = None
     lib.baton_gated_norm.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, *[_i64] * 3]
     lib.baton_gated_norm.argtypes += [ctypes.c_float, _int, _int]
+    lib.baton_conv_varlen.restype = _i64
+    lib.baton_conv_varlen.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64]
+    lib.baton_conv_varlen.argtypes += [_ptr, _ptr, _ptr, _i64, _i64, _int, _int]
     return lib
 
 
@@ -226,3 +229,74 @@ def gated_rms_norm_cpu(
         torch.get_num_threads(),
     )
     return out
+
+
+MAX_CONV_KERNEL = 16  # CONV_MAX_K in cpu_prefill.c
+
+
+def conv_supported(x: torch.Tensor, conv_states: torch.Tensor, kernel: int) -> bool:
+    return (
+        x.device.type == "cpu"
+        and select_backend(x) == "torch"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and conv_states.dtype == x.dtype
+        and conv_states.is_contiguous()
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and 2 <= kernel <= MAX_CONV_KERNEL
+        and library() is not None
+    )
+
+
+def causal_conv1d_varlen_cpu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    layout,
+    window_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same contract as kernels.conv1d.causal_conv1d_varlen_torch (layout: its ConvLayout;
+    the sequence lengths are read back from `final_columns`)."""
+    T, dim = x.shape
+    K = weight.shape[1]
+    S = layout.num_seqs
+    # final_columns[s, 0] = s * width + len(s): the layout's lengths without another field
+    lens = layout.final_columns[:, 0].cpu() - torch.arange(S) * layout.width
+    cu = torch.zeros(S + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lens, 0)
+    slots = state_indices.to(torch.int64).contiguous()
+    out = torch.empty(T, dim, dtype=x.dtype)
+    windows = window_of_token = None
+    if window_tokens is not None:
+        windows = torch.empty(window_tokens.shape[0], dim, K - 1, dtype=x.dtype)
+        window_of_token = torch.full((T,), -1, dtype=torch.int64)
+        window_of_token[window_tokens] = torch.arange(window_tokens.shape[0])
+    wf = weight.float().contiguous()
+    bf = bias.float().contiguous() if bias is not None else None
+    result = library().baton_conv_varlen(
+        x.data_ptr(),
+        x.stride(0),
+        wf.data_ptr(),
+        bf.data_ptr() if bf is not None else None,
+        conv_states.data_ptr(),
+        conv_states.shape[0],
+        slots.data_ptr(),
+        cu.data_ptr(),
+        S,
+        out.data_ptr(),
+        window_of_token.data_ptr() if window_of_token is not None else None,
+        windows.data_ptr() if windows is not None else None,
+        dim,
+        K,
+        int(x.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if result:
+        row = result - 1
+        raise IndexError(
+            f"conv prefill: slot index {int(slots[row])} of sequence {row} is outside the pool "
+            f"of {conv_states.shape[0]}"
+        )
+    return out, windows

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from kernels import cpu_prefill
+from kernels.conv1d import build_conv_layout, causal_conv1d_varlen_torch
 from kernels.norm import gated_rms_norm_torch
 from kernels.ssd import build_chunk_layout, discretize_dt, ssd_scan_pool, ssd_scan_torch
-from tests.oracles import ssd_oracle
+from tests.oracles import conv_oracle, ssd_oracle
 from tests.test_kernels_torch import ssd_inputs
 
 pytestmark = pytest.mark.skipif(
@@ -190,3 +191,54 @@ def test_fused_gate_matches_torch_path(dtype, group):
         assert (out == ref).float().mean() > 0.97  # and nearly all bits equal
     with pytest.raises(ValueError, match="width 96 is not a multiple of the group 40"):
         cpu_prefill.gated_rms_norm_cpu(y, z, weight, 1e-5, 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [2, 4])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fused_conv_matches_oracle_and_torch_path(dtype, K, with_bias):
+    """Varlen conv + SiLU in C: outputs, the pool's final windows and the checkpoint windows
+    against the naive oracle (fp32) and the torch path (both dtypes); x a strided view, more
+    channels than one C block, the sequences in scattered slots."""
+    seq_lens, dim = [5, 1, 70, 3], 150
+    g = torch.Generator().manual_seed(9)
+    T = sum(seq_lens)
+    wide = torch.randn(T, dim + 7, generator=g).to(dtype)
+    x = wide[:, 3 : 3 + dim]
+    w = torch.randn(dim, K, generator=g).to(dtype)
+    b = torch.randn(dim, generator=g).to(dtype) if with_bias else None
+    init = torch.randn(len(seq_lens), dim, K - 1, generator=g).to(dtype)
+    slots = torch.tensor([3, 0, 5, 1])
+    layout = build_conv_layout(seq_lens, K, "cpu")
+    window_tokens = torch.tensor([0, 4, 5, 30, 75, 78])
+    results = []
+    for fn in (cpu_prefill.causal_conv1d_varlen_cpu, causal_conv1d_varlen_torch):
+        pool = torch.randn(6, dim, K - 1, generator=torch.Generator().manual_seed(1)).to(dtype)
+        pool[slots] = init
+        out, windows = fn(x, w, b, pool, slots, layout, window_tokens)
+        results.append((out, windows, pool))
+    (out, windows, pool), (out_t, windows_t, pool_t) = results
+    assert out.dtype == dtype and windows.dtype == dtype
+    tol = {} if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, out_t, **tol)
+    torch.testing.assert_close(windows, windows_t, atol=0, rtol=0)  # inputs, copied
+    torch.testing.assert_close(pool, pool_t, atol=0, rtol=0)  # other slots untouched too
+    if dtype == torch.float32:
+        ref, finals, per_tok = conv_oracle(x, w, b, init, seq_lens)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pool[slots].double(), finals, atol=0, rtol=0)
+        flat = [st for seq in per_tok for st in seq]
+        for m, t in enumerate(window_tokens.tolist()):
+            torch.testing.assert_close(windows[m].double(), flat[t], atol=0, rtol=0)
+
+
+def test_fused_conv_bad_slot_is_an_error_and_writes_nothing():
+    x = torch.randn(6, 8)
+    pool = torch.randn(2, 8, 3)
+    before = pool.clone()
+    layout = build_conv_layout([4, 2], 4, "cpu")
+    with pytest.raises(IndexError, match="slot index 2 of sequence 1 is outside the pool of 2"):
+        cpu_prefill.causal_conv1d_varlen_cpu(
+            x, torch.randn(8, 4), None, pool, torch.tensor([0, 2]), layout
+        )
+    assert torch.equal(pool, before)
