@@ -156,8 +156,9 @@ static inline float bf16_to_f32(uint16_t v) {
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, like torch */
     uint32_t bits;
     memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded); /* no branch */
 }
 
 static inline float load(const void *p, int64_t i, int bf16) {
@@ -169,6 +170,34 @@ static inline float load(const void *p, int64_t i, int bf16) {
  * kernels/norm.py's torch path and transformers': the normalised product is rounded to the
  * model dtype before the weight multiplies it, and the product is rounded again. y, z, weight
  * and out share the dtype (bf16 or float32); y and z rows are strided, out is contiguous. */
+static inline void store(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+static inline void gate_group(const void *y, const void *z, const void *weight, void *out,
+                              int64_t yo, int64_t zo, int64_t oo, int64_t wo, int64_t group,
+                              float eps, const int bf16) {
+    float h[group];
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < group; i++) {
+        const float zv = load(z, zo + i, bf16);
+        const float v = load(y, yo + i, bf16) * (zv / (1.0f + exp_approx(-zv)));
+        h[i] = v;
+        ss += v * v;
+    }
+    const float r = 1.0f / sqrtf(ss / (float)group + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < group; i++) {
+        float v = h[i] * r;
+        if (bf16) v = bf16_to_f32(f32_to_bf16(v)); /* the torch path's cast before the weight */
+        store(out, oo + i, v * load(weight, wo + i, bf16), bf16);
+    }
+}
+
 void baton_gated_norm(const void *y, int64_t y_stride, const void *z, int64_t z_stride,
                       const void *weight, void *out, int64_t T, int64_t I, int64_t group,
                       float eps, int bf16, int nthreads) {
@@ -176,33 +205,13 @@ void baton_gated_norm(const void *y, int64_t y_stride, const void *z, int64_t z_
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t task = 0; task < T * groups; task++) {
         const int64_t t = task / groups, g0 = (task % groups) * group;
-        float h[group];
-        float ss = 0.0f;
-        for (int64_t i = 0; i < group; i++) {
-            const float zv = load(z, t * z_stride + g0 + i, bf16);
-            const float v = load(y, t * y_stride + g0 + i, bf16) * (zv / (1.0f + expf(-zv)));
-            h[i] = v;
-            ss += v * v;
-        }
-        const float r = 1.0f / sqrtf(ss / (float)group + eps);
-        for (int64_t i = 0; i < group; i++) {
-            const int64_t o = t * I + g0 + i;
-            float v = h[i] * r;
-            if (bf16) {
-                v = bf16_to_f32(f32_to_bf16(v)) * load(weight, g0 + i, 1);
-                ((uint16_t *)out)[o] = f32_to_bf16(v);
-            } else {
-                ((float *)out)[o] = v * ((const float *)weight)[g0 + i];
-            }
-        }
+        if (bf16)
+            gate_group(y, z, weight, out, t * y_stride + g0, t * z_stride + g0, t * I + g0, g0,
+                       group, eps, 1);
+        else
+            gate_group(y, z, weight, out, t * y_stride + g0, t * z_stride + g0, t * I + g0, g0,
+                       group, eps, 0);
     }
-}
-
-static inline void store(void *p, int64_t i, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else
-        ((float *)p)[i] = v;
 }
 
 #define CONV_BLOCK 64
@@ -216,6 +225,49 @@ static inline void store(void *p, int64_t i, float v, int bf16) {
  * torch path: the conv output is rounded to the dtype before the SiLU, the SiLU output again.
  * window_of_token (T,): index into windows (M, dim, K-1) of the window after that token, or -1.
  * Returns the first bad slot's row + 1 (nothing written), 0 when all are in range. */
+/* One (sequence, channel block) of baton_conv_varlen; `bf16` is a literal at both call sites,
+ * so each copy is specialised and its channel loops vectorise (exp_approx, not libm's expf). */
+static inline void conv_block(const void *x, int64_t x_stride, const float *weight,
+                              const float *bias, void *pool, int64_t pbase, int64_t t0, int64_t t1,
+                              void *out, const int64_t *window_of_token, void *windows,
+                              int64_t dim, int64_t K, int64_t d0, int64_t nb, const int bf16) {
+    const int64_t km1 = K - 1;
+    float hist[CONV_MAX_K][CONV_BLOCK]; /* hist[k][c]: the last K-1 inputs, oldest first */
+    float wk[CONV_MAX_K][CONV_BLOCK], bb[CONV_BLOCK], acc[CONV_BLOCK], xv[CONV_BLOCK];
+    for (int64_t c = 0; c < nb; c++) {
+        bb[c] = bias ? bias[d0 + c] : 0.0f;
+        for (int64_t k = 0; k < K; k++) wk[k][c] = weight[(d0 + c) * K + k];
+        for (int64_t k = 0; k < km1; k++) hist[k][c] = load(pool, pbase + (d0 + c) * km1 + k, bf16);
+    }
+    for (int64_t t = t0; t < t1; t++) {
+#pragma omp simd
+        for (int64_t c = 0; c < nb; c++) {
+            xv[c] = load(x, t * x_stride + d0 + c, bf16);
+            acc[c] = bb[c] + wk[km1][c] * xv[c];
+        }
+        for (int64_t k = 0; k < km1; k++)
+#pragma omp simd
+            for (int64_t c = 0; c < nb; c++) acc[c] += wk[k][c] * hist[k][c];
+        for (int64_t k = 0; k + 1 < km1; k++)
+#pragma omp simd
+            for (int64_t c = 0; c < nb; c++) hist[k][c] = hist[k + 1][c];
+#pragma omp simd
+        for (int64_t c = 0; c < nb; c++) {
+            hist[km1 - 1][c] = xv[c];
+            float v = acc[c];
+            if (bf16) v = bf16_to_f32(f32_to_bf16(v));
+            store(out, t * dim + d0 + c, v / (1.0f + exp_approx(-v)), bf16);
+        }
+        const int64_t m = window_of_token ? window_of_token[t] : -1;
+        if (m >= 0)
+            for (int64_t c = 0; c < nb; c++)
+                for (int64_t k = 0; k < km1; k++)
+                    store(windows, (m * dim + d0 + c) * km1 + k, hist[k][c], bf16);
+    }
+    for (int64_t c = 0; c < nb; c++)
+        for (int64_t k = 0; k < km1; k++) store(pool, pbase + (d0 + c) * km1 + k, hist[k][c], bf16);
+}
+
 int64_t baton_conv_varlen(const void *x, int64_t x_stride, const float *weight, const float *bias,
                           void *pool, int64_t num_slots, const int64_t *slots,
                           const int64_t *cu_seqlens, int64_t num_seqs, void *out,
@@ -223,35 +275,18 @@ int64_t baton_conv_varlen(const void *x, int64_t x_stride, const float *weight, 
                           int bf16, int nthreads) {
     for (int64_t s = 0; s < num_seqs; s++)
         if (slots[s] < 0 || slots[s] >= num_slots) return s + 1;
-    const int64_t km1 = K - 1, blocks = (dim + CONV_BLOCK - 1) / CONV_BLOCK;
+    const int64_t blocks = (dim + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp parallel for schedule(dynamic) num_threads(nthreads)
     for (int64_t task = 0; task < num_seqs * blocks; task++) {
         const int64_t s = task / blocks, d0 = (task % blocks) * CONV_BLOCK;
         const int64_t nb = dim - d0 < CONV_BLOCK ? dim - d0 : CONV_BLOCK;
-        float hist[CONV_MAX_K][CONV_BLOCK]; /* hist[k][c]: input k steps before the oldest */
-        const int64_t pbase = slots[s] * dim * km1;
-        for (int64_t c = 0; c < nb; c++)
-            for (int64_t k = 0; k < km1; k++) hist[k][c] = load(pool, pbase + (d0 + c) * km1 + k, bf16);
-        for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; t++) {
-            for (int64_t c = 0; c < nb; c++) {
-                const int64_t d = d0 + c;
-                const float xv = load(x, t * x_stride + d, bf16);
-                float acc = bias ? bias[d] : 0.0f;
-                for (int64_t k = 0; k < km1; k++) acc += weight[d * K + k] * hist[k][c];
-                acc += weight[d * K + km1] * xv;
-                if (bf16) acc = bf16_to_f32(f32_to_bf16(acc));
-                store(out, t * dim + d, acc / (1.0f + expf(-acc)), bf16);
-                for (int64_t k = 0; k + 1 < km1; k++) hist[k][c] = hist[k + 1][c];
-                if (km1 > 0) hist[km1 - 1][c] = xv;
-            }
-            const int64_t m = window_of_token ? window_of_token[t] : -1;
-            if (m >= 0)
-                for (int64_t c = 0; c < nb; c++)
-                    for (int64_t k = 0; k < km1; k++)
-                        store(windows, (m * dim + d0 + c) * km1 + k, hist[k][c], bf16);
-        }
-        for (int64_t c = 0; c < nb; c++)
-            for (int64_t k = 0; k < km1; k++) store(pool, pbase + (d0 + c) * km1 + k, hist[k][c], bf16);
+        const int64_t pbase = slots[s] * dim * (K - 1);
+        if (bf16)
+            conv_block(x, x_stride, weight, bias, pool, pbase, cu_seqlens[s], cu_seqlens[s + 1],
+                       out, window_of_token, windows, dim, K, d0, nb, 1);
+        else
+            conv_block(x, x_stride, weight, bias, pool, pbase, cu_seqlens[s], cu_seqlens[s + 1],
+                       out, window_of_token, windows, dim, K, d0, nb, 0);
     }
     return 0;
 }
