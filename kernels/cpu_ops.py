@@ -50,12 +50,12 @@ def _cpu_key() -> str:
     return flags
 
 
-def _build(target: Path, compiler: str) -> None:
+def _build(source: Path, target: Path, compiler: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"],
+            [compiler, *FLAGS, str(source), "-o", str(out), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -63,27 +63,36 @@ def _build(target: Path, compiler: str) -> None:
         os.replace(out, target)  # atomic: concurrent builders race harmlessly
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (no compiler, build failed, or disabled)."""
+def compile_library(source: Path, fallback: str) -> ctypes.CDLL | None:
+    """Build `source` once per machine (cached in $BATON_CACHE_DIR, keyed by the source, flags,
+    compiler and CPU) and load it; None, with one warning naming `fallback`, when disabled, no
+    compiler is found or the build fails."""
     if not enabled():
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: CPU decode runs the (slower) torch path")
+        log.warning("no C compiler found: %s", fallback)
         return None
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + compiler.encode() + _cpu_key().encode()
+        source.read_bytes() + " ".join(FLAGS).encode() + compiler.encode() + _cpu_key().encode()
     ).hexdigest()[:16]
     cache = Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
-    target = cache / f"cpu_ops-{key}.so"
+    target = cache / f"{source.stem}-{key}.so"
     try:
         if not target.exists():
-            _build(target, compiler)
-        lib = ctypes.CDLL(str(target))
+            _build(source, target, compiler)
+        return ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
-        log.warning("building %s failed, using the torch path: %s", SOURCE.name, detail)
+        log.warning("building %s failed (%s): %s", source.name, fallback, detail)
+        return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (no compiler, build failed, or disabled)."""
+    lib = compile_library(SOURCE, "CPU decode runs the (slower) torch path")
+    if lib is None:
         return None
     lib.baton_ssu_f32.restype = _i64
     lib.baton_ssu_f32.argtypes = [_ptr, _i64, _ptr, _i64, *[_ptr] * 7, _i64, _i64, _i64, _i64, _int]

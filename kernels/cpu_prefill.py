@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -35,43 +30,11 @@ MAX_CHUNK = 1024  # the C scan keeps two chunk-length float arrays on each threa
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
-def _build(target: Path, compiler: str) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *cpu_ops.FLAGS, str(SOURCE), "-o", str(out), "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        os.replace(out, target)  # atomic: concurrent builders race harmlessly
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded scan, or None (no compiler, build failed, or BATON_CPU_OPS=0)."""
-    if not cpu_ops.enabled():
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler found: CPU prefill runs the (slower) torch SSD path")
-        return None
-    key = hashlib.sha256(
-        SOURCE.read_bytes()
-        + " ".join(cpu_ops.FLAGS).encode()
-        + compiler.encode()
-        + cpu_ops._cpu_key().encode()
-    ).hexdigest()[:16]
-    cache = Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
-    target = cache / f"cpu_prefill-{key}.so"
-    try:
-        if not target.exists():
-            _build(target, compiler)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        log.warning("building %s failed, using the torch SSD path: %s", SOURCE.name, detail)
+    lib = cpu_ops.compile_library(SOURCE, "CPU prefill runs the (slower) torch SSD path")
+    if lib is None:
         return None
     lib.baton_ssd_prefill.restype = _i64
     lib.baton_ssd_prefill.argtypes = [
