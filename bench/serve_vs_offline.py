@@ -13,7 +13,6 @@ Prints both output tokens/s (median of the rounds, alternated) and their ratio.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import statistics
@@ -27,7 +26,7 @@ import httpx
 
 from bench.offline import CONFIGS, save_model
 from bench.peer import save_word_tokenizer
-from bench.serve import BenchConfig, BenchPrompt, run_benchmark
+from bench.serve import BenchPrompt
 
 ENGINE_FLAGS = {"max_running_requests": 64, "max_num_batched_tokens": 2048}
 
@@ -65,23 +64,11 @@ def start_server(model_dir: str, dtype: str, port: int) -> subprocess.Popen:
 
 
 def serve_rate(port: int, model_dir: str, prompts: list[list[int]], new: int) -> dict:
-    config = BenchConfig(
-        base_url=f"http://127.0.0.1:{port}",
-        endpoint="/v1/completions",
-        model=model_dir,
-        prompts=[BenchPrompt(prompt=p, prompt_len=len(p), output_len=new) for p in prompts],
-        request_rate=math.inf,
-        max_concurrency=len(prompts),
-        ignore_eos=True,
-        num_warmups=2,
-        slos_ms={},
-        api_key=None,
-        seed=0,
-        progress=False,
-    )
-    result = asyncio.run(run_benchmark(config))
-    result.pop("requests")
-    return result
+    """Every prompt at once (the offline engine's batch), through `bench serve`."""
+    from bench.serve_side_by_side import run_rate
+
+    requests = [BenchPrompt(prompt=p, prompt_len=len(p), output_len=new) for p in prompts]
+    return run_rate(port, model_dir, requests, math.inf)
 
 
 def main() -> None:
