@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench.offline import CONFIGS, save_model
+from bench.workloads import CONFIGS, save_model
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.offline import CONFIGS, save_model
 from bench.peer import PEERS, save_word_tokenizer
 from bench.serve import BenchConfig, BenchPrompt, run_benchmark
+from bench.workloads import CONFIGS, save_model
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMITS = {"max_running_requests": 64, "max_num_batched_tokens": 2048}

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.offline import CONFIGS, save_model
 from bench.peer import save_word_tokenizer
 from bench.serve import BenchPrompt
+from bench.workloads import CONFIGS, save_model
 
 ENGINE_FLAGS = {"max_running_requests": 64, "max_num_batched_tokens": 2048}
 

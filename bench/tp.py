@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bench.offline import CONFIGS, save_model
+from bench.workloads import CONFIGS, save_model
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 

@@ -27,7 +27,7 @@ import time
 import torch
 import zmq
 
-from bench.offline import save_model
+from bench.workloads import save_model
 from disagg.decode import DecodeWorker
 from disagg.prefill import PrefillWorker
 from disagg.rooms import DisaggConfig

