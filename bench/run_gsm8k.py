@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,15 +22,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.gsm8k_data import HELDOUT_PATH
+from server.up import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BATON = Path(sys.executable).with_name("baton")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:

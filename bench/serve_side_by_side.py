@@ -32,17 +32,10 @@ import httpx
 from bench.peer import PEERS, save_word_tokenizer
 from bench.serve import BenchConfig, BenchPrompt, run_benchmark
 from bench.workloads import CONFIGS, save_model
+from server.up import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMITS = {"max_running_requests": 64, "max_num_batched_tokens": 2048}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def server_commands(kind: str, model: str, dtype: str, port: int, vllm_dir: str | None):
