@@ -22,16 +22,12 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from kernels import cpu_moe
 from kernels.backend import select_backend
+from kernels.cpu_moe import PanelExperts
 from kernels.linear import can_pack
 
 Activation = Literal["relu2", "swiglu"]
-# Up to this many (token, choice) pairs per expert on average, the CPU runs the experts in one C
-# call that streams each touched expert's weights about once (kernels/cpu_ops.c): decode steps,
-# where oneDNN's few-row GEMMs reach ~half the memory bandwidth (1.4-2.7x at batches 8-32 of
-# the moe100m benchmark's experts). Past it, prefill-sized groups go to the prepacked GEMMs.
-SMALL_BATCH_PAIRS_PER_EXPERT = 4
 
 
 class Routing(NamedTuple):
@@ -90,8 +86,14 @@ class PackedExperts(NamedTuple):
     down: list[torch.Tensor]
 
 
-def pack_experts(w_up: torch.Tensor, w_down: torch.Tensor) -> PackedExperts | None:
-    """None where oneDNN cannot run the dtype or the weights are not on the CPU."""
+def pack_experts(
+    w_up: torch.Tensor, w_down: torch.Tensor, activation: Activation
+) -> PanelExperts | PackedExperts | None:
+    """The C path's panels (kernels/cpu_moe.py) where it takes these weights, else oneDNN's
+    layouts; None where neither can run the dtype or the weights are not on the CPU."""
+    panels = cpu_moe.pack_panels(w_up, w_down, activation == "swiglu")
+    if panels is not None:
+        return panels
     if w_up.device.type != "cpu" or not can_pack(w_up.dtype):
         return None
     reorder = torch.ops.mkldnn._reorder_linear_weight
@@ -107,7 +109,7 @@ def fused_moe(
     w_down: torch.Tensor,
     routing: Routing,
     activation: Activation,
-    packed: PackedExperts | None = None,
+    packed: PanelExperts | PackedExperts | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); dispatches on device like every kernel."""
     _check(x, w_up, w_down, routing, activation)
@@ -124,23 +126,22 @@ def fused_moe_torch(
     w_down: torch.Tensor,
     routing: Routing,
     activation: Activation,
-    packed: PackedExperts | None = None,
+    packed: PanelExperts | PackedExperts | None = None,
 ) -> torch.Tensor:
     T, k = routing.ids.shape
     E = w_up.shape[0]
     if T == 0:
         return x.new_zeros(0, x.shape[1])
+    if isinstance(packed, PanelExperts) and cpu_moe.supported(x, k):
+        return cpu_moe.routed_experts(x, routing.ids, routing.weights, packed)
     flat_ids = routing.ids.flatten()
     # Stable sort: within an expert, pairs keep token order, as transformers' loop does.
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=E).tolist()
     token_of = order // k
     rows = x[token_of]
-    if flat_ids.numel() <= SMALL_BATCH_PAIRS_PER_EXPERT * E and cpu_ops.moe_experts_supported(
-        rows, w_up, w_down
-    ):
-        ys = cpu_ops.moe_experts_cpu(rows, counts, w_up, w_down, activation == "swiglu")
-        return _combine(ys, routing, order, token_of, T, x.dtype)
+    if isinstance(packed, PanelExperts):
+        packed = None  # panels without the C library (BATON_CPU_OPS=0 after packing)
     outs = []
     start = 0
     for e, n in enumerate(counts):

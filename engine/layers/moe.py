@@ -18,6 +18,7 @@ from torch import nn
 from engine import parallel
 from engine.config import MoEConfig
 from engine.layers.mlp import ReluSquaredMLP
+from kernels.cpu_moe import PanelExperts
 from kernels.moe import (
     PackedExperts,
     Routing,
@@ -74,15 +75,15 @@ class Experts(nn.Module):
             up = ((first, inter), (full + first, inter)) if up_rows > inter else ((first, inter),)
             parallel.shard(self.up_proj, parallel.Slices(dim=-2, ranges=up))
             parallel.shard(self.down_proj, parallel.Slices(dim=-1, ranges=((first, inter),)))
-        self.packed: PackedExperts | None = None  # CPU: per-expert oneDNN layouts
+        self.packed: PanelExperts | PackedExperts | None = None  # CPU: C panels or oneDNN
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         return fused_moe(x, self.up_proj, self.down_proj, routing, self.activation, self.packed)
 
     def pack_for_cpu(self) -> None:
-        """Reorder each expert's weights once for oneDNN; the stacked copies stay (the Triton
-        path and BATON_KERNELS=triton in the interpreter read them)."""
-        self.packed = pack_experts(self.up_proj.detach(), self.down_proj.detach())
+        """Pack each expert's weights once for the C path (or oneDNN); the stacked copies stay
+        (the Triton path and BATON_KERNELS=triton in the interpreter read them)."""
+        self.packed = pack_experts(self.up_proj.detach(), self.down_proj.detach(), self.activation)
 
 
 class MoE(nn.Module):
@@ -139,7 +140,7 @@ class SoftmaxTopKMoE(nn.Module):
         self.router.layer = StackedWeight(E, hidden_size)
         self.input_linear = StackedWeight(E, 2 * inter, hidden_size)
         self.output_linear = StackedWeight(E, hidden_size, inter)
-        self.packed: PackedExperts | None = None  # CPU: per-expert oneDNN layouts
+        self.packed: PanelExperts | PackedExperts | None = None  # CPU: C panels or oneDNN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = route_softmax_topk(x, self.router.layer.weight, top_k=self.top_k)
@@ -148,5 +149,5 @@ class SoftmaxTopKMoE(nn.Module):
 
     def pack_for_cpu(self) -> None:
         self.packed = pack_experts(
-            self.input_linear.weight.detach(), self.output_linear.weight.detach()
+            self.input_linear.weight.detach(), self.output_linear.weight.detach(), "swiglu"
         )

@@ -1,0 +1,277 @@
+/* Routed MoE experts on the CPU in one call (built at first use by kernels/cpu_moe.py).
+ *
+ * The call takes the router's choices and does the rest of the routed half of a MoE layer:
+ * groups the (token, choice) pairs by expert with a stable counting sort, runs every active
+ * expert on its rows straight from x (no gathered copy), and sums each token's k expert outputs
+ * weighted, in float32, into the output. No per-expert Python, no host sync, the same code for
+ * a decode step (a few rows per expert: streaming the weights bounds it) and a prefill chunk
+ * (hundreds of rows per expert: the FMAs bound it).
+ *
+ * Weights are packed once (kernels/cpu_moe.py) into panels of NB output columns stored
+ * transposed, so the inner loop broadcasts one input element per row and streams one
+ * contiguous NB-wide weight row into MR x NB float32 accumulators that live in registers:
+ *   up:   (E, parts, I_pad / NB, D, NB)   parts 1: relu2's up_proj; 2: swiglu's gate, then up
+ *   down: (E, D_pad / NB, I_pad, NB)
+ * Columns past I (or D) are zero, so the padded part of h is zero and the down projection
+ * ignores it. Each panel is read once per block of MR rows: once per decode step.
+ *
+ * bfloat16 panels hold k in pairs ([K / 2][NB][2], K padded to even) for the CPU's bf16
+ * dot-product instruction (AVX512-BF16), which halves the instructions per weight; without it
+ * they are widened to float32 as they load. Products are exact in float32 and sums float32; the
+ * projections' outputs and the activation are rounded to bfloat16 as a bf16 model computes them
+ * (transformers: bf16 linears, the weighted sum in float32).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define NB 64 /* output columns per panel: four 16-float vectors */
+#define MR 6  /* rows per register block: MR x NB accumulators = 24 vectors */
+#define MAX_TOP_K 64 /* choices per token the combine sorts on the stack (kernels/cpu_moe.py) */
+
+static inline float bf16_to_f32(uint16_t v) {
+    const uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, like torch */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded); /* no branch */
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* acc[r * NB + c] = sum_k x[r][k] * panel[k * NB + c] for r < MR, c < NB (float32). */
+static void panel_block_f32(const void *const xv[MR], const void *panel_v, int64_t K, float *acc) {
+    const float *const *x = (const float *const *)xv;
+    const float *panel = (const float *)panel_v;
+#if defined(__AVX512F__)
+    __m512 c[MR][4];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < 4; v++) c[r][v] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512 w[4];
+        for (int v = 0; v < 4; v++) w[v] = _mm512_loadu_ps(panel + k * NB + 16 * v);
+        for (int r = 0; r < MR; r++) {
+            const __m512 b = _mm512_set1_ps(x[r][k]);
+            for (int v = 0; v < 4; v++) c[r][v] = _mm512_fmadd_ps(w[v], b, c[r][v]);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < 4; v++) _mm512_storeu_ps(acc + r * NB + 16 * v, c[r][v]);
+#else
+    memset(acc, 0, sizeof(float) * MR * NB);
+    for (int64_t k = 0; k < K; k++)
+        for (int r = 0; r < MR; r++) {
+            const float b = x[r][k];
+#pragma omp simd
+            for (int j = 0; j < NB; j++) acc[r * NB + j] += panel[k * NB + j] * b;
+        }
+#endif
+}
+
+/* The same for bfloat16 rows and a bfloat16 panel stored in pairs along k, as the CPU's bf16
+ * dot-product instruction takes them: panel[(k / 2) * NB * 2 + c * 2 + k % 2], K even. Products
+ * are exact in float32, sums float32 (as oneDNN's bf16 GEMM). */
+static void panel_block_bf16(const void *const xv[MR], const void *panel_v, int64_t K,
+                             float *acc) {
+    const uint16_t *const *x = (const uint16_t *const *)xv;
+    const uint16_t *panel = (const uint16_t *)panel_v;
+#if defined(__AVX512BF16__)
+    __m512 c[MR][4];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < 4; v++) c[r][v] = _mm512_setzero_ps();
+    for (int64_t k2 = 0; k2 < K / 2; k2++) {
+        __m512bh w[4];
+        for (int v = 0; v < 4; v++)
+            w[v] = (__m512bh)_mm512_loadu_si512(panel + (k2 * NB + 16 * v) * 2);
+        for (int r = 0; r < MR; r++) {
+            int32_t pair;
+            memcpy(&pair, x[r] + 2 * k2, 4);
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+            for (int v = 0; v < 4; v++) c[r][v] = _mm512_dpbf16_ps(c[r][v], w[v], b);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < 4; v++) _mm512_storeu_ps(acc + r * NB + 16 * v, c[r][v]);
+#else
+    memset(acc, 0, sizeof(float) * MR * NB);
+    for (int64_t k = 0; k < K; k++)
+        for (int r = 0; r < MR; r++) {
+            const float b = bf16_to_f32(x[r][k]);
+            const uint16_t *wk = panel + (k / 2) * NB * 2 + k % 2;
+#pragma omp simd
+            for (int j = 0; j < NB; j++) acc[r * NB + j] += bf16_to_f32(wk[2 * j]) * b;
+        }
+#endif
+}
+
+static inline void panel_block(int bf16, const void *const x[MR], const void *panel, int64_t K,
+                               float *acc) {
+    if (bf16) panel_block_bf16(x, panel, K, acc);
+    else panel_block_f32(x, panel, K, acc);
+}
+
+/* h = relu(g)^2 or silu(g) * u over one panel row; a bf16 model rounds the projections and
+ * silu to bf16 first, and h itself. exp_approx keeps the silu loop vectorised. */
+static inline float exp_approx(float x) { /* 2^n p(r), |rel err| ~2e-7: as kernels/cpu_ops.c */
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+static void store_act_f32(const float *g, const float *u, int swiglu, float *h) {
+    if (swiglu) {
+#pragma omp simd
+        for (int j = 0; j < NB; j++) h[j] = g[j] / (1.0f + exp_approx(-g[j])) * u[j];
+    } else {
+#pragma omp simd
+        for (int j = 0; j < NB; j++) h[j] = g[j] > 0.0f ? g[j] * g[j] : 0.0f;
+    }
+}
+
+static void store_act_bf16(const float *g, const float *u, int swiglu, uint16_t *h) {
+    if (swiglu) {
+#pragma omp simd
+        for (int j = 0; j < NB; j++) {
+            const float v = round_bf16(g[j]);
+            h[j] = f32_to_bf16(round_bf16(v / (1.0f + exp_approx(-v))) * round_bf16(u[j]));
+        }
+    } else {
+#pragma omp simd
+        for (int j = 0; j < NB; j++) {
+            const float v = round_bf16(g[j]);
+            h[j] = f32_to_bf16(v > 0.0f ? v * v : 0.0f);
+        }
+    }
+}
+
+/* The routed experts and the weighted sum over each token's k choices.
+ *   x (T, x_stride): the rows' first D_k elements, float32, or bfloat16 when bf16 (then D_k is
+ *   D rounded up to even, zero past D); ids (T, k) int64; weights (T, k) float32
+ *   up, down: packed panels (see top), float32, or bfloat16 in k-pairs when bf16
+ *   I_pad: the padded expert width (a multiple of NB); swiglu: 0 relu2, 1 silu(gate) * up
+ *   scratch: offsets (E + 1) + pair_token (T * k) + pos (T * k) + active (E) int64;
+ *   h (T * k, I_pad) float32 or bfloat16; ys (T * k, D) float32
+ *   out (T, D): float32, or bfloat16 when bf16
+ * Returns the first token with an expert id outside [0, E) + 1 before writing anything, or 0. */
+int64_t baton_moe_routed(const void *x, int64_t x_stride, int64_t T, int64_t D, const int64_t *ids,
+                         const float *weights, int64_t k, int64_t E, const void *up,
+                         const void *down, int bf16, int64_t I_pad, int swiglu, int64_t *scratch,
+                         void *h, float *ys, void *out, int threads) {
+    const int64_t P = T * k, nbI = I_pad / NB, nbD = (D + NB - 1) / NB;
+    const int64_t esize = bf16 ? 2 : 4, parts = swiglu ? 2 : 1, D_k = bf16 ? (D + 1) / 2 * 2 : D;
+    int64_t *offsets = scratch, *pair_token = offsets + E + 1, *pos = pair_token + P;
+    int64_t *active = pos + P;
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] < 0 || ids[p] >= E) return p / k + 1;
+    memset(offsets, 0, sizeof(int64_t) * (E + 1));
+    for (int64_t p = 0; p < P; p++) offsets[ids[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) offsets[e + 1] += offsets[e];
+    int64_t *cursor = active; /* the fill cursor per expert, before it lists active experts */
+    memcpy(cursor, offsets, sizeof(int64_t) * E);
+    for (int64_t p = 0; p < P; p++) { /* token order within an expert, as transformers loops */
+        const int64_t at = cursor[ids[p]]++;
+        pair_token[at] = p / k;
+        pos[p] = at;
+    }
+    int64_t n_active = 0; /* a decode step touches a subset of the experts */
+    for (int64_t e = 0; e < E; e++)
+        if (offsets[e + 1] > offsets[e]) active[n_active++] = e;
+
+#pragma omp parallel num_threads(threads)
+    {
+        float acc_g[MR * NB], acc_u[MR * NB];
+        /* up projection + activation: one item per (active expert, panel of NB columns of h) */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < n_active * nbI; item++) {
+            const int64_t e = active[item / nbI], ib = item % nbI;
+            const char *gate_panel = (const char *)up + (e * parts * nbI + ib) * D_k * NB * esize;
+            const char *up_panel = gate_panel + nbI * D_k * NB * esize; /* swiglu's up part */
+            for (int64_t rb = offsets[e]; rb < offsets[e + 1]; rb += MR) {
+                const int64_t nr = offsets[e + 1] - rb < MR ? offsets[e + 1] - rb : MR;
+                const void *xr[MR]; /* rows past the block's end repeat its first; dropped */
+                for (int r = 0; r < MR; r++)
+                    xr[r] = (const char *)x + pair_token[rb + (r < nr ? r : 0)] * x_stride * esize;
+                panel_block(bf16, xr, gate_panel, D_k, acc_g);
+                if (swiglu) panel_block(bf16, xr, up_panel, D_k, acc_u);
+                for (int64_t r = 0; r < nr; r++) {
+                    const float *g = acc_g + r * NB, *u = acc_u + r * NB;
+                    const int64_t at = (rb + r) * I_pad + ib * NB;
+                    if (bf16) store_act_bf16(g, u, swiglu, (uint16_t *)h + at);
+                    else store_act_f32(g, u, swiglu, (float *)h + at);
+                }
+            }
+        }
+        /* down projection: one item per (active expert, panel of NB output columns) */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < n_active * nbD; item++) {
+            const int64_t e = active[item / nbD], jb = item % nbD;
+            const char *panel = (const char *)down + (e * nbD + jb) * I_pad * NB * esize;
+            const int64_t width = D - jb * NB < NB ? D - jb * NB : NB;
+            for (int64_t rb = offsets[e]; rb < offsets[e + 1]; rb += MR) {
+                const int64_t nr = offsets[e + 1] - rb < MR ? offsets[e + 1] - rb : MR;
+                const void *hr[MR];
+                for (int r = 0; r < MR; r++)
+                    hr[r] = (const char *)h + (rb + (r < nr ? r : 0)) * I_pad * esize;
+                panel_block(bf16, hr, panel, I_pad, acc_g);
+                for (int64_t r = 0; r < nr; r++) {
+                    float *yr = ys + (rb + r) * D + jb * NB;
+                    const float *a = acc_g + r * NB;
+                    if (bf16) {
+#pragma omp simd
+                        for (int64_t j = 0; j < width; j++) yr[j] = round_bf16(a[j]);
+                    } else {
+                        memcpy(yr, a, sizeof(float) * width);
+                    }
+                }
+            }
+        }
+        /* weighted sum per token in ascending expert order (transformers' loop order) */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            int64_t order[MAX_TOP_K];
+            for (int64_t j = 0; j < k; j++) { /* insertion sort of the k choices by expert */
+                int64_t i = j;
+                for (; i > 0 && ids[t * k + order[i - 1]] > ids[t * k + j]; i--)
+                    order[i] = order[i - 1];
+                order[i] = j;
+            }
+            float row[D];
+            for (int64_t d = 0; d < D; d++) row[d] = 0.0f;
+            for (int64_t jj = 0; jj < k; jj++) {
+                const float wt = weights[t * k + order[jj]];
+                const float *yr = ys + pos[t * k + order[jj]] * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) row[d] += wt * yr[d];
+            }
+            if (bf16) {
+                uint16_t *o = (uint16_t *)out + t * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(row[d]);
+            } else
+                memcpy((float *)out + t * D, row, sizeof(float) * D);
+        }
+    }
+    return 0;
+}
