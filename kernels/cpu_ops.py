@@ -141,9 +141,6 @@ def library() -> ctypes.CDLL | None:
     lib.baton_rms_norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_float, _int, _int]
     lib.baton_argmax_f32.restype = None
     lib.baton_argmax_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _int]
-    lib.baton_moe_experts.restype = None
-    lib.baton_moe_experts.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _int, _ptr, _ptr]
-    lib.baton_moe_experts.argtypes += [_i64, _i64, _int, _int]
     return lib
 
 
@@ -452,49 +449,3 @@ def decode_attention_cpu(
             f"decode_attention: sequence {result - 1} has a token slot outside the cache"
         )
     return out
-
-
-def moe_experts_supported(rows: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
-    return (
-        rows.device.type == "cpu"
-        and w_up.dtype in (torch.float32, torch.bfloat16)
-        and w_down.dtype == w_up.dtype
-        and w_up.is_contiguous()
-        and w_down.is_contiguous()
-        and library() is not None
-    )
-
-
-def moe_experts_cpu(
-    rows: torch.Tensor,
-    counts: list[int],
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-    swiglu: bool,
-) -> torch.Tensor:
-    """Experts on rows sorted by expert (`counts[e]` rows each): (P, D) -> (P, D) float32.
-    Decode-sized batches only: each weight row is dotted with at most four rows at a time."""
-    lib = library()
-    assert lib is not None
-    xs = _f32(rows)
-    P, D = xs.shape
-    inter = w_down.shape[2]
-    offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
-    offsets[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
-    h = torch.empty(P, inter, dtype=torch.float32)
-    ys = torch.empty(P, D, dtype=torch.float32)
-    lib.baton_moe_experts(
-        xs.data_ptr(),
-        offsets.data_ptr(),
-        len(counts),
-        w_up.data_ptr(),
-        w_down.data_ptr(),
-        int(w_up.dtype == torch.bfloat16),
-        h.data_ptr(),
-        ys.data_ptr(),
-        D,
-        inter,
-        int(swiglu),
-        torch.get_num_threads(),
-    )
-    return ys

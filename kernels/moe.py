@@ -9,10 +9,12 @@ Shapes (T tokens, D model width seen by the experts, I expert width, E experts, 
   topk_weights:(T, k) float32    their weights
   returns      (T, D)            model dtype; sum over k of weight * expert(x), summed in float32
 
-The torch path sorts the (token, choice) pairs by expert and runs one matmul pair per expert
-that received tokens: no per-token Python loop and no dense all-experts compute. Per-expert
-counts come back to the host (a sync), which is fine on the CPU; the Triton path
-(kernels/triton_moe.py) keeps them on the device so a CUDA graph can capture it.
+On the CPU, experts packed by `pack_experts` run in one C call (kernels/cpu_moe.py: grouping,
+experts and combine, no host sync). Otherwise the torch path sorts the (token, choice) pairs by
+expert and runs one matmul pair per expert that received tokens: no per-token Python loop and
+no dense all-experts compute. Its per-expert counts come back to the host (a sync), which is
+fine on the CPU; the Triton path (kernels/triton_moe.py) keeps them on the device so a CUDA
+graph can capture it.
 """
 
 from __future__ import annotations
@@ -92,8 +94,11 @@ def pack_experts(
     """The C path's panels (kernels/cpu_moe.py) where it takes these weights, else oneDNN's
     layouts; None where neither can run the dtype or the weights are not on the CPU."""
     panels = cpu_moe.pack_panels(w_up, w_down, activation == "swiglu")
-    if panels is not None:
-        return panels
+    return panels if panels is not None else pack_onednn(w_up, w_down)
+
+
+def pack_onednn(w_up: torch.Tensor, w_down: torch.Tensor) -> PackedExperts | None:
+    """None where oneDNN cannot run the dtype or the weights are not on the CPU."""
     if w_up.device.type != "cpu" or not can_pack(w_up.dtype):
         return None
     reorder = torch.ops.mkldnn._reorder_linear_weight

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import Routing, fused_moe_torch, pack_experts, route_sigmoid_grouped
+from kernels.moe import Routing, fused_moe_torch, pack_experts, pack_onednn, route_sigmoid_grouped
 from kernels.triton_moe import fused_moe_triton
 
 
@@ -49,7 +49,7 @@ LOADS = {
     "all_to_one": (7, 4, 1, torch.full((7, 1), 2)),
     "batch_of_one": (1, 8, 3, None),
     "empty": (0, 4, 2, torch.zeros(0, 2, dtype=torch.long)),
-    # over 4 pairs per expert: the CPU runs the prepacked per-expert GEMMs, not the C loop
+    # prefill-sized: many row blocks per expert
     "prefill_sized": (40, 4, 2, None),
 }
 
@@ -63,34 +63,11 @@ def test_torch_experts_match_per_token_oracle(load, activation):
     out = fused_moe_torch(x, w_up, w_down, routing, activation)
     assert out.shape == (T, 16) and out.dtype == x.dtype
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    packed = pack_experts(w_up, w_down)
-    if packed is not None:  # oneDNN's per-expert prepacked weights compute the same
-        out_packed = fused_moe_torch(x, w_up, w_down, routing, activation, packed)
-        torch.testing.assert_close(out_packed.double(), ref, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_c_expert_loop_matches_per_token_oracle(dtype, activation):
-    """kernels/cpu_ops.c's decode-sized expert loop, including an expert with 6 rows (a block
-    of four and a partial block) and idle experts."""
-    from kernels import cpu_ops
-
-    ids = torch.tensor([[0, 2], [2, 5], [2, 0], [5, 2], [2, 0], [2, 5]])
-    x, w_up, w_down, routing = make_case(6, 24, 20, 7, 2, activation, dtype=dtype, ids=ids)
-    if not cpu_ops.moe_experts_supported(x, w_up, w_down):
-        pytest.skip("no C compiler: the CPU runs the GEMM path")
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=7).tolist()
-    ys = cpu_ops.moe_experts_cpu(x[order // 2], counts, w_up, w_down, activation == "swiglu")
-    routing = Routing(torch.ones(12, 1), flat[order, None])
-    bf16 = dtype == torch.bfloat16
-    ref = experts_oracle(x[order // 2], w_up, w_down, routing, activation, dtype if bf16 else None)
-    # bf16: float32 sums in another order can land a rounding of h one bf16 step away
-    tol = 1e-2 if bf16 else 1e-5
-    torch.testing.assert_close(ys.double(), ref, atol=tol, rtol=tol)
-    assert (ys.double() - ref).abs().max() < 0.1 * ref.abs().max()
+    # the C path's panels (kernels/cpu_moe.py) and oneDNN's prepacked weights compute the same
+    for packed in (pack_experts(w_up, w_down, activation), pack_onednn(w_up, w_down)):
+        if packed is not None:
+            out_packed = fused_moe_torch(x, w_up, w_down, routing, activation, packed)
+            torch.testing.assert_close(out_packed.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("grouped", [False, True])
