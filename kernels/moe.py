@@ -146,7 +146,7 @@ def fused_moe_torch(
     token_of = order // k
     rows = x[token_of]
     if isinstance(packed, PanelExperts):
-        packed = None  # panels without the C library (BATON_CPU_OPS=0 after packing)
+        packed = None  # panels the C call cannot take (more choices per token than it sorts)
     outs = []
     start = 0
     for e, n in enumerate(counts):
