@@ -13,7 +13,7 @@
  *   up:   (E, parts, I_pad / NB, D, NB)   parts 1: relu2's up_proj; 2: swiglu's gate, then up
  *   down: (E, D_pad / NB, I_pad, NB)
  * Columns past I (or D) are zero, so the padded part of h is zero and the down projection
- * ignores it. Each panel is read once per block of MR rows: once per decode step.
+ * ignores it. Each panel is read once per block of up to MR rows: once per decode step.
  *
  * bfloat16 panels hold k in pairs ([K / 2][NB][2], K padded to even) for the CPU's bf16
  * dot-product instruction (AVX512-BF16), which halves the instructions per weight; without it
@@ -50,28 +50,30 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, like tor
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-/* acc[r * NB + c] = sum_k x[r][k] * panel[k * NB + c] for r < MR, c < NB (float32). */
-static void panel_block_f32(const void *const xv[MR], const void *panel_v, int64_t K, float *acc) {
+/* acc[r * NB + c] = sum_k x[r][k] * panel[k * NB + c] for r < R <= MR, c < NB (float32). */
+static inline __attribute__((always_inline)) void block_f32(const int R, const void *const xv[MR],
+                                                            const void *panel_v, int64_t K,
+                                                            float *acc) {
     const float *const *x = (const float *const *)xv;
     const float *panel = (const float *)panel_v;
 #if defined(__AVX512F__)
     __m512 c[MR][4];
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < R; r++)
         for (int v = 0; v < 4; v++) c[r][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         __m512 w[4];
         for (int v = 0; v < 4; v++) w[v] = _mm512_loadu_ps(panel + k * NB + 16 * v);
-        for (int r = 0; r < MR; r++) {
+        for (int r = 0; r < R; r++) {
             const __m512 b = _mm512_set1_ps(x[r][k]);
             for (int v = 0; v < 4; v++) c[r][v] = _mm512_fmadd_ps(w[v], b, c[r][v]);
         }
     }
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < R; r++)
         for (int v = 0; v < 4; v++) _mm512_storeu_ps(acc + r * NB + 16 * v, c[r][v]);
 #else
-    memset(acc, 0, sizeof(float) * MR * NB);
+    memset(acc, 0, sizeof(float) * R * NB);
     for (int64_t k = 0; k < K; k++)
-        for (int r = 0; r < MR; r++) {
+        for (int r = 0; r < R; r++) {
             const float b = x[r][k];
 #pragma omp simd
             for (int j = 0; j < NB; j++) acc[r * NB + j] += panel[k * NB + j] * b;
@@ -82,31 +84,32 @@ static void panel_block_f32(const void *const xv[MR], const void *panel_v, int64
 /* The same for bfloat16 rows and a bfloat16 panel stored in pairs along k, as the CPU's bf16
  * dot-product instruction takes them: panel[(k / 2) * NB * 2 + c * 2 + k % 2], K even. Products
  * are exact in float32, sums float32 (as oneDNN's bf16 GEMM). */
-static void panel_block_bf16(const void *const xv[MR], const void *panel_v, int64_t K,
-                             float *acc) {
+static inline __attribute__((always_inline)) void block_bf16(const int R, const void *const xv[MR],
+                                                             const void *panel_v, int64_t K,
+                                                             float *acc) {
     const uint16_t *const *x = (const uint16_t *const *)xv;
     const uint16_t *panel = (const uint16_t *)panel_v;
 #if defined(__AVX512BF16__)
     __m512 c[MR][4];
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < R; r++)
         for (int v = 0; v < 4; v++) c[r][v] = _mm512_setzero_ps();
     for (int64_t k2 = 0; k2 < K / 2; k2++) {
         __m512bh w[4];
         for (int v = 0; v < 4; v++)
             w[v] = (__m512bh)_mm512_loadu_si512(panel + (k2 * NB + 16 * v) * 2);
-        for (int r = 0; r < MR; r++) {
+        for (int r = 0; r < R; r++) {
             int32_t pair;
             memcpy(&pair, x[r] + 2 * k2, 4);
             const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
             for (int v = 0; v < 4; v++) c[r][v] = _mm512_dpbf16_ps(c[r][v], w[v], b);
         }
     }
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < R; r++)
         for (int v = 0; v < 4; v++) _mm512_storeu_ps(acc + r * NB + 16 * v, c[r][v]);
 #else
-    memset(acc, 0, sizeof(float) * MR * NB);
+    memset(acc, 0, sizeof(float) * R * NB);
     for (int64_t k = 0; k < K; k++)
-        for (int r = 0; r < MR; r++) {
+        for (int r = 0; r < R; r++) {
             const float b = bf16_to_f32(x[r][k]);
             const uint16_t *wk = panel + (k / 2) * NB * 2 + k % 2;
 #pragma omp simd
@@ -115,12 +118,24 @@ static void panel_block_bf16(const void *const xv[MR], const void *panel_v, int6
 #endif
 }
 
-static inline void panel_block(int bf16, const void *const x[MR], const void *panel, int64_t K,
-                               float *acc) {
-    if (bf16) panel_block_bf16(x, panel, K, acc);
-    else panel_block_f32(x, panel, K, acc);
+/* One block of nr <= MR rows, with a copy of the loop per row count: a decode step's few rows
+ * per expert cost no FMAs for absent rows. */
+static void panel_block(int bf16, int64_t nr, const void *const x[MR], const void *panel,
+                        int64_t K, float *acc) {
+#define BLOCK(R)                                                                                   \
+    if (bf16) block_bf16(R, x, panel, K, acc);                                                     \
+    else block_f32(R, x, panel, K, acc);                                                           \
+    break;
+    switch (nr) {
+    case 1: BLOCK(1)
+    case 2: BLOCK(2)
+    case 3: BLOCK(3)
+    case 4: BLOCK(4)
+    case 5: BLOCK(5)
+    default: BLOCK(MR)
+    }
+#undef BLOCK
 }
-
 /* h = relu(g)^2 or silu(g) * u over one panel row; a bf16 model rounds the projections and
  * silu to bf16 first, and h itself. exp_approx keeps the silu loop vectorised. */
 static inline float exp_approx(float x) { /* 2^n p(r), |rel err| ~2e-7: as kernels/cpu_ops.c */
@@ -210,11 +225,11 @@ int64_t baton_moe_routed(const void *x, int64_t x_stride, int64_t T, int64_t D, 
             const char *up_panel = gate_panel + nbI * D_k * NB * esize; /* swiglu's up part */
             for (int64_t rb = offsets[e]; rb < offsets[e + 1]; rb += MR) {
                 const int64_t nr = offsets[e + 1] - rb < MR ? offsets[e + 1] - rb : MR;
-                const void *xr[MR]; /* rows past the block's end repeat its first; dropped */
-                for (int r = 0; r < MR; r++)
-                    xr[r] = (const char *)x + pair_token[rb + (r < nr ? r : 0)] * x_stride * esize;
-                panel_block(bf16, xr, gate_panel, D_k, acc_g);
-                if (swiglu) panel_block(bf16, xr, up_panel, D_k, acc_u);
+                const void *xr[MR];
+                for (int64_t r = 0; r < nr; r++)
+                    xr[r] = (const char *)x + pair_token[rb + r] * x_stride * esize;
+                panel_block(bf16, nr, xr, gate_panel, D_k, acc_g);
+                if (swiglu) panel_block(bf16, nr, xr, up_panel, D_k, acc_u);
                 for (int64_t r = 0; r < nr; r++) {
                     const float *g = acc_g + r * NB, *u = acc_u + r * NB;
                     const int64_t at = (rb + r) * I_pad + ib * NB;
@@ -232,9 +247,8 @@ int64_t baton_moe_routed(const void *x, int64_t x_stride, int64_t T, int64_t D, 
             for (int64_t rb = offsets[e]; rb < offsets[e + 1]; rb += MR) {
                 const int64_t nr = offsets[e + 1] - rb < MR ? offsets[e + 1] - rb : MR;
                 const void *hr[MR];
-                for (int r = 0; r < MR; r++)
-                    hr[r] = (const char *)h + (rb + (r < nr ? r : 0)) * I_pad * esize;
-                panel_block(bf16, hr, panel, I_pad, acc_g);
+                for (int64_t r = 0; r < nr; r++) hr[r] = (const char *)h + (rb + r) * I_pad * esize;
+                panel_block(bf16, nr, hr, panel, I_pad, acc_g);
                 for (int64_t r = 0; r < nr; r++) {
                     float *yr = ys + (rb + r) * D + jb * NB;
                     const float *a = acc_g + r * NB;
