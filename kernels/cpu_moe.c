@@ -10,8 +10,8 @@
  * Weights are packed once (kernels/cpu_moe.py) into panels of NB output columns stored
  * transposed, so the inner loop broadcasts one input element per row and streams one
  * contiguous NB-wide weight row into MR x NB float32 accumulators that live in registers:
- *   up:   (E, parts, I_pad / NB, D, NB)   parts 1: relu2's up_proj; 2: swiglu's gate, then up
- *   down: (E, D_pad / NB, I_pad, NB)
+ *   up:   (E, parts, I_pad / NB, D_k, NB)   parts 1: relu2's up_proj; 2: swiglu's gate, then up
+ *   down: (E, D_pad / NB, I_pad, NB)          D_k = D (float32) or D rounded up to even (bf16)
  * Columns past I (or D) are zero, so the padded part of h is zero and the down projection
  * ignores it. Each panel is read once per block of up to MR rows: once per decode step.
  *
@@ -136,6 +136,7 @@ static void panel_block(int bf16, int64_t nr, const void *const x[MR], const voi
     }
 #undef BLOCK
 }
+
 /* h = relu(g)^2 or silu(g) * u over one panel row; a bf16 model rounds the projections and
  * silu to bf16 first, and h itself. exp_approx keeps the silu loop vectorised. */
 static inline float exp_approx(float x) { /* 2^n p(r), |rel err| ~2e-7: as kernels/cpu_ops.c */
