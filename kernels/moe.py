@@ -81,8 +81,9 @@ def route_softmax_topk(x: torch.Tensor, weight: torch.Tensor, *, top_k: int) -> 
 
 
 class PackedExperts(NamedTuple):
-    """Per-expert weights reordered once into oneDNN's blocked layout (kernels/linear.py): the
-    few-row matmuls of decode then skip F.linear's per-call repacking."""
+    """Per-expert weights reordered once into oneDNN's blocked layout (kernels/linear.py), where
+    the C path (kernels/cpu_moe.py) is not built: the few-row matmuls of decode then skip
+    F.linear's per-call repacking."""
 
     up: list[torch.Tensor]
     down: list[torch.Tensor]
