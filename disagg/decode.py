@@ -37,6 +37,7 @@ from disagg.protocol import (
     request_state,
 )
 from disagg.rooms import DisaggConfig, RoomState, TransferCounters, compat_of, now
+from disagg.tp_layout import TPLayout
 from engine.engine import Engine, EngineStats
 from engine.memory import OutOfMemory
 from engine.sampling_params import SamplingParams
@@ -194,6 +195,7 @@ class DecodeWorker:
             cached_tokens=reserved.cached_tokens,
             track_interval=self.engine.track_interval,
             transfer_timeout_s=self.config.transfer_timeout_s,
+            tp=TPLayout(size=self.layout.tp_size, rank_addresses=self.engine.shard_addresses),
         )
         self._peer(q.peer).socket.send_multipart(encode(register, secret=self.config.secret))
         return True
@@ -382,12 +384,18 @@ class DecodeWorker:
                 return  # aborted or timed out meanwhile
             state = request_state(message, tensors)
             layers = layout.mamba_layers
-            if state.conv.shape[0] == 0 and r.mamba_layers != layers:
+            sharded = message.tp_size > 1 or layout.tp_size > 1  # came rank to rank
+            if not sharded and state.conv.shape[0] == 0 and r.mamba_layers != layers:
                 raise ValueError(
                     f"Mamba state incomplete: {r.mamba_layers} of {layers} layers arrived"
                 )
             del self.rooms[r.room]
             try:
+                if sharded:
+                    left = self.config.transfer_timeout_s - (now() - r.registered)
+                    self.engine.install_shards(
+                        r.request_id, r.room, message.tp_size, state.first_page, left
+                    )
                 delta = self.engine.install(r.request_id, state)
             except ValueError:
                 self.rooms[r.room] = r  # failed below, with its peer told

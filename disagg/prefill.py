@@ -30,6 +30,7 @@ from disagg.protocol import (
     Register,
     Reject,
     ReplayGuard,
+    StateTransfer,
     TensorSpec,
     decode,
     encode,
@@ -46,6 +47,7 @@ from disagg.rooms import (
     now,
 )
 from disagg.schema import MAX_STRING
+from disagg.tp_layout import refusal
 from engine.engine import Engine, EngineStats
 from engine.handover import HandoverLayout, RequestState
 from engine.sampling_params import SamplingParams
@@ -163,6 +165,7 @@ class PrefillWorker:
         self.address = f"tcp://{self.config.host}:{self.port}"
         self.layout = self.engine.handover_layout()
         self.compat = compat_of(self.layout)
+        self.tp_size = self.layout.tp_size
         self.mamba_groups = _mamba_groups(self.layout)
         self.rng = random.Random()
         self.replay = ReplayGuard()
@@ -286,6 +289,10 @@ class PrefillWorker:
                 identity, Reject(room=message.room, message=f"incompatible workers: {mismatch}")
             )
             return
+        why = refusal(self.engine.model_config, self.tp_size, message.tp)
+        if why:
+            self._send(identity, Reject(room=message.room, message=why[:MAX_STRING]))
+            return
         r = self.rooms.get(message.room)
         if r is not None and r.peer is not None:
             raise ValueError(f"room {message.room} is registered already")
@@ -322,7 +329,13 @@ class PrefillWorker:
         token and the prefix-cache checkpoints (and everything, if nothing was pushed)."""
         if r.peer is not None:
             r.ready_at = now()
-        pushed = r.peer is not None and not self.faults.delay_ms
+        if self.tp_size > 1:  # every rank snapshots its shard; the message carries no tensors
+            self.engine.snapshot_shards(r.room, req)
+            r.snapshot = self.engine.first_token_state(req)
+            if r.peer is not None:
+                self._schedule_send(r)
+            return
+        pushed = r.peer is not None and not self.faults.delay_ms and not self._sharded(r)
         if pushed:
             self._push_pages(r)
             self._push_mamba(r, req)
@@ -341,14 +354,36 @@ class PrefillWorker:
             if self.faults.should_drop(self.rng):
                 logger.warning("fault injection: dropping the transfer of room %s", r.room)
                 self.counters.transfers_failed += 1
+                if self.tp_size > 1:
+                    self.engine.drop_shards(r.room)
                 del self.rooms[r.room]
                 continue
-            message, tensors = state_message(r.room, self._needed_part(r))
+            if self._sharded(r):
+                message, tensors = self._send_shards(r)
+            else:
+                message, tensors = state_message(r.room, self._needed_part(r))
             self._send_tensors(r, message, tensors, track=False)  # copies
             self.counters.transfers_ok += 1
             self.counters.observe_latency(now() - r.ready_at)
             r.state = "success"
             del self.rooms[r.room]
+
+    def _sharded(self, r: PrefillRoom) -> bool:
+        """Whether the room's state goes rank to rank (either side at TP > 1)."""
+        reg = r.registration
+        return self.tp_size > 1 or (reg is not None and reg.tp.size > 1)
+
+    def _send_shards(self, r: PrefillRoom) -> tuple[StateTransfer, list]:
+        """Every rank sends its planned slices straight to the decode ranks; the StateTransfer
+        that follows from here carries the first token and no tensors."""
+        reg, state = r.registration, r.snapshot
+        first_page = min(reg.cached_tokens, state.num_prompt_tokens) // self.compat.page_size
+        first_page = max(first_page, state.first_page)
+        if self.tp_size == 1:  # the whole snapshot is this only rank's shard
+            self.engine.keep_shard(r.room, state)
+        self.engine.send_shards(r.room, first_page, reg.tp.size, reg.tp.rank_addresses)
+        control = self.engine.first_token_state(state, first_page)
+        return state_message(r.room, control, tp_size=self.tp_size)
 
     def _stream_pages(self) -> None:
         """Push the K/V pages each registered room's prefill completed this step, so the final
@@ -356,7 +391,8 @@ class PrefillWorker:
         for r in self.rooms.values():
             if r.peer is None or r.snapshot is not None or r.request_id is None:
                 continue
-            self._push_pages(r)
+            if not self._sharded(r):
+                self._push_pages(r)
 
     def _push_pages(self, r: PrefillRoom) -> None:
         """Send the completed pages from r.pages_sent on as KVChunks of ~PUSH_BYTES each."""
@@ -449,6 +485,8 @@ class PrefillWorker:
     def _drop(self, r: PrefillRoom, notify: bool, reason: str) -> None:
         r.state = "failed"
         self.rooms.pop(r.room, None)
+        if r.snapshot is not None and self.tp_size > 1:
+            self.engine.drop_shards(r.room)  # every rank's copy
         if r.request_id is not None:
             self.engine.on_finish(r.request_id, None)
             if r.snapshot is None and self.engine.has_request(r.request_id):

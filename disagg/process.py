@@ -16,6 +16,7 @@ import zmq
 from disagg.decode import DecodeWorker
 from disagg.prefill import PrefillWorker
 from disagg.rooms import DisaggConfig
+from disagg.tp_transfer import SECRET_ENV, connector_spec
 from engine import process as engine_process
 from engine.engine import Engine
 from engine.ipc import AddRequest, EngineFailed, EngineReady, RequestFailed, StepOutput, encode
@@ -96,8 +97,16 @@ def load_and_run(
     options = dict(spec.disagg or {})
     secret = options.pop("secret", None) or os.environ.get("BATON_DISAGG_SECRET") or None
     config = DisaggConfig(secret=secret.encode() if secret else None, **options)
+    if secret:  # each rank's handover connector (this process's and its ranks') reads it there
+        os.environ[SECRET_ENV] = secret
     try:
-        engine = Engine(spec.model, dtype=spec.dtype, device=spec.device, **spec.engine_args)
+        engine = Engine(
+            spec.model,
+            dtype=spec.dtype,
+            device=spec.device,
+            handover_connector=connector_spec(config.role, config.host),
+            **spec.engine_args,
+        )
         context = zmq.Context.instance()
         worker_class = PrefillWorker if config.role == "prefill" else DecodeWorker
         worker = worker_class(engine, config, context)
@@ -114,6 +123,7 @@ def load_and_run(
                 vocab_size=engine.model_config.vocab_size,
                 max_model_len=engine.max_model_len,
                 transfer_addr=transfer_addr,
+                rank_transfer_addrs=list(engine.shard_addresses),
             )
         )
     )

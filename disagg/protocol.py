@@ -41,13 +41,17 @@ from disagg.schema import (
     tensor_fields,
     to_wire,
 )
+from disagg.tp_layout import TPLayout
 from engine.handover import RequestState
 
 # 2: K/V and Mamba chunks carry one frame per layer. 3: Register carries the decode side's
 # transfer timeout (the prefill side keeps zero-copy sends' pages no longer than that).
 # 4: StateTransfer carries RequestState's fields as derived from the dataclass, tensors by name.
 # 5: the header holds a timestamp and a nonce (under the MAC): replays are refused.
-PROTOCOL_VERSION = 5
+# 6: Register carries the decode side's TP layout, StateTransfer the prefill side's TP size;
+# ShardTransfer moves a rank's slices straight between ranks (disagg/tp_transfer.py). Compat
+# compares the whole model's shapes (each side's ranks hold slices of them).
+PROTOCOL_VERSION = 6
 
 # With a secret, a message is accepted within this many seconds of the time it was sent (two
 # hosts need clocks within this of each other, e.g. NTP), and only once.
@@ -65,6 +69,7 @@ class Compat:
     model: str  # fingerprint of the model config
     dtype: str
     page_size: int
+    # the whole model's (TP=1) shapes, whatever either side's TP size
     kv_page_shape: list[int]  # (attention_layers, page_size, kv_heads, head_dim)
     conv_shape: list[int]  # (mamba_layers, conv_dim, K-1)
     ssm_shape: list[int]  # (mamba_layers, heads, head_dim, d_state)
@@ -93,6 +98,7 @@ class Register:
     # The decode engine ignores this room's state once this long has passed since it registered
     # (so the prefill engine may reuse pages that its sends for the room still read).
     transfer_timeout_s: float
+    tp: TPLayout  # the decode engine's ranks and where each receives its shard
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -145,6 +151,9 @@ class StateTransfer:
     tag: ClassVar[str] = "state"
     carries: ClassVar[str] = "state"  # the field holding STATE_CARRIER's non-tensor fields
     room: str
+    # The prefill engine's TP size. When either side's is > 1 the K/V pages and Mamba state
+    # came rank to rank as ShardTransfers and the tensors here hold no pages and no layers.
+    tp_size: int
     state: dict[str, object]  # checked against STATE_CARRIER's annotations by `decode`
     tensors: list[TensorSpec]  # STATE_CARRIER's tensor fields, one frame each, named after them
 
@@ -174,11 +183,33 @@ class MambaChunk:
     tensors: list[TensorSpec]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardTransfer:
+    """prefill rank -> decode rank, when either side runs TP > 1: the slices of one room's K/V
+    pages (from `first_page`) and final Mamba state that the decode rank owns and this prefill
+    rank was planned to send it (disagg.tp_layout.plan); frames named `component@offset`."""
+
+    tag: ClassVar[str] = "shard"
+    room: str
+    source_rank: int
+    source_size: int
+    first_page: int
+    tensors: list[TensorSpec]
+
+
 Message = (
-    Register | Reject | Abort | Heartbeat | HeartbeatAck | StateTransfer | KVChunk | MambaChunk
+    Register
+    | Reject
+    | Abort
+    | Heartbeat
+    | HeartbeatAck
+    | StateTransfer
+    | KVChunk
+    | MambaChunk
+    | ShardTransfer
 )
 MESSAGES: dict[str, type] = {cls.tag: cls for cls in typing.get_args(Message)}
-WITH_TENSORS = (StateTransfer, KVChunk, MambaChunk)
+WITH_TENSORS = (StateTransfer, KVChunk, MambaChunk, ShardTransfer)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -192,12 +223,15 @@ def tensor_specs(named: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
     return [TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in named]
 
 
-def state_message(room: str, state: Any) -> tuple[StateTransfer, list[torch.Tensor]]:
+def state_message(
+    room: str, state: Any, tp_size: int = 1
+) -> tuple[StateTransfer, list[torch.Tensor]]:
     """A request state's message and frames: every field of its dataclass, tensors by name."""
     carrier = type(state)
     named = [(name, getattr(state, name)) for name in tensor_fields(carrier)]
     message = StateTransfer(
         room=room,
+        tp_size=tp_size,
         state={name: getattr(state, name) for name in header_fields(carrier)},
         tensors=tensor_specs(named),
     )

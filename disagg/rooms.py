@@ -113,8 +113,8 @@ def compat_of(layout: HandoverLayout) -> Compat:
         model=layout.model_fingerprint,
         dtype=layout.dtype,
         page_size=layout.page_size,
-        kv_page_shape=[layout.attention_layers, *layout.kv_page_shape],
-        conv_shape=[layout.mamba_layers, *layout.conv_shape],
-        ssm_shape=[layout.mamba_layers, *layout.ssm_shape],
+        kv_page_shape=[layout.attention_layers, *layout.model_kv_page_shape],
+        conv_shape=[layout.mamba_layers, *layout.model_conv_shape],
+        ssm_shape=[layout.mamba_layers, *layout.model_ssm_shape],
         ssm_dtype=layout.ssm_dtype,
     )

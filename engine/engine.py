@@ -29,6 +29,7 @@ from engine.sampler import Sampler, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.state_cache import StateCache
+from engine.tp_handover import ShardHandoverMixin, gather_addresses, load_connector
 from engine.tp_messages import PoolOps
 from engine.tp_ranks import RankedRunner, start_ranks
 from engine.tp_shard import check_tp_supported, pool_config
@@ -57,6 +58,9 @@ class EngineArgs:
     # step (a 2048-token prefill of a 110M model takes ~2.3 s on 2 CPU cores).
     tp_timeout: float = 60.0
     tp_load_timeout: float = 600.0  # how long the ranks may take to start and load
+    # "factory": "module:callable" (+ its options) building each rank's handover connector: a
+    # disaggregated worker's ranks send or receive their own shards (engine/tp_handover.py)
+    handover_connector: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -100,7 +104,7 @@ def default_track_interval(chunk_size: int, page_size: int, target: int = 512) -
     return step * max(1, target // step)
 
 
-class Engine(HandoverMixin):
+class Engine(HandoverMixin, ShardHandoverMixin):
     def __init__(
         self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu", **engine_args
     ):
@@ -135,6 +139,11 @@ class Engine(HandoverMixin):
             dtype=self.dtype,
             device=self.device,
         )
+        self.shard_connector = load_connector(
+            args.handover_connector, config, tp.rank, tp.size, self.cache
+        )
+        # every rank's shard receive address, rank 0's first (after each rank's connector)
+        self.shard_addresses = gather_addresses(tp, self.shard_connector)
         # The scheduler's pool operations, recorded for the other ranks' next step at TP > 1.
         self.pool_ops = PoolOps(self.cache, record=self.ranks is not None)
         self.pages = IndexPool(sizes.num_pages - 1, "KV pages")
@@ -180,6 +189,9 @@ class Engine(HandoverMixin):
         """Stop the other tensor-parallel ranks (nothing at TP=1); idempotent."""
         if getattr(self, "ranks", None) is not None:
             self.ranks.stop("engine closed")
+        if getattr(self, "shard_connector", None) is not None:
+            self.shard_connector.close()
+            self.shard_connector = None
 
     def _make_prefix_cache(self) -> PrefixCache | None:
         args, config = self.args, self.model_config

@@ -67,12 +67,6 @@ class HandoverMixin:
     # -- both sides ---------------------------------------------------------------------------
 
     def handover_layout(self) -> HandoverLayout:
-        if self.ranks is not None:
-            # The handover moves rank 0's pools only; the other ranks' shards would be lost.
-            raise ValueError(
-                "disaggregation with tensor parallelism is not supported yet "
-                f"(tensor_parallel_size={self.args.tensor_parallel_size})"
-            )
         cache, config = self.cache, self.model_config
         k = cache.k[0] if cache.k else None
         page_shape = (cache.page_size, *k.shape[1:]) if k is not None else (cache.page_size, 0, 0)
@@ -89,6 +83,12 @@ class HandoverMixin:
             ssm_dtype=str(cache.ssm.dtype).removeprefix("torch."),
             mamba_layer_bytes=cache.conv[:, 0].nbytes // max(1, cache.conv.shape[0])
             + cache.ssm[:, 0].nbytes // max(1, cache.ssm.shape[0]),
+            model_kv_page_shape=(cache.page_size, config.num_key_value_heads, config.head_dim)
+            if cache.k
+            else page_shape,
+            model_conv_shape=(config.conv_dim, config.conv_kernel - 1),
+            model_ssm_shape=(config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size),
+            tp_size=self.ranks.size if self.ranks is not None else 1,
         )
 
     def has_request(self, request_id: str) -> bool:

@@ -70,3 +70,9 @@ class HandoverLayout:
     ssm_shape: tuple[int, ...]  # one layer's SSM state: (heads, head_dim, d_state)
     ssm_dtype: str
     mamba_layer_bytes: int  # conv window + SSM state of one layer
+    # The shapes above are this rank's slices; these are the whole model's (what two engines of
+    # different TP sizes must share), and this engine's TP size.
+    model_kv_page_shape: tuple[int, ...]
+    model_conv_shape: tuple[int, ...]
+    model_ssm_shape: tuple[int, ...]
+    tp_size: int

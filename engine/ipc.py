@@ -81,12 +81,16 @@ class EngineReady:
     vocab_size: int
     max_model_len: int
     transfer_addr: str  # prefill worker: where decode engines register ("" otherwise)
+    # disaggregated worker: each tensor-parallel rank's shard address, rank order ("" for a
+    # rank that receives none: every prefill rank sends from its own socket)
+    rank_transfer_addrs: list[str]
 
     def to_payload(self) -> dict[str, Any]:
         return {
             "vocab_size": self.vocab_size,
             "max_model_len": self.max_model_len,
             "transfer_addr": self.transfer_addr,
+            "rank_transfer_addrs": self.rank_transfer_addrs,
         }
 
     @classmethod
@@ -95,6 +99,7 @@ class EngineReady:
             vocab_size=payload["vocab_size"],
             max_model_len=payload["max_model_len"],
             transfer_addr=payload["transfer_addr"],
+            rank_transfer_addrs=list(payload["rank_transfer_addrs"]),
         )
 
 

@@ -189,7 +189,10 @@ def _load_and_run(spec: EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket
     outbox.send(
         encode(
             EngineReady(
-                vocab_size=config.vocab_size, max_model_len=engine.max_model_len, transfer_addr=""
+                vocab_size=config.vocab_size,
+                max_model_len=engine.max_model_len,
+                transfer_addr="",
+                rank_transfer_addrs=[],
             )
         )
     )

@@ -43,6 +43,9 @@ class RankSpec:
     num_mamba_slots: int
     threads: int
     parent_pid: int
+    # module:factory and options of the per-rank handover connector (a disaggregated worker's
+    # ranks each send or receive their own shard); None: no handover on this engine
+    handover_connector: dict[str, str] | None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -71,9 +74,58 @@ class CopySlot:
 PoolOp = ResetSlot | CopySlot
 
 
+# Handover operations (disaggregation across TP sizes): every rank does its part with its own
+# shard and its own connector (engine/tp_handover.py); nothing travels through rank 0.
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SnapshotShard:
+    """Prefill side: copy this rank's shard of the room's K/V `pages` and Mamba `slot` (the
+    request ends and its pages are freed; the copy waits for the decode side)."""
+
+    room: str
+    pages: tuple[int, ...]
+    slot: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SendShard:
+    """Prefill side: send the room's snapshot, from page `first_page` on, to the decode ranks
+    that own parts of it (disagg.tp_layout.plan), then forget it."""
+
+    room: str
+    first_page: int
+    decode_size: int
+    decode_addresses: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DropShard:
+    """Prefill side: the room failed; forget its snapshot."""
+
+    room: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InstallShard:
+    """Decode side: wait up to `wait_s` for this rank's pieces of the room from the prefill
+    ranks, check them, write them into `pages` (the prompt's pages from `first_page` on) and
+    `slot`; then every rank reports whether it succeeded (one collective)."""
+
+    room: str
+    pages: tuple[int, ...]
+    slot: int
+    first_page: int
+    prefill_size: int
+    wait_s: float
+
+
+HandoverOp = SnapshotShard | SendShard | DropShard | InstallShard
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankStep:
-    ops: tuple[PoolOp, ...]  # in the order rank 0 applied them
+    ops: tuple[PoolOp | HandoverOp, ...]  # in the order rank 0 applied them
     batch: ScheduledBatch | None  # None: operations only, no forward
 
 
@@ -99,6 +151,10 @@ _CARRIERS: dict[str, type] = {
     for cls in (
         ResetSlot,
         CopySlot,
+        SnapshotShard,
+        SendShard,
+        DropShard,
+        InstallShard,
         RankStep,
         RankShutdown,
         ReportPools,

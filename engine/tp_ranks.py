@@ -72,6 +72,7 @@ class Ranks:
         timeout_s: float,
         load_timeout_s: float,
         sizes: PoolSizes,
+        handover_connector: dict[str, str] | None,
     ):
         self.size = size
         self.timeout_s = timeout_s
@@ -104,6 +105,7 @@ class Ranks:
                     num_mamba_slots=sizes.num_mamba_slots,
                     threads=threads,
                     parent_pid=os.getpid(),
+                    handover_connector=handover_connector,
                 )
                 self.procs.append(
                     subprocess.Popen(
@@ -227,4 +229,5 @@ def start_ranks(model_dir, dtype: str, device: str, args, sizes: PoolSizes) -> R
         timeout_s=args.tp_timeout,
         load_timeout_s=args.tp_load_timeout,
         sizes=sizes,
+        handover_connector=args.handover_connector,
     )

@@ -26,7 +26,18 @@ from engine.config import ModelConfig
 from engine.model_loader import load_model, resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.state_cache import StateCache
-from engine.tp_messages import RankShutdown, RankSpec, ReportPools, apply, decode, pool_digest
+from engine.tp_handover import apply_handover, gather_addresses, load_connector
+from engine.tp_messages import (
+    CopySlot,
+    InstallShard,
+    RankShutdown,
+    RankSpec,
+    ReportPools,
+    ResetSlot,
+    apply,
+    decode,
+    pool_digest,
+)
 from engine.tp_shard import pool_config
 
 logger = logging.getLogger("baton.tp_worker")
@@ -51,10 +62,12 @@ def run(spec: RankSpec) -> int:
         device=spec.device,
     )
     runner = ModelRunner(model, cache, spec.device)
+    connector = load_connector(spec.handover_connector, config, spec.rank, spec.size, cache)
     context = zmq.Context()
     steps = context.socket(zmq.PULL)
     steps.connect(spec.step_addr)
     tp.barrier(spec.load_timeout_s)
+    gather_addresses(tp, connector)  # rank 0 learns where this rank receives shards
     try:
         while True:
             if not steps.poll(POLL_MS):
@@ -69,10 +82,17 @@ def run(spec: RankSpec) -> int:
                 tp.gather_last_dim(pool_digest(cache))
                 continue
             for op in message.ops:
-                apply(op, cache)
+                if isinstance(op, (ResetSlot, CopySlot)):
+                    apply(op, cache)
+                    continue
+                error = apply_handover(op, cache, connector)
+                if isinstance(op, InstallShard):
+                    tp.all_agree(not error)
             if message.batch is not None:
                 runner.forward(message.batch)
     finally:
+        if connector is not None:
+            connector.close()
         steps.close(linger=0)
         context.term()
 

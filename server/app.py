@@ -50,8 +50,13 @@ def build_app(state: ServerState) -> FastAPI:
         if mode is None:
             return error_response(404, "this worker is not part of a disaggregated pair")
         assert state.client.ready is not None
+        ready = state.client.ready
         return JSONResponse(
-            {"role": mode, "transfer_addr": state.client.ready.transfer_addr or None}
+            {
+                "role": mode,
+                "transfer_addr": ready.transfer_addr or None,
+                "rank_transfer_addrs": ready.rank_transfer_addrs,
+            }
         )
 
     @app.get("/metrics")

@@ -98,11 +98,6 @@ class ServerArgs:
             )
         if self.tp_timeout is not None and self.tp_timeout <= 0:
             raise ValueError(f"--tp-timeout must be > 0, got {self.tp_timeout}")
-        if (self.tensor_parallel_size or 1) > 1 and self.disaggregation_mode is not None:
-            raise ValueError(
-                "--tensor-parallel-size > 1 with --disaggregation-mode is not supported yet: "
-                "serve a tensor-parallel worker colocated"
-            )
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
         if self.disagg_max_rooms_per_peer < 1:

@@ -263,6 +263,7 @@ def forged_states(room: str) -> list[tuple[str, list]]:
     message, tensors = state_message(room, a_state())
     bad_logprobs = message.__class__(
         room=room,
+        tp_size=1,
         state=message.state | {"first_logprobs": {"a": "b"}},
         tensors=message.tensors,
     )

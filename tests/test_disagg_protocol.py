@@ -153,6 +153,7 @@ def register_body(**overrides) -> dict:
         cached_tokens=0,
         track_interval=0,
         transfer_timeout_s=30.0,
+        tp=dict(size=1, rank_addresses=[""]),
     )
     return body | overrides
 
@@ -173,6 +174,8 @@ def test_a_well_formed_register_parses_with_its_nested_compat():
         ("register", register_body(room=["r"]), "room"),
         ("register", register_body(room="x" * 5000), "room"),
         ("register", register_body(compat={"model": "m"}), "compat"),
+        ("register", register_body(tp=dict(size=-2, rank_addresses=[])), "tp.size"),
+        ("register", register_body(tp=dict(size=1, rank_addresses=[7])), "tp.rank_addresses"),
         (
             "register",
             register_body(compat=dict(register_body()["compat"], page_size="4")),

@@ -53,7 +53,7 @@ MESSAGES = [
     ),
     AbortRequests(request_ids=["a", "b"]),
     Shutdown(),
-    EngineReady(vocab_size=320, max_model_len=4096, transfer_addr=""),
+    EngineReady(vocab_size=320, max_model_len=4096, transfer_addr="", rank_transfer_addrs=[]),
     StepOutput(
         deltas=[
             _delta(),

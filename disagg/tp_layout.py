@@ -1,0 +1,182 @@
+"""Which rank holds which slice of a request's state, on either side of a handover between
+engines of different tensor-parallel sizes, and which prefill rank sends each decode rank what.
+
+Every piece of per-request state is split along one axis of "units" (SGLang's heterogeneous-TP
+transfer and vLLM's nixl connector cut the same way):
+
+    component   unit                 tensor (per rank)                        split by
+    k, v        one KV head          (attn_layers, pages, page, kv_heads, hd) kv_head_part (KV heads
+                                                                               replicated when fewer
+                                                                               than ranks)
+    conv        one conv channel     (mamba_layers, conv_dim, K-1)            x | B | C segments:
+                                                                               x by heads, B and C by
+                                                                               groups (replicated
+                                                                               when n_groups == 1)
+    ssm         one Mamba head       (mamba_layers, heads, hd, d_state)       heads
+
+A rank owns a list of (start, length) ranges of a component's global units; its local tensor
+holds them concatenated in that order. A decode rank's `plan` takes each of its units from the
+lowest prefill rank that holds it, so a replicated unit crosses the wire once per decode rank
+that owns it and every decode rank receives exactly what it owns, no more.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+from engine import parallel
+from engine.config import ConfigError, ModelConfig
+from engine.parallel import TensorParallel
+from engine.tp_shard import Ranges, check_tp_supported, mamba_shard
+
+# A peer may claim any size; these bound what one claim can make this side compute or connect.
+MAX_TP_SIZE = 256
+
+# A decode rank's receive address: tcp://host:port (a name, IPv4, or [IPv6]).
+ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):[0-9]{1,5}")
+
+COMPONENTS = ("k", "v", "conv", "ssm")
+UNIT_DIM = {"k": 3, "v": 3, "conv": 1, "ssm": 1}  # the unit axis in each shard tensor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TPLayout:
+    """One side's tensor-parallel layout, as it travels in a Register: its size and, for a decode
+    worker, where each rank receives its shard (rank order)."""
+
+    size: int
+    rank_addresses: list[str]
+
+    def describe(self) -> str:
+        return f"TP={self.size}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Piece:
+    """Units [dst_offset, dst_offset + length) of a decode rank's local `component` tensor come
+    from units [src_offset, src_offset + length) of prefill rank `source`'s local tensor."""
+
+    component: str
+    source: int
+    src_offset: int
+    dst_offset: int
+    length: int
+
+    @property
+    def name(self) -> str:
+        """The frame's name on the wire."""
+        return f"{self.component}@{self.dst_offset}"
+
+
+def _probe(rank: int, size: int) -> TensorParallel:
+    return TensorParallel(rank=rank, size=size, group=None, timeout_s=0.0)
+
+
+@functools.cache
+def owned(config: ModelConfig, size: int, rank: int) -> dict[str, Ranges]:
+    """Component -> the global unit ranges rank `rank` of `size` holds, in local order."""
+    tp = _probe(rank, size)
+    out: dict[str, Ranges] = {}
+    if config.attention_layer_ids:
+        kv = parallel.kv_head_part(config.num_key_value_heads, config.num_attention_heads, tp)
+        out["k"] = out["v"] = (kv,)
+    if config.mamba_layer_ids:
+        shard = mamba_shard(config, tp)
+        out["conv"] = shard.conv_channels
+        out["ssm"] = ((shard.first_head, shard.num_heads),)
+    return out
+
+
+def _local(ranges: Ranges, unit: int) -> int | None:
+    """Where global `unit` sits in the local tensor of a rank holding `ranges` (None: absent)."""
+    offset = 0
+    for start, length in ranges:
+        if start <= unit < start + length:
+            return offset + unit - start
+        offset += length
+    return None
+
+
+@functools.cache
+def plan(config: ModelConfig, prefill_size: int, decode_size: int, rank: int) -> tuple[Piece, ...]:
+    """The pieces decode rank `rank` receives, each unit from the lowest prefill rank holding
+    it, runs of consecutive units from one source merged into one piece."""
+    sources = [owned(config, prefill_size, p) for p in range(prefill_size)]
+    pieces: list[Piece] = []
+    for component, ranges in owned(config, decode_size, rank).items():
+        dst = 0
+        for start, length in ranges:
+            for unit in range(start, start + length):
+                source, src = next(
+                    (p, at)
+                    for p, held in enumerate(sources)
+                    if (at := _local(held[component], unit)) is not None
+                )
+                last = pieces[-1] if pieces else None
+                if (
+                    last is not None
+                    and last.component == component
+                    and last.source == source
+                    and last.src_offset + last.length == src
+                    and last.dst_offset + last.length == dst
+                ):
+                    pieces[-1] = Piece(
+                        component=component,
+                        source=source,
+                        src_offset=last.src_offset,
+                        dst_offset=last.dst_offset,
+                        length=last.length + 1,
+                    )
+                else:
+                    pieces.append(
+                        Piece(
+                            component=component,
+                            source=source,
+                            src_offset=src,
+                            dst_offset=dst,
+                            length=1,
+                        )
+                    )
+                dst += 1
+    return tuple(pieces)
+
+
+def check_prefill_size(config: ModelConfig, size: int) -> None:
+    """ValueError unless a prefill engine of `size` ranks could serve this model (a peer's
+    claim, before any plan is made from it)."""
+    if not 1 <= size <= MAX_TP_SIZE:
+        raise ValueError(f"prefill worker claims TP={size}: a TP size must be in 1..{MAX_TP_SIZE}")
+    try:
+        check_tp_supported(config, size)
+    except ConfigError as error:
+        raise ValueError(
+            f"prefill worker claims TP={size}, which this model cannot have: {error}"
+        ) from None
+
+
+def refusal(config: ModelConfig, prefill_size: int, decode: TPLayout) -> str | None:
+    """Why a prefill engine of `prefill_size` ranks cannot hand over to the decode layout a peer
+    claims (a message naming both layouts), or None. The claim is hostile until this passes."""
+    both = f"prefill worker TP={prefill_size}, decode worker TP={decode.size}"
+    if not 1 <= decode.size <= MAX_TP_SIZE:
+        return f"cannot serve this pair ({both}): a TP size must be in 1..{MAX_TP_SIZE}"
+    if len(decode.rank_addresses) != decode.size:
+        return (
+            f"cannot serve this pair ({both}): the decode worker lists"
+            f" {len(decode.rank_addresses)} rank addresses for {decode.size} ranks"
+        )
+    sharded = prefill_size > 1 or decode.size > 1  # (1 and 1: the whole-state handover)
+    for rank, address in enumerate(decode.rank_addresses if sharded else ()):
+        if not ENDPOINT.fullmatch(address) or not 0 < int(address.rsplit(":", 1)[1]) < 65536:
+            return (
+                f"cannot serve this pair ({both}): decode rank {rank} gives no tcp://host:port"
+                f" address to receive its shard at ({address[:80]!r}; was it started without"
+                " a handover connector?)"
+            )
+    try:
+        check_tp_supported(config, decode.size)
+    except ConfigError as error:
+        return f"cannot serve this pair ({both}): {error}"
+    return None

@@ -1,0 +1,249 @@
+"""Each rank's handover connector when either side of a disaggregated pair runs TP > 1: a prefill
+rank sends every decode rank the slices it was planned to (disagg.tp_layout.plan); a decode rank
+receives its pieces from each planned source, checks every byte against its own plan, and hands
+them to the engine to install (engine/tp_handover.py). Nothing is gathered through rank 0.
+
+    prefill rank p ── PUSH ──(ShardTransfer: room, p, P, first page, frames component@offset)──>
+        PULL on decode rank d (its address is in the decode side's Register, TPLayout)
+
+Messages use the disaggregation protocol (MAC with the shared secret, replay guard). What a peer
+sent stays hostile until `receive` has checked its source, sizes, names, shapes and dtypes
+against this rank's plan; a bad or missing piece fails that room only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict
+
+import torch
+import zmq
+
+from disagg.protocol import (
+    ProtocolError,
+    ReplayGuard,
+    ShardTransfer,
+    decode,
+    dtype_name,
+    encode,
+    tensor_specs,
+)
+from disagg.rooms import is_loopback
+from disagg.tp_layout import ENDPOINT, UNIT_DIM, Piece, check_prefill_size, plan
+from engine.config import ModelConfig
+from engine.state_cache import StateCache
+from engine.tp_handover import Pieces, Shard
+
+logger = logging.getLogger("baton.disagg.tp_transfer")
+
+FACTORY = "disagg.tp_transfer:ZmqShardConnector"
+SECRET_ENV = "BATON_DISAGG_SECRET"
+# Bounds on what peers can make a rank hold: rooms whose pieces arrived but were never asked for
+# (their room failed on rank 0 first) are forgotten after this long, or beyond this many.
+ARRIVED_TTL_S = 600.0
+MAX_ARRIVED_ROOMS = 1024
+MAX_KEPT_ROOMS = 4096  # prefill snapshots waiting for their decode side
+MAX_OUTBOXES = 64  # connections to decode ranks kept open
+
+
+def connector_spec(role: str, host: str) -> dict[str, str]:
+    """EngineArgs.handover_connector for a disaggregated worker of `role` whose decode ranks
+    bind on `host`."""
+    return {"factory": FACTORY, "role": role, "host": host}
+
+
+class ZmqShardConnector:
+    def __init__(
+        self,
+        options: dict[str, str],
+        *,
+        config: ModelConfig,
+        rank: int,
+        size: int,
+        cache: StateCache,
+    ) -> None:
+        self.config, self.rank, self.size, self.cache = config, rank, size, cache
+        secret = os.environ.get(SECRET_ENV) or None
+        self.secret = secret.encode() if secret else None
+        self.replay = ReplayGuard()
+        self.context = zmq.Context()
+        self.kept: OrderedDict[str, Shard] = OrderedDict()
+        self.outboxes: OrderedDict[str, zmq.Socket] = OrderedDict()
+        # room -> source rank -> (when it arrived, message, tensors)
+        self.arrived: OrderedDict[str, dict[int, tuple[float, ShardTransfer, dict]]] = OrderedDict()
+        self.bytes_sent = 0
+        self.bytes_received = 0  # bench/tp.py: what this rank received, against what it owns
+        self.inbox: zmq.Socket | None = None
+        self.address = ""
+        if options["role"] == "decode":
+            host = options["host"]
+            if self.secret is None and not is_loopback(host):
+                raise ValueError(
+                    f"decode rank {rank} would receive shards on {host} without a shared secret"
+                    f" (set --disagg-secret or {SECRET_ENV})"
+                )
+            self.inbox = self.context.socket(zmq.PULL)
+            self.inbox.setsockopt(zmq.LINGER, 0)
+            port = self.inbox.bind_to_random_port(f"tcp://{host}")
+            self.address = f"tcp://{host}:{port}"
+
+    # -- prefill side ---------------------------------------------------------------------------
+
+    def keep(self, room: str, shard: Shard) -> None:
+        self.kept[room] = shard
+        while len(self.kept) > MAX_KEPT_ROOMS:
+            dropped, _ = self.kept.popitem(last=False)
+            logger.warning("room %s: snapshot forgotten (too many waiting)", dropped)
+
+    def drop(self, room: str) -> None:
+        self.kept.pop(room, None)
+
+    def send(
+        self, room: str, first_page: int, decode_size: int, decode_addresses: tuple[str, ...]
+    ) -> None:
+        """This rank's planned pieces of `room` to every decode rank that takes any. A decode
+        rank that cannot be reached fails the room there (by its wait), not here."""
+        shard = self.kept.pop(room, None)
+        if shard is None:
+            raise ValueError(f"no snapshot of room {room} on prefill rank {self.rank}")
+        skip = first_page - shard.first_page
+        if not 0 <= skip <= shard.k.shape[1]:
+            raise ValueError(f"room {room}: page {first_page} is outside the snapshot")
+        for dst, address in enumerate(decode_addresses):
+            pieces = [
+                p for p in plan(self.config, self.size, decode_size, dst) if p.source == self.rank
+            ]
+            if not pieces:
+                continue
+            named = [(p.name, _cut(shard, p, skip)) for p in pieces]
+            message = ShardTransfer(
+                room=room,
+                source_rank=self.rank,
+                source_size=self.size,
+                first_page=first_page,
+                tensors=tensor_specs(named),
+            )
+            frames = encode(message, [t for _, t in named], self.secret)
+            try:
+                self._outbox(address).send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except (zmq.ZMQError, ValueError) as error:
+                logger.warning("room %s: cannot send to decode rank %d: %s", room, dst, error)
+                continue
+            self.bytes_sent += sum(t.numel() * t.element_size() for _, t in named)
+
+    def _outbox(self, address: str) -> zmq.Socket:
+        if not ENDPOINT.fullmatch(address):
+            raise ValueError(f"{address[:80]!r} is not a tcp://host:port address")
+        sock = self.outboxes.pop(address, None)
+        if sock is None:
+            sock = self.context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+        self.outboxes[address] = sock  # most recently used last
+        while len(self.outboxes) > MAX_OUTBOXES:
+            _, old = self.outboxes.popitem(last=False)
+            old.close(linger=0)
+        return sock
+
+    # -- decode side ----------------------------------------------------------------------------
+
+    def receive(
+        self, room: str, prefill_size: int, first_page: int, num_pages: int, wait_s: float
+    ) -> Pieces:
+        """This rank's pieces of `room`, every one checked against the plan; waits up to
+        `wait_s` for them. ValueError naming what is missing or wrong."""
+        if self.inbox is None:
+            raise ValueError("a prefill rank does not receive shards")
+        check_prefill_size(self.config, prefill_size)
+        expected = plan(self.config, prefill_size, self.size, self.rank)
+        sources = {p.source for p in expected}
+        deadline = time.monotonic() + wait_s
+        while not sources <= set(self.arrived.get(room, {})):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.inbox.poll(max(1, int(left * 1000))):
+                missing = sorted(sources - set(self.arrived.get(room, {})))
+                self.arrived.pop(room, None)
+                raise ValueError(
+                    f"decode rank {self.rank}: no shard from prefill rank(s) {missing} within"
+                    f" {wait_s:.1f} s"
+                )
+            self._take_messages()
+        arrived = self.arrived.pop(room)
+        pieces: Pieces = {}
+        for source in sorted(sources):
+            _, message, tensors = arrived[source]
+            if message.source_size != prefill_size or message.first_page != first_page:
+                raise ValueError(
+                    f"decode rank {self.rank}: prefill rank {source} sent TP={message.source_size}"
+                    f" from page {message.first_page}, expected TP={prefill_size} from page"
+                    f" {first_page}"
+                )
+            mine = [p for p in expected if p.source == source]
+            if set(tensors) != {p.name for p in mine}:
+                raise ValueError(
+                    f"decode rank {self.rank}: prefill rank {source} sent {sorted(tensors)},"
+                    f" expected {sorted(p.name for p in mine)}"
+                )
+            for p in mine:
+                t = tensors[p.name]
+                shape, dtype = self._expected(p, num_pages)
+                if tuple(t.shape) != shape or dtype_name(t.dtype) != dtype:
+                    raise ValueError(
+                        f"decode rank {self.rank}: {p.name} from prefill rank {source} is"
+                        f" {dtype_name(t.dtype)} {list(t.shape)}, expected {dtype} {list(shape)}"
+                    )
+                pieces.setdefault(p.component, []).append((p.dst_offset, t))
+                self.bytes_received += t.numel() * t.element_size()
+        return pieces
+
+    def _expected(self, p: Piece, num_pages: int) -> tuple[tuple[int, ...], str]:
+        cache = self.cache
+        if p.component in ("k", "v"):
+            head_dim = cache.k[0].shape[2]
+            shape = (len(cache.k), num_pages, cache.page_size, p.length, head_dim)
+            return shape, dtype_name(cache.k[0].dtype)
+        pool = cache.conv if p.component == "conv" else cache.ssm
+        return (pool.shape[0], p.length, *pool.shape[3:]), dtype_name(pool.dtype)
+
+    def _take_messages(self) -> None:
+        """Everything waiting on the inbox, authenticated and parsed; the rest logged and
+        dropped (its room then fails by its wait)."""
+        while True:
+            try:
+                frames = self.inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                message, tensors = decode([f.buffer for f in frames], self.secret, self.replay)
+            except ProtocolError as error:
+                logger.warning("decode rank %d: rejected a message: %s", self.rank, error)
+                continue
+            if not isinstance(message, ShardTransfer) or message.source_rank >= message.source_size:
+                logger.warning("decode rank %d: dropped a %s message", self.rank, message.tag)
+                continue
+            room = self.arrived.setdefault(message.room, {})
+            room[message.source_rank] = (time.monotonic(), message, tensors)
+        oldest = time.monotonic() - ARRIVED_TTL_S
+        while self.arrived and (
+            len(self.arrived) > MAX_ARRIVED_ROOMS
+            or min(t for t, _, _ in next(iter(self.arrived.values())).values()) < oldest
+        ):
+            self.arrived.popitem(last=False)
+
+    def close(self) -> None:
+        for sock in self.outboxes.values():
+            sock.close(linger=0)
+        if self.inbox is not None:
+            self.inbox.close(linger=0)
+        self.context.term()
+
+
+def _cut(shard: Shard, p: Piece, skip_pages: int) -> torch.Tensor:
+    """Piece `p` of this rank's snapshot, from page `skip_pages` of it on (a copy, contiguous:
+    the frame keeps it alive until ZMQ has sent it)."""
+    whole = getattr(shard, p.component)
+    if p.component in ("k", "v"):
+        whole = whole[:, skip_pages:]
+    return whole.narrow(UNIT_DIM[p.component], p.src_offset, p.length).contiguous()

@@ -1,0 +1,281 @@
+"""The handover of one request between engines of different tensor-parallel sizes, as every
+rank of an engine sees it: its shard of the pools goes out (prefill) or comes in (decode) through
+its own connector, straight between ranks, never through rank 0.
+
+    prefill rank p:  SnapshotShard ─> Shard (copies) ─> SendShard ─> connector ─┐ ShardTransfer
+    decode rank d:   InstallShard ─> connector.receive (pieces from each source) <┘ per (p, d)
+                        ─> install_shard into the pages and slot ─> all ranks agree (ok / not)
+
+Rank 0 records these operations in the step messages like any pool operation, so every rank
+does its part in the same order relative to the forwards. The connector (the wire) lives in
+disagg/ and is named to the engine by `EngineArgs.handover_connector` ("module:factory"), like
+vLLM's kv_connector: the engine never imports disagg itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.config import ModelConfig
+from engine.handover import RequestState
+from engine.request import Request
+from engine.state_cache import StateCache
+from engine.tp_messages import (
+    DropShard,
+    HandoverOp,
+    InstallShard,
+    PoolOps,
+    RankStep,
+    SendShard,
+    SnapshotShard,
+)
+
+logger = logging.getLogger("baton.tp_handover")
+
+ADDRESS_BYTES = 256  # a rank's receive address, padded, in the gather that tells rank 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Shard:
+    """One rank's copy of a request's state from page `first_page` on."""
+
+    first_page: int
+    k: torch.Tensor  # (attention_layers, pages, page_size, kv_heads, head_dim) this rank's heads
+    v: torch.Tensor  # same
+    conv: torch.Tensor  # (mamba_layers, conv_dim, K-1) this rank's x | B | C channels
+    ssm: torch.Tensor  # (mamba_layers, heads, head_dim, d_state) this rank's heads
+
+
+# component -> [(unit offset in the local tensor, tensor of the piece)]
+Pieces = dict[str, list[tuple[int, torch.Tensor]]]
+
+
+class ShardConnector(Protocol):
+    """What each rank's handover connector does (disagg/tp_transfer.py is the one there is)."""
+
+    address: str  # where this rank receives shards ("" on the prefill side)
+
+    def keep(self, room: str, shard: Shard) -> None: ...
+
+    def send(
+        self, room: str, first_page: int, decode_size: int, decode_addresses: tuple[str, ...]
+    ) -> None: ...
+
+    def drop(self, room: str) -> None: ...
+
+    def receive(
+        self, room: str, prefill_size: int, first_page: int, num_pages: int, wait_s: float
+    ) -> Pieces: ...
+
+    def close(self) -> None: ...
+
+
+def load_connector(
+    spec: dict[str, str] | None, config: ModelConfig, rank: int, size: int, cache: StateCache
+) -> ShardConnector | None:
+    """The connector `spec["factory"]` ("module:callable") builds for this rank, with the
+    spec's other keys as its options; None without a spec."""
+    if spec is None:
+        return None
+    module, _, name = spec["factory"].partition(":")
+    factory: Callable[..., ShardConnector] = getattr(importlib.import_module(module), name)
+    options = {k: v for k, v in spec.items() if k != "factory"}
+    return factory(options, config=config, rank=rank, size=size, cache=cache)
+
+
+def export_shard(cache: StateCache, pages: tuple[int, ...], slot: int) -> Shard:
+    """Copies of this rank's K/V `pages` and Mamba `slot`."""
+    ps = cache.page_size
+    index = torch.tensor(pages, dtype=torch.int64, device=cache.conv.device)
+
+    def gather(pool: list[torch.Tensor]) -> torch.Tensor:
+        if not pool:
+            return torch.empty(0, len(pages), ps, 0, 0)
+        return torch.stack([p.view(-1, ps, *p.shape[1:]).index_select(0, index) for p in pool])
+
+    return Shard(
+        first_page=0,
+        k=gather(cache.k),
+        v=gather(cache.v),
+        conv=cache.conv[:, slot].clone(),
+        ssm=cache.ssm[:, slot].clone(),
+    )
+
+
+def shard_of_state(state: RequestState) -> Shard:
+    """A whole (TP=1) snapshot is rank 0's shard: it holds every unit."""
+    return Shard(
+        first_page=state.first_page,
+        k=state.k_pages,
+        v=state.v_pages,
+        conv=state.conv,
+        ssm=state.ssm,
+    )
+
+
+def install_shard(cache: StateCache, pages: tuple[int, ...], slot: int, pieces: Pieces) -> None:
+    """Write checked pieces into `pages` (k/v: (layers, len(pages), page, n, head_dim)) and
+    `slot` (conv: (layers, n, K-1), ssm: (layers, n, head_dim, d_state))."""
+    ps = cache.page_size
+    index = torch.tensor(pages, dtype=torch.int64, device=cache.conv.device)
+    for component, pool in (("k", cache.k), ("v", cache.v)):
+        for offset, t in pieces.get(component, ()):
+            for layer, dst in enumerate(pool):
+                view = dst.view(-1, ps, *dst.shape[1:])
+                view[index, :, offset : offset + t.shape[3]] = t[layer].to(dst.device, dst.dtype)
+    for component, pool in (("conv", cache.conv), ("ssm", cache.ssm)):
+        for offset, t in pieces.get(component, ()):
+            pool[:, slot, offset : offset + t.shape[1]] = t.to(pool.device, pool.dtype)
+
+
+def apply_handover(op: HandoverOp, cache: StateCache, connector: ShardConnector | None) -> str:
+    """Do this rank's part of `op`; "" when done, else why not (logged here: a rank other than
+    0 has no one else to tell)."""
+    if connector is None:
+        return "this engine has no handover connector"
+    try:
+        if isinstance(op, SnapshotShard):
+            connector.keep(op.room, export_shard(cache, op.pages, op.slot))
+        elif isinstance(op, SendShard):
+            connector.send(op.room, op.first_page, op.decode_size, op.decode_addresses)
+        elif isinstance(op, DropShard):
+            connector.drop(op.room)
+        else:
+            pieces = connector.receive(
+                op.room, op.prefill_size, op.first_page, len(op.pages), op.wait_s
+            )
+            install_shard(cache, op.pages, op.slot, pieces)
+    except ValueError as error:  # a peer's missing, late or malformed part: this room only
+        logger.warning("room %s: %s", op.room, error)
+        return str(error)
+    return ""
+
+
+def gather_addresses(tp, connector: ShardConnector | None) -> list[str]:
+    """Every rank's receive address on rank 0 (rank order); [] on the others. Each rank calls
+    it once, after loading."""
+    own = (connector.address if connector is not None else "").encode()[:ADDRESS_BYTES]
+    padded = torch.zeros(1, ADDRESS_BYTES, dtype=torch.uint8)
+    padded[0, : len(own)] = torch.tensor(list(own), dtype=torch.uint8)
+    every = tp.gather_last_dim(padded)
+    if not tp.is_first:
+        return []
+    return [bytes(row.tolist()).rstrip(b"\0").decode() for row in every.view(-1, ADDRESS_BYTES)]
+
+
+class ShardHandoverMixin:
+    """The engine's typed methods for a worker that hands requests over across TP sizes. Mixed
+    into Engine, which provides what is declared here."""
+
+    cache: StateCache
+    pool_ops: PoolOps
+    ranks: object  # engine.tp_ranks.Ranks | None
+    shard_connector: ShardConnector | None
+    shard_addresses: list[str]
+    requests: dict[str, Request]
+    args: object  # engine.engine.EngineArgs
+
+    @property
+    def tp_size(self) -> int:
+        return self.ranks.size if self.ranks is not None else 1
+
+    def _rank_op(self, op: HandoverOp) -> str:
+        """Send `op` (after the pool operations pending) to every other rank, do rank 0's part;
+        an InstallShard then learns from one collective whether every rank did its part."""
+        if self.ranks is not None:
+            self.ranks.send(RankStep(ops=(*self.pool_ops.drain(), op), batch=None))
+        error = apply_handover(op, self.cache, self.shard_connector)
+        if isinstance(op, InstallShard) and self.ranks is not None:
+            with self.ranks.failures("installing a handed-over shard"):
+                if not self.ranks.tp.all_agree(not error) and not error:
+                    error = "another decode rank could not install its shard (see its log)"
+        return error
+
+    def snapshot_shards(self, room: str, req: Request) -> None:
+        """Every rank copies its shard of the finished prefill's pages and slot for `room`."""
+        num_pages = -(-len(req.prompt_ids) // self.cache.page_size)
+        self._rank_op(
+            SnapshotShard(room=room, pages=tuple(req.kv_pages[:num_pages]), slot=req.mamba_slot)
+        )
+
+    def first_token_state(
+        self, source: Request | RequestState, first_page: int = 0
+    ) -> RequestState:
+        """The part of a handed-over state that goes through rank 0: the first token (of a
+        finished request, or of a whole snapshot) with no pages and no Mamba layers (those go
+        rank to rank), from page `first_page` on."""
+        if isinstance(source, RequestState):
+            num_prompt_tokens = source.num_prompt_tokens
+            first_token, first_logprobs = source.first_token, source.first_logprobs
+        else:
+            num_prompt_tokens = len(source.prompt_ids)
+            first_token = source.output_ids[0]
+            first_logprobs = source.logprobs[0] if source.logprobs else None
+        cache = self.cache
+        no_pages = torch.empty(len(cache.k), 0, dtype=cache.conv.dtype)
+        return RequestState(
+            num_prompt_tokens=num_prompt_tokens,
+            first_token=first_token,
+            first_logprobs=first_logprobs,
+            first_page=first_page,
+            first_block=0,
+            k_pages=no_pages,
+            v_pages=no_pages,
+            conv=cache.conv[:0, 0],
+            ssm=cache.ssm[:0, 0],
+            checkpoint_conv=cache.conv[:0, :0].transpose(0, 1),
+            checkpoint_ssm=cache.ssm[:0, :0].transpose(0, 1),
+        )
+
+    def keep_shard(self, room: str, state: RequestState) -> None:
+        """Rank 0 of a TP=1 engine: a whole snapshot is the shard to send."""
+        if self.shard_connector is None:
+            raise ValueError("this engine has no handover connector")
+        self.shard_connector.keep(room, shard_of_state(state))
+
+    def send_shards(
+        self, room: str, first_page: int, decode_size: int, decode_addresses: list[str]
+    ) -> None:
+        self._rank_op(
+            SendShard(
+                room=room,
+                first_page=first_page,
+                decode_size=decode_size,
+                decode_addresses=tuple(decode_addresses),
+            )
+        )
+
+    def drop_shards(self, room: str) -> None:
+        self._rank_op(DropShard(room=room))
+
+    def install_shards(
+        self, request_id: str, room: str, prefill_size: int, first_page: int, wait_s: float
+    ) -> None:
+        """Every rank receives and installs its shard of `room` into the request's pages (from
+        `first_page` to the prompt's end) and slot; ValueError if any rank could not."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"request {request_id} is gone")
+        num_pages = -(-len(req.prompt_ids) // self.cache.page_size)
+        if not 0 <= first_page <= num_pages:
+            raise ValueError(f"room {room}: first page {first_page} outside 0..{num_pages}")
+        # Every rank waits at most this long, then the collective: far inside its timeout.
+        wait_s = max(0.0, min(wait_s, self.args.tp_timeout / 2))
+        error = self._rank_op(
+            InstallShard(
+                room=room,
+                pages=tuple(req.kv_pages[first_page:num_pages]),
+                slot=req.mamba_slot,
+                first_page=first_page,
+                prefill_size=prefill_size,
+                wait_s=wait_s,
+            )
+        )
+        if error:
+            raise ValueError(f"room {room}: {error}")

@@ -1,0 +1,334 @@
+"""Disaggregation across tensor-parallel sizes (CPU, gloo, fp32): prefill TP=2 -> decode TP=1
+and prefill TP=1 -> decode TP=2 give the greedy tokens of a colocated TP=1 engine; each decode
+rank receives exactly the K/V heads, conv channels and SSM heads it owns, straight from the
+prefill rank that holds them; the handshake refuses a layout pair it cannot serve, naming both;
+a lying peer fails its room, never the engine.
+
+The model has n_groups = 1 (B and C replicated on every rank: one prefill rank sends them) and
+one KV head for two ranks (replicated too). One engine per role and size serves every case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+import zmq
+
+from disagg.decode import DecodeWorker
+from disagg.prefill import PrefillWorker
+from disagg.protocol import (
+    Register,
+    ShardTransfer,
+    decode,
+    encode,
+    state_message,
+    tensor_specs,
+)
+from disagg.rooms import DisaggConfig
+from disagg.tp_layout import TPLayout, owned, plan
+from disagg.tp_transfer import SECRET_ENV, connector_spec
+from engine.config import ModelConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from tests.tiny import save_tiny_model
+
+SECRET = "tp-s3cret"
+SHAPE = dict(
+    n_groups=1,
+    num_key_value_heads=1,
+    vocab_size=301,
+    hybrid_override_pattern="M*-M-M*",
+)
+ENGINE_ARGS = dict(page_size=4, chunked_prefill_size=16, max_num_batched_tokens=32)
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=gen).tolist() for n in lengths]
+
+
+PROMPTS = _prompts(0, (5, 40, 63, 17))
+
+
+def _config(role: str) -> DisaggConfig:
+    return DisaggConfig(
+        role=role,
+        host="127.0.0.1",
+        port=0,
+        secret=SECRET.encode(),
+        bootstrap_timeout_s=10.0,
+        transfer_timeout_s=10.0,
+        heartbeat_interval_s=0.2,
+        lease_timeout_s=20.0,
+        max_rooms_per_peer=64,
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("disagg-tp")
+    save_tiny_model(path, seed=3, tokenizer=False, **SHAPE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir) -> dict[str, list[int]]:
+    engine = Engine(model_dir, **ENGINE_ARGS)
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, PARAMS)
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def workers(model_dir):
+    """(role, tp size) -> its worker, built on first use, closed at the end."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv(SECRET_ENV, SECRET)  # every rank's connector (the ranks inherit it)
+    context = zmq.Context()
+    built: dict[tuple[str, int], PrefillWorker | DecodeWorker] = {}
+
+    def get(role: str, size: int):
+        if (role, size) not in built:
+            engine = Engine(
+                model_dir,
+                tensor_parallel_size=size,
+                handover_connector=connector_spec(role, "127.0.0.1"),
+                **ENGINE_ARGS,
+            )
+            cls = PrefillWorker if role == "prefill" else DecodeWorker
+            built[role, size] = cls(engine, _config(role), context)
+        return built[role, size]
+
+    yield get
+    for worker in built.values():
+        worker.close()
+        worker.engine.close()
+    patch.undo()
+
+
+def run_pair(prefill, decoder, prompts, tag: str, timeout: float = 60.0) -> dict[str, list[int]]:
+    got: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        room = f"{tag}-room{i}"
+        decoder.add_request(f"r{i}", prompt, PARAMS, room=room, prefill_addr=prefill.address)
+        prefill.add_request(f"r{i}", prompt, PARAMS, room=room)
+    start = time.time()
+    while decoder.has_unfinished_requests() or prefill.has_unfinished_requests():
+        assert time.time() - start < timeout, "the pair did not finish"
+        prefill.step()
+        for delta in decoder.step():
+            got.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    return got
+
+
+def assert_clean(*workers) -> None:
+    for worker in workers:
+        assert worker.take_failures() == []
+        stats = worker.stats()
+        assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+
+
+def owned_bytes(config: ModelConfig, size: int, rank: int, prompts, page_size: int) -> int:
+    """What decode rank `rank` of `size` holds of these prompts' K/V pages and Mamba state."""
+    units = {c: sum(n for _, n in r) for c, r in owned(config, size, rank).items()}
+    attn, mamba = len(config.attention_layer_ids), len(config.mamba_layer_ids)
+    pages = sum(-(-len(p) // page_size) for p in prompts)
+    per_head = attn * page_size * config.head_dim
+    return 4 * (
+        2 * pages * per_head * units["k"]
+        + len(prompts) * mamba * units["conv"] * (config.conv_kernel - 1)
+        + len(prompts) * mamba * units["ssm"] * config.mamba_head_dim * config.ssm_state_size
+    )
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("sizes", [(1, 2), (2, 1), (2, 2), (1, 4), (4, 2), (2, 4)])
+def test_each_decode_rank_is_planned_exactly_its_units_from_ranks_that_hold_them(
+    model_dir, sizes, split
+):
+    """Every unit a decode rank owns comes from exactly one prefill rank holding that same unit
+    at the offset given, and nothing else comes. split: 4 KV heads and 4 groups, split rather
+    than replicated."""
+    config = ModelConfig.from_hf(model_dir)
+    if split:
+        config = dataclasses.replace(config, num_key_value_heads=4, n_groups=4)
+    prefill_size, decode_size = sizes
+    for rank in range(decode_size):
+        got: dict[str, list[int]] = {}
+        for p in plan(config, prefill_size, decode_size, rank):
+            held = owned(config, prefill_size, p.source)[p.component]
+            src_units = [u for s, n in held for u in range(s, s + n)]
+            dst_units = [
+                u for s, n in owned(config, decode_size, rank)[p.component] for u in range(s, s + n)
+            ]
+            assert (
+                src_units[p.src_offset : p.src_offset + p.length]
+                == dst_units[p.dst_offset : p.dst_offset + p.length]
+            )
+            got.setdefault(p.component, []).extend(
+                dst_units[p.dst_offset : p.dst_offset + p.length]
+            )
+        for component, ranges in owned(config, decode_size, rank).items():
+            assert sorted(got[component]) == [u for s, n in ranges for u in range(s, s + n)]
+
+
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)])
+def test_pd_across_tp_sizes_matches_colocated_tp1(workers, expected, model_dir, sizes):
+    prefill_size, decode_size = sizes
+    prefill, decoder = workers("prefill", prefill_size), workers("decode", decode_size)
+    received = decoder.engine.shard_connector.bytes_received
+    got = run_pair(prefill, decoder, PROMPTS, tag=f"p{prefill_size}d{decode_size}")
+    assert got == expected
+    assert_clean(prefill, decoder)
+    assert decoder.counters.transfers_ok >= len(PROMPTS)
+    # Decode rank 0 received exactly the bytes of the heads and channels it owns.
+    config = ModelConfig.from_hf(model_dir)
+    assert decoder.engine.shard_connector.bytes_received - received == owned_bytes(
+        config, decode_size, 0, PROMPTS, ENGINE_ARGS["page_size"]
+    )
+
+
+def _register(room: str, compat, tp: TPLayout) -> Register:
+    return Register(
+        room=room,
+        compat=compat,
+        num_prompt_tokens=9,
+        cached_tokens=0,
+        track_interval=0,
+        transfer_timeout_s=30.0,
+        tp=tp,
+    )
+
+
+def _answers(dealer: zmq.Socket, prefill, count: int) -> list:
+    out, deadline = [], time.time() + 10
+    while len(out) < count and time.time() < deadline:
+        prefill.poll()
+        if dealer.poll(50):
+            out.append(decode(dealer.recv_multipart(), SECRET.encode())[0])
+    return out
+
+
+def test_handshake_refuses_layouts_it_cannot_serve_naming_both(workers, expected):
+    prefill = workers("prefill", 2)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(prefill.address)
+    addr = "tcp://127.0.0.1:9"
+    claims = {
+        "three": TPLayout(size=3, rank_addresses=[addr] * 3),  # 1 KV head, 4 Mamba heads
+        "zero": TPLayout(size=0, rank_addresses=[]),
+        "short": TPLayout(size=2, rank_addresses=[addr]),
+        "nowhere": TPLayout(size=2, rank_addresses=[addr, "ipc:///tmp/x"]),
+        "huge": TPLayout(size=1 << 40, rank_addresses=[]),
+    }
+    for room, tp in claims.items():
+        message = _register(room, prefill.compat, tp)
+        dealer.send_multipart(encode(message, secret=SECRET.encode()))
+    rejects = {m.room: m.message for m in _answers(dealer, prefill, len(claims))}
+    dealer.close(linger=0)
+    assert set(rejects) == set(claims)
+    assert "prefill worker TP=2, decode worker TP=3" in rejects["three"]
+    assert "divisible" in rejects["three"] or "must divide" in rejects["three"]
+    assert "decode worker TP=0" in rejects["zero"]
+    assert "1 rank addresses for 2 ranks" in rejects["short"]
+    assert "decode rank 1" in rejects["nowhere"]
+    assert not prefill.rooms
+    # ... and the worker still serves a real pair.
+    assert run_pair(prefill, workers("decode", 1), PROMPTS[:2], tag="after-rejects") == {
+        k: expected[k] for k in ("r0", "r1")
+    }
+
+
+def test_a_lying_prefill_peer_fails_its_room_and_the_decode_engine_serves_on(workers, expected):
+    """A fake prefill worker answers a TP=2 decode worker's Register with shards that do not fit
+    (a wrong shape, then a claimed TP size the model cannot have): the room fails with a message
+    naming the problem, the pools are freed, and the next real room is served."""
+    decoder = workers("decode", 2)
+    config = decoder.engine.model_config
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    fake = f"tcp://127.0.0.1:{port}"
+    prompt = PROMPTS[1]
+    try:
+        for case, (source_size, stretch) in {"shape": (1, 1), "size": (3, 0)}.items():
+            decoder.add_request(
+                f"lie-{case}", prompt, PARAMS, room=f"lie-{case}", prefill_addr=fake
+            )
+            register = None
+            deadline = time.time() + 10
+            while not isinstance(register, Register):  # (heartbeats come too)
+                decoder.step()
+                assert time.time() < deadline
+                if router.poll(50):
+                    identity, *frames = router.recv_multipart()
+                    register, _ = decode(frames, SECRET.encode())
+            assert register.tp.size == 2 and len(register.tp.rank_addresses) == 2
+            # Each decode rank gets the pieces a TP=1 prefill would send it, the K/V pages one
+            # page longer than the prompt has ("shape"), or claiming prefill TP=3 ("size").
+            pushes = []
+            for rank, address in enumerate(register.tp.rank_addresses):
+                push = zmq.Context.instance().socket(zmq.PUSH)
+                push.connect(address)
+                pushes.append(push)
+                named = []
+                for p in plan(config, 1, 2, rank):
+                    shape = {
+                        "k": (2, -(-len(prompt) // 4) + stretch, 4, p.length, 16),
+                        "v": (2, -(-len(prompt) // 4) + stretch, 4, p.length, 16),
+                        "conv": (3, p.length, 3),
+                        "ssm": (3, p.length, 16, 8),
+                    }[p.component]
+                    named.append((p.name, torch.zeros(shape)))
+                shard = ShardTransfer(
+                    room=register.room,
+                    source_rank=0,
+                    source_size=source_size,
+                    first_page=0,
+                    tensors=tensor_specs(named),
+                )
+                push.send_multipart(encode(shard, [t for _, t in named], SECRET.encode()))
+            control = decoder.engine.first_token_state(_fake_state(prompt))
+            message, tensors = state_message(register.room, control, tp_size=source_size)
+            router.send_multipart([identity, *encode(message, tensors, SECRET.encode())])
+            deadline = time.time() + 20
+            failures = []
+            while not failures and time.time() < deadline:
+                decoder.step()
+                failures = decoder.take_failures()
+            for push in pushes:
+                push.close(linger=0)
+            assert failures and failures[0][0] == f"lie-{case}", failures
+            reason = failures[0][1]
+            assert ("expected" in reason) if case == "shape" else ("TP=3" in reason), reason
+            stats = decoder.stats()
+            assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+    finally:
+        router.close(linger=0)
+    got = run_pair(workers("prefill", 1), decoder, PROMPTS[:2], tag="after-lies")
+    assert got == {k: expected[k] for k in ("r0", "r1")}
+
+
+def _fake_state(prompt):
+    from engine.handover import RequestState
+
+    return RequestState(
+        num_prompt_tokens=len(prompt),
+        first_token=5,
+        first_logprobs=None,
+        first_page=0,
+        first_block=0,
+        k_pages=torch.empty(0),
+        v_pages=torch.empty(0),
+        conv=torch.empty(0),
+        ssm=torch.empty(0),
+        checkpoint_conv=torch.empty(0),
+        checkpoint_ssm=torch.empty(0),
+    )
