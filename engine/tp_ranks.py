@@ -110,8 +110,13 @@ class Ranks:
                 self.procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "engine.tp_worker", spec.to_json()],
-                        # OpenMP reads its thread count and wait policy as torch loads
-                        env=engine_environment(os.environ, threads),
+                        # OpenMP reads its thread count and wait policy as torch loads. The
+                        # rank's share replaces the engine's own OMP_NUM_THREADS (its share
+                        # comes from that: the whole engine's threads over its ranks).
+                        env=engine_environment(
+                            {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},
+                            threads,
+                        ),
                     )
                 )
             with self.failures("joining the tensor-parallel group"):

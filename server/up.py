@@ -68,6 +68,22 @@ def add_up_parser(subparsers) -> None:
         help="require `Authorization: Bearer KEY` on the router and both workers "
         "(every route but /health and /metrics)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        dest="tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks of each worker's engine (default: 1)",
+    )
+    # Prefill is compute-bound and decode bound by memory bandwidth: sizing the two sides apart
+    # is what disaggregation across TP sizes is for.
+    parser.add_argument(
+        "--prefill-tp", type=int, help="tensor-parallel ranks of the prefill worker (default: --tp)"
+    )
+    parser.add_argument(
+        "--decode-tp", type=int, help="tensor-parallel ranks of the decode worker (default: --tp)"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
@@ -93,6 +109,15 @@ def run_up(ns) -> int:
             file=sys.stderr,
         )
         return 2
+    sizes = {"prefill": ns.prefill_tp or ns.tp, "decode": ns.decode_tp or ns.tp}
+    for flag, size in (
+        ("--tp", ns.tp),
+        ("--prefill-tp", ns.prefill_tp),
+        ("--decode-tp", ns.decode_tp),
+    ):
+        if size is not None and size < 1:
+            print(f"baton up: {flag} must be >= 1, got {size}", file=sys.stderr)
+            return 2
     prefill_port, decode_port = ns.prefill_port or free_port(), ns.decode_port or free_port()
     disagg_port = ns.disagg_port or free_port()
     common = [
@@ -107,9 +132,12 @@ def run_up(ns) -> int:
     ]
     if ns.served_model_name:
         common += ["--served-model-name", ns.served_model_name]
+    threads = {"prefill": [], "decode": []}
     if ns.device == "cpu" and not any(a.split("=")[0] == "--cpu-threads" for a in ns.worker_args):
-        # Two engines on one machine: each gets its own half of the cores (engine/cpu_threads.py).
-        common += ["--cpu-threads", str(cores_per_engine(2))]
+        # Every rank of both engines gets an equal share of the cores (engine/cpu_threads.py):
+        # a worker's engine is given its ranks' shares and divides them among its ranks.
+        share = cores_per_engine(sizes["prefill"] + sizes["decode"])
+        threads = {role: ["--cpu-threads", str(share * size)] for role, size in sizes.items()}
     keyed = ["--api-key", ns.api_key] if ns.api_key else []
     common += keyed
     baton = [sys.executable, "-m", "server.cli"]
@@ -124,6 +152,9 @@ def run_up(ns) -> int:
             "prefill",
             "--disagg-port",
             str(disagg_port),
+            "--tensor-parallel-size",
+            str(sizes["prefill"]),
+            *threads["prefill"],
             *ns.worker_args,
         ],
         "decode": baton
@@ -134,6 +165,9 @@ def run_up(ns) -> int:
             str(decode_port),
             "--disaggregation-mode",
             "decode",
+            "--tensor-parallel-size",
+            str(sizes["decode"]),
+            *threads["decode"],
             *ns.worker_args,
         ],
         "router": baton
@@ -169,7 +203,8 @@ def run_up(ns) -> int:
             return 1
         name = ns.served_model_name or ns.model
         print(
-            f"\nbaton is up: prefill :{prefill_port} -> decode :{decode_port} (transfer :{disagg_port}), router {url}\n"
+            f"\nbaton is up: prefill :{prefill_port} (TP={sizes['prefill']}) -> decode :{decode_port}"
+            f" (TP={sizes['decode']}) (transfer :{disagg_port}), router {url}\n"
             f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{name}", "prompt": "Question: A pen costs $12. Anna buys 4 pens and pays with $60. How much change does she get?\\nAnswer:", "max_tokens": 48, "temperature": 0, "stop": ["Question"]}}\'\n'
             f"  OpenAI clients: base_url={url}/v1   (Ctrl-C stops everything)",

@@ -14,6 +14,8 @@ import httpx
 import pytest
 
 from engine.cpu_threads import cores_per_engine
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 from tests.server_process import BATON, children_of, free_port, pid_alive, tiny_model
 
 
@@ -23,13 +25,13 @@ def model_dir(tmp_path_factory):
 
 
 class Stack:
-    def __init__(self, model_dir: Path, log_path: Path) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, *flags: str) -> None:
         self.port = free_port()
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if k != "BATON_DISAGG_SECRET"}
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [str(BATON), "up", "--model", str(model_dir), "--port", str(self.port)],
+                [str(BATON), "up", "--model", str(model_dir), "--port", str(self.port), *flags],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -111,3 +113,44 @@ def test_up_stops_the_whole_stack_and_names_the_part_that_died(model_dir, tmp_pa
     while any(pid_alive(pid) for pid in parts.values()):
         assert time.monotonic() < deadline, {n: pid_alive(p) for n, p in parts.items()}
         time.sleep(0.1)
+
+
+def test_up_with_different_tp_sizes_serves_the_tp1_answer(model_dir, tmp_path):
+    """`--tp 2 --decode-tp 1`: a TP=2 prefill worker (n_groups and KV heads split across its
+    ranks) hands over to a TP=1 decode worker, rank by rank; each of the three ranks runs on its
+    share of the cores, and the answer is the offline TP=1 engine's."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = LLM(model_dir).generate("Once upon a time", params)[0]
+    stack = Stack(model_dir, tmp_path / "up.log", "--tp", "2", "--decode-tp", "1")
+    try:
+        parts = stack.parts()
+        (rank1,) = children_of(parts["prefill engine"])
+        assert children_of(parts["decode engine"]) == []
+        threads = {n: environ(parts[n])["OMP_NUM_THREADS"] for n in parts if "engine" in n}
+        if "OMP_NUM_THREADS" not in os.environ:  # (a user's own setting wins)
+            share = cores_per_engine(3)
+            assert threads == {"prefill engine": str(2 * share), "decode engine": str(share)}
+        # each prefill rank: half its engine's threads
+        assert environ(rank1)["OMP_NUM_THREADS"] == str(max(1, int(threads["prefill engine"]) // 2))
+        prefill_port, decode_port = re.search(
+            r"prefill :(\d+) \(TP=2\) -> decode :(\d+) \(TP=1\)", stack.log()
+        ).groups()
+        info = {
+            role: httpx.get(f"http://127.0.0.1:{port}/disagg/info", timeout=10).json()
+            for role, port in (("prefill", prefill_port), ("decode", decode_port))
+        }
+        assert len(info["prefill"]["rank_transfer_addrs"]) == 2
+        (decode_rank,) = info["decode"]["rank_transfer_addrs"]
+        assert decode_rank.startswith("tcp://127.0.0.1:"), info
+        body = {"prompt": "Once upon a time", **params_body(params)}
+        url = f"http://127.0.0.1:{stack.port}/v1/completions"
+        answer = httpx.post(url, json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == expected.text
+    finally:
+        stack.stop()
+    assert stack.process.returncode == 0, stack.log()[-3000:]
+
+
+def params_body(params: SamplingParams) -> dict:
+    return {"max_tokens": params.max_tokens, "temperature": 0.0, "ignore_eos": True}
