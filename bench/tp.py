@@ -10,6 +10,12 @@ one (B, h) all-reduce for the embedding and one per layer (its row-parallel outp
 in the same bytes (the same layers reduce the same shapes); a ring all-reduce puts
 2 (N-1) / N of them on the wire, as many as handed in at N = 2. The gather sends each rank's
 vocabulary part of the logits, (B, V / N) in the model dtype, to rank 0.
+
+Handover across TP sizes (`--handover`, prefill TP=p -> decode TP=d for p != d): a prefill and a
+decode worker in this process hand `--batch` prompts over rank to rank; printed per decode rank
+are the shard bytes it received against the bytes of the K/V heads, conv channels and SSM heads
+it owns for those prompts (target: no more than it owns), and the whole state a TP=1 rank would
+hold, for scale.
 """
 
 from __future__ import annotations
@@ -20,10 +26,20 @@ import tempfile
 import time
 
 import torch
+import zmq
 
 from bench.workloads import CONFIGS, save_model
+from disagg.decode import DecodeWorker
+from disagg.prefill import PrefillWorker
+from disagg.rooms import DisaggConfig
+from disagg.tp_layout import owned
+from disagg.tp_transfer import connector_spec
+from engine.config import ModelConfig
+from engine.engine import Engine
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+
+PAGE_SIZE = 16
 
 
 def analytic_bytes(config: dict, batch: int, itemsize: int, tp: int) -> dict[str, int]:
@@ -63,6 +79,88 @@ def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, fl
     }
 
 
+def owned_bytes(
+    config: ModelConfig, size: int, rank: int, prompt_lens: list[int], itemsize: int
+) -> int:
+    """Bytes of the prompts' K/V pages and final Mamba state that decode rank `rank` of `size`
+    holds (its units of each component; SSM state in float32)."""
+    units = {c: sum(n for _, n in r) for c, r in owned(config, size, rank).items()}
+    pages = sum(-(-n // PAGE_SIZE) for n in prompt_lens)
+    kv = 2 * len(config.attention_layer_ids) * pages * PAGE_SIZE * config.head_dim
+    mamba = len(config.mamba_layer_ids) * len(prompt_lens)
+    return (
+        kv * units.get("k", 0) * itemsize
+        + mamba * units.get("conv", 0) * (config.conv_kernel - 1) * itemsize
+        + mamba * units.get("ssm", 0) * config.mamba_head_dim * config.ssm_state_size * 4
+    )
+
+
+def handover_bytes(
+    model_dir: str, dtype: str, prefill_tp: int, decode_tp: int, prompts: list[list[int]]
+) -> dict:
+    """Hand every prompt from a TP=prefill_tp worker to a TP=decode_tp worker; per decode rank
+    the shard bytes received and owned."""
+    disagg = dict(
+        host="127.0.0.1",
+        port=0,
+        secret=None,
+        bootstrap_timeout_s=60.0,
+        transfer_timeout_s=60.0,
+        heartbeat_interval_s=1.0,
+        lease_timeout_s=60.0,
+        max_rooms_per_peer=1024,
+    )
+    context = zmq.Context()
+    workers = []
+    try:
+        for role, size, cls in (
+            ("prefill", prefill_tp, PrefillWorker),
+            ("decode", decode_tp, DecodeWorker),
+        ):
+            engine = Engine(
+                model_dir,
+                dtype=dtype,
+                page_size=PAGE_SIZE,
+                tensor_parallel_size=size,
+                handover_connector=connector_spec(role, "127.0.0.1"),
+            )
+            workers.append(cls(engine, DisaggConfig(role=role, **disagg), context))
+        prefill, decoder = workers
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            decoder.add_request(
+                f"r{i}", prompt, params, room=f"room{i}", prefill_addr=prefill.address
+            )
+            prefill.add_request(f"r{i}", prompt, params, room=f"room{i}")
+        deadline = time.monotonic() + 300
+        while decoder.has_unfinished_requests() or prefill.has_unfinished_requests():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the handover did not finish in 300 s")
+            prefill.step()
+            decoder.step()
+        failures = decoder.take_failures() + prefill.take_failures()
+        if failures:
+            raise RuntimeError(f"handover failed: {failures}")
+        config = decoder.engine.model_config
+        itemsize = decoder.engine.dtype.itemsize
+        lens = [len(p) for p in prompts]
+        ranks = []
+        for rank, received in enumerate(decoder.engine.shard_bytes_received):
+            own = owned_bytes(config, decode_tp, rank, lens, itemsize)
+            ranks.append({"received": received, "owned": own, "ratio": received / own})
+        return {
+            "prefill_tp": prefill_tp,
+            "decode_tp": decode_tp,
+            "whole_state_bytes": owned_bytes(config, 1, 0, lens, itemsize),
+            "decode_ranks": ranks,
+        }
+    finally:
+        for worker in workers:
+            worker.close()
+            worker.engine.close()
+        context.term()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", choices=["19m", "110m", "moe100m"], default="19m")
@@ -71,6 +169,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--output", help="write the figures as JSON here")
+    ap.add_argument(
+        "--handover",
+        nargs="*",
+        default=["2:1", "1:2"],
+        metavar="P:D",
+        help="prefill:decode TP sizes whose handover bytes to measure (default: 2:1 1:2)",
+    )
     args = ap.parse_args()
     config = CONFIGS[args.config]
     gen = torch.Generator().manual_seed(0)
@@ -87,6 +192,10 @@ def main() -> None:
                 decode_steps(llm, prompts, 4)  # warm-up: first-use costs (prepacking, caches)
                 measured = decode_steps(llm, prompts, args.steps)
             results[f"tp{size}"] = measured
+        results["handover"] = [
+            handover_bytes(model_dir, args.dtype, *map(int, pair.split(":")), prompts)
+            for pair in args.handover
+        ]
     expected = analytic_bytes(config, args.batch, itemsize, 2)
     results["analytic_tp2"] = expected
     results["all_reduce_bytes_ratio"] = (
@@ -95,6 +204,17 @@ def main() -> None:
     results["gather_bytes_ratio"] = results["tp2"]["gather_bytes"] / expected["gather_bytes"]
     results["step_time_tp2_over_tp1"] = results["tp2"]["step_ms"] / results["tp1"]["step_ms"]
     print(json.dumps(results, indent=2))
+    print(
+        f"all-reduce TP=2: {results['tp2']['all_reduce_bytes']:.0f} B per decode step per rank, "
+        f"analytic {expected['all_reduce_bytes']} B (ratio {results['all_reduce_bytes_ratio']:.3f})"
+    )
+    for h in results["handover"]:
+        for rank, r in enumerate(h["decode_ranks"]):
+            print(
+                f"handover TP={h['prefill_tp']} -> TP={h['decode_tp']}, decode rank {rank}: "
+                f"received {r['received']} B, owns {r['owned']} B (ratio {r['ratio']:.3f}; "
+                f"whole state {h['whole_state_bytes']} B)"
+            )
     if args.output:
         with open(args.output, "w") as out:
             json.dump(results, out, indent=2)

@@ -70,14 +70,6 @@ class TensorParallel:
         self.group.gather(outputs, [host], options).wait(self.timeout)
         return torch.cat(outputs[0], dim=-1).to(x.device) if self.is_first else x
 
-    def all_agree(self, ok: bool) -> bool:
-        """Whether `ok` holds on every rank (not counted in all_reduce_bytes: not a layer's)."""
-        if self.size == 1:
-            return ok
-        votes = torch.tensor([int(ok)], dtype=torch.int64)
-        self.group.allreduce([votes]).wait(self.timeout)
-        return int(votes) == self.size
-
     def barrier(self, timeout_s: float) -> None:
         """All ranks reached this point, waiting up to `timeout_s` (used once, after every rank
         has loaded its shard: loading may take longer than any step)."""

@@ -14,6 +14,7 @@ vLLM's kv_connector: the engine never imports disagg itself.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from engine import parallel
 from engine.config import ModelConfig
 from engine.handover import RequestState
 from engine.request import Request
@@ -157,6 +159,14 @@ def apply_handover(op: HandoverOp, cache: StateCache, connector: ShardConnector 
     return ""
 
 
+def install_report(tp, error: str, connector: ShardConnector | None) -> torch.Tensor:
+    """Every rank's (installed: 0/1, shard bytes received so far) after an InstallShard, on rank
+    0 as (size, 2); one gather, which every rank joins."""
+    received = getattr(connector, "bytes_received", 0)
+    own = torch.tensor([[int(not error), received]], dtype=torch.int64)
+    return tp.gather_last_dim(own).view(-1, 2)
+
+
 def gather_addresses(tp, connector: ShardConnector | None) -> list[str]:
     """Every rank's receive address on rank 0 (rank order); [] on the others. Each rank calls
     it once, after loading."""
@@ -178,6 +188,8 @@ class ShardHandoverMixin:
     ranks: object  # engine.tp_ranks.Ranks | None
     shard_connector: ShardConnector | None
     shard_addresses: list[str]
+    # per decode rank: shard bytes it has received in all (as of the last install), rank order
+    shard_bytes_received: list[int]
     requests: dict[str, Request]
     args: object  # engine.engine.EngineArgs
 
@@ -191,10 +203,16 @@ class ShardHandoverMixin:
         if self.ranks is not None:
             self.ranks.send(RankStep(ops=(*self.pool_ops.drain(), op), batch=None))
         error = apply_handover(op, self.cache, self.shard_connector)
-        if isinstance(op, InstallShard) and self.ranks is not None:
-            with self.ranks.failures("installing a handed-over shard"):
-                if not self.ranks.tp.all_agree(not error) and not error:
-                    error = "another decode rank could not install its shard (see its log)"
+        if isinstance(op, InstallShard):
+            tp = self.ranks.tp if self.ranks is not None else parallel.SINGLE
+            with contextlib.ExitStack() as failures:
+                if self.ranks is not None:
+                    failures.enter_context(self.ranks.failures("installing a handed-over shard"))
+                report = install_report(tp, error, self.shard_connector)
+            self.shard_bytes_received = report[:, 1].tolist()
+            failed = [rank for rank, ok in enumerate(report[:, 0].tolist()) if not ok]
+            if failed and not error:
+                error = f"decode rank(s) {failed} could not install their shard (see their log)"
         return error
 
     def snapshot_shards(self, room: str, req: Request) -> None:

@@ -26,7 +26,7 @@ from engine.config import ModelConfig
 from engine.model_loader import load_model, resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.state_cache import StateCache
-from engine.tp_handover import apply_handover, gather_addresses, load_connector
+from engine.tp_handover import apply_handover, gather_addresses, install_report, load_connector
 from engine.tp_messages import (
     CopySlot,
     InstallShard,
@@ -87,7 +87,7 @@ def run(spec: RankSpec) -> int:
                     continue
                 error = apply_handover(op, cache, connector)
                 if isinstance(op, InstallShard):
-                    tp.all_agree(not error)
+                    install_report(tp, error, connector)
             if message.batch is not None:
                 runner.forward(message.batch)
     finally:

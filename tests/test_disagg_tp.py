@@ -184,16 +184,18 @@ def test_each_decode_rank_is_planned_exactly_its_units_from_ranks_that_hold_them
 def test_pd_across_tp_sizes_matches_colocated_tp1(workers, expected, model_dir, sizes):
     prefill_size, decode_size = sizes
     prefill, decoder = workers("prefill", prefill_size), workers("decode", decode_size)
-    received = decoder.engine.shard_connector.bytes_received
+    before = list(decoder.engine.shard_bytes_received)
     got = run_pair(prefill, decoder, PROMPTS, tag=f"p{prefill_size}d{decode_size}")
     assert got == expected
     assert_clean(prefill, decoder)
     assert decoder.counters.transfers_ok >= len(PROMPTS)
-    # Decode rank 0 received exactly the bytes of the heads and channels it owns.
+    # Every decode rank received exactly the bytes of the heads and channels it owns.
     config = ModelConfig.from_hf(model_dir)
-    assert decoder.engine.shard_connector.bytes_received - received == owned_bytes(
-        config, decode_size, 0, PROMPTS, ENGINE_ARGS["page_size"]
-    )
+    received = [a - b for a, b in zip(decoder.engine.shard_bytes_received, before, strict=True)]
+    assert received == [
+        owned_bytes(config, decode_size, rank, PROMPTS, ENGINE_ARGS["page_size"])
+        for rank in range(decode_size)
+    ]
 
 
 def _register(room: str, compat, tp: TPLayout) -> Register:
