@@ -88,6 +88,8 @@ class DecodeRoom:
     registered: float
     state: RoomState = "waiting_for_input"
     mamba_layers: int = 0  # Mamba layers installed ahead of the StateTransfer (MambaChunk)
+    # (first-token state, prefill TP size) of a StateTransfer whose shards the ranks still await
+    sharded: tuple | None = None
 
 
 @dataclass
@@ -229,6 +231,8 @@ class DecodeWorker:
 
     def step(self):
         self.poll()
+        for r in [r for r in self.rooms.values() if r.sharded is not None]:
+            self._install_shards(r)
         self._heartbeat_and_expire()
         self._register_queued()  # pages and slots the last step freed
         deltas, self.ready = self.ready, []
@@ -384,27 +388,16 @@ class DecodeWorker:
                 return  # aborted or timed out meanwhile
             state = request_state(message, tensors)
             layers = layout.mamba_layers
-            sharded = message.tp_size > 1 or layout.tp_size > 1  # came rank to rank
-            if not sharded and state.conv.shape[0] == 0 and r.mamba_layers != layers:
+            if message.tp_size > 1 or layout.tp_size > 1:  # the state comes rank to rank
+                r.state, r.sharded = "transferring", (state, message.tp_size)
+                self._install_shards(r)
+                return
+            if state.conv.shape[0] == 0 and r.mamba_layers != layers:
                 raise ValueError(
                     f"Mamba state incomplete: {r.mamba_layers} of {layers} layers arrived"
                 )
-            del self.rooms[r.room]
-            try:
-                if sharded:
-                    left = self.config.transfer_timeout_s - (now() - r.registered)
-                    self.engine.install_shards(
-                        r.request_id, r.room, message.tp_size, state.first_page, left
-                    )
-                delta = self.engine.install(r.request_id, state)
-            except ValueError:
-                self.rooms[r.room] = r  # failed below, with its peer told
-                raise
+            self._install(r, state)
             self.counters.bytes_total += _nbytes(tensors)
-            self.counters.transfers_ok += 1
-            self.counters.observe_latency(now() - r.registered)
-            if delta is not None:
-                self.ready.append(delta)
         elif isinstance(message, (Reject, Abort)):
             r = self.rooms.pop(message.room, None)
             if r is not None:
@@ -419,6 +412,29 @@ class DecodeWorker:
                 r = self.rooms.get(room)
                 if r is not None and now() - r.registered > self.config.heartbeat_interval_s:
                     self._fail(r, f"room {room}: the prefill worker has lost it")
+
+    def _install(self, r: DecodeRoom, state) -> None:
+        del self.rooms[r.room]
+        try:
+            delta = self.engine.install(r.request_id, state)
+        except ValueError:
+            self.rooms[r.room] = r  # failed by the caller, with its peer told
+            raise
+        self.counters.transfers_ok += 1
+        self.counters.observe_latency(now() - r.registered)
+        if delta is not None:
+            self.ready.append(delta)
+
+    def _install_shards(self, r: DecodeRoom) -> None:
+        """Try to install a room whose ranks receive their shards straight from the prefill
+        ranks: done once every rank has all its pieces; until then it is tried again each step
+        (the room's transfer timeout still applies); a rank's bad piece fails it."""
+        state, prefill_size = r.sharded
+        try:
+            if self.engine.install_shards(r.request_id, r.room, prefill_size, state.first_page):
+                self._install(r, state)
+        except ValueError as error:
+            self._fail(r, f"room {r.room}: could not use its state: {error}")
 
     def _room_for(self, message) -> DecodeRoom | None:
         """The pending room a state message is for, or None: gone (aborted, failed), or past its
@@ -449,12 +465,13 @@ class DecodeWorker:
             if t - r.registered > self.config.transfer_timeout_s:
                 peer = self.peers[r.peer]
                 hint = "" if peer.answered else f"; {peer.silence(r.peer)}"
+                what = "no state" if r.sharded is None else "not every rank's shard"
                 self._fail(
                     r,
-                    f"room {r.room}: no state from the prefill worker within "
+                    f"room {r.room}: {what} from the prefill worker within "
                     f"{self.config.transfer_timeout_s:g} s{hint}",
                 )
-            else:
+            elif r.sharded is None:  # (the prefill side is done with a room it sent)
                 pending_by_peer.setdefault(r.peer, []).append(r.room)
         for address, rooms in pending_by_peer.items():
             peer = self.peers[address]

@@ -70,6 +70,7 @@ class ZmqShardConnector:
         self.replay = ReplayGuard()
         self.context = zmq.Context()
         self.kept: OrderedDict[str, Shard] = OrderedDict()
+        self.installed: OrderedDict[str, None] = OrderedDict()
         self.outboxes: OrderedDict[str, zmq.Socket] = OrderedDict()
         # room -> source rank -> (when it arrived, message, tensors)
         self.arrived: OrderedDict[str, dict[int, tuple[float, ShardTransfer, dict]]] = OrderedDict()
@@ -150,26 +151,19 @@ class ZmqShardConnector:
     # -- decode side ----------------------------------------------------------------------------
 
     def receive(
-        self, room: str, prefill_size: int, first_page: int, num_pages: int, wait_s: float
-    ) -> Pieces:
-        """This rank's pieces of `room`, every one checked against the plan; waits up to
-        `wait_s` for them. ValueError naming what is missing or wrong."""
+        self, room: str, prefill_size: int, first_page: int, num_pages: int
+    ) -> Pieces | None:
+        """This rank's pieces of `room`, every one checked against the plan; None while some
+        have not arrived (the caller asks again; the room's timeout is its own). ValueError
+        naming what is wrong."""
         if self.inbox is None:
             raise ValueError("a prefill rank does not receive shards")
         check_prefill_size(self.config, prefill_size)
         expected = plan(self.config, prefill_size, self.size, self.rank)
         sources = {p.source for p in expected}
-        deadline = time.monotonic() + wait_s
-        while not sources <= set(self.arrived.get(room, {})):
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.inbox.poll(max(1, int(left * 1000))):
-                missing = sorted(sources - set(self.arrived.get(room, {})))
-                self.arrived.pop(room, None)
-                raise ValueError(
-                    f"decode rank {self.rank}: no shard from prefill rank(s) {missing} within"
-                    f" {wait_s:.1f} s"
-                )
-            self._take_messages()
+        self._take_messages()
+        if not sources <= set(self.arrived.get(room, {})):
+            return None
         arrived = self.arrived.pop(room)
         pieces: Pieces = {}
         for source in sorted(sources):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -62,6 +63,9 @@ class ShardConnector(Protocol):
     """What each rank's handover connector does (disagg/tp_transfer.py is the one there is)."""
 
     address: str  # where this rank receives shards ("" on the prefill side)
+    # Rooms this rank has installed: asked again (another rank still waiting), it says so at
+    # once. A room id is used once (the router mints it).
+    installed: OrderedDict[str, None]
 
     def keep(self, room: str, shard: Shard) -> None: ...
 
@@ -72,8 +76,8 @@ class ShardConnector(Protocol):
     def drop(self, room: str) -> None: ...
 
     def receive(
-        self, room: str, prefill_size: int, first_page: int, num_pages: int, wait_s: float
-    ) -> Pieces: ...
+        self, room: str, prefill_size: int, first_page: int, num_pages: int
+    ) -> Pieces | None: ...
 
     def close(self) -> None: ...
 
@@ -136,9 +140,15 @@ def install_shard(cache: StateCache, pages: tuple[int, ...], slot: int, pieces: 
             pool[:, slot, offset : offset + t.shape[1]] = t.to(pool.device, pool.dtype)
 
 
+# What a rank reports after its part of an InstallShard.
+FAILED, WAITING, INSTALLED = 0, 1, 2
+INSTALLED_MEMORY = 4096  # rooms a rank remembers having installed (asked again until all have)
+
+
 def apply_handover(op: HandoverOp, cache: StateCache, connector: ShardConnector | None) -> str:
-    """Do this rank's part of `op`; "" when done, else why not (logged here: a rank other than
-    0 has no one else to tell)."""
+    """Do this rank's part of `op`; "" when done, WAITING_TEXT while an InstallShard's pieces
+    are still on their way, else why not (logged here: a rank other than 0 has no one else to
+    tell)."""
     if connector is None:
         return "this engine has no handover connector"
     try:
@@ -148,22 +158,29 @@ def apply_handover(op: HandoverOp, cache: StateCache, connector: ShardConnector 
             connector.send(op.room, op.first_page, op.decode_size, op.decode_addresses)
         elif isinstance(op, DropShard):
             connector.drop(op.room)
-        else:
-            pieces = connector.receive(
-                op.room, op.prefill_size, op.first_page, len(op.pages), op.wait_s
-            )
+        elif op.room not in connector.installed:
+            pieces = connector.receive(op.room, op.prefill_size, op.first_page, len(op.pages))
+            if pieces is None:
+                return WAITING_TEXT
             install_shard(cache, op.pages, op.slot, pieces)
+            connector.installed[op.room] = None
+            while len(connector.installed) > INSTALLED_MEMORY:
+                connector.installed.popitem(last=False)
     except ValueError as error:  # a peer's missing, late or malformed part: this room only
         logger.warning("room %s: %s", op.room, error)
         return str(error)
     return ""
 
 
+WAITING_TEXT = "waiting for pieces"
+
+
 def install_report(tp, error: str, connector: ShardConnector | None) -> torch.Tensor:
-    """Every rank's (installed: 0/1, shard bytes received so far) after an InstallShard, on rank
-    0 as (size, 2); one gather, which every rank joins."""
+    """Every rank's (FAILED / WAITING / INSTALLED, shard bytes received so far) after an
+    InstallShard, on rank 0 as (size, 2); one gather, which every rank joins."""
     received = getattr(connector, "bytes_received", 0)
-    own = torch.tensor([[int(not error), received]], dtype=torch.int64)
+    status = INSTALLED if not error else WAITING if error == WAITING_TEXT else FAILED
+    own = torch.tensor([[status, received]], dtype=torch.int64)
     return tp.gather_last_dim(own).view(-1, 2)
 
 
@@ -191,7 +208,6 @@ class ShardHandoverMixin:
     # per decode rank: shard bytes it has received in all (as of the last install), rank order
     shard_bytes_received: list[int]
     requests: dict[str, Request]
-    args: object  # engine.engine.EngineArgs
 
     @property
     def tp_size(self) -> int:
@@ -210,9 +226,12 @@ class ShardHandoverMixin:
                     failures.enter_context(self.ranks.failures("installing a handed-over shard"))
                 report = install_report(tp, error, self.shard_connector)
             self.shard_bytes_received = report[:, 1].tolist()
-            failed = [rank for rank, ok in enumerate(report[:, 0].tolist()) if not ok]
-            if failed and not error:
+            statuses = report[:, 0].tolist()
+            failed = [rank for rank, status in enumerate(statuses) if status == FAILED]
+            if failed and (not error or error == WAITING_TEXT):
                 error = f"decode rank(s) {failed} could not install their shard (see their log)"
+            elif not failed and any(status == WAITING for status in statuses):
+                error = WAITING_TEXT
         return error
 
     def snapshot_shards(self, room: str, req: Request) -> None:
@@ -273,18 +292,17 @@ class ShardHandoverMixin:
         self._rank_op(DropShard(room=room))
 
     def install_shards(
-        self, request_id: str, room: str, prefill_size: int, first_page: int, wait_s: float
-    ) -> None:
-        """Every rank receives and installs its shard of `room` into the request's pages (from
-        `first_page` to the prompt's end) and slot; ValueError if any rank could not."""
+        self, request_id: str, room: str, prefill_size: int, first_page: int
+    ) -> bool:
+        """Every rank installs its shard of `room` into the request's pages (from `first_page`
+        to the prompt's end) and slot once all its pieces have arrived: True when every rank
+        has, False while some wait (ask again later); ValueError if any rank cannot."""
         req = self.requests.get(request_id)
         if req is None:
             raise ValueError(f"request {request_id} is gone")
         num_pages = -(-len(req.prompt_ids) // self.cache.page_size)
         if not 0 <= first_page <= num_pages:
-            raise ValueError(f"room {room}: first page {first_page} outside 0..{num_pages}")
-        # Every rank waits at most this long, then the collective: far inside its timeout.
-        wait_s = max(0.0, min(wait_s, self.args.tp_timeout / 2))
+            raise ValueError(f"first page {first_page} outside 0..{num_pages}")
         error = self._rank_op(
             InstallShard(
                 room=room,
@@ -292,8 +310,10 @@ class ShardHandoverMixin:
                 slot=req.mamba_slot,
                 first_page=first_page,
                 prefill_size=prefill_size,
-                wait_s=wait_s,
             )
         )
+        if error == WAITING_TEXT:
+            return False
         if error:
-            raise ValueError(f"room {room}: {error}")
+            raise ValueError(error)
+        return True

@@ -108,16 +108,16 @@ class DropShard:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InstallShard:
-    """Decode side: wait up to `wait_s` for this rank's pieces of the room from the prefill
-    ranks, check them, write them into `pages` (the prompt's pages from `first_page` on) and
-    `slot`; then every rank reports whether it succeeded (one collective)."""
+    """Decode side: once this rank's pieces of the room from the prefill ranks have all
+    arrived, check them and write them into `pages` (the prompt's pages from `first_page` on)
+    and `slot`; then every rank reports installed, waiting or failed (one gather). Rank 0 asks
+    again each step while some rank waits."""
 
     room: str
     pages: tuple[int, ...]
     slot: int
     first_page: int
     prefill_size: int
-    wait_s: float
 
 
 HandoverOp = SnapshotShard | SendShard | DropShard | InstallShard
