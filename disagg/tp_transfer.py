@@ -31,7 +31,7 @@ from disagg.protocol import (
     tensor_specs,
 )
 from disagg.rooms import is_loopback
-from disagg.tp_layout import ENDPOINT, UNIT_DIM, Piece, check_prefill_size, plan
+from disagg.tp_layout import ENDPOINT, MAX_TP_SIZE, UNIT_DIM, Piece, check_prefill_size, plan
 from engine.config import ModelConfig
 from engine.state_cache import StateCache
 from engine.tp_handover import Pieces, Shard
@@ -214,7 +214,11 @@ class ZmqShardConnector:
             except ProtocolError as error:
                 logger.warning("decode rank %d: rejected a message: %s", self.rank, error)
                 continue
-            if not isinstance(message, ShardTransfer) or message.source_rank >= message.source_size:
+            if (
+                not isinstance(message, ShardTransfer)
+                or message.source_rank >= message.source_size
+                or message.source_size > MAX_TP_SIZE
+            ):
                 logger.warning("decode rank %d: dropped a %s message", self.rank, message.tag)
                 continue
             room = self.arrived.setdefault(message.room, {})
