@@ -100,5 +100,7 @@ def test_tp_flags_reach_the_engine_and_bad_values_are_refused(model_dir):
         ServerArgs(model=str(model_dir), tensor_parallel_size=0)
     with pytest.raises(ValueError, match="--tp-timeout must be > 0"):
         ServerArgs(model=str(model_dir), tp_timeout=0.0)
-    with pytest.raises(ValueError, match="with --disaggregation-mode is not supported yet"):
-        ServerArgs(model=str(model_dir), tensor_parallel_size=2, disaggregation_mode="decode")
+    # A disaggregated worker may run TP > 1 (the handover goes rank to rank: test_disagg_tp.py).
+    decode = ServerArgs(model=str(model_dir), tensor_parallel_size=2, disaggregation_mode="decode")
+    assert decode.engine_args()["tensor_parallel_size"] == 2
+    assert decode.disagg_options()["role"] == "decode"
