@@ -109,7 +109,8 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu", **engine_args
     ):
         self.args = EngineArgs(**engine_args)
-        self.device = torch.device(device)
+        # rank 0's device: GPU 0 when every rank has a GPU of its own (NCCL), else `device`
+        self.device = parallel.rank_device(device, 0, self.args.tensor_parallel_size)
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
         self.model_config = ModelConfig.from_hf(model_dir)

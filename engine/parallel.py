@@ -2,7 +2,7 @@
 the rule by which a parameter takes its slice of a checkpoint tensor.
 
     rank 0 (engine process: scheduler, sampler)     rank 1 .. N-1 (engine/tp_worker.py)
-        every layer holds its shard ──── gloo all-reduce after each row-parallel layer ────
+        every layer holds its shard ──── all-reduce after each row-parallel layer ────
         logits: vocab slices gathered to rank 0
 
 A `TensorParallel` is built once per engine and handed to the model while it is constructed
@@ -12,7 +12,11 @@ With size 1 every collective returns its input untouched: TP=1 costs one integer
 
 The process group is a `ProcessGroupGloo` of its own over a TCP store (not torch.distributed's
 global default group), with a timeout: a rank that dies or hangs makes the collective raise
-instead of blocking forever.
+instead of blocking forever. On CUDA with a GPU per rank, rank r computes on GPU r and the
+layers' all-reduces run on a `ProcessGroupNCCL` beside it (vLLM keeps the same pair: a device
+group for the model, a host group for control); gathers, barriers and every other host-side
+exchange stay on gloo. Several ranks on one GPU (NCCL refuses a GPU twice in a communicator)
+all-reduce over gloo, through host memory.
 """
 
 from __future__ import annotations
@@ -31,10 +35,19 @@ from engine.config import ConfigError
 class TensorParallel:
     """This rank's place among `size` ranks, and the collectives over their group."""
 
-    def __init__(self, rank: int, size: int, group: dist.ProcessGroup | None, timeout_s: float):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        group: dist.ProcessGroup | None,
+        timeout_s: float,
+        device_group: dist.ProcessGroup | None = None,
+    ):
         self.rank = rank
         self.size = size
         self.group = group
+        # NCCL over the ranks' GPUs when each rank has its own; None: all-reduces on gloo
+        self.device_group = device_group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         # Bytes this rank handed to all-reduces (bench/tp.py compares them with the analytic
         # count); an integer add per call.
@@ -53,7 +66,8 @@ class TensorParallel:
         x = x.contiguous()
         self.all_reduce_bytes += x.numel() * x.element_size()
         self.all_reduce_calls += 1
-        self.group.allreduce([x]).wait(self.timeout)
+        group = self.device_group if self.device_group is not None else self.group
+        group.allreduce([x]).wait(self.timeout)
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,19 +96,44 @@ class TensorParallel:
 SINGLE = TensorParallel(rank=0, size=1, group=None, timeout_s=0.0)
 
 
+def one_gpu_per_rank(device: str | torch.device, size: int) -> bool:
+    """True when `size` > 1 ranks on CUDA each get a GPU of their own (GPUs 0..size-1)."""
+    return size > 1 and torch.device(device).type == "cuda" and torch.cuda.device_count() >= size
+
+
+def rank_device(device: str | torch.device, rank: int, size: int) -> torch.device:
+    """The device rank `rank` computes on: GPU `rank` when every rank has its own, else
+    `device` itself (the CPU, or one GPU shared by all ranks)."""
+    if one_gpu_per_rank(device, size):
+        return torch.device("cuda", rank)
+    return torch.device(device)
+
+
 def connect(
-    rank: int, size: int, port: int, timeout_s: float, join_timeout_s: float
+    rank: int,
+    size: int,
+    port: int,
+    timeout_s: float,
+    join_timeout_s: float,
+    device: str | torch.device = "cpu",
 ) -> TensorParallel:
     """Join the group of `size` ranks whose rank 0 hosts the TCP store on 127.0.0.1:`port`,
     waiting up to `join_timeout_s` for the others; collectives then time out after
-    `timeout_s`."""
+    `timeout_s`. With a GPU per rank (`one_gpu_per_rank`), the all-reduces run on NCCL."""
     if size == 1:
         return SINGLE
     store = dist.TCPStore(
         "127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=join_timeout_s)
     )
-    group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
-    return TensorParallel(rank, size, group, timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+    device_group = None
+    if one_gpu_per_rank(device, size):
+        torch.cuda.set_device(rank)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        device_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
+    return TensorParallel(rank, size, group, timeout_s, device_group)
 
 
 _building: list[TensorParallel] = []

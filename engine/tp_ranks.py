@@ -120,7 +120,9 @@ class Ranks:
                     )
                 )
             with self.failures("joining the tensor-parallel group"):
-                self.tp = parallel.connect(0, size, port, timeout_s, join_timeout_s=load_timeout_s)
+                self.tp = parallel.connect(
+                    0, size, port, timeout_s, join_timeout_s=load_timeout_s, device=device
+                )
         except BaseException:
             self.stop("startup failed")
             raise

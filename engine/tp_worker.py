@@ -1,7 +1,7 @@
 """A tensor-parallel rank other than 0: `python -m engine.tp_worker SPEC_JSON`, started and
 stopped by rank 0 (engine/tp_ranks.py).
 
-It joins the gloo group, loads its shard of the model, sizes its pools like rank 0's (its
+It joins the rank group (gloo; NCCL beside it for the all-reduces with a GPU per rank), loads its shard of the model, sizes its pools like rank 0's (its
 shard of each KV head and Mamba state), then follows rank 0 step by step:
 
     PULL RankStep ─> apply pool operations ─> build metadata (the one builder) ─> forward
@@ -47,21 +47,22 @@ POLL_MS = 200  # idle wait between parent checks
 
 def run(spec: RankSpec) -> int:
     torch.set_num_threads(spec.threads)
+    device = parallel.rank_device(spec.device, spec.rank, spec.size)
     tp = parallel.connect(
-        spec.rank, spec.size, spec.store_port, spec.timeout_s, spec.load_timeout_s
+        spec.rank, spec.size, spec.store_port, spec.timeout_s, spec.load_timeout_s, device
     )
     config = ModelConfig.from_hf(spec.model)
     dtype = resolve_dtype(spec.dtype, config)
-    model = load_model(spec.model, dtype, spec.device, tp)
+    model = load_model(spec.model, dtype, device, tp)
     cache = StateCache(
         pool_config(model.config, tp),
         num_pages=spec.num_pages,
         page_size=spec.page_size,
         num_mamba_slots=spec.num_mamba_slots,
         dtype=dtype,
-        device=spec.device,
+        device=device,
     )
-    runner = ModelRunner(model, cache, spec.device)
+    runner = ModelRunner(model, cache, device)
     connector = load_connector(spec.handover_connector, config, spec.rank, spec.size, cache)
     context = zmq.Context()
     steps = context.socket(zmq.PULL)

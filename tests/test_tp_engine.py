@@ -246,3 +246,19 @@ def test_a_message_of_an_unknown_carrier_is_refused():
     frame = msgpack.packb({"type": "Pickle", "fields": {}})
     with pytest.raises(ValueError, match="unknown rank message carrier 'Pickle'"):
         decode(frame)
+
+
+def test_ranks_take_a_gpu_each_only_when_there_is_one_per_rank(monkeypatch):
+    """NCCL needs a GPU per rank: with fewer GPUs than ranks every rank shares the named device
+    (and the all-reduces stay on gloo); the CPU never changes."""
+    from engine.parallel import one_gpu_per_rank, rank_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert one_gpu_per_rank("cuda", 2)
+    assert [rank_device("cuda", r, 2) for r in range(2)] == [
+        torch.device("cuda", r) for r in (0, 1)
+    ]
+    assert not one_gpu_per_rank("cuda", 4)
+    assert rank_device("cuda", 3, 4) == torch.device("cuda")
+    assert not one_gpu_per_rank("cuda", 1) and rank_device("cuda:1", 0, 1) == torch.device("cuda:1")
+    assert not one_gpu_per_rank("cpu", 2) and rank_device("cpu", 1, 2) == torch.device("cpu")
