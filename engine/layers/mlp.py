@@ -42,8 +42,10 @@ class ReluSquaredMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up_proj(x)
         if getattr(self.up_proj, "activation", "none") != "relu":
-            up = torch.relu(up)
-        out = self.down_proj(up.square())
+            up = torch.relu_(up)
+        # In place: `up` is this call's own tensor, and a prefill's (tokens, intermediate) square
+        # would be a second multi-MB allocation per layer.
+        out = self.down_proj(up.square_())
         return self.tp.all_reduce(out) if self.reduce_output else out
 
     def pack_for_cpu(self) -> None:
