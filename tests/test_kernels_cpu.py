@@ -365,11 +365,12 @@ def test_fused_rms_norm_matches_torch_path(dtype):
 
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_reads_the_paged_cache_like_the_gather_path(dtype, monkeypatch):
-    from kernels.attention import build_attention_layout, paged_attention, paged_attention_torch
+@pytest.mark.parametrize("Dh", [16, 600])  # 600: past the old 512 cap, not a vector multiple
+def test_decode_attention_reads_the_paged_cache_like_the_gather_path(dtype, Dh, monkeypatch):
+    from kernels.attention import build_attention_layout, paged_attention
 
     g = torch.Generator().manual_seed(11)
-    S, H, KVH, Dh, slots = 5, 6, 2, 16, 200
+    S, H, KVH, slots = 5, 6, 2, 200
     k_cache = torch.randn(slots, KVH, Dh, generator=g).to(dtype)
     v_cache = torch.randn(slots, KVH, Dh, generator=g).to(dtype)
     kv_lens = [1, 7, 33, 2, 19]
@@ -383,7 +384,15 @@ def test_decode_attention_reads_the_paged_cache_like_the_gather_path(dtype, monk
     monkeypatch.setattr(cpu_ops, "decode_attention_cpu", lambda *a: calls.append(1) or fused(*a))
     out = paged_attention(q, k_cache, v_cache, layout, 0.25)
     assert calls == [1]
-    ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), layout, 0.25)
+    # A float64 softmax per sequence (paged_attention_torch would run this same kernel on
+    # float32 decode queries, so it cannot be the reference).
+    ref = []
+    for s, n in enumerate(kv_lens):
+        k = k_cache[kv_indices[s, :n]].double().repeat_interleave(H // KVH, dim=1)
+        v = v_cache[kv_indices[s, :n]].double().repeat_interleave(H // KVH, dim=1)
+        weights = (torch.einsum("hd,nhd->hn", q[s].double(), k) * 0.25).softmax(-1)
+        ref.append(torch.einsum("hn,nhd->hd", weights, v))
+    ref = torch.stack(ref).float()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     bad = kv_indices.clone()
