@@ -11,10 +11,10 @@
  *   y_k  = exp(cs_k) C_k . S  +  sum_{j<=k} (C_k . B_j) exp(cs_k - cs_j) dt_j x_j  +  D x_k
  *   S   <- exp(cs_last) S  +  sum_j exp(cs_last - cs_j) dt_j x_j (x) B_j
  * The state S (headdim x d_state, float32) is updated in place in the pool slot: the initial
- * state is read from it and the final state is left in it. One OpenMP task per (sequence, head):
- * C_k . B_j is recomputed per head of a group (l^2 N / 2 per chunk, less than the l P N of the
- * state terms for the shapes in use), which keeps every task independent and the cores busy
- * even for a single long prompt.
+ * state is read from it and the final state is left in it. One OpenMP task per (sequence, group)
+ * computes C_k . B_j (l^2 N / 2 per chunk) once for the group's heads, then runs each head; when
+ * that leaves fewer than 4 tasks per thread (one long prompt, few groups), a task is one
+ * (sequence, head) and recomputes the products, so the cores stay busy.
  *
  * Layouts: x rows (T, H, P) with row stride x_stride; B, C rows (T, G, N) with row stride
  * bc_stride (views into the conv output need no copy); dt (T, H) contiguous, already discretised;
@@ -24,6 +24,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* exp for vectorised loops, the same polynomial as cpu_ops.c's (which is not linked here):
@@ -45,71 +46,95 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
-static void scan_one(const float *x, int64_t x_stride, const float *B, const float *C,
-                     int64_t bc_stride, const float *dt, float A, float Dh, float *state,
-                     float *y, float *chunk_states, int64_t num_chunks_out, int64_t t0, int64_t n,
-                     int64_t offset, int64_t h, int64_t g, int64_t H, int64_t P, int64_t N,
-                     int64_t L, float *cs, float *w) {
+/* One chunk of one head, l tokens from `base`, with cb[k * L + j] = C_k . B_j (j <= k) computed
+ * by the caller for the head's group. */
+static inline void scan_chunk(const float *x, int64_t x_stride, const float *B, const float *C,
+                              int64_t bc_stride, const float *dt, float A, float Dh, float *state,
+                              float *y, int64_t base, int64_t l, int64_t h, int64_t g, int64_t H,
+                              int64_t P, int64_t N, int64_t L, const float *cb, float *cs,
+                              float *w) {
+    const int64_t PN = P * N;
+    float sum = 0.0f;
+    for (int64_t k = 0; k < l; k++) {
+        sum += dt[(base + k) * H + h] * A;
+        cs[k] = sum;
+    }
+    for (int64_t k = 0; k < l; k++) {
+        const int64_t t = base + k;
+        const float *Ck = C + t * bc_stride + g * N;
+        const float *xk = x + t * x_stride + h * P;
+        float *yk = y + t * H * P + h * P;
+        const float eck = exp_approx(cs[k]);
+        /* the state entering the chunk, decayed to token k */
+        for (int64_t p = 0; p < P; p++) {
+            const float *Sp = state + p * N;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t i = 0; i < N; i++) acc += Sp[i] * Ck[i];
+            yk[p] = eck * acc + Dh * xk[p];
+        }
+        /* within the chunk: w_j = (C_k . B_j) exp(cs_k - cs_j) dt_j for j <= k */
+        const float csk = cs[k];
+        const float *cbk = cb + k * L;
+#pragma omp simd
+        for (int64_t j = 0; j <= k; j++)
+            w[j] = cbk[j] * dt[(base + j) * H + h] * exp_approx(csk - cs[j]);
+        for (int64_t j = 0; j <= k; j++) {
+            const float *xj = x + (base + j) * x_stride + h * P;
+            const float wj = w[j];
+#pragma omp simd
+            for (int64_t p = 0; p < P; p++) yk[p] += wj * xj[p];
+        }
+    }
+    /* the state after the chunk */
+    const float last = cs[l - 1];
+    const float decay = exp_approx(last);
+#pragma omp simd
+    for (int64_t i = 0; i < PN; i++) state[i] *= decay;
+    for (int64_t j = 0; j < l; j++) w[j] = exp_approx(last - cs[j]) * dt[(base + j) * H + h];
+    /* row by row of the state, so one row (d_state floats) stays in L1 across the tokens */
+    for (int64_t p = 0; p < P; p++) {
+        float *Sp = state + p * N;
+        for (int64_t j = 0; j < l; j++) {
+            const float wx = w[j] * x[(base + j) * x_stride + h * P + p];
+            const float *Bj = B + (base + j) * bc_stride + g * N;
+#pragma omp simd
+            for (int64_t i = 0; i < N; i++) Sp[i] += wx * Bj[i];
+        }
+    }
+}
+
+/* One sequence (n tokens from t0, `offset` tokens into its first chunk) for heads h0 .. h0+nh
+ * of group g: per chunk, C_k . B_j once for those heads, then each head's chunk on its state in
+ * the pool slot `slot_states` (H, P, N). */
+static void scan_heads(const float *x, int64_t x_stride, const float *B, const float *C,
+                       int64_t bc_stride, const float *dt, const float *A, const float *D,
+                       float *slot_states, float *y, float *chunk_states, int64_t num_chunks_out,
+                       int64_t t0, int64_t n, int64_t offset, int64_t h0, int64_t nh, int64_t g,
+                       int64_t H, int64_t P, int64_t N, int64_t L, float *cb, float *cs,
+                       float *w) {
     const int64_t PN = P * N;
     int64_t a = 0, c = 0;
     while (a < n) {
         int64_t l = L - (c == 0 ? offset : 0);
         if (l > n - a) l = n - a;
         const int64_t base = t0 + a;
-        float sum = 0.0f;
         for (int64_t k = 0; k < l; k++) {
-            sum += dt[(base + k) * H + h] * A;
-            cs[k] = sum;
-        }
-        for (int64_t k = 0; k < l; k++) {
-            const int64_t t = base + k;
-            const float *Ck = C + t * bc_stride + g * N;
-            const float *xk = x + t * x_stride + h * P;
-            float *yk = y + t * H * P + h * P;
-            const float eck = exp_approx(cs[k]);
-            /* the state entering the chunk, decayed to token k */
-            for (int64_t p = 0; p < P; p++) {
-                const float *Sp = state + p * N;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t i = 0; i < N; i++) acc += Sp[i] * Ck[i];
-                yk[p] = eck * acc + Dh * xk[p];
-            }
-            /* within the chunk: w_j = (C_k . B_j) exp(cs_k - cs_j) dt_j for j <= k */
+            const float *Ck = C + (base + k) * bc_stride + g * N;
             for (int64_t j = 0; j <= k; j++) {
                 const float *Bj = B + (base + j) * bc_stride + g * N;
                 float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
                 for (int64_t i = 0; i < N; i++) acc += Ck[i] * Bj[i];
-                w[j] = acc * dt[(base + j) * H + h];
-            }
-            const float csk = cs[k];
-#pragma omp simd
-            for (int64_t j = 0; j <= k; j++) w[j] *= exp_approx(csk - cs[j]);
-            for (int64_t j = 0; j <= k; j++) {
-                const float *xj = x + (base + j) * x_stride + h * P;
-                const float wj = w[j];
-#pragma omp simd
-                for (int64_t p = 0; p < P; p++) yk[p] += wj * xj[p];
+                cb[k * L + j] = acc;
             }
         }
-        /* the state after the chunk */
-        const float last = cs[l - 1];
-        const float decay = exp_approx(last);
-#pragma omp simd
-        for (int64_t i = 0; i < PN; i++) state[i] *= decay;
-        for (int64_t j = 0; j < l; j++) w[j] = exp_approx(last - cs[j]) * dt[(base + j) * H + h];
-        /* row by row of the state, so one row (d_state floats) stays in L1 across the tokens */
-        for (int64_t p = 0; p < P; p++) {
-            float *Sp = state + p * N;
-            for (int64_t j = 0; j < l; j++) {
-                const float wx = w[j] * x[(base + j) * x_stride + h * P + p];
-                const float *Bj = B + (base + j) * bc_stride + g * N;
-#pragma omp simd
-                for (int64_t i = 0; i < N; i++) Sp[i] += wx * Bj[i];
-            }
+        for (int64_t h = h0; h < h0 + nh; h++) {
+            scan_chunk(x, x_stride, B, C, bc_stride, dt, A[h], D[h], slot_states + h * PN, y,
+                       base, l, h, g, H, P, N, L, cb, cs, w);
+            if (chunk_states)
+                memcpy(chunk_states + (c * H + h) * PN, slot_states + h * PN, PN * sizeof(float));
         }
-        if (chunk_states) memcpy(chunk_states + (c * H + h) * PN, state, PN * sizeof(float));
         a += l;
         c++;
     }
@@ -117,7 +142,8 @@ static void scan_one(const float *x, int64_t x_stride, const float *B, const flo
      * final state, as the torch path's no-op padding leaves them */
     if (chunk_states)
         for (; c < num_chunks_out; c++)
-            memcpy(chunk_states + (c * H + h) * PN, state, PN * sizeof(float));
+            for (int64_t h = h0; h < h0 + nh; h++)
+                memcpy(chunk_states + (c * H + h) * PN, slot_states + h * PN, PN * sizeof(float));
 }
 
 int64_t baton_ssd_prefill(const float *x, int64_t x_stride, const float *B, const float *C,
@@ -128,20 +154,27 @@ int64_t baton_ssd_prefill(const float *x, int64_t x_stride, const float *B, cons
                           int64_t P, int64_t N, int64_t G, int64_t L, int nthreads) {
     for (int64_t s = 0; s < num_seqs; s++)
         if (slots[s] < 0 || slots[s] >= num_slots) return s + 1;
-    const int64_t R = H / G, PN = P * N, tasks = num_seqs * H;
+    const int64_t R = H / G, PN = P * N;
+    /* A task is a (sequence, group) pair and shares C_k . B_j across the group's R heads, unless
+     * that leaves too few tasks to keep the threads busy (one long prompt, few groups): then a
+     * task is one head and computes them itself. */
+    const int64_t per_head = num_seqs * G < 4 * nthreads, heads = per_head ? 1 : R;
+    const int64_t tasks = num_seqs * H / heads;
 #pragma omp parallel num_threads(nthreads)
     {
         float cs[L], w[L]; /* per thread; L is the chunk size (<= a few hundred) */
+        float *cb = (float *)malloc(sizeof(float) * L * L);
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t s = task / H, h = task % H;
+            const int64_t s = task / (H / heads), h0 = (task % (H / heads)) * heads;
             const int64_t t0 = cu_seqlens[s], n = cu_seqlens[s + 1] - t0;
             float *cstates = chunk_states ? chunk_states + s * num_chunks_out * H * PN : NULL;
             if (n > 0)
-                scan_one(x, x_stride, B, C, bc_stride, dt, A[h], D[h],
-                         pool + (slots[s] * H + h) * PN, y, cstates, num_chunks_out, t0, n,
-                         start_pos[s] % L, h, h / R, H, P, N, L, cs, w);
+                scan_heads(x, x_stride, B, C, bc_stride, dt, A, D, pool + slots[s] * H * PN, y,
+                           cstates, num_chunks_out, t0, n, start_pos[s] % L, h0, heads, h0 / R,
+                           H, P, N, L, cb, cs, w);
         }
+        free(cb);
     }
     return 0;
 }
