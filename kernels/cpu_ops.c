@@ -377,93 +377,63 @@ void baton_rms_norm(const void *x, int64_t x_stride, const float *weight, void *
 }
 
 /* Decode attention straight from the paged K/V cache (one query per sequence, GQA, no mask
- * beyond each sequence's length), softmax in float32, no gathered copy of the keys.
+ * beyond each sequence's length): online softmax in float32, no gathered copy of the keys.
  * q, out (S, H, Dh) model dtype rows; caches (num_token_slots, KVH, Dh) model dtype;
  * kv_indices (S, >= max kv_len) token slots with row stride idx_stride; kv_lens (S) int32.
- * Returns the first bad sequence + 1 when a token slot is outside the cache, before writing.
- *
- * One work item is a (sequence, KV head) pair and the H / KVH query heads that share it: each
- * K and V row is read (and widened from bf16) once for the whole group, not once per head.
- * Three passes over the sequence (scores, exp, weighted V rows) rather than an online softmax:
- * one exp per key and head instead of two, and no per-key rescale of the accumulators. */
+ * Returns the first bad sequence + 1 when a token slot is outside the cache, before writing. */
 int64_t baton_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                                int64_t num_token_slots, const int64_t *kv_indices,
                                int64_t idx_stride, const int32_t *kv_lens, void *out, int64_t S,
                                int64_t H, int64_t KVH, int64_t Dh, float scale, int bf16,
                                int nthreads) {
-    int64_t max_len = 1;
-    for (int64_t s = 0; s < S; s++) {
+    for (int64_t s = 0; s < S; s++)
         for (int64_t j = 0; j < kv_lens[s]; j++) {
             const int64_t t = kv_indices[s * idx_stride + j];
             if (t < 0 || t >= num_token_slots) return s + 1;
         }
-        if (kv_lens[s] > max_len) max_len = kv_lens[s];
-    }
-    const int64_t G = H / KVH;
+    const int64_t group = H / KVH;
 #pragma omp parallel num_threads(nthreads)
     {
-        /* per thread: G query rows, G accumulators, one widened K/V row, G x max_len weights */
-        float *qv = (float *)malloc(sizeof(float) * (2 * G * Dh + Dh + G * max_len + G));
-        float *acc = qv + G * Dh, *row_f32 = acc + G * Dh, *weights = row_f32 + Dh;
-        float *denom = weights + G * max_len;
+        float acc[512], qv[512];
 #pragma omp for collapse(2) schedule(static)
         for (int64_t s = 0; s < S; s++) {
-            for (int64_t kvh = 0; kvh < KVH; kvh++) {
-                const int64_t L = kv_lens[s], qoff = (s * H + kvh * G) * Dh;
-                const int64_t *idx = kv_indices + s * idx_stride;
-                for (int64_t i = 0; i < G * Dh; i++) qv[i] = load(q, bf16, qoff + i) * scale;
-                for (int64_t j = 0; j < L; j++) { /* scores: weights[g * L + j] */
-                    const int64_t row = (idx[j] * KVH + kvh) * Dh;
-                    const float *kr = (const float *)k_cache + row;
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t kvh = h / group, qoff = (s * H + h) * Dh;
+                for (int64_t d = 0; d < Dh; d++) {
+                    qv[d] = load(q, bf16, qoff + d) * scale;
+                    acc[d] = 0.0f;
+                }
+                float m = -INFINITY, l = 0.0f;
+                for (int64_t j = 0; j < kv_lens[s]; j++) {
+                    const int64_t row = (kv_indices[s * idx_stride + j] * KVH + kvh) * Dh;
+                    float score = 0.0f;
                     if (bf16) {
-                        const uint16_t *kb = (const uint16_t *)k_cache + row;
-#pragma omp simd
-                        for (int64_t d = 0; d < Dh; d++) row_f32[d] = bf16_to_f32(kb[d]);
-                        kr = row_f32;
-                    }
-                    for (int64_t g = 0; g < G; g++) {
-                        const float *qg = qv + g * Dh;
-                        float score = 0.0f;
+                        const uint16_t *kr = (const uint16_t *)k_cache + row;
 #pragma omp simd reduction(+ : score)
-                        for (int64_t d = 0; d < Dh; d++) score += qg[d] * kr[d];
-                        weights[g * L + j] = score;
+                        for (int64_t d = 0; d < Dh; d++) score += qv[d] * bf16_to_f32(kr[d]);
+                    } else {
+                        const float *kr = (const float *)k_cache + row;
+#pragma omp simd reduction(+ : score)
+                        for (int64_t d = 0; d < Dh; d++) score += qv[d] * kr[d];
                     }
-                }
-                for (int64_t g = 0; g < G; g++) { /* weights = exp(score - max), their sum */
-                    float *w = weights + g * L, m = -INFINITY, l = 0.0f;
-                    for (int64_t j = 0; j < L; j++) m = w[j] > m ? w[j] : m;
-#pragma omp simd reduction(+ : l)
-                    for (int64_t j = 0; j < L; j++) {
-                        w[j] = exp_approx(w[j] - m);
-                        l += w[j];
-                    }
-                    denom[g] = l;
-                }
-                for (int64_t i = 0; i < G * Dh; i++) acc[i] = 0.0f;
-                for (int64_t j = 0; j < L; j++) { /* weighted sum of the V rows */
-                    const int64_t row = (idx[j] * KVH + kvh) * Dh;
-                    const float *vr = (const float *)v_cache + row;
+                    const float m_new = score > m ? score : m;
+                    const float rescale = expf(m - m_new), p = expf(score - m_new);
+                    l = l * rescale + p;
+                    m = m_new;
                     if (bf16) {
-                        const uint16_t *vb = (const uint16_t *)v_cache + row;
+                        const uint16_t *vr = (const uint16_t *)v_cache + row;
 #pragma omp simd
-                        for (int64_t d = 0; d < Dh; d++) row_f32[d] = bf16_to_f32(vb[d]);
-                        vr = row_f32;
-                    }
-                    for (int64_t g = 0; g < G; g++) {
-                        const float p = weights[g * L + j];
-                        float *ag = acc + g * Dh;
+                        for (int64_t d = 0; d < Dh; d++) acc[d] = acc[d] * rescale + p * bf16_to_f32(vr[d]);
+                    } else {
+                        const float *vr = (const float *)v_cache + row;
 #pragma omp simd
-                        for (int64_t d = 0; d < Dh; d++) ag[d] += p * vr[d];
+                        for (int64_t d = 0; d < Dh; d++) acc[d] = acc[d] * rescale + p * vr[d];
                     }
                 }
-                for (int64_t g = 0; g < G; g++) {
-                    const float inv = denom[g] > 0.0f ? 1.0f / denom[g] : 0.0f;
-                    for (int64_t d = 0; d < Dh; d++)
-                        store(out, bf16, qoff + g * Dh + d, acc[g * Dh + d] * inv);
-                }
+                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+                for (int64_t d = 0; d < Dh; d++) store(out, bf16, qoff + d, acc[d] * inv);
             }
         }
-        free(qv);
     }
     return 0;
 }

@@ -396,12 +396,16 @@ def rms_norm_cpu(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch
     return out
 
 
+MAX_HEAD_DIM = 512  # the per-thread accumulators in baton_decode_attention
+
+
 def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
         q.device.type == "cpu"
         and select_backend(q) == "torch"
         and q.dtype in (torch.float32, torch.bfloat16)
         and k_cache.dtype == q.dtype
+        and q.shape[-1] <= MAX_HEAD_DIM
         and library() is not None
     )
 
