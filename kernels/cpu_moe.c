@@ -29,24 +29,11 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_common.h"
+
 #define NB 64 /* output columns per panel: four 16-float vectors */
 #define MR 6  /* rows per register block: MR x NB accumulators = 24 vectors */
 #define MAX_TOP_K 64 /* choices per token the combine sorts on the stack (kernels/cpu_moe.py) */
-
-static inline float bf16_to_f32(uint16_t v) {
-    const uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, like torch */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
-    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded); /* no branch */
-}
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
@@ -139,23 +126,6 @@ static void panel_block(int bf16, int64_t nr, const void *const x[MR], const voi
 
 /* h = relu(g)^2 or silu(g) * u over one panel row; a bf16 model rounds the projections and
  * silu to bf16 first, and h itself. exp_approx keeps the silu loop vectorised. */
-static inline float exp_approx(float x) { /* 2^n p(r), |rel err| ~2e-7: as kernels/cpu_ops.c */
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
 static void store_act_f32(const float *g, const float *u, int swiglu, float *h) {
     if (swiglu) {
 #pragma omp simd

@@ -73,8 +73,14 @@ def compile_library(source: Path, fallback: str) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: %s", fallback)
         return None
+    # The headers beside the source (cpu_common.h) are part of what gets compiled.
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(
-        source.read_bytes() + " ".join(FLAGS).encode() + compiler.encode() + _cpu_key().encode()
+        source.read_bytes()
+        + headers
+        + " ".join(FLAGS).encode()
+        + compiler.encode()
+        + _cpu_key().encode()
     ).hexdigest()[:16]
     cache = Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
     target = cache / f"{source.stem}-{key}.so"

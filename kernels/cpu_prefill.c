@@ -27,24 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* exp for vectorised loops, the same polynomial as cpu_ops.c's (which is not linked here):
- * 2^n * p(r), |r| <= ln2/2, relative error ~2e-7, branch-free so `omp simd` loops vectorise. */
-static inline float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
+#include "cpu_common.h"
 
 /* One chunk of one head, l tokens from `base`, with cb[k * L + j] = C_k . B_j (j <= k) computed
  * by the caller for the head's group. */
@@ -177,21 +160,6 @@ int64_t baton_ssd_prefill(const float *x, int64_t x_stride, const float *B, cons
         free(cb);
     }
     return 0;
-}
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, like torch */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
-    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded); /* no branch */
 }
 
 static inline float load(const void *p, int64_t i, int bf16) {

@@ -141,6 +141,23 @@ def test_broken_compiler_falls_back_to_torch(monkeypatch, tmp_path):
         cpu_ops.library.cache_clear()
 
 
+def test_a_changed_shared_header_rebuilds_the_library(monkeypatch, tmp_path):
+    """The kernels include cpu_common.h: the cache key covers it, or an edit there would keep
+    loading the stale library."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "k.c").write_text('#include "k.h"\nint baton_answer(void) { return ANSWER; }\n')
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path / "cache"))
+    answers = []
+    for value in (41, 42):
+        (src / "k.h").write_text(f"#define ANSWER {value}\n")
+        lib = cpu_ops.compile_library(src / "k.c", "no fallback in this test")
+        assert lib is not None
+        answers.append(lib.baton_answer())
+    assert answers == [41, 42]
+    assert len(list((tmp_path / "cache").glob("k-*.so"))) == 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 7, 64])
 def test_packed_linear_matches_f_linear(dtype, rows):
