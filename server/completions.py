@@ -45,13 +45,20 @@ def tokenize_prompts(
     ]
 
 
+def _has_text(prompt: str | list[str] | list[int] | list[list[int]]) -> bool:
+    return isinstance(prompt, str) or any(isinstance(item, str) for item in prompt)
+
+
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, raw_request: Request):
     state: ServerState = raw_request.app.state.baton
     arrival = time.monotonic()
     check_model(state, body.model)
     check_generation(body)  # the rules the router applies too, before any tokenizing
-    prompts = await asyncio.to_thread(tokenize_prompts, state, body.prompt)
+    if _has_text(body.prompt):
+        prompts = await asyncio.to_thread(tokenize_prompts, state, body.prompt)
+    else:  # token ids only: nothing to encode, and a worker thread's round trip costs ~1 ms
+        prompts = tokenize_prompts(state, body.prompt)
     max_tokens = requested_max_tokens(body)
     assert max_tokens is not None  # completions default to 16
     params = build_sampling_params(
