@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
 from bench.serve_side_by_side import LIMITS, server_commands
 
 
@@ -22,3 +28,34 @@ def test_every_server_gets_the_same_limits_and_no_prefix_cache():
     assert "--no-enable-prefix-caching" in vllm
     assert vllm[vllm.index("--max-num-seqs") + 1] == str(LIMITS["max_running_requests"])
     assert vllm[vllm.index("--max-num-batched-tokens") + 1] == str(LIMITS["max_num_batched_tokens"])
+
+
+HELPER = """
+import subprocess, sys
+from pathlib import Path
+from bench.serve_side_by_side import share_autogroup_nice
+Path("/proc/self/autogroup").write_text("7")  # raising one's own nice needs no privilege
+server = subprocess.Popen(["sleep", "30"], start_new_session=True)
+try:
+    share_autogroup_nice(server.pid)
+    print(Path(f"/proc/{server.pid}/autogroup").read_text().split("nice")[-1].strip())
+finally:
+    server.kill()
+    server.wait()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no Linux autogroups")
+def test_a_server_in_its_own_session_gets_the_benchmarks_scheduling_priority():
+    """Started with start_new_session (so stop() can signal its group), a server lands in a new
+    autogroup at nice 0: a boosted benchmark would boost only its own load generator."""
+    helper = subprocess.run(
+        [sys.executable, "-c", HELPER],
+        start_new_session=True,  # the helper's nice 7 must not touch the test's own autogroup
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert helper.returncode == 0, helper.stderr
+    assert helper.stdout.strip() == "7"
