@@ -137,6 +137,9 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--output")
     args = ap.parse_args()
+    # SIGTERM (`timeout`, a CI job's end) unwinds like Ctrl-C, so `finally` stops the server it
+    # started: Python's default SIGTERM exits at once and left `baton serve` and its engine running.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     servers = args.servers.split(",")
     if "vllm" in servers and not args.peer_vllm:
         ap.error("--servers includes vllm: pass --peer-vllm DIR (or leave vllm out)")

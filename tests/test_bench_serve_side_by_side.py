@@ -59,3 +59,37 @@ def test_a_server_in_its_own_session_gets_the_benchmarks_scheduling_priority():
     )
     assert helper.returncode == 0, helper.stderr
     assert helper.stdout.strip() == "7"
+
+
+SIGTERM_HELPER = """
+import os, signal, subprocess, sys
+import bench.serve_side_by_side as sbs
+started = []
+def start(command, port, log, timeout_s):
+    started.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
+    print(started[-1].pid, flush=True)
+    return started[-1]
+def run_rate(port, model, prompts, rate):
+    os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` does mid-run
+    raise AssertionError("SIGTERM did not interrupt the run")
+sbs.start, sbs.run_rate = start, run_rate
+sbs.save_model = sbs.save_word_tokenizer = lambda *args: None
+sys.argv = ["serve_side_by_side", "--servers", "baton", "--rates", "1"]
+sbs.main()
+"""
+
+
+def test_sigterm_stops_the_server_the_benchmark_started():
+    helper = subprocess.run(
+        [sys.executable, "-c", SIGTERM_HELPER],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert helper.returncode == 128 + 15, helper.stderr
+    server_pid = int(helper.stdout.split()[0])
+    assert (
+        not Path(f"/proc/{server_pid}").exists()
+        or "Z" in Path(f"/proc/{server_pid}/stat").read_text().split()[2]
+    ), "the benchmark's server outlived SIGTERM"
