@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Coroutine
 from types import FrameType
-from typing import Any
 
 import uvicorn
 
@@ -108,23 +106,11 @@ async def serve(args: ServerArgs) -> None:
         await client.shutdown()
 
 
-def _run_event_loop(main: Coroutine[Any, Any, None]) -> None:
-    """uvloop when installed (it is a dependency on Linux): asyncio's default loop, with h11 as
-    uvicorn's HTTP parser when httptools is missing, cost ~1-2 ms of server CPU per streamed
-    request on 2 cores, next to an engine that needs them (bench/results issue21.md)."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)
-
-
 def run(args: ServerArgs) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
-        _run_event_loop(serve(args))
+        asyncio.run(serve(args))
     except asyncio.CancelledError:
         logger.info("interrupted while starting; engine stopped")

@@ -1,18 +1,16 @@
-"""The server's own costs between the HTTP request and the engine: the event loop it runs on
-and the work a token-id prompt skips (issue 21: TTFT side by side with vLLM's server)."""
+"""The server's own costs between the HTTP request and the engine: a token-id prompt skips the
+tokenizer thread (issue 21: TTFT side by side with vLLM's server)."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
-import types
 
 import pytest
 from starlette.testclient import TestClient
 
 from engine.ipc import EngineReady
 from engine.outputs import RequestDelta
-from server import completions, launch
+from server import completions
 from server.app import build_app
 from server.args import ServerArgs
 from server.generation import ServerState
@@ -28,37 +26,6 @@ def model_dir(tmp_path_factory):
     save_tokenizer(path, 64)
     (path / "config.json").write_text("{}")
     return path
-
-
-def _record_serve(monkeypatch) -> list[str]:
-    """Replace `serve` with one that notes which event loop runs it."""
-    loops: list[str] = []
-
-    async def fake_serve(args) -> None:
-        loops.append(type(asyncio.get_running_loop()).__name__)
-
-    monkeypatch.setattr(launch, "serve", fake_serve)
-    return loops
-
-
-def test_serve_runs_on_uvloop_when_it_is_installed(monkeypatch, model_dir):
-    runs = []
-
-    def uvloop_run(main) -> None:
-        runs.append(main)
-        asyncio.run(main)
-
-    monkeypatch.setitem(sys.modules, "uvloop", types.SimpleNamespace(run=uvloop_run))
-    loops = _record_serve(monkeypatch)
-    launch.run(ServerArgs(model=str(model_dir), log_level="warning"))
-    assert len(runs) == 1 and loops, "baton serve did not start its loop through uvloop.run"
-
-
-def test_serve_falls_back_to_asyncio_without_uvloop(monkeypatch, model_dir):
-    monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` raises ImportError
-    loops = _record_serve(monkeypatch)
-    launch.run(ServerArgs(model=str(model_dir), log_level="warning"))
-    assert loops and "uvloop" not in loops[0].lower()
 
 
 class _OneTokenClient:
