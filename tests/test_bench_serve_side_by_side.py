@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench.serve_side_by_side import LIMITS, server_commands
+from bench.serve_side_by_side import LIMITS, matmul_dtype_choices, server_commands
 
 
 def test_every_server_gets_the_same_limits_and_no_prefix_cache():
@@ -65,7 +66,8 @@ SIGTERM_HELPER = """
 import os, signal, subprocess, sys
 import bench.serve_side_by_side as sbs
 started = []
-def start(command, port, log, timeout_s):
+def start(command, port, log, timeout_s, env=None):
+    log.touch()
     started.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
     print(started[-1].pid, flush=True)
     return started[-1]
@@ -93,3 +95,47 @@ def test_sigterm_stops_the_server_the_benchmark_started():
         not Path(f"/proc/{server_pid}").exists()
         or "Z" in Path(f"/proc/{server_pid}/stat").read_text().split()[2]
     ), "the benchmark's server outlived SIGTERM"
+
+
+def test_each_baton_servers_matmul_dtype_choices_are_read_from_its_log(tmp_path):
+    log = tmp_path / "baton.log"
+    log.write_text(
+        "2026-12-01 engine.process INFO loading\n"
+        "2026-12-01 engine.layers.cpu_backend INFO CPU matmul dtype (BATON_CPU_MATMUL_DTYPE=auto)"
+        " auto: 768x2048: bfloat16 (0.71 ms bfloat16 / 1.56 ms float32)\n"
+    )
+    assert matmul_dtype_choices(log) == [
+        "(BATON_CPU_MATMUL_DTYPE=auto) auto: 768x2048: bfloat16 (0.71 ms bfloat16 / 1.56 ms float32)"
+    ]
+
+
+MATMUL_HELPER = """
+import os, subprocess, sys
+import bench.serve_side_by_side as sbs
+def start(command, port, log, timeout_s, env=None):
+    kind = "vllm" if command[0] == "bash" else "baton"
+    print(kind, (env or os.environ).get("BATON_CPU_MATMUL_DTYPE", "unset"), flush=True)
+    log.write_text("")
+    return subprocess.Popen(["sleep", "30"], start_new_session=True)
+sbs.start = start
+sbs.run_rate = lambda port, model, prompts, rate: {"output_throughput": 1.0, "mean_ttft_ms": 1.0,
+    "p99_ttft_ms": 1.0, "failed": 0, "requests": []}
+sbs.save_model = sbs.save_word_tokenizer = lambda *args: None
+sys.argv = ["serve_side_by_side", "--servers", "baton,vllm", "--peer-vllm", "/none", "--rates", "1",
+    "--matmul-dtype", "model"]
+sbs.main()
+"""
+
+
+def test_matmul_dtype_pins_baton_engines_only():
+    helper = subprocess.run(
+        [sys.executable, "-c", MATMUL_HELPER],
+        env={k: v for k, v in os.environ.items() if k != "BATON_CPU_MATMUL_DTYPE"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert helper.returncode == 0, helper.stderr
+    started = [line for line in helper.stdout.splitlines() if line.split()[0] in ("baton", "vllm")]
+    assert started[0] == "baton model" and "vllm unset" in started
