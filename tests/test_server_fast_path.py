@@ -34,7 +34,9 @@ class _OneTokenClient:
     alive = True
     unavailable_reason = None
     stats: dict = {}
-    ready = EngineReady(vocab_size=1024, max_model_len=512, transfer_addr="")
+    ready = EngineReady(
+        vocab_size=1024, max_model_len=512, transfer_addr="", rank_transfer_addrs=[]
+    )
 
     def num_waiting(self) -> int:
         return 0
