@@ -57,7 +57,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
     check_generation(body)  # the rules the router applies too, before any tokenizing
     if _has_text(body.prompt):
         prompts = await asyncio.to_thread(tokenize_prompts, state, body.prompt)
-    else:  # token ids only: nothing to encode, and a worker thread's round trip costs ~1 ms
+    else:  # token ids only: nothing to encode, so no worker-thread round trip (two loop wakeups)
         prompts = tokenize_prompts(state, body.prompt)
     max_tokens = requested_max_tokens(body)
     assert max_tokens is not None  # completions default to 16
