@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 MATMUL_DTYPE_ENV = "BATON_CPU_MATMUL_DTYPE"
 POLICIES = ("auto", "model", "float32")
 TIMING_ROWS = (16, 64)  # decode-like and prefill-like row counts, timed and summed
+TIMING_ROUNDS = 3  # alternated rounds per shape (see MatmulChooser)
 TIMING_MAX_OUT = 2048  # columns timed per shape: the rate of a 32000-wide lm_head is the same
 # fp32 must beat the model dtype by this much: the casts it adds cost a little in every layer,
 # and a near-tie is noise on a loaded machine
@@ -123,8 +124,13 @@ class MatmulChooser:
             return self.model_dtype
         shape = (in_features, out_features)
         if shape not in self.choices:
-            model_s = self.timer(in_features, out_features, "model")
-            fp32_s = self.timer(in_features, out_features, "float32")
+            # Rounds alternate the two forms and keep each one's best: a burst of other work on
+            # a shared machine then slows one round of both rather than all of one form (timed
+            # back to back, one burst picked the slower dtype for a whole server's life).
+            model_s = fp32_s = float("inf")
+            for _ in range(TIMING_ROUNDS):
+                model_s = min(model_s, self.timer(in_features, out_features, "model"))
+                fp32_s = min(fp32_s, self.timer(in_features, out_features, "float32"))
             self.timings[shape] = (model_s, fp32_s)
             faster = fp32_s < FLOAT32_MARGIN * model_s
             self.choices[shape] = torch.float32 if faster else self.model_dtype
