@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import signal
 import socket
 import subprocess
@@ -15,6 +16,9 @@ import openai
 
 BATON = Path(sys.executable).with_name("baton")  # the console script next to this interpreter
 STARTUP_TIMEOUT_S = 120
+# Every process _start launched: a fixture that fails half-way (its second server never became
+# healthy) or a test run that ends early still stops them all when pytest exits.
+_STARTED: list[ServerProcess] = []
 
 
 def free_port() -> int:
@@ -133,6 +137,7 @@ def _start(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1]
         )
     server = ServerProcess(process=process, port=port, log_path=log_path, api_key=api_key)
+    _STARTED.append(server)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -150,6 +155,13 @@ def _start(
     raise RuntimeError(
         f"baton serve did not become healthy in {STARTUP_TIMEOUT_S} s:\n{server.log()[-4000:]}"
     )
+
+
+@atexit.register
+def stop_all() -> None:
+    """Stop whatever a test started and did not stop (stop is a no-op on an exited process)."""
+    while _STARTED:
+        _STARTED.pop().stop(timeout=10)
 
 
 def tiny_model(tmp_path_factory, **overrides) -> Path:
