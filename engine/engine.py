@@ -25,9 +25,10 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestDelta, TokenLogprobs
 from engine.prefix_cache import PrefixCache
 from engine.request import Request
+from engine.request_timing import RequestTiming
 from engine.sampler import Sampler, top_logprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import SCHEDULE_POLICIES, SchedulePolicy, Scheduler, SchedulerConfig
 from engine.state_cache import StateCache
 from engine.tp_handover import ShardHandoverMixin, gather_addresses, load_connector
 from engine.tp_messages import PoolOps
@@ -52,6 +53,10 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = None  # default: max_running_requests
     cpu_padded_decode: bool = False  # run CPU decode steps through the padded graph runner
     enable_prefix_caching: bool = True
+    # "mixed" (vLLM V1): decodes first, then new prefills with the rest of the budget;
+    # "prefill-first" (SGLang): while requests wait, a step runs prefills only (engine/scheduler.py)
+    schedule_policy: SchedulePolicy = "mixed"
+    request_timing: bool = False  # per-request queue / prefill / decode histograms in stats
     mamba_track_interval: int | None = None  # default: a multiple of chunk and page near 512
     tensor_parallel_size: int = 1  # ranks, one process each; rank 0 is this process
     # A collective that waits longer fails the engine (a rank hung); above the slowest real
@@ -72,6 +77,11 @@ class EngineArgs:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                f"got {self.schedule_policy!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -161,6 +171,7 @@ class Engine(HandoverMixin, ShardHandoverMixin):
                 chunked_prefill_size=min(args.chunked_prefill_size, args.max_num_batched_tokens),
                 max_running_requests=args.max_running_requests,
                 page_size=args.page_size,
+                policy=args.schedule_policy,
             ),
             self.pages,
             self.slots,
@@ -173,6 +184,7 @@ class Engine(HandoverMixin, ShardHandoverMixin):
             self.runner = RankedRunner(self.runner, self.ranks, self.pool_ops)
         self.graph_runner = self._make_graph_runner() if self.ranks is None else None
         self.sampler = Sampler(args.seed, self.device)
+        self.timing = RequestTiming() if args.request_timing else None
         self.requests: dict[str, Request] = {}
         # request id -> called with the finished Request before its pages and slot are freed
         # (the prefill side of a disaggregated pair snapshots it with export_state)
@@ -257,6 +269,8 @@ class Engine(HandoverMixin, ShardHandoverMixin):
     ) -> None:
         req = self._new_request(request_id, prompt_token_ids, params)
         self.scheduler.add(req)
+        if self.timing is not None:
+            self.timing.added(request_id)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming what is wrong with this request; nothing is created."""
@@ -298,6 +312,8 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         self.finish_hooks.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req, "abort")
+        if self.timing is not None:
+            self.timing.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -323,12 +339,18 @@ class Engine(HandoverMixin, ShardHandoverMixin):
             mamba_checkpoints_mixed=self.checkpoints_by_mode["mixed"],
         )
 
+    def timing_stats(self) -> dict[str, float]:
+        """The request timing histograms (engine/request_timing.py); empty when off."""
+        return self.timing.as_stats() if self.timing is not None else {}
+
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
         sched = self.scheduler.schedule()
         if sched is None:
             return []
+        if self.timing is not None:
+            self.timing.scheduled(sched)
         if self.graph_runner is not None and self.graph_runner.can_run(sched):
             md, logits = self.graph_runner.forward(sched)
         else:
@@ -406,6 +428,8 @@ class Engine(HandoverMixin, ShardHandoverMixin):
                 hook(req)  # before its pages and slot are freed
             self.scheduler.finish(req, finish, stop_reason)
             del self.requests[req.request_id]
+        if self.timing is not None:
+            self.timing.sampled(req.request_id, finished=finish is not None)
         first = len(req.output_ids) == 1
         return RequestDelta(
             request_id=req.request_id,

@@ -143,7 +143,9 @@ class EngineLoop:
             )
 
     def _stats(self) -> dict[str, int | float]:
-        return asdict(self.engine.stats())
+        # request timing histograms when the engine keeps them (wrapped disagg engines do not)
+        timing = getattr(self.engine, "timing_stats", dict)()
+        return asdict(self.engine.stats()) | timing
 
     def _send(self, message) -> None:
         self.outbox.send(encode(message))

@@ -7,6 +7,10 @@ One step:
      (at most `chunked_prefill_size`), while the step's token budget lasts;
   2. waiting requests are admitted (FIFO) while the budget, `max_running_requests`, a free Mamba
      slot and KV pages for their first chunk allow.
+That is vLLM V1's schedule (policy "mixed"). Policy "prefill-first" is SGLang's default: while
+requests wait and can be admitted, step 1 skips the decodes, so the step is prefill chunks only;
+the decodes run in the next step (a new request's first token sooner, running requests' next
+token later).
 When the KV pool runs dry, the most recently admitted request not yet scheduled this step is
 preempted by recompute: its pages and slot are freed and it goes back to the front of the
 waiting queue with its generated tokens kept (they are re-fed as prompt on resumption).
@@ -16,7 +20,8 @@ With a prefix cache, admission first matches the prompt against cached blocks (s
 pages and starting from a copy of the deepest checkpoint), and every step marks the requests whose
 tokens cross a multiple of `track_interval` (TrackPoints, plus the host flag
 `has_mamba_track_mask`) so the forward checkpoints their state; `commit_step` then registers the
-new blocks. Under memory pressure idle cached blocks are evicted before anything is preempted.
+new blocks (engine/scheduler_blocks.py). Under memory pressure idle cached blocks are evicted
+before anything is preempted.
 """
 
 from __future__ import annotations
@@ -24,12 +29,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from engine.forward_metadata import ScheduledBatch, TrackPoint
+from engine.forward_metadata import ScheduledBatch
 from engine.memory import IndexPool, OutOfMemory
 from engine.outputs import FinishReason
 from engine.prefix_cache import PrefixCache
 from engine.request import Hold, Request, Status
+from engine.scheduler_blocks import PrefixBlocks
+
+SchedulePolicy = Literal["mixed", "prefill-first"]
+SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,9 +48,10 @@ class SchedulerConfig:
     chunked_prefill_size: int
     max_running_requests: int
     page_size: int
+    policy: SchedulePolicy
 
 
-class Scheduler:
+class Scheduler(PrefixBlocks):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -141,6 +152,16 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         self.release_held()
+        if self.config.policy == "prefill-first" and self.waiting:
+            # SGLang's default: while requests wait, a step runs prefills only (new ones and the
+            # next chunks of running ones), so a new request's first step carries no decode rows;
+            # the decodes run in the next step that admits nothing.
+            batch = self._build(with_decodes=False)
+            if batch is not None:
+                return batch
+        return self._build(with_decodes=True)
+
+    def _build(self, with_decodes: bool) -> ScheduledBatch | None:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         decodes: list[tuple[Request, int]] = []
@@ -152,6 +173,8 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
+            if req.num_remaining == 1 and not with_decodes:
+                continue
             n = (
                 1
                 if req.num_remaining == 1
@@ -208,78 +231,6 @@ class Scheduler:
         else:
             self.reset_slot(req.mamba_slot)
         return True
-
-    def _track_points(self, rows: list[tuple[Request, int]]) -> list[TrackPoint]:
-        """Checkpoint every block boundary crossed this step that is not cached yet."""
-        cache = self.prefix_cache
-        if cache is None:
-            return []
-        interval, points = cache.track_interval, []
-        for s, (req, n) in enumerate(rows):
-            start, end = req.num_computed, req.num_computed + n
-            first = (start // interval + 1) * interval
-            for boundary in range(first, end + 1, interval):
-                k = boundary // interval - 1
-                if k < len(req.cached_blocks):
-                    continue
-                key = cache.chain_keys(req.all_ids, k + 1)[-1]
-                if cache.lookup(key) is not None:
-                    continue  # someone cached it meanwhile: adopted in commit_step
-                slot = self.checkpoint_slot()
-                if slot is None:
-                    break
-                points.append(
-                    TrackPoint(seq_index=s, token_offset=boundary - start - 1, dst_slot=slot)
-                )
-                self._pending_blocks.append((req, k, key, slot))
-        return points
-
-    def commit_step(self) -> None:
-        """After the forward: register the blocks whose checkpoints it wrote, in order, and
-        adopt blocks other requests cached meanwhile (freeing our duplicate pages)."""
-        cache = self.prefix_cache
-        if cache is None:
-            return
-        pending = {(id(req), k): slot for req, k, _, slot in self._pending_blocks}
-        self._pending_blocks = []
-        for req in self.running:
-            full = req.num_computed // cache.track_interval
-            while len(req.cached_blocks) < full:
-                k = len(req.cached_blocks)
-                if not self.extend_chain(req, k, pending.pop((id(req), k), None)):
-                    break  # no checkpoint of this block: the chain stops here for this request
-        for slot in pending.values():  # checkpoints that could not be registered
-            self.slots.free([slot])
-
-    def extend_chain(self, req: Request, k: int, checkpoint_slot: int | None) -> bool:
-        """Make block k (== len(req.cached_blocks)) of `req` cached: adopt an identical cached
-        block (our duplicate pages and checkpoint are freed) or insert our own pages with the
-        checkpoint already written to `checkpoint_slot`. False when neither is possible."""
-        cache = self.prefix_cache
-        ppb, interval = cache.pages_per_block, cache.track_interval
-        tokens = tuple(req.all_ids[k * interval : (k + 1) * interval])
-        key = cache.chain_keys(req.all_ids, k + 1)[-1]
-        own = req.kv_pages[k * ppb : (k + 1) * ppb]
-        existing = cache.lookup(key)
-        if existing is not None and existing.tokens == tokens:
-            existing.ref_count += 1
-            self.pages.free(own)
-            req.kv_pages[k * ppb : (k + 1) * ppb] = existing.pages
-            req.cached_blocks.append(existing)
-            if checkpoint_slot is not None:
-                self.slots.free([checkpoint_slot])
-            return True
-        if checkpoint_slot is None or existing is not None:
-            return False
-        parent = req.cached_blocks[-1] if req.cached_blocks else None
-        req.cached_blocks.append(cache.insert(key, tokens, parent, own, checkpoint_slot))
-        return True
-
-    def checkpoint_slot(self) -> int | None:
-        """A free Mamba slot for a checkpoint (evicting idle cached blocks if needed), or None."""
-        if self.slots.available == 0 and not self.prefix_cache.evict(slots=1):
-            return None
-        return self.slots.alloc(1)[0]
 
     def _batch(
         self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]

@@ -61,6 +61,8 @@ class ServerArgs:
     engine_start_timeout: float = 600.0
     log_level: str = "info"
     no_prefix_cache: bool = False
+    schedule_policy: str = "mixed"  # engine/scheduler.py: "mixed" (vLLM V1) or "prefill-first"
+    request_metrics: bool = False  # per-request engine timing histograms on /metrics
     mem_fraction: float | None = None
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
@@ -114,6 +116,10 @@ class ServerArgs:
                 " pass --disagg-secret (or set BATON_DISAGG_SECRET) so that only your decode"
                 " workers can talk to it"
             )
+        if self.schedule_policy not in ("mixed", "prefill-first"):
+            raise ValueError(
+                f"--schedule-policy must be mixed or prefill-first, got {self.schedule_policy!r}"
+            )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         for name in (*ENGINE_ARG_NAMES, "max_queued_requests"):
@@ -136,6 +142,10 @@ class ServerArgs:
             args["enable_prefix_caching"] = False
         if self.disable_cuda_graph:
             args["disable_cuda_graph"] = True
+        if self.schedule_policy != "mixed":
+            args["schedule_policy"] = self.schedule_policy
+        if self.request_metrics:
+            args["request_timing"] = True
         return args
 
     def disagg_options(self) -> dict[str, Any] | None:

@@ -150,6 +150,22 @@ def add_serve_parser(subparsers) -> None:
         help="CUDA: largest decode batch captured in a graph (default: --max-running-requests)",
     )
 
+    engine.add_argument(
+        "--schedule-policy",
+        default=_default("schedule_policy"),
+        choices=["mixed", "prefill-first"],
+        help="mixed: each step runs the running requests' decodes, then new prefills with the "
+        "rest of the token budget (vLLM V1); prefill-first: while requests wait, a step runs "
+        "prefills only and the decodes wait one step (SGLang's default: first tokens sooner, "
+        "running requests' next tokens later)",
+    )
+    engine.add_argument(
+        "--request-metrics",
+        action="store_true",
+        help="time every request inside the engine and expose queue / prefill / decode time, "
+        "steps waited and first-step size as baton:request_* histograms on /metrics",
+    )
+
     cache = parser.add_argument_group("prefix cache")
     cache.add_argument(
         "--no-prefix-cache",

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from disagg.rooms import LATENCY_BUCKET_KEY
+from engine.request_timing import HISTOGRAMS, STATS_PREFIX
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -113,6 +114,37 @@ _ENGINE_METRICS = {
 }
 
 
+# engine/request_timing.py histogram -> help (metric name: baton:<histogram>)
+_REQUEST_TIMING_HELP = {
+    "request_queue_time_seconds": "Engine: time from a request's arrival to its first step.",
+    "request_prefill_time_seconds": "Engine: time from a request's first step to its first token.",
+    "request_decode_time_seconds": "Engine: time from a request's first token to its last.",
+    "request_queue_steps": "Engine: steps run between a request's arrival and its first step.",
+    "request_first_step_tokens": "Engine: tokens of the step that first scheduled a request.",
+    "request_first_step_decode_rows": "Engine: decode rows in the step that first scheduled a "
+    "request.",
+    "iteration_tokens": "Engine: tokens per step.",
+}
+
+
+def _request_timing_families(stats: dict[str, int | float]) -> Iterator:
+    """The engine's request timing histograms, when it keeps them (--request-metrics)."""
+    for name in HISTOGRAMS:
+        key = f"{STATS_PREFIX}{name}"
+        if f"{key}:count" not in stats:
+            continue
+        marker = f"{key}:le:"
+        buckets = sorted(
+            (float(k[len(marker) :]), count) for k, count in stats.items() if k.startswith(marker)
+        )
+        yield HistogramMetricFamily(
+            f"baton:{name}",
+            _REQUEST_TIMING_HELP[name],
+            buckets=[("+Inf" if le == float("inf") else str(le), n) for le, n in buckets],
+            sum_value=stats[f"{key}:sum"],
+        )
+
+
 class EngineStatsCollector(Collector):
     """Exposes the engine's last reported stats; usage ratios are derived from used/total."""
 
@@ -138,6 +170,7 @@ class EngineStatsCollector(Collector):
                 buckets=[("+Inf" if le == float("inf") else str(le), n) for le, n in buckets],
                 sum_value=stats.get("disagg_transfer_latency_sum", 0.0),
             )
+        yield from _request_timing_families(stats)
         checkpoints = CounterMetricFamily(
             "baton:mamba_checkpoints",
             "Mamba state checkpoints written for the prefix cache, by the kind of step that"

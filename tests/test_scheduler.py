@@ -8,7 +8,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 
 
-def make(budget=32, chunk=16, max_running=8, pages=64, slots=8, page_size=4):
+def make(budget=32, chunk=16, max_running=8, pages=64, slots=8, page_size=4, policy="mixed"):
     reset = []
     sched = Scheduler(
         SchedulerConfig(
@@ -16,6 +16,7 @@ def make(budget=32, chunk=16, max_running=8, pages=64, slots=8, page_size=4):
             chunked_prefill_size=chunk,
             max_running_requests=max_running,
             page_size=page_size,
+            policy=policy,
         ),
         IndexPool(pages, "pages"),
         IndexPool(slots, "slots"),
@@ -121,3 +122,55 @@ def test_abort_frees_pages_and_slot_everywhere():
     assert running.finish_reason == waiting.finish_reason == "abort"
     assert sched.pages.used == 0 and sched.slots.used == 0 and not sched.has_work()
     assert sched.schedule() is None
+
+
+def _two_decoding_and_one_new(policy):
+    sched, _ = make(budget=32, chunk=16, policy=policy)
+    for rid in ("a", "b"):
+        sched.add(req(rid, 3, max_tokens=10))
+    fake_step(sched)  # both prefill and sample their first token: now decoding
+    sched.add(req("new", 12))
+    return sched
+
+
+def test_mixed_policy_runs_decodes_beside_a_new_prefill():
+    sched = _two_decoding_and_one_new("mixed")
+    batch = fake_step(sched)
+    assert batch.request_ids == ("a", "b", "new") and batch.num_decode_seqs == 2
+
+
+def test_prefill_first_runs_a_waiting_prefill_without_the_decodes():
+    sched = _two_decoding_and_one_new("prefill-first")
+    batch = fake_step(sched)
+    assert batch.mode == "extend"
+    assert batch.request_ids == ("new",) and batch.seq_lens == (12,)
+    # nothing waits now: the next step decodes all three, none was dropped
+    batch = fake_step(sched)
+    assert batch.mode == "decode" and batch.request_ids == ("a", "b", "new")
+    assert [len(sched.find(r).output_ids) for r in ("a", "b", "new")] == [2, 2, 2]
+
+
+def test_prefill_first_keeps_chunking_running_prefills_while_others_wait():
+    sched, _ = make(budget=16, chunk=8, policy="prefill-first")
+    sched.add(req("dec", 3, max_tokens=10))
+    fake_step(sched)
+    sched.add(req("long", 20))
+    sched.add(req("late", 4))
+    batch = fake_step(sched)
+    assert batch.request_ids == ("long", "late") and batch.seq_lens == (8, 4)
+    batch = fake_step(sched)  # "late" is decoding, "long" has 12 to go, nothing waits
+    assert batch.request_ids == ("dec", "late", "long") and batch.num_decode_seqs == 2
+
+
+def test_prefill_first_decodes_when_the_waiting_request_cannot_be_admitted():
+    sched, _ = make(budget=32, chunk=16, max_running=2, policy="prefill-first")
+    for rid in ("a", "b"):
+        sched.add(req(rid, 3, max_tokens=3))
+    fake_step(sched)
+    sched.add(req("new", 5))  # max_running_requests is reached: it must wait for a finish
+    batch = fake_step(sched)
+    assert batch.mode == "decode" and batch.request_ids == ("a", "b")
+    fake_step(sched)  # a and b reach max_tokens and finish
+    batch = fake_step(sched)
+    assert batch.request_ids == ("new",)
+    assert not sched.waiting
