@@ -193,9 +193,15 @@ async def send_request(
     )
 
 
-async def run_benchmark(config: BenchConfig, clock: Clock = time.perf_counter) -> dict:
+async def run_benchmark(
+    config: BenchConfig,
+    clock: Clock = time.perf_counter,
+    after_warmup: Callable[[], None] | None = None,
+) -> dict:
     """Warm up, send every prompt on the arrival schedule, and return the summary plus the
-    per-request records (`requests`). Raises RuntimeError when the warm-up fails."""
+    per-request records (`requests`). `after_warmup` runs between the warm-up and the first
+    request (a scrape of the server's /metrics, so that the warm-up is not counted in it).
+    Raises RuntimeError when the warm-up fails."""
     limits = httpx.Limits(max_connections=config.max_concurrency or len(config.prompts) or 1)
     timeout = httpx.Timeout(None, connect=30.0)
     semaphore = asyncio.Semaphore(config.max_concurrency or max(1, len(config.prompts)))
@@ -212,6 +218,8 @@ async def run_benchmark(config: BenchConfig, clock: Clock = time.perf_counter) -
             failed = [record.error for record in warm if not record.success]
             if failed:
                 raise RuntimeError(f"warm-up request failed: {failed[0]}")
+        if after_warmup is not None:
+            after_warmup()
         bar = tqdm(total=len(config.prompts), disable=not config.progress, desc="bench serve")
         gaps = arrival_gaps(len(config.prompts), config.request_rate, config.seed)
         tasks = []

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -126,3 +127,48 @@ def format_summary(summary: dict[str, float | int]) -> str:
             lines.append(f"{f'P{p} {upper} (ms):':<40}{summary[f'p{p}_{name}_ms']:>20.2f}")
     lines.append("=" * 60)
     return "\n".join(lines)
+
+
+# What the engine saw, from the server's /metrics: ours -> (baton's histogram, vLLM's or None).
+# baton exposes these with `--request-metrics`; vLLM's V1 server always does (same definitions:
+# queue = arrival in the engine -> first scheduled, prefill = -> first token, decode = -> last).
+ENGINE_HISTOGRAMS: dict[str, tuple[str, str | None]] = {
+    "queue_time_ms": ("baton:request_queue_time_seconds", "vllm:request_queue_time_seconds"),
+    "prefill_time_ms": ("baton:request_prefill_time_seconds", "vllm:request_prefill_time_seconds"),
+    "decode_time_ms": ("baton:request_decode_time_seconds", "vllm:request_decode_time_seconds"),
+    "step_tokens": ("baton:iteration_tokens", "vllm:iteration_tokens_total"),
+    "queue_steps": ("baton:request_queue_steps", None),
+    "first_step_tokens": ("baton:request_first_step_tokens", None),
+    "first_step_decode_rows": ("baton:request_first_step_decode_rows", None),
+}
+
+
+def histogram_totals(page: str) -> dict[str, tuple[float, float]]:
+    """histogram name -> (count, sum) over all its label sets, from a Prometheus text page."""
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(page):
+        if family.type != "histogram":
+            continue
+        for sample in family.samples:
+            for suffix, index in (("_count", 0), ("_sum", 1)):
+                if sample.name.endswith(suffix):
+                    base = sample.name[: -len(suffix)]
+                    totals.setdefault(base, [0.0, 0.0])[index] += sample.value
+    return {name: (count, total) for name, (count, total) in totals.items()}
+
+
+def engine_means(before: str, after: str) -> dict[str, float]:
+    """Mean of each ENGINE_HISTOGRAMS entry over what was observed between two scrapes of
+    /metrics (times in ms); entries the server does not expose are left out."""
+    first, last = histogram_totals(before), histogram_totals(after)
+    means = {}
+    for key, names in ENGINE_HISTOGRAMS.items():
+        for name in names:
+            if name is None or name not in last:
+                continue
+            count0, sum0 = first.get(name, (0.0, 0.0))
+            count1, sum1 = last[name]
+            if count1 > count0:
+                scale = 1000.0 if key.endswith("_ms") else 1.0
+                means[key] = (sum1 - sum0) / (count1 - count0) * scale
+    return means

@@ -31,6 +31,7 @@ import httpx
 
 from bench.peer import PEERS, save_word_tokenizer
 from bench.serve import BenchConfig, BenchPrompt, run_benchmark
+from bench.serve_metrics import engine_means
 from bench.workloads import CONFIGS, save_model
 from server.up import free_port
 
@@ -38,15 +39,26 @@ ROOT = Path(__file__).resolve().parents[1]
 LIMITS = {"max_running_requests": 64, "max_num_batched_tokens": 2048}
 
 
-def server_commands(kind: str, model: str, dtype: str, port: int, vllm_dir: str | None):
+def server_commands(
+    kind: str,
+    model: str,
+    dtype: str,
+    port: int,
+    vllm_dir: str | None,
+    baton_flags: tuple[str, ...] = (),
+):
+    """`baton_flags` go to every baton engine (e.g. --schedule-policy); --request-metrics is
+    always on for `baton serve`, whose /metrics the benchmark reads (vLLM's has them always)."""
     baton = [sys.executable, "-m", "server.cli"]
     limits = [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
     if kind == "baton":
         return [*baton, "serve", "--model", model, "--dtype", dtype, "--port", str(port),
-                "--no-prefix-cache", "--log-level", "warning", *limits]  # fmt: skip
+                "--no-prefix-cache", "--log-level", "warning", "--request-metrics", *limits,
+                *baton_flags]  # fmt: skip
     if kind == "baton-pd":
         return [*baton, "up", "--model", model, "--dtype", dtype, "--port", str(port),
-                "--", "--no-prefix-cache", "--log-level", "warning", *limits]  # fmt: skip
+                "--", "--no-prefix-cache", "--log-level", "warning", *limits,
+                *baton_flags]  # fmt: skip
     return ["bash", str(PEERS / "vllm_cpu_run.sh"), vllm_dir,
             "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
             "--dtype", dtype, "--max-model-len", "2048", "--no-enable-prefix-caching",
@@ -129,9 +141,30 @@ def run_rate(port: int, model: str, prompts: list[BenchPrompt], rate: float) -> 
         seed=0,
         progress=False,
     )
-    summary = asyncio.run(run_benchmark(config))
+    pages = []
+
+    def scrape() -> None:
+        pages.append(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text)
+
+    summary = asyncio.run(run_benchmark(config, after_warmup=scrape))
     summary.pop("requests")
+    scrape()
+    summary["engine"] = engine_means(pages[0], pages[1])
     return summary
+
+
+def engine_line(engine: dict[str, float]) -> str:
+    """What the engine saw, means per request (per step for step_tokens), from its /metrics."""
+    names = {
+        "queue_time_ms": "queue {:.0f} ms",
+        "queue_steps": "{:.2f} steps",
+        "prefill_time_ms": "prefill {:.0f} ms",
+        "first_step_tokens": "first step {:.0f} tok",
+        "first_step_decode_rows": "{:.1f} decode rows",
+        "decode_time_ms": "decode {:.0f} ms",
+        "step_tokens": "{:.0f} tok/step",
+    }
+    return ", ".join(text.format(engine[key]) for key, text in names.items() if key in engine)
 
 
 def main() -> None:
@@ -152,6 +185,11 @@ def main() -> None:
         choices=["auto", "model", "float32"],
         default="auto",
         help="BATON_CPU_MATMUL_DTYPE for baton's engines (auto: timed at load, noisy under load)",
+    )
+    ap.add_argument(
+        "--baton-flags",
+        default="",
+        help="extra flags for every baton engine, e.g. '--schedule-policy prefill-first'",
     )
     ap.add_argument("--output")
     args = ap.parse_args()
@@ -180,7 +218,9 @@ def main() -> None:
         save_word_tokenizer(model, vocab)
         for kind in servers:
             port = free_port()
-            command = server_commands(kind, model, args.dtype, port, args.peer_vllm)
+            command = server_commands(
+                kind, model, args.dtype, port, args.peer_vllm, tuple(args.baton_flags.split())
+            )
             log = Path(scratch, f"{kind}.log")
             env = dict(os.environ)
             if kind != "vllm" and args.matmul_dtype != "auto":
@@ -198,9 +238,11 @@ def main() -> None:
                     print(
                         f"{kind:9s} rate {rate:>4}: {summary['output_throughput']:8.1f} out tok/s, "
                         f"TTFT mean {summary['mean_ttft_ms']:7.0f} ms p99 {summary['p99_ttft_ms']:7.0f} "
-                        f"ms, failed {summary['failed']}",
+                        f"ms, ITL mean {summary['mean_itl_ms']:5.0f} ms, failed {summary['failed']}",
                         flush=True,
                     )
+                    if summary["engine"]:
+                        print(f"{'':9s}   engine: {engine_line(summary['engine'])}", flush=True)
             finally:
                 stop(process)
     if "vllm" in results:

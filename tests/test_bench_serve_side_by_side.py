@@ -119,7 +119,7 @@ def start(command, port, log, timeout_s, env=None):
     return subprocess.Popen(["sleep", "30"], start_new_session=True)
 sbs.start = start
 sbs.run_rate = lambda port, model, prompts, rate: {"output_throughput": 1.0, "mean_ttft_ms": 1.0,
-    "p99_ttft_ms": 1.0, "failed": 0, "requests": []}
+    "p99_ttft_ms": 1.0, "mean_itl_ms": 1.0, "failed": 0, "engine": {}, "requests": []}
 sbs.save_model = sbs.save_word_tokenizer = lambda *args: None
 sys.argv = ["serve_side_by_side", "--servers", "baton,vllm", "--peer-vllm", "/none", "--rates", "1",
     "--matmul-dtype", "model"]
