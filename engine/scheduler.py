@@ -8,9 +8,9 @@ One step:
   2. waiting requests are admitted (FIFO) while the budget, `max_running_requests`, a free Mamba
      slot and KV pages for their first chunk allow.
 That is vLLM V1's schedule (policy "mixed"). Policy "prefill-first" is SGLang's default: while
-requests wait and can be admitted, step 1 skips the decodes, so the step is prefill chunks only;
-the decodes run in the next step (a new request's first token sooner, running requests' next
-token later).
+requests wait and can be admitted, step 1 skips the decodes, so the step is prefill chunks only,
+within `max_prefill_tokens`; the decodes run in the next step (a new request's first token
+sooner, running requests' next token later).
 When the KV pool runs dry, the most recently admitted request not yet scheduled this step is
 preempted by recompute: its pages and slot are freed and it goes back to the front of the
 waiting queue with its generated tokens kept (they are re-fed as prompt on resumption).
@@ -49,6 +49,7 @@ class SchedulerConfig:
     max_running_requests: int
     page_size: int
     policy: SchedulePolicy
+    max_prefill_tokens: int  # token budget of a prefill-first step (<= max_num_batched_tokens)
 
 
 class Scheduler(PrefixBlocks):
@@ -156,14 +157,13 @@ class Scheduler(PrefixBlocks):
             # SGLang's default: while requests wait, a step runs prefills only (new ones and the
             # next chunks of running ones), so a new request's first step carries no decode rows;
             # the decodes run in the next step that admits nothing.
-            batch = self._build(with_decodes=False)
+            batch = self._build(with_decodes=False, budget=self.config.max_prefill_tokens)
             if batch is not None:
                 return batch
-        return self._build(with_decodes=True)
+        return self._build(with_decodes=True, budget=self.config.max_num_batched_tokens)
 
-    def _build(self, with_decodes: bool) -> ScheduledBatch | None:
+    def _build(self, with_decodes: bool, budget: int) -> ScheduledBatch | None:
         cfg = self.config
-        budget = cfg.max_num_batched_tokens
         decodes: list[tuple[Request, int]] = []
         prefills: list[tuple[Request, int]] = []
         scheduled: set[int] = set()

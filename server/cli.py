@@ -154,10 +154,16 @@ def add_serve_parser(subparsers) -> None:
         "--schedule-policy",
         default=_default("schedule_policy"),
         choices=["mixed", "prefill-first"],
-        help="mixed: each step runs the running requests' decodes, then new prefills with the "
-        "rest of the token budget (vLLM V1); prefill-first: while requests wait, a step runs "
-        "prefills only and the decodes wait one step (SGLang's default: first tokens sooner, "
-        "running requests' next tokens later)",
+        help="prefill-first: while requests wait, a step runs prefills only (within "
+        "--max-prefill-tokens) and the decodes wait one step (SGLang's default: first tokens "
+        "sooner, running requests' next tokens later); mixed: each step runs the running "
+        "requests' decodes, then new prefills with the rest of the token budget (vLLM V1)",
+    )
+    engine.add_argument(
+        "--max-prefill-tokens",
+        type=_non_negative_int,
+        help="tokens of one prefill-first step (default: 512 on the CPU, else "
+        "--max-num-batched-tokens)",
     )
     engine.add_argument(
         "--request-metrics",

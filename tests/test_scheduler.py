@@ -8,7 +8,16 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 
 
-def make(budget=32, chunk=16, max_running=8, pages=64, slots=8, page_size=4, policy="mixed"):
+def make(
+    budget=32,
+    chunk=16,
+    max_running=8,
+    pages=64,
+    slots=8,
+    page_size=4,
+    policy="mixed",
+    prefill_budget=None,
+):
     reset = []
     sched = Scheduler(
         SchedulerConfig(
@@ -17,6 +26,7 @@ def make(budget=32, chunk=16, max_running=8, pages=64, slots=8, page_size=4, pol
             max_running_requests=max_running,
             page_size=page_size,
             policy=policy,
+            max_prefill_tokens=prefill_budget or budget,
         ),
         IndexPool(pages, "pages"),
         IndexPool(slots, "slots"),
@@ -174,3 +184,16 @@ def test_prefill_first_decodes_when_the_waiting_request_cannot_be_admitted():
     batch = fake_step(sched)
     assert batch.request_ids == ("new",)
     assert not sched.waiting
+
+
+def test_prefill_first_steps_keep_to_their_own_budget():
+    sched, _ = make(budget=32, chunk=16, policy="prefill-first", prefill_budget=8)
+    sched.add(req("dec", 3, max_tokens=10))
+    sched.add(req("p1", 6))
+    sched.add(req("p2", 6))
+    batch = fake_step(sched)  # 8 tokens: dec whole, p1 cut to 5 (waiting: p2)
+    assert batch.request_ids == ("dec", "p1") and batch.seq_lens == (3, 5)
+    batch = fake_step(sched)  # p2 waits: prefills only, 8 tokens (p1's last 1 is a "decode")
+    assert batch.request_ids == ("p2",) and batch.seq_lens == (6,)
+    batch = fake_step(sched)  # nobody waits: the full budget, decodes included
+    assert batch.request_ids == ("dec", "p1", "p2") and batch.seq_lens == (1, 1, 1)

@@ -74,3 +74,25 @@ def _batch_of(request_id: str, tokens: int, decode_rows: int):
         num_decode_seqs = decode_rows
 
     return Batch()
+
+
+def test_a_server_schedules_prefill_first_unless_told_otherwise(tmp_path):
+    from server.args import ServerArgs
+
+    (tmp_path / "config.json").write_text("{}")
+    assert ServerArgs(model=str(tmp_path)).engine_args()["schedule_policy"] == "prefill-first"
+    mixed = ServerArgs(model=str(tmp_path), schedule_policy="mixed", max_prefill_tokens=256)
+    assert mixed.engine_args()["schedule_policy"] == "mixed"
+    assert mixed.engine_args()["max_prefill_tokens"] == 256
+    with pytest.raises(ValueError, match="--schedule-policy"):
+        ServerArgs(model=str(tmp_path), schedule_policy="fastest")
+
+
+def test_cpu_prefill_first_steps_default_to_512_tokens(base_model):
+    from engine.engine import Engine
+
+    model_dir, _ = base_model
+    engine = Engine(model_dir, max_total_tokens=1024, max_running_requests=2)
+    assert engine.scheduler.config.max_prefill_tokens == 512
+    small = Engine(model_dir, max_total_tokens=1024, max_num_batched_tokens=256)
+    assert small.scheduler.config.max_prefill_tokens == 256  # never above the step budget
