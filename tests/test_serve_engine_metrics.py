@@ -1,5 +1,5 @@
-"""bench.serve_side_by_side reads what the engine saw from /metrics: baton's request timing
-histograms and vLLM's, differenced between two scrapes."""
+"""bench.serve_side_by_side reads what the engine saw from /metrics (baton's request timing
+histograms and vLLM's, differenced between two scrapes); the server's scheduling defaults."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import pytest
 
 from bench.serve_metrics import engine_means, histogram_totals
 from bench.serve_side_by_side import server_commands
+from engine.engine import Engine
 from engine.request_timing import RequestTiming
+from server.args import ServerArgs
 from server.metrics import ServerMetrics
 
 VLLM_PAGE = """\
@@ -77,8 +79,6 @@ def _batch_of(request_id: str, tokens: int, decode_rows: int):
 
 
 def test_a_server_schedules_prefill_first_unless_told_otherwise(tmp_path):
-    from server.args import ServerArgs
-
     (tmp_path / "config.json").write_text("{}")
     assert ServerArgs(model=str(tmp_path)).engine_args()["schedule_policy"] == "prefill-first"
     mixed = ServerArgs(model=str(tmp_path), schedule_policy="mixed", max_prefill_tokens=256)
@@ -89,8 +89,6 @@ def test_a_server_schedules_prefill_first_unless_told_otherwise(tmp_path):
 
 
 def test_cpu_prefill_first_steps_default_to_512_tokens(base_model):
-    from engine.engine import Engine
-
     model_dir, _ = base_model
     engine = Engine(model_dir, max_total_tokens=1024, max_running_requests=2)
     assert engine.scheduler.config.max_prefill_tokens == 512
