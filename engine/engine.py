@@ -181,7 +181,8 @@ class Engine(HandoverMixin, ShardHandoverMixin):
                 page_size=args.page_size,
                 policy=args.schedule_policy,
                 max_prefill_tokens=min(
-                    args.max_prefill_tokens or (512 if self.device.type == "cpu" else 1 << 62),
+                    args.max_prefill_tokens
+                    or (512 if self.device.type == "cpu" else args.max_num_batched_tokens),
                     args.max_num_batched_tokens,
                 ),
             ),

@@ -8,9 +8,10 @@ One step:
   2. waiting requests are admitted (FIFO) while the budget, `max_running_requests`, a free Mamba
      slot and KV pages for their first chunk allow.
 That is vLLM V1's schedule (policy "mixed"). Policy "prefill-first" is SGLang's default: while
-requests wait and can be admitted, step 1 skips the decodes, so the step is prefill chunks only,
-within `max_prefill_tokens`; the decodes run in the next step (a new request's first token
-sooner, running requests' next token later).
+requests wait, step 1 skips the decodes, so the step is prefill chunks only (running requests'
+next chunks and new requests), within `max_prefill_tokens`; the decodes run in the next step
+that has no prefill to run (a new request's first token sooner, running requests' next token
+later). When no prefill can run (the waiting ones cannot be admitted), the step is the mixed one.
 When the KV pool runs dry, the most recently admitted request not yet scheduled this step is
 preempted by recompute: its pages and slot are freed and it goes back to the front of the
 waiting queue with its generated tokens kept (they are re-fed as prompt on resumption).
