@@ -343,63 +343,117 @@ void baton_rms_norm(const void *x, int64_t x_stride, const float *weight, void *
 }
 
 /* Decode attention straight from the paged K/V cache (one query per sequence, GQA, no mask
- * beyond each sequence's length): online softmax in float32, no gathered copy of the keys.
+ * beyond each sequence's length), float32 arithmetic, no gathered copy of the keys.
  * q, out (S, H, Dh) model dtype rows; caches (num_token_slots, KVH, Dh) model dtype;
  * kv_indices (S, >= max kv_len) token slots with row stride idx_stride; kv_lens (S) int32.
- * Returns the first bad sequence + 1 when a token slot is outside the cache, before writing. */
+ * Returns the first bad sequence + 1 when a token slot is outside the cache, before writing.
+ *
+ * A work item is one (sequence, KV head) with its H / KVH query heads, in three passes: every
+ * key row is read (and widened) once for the whole group into scores (group, len); the softmax
+ * is one vectorised exp per score after the row maximum is known; every value row is read once
+ * and added into the group's accumulators. An online softmax (one pass) needs two scalar libm
+ * exps and a rescale of the accumulator per key and head: ~4x this kernel's time at 19M's and
+ * 110M's decode shapes (32 sequences x ~160 keys, 1 thread). */
 int64_t baton_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                                int64_t num_token_slots, const int64_t *kv_indices,
                                int64_t idx_stride, const int32_t *kv_lens, void *out, int64_t S,
                                int64_t H, int64_t KVH, int64_t Dh, float scale, int bf16,
                                int nthreads) {
-    for (int64_t s = 0; s < S; s++)
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < S; s++) {
         for (int64_t j = 0; j < kv_lens[s]; j++) {
             const int64_t t = kv_indices[s * idx_stride + j];
             if (t < 0 || t >= num_token_slots) return s + 1;
         }
+        if (kv_lens[s] > max_len) max_len = kv_lens[s];
+    }
     const int64_t group = H / KVH;
+    int64_t failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float acc[512], qv[512];
+        /* per thread: scores (group, max_len); q and acc (group, Dh); one widened row (Dh);
+         * 1 / softmax sum (group) */
+        float *scratch = malloc(sizeof(float) * (group * max_len + 2 * group * Dh + Dh + group));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            float *scores = scratch, *qv = scores + group * max_len, *acc = qv + group * Dh;
+            float *row_f = acc + group * Dh, *inv = row_f + Dh;
 #pragma omp for collapse(2) schedule(static)
-        for (int64_t s = 0; s < S; s++) {
-            for (int64_t h = 0; h < H; h++) {
-                const int64_t kvh = h / group, qoff = (s * H + h) * Dh;
-                for (int64_t d = 0; d < Dh; d++) {
-                    qv[d] = load(q, bf16, qoff + d) * scale;
-                    acc[d] = 0.0f;
-                }
-                float m = -INFINITY, l = 0.0f;
-                for (int64_t j = 0; j < kv_lens[s]; j++) {
-                    const int64_t row = (kv_indices[s * idx_stride + j] * KVH + kvh) * Dh;
-                    float score = 0.0f;
-                    if (bf16) {
-                        const uint16_t *kr = (const uint16_t *)k_cache + row;
-#pragma omp simd reduction(+ : score)
-                        for (int64_t d = 0; d < Dh; d++) score += qv[d] * bf16_to_f32(kr[d]);
-                    } else {
+            for (int64_t s = 0; s < S; s++) {
+                for (int64_t kvh = 0; kvh < KVH; kvh++) {
+                    const int64_t len = kv_lens[s], h0 = kvh * group;
+                    const int64_t *slot = kv_indices + s * idx_stride;
+                    for (int64_t g = 0; g < group; g++)
+                        for (int64_t d = 0; d < Dh; d++) {
+                            qv[g * Dh + d] = load(q, bf16, (s * H + h0 + g) * Dh + d) * scale;
+                            acc[g * Dh + d] = 0.0f;
+                        }
+                    const int64_t row_bytes = Dh * (bf16 ? 2 : 4);
+                    for (int64_t j = 0; j < len; j++) {
+                        const int64_t row = (slot[j] * KVH + kvh) * Dh;
+                        /* Cold rows (the step's GEMMs evicted them): ask for the key row a few
+                         * keys ahead, and this value row for pass 3, so misses overlap. */
+                        if (j + 8 < len) {
+                            const char *ahead = (const char *)k_cache +
+                                                (slot[j + 8] * KVH + kvh) * row_bytes;
+                            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
+                        }
+                        const char *value_row = (const char *)v_cache + (row / Dh) * row_bytes;
+                        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(value_row + b);
                         const float *kr = (const float *)k_cache + row;
+                        if (bf16) {
+                            const uint16_t *kb = (const uint16_t *)k_cache + row;
+#pragma omp simd
+                            for (int64_t d = 0; d < Dh; d++) row_f[d] = bf16_to_f32(kb[d]);
+                            kr = row_f;
+                        }
+                        for (int64_t g = 0; g < group; g++) {
+                            const float *qg = qv + g * Dh;
+                            float score = 0.0f;
 #pragma omp simd reduction(+ : score)
-                        for (int64_t d = 0; d < Dh; d++) score += qv[d] * kr[d];
+                            for (int64_t d = 0; d < Dh; d++) score += qg[d] * kr[d];
+                            scores[g * max_len + j] = score;
+                        }
                     }
-                    const float m_new = score > m ? score : m;
-                    const float rescale = expf(m - m_new), p = expf(score - m_new);
-                    l = l * rescale + p;
-                    m = m_new;
-                    if (bf16) {
-                        const uint16_t *vr = (const uint16_t *)v_cache + row;
-#pragma omp simd
-                        for (int64_t d = 0; d < Dh; d++) acc[d] = acc[d] * rescale + p * bf16_to_f32(vr[d]);
-                    } else {
+                    for (int64_t g = 0; g < group; g++) {
+                        float *sg = scores + g * max_len, m = -INFINITY, l = 0.0f;
+#pragma omp simd reduction(max : m)
+                        for (int64_t j = 0; j < len; j++) m = sg[j] > m ? sg[j] : m;
+#pragma omp simd reduction(+ : l)
+                        for (int64_t j = 0; j < len; j++) {
+                            const float p = exp_approx(sg[j] - m);
+                            sg[j] = p;
+                            l += p;
+                        }
+                        inv[g] = l > 0.0f ? 1.0f / l : 0.0f;
+                    }
+                    for (int64_t j = 0; j < len; j++) {
+                        const int64_t row = (slot[j] * KVH + kvh) * Dh;
                         const float *vr = (const float *)v_cache + row;
+                        if (bf16) {
+                            const uint16_t *vb = (const uint16_t *)v_cache + row;
 #pragma omp simd
-                        for (int64_t d = 0; d < Dh; d++) acc[d] = acc[d] * rescale + p * vr[d];
+                            for (int64_t d = 0; d < Dh; d++) row_f[d] = bf16_to_f32(vb[d]);
+                            vr = row_f;
+                        }
+                        for (int64_t g = 0; g < group; g++) {
+                            const float p = scores[g * max_len + j];
+                            float *ag = acc + g * Dh;
+#pragma omp simd
+                            for (int64_t d = 0; d < Dh; d++) ag[d] += p * vr[d];
+                        }
                     }
+                    for (int64_t g = 0; g < group; g++)
+                        for (int64_t d = 0; d < Dh; d++)
+                            store(out, bf16, (s * H + h0 + g) * Dh + d, acc[g * Dh + d] * inv[g]);
                 }
-                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-                for (int64_t d = 0; d < Dh; d++) store(out, bf16, qoff + d, acc[d] * inv);
             }
         }
+        free(scratch);
     }
-    return 0;
+    return failed ? -1 : 0;
 }

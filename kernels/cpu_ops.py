@@ -450,6 +450,8 @@ def decode_attention_cpu(
         int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
+    if result < 0:
+        raise MemoryError("decode_attention: no memory for the per-thread score buffers")
     if result:
         raise IndexError(
             f"decode_attention: sequence {result - 1} has a token slot outside the cache"
