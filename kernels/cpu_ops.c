@@ -351,9 +351,12 @@ void baton_rms_norm(const void *x, int64_t x_stride, const float *weight, void *
  * A work item is one (sequence, KV head) with its H / KVH query heads, in three passes: every
  * key row is read (and widened) once for the whole group into scores (group, len); the softmax
  * is one vectorised exp per score after the row maximum is known; every value row is read once
- * and added into the group's accumulators. An online softmax (one pass) needs two scalar libm
- * exps and a rescale of the accumulator per key and head: ~4x this kernel's time at 19M's and
- * 110M's decode shapes (32 sequences x ~160 keys, 1 thread). */
+ * and added into the group's accumulators. The one-pass online softmax this replaced (two
+ * scalar libm exps and an accumulator rescale per key and head) took 1.1-1.5x this kernel's
+ * time on a decode call of a real 19M / 110M run (32 sequences x ~150 keys, 1 thread).
+ * Pass 1 does little arithmetic per cache line and the step's GEMMs have evicted the cache:
+ * without the prefetches below it waits on every miss (the page-table indirection defeats the
+ * hardware prefetcher) and was slower than the one-pass kernel inside `generate`. */
 int64_t baton_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                                int64_t num_token_slots, const int64_t *kv_indices,
                                int64_t idx_stride, const int32_t *kv_lens, void *out, int64_t S,
