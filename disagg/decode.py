@@ -219,6 +219,7 @@ class DecodeWorker:
             if r.request_id == request_id:
                 self._send(r.peer, Abort(room=r.room, reason="decode request aborted"))
                 del self.rooms[r.room]
+        self.engine.release_shard_checkpoints(request_id)
         self.engine.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -431,7 +432,7 @@ class DecodeWorker:
         (the room's transfer timeout still applies); a rank's bad piece fails it."""
         state, prefill_size = r.sharded
         try:
-            if self.engine.install_shards(r.request_id, r.room, prefill_size, state.first_page):
+            if self.engine.install_shards(r.request_id, r.room, prefill_size, state):
                 self._install(r, state)
         except ValueError as error:
             self._fail(r, f"room {r.room}: could not use its state: {error}")
@@ -497,6 +498,7 @@ class DecodeWorker:
         self.rooms.pop(r.room, None)
         if notify:
             self._send(r.peer, Abort(room=r.room, reason=reason))
+        self.engine.release_shard_checkpoints(r.request_id)
         self.engine.abort_request(r.request_id)
         self._report(r.request_id, reason)
 

@@ -375,14 +375,15 @@ class PrefillWorker:
 
     def _send_shards(self, r: PrefillRoom) -> tuple[StateTransfer, list]:
         """Every rank sends its planned slices straight to the decode ranks; the StateTransfer
-        that follows from here carries the first token and no tensors."""
+        that follows from here carries the first token and no tensors (its checkpoints no
+        layers: their block count says which blocks the ranks sent)."""
         reg, state = r.registration, r.snapshot
         first_page = min(reg.cached_tokens, state.num_prompt_tokens) // self.compat.page_size
         first_page = max(first_page, state.first_page)
         if self.tp_size == 1:  # the whole snapshot is this only rank's shard
             self.engine.keep_shard(r.room, state)
-        self.engine.send_shards(r.room, first_page, reg.tp.size, reg.tp.rank_addresses)
-        control = self.engine.first_token_state(state, first_page)
+        control = self.engine.first_token_state(state.skip(0, self._skipped_blocks(r)), first_page)
+        self.engine.send_shards(r.room, control, reg.tp.size, reg.tp.rank_addresses)
         return state_message(r.room, control, tp_size=self.tp_size)
 
     def _stream_pages(self) -> None:
@@ -438,18 +439,21 @@ class PrefillWorker:
         self.socket.send_multipart([r.peer, header, mac, *payload], copy=False)
 
     def _needed_part(self, r: PrefillRoom) -> RequestState:
-        """Skip what the decode engine caches; send block checkpoints only when both sides cut
-        blocks at the same interval."""
-        reg, state = r.registration, r.snapshot
-        cached = min(reg.cached_tokens, state.num_prompt_tokens)
-        same_blocks = reg.track_interval and reg.track_interval == self.engine.track_interval
-        blocks = cached // reg.track_interval if same_blocks else 0
+        """Skip what the decode engine caches: its pages, and its blocks' checkpoints."""
+        state = r.snapshot
         # Pages before r.pages_sent were streamed or are cached there (registration raised it).
         skip_pages = min(max(r.pages_sent - state.first_page, 0), state.k_pages.shape[1])
-        state = state.skip(skip_pages, min(blocks, state.checkpoint_conv.shape[0]))
-        if not same_blocks:
-            state = state.skip(0, state.checkpoint_conv.shape[0])
-        return state
+        return state.skip(skip_pages, self._skipped_blocks(r))
+
+    def _skipped_blocks(self, r: PrefillRoom) -> int:
+        """Leading block checkpoints of the room's snapshot not to send: those the decode
+        engine caches, or every one when the two sides cut blocks at different intervals."""
+        reg, state = r.registration, r.snapshot
+        num_blocks = state.checkpoint_conv.shape[0]
+        if not reg.track_interval or reg.track_interval != self.engine.track_interval:
+            return num_blocks
+        cached = min(reg.cached_tokens, state.num_prompt_tokens)
+        return min(max(cached // reg.track_interval - state.first_block, 0), num_blocks)
 
     def expire_idle(self) -> bool:
         """Timeouts between steps (the engine loop calls it while idle too); True if a room

@@ -51,7 +51,9 @@ from engine.handover import RequestState
 # 6: Register carries the decode side's TP layout, StateTransfer the prefill side's TP size;
 # ShardTransfer moves a rank's slices straight between ranks (disagg/tp_transfer.py). Compat
 # compares the whole model's shapes (each side's ranks hold slices of them).
-PROTOCOL_VERSION = 6
+# 7: ShardTransfer carries the prompt's block checkpoints (from `first_block`), sliced like the
+# final conv / SSM state.
+PROTOCOL_VERSION = 7
 
 # With a secret, a message is accepted within this many seconds of the time it was sent (two
 # hosts need clocks within this of each other, e.g. NTP), and only once.
@@ -186,14 +188,16 @@ class MambaChunk:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardTransfer:
     """prefill rank -> decode rank, when either side runs TP > 1: the slices of one room's K/V
-    pages (from `first_page`) and final Mamba state that the decode rank owns and this prefill
-    rank was planned to send it (disagg.tp_layout.plan); frames named `component@offset`."""
+    pages (from `first_page`), final Mamba state and block checkpoints (from `first_block`)
+    that the decode rank owns and this prefill rank was planned to send it
+    (disagg.tp_layout.plan); frames named `component@offset`."""
 
     tag: ClassVar[str] = "shard"
     room: str
     source_rank: int
     source_size: int
     first_page: int
+    first_block: int
     tensors: list[TensorSpec]
 
 

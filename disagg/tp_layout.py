@@ -13,6 +13,8 @@ transfer and vLLM's nixl connector cut the same way):
                                                                                groups (replicated
                                                                                when n_groups == 1)
     ssm         one Mamba head       (mamba_layers, heads, hd, d_state)       heads
+    checkpoint_conv, checkpoint_ssm      the same with a leading block dim        as conv, ssm
+                                         (the prompt's prefix-cache blocks)
 
 A rank owns a list of (start, length) ranges of a component's global units; its local tensor
 holds them concatenated in that order. A decode rank's `plan` takes each of its units from the
@@ -37,8 +39,9 @@ MAX_TP_SIZE = 256
 # A decode rank's receive address: tcp://host:port (a name, IPv4, or [IPv6]).
 ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):[0-9]{1,5}")
 
-COMPONENTS = ("k", "v", "conv", "ssm")
-UNIT_DIM = {"k": 3, "v": 3, "conv": 1, "ssm": 1}  # the unit axis in each shard tensor
+COMPONENTS = ("k", "v", "conv", "ssm", "checkpoint_conv", "checkpoint_ssm")
+# the unit axis in each shard tensor
+UNIT_DIM = {"k": 3, "v": 3, "conv": 1, "ssm": 1, "checkpoint_conv": 2, "checkpoint_ssm": 2}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,8 +87,8 @@ def owned(config: ModelConfig, size: int, rank: int) -> dict[str, Ranges]:
         out["k"] = out["v"] = (kv,)
     if config.mamba_layer_ids:
         shard = mamba_shard(config, tp)
-        out["conv"] = shard.conv_channels
-        out["ssm"] = ((shard.first_head, shard.num_heads),)
+        out["conv"] = out["checkpoint_conv"] = shard.conv_channels
+        out["ssm"] = out["checkpoint_ssm"] = ((shard.first_head, shard.num_heads),)
     return out
 
 

@@ -35,6 +35,7 @@ from disagg.tp_layout import ENDPOINT, MAX_TP_SIZE, UNIT_DIM, Piece, check_prefi
 from engine.config import ModelConfig
 from engine.state_cache import StateCache
 from engine.tp_handover import Pieces, Shard
+from engine.tp_messages import InstallShard, SendShard
 
 logger = logging.getLogger("baton.disagg.tp_transfer")
 
@@ -101,29 +102,37 @@ class ZmqShardConnector:
     def drop(self, room: str) -> None:
         self.kept.pop(room, None)
 
-    def send(
-        self, room: str, first_page: int, decode_size: int, decode_addresses: tuple[str, ...]
-    ) -> None:
-        """This rank's planned pieces of `room` to every decode rank that takes any. A decode
+    def send(self, op: SendShard) -> None:
+        """This rank's planned pieces of `op.room` to every decode rank that takes any. A decode
         rank that cannot be reached fails the room there (by its wait), not here."""
+        room = op.room
         shard = self.kept.pop(room, None)
         if shard is None:
             raise ValueError(f"no snapshot of room {room} on prefill rank {self.rank}")
-        skip = first_page - shard.first_page
+        skip = op.first_page - shard.first_page
         if not 0 <= skip <= shard.k.shape[1]:
-            raise ValueError(f"room {room}: page {first_page} is outside the snapshot")
-        for dst, address in enumerate(decode_addresses):
+            raise ValueError(f"room {room}: page {op.first_page} is outside the snapshot")
+        first = op.first_block - shard.first_block
+        blocks = slice(first, first + op.num_blocks)
+        if first < 0 or op.num_blocks < 0 or blocks.stop > shard.checkpoint_conv.shape[0]:
+            raise ValueError(
+                f"room {room}: blocks {op.first_block}..+{op.num_blocks} are outside the snapshot"
+            )
+        for dst, address in enumerate(op.decode_addresses):
             pieces = [
-                p for p in plan(self.config, self.size, decode_size, dst) if p.source == self.rank
+                p
+                for p in plan(self.config, self.size, op.decode_size, dst)
+                if p.source == self.rank
             ]
             if not pieces:
                 continue
-            named = [(p.name, _cut(shard, p, skip)) for p in pieces]
+            named = [(p.name, _cut(shard, p, skip, blocks)) for p in pieces]
             message = ShardTransfer(
                 room=room,
                 source_rank=self.rank,
                 source_size=self.size,
-                first_page=first_page,
+                first_page=op.first_page,
+                first_block=op.first_block,
                 tensors=tensor_specs(named),
             )
             frames = encode(message, [t for _, t in named], self.secret)
@@ -150,14 +159,13 @@ class ZmqShardConnector:
 
     # -- decode side ----------------------------------------------------------------------------
 
-    def receive(
-        self, room: str, prefill_size: int, first_page: int, num_pages: int
-    ) -> Pieces | None:
-        """This rank's pieces of `room`, every one checked against the plan; None while some
-        have not arrived (the caller asks again; the room's timeout is its own). ValueError
-        naming what is wrong."""
+    def receive(self, op: InstallShard) -> Pieces | None:
+        """This rank's pieces of `op.room`, every one checked against the plan and the op's
+        pages and blocks; None while some have not arrived (the caller asks again; the room's
+        timeout is its own). ValueError naming what is wrong."""
         if self.inbox is None:
             raise ValueError("a prefill rank does not receive shards")
+        room, prefill_size = op.room, op.prefill_size
         check_prefill_size(self.config, prefill_size)
         expected = plan(self.config, prefill_size, self.size, self.rank)
         sources = {p.source for p in expected}
@@ -168,11 +176,12 @@ class ZmqShardConnector:
         pieces: Pieces = {}
         for source in sorted(sources):
             _, message, tensors = arrived[source]
-            if message.source_size != prefill_size or message.first_page != first_page:
+            sent = (message.source_size, message.first_page, message.first_block)
+            if sent != (prefill_size, op.first_page, op.first_block):
                 raise ValueError(
-                    f"decode rank {self.rank}: prefill rank {source} sent TP={message.source_size}"
-                    f" from page {message.first_page}, expected TP={prefill_size} from page"
-                    f" {first_page}"
+                    f"decode rank {self.rank}: prefill rank {source} sent TP={sent[0]} from page"
+                    f" {sent[1]} and block {sent[2]}, expected TP={prefill_size} from page"
+                    f" {op.first_page} and block {op.first_block}"
                 )
             mine = [p for p in expected if p.source == source]
             if set(tensors) != {p.name for p in mine}:
@@ -182,7 +191,7 @@ class ZmqShardConnector:
                 )
             for p in mine:
                 t = tensors[p.name]
-                shape, dtype = self._expected(p, num_pages)
+                shape, dtype = self._expected(p, len(op.pages), op.num_blocks)
                 if tuple(t.shape) != shape or dtype_name(t.dtype) != dtype:
                     raise ValueError(
                         f"decode rank {self.rank}: {p.name} from prefill rank {source} is"
@@ -192,14 +201,17 @@ class ZmqShardConnector:
                 self.bytes_received += t.numel() * t.element_size()
         return pieces
 
-    def _expected(self, p: Piece, num_pages: int) -> tuple[tuple[int, ...], str]:
+    def _expected(self, p: Piece, num_pages: int, num_blocks: int) -> tuple[tuple[int, ...], str]:
         cache = self.cache
         if p.component in ("k", "v"):
             head_dim = cache.k[0].shape[2]
             shape = (len(cache.k), num_pages, cache.page_size, p.length, head_dim)
             return shape, dtype_name(cache.k[0].dtype)
-        pool = cache.conv if p.component == "conv" else cache.ssm
-        return (pool.shape[0], p.length, *pool.shape[3:]), dtype_name(pool.dtype)
+        pool = cache.conv if p.component.endswith("conv") else cache.ssm
+        shape = (pool.shape[0], p.length, *pool.shape[3:])
+        if p.component.startswith("checkpoint_"):
+            shape = (num_blocks, *shape)
+        return shape, dtype_name(pool.dtype)
 
     def _take_messages(self) -> None:
         """Everything waiting on the inbox, authenticated and parsed; the rest logged and
@@ -238,10 +250,12 @@ class ZmqShardConnector:
         self.context.term()
 
 
-def _cut(shard: Shard, p: Piece, skip_pages: int) -> torch.Tensor:
-    """Piece `p` of this rank's snapshot, from page `skip_pages` of it on (a copy, contiguous:
-    the frame keeps it alive until ZMQ has sent it)."""
+def _cut(shard: Shard, p: Piece, skip_pages: int, blocks: slice) -> torch.Tensor:
+    """Piece `p` of this rank's snapshot, from page `skip_pages` of it on and of its checkpoints
+    `blocks` (a copy, contiguous: the frame keeps it alive until ZMQ has sent it)."""
     whole = getattr(shard, p.component)
     if p.component in ("k", "v"):
         whole = whole[:, skip_pages:]
+    elif p.component.startswith("checkpoint_"):
+        whole = whole[blocks]
     return whole.narrow(UNIT_DIM[p.component], p.src_offset, p.length).contiguous()

@@ -164,6 +164,7 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         # every rank's shard receive address, rank 0's first (after each rank's connector)
         self.shard_addresses = gather_addresses(tp, self.shard_connector)
         self.shard_bytes_received = [0] * tp.size
+        self.shard_checkpoints: dict[str, tuple[int, ...]] = {}
         # The scheduler's pool operations, recorded for the other ranks' next step at TP > 1.
         self.pool_ops = PoolOps(self.cache, record=self.ranks is not None)
         self.pages = IndexPool(sizes.num_pages - 1, "KV pages")

@@ -53,6 +53,7 @@ class HandoverMixin:
     requests: dict[str, Request]
     finish_hooks: dict[str, Callable[[Request], None]]
     prompt_tokens_total: int
+    register_shard_checkpoints: Callable[[Request, int], bool]  # ShardHandoverMixin's
 
     def _new_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -189,8 +190,8 @@ class HandoverMixin:
     def _register_transferred_blocks(self, req: Request, state: RequestState) -> None:
         """The prompt's block checkpoints let later requests (the next turn of a chat) reuse
         this prompt on the decode side too."""
-        if self.prefix_cache is None:
-            return
+        if self.register_shard_checkpoints(req, state.first_block) or self.prefix_cache is None:
+            return  # (a sharded install: the ranks wrote the checkpoints into their slots)
         for i in range(state.checkpoint_conv.shape[0]):
             k = state.first_block + i
             if k != len(req.cached_blocks):

@@ -27,7 +27,9 @@ import torch
 from engine import parallel
 from engine.config import ModelConfig
 from engine.handover import RequestState
+from engine.prefix_cache import PrefixCache
 from engine.request import Request
+from engine.scheduler import Scheduler
 from engine.state_cache import StateCache
 from engine.tp_messages import (
     DropShard,
@@ -46,13 +48,16 @@ ADDRESS_BYTES = 256  # a rank's receive address, padded, in the gather that tell
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Shard:
-    """One rank's copy of a request's state from page `first_page` on."""
+    """One rank's copy of a request's state from page `first_page` and block `first_block` on."""
 
     first_page: int
+    first_block: int
     k: torch.Tensor  # (attention_layers, pages, page_size, kv_heads, head_dim) this rank's heads
     v: torch.Tensor  # same
     conv: torch.Tensor  # (mamba_layers, conv_dim, K-1) this rank's x | B | C channels
     ssm: torch.Tensor  # (mamba_layers, heads, head_dim, d_state) this rank's heads
+    checkpoint_conv: torch.Tensor  # (blocks, mamba_layers, conv_dim, K-1) at block ends
+    checkpoint_ssm: torch.Tensor  # (blocks, mamba_layers, heads, head_dim, d_state)
 
 
 # component -> [(unit offset in the local tensor, tensor of the piece)]
@@ -69,15 +74,11 @@ class ShardConnector(Protocol):
 
     def keep(self, room: str, shard: Shard) -> None: ...
 
-    def send(
-        self, room: str, first_page: int, decode_size: int, decode_addresses: tuple[str, ...]
-    ) -> None: ...
+    def send(self, op: SendShard) -> None: ...
 
     def drop(self, room: str) -> None: ...
 
-    def receive(
-        self, room: str, prefill_size: int, first_page: int, num_pages: int
-    ) -> Pieces | None: ...
+    def receive(self, op: InstallShard) -> Pieces | None: ...
 
     def close(self) -> None: ...
 
@@ -95,10 +96,13 @@ def load_connector(
     return factory(options, config=config, rank=rank, size=size, cache=cache)
 
 
-def export_shard(cache: StateCache, pages: tuple[int, ...], slot: int) -> Shard:
-    """Copies of this rank's K/V `pages` and Mamba `slot`."""
+def export_shard(
+    cache: StateCache, pages: tuple[int, ...], slot: int, checkpoint_slots: tuple[int, ...]
+) -> Shard:
+    """Copies of this rank's K/V `pages`, Mamba `slot` and block `checkpoint_slots`."""
     ps = cache.page_size
     index = torch.tensor(pages, dtype=torch.int64, device=cache.conv.device)
+    blocks = torch.tensor(checkpoint_slots, dtype=torch.int64, device=cache.conv.device)
 
     def gather(pool: list[torch.Tensor]) -> torch.Tensor:
         if not pool:
@@ -107,10 +111,13 @@ def export_shard(cache: StateCache, pages: tuple[int, ...], slot: int) -> Shard:
 
     return Shard(
         first_page=0,
+        first_block=0,
         k=gather(cache.k),
         v=gather(cache.v),
         conv=cache.conv[:, slot].clone(),
         ssm=cache.ssm[:, slot].clone(),
+        checkpoint_conv=cache.conv.index_select(1, blocks).transpose(0, 1).contiguous(),
+        checkpoint_ssm=cache.ssm.index_select(1, blocks).transpose(0, 1).contiguous(),
     )
 
 
@@ -118,18 +125,22 @@ def shard_of_state(state: RequestState) -> Shard:
     """A whole (TP=1) snapshot is rank 0's shard: it holds every unit."""
     return Shard(
         first_page=state.first_page,
+        first_block=state.first_block,
         k=state.k_pages,
         v=state.v_pages,
         conv=state.conv,
         ssm=state.ssm,
+        checkpoint_conv=state.checkpoint_conv,
+        checkpoint_ssm=state.checkpoint_ssm,
     )
 
 
-def install_shard(cache: StateCache, pages: tuple[int, ...], slot: int, pieces: Pieces) -> None:
-    """Write checked pieces into `pages` (k/v: (layers, len(pages), page, n, head_dim)) and
-    `slot` (conv: (layers, n, K-1), ssm: (layers, n, head_dim, d_state))."""
+def install_shard(cache: StateCache, op: InstallShard, pieces: Pieces) -> None:
+    """Write checked pieces into the op's pages (k/v: (layers, len(pages), page, n, head_dim)),
+    its slot (conv: (layers, n, K-1), ssm: (layers, n, head_dim, d_state)) and its checkpoint
+    slots (checkpoint_conv / _ssm: the same with a leading block dimension)."""
     ps = cache.page_size
-    index = torch.tensor(pages, dtype=torch.int64, device=cache.conv.device)
+    index = torch.tensor(op.pages, dtype=torch.int64, device=cache.conv.device)
     for component, pool in (("k", cache.k), ("v", cache.v)):
         for offset, t in pieces.get(component, ()):
             for layer, dst in enumerate(pool):
@@ -137,7 +148,13 @@ def install_shard(cache: StateCache, pages: tuple[int, ...], slot: int, pieces: 
                 view[index, :, offset : offset + t.shape[3]] = t[layer].to(dst.device, dst.dtype)
     for component, pool in (("conv", cache.conv), ("ssm", cache.ssm)):
         for offset, t in pieces.get(component, ()):
-            pool[:, slot, offset : offset + t.shape[1]] = t.to(pool.device, pool.dtype)
+            pool[:, op.slot, offset : offset + t.shape[1]] = t.to(pool.device, pool.dtype)
+        for offset, t in pieces.get(f"checkpoint_{component}", ()):
+            for block, slot in enumerate(op.checkpoint_slots):
+                if slot:  # (0: cached here already)
+                    pool[:, slot, offset : offset + t.shape[2]] = t[block].to(
+                        pool.device, pool.dtype
+                    )
 
 
 # What a rank reports after its part of an InstallShard.
@@ -153,16 +170,16 @@ def apply_handover(op: HandoverOp, cache: StateCache, connector: ShardConnector 
         return "this engine has no handover connector"
     try:
         if isinstance(op, SnapshotShard):
-            connector.keep(op.room, export_shard(cache, op.pages, op.slot))
+            connector.keep(op.room, export_shard(cache, op.pages, op.slot, op.checkpoint_slots))
         elif isinstance(op, SendShard):
-            connector.send(op.room, op.first_page, op.decode_size, op.decode_addresses)
+            connector.send(op)
         elif isinstance(op, DropShard):
             connector.drop(op.room)
         elif op.room not in connector.installed:
-            pieces = connector.receive(op.room, op.prefill_size, op.first_page, len(op.pages))
+            pieces = connector.receive(op)
             if pieces is None:
                 return WAITING_TEXT
-            install_shard(cache, op.pages, op.slot, pieces)
+            install_shard(cache, op, pieces)
             connector.installed[op.room] = None
             while len(connector.installed) > INSTALLED_MEMORY:
                 connector.installed.popitem(last=False)
@@ -207,7 +224,12 @@ class ShardHandoverMixin:
     shard_addresses: list[str]
     # per decode rank: shard bytes it has received in all (as of the last install), rank order
     shard_bytes_received: list[int]
+    # request id -> the checkpoint slots its sharded install writes (InstallShard), held from
+    # the first try until the blocks are registered or the install fails
+    shard_checkpoints: dict[str, tuple[int, ...]]
     requests: dict[str, Request]
+    scheduler: Scheduler
+    prefix_cache: PrefixCache | None
 
     @property
     def tp_size(self) -> int:
@@ -235,10 +257,16 @@ class ShardHandoverMixin:
         return error
 
     def snapshot_shards(self, room: str, req: Request) -> None:
-        """Every rank copies its shard of the finished prefill's pages and slot for `room`."""
+        """Every rank copies its shard of the finished prefill's pages, slot and block
+        checkpoints for `room`."""
         num_pages = -(-len(req.prompt_ids) // self.cache.page_size)
         self._rank_op(
-            SnapshotShard(room=room, pages=tuple(req.kv_pages[:num_pages]), slot=req.mamba_slot)
+            SnapshotShard(
+                room=room,
+                pages=tuple(req.kv_pages[:num_pages]),
+                slot=req.mamba_slot,
+                checkpoint_slots=tuple(b.checkpoint_slot for b in req.cached_blocks),
+            )
         )
 
     def first_token_state(
@@ -246,14 +274,17 @@ class ShardHandoverMixin:
     ) -> RequestState:
         """The part of a handed-over state that goes through rank 0: the first token (of a
         finished request, or of a whole snapshot) with no pages and no Mamba layers (those go
-        rank to rank), from page `first_page` on."""
+        rank to rank), from page `first_page` on. Its checkpoints keep their block count, with
+        no layers: they tell the decode side which blocks the ranks send."""
         if isinstance(source, RequestState):
             num_prompt_tokens = source.num_prompt_tokens
             first_token, first_logprobs = source.first_token, source.first_logprobs
+            first_block, num_blocks = source.first_block, source.checkpoint_conv.shape[0]
         else:
             num_prompt_tokens = len(source.prompt_ids)
             first_token = source.output_ids[0]
             first_logprobs = source.logprobs[0] if source.logprobs else None
+            first_block, num_blocks = 0, len(source.cached_blocks)
         cache = self.cache
         no_pages = torch.empty(len(cache.k), 0, dtype=cache.conv.dtype)
         return RequestState(
@@ -261,13 +292,13 @@ class ShardHandoverMixin:
             first_token=first_token,
             first_logprobs=first_logprobs,
             first_page=first_page,
-            first_block=0,
+            first_block=first_block,
             k_pages=no_pages,
             v_pages=no_pages,
             conv=cache.conv[:0, 0],
             ssm=cache.ssm[:0, 0],
-            checkpoint_conv=cache.conv[:0, :0].transpose(0, 1),
-            checkpoint_ssm=cache.ssm[:0, :0].transpose(0, 1),
+            checkpoint_conv=cache.conv.new_empty(num_blocks, 0, *cache.conv.shape[2:]),
+            checkpoint_ssm=cache.ssm.new_empty(num_blocks, 0, *cache.ssm.shape[2:]),
         )
 
     def keep_shard(self, room: str, state: RequestState) -> None:
@@ -277,12 +308,16 @@ class ShardHandoverMixin:
         self.shard_connector.keep(room, shard_of_state(state))
 
     def send_shards(
-        self, room: str, first_page: int, decode_size: int, decode_addresses: list[str]
+        self, room: str, control: RequestState, decode_size: int, decode_addresses: list[str]
     ) -> None:
+        """Every rank sends its slices of `room` from the page and block `control` (the
+        first-token state that goes through rank 0) starts at."""
         self._rank_op(
             SendShard(
                 room=room,
-                first_page=first_page,
+                first_page=control.first_page,
+                first_block=control.first_block,
+                num_blocks=control.checkpoint_conv.shape[0],
                 decode_size=decode_size,
                 decode_addresses=tuple(decode_addresses),
             )
@@ -292,17 +327,22 @@ class ShardHandoverMixin:
         self._rank_op(DropShard(room=room))
 
     def install_shards(
-        self, request_id: str, room: str, prefill_size: int, first_page: int
+        self, request_id: str, room: str, prefill_size: int, control: RequestState
     ) -> bool:
-        """Every rank installs its shard of `room` into the request's pages (from `first_page`
-        to the prompt's end) and slot once all its pieces have arrived: True when every rank
-        has, False while some wait (ask again later); ValueError if any rank cannot."""
+        """Every rank installs its shard of `room` into the request's pages (from
+        `control.first_page` to the prompt's end), slot and checkpoint slots once all its pieces
+        have arrived: True when every rank has, False while some wait (ask again later);
+        ValueError if any rank cannot (the checkpoint slots are given back then)."""
         req = self.requests.get(request_id)
         if req is None:
             raise ValueError(f"request {request_id} is gone")
         num_pages = -(-len(req.prompt_ids) // self.cache.page_size)
+        first_page = control.first_page
         if not 0 <= first_page <= num_pages:
             raise ValueError(f"first page {first_page} outside 0..{num_pages}")
+        slots = self.shard_checkpoints.get(request_id)
+        if slots is None:  # the first try: the same slots on every later one
+            slots = self.shard_checkpoints[request_id] = self._checkpoint_slots(req, control)
         error = self._rank_op(
             InstallShard(
                 room=room,
@@ -310,10 +350,55 @@ class ShardHandoverMixin:
                 slot=req.mamba_slot,
                 first_page=first_page,
                 prefill_size=prefill_size,
+                first_block=control.first_block,
+                num_blocks=control.checkpoint_conv.shape[0],
+                checkpoint_slots=slots,
             )
         )
         if error == WAITING_TEXT:
             return False
         if error:
+            self.release_shard_checkpoints(request_id)
             raise ValueError(error)
+        return True
+
+    def _checkpoint_slots(self, req: Request, control: RequestState) -> tuple[int, ...]:
+        """Checkpoint slots for the blocks the prefill side says it sends, from the first on
+        that this engine's prefix cache does not hold (0 for those it holds), stopping at the
+        first it cannot allocate, as `_register_transferred_blocks` does for a whole state.
+        ValueError when the claim exceeds the prompt's blocks past those cached here."""
+        first, count = control.first_block, control.checkpoint_conv.shape[0]
+        cache = self.prefix_cache
+        total = len(req.prompt_ids) // cache.track_interval if cache is not None else 0
+        if first < 0 or count > max(0, total - first):
+            raise ValueError(
+                f"the prefill worker sends checkpoints of blocks {first}..{first + count - 1};"
+                f" this prompt has {total} blocks to cache here"
+            )
+        if cache is None or first != len(req.cached_blocks):  # not the next blocks of its
+            return ()  # chain here: checked, none kept
+        slots: list[int] = []
+        for key in cache.chain_keys(req.prompt_ids, first + count)[first:]:
+            slot = 0 if cache.lookup(key) is not None else self.scheduler.checkpoint_slot()
+            if slot is None:
+                break
+            slots.append(slot)
+        return tuple(slots)
+
+    def release_shard_checkpoints(self, request_id: str) -> None:
+        """Give back the checkpoint slots of a request whose sharded install failed or ended."""
+        self.scheduler.slots.free([s for s in self.shard_checkpoints.pop(request_id, ()) if s])
+
+    def register_shard_checkpoints(self, req: Request, first_block: int) -> bool:
+        """After every rank has installed: register the blocks whose checkpoints the ranks
+        wrote into the request's checkpoint slots, in order; the slots not registered go back.
+        False when the request had no sharded install."""
+        slots = self.shard_checkpoints.pop(req.request_id, None)
+        if slots is None:
+            return False
+        for i, slot in enumerate(slots):
+            k = first_block + i
+            if k != len(req.cached_blocks) or not self.scheduler.extend_chain(req, k, slot or None):
+                self.scheduler.slots.free([s for s in slots[i:] if s])
+                break
         return True

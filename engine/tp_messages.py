@@ -80,21 +80,26 @@ PoolOp = ResetSlot | CopySlot
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SnapshotShard:
-    """Prefill side: copy this rank's shard of the room's K/V `pages` and Mamba `slot` (the
-    request ends and its pages are freed; the copy waits for the decode side)."""
+    """Prefill side: copy this rank's shard of the room's K/V `pages`, Mamba `slot` and the
+    checkpoint slots of its prompt's prefix-cache blocks, in block order (the request ends and
+    its pages are freed; the copy waits for the decode side)."""
 
     room: str
     pages: tuple[int, ...]
     slot: int
+    checkpoint_slots: tuple[int, ...]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SendShard:
-    """Prefill side: send the room's snapshot, from page `first_page` on, to the decode ranks
-    that own parts of it (disagg.tp_layout.plan), then forget it."""
+    """Prefill side: send the room's snapshot, from page `first_page` on, with the checkpoints
+    of blocks [first_block, first_block + num_blocks), to the decode ranks that own parts of it
+    (disagg.tp_layout.plan), then forget it."""
 
     room: str
     first_page: int
+    first_block: int
+    num_blocks: int
     decode_size: int
     decode_addresses: tuple[str, ...]
 
@@ -109,15 +114,23 @@ class DropShard:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InstallShard:
     """Decode side: once this rank's pieces of the room from the prefill ranks have all
-    arrived, check them and write them into `pages` (the prompt's pages from `first_page` on)
-    and `slot`; then every rank reports installed, waiting or failed (one gather). Rank 0 asks
-    again each step while some rank waits."""
+    arrived, check them and write them into `pages` (the prompt's pages from `first_page` on),
+    `slot` and the checkpoint slots; then every rank reports installed, waiting or failed (one
+    gather). Rank 0 asks again each step while some rank waits.
+
+    The pieces hold the checkpoints of blocks [first_block, first_block + num_blocks) (rank 0
+    bounded the count by the prompt's blocks); `checkpoint_slots[i]` receives block
+    first_block + i, where 0 (the dummy slot) means "not wanted" (cached here already), and
+    blocks past the tuple's end are checked but not kept (no slot could be had)."""
 
     room: str
     pages: tuple[int, ...]
     slot: int
     first_page: int
     prefill_size: int
+    first_block: int
+    num_blocks: int
+    checkpoint_slots: tuple[int, ...]
 
 
 HandoverOp = SnapshotShard | SendShard | DropShard | InstallShard

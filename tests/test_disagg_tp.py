@@ -288,6 +288,8 @@ def test_a_lying_prefill_peer_fails_its_room_and_the_decode_engine_serves_on(wor
                         "v": (2, -(-len(prompt) // 4) + stretch, 4, p.length, 16),
                         "conv": (3, p.length, 3),
                         "ssm": (3, p.length, 16, 8),
+                        "checkpoint_conv": (0, 3, p.length, 3),
+                        "checkpoint_ssm": (0, 3, p.length, 16, 8),
                     }[p.component]
                     named.append((p.name, torch.zeros(shape)))
                 shard = ShardTransfer(
@@ -295,6 +297,7 @@ def test_a_lying_prefill_peer_fails_its_room_and_the_decode_engine_serves_on(wor
                     source_rank=0,
                     source_size=source_size,
                     first_page=0,
+                    first_block=0,
                     tensors=tensor_specs(named),
                 )
                 push.send_multipart(encode(shard, [t for _, t in named], SECRET.encode()))

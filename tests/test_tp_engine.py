@@ -187,10 +187,26 @@ def _every_field_set() -> ScheduledBatch:
 def test_every_field_of_the_step_message_round_trips():
     batch = _every_field_set()
     handover = (
-        SnapshotShard(room="a", pages=(3, 1), slot=2),
-        SendShard(room="a", first_page=1, decode_size=2, decode_addresses=("tcp://h:1", "x")),
+        SnapshotShard(room="a", pages=(3, 1), slot=2, checkpoint_slots=(6, 8)),
+        SendShard(
+            room="a",
+            first_page=1,
+            first_block=1,
+            num_blocks=1,
+            decode_size=2,
+            decode_addresses=("tcp://h:1", "x"),
+        ),
         DropShard(room="b"),
-        InstallShard(room="c", pages=(4,), slot=5, first_page=2, prefill_size=2),
+        InstallShard(
+            room="c",
+            pages=(4,),
+            slot=5,
+            first_page=2,
+            prefill_size=2,
+            first_block=1,
+            num_blocks=2,
+            checkpoint_slots=(0, 9),
+        ),
     )
     step = RankStep(ops=(ResetSlot(slot=3), CopySlot(src=4, dst=5), *handover), batch=batch)
     back = decode(encode(step))
