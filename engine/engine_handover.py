@@ -174,6 +174,12 @@ class HandoverMixin:
         n = k_pages[0].shape[0] if self.cache.k else 0
         if first_page + n > len(req.kv_pages):
             raise ValueError(f"request {request_id}: streamed pages do not fit its preallocation")
+        cached_pages = req.num_cached_tokens // self.cache.page_size
+        if n and first_page < cached_pages:  # shared with other requests: never written here
+            raise ValueError(
+                f"request {request_id}: pages from {first_page} sent, but the first"
+                f" {cached_pages} are this engine's cached prefix"
+            )
         if not n:
             return
         ps = self.cache.page_size

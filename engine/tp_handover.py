@@ -338,8 +338,14 @@ class ShardHandoverMixin:
             raise ValueError(f"request {request_id} is gone")
         num_pages = -(-len(req.prompt_ids) // self.cache.page_size)
         first_page = control.first_page
-        if not 0 <= first_page <= num_pages:
-            raise ValueError(f"first page {first_page} outside 0..{num_pages}")
+        # The pages before are this engine's cached prefix, shared with other requests: a peer
+        # may not write them (an honest one starts right after them).
+        cached_pages = req.num_cached_tokens // self.cache.page_size
+        if not cached_pages == first_page <= num_pages:
+            raise ValueError(
+                f"the prefill worker sends pages from {first_page}, expected from"
+                f" {cached_pages} (the first {cached_pages} of {num_pages} are cached here)"
+            )
         slots = self.shard_checkpoints.get(request_id)
         if slots is None:  # the first try: the same slots on every later one
             slots = self.shard_checkpoints[request_id] = self._checkpoint_slots(req, control)

@@ -2,7 +2,9 @@
 and prefill TP=1 -> decode TP=2 give the greedy tokens of a colocated TP=1 engine; each decode
 rank receives exactly the K/V heads, conv channels and SSM heads it owns, straight from the
 prefill rank that holds them; the handshake refuses a layout pair it cannot serve, naming both;
-a lying peer fails its room, never the engine.
+a lying peer fails its room, never the engine. The prompt's prefix-cache block checkpoints
+travel the same way (sliced like the final conv / SSM state), so the decode side caches the
+transferred prompt as a TP=1 handover does.
 
 The model has n_groups = 1 (B and C replicated on every rank: one prefill rank sends them) and
 one KV head for two ranks (replicated too). One engine per role and size serves every case.
@@ -42,7 +44,11 @@ SHAPE = dict(
     vocab_size=301,
     hybrid_override_pattern="M*-M-M*",
 )
-ENGINE_ARGS = dict(page_size=4, chunked_prefill_size=16, max_num_batched_tokens=32)
+# Prefix-cache blocks of 16 tokens (the SSD chunk size): prompts of 16+ tokens have checkpoints.
+INTERVAL = 16
+ENGINE_ARGS = dict(
+    page_size=4, chunked_prefill_size=16, max_num_batched_tokens=32, mamba_track_interval=INTERVAL
+)
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
@@ -76,11 +82,15 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir) -> dict[str, list[int]]:
-    engine = Engine(model_dir, **ENGINE_ARGS)
+def colocated(model_dir) -> Engine:
+    """The reference: a colocated TP=1 engine (its prefix cache holds the TP=1 checkpoints)."""
+    return Engine(model_dir, **ENGINE_ARGS)
+
+
+def colocated_tokens(engine: Engine, prompts, tag: str = "r") -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", p, PARAMS)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", p, PARAMS)
     while engine.has_unfinished_requests():
         for d in engine.step():
             out.setdefault(d.request_id, []).extend(d.new_token_ids)
@@ -88,24 +98,29 @@ def expected(model_dir) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
+def expected(colocated) -> dict[str, list[int]]:
+    return colocated_tokens(colocated, PROMPTS)
+
+
+@pytest.fixture(scope="module")
 def workers(model_dir):
-    """(role, tp size) -> its worker, built on first use, closed at the end."""
+    """(role, tp size[, track interval]) -> its worker, built on first use, closed at the end."""
     patch = pytest.MonkeyPatch()
     patch.setenv(SECRET_ENV, SECRET)  # every rank's connector (the ranks inherit it)
     context = zmq.Context()
     built: dict[tuple[str, int], PrefillWorker | DecodeWorker] = {}
 
-    def get(role: str, size: int):
-        if (role, size) not in built:
+    def get(role: str, size: int, interval: int = INTERVAL):
+        if (role, size, interval) not in built:
             engine = Engine(
                 model_dir,
                 tensor_parallel_size=size,
                 handover_connector=connector_spec(role, "127.0.0.1"),
-                **ENGINE_ARGS,
+                **ENGINE_ARGS | {"mamba_track_interval": interval},
             )
             cls = PrefillWorker if role == "prefill" else DecodeWorker
-            built[role, size] = cls(engine, _config(role), context)
-        return built[role, size]
+            built[role, size, interval] = cls(engine, _config(role), context)
+        return built[role, size, interval]
 
     yield get
     for worker in built.values():
@@ -114,7 +129,11 @@ def workers(model_dir):
     patch.undo()
 
 
-def run_pair(prefill, decoder, prompts, tag: str, timeout: float = 60.0) -> dict[str, list[int]]:
+def run_pair(
+    prefill, decoder, prompts, tag: str, timeout: float = 60.0, cached: dict | None = None
+) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens through the pair (`cached`: request id -> prompt tokens the
+    decode side had cached)."""
     got: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
         room = f"{tag}-room{i}"
@@ -126,6 +145,8 @@ def run_pair(prefill, decoder, prompts, tag: str, timeout: float = 60.0) -> dict
         prefill.step()
         for delta in decoder.step():
             got.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            if cached is not None:
+                cached.setdefault(delta.request_id, delta.num_cached_tokens)
     return got
 
 
@@ -136,17 +157,21 @@ def assert_clean(*workers) -> None:
         assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
 
 
-def owned_bytes(config: ModelConfig, size: int, rank: int, prompts, page_size: int) -> int:
-    """What decode rank `rank` of `size` holds of these prompts' K/V pages and Mamba state."""
+def owned_bytes(
+    config: ModelConfig, size: int, rank: int, *, pages: int, states: int, blocks: int
+) -> int:
+    """What decode rank `rank` of `size` holds of `pages` K/V pages, `states` final Mamba states
+    and `blocks` block checkpoints (float32)."""
     units = {c: sum(n for _, n in r) for c, r in owned(config, size, rank).items()}
     attn, mamba = len(config.attention_layer_ids), len(config.mamba_layer_ids)
-    pages = sum(-(-len(p) // page_size) for p in prompts)
-    per_head = attn * page_size * config.head_dim
-    return 4 * (
-        2 * pages * per_head * units["k"]
-        + len(prompts) * mamba * units["conv"] * (config.conv_kernel - 1)
-        + len(prompts) * mamba * units["ssm"] * config.mamba_head_dim * config.ssm_state_size
-    )
+    per_head = attn * ENGINE_ARGS["page_size"] * config.head_dim
+    conv = mamba * units["conv"] * (config.conv_kernel - 1)
+    ssm = mamba * units["ssm"] * config.mamba_head_dim * config.ssm_state_size
+    return 4 * (2 * pages * per_head * units["k"] + (states + blocks) * (conv + ssm))
+
+
+def pages_of(prompts) -> int:
+    return sum(-(-len(p) // ENGINE_ARGS["page_size"]) for p in prompts)
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -185,17 +210,106 @@ def test_pd_across_tp_sizes_matches_colocated_tp1(workers, expected, model_dir, 
     prefill_size, decode_size = sizes
     prefill, decoder = workers("prefill", prefill_size), workers("decode", decode_size)
     before = list(decoder.engine.shard_bytes_received)
+    hits_before = decoder.stats().prefix_cache_hit_tokens
     got = run_pair(prefill, decoder, PROMPTS, tag=f"p{prefill_size}d{decode_size}")
     assert got == expected
     assert_clean(prefill, decoder)
     assert decoder.counters.transfers_ok >= len(PROMPTS)
-    # Every decode rank received exactly the bytes of the heads and channels it owns.
+    # Every decode rank received exactly the bytes of the heads and channels it owns: pages,
+    # final states, and the checkpoints of every prompt block it did not cache already.
     config = ModelConfig.from_hf(model_dir)
     received = [a - b for a, b in zip(decoder.engine.shard_bytes_received, before, strict=True)]
+    hit_blocks = (decoder.stats().prefix_cache_hit_tokens - hits_before) // INTERVAL
+    blocks = sum(len(p) // INTERVAL for p in PROMPTS) - hit_blocks
+    assert blocks > 0
     assert received == [
-        owned_bytes(config, decode_size, rank, PROMPTS, ENGINE_ARGS["page_size"])
+        owned_bytes(
+            config, decode_size, rank, pages=pages_of(PROMPTS), states=len(PROMPTS), blocks=blocks
+        )
         for rank in range(decode_size)
     ]
+
+
+def assert_checkpoints_as_colocated(decoder, colocated: Engine, prompt, num_blocks: int) -> None:
+    """The decode side caches the prompt's first `num_blocks` blocks, and each checkpoint holds,
+    on every rank, that rank's slice of the colocated TP=1 engine's checkpoint at the same block
+    end: rank 0 compared tensor by tensor, the others by the per-slot sums they report."""
+    engine, config = decoder.engine, colocated.model_config
+    keys = colocated.prefix_cache.chain_keys(prompt, num_blocks)
+    blocks = [engine.prefix_cache.lookup(key) for key in keys]
+    assert None not in blocks, "the decode side does not cache the transferred blocks"
+    reference = [colocated.prefix_cache.lookup(key).checkpoint_slot for key in keys]
+    num_slots = engine.cache.conv.shape[1]
+    digests = engine.ranks.pool_digests(engine.cache) if engine.ranks is not None else None
+    for rank in range(engine.tp_size):
+        units = owned(config, engine.tp_size, rank)
+        channels = torch.cat([torch.arange(s, s + n) for s, n in units["conv"]])
+        heads = torch.cat([torch.arange(s, s + n) for s, n in units["ssm"]])
+        for block, ref_slot in zip(blocks, reference, strict=True):
+            conv = colocated.cache.conv[:, ref_slot][:, channels]
+            ssm = colocated.cache.ssm[:, ref_slot][:, heads]
+            assert conv.abs().sum() > 0 and ssm.abs().sum() > 0  # a real state, not a blank
+            slot = block.checkpoint_slot
+            if rank == 0:
+                torch.testing.assert_close(engine.cache.conv[:, slot], conv, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(engine.cache.ssm[:, slot], ssm, atol=1e-4, rtol=1e-4)
+            else:
+                got = digests[rank][[slot, num_slots + slot]]
+                want = torch.stack([conv.double().sum(), ssm.double().sum()])
+                torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)])
+def test_next_turn_hits_the_decode_side_cache_of_a_tp_handover(
+    workers, colocated, model_dir, sizes
+):
+    """After a handover across TP sizes the decode worker caches the prompt's blocks with the
+    prefill side's checkpoints (each rank its slice), so the next request sharing the prompt's
+    first blocks hits its cache there; only the blocks it lacks travel, and the tokens equal a
+    colocated TP=1 engine's."""
+    prefill_size, decode_size = sizes
+    prefill, decoder = workers("prefill", prefill_size), workers("decode", decode_size)
+    tag = f"turns-p{prefill_size}d{decode_size}"
+    first = _prompts(10 + decode_size, (40,))[0]  # blocks 0, 1 (and 8 tokens)
+    second = first[: 2 * INTERVAL] + _prompts(20 + decode_size, (36,))[0]  # + blocks 2, 3
+    expect = colocated_tokens(colocated, [first, second], tag=tag)
+    cached: dict[str, int] = {}
+    assert run_pair(prefill, decoder, [first], tag=tag, cached=cached) == {"r0": expect[f"{tag}0"]}
+    assert cached == {"r0": 0}
+    assert_checkpoints_as_colocated(decoder, colocated, first, 2)
+    before = list(decoder.engine.shard_bytes_received)
+    cached = {}
+    got = run_pair(prefill, decoder, [second], tag=tag + "b", cached=cached)
+    assert got == {"r0": expect[f"{tag}1"]}
+    assert cached["r0"] == 2 * INTERVAL  # the decode side resumed from a transferred checkpoint
+    assert_checkpoints_as_colocated(decoder, colocated, second, 4)
+    # Only what the decode side lacked travelled: pages 8.. and the checkpoints of blocks 2, 3.
+    config = ModelConfig.from_hf(model_dir)
+    received = [a - b for a, b in zip(decoder.engine.shard_bytes_received, before, strict=True)]
+    pages = pages_of([second]) - 2 * INTERVAL // ENGINE_ARGS["page_size"]
+    assert received == [
+        owned_bytes(config, decode_size, rank, pages=pages, states=1, blocks=2)
+        for rank in range(decode_size)
+    ]
+    assert_clean(prefill, decoder)
+    assert not decoder.engine.shard_checkpoints
+
+
+def test_no_checkpoints_travel_between_sides_cutting_blocks_differently(
+    workers, colocated, model_dir
+):
+    """A decode worker whose blocks are 32 tokens cannot use 16-token checkpoints: none are
+    sent, none are registered, and the tokens still equal a colocated engine's."""
+    prefill, decoder = workers("prefill", 2), workers("decode", 1, interval=2 * INTERVAL)
+    prompt = _prompts(30, (40,))[0]
+    expect = colocated_tokens(colocated, [prompt], tag="intervals")
+    before = list(decoder.engine.shard_bytes_received)
+    assert run_pair(prefill, decoder, [prompt], tag="intervals") == {"r0": expect["intervals0"]}
+    received = decoder.engine.shard_bytes_received[0] - before[0]
+    config = ModelConfig.from_hf(model_dir)
+    assert received == owned_bytes(config, 1, 0, pages=pages_of([prompt]), states=1, blocks=0)
+    assert decoder.stats().prefix_cache_blocks == 0
+    assert_clean(prefill, decoder)
 
 
 def _register(room: str, compat, tp: TPLayout) -> Register:
@@ -249,19 +363,37 @@ def test_handshake_refuses_layouts_it_cannot_serve_naming_both(workers, expected
     }
 
 
+# case -> (claimed prefill TP size, extra K/V pages, decode ranks sent to, the control's first
+# page, its checkpoint blocks, the blocks the pieces carry, what the failure says)
+LIES = {
+    "shape": (1, 1, 2, 0, 0, 0, "expected float32 [2, 10, 4, 1, 16]"),
+    "size": (3, 0, 2, 0, 0, 0, "prefill worker claims TP=3"),
+    "missing": (1, 0, 1, 0, 0, 0, "not every rank's shard from the prefill worker within 10 s"),
+    "blocks": (1, 0, 2, 0, 5, 5, "checkpoints of blocks 0..4; this prompt has 2 blocks"),
+    "checkpoint": (1, 0, 2, 0, 2, 1, "is float32 [1, 3, "),
+    # over the decode side's cached prefix (its first 8 pages), which other requests share
+    "cached": (1, 0, 2, 0, 0, 0, "sends pages from 0, expected from 8"),
+}
+
+
 def test_a_lying_prefill_peer_fails_its_room_and_the_decode_engine_serves_on(workers, expected):
     """A fake prefill worker answers a TP=2 decode worker's Register with shards that do not fit
-    (a wrong shape; a claimed TP size the model cannot have; none for rank 1): the room fails
-    with a message naming the problem, the pools are freed, and the next real room is served."""
+    (a wrong shape; a claimed TP size the model cannot have; none for rank 1; more checkpoint
+    blocks than the prompt has; checkpoints of fewer blocks than claimed; pages over the decode
+    side's cached prefix): the room fails with a message naming the problem, the pools and
+    checkpoint slots are freed, the cached prefix is intact, and the next real room is served."""
     decoder = workers("decode", 2)
     config = decoder.engine.model_config
+    cached = PROMPTS[1]  # 40 tokens: its blocks 0, 1 (pages 0..7) cached on the decode side
+    run_pair(workers("prefill", 1), decoder, [cached], tag="before-lies")
+    fresh = _prompts(40, (40,))[0]
     router = zmq.Context.instance().socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     fake = f"tcp://127.0.0.1:{port}"
-    prompt = PROMPTS[1]
     try:
-        cases = {"shape": (1, 1, 2), "size": (3, 0, 2), "missing": (1, 0, 1)}
-        for case, (source_size, stretch, ranks) in cases.items():
+        for case, lie in LIES.items():
+            source_size, stretch, ranks, first_page, blocks, sent_blocks, text = lie
+            prompt = cached if case == "cached" else fresh
             decoder.add_request(
                 f"lie-{case}", prompt, PARAMS, room=f"lie-{case}", prefill_addr=fake
             )
@@ -274,8 +406,8 @@ def test_a_lying_prefill_peer_fails_its_room_and_the_decode_engine_serves_on(wor
                     identity, *frames = router.recv_multipart()
                     register, _ = decode(frames, SECRET.encode())
             assert register.tp.size == 2 and len(register.tp.rank_addresses) == 2
-            # Each decode rank gets the pieces a TP=1 prefill would send it, the K/V pages one
-            # page longer than the prompt has ("shape"), or claiming prefill TP=3 ("size").
+            # Each decode rank gets the pieces a TP=1 prefill would send it, but as the case
+            # says (the K/V pages one page longer than the prompt has, for "shape").
             pushes = []
             for rank, address in enumerate(register.tp.rank_addresses[:ranks]):
                 push = zmq.Context.instance().socket(zmq.PUSH)
@@ -288,20 +420,20 @@ def test_a_lying_prefill_peer_fails_its_room_and_the_decode_engine_serves_on(wor
                         "v": (2, -(-len(prompt) // 4) + stretch, 4, p.length, 16),
                         "conv": (3, p.length, 3),
                         "ssm": (3, p.length, 16, 8),
-                        "checkpoint_conv": (0, 3, p.length, 3),
-                        "checkpoint_ssm": (0, 3, p.length, 16, 8),
+                        "checkpoint_conv": (sent_blocks, 3, p.length, 3),
+                        "checkpoint_ssm": (sent_blocks, 3, p.length, 16, 8),
                     }[p.component]
                     named.append((p.name, torch.zeros(shape)))
                 shard = ShardTransfer(
                     room=register.room,
                     source_rank=0,
                     source_size=source_size,
-                    first_page=0,
+                    first_page=first_page,
                     first_block=0,
                     tensors=tensor_specs(named),
                 )
                 push.send_multipart(encode(shard, [t for _, t in named], SECRET.encode()))
-            control = decoder.engine.first_token_state(_fake_state(prompt))
+            control = _fake_state(config, prompt, first_page, blocks)
             message, tensors = state_message(register.room, control, tp_size=source_size)
             router.send_multipart([identity, *encode(message, tensors, SECRET.encode())])
             deadline = time.time() + 30
@@ -312,33 +444,38 @@ def test_a_lying_prefill_peer_fails_its_room_and_the_decode_engine_serves_on(wor
             for push in pushes:
                 push.close(linger=0)
             assert failures and failures[0][0] == f"lie-{case}", failures
-            reason = failures[0][1]
-            assert {
-                "shape": "expected float32 [2, 10, 4, 1, 16]",
-                "size": "prefill worker claims TP=3",
-                "missing": "not every rank's shard from the prefill worker within 10 s",
-            }[case] in reason, reason
+            assert text in failures[0][1], failures[0][1]
             stats = decoder.stats()
-            assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+            assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0, case
+            assert not decoder.engine.shard_checkpoints
     finally:
         router.close(linger=0)
-    got = run_pair(workers("prefill", 1), decoder, PROMPTS[:2], tag="after-lies")
+    cached_tokens: dict[str, int] = {}
+    got = run_pair(
+        workers("prefill", 1), decoder, PROMPTS[:2], tag="after-lies", cached=cached_tokens
+    )
     assert got == {k: expected[k] for k in ("r0", "r1")}
+    assert cached_tokens["r1"] == 2 * INTERVAL  # from the cached prefix the lies did not touch
 
 
-def _fake_state(prompt):
+def _fake_state(config: ModelConfig, prompt, first_page: int, blocks: int):
+    """A first-token state (what goes through rank 0) claiming pages from `first_page` and
+    checkpoints of `blocks` blocks from block 0 (no pages, no Mamba layers: those go rank to
+    rank)."""
     from engine.handover import RequestState
 
+    conv = (config.conv_dim, config.conv_kernel - 1)
+    ssm = (config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size)
     return RequestState(
         num_prompt_tokens=len(prompt),
         first_token=5,
         first_logprobs=None,
-        first_page=0,
+        first_page=first_page,
         first_block=0,
-        k_pages=torch.empty(0),
-        v_pages=torch.empty(0),
-        conv=torch.empty(0),
-        ssm=torch.empty(0),
-        checkpoint_conv=torch.empty(0),
-        checkpoint_ssm=torch.empty(0),
+        k_pages=torch.empty(2, 0),
+        v_pages=torch.empty(2, 0),
+        conv=torch.empty(0, *conv),
+        ssm=torch.empty(0, *ssm),
+        checkpoint_conv=torch.empty(blocks, 0, *conv),
+        checkpoint_ssm=torch.empty(blocks, 0, *ssm),
     )
