@@ -30,7 +30,8 @@ from engine.sampler import Sampler, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SCHEDULE_POLICIES, SchedulePolicy, Scheduler, SchedulerConfig
 from engine.state_cache import StateCache
-from engine.tp_handover import ShardHandoverMixin, gather_addresses, load_connector
+from engine.tp_engine_handover import ShardHandoverMixin
+from engine.tp_handover import gather_addresses, load_connector
 from engine.tp_messages import PoolOps
 from engine.tp_ranks import RankedRunner, start_ranks
 from engine.tp_shard import check_tp_supported, pool_config

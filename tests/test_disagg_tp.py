@@ -274,8 +274,10 @@ def test_next_turn_hits_the_decode_side_cache_of_a_tp_handover(
     second = first[: 2 * INTERVAL] + _prompts(20 + decode_size, (36,))[0]  # + blocks 2, 3
     expect = colocated_tokens(colocated, [first, second], tag=tag)
     cached: dict[str, int] = {}
+    blocks_before = decoder.stats().prefix_cache_blocks
     assert run_pair(prefill, decoder, [first], tag=tag, cached=cached) == {"r0": expect[f"{tag}0"]}
     assert cached == {"r0": 0}
+    assert decoder.stats().prefix_cache_blocks == blocks_before + 2  # (the stats show them)
     assert_checkpoints_as_colocated(decoder, colocated, first, 2)
     before = list(decoder.engine.shard_bytes_received)
     cached = {}
