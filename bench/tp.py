@@ -80,14 +80,21 @@ def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, fl
 
 
 def owned_bytes(
-    config: ModelConfig, size: int, rank: int, prompt_lens: list[int], itemsize: int
+    config: ModelConfig,
+    size: int,
+    rank: int,
+    prompt_lens: list[int],
+    itemsize: int,
+    track_interval: int | None,
 ) -> int:
-    """Bytes of the prompts' K/V pages and final Mamba state that decode rank `rank` of `size`
-    holds (its units of each component; SSM state in float32)."""
+    """Bytes of the prompts' K/V pages, final Mamba state and prefix-cache block checkpoints
+    (one per `track_interval` tokens; none without a prefix cache) that decode rank `rank` of
+    `size` holds (its units of each component; SSM state in float32)."""
     units = {c: sum(n for _, n in r) for c, r in owned(config, size, rank).items()}
     pages = sum(-(-n // PAGE_SIZE) for n in prompt_lens)
     kv = 2 * len(config.attention_layer_ids) * pages * PAGE_SIZE * config.head_dim
-    mamba = len(config.mamba_layer_ids) * len(prompt_lens)
+    states = len(prompt_lens) + sum(n // track_interval for n in prompt_lens if track_interval)
+    mamba = len(config.mamba_layer_ids) * states
     return (
         kv * units.get("k", 0) * itemsize
         + mamba * units.get("conv", 0) * (config.conv_kernel - 1) * itemsize
@@ -144,14 +151,17 @@ def handover_bytes(
         config = decoder.engine.model_config
         itemsize = decoder.engine.dtype.itemsize
         lens = [len(p) for p in prompts]
+        # Both sides cut blocks at the same interval here, and the decode side caches nothing
+        # of these fresh prompts: every block's checkpoint travels.
+        interval = decoder.engine.track_interval or None  # 0: no prefix cache
         ranks = []
         for rank, received in enumerate(decoder.engine.shard_bytes_received):
-            own = owned_bytes(config, decode_tp, rank, lens, itemsize)
+            own = owned_bytes(config, decode_tp, rank, lens, itemsize, interval)
             ranks.append({"received": received, "owned": own, "ratio": received / own})
         return {
             "prefill_tp": prefill_tp,
             "decode_tp": decode_tp,
-            "whole_state_bytes": owned_bytes(config, 1, 0, lens, itemsize),
+            "whole_state_bytes": owned_bytes(config, 1, 0, lens, itemsize, interval),
             "decode_ranks": ranks,
         }
     finally:
