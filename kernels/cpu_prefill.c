@@ -357,53 +357,73 @@ void baton_gated_norm(const void *y, int64_t y_stride, const void *z, int64_t z_
 
 /* Depthwise causal conv + SiLU of the packed prefill tokens, continuing from and updating the
  * pool's conv states (kernels/conv1d.py's contract, without its padded (S, dim, K-1 + max_len)
- * gather). One task per (sequence, block of 64 channels): the block's last K-1 inputs stay in a
- * local array while the tokens stream past. x, pool, out and windows share the dtype (bf16 or
+ * gather). One task per (sequence, block of 64 channels); each tap reads its input row straight
+ * from x (the rows K-1 tokens back are still in L1), or from the pool's window for the first
+ * K-1 tokens. The previous form shifted a history array every token (GCC made those shifts
+ * memmove calls: ~3x the conv's arithmetic). x, pool, out and windows share the dtype (bf16 or
  * float32); weight (dim, K) and bias (dim) are float32 copies of the model's. Rounding as the
  * torch path: the conv output is rounded to the dtype before the SiLU, the SiLU output again.
  * window_of_token (T,): index into windows (M, dim, K-1) of the window after that token, or -1.
  * Returns the first bad slot's row + 1 (nothing written), 0 when all are in range. */
-/* One (sequence, channel block) of baton_conv_varlen; `bf16` is a literal at both call sites,
- * so each copy is specialised and its channel loops vectorise (exp_approx, not libm's expf). */
-static inline void conv_block(const void *x, int64_t x_stride, const float *weight,
-                              const float *bias, void *pool, int64_t pbase, int64_t t0, int64_t t1,
-                              void *out, const int64_t *window_of_token, void *windows,
-                              int64_t dim, int64_t K, int64_t d0, int64_t nb, const int bf16) {
-    const int64_t km1 = K - 1;
-    float hist[CONV_MAX_K][CONV_BLOCK]; /* hist[k][c]: the last K-1 inputs, oldest first */
-    float wk[CONV_MAX_K][CONV_BLOCK], bb[CONV_BLOCK], acc[CONV_BLOCK], xv[CONV_BLOCK];
+
+/* The input of channel d0 + c at token t0 + j of the sequence (j < 0: the pool window, `pre`
+ * holds it as (K-1, CONV_BLOCK) rows in the dtype). */
+static inline const void *conv_row(const void *x, int64_t x_stride, const void *pre, int64_t j,
+                                   int64_t t0, int64_t km1, int64_t d0, const int bf16) {
+    if (j >= 0)
+        return bf16 ? (const void *)((const uint16_t *)x + (t0 + j) * x_stride + d0)
+                    : (const void *)((const float *)x + (t0 + j) * x_stride + d0);
+    return bf16 ? (const void *)((const uint16_t *)pre + (km1 + j) * CONV_BLOCK)
+                : (const void *)((const float *)pre + (km1 + j) * CONV_BLOCK);
+}
+
+/* One (sequence, channel block) of baton_conv_varlen; `bf16` and (for the common K = 4) `K` are
+ * literals at the call sites, so each copy is specialised and its channel loops vectorise. */
+static inline __attribute__((always_inline)) void conv_block(
+    const void *x, int64_t x_stride, const float *weight, const float *bias, void *pool,
+    int64_t pbase, int64_t t0, int64_t t1, void *out, const int64_t *window_of_token,
+    void *windows, int64_t dim, const int64_t K, int64_t d0, int64_t nb, const int bf16) {
+    const int64_t km1 = K - 1, n = t1 - t0;
+    float wk[CONV_MAX_K][CONV_BLOCK], bb[CONV_BLOCK];
+    float pre_f[CONV_MAX_K][CONV_BLOCK];
+    uint16_t pre_h[CONV_MAX_K][CONV_BLOCK];
+    void *pre = bf16 ? (void *)pre_h : (void *)pre_f;
     for (int64_t c = 0; c < nb; c++) {
         bb[c] = bias ? bias[d0 + c] : 0.0f;
         for (int64_t k = 0; k < K; k++) wk[k][c] = weight[(d0 + c) * K + k];
-        for (int64_t k = 0; k < km1; k++) hist[k][c] = load(pool, pbase + (d0 + c) * km1 + k, bf16);
-    }
-    for (int64_t t = t0; t < t1; t++) {
-#pragma omp simd
-        for (int64_t c = 0; c < nb; c++) {
-            xv[c] = load(x, t * x_stride + d0 + c, bf16);
-            acc[c] = bb[c] + wk[km1][c] * xv[c];
+        for (int64_t k = 0; k < km1; k++) {
+            if (bf16)
+                pre_h[k][c] = ((const uint16_t *)pool)[pbase + (d0 + c) * km1 + k];
+            else
+                pre_f[k][c] = ((const float *)pool)[pbase + (d0 + c) * km1 + k];
         }
-        for (int64_t k = 0; k < km1; k++)
-#pragma omp simd
-            for (int64_t c = 0; c < nb; c++) acc[c] += wk[k][c] * hist[k][c];
-        for (int64_t k = 0; k + 1 < km1; k++)
-#pragma omp simd
-            for (int64_t c = 0; c < nb; c++) hist[k][c] = hist[k + 1][c];
+    }
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t t = t0 + j;
+        const void *rows[CONV_MAX_K];
+        for (int64_t k = 0; k < K; k++)
+            rows[k] = conv_row(x, x_stride, pre, j - km1 + k, t0, km1, d0, bf16);
 #pragma omp simd
         for (int64_t c = 0; c < nb; c++) {
-            hist[km1 - 1][c] = xv[c];
-            float v = acc[c];
-            if (bf16) v = bf16_to_f32(f32_to_bf16(v));
-            store(out, t * dim + d0 + c, v / (1.0f + exp_approx(-v)), bf16);
+            float acc = bb[c] + wk[km1][c] * load(rows[km1], c, bf16);
+            for (int64_t k = 0; k < km1; k++) acc += wk[k][c] * load(rows[k], c, bf16);
+            if (bf16) acc = bf16_to_f32(f32_to_bf16(acc));
+            store(out, t * dim + d0 + c, acc / (1.0f + exp_approx(-acc)), bf16);
         }
         const int64_t m = window_of_token ? window_of_token[t] : -1;
         if (m >= 0)
-            for (int64_t c = 0; c < nb; c++)
-                for (int64_t k = 0; k < km1; k++)
-                    store(windows, (m * dim + d0 + c) * km1 + k, hist[k][c], bf16);
+            for (int64_t k = 0; k < km1; k++) {
+                const void *r = conv_row(x, x_stride, pre, j - km1 + 1 + k, t0, km1, d0, bf16);
+                for (int64_t c = 0; c < nb; c++)
+                    store(windows, (m * dim + d0 + c) * km1 + k, load(r, c, bf16), bf16);
+            }
     }
-    for (int64_t c = 0; c < nb; c++)
-        for (int64_t k = 0; k < km1; k++) store(pool, pbase + (d0 + c) * km1 + k, hist[k][c], bf16);
+    /* the pool's window last: the first K-1 tokens above read the old one through `pre` */
+    for (int64_t k = 0; k < km1; k++) {
+        const void *r = conv_row(x, x_stride, pre, n - km1 + k, t0, km1, d0, bf16);
+        for (int64_t c = 0; c < nb; c++)
+            store(pool, pbase + (d0 + c) * km1 + k, load(r, c, bf16), bf16);
+    }
 }
 
 int64_t baton_conv_varlen(const void *x, int64_t x_stride, const float *weight, const float *bias,
@@ -418,13 +438,19 @@ int64_t baton_conv_varlen(const void *x, int64_t x_stride, const float *weight, 
     for (int64_t task = 0; task < num_seqs * blocks; task++) {
         const int64_t s = task / blocks, d0 = (task % blocks) * CONV_BLOCK;
         const int64_t nb = dim - d0 < CONV_BLOCK ? dim - d0 : CONV_BLOCK;
-        const int64_t pbase = slots[s] * dim * (K - 1);
-        if (bf16)
-            conv_block(x, x_stride, weight, bias, pool, pbase, cu_seqlens[s], cu_seqlens[s + 1],
-                       out, window_of_token, windows, dim, K, d0, nb, 1);
+        const int64_t pbase = slots[s] * dim * (K - 1), t0 = cu_seqlens[s], t1 = cu_seqlens[s + 1];
+#define CONV_CALL(KK, BF)                                                                        \
+    conv_block(x, x_stride, weight, bias, pool, pbase, t0, t1, out, window_of_token, windows, dim, \
+               KK, d0, nb, BF)
+        if (K == 4 && bf16)
+            CONV_CALL(4, 1);
+        else if (K == 4)
+            CONV_CALL(4, 0);
+        else if (bf16)
+            CONV_CALL(K, 1);
         else
-            conv_block(x, x_stride, weight, bias, pool, pbase, cu_seqlens[s], cu_seqlens[s + 1],
-                       out, window_of_token, windows, dim, K, d0, nb, 0);
+            CONV_CALL(K, 0);
+#undef CONV_CALL
     }
     return 0;
 }
