@@ -242,3 +242,77 @@ def test_fused_conv_bad_slot_is_an_error_and_writes_nothing():
             x, torch.randn(8, 4), None, pool, torch.tensor([0, 2]), layout
         )
     assert torch.equal(pool, before)
+
+
+# The scan's chunk is four register-tiled GEMMs (tiles of 4 rows x up to 64 columns, masked
+# tails): shapes whose P, N or chunk length are not multiples of the tile, more than one column
+# panel (P or N > 64, a chunk > 64 tokens for C B^T), one token, and the 110M shape itself.
+TILE_CASES = [
+    # (seq_lens, start_pos, chunk, H, P, G, N)
+    ([1], [0], 128, 2, 64, 1, 128),  # one token
+    ([3, 130, 67], [0, 5, 128], 128, 3, 80, 3, 72),  # P, N: a full panel + a masked one
+    ([100, 5], [0, 20], 128, 2, 17, 2, 33),  # l = 100: C B^T spans two column panels
+    ([45, 2], [7, 0], 16, 4, 64, 2, 128),  # the 110M head shape, short chunks
+    ([200], [0], 64, 2, 16, 1, 16),  # one sequence, one group: a task per head
+]
+
+
+@pytest.mark.parametrize("seq_lens,start_pos,chunk,H,P,G,N", TILE_CASES)
+def test_c_scan_tile_tails_match_token_recurrence(seq_lens, start_pos, chunk, H, P, G, N):
+    inputs = ssd_inputs(seq_lens, H=H, P=P, G=G, N=N, seed=11)
+    y, final, chunk_states, layout = run_c(seq_lens, start_pos, chunk, inputs)
+    y_ref, final_ref, per_token = ssd_oracle(*inputs, seq_lens)
+    torch.testing.assert_close(y.double(), y_ref, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(final.double(), final_ref, atol=2e-4, rtol=2e-4)
+    for s, (n, p0) in enumerate(zip(seq_lens, start_pos)):
+        for c in range(layout.num_chunks):
+            j = p0 - p0 % chunk + (c + 1) * chunk - p0 - 1
+            expected = per_token[s][min(j, n - 1)]
+            torch.testing.assert_close(chunk_states[s, c].double(), expected, atol=2e-4, rtol=2e-4)
+
+
+def test_c_scan_zero_initial_states_skip_nothing_they_need():
+    """A zero initial state skips the inter-chunk term of the first chunk; a state that is zero
+    but for its very last entry, and a zero state resumed mid-chunk, must not."""
+    seq_lens, start_pos, chunk = [20, 20, 9, 33], [0, 0, 3, 0], 8
+    x, dt, A, B, C, D, dt_bias, init = ssd_inputs(seq_lens, H=4, P=20, G=2, N=18, seed=12)
+    init[0] = 0.0
+    init[1] = 0.0
+    init[1, -1, -1, -1] = 5.0  # the last element the zero check reads
+    init[2] = 0.0
+    inputs = (x, dt, A, B, C, D, dt_bias, init)
+    y, final, _, _ = run_c(seq_lens, start_pos, chunk, inputs)
+    y_ref, final_ref, _ = ssd_oracle(*inputs, seq_lens)
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final.double(), final_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_plain_c_build_without_avx512_agrees(tmp_path, monkeypatch):
+    """The portable tile (no AVX-512: -march=x86-64-v3, what a CPU without it compiles) gives the
+    same scan and conv as the intrinsics build the rest of this file tests."""
+    from kernels import cpu_ops
+
+    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_ops.FLAGS]
+    monkeypatch.setattr(cpu_ops, "FLAGS", flags)
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
+    portable = cpu_prefill.library.__wrapped__()
+    assert portable is not None
+    native = cpu_prefill.library()
+    seq_lens, start_pos, chunk = [70, 3, 1], [0, 9, 5], 64
+    inputs = ssd_inputs(seq_lens, H=4, P=24, G=2, N=40, seed=13)
+    conv_x = torch.randn(sum(seq_lens), 150)
+    conv_w = torch.randn(150, 4)
+    layout = build_conv_layout(seq_lens, 4, "cpu")
+    results = []
+    for lib in (portable, native):
+        monkeypatch.setattr(cpu_prefill, "library", lambda lib=lib: lib)
+        y, final, states, _ = run_c(seq_lens, start_pos, chunk, inputs)
+        pool = torch.randn(3, 150, 3, generator=torch.Generator().manual_seed(2))
+        out, _ = cpu_prefill.causal_conv1d_varlen_cpu(
+            conv_x, conv_w, None, pool, torch.tensor([2, 0, 1]), layout
+        )
+        results.append((y, final, states, out, pool))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    y_ref, _, _ = ssd_oracle(*inputs, seq_lens)
+    torch.testing.assert_close(results[0][0].double(), y_ref, atol=1e-4, rtol=1e-4)
