@@ -382,7 +382,7 @@ static inline const void *conv_row(const void *x, int64_t x_stride, const void *
 static inline __attribute__((always_inline)) void conv_block(
     const void *x, int64_t x_stride, const float *weight, const float *bias, void *pool,
     int64_t pbase, int64_t t0, int64_t t1, void *out, const int64_t *window_of_token,
-    void *windows, int64_t dim, const int64_t K, int64_t d0, int64_t nb, const int bf16) {
+    void *windows, int64_t dim, const int64_t K, int64_t d0, const int64_t nb, const int bf16) {
     const int64_t km1 = K - 1, n = t1 - t0;
     float wk[CONV_MAX_K][CONV_BLOCK], bb[CONV_BLOCK];
     float pre_f[CONV_MAX_K][CONV_BLOCK];
@@ -439,17 +439,18 @@ int64_t baton_conv_varlen(const void *x, int64_t x_stride, const float *weight, 
         const int64_t s = task / blocks, d0 = (task % blocks) * CONV_BLOCK;
         const int64_t nb = dim - d0 < CONV_BLOCK ? dim - d0 : CONV_BLOCK;
         const int64_t pbase = slots[s] * dim * (K - 1), t0 = cu_seqlens[s], t1 = cu_seqlens[s + 1];
-#define CONV_CALL(KK, BF)                                                                        \
+#define CONV_CALL(KK, NB, BF)                                                                    \
     conv_block(x, x_stride, weight, bias, pool, pbase, t0, t1, out, window_of_token, windows, dim, \
-               KK, d0, nb, BF)
-        if (K == 4 && bf16)
-            CONV_CALL(4, 1);
-        else if (K == 4)
-            CONV_CALL(4, 0);
+               KK, d0, NB, BF)
+        /* full blocks of the common K = 4 without masks: ~1.3x on bf16 */
+        if (K == 4 && nb == CONV_BLOCK && bf16)
+            CONV_CALL(4, CONV_BLOCK, 1);
+        else if (K == 4 && nb == CONV_BLOCK)
+            CONV_CALL(4, CONV_BLOCK, 0);
         else if (bf16)
-            CONV_CALL(K, 1);
+            CONV_CALL(K, nb, 1);
         else
-            CONV_CALL(K, 0);
+            CONV_CALL(K, nb, 0);
 #undef CONV_CALL
     }
     return 0;
