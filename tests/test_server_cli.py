@@ -55,9 +55,8 @@ def test_parsed_flags_become_server_args_with_engine_args(tmp_path):
     )
     assert namespace.max_model_len == 512 and namespace.api_key == "k"
     args = ServerArgs(model=str(tmp_path), max_model_len=512, max_queued_requests=3)
-    # unset sizes are left to the engine; the schedule is the server's (its default differs
-    # from the offline engine's)
-    assert args.engine_args() == {"max_model_len": 512, "schedule_policy": "prefill-first"}
+    # unset sizes are left to the engine; the schedule is always passed (the server's flag)
+    assert args.engine_args() == {"max_model_len": 512, "schedule_policy": "mixed"}
     assert args.model_name == str(tmp_path)
     assert ServerArgs(model=str(tmp_path), served_model_name="tiny").model_name == "tiny"
 
