@@ -38,7 +38,8 @@ from disagg.protocol import (
 )
 from disagg.rooms import DisaggConfig, RoomState, TransferCounters, compat_of, now
 from disagg.tp_layout import TPLayout
-from engine.engine import Engine, EngineStats
+from engine.engine import Engine
+from engine.engine_args import EngineStats
 from engine.memory import OutOfMemory
 from engine.sampling_params import SamplingParams
 

@@ -48,7 +48,8 @@ from disagg.rooms import (
 )
 from disagg.schema import MAX_STRING
 from disagg.tp_layout import refusal
-from engine.engine import Engine, EngineStats
+from engine.engine import Engine
+from engine.engine_args import EngineStats
 from engine.handover import HandoverLayout, RequestState
 from engine.sampling_params import SamplingParams
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from engine.detokenizer import OutputDetokenizer
-from engine.engine import Engine, EngineStats
+from engine.engine import Engine
+from engine.engine_args import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
