@@ -1,4 +1,4 @@
-"""The fastest any engine could run a workload on this machine: its matmuls at the torch.mm peak,
+"""The fastest any engine could run a workload on this machine: its matmuls at the matmul peak,
 each decode step no faster than reading the weights it touches at the measured memory bandwidth.
 
 The floor bounds the ratio of two engines doing the same work: baton / transformers can be at
