@@ -39,27 +39,13 @@ import time
 
 import torch
 
+from bench.flop_rates import (
+    decode_flop_fraction,
+    machine_floor,
+    param_counts,
+    prefill_flop_fraction,
+)
 from bench.workloads import CONFIGS, WORKLOADS, save_model, workload, workload_kind
-
-
-def param_counts(model, hf_model) -> dict:
-    """Total parameters (transformers' copy: baton's prepacked linears hold theirs outside
-    `parameters()`), and those in baton's matmuls per token (routed experts: top_k of them)."""
-    from engine.layers.moe import Experts, SoftmaxTopKMoE
-    from kernels.linear import matmul_params
-
-    active = matmul_params(model)
-    for module in model.modules():
-        if isinstance(module, Experts):
-            per_expert = module.up_proj[0].numel() + module.down_proj[0].numel()
-            active += model.config.moe.top_k * per_expert
-        elif isinstance(module, SoftmaxTopKMoE):
-            per_expert = (
-                module.input_linear.weight[0].numel() + module.output_linear.weight[0].numel()
-            )
-            active += module.top_k * per_expert
-    total = sum(p.numel() for p in hf_model.parameters())
-    return {"total_params": total, "active_matmul_params": active}
 
 
 def run_baton(model_dir: str, dtype: str, requests, padded_decode: bool = False) -> dict:
@@ -117,120 +103,6 @@ def run_hf(model, dtype: str, requests, batch_size: int) -> dict:
         useful += sum(o for _, o in group)  # tokens past a request's own max_tokens are waste
     elapsed = time.perf_counter() - start
     return {"batch_size": batch_size, "seconds": elapsed, "tok_per_s": useful / elapsed}
-
-
-def _best_rate(fn, *args, repeats: int = 5) -> float:
-    fn(*args)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn(*args)
-        best = min(best, time.perf_counter() - t)
-    return 2 * 2048**3 / best
-
-
-def mm_peaks(dtype: torch.dtype) -> dict[str, float]:
-    """FLOP/s of a 2048^3 matmul in `dtype`, by `torch.mm` and by the oneDNN-prepacked linear
-    baton's CPU layers call (kernels/linear.py). They differ by machine: on a Zen 5 VM torch.mm's
-    fp32 path reached 206 GFLOP/s and the prepacked one 460, so a fraction of torch.mm's rate
-    alone read 175%."""
-    from kernels.linear import _packed_mm, can_pack
-
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    peaks = {"torch.mm": _best_rate(torch.mm, a, b)}
-    if can_pack(dtype):
-        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), None)
-        peaks["onednn"] = _best_rate(_packed_mm, a, packed)
-    return peaks
-
-
-def mm_peak(dtype: torch.dtype) -> float:
-    """The machine's matmul peak for `dtype`: the better of `mm_peaks`."""
-    return max(mm_peaks(dtype).values())
-
-
-def machine_floor(llm, requests, peak_flops: float) -> dict:
-    from bench.roofline import floor_seconds, memory_bandwidth, model_weights
-
-    weights = model_weights(llm.engine.model, llm.engine.dtype)
-    bandwidth = memory_bandwidth()
-    return {
-        **floor_seconds(weights, requests, peak_flops, bandwidth),
-        "bandwidth_bytes_per_s": bandwidth,
-        "peak_flops": peak_flops,
-    }
-
-
-def decode_flop_fraction(llm, batch: int = 64) -> dict:
-    """Time steady decode steps at `batch` and compare 2 * params * batch FLOPs to the mm peak."""
-    from engine import SamplingParams
-
-    engine = llm.engine
-    for i in range(batch):
-        engine.add_request(
-            f"flop-{i}", [7 + i] * 64, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-        )
-    while any(r.num_remaining > 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    times = []
-    for _ in range(20):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    while engine.has_unfinished_requests():
-        engine.step()
-    # Best of 20 steps against the best of 5 torch.mm runs: the same statistic on both sides
-    # (a noisy 2-core machine moves medians by +-5%); the median is reported too.
-    step = min(times)
-    params = param_counts(engine.model, engine.model)["active_matmul_params"]
-    flops = 2 * params * batch / step
-    peaks = mm_peaks(engine.dtype)
-    peak = max(peaks.values())
-    return {
-        "mm_peaks_flops": peaks,
-        "decode_step_ms": step * 1e3,
-        "decode_step_median_ms": sorted(times)[len(times) // 2] * 1e3,
-        "flops": flops,
-        "mm_peak_flops": peak,
-        "fraction": flops / peak,
-    }
-
-
-def prefill_flop_fraction(llm, peak: float, seqs: int = 16, prompt_len: int = 128) -> dict:
-    """Time a prefill step of `seqs` x `prompt_len` tokens (one step of the side-by-side
-    workload's prefill: 2048 batched tokens) and compare its matmul FLOPs (2 * params per token,
-    the lm_head on the sampled rows only) to the mm peak. Best of 3, fresh ids each time (no
-    prefix hits)."""
-    from engine import SamplingParams
-
-    engine = llm.engine
-    model = engine.model
-    lm_head = model.lm_head.in_features * model.lm_head.out_features
-    params = param_counts(model, model)["active_matmul_params"]
-    times = []
-    for rep in range(3):
-        ids = torch.randint(
-            3, 1000, (seqs, prompt_len), generator=torch.Generator().manual_seed(rep)
-        )
-        for i in range(seqs):
-            engine.add_request(
-                f"prefill-{rep}-{i}",
-                ids[i].tolist(),
-                SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
-            )
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-        while engine.has_unfinished_requests():
-            engine.step()
-    step = min(times)
-    flops = (2 * (params - lm_head) * seqs * prompt_len + 2 * lm_head * seqs) / step
-    return {
-        "prefill_step_ms": step * 1e3,
-        "tokens": seqs * prompt_len,
-        "flops": flops,
-        "fraction": flops / peak,
-    }
 
 
 def main() -> None:
@@ -305,6 +177,13 @@ def main() -> None:
                     f"{prefill['fraction']:.1%} (peak {flop['mm_peak_flops'] / 1e9:.0f} GFLOP/s: "
                     + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in flop["mm_peaks_flops"].items())
                     + ")",
+                    flush=True,
+                )
+                print(
+                    f"[{name} {dtype}] the matmuls alone: decode at batch 64 "
+                    f"{flop['matmul_flops'] / 1e9:.0f} GFLOP/s = {flop['matmul_fraction']:.1%} "
+                    f"of the peak, prefill {prefill['matmul_flops'] / 1e9:.0f} GFLOP/s = "
+                    f"{prefill['matmul_fraction']:.1%}",
                     flush=True,
                 )
                 steps = baton["step_time"]

@@ -58,3 +58,52 @@ class StepTimer:
             "host_ms": 1e3 * (self.step_s - self.forward_s) / steps,
             "host_fraction": (self.step_s - self.forward_s) / max(self.step_s, 1e-12),
         }
+
+
+class MatmulTimer:
+    """Times every linear layer's forward under `model` while active (packed or plain; instance
+    wrappers, removed on exit) and counts its FLOPs, 2 x rows x in x out per call: the rate the
+    matmuls of a step reach, apart from the rest of the step. Experts of fused MoE layers are
+    not linear modules and are not counted."""
+
+    def __init__(self, model) -> None:
+        from torch import nn
+
+        from kernels.linear import PackedLinear
+
+        self.modules = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+        self.seconds = 0.0
+        self.flops = 0
+        self.calls = 0
+
+    def __enter__(self) -> MatmulTimer:
+        for module in self.modules:
+            module.forward = self._timed(module, module.forward)
+        return self
+
+    def _timed(self, module, forward):
+        per_row = 2 * module.in_features * module.out_features
+
+        def timed(x, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return forward(x, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.flops += per_row * (x.numel() // x.shape[-1])
+                self.calls += 1
+
+        return timed
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        for module in self.modules:
+            del module.forward  # the class's forward again
+
+    def rate(self) -> float:
+        """FLOP/s of the timed matmuls (0 when none ran)."""
+        return self.flops / self.seconds if self.seconds else 0.0

@@ -70,3 +70,29 @@ def test_step_timer_splits_forward_from_host_time():
     assert summary["steps"] == 2
     assert summary["forward_ms"] >= 20 and summary["host_ms"] >= 10
     assert summary["step_ms"] == pytest.approx(summary["forward_ms"] + summary["host_ms"])
+
+
+def test_matmul_timer_counts_every_linear_call_and_unwraps():
+    import torch
+    from torch import nn
+
+    from bench.step_time import MatmulTimer
+    from kernels.linear import PackedLinear, can_pack
+
+    plain = nn.Linear(8, 16, bias=False)
+    second = nn.Linear(16, 4)
+    layers = [plain, PackedLinear(second) if can_pack(torch.float32) else second]
+    model = nn.Sequential(*layers, nn.ReLU())
+    x = torch.randn(5, 3, 8)
+    expected = model(x)
+    with MatmulTimer(model) as timer:
+        got = model(x)
+        model(x[0])  # 3 rows
+    torch.testing.assert_close(got, expected)
+    assert timer.calls == 4
+    assert timer.flops == 2 * (15 + 3) * (8 * 16 + 16 * 4)
+    assert timer.seconds > 0 and timer.rate() == timer.flops / timer.seconds
+    assert all("forward" not in vars(m) for m in layers)  # the class's forward again
+    with MatmulTimer(nn.Sequential(nn.ReLU())) as none:
+        pass
+    assert none.rate() == 0.0
