@@ -1,0 +1,75 @@
+import asyncio
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, "/work/main")
+from bench.serve import BenchConfig, BenchPrompt, run_benchmark
+from bench.serve_side_by_side import server_commands, start, stop
+from server.up import free_port
+
+model = "/tmp/m110"
+rng = random.Random(0)
+prompts = [
+    BenchPrompt(prompt=[rng.randrange(3, 32000) for _ in range(128)], prompt_len=128, output_len=64)
+    for _ in range(32)
+]
+port = free_port()
+cmd = [
+    c
+    for c in server_commands("baton", model, "bfloat16", port, None)
+    if c not in ("--request-metrics", "--no-prefix-cache")
+]
+p = start(cmd, port, Path("/tmp/spy_baton.log"), 600)
+try:
+    cfg = BenchConfig(
+        base_url=f"http://127.0.0.1:{port}",
+        endpoint="/v1/completions",
+        model=model,
+        prompts=prompts,
+        request_rate=float("inf"),
+        max_concurrency=None,
+        ignore_eos=True,
+        num_warmups=0,
+        slos_ms={},
+        api_key=None,
+        seed=0,
+        progress=False,
+    )
+    asyncio.run(run_benchmark(cfg))
+    eng = subprocess.run(
+        ["pgrep", "-f", "engine.process"], capture_output=True, text=True
+    ).stdout.split()[0]
+    spies = [
+        subprocess.Popen(
+            [
+                "/tmp/tools/bin/py-spy",
+                "record",
+                "-p",
+                str(pid),
+                "-d",
+                "4",
+                "-r",
+                "500",
+                "-f",
+                "raw",
+                "-o",
+                f"/tmp/spy_{name}.txt",
+                "--nonblocking",
+                "--idle",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name, pid in (("engine", eng), ("server", p.pid))
+    ]
+    time.sleep(0.5)
+    s = asyncio.run(run_benchmark(cfg))
+    s.pop("requests")
+    print("tok/s", s["output_throughput"], "duration", s["duration"])
+    for sp in spies:
+        sp.wait()
+finally:
+    stop(p)
