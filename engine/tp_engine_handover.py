@@ -20,7 +20,6 @@ from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.state_cache import StateCache
 from engine.tp_handover import (
-    FAILED,
     WAITING,
     WAITING_TEXT,
     ShardConnector,
@@ -73,12 +72,11 @@ class ShardHandoverMixin:
                 if self.ranks is not None:
                     failures.enter_context(self.ranks.failures("installing a handed-over shard"))
                 report = install_report(tp, error, self.shard_connector)
-            self.shard_bytes_received = report[:, 1].tolist()
-            statuses = report[:, 0].tolist()
-            failed = [rank for rank, status in enumerate(statuses) if status == FAILED]
-            if failed and (not error or error == WAITING_TEXT):
-                error = f"decode rank(s) {failed} could not install their shard (see their log)"
-            elif not failed and any(status == WAITING for status in statuses):
+            self.shard_bytes_received = report.received
+            failure = report.failure()
+            if failure and (not error or error == WAITING_TEXT):
+                error = failure  # another rank's own words (its shard arrived first)
+            elif not failure and WAITING in report.statuses:
                 error = WAITING_TEXT
         return error
 

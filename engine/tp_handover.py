@@ -187,13 +187,41 @@ def apply_handover(op: HandoverOp, cache: StateCache, connector: ShardConnector 
 WAITING_TEXT = "waiting for pieces"
 
 
-def install_report(tp, error: str, connector: ShardConnector | None) -> torch.Tensor:
-    """Every rank's (FAILED / WAITING / INSTALLED, shard bytes received so far) after an
-    InstallShard, on rank 0 as (size, 2); one gather, which every rank joins."""
+REASON_BYTES = 480  # a failed rank's reason (UTF-8, cut to fit) in its install report
+
+
+@dataclass(frozen=True)
+class InstallReport:
+    """Every rank's part of an InstallShard, on rank 0 (rank order)."""
+
+    statuses: list[int]  # FAILED / WAITING / INSTALLED
+    received: list[int]  # shard bytes received so far
+    reasons: list[str]  # why a FAILED rank failed ("" for the others)
+
+    def failure(self) -> str:
+        """What the failed ranks said, "" when none failed."""
+        return "; ".join(
+            self.reasons[rank] or f"decode rank {rank} could not install its shard"
+            for rank, status in enumerate(self.statuses)
+            if status == FAILED
+        )
+
+
+def install_report(tp, error: str, connector: ShardConnector | None) -> InstallReport:
+    """Every rank's status, shard bytes received and failure reason after an InstallShard; one
+    gather, which every rank joins (the result is rank 0's to read)."""
     received = getattr(connector, "bytes_received", 0)
     status = INSTALLED if not error else WAITING if error == WAITING_TEXT else FAILED
-    own = torch.tensor([[status, received]], dtype=torch.int64)
-    return tp.gather_last_dim(own).view(-1, 2)
+    reason = error.encode()[:REASON_BYTES] if status == FAILED else b""
+    own = torch.zeros(1, 2 + REASON_BYTES, dtype=torch.int64)
+    own[0, 0], own[0, 1] = status, received
+    own[0, 2 : 2 + len(reason)] = torch.tensor(list(reason), dtype=torch.int64)
+    rows = tp.gather_last_dim(own).view(-1, 2 + REASON_BYTES)
+    return InstallReport(
+        statuses=rows[:, 0].tolist(),
+        received=rows[:, 1].tolist(),
+        reasons=[bytes(row[2:].tolist()).rstrip(b"\0").decode(errors="replace") for row in rows],
+    )
 
 
 def gather_addresses(tp, connector: ShardConnector | None) -> list[str]:

@@ -481,3 +481,48 @@ def _fake_state(config: ModelConfig, prompt, first_page: int, blocks: int):
         checkpoint_conv=torch.empty(blocks, 0, *conv),
         checkpoint_ssm=torch.empty(blocks, 0, *ssm),
     )
+
+
+def test_install_report_carries_a_failed_ranks_reason_to_rank_0():
+    """Rank 0 learns why another rank failed (cut to fit, on a character boundary or marked),
+    so the room's error names the problem whichever rank's shard arrived first."""
+    from types import SimpleNamespace
+
+    from engine.tp_handover import (
+        FAILED,
+        INSTALLED,
+        REASON_BYTES,
+        WAITING,
+        WAITING_TEXT,
+        install_report,
+    )
+
+    class Own:  # one rank's gather: its own row
+        def gather_last_dim(self, x):
+            self.row = x
+            return x
+
+    long_reason = "decode rank 1: checkpoint_conv@0 is float32 [1, 3, 48, 3] — über " * 20
+    rank1, rank2 = Own(), Own()
+    install_report(rank1, long_reason, None)
+    install_report(rank2, "", SimpleNamespace(bytes_received=7))
+
+    class Rank0:
+        def gather_last_dim(self, x):
+            return torch.cat([x, rank1.row, rank2.row], dim=-1)
+
+    report = install_report(Rank0(), WAITING_TEXT, SimpleNamespace(bytes_received=123))
+    assert report.statuses == [WAITING, FAILED, INSTALLED]
+    assert report.received == [123, 0, 7]
+    assert report.reasons[0] == report.reasons[2] == ""
+    reason = report.reasons[1]
+    assert len(reason.encode()) <= REASON_BYTES + 3  # a cut character becomes one U+FFFD
+    assert long_reason.startswith(reason.rstrip("\ufffd")) and len(reason) > 100
+    assert report.failure() == reason
+
+    class AllWell:
+        def gather_last_dim(self, x):
+            return torch.cat([x, rank2.row], dim=-1)
+
+    fine = install_report(AllWell(), "", None)
+    assert fine.statuses == [INSTALLED, INSTALLED] and fine.failure() == ""
