@@ -192,6 +192,45 @@ def test_warm_up_failure_is_reported_not_benchmarked(fake_server):
     assert len(state["bodies"]) == 1
 
 
+def test_sse_reader_joins_split_reads_and_takes_long_lines():
+    """Payloads split across network reads, CRLF line ends, a line far over aiohttp's 64 KiB
+    readline limit (a chunk with many logprobs), and a last line without its newline."""
+    from bench.serve import _sse_data
+
+    long_text = "x" * 200_000
+    body = (
+        b'data: {"a": 1}\r\n\r\n: a comment\n'
+        + b'data: {"t": "'
+        + long_text.encode()
+        + b'"}\n\n'
+        + b"data: [DONE]"
+    )
+    pieces = [body[i : i + 7] for i in range(0, 42, 7)] + [body[42:70_000], body[70_000:]]
+
+    class Content:
+        async def iter_any(self):
+            for piece in pieces:
+                yield piece
+
+    class Response:
+        content = Content()
+
+    async def collect():
+        return [data async for data in _sse_data(Response())]
+
+    got = asyncio.run(collect())
+    assert got == [b'{"a": 1}', b'{"t": "' + long_text.encode() + b'"}', b"[DONE]"]
+    assert json.loads(got[1])["t"] == long_text
+
+
+def test_a_server_that_is_not_there_fails_the_request_not_the_run():
+    port = free_port()  # nothing listens
+    prompts = [BenchPrompt(prompt="one-token", prompt_len=1, output_len=1)]
+    result = asyncio.run(run_benchmark(_config(f"http://127.0.0.1:{port}", prompts)))
+    assert (result["completed"], result["failed"]) == (0, 1)
+    assert "Connect" in result["requests"][0]["error"]
+
+
 def test_poisson_arrivals_have_the_requested_rate():
     gaps = np.array(arrival_gaps(20000, 4.0, seed=3))
     assert gaps.mean() == pytest.approx(0.25, rel=0.03)
