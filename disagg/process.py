@@ -19,6 +19,7 @@ from disagg.rooms import DisaggConfig
 from disagg.tp_transfer import SECRET_ENV, connector_spec
 from engine import process as engine_process
 from engine.engine import Engine
+from engine.gc_freeze import freeze_startup_objects
 from engine.ipc import AddRequest, EngineFailed, EngineReady, RequestFailed, StepOutput, encode
 
 logger = logging.getLogger("baton.disagg")
@@ -127,6 +128,7 @@ def load_and_run(
             )
         )
     )
+    freeze_startup_objects()  # the model and everything loaded with it
     try:
         return DisaggEngineLoop(worker, inbox, outbox, spec.parent_pid).run()
     finally:

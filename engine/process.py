@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from engine.engine import Engine
+from engine.gc_freeze import freeze_startup_objects
 from engine.ipc import (
     AbortRequests,
     AddRequest,
@@ -198,6 +199,7 @@ def _load_and_run(spec: EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket
             )
         )
     )
+    freeze_startup_objects()  # the model and everything loaded with it
     try:
         return EngineLoop(engine, inbox, outbox, spec.parent_pid).run()
     finally:

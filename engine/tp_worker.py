@@ -23,6 +23,7 @@ import zmq
 
 from engine import parallel
 from engine.config import ModelConfig
+from engine.gc_freeze import freeze_startup_objects
 from engine.model_loader import load_model, resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.state_cache import StateCache
@@ -69,6 +70,7 @@ def run(spec: RankSpec) -> int:
     steps.connect(spec.step_addr)
     tp.barrier(spec.load_timeout_s)
     gather_addresses(tp, connector)  # rank 0 learns where this rank receives shards
+    freeze_startup_objects()
     try:
         while True:
             if not steps.poll(POLL_MS):

@@ -19,6 +19,7 @@ from types import FrameType
 
 import uvicorn
 
+from engine.gc_freeze import freeze_startup_objects
 from server.app import build_app
 from server.args import SERVER_KEEP_ALIVE_S, ServerArgs
 from server.engine_client import EngineClient
@@ -89,6 +90,7 @@ async def serve(args: ServerArgs) -> None:
             timeout_keep_alive=SERVER_KEEP_ALIVE_S,
         )
         server = _Server(config, client)
+        freeze_startup_objects()
         serving = asyncio.ensure_future(server.serve())
         died = asyncio.ensure_future(client.engine_died.wait())
         await asyncio.wait({serving, died}, return_when=asyncio.FIRST_COMPLETED)

@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from engine.gc_freeze import freeze_startup_objects
 from server.args import DEFAULT_MAX_REQUEST_BYTES, SERVER_KEEP_ALIVE_S
 from server.errors import APIError, ErrorJSONResponse
 from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware
@@ -285,6 +286,7 @@ def _run_router(namespace) -> int:
         namespace.max_concurrent_requests,
         namespace.max_request_bytes,
     )
+    freeze_startup_objects()
     uvicorn.run(
         app,
         host=namespace.host,

@@ -233,3 +233,43 @@ def test_loop_exits_cleanly_on_shutdown(loop):
             break
         threading.Event().wait(0.05)
     assert result["code"] == 0
+
+
+def test_the_engine_process_exempts_start_up_objects_from_the_garbage_collector(
+    model_dir, monkeypatch
+):
+    """A full collection over everything a loaded engine holds stalls a step for tens of ms
+    (engine/gc_freeze.py): the engine process freezes what exists once it has loaded."""
+    import gc
+
+    import engine.process
+
+    loaded = {"weights": []}  # stands for what loading made (a container: tracked)
+    monkeypatch.setattr(engine.process, "Engine", FakeEngine)
+    monkeypatch.setattr(FakeEngine, "close", lambda self: None, raising=False)
+    spec = EngineProcessSpec(
+        model=model_dir,
+        dtype="float32",
+        device="cpu",
+        engine_args={},
+        input_addr="inproc://unused-in",
+        output_addr="inproc://unused-out",
+        parent_pid=os.getppid() + 1,  # not our parent: the loop exits at once
+        disagg=None,
+    )
+    context = zmq.Context()
+    inbox, outbox, server = (context.socket(t) for t in (zmq.PULL, zmq.PUSH, zmq.PULL))
+    server.bind("inproc://gc-freeze")
+    outbox.connect("inproc://gc-freeze")
+    try:
+        gc.unfreeze()
+        assert any(o is loaded for o in gc.get_objects())
+        assert engine.process._load_and_run(spec, inbox, outbox) == 0
+        assert isinstance(decode(server.recv()), EngineReady)
+        assert gc.get_freeze_count() > 0
+        assert not any(o is loaded for o in gc.get_objects())  # frozen: never scanned
+    finally:
+        gc.unfreeze()
+        for socket in (inbox, outbox, server):
+            socket.close(linger=0)
+        context.term()
