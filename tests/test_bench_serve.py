@@ -28,6 +28,7 @@ SCRIPTS = {
     "one-token": ("chunks", ["z"], 1),
     "http-error": ("status", 503),
     "error-mid-stream": ("midstream", ["x"]),
+    "garbage": ("garbage", ["y"]),
 }
 
 
@@ -68,6 +69,8 @@ def fake_openai_app(state: dict) -> FastAPI:
             state["inflight"] -= 1
             if script[0] == "midstream":
                 yield _sse({"error": {"message": "engine died", "code": 503}})
+            elif script[0] == "garbage":
+                yield "data: {not json\xff\n\n"
             else:
                 usage = {"prompt_tokens": 7, "completion_tokens": script[2], "total_tokens": 0}
                 yield _sse({"id": "c", "object": "text_completion", "choices": [], "usage": usage})
@@ -221,6 +224,15 @@ def test_sse_reader_joins_split_reads_and_takes_long_lines():
     got = asyncio.run(collect())
     assert got == [b'{"a": 1}', b'{"t": "' + long_text.encode() + b'"}', b"[DONE]"]
     assert json.loads(got[1])["t"] == long_text
+
+
+def test_a_stream_that_is_not_json_fails_its_request_not_the_run(fake_server):
+    base_url, _ = fake_server
+    prompts = [BenchPrompt(prompt=p, prompt_len=1, output_len=1) for p in ("garbage", "one-token")]
+    result = asyncio.run(run_benchmark(_config(base_url, prompts)))
+    assert (result["completed"], result["failed"]) == (1, 1)
+    assert "JSONDecodeError" in result["requests"][0]["error"]
+    assert result["requests"][1]["success"]
 
 
 def test_a_server_that_is_not_there_fails_the_request_not_the_run():
