@@ -46,8 +46,8 @@ def _best_rate(fn, *args, repeats: int = 5) -> float:
 def mm_peaks(dtype: torch.dtype) -> dict[str, float]:
     """FLOP/s of a 2048^3 matmul in `dtype`, by `torch.mm` and by the oneDNN-prepacked linear
     baton's CPU layers call (kernels/linear.py). They differ by machine: on a Zen 5 VM torch.mm's
-    fp32 path reached 206 GFLOP/s and the prepacked one 460, so a fraction of torch.mm's rate
-    alone read 175%."""
+    fp32 path reached 207-221 GFLOP/s and the prepacked one 475-493, so a fraction of torch.mm's
+    rate alone read up to 175%."""
     from kernels.linear import _packed_mm, can_pack
 
     a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
@@ -56,11 +56,6 @@ def mm_peaks(dtype: torch.dtype) -> dict[str, float]:
         packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), None)
         peaks["onednn"] = _best_rate(_packed_mm, a, packed)
     return peaks
-
-
-def mm_peak(dtype: torch.dtype) -> float:
-    """The machine's matmul peak for `dtype`: the better of `mm_peaks`."""
-    return max(mm_peaks(dtype).values())
 
 
 def machine_floor(llm, requests, peak_flops: float) -> dict:
