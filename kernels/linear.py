@@ -16,6 +16,12 @@ weight computes from the model-dtype input (exact: bf16/fp16 widen losslessly) w
 float32 accumulation, and its output is cast back to the model dtype, so every layer downstream
 sees the dtype, and the rounding point, it always did. `BATON_CPU_MATMUL_DTYPE` forces a form:
 `model` (the model's dtype), `float32`, or `auto` (default: timed).
+
+The GEMM is chosen the same way, per shape and compute dtype: oneDNN's prepacked linear or
+baton's own (kernels/cpu_gemm.c: AVX-512 / AVX512-BF16 panels with the next panel prefetched,
+1.3-1.4x oneDNN on decode's few rows over weights larger than the caches, on a par at prefill's
+hundreds). `MatmulChooser.kernel` times both where this CPU runs baton's (on CPUs where oneDNN
+wins, e.g. with AMX, oneDNN stays); `BATON_CPU_GEMM` forces `onednn` or `baton`.
 """
 
 from __future__ import annotations
@@ -29,10 +35,14 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from kernels import cpu_gemm
+
 log = logging.getLogger(__name__)
 
 MATMUL_DTYPE_ENV = "BATON_CPU_MATMUL_DTYPE"
 POLICIES = ("auto", "model", "float32")
+GEMM_ENV = "BATON_CPU_GEMM"
+GEMM_POLICIES = ("auto", "onednn", "baton")
 TIMING_ROWS = (16, 64)  # decode-like and prefill-like row counts, timed and summed
 TIMING_ROUNDS = 3  # alternated rounds per shape (see MatmulChooser)
 TIMING_MAX_OUT = 2048  # columns timed per shape: the rate of a 32000-wide lm_head is the same
@@ -56,6 +66,14 @@ def matmul_policy() -> str:
     policy = os.environ.get(MATMUL_DTYPE_ENV, "auto").strip().lower() or "auto"
     if policy not in POLICIES:
         raise ValueError(f"{MATMUL_DTYPE_ENV}={policy!r}: expected one of {', '.join(POLICIES)}")
+    return policy
+
+
+def gemm_policy() -> str:
+    """`BATON_CPU_GEMM` (default auto); anything else is an error naming the variable."""
+    policy = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
+    if policy not in GEMM_POLICIES:
+        raise ValueError(f"{GEMM_ENV}={policy!r}: expected one of {', '.join(GEMM_POLICIES)}")
     return policy
 
 
@@ -92,16 +110,38 @@ def time_linear(in_features: int, out_features: int, dtype: torch.dtype, form: s
     return sum(_best_of(fn, torch.randn(rows, in_features).to(dtype), w) for rows in TIMING_ROWS)
 
 
+def time_gemm(in_features: int, out_features: int, dtype: torch.dtype, kernel: str) -> float:
+    """Seconds for one (in, out) linear computing in `dtype` on `kernel` ("onednn" | "baton"),
+    summed over TIMING_ROWS."""
+    out_features = min(out_features, TIMING_MAX_OUT)
+    weight = torch.randn(out_features, in_features).to(dtype)
+    if kernel == "baton":
+        packed = cpu_gemm.pack(weight)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            return cpu_gemm.linear(x, packed, out_features)
+    else:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            return _packed_mm(x, packed)
+
+    return sum(_best_of(fn, torch.randn(rows, in_features).to(dtype)) for rows in TIMING_ROWS)
+
+
 class MatmulChooser:
     """The dtype each linear of a `model_dtype` model computes in, per (in, out) shape, chosen
-    once per shape. `timer(in, out, "model" | "float32") -> seconds` is injectable (tests give
-    fake timings: the choice is a pure function of them)."""
+    once per shape, and the GEMM each runs on (`kernel`). `timer(in, out, "model" | "float32")
+    -> seconds` and `gemm_timer(in, out, dtype, "onednn" | "baton") -> seconds` are injectable
+    (tests give fake timings: the choices are pure functions of them)."""
 
     def __init__(
         self,
         model_dtype: torch.dtype,
         policy: str | None = None,
         timer: Callable[[int, int, str], float] | None = None,
+        gemm: str | None = None,
+        gemm_timer: Callable[[int, int, torch.dtype, str], float] | None = None,
     ):
         self.model_dtype = model_dtype
         self.policy = matmul_policy() if policy is None else policy
@@ -110,6 +150,12 @@ class MatmulChooser:
         self.timer = timer or self._time
         self.choices: dict[tuple[int, int], torch.dtype] = {}
         self.timings: dict[tuple[int, int], tuple[float, float]] = {}
+        self.gemm = gemm_policy() if gemm is None else gemm
+        if self.gemm not in GEMM_POLICIES:
+            raise ValueError(f"GEMM policy {self.gemm!r}: expected one of {GEMM_POLICIES}")
+        self.gemm_timer = gemm_timer or time_gemm
+        self.kernels: dict[tuple[int, int, torch.dtype], str] = {}
+        self.gemm_timings: dict[tuple[int, int, torch.dtype], tuple[float, float]] = {}
 
     def _time(self, in_features: int, out_features: int, form: str) -> float:
         return time_linear(in_features, out_features, self.model_dtype, form)
@@ -136,7 +182,33 @@ class MatmulChooser:
             self.choices[shape] = torch.float32 if faster else self.model_dtype
         return self.choices[shape]
 
+    def kernel(self, in_features: int, out_features: int, dtype: torch.dtype) -> str:
+        """ "baton" or "onednn": the GEMM an (in, out) linear computing in `dtype` runs on."""
+        if self.gemm == "onednn" or not cpu_gemm.supports(dtype):
+            return "onednn"
+        if self.gemm == "baton":
+            return "baton"
+        key = (in_features, out_features, dtype)
+        if key not in self.kernels:
+            onednn_s = baton_s = float("inf")
+            for _ in range(TIMING_ROUNDS):  # alternated, as for the dtype
+                onednn_s = min(
+                    onednn_s, self.gemm_timer(in_features, out_features, dtype, "onednn")
+                )
+                baton_s = min(baton_s, self.gemm_timer(in_features, out_features, dtype, "baton"))
+            self.gemm_timings[key] = (onednn_s, baton_s)
+            self.kernels[key] = "baton" if baton_s < onednn_s else "onednn"
+        return self.kernels[key]
+
     def summary(self) -> str:
+        gemms = "; ".join(
+            f"{i}x{o} {str(d).removeprefix('torch.')}: {self.kernels[(i, o, d)]} "
+            f"({a * 1e3:.2f} ms onednn / {b * 1e3:.2f} ms baton)"
+            for (i, o, d), (a, b) in self.gemm_timings.items()
+        )
+        return f"{self._dtype_summary()}; GEMM {self.gemm}: {gemms or 'not timed'}"
+
+    def _dtype_summary(self) -> str:
         if not self.timings:
             return f"{self.policy}: every matmul in {self.model_dtype}"
         parts = [
@@ -164,20 +236,23 @@ def matmul_dtypes(chooser: MatmulChooser | None) -> Iterator[MatmulChooser | Non
 
 
 class PackedLinear(nn.Module):
-    """`y = x @ W.T + b` with W held only in oneDNN's layout (the plain copy is dropped).
+    """`y = x @ W.T + b` with W held only in its GEMM's packed layout (the plain copy is dropped).
 
-    Inside `matmul_dtypes(chooser)`, W is packed in the dtype the chooser picks for its shape;
-    when that is float32 for a lower-precision model, the input is widened and the output
-    narrowed back to the input's dtype."""
+    Inside `matmul_dtypes(chooser)`, W is packed in the dtype the chooser picks for its shape,
+    for the GEMM it picks (oneDNN's blocked layout, or kernels/cpu_gemm's panels); when the dtype
+    is float32 for a lower-precision model, the input is widened and the output narrowed back to
+    the input's dtype. Outside, the weight's dtype on oneDNN."""
 
     def __init__(
         self,
         linear: nn.Linear,
         activation: str = "none",
         compute_dtype: torch.dtype | None = None,
+        kernel: str | None = None,
     ):
-        """activation: oneDNN post-op fused into the matmul ("none" or "relu");
-        compute_dtype: the weight's packed dtype (default: the chooser's, else the weight's)."""
+        """activation: post-op fused into the matmul ("none" or "relu");
+        compute_dtype: the weight's packed dtype (default: the chooser's, else the weight's);
+        kernel: "onednn" or "baton" (default: the chooser's, else oneDNN)."""
         super().__init__()
         if activation not in ("none", "relu"):
             raise ValueError(f"unsupported fused activation {activation!r}")
@@ -185,35 +260,50 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         self.activation = activation
         weight = linear.weight.detach()
+        chooser = (
+            _chooser if _chooser is not None and _chooser.model_dtype == weight.dtype else None
+        )
         if compute_dtype is None:
-            chooser = _chooser
             compute_dtype = (
-                chooser(self.in_features, self.out_features)
-                if chooser is not None and chooser.model_dtype == weight.dtype
-                else weight.dtype
+                chooser(self.in_features, self.out_features) if chooser else weight.dtype
             )
+        if kernel is None:
+            kernel = (
+                chooser.kernel(self.in_features, self.out_features, compute_dtype)
+                if chooser
+                else "onednn"
+            )
+        if kernel not in ("onednn", "baton"):
+            raise ValueError(f"unknown GEMM {kernel!r}: expected onednn or baton")
         self.compute_dtype = compute_dtype
+        self.kernel = kernel
         self.upcast = compute_dtype != weight.dtype
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(compute_dtype), None)
         bias = linear.bias
-        if bias is not None and self.upcast:
-            bias = nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
-        self.bias = bias
+        if kernel == "baton":
+            self.packed = cpu_gemm.pack(weight.to(compute_dtype))
+            bias = None if bias is None else bias.detach().float().contiguous()
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(compute_dtype), None)
+            if bias is not None and self.upcast:
+                bias = bias.detach().to(compute_dtype)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.upcast:
-            y = torch.ops.mkldnn._linear_pointwise(
-                x.to(self.compute_dtype), self.packed, self.bias, self.activation, [], ""
+        inputs = x.to(self.compute_dtype) if self.upcast else x
+        if self.kernel == "baton":
+            y = cpu_gemm.linear(
+                inputs, self.packed, self.out_features, self.bias, self.activation == "relu"
             )
-            return y.to(x.dtype)
-        return torch.ops.mkldnn._linear_pointwise(
-            x, self.packed, self.bias, self.activation, [], ""
-        )
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(
+                inputs, self.packed, self.bias, self.activation, [], ""
+            )
+        return y.to(x.dtype) if self.upcast else y
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"activation={self.activation}, packed {self.compute_dtype}"
+            f"activation={self.activation}, packed {self.compute_dtype} for {self.kernel}"
         )
 
 
