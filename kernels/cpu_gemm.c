@@ -80,7 +80,7 @@ int baton_gemm_supported(void) {
         EPILOGUE(ROWS, NR, STORE_F32)                                                          \
     }
 
-#define KERNELS(K) K(8, 3) K(4, 3) K(2, 3) K(1, 3) K(8, 2) K(4, 2) K(2, 2) K(1, 2) \
+#define KERNELS(K) K(8, 3) K(4, 3) K(2, 3) K(1, 3) K(8, 2) K(4, 2) K(2, 2) K(1, 2)             \
                    K(8, 1) K(4, 1) K(2, 1) K(1, 1)
 KERNELS(KERNEL_F32)
 
@@ -109,7 +109,7 @@ static inline __m512bh bf16_last_odd(const uint16_t *row, int64_t p) {
     _mm256_mask_storeu_epi16((dst), (mask), (__m256i)_mm512_cvtneps_pbh(v))
 
 /* One k pair into every accumulator; PAIR reads a row's pair p. */
-#define BF16_STEP(ROWS, NR, PAIR)                                                                       \
+#define BF16_STEP(ROWS, NR, PAIR)                                                              \
     {                                                                                          \
         __m512bh b[NR];                                                                        \
         for (int j = 0; j < NR; j++)                                                           \
@@ -131,10 +131,10 @@ static inline __m512bh bf16_last_odd(const uint16_t *row, int64_t p) {
         for (int r = 0; r < ROWS; r++)                                                         \
             for (int j = 0; j < NR; j++) acc[r][j] = _mm512_setzero_ps();                      \
         const int64_t k2 = (k + 1) / 2, full = k / 2;                                          \
-        for (int64_t p = 0; p < full; p++) BF16_STEP(ROWS, NR, bf16_pair)                            \
+        for (int64_t p = 0; p < full; p++) BF16_STEP(ROWS, NR, bf16_pair)                      \
         if (k2 > full) {                                                                       \
             const int64_t p = full;                                                            \
-            BF16_STEP(ROWS, NR, bf16_last_odd)                                                  \
+            BF16_STEP(ROWS, NR, bf16_last_odd)                                                 \
         }                                                                                      \
         EPILOGUE(ROWS, NR, STORE_BF16)                                                         \
     }
