@@ -49,6 +49,11 @@ TIMING_MAX_OUT = 2048  # columns timed per shape: the rate of a 32000-wide lm_he
 # fp32 must beat the model dtype by this much: the casts it adds cost a little in every layer,
 # and a near-tie is noise on a loaded machine
 FLOAT32_MARGIN = 0.9
+# baton's GEMM is kept unless oneDNN beats it by more than this: the timing runs on weights
+# that stay in cache, where the next-panel prefetch that makes baton's 1.3-1.4x faster on
+# decode's cold weights gains little (1.0-1.1x, and a near-tie flipped with load: one of a PD
+# pair's two workers, timing at the same moment, once picked oneDNN for the 768x5144 in_proj).
+BATON_GEMM_MARGIN = 1.15
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -197,7 +202,7 @@ class MatmulChooser:
                 )
                 baton_s = min(baton_s, self.gemm_timer(in_features, out_features, dtype, "baton"))
             self.gemm_timings[key] = (onednn_s, baton_s)
-            self.kernels[key] = "baton" if baton_s < onednn_s else "onednn"
+            self.kernels[key] = "baton" if baton_s < BATON_GEMM_MARGIN * onednn_s else "onednn"
         return self.kernels[key]
 
     def summary(self) -> str:
