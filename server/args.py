@@ -38,6 +38,9 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 # disconnected without sending a response"), which uvicorn's 5 s default, equal to httpx's,
 # made happen under load. The client must always be the side that gives up first.
 SERVER_KEEP_ALIVE_S = 60
+# uvicorn's HTTP protocol, h11 even where httptools is installed: h11 bounds a request's
+# unfinished headers (16 KB, then 400); uvicorn's httptools protocol buffers them unbounded.
+HTTP_PROTOCOL = "h11"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ import uvicorn
 
 from engine.gc_freeze import freeze_startup_objects
 from server.app import build_app
-from server.args import SERVER_KEEP_ALIVE_S, ServerArgs
+from server.args import HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S, ServerArgs
 from server.engine_client import EngineClient
 from server.generation import ServerState
 from server.metrics import ServerMetrics
@@ -88,6 +88,7 @@ async def serve(args: ServerArgs) -> None:
             lifespan="off",
             timeout_graceful_shutdown=5,
             timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+            http=HTTP_PROTOCOL,
         )
         server = _Server(config, client)
         freeze_startup_objects()

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from engine.gc_freeze import freeze_startup_objects
-from server.args import DEFAULT_MAX_REQUEST_BYTES, SERVER_KEEP_ALIVE_S
+from server.args import DEFAULT_MAX_REQUEST_BYTES, HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S
 from server.errors import APIError, ErrorJSONResponse
 from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware
 from server.router_relay import (
@@ -293,5 +293,6 @@ def _run_router(namespace) -> int:
         port=namespace.port,
         log_level="warning",
         timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+        http=HTTP_PROTOCOL,
     )
     return 0

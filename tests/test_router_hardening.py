@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.args import SERVER_KEEP_ALIVE_S
 from server.router import ROUTER_KEEPALIVE_EXPIRY_S
 from tests.server_process import start_router, start_server, tiny_model
-from tests.test_server_errors import LONE
+from tests.test_server_errors import LONE, assert_unending_headers_refused
 from tests.test_server_load import HugeRequest, huge_prompt_body
 
 API_KEY = "sesame"
@@ -195,6 +195,10 @@ def test_clients_that_give_up_cost_few_tokens_and_free_both_halves(stack):
         time.sleep(0.1)
     generated = total(decode, "baton:generation_tokens_total") - before
     assert generated < 16 * 2000 / 10, f"{generated:.0f} tokens: abandoned requests ran on"
+
+
+def test_router_refuses_headers_that_never_end(stack):
+    assert_unending_headers_refused(stack["router"])
 
 
 def test_router_error_texts_name_the_cause():

@@ -4,6 +4,7 @@ waiting-queue limit and /metrics, against one live `baton serve` with a key and 
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -358,3 +359,20 @@ def test_api_key_guards_tokenize_detokenize_and_the_docs(server):
         assert wrong.status_code == 401
     for path in ("/health", "/metrics"):
         assert httpx.get(url + path).status_code == 200, path
+
+
+def assert_unending_headers_refused(server) -> None:
+    """20 KB of one header and no blank line: h11's 16 KB bound answers 400 (HTTP_PROTOCOL pins
+    h11: uvicorn's httptools protocol would keep buffering), and the process keeps serving."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000)
+        reply = b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    with server.http() as http:
+        assert http.get("/health").status_code == 200
+
+
+def test_headers_that_never_end_answer_400_and_nothing_is_buffered_unbounded(server):
+    assert_unending_headers_refused(server)
