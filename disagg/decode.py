@@ -19,18 +19,20 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from disagg.protocol import (
+from disagg.messages import (
     Abort,
     Heartbeat,
     HeartbeatAck,
     KVChunk,
     MambaChunk,
     Message,
-    ProtocolError,
     Register,
     Reject,
-    ReplayGuard,
     StateTransfer,
+)
+from disagg.protocol import (
+    ProtocolError,
+    ReplayGuard,
     decode,
     dtype_name,
     encode,

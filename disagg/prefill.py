@@ -19,19 +19,21 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from disagg.protocol import (
+from disagg.messages import (
     Abort,
     Heartbeat,
     HeartbeatAck,
     KVChunk,
     MambaChunk,
     Message,
-    ProtocolError,
     Register,
     Reject,
-    ReplayGuard,
     StateTransfer,
     TensorSpec,
+)
+from disagg.protocol import (
+    ProtocolError,
+    ReplayGuard,
     decode,
     encode,
     state_message,

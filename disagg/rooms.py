@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from disagg.protocol import Compat
+from disagg.messages import Compat
 from engine.handover import HandoverLayout
 
 Role = Literal["prefill", "decode"]

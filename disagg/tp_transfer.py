@@ -21,10 +21,10 @@ from collections import OrderedDict
 import torch
 import zmq
 
+from disagg.messages import ShardTransfer
 from disagg.protocol import (
     ProtocolError,
     ReplayGuard,
-    ShardTransfer,
     decode,
     dtype_name,
     encode,

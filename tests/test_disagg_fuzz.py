@@ -16,15 +16,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from disagg.protocol import (
-    PROTOCOL_VERSION,
+from disagg.messages import (
     Abort,
     Heartbeat,
     KVChunk,
     MambaChunk,
     Register,
     TensorSpec,
+)
+from disagg.prefill import PrefillWorker
+from disagg.protocol import (
+    PROTOCOL_VERSION,
     _mac,
     encode,
     state_message,

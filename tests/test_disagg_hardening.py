@@ -13,16 +13,18 @@ import pytest
 import zmq
 
 from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from disagg.process import DisaggEngineLoop
-from disagg.protocol import (
-    PROTOCOL_VERSION,
+from disagg.messages import (
     Heartbeat,
     HeartbeatAck,
     KVChunk,
     Register,
     Reject,
     TensorSpec,
+)
+from disagg.prefill import PrefillWorker
+from disagg.process import DisaggEngineLoop
+from disagg.protocol import (
+    PROTOCOL_VERSION,
     decode,
     encode,
     state_message,

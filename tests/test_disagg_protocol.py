@@ -13,17 +13,19 @@ import msgpack
 import pytest
 import torch
 
-from disagg import protocol
-from disagg.protocol import (
-    PROTOCOL_VERSION,
+from disagg import messages, protocol
+from disagg.messages import (
     Compat,
     Heartbeat,
     KVChunk,
     Message,
-    ProtocolError,
     Register,
     StateTransfer,
     TensorSpec,
+)
+from disagg.protocol import (
+    PROTOCOL_VERSION,
+    ProtocolError,
     decode,
     encode,
     request_state,
@@ -124,11 +126,11 @@ def test_misnamed_state_tensors_are_refused(names, error):
 def test_the_message_union_lists_every_message_class():
     declared = {
         cls
-        for _, cls in inspect.getmembers(protocol, inspect.isclass)
-        if cls.__module__ == protocol.__name__ and isinstance(getattr(cls, "tag", None), str)
+        for _, cls in inspect.getmembers(messages, inspect.isclass)
+        if cls.__module__ == messages.__name__ and isinstance(getattr(cls, "tag", None), str)
     }
     assert set(typing.get_args(Message)) == declared
-    assert set(protocol.MESSAGES.values()) == declared
+    assert set(messages.MESSAGES.values()) == declared
 
 
 def raw_message(tag: str, body) -> list[bytes]:

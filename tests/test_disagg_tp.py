@@ -20,10 +20,12 @@ import torch
 import zmq
 
 from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from disagg.protocol import (
+from disagg.messages import (
     Register,
     ShardTransfer,
+)
+from disagg.prefill import PrefillWorker
+from disagg.protocol import (
     decode,
     encode,
     state_message,

@@ -10,16 +10,18 @@ import torch
 import zmq
 
 from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from disagg.protocol import (
-    PROTOCOL_VERSION,
+from disagg.messages import (
     Abort,
     Heartbeat,
     KVChunk,
     MambaChunk,
-    ProtocolError,
     StateTransfer,
     TensorSpec,
+)
+from disagg.prefill import PrefillWorker
+from disagg.protocol import (
+    PROTOCOL_VERSION,
+    ProtocolError,
     decode,
     encode,
 )
@@ -625,8 +627,11 @@ def test_worker_loop_reports_freed_pages_after_a_peer_fails_a_room(base_model):
     import os
     import threading
 
+    from disagg.messages import (
+        Register,
+        Reject,
+    )
     from disagg.process import DisaggEngineLoop
-    from disagg.protocol import Register, Reject
     from engine import ipc
 
     model_dir, _ = base_model

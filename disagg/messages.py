@@ -1,0 +1,163 @@
+"""The messages a prefill and a decode engine exchange, as dataclasses: their fields are the
+wire form (disagg.schema derives and checks it); disagg.protocol frames, authenticates and
+decodes them, and holds the room state machine they drive."""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+from disagg.tp_layout import TPLayout
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Compat:
+    """What must match between the two engines for a handover to be meaningful."""
+
+    model: str  # fingerprint of the model config
+    dtype: str
+    page_size: int
+    # the whole model's (TP=1) shapes, whatever either side's TP size
+    kv_page_shape: list[int]  # (attention_layers, page_size, kv_heads, head_dim)
+    conv_shape: list[int]  # (mamba_layers, conv_dim, K-1)
+    ssm_shape: list[int]  # (mamba_layers, heads, head_dim, d_state)
+    ssm_dtype: str
+
+    def mismatch(self, other: Compat) -> str | None:
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                return (
+                    f"{f.name} differs: prefill worker has {mine!r}, decode worker has {theirs!r}"
+                )
+        return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Register:
+    """decode -> prefill: pages and a slot are reserved for this room; send the state here."""
+
+    tag: ClassVar[str] = "register"
+    room: str
+    compat: Compat
+    num_prompt_tokens: int
+    cached_tokens: int  # leading prompt tokens the decode engine caches itself: not sent
+    track_interval: int  # decode engine's prefix-cache block size (0: no cache)
+    # The decode engine ignores this room's state once this long has passed since it registered
+    # (so the prefill engine may reuse pages that its sends for the room still read).
+    transfer_timeout_s: float
+    tp: TPLayout  # the decode engine's ranks and where each receives its shard
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reject:
+    """prefill -> decode: this room cannot be served (incompatible, unknown, failed)."""
+
+    tag: ClassVar[str] = "reject"
+    room: str
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Abort:
+    """either direction: forget this room."""
+
+    tag: ClassVar[str] = "abort"
+    room: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Heartbeat:
+    """decode -> prefill: these rooms are still wanted (keeps their lease alive)."""
+
+    tag: ClassVar[str] = "heartbeat"
+    rooms: list[str]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HeartbeatAck:
+    """prefill -> decode: of the rooms asked about, these are unknown here (lost)."""
+
+    tag: ClassVar[str] = "heartbeat_ack"
+    unknown_rooms: list[str]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StateTransfer:
+    """prefill -> decode: a RequestState (the prompt's remaining K/V pages, final Mamba state,
+    first token, block checkpoints). Build it with `state_message`, read it with
+    `request_state`."""
+
+    tag: ClassVar[str] = "state"
+    carries: ClassVar[str] = "state"  # the field holding STATE_CARRIER's non-tensor fields
+    room: str
+    # The prefill engine's TP size. When either side's is > 1 the K/V pages and Mamba state
+    # came rank to rank as ShardTransfers and the tensors here hold no pages and no layers.
+    tp_size: int
+    state: dict[str, object]  # checked against STATE_CARRIER's annotations by `decode`
+    tensors: list[TensorSpec]  # STATE_CARRIER's tensor fields, one frame each, named after them
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KVChunk:
+    """prefill -> decode: K/V pages completed by a prefill chunk, sent while the prompt's later
+    chunks still compute (frames: k of each attention layer, then v of each, every one
+    (n, page, kv_heads, head_dim); on a CPU pool they are sent straight from it)."""
+
+    tag: ClassVar[str] = "kv"
+    room: str
+    first_page: int
+    tensors: list[TensorSpec]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MambaChunk:
+    """prefill -> decode: the final conv + SSM state of Mamba layers first_layer.. (frames: conv
+    (conv_dim, K-1) of each layer, then ssm (heads, head_dim, d_state) of each), pushed ahead of
+    the StateTransfer so the decode side installs one group while the next is on the wire. A
+    StateTransfer whose conv/ssm carry no layers means all of them came this way."""
+
+    tag: ClassVar[str] = "mamba"
+    room: str
+    first_layer: int
+    tensors: list[TensorSpec]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardTransfer:
+    """prefill rank -> decode rank, when either side runs TP > 1: the slices of one room's K/V
+    pages (from `first_page`), final Mamba state and block checkpoints (from `first_block`)
+    that the decode rank owns and this prefill rank was planned to send it
+    (disagg.tp_layout.plan); frames named `component@offset`."""
+
+    tag: ClassVar[str] = "shard"
+    room: str
+    source_rank: int
+    source_size: int
+    first_page: int
+    first_block: int
+    tensors: list[TensorSpec]
+
+
+Message = (
+    Register
+    | Reject
+    | Abort
+    | Heartbeat
+    | HeartbeatAck
+    | StateTransfer
+    | KVChunk
+    | MambaChunk
+    | ShardTransfer
+)
+MESSAGES: dict[str, type] = {cls.tag: cls for cls in typing.get_args(Message)}
+WITH_TENSORS = (StateTransfer, KVChunk, MambaChunk, ShardTransfer)
