@@ -110,7 +110,10 @@ def peer_rate(vllm_dir: str, model_dir: str, dtype: str, requests, vocab: int, p
 
 
 def alternated_rounds(
-    first_baton: float, baton_rate: Callable[[], float], peer_rate: Callable[[], float], rounds: int
+    first_baton: float,
+    baton_again: Callable[[], float],
+    peer_once: Callable[[], float],
+    rounds: int,
 ) -> dict:
     """baton and the peer run back to back `rounds` times (baton's first figure is the run
     already made); each round's ratio pairs the two runs made next to each other, so a burst of
@@ -118,8 +121,8 @@ def alternated_rounds(
     rounds' ratios is the figure."""
     pairs = []
     for i in range(rounds):
-        baton = first_baton if i == 0 else baton_rate()
-        peer = peer_rate()
+        baton = first_baton if i == 0 else baton_again()
+        peer = peer_once()
         pairs.append({"baton": baton, "peer": peer, "ratio": baton / peer})
     return {"rounds": pairs, "median_ratio": statistics.median(p["ratio"] for p in pairs)}
 

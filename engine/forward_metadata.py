@@ -167,8 +167,8 @@ def build_metadata(
     )
     kv_lens = starts_np + lens_np
 
-    logits_rows: list[int] = []  # rows of the hidden states projected to logits
-    owners: list[int] = []  # sequence owning each of those rows
+    # rows of the hidden states projected to logits, and the sequence owning each of them
+    logits_rows, owners = [], []
     if not sched.prompt_logprob_seqs:  # the common case: each sampled sequence's last row
         owners = sorted(sched.logits_seqs)
         logits_rows = [token_offsets[s + 1] - 1 for s in owners]
