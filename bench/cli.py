@@ -73,6 +73,13 @@ def add_bench_parser(subparsers) -> None:
         default=math.inf,
         help="Poisson arrivals per second (default: inf, all at once)",
     )
+    parser.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="shape of the gamma-distributed arrival gaps: 1 Poisson, < 1 burstier, > 1 more "
+        "even (default: 1)",
+    )
     parser.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     parser.add_argument(
         "--ignore-eos", action="store_true", help="send ignore_eos (baton, vLLM) for exact lengths"
@@ -98,7 +105,12 @@ def _first_model(base_url: str, api_key: str | None) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
     response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    try:
+        return str(response.json()["data"][0]["id"])
+    except (ValueError, LookupError, TypeError):
+        raise ValueError(
+            f"{base_url}/v1/models did not list a model ({response.text[:200]!r}); pass --model"
+        ) from None
 
 
 def _run_serve_bench(namespace: argparse.Namespace) -> int:
@@ -123,6 +135,7 @@ def _run_serve_bench(namespace: argparse.Namespace) -> int:
             model=model,
             prompts=prompts,
             request_rate=namespace.request_rate,
+            burstiness=namespace.burstiness,
             max_concurrency=namespace.max_concurrency,
             ignore_eos=namespace.ignore_eos,
             num_warmups=namespace.num_warmups,

@@ -1,8 +1,9 @@
-"""`baton bench serve`: load an OpenAI-compatible server and report TTFT, TPOT, ITL, throughput.
+r"""`baton bench serve`: load an OpenAI-compatible server and report TTFT, TPOT, ITL, throughput.
 
 Works against any `/v1/completions` (or `/v1/chat/completions`) server: `baton serve`, a
 `baton router` in front of a prefill/decode pair, vLLM's OpenAI server. Requests arrive as a
-Poisson process at `--request-rate` (inf: all at once), at most `--max-concurrency` in flight;
+Poisson process at `--request-rate` (inf: all at once; `--burstiness` below 1 makes arrivals
+burstier, above 1 more even, as vLLM's gamma arrivals), at most `--max-concurrency` in flight;
 prompts are synthetic, of `--input-len` tokens (token ids, exact) or words (text, about that
 many tokens), their lengths drawn uniformly within `--range-ratio` of the given one. Every
 request streams with `stream_options.include_usage`, so output tokens are the server's count.
@@ -54,6 +55,7 @@ class BenchConfig:
     model: str
     prompts: list[BenchPrompt]
     request_rate: float  # requests/s of the Poisson process; math.inf: all at once
+    burstiness: float  # shape of the gamma-distributed gaps (1.0: Poisson)
     max_concurrency: int | None  # requests in flight at most (None: no limit)
     ignore_eos: bool
     num_warmups: int
@@ -61,6 +63,15 @@ class BenchConfig:
     api_key: str | None
     seed: int
     progress: bool
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ValueError("--num-prompts must be >= 1")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.num_warmups < 0:
+            raise ValueError(f"--num-warmups must be >= 0, got {self.num_warmups}")
+        arrival_gaps(0, self.request_rate, self.seed, self.burstiness)  # checks both
 
 
 def synthetic_prompts(
@@ -77,6 +88,8 @@ def synthetic_prompts(
     lengths uniform in [len * (1 - range_ratio), len * (1 + range_ratio)] like vLLM's random set."""
     if not 0 <= range_ratio < 1:
         raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
     if input_len < 1 or output_len < 1:
         raise ValueError("--input-len and --output-len must be >= 1")
     if kind == "ids" and vocab_size <= 3:
@@ -98,13 +111,19 @@ def synthetic_prompts(
     return prompts
 
 
-def arrival_gaps(num_prompts: int, request_rate: float, seed: int) -> list[float]:
-    """Seconds to wait after sending each request: exponential gaps (a Poisson process)."""
+def arrival_gaps(
+    num_prompts: int, request_rate: float, seed: int, burstiness: float = 1.0
+) -> list[float]:
+    """Seconds to wait after sending each request: gamma-distributed gaps with mean
+    1 / request_rate and shape `burstiness` (1: exponential, a Poisson process), as vLLM's."""
     if request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0, got {request_rate}")
+    if not burstiness > 0 or math.isinf(burstiness):
+        raise ValueError(f"--burstiness must be a positive number, got {burstiness}")
     if math.isinf(request_rate):
         return [0.0] * num_prompts
-    return np.random.default_rng(seed + 1).exponential(1.0 / request_rate, num_prompts).tolist()
+    rng = np.random.default_rng(seed + 1)
+    return rng.gamma(burstiness, 1.0 / (request_rate * burstiness), num_prompts).tolist()
 
 
 def _payload(config: BenchConfig, prompt: BenchPrompt) -> dict:
@@ -135,6 +154,14 @@ def _failure(prompt: BenchPrompt, error: str, latency: float) -> RequestRecord:
         ttft=0.0,
         itl=(),
         latency=latency,
+    )
+
+
+def _count(usage: dict, key: str, fallback: int) -> int:
+    """usage[key] when the server sent a non-negative integer there, else `fallback`."""
+    value = usage.get(key)
+    return (
+        value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else fallback
     )
 
 
@@ -175,9 +202,12 @@ async def send_request(
                 if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
-                if "error" in chunk:
-                    message = chunk["error"].get("message", str(chunk["error"]))
+                if chunk.get("error"):
+                    error = chunk["error"]
+                    message = error.get("message", error) if isinstance(error, dict) else error
                     return _failure(prompt, f"stream error: {message}", last - start)
+                if not isinstance(chunk, dict):
+                    raise ValueError(f"a stream chunk that is not an object: {data[:80]!r}")
                 if chunk.get("choices"):
                     now = clock()
                     if ttft is None:
@@ -186,7 +216,9 @@ async def send_request(
                         gaps.append(now - last)
                     last = now
                     chunks += 1
-                elif chunk.get("usage"):
+                if isinstance(chunk.get("usage"), dict):
+                    # Usually its own last chunk; some servers put it on the last choice chunk,
+                    # or on every chunk (vLLM's continuous_usage_stats): the last one counts.
                     usage = chunk["usage"]
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
         # ValueError: a payload that is not JSON (json.JSONDecodeError is one)
@@ -196,8 +228,8 @@ async def send_request(
     return RequestRecord(
         success=True,
         error="",
-        prompt_tokens=int(usage.get("prompt_tokens", prompt.prompt_len)),
-        output_tokens=int(usage.get("completion_tokens", chunks)),
+        prompt_tokens=_count(usage, "prompt_tokens", prompt.prompt_len),
+        output_tokens=_count(usage, "completion_tokens", chunks),
         ttft=ttft,
         itl=tuple(gaps),
         latency=last - start,
@@ -235,7 +267,9 @@ async def run_benchmark(
         if after_warmup is not None:
             after_warmup()
         bar = tqdm(total=len(config.prompts), disable=not config.progress, desc="bench serve")
-        gaps = arrival_gaps(len(config.prompts), config.request_rate, config.seed)
+        gaps = arrival_gaps(
+            len(config.prompts), config.request_rate, config.seed, config.burstiness
+        )
         tasks = []
         started = clock()
         for prompt, gap in zip(config.prompts, gaps):

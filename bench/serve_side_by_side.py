@@ -133,6 +133,7 @@ def run_rate(port: int, model: str, prompts: list[BenchPrompt], rate: float) -> 
         model=model,
         prompts=prompts,
         request_rate=rate,
+        burstiness=1.0,
         max_concurrency=None,
         ignore_eos=True,
         num_warmups=2,

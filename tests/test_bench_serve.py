@@ -29,6 +29,13 @@ SCRIPTS = {
     "http-error": ("status", 503),
     "error-mid-stream": ("midstream", ["x"]),
     "garbage": ("garbage", ["y"]),
+    # where servers put the usage: on the last choice chunk, `null` on every chunk (vLLM without
+    # continuous_usage_stats), cumulative on every chunk (with it), or malformed
+    "usage-on-last-choice": ("usage-last", ["a", "b"], 4),
+    "usage-null-then-final": ("usage-null", ["a", "b"], 6),
+    "usage-on-every-chunk": ("usage-every", ["a", "b", "c"], 3),
+    "usage-malformed": ("usage-bad", ["a", "b"], 0),
+    "error-as-a-string": ("error-string", ["x"]),
 }
 
 
@@ -41,6 +48,10 @@ def fake_openai_app(state: dict) -> FastAPI:
     state.setdefault("inflight", 0)
     state.setdefault("max_inflight", 0)
     state.setdefault("bodies", [])
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": []}  # serves, but names no model
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -63,11 +74,31 @@ def fake_openai_app(state: dict) -> FastAPI:
                         break
                     await asyncio.sleep(0.01)
                 await asyncio.sleep(0.05)
-            for text in script[1]:
-                choice = {"index": 0, "text": text, "finish_reason": None}
-                yield _sse({"id": "c", "object": "text_completion", "choices": [choice]})
+            kind, texts = script[0], script[1]
+            for i, text in enumerate(texts):
+                chunk = {
+                    "id": "c",
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "text": text, "finish_reason": None}],
+                }
+                if kind == "usage-null":
+                    chunk["usage"] = None
+                elif kind == "usage-every" or (kind == "usage-last" and i == len(texts) - 1):
+                    chunk["usage"] = {
+                        "prompt_tokens": 7,
+                        "completion_tokens": i + 1 + script[2] - len(texts),
+                    }
+                yield _sse(chunk)
             state["inflight"] -= 1
-            if script[0] == "midstream":
+            if kind in ("usage-last", "usage-every"):
+                pass  # the usage came with the choices
+            elif kind == "usage-bad":
+                yield _sse(
+                    {"choices": [], "usage": {"prompt_tokens": None, "completion_tokens": "2"}}
+                )
+            elif kind == "error-string":
+                yield _sse({"error": "engine died"})
+            elif kind == "midstream":
                 yield _sse({"error": {"message": "engine died", "code": 503}})
             elif script[0] == "garbage":
                 yield "data: {not json\xff\n\n"
@@ -106,6 +137,7 @@ def _config(base_url: str, prompts: list[BenchPrompt], **overrides) -> BenchConf
         model="fake",
         prompts=prompts,
         request_rate=math.inf,
+        burstiness=1.0,
         max_concurrency=1,
         ignore_eos=True,
         num_warmups=0,
@@ -235,6 +267,35 @@ def test_a_stream_that_is_not_json_fails_its_request_not_the_run(fake_server):
     assert result["requests"][1]["success"]
 
 
+def test_usage_is_read_wherever_the_server_puts_it(fake_server):
+    base_url, _ = fake_server
+    names = [
+        "usage-on-last-choice",
+        "usage-null-then-final",
+        "usage-on-every-chunk",
+        "usage-malformed",
+    ]
+    prompts = [BenchPrompt(prompt=p, prompt_len=3, output_len=8) for p in names]
+    result = asyncio.run(run_benchmark(_config(base_url, prompts)))
+    records = result["requests"]
+    assert all(r["success"] for r in records), [r["error"] for r in records]
+    # the server's count where it gave one (4 tokens in 2 chunks; the final chunk's 6; the last
+    # of the cumulative counts), the number of choice chunks where its usage is not a count
+    assert [r["output_tokens"] for r in records] == [4, 6, 3, 2]
+    assert [r["prompt_tokens"] for r in records] == [7, 7, 7, 3]
+
+
+def test_an_error_event_that_is_a_bare_string_fails_its_request(fake_server):
+    base_url, _ = fake_server
+    prompts = [
+        BenchPrompt(prompt=p, prompt_len=1, output_len=1)
+        for p in ("error-as-a-string", "one-token")
+    ]
+    result = asyncio.run(run_benchmark(_config(base_url, prompts)))
+    assert (result["completed"], result["failed"]) == (1, 1)
+    assert result["requests"][0]["error"] == "stream error: engine died"
+
+
 def test_a_server_that_is_not_there_fails_the_request_not_the_run():
     port = free_port()  # nothing listens
     prompts = [BenchPrompt(prompt="one-token", prompt_len=1, output_len=1)]
@@ -250,6 +311,50 @@ def test_poisson_arrivals_have_the_requested_rate():
     assert arrival_gaps(5, math.inf, seed=0) == [0.0] * 5
     with pytest.raises(ValueError, match="request-rate"):
         arrival_gaps(5, 0.0, seed=0)
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 4.0])
+def test_gamma_arrivals_keep_the_rate_and_change_the_spread(burstiness):
+    gaps = np.array(arrival_gaps(40000, 4.0, seed=3, burstiness=burstiness))
+    assert gaps.mean() == pytest.approx(0.25, rel=0.04)
+    # gamma with shape k: coefficient of variation 1 / sqrt(k)
+    assert gaps.std() / gaps.mean() == pytest.approx(burstiness**-0.5, rel=0.05)
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="burstiness"):
+            arrival_gaps(5, 4.0, seed=0, burstiness=bad)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"prompts": []}, "--num-prompts"),
+        ({"max_concurrency": 0}, "--max-concurrency"),
+        ({"num_warmups": -1}, "--num-warmups"),
+        ({"request_rate": 0.0}, "--request-rate"),
+        ({"burstiness": 0.0}, "--burstiness"),
+    ],
+)
+def test_a_config_that_cannot_run_is_refused_by_name(overrides, message):
+    fields = {"prompts": [BenchPrompt(prompt="one-token", prompt_len=1, output_len=1)], **overrides}
+    with pytest.raises(ValueError, match=message):
+        _config("http://127.0.0.1:1", **fields)
+
+
+def test_cli_names_bad_settings_and_a_server_without_models(fake_server):
+    base_url, _ = fake_server  # its /v1/models lists nothing
+    for args, message in (
+        (["--max-concurrency", "0", "--model", "m"], "--max-concurrency must be >= 1"),
+        (["--num-prompts", "0", "--model", "m"], "--num-prompts must be >= 1"),
+        ([], "did not list a model"),
+    ):
+        result = subprocess.run(
+            [str(BATON), "bench", "serve", "--base-url", base_url, "--no-progress", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 1, result.stderr
+        assert message in result.stderr and "Traceback" not in result.stderr
 
 
 def test_synthetic_prompt_lengths_stay_in_range():

@@ -59,6 +59,7 @@ try:
         model=model,
         prompts=prompts,
         request_rate=float("inf"),
+        burstiness=1.0,
         max_concurrency=None,
         ignore_eos=True,
         num_warmups=2,

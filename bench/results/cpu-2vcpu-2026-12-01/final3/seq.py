@@ -31,6 +31,7 @@ def run(port, conc, rate):
         model=model,
         prompts=prompts,
         request_rate=rate,
+        burstiness=1.0,
         max_concurrency=conc,
         ignore_eos=True,
         num_warmups=2,
