@@ -6,8 +6,7 @@
 Workloads (random-weight NemotronH, fixed seed, ignore_eos):
   110m: 64 requests, prompts uniform 32..512, outputs uniform 16..256; transformers runs static
         left-padded batches, best of batch sizes 1, 8, 32 (--hf-batch-sizes).
-  19m : 32 prompts x 128 tokens, 64 new tokens each (the vLLM-CPU comparison point:
-        ~2,500 out tok/s bf16, ~1,850 fp32 on this kind of 2-core machine).
+  19m : 32 prompts x 128 tokens, 64 new tokens each (issue 21's vllm-cpu comparison).
   bamba100m / granite100m / falcon100m / zamba2100m: ~100M random-weight Bamba (SwiGLU,
         partial rotary), Granite-4.0-H (16 experts top-2 + shared MLP, µP multipliers), Falcon-H1
         (parallel attention + Mamba, multipliers) and Zamba2 (two shared attention blocks at four
@@ -30,6 +29,10 @@ Side by side with vllm-cpu (issue 21's workload, any config: 32 prompts x 128 ra
     python -m bench.offline --config 110m --dtype bfloat16 --workload side-by-side --peer-vllm DIR
 With --peer-rounds N, baton (the model stays loaded) and the peer run back to back N times and
 the median of the N paired ratios is the figure (this VM's speed moves 10-15% between runs).
+
+Any Hugging Face model directory baton serves (a real checkpoint, any family) instead of a random
+config: `--model DIR` (random ids below its config's vocab_size; the workload is uniform unless
+--workload mixed; transformers loads it too unless --skip-hf).
 """
 
 from __future__ import annotations
@@ -40,14 +43,16 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
 from bench.flop_rates import (
+    active_matmul_params,
+    checkpoint_params,
     decode_flop_fraction,
     machine_floor,
-    param_counts,
     prefill_flop_fraction,
 )
 from bench.workloads import CONFIGS, WORKLOADS, save_model, workload, workload_kind
@@ -153,11 +158,48 @@ def run_hf(model, dtype: str, requests, batch_size: int) -> dict:
     return {"batch_size": batch_size, "seconds": elapsed, "tok_per_s": useful / elapsed}
 
 
+def _models(args) -> Iterator[tuple[str, str, object, int]]:
+    """(name, model directory, transformers' model or None with --skip-hf, vocab size) for each
+    model to run: --model's directory, or each --config saved with random weights to a
+    temporary one (with a word tokenizer when the peer runs: vLLM loads one)."""
+    if args.model:
+        import transformers
+
+        model_dir = str(Path(args.model).resolve())
+        if not (Path(model_dir) / "config.json").is_file():
+            raise SystemExit(f"bench.offline --model: no config.json in {model_dir}")
+        try:
+            config = transformers.AutoConfig.from_pretrained(model_dir)
+        except (OSError, ValueError) as error:  # no config.json, or one transformers cannot read
+            raise SystemExit(f"bench.offline --model {model_dir}: {error}") from None
+        vocab = int(getattr(config, "vocab_size", 0) or 0)
+        if vocab <= 3:
+            raise SystemExit(f"{model_dir}/config.json: no usable vocab_size ({vocab})")
+        hf = None
+        if not args.skip_hf:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        yield Path(model_dir).name, model_dir, hf, vocab
+        return
+    for name in list(CONFIGS) if args.config == "all" else [args.config]:
+        with tempfile.TemporaryDirectory() as model_dir:
+            hf = save_model(name, model_dir)
+            if args.peer_vllm:
+                from bench.peer import save_word_tokenizer
+
+                save_word_tokenizer(model_dir, CONFIGS[name]["vocab_size"])
+            yield name, model_dir, None if args.skip_hf else hf, CONFIGS[name]["vocab_size"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
+    ap.add_argument(
+        "--model",
+        metavar="DIR",
+        help="benchmark this Hugging Face model directory instead of a random --config",
+    )
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "all"], default="all")
     ap.add_argument("--num-requests", type=int, default=None, help="override the workload size")
     ap.add_argument("--hf-batch-sizes", default="1,8,32")
@@ -197,121 +239,118 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
-    for name in list(CONFIGS) if args.config == "all" else [args.config]:
-        with tempfile.TemporaryDirectory() as model_dir:
-            hf = save_model(name, model_dir)
+    for name, model_dir, hf, vocab in _models(args):
+        kind = workload_kind(name, args.workload)
+        requests = workload(name, args.num_requests, kind=kind, vocab_size=vocab)
+        for dtype in ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]:
+            baton = run_baton(model_dir, dtype, requests)
+            llm = baton.pop("llm")
+            counts = {
+                "total_params": checkpoint_params(model_dir),
+                "active_matmul_params": active_matmul_params(llm.engine.model),
+            }
+            flop = decode_flop_fraction(llm)
+            prefill = prefill_flop_fraction(llm, flop["mm_peak_flops"])
+            row = {
+                "config": name,
+                "dtype": dtype,
+                "baton": baton,
+                "decode_flops": flop,
+                "prefill_flops": prefill,
+                **counts,
+            }
+            print(
+                f"[{name} {dtype}] {counts['total_params'] / 1e6:.1f}M parameters, "
+                f"{counts['active_matmul_params'] / 1e6:.1f}M in matmuls per token",
+                flush=True,
+            )
+            print(
+                f"[{name} {dtype}] baton {baton['tok_per_s']:.0f} out tok/s; decode step at batch 64 "
+                f"{flop['decode_step_ms']:.1f} ms (median {flop['decode_step_median_ms']:.1f}) = "
+                f"{flop['fraction']:.1%} of the matmul peak; prefill step of "
+                f"{prefill['tokens']} tokens {prefill['prefill_step_ms']:.0f} ms = "
+                f"{prefill['fraction']:.1%} (peak {flop['mm_peak_flops'] / 1e9:.0f} GFLOP/s: "
+                + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in flop["mm_peaks_flops"].items())
+                + ")",
+                flush=True,
+            )
+            print(
+                f"[{name} {dtype}] the matmuls alone: decode at batch 64 "
+                f"{flop['matmul_flops'] / 1e9:.0f} GFLOP/s = {flop['matmul_fraction']:.1%} "
+                f"of the peak, prefill {prefill['matmul_flops'] / 1e9:.0f} GFLOP/s = "
+                f"{prefill['matmul_fraction']:.1%}",
+                flush=True,
+            )
+            steps = baton["step_time"]
+            print(
+                f"[{name} {dtype}] {steps['steps']} steps, {steps['step_ms']:.2f} ms each: "
+                f"forward {steps['forward_ms']:.2f} ms, host {steps['host_ms']:.2f} ms "
+                f"({steps['host_fraction']:.1%})",
+                flush=True,
+            )
             if args.peer_vllm:
-                from bench.peer import save_word_tokenizer
-
-                save_word_tokenizer(model_dir, CONFIGS[name]["vocab_size"])
-            kind = workload_kind(name, args.workload)
-            requests = workload(name, args.num_requests, kind=kind)
-            for dtype in ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]:
-                baton = run_baton(model_dir, dtype, requests)
-                llm = baton.pop("llm")
-                counts = param_counts(llm.engine.model, hf)
-                flop = decode_flop_fraction(llm)
-                prefill = prefill_flop_fraction(llm, flop["mm_peak_flops"])
-                row = {
-                    "config": name,
-                    "dtype": dtype,
-                    "baton": baton,
-                    "decode_flops": flop,
-                    "prefill_flops": prefill,
-                    **counts,
-                }
-                print(
-                    f"[{name} {dtype}] {counts['total_params'] / 1e6:.1f}M parameters, "
-                    f"{counts['active_matmul_params'] / 1e6:.1f}M in matmuls per token",
-                    flush=True,
+                side = alternated_rounds(
+                    baton["tok_per_s"],
+                    functools.partial(baton_rate, llm, requests),
+                    functools.partial(
+                        peer_rate,
+                        args.peer_vllm,
+                        model_dir,
+                        dtype,
+                        requests,
+                        vocab,
+                        args.peer_scripts,
+                    ),
+                    args.peer_rounds,
                 )
-                print(
-                    f"[{name} {dtype}] baton {baton['tok_per_s']:.0f} out tok/s; decode step at batch 64 "
-                    f"{flop['decode_step_ms']:.1f} ms (median {flop['decode_step_median_ms']:.1f}) = "
-                    f"{flop['fraction']:.1%} of the matmul peak; prefill step of "
-                    f"{prefill['tokens']} tokens {prefill['prefill_step_ms']:.0f} ms = "
-                    f"{prefill['fraction']:.1%} (peak {flop['mm_peak_flops'] / 1e9:.0f} GFLOP/s: "
-                    + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in flop["mm_peaks_flops"].items())
-                    + ")",
-                    flush=True,
-                )
-                print(
-                    f"[{name} {dtype}] the matmuls alone: decode at batch 64 "
-                    f"{flop['matmul_flops'] / 1e9:.0f} GFLOP/s = {flop['matmul_fraction']:.1%} "
-                    f"of the peak, prefill {prefill['matmul_flops'] / 1e9:.0f} GFLOP/s = "
-                    f"{prefill['matmul_fraction']:.1%}",
-                    flush=True,
-                )
-                steps = baton["step_time"]
-                print(
-                    f"[{name} {dtype}] {steps['steps']} steps, {steps['step_ms']:.2f} ms each: "
-                    f"forward {steps['forward_ms']:.2f} ms, host {steps['host_ms']:.2f} ms "
-                    f"({steps['host_fraction']:.1%})",
-                    flush=True,
-                )
-                if args.peer_vllm:
-                    side = alternated_rounds(
-                        baton["tok_per_s"],
-                        functools.partial(baton_rate, llm, requests),
-                        functools.partial(
-                            peer_rate,
-                            args.peer_vllm,
-                            model_dir,
-                            dtype,
-                            requests,
-                            CONFIGS[name]["vocab_size"],
-                            args.peer_scripts,
-                        ),
-                        args.peer_rounds,
-                    )
-                    row["vllm_cpu"] = {"tok_per_s": side["rounds"][0]["peer"]}
-                    row["side_by_side_rounds"] = side["rounds"]
-                    row["ratio_vs_vllm_cpu"] = side["median_ratio"]
-                    for i, r in enumerate(side["rounds"]):
-                        print(
-                            f"[{name} {dtype}] round {i}: baton {r['baton']:.0f}, vllm-cpu "
-                            f"{r['peer']:.0f} out tok/s; baton / vllm-cpu = {r['ratio']:.2f}x",
-                            flush=True,
-                        )
+                row["vllm_cpu"] = {"tok_per_s": side["rounds"][0]["peer"]}
+                row["side_by_side_rounds"] = side["rounds"]
+                row["ratio_vs_vllm_cpu"] = side["median_ratio"]
+                for i, r in enumerate(side["rounds"]):
                     print(
-                        f"[{name} {dtype}] baton / vllm-cpu = {side['median_ratio']:.2f}x "
-                        f"(median of {len(side['rounds'])} alternated rounds)",
+                        f"[{name} {dtype}] round {i}: baton {r['baton']:.0f}, vllm-cpu "
+                        f"{r['peer']:.0f} out tok/s; baton / vllm-cpu = {r['ratio']:.2f}x",
                         flush=True,
                     )
-                if not args.skip_hf:
-                    sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
-                    if kind == "uniform":
-                        sizes = [len(requests)]  # equal lengths: one static batch, no padding
-                    hf_runs = [run_hf(hf, dtype, requests, b) for b in sizes]
-                    best = max(hf_runs, key=lambda r: r["tok_per_s"])
-                    row["transformers"] = hf_runs
-                    row["ratio"] = baton["tok_per_s"] / best["tok_per_s"]
-                    print(
-                        f"[{name} {dtype}] {kind} workload: transformers best {best['tok_per_s']:.0f} "
-                        f"tok/s (batch {best['batch_size']}); ratio {row['ratio']:.2f}x",
-                        flush=True,
-                    )
-                    row["floor"] = machine_floor(llm, requests, flop["mm_peak_flops"])
-                    useful = baton["output_tokens"]
-                    floor_s = row["floor"]["seconds"]
-                    print(
-                        f"[{name} {dtype}] the machine's floor for this workload "
-                        f"(bench/roofline.py): {floor_s:.2f} s; baton at "
-                        f"{floor_s / baton['seconds']:.0%} of it, transformers at "
-                        f"{floor_s * best['tok_per_s'] / useful:.0%}; the best ratio possible "
-                        f"here is {useful / best['tok_per_s'] / floor_s:.2f}x",
-                        flush=True,
-                    )
-                if args.compare_padded:
-                    padded = run_baton(model_dir, dtype, requests, padded_decode=True)
-                    padded.pop("llm")
-                    row["baton_padded_decode"] = padded
-                    print(
-                        f"[{name} {dtype}] baton with the padded decode runner {padded['tok_per_s']:.0f} tok/s "
-                        f"({padded['tok_per_s'] / baton['tok_per_s']:.2f}x of eager)",
-                        flush=True,
-                    )
-                results.append(row)
+                print(
+                    f"[{name} {dtype}] baton / vllm-cpu = {side['median_ratio']:.2f}x "
+                    f"(median of {len(side['rounds'])} alternated rounds)",
+                    flush=True,
+                )
+            if hf is not None:
+                sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+                if kind == "uniform":
+                    sizes = [len(requests)]  # equal lengths: one static batch, no padding
+                hf_runs = [run_hf(hf, dtype, requests, b) for b in sizes]
+                best = max(hf_runs, key=lambda r: r["tok_per_s"])
+                row["transformers"] = hf_runs
+                row["ratio"] = baton["tok_per_s"] / best["tok_per_s"]
+                print(
+                    f"[{name} {dtype}] {kind} workload: transformers best {best['tok_per_s']:.0f} "
+                    f"tok/s (batch {best['batch_size']}); ratio {row['ratio']:.2f}x",
+                    flush=True,
+                )
+                row["floor"] = machine_floor(llm, requests, flop["mm_peak_flops"])
+                useful = baton["output_tokens"]
+                floor_s = row["floor"]["seconds"]
+                print(
+                    f"[{name} {dtype}] the machine's floor for this workload "
+                    f"(bench/roofline.py): {floor_s:.2f} s; baton at "
+                    f"{floor_s / baton['seconds']:.0%} of it, transformers at "
+                    f"{floor_s * best['tok_per_s'] / useful:.0%}; the best ratio possible "
+                    f"here is {useful / best['tok_per_s'] / floor_s:.2f}x",
+                    flush=True,
+                )
+            if args.compare_padded:
+                padded = run_baton(model_dir, dtype, requests, padded_decode=True)
+                padded.pop("llm")
+                row["baton_padded_decode"] = padded
+                print(
+                    f"[{name} {dtype}] baton with the padded decode runner {padded['tok_per_s']:.0f} tok/s "
+                    f"({padded['tok_per_s'] / baton['tok_per_s']:.2f}x of eager)",
+                    flush=True,
+                )
+            results.append(row)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=2)

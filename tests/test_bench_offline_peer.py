@@ -120,3 +120,53 @@ def test_alternated_rounds_pair_neighbouring_runs_and_take_the_median():
     assert [r["ratio"] for r in side["rounds"]] == [2.0, 3.0, 2.0]
     assert side["median_ratio"] == 2.0
     assert alternated_rounds(90.0, baton_rate, lambda: 30.0, 1)["median_ratio"] == 3.0
+
+
+def test_a_model_directory_runs_side_by_side_with_its_own_vocabulary(tmp_path, tmp_path_factory):
+    """`bench.offline --model DIR`: any HF directory instead of a random config; the ids stay
+    below its vocab_size, the peer gets the directory and that vocabulary, the parameter count is
+    the checkpoint's."""
+    import json
+    import subprocess
+    import sys
+
+    import transformers
+
+    from tests.server_process import tiny_model
+
+    model = tiny_model(tmp_path_factory)
+    vocab = transformers.AutoConfig.from_pretrained(model).vocab_size
+    args_file = tmp_path / "peer-args.txt"
+    peers, vllm = _fake_peer(tmp_path, f'echo "$*" > {args_file}; echo "RATE 100.0"')
+    out = tmp_path / "out.json"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "bench.offline", "--model", str(model), "--dtype", "float32",
+            "--num-requests", "3", "--skip-hf", "--workload", "side-by-side",
+            "--peer-vllm", str(vllm), "--peer-scripts", str(peers), "--output", str(out),
+        ],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model)
+    assert row["config"] == model.name
+    assert row["total_params"] == sum(p.numel() for p in hf.parameters())
+    assert row["baton"]["output_tokens"] == 3 * 64
+    assert row["ratio_vs_vllm_cpu"] == pytest.approx(row["baton"]["tok_per_s"] / 100.0)
+    peer_args = args_file.read_text().split()
+    assert peer_args[2] == str(model.resolve())
+    assert peer_args[peer_args.index("--vocab") + 1] == str(vocab)
+    assert peer_args[peer_args.index("--prompts") + 1] == "3"
+
+
+def test_a_model_directory_without_a_config_is_named(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.offline", "--model", str(tmp_path), "--skip-hf"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert str(tmp_path) in result.stderr and "Traceback" not in result.stderr
