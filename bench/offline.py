@@ -41,10 +41,8 @@ import argparse
 import functools
 import json
 import statistics
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 
@@ -55,7 +53,7 @@ from bench.flop_rates import (
     machine_floor,
     prefill_flop_fraction,
 )
-from bench.workloads import CONFIGS, WORKLOADS, save_model, workload, workload_kind
+from bench.workloads import CONFIGS, WORKLOADS, benchmark_models, workload, workload_kind
 
 
 def run_baton(model_dir: str, dtype: str, requests, padded_decode: bool = False) -> dict:
@@ -158,38 +156,6 @@ def run_hf(model, dtype: str, requests, batch_size: int) -> dict:
     return {"batch_size": batch_size, "seconds": elapsed, "tok_per_s": useful / elapsed}
 
 
-def _models(args) -> Iterator[tuple[str, str, object, int]]:
-    """(name, model directory, transformers' model or None with --skip-hf, vocab size) for each
-    model to run: --model's directory, or each --config saved with random weights to a
-    temporary one (with a word tokenizer when the peer runs: vLLM loads one)."""
-    if args.model:
-        import transformers
-
-        model_dir = str(Path(args.model).resolve())
-        if not (Path(model_dir) / "config.json").is_file():
-            raise SystemExit(f"bench.offline --model: no config.json in {model_dir}")
-        try:
-            config = transformers.AutoConfig.from_pretrained(model_dir)
-        except (OSError, ValueError) as error:  # no config.json, or one transformers cannot read
-            raise SystemExit(f"bench.offline --model {model_dir}: {error}") from None
-        vocab = int(getattr(config, "vocab_size", 0) or 0)
-        if vocab <= 3:
-            raise SystemExit(f"{model_dir}/config.json: no usable vocab_size ({vocab})")
-        hf = None
-        if not args.skip_hf:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        yield Path(model_dir).name, model_dir, hf, vocab
-        return
-    for name in list(CONFIGS) if args.config == "all" else [args.config]:
-        with tempfile.TemporaryDirectory() as model_dir:
-            hf = save_model(name, model_dir)
-            if args.peer_vllm:
-                from bench.peer import save_word_tokenizer
-
-                save_word_tokenizer(model_dir, CONFIGS[name]["vocab_size"])
-            yield name, model_dir, None if args.skip_hf else hf, CONFIGS[name]["vocab_size"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -239,7 +205,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
-    for name, model_dir, hf, vocab in _models(args):
+    for name, model_dir, hf, vocab in benchmark_models(
+        args.model, args.config, with_hf=not args.skip_hf, with_tokenizer=bool(args.peer_vllm)
+    ):
         kind = workload_kind(name, args.workload)
         requests = workload(name, args.num_requests, kind=kind, vocab_size=vocab)
         for dtype in ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]:

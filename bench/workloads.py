@@ -6,6 +6,9 @@ bench.prefix_cache share them)."""
 from __future__ import annotations
 
 import random
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -212,3 +215,38 @@ def save_model(name: str, path: str):
                 buffer.normal_(0.0, 0.02)
     model.save_pretrained(path)
     return model
+
+
+def benchmark_models(
+    model: str | None, config: str, *, with_hf: bool, with_tokenizer: bool
+) -> Iterator[tuple[str, str, object, int]]:
+    """(name, model directory, transformers' model or None, vocab size) for each model a
+    benchmark runs: `model`'s directory, else each of `config` ("all": every config) saved with
+    random weights to a temporary one (`with_tokenizer`: plus a word tokenizer, which vLLM
+    loads). Raises SystemExit naming a directory without a usable config.json."""
+    if model:
+        import transformers
+
+        model_dir = str(Path(model).resolve())
+        if not (Path(model_dir) / "config.json").is_file():
+            raise SystemExit(f"--model: no config.json in {model_dir}")
+        try:
+            hf_config = transformers.AutoConfig.from_pretrained(model_dir)
+        except (OSError, ValueError) as error:  # a config.json transformers cannot read
+            raise SystemExit(f"--model {model_dir}: {error}") from None
+        vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
+        if vocab <= 3:
+            raise SystemExit(f"{model_dir}/config.json: no usable vocab_size ({vocab})")
+        hf = None
+        if with_hf:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        yield Path(model_dir).name, model_dir, hf, vocab
+        return
+    for name in list(CONFIGS) if config == "all" else [config]:
+        with tempfile.TemporaryDirectory() as model_dir:
+            hf = save_model(name, model_dir)
+            if with_tokenizer:
+                from bench.peer import save_word_tokenizer
+
+                save_word_tokenizer(model_dir, CONFIGS[name]["vocab_size"])
+            yield name, model_dir, hf if with_hf else None, CONFIGS[name]["vocab_size"]
