@@ -11,13 +11,11 @@ client gets an error, never garbage tokens, never a hang.
 from __future__ import annotations
 
 import logging
-import re
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from disagg.messages import (
     Abort,
@@ -30,12 +28,14 @@ from disagg.messages import (
     Reject,
     StateTransfer,
 )
+from disagg.peer_link import PeerLink
 from disagg.protocol import (
     ProtocolError,
     ReplayGuard,
     decode,
-    dtype_name,
     encode,
+    frame_bytes,
+    layer_frames,
     request_state,
 )
 from disagg.rooms import DisaggConfig, RoomState, TransferCounters, compat_of, now
@@ -45,42 +45,7 @@ from engine.engine_args import EngineStats
 from engine.memory import OutOfMemory
 from engine.sampling_params import SamplingParams
 
-# ZMTP heartbeats on each connection to a prefill worker: a ping a second, the connection dropped
-# after 5 s without an answer (a host that vanished without closing its sockets).
-ZMQ_HEARTBEAT_IVL_MS = 1000
-ZMQ_HEARTBEAT_TIMEOUT_MS = 5000
-
 logger = logging.getLogger("baton.disagg.decode")
-
-# What a prefill worker advertises: tcp://host:port (a name, IPv4, or [IPv6]).
-_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):[0-9]{1,5}")
-
-
-def _layers(
-    tensors: dict[str, torch.Tensor],
-    kinds: tuple[str, str],
-    layers: range,
-    shapes: tuple[tuple[int, ...], tuple[int, ...]],
-    dtypes: tuple[str, str],
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A chunk's frames by name (kinds[0] + layer, kinds[1] + layer for every layer), each
-    checked against its expected per-layer shape (a leading page count is free when the shape
-    given is one page's) and dtype. ValueError names what does not fit."""
-    expected = {f"{kind}{i}" for kind in kinds for i in layers}
-    if set(tensors) != expected:
-        raise ValueError(f"frames named {sorted(tensors)}, expected {sorted(expected)}")
-    out: tuple[list, list] = ([], [])
-    for half, kind, shape, dtype in zip(out, kinds, shapes, dtypes):
-        for i in layers:
-            t = tensors[f"{kind}{i}"]
-            got = tuple(t.shape[1:] if t.dim() == len(shape) + 1 else t.shape)
-            if got != shape or dtype_name(t.dtype) != dtype or t.dim() < len(shape):
-                raise ValueError(
-                    f"frame {kind}{i} is {dtype_name(t.dtype)} {list(t.shape)}, expected {dtype}"
-                    f" {list(shape)}"
-                )
-            half.append(t)
-    return out
 
 
 @dataclass
@@ -110,30 +75,12 @@ class QueuedRoom:
 
 
 @dataclass
-class Peer:
-    socket: zmq.Socket
-    monitor: zmq.Socket  # the socket's connection events: a disconnect means the peer is gone
-    last_ack: float
-    last_heartbeat: float = 0.0
-    answered: bool = False  # a message from it passed authentication
-
-    def silence(self, address: str) -> str:
-        """What to say when this peer did not deliver in time."""
-        if self.answered:
-            return f"prefill worker {address} stopped answering"
-        return (
-            f"prefill worker {address} never answered (is it running, and do both workers use"
-            " the same --disagg-secret?)"
-        )
-
-
-@dataclass
 class DecodeWorker:
     engine: Engine
     config: DisaggConfig
     context: zmq.Context
     rooms: dict[str, DecodeRoom] = field(default_factory=dict)
-    peers: dict[str, Peer] = field(default_factory=dict)
+    peers: dict[str, PeerLink] = field(default_factory=dict)
     counters: TransferCounters = field(default_factory=TransferCounters)
     failures: list[tuple[str, str]] = field(default_factory=list)
     ready: list = field(default_factory=list)  # first-token deltas of installed rooms
@@ -258,42 +205,17 @@ class DecodeWorker:
         return [s for p in self.peers.values() for s in (p.socket, p.monitor)]
 
     def close(self) -> None:
-        for p in self.peers.values():
-            p.socket.disable_monitor()
-            p.monitor.close(linger=0)
-            p.socket.close(linger=0)
+        for peer in self.peers.values():
+            peer.close()
 
     # -- protocol -----------------------------------------------------------------------------
 
-    def _peer(self, address: str) -> Peer:
-        """The DEALER connected to prefill worker `address`; ValueError naming the address when
-        it is not a tcp://host:port endpoint ZMQ can connect to."""
+    def _peer(self, address: str) -> PeerLink:
+        """The link to prefill worker `address`, connected on first use (ValueError naming an
+        address that is not a tcp://host:port endpoint)."""
         peer = self.peers.get(address)
         if peer is None:
-            if not _ENDPOINT.fullmatch(address) or not 0 < int(address.rsplit(":", 1)[1]) < 65536:
-                raise ValueError(
-                    f"baton_disagg.prefill_addr {address[:200]!r} is not a tcp://host:port address"
-                )
-            socket = self.context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            # ZMTP heartbeats run in libzmq's I/O thread, so a prefill worker busy with a long
-            # step still answers them; a peer that stops answering them, or whose process dies,
-            # drops the connection, which the monitor reports at once. Liveness then does not
-            # depend on how long either side's engine steps take (under load, prefill steps of
-            # several seconds made an application-level lease fail healthy rooms).
-            socket.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
-            socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
-            monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            try:
-                socket.connect(address)
-            except zmq.ZMQError as error:
-                socket.disable_monitor()
-                monitor.close(linger=0)
-                socket.close(linger=0)
-                raise ValueError(
-                    f"baton_disagg.prefill_addr {address!r}: cannot connect ({error})"
-                ) from None
-            peer = self.peers[address] = Peer(socket=socket, monitor=monitor, last_ack=now())
+            peer = self.peers[address] = PeerLink.connect(self.context, address)
         return peer
 
     def expire_idle(self) -> bool:
@@ -325,17 +247,10 @@ class DecodeWorker:
                     room = getattr(message, "room", None)
                     self._refuse(address, room, f"could not use its {message.tag}: {error}")
 
-    def _watch_connection(self, address: str, peer: Peer) -> None:
+    def _watch_connection(self, address: str, peer: PeerLink) -> None:
         """Fail the rooms pending on a peer whose connection dropped: its process is gone (or it
         stopped answering ZMTP heartbeats), and what it had in flight is lost with it."""
-        lost = False
-        while True:
-            try:
-                event = recv_monitor_message(peer.monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            lost |= event["event"] == zmq.EVENT_DISCONNECTED
-        if not lost:
+        if not peer.connection_lost():
             return
         rooms = [r for r in self.rooms.values() if r.peer == address]
         if rooms:
@@ -360,7 +275,7 @@ class DecodeWorker:
             r = self._room_for(message)
             if r is not None:
                 r.state = "transferring"
-                k, v = _layers(
+                k, v = layer_frames(
                     tensors,
                     ("k", "v"),
                     range(layout.attention_layers),
@@ -370,13 +285,13 @@ class DecodeWorker:
                 if len({t.shape[0] for t in (*k, *v)}) > 1 or any(t.dim() != 4 for t in k):
                     raise ValueError("K/V frames of one chunk hold different page counts")
                 self.engine.install_pages(r.request_id, message.first_page, k, v)
-                self.counters.bytes_total += _nbytes(tensors)
+                self.counters.bytes_total += frame_bytes(tensors)
         elif isinstance(message, MambaChunk):
             r = self._room_for(message)
             if r is not None:
                 r.state = "transferring"
                 count = len(tensors) // 2
-                conv, ssm = _layers(
+                conv, ssm = layer_frames(
                     tensors,
                     ("conv", "ssm"),
                     range(message.first_layer, message.first_layer + count),
@@ -385,7 +300,7 @@ class DecodeWorker:
                 )
                 if self.engine.install_mamba(r.request_id, message.first_layer, conv, ssm):
                     r.mamba_layers += len(conv)
-                self.counters.bytes_total += _nbytes(tensors)
+                self.counters.bytes_total += frame_bytes(tensors)
         elif isinstance(message, StateTransfer):
             r = self._room_for(message)
             if r is None:
@@ -401,7 +316,7 @@ class DecodeWorker:
                     f"Mamba state incomplete: {r.mamba_layers} of {layers} layers arrived"
                 )
             self._install(r, state)
-            self.counters.bytes_total += _nbytes(tensors)
+            self.counters.bytes_total += frame_bytes(tensors)
         elif isinstance(message, (Reject, Abort)):
             r = self.rooms.pop(message.room, None)
             if r is not None:
@@ -513,7 +428,3 @@ class DecodeWorker:
 
     def _send(self, address: str, message) -> None:
         self._peer(address).socket.send_multipart(encode(message, secret=self.config.secret))
-
-
-def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -94,6 +94,37 @@ def request_state(message: StateTransfer, tensors: dict[str, torch.Tensor]) -> A
     return STATE_CARRIER(**message.state, **tensors)
 
 
+def layer_frames(
+    tensors: dict[str, torch.Tensor],
+    kinds: tuple[str, str],
+    layers: range,
+    shapes: tuple[tuple[int, ...], tuple[int, ...]],
+    dtypes: tuple[str, str],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A chunk's frames by name (kinds[0] + layer, kinds[1] + layer for every layer), each
+    checked against its expected per-layer shape (a leading page count is free when the shape
+    given is one page's) and dtype. ValueError names what does not fit."""
+    expected = {f"{kind}{i}" for kind in kinds for i in layers}
+    if set(tensors) != expected:
+        raise ValueError(f"frames named {sorted(tensors)}, expected {sorted(expected)}")
+    out: tuple[list, list] = ([], [])
+    for half, kind, shape, dtype in zip(out, kinds, shapes, dtypes):
+        for i in layers:
+            t = tensors[f"{kind}{i}"]
+            got = tuple(t.shape[1:] if t.dim() == len(shape) + 1 else t.shape)
+            if got != shape or dtype_name(t.dtype) != dtype or t.dim() < len(shape):
+                raise ValueError(
+                    f"frame {kind}{i} is {dtype_name(t.dtype)} {list(t.shape)}, expected {dtype}"
+                    f" {list(shape)}"
+                )
+            half.append(t)
+    return out
+
+
+def frame_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def _parse(tag: str, raw: Any) -> Message:
     cls = MESSAGES[tag]
     carries = getattr(cls, "carries", None)

@@ -342,6 +342,90 @@ void baton_rms_norm(const void *x, int64_t x_stride, const float *weight, void *
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 consecutive elements of a model-dtype row, widened to float32. */
+static inline __m512 attn_load16(const void *base, int bf16, int64_t off) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off))),
+            16));
+    return _mm512_loadu_ps((const float *)base + off);
+}
+
+/* One work item of baton_decode_attention in AVX-512, for G (a compile-time constant after
+ * inlining: 1..8) query heads per KV head and Dh a multiple of 16: the same three passes and
+ * float32 arithmetic as the portable loop below, with the group's partial dot products and its
+ * output accumulators held in registers. Pass 3 walks the keys once per 64 columns of the
+ * value rows so that G x 4 accumulators stay in registers for any Dh. */
+static inline __attribute__((always_inline)) void attend_item_avx512(
+    const float *qv, const void *k_cache, const void *v_cache, const int64_t *slot, int64_t len,
+    int64_t KVH, int64_t kvh, int64_t Dh, int bf16, float *scores, int64_t max_len, float *inv,
+    void *out, int64_t out_off, const int G) {
+    const int64_t row_bytes = Dh * (bf16 ? 2 : 4);
+    for (int64_t j = 0; j < len; j++) {
+        const int64_t row = (slot[j] * KVH + kvh) * Dh;
+        if (j + 8 < len) { /* cold rows: see the portable loop */
+            const char *ahead = (const char *)k_cache + (slot[j + 8] * KVH + kvh) * row_bytes;
+            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
+        }
+        const char *value_row = (const char *)v_cache + (row / Dh) * row_bytes;
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(value_row + b);
+        __m512 dot[8];
+        for (int g = 0; g < G; g++) dot[g] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < Dh; d += 16) {
+            const __m512 kvec = attn_load16(k_cache, bf16, row + d);
+            for (int g = 0; g < G; g++)
+                dot[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qv + g * Dh + d), kvec, dot[g]);
+        }
+        for (int g = 0; g < G; g++) scores[g * max_len + j] = _mm512_reduce_add_ps(dot[g]);
+    }
+    for (int g = 0; g < G; g++) {
+        float *sg = scores + g * max_len, m = -INFINITY, l = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < len; j++) m = sg[j] > m ? sg[j] : m;
+#pragma omp simd reduction(+ : l)
+        for (int64_t j = 0; j < len; j++) {
+            const float p = exp_approx(sg[j] - m);
+            sg[j] = p;
+            l += p;
+        }
+        inv[g] = l > 0.0f ? 1.0f / l : 0.0f;
+    }
+    for (int64_t d0 = 0; d0 < Dh; d0 += 64) {
+        const int nv = (int)((Dh - d0) / 16 < 4 ? (Dh - d0) / 16 : 4);
+        __m512 acc[8][4];
+        for (int g = 0; g < G; g++)
+            for (int v = 0; v < 4; v++) acc[g][v] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < len; j++) {
+            const int64_t row = (slot[j] * KVH + kvh) * Dh + d0;
+            __m512 vv[4];
+            for (int v = 0; v < 4; v++)
+                vv[v] = v < nv ? attn_load16(v_cache, bf16, row + 16 * v) : _mm512_setzero_ps();
+            for (int g = 0; g < G; g++) {
+                const __m512 p = _mm512_set1_ps(scores[g * max_len + j]);
+                for (int v = 0; v < 4; v++) acc[g][v] = _mm512_fmadd_ps(p, vv[v], acc[g][v]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const __m512 scale = _mm512_set1_ps(inv[g]);
+            for (int v = 0; v < nv; v++) {
+                const __m512 o = _mm512_mul_ps(acc[g][v], scale);
+                const int64_t at = out_off + g * Dh + d0 + 16 * v;
+                if (bf16) {
+                    float tmp[16];
+                    _mm512_storeu_ps(tmp, o);
+                    for (int i = 0; i < 16; i++) ((uint16_t *)out)[at + i] = f32_to_bf16(tmp[i]);
+                } else {
+                    _mm512_storeu_ps((float *)out + at, o);
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* Decode attention straight from the paged K/V cache (one query per sequence, GQA, no mask
  * beyond each sequence's length), float32 arithmetic, no gathered copy of the keys.
  * q, out (S, H, Dh) model dtype rows; caches (num_token_slots, KVH, Dh) model dtype;
@@ -395,6 +479,21 @@ int64_t baton_decode_attention(const void *q, const void *k_cache, const void *v
                             qv[g * Dh + d] = load(q, bf16, (s * H + h0 + g) * Dh + d) * scale;
                             acc[g * Dh + d] = 0.0f;
                         }
+#if defined(__AVX512F__)
+                    if (Dh % 16 == 0 && group <= 8) {
+                        const int64_t o = (s * H + h0) * Dh;
+                        switch (group) { /* a constant G per copy: registers, unrolled loops */
+#define ITEM(G)                                                                                   \
+    case G:                                                                                        \
+        attend_item_avx512(qv, k_cache, v_cache, slot, len, KVH, kvh, Dh, bf16, scores, max_len, \
+                           inv, out, o, G);                                                        \
+        break;
+                            ITEM(1) ITEM(2) ITEM(3) ITEM(4) ITEM(5) ITEM(6) ITEM(7) ITEM(8)
+#undef ITEM
+                        }
+                        continue;
+                    }
+#endif
                     const int64_t row_bytes = Dh * (bf16 ? 2 : 4);
                     for (int64_t j = 0; j < len; j++) {
                         const int64_t row = (slot[j] * KVH + kvh) * Dh;

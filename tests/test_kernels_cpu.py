@@ -382,11 +382,24 @@ def test_fused_rms_norm_matches_torch_path(dtype):
 
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_reads_the_paged_cache_like_the_gather_path(dtype, monkeypatch):
+@pytest.mark.parametrize(
+    ("H", "KVH", "Dh"),
+    [
+        (6, 2, 16),  # the AVX-512 item kernel: Dh a multiple of 16, <= 8 heads per KV head
+        (8, 2, 64),
+        (4, 4, 128),  # no grouping
+        (16, 2, 80),  # 8 per KV head; a 16-column tail after the first 64
+        (6, 2, 40),  # the portable loop: Dh not a multiple of 16
+        (12, 1, 16),  # the portable loop: 12 per KV head
+    ],
+)
+def test_decode_attention_reads_the_paged_cache_like_the_gather_path(
+    dtype, H, KVH, Dh, monkeypatch
+):
     from kernels.attention import build_attention_layout, paged_attention
 
     g = torch.Generator().manual_seed(11)
-    S, H, KVH, Dh, slots = 5, 6, 2, 16, 200
+    S, slots = 5, 200
     k_cache = torch.randn(slots, KVH, Dh, generator=g).to(dtype)
     v_cache = torch.randn(slots, KVH, Dh, generator=g).to(dtype)
     kv_lens = [1, 7, 33, 2, 19]
