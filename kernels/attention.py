@@ -176,10 +176,15 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     num_tokens, H, Dh = q.shape
     S, Q = layout.num_seqs, layout.max_q
-    if Q == 1 and num_tokens == S and cpu_ops.decode_attention_supported(q, k_cache):
-        # Decode: straight from the paged cache, no gathered copy (kernels/cpu_ops.c).
-        return cpu_ops.decode_attention_cpu(
-            q, k_cache, v_cache, layout.kv_indices, layout.kv_lens, scale
+    if cpu_ops.decode_attention_supported(q, k_cache):
+        # Straight from the paged cache, no gathered copy, no mask (kernels/cpu_ops.c): one
+        # query per sequence (decode) or each sequence's causal chunk (extend).
+        if Q == 1 and num_tokens == S:
+            return cpu_ops.decode_attention_cpu(
+                q, k_cache, v_cache, layout.kv_indices, layout.kv_lens, scale
+            )
+        return cpu_ops.extend_attention_cpu(
+            q, k_cache, v_cache, layout.kv_indices, layout.kv_lens, layout.query_start_loc, scale
         )
     qp = torch.cat([q, q.new_zeros(1, H, Dh)])[layout.slot_q].view(S, Q, H, Dh).transpose(1, 2)
     flat = layout.kv_indices.reshape(-1)

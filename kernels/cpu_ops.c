@@ -441,19 +441,26 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
  * Pass 1 does little arithmetic per cache line and the step's GEMMs have evicted the cache:
  * without the prefetches below it waits on every miss (the page-table indirection defeats the
  * hardware prefetcher) and was slower than the one-pass kernel inside `generate`. */
-int64_t baton_decode_attention(const void *q, const void *k_cache, const void *v_cache,
-                               int64_t num_token_slots, const int64_t *kv_indices,
-                               int64_t idx_stride, const int32_t *kv_lens, void *out, int64_t S,
-                               int64_t H, int64_t KVH, int64_t Dh, float scale, int bf16,
-                               int nthreads) {
+static int64_t attention_rows(const void *q, const void *k_cache, const void *v_cache,
+                              int64_t num_token_slots, const int64_t *kv_indices,
+                              int64_t idx_stride, const int32_t *kv_lens, const int32_t *cu,
+                              void *out, int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t Dh,
+                              float scale, int bf16, int nthreads) {
     int64_t max_len = 0;
+    if (cu != NULL && S == 0 && T != 0) return -2;
     for (int64_t s = 0; s < S; s++) {
+        if (kv_lens[s] < 0) return -2;
+        if (cu != NULL) { /* the sequence's queries are its last cu[s+1] - cu[s] tokens */
+            const int64_t q_len = (int64_t)cu[s + 1] - cu[s];
+            if (cu[0] != 0 || cu[S] != T || q_len < 0 || q_len > kv_lens[s]) return -2;
+        }
         for (int64_t j = 0; j < kv_lens[s]; j++) {
             const int64_t t = kv_indices[s * idx_stride + j];
             if (t < 0 || t >= num_token_slots) return s + 1;
         }
         if (kv_lens[s] > max_len) max_len = kv_lens[s];
     }
+    if (cu == NULL && T != S) return -2;
     const int64_t group = H / KVH;
     int64_t failed = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -469,19 +476,33 @@ int64_t baton_decode_attention(const void *q, const void *k_cache, const void *v
         if (!failed) {
             float *scores = scratch, *qv = scores + group * max_len, *acc = qv + group * Dh;
             float *row_f = acc + group * Dh, *inv = row_f + Dh;
-#pragma omp for collapse(2) schedule(static)
-            for (int64_t s = 0; s < S; s++) {
+            /* dynamic: an extend's later queries see more keys than its first ones */
+#pragma omp for collapse(2) schedule(dynamic, 4)
+            for (int64_t r = 0; r < T; r++) {
                 for (int64_t kvh = 0; kvh < KVH; kvh++) {
-                    const int64_t len = kv_lens[s], h0 = kvh * group;
+                    int64_t s = r, len;
+                    if (cu == NULL) {
+                        len = kv_lens[s];
+                    } else { /* the sequence whose queries hold row r: cu[s] <= r < cu[s + 1] */
+                        int64_t lo = 0, hi = S - 1;
+                        while (lo < hi) {
+                            const int64_t mid = (lo + hi + 1) / 2;
+                            if (cu[mid] <= r) lo = mid; else hi = mid - 1;
+                        }
+                        s = lo;
+                        /* causal: the query at position kv_len - q_len + i sees keys 0..that */
+                        len = kv_lens[s] - (cu[s + 1] - cu[s]) + (r - cu[s]) + 1;
+                    }
+                    const int64_t h0 = kvh * group;
                     const int64_t *slot = kv_indices + s * idx_stride;
                     for (int64_t g = 0; g < group; g++)
                         for (int64_t d = 0; d < Dh; d++) {
-                            qv[g * Dh + d] = load(q, bf16, (s * H + h0 + g) * Dh + d) * scale;
+                            qv[g * Dh + d] = load(q, bf16, (r * H + h0 + g) * Dh + d) * scale;
                             acc[g * Dh + d] = 0.0f;
                         }
 #if defined(__AVX512F__)
                     if (Dh % 16 == 0 && group <= 8) {
-                        const int64_t o = (s * H + h0) * Dh;
+                        const int64_t o = (r * H + h0) * Dh;
                         switch (group) { /* a constant G per copy: registers, unrolled loops */
 #define ITEM(G)                                                                                   \
     case G:                                                                                        \
@@ -551,11 +572,34 @@ int64_t baton_decode_attention(const void *q, const void *k_cache, const void *v
                     }
                     for (int64_t g = 0; g < group; g++)
                         for (int64_t d = 0; d < Dh; d++)
-                            store(out, bf16, (s * H + h0 + g) * Dh + d, acc[g * Dh + d] * inv[g]);
+                            store(out, bf16, (r * H + h0 + g) * Dh + d, acc[g * Dh + d] * inv[g]);
                 }
             }
         }
         free(scratch);
     }
     return failed ? -1 : 0;
+}
+
+int64_t baton_decode_attention(const void *q, const void *k_cache, const void *v_cache,
+                               int64_t num_token_slots, const int64_t *kv_indices,
+                               int64_t idx_stride, const int32_t *kv_lens, void *out, int64_t S,
+                               int64_t H, int64_t KVH, int64_t Dh, float scale, int bf16,
+                               int nthreads) {
+    return attention_rows(q, k_cache, v_cache, num_token_slots, kv_indices, idx_stride, kv_lens,
+                          NULL, out, S, S, H, KVH, Dh, scale, bf16, nthreads);
+}
+
+/* Extend (prefill) attention, causal, straight from the paged cache: the queries of sequence s
+ * are rows cu[s]..cu[s+1] of q / out (T, H, Dh), the last cu[s+1] - cu[s] of its kv_lens[s]
+ * tokens (whose K/V are in the cache already); the same work items as decode, one per query
+ * row and KV head. Returns as baton_decode_attention, and -2 for query offsets that do not fit
+ * the lengths. */
+int64_t baton_extend_attention(const void *q, const void *k_cache, const void *v_cache,
+                               int64_t num_token_slots, const int64_t *kv_indices,
+                               int64_t idx_stride, const int32_t *kv_lens, const int32_t *cu,
+                               void *out, int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t Dh,
+                               float scale, int bf16, int nthreads) {
+    return attention_rows(q, k_cache, v_cache, num_token_slots, kv_indices, idx_stride, kv_lens,
+                          cu, out, T, S, H, KVH, Dh, scale, bf16, nthreads);
 }

@@ -143,6 +143,20 @@ def library() -> ctypes.CDLL | None:
         _int,
         _int,
     ]
+    lib.baton_extend_attention.restype = _i64
+    lib.baton_extend_attention.argtypes = [
+        *[_ptr] * 3,  # q, k_cache, v_cache
+        _i64,  # num_token_slots
+        _ptr,  # kv_indices
+        _i64,  # its row stride
+        _ptr,  # kv_lens
+        _ptr,  # query_start_loc
+        _ptr,  # out
+        *[_i64] * 5,  # T, S, H, KVH, Dh
+        ctypes.c_float,
+        _int,
+        _int,
+    ]
     lib.baton_rms_norm.restype = None
     lib.baton_rms_norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_float, _int, _int]
     lib.baton_argmax_f32.restype = None
@@ -426,14 +440,34 @@ def decode_attention_cpu(
 ) -> torch.Tensor:
     """One query per sequence over the paged cache. q: (S, H, Dh); caches (slots, KVH, Dh);
     kv_indices (S, >= max len) int64; kv_lens (S,) int32. Returns (S, H, Dh) in q's dtype."""
-    S, H, Dh = q.shape
+    return _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, None, scale)
+
+
+def extend_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed queries over the paged cache (their own K/V stored already):
+    sequence s's queries are rows query_start_loc[s]..[s + 1] of q (T, H, Dh), its last tokens
+    of kv_lens[s]. Returns (T, H, Dh) in q's dtype; float32 arithmetic, like decode's."""
+    return _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, query_start_loc, scale)
+
+
+def _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, query_start_loc, scale):
+    T, H, Dh = q.shape
+    S = kv_lens.shape[0]
     q = q.contiguous()
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     kv_lens = kv_lens.to(torch.int32).contiguous()
     if kv_indices.stride(-1) != 1:
         kv_indices = kv_indices.contiguous()
-    out = torch.empty(S, H, Dh, dtype=q.dtype)
-    result = library().baton_decode_attention(
+    out = torch.empty(T, H, Dh, dtype=q.dtype)
+    common = (
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -441,19 +475,19 @@ def decode_attention_cpu(
         kv_indices.data_ptr(),
         kv_indices.stride(0),
         kv_lens.data_ptr(),
-        out.data_ptr(),
-        S,
-        H,
-        k_cache.shape[1],
-        Dh,
-        scale,
-        int(q.dtype == torch.bfloat16),
-        torch.get_num_threads(),
     )
-    if result < 0:
-        raise MemoryError("decode_attention: no memory for the per-thread score buffers")
-    if result:
-        raise IndexError(
-            f"decode_attention: sequence {result - 1} has a token slot outside the cache"
+    tail = (H, k_cache.shape[1], Dh, scale, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    if query_start_loc is None:
+        result = library().baton_decode_attention(*common, out.data_ptr(), S, *tail)
+    else:
+        cu = query_start_loc.to(torch.int32).contiguous()
+        result = library().baton_extend_attention(
+            *common, cu.data_ptr(), out.data_ptr(), T, S, *tail
         )
+    if result == -1:
+        raise MemoryError("attention: no memory for the per-thread score buffers")
+    if result == -2:
+        raise ValueError("attention: query offsets or lengths do not fit the sequences' kv_lens")
+    if result:
+        raise IndexError(f"attention: sequence {result - 1} has a token slot outside the cache")
     return out

@@ -4,6 +4,7 @@ through the public dispatchers, so they cover the C kernels too whenever those a
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -429,3 +430,51 @@ def test_decode_attention_reads_the_paged_cache_like_the_gather_path(
     bad_layout = build_attention_layout([1] * S, kv_lens, bad, "cpu")
     with pytest.raises(IndexError, match="sequence 3 has a token slot outside the cache"):
         paged_attention(q, k_cache, v_cache, bad_layout, 0.25)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("H", "KVH", "Dh"), [(6, 2, 16), (8, 2, 64), (16, 2, 80), (6, 2, 40)])
+def test_extend_attention_is_causal_over_each_sequences_cached_prefix(
+    dtype, H, KVH, Dh, monkeypatch
+):
+    """Chunks of queries after cached prefixes (and a decode row, and a whole fresh prompt) in
+    one call, against a float64 causal softmax per sequence."""
+    from kernels.attention import build_attention_layout, paged_attention
+
+    g = torch.Generator().manual_seed(12)
+    slots = 400
+    k_cache = torch.randn(slots, KVH, Dh, generator=g).to(dtype)
+    v_cache = torch.randn(slots, KVH, Dh, generator=g).to(dtype)
+    q_lens, kv_lens = [5, 1, 37, 3], [12, 20, 37, 3]  # prefix 7; decode; fresh prompt; fresh
+    kv_indices = torch.zeros(4, 48, dtype=torch.int64)
+    for s, n in enumerate(kv_lens):
+        kv_indices[s, :n] = torch.randperm(slots - 1, generator=g)[:n] + 1
+    layout = build_attention_layout(q_lens, kv_lens, kv_indices, "cpu")
+    q = torch.randn(sum(q_lens), H, Dh, generator=g).to(dtype)
+    calls = []
+    fused = cpu_ops.extend_attention_cpu
+    monkeypatch.setattr(cpu_ops, "extend_attention_cpu", lambda *a: calls.append(1) or fused(*a))
+    out = paged_attention(q, k_cache, v_cache, layout, 0.3)
+    assert calls == [1]
+    ref, row = [], 0
+    for s, (n_q, n_kv) in enumerate(zip(q_lens, kv_lens)):
+        k = k_cache[kv_indices[s, :n_kv]].double().repeat_interleave(H // KVH, dim=1)
+        v = v_cache[kv_indices[s, :n_kv]].double().repeat_interleave(H // KVH, dim=1)
+        scores = torch.einsum("qhd,nhd->hqn", q[row : row + n_q].double(), k) * 0.3
+        position = n_kv - n_q + torch.arange(n_q)
+        scores.masked_fill_(torch.arange(n_kv)[None, None, :] > position[None, :, None], -math.inf)
+        ref.append(torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v))
+        row += n_q
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), torch.cat(ref).float(), atol=tol, rtol=tol)
+    bad = kv_indices.clone()
+    bad[2, 30] = -1
+    with pytest.raises(IndexError, match="sequence 2 has a token slot outside the cache"):
+        cpu_ops.extend_attention_cpu(
+            q, k_cache, v_cache, bad, layout.kv_lens, layout.query_start_loc, 0.3
+        )
+    too_many = layout.query_start_loc.clone()
+    too_many[1:] += 10  # sequence 0 would hold 15 queries in 12 tokens
+    with pytest.raises(ValueError, match="query offsets"):
+        cpu_ops.extend_attention_cpu(q, k_cache, v_cache, kv_indices, layout.kv_lens, too_many, 0.3)
