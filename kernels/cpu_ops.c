@@ -354,6 +354,19 @@ static inline __m512 attn_load16(const void *base, int bf16, int64_t off) {
     return _mm512_loadu_ps((const float *)base + off);
 }
 
+/* The sums of a, b, c and d's 16 lanes each, as one 4-lane vector. */
+static inline __m128 attn_reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], then [a, b, c, d] of that lane */
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                      _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 half = _mm256_add_ps(
+        _mm512_castps512_ps256(abcd),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
 /* One work item of baton_decode_attention in AVX-512, for G (a compile-time constant after
  * inlining: 1..8) query heads per KV head and Dh a multiple of 16: the same three passes and
  * float32 arithmetic as the portable loop below, with the group's partial dot products and its
@@ -364,7 +377,36 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
     int64_t KVH, int64_t kvh, int64_t Dh, int bf16, float *scores, int64_t max_len, float *inv,
     void *out, int64_t out_off, const int G) {
     const int64_t row_bytes = Dh * (bf16 ? 2 : 4);
-    for (int64_t j = 0; j < len; j++) {
+    int64_t j = 0;
+    /* Four keys at a time: their G x 4 dot products reduce together (one horizontal pass
+     * for four scores instead of one per score). */
+    for (; j + 4 <= len; j += 4) {
+        int64_t row[4];
+        for (int i = 0; i < 4; i++) {
+            row[i] = (slot[j + i] * KVH + kvh) * Dh;
+            if (j + i + 8 < len) {
+                const char *ahead = (const char *)k_cache + (slot[j + i + 8] * KVH + kvh) * row_bytes;
+                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
+            }
+            const char *value_row = (const char *)v_cache + (row[i] / Dh) * row_bytes;
+            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(value_row + b);
+        }
+        __m512 dot[8][4];
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < 4; i++) dot[g][i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < Dh; d += 16) {
+            __m512 kvec[4];
+            for (int i = 0; i < 4; i++) kvec[i] = attn_load16(k_cache, bf16, row[i] + d);
+            for (int g = 0; g < G; g++) {
+                const __m512 qg = _mm512_loadu_ps(qv + g * Dh + d);
+                for (int i = 0; i < 4; i++) dot[g][i] = _mm512_fmadd_ps(qg, kvec[i], dot[g][i]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            _mm_storeu_ps(scores + g * max_len + j,
+                          attn_reduce4(dot[g][0], dot[g][1], dot[g][2], dot[g][3]));
+    }
+    for (; j < len; j++) {
         const int64_t row = (slot[j] * KVH + kvh) * Dh;
         if (j + 8 < len) { /* cold rows: see the portable loop */
             const char *ahead = (const char *)k_cache + (slot[j + 8] * KVH + kvh) * row_bytes;
