@@ -346,7 +346,7 @@ void baton_rms_norm(const void *x, int64_t x_stride, const float *weight, void *
 #include <immintrin.h>
 
 /* 16 consecutive elements of a model-dtype row, widened to float32. */
-static inline __m512 attn_load16(const void *base, int bf16, int64_t off) {
+static inline __attribute__((always_inline)) __m512 attn_load16(const void *base, int bf16, int64_t off) {
     if (bf16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off))),
@@ -355,7 +355,7 @@ static inline __m512 attn_load16(const void *base, int bf16, int64_t off) {
 }
 
 /* The sums of a, b, c and d's 16 lanes each, as one 4-lane vector. */
-static inline __m128 attn_reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+static inline __attribute__((always_inline)) __m128 attn_reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], then [a, b, c, d] of that lane */
     const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
     const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
@@ -367,15 +367,22 @@ static inline __m128 attn_reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
-/* One work item of baton_decode_attention in AVX-512, for G (a compile-time constant after
- * inlining: 1..8) query heads per KV head and Dh a multiple of 16: the same three passes and
- * float32 arithmetic as the portable loop below, with the group's partial dot products and its
- * output accumulators held in registers. Pass 3 walks the keys once per 64 columns of the
- * value rows so that G x 4 accumulators stay in registers for any Dh. */
+/* One work item of attention_rows in AVX-512: G rows (a compile-time constant after inlining:
+ * 1..8) that read one KV head, each a query head of one query (row g's output at out_off[g],
+ * its keys the first lens[g] of `slot`): the heads of a GQA group, or, in an extend, the group's
+ * heads for a few consecutive queries. Dh a multiple of 16. The same three passes and float32
+ * arithmetic as the portable loop below, with the rows' partial dot products and output
+ * accumulators held in registers; every key row is read once for all G rows. Pass 3 walks the
+ * keys once per 64 columns of the value rows so that G x 4 accumulators stay in registers for
+ * any Dh. */
 static inline __attribute__((always_inline)) void attend_item_avx512(
-    const float *qv, const void *k_cache, const void *v_cache, const int64_t *slot, int64_t len,
-    int64_t KVH, int64_t kvh, int64_t Dh, int bf16, float *scores, int64_t max_len, float *inv,
-    void *out, int64_t out_off, const int G) {
+    const float *qv, const void *k_cache, const void *v_cache, const int64_t *slot,
+    const int64_t *lens, int64_t len, int64_t KVH, int64_t kvh, int64_t Dh, int bf16,
+    float *scores, int64_t max_len, float *inv, void *out, const int64_t *out_off, const int G,
+    const int per_row) {
+    /* scores are computed over the first `len` keys for every row; with per_row (a constant
+     * after inlining, 0 for decode) row g uses its first lens[g] <= len and writes at
+     * out_off[g], else every row uses all `len` and row g writes at out_off[0] + g * Dh */
     const int64_t row_bytes = Dh * (bf16 ? 2 : 4);
     int64_t j = 0;
     /* Four keys at a time: their G x 4 dot products reduce together (one horizontal pass
@@ -425,14 +432,17 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
     }
     for (int g = 0; g < G; g++) {
         float *sg = scores + g * max_len, m = -INFINITY, l = 0.0f;
+        const int64_t n = per_row ? lens[g] : len;
 #pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < len; j++) m = sg[j] > m ? sg[j] : m;
+        for (int64_t j = 0; j < n; j++) m = sg[j] > m ? sg[j] : m;
 #pragma omp simd reduction(+ : l)
-        for (int64_t j = 0; j < len; j++) {
+        for (int64_t j = 0; j < n; j++) {
             const float p = exp_approx(sg[j] - m);
             sg[j] = p;
             l += p;
         }
+        if (per_row)
+            for (int64_t j = n; j < len; j++) sg[j] = 0.0f; /* past this query: weight 0 */
         inv[g] = l > 0.0f ? 1.0f / l : 0.0f;
     }
     for (int64_t d0 = 0; d0 < Dh; d0 += 64) {
@@ -454,7 +464,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
             const __m512 scale = _mm512_set1_ps(inv[g]);
             for (int v = 0; v < nv; v++) {
                 const __m512 o = _mm512_mul_ps(acc[g][v], scale);
-                const int64_t at = out_off + g * Dh + d0 + 16 * v;
+                const int64_t at = (per_row ? out_off[g] : out_off[0] + g * Dh) + d0 + 16 * v;
                 if (bf16) {
                     float tmp[16];
                     _mm512_storeu_ps(tmp, o);
@@ -504,20 +514,22 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
     }
     if (cu == NULL && T != S) return -2;
     const int64_t group = H / KVH;
+    const int64_t per_block = group <= 8 ? 8 / group : 1; /* extend queries per AVX-512 item */
     int64_t failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        /* per thread: scores (group, max_len); q and acc (group, Dh); one widened row (Dh);
-         * 1 / softmax sum (group) */
-        float *scratch = malloc(sizeof(float) * (group * max_len + 2 * group * Dh + Dh + group));
+        /* per thread, for `rows` query heads at once (the AVX-512 items take up to 8): scores
+         * (rows, max_len); q and acc (rows, Dh); one widened row (Dh); 1 / softmax sum (rows) */
+        const int64_t rows = cu == NULL || group > 8 ? group : 8;
+        float *scratch = malloc(sizeof(float) * (rows * max_len + 2 * rows * Dh + Dh + rows));
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
         if (!failed) {
-            float *scores = scratch, *qv = scores + group * max_len, *acc = qv + group * Dh;
-            float *row_f = acc + group * Dh, *inv = row_f + Dh;
+            float *scores = scratch, *qv = scores + rows * max_len, *acc = qv + rows * Dh;
+            float *row_f = acc + rows * Dh, *inv = row_f + Dh;
             /* dynamic: an extend's later queries see more keys than its first ones */
 #pragma omp for collapse(2) schedule(dynamic, 4)
             for (int64_t r = 0; r < T; r++) {
@@ -537,19 +549,43 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
                     }
                     const int64_t h0 = kvh * group;
                     const int64_t *slot = kv_indices + s * idx_stride;
-                    for (int64_t g = 0; g < group; g++)
-                        for (int64_t d = 0; d < Dh; d++) {
-                            qv[g * Dh + d] = load(q, bf16, (r * H + h0 + g) * Dh + d) * scale;
-                            acc[g * Dh + d] = 0.0f;
-                        }
 #if defined(__AVX512F__)
                     if (Dh % 16 == 0 && group <= 8) {
-                        const int64_t o = (r * H + h0) * Dh;
-                        switch (group) { /* a constant G per copy: registers, unrolled loops */
+                        /* An extend's query r leads a block of `per_block` consecutive queries
+                         * of its sequence, which share every key row they read (the others
+                         * are done by their block's leader). */
+                        int64_t lens[8], out_off[8];
+                        if (cu == NULL) { /* decode: one query, its group's heads side by side */
+                            out_off[0] = (r * H + h0) * Dh;
+                            for (int64_t v = 0; v < group; v++)
+                                for (int64_t d = 0; d < Dh; d++)
+                                    qv[v * Dh + d] = load(q, bf16, out_off[0] + v * Dh + d) * scale;
+                            switch (group) { /* a constant row count per copy: registers */
 #define ITEM(G)                                                                                   \
     case G:                                                                                        \
-        attend_item_avx512(qv, k_cache, v_cache, slot, len, KVH, kvh, Dh, bf16, scores, max_len, \
-                           inv, out, o, G);                                                        \
+        attend_item_avx512(qv, k_cache, v_cache, slot, lens, len, KVH, kvh, Dh, bf16, scores,     \
+                           max_len, inv, out, out_off, G, 0);                                      \
+        break;
+                                ITEM(1) ITEM(2) ITEM(3) ITEM(4) ITEM(5) ITEM(6) ITEM(7) ITEM(8)
+#undef ITEM
+                            }
+                            continue;
+                        }
+                        if ((r - cu[s]) % per_block) continue;
+                        const int64_t nq = cu[s + 1] - r < per_block ? cu[s + 1] - r : per_block;
+                        for (int64_t i = 0; i < nq; i++)
+                            for (int64_t g = 0; g < group; g++) {
+                                const int64_t v = i * group + g, row = ((r + i) * H + h0 + g) * Dh;
+                                lens[v] = len + i;
+                                out_off[v] = row;
+                                for (int64_t d = 0; d < Dh; d++)
+                                    qv[v * Dh + d] = load(q, bf16, row + d) * scale;
+                            }
+                        switch (nq * group) {
+#define ITEM(G)                                                                                   \
+    case G:                                                                                        \
+        attend_item_avx512(qv, k_cache, v_cache, slot, lens, len + nq - 1, KVH, kvh, Dh, bf16,    \
+                           scores, max_len, inv, out, out_off, G, 1);                              \
         break;
                             ITEM(1) ITEM(2) ITEM(3) ITEM(4) ITEM(5) ITEM(6) ITEM(7) ITEM(8)
 #undef ITEM
@@ -557,6 +593,11 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
                         continue;
                     }
 #endif
+                    for (int64_t g = 0; g < group; g++)
+                        for (int64_t d = 0; d < Dh; d++) {
+                            qv[g * Dh + d] = load(q, bf16, (r * H + h0 + g) * Dh + d) * scale;
+                            acc[g * Dh + d] = 0.0f;
+                        }
                     const int64_t row_bytes = Dh * (bf16 ? 2 : 4);
                     for (int64_t j = 0; j < len; j++) {
                         const int64_t row = (slot[j] * KVH + kvh) * Dh;

@@ -434,7 +434,11 @@ def test_decode_attention_reads_the_paged_cache_like_the_gather_path(
 
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("H", "KVH", "Dh"), [(6, 2, 16), (8, 2, 64), (16, 2, 80), (6, 2, 40)])
+@pytest.mark.parametrize(
+    ("H", "KVH", "Dh"),
+    # 8 queries a block at 1 head per KV head, 4 at 2, 2 at 3 and 4, 1 at 8; the portable loop
+    [(4, 4, 128), (8, 4, 32), (6, 2, 16), (8, 2, 64), (16, 2, 80), (6, 2, 40)],
+)
 def test_extend_attention_is_causal_over_each_sequences_cached_prefix(
     dtype, H, KVH, Dh, monkeypatch
 ):
