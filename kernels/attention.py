@@ -9,8 +9,10 @@ KV cache per attention layer: k_cache, v_cache (num_token_slots, kv_heads, head_
 = page * page_size + offset. Page 0 is the dummy page that padded rows point at.
 
 One function serves decode (one query per sequence) and extend (a chunk of queries over the
-cached prefix plus themselves, causal). The torch path pads queries to (num_seqs, max_q) and
-gathers each sequence's keys to (num_seqs, max_kv) once per call, then runs one SDPA.
+cached prefix plus themselves, causal). On the CPU both run C kernels that read the paged cache
+in place (kernels/cpu_ops.c); without them (no compiler, `BATON_CPU_OPS=0`, other dtypes) the
+torch path pads queries to (num_seqs, max_q) and gathers each sequence's keys to
+(num_seqs, max_kv) once per call, then runs one SDPA.
 """
 
 from __future__ import annotations
