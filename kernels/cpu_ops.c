@@ -312,6 +312,36 @@ int64_t baton_mamba_decode(const void *zxbcdt, int64_t row_stride, void *conv_po
     return 0;
 }
 
+/* SwiGLU's elementwise part, out = up * silu(gate * gate_mult) for (rows, inter) outputs from
+ * rows of [gate | up] (row_stride elements apart), each op rounded to the model dtype as torch
+ * rounds it (bf16 = 1): the multiplied gate (when gate_mult != 1), silu's result, the product. */
+void baton_silu_mul(const void *gate_up, int64_t row_stride, void *out, int64_t rows,
+                    int64_t inter, float gate_mult, int bf16, int nthreads) {
+    const int scaled = gate_mult != 1.0f;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * inter > 16384)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t g0 = r * row_stride, u0 = g0 + inter, o0 = r * inter;
+        if (bf16) {
+            const uint16_t *in = (const uint16_t *)gate_up;
+            uint16_t *o = (uint16_t *)out;
+#pragma omp simd
+            for (int64_t i = 0; i < inter; i++) {
+                float g = bf16_to_f32(in[g0 + i]);
+                if (scaled) g = round_to(1, g * gate_mult);
+                o[o0 + i] = f32_to_bf16(bf16_to_f32(in[u0 + i]) * round_to(1, silu(g)));
+            }
+        } else {
+            const float *in = (const float *)gate_up;
+            float *o = (float *)out;
+#pragma omp simd
+            for (int64_t i = 0; i < inter; i++) {
+                const float g = scaled ? in[g0 + i] * gate_mult : in[g0 + i];
+                o[o0 + i] = in[u0 + i] * silu(g);
+            }
+        }
+    }
+}
+
 /* RMSNorm of (rows, hidden) rows like kernels/norm.py's torch path: float32 statistics,
  * out = weight * (x / sqrt(mean(x^2) + eps)) rounded once to the model dtype (bf16 = 1). */
 void baton_rms_norm(const void *x, int64_t x_stride, const float *weight, void *out, int64_t rows,

@@ -157,6 +157,8 @@ def library() -> ctypes.CDLL | None:
         _int,
         _int,
     ]
+    lib.baton_silu_mul.restype = None
+    lib.baton_silu_mul.argtypes = [_ptr, _i64, _ptr, _i64, _i64, ctypes.c_float, _int, _int]
     lib.baton_rms_norm.restype = None
     lib.baton_rms_norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_float, _int, _int]
     lib.baton_argmax_f32.restype = None
@@ -385,6 +387,35 @@ def mamba_decode_cpu(
         torch.get_num_threads(),
     )
     _check(result, slots, ssm_states.shape[0], "mamba_decode")
+    return out
+
+
+def silu_mul_supported(gate_up: torch.Tensor) -> bool:
+    return (
+        gate_up.device.type == "cpu"
+        and gate_up.dim() == 2
+        and gate_up.dtype in (torch.float32, torch.bfloat16)
+        and gate_up.stride(-1) == 1
+        and library() is not None
+    )
+
+
+def silu_mul_cpu(gate_up: torch.Tensor, gate_multiplier: float = 1.0) -> torch.Tensor:
+    """up * silu(gate * gate_multiplier) for gate_up (rows, 2 * inter) = [gate | up], rounded
+    op by op to its dtype as the torch expression would be. Returns (rows, inter)."""
+    rows, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    library().baton_silu_mul(
+        gate_up.data_ptr(),
+        gate_up.stride(0),
+        out.data_ptr(),
+        rows,
+        inter,
+        gate_multiplier,
+        int(gate_up.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
     return out
 
 

@@ -482,3 +482,26 @@ def test_extend_attention_is_causal_over_each_sequences_cached_prefix(
     too_many[1:] += 10  # sequence 0 would hold 15 queries in 12 tokens
     with pytest.raises(ValueError, match="query offsets"):
         cpu_ops.extend_attention_cpu(q, k_cache, v_cache, kv_indices, layout.kv_lens, too_many, 0.3)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate_multiplier", [1.0, 0.35])
+def test_silu_mul_rounds_like_the_torch_expression(dtype, gate_multiplier):
+    """SwiGLU's elementwise part in one pass equals up * silu(gate * m) in torch, op by op
+    (bf16: all but a rare last-bit difference from the exp), on strided rows."""
+    from engine.layers.mlp import gated_activation
+
+    g = torch.Generator().manual_seed(5)
+    wide = (3 * torch.randn(37, 2 * 150 + 9, generator=g)).to(dtype)
+    gate_up = wide[:, : 2 * 150]  # rows wider than the [gate | up] they hold
+    assert cpu_ops.silu_mul_supported(gate_up)
+    out = gated_activation(gate_up, "silu", gate_multiplier)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = up * F.silu(gate * gate_multiplier if gate_multiplier != 1.0 else gate)
+    assert out.shape == want.shape and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), want.float(), atol=1e-2, rtol=1e-2)
+        assert (out == want).float().mean() > 0.99

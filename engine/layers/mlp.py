@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
+from kernels import cpu_ops
 from kernels.linear import PackedLinear
 
 
@@ -56,6 +57,19 @@ class ReluSquaredMLP(nn.Module):
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}  # transformers' ACT2FN for these two names
 
 
+def gated_activation(
+    gate_up: torch.Tensor, activation: str, gate_multiplier: float = 1.0
+) -> torch.Tensor:
+    """act(gate * gate_multiplier) * up for gate_up = [gate | up] on its last dim; SiLU on the
+    CPU in one pass (kernels/cpu_ops.c, rounded op by op like this expression in torch)."""
+    if activation == "silu" and cpu_ops.silu_mul_supported(gate_up):
+        return cpu_ops.silu_mul_cpu(gate_up, gate_multiplier)
+    gate, up = gate_up.chunk(2, dim=-1)
+    if gate_multiplier != 1.0:
+        gate = gate * gate_multiplier
+    return up * ACTIVATIONS[activation](gate)
+
+
 class GatedMLP(nn.Module):
     """down_proj(act(gate_proj(x) * gate_multiplier) * up_proj(x)) * down_multiplier (the
     multipliers are Falcon-H1's `mlp_multipliers`, 1.0 elsewhere)."""
@@ -72,7 +86,7 @@ class GatedMLP(nn.Module):
         self.gate_multiplier, self.down_multiplier = multipliers
         if activation not in ACTIVATIONS:
             raise ValueError(f"gated MLP activation must be one of {sorted(ACTIVATIONS)}")
-        self.act = ACTIVATIONS[activation]
+        self.activation = activation
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -80,12 +94,13 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            hidden = gated_activation(self.gate_up(x), self.activation, self.gate_multiplier)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.gate_multiplier != 1.0:
-            gate = gate * self.gate_multiplier
-        out = self.down_proj(up * self.act(gate))
+            if self.gate_multiplier != 1.0:
+                gate = gate * self.gate_multiplier
+            hidden = up * ACTIVATIONS[self.activation](gate)
+        out = self.down_proj(hidden)
         return out if self.down_multiplier == 1.0 else out * self.down_multiplier
 
     def pack_for_cpu(self) -> None:
@@ -109,14 +124,14 @@ class FusedGatedMLP(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"gated MLP activation must be one of {sorted(ACTIVATIONS)}")
-        self.act = ACTIVATIONS[activation]
+        self.activation = activation
         self.names = names
         self.add_module(names[0], nn.Linear(hidden_size, 2 * intermediate_size, bias=bias))
         self.add_module(names[1], nn.Linear(intermediate_size, hidden_size, bias=bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = getattr(self, self.names[0])(x).chunk(2, dim=-1)
-        return getattr(self, self.names[1])(self.act(gate) * up)
+        hidden = gated_activation(getattr(self, self.names[0])(x), self.activation)
+        return getattr(self, self.names[1])(hidden)
 
 
 def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
