@@ -372,6 +372,33 @@ void baton_rms_norm(const void *x, int64_t x_stride, const float *weight, void *
     }
 }
 
+/* Attention's pass 1 on cold rows (the step's GEMMs evicted the cache, and the page-table
+ * indirection defeats the hardware prefetcher): ask for key j + 8 and value j of one KV head. */
+static inline void prefetch_kv(const void *k_cache, const void *v_cache, const int64_t *slot,
+                               int64_t j, int64_t len, int64_t KVH, int64_t kvh, int64_t row_bytes) {
+    if (j + 8 < len) {
+        const char *ahead = (const char *)k_cache + (slot[j + 8] * KVH + kvh) * row_bytes;
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
+    }
+    const char *value_row = (const char *)v_cache + (slot[j] * KVH + kvh) * row_bytes;
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(value_row + b);
+}
+
+/* Scores row -> softmax weights in place over its first n entries; returns 1 / their sum (0 for
+ * an empty row). */
+static inline float softmax_row(float *sg, int64_t n) {
+    float m = -INFINITY, l = 0.0f;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < n; j++) m = sg[j] > m ? sg[j] : m;
+#pragma omp simd reduction(+ : l)
+    for (int64_t j = 0; j < n; j++) {
+        const float p = exp_approx(sg[j] - m);
+        sg[j] = p;
+        l += p;
+    }
+    return l > 0.0f ? 1.0f / l : 0.0f;
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -421,12 +448,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
         int64_t row[4];
         for (int i = 0; i < 4; i++) {
             row[i] = (slot[j + i] * KVH + kvh) * Dh;
-            if (j + i + 8 < len) {
-                const char *ahead = (const char *)k_cache + (slot[j + i + 8] * KVH + kvh) * row_bytes;
-                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
-            }
-            const char *value_row = (const char *)v_cache + (row[i] / Dh) * row_bytes;
-            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(value_row + b);
+            prefetch_kv(k_cache, v_cache, slot, j + i, len, KVH, kvh, row_bytes);
         }
         __m512 dot[8][4];
         for (int g = 0; g < G; g++)
@@ -445,12 +467,7 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
     }
     for (; j < len; j++) {
         const int64_t row = (slot[j] * KVH + kvh) * Dh;
-        if (j + 8 < len) { /* cold rows: see the portable loop */
-            const char *ahead = (const char *)k_cache + (slot[j + 8] * KVH + kvh) * row_bytes;
-            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
-        }
-        const char *value_row = (const char *)v_cache + (row / Dh) * row_bytes;
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(value_row + b);
+        prefetch_kv(k_cache, v_cache, slot, j, len, KVH, kvh, row_bytes);
         __m512 dot[8];
         for (int g = 0; g < G; g++) dot[g] = _mm512_setzero_ps();
         for (int64_t d = 0; d < Dh; d += 16) {
@@ -461,19 +478,11 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
         for (int g = 0; g < G; g++) scores[g * max_len + j] = _mm512_reduce_add_ps(dot[g]);
     }
     for (int g = 0; g < G; g++) {
-        float *sg = scores + g * max_len, m = -INFINITY, l = 0.0f;
+        float *sg = scores + g * max_len;
         const int64_t n = per_row ? lens[g] : len;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < n; j++) m = sg[j] > m ? sg[j] : m;
-#pragma omp simd reduction(+ : l)
-        for (int64_t j = 0; j < n; j++) {
-            const float p = exp_approx(sg[j] - m);
-            sg[j] = p;
-            l += p;
-        }
+        inv[g] = softmax_row(sg, n);
         if (per_row)
             for (int64_t j = n; j < len; j++) sg[j] = 0.0f; /* past this query: weight 0 */
-        inv[g] = l > 0.0f ? 1.0f / l : 0.0f;
     }
     for (int64_t d0 = 0; d0 < Dh; d0 += 64) {
         const int nv = (int)((Dh - d0) / 16 < 4 ? (Dh - d0) / 16 : 4);
@@ -631,15 +640,9 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
                     const int64_t row_bytes = Dh * (bf16 ? 2 : 4);
                     for (int64_t j = 0; j < len; j++) {
                         const int64_t row = (slot[j] * KVH + kvh) * Dh;
-                        /* Cold rows (the step's GEMMs evicted them): ask for the key row a few
-                         * keys ahead, and this value row for pass 3, so misses overlap. */
-                        if (j + 8 < len) {
-                            const char *ahead = (const char *)k_cache +
-                                                (slot[j + 8] * KVH + kvh) * row_bytes;
-                            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
-                        }
-                        const char *value_row = (const char *)v_cache + (row / Dh) * row_bytes;
-                        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(value_row + b);
+                        /* Cold rows: the key row a few keys ahead, and this value row for
+                         * pass 3, so misses overlap. */
+                        prefetch_kv(k_cache, v_cache, slot, j, len, KVH, kvh, row_bytes);
                         const float *kr = (const float *)k_cache + row;
                         if (bf16) {
                             const uint16_t *kb = (const uint16_t *)k_cache + row;
@@ -655,18 +658,7 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
                             scores[g * max_len + j] = score;
                         }
                     }
-                    for (int64_t g = 0; g < group; g++) {
-                        float *sg = scores + g * max_len, m = -INFINITY, l = 0.0f;
-#pragma omp simd reduction(max : m)
-                        for (int64_t j = 0; j < len; j++) m = sg[j] > m ? sg[j] : m;
-#pragma omp simd reduction(+ : l)
-                        for (int64_t j = 0; j < len; j++) {
-                            const float p = exp_approx(sg[j] - m);
-                            sg[j] = p;
-                            l += p;
-                        }
-                        inv[g] = l > 0.0f ? 1.0f / l : 0.0f;
-                    }
+                    for (int64_t g = 0; g < group; g++) inv[g] = softmax_row(scores + g * max_len, len);
                     for (int64_t j = 0; j < len; j++) {
                         const int64_t row = (slot[j] * KVH + kvh) * Dh;
                         const float *vr = (const float *)v_cache + row;

@@ -64,7 +64,12 @@ def gated_activation(
     CPU in one pass (kernels/cpu_ops.c, rounded op by op like this expression in torch)."""
     if activation == "silu" and cpu_ops.silu_mul_supported(gate_up):
         return cpu_ops.silu_mul_cpu(gate_up, gate_multiplier)
-    gate, up = gate_up.chunk(2, dim=-1)
+    return _gated_torch(*gate_up.chunk(2, dim=-1), activation, gate_multiplier)
+
+
+def _gated_torch(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, gate_multiplier: float
+) -> torch.Tensor:
     if gate_multiplier != 1.0:
         gate = gate * gate_multiplier
     return up * ACTIVATIONS[activation](gate)
@@ -96,10 +101,9 @@ class GatedMLP(nn.Module):
         if self.gate_up is not None:
             hidden = gated_activation(self.gate_up(x), self.activation, self.gate_multiplier)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-            if self.gate_multiplier != 1.0:
-                gate = gate * self.gate_multiplier
-            hidden = up * ACTIVATIONS[self.activation](gate)
+            hidden = _gated_torch(
+                self.gate_proj(x), self.up_proj(x), self.activation, self.gate_multiplier
+            )
         out = self.down_proj(hidden)
         return out if self.down_multiplier == 1.0 else out * self.down_multiplier
 
