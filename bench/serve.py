@@ -202,12 +202,12 @@ async def send_request(
                 if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    raise ValueError(f"a stream chunk that is not an object: {data[:80]!r}")
                 if chunk.get("error"):
                     error = chunk["error"]
                     message = error.get("message", error) if isinstance(error, dict) else error
                     return _failure(prompt, f"stream error: {message}", last - start)
-                if not isinstance(chunk, dict):
-                    raise ValueError(f"a stream chunk that is not an object: {data[:80]!r}")
                 if chunk.get("choices"):
                     now = clock()
                     if ttft is None:

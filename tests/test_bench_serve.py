@@ -29,6 +29,7 @@ SCRIPTS = {
     "http-error": ("status", 503),
     "error-mid-stream": ("midstream", ["x"]),
     "garbage": ("garbage", ["y"]),
+    "json-that-is-not-an-object": ("not-object", ["y"]),
     # where servers put the usage: on the last choice chunk, `null` on every chunk (vLLM without
     # continuous_usage_stats), cumulative on every chunk (with it), or malformed
     "usage-on-last-choice": ("usage-last", ["a", "b"], 4),
@@ -102,6 +103,8 @@ def fake_openai_app(state: dict) -> FastAPI:
                 yield _sse({"error": {"message": "engine died", "code": 503}})
             elif script[0] == "garbage":
                 yield "data: {not json\xff\n\n"
+            elif script[0] == "not-object":
+                yield "data: [1, 2]\n\n"
             else:
                 usage = {"prompt_tokens": 7, "completion_tokens": script[2], "total_tokens": 0}
                 yield _sse({"id": "c", "object": "text_completion", "choices": [], "usage": usage})
@@ -260,11 +263,13 @@ def test_sse_reader_joins_split_reads_and_takes_long_lines():
 
 def test_a_stream_that_is_not_json_fails_its_request_not_the_run(fake_server):
     base_url, _ = fake_server
-    prompts = [BenchPrompt(prompt=p, prompt_len=1, output_len=1) for p in ("garbage", "one-token")]
+    names = ("garbage", "json-that-is-not-an-object", "one-token")
+    prompts = [BenchPrompt(prompt=p, prompt_len=1, output_len=1) for p in names]
     result = asyncio.run(run_benchmark(_config(base_url, prompts)))
-    assert (result["completed"], result["failed"]) == (1, 1)
+    assert (result["completed"], result["failed"]) == (1, 2)
     assert "JSONDecodeError" in result["requests"][0]["error"]
-    assert result["requests"][1]["success"]
+    assert "not an object: b'[1, 2]'" in result["requests"][1]["error"]
+    assert result["requests"][2]["success"]
 
 
 def test_usage_is_read_wherever_the_server_puts_it(fake_server):
