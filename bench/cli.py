@@ -13,6 +13,10 @@ import httpx
 
 from bench.serve_metrics import SLO_METRICS
 
+DEFAULT_VOCAB_SIZE = 1000  # token ids in [3, 1000) when neither a tokenizer nor a size is known
+# Any of these in a directory makes it a tokenizer directory for AutoTokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 
 def _slo(text: str) -> tuple[str, float]:
     name, _, value = text.partition(":")
@@ -37,7 +41,12 @@ def add_bench_parser(subparsers) -> None:
         description=serve.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    parser.add_argument(
+        "--base-url",
+        required=True,
+        help="server root, e.g. http://127.0.0.1:8000 (an OpenAI client's base_url ending in /v1 "
+        "works too)",
+    )
     parser.add_argument(
         "--endpoint",
         default="/v1/completions",
@@ -62,10 +71,16 @@ def add_bench_parser(subparsers) -> None:
         help="random token ids (exact lengths) or random words (default: ids)",
     )
     parser.add_argument(
+        "--tokenizer",
+        help="a Hugging Face tokenizer (or model) directory: token ids come from its vocabulary, "
+        "text prompts are cut to exact token counts (default: the served model's directory, "
+        "when it is one on this machine)",
+    )
+    parser.add_argument(
         "--vocab-size",
         type=int,
-        default=1000,
-        help="token ids are drawn from [3, this) (default: 1000)",
+        help="token ids are drawn from [3, this) (default: the tokenizer's vocabulary; "
+        f"[3, {DEFAULT_VOCAB_SIZE}) without one)",
     )
     parser.add_argument(
         "--request-rate",
@@ -101,33 +116,84 @@ def add_bench_parser(subparsers) -> None:
     parser.set_defaults(handler=_run_serve_bench)
 
 
-def _first_model(base_url: str, api_key: str | None) -> str:
+def server_root(url: str) -> str:
+    """The server's root URL from what a user may pass: `host:port` (http), a trailing slash,
+    or an OpenAI client's base_url ending in /v1."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
+    return url.removesuffix("/v1")
+
+
+def _served_models(base_url: str, api_key: str | None) -> list[dict]:
+    """The entries of the server's /v1/models that name a model; ValueError when none does."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
     response.raise_for_status()
     try:
-        return str(response.json()["data"][0]["id"])
-    except (ValueError, LookupError, TypeError):
+        data = response.json()["data"]
+        models = [entry for entry in data if isinstance(entry.get("id"), str)]
+    except (ValueError, LookupError, TypeError, AttributeError):
+        models = []
+    if not models:
         raise ValueError(
             f"{base_url}/v1/models did not list a model ({response.text[:200]!r}); pass --model"
+        )
+    return models
+
+
+def _is_tokenizer_dir(path: object) -> bool:
+    return isinstance(path, str) and any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise ValueError(f"--tokenizer {path}: not a directory (a local tokenizer or model dir)")
+    if not _is_tokenizer_dir(path):
+        raise ValueError(f"--tokenizer {path}: none of {', '.join(TOKENIZER_FILES)} is there")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"--tokenizer {path}: no tokenizer could be loaded there ({error})"
         ) from None
 
 
+def _default_tokenizer(model: str, listed: list[dict]) -> str | None:
+    """The served model's directory when it is one on this machine (vLLM's `bench serve` also
+    takes the model for the tokenizer): --model, else what /v1/models names (root, then id)."""
+    candidates = [model] + [entry.get(key) for entry in listed for key in ("root", "id")]
+    return next((path for path in candidates if _is_tokenizer_dir(path)), None)
+
+
 def _run_serve_bench(namespace: argparse.Namespace) -> int:
-    from bench.serve import BenchConfig, run_benchmark, synthetic_prompts
+    from bench.serve import BenchConfig, WarmupFailed, run_benchmark, synthetic_prompts
     from bench.serve_metrics import format_summary
 
-    base_url = namespace.base_url.rstrip("/")
+    base_url = server_root(namespace.base_url)
+    tokenizer_path = namespace.tokenizer
+    vocab_size = namespace.vocab_size
     try:
-        model = namespace.model or _first_model(base_url, namespace.api_key)
+        listed = [] if namespace.model else _served_models(base_url, namespace.api_key)
+        model = namespace.model or str(listed[0]["id"])
+        if tokenizer_path is None and (vocab_size is None or namespace.prompt_kind == "text"):
+            tokenizer_path = _default_tokenizer(model, listed)
+            if tokenizer_path is not None:
+                print(f"baton bench serve: the tokenizer in {tokenizer_path}", file=sys.stderr)
+        tokenizer = None if tokenizer_path is None else _load_tokenizer(tokenizer_path)
+        if tokenizer is None and vocab_size is None:
+            vocab_size = DEFAULT_VOCAB_SIZE
         prompts = synthetic_prompts(
             num_prompts=namespace.num_prompts,
             input_len=namespace.input_len,
             output_len=namespace.output_len,
             range_ratio=namespace.range_ratio,
             kind=namespace.prompt_kind,
-            vocab_size=namespace.vocab_size,
+            vocab_size=vocab_size,
             seed=namespace.seed,
+            tokenizer=tokenizer,
         )
         config = BenchConfig(
             base_url=base_url,
@@ -145,6 +211,15 @@ def _run_serve_bench(namespace: argparse.Namespace) -> int:
             progress=not namespace.no_progress,
         )
         result = asyncio.run(run_benchmark(config))
+    except WarmupFailed as error:
+        print(f"baton bench serve: {error}", file=sys.stderr)
+        if "HTTP 400" in str(error) and namespace.prompt_kind == "ids" and not tokenizer_path:
+            print(
+                f"  (the prompts were random token ids in [3, {vocab_size}): pass --tokenizer "
+                "DIR or --vocab-size N for this model, or --prompt-kind text)",
+                file=sys.stderr,
+            )
+        return 1
     except (ValueError, RuntimeError, httpx.HTTPError) as error:
         print(f"baton bench serve: {error}", file=sys.stderr)
         return 1
@@ -155,8 +230,13 @@ def _run_serve_bench(namespace: argparse.Namespace) -> int:
             for key, value in vars(namespace).items()
             if key not in ("handler", "api_key", "result_json")
         }
-        settings["goodput"] = dict(namespace.goodput)
-        settings["model"] = model
+        settings.update(
+            base_url=base_url,
+            goodput=dict(namespace.goodput),
+            model=model,
+            tokenizer=tokenizer_path,
+            vocab_size=vocab_size,
+        )
         if math.isinf(namespace.request_rate):
             settings["request_rate"] = "inf"  # JSON has no infinity
         namespace.result_json.write_text(json.dumps({"config": settings, **result}, indent=1))

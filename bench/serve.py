@@ -5,8 +5,11 @@ Works against any `/v1/completions` (or `/v1/chat/completions`) server: `baton s
 Poisson process at `--request-rate` (inf: all at once; `--burstiness` below 1 makes arrivals
 burstier, above 1 more even, as vLLM's gamma arrivals), at most `--max-concurrency` in flight;
 prompts are synthetic, of `--input-len` tokens (token ids, exact) or words (text, about that
-many tokens), their lengths drawn uniformly within `--range-ratio` of the given one. Every
-request streams with `stream_options.include_usage`, so output tokens are the server's count.
+many tokens), their lengths drawn uniformly within `--range-ratio` of the given one. With a
+tokenizer (`--tokenizer`, by default the served model's directory when it is on this machine),
+token ids come from its vocabulary less its special tokens and text prompts are cut to exact
+token counts. Every request streams with `stream_options.include_usage`, so output tokens are
+the server's count.
 Metric definitions are those of `vllm bench serve`; see bench/serve_metrics.py.
 
     baton bench serve --base-url http://127.0.0.1:8000 --num-prompts 64 --input-len 128 \
@@ -41,10 +44,14 @@ _WORDS = (
 ).split()
 
 
+class WarmupFailed(RuntimeError):
+    """The server answered the first (untimed) request with an error: nothing is measured."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BenchPrompt:
     prompt: list[int] | str
-    prompt_len: int  # tokens (ids) or words (text) asked for
+    prompt_len: int  # tokens (ids, or text measured by a tokenizer) or words (text without one)
     output_len: int  # max_tokens
 
 
@@ -81,19 +88,35 @@ def synthetic_prompts(
     output_len: int,
     range_ratio: float,
     kind: PromptKind,
-    vocab_size: int,
+    vocab_size: int | None,
     seed: int,
+    tokenizer=None,
 ) -> list[BenchPrompt]:
-    """Prompts of random token ids (in [3, vocab_size): past the usual pad/bos/eos) or words;
-    lengths uniform in [len * (1 - range_ratio), len * (1 + range_ratio)] like vLLM's random set."""
+    """Prompts of random token ids or words; lengths uniform in
+    [len * (1 - range_ratio), len * (1 + range_ratio)] like vLLM's random set.
+
+    Ids: from [3, vocab_size) (past the usual pad/bos/eos) when `vocab_size` is given, else from
+    `tokenizer`'s (a Hugging Face tokenizer) vocabulary less its special tokens. Text: random
+    words; with `tokenizer`, cut to exactly the drawn number of tokens."""
     if not 0 <= range_ratio < 1:
         raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
     if num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
     if input_len < 1 or output_len < 1:
         raise ValueError("--input-len and --output-len must be >= 1")
-    if kind == "ids" and vocab_size <= 3:
-        raise ValueError(f"--vocab-size must be > 3, got {vocab_size}")
+    ids = None
+    if kind == "ids":
+        if vocab_size is not None:
+            if vocab_size <= 3:
+                raise ValueError(f"--vocab-size must be > 3, got {vocab_size}")
+            ids = np.arange(3, vocab_size)
+        elif tokenizer is not None:
+            special = set(tokenizer.all_special_ids)
+            ids = np.array([i for i in range(len(tokenizer)) if i not in special])
+            if not len(ids):
+                raise ValueError("the tokenizer has no token that is not a special token")
+        else:
+            raise ValueError("token-id prompts need --vocab-size or --tokenizer")
     rng = np.random.default_rng(seed)
 
     def lengths(center: int) -> np.ndarray:
@@ -103,12 +126,30 @@ def synthetic_prompts(
 
     prompts = []
     for n_in, n_out in zip(lengths(input_len), lengths(output_len)):
-        if kind == "ids":
-            prompt: list[int] | str = rng.integers(3, vocab_size, size=n_in).tolist()
-        else:
+        n_in = int(n_in)
+        if ids is not None:
+            prompt: list[int] | str = rng.choice(ids, size=n_in).tolist()
+        elif tokenizer is None:
             prompt = " ".join(rng.choice(_WORDS, size=n_in).tolist())
-        prompts.append(BenchPrompt(prompt=prompt, prompt_len=int(n_in), output_len=int(n_out)))
+        else:
+            prompt, n_in = _exact_text(tokenizer, rng, n_in)
+        prompts.append(BenchPrompt(prompt=prompt, prompt_len=n_in, output_len=int(n_out)))
     return prompts
+
+
+def _exact_text(tokenizer, rng: np.random.Generator, tokens: int) -> tuple[str, int]:
+    """Random words cut to `tokens` tokens, and the count the text re-encodes to (a cut inside
+    a word can re-encode one token more or less)."""
+    words: list[str] = []
+    encoded: list[int] = []
+    while len(encoded) < tokens:
+        before = len(encoded)
+        words += rng.choice(_WORDS, size=tokens).tolist()
+        encoded = tokenizer.encode(" ".join(words), add_special_tokens=False)
+        if len(encoded) <= before:
+            raise ValueError("the tokenizer encodes the prompt words to no tokens")
+    text = tokenizer.decode(encoded[:tokens])
+    return text, len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def arrival_gaps(
@@ -244,7 +285,7 @@ async def run_benchmark(
     """Warm up, send every prompt on the arrival schedule, and return the summary plus the
     per-request records (`requests`). `after_warmup` runs between the warm-up and the first
     request (a scrape of the server's /metrics, so that the warm-up is not counted in it).
-    Raises RuntimeError when the warm-up fails."""
+    Raises WarmupFailed when the warm-up fails."""
     # aiohttp, not httpx: its C stream reader costs ~3x less CPU per streamed chunk (24-29 vs
     # 73-83 us), and on a small machine the load generator's CPU is taken from the server it
     # measures (vLLM's `bench serve` uses aiohttp too).
@@ -263,7 +304,7 @@ async def run_benchmark(
             )
             failed = [record.error for record in warm if not record.success]
             if failed:
-                raise RuntimeError(f"warm-up request failed: {failed[0]}")
+                raise WarmupFailed(f"warm-up request failed: {failed[0]}")
         if after_warmup is not None:
             after_warmup()
         bar = tqdm(total=len(config.prompts), disable=not config.progress, desc="bench serve")

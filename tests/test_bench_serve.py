@@ -351,6 +351,7 @@ def test_cli_names_bad_settings_and_a_server_without_models(fake_server):
         (["--max-concurrency", "0", "--model", "m"], "--max-concurrency must be >= 1"),
         (["--num-prompts", "0", "--model", "m"], "--num-prompts must be >= 1"),
         ([], "did not list a model"),
+        (["--model", "m", "--tokenizer", "/nonexistent"], "/nonexistent: not a directory"),
     ):
         result = subprocess.run(
             [str(BATON), "bench", "serve", "--base-url", base_url, "--no-progress", *args],
@@ -382,6 +383,50 @@ def test_synthetic_prompt_lengths_stay_in_range():
     assert all(len(p.prompt.split()) == 12 for p in words)
 
 
+def test_prompts_from_a_tokenizer_use_its_vocabulary_and_exact_token_counts(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.tiny import save_tokenizer
+
+    save_tokenizer(tmp_path, vocab_size=300)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    special = set(tokenizer.all_special_ids)
+    assert special  # <s>, </s>, <pad>, ...: the ids to leave out
+    common = dict(num_prompts=40, output_len=4, range_ratio=0.5, seed=3, tokenizer=tokenizer)
+    ids = synthetic_prompts(input_len=30, kind="ids", vocab_size=None, **common)
+    drawn = {t for p in ids for t in p.prompt}
+    assert drawn <= set(range(len(tokenizer))) - special
+    assert max(drawn) > len(tokenizer) * 0.8  # the whole vocabulary, not [3, 1000)
+    assert all(p.prompt_len == len(p.prompt) for p in ids)
+    texts = synthetic_prompts(input_len=30, kind="text", vocab_size=None, **common)
+    counts = [len(tokenizer.encode(p.prompt, add_special_tokens=False)) for p in texts]
+    assert counts == [p.prompt_len for p in texts]
+    wanted = [
+        p.prompt_len for p in synthetic_prompts(input_len=30, kind="ids", vocab_size=9, **common)
+    ]
+    # the drawn lengths, give or take the one token a cut inside a word can re-encode to
+    assert all(abs(c - w) <= 1 for c, w in zip(counts, wanted)) and len(set(counts)) > 5
+    explicit = synthetic_prompts(input_len=30, kind="ids", vocab_size=9, **common)
+    assert {t for p in explicit for t in p.prompt} <= set(range(3, 9))  # --vocab-size wins
+    with pytest.raises(ValueError, match="--vocab-size or --tokenizer"):
+        synthetic_prompts(input_len=3, kind="ids", vocab_size=None, **{**common, "tokenizer": None})
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        "http://127.0.0.1:8000",
+        "http://127.0.0.1:8000/",
+        "http://127.0.0.1:8000/v1",
+        "127.0.0.1:8000",
+    ],
+)
+def test_the_base_url_may_be_an_openai_clients(given):
+    from bench.cli import server_root
+
+    assert server_root(given) == "http://127.0.0.1:8000"
+
+
 def test_unknown_slo_metric_is_refused():
     record = RequestRecord(
         success=True, error="", prompt_tokens=1, output_tokens=1, ttft=0.1, itl=(), latency=0.1
@@ -404,11 +449,13 @@ def test_short_run_against_a_real_baton_serve(tmp_path_factory, tmp_path):
     server = start_server(model, tmp_path)
     try:
         out = tmp_path / "bench.json"
+        # As an OpenAI client's base_url; no --vocab-size: the ids come from the tokenizer in
+        # the directory that /v1/models names.
         result = subprocess.run(
             [
-                str(BATON), "bench", "serve", "--base-url", server.base_url,
+                str(BATON), "bench", "serve", "--base-url", server.base_url + "/v1",
                 "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
-                "--vocab-size", "320", "--ignore-eos", "--max-concurrency", "2",
+                "--ignore-eos", "--max-concurrency", "2",
                 "--goodput", "e2el:600000", "--no-progress", "--result-json", str(out),
             ],
             capture_output=True,
@@ -418,8 +465,22 @@ def test_short_run_against_a_real_baton_serve(tmp_path_factory, tmp_path):
         assert result.returncode == 0, result.stderr
         assert "Serving Benchmark Result" in result.stdout
         summary = json.loads(out.read_text())
+        # Ids the model does not have: the server's 400, and what to pass instead.
+        refused = subprocess.run(
+            [
+                str(BATON), "bench", "serve", "--base-url", server.base_url, "--num-prompts", "2",
+                "--vocab-size", "100000", "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )  # fmt: skip
     finally:
         server.stop()
+    assert refused.returncode == 1
+    assert "outside the vocabulary" in refused.stderr and "--tokenizer DIR" in refused.stderr
+    assert summary["config"]["tokenizer"] == str(model)
+    assert summary["config"]["base_url"] == server.base_url
     assert (summary["completed"], summary["failed"]) == (4, 0)
     assert summary["total_input_tokens"] == 4 * 16
     assert summary["total_output_tokens"] == 4 * 8  # ignore_eos honoured, usage counted
