@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.serve_metrics import SLO_METRICS
+from bench.serve_metrics import PERCENTILES, SLO_METRICS, parse_percentiles
 
 DEFAULT_VOCAB_SIZE = 1000  # token ids in [3, 1000) when neither a tokenizer nor a size is known
 # Any of these in a directory makes it a tokenizer directory for AutoTokenizer.
@@ -28,6 +28,13 @@ def _slo(text: str) -> tuple[str, float]:
         return name, float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: {value!r} is not a number") from None
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        return parse_percentiles(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_bench_parser(subparsers) -> None:
@@ -109,6 +116,14 @@ def add_bench_parser(subparsers) -> None:
         default=[],
         metavar="METRIC:MS",
         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000",
+    )
+    parser.add_argument(
+        "--metric-percentiles",
+        type=_percentiles,
+        default=PERCENTILES,
+        metavar="P[,P...]",
+        help="percentiles reported for TTFT, TPOT, ITL and E2EL, e.g. 50,95,99.9 "
+        "(default: 50,90,99)",
     )
     parser.add_argument("--seed", type=int, default=0, help="prompts and arrivals (default: 0)")
     parser.add_argument("--result-json", type=Path, help="write the summary and records here")
@@ -206,6 +221,7 @@ def _run_serve_bench(namespace: argparse.Namespace) -> int:
             ignore_eos=namespace.ignore_eos,
             num_warmups=namespace.num_warmups,
             slos_ms=dict(namespace.goodput),
+            percentiles=namespace.metric_percentiles,
             api_key=namespace.api_key,
             seed=namespace.seed,
             progress=not namespace.no_progress,

@@ -67,6 +67,7 @@ class BenchConfig:
     ignore_eos: bool
     num_warmups: int
     slos_ms: dict[str, float]  # ttft / tpot / e2el -> limit in ms, for goodput
+    percentiles: tuple[float, ...]  # reported for every latency metric, e.g. (50, 90, 99)
     api_key: str | None
     seed: int
     progress: bool
@@ -322,5 +323,5 @@ async def run_benchmark(
         records = await asyncio.gather(*tasks)
         duration = clock() - started
         bar.close()
-    summary = summarize(list(records), duration, config.slos_ms)
+    summary = summarize(list(records), duration, config.slos_ms, config.percentiles)
     return {**summary, "requests": [{**asdict(r), "itl": list(r.itl)} for r in records]}

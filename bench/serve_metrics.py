@@ -47,16 +47,36 @@ class RequestRecord:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-def _stats(name: str, values_s: list[float]) -> dict[str, float]:
-    """mean / median / std / p50 / p90 / p99 of `values_s`, in milliseconds (0 when empty)."""
+def percentile_label(p: float) -> str:
+    """`p99`, `p99.9`: the key vLLM writes for a percentile."""
+    return f"p{int(p) if float(p).is_integer() else p}"
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """`--metric-percentiles 50,90,99` -> (50.0, 90.0, 99.0); ValueError names a bad one."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"--metric-percentiles: {item!r} is not a number") from None
+        if not 0 < value < 100:
+            raise ValueError(f"--metric-percentiles: {item!r} is not in (0, 100)")
+        values.append(value)
+    return tuple(values)
+
+
+def _stats(name: str, values_s: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
+    """mean / median / std and the given percentiles of `values_s`, in milliseconds (0 when
+    empty)."""
     values = np.asarray(values_s, dtype=np.float64) * 1000.0 if values_s else np.zeros(1)
     out = {
         f"mean_{name}_ms": float(values.mean()),
         f"median_{name}_ms": float(np.median(values)),
         f"std_{name}_ms": float(values.std()),
     }
-    for p in PERCENTILES:
-        out[f"p{p}_{name}_ms"] = float(np.percentile(values, p))
+    for p in percentiles:
+        out[f"{percentile_label(p)}_{name}_ms"] = float(np.percentile(values, p))
     return out
 
 
@@ -66,7 +86,10 @@ def meets_slos(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
 
 
 def summarize(
-    records: list[RequestRecord], duration_s: float, slos_ms: dict[str, float]
+    records: list[RequestRecord],
+    duration_s: float,
+    slos_ms: dict[str, float],
+    percentiles: tuple[float, ...] = PERCENTILES,
 ) -> dict[str, float | int]:
     """The run's summary (vLLM's key names). `slos_ms` maps ttft / tpot / e2el to a limit."""
     unknown = set(slos_ms) - set(SLO_METRICS)
@@ -88,10 +111,11 @@ def summarize(
     if slos_ms:
         good = sum(meets_slos(r, slos_ms) for r in done)
         summary["request_goodput"] = good / duration_s
-    summary.update(_stats("ttft", [r.ttft for r in done]))
-    summary.update(_stats("tpot", [r.tpot for r in done if r.output_tokens > 1]))
-    summary.update(_stats("itl", [gap for r in done for gap in r.itl]))
-    summary.update(_stats("e2el", [r.latency for r in done]))
+    summary.update(_stats("ttft", [r.ttft for r in done], percentiles))
+    summary.update(_stats("tpot", [r.tpot for r in done if r.output_tokens > 1], percentiles))
+    summary.update(_stats("itl", [gap for r in done for gap in r.itl], percentiles))
+    summary.update(_stats("e2el", [r.latency for r in done], percentiles))
+    summary["percentiles"] = list(percentiles)
     return summary
 
 
@@ -123,8 +147,10 @@ def format_summary(summary: dict[str, float | int]) -> str:
         upper = name.upper()
         lines.append(f"{f'Mean {upper} (ms):':<40}{summary[f'mean_{name}_ms']:>20.2f}")
         lines.append(f"{f'Median {upper} (ms):':<40}{summary[f'median_{name}_ms']:>20.2f}")
-        for p in PERCENTILES:
-            lines.append(f"{f'P{p} {upper} (ms):':<40}{summary[f'p{p}_{name}_ms']:>20.2f}")
+        for p in summary.get("percentiles", PERCENTILES):
+            label = percentile_label(p)
+            value = summary[f"{label}_{name}_ms"]
+            lines.append(f"{f'{label.upper()} {upper} (ms):':<40}{value:>20.2f}")
     lines.append("=" * 60)
     return "\n".join(lines)
 

@@ -32,7 +32,7 @@ import httpx
 
 from bench.peer import PEERS, save_word_tokenizer
 from bench.serve import BenchConfig, BenchPrompt, run_benchmark
-from bench.serve_metrics import engine_means
+from bench.serve_metrics import PERCENTILES, engine_means
 from bench.workloads import CONFIGS, save_model
 from server.up import free_port
 
@@ -139,6 +139,7 @@ def run_rate(port: int, model: str, prompts: list[BenchPrompt], rate: float) -> 
         ignore_eos=True,
         num_warmups=2,
         slos_ms={},
+        percentiles=PERCENTILES,
         api_key=None,
         seed=0,
         progress=False,

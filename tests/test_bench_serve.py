@@ -145,6 +145,7 @@ def _config(base_url: str, prompts: list[BenchPrompt], **overrides) -> BenchConf
         ignore_eos=True,
         num_warmups=0,
         slos_ms={},
+        percentiles=(50, 90, 99),
         api_key=None,
         seed=0,
         progress=False,
@@ -427,6 +428,25 @@ def test_the_base_url_may_be_an_openai_clients(given):
     assert server_root(given) == "http://127.0.0.1:8000"
 
 
+def test_chosen_percentiles_are_computed_and_printed():
+    from bench.serve_metrics import format_summary
+
+    # TTFTs of 10 requests: 10, 20, ..., 100 ms.
+    records = [
+        RequestRecord(
+            success=True, error="", prompt_tokens=1, output_tokens=2, ttft=t / 100, itl=(0.01,),
+            latency=t / 100 + 0.01,
+        )
+        for t in range(1, 11)
+    ]  # fmt: skip
+    summary = summarize(records, 1.0, {}, percentiles=(25, 99.9))
+    assert summary["p25_ttft_ms"] == pytest.approx(32.5)  # numpy's linear interpolation
+    assert summary["p99.9_ttft_ms"] == pytest.approx(99.91)
+    assert "p99_ttft_ms" not in summary and summary["percentiles"] == [25, 99.9]
+    table = format_summary(summary)
+    assert "P25 TTFT (ms):" in table and "P99.9 E2EL (ms):" in table and "P99 " not in table
+
+
 def test_unknown_slo_metric_is_refused():
     record = RequestRecord(
         success=True, error="", prompt_tokens=1, output_tokens=1, ttft=0.1, itl=(), latency=0.1
@@ -435,13 +455,21 @@ def test_unknown_slo_metric_is_refused():
         summarize([record], 1.0, {"itl": 5.0})
 
 
-def test_cli_rejects_a_malformed_slo():
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--goodput", "ttft"], "METRIC:MS"),
+        (["--metric-percentiles", "50,x"], "'x' is not a number"),
+        (["--metric-percentiles", "100"], "'100' is not in (0, 100)"),
+    ],
+)
+def test_cli_rejects_malformed_options(args, message):
     result = subprocess.run(
-        [str(BATON), "bench", "serve", "--base-url", "http://127.0.0.1:1", "--goodput", "ttft"],
+        [str(BATON), "bench", "serve", "--base-url", "http://127.0.0.1:1", *args],
         capture_output=True,
         text=True,
     )
-    assert result.returncode == 2 and "METRIC:MS" in result.stderr
+    assert result.returncode == 2 and message in result.stderr
 
 
 def test_short_run_against_a_real_baton_serve(tmp_path_factory, tmp_path):
@@ -455,7 +483,7 @@ def test_short_run_against_a_real_baton_serve(tmp_path_factory, tmp_path):
             [
                 str(BATON), "bench", "serve", "--base-url", server.base_url + "/v1",
                 "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
-                "--ignore-eos", "--max-concurrency", "2",
+                "--ignore-eos", "--max-concurrency", "2", "--metric-percentiles", "50,95",
                 "--goodput", "e2el:600000", "--no-progress", "--result-json", str(out),
             ],
             capture_output=True,
@@ -480,6 +508,7 @@ def test_short_run_against_a_real_baton_serve(tmp_path_factory, tmp_path):
     assert refused.returncode == 1
     assert "outside the vocabulary" in refused.stderr and "--tokenizer DIR" in refused.stderr
     assert summary["config"]["tokenizer"] == str(model)
+    assert summary["p95_ttft_ms"] >= summary["p50_ttft_ms"] > 0 and "P95 TTFT" in result.stdout
     assert summary["config"]["base_url"] == server.base_url
     assert (summary["completed"], summary["failed"]) == (4, 0)
     assert summary["total_input_tokens"] == 4 * 16
