@@ -485,6 +485,60 @@ def test_extend_attention_is_causal_over_each_sequences_cached_prefix(
 
 
 @needs_cc
+@pytest.mark.parametrize("seed", range(4))
+def test_paged_attention_over_random_shapes_matches_a_float64_softmax(seed):
+    """Shapes the fixed cases above do not name: head sizes 8..256 (multiples of 16 and not),
+    1..16 heads per KV head, mixed decode rows, chunks after cached prefixes and fresh
+    prompts, float32 and bfloat16 caches; each batch through the CPU path the engine runs."""
+    from kernels.attention import build_attention_layout, paged_attention
+
+    g = torch.Generator().manual_seed(100 + seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    for _ in range(15):
+        dtype = pick([torch.float32, torch.bfloat16])
+        kvh, group = pick([1, 2, 3, 4]), pick([1, 2, 3, 5, 6, 7, 8, 12, 16])
+        dh = pick([8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 256])
+        seqs = int(torch.randint(1, 6, (1,), generator=g))
+        kv_lens = torch.randint(1, 70, (seqs,), generator=g).tolist()
+        decode = bool(torch.randint(2, (1,), generator=g))
+        q_lens = [1 if decode else int(torch.randint(1, n + 1, (1,), generator=g)) for n in kv_lens]
+        slots = sum(kv_lens) + 8
+        k_cache = torch.randn(slots, kvh, dh, generator=g).to(dtype)
+        v_cache = torch.randn(slots, kvh, dh, generator=g).to(dtype)
+        kv_indices = torch.zeros(seqs, max(kv_lens) + 3, dtype=torch.int64)
+        for s, n in enumerate(kv_lens):
+            kv_indices[s, :n] = torch.randperm(slots, generator=g)[:n]
+        layout = build_attention_layout(q_lens, kv_lens, kv_indices, "cpu")
+        q = torch.randn(sum(q_lens), kvh * group, dh, generator=g).to(dtype)
+        scale = dh**-0.5
+        out = paged_attention(q, k_cache, v_cache, layout, scale)
+        ref, row = [], 0
+        for s, (n_q, n_kv) in enumerate(zip(q_lens, kv_lens)):
+            k = k_cache[kv_indices[s, :n_kv]].double().repeat_interleave(group, dim=1)
+            v = v_cache[kv_indices[s, :n_kv]].double().repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,nhd->hqn", q[row : row + n_q].double(), k) * scale
+            position = n_kv - n_q + torch.arange(n_q)
+            future = torch.arange(n_kv)[None, None, :] > position[None, :, None]
+            ref.append(
+                torch.einsum("hqn,nhd->qhd", scores.masked_fill(future, -math.inf).softmax(-1), v)
+            )
+            row += n_q
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        shape = f"{dtype} kvh {kvh} x {group} dh {dh} q {q_lens} kv {kv_lens}"
+        assert out.shape == q.shape and out.dtype == dtype, shape
+        torch.testing.assert_close(
+            out.float(),
+            torch.cat(ref).float(),
+            atol=tol,
+            rtol=tol,
+            msg=lambda m, shape=shape: f"{shape}: {m}",
+        )
+
+
+@needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate_multiplier", [1.0, 0.35])
 def test_silu_mul_rounds_like_the_torch_expression(dtype, gate_multiplier):
