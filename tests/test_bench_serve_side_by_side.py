@@ -75,7 +75,7 @@ def run_rate(port, model, prompts, rate):
     os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` does mid-run
     raise AssertionError("SIGTERM did not interrupt the run")
 sbs.start, sbs.run_rate = start, run_rate
-sbs.save_model = sbs.save_word_tokenizer = lambda *args: None
+sbs.save_model = sbs.save_word_tokenizer = sbs.check_vllm_cpu = lambda *args: None
 sys.argv = ["serve_side_by_side", "--servers", "baton", "--rates", "1"]
 sbs.main()
 """
@@ -120,7 +120,7 @@ def start(command, port, log, timeout_s, env=None):
 sbs.start = start
 sbs.run_rate = lambda port, model, prompts, rate: {"output_throughput": 1.0, "mean_ttft_ms": 1.0,
     "p99_ttft_ms": 1.0, "mean_itl_ms": 1.0, "failed": 0, "engine": {}, "requests": []}
-sbs.save_model = sbs.save_word_tokenizer = lambda *args: None
+sbs.save_model = sbs.save_word_tokenizer = sbs.check_vllm_cpu = lambda *args: None
 sys.argv = ["serve_side_by_side", "--servers", "baton,vllm", "--peer-vllm", "/none", "--rates", "1",
     "--matmul-dtype", "model"]
 sbs.main()
