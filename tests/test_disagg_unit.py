@@ -136,8 +136,8 @@ def test_pair_is_token_identical_to_colocated_and_frees_everything(
     room's state crosses in many messages, of which only the last of each batch is tracked."""
     model_dir, _ = base_model
     if one_layer_messages:
-        monkeypatch.setattr("disagg.prefill.PUSH_BYTES", 1)
-        monkeypatch.setattr("disagg.prefill.MAMBA_PUSH_BYTES", 1)
+        monkeypatch.setattr("disagg.prefill_sends.PUSH_BYTES", 1)
+        monkeypatch.setattr("disagg.prefill_sends.MAMBA_PUSH_BYTES", 1)
     ctx = zmq.Context()
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (1, 6, 45, 130)]
@@ -451,7 +451,7 @@ def test_mamba_state_pushed_ahead_and_a_lost_part_fails_cleanly(base_model, monk
     assert len(finals) == 2 and all(m.tensors[2].shape[0] == 0 for m in finals)  # conv: none
     assert sum(isinstance(m, MambaChunk) for m in sent) >= 2
     # Now lose the Mamba push of the next request.
-    monkeypatch.setattr(prefill, "_push_mamba", lambda r, req: None)
+    monkeypatch.setattr(prefill.sender, "push_mamba", lambda r, req: None)
     got = run_pair(prefill, decoder, [prompts[0]], params, timeout=10, registered_first=True)
     assert got == {}
     failures = decoder.take_failures()
