@@ -414,6 +414,34 @@ def test_prompts_from_a_tokenizer_use_its_vocabulary_and_exact_token_counts(tmp_
 
 
 @pytest.mark.parametrize(
+    "listing",
+    [
+        {"data": []},
+        {"data": "models"},
+        {"data": [5, None, {"id": 7}, {"name": "m"}]},
+        {"object": "list"},
+        [1, 2],
+        "not json at all",
+    ],
+)
+def test_a_models_listing_without_a_model_name_is_named_not_a_traceback(listing, monkeypatch):
+    import httpx
+
+    import bench.cli
+
+    def get(url, **kwargs):
+        body = {"text": listing} if isinstance(listing, str) else {"json": listing}
+        return httpx.Response(200, request=httpx.Request("GET", url), **body)
+
+    monkeypatch.setattr(bench.cli.httpx, "get", get)
+    with pytest.raises(ValueError, match="did not list a model"):
+        bench.cli._served_models("http://127.0.0.1:1", None)
+    # a hostile `root` is never taken for a tokenizer directory
+    listed = [{"id": "m", "root": 123}, {"id": "/nonexistent", "root": ["x"]}]
+    assert bench.cli._default_tokenizer("m", listed) is None
+
+
+@pytest.mark.parametrize(
     "given",
     [
         "http://127.0.0.1:8000",
