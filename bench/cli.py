@@ -158,7 +158,12 @@ def _served_models(base_url: str, api_key: str | None) -> list[dict]:
 
 
 def _is_tokenizer_dir(path: object) -> bool:
-    return isinstance(path, str) and any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+    try:
+        return isinstance(path, str) and any(
+            (Path(path) / name).is_file() for name in TOKENIZER_FILES
+        )
+    except (OSError, ValueError):  # a name no file system holds (a NUL, too long)
+        return False
 
 
 def _load_tokenizer(path: str):
@@ -178,8 +183,8 @@ def _load_tokenizer(path: str):
 
 def _default_tokenizer(model: str, listed: list[dict]) -> str | None:
     """The served model's directory when it is one on this machine (vLLM's `bench serve` also
-    takes the model for the tokenizer): --model, else what /v1/models names (root, then id)."""
-    candidates = [model] + [entry.get(key) for entry in listed for key in ("root", "id")]
+    takes the model for the tokenizer): --model, else what /v1/models says of it (root)."""
+    candidates = [model] + [entry.get("root") for entry in listed if entry.get("id") == model]
     return next((path for path in candidates if _is_tokenizer_dir(path)), None)
 
 

@@ -424,7 +424,9 @@ def test_prompts_from_a_tokenizer_use_its_vocabulary_and_exact_token_counts(tmp_
         "not json at all",
     ],
 )
-def test_a_models_listing_without_a_model_name_is_named_not_a_traceback(listing, monkeypatch):
+def test_a_models_listing_without_a_model_name_is_named_not_a_traceback(
+    listing, monkeypatch, tmp_path
+):
     import httpx
 
     import bench.cli
@@ -436,9 +438,14 @@ def test_a_models_listing_without_a_model_name_is_named_not_a_traceback(listing,
     monkeypatch.setattr(bench.cli.httpx, "get", get)
     with pytest.raises(ValueError, match="did not list a model"):
         bench.cli._served_models("http://127.0.0.1:1", None)
-    # a hostile `root` is never taken for a tokenizer directory
-    listed = [{"id": "m", "root": 123}, {"id": "/nonexistent", "root": ["x"]}]
+    # a hostile `root` is never taken for a tokenizer directory, nor another model's
+    listed = [{"id": "m", "root": 123}, {"id": "m", "root": "a\x00b"}, {"id": "m", "root": ["x"]}]
     assert bench.cli._default_tokenizer("m", listed) is None
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text("{}")
+    assert bench.cli._default_tokenizer("m", [{"id": "n", "root": str(other)}]) is None
+    assert bench.cli._default_tokenizer("m", [{"id": "m", "root": str(other)}]) == str(other)
 
 
 @pytest.mark.parametrize(
