@@ -36,6 +36,7 @@ def run(port, conc, rate):
         ignore_eos=True,
         num_warmups=2,
         slos_ms={},
+        percentiles=(50, 90, 99),
         api_key=None,
         seed=0,
         progress=False,

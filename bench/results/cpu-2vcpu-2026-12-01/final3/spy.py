@@ -35,6 +35,7 @@ try:
         ignore_eos=True,
         num_warmups=0,
         slos_ms={},
+        percentiles=(50, 90, 99),
         api_key=None,
         seed=0,
         progress=False,
