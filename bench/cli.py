@@ -7,12 +7,16 @@ import asyncio
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import httpx
 
 from bench.serve_metrics import PERCENTILES, SLO_METRICS, parse_percentiles
 
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# vLLM's `bench serve --backend` names of the APIs this client speaks -> their route.
+BACKENDS = {"vllm": ENDPOINTS[0], "openai": ENDPOINTS[0], "openai-chat": ENDPOINTS[1]}
 DEFAULT_VOCAB_SIZE = 1000  # token ids in [3, 1000) when neither a tokenizer nor a size is known
 # Any of these in a directory makes it a tokenizer directory for AutoTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -56,17 +60,42 @@ def add_bench_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--endpoint",
-        default="/v1/completions",
-        choices=["/v1/completions", "/v1/chat/completions"],
-        help="API route (default: /v1/completions)",
+        choices=ENDPOINTS,
+        help="API route (default: /v1/completions, or as --backend says)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default="vllm",
+        help="vLLM's names for the API a server speaks: vllm / openai the completions route, "
+        "openai-chat the chat route (default: vllm)",
+    )
+    parser.add_argument(
+        "--dataset-name",
+        choices=["random"],
+        default="random",
+        help="the prompts: synthetic random ones (vLLM's `random` set; no dataset file is read)",
     )
     parser.add_argument("--model", help="model name to send (default: the first of /v1/models)")
     parser.add_argument("--api-key", help="sent as `Authorization: Bearer KEY`")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
-    parser.add_argument("--input-len", type=int, default=128, help="prompt length (default: 128)")
-    parser.add_argument("--output-len", type=int, default=64, help="max_tokens (default: 64)")
+    parser.add_argument(
+        "--input-len",
+        "--random-input-len",
+        type=int,
+        default=128,
+        help="prompt length (default: 128)",
+    )
+    parser.add_argument(
+        "--output-len",
+        "--random-output-len",
+        type=int,
+        default=64,
+        help="max_tokens (default: 64)",
+    )
     parser.add_argument(
         "--range-ratio",
+        "--random-range-ratio",
         type=float,
         default=0.0,
         help="lengths uniform within this fraction of --input-len/--output-len (default: 0)",
@@ -74,8 +103,8 @@ def add_bench_parser(subparsers) -> None:
     parser.add_argument(
         "--prompt-kind",
         choices=["ids", "text"],
-        default="ids",
-        help="random token ids (exact lengths) or random words (default: ids)",
+        help="random token ids (exact lengths) or random words (default: ids; text for the chat "
+        "route, which takes no token ids)",
     )
     parser.add_argument(
         "--tokenizer",
@@ -127,6 +156,16 @@ def add_bench_parser(subparsers) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="prompts and arrivals (default: 0)")
     parser.add_argument("--result-json", type=Path, help="write the summary and records here")
+    parser.add_argument(
+        "--save-result",
+        action="store_true",
+        help="vLLM's spelling: write them to --result-dir/--result-filename",
+    )
+    parser.add_argument("--result-dir", type=Path, default=Path("."), help="(default: .)")
+    parser.add_argument(
+        "--result-filename",
+        help="(default: baton-bench-serve-MODEL-RATEqps-YYYYmmdd-HHMMSS.json)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     parser.set_defaults(handler=_run_serve_bench)
 
@@ -193,12 +232,14 @@ def _run_serve_bench(namespace: argparse.Namespace) -> int:
     from bench.serve_metrics import format_summary
 
     base_url = server_root(namespace.base_url)
+    endpoint = namespace.endpoint or BACKENDS[namespace.backend]
+    prompt_kind = namespace.prompt_kind or ("text" if endpoint == ENDPOINTS[1] else "ids")
     tokenizer_path = namespace.tokenizer
     vocab_size = namespace.vocab_size
     try:
         listed = [] if namespace.model else _served_models(base_url, namespace.api_key)
         model = namespace.model or str(listed[0]["id"])
-        if tokenizer_path is None and (vocab_size is None or namespace.prompt_kind == "text"):
+        if tokenizer_path is None and (vocab_size is None or prompt_kind == "text"):
             tokenizer_path = _default_tokenizer(model, listed)
             if tokenizer_path is not None:
                 print(f"baton bench serve: the tokenizer in {tokenizer_path}", file=sys.stderr)
@@ -210,14 +251,14 @@ def _run_serve_bench(namespace: argparse.Namespace) -> int:
             input_len=namespace.input_len,
             output_len=namespace.output_len,
             range_ratio=namespace.range_ratio,
-            kind=namespace.prompt_kind,
+            kind=prompt_kind,
             vocab_size=vocab_size,
             seed=namespace.seed,
             tokenizer=tokenizer,
         )
         config = BenchConfig(
             base_url=base_url,
-            endpoint=namespace.endpoint,
+            endpoint=endpoint,
             model=model,
             prompts=prompts,
             request_rate=namespace.request_rate,
@@ -234,7 +275,7 @@ def _run_serve_bench(namespace: argparse.Namespace) -> int:
         result = asyncio.run(run_benchmark(config))
     except WarmupFailed as error:
         print(f"baton bench serve: {error}", file=sys.stderr)
-        if "HTTP 400" in str(error) and namespace.prompt_kind == "ids" and not tokenizer_path:
+        if "HTTP 400" in str(error) and prompt_kind == "ids" and not tokenizer_path:
             print(
                 f"  (the prompts were random token ids in [3, {vocab_size}): pass --tokenizer "
                 "DIR or --vocab-size N for this model, or --prompt-kind text)",
@@ -245,20 +286,35 @@ def _run_serve_bench(namespace: argparse.Namespace) -> int:
         print(f"baton bench serve: {error}", file=sys.stderr)
         return 1
     print(format_summary(result))
-    if namespace.result_json:
+    path = namespace.result_json
+    if path is None and namespace.save_result:
+        rate = "inf" if math.isinf(namespace.request_rate) else f"{namespace.request_rate:g}"
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        name = f"baton-bench-serve-{Path(model).name or 'model'}-{rate}qps-{stamp}.json"
+        path = namespace.result_dir / (namespace.result_filename or name)
+    if path is not None:
         settings = {
-            key: value
+            key: str(value) if isinstance(value, Path) else value
             for key, value in vars(namespace).items()
-            if key not in ("handler", "api_key", "result_json")
+            if key not in ("handler", "api_key")
         }
         settings.update(
             base_url=base_url,
+            endpoint=endpoint,
+            prompt_kind=prompt_kind,
             goodput=dict(namespace.goodput),
             model=model,
             tokenizer=tokenizer_path,
             vocab_size=vocab_size,
+            result_json=str(path),
         )
         if math.isinf(namespace.request_rate):
             settings["request_rate"] = "inf"  # JSON has no infinity
-        namespace.result_json.write_text(json.dumps({"config": settings, **result}, indent=1))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"config": settings, **result}, indent=1))
+        except OSError as error:
+            print(f"baton bench serve: cannot write {path}: {error}", file=sys.stderr)
+            return 1
+        print(f"results: {path}")
     return 0 if result["completed"] else 1

@@ -364,6 +364,35 @@ def test_cli_names_bad_settings_and_a_server_without_models(fake_server):
         assert message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_vllm_bench_serve_command_line_runs_as_it_is(fake_server, tmp_path):
+    """vLLM's spellings (--backend, --dataset-name random, --random-*-len, --save-result with
+    --result-dir / --result-filename) mean what they mean there."""
+    base_url, state = fake_server
+    result = subprocess.run(
+        [
+            str(BATON), "bench", "serve", "--backend", "vllm", "--base-url", base_url,
+            "--model", "m", "--dataset-name", "random", "--random-input-len", "6",
+            "--random-output-len", "3", "--random-range-ratio", "0", "--num-prompts", "2",
+            "--vocab-size", "50", "--save-result", "--result-dir", str(tmp_path / "out"),
+            "--result-filename", "r.json", "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((tmp_path / "out" / "r.json").read_text())
+    assert saved["completed"] == 2 and saved["config"]["endpoint"] == "/v1/completions"
+    sent = [b for b in state["bodies"] if isinstance(b["prompt"], list)]
+    assert {len(b["prompt"]) for b in sent} == {6} and {b["max_tokens"] for b in sent} == {3}
+    refused = subprocess.run(
+        [str(BATON), "bench", "serve", "--base-url", base_url, "--dataset-name", "sharegpt"],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2 and "invalid choice: 'sharegpt'" in refused.stderr
+
+
 def test_synthetic_prompt_lengths_stay_in_range():
     prompts = synthetic_prompts(
         num_prompts=200,
@@ -528,6 +557,20 @@ def test_short_run_against_a_real_baton_serve(tmp_path_factory, tmp_path):
         assert result.returncode == 0, result.stderr
         assert "Serving Benchmark Result" in result.stdout
         summary = json.loads(out.read_text())
+        # vLLM's openai-chat backend: the chat route, text prompts (it takes no token ids).
+        chat_out = tmp_path / "chat.json"
+        chat = subprocess.run(
+            [
+                str(BATON), "bench", "serve", "--backend", "openai-chat", "--base-url",
+                server.base_url, "--num-prompts", "2", "--input-len", "12", "--output-len", "4",
+                "--no-progress", "--result-json", str(chat_out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert chat.returncode == 0, chat.stderr
+        chat_summary = json.loads(chat_out.read_text())
         # Ids the model does not have: the server's 400, and what to pass instead.
         refused = subprocess.run(
             [
@@ -543,6 +586,9 @@ def test_short_run_against_a_real_baton_serve(tmp_path_factory, tmp_path):
     assert refused.returncode == 1
     assert "outside the vocabulary" in refused.stderr and "--tokenizer DIR" in refused.stderr
     assert summary["config"]["tokenizer"] == str(model)
+    assert chat_summary["completed"] == 2 and chat_summary["config"]["prompt_kind"] == "text"
+    assert chat_summary["config"]["endpoint"] == "/v1/chat/completions"
+    assert chat_summary["total_input_tokens"] > 2 * 12  # the chat template's tokens too
     assert summary["p95_ttft_ms"] >= summary["p50_ttft_ms"] > 0 and "P95 TTFT" in result.stdout
     assert summary["config"]["base_url"] == server.base_url
     assert (summary["completed"], summary["failed"]) == (4, 0)
