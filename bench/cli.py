@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.serve_metrics import PERCENTILES, SLO_METRICS, parse_percentiles
+from bench.serve_metrics import LATENCY_METRICS, PERCENTILES, SLO_METRICS, parse_percentiles
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 # vLLM's `bench serve --backend` names of the APIs this client speaks -> their route.
@@ -41,6 +41,16 @@ def _percentiles(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _metric_names(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(","))
+    unknown = [name for name in names if name not in LATENCY_METRICS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown metric(s) {unknown}; use {list(LATENCY_METRICS)}"
+        )
+    return names
+
+
 def add_bench_parser(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks against a running server")
     kinds = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
@@ -54,10 +64,13 @@ def add_bench_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--base-url",
-        required=True,
         help="server root, e.g. http://127.0.0.1:8000 (an OpenAI client's base_url ending in /v1 "
-        "works too)",
+        "works too; default: http://HOST:PORT)",
     )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="without --base-url (default: 127.0.0.1)"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="without --base-url (default: 8000)")
     parser.add_argument(
         "--endpoint",
         choices=ENDPOINTS,
@@ -154,6 +167,13 @@ def add_bench_parser(subparsers) -> None:
         help="percentiles reported for TTFT, TPOT, ITL and E2EL, e.g. 50,95,99.9 "
         "(default: 50,90,99)",
     )
+    parser.add_argument(
+        "--percentile-metrics",
+        type=_metric_names,
+        default=LATENCY_METRICS,
+        metavar="M[,M...]",
+        help="which of ttft,tpot,itl,e2el the table shows (default: all; the JSON has all)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="prompts and arrivals (default: 0)")
     parser.add_argument("--result-json", type=Path, help="write the summary and records here")
     parser.add_argument(
@@ -231,7 +251,7 @@ def _run_serve_bench(namespace: argparse.Namespace) -> int:
     from bench.serve import BenchConfig, WarmupFailed, run_benchmark, synthetic_prompts
     from bench.serve_metrics import format_summary
 
-    base_url = server_root(namespace.base_url)
+    base_url = server_root(namespace.base_url or f"http://{namespace.host}:{namespace.port}")
     endpoint = namespace.endpoint or BACKENDS[namespace.backend]
     prompt_kind = namespace.prompt_kind or ("text" if endpoint == ENDPOINTS[1] else "ids")
     tokenizer_path = namespace.tokenizer
@@ -285,7 +305,7 @@ def _run_serve_bench(namespace: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, httpx.HTTPError) as error:
         print(f"baton bench serve: {error}", file=sys.stderr)
         return 1
-    print(format_summary(result))
+    print(format_summary(result, namespace.percentile_metrics))
     path = namespace.result_json
     if path is None and namespace.save_result:
         rate = "inf" if math.isinf(namespace.request_rate) else f"{namespace.request_rate:g}"

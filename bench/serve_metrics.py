@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,8 +120,10 @@ def summarize(
     return summary
 
 
-def format_summary(summary: dict[str, float | int]) -> str:
-    """The human-readable table, laid out like vLLM's."""
+def format_summary(
+    summary: dict[str, float | int], metrics: tuple[str, ...] = LATENCY_METRICS
+) -> str:
+    """The human-readable table, laid out like vLLM's, with the latency sections `metrics`."""
     lines = [
         "{:=^60}".format(" Serving Benchmark Result "),
         f"{'Successful requests:':<40}{summary['completed']:>20}",
@@ -143,6 +146,8 @@ def format_summary(summary: dict[str, float | int]) -> str:
         "e2el": "End-to-end Latency",
     }
     for name, title in titles.items():
+        if name not in metrics:
+            continue
         lines.append(f"{title:-^60}")
         upper = name.upper()
         lines.append(f"{f'Mean {upper} (ms):':<40}{summary[f'mean_{name}_ms']:>20.2f}")

@@ -370,7 +370,8 @@ def test_a_vllm_bench_serve_command_line_runs_as_it_is(fake_server, tmp_path):
     base_url, state = fake_server
     result = subprocess.run(
         [
-            str(BATON), "bench", "serve", "--backend", "vllm", "--base-url", base_url,
+            str(BATON), "bench", "serve", "--backend", "vllm", "--host", "127.0.0.1",
+            "--port", base_url.rsplit(":", 1)[1], "--percentile-metrics", "ttft,tpot",
             "--model", "m", "--dataset-name", "random", "--random-input-len", "6",
             "--random-output-len", "3", "--random-range-ratio", "0", "--num-prompts", "2",
             "--vocab-size", "50", "--save-result", "--result-dir", str(tmp_path / "out"),
@@ -381,7 +382,9 @@ def test_a_vllm_bench_serve_command_line_runs_as_it_is(fake_server, tmp_path):
         timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    assert "Time to First Token" in result.stdout and "Inter-token Latency" not in result.stdout
     saved = json.loads((tmp_path / "out" / "r.json").read_text())
+    assert saved["config"]["base_url"] == base_url and "mean_itl_ms" in saved
     assert saved["completed"] == 2 and saved["config"]["endpoint"] == "/v1/completions"
     sent = [b for b in state["bodies"] if isinstance(b["prompt"], list)]
     assert {len(b["prompt"]) for b in sent} == {6} and {b["max_tokens"] for b in sent} == {3}
@@ -525,6 +528,7 @@ def test_unknown_slo_metric_is_refused():
         (["--goodput", "ttft"], "METRIC:MS"),
         (["--metric-percentiles", "50,x"], "'x' is not a number"),
         (["--metric-percentiles", "100"], "'100' is not in (0, 100)"),
+        (["--percentile-metrics", "ttft,latency"], "unknown metric(s) ['latency']"),
     ],
 )
 def test_cli_rejects_malformed_options(args, message):
