@@ -49,6 +49,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
+    tokenizer: str | None = None  # Hugging Face tokenizer directory (None: the model's)
     dtype: str = "float32"
     device: str = "cpu"
     max_model_len: int | None = None
@@ -103,6 +104,8 @@ class ServerArgs:
             raise ValueError(
                 f"--model {self.model}: no config.json there (expected a Hugging Face model directory)"
             )
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise ValueError(f"--tokenizer {self.tokenizer}: not a directory")
         if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
             raise ValueError(
                 f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"
@@ -140,6 +143,10 @@ class ServerArgs:
     def model_name(self) -> str:
         """The name clients pass as `model`: --served-model-name, else the model path."""
         return self.served_model_name or self.model
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer or self.model
 
     def engine_args(self) -> dict[str, Any]:
         args = {

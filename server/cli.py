@@ -50,6 +50,11 @@ def add_serve_parser(subparsers) -> None:
         "--served-model-name", help="name clients pass as `model` (default: the --model path)"
     )
     parser.add_argument(
+        "--tokenizer",
+        help="Hugging Face tokenizer directory, for a model directory without one "
+        "(default: the --model directory)",
+    )
+    parser.add_argument(
         "--api-key",
         help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
         "(/v1/*, /tokenize, /detokenize, /docs, /openapi.json)",

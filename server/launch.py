@@ -13,6 +13,7 @@ engine process dies while serving: its in-flight requests have already failed (e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from types import FrameType
@@ -25,7 +26,7 @@ from server.args import HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S, ServerArgs
 from server.engine_client import EngineClient
 from server.generation import ServerState
 from server.metrics import ServerMetrics
-from server.tokenizer import Tokenizer
+from server.tokenizer import load_tokenizer
 
 logger = logging.getLogger("baton.server")
 
@@ -63,9 +64,18 @@ async def serve(args: ServerArgs) -> None:
         loop.add_signal_handler(sig, main_task.cancel)
     client = EngineClient(args)
     try:
-        tokenizer_loading = asyncio.ensure_future(asyncio.to_thread(Tokenizer, args.model))
-        ready = await client.start()
-        tokenizer = await tokenizer_loading
+        # The engine loads while the tokenizer does; a tokenizer that cannot load stops both.
+        starting = asyncio.ensure_future(client.start())
+        try:
+            tokenizer = await asyncio.to_thread(
+                load_tokenizer, args.tokenizer_dir, "--tokenizer" if args.tokenizer else "--model"
+            )
+        except BaseException:
+            starting.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await starting
+            raise
+        ready = await starting
         logger.info(
             "engine ready: vocab %d, max-model-len %d", ready.vocab_size, ready.max_model_len
         )

@@ -8,6 +8,7 @@ each token's string and raw bytes.
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -30,6 +31,25 @@ def _byte_level_alphabet() -> dict[str, int]:
             chars.append(256 + extra)
             extra += 1
     return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
+
+
+# What AutoTokenizer needs at least one of (engine/engine.py's offline LLM checks the same).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def load_tokenizer(directory: str, flag: str) -> Tokenizer:
+    """The tokenizer in `directory` (given as `flag`: --model or --tokenizer), or RuntimeError
+    saying what is missing or broken there, before any request needs it."""
+    if not any(Path(directory, name).is_file() for name in TOKENIZER_FILES):
+        hint = " (pass --tokenizer DIR for one kept elsewhere)" if flag == "--model" else ""
+        raise RuntimeError(
+            f"{flag} {directory}: no tokenizer there (neither {' nor '.join(TOKENIZER_FILES)})"
+            + hint
+        )
+    try:
+        return Tokenizer(directory)
+    except Exception as error:  # transformers and tokenizers raise many kinds for broken files
+        raise RuntimeError(f"{flag} {directory}: cannot load its tokenizer: {error}") from error
 
 
 class Tokenizer:

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from server.args import ServerArgs
 from server.cli import build_parser
+from tests.server_process import start_server
+from tests.tiny import load_json, save_tiny_model, save_tokenizer
 
 BATON = Path(sys.executable).with_name("baton")
+ASSETS = Path(__file__).parents[1] / "assets"
 SERVE_FLAGS = [
     "--model", "--host", "--port", "--served-model-name", "--dtype", "--device", "--max-model-len",
     "--max-num-batched-tokens", "--chunked-prefill-size", "--max-running-requests",
     "--max-queued-requests", "--max-total-tokens", "--max-mamba-slots", "--api-key",
-    "--max-request-bytes",
+    "--max-request-bytes", "--tokenizer",
 ]  # fmt: skip
 
 
@@ -76,6 +81,8 @@ def test_negative_sizes_are_refused_by_the_parser():
 
 def test_serve_exits_1_and_says_why_when_the_engine_cannot_load(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "nemotron_h"}')
+    shutil.copy(ASSETS / "tokenizer.json", tmp_path)
+    shutil.copy(ASSETS / "tokenizer_config.json", tmp_path)
     result = subprocess.run(
         [str(BATON), "serve", "--model", str(tmp_path), "--port", "1"],
         capture_output=True,
@@ -84,3 +91,51 @@ def test_serve_exits_1_and_says_why_when_the_engine_cannot_load(tmp_path):
     )
     assert result.returncode == 1
     assert f"failed to load model {tmp_path}" in result.stderr
+
+
+def _serve_fails(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BATON), "serve", *args, "--port", "1"], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_serve_names_a_model_directory_without_a_tokenizer(tmp_path):
+    """Not transformers' advice to install sentencepiece after the engine has loaded."""
+    save_tiny_model(tmp_path, tokenizer=False)
+    result = _serve_fails("--model", str(tmp_path))
+    assert result.returncode == 1
+    assert f"--model {tmp_path}: no tokenizer there" in result.stderr
+    assert "--tokenizer DIR" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_names_a_tokenizer_that_cannot_load(tmp_path):
+    model, broken = tmp_path / "model", tmp_path / "broken"
+    save_tiny_model(model, tokenizer=False)
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    result = _serve_fails("--model", str(model), "--tokenizer", str(broken))
+    assert result.returncode == 1
+    assert f"--tokenizer {broken}: cannot load its tokenizer" in result.stderr
+    assert "Traceback" not in result.stderr
+    missing = _serve_fails("--model", str(model), "--tokenizer", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "not a directory" in missing.stderr
+
+
+def test_serve_takes_the_tokenizer_from_another_directory(tmp_path):
+    """--tokenizer (vLLM's flag): a model directory with weights only is served, its text made
+    by the given tokenizer."""
+    model, elsewhere = tmp_path / "model", tmp_path / "tokenizer"
+    save_tiny_model(model, tokenizer=False)
+    save_tokenizer(elsewhere, load_json(model / "config.json")["vocab_size"])
+    server = start_server(model, tmp_path, "--tokenizer", str(elsewhere), "--max-model-len", "256")
+    try:
+        tokens = server.http().post("/tokenize", json={"prompt": "The pens cost"}).json()
+        expected = AutoTokenizer.from_pretrained(str(elsewhere)).encode("The pens cost")
+        assert tokens["tokens"] == expected
+        completion = server.client().completions.create(
+            model=str(model), prompt="The pens cost", max_tokens=4, temperature=0
+        )
+        assert completion.choices[0].finish_reason == "length"
+        assert completion.usage.prompt_tokens == len(expected)
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
