@@ -64,6 +64,9 @@ def add_up_parser(subparsers) -> None:
     )
     parser.add_argument("--served-model-name", help="name clients pass as `model`")
     parser.add_argument(
+        "--tokenizer", help="Hugging Face tokenizer directory (default: the --model directory)"
+    )
+    parser.add_argument(
         "--api-key",
         help="require `Authorization: Bearer KEY` on the router and both workers "
         "(every route but /health and /metrics)",
@@ -132,6 +135,8 @@ def run_up(ns) -> int:
     ]
     if ns.served_model_name:
         common += ["--served-model-name", ns.served_model_name]
+    if ns.tokenizer:
+        common += ["--tokenizer", ns.tokenizer]
     threads = {"prefill": [], "decode": []}
     if ns.device == "cpu" and not any(a.split("=")[0] == "--cpu-threads" for a in ns.worker_args):
         # Every rank of both engines gets an equal share of the cores (engine/cpu_threads.py):

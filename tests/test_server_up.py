@@ -12,11 +12,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from engine.cpu_threads import cores_per_engine
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.server_process import BATON, children_of, free_port, pid_alive, tiny_model
+from tests.tiny import load_json, save_tiny_model, save_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +156,29 @@ def test_up_with_different_tp_sizes_serves_the_tp1_answer(model_dir, tmp_path):
 
 def params_body(params: SamplingParams) -> dict:
     return {"max_tokens": params.max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+def test_up_forwards_tokenizer_to_both_workers(tmp_path):
+    """A model directory without a tokenizer: named at once without --tokenizer; served with it."""
+    model, elsewhere = tmp_path / "model", tmp_path / "tokenizer"
+    save_tiny_model(model, tokenizer=False)
+    save_tokenizer(elsewhere, load_json(model / "config.json")["vocab_size"])
+    refused = subprocess.run(
+        [str(BATON), "up", "--model", str(model), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert refused.returncode != 0
+    assert f"--model {model}: no tokenizer there" in refused.stderr + refused.stdout
+    stack = Stack(model, tmp_path / "up.log", "--tokenizer", str(elsewhere))
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0}
+        url = f"http://127.0.0.1:{stack.port}/v1/completions"
+        answer = httpx.post(url, json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        expected = AutoTokenizer.from_pretrained(str(elsewhere)).encode("Once upon a time")
+        assert answer.json()["usage"]["prompt_tokens"] == len(expected)
+    finally:
+        stack.stop()
+    assert stack.process.returncode == 0, stack.log()[-3000:]
