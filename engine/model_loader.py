@@ -17,13 +17,17 @@ from engine.tp_shard import check_tp_supported
 from engine.weights import load_into, tensor_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
+# What --dtype accepts: auto is the checkpoint's own dtype (config.json), as in vLLM.
+DTYPE_NAMES = ("auto", *DTYPES, *DTYPE_ALIASES)
 
 
 def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
     if name == "auto":
         name = config.torch_dtype
+    name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {name!r}")
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {name!r}")
     return DTYPES[name]
 
 

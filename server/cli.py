@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.model_loader import DTYPE_NAMES
 from server.args import ServerArgs
 
 _DEFAULTS = ServerArgs.__dataclass_fields__
@@ -78,8 +79,8 @@ def add_serve_parser(subparsers) -> None:
     engine.add_argument(
         "--dtype",
         default=_default("dtype"),
-        choices=["float32", "bfloat16", "float16"],
-        help="weights and activations dtype",
+        choices=DTYPE_NAMES,
+        help="weights and activations dtype; auto: the checkpoint's own (its config.json)",
     )
     engine.add_argument(
         "--device", default=_default("device"), help="torch device: cpu, cuda, cuda:1…"

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from engine.cpu_threads import cores_per_engine
+from engine.model_loader import DTYPE_NAMES
 from server.router import DEFAULT_MAX_CONCURRENT_REQUESTS
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets")
@@ -87,7 +88,12 @@ def add_up_parser(subparsers) -> None:
     parser.add_argument(
         "--decode-tp", type=int, help="tensor-parallel ranks of the decode worker (default: --tp)"
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPE_NAMES,
+        help="weights and activations dtype; auto: the checkpoint's own (its config.json)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for a healthy stack"

@@ -6,10 +6,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
+from engine.model_loader import resolve_dtype
 from server.args import ServerArgs
 from server.cli import build_parser
 from tests.server_process import start_server
@@ -139,3 +142,23 @@ def test_serve_takes_the_tokenizer_from_another_directory(tmp_path):
         assert completion.usage.prompt_tokens == len(expected)
     finally:
         assert server.stop() == 0, server.log()[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("given", "checkpoint", "expected"),
+    [
+        ("auto", "bfloat16", torch.bfloat16),
+        ("auto", "float32", torch.float32),
+        ("half", "bfloat16", torch.float16),
+        ("float", "bfloat16", torch.float32),
+        ("bfloat16", "float32", torch.bfloat16),
+    ],
+)
+def test_dtype_takes_vllms_spellings_and_auto_reads_the_checkpoint(given, checkpoint, expected):
+    namespace = build_parser().parse_args(["serve", "--model", "m", "--dtype", given])
+    config = SimpleNamespace(torch_dtype=checkpoint)
+    assert resolve_dtype(namespace.dtype, config) == expected
+    with pytest.raises(ValueError, match="auto, float32, bfloat16, float16, float, half"):
+        resolve_dtype("fp8", config)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--dtype", "fp8"])
