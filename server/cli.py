@@ -41,8 +41,14 @@ def add_serve_parser(subparsers) -> None:
         formatter_class=_HelpFormatter,
     )
     parser.add_argument(
+        "model_dir",
+        nargs="?",
+        metavar="MODEL",
+        help="the model directory, as `vllm serve MODEL` takes it (or --model)",
+    )
+    parser.add_argument(
         "--model",
-        required=True,
+        "--model-path",
         help="Hugging Face model directory (config.json, safetensors, tokenizer)",
     )
     parser.add_argument("--host", default=_default("host"), help="address to listen on")
@@ -99,7 +105,10 @@ def add_serve_parser(subparsers) -> None:
         help="longest prefill chunk of one request per step",
     )
     engine.add_argument(
-        "--max-running-requests", type=_non_negative_int, help="requests decoded together at most"
+        "--max-running-requests",
+        "--max-num-seqs",
+        type=_non_negative_int,
+        help="requests decoded together at most",
     )
     engine.add_argument(
         "--max-total-tokens", type=_non_negative_int, help="KV cache size in tokens"
@@ -131,6 +140,7 @@ def add_serve_parser(subparsers) -> None:
     engine.add_argument(
         "--tensor-parallel-size",
         "--tp",
+        "--tp-size",
         dest="tensor_parallel_size",
         type=int,
         help="ranks (processes) the model is sharded over; rank 0 is the engine process "
@@ -181,6 +191,9 @@ def add_serve_parser(subparsers) -> None:
     cache = parser.add_argument_group("prefix cache")
     cache.add_argument(
         "--no-prefix-cache",
+        "--no-enable-prefix-caching",
+        "--disable-radix-cache",
+        dest="no_prefix_cache",
         action="store_true",
         help="turn prefix caching (shared KV pages + Mamba checkpoints) off",
     )
@@ -240,6 +253,18 @@ def add_serve_parser(subparsers) -> None:
 
 def _run_serve(namespace: argparse.Namespace) -> int:
     from server.launch import ENGINE_DIED_EXIT_CODE, EngineDied, run
+
+    if namespace.model_dir and namespace.model and namespace.model_dir != namespace.model:
+        print(
+            f"baton serve: two models given ({namespace.model_dir} and --model "
+            f"{namespace.model}); pass one",
+            file=sys.stderr,
+        )
+        return 2
+    namespace.model = namespace.model or namespace.model_dir
+    if not namespace.model:
+        print("baton serve: no model given: baton serve DIR (or --model DIR)", file=sys.stderr)
+        return 2
 
     options = {
         name: getattr(namespace, name)

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from engine.model_loader import resolve_dtype
 from server.args import ServerArgs
-from server.cli import build_parser
+from server.cli import build_parser, main
 from tests.server_process import start_server
 from tests.tiny import load_json, save_tiny_model, save_tokenizer
 
@@ -162,3 +162,29 @@ def test_dtype_takes_vllms_spellings_and_auto_reads_the_checkpoint(given, checkp
         resolve_dtype("fp8", config)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--model", "m", "--dtype", "fp8"])
+
+
+def test_serve_takes_vllm_and_sglang_spellings(tmp_path, monkeypatch):
+    """`baton serve DIR` (vLLM's positional model), --model-path, --max-num-seqs, --tp-size,
+    --no-enable-prefix-caching / --disable-radix-cache: the same ServerArgs as baton's own flags."""
+    (tmp_path / "config.json").write_text("{}")
+    started = []
+    monkeypatch.setattr("server.launch.run", started.append)
+    ours = ["--model", str(tmp_path), "--max-running-requests", "4", "--tp", "1"]
+    assert main(["serve", *ours, "--no-prefix-cache"]) == 0
+    theirs = [
+        ["serve", str(tmp_path), "--max-num-seqs", "4", "--tp-size", "1", "--no-enable-prefix-caching"],
+        ["serve", "--model-path", str(tmp_path), "--max-num-seqs", "4", "--tp", "1", "--disable-radix-cache"],
+        ["serve", str(tmp_path), "--model", str(tmp_path), "--max-num-seqs", "4", "--tp", "1", "--no-prefix-cache"],
+    ]  # fmt: skip
+    for argv in theirs:
+        assert main(argv) == 0, argv
+    assert len(started) == 4 and all(args == started[0] for args in started), started
+    assert started[0].max_running_requests == 4 and started[0].no_prefix_cache
+
+
+def test_serve_refuses_no_model_and_two_models(tmp_path, capsys):
+    assert main(["serve"]) == 2
+    assert "no model given: baton serve DIR (or --model DIR)" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--model", str(tmp_path / "other")]) == 2
+    assert "two models given" in capsys.readouterr().err
