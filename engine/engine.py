@@ -209,6 +209,15 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         params.validate()
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias),
+        ):
+            outside = [t for t in ids if t >= vocab]
+            if outside:  # the sampler indexes the logits with them
+                raise ValueError(
+                    f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})"
+                )
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Turn logits into tokens: penalties, greedy / temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Turn logits into tokens: logit bias, penalties, greedy / temperature, top-k, top-p, min-p, seeds, logprobs.
 
 Random rows use the exponential-race form of Gumbel-max (argmax p / q, q ~ Exp(1)), which needs
 no cumulative sums and no host sync. A request with a seed draws its noise from its own
@@ -34,6 +34,17 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[T
         entry[token] = chosen_lp[row]
         out.append(entry)
     return out
+
+
+def apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Each request's logit_bias added to its row (OpenAI / vLLM semantics)."""
+    for row, req in enumerate(reqs):
+        bias = req.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[row].index_add_(0, ids, values)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
@@ -98,8 +109,12 @@ class Sampler:
         raw_logprobs = (
             logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in reqs) else None
         )
-        if any(r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in reqs):
+        if any(
+            r.params.has_penalties or r.params.logit_bias or len(r.output_ids) < r.params.min_tokens
+            for r in reqs
+        ):
             logits = logits.clone()  # the raw logits stay untouched for logprobs
+            apply_logit_bias(logits, reqs)
             apply_penalties(logits, reqs)
             self._mask_early_stops(logits, reqs, eos_ids)
         tokens = argmax_rows(logits)  # greedy rows (random rows are redrawn below)

@@ -12,6 +12,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1 and min_p 0 disable
     theirs. `logprobs` is the number of top alternatives returned per generated token (the
     chosen token is always included); `prompt_logprobs` likewise for prompt tokens.
+    `logit_bias` adds its value (-100..100, OpenAI's range) to its token id's logit before
+    penalties, filters and the draw (greedy included); logprobs stay those of the raw logits.
     """
 
     max_tokens: int = 16
@@ -31,6 +33,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +68,11 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for token_id, bias in self.logit_bias.items():
+            if token_id < 0:
+                raise ValueError(f"logit_bias: token id {token_id} is negative")
+            if not -100.0 <= bias <= 100.0:  # also refuses NaN
+                raise ValueError(f"logit_bias: {bias} for token {token_id} is outside [-100, 100]")
 
     @property
     def greedy(self) -> bool:

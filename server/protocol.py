@@ -12,7 +12,7 @@ the bounds here are the ones only the HTTP layer needs: `n` fan-out and a 64-bit
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -70,7 +70,24 @@ class GenerationFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    logit_bias: dict[Text, float] | None = None
     baton_disagg: DisaggField | None = None
+    # OpenAI's and vLLM's fields that change what is generated and that baton does not do:
+    # parsed so that check_generation refuses them by name (unknown fields are ignored).
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -82,6 +99,8 @@ class CompletionRequest(GenerationFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: Any = None
+    suffix: Any = None
 
 
 class TextContentPart(OpenAIModel):

@@ -32,6 +32,8 @@ def build_sampling_params(
     kwargs = {
         name: getattr(request, name) for name in _PASS_THROUGH if getattr(request, name) is not None
     }
+    if request.logit_bias:
+        kwargs["logit_bias"] = logit_bias(request.logit_bias, vocab_size)
     if request.top_k is not None:
         # A top-k at least the vocabulary size keeps every token: the same as no top-k.
         keeps_all = vocab_size is not None and request.top_k >= vocab_size
@@ -44,8 +46,22 @@ def build_sampling_params(
             logprobs=logprobs,
             **kwargs,
         )
-    except ValueError as error:
-        raise APIError.bad_request(str(error)) from error
+    except ValueError as error:  # its messages start with the parameter's name
+        name = str(error).split(" ", 1)[0].rstrip(":")
+        raise APIError.bad_request(str(error), name if hasattr(request, name) else None) from error
+
+
+def logit_bias(given: dict[str, float], vocab_size: int | None) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids as decimal strings -> a bias in [-100, 100]."""
+    bias = {}
+    for key, value in given.items():
+        if not key.isascii() or not key.isdigit():
+            raise APIError.bad_request(
+                f"logit_bias: key {key!r} is not a token id (a decimal integer)", "logit_bias"
+            )
+        check_token_id(int(key), vocab_size, "logit_bias")
+        bias[int(key)] = float(value)
+    return bias
 
 
 def check_token_id(token_id: int, vocab_size: int | None, param: str) -> None:

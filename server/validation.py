@@ -153,8 +153,43 @@ def requested_max_tokens(request: CompletionRequest | ChatCompletionRequest) -> 
     return request.max_tokens
 
 
+# Fields baton parses only to refuse: each with the values that ask for nothing (OpenAI's and
+# vLLM's defaults), which are accepted. Anything else would be silently not done.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "suffix": (None, ""),
+}
+
+
+def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
+    for name, neutral in UNSUPPORTED_FIELDS.items():
+        value = getattr(request, name, None)
+        if not any(value == allowed and type(value) is type(allowed) for allowed in neutral):
+            raise APIError.bad_request(f"{name} is not supported by this server", name)
+    best_of = getattr(request, "best_of", None)
+    if best_of is not None and (type(best_of) is not int or best_of != request.n):
+        raise APIError.bad_request(
+            f"best_of is not supported (only best_of = n, here {request.n}), got {best_of!r}",
+            "best_of",
+        )
+
+
 def check_generation(request: CompletionRequest | ChatCompletionRequest) -> None:
     """Every rule on a generation request that needs no model or tokenizer (APIError 400)."""
+    check_unsupported(request)
     if isinstance(request, CompletionRequest):
         if request.echo:
             raise APIError.bad_request("echo is not supported", "echo")

@@ -133,6 +133,19 @@ def test_concurrent_requests_match_colocated_token_for_token(stack, colocated):
         assert pools_return_to_zero(worker) == [0, 0], worker.base_url
 
 
+def test_logit_bias_reaches_both_halves(stack, colocated):
+    """The prefill worker samples the first token, the decode worker the rest: a sampled request
+    with a bias (seeded, so a rerun repeats it) gives the colocated server's text."""
+    server, _ = colocated
+    body = {"logit_bias": {"11": 6.0, "12": -100}, "temperature": 0.8, "seed": 3}
+    want = complete(server.base_url, prompts()[5], **body).json()["choices"][0]["text"]
+    got = complete(stack["router"].base_url, prompts()[5], **body)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == want
+    refused = complete(stack["router"].base_url, prompts()[5], logit_bias={"x": 1})
+    assert refused.status_code == 400 and "logit_bias" in refused.json()["error"]["message"]
+
+
 def test_pickle_on_the_transfer_socket_is_rejected_and_harmless(stack):
     info = httpx.get(f"{stack['prefill'].base_url}/disagg/info", timeout=10).json()
     context = zmq.Context.instance()

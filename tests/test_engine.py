@@ -195,4 +195,11 @@ def test_invalid_requests_are_rejected_with_reasons(base_model):
         engine.add_request("c", list(range(3, 63)), SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+    # ids the sampler would index the logits with: refused here, never an IndexError in a step
+    with pytest.raises(ValueError, match=r"stop_token_ids: token id 100000 is outside"):
+        engine.add_request("d", [5], SamplingParams(stop_token_ids=[100000], min_tokens=2))
+    with pytest.raises(ValueError, match=r"logit_bias: token id 100000 is outside"):
+        engine.add_request("e", [5], SamplingParams(logit_bias={100000: 1.0}))
+    with pytest.raises(ValueError, match=r"logit_bias: nan for token 5"):
+        SamplingParams(logit_bias={5: float("nan")})
     assert engine.stats().num_waiting == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import openai
 import pytest
 
 from engine import LLM, SamplingParams
@@ -229,6 +230,93 @@ def test_ignore_eos_and_penalties_are_accepted(client):
     )
     assert response.choices[0].finish_reason == "length"
     assert response.usage.completion_tokens == GREEDY["max_tokens"]
+
+
+def test_logit_bias_moves_greedy_choices_as_the_offline_engine_does(client, llm):
+    """+100 forces a token; -100 on each greedy token makes the engine take its runner-up, the
+    second of the unbiased step's top-2 logprobs (an oracle from the raw distribution)."""
+    params = {**GREEDY, "max_tokens": 6}
+    (plain,) = llm.generate([PROMPTS[0]], SamplingParams(**params, logprobs=2))
+    forced = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], logit_bias={"7": 100}, **params
+    )
+    (forced_offline,) = llm.generate([PROMPTS[0]], SamplingParams(**params, logit_bias={7: 100.0}))
+    assert forced_offline.token_ids == [7] * 6
+    assert forced.choices[0].text == llm.tokenizer.decode([7] * 6)
+    first = plain.token_ids[0]
+    runner_up = max((t for t in plain.logprobs[0] if t != first), key=plain.logprobs[0].get)
+    banned = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPTS[0],
+        logit_bias={str(first): -100},
+        logprobs=1,
+        **{**params, "max_tokens": 1},
+    )
+    assert banned.choices[0].logprobs.tokens == [llm.tokenizer.decode([runner_up])]
+    # logprobs stay those of the raw distribution, as in vLLM
+    assert banned.choices[0].logprobs.token_logprobs[0] == pytest.approx(
+        plain.logprobs[0][runner_up], abs=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({"x7": 1}, "logit_bias: key 'x7' is not a token id"),
+        ({"-7": 1}, "logit_bias: key '-7' is not a token id"),
+        ({"7": 100.5}, "logit_bias: 100.5 for token 7 is outside [-100, 100]"),
+        ({"100000": 1}, "logit_bias: token id 100000 is outside the vocabulary"),
+        ({"7": "high"}, "logit_bias.7: Input should be a valid number"),
+    ],
+)
+def test_bad_logit_bias_is_a_400_naming_it(client, bias, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], logit_bias=bias, **GREEDY)
+    assert message in caught.value.body["message"]
+    assert caught.value.body["param"] == "logit_bias"
+
+
+UNSUPPORTED = [
+    ("completions", "best_of", 2),
+    ("completions", "suffix", " the end"),
+    ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("chat", "tool_choice", "required"),
+    ("completions", "guided_choice", ["yes", "no"]),
+    ("completions", "guided_json", {"type": "object"}),
+    ("chat", "structured_outputs", {"regex": "[0-9]+"}),
+    ("completions", "allowed_token_ids", [5, 6]),
+    ("completions", "prompt_logprobs", 1),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "field", "value"), UNSUPPORTED)
+def test_fields_that_would_be_silently_ignored_are_refused_by_name(client, endpoint, field, value):
+    """Unknown fields are ignored, but these change what a vLLM server would generate."""
+    create = (
+        client.completions.create if endpoint == "completions" else client.chat.completions.create
+    )
+    prompt = {"prompt": PROMPTS[0]} if endpoint == "completions" else {"messages": MESSAGES}
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(model=MODEL_NAME, **prompt, extra_body={field: value}, **GREEDY)
+    assert caught.value.body["param"] == field and field in caught.value.body["message"]
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(client, llm):
+    (reference,) = llm.generate([PROMPTS[0]], SamplingParams(**GREEDY))
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], best_of=1, suffix="", **GREEDY
+    )
+    assert response.choices[0].text == reference.text
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+        **GREEDY,
+    )
+    assert chat.choices[0].finish_reason in ("stop", "length")
 
 
 # ---- logprobs ----------------------------------------------------------------------------------
