@@ -15,6 +15,7 @@ from server.generation import ServerState, check_model
 from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware, RequestCounterMiddleware
 from server.protocol import DetokenizeRequest, TokenizeRequest
 from server.sampling import check_token_ids
+from server.version import baton_version
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -63,9 +64,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {
+    def card() -> dict:
+        return {
             "id": state.args.model_name,
             "object": "model",
             "created": started,
@@ -73,7 +73,20 @@ def build_app(state: ServerState) -> FastAPI:
             "root": state.args.model,
             "max_model_len": state.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        """OpenAI's retrieve (`client.models.retrieve`); ids may hold slashes (org/name)."""
+        check_model(state, model)
+        return card()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": baton_version()}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -102,7 +102,10 @@ async def _stream(
     state: ServerState, body: ChatCompletionRequest, head: dict, prompt, requests, arrival: float
 ) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
+    results = [ChoiceResult() for _ in requests]
     extra = {"usage": None} if body.include_usage else {}
+    if body.continuous_usage:
+        extra = {"usage": usage([prompt], results, body.n)}
     for index in range(len(requests)):
         # OpenAI opens each choice with the assistant role and no content.
         choice = {
@@ -112,7 +115,6 @@ async def _stream(
             "finish_reason": None,
         }
         yield sse({**head, "choices": [choice], **extra})
-    results = [ChoiceResult() for _ in requests]
     async with contextlib.aclosing(timed_deltas(state, requests, arrival)) as deltas:
         async for index, delta in deltas:
             results[index].add(delta)
@@ -125,6 +127,8 @@ async def _stream(
                 "logprobs": _logprobs(state, body, delta.new_token_ids, delta.new_logprobs or []),
                 "finish_reason": delta.finish_reason if delta.finished else None,
             }
+            if body.continuous_usage:
+                extra = {"usage": usage([prompt], results, body.n)}
             yield sse({**head, "choices": [choice], **extra})
     if body.include_usage:
         yield sse({**head, "choices": [], "usage": usage([prompt], results, body.n)})

@@ -127,6 +127,8 @@ async def _stream(
                 ),
                 "finish_reason": delta.finish_reason if delta.finished else None,
             }
+            if body.continuous_usage:
+                extra = {"usage": usage(prompts, results, body.n)}
             yield sse({**head, "choices": [choice], **extra})
     if body.include_usage:
         yield sse({**head, "choices": [], "usage": usage(prompts, results, body.n)})

@@ -42,6 +42,7 @@ from server.router_relay import (
 )
 from server.router_workers import PROBE_TIMEOUT_S, RETRY_AFTER_S, Worker, WorkerSet, describe
 from server.validation import parse_generation
+from server.version import baton_version
 
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 ROUTER_KEEPALIVE_EXPIRY_S = 10.0  # idle connections to workers; below SERVER_KEEP_ALIVE_S
@@ -108,14 +109,21 @@ def build_router_app(
     async def metrics() -> Response:
         return Response(workers.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": baton_version()}
+
     @app.get("/v1/models")
+    @app.get("/v1/models/{model:path}")
     async def models(request: Request) -> Response:
+        """The decode worker's answer (the list, or one model: OpenAI's retrieve)."""
         pair = workers.pick()
         if pair is None:
             return error_response(503, "no healthy prefill + decode worker pair")
         try:
             response = await client.get(
-                f"{pair[1].url}/v1/models", headers=forward_headers(request)
+                f"{pair[1].url}{request.scope.get('raw_path', b'/v1/models').decode('latin-1')}",
+                headers=forward_headers(request),
             )
         except httpx.HTTPError as error:
             return error_response(

@@ -146,6 +146,17 @@ def test_logit_bias_reaches_both_halves(stack, colocated):
     assert refused.status_code == 400 and "logit_bias" in refused.json()["error"]["message"]
 
 
+def test_router_answers_models_retrieve_and_version(stack, model_dir):
+    router = stack["router"].base_url
+    card = httpx.get(f"{router}/v1/models/{model_dir}", timeout=10)
+    assert card.status_code == 200 and card.json()["id"] == str(model_dir)
+    # %3F stays a character of the id (not a query that would turn it into the list)
+    other = httpx.get(f"{router}/v1/models/other%3Fx", timeout=10)
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    assert "other?x" in other.json()["error"]["message"]
+    assert httpx.get(f"{router}/version", timeout=10).json()["version"]
+
+
 def test_pickle_on_the_transfer_socket_is_rejected_and_harmless(stack):
     info = httpx.get(f"{stack['prefill'].base_url}/disagg/info", timeout=10).json()
     context = zmq.Context.instance()

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
+from server.version import baton_version
 from tests.server_process import start_server, tiny_model
 
 MODEL_NAME = "tiny"
@@ -147,6 +148,30 @@ def test_include_usage_adds_a_final_usage_chunk(client, endpoint):
     assert last.choices == [] and last.usage is not None
     assert last.usage.model_dump() == unstreamed.usage.model_dump()
     assert all(chunk.usage is None for chunk in body)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_running_usage_in_every_chunk(client, endpoint):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's completion_tokens is what was
+    generated so far (non-decreasing, every chunk), the last one the unstreamed count."""
+    options = {
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "model": MODEL_NAME,
+        **GREEDY,
+    }
+    if endpoint == "completions":
+        unstreamed = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], **GREEDY)
+        _, _, chunks = streamed_completion(client, prompt=PROMPTS[0], **options)
+    else:
+        unstreamed = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+        _, _, chunks = streamed_chat(client, messages=MESSAGES, **options)
+    assert all(chunk.usage is not None for chunk in chunks)
+    prompt_tokens = {chunk.usage.prompt_tokens for chunk in chunks}
+    assert prompt_tokens == {unstreamed.usage.prompt_tokens}
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert counts == sorted(counts) and counts[-1] == unstreamed.usage.completion_tokens
+    assert len(set(counts)) > 2  # it moves while tokens stream, not only at the end
+    assert chunks[-1].usage.model_dump() == unstreamed.usage.model_dump()
 
 
 def test_without_include_usage_no_chunk_carries_usage(client):
@@ -356,6 +381,16 @@ def test_chat_logprobs_list_tokens_bytes_and_top_alternatives(client):
 
 
 # ---- the other endpoints -----------------------------------------------------------------------
+
+
+def test_models_retrieve_and_version(server, client):
+    """OpenAI's `models.retrieve`; another id is 404 model_not_found; /version as vLLM has it."""
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("org/other-model")
+    assert caught.value.body["code"] == "model_not_found"
+    version = server.http().get("/version")
+    assert version.status_code == 200 and version.json()["version"] == baton_version() != ""
 
 
 def test_models_lists_the_served_name(client):
