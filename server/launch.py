@@ -20,6 +20,7 @@ from types import FrameType
 
 import uvicorn
 
+from engine.config import ModelConfig
 from engine.gc_freeze import freeze_startup_objects
 from server.app import build_app
 from server.args import HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S, ServerArgs
@@ -56,6 +57,15 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def check_model_config(model_dir: str) -> None:
+    """The engine's own reading of config.json, before any process starts: an unsupported
+    family or a missing key is named at once (and before a missing tokenizer would be)."""
+    try:
+        ModelConfig.from_hf(model_dir)
+    except (ValueError, OSError) as error:
+        raise RuntimeError(f"failed to load model {model_dir}: {error}") from error
+
+
 async def serve(args: ServerArgs) -> None:
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
@@ -64,6 +74,7 @@ async def serve(args: ServerArgs) -> None:
         loop.add_signal_handler(sig, main_task.cancel)
     client = EngineClient(args)
     try:
+        await asyncio.to_thread(check_model_config, args.model)
         # The engine loads while the tokenizer does; a tokenizer that cannot load stops both.
         starting = asyncio.ensure_future(client.start())
         try:
