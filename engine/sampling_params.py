@@ -69,6 +69,10 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for token_id, bias in self.logit_bias.items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool):
+                raise ValueError(f"logit_bias: key {token_id!r} is not a token id (an int)")
+            if not isinstance(bias, (int, float)) or isinstance(bias, bool):
+                raise ValueError(f"logit_bias: {bias!r} for token {token_id} is not a number")
             if token_id < 0:
                 raise ValueError(f"logit_bias: token id {token_id} is negative")
             if not -100.0 <= bias <= 100.0:  # also refuses NaN

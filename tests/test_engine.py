@@ -202,4 +202,6 @@ def test_invalid_requests_are_rejected_with_reasons(base_model):
         engine.add_request("e", [5], SamplingParams(logit_bias={100000: 1.0}))
     with pytest.raises(ValueError, match=r"logit_bias: nan for token 5"):
         SamplingParams(logit_bias={5: float("nan")})
+    with pytest.raises(ValueError, match=r"logit_bias: key '5' is not a token id"):
+        SamplingParams(logit_bias={"5": 1.0})
     assert engine.stats().num_waiting == 0
