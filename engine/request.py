@@ -48,6 +48,9 @@ class Request:
     # Something still reading this request's pages and slot in place (a disaggregated prefill's
     # zero-copy sends): while `hold.done` is False, releasing the request defers giving them back.
     hold: Hold | None = None
+    # params.logit_bias as (ids, values) tensors on the logits' device, built at its first step
+    # (a bias over much of the vocabulary is not rebuilt from a dict every step).
+    logit_bias_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def all_ids(self) -> list[int]:

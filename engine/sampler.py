@@ -40,10 +40,15 @@ def apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Ten
     """Each request's logit_bias added to its row (OpenAI / vLLM semantics)."""
     for row, req in enumerate(reqs):
         bias = req.params.logit_bias
-        if bias:
-            ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
-            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-            logits[row].index_add_(0, ids, values)
+        if not bias:
+            continue
+        if req.logit_bias_rows is None:
+            req.logit_bias_rows = (
+                torch.tensor(list(bias), dtype=torch.int64, device=logits.device),
+                torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device),
+            )
+        ids, values = req.logit_bias_rows
+        logits[row].index_add_(0, ids, values)
     return logits
 
 
