@@ -96,7 +96,10 @@ def build_app(state: ServerState) -> FastAPI:
         # Off the event loop: a long text would hold /health and every other client up.
         if body.messages is not None:
             tokens = await asyncio.to_thread(
-                state.tokenizer.encode_chat, body.messages, body.add_generation_prompt
+                state.tokenizer.encode_chat,
+                body.messages,
+                body.add_generation_prompt,
+                body.chat_template_kwargs,
             )
         else:
             tokens = await asyncio.to_thread(

@@ -53,7 +53,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     check_model(state, body.model)
     check_generation(body)  # the rules the router applies too, before any tokenizing
     prompt = await asyncio.to_thread(
-        state.tokenizer.encode_chat, body.messages, body.add_generation_prompt
+        state.tokenizer.encode_chat,
+        body.messages,
+        body.add_generation_prompt,
+        body.chat_template_kwargs,
     )
     max_tokens = _max_tokens(body, len(prompt), state.max_model_len)
     params = build_sampling_params(

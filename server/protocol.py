@@ -134,6 +134,7 @@ class ChatCompletionRequest(GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[Text, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
 
 
 class TokenizeRequest(OpenAIModel):
@@ -144,6 +145,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[Text, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):

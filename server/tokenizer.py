@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer
 
@@ -32,6 +33,15 @@ def _byte_level_alphabet() -> dict[str, int]:
             extra += 1
     return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
 
+
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+        "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
 
 # What AutoTokenizer needs at least one of (engine/engine.py's offline LLM checks the same).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -64,13 +74,27 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_chat(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Render the tokenizer's chat template, then tokenize (the template holds any BOS)."""
+        """Render the tokenizer's chat template, then tokenize (the template holds any BOS).
+        `template_kwargs` are the request's chat_template_kwargs: variables the template reads
+        (vLLM's; Nemotron's templates take `enable_thinking`)."""
         conversation = [{"role": message.role, "content": message.text()} for message in messages]
+        variables = dict(template_kwargs or {})
+        for reserved in RESERVED_TEMPLATE_KWARGS.intersection(variables):
+            raise APIError.bad_request(
+                f"chat_template_kwargs: {reserved!r} is set by the server, not by a request",
+                "chat_template_kwargs",
+            )
         try:
             text = self.hf.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **variables,
             )
         except Exception as error:  # jinja raises its own errors for conversations it rejects
             raise APIError.bad_request(

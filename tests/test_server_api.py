@@ -327,6 +327,26 @@ def test_fields_that_would_be_silently_ignored_are_refused_by_name(client, endpo
     assert caught.value.body["param"] == field and field in caught.value.body["message"]
 
 
+def test_chat_template_kwargs_are_taken_and_reserved_ones_refused(server, client):
+    """The tiny template reads no variable: the same prompt; `tokenize` is the server's."""
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+    extra = {"chat_template_kwargs": {"enable_thinking": False}}
+    given = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, extra_body=extra, **GREEDY
+    )
+    assert given.choices[0].message.content == plain.choices[0].message.content
+    tokens = server.http().post("/tokenize", json={"messages": MESSAGES, **extra}).json()
+    assert tokens["count"] == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            extra_body={"chat_template_kwargs": {"tokenize": True}},
+            **GREEDY,
+        )
+    assert caught.value.body["param"] == "chat_template_kwargs"
+
+
 def test_neutral_values_of_unsupported_fields_are_accepted(client, llm):
     (reference,) = llm.generate([PROMPTS[0]], SamplingParams(**GREEDY))
     response = client.completions.create(
