@@ -67,8 +67,9 @@ class Request:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        # Prompt logprobs are produced once, during the first pass over the prompt.
-        return self.params.prompt_logprobs is not None and self.num_preemptions == 0
+        # Produced during a pass over the whole prompt that ends in the first sampled token; a
+        # request preempted before that token starts them over (Scheduler.preempt).
+        return self.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def finished(self) -> bool:

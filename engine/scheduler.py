@@ -291,6 +291,8 @@ class Scheduler(PrefixBlocks):
         self._release(req)
         req.status = Status.WAITING
         req.num_computed = 0
+        if not req.output_ids:
+            req.prompt_logprobs = []  # recomputed with the prompt (wants_prompt_logprobs)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

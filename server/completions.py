@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from server.errors import APIError
 from server.generation import (
     ChoiceResult,
     ServerState,
@@ -27,7 +28,7 @@ from server.generation import (
 from server.logprobs import completion_logprobs
 from server.protocol import CompletionRequest
 from server.sampling import build_sampling_params, check_prompt
-from server.validation import check_generation, requested_max_tokens
+from server.validation import check_generation, engine_max_tokens, requested_max_tokens
 
 router = APIRouter()
 
@@ -59,10 +60,16 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
         prompts = await asyncio.to_thread(tokenize_prompts, state, body.prompt)
     else:  # token ids only: nothing to encode, so no worker-thread round trip (two loop wakeups)
         prompts = tokenize_prompts(state, body.prompt)
-    max_tokens = requested_max_tokens(body)
-    assert max_tokens is not None  # completions default to 16
+    requested = requested_max_tokens(body)
+    assert requested is not None  # completions default to 16
+    max_tokens = engine_max_tokens(body, requested)
+    scored = body.echo and body.logprobs is not None
     params = build_sampling_params(
-        body, max_tokens=max_tokens, logprobs=body.logprobs, vocab_size=state.vocab_size
+        body,
+        max_tokens=max_tokens,
+        logprobs=body.logprobs,
+        vocab_size=state.vocab_size,
+        prompt_logprobs=body.logprobs if scored else None,
     )
     for prompt in prompts:
         check_prompt(
@@ -73,6 +80,16 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
             param="prompt",
         )
     check_disagg(state, body.baton_disagg)
+    if scored and body.baton_disagg is not None:
+        raise APIError.bad_request(
+            "echo with logprobs is not supported by a disaggregated pair (the prompt's logprobs "
+            "stay on the prefill worker); send it to a colocated `baton serve`",
+            "echo",
+        )
+    # (token-id prompts are decoded for echo: off the event loop, as tokenizing is)
+    echo = (
+        await asyncio.to_thread(Echo, body, prompts, state, requested == 0) if body.echo else None
+    )
     admit(state)
     request_id = new_request_id("cmpl")
     requests = fan_out(request_id, prompts, params, body.n, body.baton_disagg)
@@ -83,19 +100,73 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
         "model": state.args.model_name,
     }
     if body.stream:
-        chunks = _stream(state, body, head, prompts, requests, arrival)
+        chunks = _stream(state, body, head, prompts, requests, arrival, echo)
         return StreamingResponse(sse_guard(chunks), media_type="text/event-stream")
     results = await collect(state, requests, arrival, raw_request)
-    choices = [
-        {
+    choices = []
+    for index, result in enumerate(results):
+        if echo is not None and echo.drop:
+            echo.trim(result)
+        choice = {
             "index": index,
             "text": result.text,
             "logprobs": _logprobs(state, body, result.token_ids, result.logprobs, 0),
             "finish_reason": result.finish_reason,
         }
-        for index, result in enumerate(results)
-    ]
+        choices.append(echo.prepend(index, result, choice) if echo is not None else choice)
     return {**head, "choices": choices, "usage": usage(prompts, results, body.n)}
+
+
+class Echo:
+    """`echo`: each choice's text starts with its prompt's (as given, or its ids decoded), and
+    with logprobs its prompt tokens' logprobs come first (the first one null, as in vLLM). With
+    max_tokens 0 (`drop`) the one generated token is not returned: the prompt is only scored."""
+
+    def __init__(
+        self, body: CompletionRequest, prompts: list[list[int]], state: ServerState, drop: bool
+    ) -> None:
+        self.body = body
+        self.state = state
+        self.drop = drop
+        self.prompt_ids = prompts
+        given = body.prompt
+        items = (
+            [given]
+            if isinstance(given, str) or all(isinstance(item, int) for item in given)
+            else given
+        )
+        self.texts = [
+            item
+            if isinstance(item, str)
+            else state.tokenizer.decode(item, skip_special_tokens=body.skip_special_tokens)
+            for item in items
+        ]
+
+    def prompt_of(self, index: int) -> int:
+        return index // self.body.n
+
+    @staticmethod
+    def trim(result: ChoiceResult) -> None:
+        result.text, result.token_ids, result.logprobs = "", [], []
+        result.finish_reason = "length"
+
+    def prepend(self, index: int, result: ChoiceResult, choice: dict) -> dict:
+        """The choice (or the first chunk of its stream) with its prompt in front."""
+        prompt = self.prompt_of(index)
+        text = self.texts[prompt]
+        logprobs = choice["logprobs"]
+        if logprobs is not None:
+            ids = self.prompt_ids[prompt]
+            # one entry per prompt token (the engine recomputes them after a preemption); the
+            # padding only guards the response's shape
+            entries = list(result.prompt_logprobs or [])[: len(ids)]
+            entries += [None] * (len(ids) - len(entries))
+            head = completion_logprobs(self.state.tokenizer, ids, entries, 0)
+            for key in ("tokens", "token_logprobs", "top_logprobs"):
+                head[key] += logprobs[key]
+            head["text_offset"] += [offset + len(text) for offset in logprobs["text_offset"]]
+            logprobs = head
+        return {**choice, "text": text + choice["text"], "logprobs": logprobs}
 
 
 def _logprobs(
@@ -107,15 +178,40 @@ def _logprobs(
 
 
 async def _stream(
-    state: ServerState, body: CompletionRequest, head: dict, prompts, requests, arrival: float
+    state: ServerState,
+    body: CompletionRequest,
+    head: dict,
+    prompts,
+    requests,
+    arrival: float,
+    echo: Echo | None,
 ) -> AsyncIterator[str]:
     results = [ChoiceResult() for _ in requests]
     extra = {"usage": None} if body.include_usage else {}
+    echoed: set[int] = set()
     async with contextlib.aclosing(timed_deltas(state, requests, arrival)) as deltas:
         async for index, delta in deltas:
             result = results[index]
             text_offset = len(result.text)
             result.add(delta)
+            if echo is not None and echo.drop:
+                echo.trim(result)
+            if echo is not None and index not in echoed:
+                # the prompt first, in a chunk of its own (with the generated text when dropped)
+                echoed.add(index)
+                lead = {
+                    "index": index,
+                    "text": "",
+                    "logprobs": _logprobs(state, body, [], [], 0),
+                    "finish_reason": result.finish_reason if echo.drop else None,
+                }
+                if body.continuous_usage:
+                    extra = {"usage": usage(prompts, results, body.n)}
+                yield sse({**head, "choices": [echo.prepend(index, result, lead)], **extra})
+            if echo is not None:
+                if echo.drop:
+                    continue
+                text_offset += len(echo.texts[echo.prompt_of(index)])
             wants_logprobs = body.logprobs is not None and bool(delta.new_token_ids)
             if not (delta.new_text or delta.finished or wants_logprobs):
                 continue

@@ -157,8 +157,11 @@ class ChoiceResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when the request asked for them
 
     def add(self, delta: RequestDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.new_text
         self.token_ids.extend(delta.new_token_ids)
         self.logprobs.extend(delta.new_logprobs or [])

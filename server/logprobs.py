@@ -23,15 +23,25 @@ def _ranked(entry: TokenLogprobs) -> list[tuple[int, float]]:
 
 
 def completion_logprobs(
-    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs], text_offset: int
+    tokenizer: Tokenizer,
+    token_ids: list[int],
+    logprobs: list[TokenLogprobs | None],
+    text_offset: int,
 ) -> dict:
-    """Logprobs of consecutive tokens whose text starts at character `text_offset`."""
+    """Logprobs of consecutive tokens whose text starts at character `text_offset`; an entry
+    None (an echoed prompt's first token, which nothing predicts) is null in both lists."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, logprobs, strict=True):
         text = tokenizer.token_text(token_id)
         tokens.append(text)
-        token_logprobs.append(_finite(entry[token_id]))
-        top_logprobs.append({tokenizer.token_text(alt): _finite(lp) for alt, lp in _ranked(entry)})
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            token_logprobs.append(_finite(entry[token_id]))
+            top_logprobs.append(
+                {tokenizer.token_text(alt): _finite(lp) for alt, lp in _ranked(entry)}
+            )
         offsets.append(text_offset)
         text_offset += len(text)
     return {

@@ -22,7 +22,12 @@ _PASS_THROUGH = (
 
 
 def build_sampling_params(
-    request: GenerationFields, *, max_tokens: int, logprobs: int | None, vocab_size: int | None
+    request: GenerationFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """vocab_size None (the router, which has no model) checks everything but the vocabulary."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
@@ -44,6 +49,7 @@ def build_sampling_params(
             stop=[text for text in stop if text],  # an empty stop string would match everywhere
             stop_token_ids=stop_token_ids,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             **kwargs,
         )
     except ValueError as error:  # its messages start with the parameter's name

@@ -9,7 +9,7 @@ template) are applied by both workers alike to the same prompt, so the prefill w
 such a request before it opens a room.
 
     raw body ──parse_json_body──> dict ──parse_generation──> CompletionRequest | ChatCompletionRequest
-                                                  └──check_generation (sampling parameters, n, echo…)
+                                                  └──check_generation (sampling parameters, n, …)
 """
 
 from __future__ import annotations
@@ -187,12 +187,26 @@ def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> Non
         )
 
 
+def engine_max_tokens(
+    request: CompletionRequest | ChatCompletionRequest, requested: int | None
+) -> int:
+    """What the engine is asked for: echo's max_tokens 0 (score the prompt) runs one token that
+    the answer leaves out; an unset chat max_tokens is checked here as its smallest value."""
+    if requested is None:
+        return max(1, request.min_tokens)
+    if requested == 0 and isinstance(request, CompletionRequest) and request.echo:
+        return 1
+    return requested
+
+
 def check_generation(request: CompletionRequest | ChatCompletionRequest) -> None:
     """Every rule on a generation request that needs no model or tokenizer (APIError 400)."""
     check_unsupported(request)
     if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise APIError.bad_request("echo is not supported", "echo")
+        if request.max_tokens == 0 and not request.echo:
+            raise APIError.bad_request(
+                "max_tokens must be at least 1 (0 only with echo, to score a prompt)", "max_tokens"
+            )
         prompts = num_prompts(request.prompt)
         if prompts == 0:
             raise APIError.bad_request("prompt must not be empty", "prompt")
@@ -208,7 +222,7 @@ def check_generation(request: CompletionRequest | ChatCompletionRequest) -> None
     max_tokens = requested_max_tokens(request)
     build_sampling_params(
         request,
-        max_tokens=max_tokens if max_tokens is not None else max(1, request.min_tokens),
+        max_tokens=engine_max_tokens(request, max_tokens),
         logprobs=logprobs,
         vocab_size=None,
     )

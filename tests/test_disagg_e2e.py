@@ -146,6 +146,17 @@ def test_logit_bias_reaches_both_halves(stack, colocated):
     assert refused.status_code == 400 and "logit_bias" in refused.json()["error"]["message"]
 
 
+def test_echo_through_the_pair(stack, colocated):
+    """echo's text is the colocated server's; echo with logprobs (prompt logprobs, which stay on
+    the prefill worker) is a 400 naming echo, not a silently shorter answer."""
+    server, _ = colocated
+    want = complete(server.base_url, prompts()[3], echo=True).json()["choices"][0]["text"]
+    got = complete(stack["router"].base_url, prompts()[3], echo=True)
+    assert got.status_code == 200 and got.json()["choices"][0]["text"] == want
+    scored = complete(stack["router"].base_url, prompts()[3], echo=True, logprobs=1, max_tokens=0)
+    assert scored.status_code == 400 and scored.json()["error"]["param"] == "echo"
+
+
 def test_router_answers_models_retrieve_and_version(stack, model_dir):
     router = stack["router"].base_url
     card = httpx.get(f"{router}/v1/models/{model_dir}", timeout=10)

@@ -205,3 +205,30 @@ def test_invalid_requests_are_rejected_with_reasons(base_model):
     with pytest.raises(ValueError, match=r"logit_bias: key '5' is not a token id"):
         SamplingParams(logit_bias={"5": 1.0})
     assert engine.stats().num_waiting == 0
+
+
+def test_prompt_logprobs_survive_a_preemption_mid_prompt(base_model):
+    """A request preempted half-way through its prompt recomputes the prompt's logprobs from the
+    start: the same list as an undisturbed run, one entry per prompt token (echo scores it)."""
+    model_dir, _ = base_model
+    prompt = [(5 * i) % 200 + 3 for i in range(40)]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    (undisturbed,) = LLM(model_dir, page_size=4).generate([prompt], params)
+    assert len(undisturbed.prompt_logprobs) == len(prompt)
+    llm = LLM(model_dir, page_size=4, chunked_prefill_size=16, max_num_batched_tokens=16)
+    engine = llm.engine
+    engine.add_request("r", prompt, params)
+    engine.step()  # 16 of the 40 prompt tokens
+    req = engine.requests["r"]
+    assert 0 < len(req.prompt_logprobs) < len(prompt)
+    engine.scheduler.preempt(req)
+    assert req.prompt_logprobs == [] and req.wants_prompt_logprobs
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    (first,) = [d for d in deltas if d.prompt_logprobs is not None]
+    assert len(first.prompt_logprobs) == len(prompt) and first.prompt_logprobs[0] is None
+    for got, want in zip(first.prompt_logprobs[1:], undisturbed.prompt_logprobs[1:], strict=True):
+        assert got.keys() == want.keys()
+        assert all(abs(got[t] - want[t]) < 1e-5 for t in got)
+    assert [t for d in deltas for t in d.new_token_ids] == undisturbed.token_ids

@@ -364,6 +364,84 @@ def test_neutral_values_of_unsupported_fields_are_accepted(client, llm):
     assert chat.choices[0].finish_reason in ("stop", "length")
 
 
+# ---- echo ----------------------------------------------------------------------------------
+
+
+def hf_prompt_logprobs(model_dir, ids: list[int]) -> list[float]:
+    """transformers' log-probability of each prompt token after the ones before it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    chosen = logits[:-1].log_softmax(dim=-1).gather(1, torch.tensor(ids[1:])[:, None])
+    return chosen[:, 0].tolist()
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_as_transformers_does(client, llm, model_dir):
+    """lm-evaluation-harness's loglikelihood requests (echo, logprobs, no new text): the prompt
+    comes back with each token's logprob given the tokens before it, the first one null."""
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[1], echo=True, logprobs=1, max_tokens=0, temperature=0
+    )
+    (choice,) = response.choices
+    assert choice.text == PROMPTS[1] and choice.finish_reason == "length"
+    assert response.usage.completion_tokens == 0 and response.usage.prompt_tokens == len(ids)
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [llm.tokenizer.decode([token]) for token in ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx(
+        hf_prompt_logprobs(model_dir, ids), abs=1e-4
+    )
+    for token, top in zip(logprobs.tokens[1:], logprobs.top_logprobs[1:], strict=True):
+        assert token in top and 1 <= len(top) <= 2
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+
+
+def test_echo_puts_the_prompt_before_the_completion_streamed_or_not(client, llm):
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    (reference,) = llm.generate([ids], SamplingParams(**GREEDY, logprobs=0, prompt_logprobs=0))
+    options = {"model": MODEL_NAME, "echo": True, "logprobs": 0, **GREEDY}
+    whole = client.completions.create(prompt=ids, **options).choices[0]
+    prompt_text = llm.tokenizer.decode(ids)
+    assert whole.text == prompt_text + reference.text
+    count = len(ids) + len(reference.token_ids)
+    assert len(whole.logprobs.tokens) == len(whole.logprobs.token_logprobs) == count
+    expected = [None] + [reference.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))]
+    expected += [entry[t] for entry, t in zip(reference.logprobs, reference.token_ids, strict=True)]
+    assert whole.logprobs.token_logprobs[0] is None
+    assert whole.logprobs.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-5)
+    chunks = list(client.completions.create(prompt=ids, stream=True, **options))
+    assert chunks[0].choices[0].text == prompt_text  # the prompt first, in a chunk of its own
+    assert "".join(chunk.choices[0].text for chunk in chunks) == whole.text
+    streamed = [lp for chunk in chunks for lp in chunk.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(expected[1:], abs=1e-5)
+
+
+def test_echo_scoring_streams_one_chunk_and_n_repeats_the_prompt(client):
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS, echo=True, max_tokens=0, stream=True
+        )
+    )
+    texts = sorted((chunk.choices[0].index, chunk.choices[0].text) for chunk in chunks)
+    assert texts == [(0, PROMPTS[0]), (1, PROMPTS[1])]
+    assert all(chunk.choices[0].finish_reason == "length" for chunk in chunks)
+    both = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], echo=True, n=2, seed=1, max_tokens=3
+    )
+    assert all(choice.text.startswith(PROMPTS[0]) for choice in both.choices)
+
+
+def test_max_tokens_0_needs_echo(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=0)
+    assert caught.value.body["param"] == "max_tokens"
+    assert "0 only with echo" in caught.value.body["message"]
+
+
 # ---- logprobs ----------------------------------------------------------------------------------
 
 
