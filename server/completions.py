@@ -82,8 +82,8 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
     check_disagg(state, body.baton_disagg)
     if scored and body.baton_disagg is not None:
         raise APIError.bad_request(
-            "echo with logprobs is not supported by a disaggregated pair (the prompt's logprobs "
-            "stay on the prefill worker); send it to a colocated `baton serve`",
+            "echo with logprobs cannot be split between prefill and decode (the prompt's "
+            "logprobs are not handed over); `baton router` sends such a request to one worker whole",
             "echo",
         )
     # (token-id prompts are decoded for echo: off the event loop, as tokenizing is)

@@ -171,14 +171,24 @@ def build_router_app(
         if pair is None:
             return error_response(503, "no healthy prefill + decode worker pair")
         prefill, decode = pair
-        room = uuid.uuid4().hex  # minted here; a client's value is never trusted
         headers = forward_headers(request)
-        decode_body = dict(body, baton_disagg={"room": room, "prefill_addr": prefill.transfer_addr})
-        prefill_body = dict(body, stream=False, baton_disagg={"room": room})
-        prefill_body.pop("stream_options", None)
-        prefill_task = asyncio.create_task(
-            client.post(f"{prefill.url}{path}", json=prefill_body, headers=headers)
-        )
+        if scores_prompt(path, body):
+            # echo with logprobs (prompt scoring, lm-evaluation-harness's loglikelihood) needs
+            # the prompt's logprobs, which no handover carries: the prefill worker serves the
+            # whole request itself, colocated (a prefill is all such a request is). No prefill
+            # half runs beside it: its task is a future that never completes.
+            decode, decode_body = prefill, body
+            prefill_task = asyncio.get_running_loop().create_future()
+        else:
+            room = uuid.uuid4().hex  # minted here; a client's value is never trusted
+            decode_body = dict(
+                body, baton_disagg={"room": room, "prefill_addr": prefill.transfer_addr}
+            )
+            prefill_body = dict(body, stream=False, baton_disagg={"room": room})
+            prefill_body.pop("stream_options", None)
+            prefill_task = asyncio.create_task(
+                client.post(f"{prefill.url}{path}", json=prefill_body, headers=headers)
+            )
         sending = asyncio.ensure_future(
             client.send(
                 client.build_request(
@@ -198,7 +208,9 @@ def build_router_app(
             if isinstance(error, GONE):
                 workers.lost(decode, error)
             prefill_task.cancel()
-            return error_response(503, f"decode worker {decode.url} unreachable: {describe(error)}")
+            return error_response(
+                503, f"{decode.role} worker {decode.url} unreachable: {describe(error)}"
+            )
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
@@ -224,6 +236,13 @@ def build_router_app(
         return await generate(request, "/v1/chat/completions")
 
     return app
+
+
+def scores_prompt(path: str, body: dict) -> bool:
+    """A completions request that wants its prompt's logprobs back (echo with logprobs)."""
+    return (
+        path == "/v1/completions" and body.get("echo") is True and body.get("logprobs") is not None
+    )
 
 
 def _once(action):

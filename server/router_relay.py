@@ -123,7 +123,7 @@ async def relay(
     except httpx.HTTPError as error:
         if isinstance(error, GONE):
             workers.lost(decode, error)
-        message = f"decode worker {decode.url} failed mid-stream: {describe(error)}"
+        message = f"{decode.role} worker {decode.url} failed mid-stream: {describe(error)}"
         yield f"data: {json.dumps(error_body(503, message))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
@@ -210,7 +210,7 @@ async def collect(
     except httpx.HTTPError as error:
         if isinstance(error, GONE):
             workers.lost(decode, error)
-        return error_response(503, f"decode worker {decode.url} failed: {describe(error)}")
+        return error_response(503, f"{decode.role} worker {decode.url} failed: {describe(error)}")
     finally:
         hangup.cancel()
         await upstream.aclose()

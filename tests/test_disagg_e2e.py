@@ -147,14 +147,37 @@ def test_logit_bias_reaches_both_halves(stack, colocated):
 
 
 def test_echo_through_the_pair(stack, colocated):
-    """echo's text is the colocated server's; echo with logprobs (prompt logprobs, which stay on
-    the prefill worker) is a 400 naming echo, not a silently shorter answer."""
+    """echo's text is the colocated server's. Scoring (echo with logprobs: the prompt's logprobs,
+    which no handover carries) goes to the prefill worker whole, streamed or not, and gives the
+    colocated answer; a room request asking for it directly is a 400 naming echo."""
     server, _ = colocated
+    router = stack["router"].base_url
     want = complete(server.base_url, prompts()[3], echo=True).json()["choices"][0]["text"]
-    got = complete(stack["router"].base_url, prompts()[3], echo=True)
+    got = complete(router, prompts()[3], echo=True)
     assert got.status_code == 200 and got.json()["choices"][0]["text"] == want
-    scored = complete(stack["router"].base_url, prompts()[3], echo=True, logprobs=1, max_tokens=0)
-    assert scored.status_code == 400 and scored.json()["error"]["param"] == "echo"
+    scoring = {"echo": True, "logprobs": 1, "max_tokens": 0}
+    for prompt in (prompts()[3], prompts()[6]):
+        want = complete(server.base_url, prompt, **scoring).json()["choices"][0]
+        got = complete(router, prompt, **scoring)
+        assert got.status_code == 200, got.text
+        got = got.json()["choices"][0]
+        assert (
+            got["text"] == want["text"] and got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        )
+        assert got["logprobs"]["token_logprobs"][0] is None
+        assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            want["logprobs"]["token_logprobs"][1:], abs=1e-5
+        )
+    streamed = httpx.post(
+        f"{router}/v1/completions",
+        json={"prompt": prompts()[3], "stream": True, **scoring},
+        timeout=60,
+    ).text
+    assert streamed.count("data: ") == 2 and streamed.rstrip().endswith("data: [DONE]")
+    direct = complete(
+        stack["prefill"].base_url, prompts()[3], baton_disagg={"room": "r1"}, **scoring
+    )
+    assert direct.status_code == 400 and direct.json()["error"]["param"] == "echo"
 
 
 def test_router_answers_models_retrieve_and_version(stack, model_dir):

@@ -135,15 +135,21 @@ def test_chat_usage_counts_the_templated_prompt(client, llm):
     )
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_include_usage_adds_a_final_usage_chunk(client, endpoint):
-    options = {"stream_options": {"include_usage": True}, "model": MODEL_NAME, **GREEDY}
+def unstreamed_and_chunks(client, endpoint: str, stream_options: dict) -> tuple[object, list]:
+    """The same greedy request once unstreamed and once streamed with `stream_options`."""
+    options = {"stream_options": stream_options, "model": MODEL_NAME, **GREEDY}
     if endpoint == "completions":
         unstreamed = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], **GREEDY)
         _, _, chunks = streamed_completion(client, prompt=PROMPTS[0], **options)
     else:
         unstreamed = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
         _, _, chunks = streamed_chat(client, messages=MESSAGES, **options)
+    return unstreamed, chunks
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_include_usage_adds_a_final_usage_chunk(client, endpoint):
+    unstreamed, chunks = unstreamed_and_chunks(client, endpoint, {"include_usage": True})
     *body, last = chunks
     assert last.choices == [] and last.usage is not None
     assert last.usage.model_dump() == unstreamed.usage.model_dump()
@@ -154,17 +160,9 @@ def test_include_usage_adds_a_final_usage_chunk(client, endpoint):
 def test_continuous_usage_stats_put_the_running_usage_in_every_chunk(client, endpoint):
     """vLLM's stream_options.continuous_usage_stats: each chunk's completion_tokens is what was
     generated so far (non-decreasing, every chunk), the last one the unstreamed count."""
-    options = {
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        "model": MODEL_NAME,
-        **GREEDY,
-    }
-    if endpoint == "completions":
-        unstreamed = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], **GREEDY)
-        _, _, chunks = streamed_completion(client, prompt=PROMPTS[0], **options)
-    else:
-        unstreamed = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
-        _, _, chunks = streamed_chat(client, messages=MESSAGES, **options)
+    unstreamed, chunks = unstreamed_and_chunks(
+        client, endpoint, {"include_usage": True, "continuous_usage_stats": True}
+    )
     assert all(chunk.usage is not None for chunk in chunks)
     prompt_tokens = {chunk.usage.prompt_tokens for chunk in chunks}
     assert prompt_tokens == {unstreamed.usage.prompt_tokens}
