@@ -158,7 +158,7 @@ def requested_max_tokens(request: CompletionRequest | ChatCompletionRequest) -> 
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
-    "tool_choice": (None, "none"),
+    "tool_choice": (None, "none", "auto"),  # auto with no tools (they are refused) is none
     "functions": (None, []),
     "function_call": (None, "none"),
     "prompt_logprobs": (None,),
