@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from server import chat, completions
+from server import chat, completions, sglang_generate
 from server.errors import APIError, error_response, install_error_handlers
 from server.generation import ServerState, check_model
 from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware, RequestCounterMiddleware
@@ -17,7 +17,7 @@ from server.protocol import DetokenizeRequest, TokenizeRequest
 from server.sampling import check_token_ids
 from server.version import baton_version
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -29,6 +29,7 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(sglang_generate.router)
     # Outermost last: count every answer, check the key before reading a body, read the body
     # (413 / strict JSON) before any handler parses it.
     app.add_middleware(RequestBodyMiddleware, max_bytes=state.args.max_request_bytes)

@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from server.engine_client import EngineRequest
 from server.errors import APIError
 from server.generation import (
     ChoiceResult,
@@ -56,6 +58,45 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
     arrival = time.monotonic()
     check_model(state, body.model)
     check_generation(body)  # the rules the router applies too, before any tokenizing
+    started = await start_completion(state, body, "cmpl")
+    prompts, requests, echo = started.prompts, started.requests, started.echo
+    head = {
+        "id": started.request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.args.model_name,
+    }
+    if body.stream:
+        chunks = _stream(state, body, head, prompts, requests, arrival, echo)
+        return StreamingResponse(sse_guard(chunks), media_type="text/event-stream")
+    results = await collect(state, requests, arrival, raw_request)
+    choices = []
+    for index, result in enumerate(results):
+        if echo is not None and echo.drop:
+            echo.trim(result)
+        choice = {
+            "index": index,
+            "text": result.text,
+            "logprobs": _logprobs(state, body, result.token_ids, result.logprobs, 0),
+            "finish_reason": result.finish_reason,
+        }
+        choices.append(echo.prepend(index, result, choice) if echo is not None else choice)
+    return {**head, "choices": choices, "usage": usage(prompts, results, body.n)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StartedCompletion:
+    prompts: list[list[int]]
+    requests: list[EngineRequest]
+    request_id: str
+    echo: Echo | None
+
+
+async def start_completion(
+    state: ServerState, body: CompletionRequest, id_prefix: str
+) -> StartedCompletion:
+    """Tokenize a checked completions request, check it against the model, admit it and fan it
+    out into engine requests (shared with SGLang's /generate, which is one)."""
     if _has_text(body.prompt):
         prompts = await asyncio.to_thread(tokenize_prompts, state, body.prompt)
     else:  # token ids only: nothing to encode, so no worker-thread round trip (two loop wakeups)
@@ -91,30 +132,9 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
         await asyncio.to_thread(Echo, body, prompts, state, requested == 0) if body.echo else None
     )
     admit(state)
-    request_id = new_request_id("cmpl")
+    request_id = new_request_id(id_prefix)
     requests = fan_out(request_id, prompts, params, body.n, body.baton_disagg)
-    head = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": state.args.model_name,
-    }
-    if body.stream:
-        chunks = _stream(state, body, head, prompts, requests, arrival, echo)
-        return StreamingResponse(sse_guard(chunks), media_type="text/event-stream")
-    results = await collect(state, requests, arrival, raw_request)
-    choices = []
-    for index, result in enumerate(results):
-        if echo is not None and echo.drop:
-            echo.trim(result)
-        choice = {
-            "index": index,
-            "text": result.text,
-            "logprobs": _logprobs(state, body, result.token_ids, result.logprobs, 0),
-            "finish_reason": result.finish_reason,
-        }
-        choices.append(echo.prepend(index, result, choice) if echo is not None else choice)
-    return {**head, "choices": choices, "usage": usage(prompts, results, body.n)}
+    return StartedCompletion(prompts=prompts, requests=requests, request_id=request_id, echo=echo)
 
 
 class Echo:

@@ -158,6 +158,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # when the request asked for them
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
 
     def add(self, delta: RequestDelta) -> None:
         if delta.prompt_logprobs is not None:
@@ -168,6 +169,7 @@ class ChoiceResult:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.finished:
             self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -151,3 +151,46 @@ class TokenizeRequest(OpenAIModel):
 class DetokenizeRequest(OpenAIModel):
     model: Text | None = None
     tokens: list[int]
+
+
+class SGLangSamplingParams(OpenAIModel):
+    """SGLang's `sampling_params` of POST /generate, with its defaults (max_new_tokens 128)."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = Field(1, ge=1, le=MAX_N)
+    sampling_seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    logit_bias: dict[Text, float] | None = None
+    # constrained decoding: parsed to be refused by name
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+
+
+class GenerateRequest(OpenAIModel):
+    """SGLang's native POST /generate: `text` or `input_ids` (one prompt or a batch)."""
+
+    text: Text | list[Text] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SGLangSamplingParams | None = None
+    stream: bool = False
+    rid: Any = None  # SGLang's request id; baton mints its own
+    # parsed to be refused by name unless neutral
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    lora_path: Any = None
+    image_data: Any = None
+    baton_disagg: DisaggField | None = None

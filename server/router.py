@@ -235,6 +235,10 @@ def build_router_app(
     async def chat(request: Request) -> Response:
         return await generate(request, "/v1/chat/completions")
 
+    @app.post("/generate")
+    async def sglang_generate(request: Request) -> Response:
+        return await generate(request, "/generate")
+
     return app
 
 

@@ -21,7 +21,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from server.errors import APIError, describe_validation_errors
-from server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
+from server.protocol import (
+    MAX_N,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SGLangSamplingParams,
+)
 from server.sampling import build_sampling_params
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest a few levels; 100k-deep JSON must not reach a parser
@@ -30,6 +36,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 GENERATION_MODELS = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/generate": GenerateRequest,  # SGLang's native route
 }
 
 
@@ -117,7 +124,8 @@ def _check_depth(value: Any) -> None:
 
 
 def parse_generation(path: str, body: Any) -> CompletionRequest | ChatCompletionRequest:
-    """The request model for `path`, with the worker's messages (400) for a body it refuses."""
+    """The request model for `path`, with the worker's messages (400) for a body it refuses;
+    SGLang's /generate comes back as the completions request it amounts to."""
     if not isinstance(body, dict):
         raise _body_error("request body must be a JSON object")
     try:
@@ -125,8 +133,56 @@ def parse_generation(path: str, body: Any) -> CompletionRequest | ChatCompletion
     except ValidationError as error:
         message, param = describe_validation_errors(error.errors())
         raise APIError(400, message, param) from None
+    if isinstance(request, GenerateRequest):
+        return completion_from_generate(request)
     check_generation(request)
     return request
+
+
+# SGLang sampling_params -> the completions field it is (the rest have the same name).
+_SGLANG_RENAMED = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "sampling_seed": "seed",
+}
+_SGLANG_REFUSED = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def completion_from_generate(request: GenerateRequest) -> CompletionRequest:
+    """SGLang's /generate as a completions request, checked by the same rules (400 naming the
+    SGLang field where only it applies)."""
+    if (request.text is None) == (request.input_ids is None):
+        raise APIError.bad_request("give exactly one of text and input_ids", "text")
+    if request.return_logprob:
+        raise APIError.bad_request(
+            "return_logprob is not supported by this server", "return_logprob"
+        )
+    for name in ("lora_path", "image_data"):
+        if getattr(request, name) is not None:
+            raise APIError.bad_request(f"{name} is not supported by this server", name)
+    sampling = request.sampling_params or SGLangSamplingParams()
+    for name in _SGLANG_REFUSED:
+        if getattr(sampling, name) is not None:
+            raise APIError.bad_request(
+                f"sampling_params.{name} is not supported by this server", "sampling_params"
+            )
+    fields = {
+        _SGLANG_RENAMED.get(name, name): value
+        for name, value in sampling.model_dump(exclude=set(_SGLANG_REFUSED)).items()
+    }
+    fields["prompt"] = request.text if request.text is not None else request.input_ids
+    fields["stream"] = request.stream
+    if request.baton_disagg is not None:
+        fields["baton_disagg"] = request.baton_disagg.model_dump()
+    try:
+        completion = CompletionRequest.model_validate(fields)
+    except ValidationError as error:
+        message, param = describe_validation_errors(error.errors())
+        raise APIError(400, message, param) from None
+    if completion.max_tokens == 0:
+        raise APIError.bad_request("max_new_tokens must be at least 1", "sampling_params")
+    check_generation(completion)
+    return completion
 
 
 def num_prompts(prompt: str | list) -> int:

@@ -180,6 +180,26 @@ def test_echo_through_the_pair(stack, colocated):
     assert direct.status_code == 400 and direct.json()["error"]["param"] == "echo"
 
 
+def test_sglang_generate_through_the_pair(stack, colocated):
+    """SGLang's /generate is split like a completion: the pair's tokens are the colocated
+    server's, streamed (whole text so far per chunk) and not."""
+    server, _ = colocated
+    body = {"input_ids": prompts()[5], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    want = httpx.post(f"{server.base_url}/generate", json=body, timeout=60).json()
+    got = httpx.post(f"{stack['router'].base_url}/generate", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.json()["output_ids"] == want["output_ids"] and got.json()["text"] == want["text"]
+    streamed = httpx.post(
+        f"{stack['router'].base_url}/generate", json={**body, "stream": True}, timeout=60
+    ).text
+    events = [e.removeprefix("data: ") for e in streamed.split("\n\n") if e.strip()]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["text"] == want["text"]
+    refused = httpx.post(
+        f"{stack['router'].base_url}/generate", json={"text": "a", "input_ids": [5]}, timeout=60
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "text"
+
+
 def test_router_answers_models_retrieve_and_version(stack, model_dir):
     router = stack["router"].base_url
     card = httpx.get(f"{router}/v1/models/{model_dir}", timeout=10)

@@ -1,0 +1,94 @@
+"""POST /generate: SGLang's native API, for clients written against an SGLang server
+(`sglang.bench_serving --backend sglang`, RL rollout workers that send `input_ids`).
+
+A request is the completions request it amounts to (server/validation.py:
+completion_from_generate) and runs the same way; the answer has SGLang's shape: `text`,
+`output_ids` and `meta_info` (id, finish_reason as {"type": "length" | "stop" | "abort", ...},
+prompt / completion / cached token counts, e2e latency) per output, one object for a single
+prompt with n = 1, else a list (prompt-major, n outputs each). Streaming sends, per output, its
+whole text so far (SGLang's default, not deltas) with an `index`, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from server.completions import start_completion
+from server.generation import ChoiceResult, ServerState, collect, sse, sse_guard, timed_deltas
+from server.protocol import GenerateRequest
+from server.validation import completion_from_generate
+
+router = APIRouter()
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, raw_request: Request):
+    state: ServerState = raw_request.app.state.baton
+    arrival = time.monotonic()
+    completion = completion_from_generate(body)
+    started = await start_completion(state, completion, "gen")
+    outputs = Outputs(started.request_id, started.prompts, completion.n, arrival)
+    if body.stream:
+        chunks = _stream(state, outputs, started.requests, arrival)
+        return StreamingResponse(sse_guard(chunks), media_type="text/event-stream")
+    results = await collect(state, started.requests, arrival, raw_request)
+    answers = [outputs.answer(index, result) for index, result in enumerate(results)]
+    single = isinstance(body.text, str) or (
+        body.input_ids is not None and all(isinstance(t, int) for t in body.input_ids)
+    )
+    return answers[0] if single and completion.n == 1 else answers
+
+
+class Outputs:
+    def __init__(self, request_id: str, prompts: list[list[int]], n: int, arrival: float) -> None:
+        self.request_id = request_id
+        self.prompts = prompts
+        self.n = n
+        self.arrival = arrival
+
+    def answer(self, index: int, result: ChoiceResult) -> dict:
+        return {
+            "text": result.text,
+            "output_ids": list(result.token_ids),
+            "meta_info": {
+                "id": f"{self.request_id}-{index}",
+                "finish_reason": finish_reason(result),
+                "prompt_tokens": len(self.prompts[index // self.n]),
+                "completion_tokens": len(result.token_ids),
+                "cached_tokens": result.num_cached_tokens,
+                "e2e_latency": time.monotonic() - self.arrival,
+            },
+        }
+
+
+def finish_reason(result: ChoiceResult) -> dict | None:
+    """SGLang's form: length with the count, stop with what matched (a stop string or token id;
+    EOS is the last token), abort."""
+    if result.finish_reason is None:
+        return None
+    if result.finish_reason == "length":
+        return {"type": "length", "length": len(result.token_ids)}
+    if result.finish_reason == "stop":
+        matched = result.stop_reason
+        if matched is None and result.token_ids:
+            matched = result.token_ids[-1]
+        return {"type": "stop", "matched": matched}
+    return {"type": "abort", "message": result.finish_reason}
+
+
+async def _stream(
+    state: ServerState, outputs: Outputs, requests, arrival: float
+) -> AsyncIterator[str]:
+    results = [ChoiceResult() for _ in requests]
+    async with contextlib.aclosing(timed_deltas(state, requests, arrival)) as deltas:
+        async for index, delta in deltas:
+            result = results[index]
+            result.add(delta)
+            if not (delta.new_text or delta.new_token_ids or delta.finished):
+                continue
+            yield sse({**outputs.answer(index, result), "index": index})
