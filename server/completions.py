@@ -93,10 +93,11 @@ class StartedCompletion:
 
 
 async def start_completion(
-    state: ServerState, body: CompletionRequest, id_prefix: str
+    state: ServerState, body: CompletionRequest, id_prefix: str, prompt_logprobs: bool = False
 ) -> StartedCompletion:
     """Tokenize a checked completions request, check it against the model, admit it and fan it
-    out into engine requests (shared with SGLang's /generate, which is one)."""
+    out into engine requests (shared with SGLang's /generate, which is one). The prompt's
+    logprobs are computed for echo with logprobs, or when `prompt_logprobs` asks for them."""
     if _has_text(body.prompt):
         prompts = await asyncio.to_thread(tokenize_prompts, state, body.prompt)
     else:  # token ids only: nothing to encode, so no worker-thread round trip (two loop wakeups)
@@ -104,7 +105,7 @@ async def start_completion(
     requested = requested_max_tokens(body)
     assert requested is not None  # completions default to 16
     max_tokens = engine_max_tokens(body, requested)
-    scored = body.echo and body.logprobs is not None
+    scored = (body.echo or prompt_logprobs) and body.logprobs is not None
     params = build_sampling_params(
         body,
         max_tokens=max_tokens,
@@ -123,9 +124,10 @@ async def start_completion(
     check_disagg(state, body.baton_disagg)
     if scored and body.baton_disagg is not None:
         raise APIError.bad_request(
-            "echo with logprobs cannot be split between prefill and decode (the prompt's "
-            "logprobs are not handed over); `baton router` sends such a request to one worker whole",
-            "echo",
+            "the prompt's logprobs (echo with logprobs, or /generate's logprob_start_len) cannot "
+            "be split between prefill and decode (they are not handed over); `baton router` "
+            "sends such a request to one worker whole",
+            "echo" if body.echo else "logprob_start_len",
         )
     # (token-id prompts are decoded for echo: off the event loop, as tokenizing is)
     echo = (

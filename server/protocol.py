@@ -187,10 +187,12 @@ class GenerateRequest(OpenAIModel):
     sampling_params: SGLangSamplingParams | None = None
     stream: bool = False
     rid: Any = None  # SGLang's request id; baton mints its own
-    # parsed to be refused by name unless neutral
+    # logprobs of the output, and of the prompt from logprob_start_len on (-1: none)
     return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
+    logprob_start_len: int = Field(-1, ge=-1)
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    return_text_in_logprobs: bool = False
+    # parsed to be refused by name unless neutral
     lora_path: Any = None
     image_data: Any = None
     baton_disagg: DisaggField | None = None

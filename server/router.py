@@ -243,7 +243,10 @@ def build_router_app(
 
 
 def scores_prompt(path: str, body: dict) -> bool:
-    """A completions request that wants its prompt's logprobs back (echo with logprobs)."""
+    """A request that wants its prompt's logprobs back: completions' echo with logprobs,
+    SGLang's return_logprob with a logprob_start_len."""
+    if path == "/generate":
+        return body.get("return_logprob") is True and body.get("logprob_start_len", -1) >= 0
     return (
         path == "/v1/completions" and body.get("echo") is True and body.get("logprobs") is not None
     )

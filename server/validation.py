@@ -150,13 +150,11 @@ _SGLANG_REFUSED = ("json_schema", "regex", "ebnf", "structural_tag")
 
 def completion_from_generate(request: GenerateRequest) -> CompletionRequest:
     """SGLang's /generate as a completions request, checked by the same rules (400 naming the
-    SGLang field where only it applies)."""
+    SGLang field where only it applies); return_logprob becomes `logprobs` (top_logprobs_num
+    alternatives), and the prompt's logprobs (logprob_start_len >= 0) are asked for by the
+    /generate handler itself."""
     if (request.text is None) == (request.input_ids is None):
         raise APIError.bad_request("give exactly one of text and input_ids", "text")
-    if request.return_logprob:
-        raise APIError.bad_request(
-            "return_logprob is not supported by this server", "return_logprob"
-        )
     for name in ("lora_path", "image_data"):
         if getattr(request, name) is not None:
             raise APIError.bad_request(f"{name} is not supported by this server", name)
@@ -172,6 +170,8 @@ def completion_from_generate(request: GenerateRequest) -> CompletionRequest:
     }
     fields["prompt"] = request.text if request.text is not None else request.input_ids
     fields["stream"] = request.stream
+    if request.return_logprob:
+        fields["logprobs"] = request.top_logprobs_num
     if request.baton_disagg is not None:
         fields["baton_disagg"] = request.baton_disagg.model_dump()
     try:

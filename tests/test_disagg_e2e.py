@@ -198,6 +198,18 @@ def test_sglang_generate_through_the_pair(stack, colocated):
         f"{stack['router'].base_url}/generate", json={"text": "a", "input_ids": [5]}, timeout=60
     )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "text"
+    # logprobs: the output's through the split pair, the prompt's from a prefill worker whole
+    for extra in ({"return_logprob": True}, {"return_logprob": True, "logprob_start_len": 0}):
+        want = httpx.post(f"{server.base_url}/generate", json={**body, **extra}, timeout=60)
+        got = httpx.post(f"{stack['router'].base_url}/generate", json={**body, **extra}, timeout=60)
+        assert got.status_code == 200, got.text
+        want, got = want.json()["meta_info"], got.json()["meta_info"]
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            assert [e[1] for e in got[key]] == [e[1] for e in want[key]], key
+            assert [e[0] for e in got[key]] == pytest.approx([e[0] for e in want[key]], abs=1e-5)
+        assert len(got["input_token_logprobs"]) == (
+            len(body["input_ids"]) if extra.get("logprob_start_len") == 0 else 0
+        )
 
 
 def test_router_answers_models_retrieve_and_version(stack, model_dir):

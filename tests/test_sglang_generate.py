@@ -117,7 +117,7 @@ def test_streaming_sends_the_whole_text_so_far(server, llm):
     [
         ({"text": "a", "input_ids": [5]}, "text", "exactly one of text and input_ids"),
         ({}, "text", "exactly one of text and input_ids"),
-        ({"text": "a", "return_logprob": True}, "return_logprob", "return_logprob"),
+        ({"text": "a", "top_logprobs_num": 21}, "top_logprobs_num", "20"),
         ({"text": "a", "lora_path": "x"}, "lora_path", "lora_path"),
         ({"text": "a", "sampling_params": {"json_schema": "{}"}}, "sampling_params", "json_schema"),
         (
@@ -144,3 +144,47 @@ def test_bad_requests_are_400s_naming_the_field(server, body, param, needle):
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and needle in error["message"], error
+
+
+def test_return_logprob_gives_the_offline_engines_logprobs(server, llm):
+    """output_token_logprobs [logprob, id, text] per generated token; from logprob_start_len on,
+    input_token_logprobs (the first prompt token's logprob null), top alternatives when asked."""
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2
+    )
+    (reference,) = llm.generate([ids], params)
+    answer = generate(
+        server,
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
+        return_text_in_logprobs=True,
+    ).json()
+    meta = answer["meta_info"]
+    outputs = meta["output_token_logprobs"]
+    assert [token for _, token, _ in outputs] == reference.token_ids
+    want = [entry[t] for entry, t in zip(reference.logprobs, reference.token_ids, strict=True)]
+    assert [lp for lp, _, _ in outputs] == pytest.approx(want, abs=1e-5)
+    assert [text for _, _, text in outputs] == [
+        llm.tokenizer.decode([t]) for t in reference.token_ids
+    ]
+    inputs = meta["input_token_logprobs"]
+    assert [token for _, token, _ in inputs] == ids and inputs[0][0] is None
+    want_in = [reference.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))]
+    assert [lp for lp, _, _ in inputs[1:]] == pytest.approx(want_in, abs=1e-5)
+    for top, entry in zip(meta["output_top_logprobs"], reference.logprobs, strict=True):
+        best = sorted(entry.items(), key=lambda kv: -kv[1])[:2]
+        assert [t for _, t, _ in top] == [t for t, _ in best]
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == len(ids)
+    # from a later start, and the output only (start -1, SGLang's default), without text
+    later = generate(server, input_ids=ids, sampling_params={"max_new_tokens": 2, "temperature": 0}, return_logprob=True, logprob_start_len=2).json()  # fmt: skip
+    assert [t for _, t, _ in later["meta_info"]["input_token_logprobs"]] == ids[2:]
+    assert later["meta_info"]["input_token_logprobs"][0][0] == pytest.approx(want_in[1], abs=1e-5)
+    plain = generate(server, input_ids=ids, sampling_params={"max_new_tokens": 2, "temperature": 0}, return_logprob=True).json()  # fmt: skip
+    assert plain["meta_info"]["input_token_logprobs"] == []
+    assert all(text is None for _, _, text in plain["meta_info"]["output_token_logprobs"])
+    too_far = generate(server, input_ids=ids, return_logprob=True, logprob_start_len=len(ids))
+    assert too_far.status_code == 400 and too_far.json()["error"]["param"] == "logprob_start_len"
