@@ -14,9 +14,15 @@ import httpx
 
 from bench.serve_metrics import LATENCY_METRICS, PERCENTILES, SLO_METRICS, parse_percentiles
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-# vLLM's `bench serve --backend` names of the APIs this client speaks -> their route.
-BACKENDS = {"vllm": ENDPOINTS[0], "openai": ENDPOINTS[0], "openai-chat": ENDPOINTS[1]}
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
+# vLLM's `bench serve --backend` names of the APIs this client speaks -> their route, and
+# SGLang's bench_serving name for its native one.
+BACKENDS = {
+    "vllm": ENDPOINTS[0],
+    "openai": ENDPOINTS[0],
+    "openai-chat": ENDPOINTS[1],
+    "sglang": ENDPOINTS[2],
+}
 DEFAULT_VOCAB_SIZE = 1000  # token ids in [3, 1000) when neither a tokenizer nor a size is known
 # Any of these in a directory makes it a tokenizer directory for AutoTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -81,7 +87,7 @@ def add_bench_parser(subparsers) -> None:
         choices=sorted(BACKENDS),
         default="vllm",
         help="vLLM's names for the API a server speaks: vllm / openai the completions route, "
-        "openai-chat the chat route (default: vllm)",
+        "openai-chat the chat route; sglang SGLang's native /generate (default: vllm)",
     )
     parser.add_argument(
         "--dataset-name",

@@ -1,7 +1,8 @@
 r"""`baton bench serve`: load an OpenAI-compatible server and report TTFT, TPOT, ITL, throughput.
 
 Works against any `/v1/completions` (or `/v1/chat/completions`) server: `baton serve`, a
-`baton router` in front of a prefill/decode pair, vLLM's OpenAI server. Requests arrive as a
+`baton router` in front of a prefill/decode pair, vLLM's OpenAI server; and, with `--backend
+sglang`, against SGLang's native `/generate` (SGLang's servers, and baton's). Requests arrive as a
 Poisson process at `--request-rate` (inf: all at once; `--burstiness` below 1 makes arrivals
 burstier, above 1 more even, as vLLM's gamma arrivals), at most `--max-concurrency` in flight;
 prompts are synthetic, of `--input-len` tokens (token ids, exact) or words (text, about that
@@ -58,7 +59,7 @@ class BenchPrompt:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BenchConfig:
     base_url: str  # server root, e.g. http://127.0.0.1:8000
-    endpoint: Literal["/v1/completions", "/v1/chat/completions"]
+    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/generate"]
     model: str
     prompts: list[BenchPrompt]
     request_rate: float  # requests/s of the Poisson process; math.inf: all at once
@@ -169,6 +170,12 @@ def arrival_gaps(
 
 
 def _payload(config: BenchConfig, prompt: BenchPrompt) -> dict:
+    if config.endpoint == "/generate":  # SGLang's native route (baton serves it too)
+        sampling = {"max_new_tokens": prompt.output_len, "temperature": 0.0}
+        if config.ignore_eos:
+            sampling["ignore_eos"] = True
+        key = "text" if isinstance(prompt.prompt, str) else "input_ids"
+        return {key: prompt.prompt, "sampling_params": sampling, "stream": True}
     payload: dict = {
         "model": config.model,
         "max_tokens": prompt.output_len,
@@ -250,6 +257,16 @@ async def send_request(
                     error = chunk["error"]
                     message = error.get("message", error) if isinstance(error, dict) else error
                     return _failure(prompt, f"stream error: {message}", last - start)
+                if config.endpoint == "/generate":
+                    # SGLang streams each output's whole text so far, with its token counts:
+                    # a chunk brings tokens when completion_tokens grows.
+                    meta = chunk.get("meta_info")
+                    meta = meta if isinstance(meta, dict) else {}
+                    grown = _count(meta, "completion_tokens", 0) > _count(
+                        usage, "completion_tokens", 0
+                    )
+                    usage = meta
+                    chunk = {"choices": grown}
                 if chunk.get("choices"):
                     now = clock()
                     if ttft is None:

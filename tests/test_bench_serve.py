@@ -575,6 +575,20 @@ def test_short_run_against_a_real_baton_serve(tmp_path_factory, tmp_path):
         )  # fmt: skip
         assert chat.returncode == 0, chat.stderr
         chat_summary = json.loads(chat_out.read_text())
+        # SGLang's bench_serving backend name: the native /generate route, token-id prompts.
+        native_out = tmp_path / "native.json"
+        native = subprocess.run(
+            [
+                str(BATON), "bench", "serve", "--backend", "sglang", "--base-url",
+                server.base_url, "--num-prompts", "3", "--input-len", "12", "--output-len", "5",
+                "--ignore-eos", "--no-progress", "--result-json", str(native_out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert native.returncode == 0, native.stderr
+        native_summary = json.loads(native_out.read_text())
         # Ids the model does not have: the server's 400, and what to pass instead.
         refused = subprocess.run(
             [
@@ -591,6 +605,10 @@ def test_short_run_against_a_real_baton_serve(tmp_path_factory, tmp_path):
     assert "outside the vocabulary" in refused.stderr and "--tokenizer DIR" in refused.stderr
     assert summary["config"]["tokenizer"] == str(model)
     assert chat_summary["completed"] == 2 and chat_summary["config"]["prompt_kind"] == "text"
+    # every token counted from meta_info, one inter-token gap per later token
+    assert native_summary["completed"] == 3 and native_summary["total_output_tokens"] == 15
+    assert native_summary["total_input_tokens"] == 36
+    assert native_summary["config"]["endpoint"] == "/generate"
     assert chat_summary["config"]["endpoint"] == "/v1/chat/completions"
     assert chat_summary["total_input_tokens"] > 2 * 12  # the chat template's tokens too
     assert summary["p95_ttft_ms"] >= summary["p50_ttft_ms"] > 0 and "P95 TTFT" in result.stdout
