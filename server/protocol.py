@@ -184,7 +184,8 @@ class GenerateRequest(OpenAIModel):
 
     text: Text | list[Text] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: SGLangSamplingParams | None = None
+    # one set for every prompt, or (SGLang's batch form) one per prompt, here all the same
+    sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
     stream: bool = False
     rid: Any = None  # SGLang's request id; baton mints its own
     # logprobs of the output, and of the prompt from logprob_start_len on (-1: none)

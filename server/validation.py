@@ -159,6 +159,20 @@ def completion_from_generate(request: GenerateRequest) -> CompletionRequest:
         if getattr(request, name) is not None:
             raise APIError.bad_request(f"{name} is not supported by this server", name)
     sampling = request.sampling_params or SGLangSamplingParams()
+    if isinstance(sampling, list):
+        prompts = request.text if request.text is not None else request.input_ids
+        count = (
+            1
+            if isinstance(prompts, str) or all(isinstance(t, int) for t in prompts)
+            else len(prompts)
+        )
+        if len(sampling) != count or any(other != sampling[0] for other in sampling):
+            raise APIError.bad_request(
+                f"sampling_params: a list must hold one set per prompt ({count}), all the same "
+                "(a batch runs with one set here); send prompts that differ as separate requests",
+                "sampling_params",
+            )
+        sampling = sampling[0]
     for name in _SGLANG_REFUSED:
         if getattr(sampling, name) is not None:
             raise APIError.bad_request(

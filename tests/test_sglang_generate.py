@@ -61,6 +61,12 @@ def test_a_batch_or_n_answers_a_list_prompt_major(server, llm):
     answers = generate(server, text=PROMPTS, sampling_params=sampling).json()
     references = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert [a["output_ids"] for a in answers] == [r.token_ids for r in references]
+    as_list = generate(server, text=PROMPTS, sampling_params=[sampling, sampling]).json()
+    assert [a["output_ids"] for a in as_list] == [r.token_ids for r in references]
+    differing = generate(server, text=PROMPTS, sampling_params=[sampling, {**sampling, "top_k": 3}])
+    assert differing.status_code == 400 and "all the same" in differing.json()["error"]["message"]
+    short = generate(server, text=PROMPTS, sampling_params=[sampling])
+    assert short.status_code == 400 and "one set per prompt (2)" in short.json()["error"]["message"]
     sampled = {"max_new_tokens": 4, "temperature": 1.0, "n": 3, "sampling_seed": 7}
     three = generate(server, text=PROMPTS[1], sampling_params=sampled).json()
     again = generate(server, text=PROMPTS[1], sampling_params=sampled).json()
