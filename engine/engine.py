@@ -35,6 +35,9 @@ from engine.tp_messages import PoolOps
 from engine.tp_ranks import RankedRunner, start_ranks
 from engine.tp_shard import check_tp_supported, pool_config
 
+# Prompt logprobs are computed over this many rows of a chunk's logits at a time.
+PROMPT_LOGPROB_ROWS = 256
+
 
 class Engine(HandoverMixin, ShardHandoverMixin):
     def __init__(
@@ -305,7 +308,10 @@ class Engine(HandoverMixin, ShardHandoverMixin):
             rows_of.setdefault(owner, []).append(row)
 
         for s in sched.prompt_logprob_seqs:
-            self._prompt_logprobs(reqs[s], sched.start_positions[s], logits[rows_of[s]])
+            rows = rows_of[s]  # increasing; consecutive for a prefill: a view, not a copy
+            consecutive = rows[-1] - rows[0] + 1 == len(rows)
+            own = logits[rows[0] : rows[-1] + 1] if consecutive else logits[rows]
+            self._prompt_logprobs(reqs[s], sched.start_positions[s], own)
 
         sampled = {}
         if sched.logits_seqs:
@@ -333,9 +339,12 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         """Row i of `logits` (position start + i) predicts the prompt token at start + i + 1."""
         out: list[TokenLogprobs | None] = [None] if start == 0 else []
         targets = req.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
-        if targets:
-            logprobs = logits[: len(targets)].log_softmax(dim=-1)
-            out.extend(top_logprobs(logprobs, torch.tensor(targets), req.params.prompt_logprobs))
+        # a few rows at a time: a chunk's (rows, vocab) log-softmax whole would be another copy
+        # of its logits (1 GB for 2048 rows of a 128k vocabulary)
+        for first in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            block = targets[first : first + PROMPT_LOGPROB_ROWS]
+            logprobs = logits[first : first + len(block)].log_softmax(dim=-1)
+            out.extend(top_logprobs(logprobs, torch.tensor(block), req.params.prompt_logprobs))
         req.prompt_logprobs.extend(out)
 
     def _append_token(
