@@ -25,7 +25,7 @@ from server.errors import APIError
 from server.generation import ChoiceResult, ServerState, collect, sse, sse_guard, timed_deltas
 from server.protocol import GenerateRequest
 from server.tokenizer import Tokenizer
-from server.validation import completion_from_generate
+from server.validation import completion_from_generate, num_prompts
 
 router = APIRouter()
 
@@ -52,10 +52,8 @@ async def generate(body: GenerateRequest, raw_request: Request):
         return StreamingResponse(sse_guard(chunks), media_type="text/event-stream")
     results = await collect(state, started.requests, arrival, raw_request)
     answers = [outputs.answer(index, result) for index, result in enumerate(results)]
-    single = isinstance(body.text, str) or (
-        body.input_ids is not None and all(isinstance(t, int) for t in body.input_ids)
-    )
-    return answers[0] if single and completion.n == 1 else answers
+    # one prompt asked with n = 1: its answer alone, as SGLang answers it
+    return answers[0] if len(answers) == 1 and num_prompts(completion.prompt) == 1 else answers
 
 
 class Outputs:

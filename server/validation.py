@@ -161,11 +161,7 @@ def completion_from_generate(request: GenerateRequest) -> CompletionRequest:
     sampling = request.sampling_params or SGLangSamplingParams()
     if isinstance(sampling, list):
         prompts = request.text if request.text is not None else request.input_ids
-        count = (
-            1
-            if isinstance(prompts, str) or all(isinstance(t, int) for t in prompts)
-            else len(prompts)
-        )
+        count = num_prompts(prompts)
         if len(sampling) != count or any(other != sampling[0] for other in sampling):
             raise APIError.bad_request(
                 f"sampling_params: a list must hold one set per prompt ({count}), all the same "

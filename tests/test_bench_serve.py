@@ -540,6 +540,13 @@ def test_cli_rejects_malformed_options(args, message):
     assert result.returncode == 2 and message in result.stderr
 
 
+def bench_serve(*args: str) -> subprocess.CompletedProcess:
+    """`baton bench serve ARGS` as a newcomer runs it."""
+    return subprocess.run(
+        [str(BATON), "bench", "serve", *args], capture_output=True, text=True, timeout=300
+    )
+
+
 def test_short_run_against_a_real_baton_serve(tmp_path_factory, tmp_path):
     model = tiny_model(tmp_path_factory)
     server = start_server(model, tmp_path)
@@ -547,57 +554,36 @@ def test_short_run_against_a_real_baton_serve(tmp_path_factory, tmp_path):
         out = tmp_path / "bench.json"
         # As an OpenAI client's base_url; no --vocab-size: the ids come from the tokenizer in
         # the directory that /v1/models names.
-        result = subprocess.run(
-            [
-                str(BATON), "bench", "serve", "--base-url", server.base_url + "/v1",
-                "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
-                "--ignore-eos", "--max-concurrency", "2", "--metric-percentiles", "50,95",
-                "--goodput", "e2el:600000", "--no-progress", "--result-json", str(out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
+        result = bench_serve(
+            "--base-url", server.base_url + "/v1", "--num-prompts", "4", "--input-len", "16",
+            "--output-len", "8", "--ignore-eos", "--max-concurrency", "2",
+            "--metric-percentiles", "50,95", "--goodput", "e2el:600000", "--no-progress",
+            "--result-json", str(out),
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         assert "Serving Benchmark Result" in result.stdout
         summary = json.loads(out.read_text())
         # vLLM's openai-chat backend: the chat route, text prompts (it takes no token ids).
         chat_out = tmp_path / "chat.json"
-        chat = subprocess.run(
-            [
-                str(BATON), "bench", "serve", "--backend", "openai-chat", "--base-url",
-                server.base_url, "--num-prompts", "2", "--input-len", "12", "--output-len", "4",
-                "--no-progress", "--result-json", str(chat_out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
+        chat = bench_serve(
+            "--backend", "openai-chat", "--base-url", server.base_url, "--num-prompts", "2",
+            "--input-len", "12", "--output-len", "4", "--no-progress", "--result-json", str(chat_out),
         )  # fmt: skip
         assert chat.returncode == 0, chat.stderr
         chat_summary = json.loads(chat_out.read_text())
         # SGLang's bench_serving backend name: the native /generate route, token-id prompts.
         native_out = tmp_path / "native.json"
-        native = subprocess.run(
-            [
-                str(BATON), "bench", "serve", "--backend", "sglang", "--base-url",
-                server.base_url, "--num-prompts", "3", "--input-len", "12", "--output-len", "5",
-                "--ignore-eos", "--no-progress", "--result-json", str(native_out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
+        native = bench_serve(
+            "--backend", "sglang", "--base-url", server.base_url, "--num-prompts", "3",
+            "--input-len", "12", "--output-len", "5", "--ignore-eos", "--no-progress",
+            "--result-json", str(native_out),
         )  # fmt: skip
         assert native.returncode == 0, native.stderr
         native_summary = json.loads(native_out.read_text())
         # Ids the model does not have: the server's 400, and what to pass instead.
-        refused = subprocess.run(
-            [
-                str(BATON), "bench", "serve", "--base-url", server.base_url, "--num-prompts", "2",
-                "--vocab-size", "100000", "--no-progress",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
+        refused = bench_serve(
+            "--base-url", server.base_url, "--num-prompts", "2", "--vocab-size", "100000",
+            "--no-progress",
         )  # fmt: skip
     finally:
         server.stop()
