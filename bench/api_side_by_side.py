@@ -1,0 +1,630 @@
+"""What a client sees from two OpenAI-compatible servers on the same model, request by request.
+
+    python -m bench.api_side_by_side --a http://127.0.0.1:8021 --b http://127.0.0.1:8011 \
+        --model model [--only PREFIX] [--json out.json]
+
+Sends one battery of requests (valid ones, malformed ones, every route a vLLM user relies on)
+to both servers with raw httpx and prints, per request, where the two answers differ in
+*shape*: status code, error type / code / param, response keys and value types, `object`,
+`finish_reason`, `stop_reason`, usage counts, logprobs structure, and for streams the SSE
+framing (the chunk sequence with its roles, finish reasons and usage, and `data: [DONE]`).
+Generated text is compared only for greedy requests, where both engines should agree. Used
+for the record in bench/results/*/api/vllm_side_by_side.md; the server under test is `--a`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+QUESTION = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
+MESSAGES = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many?"}]
+# keys whose values (not only types) a client acts on
+VALUE_KEYS = {
+    "object", "finish_reason", "stop_reason", "role", "type", "code", "param", "index",
+    "prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens", "status",
+}  # fmt: skip
+
+
+@dataclass
+class Case:
+    name: str
+    path: str
+    body: Any = None  # dict -> JSON; bytes -> sent as they are
+    method: str = "POST"
+    greedy: bool = False  # compare text too
+
+    @property
+    def stream(self) -> bool:
+        return isinstance(self.body, dict) and self.body.get("stream") is True
+
+
+def cases(model: str) -> list[Case]:
+    c = "/v1/completions"
+    ch = "/v1/chat/completions"
+    g = {"model": model, "temperature": 0, "max_tokens": 12}
+    cmp = {**g, "prompt": QUESTION}
+    chat = {**g, "messages": MESSAGES}
+    out = [
+        # ---- completions: valid
+        Case("c.basic", c, cmp, greedy=True),
+        Case("c.no_model", c, {k: v for k, v in cmp.items() if k != "model"}, greedy=True),
+        Case(
+            "c.max_tokens_absent",
+            c,
+            {"model": model, "prompt": QUESTION, "temperature": 0},
+            greedy=True,
+        ),
+        Case("c.max_tokens_null", c, {**cmp, "max_tokens": None}, greedy=True),
+        Case("c.n2", c, {**cmp, "n": 2, "temperature": 1, "seed": 1}),
+        Case("c.n2.stream", c, {**cmp, "n": 2, "temperature": 1, "seed": 1, "stream": True}),
+        Case("c.seed", c, {**cmp, "temperature": 0.8, "seed": 7}),
+        Case("c.stop", c, {**cmp, "max_tokens": 40, "stop": ["\n"]}, greedy=True),
+        Case("c.stop_spanning", c, {**cmp, "max_tokens": 40, "stop": ["apples"]}, greedy=True),
+        Case(
+            "c.stop_include",
+            c,
+            {**cmp, "max_tokens": 40, "stop": ["apples"], "include_stop_str_in_output": True},
+            greedy=True,
+        ),
+        Case("c.stop_token_ids", c, {**cmp, "max_tokens": 40, "stop_token_ids": [13]}, greedy=True),
+        Case(
+            "c.stop.stream",
+            c,
+            {**cmp, "max_tokens": 40, "stop": ["apples"], "stream": True},
+            greedy=True,
+        ),
+        Case("c.ignore_eos", c, {**cmp, "max_tokens": 60, "ignore_eos": True}, greedy=True),
+        Case("c.eos", c, {**cmp, "max_tokens": 200}, greedy=True),
+        Case("c.logprobs0", c, {**cmp, "logprobs": 0}, greedy=True),
+        Case("c.logprobs5", c, {**cmp, "logprobs": 5}, greedy=True),
+        Case("c.logprobs20", c, {**cmp, "logprobs": 20}, greedy=True),
+        Case("c.logprobs21", c, {**cmp, "logprobs": 21}),
+        Case("c.logprobs5.stream", c, {**cmp, "logprobs": 5, "stream": True}, greedy=True),
+        Case("c.echo", c, {**cmp, "echo": True}, greedy=True),
+        Case("c.echo_logprobs", c, {**cmp, "echo": True, "logprobs": 2}, greedy=True),
+        Case("c.echo_max0", c, {**cmp, "echo": True, "logprobs": 1, "max_tokens": 0}),
+        Case("c.token_ids", c, {**g, "prompt": [40, 41, 42, 43]}, greedy=True),
+        Case("c.list_of_text", c, {**g, "prompt": [QUESTION, "Question: hi"]}, greedy=True),
+        Case("c.list_of_ids", c, {**g, "prompt": [[40, 41, 42], [50, 51]]}, greedy=True),
+        Case(
+            "c.list_of_ids.stream",
+            c,
+            {**g, "prompt": [[40, 41, 42], [50, 51]], "stream": True},
+            greedy=True,
+        ),
+        Case("c.stream", c, {**cmp, "stream": True}, greedy=True),
+        Case(
+            "c.stream.usage",
+            c,
+            {**cmp, "stream": True, "stream_options": {"include_usage": True}},
+            greedy=True,
+        ),
+        Case(
+            "c.stream.usage_false",
+            c,
+            {**cmp, "stream": True, "stream_options": {"include_usage": False}},
+            greedy=True,
+        ),
+        Case(
+            "c.stream.continuous",
+            c,
+            {
+                **cmp,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+            greedy=True,
+        ),
+        Case("c.stream_options_no_stream", c, {**cmp, "stream_options": {"include_usage": True}}),
+        Case(
+            "c.unicode",
+            c,
+            {**g, "prompt": "Question: 🍎 café 日本語 — how many?\nAnswer:"},
+            greedy=True,
+        ),
+        Case("c.top_p_small", c, {**cmp, "temperature": 1, "top_p": 1e-9, "seed": 1}),
+        Case("c.top_k1", c, {**cmp, "temperature": 1, "top_k": 1}),
+        Case("c.top_k0", c, {**cmp, "top_k": 0}),
+        Case("c.top_k-1", c, {**cmp, "top_k": -1}),
+        Case("c.min_p1", c, {**cmp, "temperature": 1, "min_p": 1.0}),
+        Case("c.temp_high", c, {**cmp, "temperature": 2.0, "seed": 3}),
+        Case(
+            "c.penalties",
+            c,
+            {**cmp, "presence_penalty": 1, "frequency_penalty": 1, "repetition_penalty": 1.2},
+        ),
+        Case("c.logit_bias", c, {**cmp, "logit_bias": {"13": 100}}),
+        Case("c.min_tokens", c, {**cmp, "min_tokens": 5, "max_tokens": 8}),
+        Case("c.user", c, {**cmp, "user": "someone"}),
+        Case("c.best_of_n", c, {**cmp, "best_of": 1}),
+        # ---- completions: refused
+        Case("c.bad_model", c, {**cmp, "model": "nope"}),
+        Case("c.empty_prompt", c, {**cmp, "prompt": ""}),
+        Case("c.empty_list", c, {**cmp, "prompt": []}),
+        Case("c.empty_ids_in_list", c, {**cmp, "prompt": [[]]}),
+        Case("c.prompt_missing", c, {"model": model}),
+        Case("c.prompt_too_long", c, {**g, "prompt": [40] * 3000}),
+        Case("c.prompt_fills_ctx", c, {**g, "prompt": [40] * 2048}),
+        Case("c.max_over_ctx", c, {**cmp, "max_tokens": 5000}),
+        Case("c.max0", c, {**cmp, "max_tokens": 0}),
+        Case("c.max_neg", c, {**cmp, "max_tokens": -1}),
+        Case("c.max_huge", c, {**cmp, "max_tokens": 10**20}),
+        Case("c.max_str", c, {**cmp, "max_tokens": "16"}),
+        Case("c.max_float", c, {**cmp, "max_tokens": 16.0}),
+        Case("c.max_float_frac", c, {**cmp, "max_tokens": 16.5}),
+        Case("c.max_bool", c, {**cmp, "max_tokens": True}),
+        Case("c.n0", c, {**cmp, "n": 0}),
+        Case("c.n_neg", c, {**cmp, "n": -1}),
+        Case("c.n_huge", c, {**cmp, "n": 10**10}),
+        Case("c.n_str", c, {**cmp, "n": "2"}),
+        Case("c.temp_neg", c, {**cmp, "temperature": -1}),
+        Case("c.temp_str", c, {**cmp, "temperature": "0"}),
+        Case("c.temp_huge", c, {**cmp, "temperature": 1e308}),
+        Case("c.top_p0", c, {**cmp, "top_p": 0}),
+        Case("c.top_p_gt1", c, {**cmp, "top_p": 1.5}),
+        Case("c.top_k-2", c, {**cmp, "top_k": -2}),
+        Case("c.top_k_float", c, {**cmp, "top_k": 1.5}),
+        Case("c.min_p_gt1", c, {**cmp, "min_p": 1.5}),
+        Case("c.min_p_neg", c, {**cmp, "min_p": -0.1}),
+        Case("c.presence_big", c, {**cmp, "presence_penalty": 3}),
+        Case("c.repetition0", c, {**cmp, "repetition_penalty": 0}),
+        Case("c.seed_neg", c, {**cmp, "seed": -1}),
+        Case("c.seed_huge", c, {**cmp, "seed": 2**70}),
+        Case("c.seed_str", c, {**cmp, "seed": "1"}),
+        Case("c.logprobs_neg", c, {**cmp, "logprobs": -1}),
+        Case("c.logprobs_huge", c, {**cmp, "logprobs": 10**6}),
+        Case("c.logprobs_bool", c, {**cmp, "logprobs": True}),
+        Case("c.stop_int", c, {**cmp, "stop": 5}),
+        Case("c.stop_list_int", c, {**cmp, "stop": [5]}),
+        Case("c.stop_empty_str", c, {**cmp, "stop": ""}),
+        Case("c.stop_token_ids_neg", c, {**cmp, "stop_token_ids": [-1]}),
+        Case("c.stop_token_ids_oov", c, {**cmp, "stop_token_ids": [10**6]}),
+        Case("c.prompt_int", c, {**cmp, "prompt": 5}),
+        Case("c.prompt_float_list", c, {**cmp, "prompt": [1.5]}),
+        Case("c.prompt_mixed_list", c, {**cmp, "prompt": ["a", 1]}),
+        Case("c.prompt_oov", c, {**cmp, "prompt": [10**6]}),
+        Case("c.prompt_neg_id", c, {**cmp, "prompt": [-1]}),
+        Case("c.prompt_null", c, {**cmp, "prompt": None}),
+        Case("c.echo_str", c, {**cmp, "echo": "yes"}),
+        Case("c.stream_str", c, {**cmp, "stream": "true"}),
+        Case(
+            "c.stream_options_bad",
+            c,
+            {**cmp, "stream": True, "stream_options": {"include_usage": "yes"}},
+        ),
+        Case("c.logit_bias_bad_key", c, {**cmp, "logit_bias": {"abc": 1}}),
+        Case("c.logit_bias_oov", c, {**cmp, "logit_bias": {"1000000": 1}}),
+        Case("c.min_tokens_over_max", c, {**cmp, "min_tokens": 20, "max_tokens": 8}),
+        Case("c.best_of2", c, {**cmp, "best_of": 2}),
+        Case("c.suffix", c, {**cmp, "suffix": "x"}),
+        Case("c.response_format_json", c, {**cmp, "response_format": {"type": "json_object"}}),
+        Case(
+            "c.lone_surrogate",
+            c,
+            b'{"model": "' + model.encode() + b'", "prompt": "\\ud800", "max_tokens": 2}',
+        ),
+        Case("c.invalid_json", c, b'{"model": "x", "prompt": '),
+        Case("c.json_array", c, b"[1, 2]"),
+        Case("c.empty_body", c, b""),
+        Case(
+            "c.nan", c, b'{"model": "' + model.encode() + b'", "prompt": "a", "temperature": NaN}'
+        ),
+        Case(
+            "c.big_number",
+            c,
+            b'{"model": "' + model.encode() + b'", "prompt": "a", "temperature": 1e400}',
+        ),
+        Case("c.get", c, None, method="GET"),
+        # ---- chat: valid
+        Case("ch.basic", ch, chat, greedy=True),
+        Case(
+            "ch.no_max_tokens",
+            ch,
+            {"model": model, "messages": MESSAGES, "temperature": 0},
+            greedy=True,
+        ),
+        Case(
+            "ch.max_completion_tokens",
+            ch,
+            {**{k: v for k, v in chat.items() if k != "max_tokens"}, "max_completion_tokens": 5},
+            greedy=True,
+        ),
+        Case(
+            "ch.turns",
+            ch,
+            {
+                **chat,
+                "messages": [
+                    {"role": "system", "content": "You solve word problems."},
+                    {"role": "user", "content": "Question: Ann has 2 pens. She buys 3. How many?"},
+                    {"role": "assistant", "content": "2 + 3 = 5.\n#### 5"},
+                    {"role": "user", "content": "Question: Bob has 5 cups and breaks 1. How many?"},
+                ],
+            },
+            greedy=True,
+        ),
+        Case(
+            "ch.developer",
+            ch,
+            {**chat, "messages": [{"role": "developer", "content": "Be brief."}, *MESSAGES]},
+            greedy=True,
+        ),
+        Case("ch.name", ch, {**chat, "messages": [{**MESSAGES[0], "name": "tom"}]}, greedy=True),
+        Case(
+            "ch.prefill",
+            ch,
+            {
+                **chat,
+                "messages": [*MESSAGES, {"role": "assistant", "content": "He has"}],
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+            },
+            greedy=True,
+        ),
+        Case("ch.no_gen_prompt", ch, {**chat, "add_generation_prompt": False}, greedy=True),
+        Case(
+            "ch.content_parts",
+            ch,
+            {
+                **chat,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "Tom has 3 apples"},
+                            {"type": "text", "text": " and buys 4 more."},
+                        ],
+                    }
+                ],
+            },
+            greedy=True,
+        ),
+        Case(
+            "ch.content_null_assistant",
+            ch,
+            {**chat, "messages": [*MESSAGES, {"role": "assistant", "content": None}, *MESSAGES]},
+        ),
+        Case(
+            "ch.unicode",
+            ch,
+            {**chat, "messages": [{"role": "user", "content": "🍎🍎🍎 + 🍏 = ?"}]},
+            greedy=True,
+        ),
+        Case("ch.n2", ch, {**chat, "n": 2, "temperature": 1, "seed": 1}),
+        Case("ch.n2.stream", ch, {**chat, "n": 2, "temperature": 1, "seed": 1, "stream": True}),
+        Case("ch.stop", ch, {**chat, "max_tokens": 40, "stop": ["apples"]}, greedy=True),
+        Case(
+            "ch.stop_token_ids", ch, {**chat, "max_tokens": 40, "stop_token_ids": [13]}, greedy=True
+        ),
+        Case("ch.eos", ch, {**chat, "max_tokens": 300}, greedy=True),
+        Case("ch.logprobs", ch, {**chat, "logprobs": True}, greedy=True),
+        Case("ch.top_logprobs0", ch, {**chat, "logprobs": True, "top_logprobs": 0}, greedy=True),
+        Case("ch.top_logprobs5", ch, {**chat, "logprobs": True, "top_logprobs": 5}, greedy=True),
+        Case("ch.top_logprobs20", ch, {**chat, "logprobs": True, "top_logprobs": 20}, greedy=True),
+        Case(
+            "ch.top_logprobs5.stream",
+            ch,
+            {**chat, "logprobs": True, "top_logprobs": 5, "stream": True},
+            greedy=True,
+        ),
+        Case(
+            "ch.logprobs_false_top0",
+            ch,
+            {**chat, "logprobs": False, "top_logprobs": 0},
+            greedy=True,
+        ),
+        Case("ch.stream", ch, {**chat, "stream": True}, greedy=True),
+        Case(
+            "ch.stream.usage",
+            ch,
+            {**chat, "stream": True, "stream_options": {"include_usage": True}},
+            greedy=True,
+        ),
+        Case(
+            "ch.stream.continuous",
+            ch,
+            {
+                **chat,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+            greedy=True,
+        ),
+        Case(
+            "ch.chat_template_kwargs",
+            ch,
+            {**chat, "chat_template_kwargs": {"enable_thinking": False}},
+            greedy=True,
+        ),
+        Case("ch.tool_choice_none", ch, {**chat, "tool_choice": "none"}, greedy=True),
+        Case(
+            "ch.response_format_text",
+            ch,
+            {**chat, "response_format": {"type": "text"}},
+            greedy=True,
+        ),
+        # ---- chat: refused
+        Case("ch.bad_model", ch, {**chat, "model": "nope"}),
+        Case("ch.empty_messages", ch, {**chat, "messages": []}),
+        Case("ch.missing_messages", ch, {"model": model}),
+        Case("ch.unknown_role", ch, {**chat, "messages": [{"role": "robot", "content": "hi"}]}),
+        Case("ch.missing_role", ch, {**chat, "messages": [{"content": "hi"}]}),
+        Case("ch.content_int", ch, {**chat, "messages": [{"role": "user", "content": 5}]}),
+        Case("ch.content_dict", ch, {**chat, "messages": [{"role": "user", "content": {"a": 1}}]}),
+        Case(
+            "ch.content_image",
+            ch,
+            {
+                **chat,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "data:image/png;base64,AAAA"},
+                            }
+                        ],
+                    }
+                ],
+            },
+        ),
+        Case(
+            "ch.content_part_no_type",
+            ch,
+            {**chat, "messages": [{"role": "user", "content": [{"text": "hi"}]}]},
+        ),
+        Case("ch.messages_str", ch, {**chat, "messages": "hi"}),
+        Case("ch.max_over_ctx", ch, {**chat, "max_tokens": 5000}),
+        Case("ch.max0", ch, {**chat, "max_tokens": 0}),
+        Case("ch.max_neg", ch, {**chat, "max_tokens": -1}),
+        Case("ch.top_logprobs21", ch, {**chat, "logprobs": True, "top_logprobs": 21}),
+        Case("ch.top_logprobs_neg", ch, {**chat, "logprobs": True, "top_logprobs": -1}),
+        Case("ch.top_logprobs_no_logprobs", ch, {**chat, "top_logprobs": 3}),
+        Case("ch.logprobs_int", ch, {**chat, "logprobs": 5}),
+        Case("ch.n0", ch, {**chat, "n": 0}),
+        Case("ch.temp_neg", ch, {**chat, "temperature": -1}),
+        Case(
+            "ch.tools",
+            ch,
+            {**chat, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        ),
+        Case("ch.response_format_json", ch, {**chat, "response_format": {"type": "json_object"}}),
+        Case(
+            "ch.prompt_too_long",
+            ch,
+            {**chat, "messages": [{"role": "user", "content": "7 " * 3000}]},
+        ),
+        Case("ch.invalid_json", ch, b'{"messages": [}'),
+        Case(
+            "ch.lone_surrogate",
+            ch,
+            b'{"model": "'
+            + model.encode()
+            + b'", "messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}',
+        ),
+        # ---- other routes
+        Case("models", "/v1/models", method="GET"),
+        Case("models.retrieve", f"/v1/models/{model}", method="GET"),
+        Case("models.retrieve_missing", "/v1/models/nope", method="GET"),
+        Case("health", "/health", method="GET"),
+        Case("version", "/version", method="GET"),
+        Case("ping", "/ping", method="GET"),
+        Case("not_found", "/v1/nothing", method="GET"),
+        Case("tokenize.prompt", "/tokenize", {"model": model, "prompt": "Hello 🍎 world"}),
+        Case("tokenize.no_model", "/tokenize", {"prompt": "Hello world"}),
+        Case(
+            "tokenize.no_special",
+            "/tokenize",
+            {"prompt": "Hello world", "add_special_tokens": False},
+        ),
+        Case("tokenize.messages", "/tokenize", {"model": model, "messages": MESSAGES}),
+        Case(
+            "tokenize.return_token_strs",
+            "/tokenize",
+            {"model": model, "prompt": "Hello", "return_token_strs": True},
+        ),
+        Case("tokenize.bad_model", "/tokenize", {"model": "nope", "prompt": "a"}),
+        Case("tokenize.neither", "/tokenize", {"model": model}),
+        Case("tokenize.prompt_int", "/tokenize", {"model": model, "prompt": 5}),
+        Case("detokenize", "/detokenize", {"model": model, "tokens": [40, 41, 42]}),
+        Case("detokenize.oov", "/detokenize", {"model": model, "tokens": [10**6]}),
+        Case("detokenize.neg", "/detokenize", {"model": model, "tokens": [-1]}),
+        Case("detokenize.missing", "/detokenize", {"model": model}),
+    ]
+    return out
+
+
+def parse_sse(text: str) -> tuple[list[Any], list[str]]:
+    """(events, framing problems): every `data:` payload parsed, [DONE] kept as the string."""
+    events, problems = [], []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        for line in block.split("\n"):
+            if not line.startswith("data: "):
+                problems.append(f"non-data line {line[:40]!r}")
+                continue
+            payload = line[len("data: ") :]
+            events.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
+    if not text.endswith("\n\n"):
+        problems.append("stream does not end with a blank line")
+    return events, problems
+
+
+def shape(value: Any, key: str = "") -> Any:
+    """Types for every value, the value itself where a client acts on it (VALUE_KEYS)."""
+    if isinstance(value, dict):
+        return {k: shape(v, k) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        if not value:
+            return []
+        # one element's shape stands for all when they agree (token lists); else every one
+        shapes = [shape(item, key) for item in value]
+        if all(s == shapes[0] for s in shapes) and key not in VALUE_KEYS:
+            return {"[*]": shapes[0], "len": len(value)}
+        return {f"[{i}]": s for i, s in enumerate(shapes)}
+    if key in VALUE_KEYS:
+        return value
+    return type(value).__name__
+
+
+def chunk_kind(event: Any) -> str:
+    """One SSE event as a short label: what its choices carry, and usage."""
+    if event == "[DONE]":
+        return "[DONE]"
+    if "error" in event:
+        return f"error({event['error'].get('code')})"
+    parts = []
+    for choice in event.get("choices", []):
+        delta = choice.get("delta")
+        fields = (
+            sorted(delta) if isinstance(delta, dict) else (["text"] if "text" in choice else [])
+        )
+        if choice.get("logprobs") is not None:
+            fields.append("logprobs")
+        finish = choice.get("finish_reason")
+        parts.append(f"{choice.get('index')}:{'+'.join(fields)}" + (f"/{finish}" if finish else ""))
+    label = ",".join(parts) or "no-choices"
+    if event.get("usage") is not None:
+        label += "+usage"
+    elif "usage" in event:
+        label += "+usage:null"
+    return label
+
+
+def collapse(labels: list[str]) -> list[str]:
+    out: list[str] = []
+    for label in labels:
+        if out and out[-1].split(" x")[0] == label:
+            head, _, count = out[-1].partition(" x")
+            out[-1] = f"{head} x{int(count or 1) + 1}"
+        else:
+            out.append(label)
+    return out
+
+
+def observe(client: httpx.Client, case: Case) -> dict:
+    """Everything about the answer that a client could notice, normalised for diffing."""
+    kwargs: dict[str, Any] = {}
+    if isinstance(case.body, bytes):
+        kwargs = {"content": case.body, "headers": {"Content-Type": "application/json"}}
+    elif case.body is not None:
+        kwargs = {"json": case.body}
+    response = client.request(case.method, case.path, **kwargs)
+    seen: dict[str, Any] = {"status": response.status_code}
+    content_type = response.headers.get("content-type", "").split(";")[0]
+    seen["content_type"] = content_type
+    if content_type == "text/event-stream":
+        events, problems = parse_sse(response.text)
+        seen["framing"] = problems
+        seen["chunks"] = collapse([chunk_kind(event) for event in events])
+        objects = [e for e in events if isinstance(e, dict)]
+        # the first chunk, the first one that finishes a choice, and the usage-only one
+        with_choices = [e for e in objects if e.get("choices")]
+        finishing = [e for e in with_choices if e["choices"][0].get("finish_reason")]
+        usage_only = [e for e in objects if "choices" in e and not e["choices"]]
+        for label, group in (("first", with_choices), ("finish", finishing), ("usage", usage_only)):
+            if group:
+                seen[f"{label}_chunk"] = shape(group[0])
+        ids = {e.get("id") for e in objects}
+        seen["one_id"] = len(ids) == 1
+        if case.greedy:
+            texts: dict[int, str] = {}
+            for e in objects:
+                for choice in e.get("choices", []):
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    texts[choice["index"]] = texts.get(choice["index"], "") + piece
+            seen["texts"] = texts
+        return seen
+    try:
+        body = response.json()
+    except ValueError:
+        seen["body_text"] = response.text[:200]
+        return seen
+    seen["shape"] = shape(body)
+    if isinstance(body, dict) and isinstance(body.get("id"), str):
+        seen["id_prefix"] = body["id"].split("-")[0]
+    if case.greedy and isinstance(body, dict):
+        seen["texts"] = {
+            choice.get("index"): choice.get("text", (choice.get("message") or {}).get("content"))
+            for choice in body.get("choices", [])
+        }
+    if isinstance(body, dict) and "error" in body and isinstance(body["error"], dict):
+        seen["error_message"] = body["error"].get("message")
+    return seen
+
+
+def diff(a: Any, b: Any, path: str = "", extras: set[str] | None = None) -> list[str]:
+    """`extras` collects keys only one side has and sets to null (vLLM's kv_transfer_params…),
+    which a client cannot tell from absent; they are listed once rather than per request."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        lines = []
+        for key in sorted(set(a) | set(b), key=str):
+            where = f"{path}.{key}" if path else str(key)
+            lone = a.get(key, b.get(key))
+            if (key not in a or key not in b) and lone == "NoneType" and extras is not None:
+                general = re.sub(r"\[\d+\]", "[i]", where)
+                extras.add(f"{general} only {'B' if key not in a else 'A'}")
+                continue
+            if key not in a:
+                lines.append(f"{where}: only B ({json.dumps(b[key])[:120]})")
+            elif key not in b:
+                lines.append(f"{where}: only A ({json.dumps(a[key])[:120]})")
+            else:
+                lines += diff(a[key], b[key], where, extras)
+        return lines
+    if a != b:
+        return [f"{path}: A {json.dumps(a)[:300]} | B {json.dumps(b)[:300]}"]
+    return []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--a", required=True, help="the server under test (baton)")
+    parser.add_argument("--b", required=True, help="the reference server (vLLM)")
+    parser.add_argument("--model", required=True, help="the served model name on both")
+    parser.add_argument("--only", default="", help="run the cases whose name starts with this")
+    parser.add_argument(
+        "--ignore", default="", help="leave out difference lines matching this regex (known ones)"
+    )
+    parser.add_argument("--json", help="write every observation here")
+    args = parser.parse_args()
+    observations = {}
+    extras: set[str] = set()
+    with (
+        httpx.Client(base_url=args.a, timeout=300) as a,
+        httpx.Client(base_url=args.b, timeout=300) as b,
+    ):
+        for case in cases(args.model):
+            if not case.name.startswith(args.only):
+                continue
+            seen_a, seen_b = observe(a, case), observe(b, case)
+            observations[case.name] = {"a": seen_a, "b": seen_b}
+            compared_a = {k: v for k, v in seen_a.items() if k != "error_message"}
+            compared_b = {k: v for k, v in seen_b.items() if k != "error_message"}
+            lines = diff(compared_a, compared_b, extras=extras)
+            if args.ignore:
+                lines = [line for line in lines if not re.search(args.ignore, line)]
+            print(f"== {case.name}: {'same' if not lines else 'DIFFERS'}")
+            for line in lines:
+                print(f"   {line}")
+            if "error_message" in seen_a or "error_message" in seen_b:
+                print(f"   A says: {seen_a.get('error_message')!r}")
+                print(f"   B says: {seen_b.get('error_message')!r}")
+    print("== null-valued keys only one side sends (not diffed above):")
+    for line in sorted(extras):
+        print(f"   {line}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(observations, out, indent=1, ensure_ascii=False)
+
+
+if __name__ == "__main__":
+    main()
