@@ -84,6 +84,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
             "message": {"role": "assistant", "content": result.text},
             "logprobs": _logprobs(state, body, result.token_ids, result.logprobs),
             "finish_reason": result.finish_reason,
+            "stop_reason": result.stop_reason,
         }
         for index, result in enumerate(results)
     ]
@@ -130,6 +131,8 @@ async def _stream(
                 "logprobs": _logprobs(state, body, delta.new_token_ids, delta.new_logprobs or []),
                 "finish_reason": delta.finish_reason if delta.finished else None,
             }
+            if delta.finished:  # vLLM's: the stop string or token id that ended it, else null
+                choice["stop_reason"] = delta.stop_reason
             if body.continuous_usage:
                 extra = {"usage": usage([prompt], results, body.n)}
             yield sse({**head, "choices": [choice], **extra})

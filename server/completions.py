@@ -79,6 +79,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
             "text": result.text,
             "logprobs": _logprobs(state, body, result.token_ids, result.logprobs, 0),
             "finish_reason": result.finish_reason,
+            "stop_reason": result.stop_reason,
         }
         choices.append(echo.prepend(index, result, choice) if echo is not None else choice)
     return {**head, "choices": choices, "usage": usage(prompts, results, body.n)}
@@ -226,6 +227,7 @@ async def _stream(
                     "text": "",
                     "logprobs": _logprobs(state, body, [], [], 0),
                     "finish_reason": result.finish_reason if echo.drop else None,
+                    "stop_reason": result.stop_reason if echo.drop else None,
                 }
                 if body.continuous_usage:
                     extra = {"usage": usage(prompts, results, body.n)}
@@ -244,6 +246,7 @@ async def _stream(
                     state, body, delta.new_token_ids, delta.new_logprobs or [], text_offset
                 ),
                 "finish_reason": delta.finish_reason if delta.finished else None,
+                "stop_reason": delta.stop_reason if delta.finished else None,
             }
             if body.continuous_usage:
                 extra = {"usage": usage(prompts, results, body.n)}

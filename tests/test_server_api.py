@@ -242,6 +242,51 @@ def test_stop_token_id_ends_generation_with_stop(client, llm):
     assert response.usage.completion_tokens == reference.token_ids.index(stop_token) + 1
 
 
+def stop_reasons(response) -> list:
+    """vLLM's `stop_reason` per choice (not in the openai client's types: an extra field);
+    "absent" where the server left the key out."""
+    return [choice.model_extra.get("stop_reason", "absent") for choice in response.choices]
+
+
+def streamed_stop_reasons(chunks) -> dict[int, object]:
+    """The stop_reason of each choice's finishing chunk."""
+    return {
+        choice.index: choice.model_extra.get("stop_reason", "absent")
+        for chunk in chunks
+        for choice in chunk.choices
+        if choice.finish_reason
+    }
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_completion(client, llm):
+    """vLLM's field: the stop string or stop token id that ended the choice, null when it ran
+    to max_tokens or stopped at EOS; in the unstreamed choice and the stream's finishing chunk."""
+    (reference,) = llm.generate([PROMPTS[1]], SamplingParams(**GREEDY))
+    stop, stop_token = reference.text[6:9], reference.token_ids[4]
+    for extra, expected in (
+        ({"stop": [stop]}, stop),
+        ({"extra_body": {"stop_token_ids": [stop_token]}}, stop_token),
+        ({}, None),
+    ):
+        request = {"model": MODEL_NAME, "prompt": PROMPTS[1], **GREEDY, **extra}
+        response = client.completions.create(**request)
+        _, _, chunks = streamed_completion(client, **request)
+        assert stop_reasons(response) == [expected], extra
+        assert streamed_stop_reasons(chunks) == {0: expected}, extra
+
+
+def test_stop_reason_is_in_chat_choices_too(client, llm):
+    (reference,) = llm.generate([chat_prompt_ids(llm, MESSAGES)], SamplingParams(**GREEDY))
+    stop = reference.text[6:9]
+    request = {"model": MODEL_NAME, "messages": MESSAGES, **GREEDY}
+    for extra, expected in (({"stop": [stop]}, stop), ({}, None)):
+        response = client.chat.completions.create(**request, **extra)
+        _, _, chunks = streamed_chat(client, **request, **extra)
+        assert response.choices[0].finish_reason == ("stop" if extra else reference.finish_reason)
+        assert stop_reasons(response) == [expected], extra
+        assert streamed_stop_reasons(chunks) == {0: expected}, extra
+
+
 def test_ignore_eos_and_penalties_are_accepted(client):
     response = client.completions.create(
         model=MODEL_NAME,
