@@ -66,10 +66,16 @@ class IncrementalDetokenizer:
     """One request's text: `add` each generated token, `take` what became final."""
 
     def __init__(
-        self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool
+        self,
+        tokenizer,
+        prompt_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool,
+        include_stop: bool = False,
     ):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.include_stop = include_stop  # keep the stop string that ended the text
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_ids[-CONTEXT_TOKENS:])
         stream_class = (
@@ -103,8 +109,9 @@ class IncrementalDetokenizer:
             if at != -1 and (best is None or at < best[0]):
                 best = (at, s)
         if best is not None:
-            self.text = self.text[: best[0]]
-            self.stopped_by = best[1]
+            at, stop = best
+            self.text = self.text[: at + len(stop) if self.include_stop else at]
+            self.stopped_by = stop
 
     def take(self, final: bool) -> str:
         """The newly final text since the last call (everything left when `final`)."""
@@ -147,10 +154,15 @@ class OutputDetokenizer:
         self.requests: dict[str, IncrementalDetokenizer] = {}
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool,
+        include_stop: bool = False,
     ) -> None:
         self.requests[request_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, stop, skip_special_tokens
+            self.tokenizer, prompt_ids, stop, skip_special_tokens, include_stop
         )
 
     def remove(self, request_id: str) -> None:

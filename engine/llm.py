@@ -63,7 +63,13 @@ class LLM:
                 self._next_id += 1
                 self.engine.add_request(rid, ids, sample)
                 if detokenizer is not None:
-                    detokenizer.add_request(rid, ids, sample.stop, sample.skip_special_tokens)
+                    detokenizer.add_request(
+                        rid,
+                        ids,
+                        sample.stop,
+                        sample.skip_special_tokens,
+                        sample.include_stop_str_in_output,
+                    )
                 order.append(rid)
                 outputs[rid] = RequestOutput(
                     request_id=rid,

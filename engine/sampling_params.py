@@ -33,6 +33,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's: the text runs through the stop string
     logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -172,6 +172,7 @@ class EngineClient:
                 request.prompt_token_ids,
                 params.stop,
                 params.skip_special_tokens,
+                params.include_stop_str_in_output,
             )
         try:
             for request in requests:

@@ -68,6 +68,7 @@ class GenerationFields(OpenAIModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None

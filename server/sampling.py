@@ -18,6 +18,7 @@ _PASS_THROUGH = (
     "repetition_penalty",
     "ignore_eos",
     "skip_special_tokens",
+    "include_stop_str_in_output",
 )
 
 

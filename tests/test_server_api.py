@@ -204,6 +204,30 @@ def test_stop_string_ends_the_text_before_it(client, llm):
     assert response.choices[0].finish_reason == "stop" == finish[0]
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(client, llm):
+    """vLLM's include_stop_str_in_output: the text runs through the stop string, streamed or
+    not (it changes the output, so it must not be ignored as an unknown field)."""
+    (reference,) = llm.generate([PROMPTS[1]], SamplingParams(**GREEDY))
+    stop = reference.text[6:9]
+    expected = reference.text[: reference.text.index(stop) + len(stop)]
+    request = {
+        "model": MODEL_NAME, "prompt": PROMPTS[1], "stop": [stop],
+        "extra_body": {"include_stop_str_in_output": True}, **GREEDY,
+    }  # fmt: skip
+    response = client.completions.create(**request)
+    texts, finish, _ = streamed_completion(client, **request)
+    assert response.choices[0].text == expected == texts[0]
+    assert response.choices[0].finish_reason == "stop" == finish[0]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, stop=[stop],
+        extra_body={"include_stop_str_in_output": True}, **GREEDY,
+    )  # fmt: skip
+    (chat_reference,) = llm.generate([chat_prompt_ids(llm, MESSAGES)], SamplingParams(**GREEDY))
+    if stop in chat_reference.text:
+        at = chat_reference.text.index(stop) + len(stop)
+        assert chat.choices[0].message.content == chat_reference.text[:at]
+
+
 def _metric(server, name: str) -> float:
     with server.http() as http:
         for line in http.get("/metrics").text.splitlines():
