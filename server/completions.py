@@ -29,7 +29,7 @@ from server.generation import (
 )
 from server.logprobs import completion_logprobs
 from server.protocol import CompletionRequest
-from server.sampling import build_sampling_params, check_prompt
+from server.sampling import build_sampling_params, check_prompt, with_max_tokens
 from server.validation import check_generation, engine_max_tokens, requested_max_tokens
 
 router = APIRouter()
@@ -94,11 +94,16 @@ class StartedCompletion:
 
 
 async def start_completion(
-    state: ServerState, body: CompletionRequest, id_prefix: str, prompt_logprobs: bool = False
+    state: ServerState,
+    body: CompletionRequest,
+    id_prefix: str,
+    prompt_logprobs: bool = False,
+    fit_to_context: bool = True,
 ) -> StartedCompletion:
     """Tokenize a checked completions request, check it against the model, admit it and fan it
     out into engine requests (shared with SGLang's /generate, which is one). The prompt's
-    logprobs are computed for echo with logprobs, or when `prompt_logprobs` asks for them."""
+    logprobs are computed for echo with logprobs, or when `prompt_logprobs` asks for them;
+    `fit_to_context` is check_prompt's (off for /generate, which refuses as SGLang does)."""
     if _has_text(body.prompt):
         prompts = await asyncio.to_thread(tokenize_prompts, state, body.prompt)
     else:  # token ids only: nothing to encode, so no worker-thread round trip (two loop wakeups)
@@ -114,14 +119,21 @@ async def start_completion(
         vocab_size=state.vocab_size,
         prompt_logprobs=body.logprobs if scored else None,
     )
-    for prompt in prompts:
-        check_prompt(
-            prompt,
-            max_tokens,
-            vocab_size=state.vocab_size,
-            max_model_len=state.max_model_len,
-            param="prompt",
+    # one set per prompt: each gets the max_tokens its own length leaves in the context
+    prompt_params = [
+        with_max_tokens(
+            params,
+            check_prompt(
+                prompt,
+                max_tokens,
+                vocab_size=state.vocab_size,
+                max_model_len=state.max_model_len,
+                param="prompt",
+                fit_to_context=fit_to_context,
+            ),
         )
+        for prompt in prompts
+    ]
     check_disagg(state, body.baton_disagg)
     if scored and body.baton_disagg is not None:
         raise APIError.bad_request(
@@ -136,7 +148,7 @@ async def start_completion(
     )
     admit(state)
     request_id = new_request_id(id_prefix)
-    requests = fan_out(request_id, prompts, params, body.n, body.baton_disagg)
+    requests = fan_out(request_id, prompts, prompt_params, body.n, body.baton_disagg)
     return StartedCompletion(prompts=prompts, requests=requests, request_id=request_id, echo=echo)
 
 

@@ -98,19 +98,21 @@ def admit(state: ServerState) -> None:
 def fan_out(
     request_id: str,
     prompts: list[list[int]],
-    params: SamplingParams,
+    params: SamplingParams | list[SamplingParams],
     n: int,
     disagg: DisaggField | None = None,
 ) -> list[EngineRequest]:
-    """Each choice of a disaggregated request gets its own room, f"{room}-{choice}", which the
-    prefill and the decode worker derive the same way."""
+    """`params`: one set for every prompt, or one per prompt. Each choice of a disaggregated
+    request gets its own room, f"{room}-{choice}", which the prefill and the decode worker
+    derive the same way."""
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     requests = []
-    for prompt_index, prompt in enumerate(prompts):
+    for prompt_index, (prompt, prompt_params) in enumerate(zip(prompts, per_prompt, strict=True)):
         for sample in range(n):
             sample_params = (
-                params
-                if params.seed is None
-                else dataclasses.replace(params, seed=params.seed + sample)
+                prompt_params
+                if prompt_params.seed is None
+                else dataclasses.replace(prompt_params, seed=prompt_params.seed + sample)
             )
             choice = prompt_index * n + sample
             requests.append(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine.sampling_params import SamplingParams
 from server.errors import APIError
 from server.protocol import GenerationFields
@@ -80,19 +82,56 @@ def check_token_id(token_id: int, vocab_size: int | None, param: str) -> None:
 
 
 def check_prompt(
-    prompt_token_ids: list[int], max_tokens: int, *, vocab_size: int, max_model_len: int, param: str
-) -> None:
-    """Refuse an empty prompt, unknown token ids, and prompt + max_tokens over the context."""
+    prompt_token_ids: list[int],
+    max_tokens: int,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    param: str,
+    fit_to_context: bool = True,
+) -> int:
+    """Refuse an empty prompt, unknown token ids and a prompt that leaves no room to generate;
+    returns the max_tokens the engine runs. `fit_to_context` (the OpenAI routes, as vLLM):
+    prompt + max_tokens over the context gets what the context leaves (finish_reason "length"),
+    and only a max_tokens over the whole context is refused. Without it (SGLang's /generate,
+    as SGLang) prompt + max_tokens must fit."""
     if not prompt_token_ids:
         raise APIError.bad_request(f"{param} must not be empty", param)
     # Length first: a prompt of millions of tokens is refused before anything walks it.
-    if len(prompt_token_ids) + max_tokens > max_model_len:
-        raise APIError.bad_request(
-            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) = "
-            f"{len(prompt_token_ids) + max_tokens} tokens exceeds max-model-len ({max_model_len})",
-            "max_tokens",
-        )
+    prompt_len = len(prompt_token_ids)
+    if prompt_len + max_tokens > max_model_len:
+        if not fit_to_context:
+            raise APIError.bad_request(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+                f"{prompt_len + max_tokens} tokens exceeds max-model-len ({max_model_len})",
+                "max_tokens",
+            )
+        if prompt_len >= max_model_len:
+            raise APIError.bad_request(
+                f"{param}: the prompt ({prompt_len} tokens) with at least 1 token to generate "
+                f"exceeds max-model-len ({max_model_len})",
+                param,
+            )
+        if max_tokens > max_model_len:
+            raise APIError.bad_request(
+                f"max_tokens ({max_tokens}) exceeds max-model-len ({max_model_len})", "max_tokens"
+            )
+        max_tokens = max_model_len - prompt_len
     check_token_ids(prompt_token_ids, vocab_size, param)
+    return max_tokens
+
+
+def with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    """`params` for a prompt whose max_tokens check_prompt cut to the context."""
+    if max_tokens == params.max_tokens:
+        return params
+    if params.min_tokens > max_tokens:
+        raise APIError.bad_request(
+            f"min_tokens ({params.min_tokens}) is more than the {max_tokens} tokens the "
+            "context leaves after the prompt",
+            "min_tokens",
+        )
+    return dataclasses.replace(params, max_tokens=max_tokens)
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

@@ -36,7 +36,9 @@ async def generate(body: GenerateRequest, raw_request: Request):
     arrival = time.monotonic()
     completion = completion_from_generate(body)
     wants_input = body.return_logprob and body.logprob_start_len >= 0
-    started = await start_completion(state, completion, "gen", prompt_logprobs=wants_input)
+    started = await start_completion(
+        state, completion, "gen", prompt_logprobs=wants_input, fit_to_context=False
+    )
     shortest = min(len(prompt) for prompt in started.prompts)
     if wants_input and body.logprob_start_len >= shortest:
         raise APIError.bad_request(

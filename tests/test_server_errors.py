@@ -78,9 +78,47 @@ def test_invalid_completion_parameters_answer_400_naming_them(client, kwargs, pa
     assert error.param == param
 
 
-def test_prompt_over_the_context_names_both_numbers(client):
-    error = completion_error(client, prompt=[5] * 100, max_tokens=MAX_MODEL_LEN - 50)
-    assert_openai_error(error, 400, "100 tokens", str(MAX_MODEL_LEN - 50), str(MAX_MODEL_LEN))
+def test_max_tokens_past_the_context_are_cut_to_what_it_leaves_as_vllm_does(client):
+    """vLLM (0.32) answers prompt + max_tokens over the context with the tokens that fit,
+    finish_reason "length", rather than a 400; clients that always ask for a generous
+    max_tokens (lm-evaluation-harness's max_gen_toks) rely on it."""
+    prompt = [5] * (MAX_MODEL_LEN - 4)
+    extra = {"extra_body": {"ignore_eos": True}}
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=10, temperature=0, **extra
+    )
+    assert completion.usage.completion_tokens == 4
+    assert completion.choices[0].finish_reason == "length"
+    listed = client.completions.create(
+        model=MODEL_NAME, prompt=[prompt, [5] * 8], max_tokens=10, temperature=0, **extra
+    )  # each prompt of a list gets what its own length leaves
+    assert listed.usage.completion_tokens == 4 + 10
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi " * (MAX_MODEL_LEN // 4)}],
+        max_tokens=MAX_MODEL_LEN - 1,
+        temperature=0,
+        **extra,
+    )
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.total_tokens == MAX_MODEL_LEN
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_prompt_that_leaves_no_room_in_the_context_is_refused_naming_both_numbers(
+    client, endpoint
+):
+    with pytest.raises(openai.BadRequestError) as caught:
+        if endpoint == "completions":
+            client.completions.create(model=MODEL_NAME, prompt=[5] * MAX_MODEL_LEN, max_tokens=4)
+        else:
+            client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": "hi " * (MAX_MODEL_LEN + 10)}],
+                max_tokens=4,
+            )
+    assert_openai_error(caught.value, 400, "tokens", "exceeds max-model-len", str(MAX_MODEL_LEN))
+    assert caught.value.body["param"] == ("prompt" if endpoint == "completions" else "messages")
 
 
 def test_invalid_chat_requests_answer_400(client):

@@ -143,6 +143,11 @@ def test_streaming_sends_the_whole_text_so_far(server, llm):
             "max_tokens",
             str(MAX_MODEL_LEN),
         ),
+        (  # SGLang refuses prompt + max_new_tokens over the context (the OpenAI routes cut it)
+            {"input_ids": [5] * 200, "sampling_params": {"max_new_tokens": 100}},
+            "max_tokens",
+            "300 tokens exceeds",
+        ),
     ],
 )
 def test_bad_requests_are_400s_naming_the_field(server, body, param, needle):
