@@ -15,6 +15,7 @@ from server.generation import ServerState, check_model
 from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware, RequestCounterMiddleware
 from server.protocol import DetokenizeRequest, TokenizeRequest
 from server.sampling import check_token_ids
+from server.validation import check_continue_final_message
 from server.version import baton_version
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
@@ -96,11 +97,13 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError.bad_request("give exactly one of prompt and messages", "prompt")
         # Off the event loop: a long text would hold /health and every other client up.
         if body.messages is not None:
+            check_continue_final_message(body)
             tokens = await asyncio.to_thread(
                 state.tokenizer.encode_chat,
                 body.messages,
                 body.add_generation_prompt,
                 body.chat_template_kwargs,
+                body.continue_final_message,
             )
         else:
             tokens = await asyncio.to_thread(

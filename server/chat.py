@@ -57,6 +57,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         body.messages,
         body.add_generation_prompt,
         body.chat_template_kwargs,
+        body.continue_final_message,
     )
     max_tokens = _max_tokens(body, len(prompt), state.max_model_len)
     params = build_sampling_params(

@@ -125,7 +125,7 @@ class ChatMessage(OpenAIModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)  # vLLM joins text parts so
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -135,6 +135,7 @@ class ChatCompletionRequest(GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's assistant prefill: the prompt ends inside it
     chat_template_kwargs: dict[Text, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
 
 
@@ -146,6 +147,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[Text, Any] | None = None
 
 

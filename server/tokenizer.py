@@ -62,6 +62,26 @@ def load_tokenizer(directory: str, flag: str) -> Tokenizer:
         raise RuntimeError(f"{flag} {directory}: cannot load its tokenizer: {error}") from error
 
 
+def conversation_for_template(messages: list[ChatMessage], template: str) -> list[dict]:
+    """The messages as the chat template gets them, as vLLM passes them: text parts joined
+    (ChatMessage.text), and for a template that never names the "developer" role, developer
+    messages turned into system ones and every system message merged (blank line between)
+    into one first message, since templates that know only "system" often want it first."""
+    conversation = [{"role": message.role, "content": message.text()} for message in messages]
+    knows_developer = "'developer'" in template or '"developer"' in template
+    if knows_developer or all(message["role"] != "developer" for message in conversation):
+        return conversation
+    for message in conversation:
+        if message["role"] == "developer":
+            message["role"] = "system"
+    system = [message for message in conversation if message["role"] == "system"]
+    if len(system) == 1 and conversation[0] is system[0]:
+        return conversation
+    merged = "\n\n".join(message["content"] for message in system if message["content"])
+    rest = [message for message in conversation if message["role"] != "system"]
+    return [{"role": "system", "content": merged}, *rest]
+
+
 class Tokenizer:
     def __init__(self, model_dir: str) -> None:
         self.hf = AutoTokenizer.from_pretrained(model_dir)
@@ -78,11 +98,13 @@ class Tokenizer:
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Render the tokenizer's chat template, then tokenize (the template holds any BOS).
         `template_kwargs` are the request's chat_template_kwargs: variables the template reads
-        (vLLM's; Nemotron's templates take `enable_thinking`)."""
-        conversation = [{"role": message.role, "content": message.text()} for message in messages]
+        (vLLM's; Nemotron's templates take `enable_thinking`). `continue_final_message` ends
+        the prompt inside the last message (assistant prefill), as vLLM's field does."""
+        conversation = conversation_for_template(messages, self.hf.chat_template or "")
         variables = dict(template_kwargs or {})
         for reserved in RESERVED_TEMPLATE_KWARGS.intersection(variables):
             raise APIError.bad_request(
@@ -93,6 +115,7 @@ class Tokenizer:
             text = self.hf.apply_chat_template(
                 conversation,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=False,
                 **variables,
             )

@@ -27,6 +27,7 @@ from server.protocol import (
     CompletionRequest,
     GenerateRequest,
     SGLangSamplingParams,
+    TokenizeRequest,
 )
 from server.sampling import build_sampling_params
 
@@ -265,6 +266,15 @@ def engine_max_tokens(
     return requested
 
 
+def check_continue_final_message(request: ChatCompletionRequest | TokenizeRequest) -> None:
+    if request.continue_final_message and request.add_generation_prompt:
+        raise APIError.bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true (the prompt "
+            "either opens a new assistant message or continues the last one)",
+            "continue_final_message",
+        )
+
+
 def check_generation(request: CompletionRequest | ChatCompletionRequest) -> None:
     """Every rule on a generation request that needs no model or tokenizer (APIError 400)."""
     check_unsupported(request)
@@ -282,6 +292,7 @@ def check_generation(request: CompletionRequest | ChatCompletionRequest) -> None
             )
         logprobs = request.logprobs
     else:
+        check_continue_final_message(request)
         logprobs = num_logprobs(request)
     # Unset chat max_tokens depends on the prompt's length; min_tokens is checked against it
     # by the worker once the prompt is tokenized.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -546,6 +547,67 @@ def test_chat_logprobs_list_tokens_bytes_and_top_alternatives(client):
 
 
 # ---- the other endpoints -----------------------------------------------------------------------
+
+
+# ---- chat messages as vLLM renders them -------------------------------------------------------
+
+
+def tokenize_messages(server, messages: list[dict], **options) -> httpx.Response:
+    with server.http() as http:
+        return http.post("/tokenize", json={"model": MODEL_NAME, "messages": messages, **options})
+
+
+def templated(llm: LLM, messages: list[dict], **options) -> list[int]:
+    options = {"add_generation_prompt": True, **options}
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_developer_messages_reach_a_template_without_that_role_as_one_system_message(server, llm):
+    """vLLM: a template that never names "developer" gets developer messages as system ones,
+    merged with the other system messages into one first message (templates that want the
+    system message first would otherwise fail or drop it)."""
+    given = [
+        {"role": "user", "content": "hi"},
+        {"role": "developer", "content": "Be brief."},
+        {"role": "system", "content": "Use numbers."},
+    ]
+    expected = [{"role": "system", "content": "Be brief.\n\nUse numbers."}, given[0]]
+    assert tokenize_messages(server, given).json()["tokens"] == templated(llm, expected)
+
+
+def test_text_parts_of_a_message_are_joined_with_newlines_as_vllm_does(server, client, llm):
+    parts = [{"type": "text", "text": "Tom has 3 apples"}, {"type": "text", "text": "and 4 pears."}]
+    joined = [{"role": "user", "content": "Tom has 3 apples\nand 4 pears."}]
+    assert tokenize_messages(server, [{"role": "user", "content": parts}]).json()["tokens"] == (
+        templated(llm, joined)
+    )
+    answer = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": parts}], max_tokens=1
+    )
+    assert answer.usage.prompt_tokens == len(templated(llm, joined))
+
+
+def test_continue_final_message_extends_the_assistants_last_message(server, client, llm):
+    """vLLM's continue_final_message (assistant prefill): the prompt ends inside the final
+    message, with nothing the template would close it with, and generation continues it."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "He has"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    prompt = templated(llm, messages, **options)
+    assert llm.tokenizer.decode(prompt).endswith("He has")
+    assert tokenize_messages(server, messages, **options).json()["tokens"] == prompt
+    answer = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, extra_body=options, **GREEDY
+    )
+    (reference,) = llm.generate([prompt], SamplingParams(**GREEDY))
+    assert answer.usage.prompt_tokens == len(prompt)
+    assert answer.choices[0].message.content == reference.text
+    with pytest.raises(openai.BadRequestError) as caught:  # vLLM refuses the pair too
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=2,
+            extra_body={"continue_final_message": True},
+        )  # fmt: skip
+    assert caught.value.body["param"] == "continue_final_message"
 
 
 def test_models_retrieve_and_version(server, client):
