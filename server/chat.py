@@ -27,7 +27,7 @@ from server.generation import (
 )
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest
-from server.sampling import build_sampling_params, check_prompt, with_max_tokens
+from server.sampling import build_sampling_params, check_prompt, truncate_prompt, with_max_tokens
 from server.validation import check_generation, num_logprobs, requested_max_tokens
 
 router = APIRouter()
@@ -56,8 +56,12 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         state.tokenizer.encode_chat,
         body.messages,
         body.add_generation_prompt,
-        body.chat_template_kwargs,
+        body.template_variables(),
         body.continue_final_message,
+        body.add_special_tokens,
+    )
+    prompt = truncate_prompt(
+        prompt, body.truncate_prompt_tokens, body.truncation_side, state.max_model_len
     )
     max_tokens = _max_tokens(body, len(prompt), state.max_model_len)
     params = build_sampling_params(

@@ -29,23 +29,28 @@ from server.generation import (
 )
 from server.logprobs import completion_logprobs
 from server.protocol import CompletionRequest
-from server.sampling import build_sampling_params, check_prompt, with_max_tokens
+from server.sampling import build_sampling_params, check_prompt, truncate_prompt, with_max_tokens
 from server.validation import check_generation, engine_max_tokens, requested_max_tokens
 
 router = APIRouter()
 
 
-def tokenize_prompts(
-    state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]
-) -> list[list[int]]:
-    """Runs in a worker thread (the fast tokenizer releases the GIL while it encodes)."""
-    if isinstance(prompt, str):
-        return [state.tokenizer.encode(prompt)]
-    if all(isinstance(item, int) for item in prompt):
-        return [list(prompt)]
-    return [
-        state.tokenizer.encode(item) if isinstance(item, str) else list(item) for item in prompt
+def tokenize_prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
+    """Runs in a worker thread (the fast tokenizer releases the GIL while it encodes); each
+    prompt cut to `truncate_prompt_tokens` when the request asks."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or all(isinstance(item, int) for item in prompt):
+        prompt = [prompt]
+    special = body.add_special_tokens
+    prompts = [
+        state.tokenizer.encode(item, add_special_tokens=special)
+        if isinstance(item, str)
+        else list(item)
+        for item in prompt
     ]
+    side = body.truncation_side
+    keep = body.truncate_prompt_tokens
+    return [truncate_prompt(ids, keep, side, state.max_model_len) for ids in prompts]
 
 
 def _has_text(prompt: str | list[str] | list[int] | list[list[int]]) -> bool:
@@ -105,9 +110,9 @@ async def start_completion(
     logprobs are computed for echo with logprobs, or when `prompt_logprobs` asks for them;
     `fit_to_context` is check_prompt's (off for /generate, which refuses as SGLang does)."""
     if _has_text(body.prompt):
-        prompts = await asyncio.to_thread(tokenize_prompts, state, body.prompt)
+        prompts = await asyncio.to_thread(tokenize_prompts, state, body)
     else:  # token ids only: nothing to encode, so no worker-thread round trip (two loop wakeups)
-        prompts = tokenize_prompts(state, body.prompt)
+        prompts = tokenize_prompts(state, body)
     requested = requested_max_tokens(body)
     assert requested is not None  # completions default to 16
     max_tokens = engine_max_tokens(body, requested)
@@ -170,11 +175,12 @@ class Echo:
             if isinstance(given, str) or all(isinstance(item, int) for item in given)
             else given
         )
+        # a prompt as given, unless it was cut (truncate_prompt_tokens): then what was kept
         self.texts = [
             item
-            if isinstance(item, str)
-            else state.tokenizer.decode(item, skip_special_tokens=body.skip_special_tokens)
-            for item in items
+            if isinstance(item, str) and body.truncate_prompt_tokens is None
+            else state.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
+            for item, ids in zip(items, prompts, strict=True)
         ]
 
     def prompt_of(self, index: int) -> int:

@@ -90,6 +90,20 @@ class GenerationFields(OpenAIModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    logprob_token_ids: Any = None
+    prompt_embeds: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    return_token_offsets: Any = None
+    thinking_token_budget: Any = None
+    repetition_detection: Any = None
+    vllm_xargs: Any = None
+    # vLLM's: keep the prompt's last (truncation_side "left") or first ("right") k tokens;
+    # -1: as many as the context holds with one token to generate
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -106,6 +120,7 @@ class CompletionRequest(GenerationFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. around the prompt
     best_of: Any = None
     suffix: Any = None
 
@@ -137,6 +152,23 @@ class ChatCompletionRequest(GenerationFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's assistant prefill: the prompt ends inside it
     chat_template_kwargs: dict[Text, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
+    add_special_tokens: bool = False  # vLLM's: the template already holds them
+    # OpenAI's; as vLLM, given to the template with enable_thinking = (effort != "none")
+    reasoning_effort: Text | None = None
+    # vLLM's chat fields that change the output, parsed to be refused by name
+    echo: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
+
+    def template_variables(self) -> dict[str, Any]:
+        """chat_template_kwargs, plus reasoning_effort as vLLM passes it to templates."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables["reasoning_effort"] = self.reasoning_effort
+            variables.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return variables
 
 
 class TokenizeRequest(OpenAIModel):

@@ -121,6 +121,27 @@ def check_prompt(
     return max_tokens
 
 
+def truncate_prompt(
+    prompt_token_ids: list[int],
+    keep: int | None,
+    side: str | None,
+    max_model_len: int,
+) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens ("left", the default) or the first
+    ("right"); -1 keeps as many as the context holds with one token left to generate."""
+    if keep is None:
+        return prompt_token_ids
+    if keep == -1:
+        keep = max_model_len - 1
+    if not 1 <= keep <= max_model_len:
+        raise APIError.bad_request(
+            f"truncate_prompt_tokens must be -1 or in [1, max-model-len {max_model_len}], "
+            f"got {keep}",
+            "truncate_prompt_tokens",
+        )
+    return prompt_token_ids[:keep] if side == "right" else prompt_token_ids[-keep:]
+
+
 def with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
     """`params` for a prompt whose max_tokens check_prompt cut to the context."""
     if max_tokens == params.max_tokens:

@@ -99,6 +99,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Render the tokenizer's chat template, then tokenize (the template holds any BOS).
         `template_kwargs` are the request's chat_template_kwargs: variables the template reads
@@ -123,7 +124,7 @@ class Tokenizer:
             raise APIError.bad_request(
                 f"messages: the chat template failed: {error}", "messages"
             ) from error
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -238,11 +238,32 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "suffix": (None, ""),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0, 1),  # only beam search reads it
+    "logprob_token_ids": (None, []),
+    "prompt_embeds": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "return_token_offsets": (None, False),
+    "thinking_token_budget": (None,),
+    "repetition_detection": (None,),
+    "vllm_xargs": (None, {}),
+}
+# vLLM's chat-only ones (completions' `echo` is done)
+CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False),
+    "chat_template": (None,),  # vLLM refuses it too unless started --trust-request-chat-template
+    "documents": (None, []),
+    "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
 }
 
 
 def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
-    for name, neutral in UNSUPPORTED_FIELDS.items():
+    refused = UNSUPPORTED_FIELDS
+    if isinstance(request, ChatCompletionRequest):
+        refused = {**UNSUPPORTED_FIELDS, **CHAT_UNSUPPORTED_FIELDS}
+    for name, neutral in refused.items():
         value = getattr(request, name, None)
         if not any(value == allowed and type(value) is type(allowed) for allowed in neutral):
             raise APIError.bad_request(f"{name} is not supported by this server", name)

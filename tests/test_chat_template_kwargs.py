@@ -41,3 +41,20 @@ def test_the_templates_own_arguments_are_refused(tokenizer, reserved):
         tokenizer.encode_chat(MESSAGES, True, {reserved: True})
     assert caught.value.status == 400 and caught.value.param == "chat_template_kwargs"
     assert repr(reserved) in caught.value.message
+
+
+def test_reasoning_effort_none_turns_thinking_off_as_in_vllm(tokenizer):
+    """OpenAI's reasoning_effort reaches the template as vLLM passes it: the variable itself,
+    and enable_thinking = (effort != "none") unless chat_template_kwargs set it."""
+    from server.protocol import ChatCompletionRequest
+
+    def variables(**fields):
+        request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+        return request.template_variables()
+
+    off = tokenizer.encode_chat(MESSAGES, True, variables(reasoning_effort="none"))
+    assert tokenizer.decode(off).startswith("/no_think\n")
+    assert variables(reasoning_effort="low") == {"reasoning_effort": "low", "enable_thinking": True}
+    kept = variables(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})
+    assert kept["enable_thinking"] is True
+    assert variables() == {}

@@ -380,6 +380,22 @@ UNSUPPORTED = [
     ("chat", "structured_outputs", {"regex": "[0-9]+"}),
     ("completions", "allowed_token_ids", [5, 6]),
     ("completions", "prompt_logprobs", 1),
+    # vLLM's other fields that change the output (found side by side with vLLM 0.32)
+    ("completions", "use_beam_search", True),
+    ("completions", "length_penalty", 0.5),
+    ("completions", "logprob_token_ids", [5]),
+    ("completions", "prompt_embeds", "AAAA"),
+    ("completions", "return_tokens_as_token_ids", True),
+    ("completions", "return_token_ids", True),
+    ("completions", "return_token_offsets", True),
+    ("completions", "thinking_token_budget", 10),
+    ("completions", "repetition_detection", {"max_pattern_size": 4}),
+    ("completions", "vllm_xargs", {"x": 1}),
+    ("chat", "use_beam_search", True),
+    ("chat", "echo", True),
+    ("chat", "chat_template", "{{ messages }}"),
+    ("chat", "documents", [{"text": "a"}]),
+    ("chat", "mm_processor_kwargs", {"x": 1}),
 ]
 
 
@@ -430,6 +446,71 @@ def test_neutral_values_of_unsupported_fields_are_accepted(client, llm):
         **GREEDY,
     )
     assert chat.choices[0].finish_reason in ("stop", "length")
+    neutral = {
+        "use_beam_search": False, "length_penalty": 1.0, "return_tokens_as_token_ids": False,
+        "return_token_ids": False, "echo": False, "documents": None, "chat_template": None,
+    }  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, extra_body=neutral, **GREEDY
+    )
+    assert (
+        chat.choices[0].message.content
+        == client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+        .choices[0]
+        .message.content
+    )
+
+
+def test_add_special_tokens_is_the_tokenizers_as_in_vllm(server, client, llm):
+    """completions add the tokenizer's special tokens unless told not to; chat does not (its
+    template holds them) unless told to. The tiny tokenizer adds none, so a BOS-adding one is
+    checked through /tokenize's count, which follows the same flag."""
+    with_default = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=1)
+    without = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=1, extra_body={"add_special_tokens": False}
+    )
+    expected = len(llm.tokenizer.encode(PROMPTS[0], add_special_tokens=False))
+    assert without.usage.prompt_tokens == expected
+    assert with_default.usage.prompt_tokens == len(llm.tokenizer.encode(PROMPTS[0]))
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=1, extra_body={"add_special_tokens": True}
+    )
+    assert chat.usage.prompt_tokens == len(
+        llm.tokenizer.encode(
+            llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+        )
+    )
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, llm):
+    """vLLM's truncate_prompt_tokens: the last k tokens of the prompt (truncation_side "left",
+    the default) or the first k ("right"); -1 keeps what the context can hold."""
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    for side, kept in (("left", ids[-3:]), ("right", ids[:3])):
+        (reference,) = llm.generate([kept], SamplingParams(**GREEDY))
+        response = client.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS[1], **GREEDY,
+            extra_body={"truncate_prompt_tokens": 3, "truncation_side": side},
+        )  # fmt: skip
+        assert response.usage.prompt_tokens == 3
+        assert response.choices[0].text == reference.text
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 4},
+    )  # fmt: skip
+    assert chat.usage.prompt_tokens == 4
+    long = client.completions.create(
+        model=MODEL_NAME, prompt=[5] * (MAX_MODEL_LEN + 20), max_tokens=1,
+        extra_body={"truncate_prompt_tokens": -1},
+    )  # fmt: skip
+    assert long.usage.prompt_tokens == MAX_MODEL_LEN - 1
+    for bad in (MAX_MODEL_LEN + 1, 0, -2):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(
+                model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=1,
+                extra_body={"truncate_prompt_tokens": bad},
+            )  # fmt: skip
+        assert caught.value.body["param"] == "truncate_prompt_tokens", bad
 
 
 # ---- echo ----------------------------------------------------------------------------------
