@@ -115,15 +115,22 @@ def build_router_app(
 
     @app.get("/v1/models")
     @app.get("/v1/models/{model:path}")
-    async def models(request: Request) -> Response:
-        """The decode worker's answer (the list, or one model: OpenAI's retrieve)."""
+    @app.post("/tokenize")
+    @app.post("/detokenize")
+    async def ask_a_decode_worker(request: Request) -> Response:
+        """The decode worker's answer to a request about the model (the list or one model, as
+        OpenAI's retrieve; /tokenize and /detokenize): nothing is generated, no pair is used."""
         pair = workers.pick()
         if pair is None:
             return error_response(503, "no healthy prefill + decode worker pair")
+        path = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1")
+        body = getattr(request.state, "json_body", None)  # parsed by RequestBodyMiddleware
         try:
-            response = await client.get(
-                f"{pair[1].url}{request.scope.get('raw_path', b'/v1/models').decode('latin-1')}",
+            response = await client.request(
+                request.method,
+                f"{pair[1].url}{path}",
                 headers=forward_headers(request),
+                json=body if request.method == "POST" else None,
             )
         except httpx.HTTPError as error:
             return error_response(

@@ -268,3 +268,19 @@ def test_servers_keep_idle_connections_longer_than_their_clients_do(stack):
         assert _health_status(connection) == 200, name
         assert connection.sock is sockets[name], name  # the same connection, not a new one
         connection.close()
+
+
+def test_router_answers_tokenize_and_detokenize_as_its_workers_do(stack):
+    """vLLM's /tokenize and /detokenize (DESIGN §9) through `baton up`'s front door too."""
+    router, decode = stack["router"], stack["decode"]
+    for path, body in (
+        ("/tokenize", {"model": MODEL_NAME, "prompt": "Hello world"}),
+        ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/detokenize", {"tokens": [5, 6, 7]}),
+        ("/tokenize", {"model": "nope", "prompt": "a"}),
+        ("/detokenize", {"tokens": [-1]}),
+    ):
+        through_router = httpx.post(f"{router.base_url}{path}", json=body, timeout=30)
+        direct = httpx.post(f"{decode.base_url}{path}", json=body, timeout=30)
+        assert through_router.status_code == direct.status_code, (path, body)
+        assert through_router.json() == direct.json(), (path, body)
