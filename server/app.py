@@ -41,6 +41,7 @@ def build_app(state: ServerState) -> FastAPI:
     )
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) liveness route
     async def health() -> Response:
         if not state.client.alive:
             return error_response(503, f"engine unavailable: {state.client.unavailable_reason}")
@@ -109,7 +110,15 @@ def build_app(state: ServerState) -> FastAPI:
             tokens = await asyncio.to_thread(
                 state.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
             )
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
+        return {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": state.max_model_len,
+            # vLLM's: each token as the tokenizer's vocabulary spells it
+            "token_strs": state.tokenizer.hf.convert_ids_to_tokens(tokens)
+            if body.return_token_strs
+            else None,
+        }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:

@@ -13,7 +13,7 @@ from server.validation import parse_json_body
 # Open with or without --api-key: probes (Kubernetes, the router) and Prometheus scrapes carry no
 # key, as with vLLM. Everything else (/v1/*, /tokenize, /detokenize, /disagg/info, /docs,
 # /openapi.json) costs CPU or describes the deployment, so it follows the key.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 
 
 def bearer_matches(authorization: bytes, api_key: str) -> bool:

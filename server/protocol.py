@@ -181,6 +181,7 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[Text, Any] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(OpenAIModel):

@@ -100,6 +100,7 @@ def build_router_app(
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) liveness route
     async def health() -> Response:
         if not workers.ready:
             return error_response(503, "no healthy prefill + decode worker pair")

@@ -717,7 +717,17 @@ def test_tokenize_and_detokenize_round_trip(server, llm):
         }
 
 
+def test_tokenize_returns_token_strs_when_asked_as_vllm_does(server, llm):
+    with server.http() as http:
+        plain = http.post("/tokenize", json={"prompt": PROMPTS[1]}).json()
+        named = http.post("/tokenize", json={"prompt": PROMPTS[1], "return_token_strs": True})
+    assert plain["token_strs"] is None
+    assert named.json()["token_strs"] == llm.tokenizer.convert_ids_to_tokens(plain["tokens"])
+
+
 def test_health_is_ok(server):
     with server.http() as http:
         response = http.get("/health")
+        pings = [http.get("/ping"), http.post("/ping")]  # vLLM's (SageMaker's) liveness route
     assert response.status_code == 200 and response.json() == {"status": "ok"}
+    assert [ping.status_code for ping in pings] == [200, 200]
