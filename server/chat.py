@@ -93,6 +93,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
             "logprobs": _logprobs(state, body, result.token_ids, result.logprobs),
             "finish_reason": result.finish_reason,
             "stop_reason": result.stop_reason,
+            **({"token_ids": result.token_ids} if body.return_token_ids else {}),
         }
         for index, result in enumerate(results)
     ]
@@ -101,6 +102,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         "object": "chat.completion",
         "choices": choices,
         "usage": usage([prompt], results, body.n),
+        # vLLM's return_token_ids: the templated prompt's ids
+        **({"prompt_token_ids": prompt} if body.return_token_ids else {}),
     }
 
 
@@ -126,19 +129,22 @@ async def _stream(
             "logprobs": None,
             "finish_reason": None,
         }
-        yield sse({**head, "choices": [choice], **extra})
+        prompt_ids = {"prompt_token_ids": prompt} if body.return_token_ids else {}
+        yield sse({**head, "choices": [choice], **prompt_ids, **extra})
     async with contextlib.aclosing(timed_deltas(state, requests, arrival)) as deltas:
         async for index, delta in deltas:
             results[index].add(delta)
-            wants_logprobs = body.logprobs and bool(delta.new_token_ids)
-            if not (delta.new_text or delta.finished or wants_logprobs):
+            wants_ids = (body.logprobs or body.return_token_ids) and bool(delta.new_token_ids)
+            if not (delta.new_text or delta.finished or wants_ids):
                 continue
             choice = {
                 "index": index,
-                "delta": {"content": delta.new_text} if delta.new_text or wants_logprobs else {},
+                "delta": {"content": delta.new_text} if delta.new_text or wants_ids else {},
                 "logprobs": _logprobs(state, body, delta.new_token_ids, delta.new_logprobs or []),
                 "finish_reason": delta.finish_reason if delta.finished else None,
             }
+            if body.return_token_ids:
+                choice["token_ids"] = delta.new_token_ids
             if delta.finished:  # vLLM's: the stop string or token id that ended it, else null
                 choice["stop_reason"] = delta.stop_reason
             if body.continuous_usage:

@@ -86,6 +86,9 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
             "finish_reason": result.finish_reason,
             "stop_reason": result.stop_reason,
         }
+        if body.return_token_ids:
+            choice["prompt_token_ids"] = prompts[index // body.n]
+            choice["token_ids"] = result.token_ids
         choices.append(echo.prepend(index, result, choice) if echo is not None else choice)
     return {**head, "choices": choices, "usage": usage(prompts, results, body.n)}
 
@@ -230,6 +233,18 @@ async def _stream(
     results = [ChoiceResult() for _ in requests]
     extra = {"usage": None} if body.include_usage else {}
     echoed: set[int] = set()
+    ids_sent: set[int] = set()  # return_token_ids: choices whose prompt ids went out
+
+    def token_ids(index: int, new_token_ids: list[int]) -> dict:
+        """return_token_ids (vLLM's): the prompt's ids on a choice's first chunk, then null;
+        every chunk its new ids."""
+        if not body.return_token_ids:
+            return {}
+        first = index not in ids_sent
+        ids_sent.add(index)
+        prompt_ids = prompts[index // body.n] if first else None
+        return {"prompt_token_ids": prompt_ids, "token_ids": new_token_ids}
+
     async with contextlib.aclosing(timed_deltas(state, requests, arrival)) as deltas:
         async for index, delta in deltas:
             result = results[index]
@@ -246,6 +261,7 @@ async def _stream(
                     "logprobs": _logprobs(state, body, [], [], 0),
                     "finish_reason": result.finish_reason if echo.drop else None,
                     "stop_reason": result.stop_reason if echo.drop else None,
+                    **token_ids(index, []),
                 }
                 if body.continuous_usage:
                     extra = {"usage": usage(prompts, results, body.n)}
@@ -254,8 +270,10 @@ async def _stream(
                 if echo.drop:
                     continue
                 text_offset += len(echo.texts[echo.prompt_of(index)])
-            wants_logprobs = body.logprobs is not None and bool(delta.new_token_ids)
-            if not (delta.new_text or delta.finished or wants_logprobs):
+            wants_ids = (body.logprobs is not None or body.return_token_ids) and bool(
+                delta.new_token_ids
+            )
+            if not (delta.new_text or delta.finished or wants_ids):
                 continue
             choice = {
                 "index": index,
@@ -265,6 +283,7 @@ async def _stream(
                 ),
                 "finish_reason": delta.finish_reason if delta.finished else None,
                 "stop_reason": delta.stop_reason if delta.finished else None,
+                **token_ids(index, delta.new_token_ids),
             }
             if body.continuous_usage:
                 extra = {"usage": usage(prompts, results, body.n)}

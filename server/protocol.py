@@ -95,7 +95,7 @@ class GenerationFields(OpenAIModel):
     logprob_token_ids: Any = None
     prompt_embeds: Any = None
     return_tokens_as_token_ids: Any = None
-    return_token_ids: Any = None
+    return_token_ids: bool | None = None  # vLLM's: prompt and output token ids in the answer
     return_token_offsets: Any = None
     thinking_token_budget: Any = None
     repetition_detection: Any = None

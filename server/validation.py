@@ -243,7 +243,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "logprob_token_ids": (None, []),
     "prompt_embeds": (None,),
     "return_tokens_as_token_ids": (None, False),
-    "return_token_ids": (None, False),
     "return_token_offsets": (None, False),
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),

@@ -386,7 +386,6 @@ UNSUPPORTED = [
     ("completions", "logprob_token_ids", [5]),
     ("completions", "prompt_embeds", "AAAA"),
     ("completions", "return_tokens_as_token_ids", True),
-    ("completions", "return_token_ids", True),
     ("completions", "return_token_offsets", True),
     ("completions", "thinking_token_budget", 10),
     ("completions", "repetition_detection", {"max_pattern_size": 4}),
@@ -448,7 +447,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted(client, llm):
     assert chat.choices[0].finish_reason in ("stop", "length")
     neutral = {
         "use_beam_search": False, "length_penalty": 1.0, "return_tokens_as_token_ids": False,
-        "return_token_ids": False, "echo": False, "documents": None, "chat_template": None,
+        "echo": False, "documents": None, "chat_template": None,
     }  # fmt: skip
     chat = client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, extra_body=neutral, **GREEDY
@@ -628,6 +627,49 @@ def test_chat_logprobs_list_tokens_bytes_and_top_alternatives(client):
 
 
 # ---- the other endpoints -----------------------------------------------------------------------
+
+
+# ---- return_token_ids (vLLM's) -----------------------------------------------------------------
+
+
+def test_return_token_ids_gives_prompt_and_output_ids_as_vllm_does(client, llm):
+    """Completions: each choice carries prompt_token_ids and token_ids; streamed, the first
+    chunk of a choice carries its prompt's ids and every chunk its new ids (RL clients rebuild
+    the exact sequence from them)."""
+    offline = llm.generate(PROMPTS, SamplingParams(**GREEDY))
+    request = {"model": MODEL_NAME, "prompt": PROMPTS, "extra_body": {"return_token_ids": True}}
+    response = client.completions.create(**request, **GREEDY)
+    for choice, output in zip(response.choices, offline, strict=True):
+        assert choice.model_extra["prompt_token_ids"] == llm.tokenizer.encode(PROMPTS[choice.index])
+        assert choice.model_extra["token_ids"] == output.token_ids
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    prompt_ids: dict[int, list] = {0: [], 1: []}
+    for chunk in client.completions.create(stream=True, **request, **GREEDY):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.model_extra["token_ids"]
+            prompt_ids[choice.index].append(choice.model_extra["prompt_token_ids"])
+    assert streamed == {index: output.token_ids for index, output in enumerate(offline)}
+    for index, given in prompt_ids.items():
+        assert given[0] == llm.tokenizer.encode(PROMPTS[index])
+        assert all(ids is None for ids in given[1:])
+
+
+def test_chat_return_token_ids_puts_the_prompt_ids_on_the_response(client, llm):
+    prompt = chat_prompt_ids(llm, MESSAGES)
+    (reference,) = llm.generate([prompt], SamplingParams(**GREEDY))
+    request = {"model": MODEL_NAME, "messages": MESSAGES, "extra_body": {"return_token_ids": True}}
+    response = client.chat.completions.create(**request, **GREEDY)
+    assert response.model_extra["prompt_token_ids"] == prompt
+    assert response.choices[0].model_extra["token_ids"] == reference.token_ids
+    chunks = list(client.chat.completions.create(stream=True, **request, **GREEDY))
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt
+    streamed = [
+        token
+        for chunk in chunks[1:]
+        for choice in chunk.choices
+        for token in choice.model_extra["token_ids"]
+    ]
+    assert streamed == reference.token_ids
 
 
 # ---- chat messages as vLLM renders them -------------------------------------------------------
