@@ -62,8 +62,10 @@ def forward_headers(request: Request) -> dict[str, str]:
 
 async def prefill_error(
     task: asyncio.Task, prefill: Worker, workers: WorkerSet
-) -> tuple[int, str] | None:
-    """None while the prefill side is fine or still running; (status, message) once it failed."""
+) -> tuple[int, dict] | None:
+    """None while the prefill side is fine or still running; (status, error body) once it
+    failed: the worker's own refusal (its param, type and code kept, the message marked as the
+    prefill worker's), or a 503 when it could not be reached."""
     if not task.done():
         return None
     try:
@@ -74,16 +76,22 @@ async def prefill_error(
         logger.warning("prefill worker %s failed: %s", prefill.url, describe(error))
         if isinstance(error, GONE):
             workers.lost(prefill, error)
-        return 503, f"prefill worker {prefill.url} failed: {describe(error)}"
+        return 503, error_body(503, f"prefill worker {prefill.url} failed: {describe(error)}")
     if response.status_code != 200:
+        body = error_body(response.status_code, response.text)
         try:
-            message = response.json()["error"]["message"]
+            given = response.json()["error"]
+            body["error"].update(
+                {key: given[key] for key in ("message", "type", "param", "code") if key in given}
+            )
         except (ValueError, KeyError, TypeError):
-            message = response.text
+            pass  # not the OpenAI error shape: its text is the message
+        message = str(body["error"]["message"])
         logger.warning(
             "prefill worker %s answered %d: %s", prefill.url, response.status_code, message[:500]
         )
-        return response.status_code, f"prefill worker: {message}"
+        body["error"]["message"] = f"prefill worker: {message}"
+        return response.status_code, body
     return None
 
 
@@ -109,7 +117,7 @@ async def relay(
             )
             failure = await prefill_error(prefill_task, prefill, workers)
             if failure is not None:
-                yield f"data: {json.dumps(error_body(*failure))}\n\n"
+                yield f"data: {json.dumps(failure[1])}\n\n"
                 yield "data: [DONE]\n\n"
                 return
             if pending_line in done:
@@ -166,7 +174,7 @@ async def decode_headers(
             failure = await prefill_error(prefill_task, prefill, workers)
             if failure is not None:
                 await _cancel(sending)
-                return error_response(*failure)
+                return ErrorJSONResponse(failure[1], status_code=failure[0])
     finally:
         hangup.cancel()
     return None
@@ -205,7 +213,7 @@ async def collect(
             failure = await prefill_error(prefill_task, prefill, workers)
             if failure is not None:
                 read.cancel()
-                return error_response(*failure)
+                return ErrorJSONResponse(failure[1], status_code=failure[0])
         content = read.result()
     except httpx.HTTPError as error:
         if isinstance(error, GONE):

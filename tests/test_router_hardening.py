@@ -284,3 +284,29 @@ def test_router_answers_tokenize_and_detokenize_as_its_workers_do(stack):
         direct = httpx.post(f"{decode.base_url}{path}", json=body, timeout=30)
         assert through_router.status_code == direct.status_code, (path, body)
         assert through_router.json() == direct.json(), (path, body)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
+        ({"prompt": "", "max_tokens": 2}, "prompt"),
+        ({"prompt": "hi", "max_tokens": 2, "logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"prompt": "hi", "max_tokens": 2, "stream": True, "stop_token_ids": [999999]}, None),
+    ],
+    ids=repr,
+)
+def test_a_refusal_only_the_workers_can_make_keeps_its_param_through_the_router(stack, body, param):
+    """Rules that need the model (vocabulary, context) are applied by the prefill worker, whose
+    400 the router passes on: with the worker's `param` and `code`, not a bare message."""
+    direct = httpx.post(f"{stack['decode'].base_url}/v1/completions", json=body, timeout=30)
+    routed = httpx.post(f"{stack['router'].base_url}/v1/completions", json=body, timeout=30)
+    assert routed.status_code == direct.status_code == 400, routed.text
+    worker_error, router_error = direct.json()["error"], routed.json()["error"]
+    assert router_error["param"] == worker_error["param"]
+    assert param is None or router_error["param"] == param
+    assert (
+        router_error["code"] == worker_error["code"]
+        and router_error["type"] == worker_error["type"]
+    )
+    assert worker_error["message"] in router_error["message"]

@@ -25,6 +25,7 @@ class FakeWorkers(httpx.AsyncBaseTransport):
         self.generations = 0
         self.gone: set[str] = set()  # workers whose generation requests are refused
         self.prefill_refuses: tuple[int, str] | None = None  # (status, message), at once
+        self.prefill_refusal_param: str | None = None  # the refusal's `param`
         self.cancelled: list[str] = []  # workers whose generation request was cancelled
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -44,7 +45,13 @@ class FakeWorkers(httpx.AsyncBaseTransport):
             raise httpx.ConnectError("connection refused", request=request)
         if origin == PREFILL and self.prefill_refuses is not None:
             status, message = self.prefill_refuses
-            return httpx.Response(status, json={"error": {"message": message}})
+            error = {
+                "message": message,
+                "type": "invalid_request_error" if status < 500 else "service_unavailable",
+                "param": self.prefill_refusal_param,
+                "code": status,
+            }
+            return httpx.Response(status, json={"error": error})
         try:
             await self.release.wait()
         except asyncio.CancelledError:
@@ -197,5 +204,27 @@ def test_a_failed_prefill_half_answers_at_once_and_cancels_the_decode_half(strea
             assert app.state.workers.running == 0
             metrics = (await client.get("/metrics")).text
             assert f'baton:router_requests_total{{status="{status}"}} 1.0' in metrics
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prefill_refusal_reaches_the_client_with_its_param_and_code(stream):
+    """A rule only a worker can apply (the vocabulary, the context) may be applied first by the
+    prefill half: its 400 names the parameter as the worker's own answer does."""
+
+    async def scenario():
+        fake = FakeWorkers()
+        fake.prefill_refuses = (400, "max_tokens (5000) exceeds max-model-len (2048)")
+        fake.prefill_refusal_param = "max_tokens"
+        app, client = await _router_client(fake, limit=8)
+        async with app.router.lifespan_context(app), client:
+            body = {"model": "m", "prompt": "hi", "max_tokens": 5000, "stream": stream}
+            answer = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)
+            assert answer.status_code == 400
+            error = answer.json()["error"]
+            assert error["param"] == "max_tokens" and error["code"] == 400
+            assert error["type"] == "invalid_request_error"
+            assert "exceeds max-model-len (2048)" in error["message"]
 
     asyncio.run(scenario())
