@@ -481,6 +481,27 @@ def cases(model: str) -> list[Case]:
             + model.encode()
             + b'", "messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}',
         ),
+        # ---- refusals of streamed requests: an error body before any SSE, as unstreamed
+        Case("c.stream.bad_model", c, {**cmp, "model": "nope", "stream": True}),
+        Case("c.stream.prompt_too_long", c, {**g, "prompt": [40] * 3000, "stream": True}),
+        Case("c.stream.max_neg", c, {**cmp, "max_tokens": -1, "stream": True}),
+        Case(
+            "ch.stream.bad_role",
+            ch,
+            {**chat, "messages": [{"role": "x", "content": "a"}], "stream": True},
+        ),
+        Case(
+            "ch.stream.n2.usage",
+            ch,
+            {**chat, "n": 2, "stream": True, "stream_options": {"include_usage": True}},
+            greedy=True,
+        ),
+        Case(
+            "c.stream.n2.usage",
+            c,
+            {**cmp, "n": 2, "stream": True, "stream_options": {"include_usage": True}},
+            greedy=True,
+        ),
         # ---- other routes
         Case("models", "/v1/models", method="GET"),
         Case("models.retrieve", f"/v1/models/{model}", method="GET"),
@@ -657,6 +678,50 @@ def diff(a: Any, b: Any, path: str = "", extras: set[str] | None = None) -> list
     return []
 
 
+def client_calls(model: str) -> list[tuple[str, Any]]:
+    """The same kind of requests through the official `openai` client: what its types parse,
+    and which exception class a refusal becomes."""
+    cmp = {"model": model, "prompt": QUESTION, "max_tokens": 8, "temperature": 0}
+    chat = {"model": model, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    usage = {"stream_options": {"include_usage": True}}
+    return [
+        ("completions", lambda c: c.completions.create(**cmp)),
+        ("completions.logprobs_echo", lambda c: c.completions.create(**cmp, logprobs=2, echo=True)),
+        ("completions.n2", lambda c: c.completions.create(**cmp | {"temperature": 1, "n": 2})),
+        ("completions.stream", lambda c: list(c.completions.create(**cmp, stream=True, **usage))),
+        ("chat", lambda c: c.chat.completions.create(**chat)),
+        (
+            "chat.logprobs",
+            lambda c: c.chat.completions.create(**chat, logprobs=True, top_logprobs=3),
+        ),
+        ("chat.stream", lambda c: list(c.chat.completions.create(**chat, stream=True, **usage))),
+        ("models.list", lambda c: c.models.list()),
+        ("error.model", lambda c: c.completions.create(**cmp | {"model": "nope"})),
+        ("error.context", lambda c: c.completions.create(**cmp | {"prompt": [40] * 3000})),
+        (
+            "error.stream",
+            lambda c: list(c.completions.create(**cmp | {"max_tokens": -1}, stream=True)),
+        ),
+    ]
+
+
+def client_observe(base_url: str, call) -> Any:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
+    try:
+        result = call(client)
+    except openai.APIError as error:
+        return {"raised": type(error).__name__, "status": getattr(error, "status_code", None)}
+    items = result if isinstance(result, list) else [result]
+    if hasattr(result, "data"):
+        items = list(result.data)
+    picked = {"first": items[0], "last": items[-1]} if items else {}
+    if len(items) > 2:
+        picked["before_last"] = items[-2]
+    return {name: shape(item.model_dump()) for name, item in picked.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--a", required=True, help="the server under test (baton)")
@@ -667,6 +732,9 @@ def main() -> None:
         "--ignore", default="", help="leave out difference lines matching this regex (known ones)"
     )
     parser.add_argument("--json", help="write every observation here")
+    parser.add_argument(
+        "--client", action="store_true", help="also send a few through the official openai client"
+    )
     args = parser.parse_args()
     observations = {}
     extras: set[str] = set()
@@ -690,6 +758,17 @@ def main() -> None:
             if "error_message" in seen_a or "error_message" in seen_b:
                 print(f"   A says: {seen_a.get('error_message')!r}")
                 print(f"   B says: {seen_b.get('error_message')!r}")
+    if args.client:
+        for name, call in client_calls(args.model):
+            if not name.startswith(args.only.removeprefix("client.")):
+                continue
+            seen_a, seen_b = client_observe(args.a, call), client_observe(args.b, call)
+            lines = diff({"r": seen_a}, {"r": seen_b}, extras=extras)
+            if args.ignore:
+                lines = [line for line in lines if not re.search(args.ignore, line)]
+            print(f"== client.{name}: {'same' if not lines else 'DIFFERS'}")
+            for line in lines:
+                print(f"   {line}")
     print("== null-valued keys only one side sends (not diffed above):")
     for line in sorted(extras):
         print(f"   {line}")
