@@ -493,6 +493,12 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, llm):
         )  # fmt: skip
         assert response.usage.prompt_tokens == 3
         assert response.choices[0].text == reference.text
+    echoed = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[1], echo=True, max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 3},
+    )  # fmt: skip
+    assert echoed.choices[0].text.startswith(llm.tokenizer.decode(ids[-3:]))  # what was kept
+    assert not echoed.choices[0].text.startswith(PROMPTS[1])
     chat = client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_tokens=1,
         extra_body={"truncate_prompt_tokens": 4},
