@@ -130,7 +130,13 @@ class ConfigReader:
         factor = params.get("partial_rotary_factor", self.hf.get("partial_rotary_factor"))
         if factor is None or not partial:
             factor = self.rope_defaults.get("partial_rotary_factor", 1.0) if partial else 1.0
-        return RotaryConfig(dim=int(head_dim * factor), theta=float(theta))
+        rotary = RotaryConfig(dim=int(head_dim * factor), theta=float(theta))
+        if not 0 < rotary.num_rotated <= head_dim:
+            raise self.error(
+                f"partial_rotary_factor={factor} rotates {rotary.num_rotated} channels of "
+                f"head_dim {head_dim} (rotary dim {rotary.dim}); it must rotate 1..head_dim"
+            )
+        return rotary
 
 
 # The multipliers of families that have none of Falcon-H1's (ModelConfig fields).
@@ -159,11 +165,17 @@ class SharedBlocksConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RotaryConfig:
-    """NeoX-style rotary embeddings on the first `dim` channels of each head (partial rotary
-    when dim < head_dim), frequencies theta ** -(2i / dim)."""
+    """NeoX-style rotary embeddings on the first channels of each head (partial rotary when
+    dim < head_dim), frequencies theta ** -(2i / dim) for even 2i < dim. Like transformers,
+    an odd `dim` (int(head_dim * partial_rotary_factor)) gets dim // 2 + 1 frequencies and so
+    rotates dim + 1 channels."""
 
     dim: int
     theta: float
+
+    @property
+    def num_rotated(self) -> int:
+        return 2 * -(-self.dim // 2)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -11,7 +11,8 @@ the same module, so they load once; transformers 5 ties them only with tie_word_
 and so does baton); each use has its own KV pages (kv index = hybrid ordinal)
 and, with `use_shared_attention_adapter`, its own LoRA adapters on q/k/v, and always on the
 MLP's gate_up_proj. Attention reads 2 x hidden channels, head_dim = 2 x hidden / heads, softmax
-scale (head_dim / 2) ** -0.5, rotary when `use_mem_rope`. The Mamba2 mixer clamps dt at
+scale (head_dim / 2) ** -0.5, rotary over whole heads when `use_mem_rope` (transformers ignores
+a partial_rotary_factor). The Mamba2 mixer clamps dt at
 (time_step_min, inf) as transformers' prefill does (its decode path does not clamp).
 """
 
@@ -66,7 +67,8 @@ def read_config(r: ConfigReader) -> ModelConfig:
         head_dim=head_dim,
         attention_bias=False,
         attention_scale=(head_dim / 2) ** -0.5,
-        rotary=r.rotary(head_dim) if r.opt("use_mem_rope") else None,
+        # transformers' Zamba2 rotates whole heads, ignoring any partial_rotary_factor
+        rotary=r.rotary(head_dim, partial=False) if r.opt("use_mem_rope") else None,
         intermediate_size=r.need("intermediate_size"),
         mlp_bias=bool(r.opt("add_bias_linear")),
         mlp_hidden_act=act,
