@@ -86,6 +86,12 @@ class ConfigReader:
     def error(self, message: str) -> ConfigError:
         return ConfigError(f"{self.source}: {message}")
 
+    def require_multiple(self, key: str, value: int, of_key: str, of_value: int) -> None:
+        """Heads shared evenly by groups (query heads by KV heads, Mamba heads by B/C groups):
+        transformers' repeat fails on any other pair, baton would pair heads wrongly."""
+        if of_value < 1 or value % of_value:
+            raise self.error(f"{key}={value} must be a multiple of {of_key}={of_value}")
+
     def require(self, key: str, supported: tuple[Any, ...]) -> Any:
         """The key's value (or default), refused unless baton runs it."""
         value = self.opt(key)

@@ -3,16 +3,18 @@ are not multiples of 8 or 16, attention heads of 48/80/256 with odd GQA ratios, 
 odd width, d_state 6..100, n_groups 1 / several / one per head, conv kernels 2..5, chunk sizes
 that divide no prompt, MoE top-1 and top-k = every expert, attention first / last / in runs,
 partial rotary factors that a family's transformers code ignores or rounds down to an odd
-width. Prompts of 1 token, exactly one SSD chunk, one chunk + 1, several chunks and longer than
+width; heads that groups do not share evenly are refused by name. Prompts of 1 token, exactly one SSD chunk, one chunk + 1, several chunks and longer than
 the engine's prefill chunk, batched and mixed with decodes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from engine import LLM, SamplingParams
-from tests.families import save_model
+from engine.config import ConfigError, ModelConfig
+from tests.families import FAMILY_CONFIGS, save_model
 from tests.reference import hf_greedy
 from tests.test_engine import check_against_reference
 from tests.tiny import tiny_config_kwargs
@@ -286,3 +288,31 @@ def test_engine_matches_transformers(tmp_path, name):
     check_against_reference(outs, prompts, refs)
     stats = llm.stats()
     assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+
+
+def with_changes(family: str, **changes) -> tuple[str, dict]:
+    config_class, _, kwargs = FAMILY_CONFIGS[family]
+    return config_class, {**kwargs, **changes}
+
+
+@pytest.mark.parametrize(
+    ("config_class", "kwargs", "named"),
+    [
+        (NEMOTRON_H[0], tiny_config_kwargs(mamba_num_heads=5), "mamba_num_heads=5 .* n_groups=2"),
+        (
+            NEMOTRON_H[0],
+            tiny_config_kwargs(num_attention_heads=6, num_key_value_heads=4),
+            "num_attention_heads=6 .* num_key_value_heads=4",
+        ),
+        (*with_changes("bamba_a", mamba_n_groups=3), "mamba_n_heads=8 .* mamba_n_groups=3"),
+        (*with_changes("granite_moe", num_key_value_heads=3), "num_key_value_heads=3"),
+        (*with_changes("falcon_mup", mamba_n_groups=4), "mamba_n_heads=6 .* mamba_n_groups=4"),
+        (*with_changes("zamba2_single", mamba_ngroups=2), "n_mamba_heads=5 .* mamba_ngroups=2"),
+    ],
+)
+def test_heads_not_shared_evenly_by_groups_are_refused_by_name(config_class, kwargs, named):
+    """transformers builds these models but fails in their forward; baton refuses them at load
+    (it would pair heads with the wrong groups and produce tokens)."""
+    raw = getattr(transformers, config_class)(**kwargs).to_dict()
+    with pytest.raises(ConfigError, match=named):
+        ModelConfig.from_dict(raw)

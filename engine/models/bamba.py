@@ -51,6 +51,7 @@ def read_mamba_keys(r: ConfigReader, hidden: int) -> dict:
             f"mamba_d_head={head_dim} x mamba_n_heads={n_heads} must equal "
             f"mamba_expand x hidden_size={intermediate}"
         )
+    r.require_multiple("mamba_n_heads", n_heads, "mamba_n_groups", r.opt("mamba_n_groups"))
     return dict(
         mamba_num_heads=n_heads,
         mamba_head_dim=head_dim,
@@ -65,10 +66,12 @@ def read_attention_keys(r: ConfigReader, hidden: int) -> dict:
     num_heads = r.need("num_attention_heads")
     kv_heads = r.opt("num_key_value_heads")
     # transformers reads `head_dim` when the file has it (getattr), else hidden / heads
+    kv_heads = num_heads if kv_heads is None else kv_heads
+    r.require_multiple("num_attention_heads", num_heads, "num_key_value_heads", kv_heads)
     head_dim = r.hf.get("head_dim") or hidden // num_heads
     return dict(
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads if kv_heads is None else kv_heads,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         attention_bias=bool(r.opt("attention_bias")),
     )

@@ -59,6 +59,7 @@ def read_config(r: ConfigReader) -> ModelConfig:
             f"mamba_d_head={head_dim} x mamba_n_heads={n_heads} must equal the Mamba width "
             f"{intermediate} (mamba_d_ssm, else mamba_expand x hidden_size)"
         )
+    r.require_multiple("mamba_n_heads", n_heads, "mamba_n_groups", r.opt("mamba_n_groups"))
     if not r.opt("mamba_rms_norm"):
         norm = "none"
     else:

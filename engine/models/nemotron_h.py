@@ -70,8 +70,13 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         raise r.error("missing required key 'mamba_num_heads'")
     # transformers turns an explicit null into num_attention_heads (a missing key is 8).
     kv_heads = opt("num_key_value_heads")
+    kv_heads = num_heads if kv_heads is None else kv_heads
     r.require("mlp_hidden_act", ("relu2",))
     r.require("mamba_hidden_act", ("silu",))
+    if "attention" in layer_types:
+        r.require_multiple("num_attention_heads", num_heads, "num_key_value_heads", kv_heads)
+    if "mamba" in layer_types:
+        r.require_multiple("mamba_num_heads", opt("mamba_num_heads"), "n_groups", opt("n_groups"))
     head_dim = opt("head_dim") or hidden // num_heads
     return ModelConfig(
         architecture="NemotronHForCausalLM",
@@ -82,7 +87,7 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         tie_word_embeddings=bool(opt("tie_word_embeddings")),
         max_position_embeddings=need("max_position_embeddings"),
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads if kv_heads is None else kv_heads,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         attention_bias=bool(opt("attention_bias")),
         attention_scale=head_dim**-0.5,

@@ -54,6 +54,9 @@ def read_config(r: ConfigReader) -> ModelConfig:
     intermediate = int(r.opt("mamba_expand") * hidden)
     if intermediate % n_heads:
         raise r.error(f"n_mamba_heads={n_heads} must divide mamba_expand x hidden_size")
+    r.require_multiple("n_mamba_heads", n_heads, "mamba_ngroups", r.opt("mamba_ngroups"))
+    kv_heads = num_heads if kv_heads is None else kv_heads
+    r.require_multiple("num_attention_heads", num_heads, "num_key_value_heads", kv_heads)
     return ModelConfig(
         architecture="Zamba2ForCausalLM",
         vocab_size=r.need("vocab_size"),
@@ -63,7 +66,7 @@ def read_config(r: ConfigReader) -> ModelConfig:
         tie_word_embeddings=bool(r.opt("tie_word_embeddings")),
         max_position_embeddings=r.opt("max_position_embeddings"),
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads if kv_heads is None else kv_heads,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         attention_bias=False,
         attention_scale=(head_dim / 2) ** -0.5,
