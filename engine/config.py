@@ -256,7 +256,8 @@ class ModelConfig:
     conv_kernel: int
     chunk_size: int
     use_conv_bias: bool
-    mamba_proj_bias: bool
+    mamba_proj_bias: bool  # in_proj's bias
+    mamba_out_proj_bias: bool  # out_proj's: mamba_proj_bias, but Falcon-H1's `projectors_bias`
     time_step_limit: tuple[float, float]
     # "gated": norm(y * silu(z)) per group (NemotronH, Bamba, Granite, Falcon-H1 with
     # mamba_norm_before_gate=False); "norm_then_gate": norm(y) * silu(z); "none": y * silu(z).

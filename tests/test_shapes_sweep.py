@@ -3,8 +3,9 @@ are not multiples of 8 or 16, attention heads of 48/80/256 with odd GQA ratios, 
 odd width, d_state 6..100, n_groups 1 / several / one per head, conv kernels 2..5, chunk sizes
 that divide no prompt, MoE top-1 and top-k = every expert, attention first / last / in runs,
 partial rotary factors that a family's transformers code ignores or rounds down to an odd
-width; heads that groups do not share evenly are refused by name. Prompts of 1 token, exactly one SSD chunk, one chunk + 1, several chunks and longer than
-the engine's prefill chunk, batched and mixed with decodes."""
+width, bias keys as each family's transformers code reads them. Prompts of 1 token, exactly one
+SSD chunk, one chunk + 1, several chunks and longer than the engine's prefill chunk, batched
+and mixed with decodes. Heads that groups do not share evenly are refused by name."""
 
 from __future__ import annotations
 
@@ -262,6 +263,42 @@ SHAPE_CONFIGS: dict[str, tuple[str, str, dict, int]] = {
             time_step_min=1e-6,
             max_position_embeddings=4096,
         ),
+        16,
+    ),
+    # Bias keys as each family's transformers code reads them: NemotronH's attention has no
+    # bias whatever attention_bias says, Falcon-H1's Mamba out_proj takes projectors_bias (not
+    # mamba_proj_bias), Zamba2's conv1d always has one (use_conv_bias is read by nothing).
+    "nemotron_h_bias_keys": (
+        *NEMOTRON_H,
+        tiny_config_kwargs(
+            hybrid_override_pattern="M*-ME*",
+            attention_bias=True,
+            mlp_bias=True,
+            use_bias=True,
+            use_conv_bias=False,
+        ),
+        16,
+    ),
+    "falcon_h1_bias_keys": (
+        *FALCON_H1,
+        dict(
+            FAMILY_CONFIGS["falcon_prenorm"][2],
+            attention_bias=True,
+            mlp_bias=True,
+            mamba_proj_bias=True,
+            projectors_bias=False,
+            mamba_conv_bias=False,
+        ),
+        16,
+    ),
+    "falcon_h1_projectors_bias": (
+        *FALCON_H1,
+        dict(FAMILY_CONFIGS["falcon_prenorm"][2], projectors_bias=True),
+        16,
+    ),
+    "zamba2_bias_keys": (
+        *ZAMBA2,
+        dict(FAMILY_CONFIGS["zamba2_shared"][2], add_bias_linear=True, use_conv_bias=False),
         16,
     ),
 }

@@ -74,7 +74,7 @@ class Mamba2Mixer(nn.Module):
                 [torch.full((n,), m) for n, m in zip(sizes, config.ssm_multipliers)]
             )
         self.out_proj = nn.Linear(
-            self.intermediate, config.hidden_size, bias=config.mamba_proj_bias
+            self.intermediate, config.hidden_size, bias=config.mamba_out_proj_bias
         )
         self.frozen: cpu_ops.MambaDecodeParams | None = None
         if tp.size > 1:

@@ -25,9 +25,10 @@ from engine.state_cache import StateCache
 HF_CONFIG_CLASS_PATH = "transformers.models.bamba.configuration_bamba.BambaConfig"
 
 
-def read_ssm_keys(r: ConfigReader) -> dict:
+def read_ssm_keys(r: ConfigReader, out_proj_bias_key: str = "mamba_proj_bias") -> dict:
     """The SSM and conv `mamba_*` keys every family named after Bamba's config (Bamba,
-    Granite-4.0-H, Falcon-H1) reads the same way, as ModelConfig fields."""
+    Granite-4.0-H, Falcon-H1) reads the same way, as ModelConfig fields. out_proj_bias_key:
+    the key of the Mamba out_proj's bias (Falcon-H1's is `projectors_bias`)."""
     return dict(
         ssm_state_size=r.opt("mamba_d_state"),
         n_groups=r.opt("mamba_n_groups"),
@@ -35,6 +36,7 @@ def read_ssm_keys(r: ConfigReader) -> dict:
         chunk_size=r.opt("mamba_chunk_size"),
         use_conv_bias=bool(r.opt("mamba_conv_bias")),
         mamba_proj_bias=bool(r.opt("mamba_proj_bias")),
+        mamba_out_proj_bias=bool(r.opt(out_proj_bias_key)),
         time_step_limit=r.time_step_limit(),
     )
 

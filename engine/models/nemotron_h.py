@@ -78,6 +78,9 @@ def read_config(reader: ConfigReader) -> ModelConfig:
     if "mamba" in layer_types:
         r.require_multiple("mamba_num_heads", opt("mamba_num_heads"), "n_groups", opt("n_groups"))
     head_dim = opt("head_dim") or hidden // num_heads
+    # transformers' Mamba mixer builds in_proj/out_proj with `use_bias` (its
+    # `mamba_proj_bias` key is read by nothing); a legacy file may only have the latter.
+    mamba_bias = bool(hf["use_bias"] if "use_bias" in hf else opt("mamba_proj_bias"))
     return ModelConfig(
         architecture="NemotronHForCausalLM",
         vocab_size=need("vocab_size"),
@@ -89,7 +92,7 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         num_attention_heads=num_heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        attention_bias=bool(opt("attention_bias")),
+        attention_bias=False,  # transformers' NemotronH attention has none, whatever the key says
         attention_scale=head_dim**-0.5,
         rotary=None,  # NemotronH attention is NoPE
         intermediate_size=need("intermediate_size"),
@@ -106,9 +109,8 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         conv_kernel=opt("conv_kernel"),
         chunk_size=opt("chunk_size"),
         use_conv_bias=bool(opt("use_conv_bias")),
-        # transformers' Mamba mixer builds in_proj/out_proj with `use_bias` (its
-        # `mamba_proj_bias` key is read by nothing); a legacy file may only have the latter.
-        mamba_proj_bias=bool(hf["use_bias"] if "use_bias" in hf else opt("mamba_proj_bias")),
+        mamba_proj_bias=mamba_bias,
+        mamba_out_proj_bias=mamba_bias,
         time_step_limit=r.time_step_limit(),
         mamba_norm="gated",
         mamba_ssm_cache_dtype=opt("mamba_ssm_cache_dtype") or "float32",
