@@ -262,6 +262,7 @@ class ModelConfig:
     # "gated": norm(y * silu(z)) per group (NemotronH, Bamba, Granite, Falcon-H1 with
     # mamba_norm_before_gate=False); "norm_then_gate": norm(y) * silu(z); "none": y * silu(z).
     mamba_norm: MambaNorm
+    mamba_norm_eps: float  # norm_eps, but transformers' Zamba2 mixer hard-codes 1e-5
     mamba_ssm_cache_dtype: str
     # Zamba2's shared attention blocks: None in families without them
     shared_blocks: SharedBlocksConfig | None

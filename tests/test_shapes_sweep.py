@@ -3,7 +3,7 @@ are not multiples of 8 or 16, attention heads of 48/80/256 with odd GQA ratios, 
 odd width, d_state 6..100, n_groups 1 / several / one per head, conv kernels 2..5, chunk sizes
 that divide no prompt, MoE top-1 and top-k = every expert, attention first / last / in runs,
 partial rotary factors that a family's transformers code ignores or rounds down to an odd
-width, bias keys as each family's transformers code reads them. Prompts of 1 token, exactly one
+width, bias keys and norm eps as each family's transformers code reads them, a dt ceiling. Prompts of 1 token, exactly one
 SSD chunk, one chunk + 1, several chunks and longer than the engine's prefill chunk, batched
 and mixed with decodes. Heads that groups do not share evenly are refused by name."""
 
@@ -299,6 +299,18 @@ SHAPE_CONFIGS: dict[str, tuple[str, str, dict, int]] = {
     "zamba2_bias_keys": (
         *ZAMBA2,
         dict(FAMILY_CONFIGS["zamba2_shared"][2], add_bias_linear=True, use_conv_bias=False),
+        16,
+    ),
+    # A large rms_norm_eps (the norms really feel it) and a finite dt ceiling; Zamba2's Mamba
+    # norm keeps transformers' 1e-5 whatever rms_norm_eps says.
+    "nemotron_h_eps_dt_ceiling": (
+        *NEMOTRON_H,
+        tiny_config_kwargs(layer_norm_epsilon=0.05, time_step_limit=(0.002, 0.03)),
+        16,
+    ),
+    "zamba2_rms_norm_eps": (
+        *ZAMBA2,
+        dict(FAMILY_CONFIGS["zamba2_shared"][2], rms_norm_eps=0.05),
         16,
     ),
 }

@@ -37,6 +37,7 @@ def read_ssm_keys(r: ConfigReader, out_proj_bias_key: str = "mamba_proj_bias") -
         use_conv_bias=bool(r.opt("mamba_conv_bias")),
         mamba_proj_bias=bool(r.opt("mamba_proj_bias")),
         mamba_out_proj_bias=bool(r.opt(out_proj_bias_key)),
+        mamba_norm_eps=float(r.opt("rms_norm_eps")),
         time_step_limit=r.time_step_limit(),
     )
 

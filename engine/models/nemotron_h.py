@@ -113,6 +113,7 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         mamba_out_proj_bias=mamba_bias,
         time_step_limit=r.time_step_limit(),
         mamba_norm="gated",
+        mamba_norm_eps=float(need("layer_norm_epsilon")),
         mamba_ssm_cache_dtype=opt("mamba_ssm_cache_dtype") or "float32",
         moe=_moe_config(r) if "moe" in layer_types else None,
         shared_blocks=None,

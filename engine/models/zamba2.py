@@ -13,7 +13,8 @@ and, with `use_shared_attention_adapter`, its own LoRA adapters on q/k/v, and al
 MLP's gate_up_proj. Attention reads 2 x hidden channels, head_dim = 2 x hidden / heads, softmax
 scale (head_dim / 2) ** -0.5, rotary over whole heads when `use_mem_rope` (transformers ignores
 a partial_rotary_factor). The Mamba2 mixer clamps dt at
-(time_step_min, inf) as transformers' prefill does (its decode path does not clamp).
+(time_step_min, inf) as transformers' prefill does (its decode path does not clamp), and its
+gated norm uses eps 1e-5 as transformers' does, whatever rms_norm_eps says.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def read_config(r: ConfigReader) -> ModelConfig:
         mamba_out_proj_bias=bool(r.opt("add_bias_linear")),
         time_step_limit=(float(r.opt("time_step_min")), float("inf")),
         mamba_norm="gated",
+        mamba_norm_eps=1e-5,  # transformers' Zamba2 mixer norm, whatever rms_norm_eps says
         mamba_ssm_cache_dtype="float32",
         moe=None,
         shared_blocks=SharedBlocksConfig(
