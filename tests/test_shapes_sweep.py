@@ -3,9 +3,10 @@ are not multiples of 8 or 16, attention heads of 48/80/256 with odd GQA ratios, 
 odd width, d_state 6..100, n_groups 1 / several / one per head, conv kernels 2..5, chunk sizes
 that divide no prompt, MoE top-1 and top-k = every expert, attention first / last / in runs,
 partial rotary factors that a family's transformers code ignores or rounds down to an odd
-width, bias keys and norm eps as each family's transformers code reads them, a dt ceiling. Prompts of 1 token, exactly one
-SSD chunk, one chunk + 1, several chunks and longer than the engine's prefill chunk, batched
-and mixed with decodes. Heads that groups do not share evenly are refused by name."""
+width, bias keys and norm eps as each family's transformers code reads them, a dt ceiling.
+Prompts of 1 token, exactly one SSD chunk, one chunk + 1, several chunks and longer than the
+engine's prefill chunk, batched and mixed with decodes. Heads that groups do not share evenly
+are refused by name."""
 
 from __future__ import annotations
 

@@ -86,7 +86,8 @@ def read_config(r: ConfigReader) -> ModelConfig:
         n_groups=r.opt("mamba_ngroups"),
         conv_kernel=r.opt("mamba_d_conv"),
         chunk_size=r.opt("chunk_size"),
-        use_conv_bias=True,  # transformers' Zamba2 conv1d always has one, whatever use_conv_bias says
+        # transformers' Zamba2 conv1d always has a bias, whatever use_conv_bias says
+        use_conv_bias=True,
         mamba_proj_bias=bool(r.opt("add_bias_linear")),
         mamba_out_proj_bias=bool(r.opt("add_bias_linear")),
         time_step_limit=(float(r.opt("time_step_min")), float("inf")),
