@@ -81,6 +81,7 @@ def read_config(reader: ConfigReader) -> ModelConfig:
     # transformers' Mamba mixer builds in_proj/out_proj with `use_bias` (its
     # `mamba_proj_bias` key is read by nothing); a legacy file may only have the latter.
     mamba_bias = bool(hf["use_bias"] if "use_bias" in hf else opt("mamba_proj_bias"))
+    ssm_cache_dtype = r.require("mamba_ssm_cache_dtype", (None, "float32", "bfloat16", "float16"))
     return ModelConfig(
         architecture="NemotronHForCausalLM",
         vocab_size=need("vocab_size"),
@@ -114,7 +115,7 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         time_step_limit=r.time_step_limit(),
         mamba_norm="gated",
         mamba_norm_eps=float(need("layer_norm_epsilon")),
-        mamba_ssm_cache_dtype=opt("mamba_ssm_cache_dtype") or "float32",
+        mamba_ssm_cache_dtype=ssm_cache_dtype or "float32",
         moe=_moe_config(r) if "moe" in layer_types else None,
         shared_blocks=None,
         num_nextn_predict_layers=int(opt("num_nextn_predict_layers") or 0),
