@@ -358,13 +358,18 @@ def with_changes(family: str, **changes) -> tuple[str, dict]:
         (*with_changes("granite_moe", num_key_value_heads=3), "num_key_value_heads=3"),
         (*with_changes("falcon_mup", mamba_n_groups=4), "mamba_n_heads=6 .* mamba_n_groups=4"),
         (*with_changes("zamba2_single", mamba_ngroups=2), "n_mamba_heads=5 .* mamba_ngroups=2"),
+        (
+            *with_changes("zamba2_shared", num_key_value_heads=2),
+            "use_shared_attention_adapter=True needs num_key_value_heads=2",
+        ),
         (NEMOTRON_H[0], tiny_config_kwargs(mamba_ssm_cache_dtype="fp32"), "mamba_ssm_cache_dtype"),
     ],
 )
 def test_unservable_configs_are_refused_at_load_naming_the_key(config_class, kwargs, named):
     """transformers builds these models but its forward fails on heads that groups do not share
-    evenly; baton refuses them at load (it paired heads with the wrong groups and produced
-    tokens), and a state dtype it cannot name (it raised an AttributeError)."""
+    evenly (and on Zamba2's q/k/v adapters with GQA); baton refuses them at load (it paired
+    heads with the wrong groups and produced tokens), and a state dtype it cannot name (it
+    raised an AttributeError)."""
     raw = getattr(transformers, config_class)(**kwargs).to_dict()
     with pytest.raises(ConfigError, match=named):
         ModelConfig.from_dict(raw)

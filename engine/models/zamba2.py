@@ -58,6 +58,12 @@ def read_config(r: ConfigReader) -> ModelConfig:
     r.require_multiple("n_mamba_heads", n_heads, "mamba_ngroups", r.opt("mamba_ngroups"))
     kv_heads = num_heads if kv_heads is None else kv_heads
     r.require_multiple("num_attention_heads", num_heads, "num_key_value_heads", kv_heads)
+    if r.opt("use_shared_attention_adapter") and kv_heads != num_heads:
+        # transformers builds the k/v adapters as wide as q (its forward then fails)
+        raise r.error(
+            f"use_shared_attention_adapter=True needs num_key_value_heads={kv_heads} to equal "
+            f"num_attention_heads={num_heads}"
+        )
     return ModelConfig(
         architecture="Zamba2ForCausalLM",
         vocab_size=r.need("vocab_size"),
