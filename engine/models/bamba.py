@@ -68,9 +68,9 @@ def read_mamba_keys(r: ConfigReader, hidden: int) -> dict:
 def read_attention_keys(r: ConfigReader, hidden: int) -> dict:
     num_heads = r.need("num_attention_heads")
     kv_heads = r.opt("num_key_value_heads")
-    # transformers reads `head_dim` when the file has it (getattr), else hidden / heads
     kv_heads = num_heads if kv_heads is None else kv_heads
     r.require_multiple("num_attention_heads", num_heads, "num_key_value_heads", kv_heads)
+    # transformers reads `head_dim` when the file has it (getattr), else hidden / heads
     head_dim = r.hf.get("head_dim") or hidden // num_heads
     return dict(
         num_attention_heads=num_heads,

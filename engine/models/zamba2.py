@@ -12,9 +12,9 @@ and so does baton); each use has its own KV pages (kv index = hybrid ordinal)
 and, with `use_shared_attention_adapter`, its own LoRA adapters on q/k/v, and always on the
 MLP's gate_up_proj. Attention reads 2 x hidden channels, head_dim = 2 x hidden / heads, softmax
 scale (head_dim / 2) ** -0.5, rotary over whole heads when `use_mem_rope` (transformers ignores
-a partial_rotary_factor). The Mamba2 mixer clamps dt at
-(time_step_min, inf) as transformers' prefill does (its decode path does not clamp), and its
-gated norm uses eps 1e-5 as transformers' does, whatever rms_norm_eps says.
+a partial_rotary_factor). The Mamba2 mixer clamps dt at (time_step_min, inf) as transformers'
+prefill does (its decode path does not clamp), and its gated norm uses eps 1e-5 as
+transformers' does, whatever rms_norm_eps says.
 """
 
 from __future__ import annotations
