@@ -86,6 +86,12 @@ class ConfigReader:
     def error(self, message: str) -> ConfigError:
         return ConfigError(f"{self.source}: {message}")
 
+    def require_multiple(self, key: str, value: int, of_key: str, of_value: int) -> None:
+        """Heads shared evenly by groups (query heads by KV heads, Mamba heads by B/C groups):
+        transformers' repeat fails on any other pair, baton would pair heads wrongly."""
+        if of_value < 1 or value % of_value:
+            raise self.error(f"{key}={value} must be a multiple of {of_key}={of_value}")
+
     def require(self, key: str, supported: tuple[Any, ...]) -> Any:
         """The key's value (or default), refused unless baton runs it."""
         value = self.opt(key)
@@ -130,7 +136,13 @@ class ConfigReader:
         factor = params.get("partial_rotary_factor", self.hf.get("partial_rotary_factor"))
         if factor is None or not partial:
             factor = self.rope_defaults.get("partial_rotary_factor", 1.0) if partial else 1.0
-        return RotaryConfig(dim=int(head_dim * factor), theta=float(theta))
+        rotary = RotaryConfig(dim=int(head_dim * factor), theta=float(theta))
+        if not 0 < rotary.num_rotated <= head_dim:
+            raise self.error(
+                f"partial_rotary_factor={factor} rotates {rotary.num_rotated} channels of "
+                f"head_dim {head_dim} (rotary dim {rotary.dim}); it must rotate 1..head_dim"
+            )
+        return rotary
 
 
 # The multipliers of families that have none of Falcon-H1's (ModelConfig fields).
@@ -159,11 +171,17 @@ class SharedBlocksConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RotaryConfig:
-    """NeoX-style rotary embeddings on the first `dim` channels of each head (partial rotary
-    when dim < head_dim), frequencies theta ** -(2i / dim)."""
+    """NeoX-style rotary embeddings on the first channels of each head (partial rotary when
+    dim < head_dim), frequencies theta ** -(2i / dim) for even 2i < dim. Like transformers,
+    an odd `dim` (int(head_dim * partial_rotary_factor)) gets dim // 2 + 1 frequencies and so
+    rotates dim + 1 channels."""
 
     dim: int
     theta: float
+
+    @property
+    def num_rotated(self) -> int:
+        return 2 * -(-self.dim // 2)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -238,11 +256,13 @@ class ModelConfig:
     conv_kernel: int
     chunk_size: int
     use_conv_bias: bool
-    mamba_proj_bias: bool
+    mamba_proj_bias: bool  # in_proj's bias
+    mamba_out_proj_bias: bool  # out_proj's: mamba_proj_bias, but Falcon-H1's `projectors_bias`
     time_step_limit: tuple[float, float]
     # "gated": norm(y * silu(z)) per group (NemotronH, Bamba, Granite, Falcon-H1 with
     # mamba_norm_before_gate=False); "norm_then_gate": norm(y) * silu(z); "none": y * silu(z).
     mamba_norm: MambaNorm
+    mamba_norm_eps: float  # norm_eps, but transformers' Zamba2 mixer hard-codes 1e-5
     mamba_ssm_cache_dtype: str
     # Zamba2's shared attention blocks: None in families without them
     shared_blocks: SharedBlocksConfig | None

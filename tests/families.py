@@ -254,11 +254,12 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def build_family_model(name: str, seed: int):
+def build_model(config_class: str, model_class: str, kwargs: dict, seed: int):
+    """A random transformers model of any family (class names as in FAMILY_CONFIGS), fp32,
+    eval mode, parameters spread and dt limited like tests/tiny.py."""
     import torch
     import transformers
 
-    config_class, model_class, kwargs = FAMILY_CONFIGS[name]
     config = getattr(transformers, config_class)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
@@ -267,11 +268,20 @@ def build_family_model(name: str, seed: int):
     return model
 
 
-def save_family_model(path: Path, name: str, seed: int):
-    model = build_family_model(name, seed)
+def save_model(path: Path, config_class: str, model_class: str, kwargs: dict, seed: int):
+    """build_model, saved with save_pretrained plus the tiny tokenizer; returns the model."""
+    model = build_model(config_class, model_class, kwargs, seed)
     model.save_pretrained(str(path))
     save_tokenizer(path, vocab_size=model.config.vocab_size)
     return model
+
+
+def build_family_model(name: str, seed: int):
+    return build_model(*FAMILY_CONFIGS[name], seed)
+
+
+def save_family_model(path: Path, name: str, seed: int):
+    return save_model(path, *FAMILY_CONFIGS[name], seed)
 
 
 @pytest.fixture(scope="session")

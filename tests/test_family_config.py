@@ -120,6 +120,18 @@ def test_missing_optional_keys_take_transformers_defaults():
         (BAMBA, {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type='yarn'"),
         (BAMBA, {"attn_layer_indices": [7]}, "attn_layer_indices"),
         (BAMBA, {"mamba_d_head": 10}, "mamba_d_head=10"),
+        # heads of 16 x 0.01 rotate no channel at all
+        (
+            BAMBA,
+            {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.01}},
+            "partial_rotary_factor=0.01",
+        ),
+        # an odd rotary dim rotates one channel more (transformers' rounding): 2 x 9 of 17
+        (
+            BAMBA,
+            {"head_dim": 17, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 1.0}},
+            "rotates 18 channels of head_dim 17",
+        ),
         (GRANITE, {"position_embedding_type": "alibi"}, "position_embedding_type='alibi'"),
         (GRANITE, {"layer_types": ["mamba", "moe"]}, "'layer_types' has unknown"),
         (GRANITE, {"num_experts_per_tok": 9}, "num_experts_per_tok=9"),

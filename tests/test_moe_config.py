@@ -57,7 +57,9 @@ def test_missing_keys_take_transformers_defaults(base_model):
     model_dir, _ = base_model
     raw = json.loads((model_dir / "config.json").read_text())
     keys = ["n_groups", "head_dim", "num_key_value_heads", "chunk_size", "conv_kernel"]
-    config = ModelConfig.from_dict({k: v for k, v in raw.items() if k not in keys})
+    # 16 attention and 16 Mamba heads: the defaults (8 KV heads, 8 groups) must divide them.
+    kept = {k: v for k, v in raw.items() if k not in keys}
+    config = ModelConfig.from_dict(dict(kept, num_attention_heads=16, mamba_num_heads=16))
     for key in keys:
         assert getattr(config, key) == nemotron_h_default(key), key
     moe_raw = dict(raw, layers_block_type=["linear_attention", "moe"])

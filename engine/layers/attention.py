@@ -71,8 +71,8 @@ class Attention(nn.Module):
         self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         self.inv_freq: torch.Tensor | None = None
         if rotary is not None:
-            if not 0 < rotary.dim <= head_dim or rotary.dim % 2:
-                raise ValueError(f"rotary dim {rotary.dim} must be even and in 1..{head_dim}")
+            if not 0 < rotary.num_rotated <= head_dim:
+                raise ValueError(f"rotary dim {rotary.dim} must rotate 1..{head_dim} channels")
             # transformers' default rope: theta ** -(2i / dim), computed the same way so that
             # both sides rotate by the same float32 angles. A plain attribute, not a buffer:
             # it is not in checkpoints and stays float32 when the model is cast.

@@ -45,7 +45,7 @@ class Mamba2Mixer(nn.Module):
         self.intermediate = H * self.head_dim
         self.conv_dim = self.intermediate + 2 * self.n_groups * self.d_state
         self.group_size = config.mamba_intermediate // config.n_groups
-        self.eps = config.norm_eps
+        self.eps = config.mamba_norm_eps
         self.dt_limit = config.time_step_limit
         self.in_proj = nn.Linear(
             config.hidden_size, self.intermediate + self.conv_dim + H, bias=config.mamba_proj_bias
@@ -74,7 +74,7 @@ class Mamba2Mixer(nn.Module):
                 [torch.full((n,), m) for n, m in zip(sizes, config.ssm_multipliers)]
             )
         self.out_proj = nn.Linear(
-            self.intermediate, config.hidden_size, bias=config.mamba_proj_bias
+            self.intermediate, config.hidden_size, bias=config.mamba_out_proj_bias
         )
         self.frozen: cpu_ops.MambaDecodeParams | None = None
         if tp.size > 1:

@@ -25,9 +25,10 @@ from engine.state_cache import StateCache
 HF_CONFIG_CLASS_PATH = "transformers.models.bamba.configuration_bamba.BambaConfig"
 
 
-def read_ssm_keys(r: ConfigReader) -> dict:
+def read_ssm_keys(r: ConfigReader, out_proj_bias_key: str = "mamba_proj_bias") -> dict:
     """The SSM and conv `mamba_*` keys every family named after Bamba's config (Bamba,
-    Granite-4.0-H, Falcon-H1) reads the same way, as ModelConfig fields."""
+    Granite-4.0-H, Falcon-H1) reads the same way, as ModelConfig fields. out_proj_bias_key:
+    the key of the Mamba out_proj's bias (Falcon-H1's is `projectors_bias`)."""
     return dict(
         ssm_state_size=r.opt("mamba_d_state"),
         n_groups=r.opt("mamba_n_groups"),
@@ -35,6 +36,8 @@ def read_ssm_keys(r: ConfigReader) -> dict:
         chunk_size=r.opt("mamba_chunk_size"),
         use_conv_bias=bool(r.opt("mamba_conv_bias")),
         mamba_proj_bias=bool(r.opt("mamba_proj_bias")),
+        mamba_out_proj_bias=bool(r.opt(out_proj_bias_key)),
+        mamba_norm_eps=float(r.opt("rms_norm_eps")),
         time_step_limit=r.time_step_limit(),
     )
 
@@ -51,6 +54,7 @@ def read_mamba_keys(r: ConfigReader, hidden: int) -> dict:
             f"mamba_d_head={head_dim} x mamba_n_heads={n_heads} must equal "
             f"mamba_expand x hidden_size={intermediate}"
         )
+    r.require_multiple("mamba_n_heads", n_heads, "mamba_n_groups", r.opt("mamba_n_groups"))
     return dict(
         mamba_num_heads=n_heads,
         mamba_head_dim=head_dim,
@@ -64,11 +68,13 @@ def read_mamba_keys(r: ConfigReader, hidden: int) -> dict:
 def read_attention_keys(r: ConfigReader, hidden: int) -> dict:
     num_heads = r.need("num_attention_heads")
     kv_heads = r.opt("num_key_value_heads")
+    kv_heads = num_heads if kv_heads is None else kv_heads
+    r.require_multiple("num_attention_heads", num_heads, "num_key_value_heads", kv_heads)
     # transformers reads `head_dim` when the file has it (getattr), else hidden / heads
     head_dim = r.hf.get("head_dim") or hidden // num_heads
     return dict(
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads if kv_heads is None else kv_heads,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         attention_bias=bool(r.opt("attention_bias")),
     )

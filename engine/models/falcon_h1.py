@@ -59,13 +59,11 @@ def read_config(r: ConfigReader) -> ModelConfig:
             f"mamba_d_head={head_dim} x mamba_n_heads={n_heads} must equal the Mamba width "
             f"{intermediate} (mamba_d_ssm, else mamba_expand x hidden_size)"
         )
+    r.require_multiple("mamba_n_heads", n_heads, "mamba_n_groups", r.opt("mamba_n_groups"))
     if not r.opt("mamba_rms_norm"):
         norm = "none"
     else:
         norm = "norm_then_gate" if r.opt("mamba_norm_before_gate") else "gated"
-    projectors_bias = bool(r.opt("projectors_bias"))
-    if projectors_bias:
-        raise r.error("projectors_bias=True is not supported (the Mamba out_proj has no bias)")
     return ModelConfig(
         architecture="FalconH1ForCausalLM",
         vocab_size=r.need("vocab_size"),
@@ -94,7 +92,9 @@ def read_config(r: ConfigReader) -> ModelConfig:
         mlp_multipliers=floats(r, "mlp_multipliers", 2, (1.0, 1.0)),
         mamba_num_heads=n_heads,
         mamba_head_dim=head_dim,
-        **read_ssm_keys(r),
+        # transformers' Falcon-H1: in_proj's bias is `mamba_proj_bias`, out_proj's
+        # `projectors_bias`
+        **read_ssm_keys(r, out_proj_bias_key="projectors_bias"),
         mamba_norm=norm,
         mamba_ssm_cache_dtype="float32",
         moe=None,

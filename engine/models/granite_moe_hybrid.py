@@ -7,7 +7,8 @@ multipliers and a Mixtral-style MoE beside an always-on shared SwiGLU MLP.
     logits = lm_head(norm(h)) / logits_scaling
 
 Attention: softmax scale `attention_multiplier` (not head_dim ** -0.5); rotary only when
-`position_embedding_type` is "rope" (else NoPE). `num_local_experts` 0: the shared MLP alone.
+`position_embedding_type` is "rope" (else NoPE), over whole heads (transformers' Granite ignores
+a partial_rotary_factor in the file). `num_local_experts` 0: the shared MLP alone.
 Weights: `model.embed_tokens`, `model.layers.{i}.{input_layernorm, mamba | self_attn,
 post_attention_layernorm, block_sparse_moe.{router.layer, input_linear, output_linear},
 shared_mlp.{input_linear, output_linear}}`, `model.norm`, `lm_head`.
@@ -82,7 +83,8 @@ def read_config(r: ConfigReader) -> ModelConfig:
         max_position_embeddings=r.opt("max_position_embeddings"),
         **attention,
         attention_scale=float(r.opt("attention_multiplier")),
-        rotary=r.rotary(attention["head_dim"]) if position == "rope" else None,
+        # transformers' Granite rotates whole heads, ignoring any partial_rotary_factor
+        rotary=r.rotary(attention["head_dim"], partial=False) if position == "rope" else None,
         intermediate_size=shared,  # the dense MLP every layer has is the shared one
         mlp_bias=False,
         mlp_hidden_act="silu",

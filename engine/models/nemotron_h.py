@@ -70,9 +70,18 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         raise r.error("missing required key 'mamba_num_heads'")
     # transformers turns an explicit null into num_attention_heads (a missing key is 8).
     kv_heads = opt("num_key_value_heads")
+    kv_heads = num_heads if kv_heads is None else kv_heads
     r.require("mlp_hidden_act", ("relu2",))
     r.require("mamba_hidden_act", ("silu",))
+    if "attention" in layer_types:
+        r.require_multiple("num_attention_heads", num_heads, "num_key_value_heads", kv_heads)
+    if "mamba" in layer_types:
+        r.require_multiple("mamba_num_heads", opt("mamba_num_heads"), "n_groups", opt("n_groups"))
     head_dim = opt("head_dim") or hidden // num_heads
+    # transformers' Mamba mixer builds in_proj/out_proj with `use_bias` (its
+    # `mamba_proj_bias` key is read by nothing); a legacy file may only have the latter.
+    mamba_bias = bool(hf["use_bias"] if "use_bias" in hf else opt("mamba_proj_bias"))
+    ssm_cache_dtype = r.require("mamba_ssm_cache_dtype", (None, "float32", "bfloat16", "float16"))
     return ModelConfig(
         architecture="NemotronHForCausalLM",
         vocab_size=need("vocab_size"),
@@ -82,9 +91,9 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         tie_word_embeddings=bool(opt("tie_word_embeddings")),
         max_position_embeddings=need("max_position_embeddings"),
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads if kv_heads is None else kv_heads,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        attention_bias=bool(opt("attention_bias")),
+        attention_bias=False,  # transformers' NemotronH attention has none, whatever the key says
         attention_scale=head_dim**-0.5,
         rotary=None,  # NemotronH attention is NoPE
         intermediate_size=need("intermediate_size"),
@@ -101,12 +110,12 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         conv_kernel=opt("conv_kernel"),
         chunk_size=opt("chunk_size"),
         use_conv_bias=bool(opt("use_conv_bias")),
-        # transformers' Mamba mixer builds in_proj/out_proj with `use_bias` (its
-        # `mamba_proj_bias` key is read by nothing); a legacy file may only have the latter.
-        mamba_proj_bias=bool(hf["use_bias"] if "use_bias" in hf else opt("mamba_proj_bias")),
+        mamba_proj_bias=mamba_bias,
+        mamba_out_proj_bias=mamba_bias,
         time_step_limit=r.time_step_limit(),
         mamba_norm="gated",
-        mamba_ssm_cache_dtype=opt("mamba_ssm_cache_dtype") or "float32",
+        mamba_norm_eps=float(need("layer_norm_epsilon")),
+        mamba_ssm_cache_dtype=ssm_cache_dtype or "float32",
         moe=_moe_config(r) if "moe" in layer_types else None,
         shared_blocks=None,
         num_nextn_predict_layers=int(opt("num_nextn_predict_layers") or 0),

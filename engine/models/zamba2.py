@@ -11,8 +11,10 @@ the same module, so they load once; transformers 5 ties them only with tie_word_
 and so does baton); each use has its own KV pages (kv index = hybrid ordinal)
 and, with `use_shared_attention_adapter`, its own LoRA adapters on q/k/v, and always on the
 MLP's gate_up_proj. Attention reads 2 x hidden channels, head_dim = 2 x hidden / heads, softmax
-scale (head_dim / 2) ** -0.5, rotary when `use_mem_rope`. The Mamba2 mixer clamps dt at
-(time_step_min, inf) as transformers' prefill does (its decode path does not clamp).
+scale (head_dim / 2) ** -0.5, rotary over whole heads when `use_mem_rope` (transformers ignores
+a partial_rotary_factor). The Mamba2 mixer clamps dt at (time_step_min, inf) as transformers'
+prefill does (its decode path does not clamp), and its gated norm uses eps 1e-5 as
+transformers' does, whatever rms_norm_eps says.
 """
 
 from __future__ import annotations
@@ -53,6 +55,15 @@ def read_config(r: ConfigReader) -> ModelConfig:
     intermediate = int(r.opt("mamba_expand") * hidden)
     if intermediate % n_heads:
         raise r.error(f"n_mamba_heads={n_heads} must divide mamba_expand x hidden_size")
+    r.require_multiple("n_mamba_heads", n_heads, "mamba_ngroups", r.opt("mamba_ngroups"))
+    kv_heads = num_heads if kv_heads is None else kv_heads
+    r.require_multiple("num_attention_heads", num_heads, "num_key_value_heads", kv_heads)
+    if r.opt("use_shared_attention_adapter") and kv_heads != num_heads:
+        # transformers builds the k/v adapters as wide as q (its forward then fails)
+        raise r.error(
+            f"use_shared_attention_adapter=True needs num_key_value_heads={kv_heads} to equal "
+            f"num_attention_heads={num_heads}"
+        )
     return ModelConfig(
         architecture="Zamba2ForCausalLM",
         vocab_size=r.need("vocab_size"),
@@ -62,11 +73,12 @@ def read_config(r: ConfigReader) -> ModelConfig:
         tie_word_embeddings=bool(r.opt("tie_word_embeddings")),
         max_position_embeddings=r.opt("max_position_embeddings"),
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads if kv_heads is None else kv_heads,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         attention_bias=False,
         attention_scale=(head_dim / 2) ** -0.5,
-        rotary=r.rotary(head_dim) if r.opt("use_mem_rope") else None,
+        # transformers' Zamba2 rotates whole heads, ignoring any partial_rotary_factor
+        rotary=r.rotary(head_dim, partial=False) if r.opt("use_mem_rope") else None,
         intermediate_size=r.need("intermediate_size"),
         mlp_bias=bool(r.opt("add_bias_linear")),
         mlp_hidden_act=act,
@@ -80,10 +92,13 @@ def read_config(r: ConfigReader) -> ModelConfig:
         n_groups=r.opt("mamba_ngroups"),
         conv_kernel=r.opt("mamba_d_conv"),
         chunk_size=r.opt("chunk_size"),
-        use_conv_bias=bool(r.opt("use_conv_bias")),
+        # transformers' Zamba2 conv1d always has a bias, whatever use_conv_bias says
+        use_conv_bias=True,
         mamba_proj_bias=bool(r.opt("add_bias_linear")),
+        mamba_out_proj_bias=bool(r.opt("add_bias_linear")),
         time_step_limit=(float(r.opt("time_step_min")), float("inf")),
         mamba_norm="gated",
+        mamba_norm_eps=1e-5,  # transformers' Zamba2 mixer norm, whatever rms_norm_eps says
         mamba_ssm_cache_dtype="float32",
         moe=None,
         shared_blocks=SharedBlocksConfig(
