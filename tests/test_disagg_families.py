@@ -60,18 +60,30 @@ class Run:
         self.logprobs: dict[str, list[float]] = {}
         self.cached: dict[str, int] = {}
 
-    def __call__(self, items, params: SamplingParams, late: bool = False, timeout: float = 60):
+    def __call__(
+        self,
+        items,
+        params: SamplingParams,
+        late: bool = False,
+        on_decode_side: bool = False,
+        timeout: float = 60,
+    ):
         """items: (request id, prompt). late: the prefill runs to its end before the decode side
-        registers (its state waits as a snapshot); else the decode side registers first."""
+        registers (its state waits as a snapshot); else the decode side registers first.
+        on_decode_side: the decode worker serves them alone, as a colocated engine (from its
+        prefix cache of transferred blocks, as when it recomputes a preempted request)."""
         prefill, decoder = self.prefill, self.decoder
         start = time.monotonic()
-        if late:
+        if on_decode_side:
+            for rid, prompt in items:
+                decoder.add_request(rid, prompt, params)
+        elif late:
             for rid, prompt in items:
                 prefill.add_request(rid, prompt, params, room=f"room-{rid}")
             while prefill.computing():
                 assert time.monotonic() - start < timeout, "the prefill did not finish"
                 prefill.step()
-        for rid, prompt in items:
+        for rid, prompt in items if not on_decode_side else ():
             decoder.add_request(
                 rid, prompt, params, room=f"room-{rid}", prefill_addr=prefill.address
             )
@@ -136,7 +148,7 @@ def test_pair_matches_colocated_through_prefix_hits_on_both_sides(name, family_m
     then the same prompt again, prefixes that end exactly on a checkpoint and one token past
     it, and a shared prefix: the prefill side resumes from its checkpoints and the decode
     side from the blocks it cached at install; then a longer next turn registered only after
-    its prefill ended."""
+    its prefill ended, and a request the decode side serves alone from those blocks."""
     model_dir, hf = model(name, family_models, tiny_models)
     page = PAGE_SIZE.get(name, 4)
     interval = math.lcm(ModelConfig.from_hf(model_dir).chunk_size, page)
@@ -166,6 +178,12 @@ def test_pair_matches_colocated_through_prefix_hits_on_both_sides(name, family_m
         run(next_turn, params, late=True)
         assert_as_colocated(run, reference, next_turn, params)
         assert run.cached["turn2"] >= 3 * interval
+        # The decode side's checkpoints of transferred blocks are true states: a request it
+        # serves alone resumes from the one at the end of "long"'s second block.
+        local = [("local", whole[: 2 * interval] + other[:3])]
+        run(local, params, on_decode_side=True)
+        assert_as_colocated(run, reference, local, params)
+        assert run.cached["local"] == 2 * interval
         assert_pools_empty(run.prefill, run.decoder)
     finally:
         close(run)
