@@ -16,6 +16,7 @@ import copy
 import math
 import time
 
+import httpx
 import pytest
 import torch
 import zmq
@@ -315,3 +316,45 @@ def test_weights_fingerprint_ignores_sharding_and_sees_an_edited_tensor(family_m
         edited.model.final_layernorm.weight[-1] += 1.0  # one value of one small tensor
     edited.save_pretrained(str(tmp_path / "edited"))
     assert weights_fingerprint(tmp_path / "edited") != weights_fingerprint(model_dir)
+
+
+def test_baton_up_serves_zamba2_shared_blocks_as_colocated(family_models, tmp_path):
+    """The whole stack over HTTP (`baton up`: prefill worker, decode worker, router): a prompt
+    twice (the second a prefill-side prefix hit), a shared prefix with n=2 seeded samples,
+    and max_tokens 1; texts and token logprobs as a colocated engine gives them."""
+    from engine import LLM
+    from tests.test_server_up import Stack
+
+    model_dir, hf = family_models("zamba2_shared")
+    whole = random_prompt(hf.config.vocab_size, 53, seed=1)
+    other = random_prompt(hf.config.vocab_size, 7, seed=2)
+    greedy = dict(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    requests = [
+        (whole, greedy),
+        (whole, greedy),
+        (whole[:32] + other, dict(greedy, n=2, temperature=0.8, seed=5)),
+        (whole[:33], dict(max_tokens=1, temperature=0.0, logprobs=2)),
+    ]
+    reference = LLM(model_dir, page_size=4, enable_prefix_caching=False)
+    worker_flags = ("--page-size", "4", "--mamba-track-interval", "16")
+    stack = Stack(
+        model_dir, tmp_path / "up.log", "--", *worker_flags, "--chunked-prefill-size", "20"
+    )
+    try:
+        for prompt, fields in requests:
+            body = {"prompt": prompt, **fields}
+            answer = httpx.post(
+                f"http://127.0.0.1:{stack.port}/v1/completions", json=body, timeout=60
+            )
+            assert answer.status_code == 200, answer.text
+            expected = reference.generate([prompt], SamplingParams(**fields))
+            choices = sorted(answer.json()["choices"], key=lambda c: c["index"])
+            assert len(choices) == len(expected)
+            for choice, output in zip(choices, expected):
+                assert choice["text"] == output.text
+                want = chosen(output.token_ids, output.logprobs)
+                got = choice["logprobs"]["token_logprobs"]
+                assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-4
+    finally:
+        stack.stop()
+    assert stack.process.returncode == 0, stack.log()[-3000:]
