@@ -224,9 +224,11 @@ def other_len(hf, length: int) -> list[int]:
     return random_prompt(hf.config.vocab_size, length, seed=4)
 
 
-def test_decode_side_preemption_resumes_from_transferred_checkpoints(family_models):
-    """Small decode pools: requests preempted there recompute, resuming from the block
-    checkpoints the prefill side handed over (Zamba2: a shared block used at several depths)."""
+def test_preemption_on_either_side_matches_colocated(family_models):
+    """Small pools on both sides: prefills preempted and run again, then (every state waiting
+    as a snapshot, registered at once, so that the pressure does not depend on timing)
+    decoding requests preempted on the decode side that recompute from the block checkpoints
+    the prefill side handed over (Zamba2: a shared block used at several depths)."""
     model_dir, hf = family_models("zamba2_shared")
     chunk = ModelConfig.from_hf(model_dir).chunk_size
     shared = random_prompt(hf.config.vocab_size, 2 * chunk + 3, seed=8)
@@ -236,11 +238,13 @@ def test_decode_side_preemption_resumes_from_transferred_checkpoints(family_mode
     ]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=0)
     cache = dict(page_size=4, mamba_track_interval=chunk)
-    run = pair(model_dir, zmq.Context(), cache, cache | dict(max_total_tokens=330))
+    small_prefill = dict(max_total_tokens=120, chunked_prefill_size=8, max_num_batched_tokens=32)
+    run = pair(model_dir, zmq.Context(), cache | small_prefill, cache | dict(max_total_tokens=330))
     try:
-        run(items, params, timeout=120)
+        run(items, params, late=True, timeout=120)
         reference = Engine(model_dir, page_size=4, enable_prefix_caching=False)
         assert_as_colocated(run, reference, items, params)
+        assert run.prefill.stats().num_preemptions > 0
         stats = run.decoder.stats()
         assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
         assert_pools_empty(run.prefill, run.decoder)
