@@ -3,11 +3,12 @@ family (Bamba, Granite-4.0-H dense and MoE, Falcon-H1's parallel blocks, Zamba2'
 attention blocks, Nemotron-3-style MoE, NemotronH with odd shapes) and odd page sizes, through
 the prefix cache on both sides (the seed bug: a prefix hit on the prefill side must hand over
 the state resumed from its checkpoint), late registration, first-token-only requests, and
-decode-side preemption; and a decode worker that loads another model, or the same config with
-other weights, is refused by name instead of being handed garbage.
+preemption on either side; and a decode worker that loads another model, or the same config
+with other weights, is refused by name instead of being handed garbage.
 
-In-process pairs (tests/test_disagg_unit.py's helpers); the reference is a colocated engine
-with the prefix cache off (and transformers, for the first prompt of each family).
+In-process pairs (tests/test_disagg_unit.py's helpers), and one `baton up` stack over HTTP; the
+reference is a colocated engine with the prefix cache off (and transformers, for the first
+prompt of each family).
 """
 
 from __future__ import annotations
@@ -197,7 +198,8 @@ def test_first_token_only_and_stops_on_it_match_colocated(name, family_models, t
     """The prefill worker's token alone: max_tokens 1 with logprobs, a stop token and EOS hit
     on the first token (finished on install), and seeded sampling after it."""
     model_dir, hf = model(name, family_models, tiny_models)
-    prompts = [("a", random_prompt(hf.config.vocab_size, 5, 3)), ("b", other_len(hf, 37))]
+    vocab = hf.config.vocab_size
+    prompts = [("a", random_prompt(vocab, 5, seed=3)), ("b", random_prompt(vocab, 37, seed=4))]
     reference = Engine(model_dir, page_size=4, enable_prefix_caching=False)
     firsts, _ = colocated(reference, prompts, SamplingParams(max_tokens=1, temperature=0))
     eos = ModelConfig.from_hf(model_dir).eos_token_ids[0]
@@ -218,10 +220,6 @@ def test_first_token_only_and_stops_on_it_match_colocated(name, family_models, t
         assert_pools_empty(run.prefill, run.decoder)
     finally:
         close(run)
-
-
-def other_len(hf, length: int) -> list[int]:
-    return random_prompt(hf.config.vocab_size, length, seed=4)
 
 
 def test_preemption_on_either_side_matches_colocated(family_models):
