@@ -13,9 +13,9 @@ from disagg.tp_layout import TPLayout
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Compat:
-    """What must match between the two engines for a handover to be meaningful."""
+    """What must match between the two engines for a handover to be meaningful. The layout
+    fields come first, so that a mismatch names the shapes that differ when there are any."""
 
-    model: str  # fingerprint of the model config
     dtype: str
     page_size: int
     # the whole model's (TP=1) shapes, whatever either side's TP size
@@ -23,15 +23,28 @@ class Compat:
     conv_shape: list[int]  # (mamba_layers, conv_dim, K-1)
     ssm_shape: list[int]  # (mamba_layers, heads, head_dim, d_state)
     ssm_dtype: str
+    model: str  # fingerprint of the model config
+    weights: str  # fingerprint of the checkpoint's tensors (same config, other weights)
 
     def mismatch(self, other: Compat) -> str | None:
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if mine != theirs:
+                verb = "differ" if f.name == "weights" else "differs"
                 return (
-                    f"{f.name} differs: prefill worker has {mine!r}, decode worker has {theirs!r}"
+                    f"{f.name} {verb}: prefill worker has {mine!r}, decode worker has {theirs!r}"
+                    + _WHY.get(f.name, "")
                 )
         return None
+
+
+# What a fingerprint mismatch means, for the person who reads it.
+_WHY = {
+    "model": " (the two workers load models with different config.json: start both with the"
+    " same --model)",
+    "weights": " (the two workers load different checkpoints of the same model config, e.g. a"
+    " base model and a fine-tune: start both with the same --model)",
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

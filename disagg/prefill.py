@@ -191,14 +191,18 @@ class PrefillWorker:
 
     def _register(self, identity: bytes, message: Register) -> None:
         mismatch = self.compat.mismatch(message.compat)
-        if mismatch:
-            self._send(
-                identity, Reject(room=message.room, message=f"incompatible workers: {mismatch}")
-            )
-            return
-        why = refusal(self.engine.model_config, self.tp_size, message.tp)
+        why = (
+            f"incompatible workers: {mismatch}"
+            if mismatch
+            else refusal(self.engine.model_config, self.tp_size, message.tp)
+        )
         if why:
             self._send(identity, Reject(room=message.room, message=why[:MAX_STRING]))
+            # The decode side fails the room on the Reject: its prefill here is of no use (it
+            # would run and keep its snapshot until the bootstrap timeout).
+            r = self.rooms.get(message.room)
+            if r is not None and r.peer is None:
+                self._fail(r, f"room {r.room}: {why}", notify=False)
             return
         r = self.rooms.get(message.room)
         if r is not None and r.peer is not None:

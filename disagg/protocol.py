@@ -51,7 +51,8 @@ from engine.handover import RequestState
 # compares the whole model's shapes (each side's ranks hold slices of them).
 # 7: ShardTransfer carries the prompt's block checkpoints (from `first_block`), sliced like the
 # final conv / SSM state.
-PROTOCOL_VERSION = 7
+# 8: Compat carries the checkpoint's weights fingerprint (same config, other weights refused).
+PROTOCOL_VERSION = 8
 
 # With a secret, a message is accepted within this many seconds of the time it was sent (two
 # hosts need clocks within this of each other, e.g. NTP), and only once.

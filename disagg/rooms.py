@@ -111,6 +111,7 @@ def compat_of(layout: HandoverLayout) -> Compat:
     """The facts both engines must share."""
     return Compat(
         model=layout.model_fingerprint,
+        weights=layout.weights_fingerprint,
         dtype=layout.dtype,
         page_size=layout.page_size,
         kv_page_shape=[layout.attention_layers, *layout.model_kv_page_shape],

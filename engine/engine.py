@@ -48,6 +48,7 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         self.device = parallel.rank_device(device, 0, self.args.tensor_parallel_size)
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
+        self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_hf(model_dir)
         self.dtype = resolve_dtype(dtype, self.model_config)
         args, config = self.args, self.model_config

@@ -4,13 +4,14 @@ scheduler know nothing of the wire (that is disagg/)."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from engine.config import ModelConfig
+from engine.fingerprint import config_fingerprint, weights_fingerprint
 from engine.handover import HandoverLayout, Preallocation, RequestState
 from engine.memory import OutOfMemory
 from engine.outputs import RequestDelta, TokenLogprobs
@@ -44,6 +45,7 @@ class HandoverMixin:
     declared here."""
 
     model_config: ModelConfig
+    model_dir: Path
     dtype: torch.dtype
     device: torch.device
     cache: StateCache
@@ -72,7 +74,8 @@ class HandoverMixin:
         k = cache.k[0] if cache.k else None
         page_shape = (cache.page_size, *k.shape[1:]) if k is not None else (cache.page_size, 0, 0)
         return HandoverLayout(
-            model_fingerprint=hashlib.sha256(repr(config).encode()).hexdigest()[:16],
+            model_fingerprint=config_fingerprint(config),
+            weights_fingerprint=weights_fingerprint(self.model_dir),
             dtype=str(self.dtype).removeprefix("torch."),
             page_size=cache.page_size,
             attention_layers=len(cache.k),

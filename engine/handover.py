@@ -60,6 +60,7 @@ class HandoverLayout:
     by."""
 
     model_fingerprint: str  # of the model config
+    weights_fingerprint: str  # of the checkpoint's tensors (engine/fingerprint.py)
     dtype: str  # model dtype (K/V pages, conv state)
     page_size: int
     attention_layers: int

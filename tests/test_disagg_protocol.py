@@ -141,6 +141,7 @@ def raw_message(tag: str, body) -> list[bytes]:
 def register_body(**overrides) -> dict:
     compat = dict(
         model="m",
+        weights="w",
         dtype="float32",
         page_size=4,
         kv_page_shape=[1, 4, 1, 3],
