@@ -29,7 +29,7 @@ from starlette.background import BackgroundTask
 
 from engine.gc_freeze import freeze_startup_objects
 from server.args import DEFAULT_MAX_REQUEST_BYTES, HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S
-from server.errors import APIError, ErrorJSONResponse
+from server.errors import APIError, ErrorJSONResponse, install_error_handlers
 from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware
 from server.router_relay import (
     GONE,
@@ -94,6 +94,7 @@ def build_router_app(
 
     app = FastAPI(title="baton router", lifespan=lifespan)
     app.state.workers = workers
+    install_error_handlers(app)  # unknown routes and wrong methods in OpenAI's error shape
     # The workers' own body checks (413, strict JSON) and key rule (all but /health, /metrics).
     app.add_middleware(RequestBodyMiddleware, max_bytes=max_request_bytes)
     if api_key:

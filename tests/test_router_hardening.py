@@ -310,3 +310,21 @@ def test_a_refusal_only_the_workers_can_make_keeps_its_param_through_the_router(
         and router_error["type"] == worker_error["type"]
     )
     assert worker_error["message"] in router_error["message"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/v1/no-such-route", 404),
+        ("GET", "/v1/completions", 405),
+        ("DELETE", "/health", 405),
+    ],
+)
+def test_router_answers_unknown_routes_in_the_workers_error_shape(stack, method, path, status):
+    """A client sees one error shape from the router and from a worker (was FastAPI's
+    {"detail": ...} from the router)."""
+    for server in (stack["router"], stack["decode"]):
+        response = httpx.request(method, f"{server.base_url}{path}", timeout=30)
+        assert response.status_code == status, (server.base_url, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
