@@ -4,8 +4,8 @@
         --model model [--only PREFIX] [--json out.json]
 
 Sends one battery of requests (bench/api_battery.py: valid ones, malformed ones, every route a
-vLLM user relies on) to both servers with raw httpx and prints, per request, where the two answers differ in
-*shape*: status code, error type / code / param, response keys and value types, `object`,
+vLLM user relies on) to both servers with raw httpx and prints, per request, where the two
+answers differ in *shape*: status code, error type / code / param, response keys and value types, `object`,
 `finish_reason`, `stop_reason`, usage counts, logprobs structure, and for streams the SSE
 framing (the chunk sequence with its roles, finish reasons and usage, and `data: [DONE]`).
 Generated text is compared only for greedy requests, where both engines should agree. Used
