@@ -27,7 +27,7 @@ from server.generation import (
 )
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest
-from server.sampling import build_sampling_params, check_prompt, truncate_prompt, with_max_tokens
+from server.sampling import build_sampling_params, params_for_prompt, truncate_prompt
 from server.validation import check_generation, num_logprobs, requested_max_tokens
 
 router = APIRouter()
@@ -67,15 +67,13 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     params = build_sampling_params(
         body, max_tokens=max_tokens, logprobs=num_logprobs(body), vocab_size=state.vocab_size
     )
-    params = with_max_tokens(
+    params = params_for_prompt(
         params,
-        check_prompt(
-            prompt,
-            max_tokens,
-            vocab_size=state.vocab_size,
-            max_model_len=state.max_model_len,
-            param="messages",
-        ),
+        prompt,
+        max_tokens,
+        vocab_size=state.vocab_size,
+        max_model_len=state.max_model_len,
+        param="messages",
     )
     check_disagg(state, body.baton_disagg)
     admit(state)

@@ -29,7 +29,7 @@ from server.generation import (
 )
 from server.logprobs import completion_logprobs
 from server.protocol import CompletionRequest
-from server.sampling import build_sampling_params, check_prompt, truncate_prompt, with_max_tokens
+from server.sampling import build_sampling_params, params_for_prompt, truncate_prompt
 from server.validation import check_generation, engine_max_tokens, requested_max_tokens
 
 router = APIRouter()
@@ -111,7 +111,7 @@ async def start_completion(
     """Tokenize a checked completions request, check it against the model, admit it and fan it
     out into engine requests (shared with SGLang's /generate, which is one). The prompt's
     logprobs are computed for echo with logprobs, or when `prompt_logprobs` asks for them;
-    `fit_to_context` is check_prompt's (off for /generate, which refuses as SGLang does)."""
+    `fit_to_context` is params_for_prompt's (off for /generate, which refuses as SGLang does)."""
     if _has_text(body.prompt):
         prompts = await asyncio.to_thread(tokenize_prompts, state, body)
     else:  # token ids only: nothing to encode, so no worker-thread round trip (two loop wakeups)
@@ -129,16 +129,14 @@ async def start_completion(
     )
     # one set per prompt: each gets the max_tokens its own length leaves in the context
     prompt_params = [
-        with_max_tokens(
+        params_for_prompt(
             params,
-            check_prompt(
-                prompt,
-                max_tokens,
-                vocab_size=state.vocab_size,
-                max_model_len=state.max_model_len,
-                param="prompt",
-                fit_to_context=fit_to_context,
-            ),
+            prompt,
+            max_tokens,
+            vocab_size=state.vocab_size,
+            max_model_len=state.max_model_len,
+            param="prompt",
+            fit_to_context=fit_to_context,
         )
         for prompt in prompts
     ]

@@ -142,17 +142,35 @@ def truncate_prompt(
     return prompt_token_ids[:keep] if side == "right" else prompt_token_ids[-keep:]
 
 
-def with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    """`params` for a prompt whose max_tokens check_prompt cut to the context."""
-    if max_tokens == params.max_tokens:
+def params_for_prompt(
+    params: SamplingParams,
+    prompt_token_ids: list[int],
+    max_tokens: int,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    param: str,
+    fit_to_context: bool = True,
+) -> SamplingParams:
+    """`params` for one prompt: check_prompt's rules, then max_tokens cut to what the context
+    leaves (refused when that is below min_tokens)."""
+    fitted = check_prompt(
+        prompt_token_ids,
+        max_tokens,
+        vocab_size=vocab_size,
+        max_model_len=max_model_len,
+        param=param,
+        fit_to_context=fit_to_context,
+    )
+    if fitted == params.max_tokens:
         return params
-    if params.min_tokens > max_tokens:
+    if params.min_tokens > fitted:
         raise APIError.bad_request(
-            f"min_tokens ({params.min_tokens}) is more than the {max_tokens} tokens the "
+            f"min_tokens ({params.min_tokens}) is more than the {fitted} tokens the "
             "context leaves after the prompt",
             "min_tokens",
         )
-    return dataclasses.replace(params, max_tokens=max_tokens)
+    return dataclasses.replace(params, max_tokens=fitted)
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
