@@ -42,7 +42,7 @@ class AddRequest:
         return cls(
             request_id=payload["request_id"],
             prompt_token_ids=payload["prompt_token_ids"],
-            params=SamplingParams(**payload["params"]),
+            params=SamplingParams.from_dict(payload["params"]),
             room=payload["room"],
             prefill_addr=payload["prefill_addr"],
         )

@@ -3,6 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StructuredOutputs:
+    """A constraint on the generated text, enforced by a grammar matcher (xgrammar) that masks
+    the logits of every step (vLLM's StructuredOutputsParams, one kind per request).
+
+    `spec` by kind: "json" a JSON schema (JSON text), "json_object" unused (""), "regex" a
+    regular expression, "choice" a JSON list of strings, "grammar" an EBNF / GBNF grammar,
+    "structural_tag" xgrammar's structural tag (JSON text). `after_token_ids`: the grammar
+    applies only once the generated ids contain this sequence (the end of the reasoning, e.g. the
+    ids of "</think>"); empty: from the first generated token.
+    """
+
+    kind: StructuredKind
+    spec: str
+    after_token_ids: tuple[int, ...]
 
 
 @dataclass(kw_only=True)
@@ -35,6 +55,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the text runs through the stop string
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # A grammar the output must follow (None: unconstrained).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +100,18 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: token id {token_id} is negative")
             if not -100.0 <= bias <= 100.0:  # also refuses NaN
                 raise ValueError(f"logit_bias: {bias} for token {token_id} is outside [-100, 100]")
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> SamplingParams:
+        """The inverse of `dataclasses.asdict` (the ipc payload): nested carriers rebuilt."""
+        structured = fields.get("structured_outputs")
+        if isinstance(structured, dict):
+            structured = StructuredOutputs(
+                kind=structured["kind"],
+                spec=structured["spec"],
+                after_token_ids=tuple(structured["after_token_ids"]),
+            )
+        return cls(**{**fields, "structured_outputs": structured})
 
     @property
     def greedy(self) -> bool:
