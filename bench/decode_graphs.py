@@ -58,6 +58,7 @@ def main() -> None:
     # Built on the GPU directly: saving and loading a 9B checkpoint would take minutes.
     from engine.config import ModelConfig
     from engine.models.nemotron_h import NemotronHForCausalLM
+    from engine.models.registry import model_state_spec
     from tests.gpu.test_graph_runner_gpu import init_random_
 
     with torch.device("cuda"):
@@ -68,12 +69,12 @@ def main() -> None:
     page = 16
     max_b = max(batches)
     pages_per_seq = (args.context + 16) // page + 1
+    spec = model_state_spec(model.config, torch.bfloat16)
     cache = StateCache(
-        model.config,
+        spec,
         num_pages=max_b * pages_per_seq + 1,
         page_size=page,
-        num_mamba_slots=max_b + 1,
-        dtype=torch.bfloat16,
+        num_slots=max_b + 1,
         device="cuda",
     )
     eager = ModelRunner(model, cache, "cuda")
@@ -83,10 +84,7 @@ def main() -> None:
         kv_capacity=-(-max(args.max_model_len, pages_per_seq * page) // page) * page,
         use_cuda_graphs=True,
     )
-    state_bytes = (
-        StateCache.bytes_per_mamba_slot(model.config, torch.bfloat16) * 2
-        + StateCache.bytes_per_kv_token(model.config, torch.bfloat16) * args.context
-    )
+    state_bytes = spec.bytes_per_slot() * 2 + spec.bytes_per_token() * args.context
     for b in batches:
         sched = ScheduledBatch(
             mode="decode",

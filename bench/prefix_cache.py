@@ -71,7 +71,7 @@ def main() -> None:
         "speedup": statistics.median(cold) / statistics.median(warm),
         "prefill_tokens_saved": stats.prefix_cache_hit_tokens,
         "prefill_tokens_total": stats.prefix_cache_query_tokens,
-        "track_interval": warm_engine.track_interval,
+        "track_interval": warm_engine.handover.track_interval,
     }
     print(
         f"{args.config}: {result['prompt_tokens']:.0f}-token {args.shots}-shot prompts, TTFT cold "

@@ -153,9 +153,9 @@ def handover_bytes(
         lens = [len(p) for p in prompts]
         # Both sides cut blocks at the same interval here, and the decode side caches nothing
         # of these fresh prompts: every block's checkpoint travels.
-        interval = decoder.engine.track_interval or None  # 0: no prefix cache
+        interval = decoder.engine.handover.track_interval or None  # 0: no prefix cache
         ranks = []
-        for rank, received in enumerate(decoder.engine.shard_bytes_received):
+        for rank, received in enumerate(decoder.engine.handover.shards.bytes_received):
             own = owned_bytes(config, decode_tp, rank, lens, itemsize, interval)
             ranks.append({"received": received, "owned": own, "ratio": received / own})
         return {

@@ -1,6 +1,6 @@
 """The decode side of a disaggregated pair: reserve, register, receive, install, decode.
 
-For each room the decode engine preallocates KV pages and a Mamba slot, sends Register to the
+For each room the decode engine preallocates pages and a state slot, sends Register to the
 prefill engine's transfer socket (a DEALER per prefill address), and waits for the StateTransfer.
 Every pending room has a deadline; heartbeats go to each prefill peer with pending rooms, and a
 peer whose connection drops (its process died, or it stopped answering ZMTP heartbeats) or that
@@ -17,15 +17,16 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from disagg.frames import check_state, pages_chunk, slot_chunk
 from disagg.messages import (
     Abort,
     Heartbeat,
     HeartbeatAck,
-    KVChunk,
-    MambaChunk,
     Message,
+    PagesChunk,
     Register,
     Reject,
+    SlotChunk,
     StateTransfer,
 )
 from disagg.peer_link import PeerLink
@@ -35,7 +36,6 @@ from disagg.protocol import (
     decode,
     encode,
     frame_bytes,
-    layer_frames,
     request_state,
 )
 from disagg.rooms import DisaggConfig, RoomState, TransferCounters, compat_of, now
@@ -55,7 +55,7 @@ class DecodeRoom:
     peer: str  # prefill transfer address
     registered: float
     state: RoomState = "waiting_for_input"
-    mamba_layers: int = 0  # Mamba layers installed ahead of the StateTransfer (MambaChunk)
+    slot_units: int = 0  # slot units installed ahead of the StateTransfer (SlotChunk)
     # (first-token state, prefill TP size) of a StateTransfer whose shards the ranks still await
     sharded: tuple | None = None
 
@@ -87,7 +87,9 @@ class DecodeWorker:
     queued: deque[QueuedRoom] = field(default_factory=deque)  # waiting for pages or a slot
 
     def __post_init__(self) -> None:
-        self.layout = self.engine.handover_layout()
+        self.handover = self.engine.handover
+        self.layout = self.handover.layout()
+        self.num_slot_units = len(self.layout.slot_units())
         self.compat = compat_of(self.layout)
         self.replay = ReplayGuard()
 
@@ -134,7 +136,7 @@ class DecodeWorker:
         """Reserve pages and a slot for the room and register it with its prefill engine; False
         if the pools cannot hold it now. ValueError for a request the engine refuses."""
         try:
-            reserved = self.engine.preallocate(q.request_id, q.prompt_token_ids, q.params)
+            reserved = self.handover.preallocate(q.request_id, q.prompt_token_ids, q.params)
         except OutOfMemory:
             return False
         self.rooms[q.room] = DecodeRoom(
@@ -145,9 +147,9 @@ class DecodeWorker:
             compat=self.compat,
             num_prompt_tokens=len(q.prompt_token_ids),
             cached_tokens=reserved.cached_tokens,
-            track_interval=self.engine.track_interval,
+            track_interval=self.handover.track_interval,
             transfer_timeout_s=self.config.transfer_timeout_s,
-            tp=TPLayout(size=self.layout.tp_size, rank_addresses=self.engine.shard_addresses),
+            tp=TPLayout(size=self.layout.tp_size, rank_addresses=self.handover.shards.addresses),
         )
         self._peer(q.peer).socket.send_multipart(encode(register, secret=self.config.secret))
         return True
@@ -169,7 +171,7 @@ class DecodeWorker:
             if r.request_id == request_id:
                 self._send(r.peer, Abort(room=r.room, reason="decode request aborted"))
                 del self.rooms[r.room]
-        self.engine.release_shard_checkpoints(request_id)
+        self.handover.shards.release_checkpoints(request_id)
         self.engine.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -203,6 +205,12 @@ class DecodeWorker:
 
     def sockets(self) -> list[zmq.Socket]:
         return [s for p in self.peers.values() for s in (p.socket, p.monitor)]
+
+    @property
+    def transfer_address(self) -> str:
+        """A decode worker listens on no transfer socket of its own (it connects to prefill
+        workers); its ranks' shard addresses travel in its Register."""
+        return ""
 
     def close(self) -> None:
         for peer in self.peers.values():
@@ -271,50 +279,35 @@ class DecodeWorker:
 
     def _handle(self, message: Message, tensors: dict[str, torch.Tensor]) -> None:
         layout = self.layout
-        if isinstance(message, KVChunk):
+        if isinstance(message, PagesChunk):
             r = self._room_for(message)
             if r is not None:
                 r.state = "transferring"
-                k, v = layer_frames(
-                    tensors,
-                    ("k", "v"),
-                    range(layout.attention_layers),
-                    (layout.kv_page_shape, layout.kv_page_shape),
-                    (layout.dtype, layout.dtype),
-                )
-                if len({t.shape[0] for t in (*k, *v)}) > 1 or any(t.dim() != 4 for t in k):
-                    raise ValueError("K/V frames of one chunk hold different page counts")
-                self.engine.install_pages(r.request_id, message.first_page, k, v)
+                pages = pages_chunk(layout, tensors)
+                self.handover.install_pages(r.request_id, message.first_page, pages)
                 self.counters.bytes_total += frame_bytes(tensors)
-        elif isinstance(message, MambaChunk):
+        elif isinstance(message, SlotChunk):
             r = self._room_for(message)
             if r is not None:
                 r.state = "transferring"
-                count = len(tensors) // 2
-                conv, ssm = layer_frames(
-                    tensors,
-                    ("conv", "ssm"),
-                    range(message.first_layer, message.first_layer + count),
-                    (layout.conv_shape, layout.ssm_shape),
-                    (layout.dtype, layout.ssm_dtype),
-                )
-                if self.engine.install_mamba(r.request_id, message.first_layer, conv, ssm):
-                    r.mamba_layers += len(conv)
+                for unit in slot_chunk(layout, message.first_unit, tensors):
+                    if self.handover.install_unit(r.request_id, unit, tensors):
+                        r.slot_units += 1
                 self.counters.bytes_total += frame_bytes(tensors)
         elif isinstance(message, StateTransfer):
             r = self._room_for(message)
             if r is None:
                 return  # aborted or timed out meanwhile
             state = request_state(message, tensors)
-            layers = layout.mamba_layers
-            if message.tp_size > 1 or layout.tp_size > 1:  # the state comes rank to rank
+            sharded = message.tp_size > 1 or layout.tp_size > 1  # the state comes rank to rank
+            check_state(layout, state, sharded)
+            if sharded:
                 r.state, r.sharded = "transferring", (state, message.tp_size)
                 self._install_shards(r)
                 return
-            if state.conv.shape[0] == 0 and r.mamba_layers != layers:
-                raise ValueError(
-                    f"Mamba state incomplete: {r.mamba_layers} of {layers} layers arrived"
-                )
+            units = self.num_slot_units
+            if not any(t.shape[0] for t in state.slots.values()) and r.slot_units != units:
+                raise ValueError(f"slot state incomplete: {r.slot_units} of {units} units arrived")
             self._install(r, state)
             self.counters.bytes_total += frame_bytes(tensors)
         elif isinstance(message, (Reject, Abort)):
@@ -335,7 +328,7 @@ class DecodeWorker:
     def _install(self, r: DecodeRoom, state) -> None:
         del self.rooms[r.room]
         try:
-            delta = self.engine.install(r.request_id, state)
+            delta = self.handover.install(r.request_id, state)
         except ValueError:
             self.rooms[r.room] = r  # failed by the caller, with its peer told
             raise
@@ -350,7 +343,7 @@ class DecodeWorker:
         (the room's transfer timeout still applies); a rank's bad piece fails it."""
         state, prefill_size = r.sharded
         try:
-            if self.engine.install_shards(r.request_id, r.room, prefill_size, state):
+            if self.handover.shards.install(r.request_id, r.room, prefill_size, state):
                 self._install(r, state)
         except ValueError as error:
             self._fail(r, f"room {r.room}: could not use its state: {error}")
@@ -416,7 +409,7 @@ class DecodeWorker:
         self.rooms.pop(r.room, None)
         if notify:
             self._send(r.peer, Abort(room=r.room, reason=reason))
-        self.engine.release_shard_checkpoints(r.request_id)
+        self.handover.shards.release_checkpoints(r.request_id)
         self.engine.abort_request(r.request_id)
         self._report(r.request_id, reason)
 

@@ -16,19 +16,19 @@ class Compat:
     """What must match between the two engines for a handover to be meaningful. The layout
     fields come first, so that a mismatch names the shapes that differ when there are any."""
 
-    dtype: str
     page_size: int
-    # the whole model's (TP=1) shapes, whatever either side's TP size
-    kv_page_shape: list[int]  # (attention_layers, page_size, kv_heads, head_dim)
-    conv_shape: list[int]  # (mamba_layers, conv_dim, K-1)
-    ssm_shape: list[int]  # (mamba_layers, heads, head_dim, d_state)
-    ssm_dtype: str
+    # The whole model's (TP=1) state layout, whatever either side's TP size: one line per state
+    # tensor of the spec, "pool: kind xlayers [shape] dtype" (engine.handover.HandoverLayout).
+    state: list[str]
     model: str  # fingerprint of the model config
     weights: str  # fingerprint of the checkpoint's tensors (same config, other weights)
 
     def mismatch(self, other: Compat) -> str | None:
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "state" and mine != theirs:
+                differ = [(a, b) for a, b in zip(mine, theirs) if a != b]
+                mine, theirs = differ[0] if differ else (mine, theirs)
             if mine != theirs:
                 verb = "differ" if f.name == "weights" else "differs"
                 return (
@@ -106,49 +106,49 @@ class TensorSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StateTransfer:
-    """prefill -> decode: a RequestState (the prompt's remaining K/V pages, final Mamba state,
-    first token, block checkpoints). Build it with `state_message`, read it with
-    `request_state`."""
+    """prefill -> decode: a RequestState (the prompt's remaining pages, final slot state, first
+    token, block checkpoints). Build it with `state_message`, read it with `request_state`."""
 
     tag: ClassVar[str] = "state"
     carries: ClassVar[str] = "state"  # the field holding STATE_CARRIER's non-tensor fields
     room: str
-    # The prefill engine's TP size. When either side's is > 1 the K/V pages and Mamba state
-    # came rank to rank as ShardTransfers and the tensors here hold no pages and no layers.
+    # The prefill engine's TP size. When either side's is > 1 the pages and slot state came
+    # rank to rank as ShardTransfers and the tensors here hold no pages and no layers.
     tp_size: int
     state: dict[str, object]  # checked against STATE_CARRIER's annotations by `decode`
-    tensors: list[TensorSpec]  # STATE_CARRIER's tensor fields, one frame each, named after them
+    # STATE_CARRIER's tensor fields, one frame per tensor: "field/pool" (pages/attention.k, ...)
+    tensors: list[TensorSpec]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class KVChunk:
-    """prefill -> decode: K/V pages completed by a prefill chunk, sent while the prompt's later
-    chunks still compute (frames: k of each attention layer, then v of each, every one
-    (n, page, kv_heads, head_dim); on a CPU pool they are sent straight from it)."""
+class PagesChunk:
+    """prefill -> decode: pages completed by a prefill chunk, sent while the prompt's later
+    chunks still compute (frames "pool#layer" for every paged tensor and layer, each (n, page,
+    *shape); on a CPU pool they are sent straight from it)."""
 
-    tag: ClassVar[str] = "kv"
+    tag: ClassVar[str] = "pages"
     room: str
     first_page: int
     tensors: list[TensorSpec]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class MambaChunk:
-    """prefill -> decode: the final conv + SSM state of Mamba layers first_layer.. (frames: conv
-    (conv_dim, K-1) of each layer, then ssm (heads, head_dim, d_state) of each), pushed ahead of
-    the StateTransfer so the decode side installs one group while the next is on the wire. A
-    StateTransfer whose conv/ssm carry no layers means all of them came this way."""
+class SlotChunk:
+    """prefill -> decode: the final slot state of slot units first_unit.. (one unit = one layer
+    of one state kind, frames "pool#layer" per tensor of its kind; HandoverLayout.slot_units),
+    pushed ahead of the StateTransfer so the decode side installs one group while the next is
+    on the wire. A StateTransfer whose slot tensors carry no layers means all came this way."""
 
-    tag: ClassVar[str] = "mamba"
+    tag: ClassVar[str] = "slots"
     room: str
-    first_layer: int
+    first_unit: int
     tensors: list[TensorSpec]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardTransfer:
-    """prefill rank -> decode rank, when either side runs TP > 1: the slices of one room's K/V
-    pages (from `first_page`), final Mamba state and block checkpoints (from `first_block`)
+    """prefill rank -> decode rank, when either side runs TP > 1: the slices of one room's
+    pages (from `first_page`), final slot state and block checkpoints (from `first_block`)
     that the decode rank owns and this prefill rank was planned to send it
     (disagg.tp_layout.plan); frames named `component@offset`."""
 
@@ -168,9 +168,9 @@ Message = (
     | Heartbeat
     | HeartbeatAck
     | StateTransfer
-    | KVChunk
-    | MambaChunk
+    | PagesChunk
+    | SlotChunk
     | ShardTransfer
 )
 MESSAGES: dict[str, type] = {cls.tag: cls for cls in typing.get_args(Message)}
-WITH_TENSORS = (StateTransfer, KVChunk, MambaChunk, ShardTransfer)
+WITH_TENSORS = (StateTransfer, PagesChunk, SlotChunk, ShardTransfer)

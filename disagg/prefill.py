@@ -63,7 +63,8 @@ class PrefillWorker:
         else:
             self.port = self.socket.bind_to_random_port(f"tcp://{self.config.host}")
         self.address = f"tcp://{self.config.host}:{self.port}"
-        self.layout = self.engine.handover_layout()
+        self.handover = self.engine.handover
+        self.layout = self.handover.layout()
         self.compat = compat_of(self.layout)
         self.tp_size = self.layout.tp_size
         self.sender = RoomSender(
@@ -87,8 +88,14 @@ class PrefillWorker:
         return self.engine.has_unfinished_requests()
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, room: str = ""
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        room: str = "",
+        prefill_addr: str = "",
     ) -> None:
+        """`prefill_addr` is the decode side's to use (DisaggWorker's signature): ignored."""
         if not room:
             self.engine.add_request(request_id, prompt_token_ids, params)
             return
@@ -100,8 +107,8 @@ class PrefillWorker:
         self.engine.add_request(request_id, prompt_token_ids, first_only)
         r = self._room(room)
         r.request_id = request_id
-        self.engine.hold_request(request_id, r.sends)
-        self.engine.on_finish(request_id, lambda req, r=r: self._prefilled(r, req))
+        self.handover.hold_request(request_id, r.sends)
+        self.handover.on_finish(request_id, lambda req, r=r: self._prefilled(r, req))
 
     def abort_request(self, request_id: str) -> None:
         for r in list(self.rooms.values()):
@@ -112,14 +119,14 @@ class PrefillWorker:
     def has_unfinished_requests(self) -> bool:
         return (
             self.engine.has_unfinished_requests()
-            or self.engine.has_held()  # pages and slots wait for their sends
+            or self.handover.has_held()  # pages and slots wait for their sends
             or any(r.snapshot is not None for r in self.rooms.values())
         )
 
     def step(self):
         self.poll()
         deltas = self.engine.step() if self.engine.has_unfinished_requests() else []
-        self.engine.release_held()
+        self.handover.release_held()
         self._stream_pages()
         self._flush()
         self.poll()  # heartbeats that arrived during a long step count before leases expire
@@ -138,6 +145,11 @@ class PrefillWorker:
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.socket]
+
+    @property
+    def transfer_address(self) -> str:
+        """Where decode workers register (EngineReady.transfer_addr)."""
+        return self.address
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -194,7 +206,9 @@ class PrefillWorker:
         why = (
             f"incompatible workers: {mismatch}"
             if mismatch
-            else refusal(self.engine.model_config, self.tp_size, message.tp)
+            else refusal(
+                self.engine.model_config, self.engine.state_spec, self.tp_size, message.tp
+            )
         )
         if why:
             self._send(identity, Reject(room=message.room, message=why[:MAX_STRING]))
@@ -241,16 +255,16 @@ class PrefillWorker:
         if r.peer is not None:
             r.ready_at = now()
         if self.tp_size > 1:  # every rank snapshots its shard; the message carries no tensors
-            self.engine.snapshot_shards(r.room, req)
-            r.snapshot = self.engine.first_token_state(req)
+            self.handover.shards.snapshot(r.room, req)
+            r.snapshot = self.handover.first_token_state(req)
             if r.peer is not None:
                 self._schedule_send(r)
             return
         pushed = r.peer is not None and not self.faults.delay_ms and not self.sender.sharded(r)
         if pushed:
             self.sender.push_pages(r)
-            self.sender.push_mamba(r, req)
-        r.snapshot = self.engine.export_state(req, first_page=r.pages_sent, with_mamba=not pushed)
+            self.sender.push_slots(r, req)
+        r.snapshot = self.handover.export_state(req, first_page=r.pages_sent, with_slots=not pushed)
         if r.peer is not None:
             self._schedule_send(r)
 
@@ -266,7 +280,7 @@ class PrefillWorker:
                 logger.warning("fault injection: dropping the transfer of room %s", r.room)
                 self.counters.transfers_failed += 1
                 if self.tp_size > 1:
-                    self.engine.drop_shards(r.room)
+                    self.handover.shards.drop(r.room)
                 del self.rooms[r.room]
                 continue
             self.sender.send_final(r)
@@ -319,10 +333,10 @@ class PrefillWorker:
         r.state = "failed"
         self.rooms.pop(r.room, None)
         if r.snapshot is not None and self.tp_size > 1:
-            self.engine.drop_shards(r.room)  # every rank's copy
+            self.handover.shards.drop(r.room)  # every rank's copy
         if r.request_id is not None:
-            self.engine.on_finish(r.request_id, None)
-            if r.snapshot is None and self.engine.has_request(r.request_id):
+            self.handover.on_finish(r.request_id, None)
+            if r.snapshot is None and self.handover.has_request(r.request_id):
                 self.failures.append((r.request_id, reason))  # its client gets the error
             self.engine.abort_request(r.request_id)
         if notify and r.peer is not None:

@@ -1,10 +1,10 @@
 """What a prefill worker sends each room's decode side, and the hold that keeps the request's
 pages and Mamba slot in place while ZMQ reads them (disagg/prefill.py runs the rooms).
 
-K/V pages leave as KVChunks as the prefill completes them, the final Mamba state as MambaChunks
-of about one layer, then a StateTransfer with the first token and whatever the decode side does
-not cache; across tensor-parallel ranks every rank sends its own shards and the StateTransfer
-carries no tensors. Frames that are views of the engine's pools are sent zero-copy, the last of
+Pages leave as PagesChunks as the prefill completes them, the final slot state as SlotChunks of
+about one layer, then a StateTransfer with the first token and whatever the decode side does not
+cache; across tensor-parallel ranks every rank sends its own shards and the StateTransfer
+carries no tensors. Which tensors travel is the engine's state spec (HandoverLayout). Frames that are views of the engine's pools are sent zero-copy, the last of
 each batch tracked.
 """
 
@@ -16,22 +16,22 @@ from dataclasses import dataclass
 
 import zmq
 
-from disagg.messages import KVChunk, MambaChunk, Register, StateTransfer, TensorSpec
+from disagg.messages import PagesChunk, Register, SlotChunk, StateTransfer, TensorSpec
 from disagg.protocol import encode, state_message, tensor_specs
 from disagg.rooms import RoomState, TransferCounters, now
 from engine.engine import Engine
-from engine.handover import HandoverLayout, RequestState
+from engine.handover import HandoverLayout, RequestState, SlotUnit
 
 logger = logging.getLogger("baton.disagg.prefill")
 
-# K/V bytes per message: small enough that the decode side installs one while the next is on
+# Page bytes per message: small enough that the decode side installs one while the next is on
 # the wire, large enough that per-message overhead stays negligible.
 PUSH_BYTES = 4 << 20
-# Mamba state per message: it is all ready at once when the prefill ends and is most of what a
+# Slot state per message: it is all ready at once when the prefill ends and is most of what a
 # short prompt moves, so smaller messages (about one layer each) let the decode side install
 # layer i while the next is on the wire (-20% handover time at 128..512 tokens on the 110M config
 # than with 4 MiB groups, in alternated runs of bench.transfer).
-MAMBA_PUSH_BYTES = 1 << 20
+SLOT_PUSH_BYTES = 1 << 20
 
 
 class PendingSends:
@@ -66,21 +66,28 @@ class PendingSends:
         return self.expired
 
 
-def mamba_groups(layout: HandoverLayout) -> list[tuple[int, int, list[TensorSpec]]]:
-    """(first layer, end layer, frame specs) of each MambaChunk: the same for every room."""
-    groups = []
-    step = max(1, MAMBA_PUSH_BYTES // max(1, layout.mamba_layer_bytes))
-    for first in range(0, layout.mamba_layers, step):
-        end = min(first + step, layout.mamba_layers)
+def slot_groups(layout: HandoverLayout) -> list[tuple[int, list[SlotUnit], list[TensorSpec]]]:
+    """(first unit, units, frame specs) of each SlotChunk: consecutive slot units of about
+    SLOT_PUSH_BYTES together; the same for every room."""
+    groups: list[tuple[int, list[SlotUnit], list[TensorSpec]]] = []
+    units = layout.slot_units()
+    first = 0
+    while first < len(units):
+        end, size = first, 0
+        while end < len(units) and (end == first or size + units[end].bytes <= SLOT_PUSH_BYTES):
+            size += units[end].bytes
+            end += 1
         specs = [
-            TensorSpec(name=f"conv{i}", dtype=layout.dtype, shape=list(layout.conv_shape))
-            for i in range(first, end)
+            TensorSpec(
+                name=frame,
+                dtype=layout.tensor(name).dtype,
+                shape=list(layout.tensor(name).shape),
+            )
+            for unit in units[first:end]
+            for frame, name, _ in unit.frames
         ]
-        specs += [
-            TensorSpec(name=f"ssm{i}", dtype=layout.ssm_dtype, shape=list(layout.ssm_shape))
-            for i in range(first, end)
-        ]
-        groups.append((first, end, specs))
+        groups.append((first, list(units[first:end]), specs))
+        first = end
     return groups
 
 
@@ -93,7 +100,7 @@ class PrefillRoom:
     request_id: str | None = None
     peer: bytes | None = None  # ROUTER identity of the registered decode engine
     registration: Register | None = None
-    pages_sent: int = 0  # K/V pages already streamed (or cached by the decode engine)
+    pages_sent: int = 0  # pages already streamed (or cached by the decode engine)
     lease: float = 0.0  # last heartbeat
     snapshot: RequestState | None = None
     ready_at: float | None = None  # prefill done and decode side registered
@@ -116,7 +123,7 @@ class RoomSender:
         self.engine, self.socket, self.secret = engine, socket, secret
         self.layout, self.page_size, self.counters = layout, page_size, counters
         self.tp_size = layout.tp_size
-        self.mamba_groups = mamba_groups(layout)
+        self.slot_groups = slot_groups(layout)
 
     def send_final(self, r: PrefillRoom) -> None:
         """The room's StateTransfer: its snapshot less what the decode side caches, or, where
@@ -139,39 +146,43 @@ class RoomSender:
         reg, state = r.registration, r.snapshot
         first_page = min(reg.cached_tokens, state.num_prompt_tokens) // self.page_size
         first_page = max(first_page, state.first_page)
+        handover = self.engine.handover
         if self.tp_size == 1:  # the whole snapshot is this only rank's shard
-            self.engine.keep_shard(r.room, state)
-        control = self.engine.first_token_state(state.skip(0, self.skipped_blocks(r)), first_page)
-        self.engine.send_shards(r.room, control, reg.tp.size, reg.tp.rank_addresses)
+            handover.shards.keep(r.room, state)
+        control = handover.first_token_state(state.skip(0, self.skipped_blocks(r)), first_page)
+        handover.shards.send(r.room, control, reg.tp.size, reg.tp.rank_addresses)
         return state_message(r.room, control, tp_size=self.tp_size)
 
     def push_pages(self, r: PrefillRoom) -> None:
-        """Send the completed pages from r.pages_sent on as KVChunks of ~PUSH_BYTES each."""
-        page_bytes = self.layout.kv_page_bytes
+        """Send the completed pages from r.pages_sent on as PagesChunks of ~PUSH_BYTES each."""
+        page_bytes = self.layout.page_bytes
         batch = max(1, PUSH_BYTES // page_bytes) if page_bytes else None
         chunks = []
-        while (exported := self.engine.export_pages(r.request_id, r.pages_sent, batch)) is not None:
-            end, k, v = exported
-            named = [(f"k{i}", t) for i, t in enumerate(k)] + [
-                (f"v{i}", t) for i, t in enumerate(v)
+        handover = self.engine.handover
+        while (exported := handover.export_pages(r.request_id, r.pages_sent, batch)) is not None:
+            end, pages = exported
+            named = [
+                (f"{name}#{layer}", t)
+                for name, per_layer in pages.items()
+                for layer, t in enumerate(per_layer)
             ]
-            message = KVChunk(room=r.room, first_page=r.pages_sent, tensors=tensor_specs(named))
+            message = PagesChunk(room=r.room, first_page=r.pages_sent, tensors=tensor_specs(named))
             chunks.append((message, [t for _, t in named]))
             r.pages_sent = end
         for i, (message, tensors) in enumerate(chunks):
             self.send_tensors(r, message, tensors, track=i == len(chunks) - 1)
         self.counters.kv_chunks += len(chunks)
 
-    def push_mamba(self, r: PrefillRoom, req) -> None:
-        """Send the final conv + SSM state in groups of layers of ~MAMBA_PUSH_BYTES each."""
-        groups = self.mamba_groups
-        for first, end, specs in groups:
-            conv, ssm = self.engine.export_mamba(req, first, end)
+    def push_slots(self, r: PrefillRoom, req) -> None:
+        """Send the final slot state in groups of layers of ~SLOT_PUSH_BYTES each."""
+        groups = self.slot_groups
+        for i, (first, units, specs) in enumerate(groups):
+            views = [t for unit in units for _, t in self.engine.handover.export_unit(req, unit)]
             self.send_tensors(
                 r,
-                MambaChunk(room=r.room, first_layer=first, tensors=specs),
-                [*conv, *ssm],
-                track=end == groups[-1][1],
+                SlotChunk(room=r.room, first_unit=first, tensors=specs),
+                views,
+                track=i == len(groups) - 1,
             )
 
     def send_tensors(self, r: PrefillRoom, message, tensors: list, track: bool) -> None:
@@ -192,15 +203,15 @@ class RoomSender:
         """Skip what the decode engine caches: its pages, and its blocks' checkpoints."""
         state = r.snapshot
         # Pages before r.pages_sent were streamed or are cached there (registration raised it).
-        skip_pages = min(max(r.pages_sent - state.first_page, 0), state.k_pages.shape[1])
+        skip_pages = min(max(r.pages_sent - state.first_page, 0), state.num_pages)
         return state.skip(skip_pages, self.skipped_blocks(r))
 
     def skipped_blocks(self, r: PrefillRoom) -> int:
         """Leading block checkpoints of the room's snapshot not to send: those the decode
         engine caches, or every one when the two sides cut blocks at different intervals."""
         reg, state = r.registration, r.snapshot
-        num_blocks = state.checkpoint_conv.shape[0]
-        if not reg.track_interval or reg.track_interval != self.engine.track_interval:
+        num_blocks = state.num_blocks
+        if not reg.track_interval or reg.track_interval != self.engine.handover.track_interval:
             return num_blocks
         cached = min(reg.cached_tokens, state.num_prompt_tokens)
         return min(max(cached // reg.track_interval - state.first_block, 0), num_blocks)

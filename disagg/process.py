@@ -17,6 +17,7 @@ from disagg.decode import DecodeWorker
 from disagg.prefill import PrefillWorker
 from disagg.rooms import DisaggConfig
 from disagg.tp_transfer import SECRET_ENV, connector_spec
+from disagg.worker import DisaggWorker
 from engine import process as engine_process
 from engine.engine import Engine
 from engine.gc_freeze import freeze_startup_objects
@@ -50,19 +51,15 @@ class DisaggEngineLoop(engine_process.EngineLoop):
         return self.inbox in events
 
     def _add(self, message: AddRequest) -> None:
+        worker: DisaggWorker = self.engine
         try:
-            if isinstance(self.engine, DecodeWorker):
-                self.engine.add_request(
-                    message.request_id,
-                    message.prompt_token_ids,
-                    message.params,
-                    room=message.room,
-                    prefill_addr=message.prefill_addr,
-                )
-            else:
-                self.engine.add_request(
-                    message.request_id, message.prompt_token_ids, message.params, room=message.room
-                )
+            worker.add_request(
+                message.request_id,
+                message.prompt_token_ids,
+                message.params,
+                room=message.room,
+                prefill_addr=message.prefill_addr,
+            )
         except ValueError as error:  # the request itself (its prompt, its handover address)
             self._send(
                 RequestFailed(request_id=message.request_id, message=str(error), kind="client")
@@ -110,12 +107,12 @@ def load_and_run(
         )
         context = zmq.Context.instance()
         worker_class = PrefillWorker if config.role == "prefill" else DecodeWorker
-        worker = worker_class(engine, config, context)
+        worker: DisaggWorker = worker_class(engine, config, context)
     except Exception as error:
         logger.exception("failed to start the %s worker for %s", spec.disagg, spec.model)
         outbox.send(encode(EngineFailed(message=f"failed to start disaggregated worker: {error}")))
         return 1
-    transfer_addr = worker.address if isinstance(worker, PrefillWorker) else ""
+    transfer_addr = worker.transfer_address
     if transfer_addr:
         logger.info("prefill transfer socket listening at %s", transfer_addr)
     outbox.send(
@@ -124,7 +121,7 @@ def load_and_run(
                 vocab_size=engine.model_config.vocab_size,
                 max_model_len=engine.max_model_len,
                 transfer_addr=transfer_addr,
-                rank_transfer_addrs=list(engine.shard_addresses),
+                rank_transfer_addrs=list(engine.handover.shards.addresses),
             )
         )
     )

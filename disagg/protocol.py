@@ -52,7 +52,10 @@ from engine.handover import RequestState
 # 7: ShardTransfer carries the prompt's block checkpoints (from `first_block`), sliced like the
 # final conv / SSM state.
 # 8: Compat carries the checkpoint's weights fingerprint (same config, other weights refused).
-PROTOCOL_VERSION = 8
+# 9: state by the model's state spec: Compat lists the spec's tensors, StateTransfer's frames are
+# "field/pool" (pages/attention.k, slots/mamba2.ssm, checkpoints/...), PagesChunk and SlotChunk
+# (was KVChunk, MambaChunk) carry "pool#layer" frames, ShardTransfer "field/pool@offset".
+PROTOCOL_VERSION = 9
 
 # With a secret, a message is accepted within this many seconds of the time it was sent (two
 # hosts need clocks within this of each other, e.g. NTP), and only once.
@@ -78,9 +81,14 @@ def tensor_specs(named: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
 def state_message(
     room: str, state: Any, tp_size: int = 1
 ) -> tuple[StateTransfer, list[torch.Tensor]]:
-    """A request state's message and frames: every field of its dataclass, tensors by name."""
+    """A request state's message and frames: every field of its dataclass, tensors by name
+    ("field/pool" for each tensor of a field holding tensors by pool name)."""
     carrier = type(state)
-    named = [(name, getattr(state, name)) for name in tensor_fields(carrier)]
+    named = [
+        (f"{field}/{name}", t)
+        for field in tensor_fields(carrier)
+        for name, t in getattr(state, field).items()
+    ]
     message = StateTransfer(
         room=room,
         tp_size=tp_size,
@@ -91,35 +99,30 @@ def state_message(
 
 
 def request_state(message: StateTransfer, tensors: dict[str, torch.Tensor]) -> Any:
-    """The STATE_CARRIER a decoded StateTransfer holds (its fields were checked by `decode`)."""
-    return STATE_CARRIER(**message.state, **tensors)
+    """The STATE_CARRIER a decoded StateTransfer holds (its fields were checked by `decode`,
+    its frames' names too; their shapes are the receiver's to check against its layout)."""
+    by_field: dict[str, dict[str, torch.Tensor]] = {f: {} for f in tensor_fields(STATE_CARRIER)}
+    for name, t in tensors.items():
+        field, pool = name.split("/", 1)
+        by_field[field][pool] = t
+    return STATE_CARRIER(**message.state, **by_field)
 
 
-def layer_frames(
-    tensors: dict[str, torch.Tensor],
-    kinds: tuple[str, str],
-    layers: range,
-    shapes: tuple[tuple[int, ...], tuple[int, ...]],
-    dtypes: tuple[str, str],
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A chunk's frames by name (kinds[0] + layer, kinds[1] + layer for every layer), each
-    checked against its expected per-layer shape (a leading page count is free when the shape
-    given is one page's) and dtype. ValueError names what does not fit."""
-    expected = {f"{kind}{i}" for kind in kinds for i in layers}
-    if set(tensors) != expected:
+def check_frames(
+    tensors: dict[str, torch.Tensor], expected: dict[str, tuple[tuple[int, ...], str]]
+) -> None:
+    """A message's frames by name against the names, shapes and dtypes the receiver expects
+    (-1 in a shape: any size there). ValueError names what does not fit."""
+    if set(tensors) != set(expected):
         raise ValueError(f"frames named {sorted(tensors)}, expected {sorted(expected)}")
-    out: tuple[list, list] = ([], [])
-    for half, kind, shape, dtype in zip(out, kinds, shapes, dtypes):
-        for i in layers:
-            t = tensors[f"{kind}{i}"]
-            got = tuple(t.shape[1:] if t.dim() == len(shape) + 1 else t.shape)
-            if got != shape or dtype_name(t.dtype) != dtype or t.dim() < len(shape):
-                raise ValueError(
-                    f"frame {kind}{i} is {dtype_name(t.dtype)} {list(t.shape)}, expected {dtype}"
-                    f" {list(shape)}"
-                )
-            half.append(t)
-    return out
+    for name, (shape, dtype) in expected.items():
+        t = tensors[name]
+        fits = t.dim() == len(shape) and all(e in (-1, g) for e, g in zip(shape, t.shape))
+        if not fits or dtype_name(t.dtype) != dtype:
+            raise ValueError(
+                f"frame {name} is {dtype_name(t.dtype)} {list(t.shape)}, expected {dtype}"
+                f" {list(shape)}"
+            )
 
 
 def frame_bytes(tensors: dict[str, torch.Tensor]) -> int:
@@ -137,10 +140,12 @@ def _parse(tag: str, raw: Any) -> Message:
         if len(set(names)) != len(names):
             raise ProtocolError(f"{tag}.tensors: a tensor name appears twice in {names}")
     if isinstance(message, StateTransfer):
-        expected = tensor_fields(STATE_CARRIER)
-        if sorted(names) != sorted(expected):
+        fields = tensor_fields(STATE_CARRIER)
+        stray = [n for n in names if n.split("/", 1)[0] not in fields or "/" not in n]
+        if stray:
             raise ProtocolError(
-                f"{tag}.tensors: named {sorted(names)}, a request state has {sorted(expected)}"
+                f"{tag}.tensors: {stray[0]!r} is not a request state tensor (field/pool, with"
+                f" field one of {list(fields)})"
             )
     return message
 

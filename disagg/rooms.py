@@ -110,12 +110,8 @@ def now() -> float:
 def compat_of(layout: HandoverLayout) -> Compat:
     """The facts both engines must share."""
     return Compat(
+        page_size=layout.page_size,
+        state=layout.describe(),
         model=layout.model_fingerprint,
         weights=layout.weights_fingerprint,
-        dtype=layout.dtype,
-        page_size=layout.page_size,
-        kv_page_shape=[layout.attention_layers, *layout.model_kv_page_shape],
-        conv_shape=[layout.mamba_layers, *layout.model_conv_shape],
-        ssm_shape=[layout.mamba_layers, *layout.model_ssm_shape],
-        ssm_dtype=layout.ssm_dtype,
     )

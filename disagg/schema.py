@@ -6,8 +6,9 @@ the exact set of keys, scalar types (an int is not a bool, a float is finite), l
 optionals and nested dataclasses, and sizes (string lengths, item counts). Integers on this wire
 are counts, indices and token ids, so they must be non-negative too.
 
-Tensor-valued fields (`torch.Tensor`) never go in a header: `tensor_fields` names them so that a
-message can carry them as frames, matched by name.
+Tensor-valued fields (`torch.Tensor`, or `dict[str, torch.Tensor]`: tensors by name) never go in
+a header: `tensor_fields` names them so that a message can carry them as frames, matched by
+name.
 """
 
 from __future__ import annotations
@@ -43,14 +44,20 @@ def hints(cls: type) -> dict[str, Any]:
     return {f.name: resolved[f.name] for f in fields(cls)}
 
 
+def _holds_tensors(hint: Any) -> bool:
+    return hint is torch.Tensor or (
+        typing.get_origin(hint) is dict and typing.get_args(hint)[1] is torch.Tensor
+    )
+
+
 @functools.cache
 def tensor_fields(cls: type) -> tuple[str, ...]:
-    return tuple(name for name, hint in hints(cls).items() if hint is torch.Tensor)
+    return tuple(name for name, hint in hints(cls).items() if _holds_tensors(hint))
 
 
 @functools.cache
 def header_fields(cls: type) -> tuple[str, ...]:
-    return tuple(name for name, hint in hints(cls).items() if hint is not torch.Tensor)
+    return tuple(name for name, hint in hints(cls).items() if not _holds_tensors(hint))
 
 
 def to_wire(value: Any) -> dict[str, Any]:

@@ -1,24 +1,19 @@
 """Which rank holds which slice of a request's state, on either side of a handover between
-engines of different tensor-parallel sizes, and which prefill rank sends each decode rank what.
+engines of different tensor-parallel sizes, and which prefill rank sends each decode rank what:
+all derived from the model's state spec (engine/state_spec.py).
 
-Every piece of per-request state is split along one axis of "units" (SGLang's heterogeneous-TP
-transfer and vLLM's nixl connector cut the same way):
+Every state tensor is split along one dim of "units" (its spec's TPSplit: KV heads, conv
+channels in x | B | C segments, Mamba heads, ...; SGLang's heterogeneous-TP transfer and vLLM's
+nixl connector cut the same way), and travels as components:
 
-    component   unit                 tensor (per rank)                        split by
-    k, v        one KV head          (attn_layers, pages, page, kv_heads, hd) kv_head_part (KV heads
-                                                                               replicated when fewer
-                                                                               than ranks)
-    conv        one conv channel     (mamba_layers, conv_dim, K-1)            x | B | C segments:
-                                                                               x by heads, B and C by
-                                                                               groups (replicated
-                                                                               when n_groups == 1)
-    ssm         one Mamba head       (mamba_layers, heads, hd, d_state)       heads
-    checkpoint_conv, checkpoint_ssm      the same with a leading block dim        as conv, ssm
-                                         (the prompt's prefix-cache blocks)
+    pages/<pool>        (layers, pages, page_size, *shape)   the prompt's pages
+    slots/<pool>        (layers, *shape)                     the final slot state
+    checkpoints/<pool>  (blocks, layers, *shape)             the prompt's prefix-cache blocks
+                                                             (checkpointed tensors only)
 
-A rank owns a list of (start, length) ranges of a component's global units; its local tensor
-holds them concatenated in that order. A decode rank's `plan` takes each of its units from the
-lowest prefill rank that holds it, so a replicated unit crosses the wire once per decode rank
+A rank owns a list of (start, length) ranges of a component's whole-model units; its local
+tensor holds them concatenated in that order. A decode rank's `plan` takes each of its units from
+the lowest prefill rank that holds it, so a replicated unit crosses the wire once per decode rank
 that owns it and every decode rank receives exactly what it owns, no more.
 """
 
@@ -28,10 +23,9 @@ import functools
 import re
 from dataclasses import dataclass
 
-from engine import parallel
 from engine.config import ConfigError, ModelConfig
-from engine.parallel import TensorParallel
-from engine.tp_shard import Ranges, check_tp_supported, mamba_shard
+from engine.state_spec import ModelStateSpec, Ranges
+from engine.tp_shard import check_tp_supported
 
 # A peer may claim any size; these bound what one claim can make this side compute or connect.
 MAX_TP_SIZE = 256
@@ -39,9 +33,6 @@ MAX_TP_SIZE = 256
 # A decode rank's receive address: tcp://host:port (a name, IPv4, or [IPv6]).
 ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):[0-9]{1,5}")
 
-COMPONENTS = ("k", "v", "conv", "ssm", "checkpoint_conv", "checkpoint_ssm")
-# the unit axis in each shard tensor
-UNIT_DIM = {"k": 3, "v": 3, "conv": 1, "ssm": 1, "checkpoint_conv": 2, "checkpoint_ssm": 2}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,22 +64,18 @@ class Piece:
         return f"{self.component}@{self.dst_offset}"
 
 
-def _probe(rank: int, size: int) -> TensorParallel:
-    return TensorParallel(rank=rank, size=size, group=None, timeout_s=0.0)
-
-
 @functools.cache
-def owned(config: ModelConfig, size: int, rank: int) -> dict[str, Ranges]:
-    """Component -> the global unit ranges rank `rank` of `size` holds, in local order."""
-    tp = _probe(rank, size)
+def owned(spec: ModelStateSpec, size: int, rank: int) -> dict[str, Ranges]:
+    """Component -> the whole-model unit ranges rank `rank` of `size` holds, in local order."""
     out: dict[str, Ranges] = {}
-    if config.attention_layer_ids:
-        kv = parallel.kv_head_part(config.num_key_value_heads, config.num_attention_heads, tp)
-        out["k"] = out["v"] = (kv,)
-    if config.mamba_layer_ids:
-        shard = mamba_shard(config, tp)
-        out["conv"] = out["checkpoint_conv"] = shard.conv_channels
-        out["ssm"] = out["checkpoint_ssm"] = ((shard.first_head, shard.num_heads),)
+    for name, _, tensor in spec.entries():
+        ranges = tensor.ranges(size, rank)
+        if tensor.kind == "paged":
+            out[f"pages/{name}"] = ranges
+        else:
+            out[f"slots/{name}"] = ranges
+            if tensor.checkpointed:
+                out[f"checkpoints/{name}"] = ranges
     return out
 
 
@@ -103,12 +90,14 @@ def _local(ranges: Ranges, unit: int) -> int | None:
 
 
 @functools.cache
-def plan(config: ModelConfig, prefill_size: int, decode_size: int, rank: int) -> tuple[Piece, ...]:
+def plan(
+    spec: ModelStateSpec, prefill_size: int, decode_size: int, rank: int
+) -> tuple[Piece, ...]:
     """The pieces decode rank `rank` receives, each unit from the lowest prefill rank holding
     it, runs of consecutive units from one source merged into one piece."""
-    sources = [owned(config, prefill_size, p) for p in range(prefill_size)]
+    sources = [owned(spec, prefill_size, p) for p in range(prefill_size)]
     pieces: list[Piece] = []
-    for component, ranges in owned(config, decode_size, rank).items():
+    for component, ranges in owned(spec, decode_size, rank).items():
         dst = 0
         for start, length in ranges:
             for unit in range(start, start + length):
@@ -146,20 +135,29 @@ def plan(config: ModelConfig, prefill_size: int, decode_size: int, rank: int) ->
     return tuple(pieces)
 
 
-def check_prefill_size(config: ModelConfig, size: int) -> None:
+def check_size(config: ModelConfig, spec: ModelStateSpec, size: int) -> None:
+    """ConfigError naming the key when this model (its family, its layers' state) cannot run
+    on `size` ranks."""
+    check_tp_supported(config, size)
+    spec.check_tp(size)
+
+
+def check_prefill_size(config: ModelConfig, spec: ModelStateSpec, size: int) -> None:
     """ValueError unless a prefill engine of `size` ranks could serve this model (a peer's
     claim, before any plan is made from it)."""
     if not 1 <= size <= MAX_TP_SIZE:
         raise ValueError(f"prefill worker claims TP={size}: a TP size must be in 1..{MAX_TP_SIZE}")
     try:
-        check_tp_supported(config, size)
+        check_size(config, spec, size)
     except ConfigError as error:
         raise ValueError(
             f"prefill worker claims TP={size}, which this model cannot have: {error}"
         ) from None
 
 
-def refusal(config: ModelConfig, prefill_size: int, decode: TPLayout) -> str | None:
+def refusal(
+    config: ModelConfig, spec: ModelStateSpec, prefill_size: int, decode: TPLayout
+) -> str | None:
     """Why a prefill engine of `prefill_size` ranks cannot hand over to the decode layout a peer
     claims (a message naming both layouts), or None. The claim is hostile until this passes."""
     both = f"prefill worker TP={prefill_size}, decode worker TP={decode.size}"
@@ -179,7 +177,7 @@ def refusal(config: ModelConfig, prefill_size: int, decode: TPLayout) -> str | N
                 " a handover connector?)"
             )
     try:
-        check_tp_supported(config, decode.size)
+        check_size(config, spec, decode.size)
     except ConfigError as error:
         return f"cannot serve this pair ({both}): {error}"
     return None

@@ -31,10 +31,10 @@ from disagg.protocol import (
     tensor_specs,
 )
 from disagg.rooms import is_loopback
-from disagg.tp_layout import ENDPOINT, MAX_TP_SIZE, UNIT_DIM, Piece, check_prefill_size, plan
+from disagg.tp_layout import ENDPOINT, MAX_TP_SIZE, Piece, check_prefill_size, plan
 from engine.config import ModelConfig
 from engine.state_cache import StateCache
-from engine.tp_handover import Pieces, Shard
+from engine.tp_handover import Pieces, Shard, unit_dim
 from engine.tp_messages import InstallShard, SendShard
 
 logger = logging.getLogger("baton.disagg.tp_transfer")
@@ -110,23 +110,25 @@ class ZmqShardConnector:
         if shard is None:
             raise ValueError(f"no snapshot of room {room} on prefill rank {self.rank}")
         skip = op.first_page - shard.first_page
-        if not 0 <= skip <= shard.k.shape[1]:
+        num_pages = next((t.shape[1] for t in shard.pages.values()), 0)
+        if not 0 <= skip <= num_pages:
             raise ValueError(f"room {room}: page {op.first_page} is outside the snapshot")
         first = op.first_block - shard.first_block
         blocks = slice(first, first + op.num_blocks)
-        if first < 0 or op.num_blocks < 0 or blocks.stop > shard.checkpoint_conv.shape[0]:
+        num_blocks = next((t.shape[0] for t in shard.checkpoints.values()), 0)
+        if first < 0 or op.num_blocks < 0 or blocks.stop > num_blocks:
             raise ValueError(
                 f"room {room}: blocks {op.first_block}..+{op.num_blocks} are outside the snapshot"
             )
         for dst, address in enumerate(op.decode_addresses):
             pieces = [
                 p
-                for p in plan(self.config, self.size, op.decode_size, dst)
+                for p in plan(self.cache.spec, self.size, op.decode_size, dst)
                 if p.source == self.rank
             ]
             if not pieces:
                 continue
-            named = [(p.name, _cut(shard, p, skip, blocks)) for p in pieces]
+            named = [(p.name, self._cut(shard, p, skip, blocks)) for p in pieces]
             message = ShardTransfer(
                 room=room,
                 source_rank=self.rank,
@@ -166,8 +168,8 @@ class ZmqShardConnector:
         if self.inbox is None:
             raise ValueError("a prefill rank does not receive shards")
         room, prefill_size = op.room, op.prefill_size
-        check_prefill_size(self.config, prefill_size)
-        expected = plan(self.config, prefill_size, self.size, self.rank)
+        check_prefill_size(self.config, self.cache.spec, prefill_size)
+        expected = plan(self.cache.spec, prefill_size, self.size, self.rank)
         sources = {p.source for p in expected}
         self._take_messages()
         if not sources <= set(self.arrived.get(room, {})):
@@ -202,16 +204,31 @@ class ZmqShardConnector:
         return pieces
 
     def _expected(self, p: Piece, num_pages: int, num_blocks: int) -> tuple[tuple[int, ...], str]:
-        cache = self.cache
-        if p.component in ("k", "v"):
-            head_dim = cache.k[0].shape[2]
-            shape = (len(cache.k), num_pages, cache.page_size, p.length, head_dim)
-            return shape, dtype_name(cache.k[0].dtype)
-        pool = cache.conv if p.component.endswith("conv") else cache.ssm
-        shape = (pool.shape[0], p.length, *pool.shape[3:])
-        if p.component.startswith("checkpoint_"):
-            shape = (num_blocks, *shape)
-        return shape, dtype_name(pool.dtype)
+        """The shape and dtype piece `p` must have: its component's, `p.length` units wide."""
+        field, name = p.component.split("/", 1)
+        pool = self.cache.pools[name]  # (layers, rows, *shape)
+        layers, shape = pool.shape[0], list(pool.shape[2:])
+        leading = {
+            "pages": (layers, num_pages, self.cache.page_size),
+            "slots": (layers,),
+            "checkpoints": (num_blocks, layers),
+        }[field]
+        full = [*leading, *shape]
+        full[unit_dim(self.cache.spec, p.component)] = p.length
+        return tuple(full), dtype_name(pool.dtype)
+
+    def _cut(self, shard: Shard, p: Piece, skip_pages: int, blocks: slice) -> torch.Tensor:
+        """Piece `p` of this rank's snapshot, from page `skip_pages` of it on and of its
+        checkpoints `blocks` (a copy, contiguous: the frame keeps it alive until ZMQ has sent
+        it)."""
+        whole = shard.component(p.component)
+        field = p.component.split("/", 1)[0]
+        if field == "pages":
+            whole = whole[:, skip_pages:]
+        elif field == "checkpoints":
+            whole = whole[blocks]
+        dim = unit_dim(self.cache.spec, p.component)
+        return whole.narrow(dim, p.src_offset, p.length).contiguous()
 
     def _take_messages(self) -> None:
         """Everything waiting on the inbox, authenticated and parsed; the rest logged and
@@ -249,13 +266,3 @@ class ZmqShardConnector:
             self.inbox.close(linger=0)
         self.context.term()
 
-
-def _cut(shard: Shard, p: Piece, skip_pages: int, blocks: slice) -> torch.Tensor:
-    """Piece `p` of this rank's snapshot, from page `skip_pages` of it on and of its checkpoints
-    `blocks` (a copy, contiguous: the frame keeps it alive until ZMQ has sent it)."""
-    whole = getattr(shard, p.component)
-    if p.component in ("k", "v"):
-        whole = whole[:, skip_pages:]
-    elif p.component.startswith("checkpoint_"):
-        whole = whole[blocks]
-    return whole.narrow(UNIT_DIM[p.component], p.src_offset, p.length).contiguous()

@@ -7,7 +7,6 @@ text and stop strings are the next stage's work (engine/detokenizer.py), outside
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,11 +15,12 @@ from engine import parallel
 from engine.config import ModelConfig
 from engine.cpu_allocator import keep_freed_memory_in_heap
 from engine.engine_args import EngineArgs, EngineStats, default_track_interval
-from engine.engine_handover import HandoverMixin
 from engine.graph_runner import DecodeGraphRunner
+from engine.handover_connector import Handover
 from engine.memory import IndexPool, size_pools
 from engine.model_loader import load_model, resolve_dtype
 from engine.model_runner import ModelRunner
+from engine.models.registry import model_state_spec
 from engine.outputs import RequestDelta, TokenLogprobs
 from engine.prefix_cache import PrefixCache
 from engine.request import Request
@@ -29,17 +29,21 @@ from engine.sampler import Sampler, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.state_cache import StateCache
-from engine.tp_engine_handover import ShardHandoverMixin
 from engine.tp_handover import gather_addresses, load_connector
+from engine.tp_handover_ranks import ShardHandover
 from engine.tp_messages import PoolOps
 from engine.tp_ranks import RankedRunner, start_ranks
-from engine.tp_shard import check_tp_supported, pool_config
+from engine.tp_shard import check_tp_supported
 
 # Prompt logprobs are computed over this many rows of a chunk's logits at a time.
 PROMPT_LOGPROB_ROWS = 256
 
 
-class Engine(HandoverMixin, ShardHandoverMixin):
+class Engine:
+    """The parts, each owning its data: the scheduler (every request and its state), the
+    executor (model runner, graph runner, metadata), the pools, the sampler, and the handover
+    connector that a disaggregation worker drives (`self.handover`)."""
+
     def __init__(
         self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu", **engine_args
     ):
@@ -52,6 +56,7 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         self.model_config = ModelConfig.from_hf(model_dir)
         self.dtype = resolve_dtype(dtype, self.model_config)
         args, config = self.args, self.model_config
+        self.state_spec = model_state_spec(config, self.dtype)
         max_total_tokens, max_slots = self._budgets()
         sizes = size_pools(
             max_total_tokens=max_total_tokens, max_mamba_slots=max_slots, page_size=args.page_size
@@ -69,24 +74,23 @@ class Engine(HandoverMixin, ShardHandoverMixin):
             raise
         self.tokenizer = _load_tokenizer(model_dir)
         self.cache = StateCache(
-            pool_config(config, tp),
+            self.state_spec,
             num_pages=sizes.num_pages,
             page_size=sizes.page_size,
-            num_mamba_slots=sizes.num_mamba_slots,
-            dtype=self.dtype,
+            num_slots=sizes.num_mamba_slots,
             device=self.device,
+            tp_size=tp.size,
+            tp_rank=tp.rank,
         )
         self.shard_connector = load_connector(
             args.handover_connector, config, tp.rank, tp.size, self.cache
         )
         # every rank's shard receive address, rank 0's first (after each rank's connector)
-        self.shard_addresses = gather_addresses(tp, self.shard_connector)
-        self.shard_bytes_received = [0] * tp.size
-        self.shard_checkpoints: dict[str, tuple[int, ...]] = {}
+        shard_addresses = gather_addresses(tp, self.shard_connector)
         # The scheduler's pool operations, recorded for the other ranks' next step at TP > 1.
         self.pool_ops = PoolOps(self.cache, record=self.ranks is not None)
         self.pages = IndexPool(sizes.num_pages - 1, "KV pages")
-        self.slots = IndexPool(sizes.num_mamba_slots - 1, "Mamba slots")
+        self.slots = IndexPool(sizes.num_mamba_slots - 1, "state slots")
         self.max_model_len = min(
             args.max_model_len or config.max_position_embeddings,
             (sizes.num_pages - 1) * sizes.page_size,
@@ -104,12 +108,13 @@ class Engine(HandoverMixin, ShardHandoverMixin):
                     or (512 if self.device.type == "cpu" else args.max_num_batched_tokens),
                     args.max_num_batched_tokens,
                 ),
+                max_model_len=self.max_model_len,
+                eos_token_ids=config.eos_token_ids,
             ),
             self.pages,
             self.slots,
-            self.pool_ops.reset,
+            self.pool_ops,
             prefix_cache=self.prefix_cache,
-            copy_slot=self.pool_ops.copy,
         )
         self.runner = ModelRunner(self.model, self.cache, self.device)
         if self.ranks is not None:
@@ -117,14 +122,24 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         self.graph_runner = self._make_graph_runner() if self.ranks is None else None
         self.sampler = Sampler(args.seed, self.device)
         self.timing = RequestTiming() if args.request_timing else None
-        self.requests: dict[str, Request] = {}
-        # request id -> called with the finished Request before its pages and slot are freed
-        # (the prefill side of a disaggregated pair snapshots it with export_state)
-        self.finish_hooks: dict[str, Callable[[Request], None]] = {}
         self._arrivals = 0
         self.checkpoints_by_mode: dict[str, int] = {"extend": 0, "decode": 0, "mixed": 0}
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self.handover = Handover(
+            model_dir=self.model_dir,
+            config=config,
+            cache=self.cache,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+            new_request=self._new_request,
+            shards=ShardHandover(
+                cache=self.cache,
+                scheduler=self.scheduler,
+                pool_ops=self.pool_ops,
+                ranks=self.ranks,
+                connector=self.shard_connector,
+                addresses=shard_addresses,
+            ),
+        )
 
     def check_ranks(self) -> None:
         """Raise RankFailed if a tensor-parallel rank has exited (a waitpid per rank)."""
@@ -182,8 +197,8 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * args.mem_fraction
-            slot_bytes = StateCache.bytes_per_mamba_slot(config, self.dtype)
-            token_bytes = max(1, StateCache.bytes_per_kv_token(config, self.dtype))
+            slot_bytes = self.state_spec.bytes_per_slot()
+            token_bytes = max(1, self.state_spec.bytes_per_token())
             if args.max_mamba_slots is None:  # keep Mamba state to at most half of the budget
                 slots = max(1, min(slots, int(budget * 0.5 // max(1, slot_bytes))))
             tokens = int((budget - slots * slot_bytes) // token_bytes)
@@ -196,11 +211,15 @@ class Engine(HandoverMixin, ShardHandoverMixin):
 
     # -- requests ---------------------------------------------------------------------------
 
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The requests not finished yet, by id (the scheduler's)."""
+        return self.scheduler.requests
+
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        req = self._new_request(request_id, prompt_token_ids, params)
-        self.scheduler.add(req)
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params))
         if self.timing is not None:
             self.timing.added(request_id)
 
@@ -232,7 +251,7 @@ class Engine(HandoverMixin, ShardHandoverMixin):
     def _new_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Request:
-        if request_id in self.requests:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
         req = Request(
@@ -244,15 +263,10 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         self._arrivals += 1
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        self.requests[request_id] = req
-        self.prompt_tokens_total += len(prompt_token_ids)
         return req
 
     def abort_request(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
-        self.finish_hooks.pop(request_id, None)
-        if req is not None:
-            self.scheduler.finish(req, "abort")
+        self.scheduler.abort(request_id)
         if self.timing is not None:
             self.timing.forget(request_id)
 
@@ -269,8 +283,8 @@ class Engine(HandoverMixin, ShardHandoverMixin):
             mamba_slots_used=self.slots.used - (cache.idle_slots if cache else 0),
             mamba_slots_total=self.slots.capacity,
             num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
+            prompt_tokens_total=self.scheduler.prompt_tokens_total,
+            generation_tokens_total=self.scheduler.generation_tokens_total,
             prefix_cache_blocks=len(cache.blocks) if cache else 0,
             prefix_cache_query_tokens=cache.stats.query_tokens if cache else 0,
             prefix_cache_hit_tokens=cache.stats.hit_tokens if cache else 0,
@@ -300,19 +314,17 @@ class Engine(HandoverMixin, ShardHandoverMixin):
             self.checkpoints_by_mode[sched.mode] = self.checkpoints_by_mode.get(
                 sched.mode, 0
             ) + len(sched.track_points)
-        reqs = [self.requests[rid] for rid in sched.request_ids]
-        for s, req in enumerate(reqs):
-            req.num_computed += sched.seq_lens[s]
-        self.scheduler.commit_step()
+        reqs = [self.scheduler.requests[rid] for rid in sched.request_ids]
         rows_of: dict[int, list[int]] = {}
         for row, owner in enumerate(md.forward.batch.logits_row_owner):
             rows_of.setdefault(owner, []).append(row)
 
+        prompt_logprobs = {}
         for s in sched.prompt_logprob_seqs:
             rows = rows_of[s]  # increasing; consecutive for a prefill: a view, not a copy
             consecutive = rows[-1] - rows[0] + 1 == len(rows)
             own = logits[rows[0] : rows[-1] + 1] if consecutive else logits[rows]
-            self._prompt_logprobs(reqs[s], sched.start_positions[s], own)
+            prompt_logprobs[s] = self._prompt_logprobs(reqs[s], sched.start_positions[s], own)
 
         sampled = {}
         if sched.logits_seqs:
@@ -327,16 +339,15 @@ class Engine(HandoverMixin, ShardHandoverMixin):
             sampled = {
                 s: (t, lp) for s, t, lp in zip(sched.logits_seqs, result.token_ids, result.logprobs)
             }
-
-        deltas = []
-        for s, req in enumerate(reqs):
-            if s not in sampled:
-                continue
-            token, logprobs = sampled[s]
-            deltas.append(self._append_token(req, token, logprobs))
+        deltas = self.scheduler.update_from_output(sched, sampled, prompt_logprobs)
+        if self.timing is not None:
+            for delta in deltas:
+                self.timing.sampled(delta.request_id, finished=delta.finished)
         return deltas
 
-    def _prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
+    def _prompt_logprobs(
+        self, req: Request, start: int, logits: torch.Tensor
+    ) -> list[TokenLogprobs | None]:
         """Row i of `logits` (position start + i) predicts the prompt token at start + i + 1."""
         out: list[TokenLogprobs | None] = [None] if start == 0 else []
         targets = req.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
@@ -346,52 +357,7 @@ class Engine(HandoverMixin, ShardHandoverMixin):
             block = targets[first : first + PROMPT_LOGPROB_ROWS]
             logprobs = logits[first : first + len(block)].log_softmax(dim=-1)
             out.extend(top_logprobs(logprobs, torch.tensor(block), req.params.prompt_logprobs))
-        req.prompt_logprobs.extend(out)
-
-    def _append_token(
-        self, req: Request, token: int, logprobs: TokenLogprobs | None
-    ) -> RequestDelta:
-        params = req.params
-        req.output_ids.append(token)
-        self.generation_tokens_total += 1
-        if logprobs is not None:
-            req.logprobs.append(logprobs)
-        finish, stop_reason = None, None
-        if (
-            not params.ignore_eos
-            and token in self.model_config.eos_token_ids
-            and len(req.output_ids) > params.min_tokens
-        ):
-            finish = "stop"
-        elif token in params.stop_token_ids and len(req.output_ids) > params.min_tokens:
-            finish, stop_reason = "stop", token
-        if finish is None and (
-            len(req.output_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len
-        ):
-            finish = "length"
-        if finish is not None:
-            hook = self.finish_hooks.pop(req.request_id, None)
-            if hook is not None:
-                hook(req)  # before its pages and slot are freed
-            self.scheduler.finish(req, finish, stop_reason)
-            del self.requests[req.request_id]
-        if self.timing is not None:
-            self.timing.sampled(req.request_id, finished=finish is not None)
-        first = len(req.output_ids) == 1
-        return RequestDelta(
-            request_id=req.request_id,
-            new_token_ids=[token],
-            new_text="",  # filled by the detokenizer stage
-            new_logprobs=[logprobs] if logprobs is not None else None,
-            prompt_logprobs=req.prompt_logprobs
-            if first and params.prompt_logprobs is not None
-            else None,
-            finished=finish is not None,
-            finish_reason=finish,
-            stop_reason=stop_reason,
-            num_prompt_tokens=len(req.prompt_ids),
-            num_cached_tokens=req.num_cached_tokens,
-        )
+        return out
 
 
 def _load_tokenizer(model_dir: str | Path):

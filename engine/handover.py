@@ -1,8 +1,19 @@
-"""What a request's state looks like when it leaves one engine and enters another.
+"""What a request's state looks like when it leaves one engine and enters another, all derived
+from the model's state spec (engine/state_spec.py): tensors travel by pool name.
 
-The prefill engine snapshots a finished prefill (K/V pages, final conv + SSM state, first token)
-before its pages and slot are freed; the decode engine preallocates pages and a slot, then
-installs the snapshot and continues decoding as if it had run the prefill itself.
+The prefill engine snapshots a finished prefill (its pages of every paged tensor, the final
+state of every slot tensor, the block checkpoints of its prefix, first token) before its pages
+and slot are freed; the decode engine preallocates pages and a slot, then installs the snapshot
+and continues decoding as if it had run the prefill itself.
+
+    RequestState.pages["attention.k"]        (layers, pages, page_size, *one token's shape)
+    RequestState.slots["mamba2.ssm"]         (layers, *one slot's shape); 0 layers: every layer
+                                             came ahead (SlotChunk)
+    RequestState.checkpoints["mamba2.ssm"]   (blocks, layers, *one slot's shape), checkpointed
+                                             slot tensors only
+
+What else a request carries across is rebuilt from `first_token`: the decode side's seeded
+sampler skips the draw the prefill side made, and a structured-output matcher replays it.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import TokenLogprobs
+from engine.state_spec import ModelStateSpec, StateKind
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -25,12 +37,17 @@ class RequestState:
     first_logprobs: TokenLogprobs | None
     first_page: int
     first_block: int
-    k_pages: torch.Tensor  # (attention_layers, num_pages, page_size, kv_heads, head_dim)
-    v_pages: torch.Tensor  # same
-    conv: torch.Tensor  # (mamba_layers, conv_dim, K-1) final conv window
-    ssm: torch.Tensor  # (mamba_layers, heads, head_dim, d_state) final SSM state
-    checkpoint_conv: torch.Tensor  # (num_blocks, mamba_layers, conv_dim, K-1) at block ends
-    checkpoint_ssm: torch.Tensor  # (num_blocks, mamba_layers, heads, head_dim, d_state)
+    pages: dict[str, torch.Tensor]
+    slots: dict[str, torch.Tensor]
+    checkpoints: dict[str, torch.Tensor]
+
+    @property
+    def num_blocks(self) -> int:
+        return next((t.shape[0] for t in self.checkpoints.values()), 0)
+
+    @property
+    def num_pages(self) -> int:
+        return next((t.shape[1] for t in self.pages.values()), 0)
 
     def skip(self, pages: int, blocks: int) -> RequestState:
         """The part a decode engine that caches `pages` pages / `blocks` blocks still needs."""
@@ -38,42 +55,121 @@ class RequestState:
             self,
             first_page=self.first_page + pages,
             first_block=self.first_block + blocks,
-            k_pages=self.k_pages[:, pages:],
-            v_pages=self.v_pages[:, pages:],
-            checkpoint_conv=self.checkpoint_conv[blocks:],
-            checkpoint_ssm=self.checkpoint_ssm[blocks:],
+            pages={name: t[:, pages:] for name, t in self.pages.items()},
+            checkpoints={name: t[blocks:] for name, t in self.checkpoints.items()},
         )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Preallocation:
-    pages: tuple[int, ...]  # decode-side pages the prompt's K/V go to
-    mamba_slot: int
+    pages: tuple[int, ...]  # decode-side pages the prompt's paged state goes to
+    slot: int
     num_prompt_tokens: int
     cached_tokens: int  # prompt tokens this engine already caches (their pages need no transfer)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TensorLayout:
+    """One pool tensor as a handover sees it."""
+
+    name: str  # the pool's: "kind.tensor"
+    kind: StateKind
+    layers: int
+    shape: tuple[int, ...]  # this rank's, per token (paged) or per slot
+    model_shape: tuple[int, ...]  # the whole model's
+    dtype: str
+    checkpointed: bool
+
+    @property
+    def bytes(self) -> int:
+        """One token's (paged) or one slot's, one layer, this rank."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * getattr(torch, self.dtype).itemsize
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SlotUnit:
+    """One layer's slot state as it travels ahead of the final StateTransfer: frame
+    `"{pool}#{layer}"` for each slot tensor of its kind."""
+
+    frames: tuple[tuple[str, str, int], ...]  # (frame name, pool name, layer)
+    bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class HandoverLayout:
-    """What a disaggregation worker needs to know of its engine's pools (the same for every
-    request): the facts both sides of a handover must share, and the sizes its messages are cut
-    by."""
+    """What a disaggregation worker knows of its engine's pools (the same for every request):
+    the facts both sides of a handover must share, and the sizes its messages are cut by."""
 
     model_fingerprint: str  # of the model config
     weights_fingerprint: str  # of the checkpoint's tensors (engine/fingerprint.py)
-    dtype: str  # model dtype (K/V pages, conv state)
     page_size: int
-    attention_layers: int
-    kv_page_shape: tuple[int, ...]  # one layer's page: (page_size, kv_heads, head_dim)
-    kv_page_bytes: int  # one page of K and V over every attention layer
-    mamba_layers: int
-    conv_shape: tuple[int, ...]  # one layer's conv window: (conv_dim, K-1)
-    ssm_shape: tuple[int, ...]  # one layer's SSM state: (heads, head_dim, d_state)
-    ssm_dtype: str
-    mamba_layer_bytes: int  # conv window + SSM state of one layer
-    # The shapes above are this rank's slices; these are the whole model's (what two engines of
-    # different TP sizes must share), and this engine's TP size.
-    model_kv_page_shape: tuple[int, ...]
-    model_conv_shape: tuple[int, ...]
-    model_ssm_shape: tuple[int, ...]
     tp_size: int
+    tensors: tuple[TensorLayout, ...]  # in spec order
+
+    @classmethod
+    def of(
+        cls,
+        spec: ModelStateSpec,
+        *,
+        model_fingerprint: str,
+        weights_fingerprint: str,
+        page_size: int,
+        tp_size: int,
+        tp_rank: int,
+    ) -> HandoverLayout:
+        return cls(
+            model_fingerprint=model_fingerprint,
+            weights_fingerprint=weights_fingerprint,
+            page_size=page_size,
+            tp_size=tp_size,
+            tensors=tuple(
+                TensorLayout(
+                    name=name,
+                    kind=t.kind,
+                    layers=g.num_layers,
+                    shape=t.local_shape(tp_size, tp_rank),
+                    model_shape=t.shape,
+                    dtype=str(t.dtype).removeprefix("torch."),
+                    checkpointed=t.checkpointed,
+                )
+                for name, g, t in spec.entries()
+            ),
+        )
+
+    def of_kind(self, kind: StateKind) -> tuple[TensorLayout, ...]:
+        return tuple(t for t in self.tensors if t.kind == kind)
+
+    def tensor(self, name: str) -> TensorLayout:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def page_bytes(self) -> int:
+        """One page of every paged tensor over every layer."""
+        return sum(t.layers * t.bytes * self.page_size for t in self.of_kind("paged"))
+
+    def slot_units(self) -> tuple[SlotUnit, ...]:
+        """Every (kind, layer) of slot state, kinds in spec order then layers."""
+        kinds: dict[str, list[TensorLayout]] = {}
+        for t in self.of_kind("slot"):
+            kinds.setdefault(t.name.rsplit(".", 1)[0], []).append(t)
+        return tuple(
+            SlotUnit(
+                frames=tuple((f"{t.name}#{layer}", t.name, layer) for t in tensors),
+                bytes=sum(t.bytes for t in tensors),
+            )
+            for tensors in kinds.values()
+            for layer in range(tensors[0].layers)
+        )
+
+    def describe(self) -> list[str]:
+        """The whole model's layout, one line per tensor (what two engines must share)."""
+        return [
+            f"{t.name}: {t.kind} x{t.layers} {list(t.model_shape)} {t.dtype}"
+            for t in self.tensors
+        ]

@@ -21,15 +21,16 @@ class ModelRunner:
         # Eager steps vary in shape: these grow to the largest step seen, then stay.
         self.buffers = MetadataBuffers(device, ints=4096, kv_rows=16, kv_width=256, fixed=False)
         # A (1, heads, head_dim) query in the KV dtype: what the decode-kernel choice looks at.
+        keys = cache.pools.get("attention.k")
         self._query_probe = (
             torch.empty(
                 1,
                 self.config.num_attention_heads,
                 self.config.head_dim,
-                dtype=cache.k[0].dtype,
+                dtype=keys.dtype,
                 device=device,
             )
-            if cache.k
+            if keys is not None
             else None
         )
 
@@ -40,7 +41,7 @@ class ModelRunner:
         probe = self._query_probe
         if probe is None:
             return False
-        k_cache = self.cache.k[0]
+        k_cache = self.cache.pools["attention.k"][0]
         if select_backend(probe) == "triton":
             return False
         return not cpu_ops.decode_attention_supported(probe, k_cache)

@@ -20,7 +20,7 @@ The batch lists decode sequences first, then prefill chunks (the order the model
 With a prefix cache, admission first matches the prompt against cached blocks (sharing their KV
 pages and starting from a copy of the deepest checkpoint), and every step marks the requests whose
 tokens cross a multiple of `track_interval` (TrackPoints, plus the host flag
-`has_mamba_track_mask`) so the forward checkpoints their state; `commit_step` then registers the
+`has_mamba_track_mask`) so the forward checkpoints their state; `update_from_output` then registers the
 new blocks (engine/scheduler_blocks.py). Under memory pressure idle cached blocks are evicted
 before anything is preempted.
 """
@@ -30,17 +30,20 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
 from engine.forward_metadata import ScheduledBatch
 from engine.memory import IndexPool, OutOfMemory
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, RequestDelta, TokenLogprobs
 from engine.prefix_cache import PrefixCache
 from engine.request import Hold, Request, Status
 from engine.scheduler_blocks import PrefixBlocks
 
 SchedulePolicy = Literal["mixed", "prefill-first"]
 SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)
+
+# seq index in the batch -> (sampled token, its logprobs or None)
+Sampled = dict[int, tuple[int, TokenLogprobs | None]]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,45 +54,73 @@ class SchedulerConfig:
     page_size: int
     policy: SchedulePolicy
     max_prefill_tokens: int  # token budget of a prefill-first step (<= max_num_batched_tokens)
+    max_model_len: int  # a request that reaches it ends with "length"
+    eos_token_ids: tuple[int, ...]
 
 
-class Scheduler(PrefixBlocks):
+class SlotOps(Protocol):
+    """What the scheduler does to a slot's state outside the forward (engine/tp_messages.py's
+    PoolOps applies it on every rank)."""
+
+    def reset(self, slot: int) -> None: ...
+
+    def copy(self, src: int, dst: int) -> None: ...
+
+
+class Scheduler:
+    """Owns every request and every change to its state: schedule -> (the executor runs the
+    batch) -> update_from_output, as vLLM V1's engine core; plus the handover's scheduler half
+    (reserve for a transfer, start a transferred request)."""
+
     def __init__(
         self,
         config: SchedulerConfig,
         pages: IndexPool,
         slots: IndexPool,
-        reset_slot: Callable[[int], None],
+        slot_ops: SlotOps,
         prefix_cache: PrefixCache | None = None,
-        copy_slot: Callable[[int, int], None] | None = None,
     ):
         self.config = config
         self.pages = pages
         self.slots = slots
-        self.reset_slot = reset_slot
+        self.slot_ops = slot_ops
         self.prefix_cache = prefix_cache
-        self.copy_slot = copy_slot
+        self.blocks = PrefixBlocks(prefix_cache, pages, slots) if prefix_cache else None
+        self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # (request, block index, block key, checkpoint slot) awaiting this step's forward
-        self._pending_blocks: list[tuple[Request, int, int, int]] = []
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
         # What released requests still held (Request.hold): (hold, pages, slot, cached blocks)
         self.held: list[tuple[Hold, list[int], int, list]] = []
+        # request id -> called with the finished Request before its pages and slot are freed
+        # (the prefill side of a disaggregated pair snapshots it)
+        self.finish_hooks: dict[str, Callable[[Request], None]] = {}
 
     # -- queue management -------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
+        self._register(req)
         self.waiting.append(req)
 
-    def find(self, request_id: str) -> Request | None:
-        for req in self.running:
-            if req.request_id == request_id:
-                return req
-        for req in self.waiting:
-            if req.request_id == request_id:
-                return req
-        return None
+    def _register(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.prompt_tokens_total += len(req.prompt_ids)
+
+    def get(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> None:
+        self.finish_hooks.pop(request_id, None)
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, "abort")
 
     def finish(
         self, req: Request, reason: FinishReason, stop_reason: str | int | None = None
@@ -97,6 +128,7 @@ class Scheduler(PrefixBlocks):
         """End a request (stop, length or abort) and give back everything it holds."""
         if req.finished:
             return
+        self.requests.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -106,37 +138,9 @@ class Scheduler(PrefixBlocks):
         req.finish_reason = reason
         req.stop_reason = stop_reason
 
-    def reserve_for_transfer(self, req: Request) -> None:
-        """Decode side of a disaggregated pair: a slot and pages for the prompt plus the first
-        generated token, held while the prefill engine computes and sends them. Blocks of the
-        prompt this engine already caches are shared, not reserved (their pages need no
-        transfer)."""
-        cache = self.prefix_cache
-        if self.slots.available == 0 and not (cache and cache.evict(slots=1)):
-            raise OutOfMemory("no free Mamba slot for a transferred request")
-        blocks = cache.match(req.prompt_ids) if cache is not None else []
-        shared = [p for b in blocks for p in b.pages]
-        need = self._pages_for(len(req.prompt_ids) + 1) - len(shared)
-        if self.pages.available < need and not (cache and cache.evict(pages=need)):
-            if blocks:
-                cache.release(blocks)
-            raise OutOfMemory(
-                f"need {need} free KV pages for a transferred request, {self.pages.available} free"
-            )
-        if cache is not None:
-            cache.record_lookup(len(req.prompt_ids), blocks)
-        req.mamba_slot = self.slots.alloc(1)[0]
-        req.kv_pages = shared + self.pages.alloc(need)
-        req.cached_blocks = blocks
-        req.num_cached_tokens = len(blocks) * cache.track_interval if blocks else 0
-        req.status = Status.TRANSFERRING
-
-    def start_transferred(self, req: Request) -> None:
-        req.status = Status.RUNNING
-        self.running.append(req)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    def hold(self, request_id: str, hold: Hold) -> None:
+        """Keep the request's pages and slot in place after it ends, until `hold.done`."""
+        self.requests[request_id].hold = hold
 
     def release_held(self) -> None:
         """Give back the pages and slots of released requests whose holds are done."""
@@ -150,6 +154,49 @@ class Scheduler(PrefixBlocks):
                 still.append((hold, pages, slot, blocks))
         self.held = still
 
+    # -- the handover's scheduler half ----------------------------------------------------------
+
+    def reserve_for_transfer(self, req: Request) -> None:
+        """Decode side of a disaggregated pair: a slot and pages for the prompt plus the first
+        generated token, held while the prefill engine computes and sends them. Blocks of the
+        prompt this engine already caches are shared, not reserved (their pages need no
+        transfer). OutOfMemory (and nothing registered) when the pools cannot hold it now."""
+        cache = self.prefix_cache
+        if self.slots.available == 0 and not (cache and cache.evict(slots=1)):
+            raise OutOfMemory("no free slot for a transferred request")
+        blocks = cache.match(req.prompt_ids) if cache is not None else []
+        shared = [p for b in blocks for p in b.pages]
+        need = self._pages_for(len(req.prompt_ids) + 1) - len(shared)
+        if self.pages.available < need and not (cache and cache.evict(pages=need)):
+            if blocks:
+                cache.release(blocks)
+            raise OutOfMemory(
+                f"need {need} free KV pages for a transferred request, {self.pages.available} free"
+            )
+        self._register(req)
+        if cache is not None:
+            cache.record_lookup(len(req.prompt_ids), blocks)
+        req.mamba_slot = self.slots.alloc(1)[0]
+        req.kv_pages = shared + self.pages.alloc(need)
+        req.cached_blocks = blocks
+        req.num_cached_tokens = len(blocks) * cache.track_interval if blocks else 0
+        req.status = Status.TRANSFERRING
+
+    def start_transferred(self, req: Request) -> None:
+        """Its prompt's state is installed: it runs from here (its first token, the prefill
+        side's, is appended next)."""
+        req.num_computed = len(req.prompt_ids)
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    def extend_chain(self, req: Request, k: int, checkpoint_slot: int | None) -> bool:
+        """Register block k of a transferred prompt whose checkpoint is in `checkpoint_slot`
+        (see PrefixBlocks.extend_chain)."""
+        return self.blocks.extend_chain(req, k, checkpoint_slot)
+
+    def checkpoint_slot(self) -> int | None:
+        return self.blocks.checkpoint_slot()
+
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
@@ -162,6 +209,66 @@ class Scheduler(PrefixBlocks):
             if batch is not None:
                 return batch
         return self._build(with_decodes=True, budget=self.config.max_num_batched_tokens)
+
+    def update_from_output(
+        self,
+        sched: ScheduledBatch,
+        sampled: Sampled,
+        prompt_logprobs: dict[int, list[TokenLogprobs | None]],
+    ) -> list[RequestDelta]:
+        """After the forward: the tokens fed are computed, the new blocks are cached, the
+        prompt logprobs and sampled tokens are appended (a request may finish)."""
+        reqs = [self.requests[rid] for rid in sched.request_ids]
+        for s, req in enumerate(reqs):
+            req.num_computed += sched.seq_lens[s]
+        if self.blocks is not None:
+            self.blocks.commit(self.running)
+        for s, logprobs in prompt_logprobs.items():
+            reqs[s].prompt_logprobs.extend(logprobs)
+        return [
+            self.append_token(req, *sampled[s]) for s, req in enumerate(reqs) if s in sampled
+        ]
+
+    def append_token(
+        self, req: Request, token: int, logprobs: TokenLogprobs | None
+    ) -> RequestDelta:
+        """One generated token; ends the request on EOS, a stop token or its length."""
+        params = req.params
+        req.output_ids.append(token)
+        self.generation_tokens_total += 1
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+        finish, stop_reason = None, None
+        past_min = len(req.output_ids) > params.min_tokens
+        if not params.ignore_eos and token in self.config.eos_token_ids and past_min:
+            finish = "stop"
+        elif token in params.stop_token_ids and past_min:
+            finish, stop_reason = "stop", token
+        if finish is None and (
+            len(req.output_ids) >= params.max_tokens
+            or req.num_tokens >= self.config.max_model_len
+        ):
+            finish = "length"
+        if finish is not None:
+            hook = self.finish_hooks.pop(req.request_id, None)
+            if hook is not None:
+                hook(req)  # before its pages and slot are freed
+            self.finish(req, finish, stop_reason)
+        first = len(req.output_ids) == 1
+        return RequestDelta(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            new_text="",  # filled by the detokenizer stage
+            new_logprobs=[logprobs] if logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs
+            if first and params.prompt_logprobs is not None
+            else None,
+            finished=finish is not None,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            num_prompt_tokens=len(req.prompt_ids),
+            num_cached_tokens=req.num_cached_tokens,
+        )
 
     def _build(self, with_decodes: bool, budget: int) -> ScheduledBatch | None:
         cfg = self.config
@@ -224,13 +331,13 @@ class Scheduler(PrefixBlocks):
             cache.record_lookup(len(req.all_ids), blocks)
         req.mamba_slot = self.slots.alloc(1)[0]
         if blocks:
-            self.copy_slot(blocks[-1].checkpoint_slot, req.mamba_slot)
+            self.slot_ops.copy(blocks[-1].checkpoint_slot, req.mamba_slot)
             req.cached_blocks = blocks
             req.kv_pages = [p for b in blocks for p in b.pages]
             req.num_computed = cached
             req.num_cached_tokens = max(req.num_cached_tokens, cached)
         else:
-            self.reset_slot(req.mamba_slot)
+            self.slot_ops.reset(req.mamba_slot)
         return True
 
     def _batch(
@@ -246,7 +353,7 @@ class Scheduler(PrefixBlocks):
             if req.wants_prompt_logprobs and req.num_computed < len(req.prompt_ids):
                 prompt_logprob_seqs.append(s)
         mode = "decode" if not prefills else ("extend" if not decodes else "mixed")
-        points = self._track_points(rows)
+        points = self.blocks.track_points(rows) if self.blocks is not None else []
         return ScheduledBatch(
             mode=mode,
             request_ids=tuple(req.request_id for req, _ in rows),

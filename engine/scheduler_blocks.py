@@ -1,38 +1,33 @@
-"""The scheduler's prefix-cache bookkeeping: which steps checkpoint Mamba state, and how the
+"""The scheduler's prefix-cache bookkeeping: which steps checkpoint recurrent state, and how the
 blocks those checkpoints close join the radix tree (DESIGN.md section 6).
 
-    schedule() ──_track_points──> TrackPoints in the batch (+ pending blocks)
+    schedule() ──track_points──> TrackPoints in the batch (+ pending blocks)
     forward writes the checkpoints
-    commit_step() ──extend_chain──> cached blocks (adopted when someone cached them meanwhile)
+    update_from_output() ──commit──> cached blocks (adopted when someone cached them meanwhile)
 
-A mixin of `Scheduler` (engine/scheduler.py), which owns the queues, pools and prefix cache
-these methods read; split out so that the step-building policy reads on its own.
+Held by the `Scheduler` (engine/scheduler.py), the only writer of request state: these methods
+extend a request's page list and cached blocks on its behalf.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from engine.forward_metadata import TrackPoint
+from engine.memory import IndexPool
+from engine.prefix_cache import PrefixCache
 from engine.request import Request
-
-if TYPE_CHECKING:
-    from engine.memory import IndexPool
-    from engine.prefix_cache import PrefixCache
 
 
 class PrefixBlocks:
-    prefix_cache: PrefixCache | None
-    pages: IndexPool
-    slots: IndexPool
-    running: list[Request]
-    _pending_blocks: list[tuple[Request, int, int, int]]
+    def __init__(self, cache: PrefixCache, pages: IndexPool, slots: IndexPool):
+        self.cache = cache
+        self.pages = pages
+        self.slots = slots
+        # (request, block index, block key, checkpoint slot) awaiting this step's forward
+        self.pending: list[tuple[Request, int, int, int]] = []
 
-    def _track_points(self, rows: list[tuple[Request, int]]) -> list[TrackPoint]:
+    def track_points(self, rows: list[tuple[Request, int]]) -> list[TrackPoint]:
         """Checkpoint every block boundary crossed this step that is not cached yet."""
-        cache = self.prefix_cache
-        if cache is None:
-            return []
+        cache = self.cache
         interval, points = cache.track_interval, []
         for s, (req, n) in enumerate(rows):
             start, end = req.num_computed, req.num_computed + n
@@ -43,26 +38,23 @@ class PrefixBlocks:
                     continue
                 key = cache.chain_keys(req.all_ids, k + 1)[-1]
                 if cache.lookup(key) is not None:
-                    continue  # someone cached it meanwhile: adopted in commit_step
+                    continue  # someone cached it meanwhile: adopted in commit
                 slot = self.checkpoint_slot()
                 if slot is None:
                     break
                 points.append(
                     TrackPoint(seq_index=s, token_offset=boundary - start - 1, dst_slot=slot)
                 )
-                self._pending_blocks.append((req, k, key, slot))
+                self.pending.append((req, k, key, slot))
         return points
 
-    def commit_step(self) -> None:
+    def commit(self, running: list[Request]) -> None:
         """After the forward: register the blocks whose checkpoints it wrote, in order, and
         adopt blocks other requests cached meanwhile (freeing our duplicate pages)."""
-        cache = self.prefix_cache
-        if cache is None:
-            return
-        pending = {(id(req), k): slot for req, k, _, slot in self._pending_blocks}
-        self._pending_blocks = []
-        for req in self.running:
-            full = req.num_computed // cache.track_interval
+        pending = {(id(req), k): slot for req, k, _, slot in self.pending}
+        self.pending = []
+        for req in running:
+            full = req.num_computed // self.cache.track_interval
             while len(req.cached_blocks) < full:
                 k = len(req.cached_blocks)
                 if not self.extend_chain(req, k, pending.pop((id(req), k), None)):
@@ -74,7 +66,7 @@ class PrefixBlocks:
         """Make block k (== len(req.cached_blocks)) of `req` cached: adopt an identical cached
         block (our duplicate pages and checkpoint are freed) or insert our own pages with the
         checkpoint already written to `checkpoint_slot`. False when neither is possible."""
-        cache = self.prefix_cache
+        cache = self.cache
         ppb, interval = cache.pages_per_block, cache.track_interval
         tokens = tuple(req.all_ids[k * interval : (k + 1) * interval])
         key = cache.chain_keys(req.all_ids, k + 1)[-1]
@@ -95,7 +87,7 @@ class PrefixBlocks:
         return True
 
     def checkpoint_slot(self) -> int | None:
-        """A free Mamba slot for a checkpoint (evicting idle cached blocks if needed), or None."""
-        if self.slots.available == 0 and not self.prefix_cache.evict(slots=1):
+        """A free slot for a checkpoint (evicting idle cached blocks if needed), or None."""
+        if self.slots.available == 0 and not self.cache.evict(slots=1):
             return None
         return self.slots.alloc(1)[0]

@@ -10,8 +10,8 @@ its own connector, straight between ranks, never through rank 0.
 Rank 0 records these operations in the step messages like any pool operation, so every rank
 does its part in the same order relative to the forwards. The connector (the wire) lives in
 disagg/ and is named to the engine by `EngineArgs.handover_connector` ("module:factory"), like
-vLLM's kv_connector: the engine never imports disagg itself. The engine's typed methods that
-record these operations are in engine/tp_engine_handover.py.
+vLLM's kv_connector: the engine never imports disagg itself. Rank 0 records these operations
+from engine/tp_handover_ranks.py.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.handover import RequestState
+from engine.handover_io import StateIO
 from engine.state_cache import StateCache
 from engine.tp_messages import (
     DropShard,
@@ -43,16 +44,28 @@ ADDRESS_BYTES = 256  # a rank's receive address, padded, in the gather that tell
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Shard:
-    """One rank's copy of a request's state from page `first_page` and block `first_block` on."""
+    """One rank's copy of a request's state from page `first_page` and block `first_block` on,
+    by pool name (engine/handover.py's layouts, this rank's slices)."""
 
     first_page: int
     first_block: int
-    k: torch.Tensor  # (attention_layers, pages, page_size, kv_heads, head_dim) this rank's heads
-    v: torch.Tensor  # same
-    conv: torch.Tensor  # (mamba_layers, conv_dim, K-1) this rank's x | B | C channels
-    ssm: torch.Tensor  # (mamba_layers, heads, head_dim, d_state) this rank's heads
-    checkpoint_conv: torch.Tensor  # (blocks, mamba_layers, conv_dim, K-1) at block ends
-    checkpoint_ssm: torch.Tensor  # (blocks, mamba_layers, heads, head_dim, d_state)
+    pages: dict[str, torch.Tensor]  # (layers, pages, page_size, *shape)
+    slots: dict[str, torch.Tensor]  # (layers, *shape)
+    checkpoints: dict[str, torch.Tensor]  # (blocks, layers, *shape)
+
+    def component(self, component: str) -> torch.Tensor:
+        """"pages/attention.k" -> self.pages["attention.k"] (disagg/tp_layout.py's names)."""
+        field, name = component.split("/", 1)
+        return getattr(self, field)[name]
+
+
+# Where a component's units lie in its tensor: after these leading dims, the spec's unit dim.
+LEADING_DIMS = {"pages": 3, "slots": 1, "checkpoints": 2}
+
+
+def unit_dim(cache_spec, component: str) -> int:
+    field, name = component.split("/", 1)
+    return LEADING_DIMS[field] + cache_spec.tensor(name)[1].unit_dim
 
 
 # component -> [(unit offset in the local tensor, tensor of the piece)]
@@ -94,25 +107,14 @@ def load_connector(
 def export_shard(
     cache: StateCache, pages: tuple[int, ...], slot: int, checkpoint_slots: tuple[int, ...]
 ) -> Shard:
-    """Copies of this rank's K/V `pages`, Mamba `slot` and block `checkpoint_slots`."""
-    ps = cache.page_size
-    index = torch.tensor(pages, dtype=torch.int64, device=cache.conv.device)
-    blocks = torch.tensor(checkpoint_slots, dtype=torch.int64, device=cache.conv.device)
-
-    def gather(pool: list[torch.Tensor]) -> torch.Tensor:
-        if not pool:
-            return torch.empty(0, len(pages), ps, 0, 0)
-        return torch.stack([p.view(-1, ps, *p.shape[1:]).index_select(0, index) for p in pool])
-
+    """Copies of this rank's `pages`, `slot` and block `checkpoint_slots`."""
+    io = StateIO(cache)
     return Shard(
         first_page=0,
         first_block=0,
-        k=gather(cache.k),
-        v=gather(cache.v),
-        conv=cache.conv[:, slot].clone(),
-        ssm=cache.ssm[:, slot].clone(),
-        checkpoint_conv=cache.conv.index_select(1, blocks).transpose(0, 1).contiguous(),
-        checkpoint_ssm=cache.ssm.index_select(1, blocks).transpose(0, 1).contiguous(),
+        pages=io.gather_pages(pages),
+        slots=io.copy_slot_state(slot),
+        checkpoints=io.gather_checkpoints(checkpoint_slots),
     )
 
 
@@ -121,35 +123,37 @@ def shard_of_state(state: RequestState) -> Shard:
     return Shard(
         first_page=state.first_page,
         first_block=state.first_block,
-        k=state.k_pages,
-        v=state.v_pages,
-        conv=state.conv,
-        ssm=state.ssm,
-        checkpoint_conv=state.checkpoint_conv,
-        checkpoint_ssm=state.checkpoint_ssm,
+        pages=state.pages,
+        slots=state.slots,
+        checkpoints=state.checkpoints,
     )
 
 
 def install_shard(cache: StateCache, op: InstallShard, pieces: Pieces) -> None:
-    """Write checked pieces into the op's pages (k/v: (layers, len(pages), page, n, head_dim)),
-    its slot (conv: (layers, n, K-1), ssm: (layers, n, head_dim, d_state)) and its checkpoint
-    slots (checkpoint_conv / _ssm: the same with a leading block dimension)."""
-    ps = cache.page_size
-    index = torch.tensor(op.pages, dtype=torch.int64, device=cache.conv.device)
-    for component, pool in (("k", cache.k), ("v", cache.v)):
-        for offset, t in pieces.get(component, ()):
-            for layer, dst in enumerate(pool):
-                view = dst.view(-1, ps, *dst.shape[1:])
-                view[index, :, offset : offset + t.shape[3]] = t[layer].to(dst.device, dst.dtype)
-    for component, pool in (("conv", cache.conv), ("ssm", cache.ssm)):
-        for offset, t in pieces.get(component, ()):
-            pool[:, op.slot, offset : offset + t.shape[1]] = t.to(pool.device, pool.dtype)
-        for offset, t in pieces.get(f"checkpoint_{component}", ()):
-            for block, slot in enumerate(op.checkpoint_slots):
-                if slot:  # (0: cached here already)
-                    pool[:, slot, offset : offset + t.shape[2]] = t[block].to(
-                        pool.device, pool.dtype
-                    )
+    """Write checked pieces (component -> [(unit offset, tensor)], disagg/tp_layout.py's
+    components) into the op's pages, its slot and its checkpoint slots (0: cached here
+    already, not written); a checkpoint slot's tensors that are not checkpointed start from
+    zero."""
+    index = torch.tensor(op.pages, dtype=torch.int64, device=cache.device)
+    for component, parts in pieces.items():
+        field, name = component.split("/", 1)
+        dim = unit_dim(cache.spec, component)
+        pool = cache.page_view(name) if field == "pages" else cache.pools[name]
+        for offset, t in parts:
+            dst = pool.narrow(dim + (field == "slots"), offset, t.shape[dim])
+            t = t.to(pool.device, pool.dtype)
+            if field == "pages":
+                dst[:, index] = t
+            elif field == "slots":
+                dst[:, op.slot] = t
+            else:
+                for block, slot in enumerate(op.checkpoint_slots):
+                    if slot:
+                        dst[:, slot] = t[block]
+    for slot in op.checkpoint_slots if pieces else ():
+        for name in cache.slotted:
+            if slot and name not in cache.checkpointed:
+                cache.pools[name][:, slot].zero_()
 
 
 # What a rank reports after its part of an InstallShard.

@@ -57,15 +57,15 @@ class RankSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ResetSlot:
-    """A fresh request starts from zero conv and SSM state in `slot`."""
+    """A fresh request starts from zero recurrent state in `slot`."""
 
     slot: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CopySlot:
-    """Copy the conv and SSM state of slot `src` into `dst` (a prefix-cache hit resumes from
-    its checkpoint)."""
+    """Copy the recurrent state of slot `src` into `dst` (a prefix-cache hit resumes from its
+    checkpoint)."""
 
     src: int
     dst: int
@@ -220,12 +220,12 @@ class PoolOps:
         self.pending: list[PoolOp] = []
 
     def reset(self, slot: int) -> None:
-        self.cache.reset_mamba_slot(slot)
+        self.cache.reset_slot(slot)
         if self.record:
             self.pending.append(ResetSlot(slot=slot))
 
     def copy(self, src: int, dst: int) -> None:
-        self.cache.copy_mamba_slot(src, dst)
+        self.cache.copy_slot(src, dst)
         if self.record:
             self.pending.append(CopySlot(src=src, dst=dst))
 
@@ -235,24 +235,15 @@ class PoolOps:
 
 
 def pool_digest(cache: StateCache) -> torch.Tensor:
-    """(2 * num_slots + 2 * num_tokens,) float64: per Mamba slot the sums of its conv and SSM
-    state over every layer, per KV token slot the sums of its K and V over every layer."""
-
-    def per_row(pools: list[torch.Tensor], dim: int) -> torch.Tensor:
-        return sum(pool.double().flatten(dim + 1).sum(-1) for pool in pools).reshape(-1)
-
-    parts = [
-        cache.conv.double().transpose(0, 1).flatten(1).sum(-1),
-        cache.ssm.double().transpose(0, 1).flatten(1).sum(-1),
-    ]
-    if cache.k:
-        parts += [per_row(cache.k, 0), per_row(cache.v, 0)]
-    return torch.cat(parts).cpu()
+    """float64, per pool tensor of the spec and per row (slot or token slot) the sum of its
+    values over every layer, concatenated in spec order."""
+    parts = [pool.double().transpose(0, 1).flatten(1).sum(-1) for pool in cache.pools.values()]
+    return torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)
 
 
 def apply(op: PoolOp, cache: StateCache) -> None:
     """What a rank other than 0 does with one recorded operation."""
     if isinstance(op, ResetSlot):
-        cache.reset_mamba_slot(op.slot)
+        cache.reset_slot(op.slot)
     else:
-        cache.copy_mamba_slot(op.src, op.dst)
+        cache.copy_slot(op.src, op.dst)

@@ -15,7 +15,6 @@ gated norm's single group spans the ranks and its variance is all-reduced).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from engine import parallel
@@ -90,18 +89,3 @@ def check_tp_supported(config: ModelConfig, size: int) -> None:
             config.moe.shared_intermediate_size, probe, "moe_shared_expert_intermediate_size"
         )
 
-
-def pool_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
-    """The config whose KV and Mamba shapes are this rank's shard (for StateCache only)."""
-    if tp.size == 1:
-        return config
-    changes = {}
-    if config.attention_layer_ids:
-        _, kv_heads = parallel.kv_head_part(
-            config.num_key_value_heads, config.num_attention_heads, tp
-        )
-        changes["num_key_value_heads"] = kv_heads
-    if config.mamba_layer_ids:
-        mamba = mamba_shard(config, tp)
-        changes.update(mamba_num_heads=mamba.num_heads, n_groups=mamba.num_groups)
-    return dataclasses.replace(config, **changes)

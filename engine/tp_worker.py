@@ -26,6 +26,7 @@ from engine.config import ModelConfig
 from engine.gc_freeze import freeze_startup_objects
 from engine.model_loader import load_model, resolve_dtype
 from engine.model_runner import ModelRunner
+from engine.models.registry import model_state_spec
 from engine.state_cache import StateCache
 from engine.tp_handover import apply_handover, gather_addresses, install_report, load_connector
 from engine.tp_messages import (
@@ -39,7 +40,6 @@ from engine.tp_messages import (
     decode,
     pool_digest,
 )
-from engine.tp_shard import pool_config
 
 logger = logging.getLogger("baton.tp_worker")
 
@@ -56,12 +56,13 @@ def run(spec: RankSpec) -> int:
     dtype = resolve_dtype(spec.dtype, config)
     model = load_model(spec.model, dtype, device, tp)
     cache = StateCache(
-        pool_config(model.config, tp),
+        model_state_spec(config, dtype),
         num_pages=spec.num_pages,
         page_size=spec.page_size,
-        num_mamba_slots=spec.num_mamba_slots,
-        dtype=dtype,
+        num_slots=spec.num_mamba_slots,
         device=device,
+        tp_size=tp.size,
+        tp_rank=tp.rank,
     )
     runner = ModelRunner(model, cache, device)
     connector = load_connector(spec.handover_connector, config, spec.rank, spec.size, cache)

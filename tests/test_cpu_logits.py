@@ -34,8 +34,8 @@ def test_bf16_logits_are_widened_into_one_reused_buffer(base_model):
     model_dir, _ = base_model
     config = ModelConfig.from_hf(model_dir)
     model = load_model(model_dir, torch.bfloat16, "cpu")
-    cache = StateCache(
-        config, num_pages=16, page_size=4, num_mamba_slots=3, dtype=torch.bfloat16, device="cpu"
+    cache = StateCache.for_model(
+        config, num_pages=16, page_size=4, num_slots=3, dtype=torch.bfloat16, device="cpu"
     )
     runner = ModelRunner(model, cache, "cpu")
     captured = []

@@ -241,20 +241,24 @@ def assert_checkpoints_as_colocated(decoder, colocated: Engine, prompt, num_bloc
     blocks = [engine.prefix_cache.lookup(key) for key in keys]
     assert None not in blocks, "the decode side does not cache the transferred blocks"
     reference = [colocated.prefix_cache.lookup(key).checkpoint_slot for key in keys]
-    num_slots = engine.cache.conv.shape[1]
+    num_slots = engine.cache.pools["mamba2.conv"].shape[1]
     digests = engine.ranks.pool_digests(engine.cache) if engine.ranks is not None else None
     for rank in range(engine.tp_size):
         units = owned(config, engine.tp_size, rank)
         channels = torch.cat([torch.arange(s, s + n) for s, n in units["conv"]])
         heads = torch.cat([torch.arange(s, s + n) for s, n in units["ssm"]])
         for block, ref_slot in zip(blocks, reference, strict=True):
-            conv = colocated.cache.conv[:, ref_slot][:, channels]
-            ssm = colocated.cache.ssm[:, ref_slot][:, heads]
+            conv = colocated.cache.pools["mamba2.conv"][:, ref_slot][:, channels]
+            ssm = colocated.cache.pools["mamba2.ssm"][:, ref_slot][:, heads]
             assert conv.abs().sum() > 0 and ssm.abs().sum() > 0  # a real state, not a blank
             slot = block.checkpoint_slot
             if rank == 0:
-                torch.testing.assert_close(engine.cache.conv[:, slot], conv, atol=1e-4, rtol=1e-4)
-                torch.testing.assert_close(engine.cache.ssm[:, slot], ssm, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(
+                    engine.cache.pools["mamba2.conv"][:, slot], conv, atol=1e-4, rtol=1e-4
+                )
+                torch.testing.assert_close(
+                    engine.cache.pools["mamba2.ssm"][:, slot], ssm, atol=1e-4, rtol=1e-4
+                )
             else:
                 got = digests[rank][[slot, num_slots + slot]]
                 want = torch.stack([conv.double().sum(), ssm.double().sum()])

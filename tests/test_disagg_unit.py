@@ -167,7 +167,7 @@ def test_pair_is_token_identical_to_colocated_and_frees_everything(
     assert got == expect
     assert decoder.take_failures() == [] and prefill.take_failures() == []
     if one_layer_messages:  # every room was registered in time: its state was pushed
-        layers = decoder.engine.cache.conv.shape[0]
+        layers = decoder.engine.cache.pools["mamba2.conv"].shape[0]
         assert sorted(installed_layers) == sorted(
             (f"r{i}", layer) for i in range(len(prompts)) for layer in range(layers)
         )
@@ -414,10 +414,10 @@ def test_both_workers_reuse_cached_prefixes_and_stay_token_identical(base_model)
     sent = decoder.counters.bytes_total - bytes_before
     per_page = (
         2
-        * len(prefill.engine.cache.k)
+        * len(prefill.engine.cache.pools["attention.k"])
         * 4
-        * prefill.engine.cache.k[0].shape[1]
-        * prefill.engine.cache.k[0].shape[2]
+        * prefill.engine.cache.pools["attention.k"][0].shape[1]
+        * prefill.engine.cache.pools["attention.k"][0].shape[2]
         * 4
     )
     assert sent < full_pages * per_page  # the cached pages were not sent again
@@ -550,10 +550,13 @@ def test_install_pages_puts_each_page_where_the_request_has_it(base_model):
     for order in ([0, 2, 1, 3], [0, 1, 2, 3], [3, 0, 1, 2]):
         req.kv_pages = [first + i for i in order]
         n, ps = 4, engine.cache.page_size
-        k = [torch.randn(n, ps, *pool.shape[1:]) for pool in engine.cache.k]
-        v = [torch.randn(n, ps, *pool.shape[1:]) for pool in engine.cache.v]
+        k = [torch.randn(n, ps, *pool.shape[1:]) for pool in engine.cache.pools["attention.k"]]
+        v = [torch.randn(n, ps, *pool.shape[1:]) for pool in engine.cache.pools["attention.v"]]
         engine.install_pages("r", 0, k, v)
-        for pools, sent in ((engine.cache.k, k), (engine.cache.v, v)):
+        for pools, sent in (
+            (engine.cache.pools["attention.k"], k),
+            (engine.cache.pools["attention.v"], v),
+        ):
             for pool, src in zip(pools, sent):
                 for i, page in enumerate(req.kv_pages):
                     assert torch.equal(pool[page * ps : (page + 1) * ps], src[i]), (order, i)

@@ -52,8 +52,8 @@ def test_every_falcon_layer_owns_a_kv_pool_and_a_mamba_state(family_models):
     llm = LLM(model_dir, page_size=4)
     cache = llm.engine.cache
     layers = hf.config.num_hidden_layers
-    assert len(cache.k) == len(cache.v) == layers
-    assert cache.conv.shape[0] == cache.ssm.shape[0] == layers
+    assert len(cache.pools["attention.k"]) == len(cache.pools["attention.v"]) == layers
+    assert cache.pools["mamba2.conv"].shape[0] == cache.pools["mamba2.ssm"].shape[0] == layers
 
 
 @pytest.mark.parametrize(

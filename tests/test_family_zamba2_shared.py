@@ -37,13 +37,17 @@ def test_each_use_writes_its_own_kv_pages(family_models):
     model_dir, _ = family_models("zamba2_shared")
     llm = LLM(model_dir, page_size=4, enable_prefix_caching=False)
     cache = llm.engine.cache
-    assert len(cache.k) == 3  # one KV pool per use of a shared block
-    for k in cache.k:
+    assert len(cache.pools["attention.k"]) == 3  # one KV pool per use of a shared block
+    for k in cache.pools["attention.k"]:
         k.zero_()
     llm.generate([list(range(3, 20))], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    written = [k.abs().sum(dim=(1, 2)).nonzero().flatten().tolist() for k in cache.k]
+    written = [
+        k.abs().sum(dim=(1, 2)).nonzero().flatten().tolist() for k in cache.pools["attention.k"]
+    ]
     assert written[0] and written[0] == written[1] == written[2]  # the same token slots...
-    assert not torch.equal(cache.k[0], cache.k[2])  # ...with each use's own keys (same block)
+    assert not torch.equal(
+        cache.pools["attention.k"][0], cache.pools["attention.k"][2]
+    )  # ...with each use's own keys (same block)
 
 
 def test_block_input_is_hidden_concatenated_with_embeddings(family_models, monkeypatch):

@@ -26,11 +26,11 @@ def setup(model_dir):
     config = ModelConfig.from_hf(model_dir)
     model = load_model(model_dir, torch.float32, "cpu")
     caches = [
-        StateCache(
+        StateCache.for_model(
             config,
             num_pages=80,
             page_size=PAGE,
-            num_mamba_slots=20,
+            num_slots=20,
             dtype=torch.float32,
             device="cpu",
         )
@@ -78,7 +78,9 @@ def test_padded_decode_equals_eager_and_dummy_slot_absorbs_padding(base_model, n
     )
     prefill_all(eager, prompts, pages, slots)
     prefill_all(padded.runner, prompts, pages, slots)
-    padded_cache.conv[:, 0] = 7.0  # the dummy slot holds junk; live rows must not see it
+    padded_cache.pools["mamba2.conv"][:, 0] = (
+        7.0  # the dummy slot holds junk; live rows must not see it
+    )
     for step in range(3):
         track = step == 1
         points = (
@@ -106,19 +108,30 @@ def test_padded_decode_equals_eager_and_dummy_slot_absorbs_padding(base_model, n
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     live = slots + [12 + i for i in range(0, n, 2)]
     torch.testing.assert_close(
-        padded_cache.ssm[:, live], eager_cache.ssm[:, live], atol=1e-5, rtol=1e-5
+        padded_cache.pools["mamba2.ssm"][:, live],
+        eager_cache.pools["mamba2.ssm"][:, live],
+        atol=1e-5,
+        rtol=1e-5,
     )
     torch.testing.assert_close(
-        padded_cache.conv[:, live], eager_cache.conv[:, live], atol=1e-6, rtol=1e-6
+        padded_cache.pools["mamba2.conv"][:, live],
+        eager_cache.pools["mamba2.conv"][:, live],
+        atol=1e-6,
+        rtol=1e-6,
     )
-    assert padded_cache.ssm[:, 12].abs().sum() > 0  # checkpoints taken inside the padded step
+    assert (
+        padded_cache.pools["mamba2.ssm"][:, 12].abs().sum() > 0
+    )  # checkpoints taken inside the padded step
     if n not in padded.sizes:
         assert not torch.equal(
-            padded_cache.conv[:, 0], torch.full_like(padded_cache.conv[:, 0], 7.0)
+            padded_cache.pools["mamba2.conv"][:, 0],
+            torch.full_like(padded_cache.pools["mamba2.conv"][:, 0], 7.0),
         )  # padding wrote there
     for slot in range(1, 20):
         if slot not in live:
-            assert padded_cache.ssm[:, slot].abs().sum() == 0  # no padded write escaped slot 0
+            assert (
+                padded_cache.pools["mamba2.ssm"][:, slot].abs().sum() == 0
+            )  # no padded write escaped slot 0
 
 
 def test_padding_never_lands_on_a_live_slot(base_model):

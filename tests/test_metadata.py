@@ -248,11 +248,11 @@ def test_tracking_writes_true_states_into_checkpoint_slots(base_model):
     pages = tuple(range(1, 20))
 
     def fresh():
-        cache = StateCache(
+        cache = StateCache.for_model(
             config,
             num_pages=24,
             page_size=PAGE,
-            num_mamba_slots=8,
+            num_slots=8,
             dtype=torch.float32,
             device="cpu",
         )
@@ -285,12 +285,22 @@ def test_tracking_writes_true_states_into_checkpoint_slots(base_model):
     for dst, end in ((3, 2 * cs), (4, 3 * cs)):
         ref_cache, ref_runner = fresh()
         ref_runner.forward(batch(tokens[:end], 0, ()))
-        torch.testing.assert_close(cache.ssm[:, dst], ref_cache.ssm[:, 1], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(cache.conv[:, dst], ref_cache.conv[:, 1])
+        torch.testing.assert_close(
+            cache.pools["mamba2.ssm"][:, dst],
+            ref_cache.pools["mamba2.ssm"][:, 1],
+            atol=1e-5,
+            rtol=1e-5,
+        )
+        torch.testing.assert_close(
+            cache.pools["mamba2.conv"][:, dst], ref_cache.pools["mamba2.conv"][:, 1]
+        )
     # Without the flag nothing is written.
     cache2, runner2 = fresh()
     runner2.forward(batch(tokens, 0, ()))
-    assert cache2.ssm[:, 3].abs().sum() == 0 and cache2.conv[:, 3].abs().sum() == 0
+    assert (
+        cache2.pools["mamba2.ssm"][:, 3].abs().sum() == 0
+        and cache2.pools["mamba2.conv"][:, 3].abs().sum() == 0
+    )
     # A decode-time checkpoint copies the working state after the step.
     decode = ScheduledBatch(
         mode="decode",
@@ -307,9 +317,9 @@ def test_tracking_writes_true_states_into_checkpoint_slots(base_model):
         track_points=(TrackPoint(seq_index=0, token_offset=0, dst_slot=5),),
     )
     runner2.forward(decode)
-    torch.testing.assert_close(cache2.ssm[:, 5], cache2.ssm[:, 1])
-    torch.testing.assert_close(cache2.conv[:, 5], cache2.conv[:, 1])
-    assert cache2.ssm[:, 5].abs().sum() > 0
+    torch.testing.assert_close(cache2.pools["mamba2.ssm"][:, 5], cache2.pools["mamba2.ssm"][:, 1])
+    torch.testing.assert_close(cache2.pools["mamba2.conv"][:, 5], cache2.pools["mamba2.conv"][:, 1])
+    assert cache2.pools["mamba2.ssm"][:, 5].abs().sum() > 0
 
 
 def test_track_flag_must_match_track_points():

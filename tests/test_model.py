@@ -91,8 +91,8 @@ def test_split_prefill_equals_one_pass(base_model, splits):
     ).tolist()
 
     def run(pieces):
-        cache = StateCache(
-            config, num_pages=16, page_size=4, num_mamba_slots=2, dtype=torch.float32, device="cpu"
+        cache = StateCache.for_model(
+            config, num_pages=16, page_size=4, num_slots=2, dtype=torch.float32, device="cpu"
         )
         runner = ModelRunner(model, cache, "cpu")
         pages, start = list(range(1, 13)), 0
@@ -104,11 +104,15 @@ def test_split_prefill_equals_one_pass(base_model, splits):
     ref_cache, ref_logits = run([45])
     cache, logits = run(splits)
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.ssm[:, 1], ref_cache.ssm[:, 1], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.conv[:, 1], ref_cache.conv[:, 1], atol=1e-6, rtol=1e-6)
-    for k, ref_k in zip(cache.k, ref_cache.k):
+    torch.testing.assert_close(
+        cache.pools["mamba2.ssm"][:, 1], ref_cache.pools["mamba2.ssm"][:, 1], atol=1e-5, rtol=1e-5
+    )
+    torch.testing.assert_close(
+        cache.pools["mamba2.conv"][:, 1], ref_cache.pools["mamba2.conv"][:, 1], atol=1e-6, rtol=1e-6
+    )
+    for k, ref_k in zip(cache.pools["attention.k"], ref_cache.pools["attention.k"]):
         torch.testing.assert_close(k, ref_k, atol=1e-5, rtol=1e-5)
-    assert cache.ssm[:, 1].abs().sum() > 0  # the state really was written
+    assert cache.pools["mamba2.ssm"][:, 1].abs().sum() > 0  # the state really was written
 
 
 def _logits_for(model_dir, tokens):

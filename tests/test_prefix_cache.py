@@ -120,11 +120,11 @@ def test_batched_unaligned_checkpoints_hold_true_states(base_model):
     page_sets = [tuple(range(1 + 30 * i, 31 + 30 * i)) for i in range(3)]
 
     def fresh():
-        cache = StateCache(
+        cache = StateCache.for_model(
             config,
             num_pages=100,
             page_size=4,
-            num_mamba_slots=32,
+            num_slots=32,
             dtype=torch.float32,
             device="cpu",
         )
@@ -162,9 +162,17 @@ def test_batched_unaligned_checkpoints_hold_true_states(base_model):
     for dst, i, boundary in expect:
         ref_cache, ref_runner = fresh()
         ref_runner.forward(batch([(i, (seqs[i][:boundary], 0))]))
-        torch.testing.assert_close(cache.ssm[:, dst], ref_cache.ssm[:, 1 + i], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(
-            cache.conv[:, dst], ref_cache.conv[:, 1 + i], atol=1e-6, rtol=1e-6
+            cache.pools["mamba2.ssm"][:, dst],
+            ref_cache.pools["mamba2.ssm"][:, 1 + i],
+            atol=1e-5,
+            rtol=1e-5,
+        )
+        torch.testing.assert_close(
+            cache.pools["mamba2.conv"][:, dst],
+            ref_cache.pools["mamba2.conv"][:, 1 + i],
+            atol=1e-6,
+            rtol=1e-6,
         )
 
 

@@ -15,8 +15,36 @@ from engine.config import RotaryConfig
 from engine.forward_metadata import Mamba2Metadata
 from engine.layers.mlp import fuse_linears
 from engine.state_cache import StateCache
+from engine.state_spec import LayerState, Segment, StateTensor, TPSplit
 from kernels.attention import paged_attention, rotary_cos_sin, rotary_store_kv, store_kv
 from kernels.linear import PackedLinear
+
+
+def attention_state(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> LayerState:
+    """K and V of every token, in the KV pages (model dtype; rotated keys where the layer has
+    rotary). Under TP split by KV heads, each replicated when there are fewer than ranks."""
+    heads = TPSplit(
+        dim=0,
+        segments=(
+            Segment(
+                atoms=num_kv_heads, atom_units=1, replicate_below=True, what="num_key_value_heads"
+            ),
+        ),
+    )
+    return LayerState(
+        kind="attention",
+        tensors=tuple(
+            StateTensor(
+                name=name,
+                kind="paged",
+                shape=(num_kv_heads, head_dim),
+                dtype=dtype,
+                split=heads,
+                checkpointed=True,
+            )
+            for name in ("k", "v")
+        ),
+    )
 
 
 class Attention(nn.Module):
@@ -112,7 +140,8 @@ class Attention(nn.Module):
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = cache.kv_layer(self.kv_index if kv_index is None else kv_index)
+        state = cache.layer("attention", self.kv_index if kv_index is None else kv_index)
+        k_cache, v_cache = state["k"], state["v"]
         if self.inv_freq is not None:
             # A few cos/sin per token per layer: cheaper than threading a shared table through.
             cos, sin = rotary_cos_sin(fm.batch.positions, self.inv_freq)

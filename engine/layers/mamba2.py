@@ -18,6 +18,7 @@ from engine import parallel
 from engine.config import ModelConfig
 from engine.forward_metadata import Mamba2Metadata
 from engine.state_cache import StateCache
+from engine.state_spec import LayerState, Segment, StateTensor, TPSplit
 from engine.tp_shard import mamba_shard
 from kernels import cpu_ops
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
@@ -30,6 +31,48 @@ from kernels.state_copy import copy_states
 class Mamba2Mixer(nn.Module):
     """in_proj -> [z | xBC | dt]; causal conv1d + SiLU on xBC; SSD scan (prefill) or selective
     state update (decode); gated RMSNorm norm(y * silu(z)); out_proj."""
+
+    @staticmethod
+    def state_spec(config: ModelConfig, dtype: torch.dtype) -> LayerState:
+        """The last K-1 inputs of the conv over x | B | C (model dtype) and the SSM state
+        (`mamba_ssm_cache_dtype`), per slot, both kept at checkpoints. Under TP the conv
+        channels split as x by heads, B and C by groups (one group: replicated), the SSM state
+        by heads (engine/tp_shard.py slices the weights the same way)."""
+        heads, groups = config.mamba_num_heads, config.n_groups
+        x = Segment(
+            atoms=heads,
+            atom_units=config.mamba_head_dim,
+            replicate_below=False,
+            what="mamba_num_heads",
+        )
+        bc = Segment(
+            atoms=groups,
+            atom_units=config.ssm_state_size,
+            replicate_below=groups == 1,
+            what="n_groups",
+        )
+        by_heads = Segment(atoms=heads, atom_units=1, replicate_below=False, what="mamba_num_heads")
+        return LayerState(
+            kind="mamba2",
+            tensors=(
+                StateTensor(
+                    name="conv",
+                    kind="slot",
+                    shape=(config.conv_dim, config.conv_kernel - 1),
+                    dtype=dtype,
+                    split=TPSplit(dim=0, segments=(x, bc, bc)),
+                    checkpointed=True,
+                ),
+                StateTensor(
+                    name="ssm",
+                    kind="slot",
+                    shape=(heads, config.mamba_head_dim, config.ssm_state_size),
+                    dtype=getattr(torch, config.mamba_ssm_cache_dtype),
+                    split=TPSplit(dim=0, segments=(by_heads,)),
+                    checkpointed=True,
+                ),
+            ),
+        )
 
     def __init__(self, config: ModelConfig, mamba_index: int):
         super().__init__()
@@ -139,7 +182,8 @@ class Mamba2Mixer(nn.Module):
         """Decode rows first, then prefill rows; each part ends gated-normed (row-wise)."""
         T = hidden.shape[0]
         nd = md.forward.batch.num_decode_tokens
-        conv_pool, ssm_pool = cache.mamba_layer(self.mamba_index)
+        state = cache.layer("mamba2", self.mamba_index)
+        conv_pool, ssm_pool = state["conv"], state["ssm"]
         if self.in_multiplier != 1.0:
             hidden = hidden * self.in_multiplier
         zxbcdt = self.in_proj(hidden)

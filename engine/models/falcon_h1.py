@@ -28,8 +28,12 @@ from engine.layers.causal_lm import CausalLM
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
+from engine.layers.state import hybrid_state_spec
 from engine.models.bamba import read_attention_keys, read_ssm_keys
 from engine.state_cache import StateCache
+
+# Mamba2 state at `mamba` layers, K/V at attention layers (engine/layers/state.py).
+state_spec = hybrid_state_spec
 
 HF_CONFIG_CLASS_PATH = "transformers.models.falcon_h1.configuration_falcon_h1.FalconH1Config"
 

@@ -26,8 +26,12 @@ from engine.layers.causal_lm import CausalLM
 from engine.layers.mlp import FusedGatedMLP
 from engine.layers.moe import SoftmaxTopKMoE
 from engine.layers.norm import RMSNorm
+from engine.layers.state import hybrid_state_spec
 from engine.models.bamba import mixer_for, read_attention_keys, read_mamba_keys
 from engine.state_cache import StateCache
+
+# Mamba2 state at `mamba` layers, K/V at attention layers (engine/layers/state.py).
+state_spec = hybrid_state_spec
 
 HF_CONFIG_CLASS_PATH = (
     "transformers.models.granitemoehybrid.configuration_granitemoehybrid.GraniteMoeHybridConfig"

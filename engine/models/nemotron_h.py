@@ -28,7 +28,11 @@ from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import ReluSquaredMLP
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
+from engine.layers.state import hybrid_state_spec
 from engine.state_cache import StateCache
+
+# Mamba2 state at `mamba` layers, K/V at attention layers (engine/layers/state.py).
+state_spec = hybrid_state_spec
 
 HF_CONFIG_CLASS_PATH = "transformers.models.nemotron_h.configuration_nemotron_h.NemotronHConfig"
 

@@ -3,6 +3,7 @@
 A family module (engine/models/<family>.py) provides:
     HF_CONFIG_CLASS_PATH   the transformers config class whose defaults fill missing keys
     read_config(reader)    -> ModelConfig (engine/config.py), every key read or refused
+    state_spec(config, dtype) -> ModelStateSpec: the state every layer use keeps
     Model                  the nn.Module built from ModelConfig, weights named as on disk
 Modules are imported when their family is asked for, so a registry lookup costs nothing.
 """
@@ -38,9 +39,17 @@ class Family:
     def read_config(self, reader) -> Any:
         return self.module.read_config(reader)
 
+    def state_spec(self, config, dtype) -> Any:
+        return self.module.state_spec(config, dtype)
+
     @property
     def model_class(self) -> type:
         return self.module.Model
+
+
+def model_state_spec(config, dtype) -> Any:
+    """The ModelStateSpec of a ModelConfig's family, at the serving dtype."""
+    return family_named(config.architecture).state_spec(config, dtype)
 
 
 def supported_architectures() -> tuple[str, ...]:

@@ -30,7 +30,11 @@ from engine.layers.lora import AdapterList
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import ACTIVATIONS
 from engine.layers.norm import RMSNorm
+from engine.layers.state import hybrid_state_spec
 from engine.state_cache import StateCache
+
+# Mamba2 state at `mamba` layers, K/V at attention layers (engine/layers/state.py).
+state_spec = hybrid_state_spec
 
 HF_CONFIG_CLASS_PATH = "transformers.models.zamba2.configuration_zamba2.Zamba2Config"
 LAYER_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "hybrid": "hybrid"}  # as saved
