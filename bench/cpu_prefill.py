@@ -63,7 +63,7 @@ def bench(config: str, batch: str, dtype: torch.dtype, rounds: int) -> list[dict
     xbc = torch.randn(T, dim + H * P, generator=g).to(dtype)[:, H * P :]
     weight, bias = torch.randn(dim, K).to(dtype), torch.randn(dim).to(dtype)
     conv_pool = torch.randn(S, dim, K - 1).to(dtype)
-    conv_layout = build_conv_layout(lens, K, "cpu")
+    window_layout = build_conv_layout(lens, K, "cpu")
     y = torch.randn(T, H * P).to(dtype)
     z = torch.randn(T, 2 * H * P).to(dtype)[:, : H * P]
     norm_w = torch.rand(H * P).to(dtype)
@@ -71,9 +71,9 @@ def bench(config: str, batch: str, dtype: torch.dtype, rounds: int) -> list[dict
     pairs = {
         "ssd scan": (torch_scan, c_scan),
         "conv + silu": (
-            lambda: causal_conv1d_varlen_torch(xbc, weight, bias, conv_pool, slots, conv_layout),
+            lambda: causal_conv1d_varlen_torch(xbc, weight, bias, conv_pool, slots, window_layout),
             lambda: cpu_prefill.causal_conv1d_varlen_cpu(
-                xbc, weight, bias, conv_pool, slots, conv_layout
+                xbc, weight, bias, conv_pool, slots, window_layout
             ),
         ),
         "gate norm": (

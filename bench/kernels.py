@@ -272,7 +272,7 @@ def bench_prefill(s: Shapes, device, dtype, timer) -> list[Result]:
     bias = torch.randn(s.conv_dim, device=device, dtype=dtype)
     conv_pool = torch.zeros(2, s.conv_dim, K - 1, device=device, dtype=dtype)
     slots = torch.ones(1, dtype=torch.int64, device=device)
-    conv_layout = build_conv_layout([T], K, device)
+    window_layout = build_conv_layout([T], K, device)
     results.append(
         measure(
             timer,
@@ -281,7 +281,7 @@ def bench_prefill(s: Shapes, device, dtype, timer) -> list[Result]:
             2 * T * s.conv_dim * esize,
             causal_conv1d_varlen_triton,
             causal_conv1d_varlen_torch,
-            (xc, weight, bias, conv_pool, slots, conv_layout),
+            (xc, weight, bias, conv_pool, slots, window_layout),
         )
     )
 

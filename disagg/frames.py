@@ -83,10 +83,13 @@ def check_state(layout: HandoverLayout, state: RequestState, sharded: bool) -> N
         expected[f"slots/{t.name}"] = ((layers, *t.shape), t.dtype)
         if t.checkpointed:
             expected[f"checkpoints/{t.name}"] = ((-1, t.layers, *t.shape), t.dtype)
-    frames = {f"{f}/{n}": t for f in ("pages", "slots", "checkpoints") for n, t in getattr(state, f).items()}
+    frames = {
+        f"{f}/{n}": t
+        for f in ("pages", "slots", "checkpoints")
+        for n, t in getattr(state, f).items()
+    }
     check_frames(frames, expected)
     for field in ("pages", "checkpoints"):
         counts = {t.shape[1 if field == "pages" else 0] for t in getattr(state, field).values()}
         if len(counts) > 1:
             raise ValueError(f"state {field} of different counts: {sorted(counts)}")
-

@@ -16,6 +16,7 @@ class Compat:
     """What must match between the two engines for a handover to be meaningful. The layout
     fields come first, so that a mismatch names the shapes that differ when there are any."""
 
+    dtype: str  # the serving dtype (the state's may differ: an SSM state kept in float32)
     page_size: int
     # The whole model's (TP=1) state layout, whatever either side's TP size: one line per state
     # tensor of the spec, "pool: kind xlayers [shape] dtype" (engine.handover.HandoverLayout).

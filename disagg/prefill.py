@@ -206,9 +206,7 @@ class PrefillWorker:
         why = (
             f"incompatible workers: {mismatch}"
             if mismatch
-            else refusal(
-                self.engine.model_config, self.engine.state_spec, self.tp_size, message.tp
-            )
+            else refusal(self.engine.model_config, self.engine.state_spec, self.tp_size, message.tp)
         )
         if why:
             self._send(identity, Reject(room=message.room, message=why[:MAX_STRING]))

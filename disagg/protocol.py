@@ -40,6 +40,9 @@ from disagg.schema import (
     tensor_fields,
     to_wire,
 )
+from disagg.schema import (
+    hints as schema_hints,
+)
 from engine.handover import RequestState
 
 # 2: K/V and Mamba chunks carry one frame per layer. 3: Register carries the decode side's
@@ -84,11 +87,13 @@ def state_message(
     """A request state's message and frames: every field of its dataclass, tensors by name
     ("field/pool" for each tensor of a field holding tensors by pool name)."""
     carrier = type(state)
-    named = [
-        (f"{field}/{name}", t)
-        for field in tensor_fields(carrier)
-        for name, t in getattr(state, field).items()
-    ]
+    named = []
+    for field in tensor_fields(carrier):
+        value = getattr(state, field)
+        if isinstance(value, torch.Tensor):
+            named.append((field, value))
+        else:
+            named.extend((f"{field}/{name}", t) for name, t in value.items())
     message = StateTransfer(
         room=room,
         tp_size=tp_size,
@@ -101,10 +106,16 @@ def state_message(
 def request_state(message: StateTransfer, tensors: dict[str, torch.Tensor]) -> Any:
     """The STATE_CARRIER a decoded StateTransfer holds (its fields were checked by `decode`,
     its frames' names too; their shapes are the receiver's to check against its layout)."""
-    by_field: dict[str, dict[str, torch.Tensor]] = {f: {} for f in tensor_fields(STATE_CARRIER)}
+    hints = schema_hints(STATE_CARRIER)
+    by_field: dict[str, object] = {
+        f: {} for f in tensor_fields(STATE_CARRIER) if hints[f] is not torch.Tensor
+    }
     for name, t in tensors.items():
-        field, pool = name.split("/", 1)
-        by_field[field][pool] = t
+        if "/" in name:
+            field, pool = name.split("/", 1)
+            by_field[field][pool] = t
+        else:
+            by_field[name] = t
     return STATE_CARRIER(**message.state, **by_field)
 
 
@@ -140,12 +151,15 @@ def _parse(tag: str, raw: Any) -> Message:
         if len(set(names)) != len(names):
             raise ProtocolError(f"{tag}.tensors: a tensor name appears twice in {names}")
     if isinstance(message, StateTransfer):
-        fields = tensor_fields(STATE_CARRIER)
-        stray = [n for n in names if n.split("/", 1)[0] not in fields or "/" not in n]
-        if stray:
+        hints = schema_hints(STATE_CARRIER)
+        plain = {f for f in tensor_fields(STATE_CARRIER) if hints[f] is torch.Tensor}
+        named = {f for f in tensor_fields(STATE_CARRIER) if f not in plain}
+        stray = [n for n in names if n not in plain and n.split("/", 1)[0] not in named]
+        missing = plain - set(names)
+        if stray or missing:
             raise ProtocolError(
-                f"{tag}.tensors: {stray[0]!r} is not a request state tensor (field/pool, with"
-                f" field one of {list(fields)})"
+                f"{tag}.tensors: {(stray or sorted(missing))[0]!r} is not a request state tensor"
+                f" (one of {sorted(plain)} or field/pool with field one of {sorted(named)})"
             )
     return message
 

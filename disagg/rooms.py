@@ -110,6 +110,7 @@ def now() -> float:
 def compat_of(layout: HandoverLayout) -> Compat:
     """The facts both engines must share."""
     return Compat(
+        dtype=layout.dtype,
         page_size=layout.page_size,
         state=layout.describe(),
         model=layout.model_fingerprint,

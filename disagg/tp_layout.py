@@ -34,7 +34,6 @@ MAX_TP_SIZE = 256
 ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):[0-9]{1,5}")
 
 
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TPLayout:
     """One side's tensor-parallel layout, as it travels in a Register: its size and, for a decode
@@ -90,9 +89,7 @@ def _local(ranges: Ranges, unit: int) -> int | None:
 
 
 @functools.cache
-def plan(
-    spec: ModelStateSpec, prefill_size: int, decode_size: int, rank: int
-) -> tuple[Piece, ...]:
+def plan(spec: ModelStateSpec, prefill_size: int, decode_size: int, rank: int) -> tuple[Piece, ...]:
     """The pieces decode rank `rank` receives, each unit from the lowest prefill rank holding
     it, runs of consecutive units from one source merged into one piece."""
     sources = [owned(spec, prefill_size, p) for p in range(prefill_size)]

@@ -265,4 +265,3 @@ class ZmqShardConnector:
         if self.inbox is not None:
             self.inbox.close(linger=0)
         self.context.term()
-

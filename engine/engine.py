@@ -127,6 +127,7 @@ class Engine:
         self.handover = Handover(
             model_dir=self.model_dir,
             config=config,
+            dtype=self.dtype,
             cache=self.cache,
             scheduler=self.scheduler,
             sampler=self.sampler,

@@ -25,9 +25,7 @@ import numpy as np
 import torch
 
 from engine.metadata_buffers import MetadataBuffers, decode_attention_layout, prefill_layouts
-from kernels.attention import AttentionLayout
-from kernels.conv1d import ConvLayout
-from kernels.ssd import ChunkLayout
+from kernels.layouts import AttentionLayout, ChunkLayout, ConvLayout
 
 ForwardMode = Literal["extend", "decode", "mixed", "verify"]
 
@@ -100,16 +98,16 @@ class Mamba2Metadata:
     decode_slots: torch.Tensor  # (num_decode_seqs,) int64 working slots of decode rows
     prefill_slots: torch.Tensor  # (num_prefill_seqs,) int64 working slots of prefill seqs
     chunk_layout: ChunkLayout  # SSD chunks of the prefill segment, aligned to absolute positions
-    conv_layout: ConvLayout  # conv rows of the prefill segment
+    window_layout: ConvLayout  # conv window rows of the prefill segment
     has_mamba_track_mask: bool  # host flag: run the checkpoint copies this step
     num_decode_tracks: int  # the first this-many track entries come from decode rows
-    track_conv_indices: (
+    track_window_indices: (
         torch.Tensor
     )  # (M,) int64: decode entries: decode row; prefill: prefill-segment token
-    track_ssm_src: (
+    track_state_src: (
         torch.Tensor
     )  # (M,) int64 into [decode rows' new states | prefill chunk-end states (S_p * C)]
-    track_ssm_dst: torch.Tensor  # (M,) int64 checkpoint slots (conv window and SSM state)
+    track_state_dst: torch.Tensor  # (M,) int64 checkpoint slots (window and recurrent state)
 
 
 def build_metadata(
@@ -190,7 +188,7 @@ def build_metadata(
         ),
         default=0,
     )
-    track_conv, track_src, track_dst, num_decode_tracks = _track_indices(
+    track_window, track_src, track_dst, num_decode_tracks = _track_indices(
         sched, num_chunks, chunk_size, token_offsets
     )
     if track_capacity is not None and sched.has_mamba_track_mask:
@@ -199,8 +197,8 @@ def build_metadata(
                 "graph-captured batches carry at most track_capacity decode checkpoints"
             )
         pad = track_capacity - len(track_dst)
-        track_conv, track_src, track_dst = (
-            track_conv + [0] * pad,
+        track_window, track_src, track_dst = (
+            track_window + [0] * pad,
             track_src + [0] * pad,
             track_dst + [0] * pad,
         )
@@ -214,14 +212,14 @@ def build_metadata(
             np.asarray(logits_rows, dtype=np.int64),
             np.asarray(sched.mamba_slots, dtype=np.int64),
             kv_lens[:nd],
-            np.asarray(track_conv, dtype=np.int64),
+            np.asarray(track_window, dtype=np.int64),
             np.asarray(track_src, dtype=np.int64),
             np.asarray(track_dst, dtype=np.int64),
             page_table[:nd].reshape(-1),
         ]
     )
     input_ids, positions_d, slot_mapping_d, logits_d, slots = longs[:5]
-    track_conv_d, track_src_d, track_dst_d = longs[6:9]
+    track_window_d, track_src_d, track_dst_d = longs[6:9]
     decode_kv_lens_d, decode_pages_d = ints[5], ints[9]
     batch = ForwardBatch(
         mode=sched.mode,
@@ -233,7 +231,7 @@ def build_metadata(
         logits_indices=logits_d,
         logits_row_owner=tuple(owners),
     )
-    prefill_attention, chunk_layout, conv_layout = prefill_layouts(
+    prefill_attention, chunk_layout, window_layout = prefill_layouts(
         buffers,
         prefill_lens,
         prefill_starts,
@@ -261,12 +259,12 @@ def build_metadata(
         decode_slots=slots[:nd],
         prefill_slots=slots[nd:],
         chunk_layout=chunk_layout,
-        conv_layout=conv_layout,
+        window_layout=window_layout,
         has_mamba_track_mask=sched.has_mamba_track_mask,
         num_decode_tracks=num_decode_tracks,
-        track_conv_indices=track_conv_d,
-        track_ssm_src=track_src_d,
-        track_ssm_dst=track_dst_d,
+        track_window_indices=track_window_d,
+        track_state_src=track_src_d,
+        track_state_dst=track_dst_d,
     )
 
 
@@ -279,9 +277,9 @@ def _track_indices(
     nd = sched.num_decode_seqs
     decode = [p for p in sched.track_points if p.seq_index < nd]
     prefill = [p for p in sched.track_points if p.seq_index >= nd]
-    conv, src, dst = [], [], []
+    window, src, dst = [], [], []
     for p in decode:
-        conv.append(p.seq_index)
+        window.append(p.seq_index)
         src.append(p.seq_index)
         dst.append(p.dst_slot)
     for p in prefill:
@@ -293,7 +291,7 @@ def _track_indices(
                 f"prefill checkpoint at position {end} is not a multiple of the chunk size {chunk_size}"
             )
         chunk = (start % chunk_size + p.token_offset) // chunk_size
-        conv.append(token_offsets[p.seq_index] - token_offsets[nd] + p.token_offset)
+        window.append(token_offsets[p.seq_index] - token_offsets[nd] + p.token_offset)
         src.append(nd + s_p * num_chunks + chunk)
         dst.append(p.dst_slot)
-    return conv, src, dst, len(decode)
+    return window, src, dst, len(decode)

@@ -105,6 +105,7 @@ class HandoverLayout:
 
     model_fingerprint: str  # of the model config
     weights_fingerprint: str  # of the checkpoint's tensors (engine/fingerprint.py)
+    dtype: str  # the serving dtype
     page_size: int
     tp_size: int
     tensors: tuple[TensorLayout, ...]  # in spec order
@@ -116,6 +117,7 @@ class HandoverLayout:
         *,
         model_fingerprint: str,
         weights_fingerprint: str,
+        dtype: torch.dtype,
         page_size: int,
         tp_size: int,
         tp_rank: int,
@@ -123,6 +125,7 @@ class HandoverLayout:
         return cls(
             model_fingerprint=model_fingerprint,
             weights_fingerprint=weights_fingerprint,
+            dtype=str(dtype).removeprefix("torch."),
             page_size=page_size,
             tp_size=tp_size,
             tensors=tuple(
@@ -170,6 +173,5 @@ class HandoverLayout:
     def describe(self) -> list[str]:
         """The whole model's layout, one line per tensor (what two engines must share)."""
         return [
-            f"{t.name}: {t.kind} x{t.layers} {list(t.model_shape)} {t.dtype}"
-            for t in self.tensors
+            f"{t.name}: {t.kind} x{t.layers} {list(t.model_shape)} {t.dtype}" for t in self.tensors
         ]

@@ -37,6 +37,7 @@ class Handover:
         *,
         model_dir: Path,
         config,
+        dtype: torch.dtype,
         cache: StateCache,
         scheduler: Scheduler,
         sampler: Sampler,
@@ -45,6 +46,7 @@ class Handover:
     ):
         self.model_dir = model_dir
         self.config = config
+        self.dtype = dtype
         self.cache = cache
         self.io = StateIO(cache)
         self.scheduler = scheduler
@@ -59,6 +61,7 @@ class Handover:
                 self.cache.spec,
                 model_fingerprint=config_fingerprint(self.config),
                 weights_fingerprint=weights_fingerprint(self.model_dir),
+                dtype=self.dtype,
                 page_size=self.cache.page_size,
                 tp_size=self.shards.tp_size,
                 tp_rank=0,
@@ -146,7 +149,9 @@ class Handover:
             )
         counts = {t.shape[0] for per_layer in pages.values() for t in per_layer}
         if len(counts) > 1:
-            raise ValueError(f"request {request_id}: frames of one chunk hold different page counts")
+            raise ValueError(
+                f"request {request_id}: frames of one chunk hold different page counts"
+            )
         n = counts.pop() if counts else 0
         if first_page + n > len(req.kv_pages):
             raise ValueError(f"request {request_id}: streamed pages do not fit its preallocation")
@@ -224,7 +229,9 @@ class Handover:
         has sent them)."""
         return self.io.unit_views(req.mamba_slot, unit)
 
-    def export_state(self, req: Request, first_page: int = 0, with_slots: bool = True) -> RequestState:
+    def export_state(
+        self, req: Request, first_page: int = 0, with_slots: bool = True
+    ) -> RequestState:
         """Snapshot (copy) a request's pages from `first_page` on (the ones before were streamed
         already) and its slot state after its prefill (unless it was pushed already:
         `with_slots=False` leaves the slot tensors with no layers), with the checkpoints of its
@@ -238,11 +245,15 @@ class Handover:
             first_page=first_page,
             first_block=0,
             pages=self.io.gather_pages(req.kv_pages[first_page:num_pages]),
-            slots=self.io.copy_slot_state(req.mamba_slot) if with_slots else self.io.no_slot_state(),
+            slots=self.io.copy_slot_state(req.mamba_slot)
+            if with_slots
+            else self.io.no_slot_state(),
             checkpoints=self.io.gather_checkpoints([b.checkpoint_slot for b in req.cached_blocks]),
         )
 
-    def first_token_state(self, source: Request | RequestState, first_page: int = 0) -> RequestState:
+    def first_token_state(
+        self, source: Request | RequestState, first_page: int = 0
+    ) -> RequestState:
         """The part of a handed-over state that goes through rank 0 when the tensors go rank to
         rank: the first token (of a finished request, or of a whole snapshot) with no pages and
         no slot layers, from page `first_page` on. Its checkpoints keep their block count, with
@@ -266,4 +277,3 @@ class Handover:
             slots=self.io.no_slot_state(),
             checkpoints=self.io.no_checkpoints(num_blocks),
         )
-

@@ -3,7 +3,7 @@
     host ints (int32, pinned on CUDA)  ──one copy of the used prefix──>  device ints (int32)
                                                                        └─widened─> device longs (int64)
     [input_ids | positions | slot_mapping | logits rows | mamba slots | decode kv_lens |
-     track conv | track src | track dst | decode page table (num_decode_seqs x batch pages)]
+     track window | track src | track dst | decode page table (num_decode_seqs x batch pages)]
 
     device ints' page table ──expanded on the device──> decode token table (rows x width, int64)
 
@@ -25,9 +25,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.attention import AttentionLayout, build_attention_layout
-from kernels.conv1d import ConvLayout, build_conv_layout
-from kernels.ssd import ChunkLayout, build_chunk_layout
+from kernels.attention import build_attention_layout
+from kernels.conv1d import build_conv_layout
+from kernels.layouts import AttentionLayout, ChunkLayout, ConvLayout
+from kernels.ssd import build_chunk_layout
 
 
 class MetadataBuffers:

@@ -225,9 +225,7 @@ class Scheduler:
             self.blocks.commit(self.running)
         for s, logprobs in prompt_logprobs.items():
             reqs[s].prompt_logprobs.extend(logprobs)
-        return [
-            self.append_token(req, *sampled[s]) for s, req in enumerate(reqs) if s in sampled
-        ]
+        return [self.append_token(req, *sampled[s]) for s, req in enumerate(reqs) if s in sampled]
 
     def append_token(
         self, req: Request, token: int, logprobs: TokenLogprobs | None
@@ -245,8 +243,7 @@ class Scheduler:
         elif token in params.stop_token_ids and past_min:
             finish, stop_reason = "stop", token
         if finish is None and (
-            len(req.output_ids) >= params.max_tokens
-            or req.num_tokens >= self.config.max_model_len
+            len(req.output_ids) >= params.max_tokens or req.num_tokens >= self.config.max_model_len
         ):
             finish = "length"
         if finish is not None:

@@ -54,7 +54,7 @@ class Shard:
     checkpoints: dict[str, torch.Tensor]  # (blocks, layers, *shape)
 
     def component(self, component: str) -> torch.Tensor:
-        """"pages/attention.k" -> self.pages["attention.k"] (disagg/tp_layout.py's names)."""
+        """ "pages/attention.k" -> self.pages["attention.k"] (disagg/tp_layout.py's names)."""
         field, name = component.split("/", 1)
         return getattr(self, field)[name]
 

@@ -88,4 +88,3 @@ def check_tp_supported(config: ModelConfig, size: int) -> None:
         parallel.split_evenly(
             config.moe.shared_intermediate_size, probe, "moe_shared_expert_intermediate_size"
         )
-

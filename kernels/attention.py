@@ -17,28 +17,13 @@ torch path pads queries to (num_seqs, max_q) and gathers each sequence's keys to
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
 from kernels.backend import select_backend
+from kernels.layouts import AttentionLayout
 from kernels.workspace import scratch
-
-
-class AttentionLayout(NamedTuple):
-    """Per-forward plan shared by every attention layer (built from host data)."""
-
-    num_seqs: int
-    max_q: int
-    max_kv: int
-    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32 packed query offsets
-    kv_lens: torch.Tensor  # (num_seqs,) int32 tokens in cache after this step's writes
-    kv_indices: torch.Tensor  # (num_seqs, max_kv) int64 token slots; padding -> slot 0
-    q_slot: torch.Tensor  # (num_tokens,) int64 flat (seq * max_q + i) of each query
-    slot_q: torch.Tensor  # (num_seqs * max_q,) int64 query per padded slot, num_tokens if empty
-    mask: torch.Tensor  # (num_seqs, 1, max_q, max_kv) bool: causal and within kv_len
 
 
 def build_attention_layout(

@@ -14,23 +14,12 @@ single grouped F.conv1d serves the whole batch:
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops, cpu_prefill
 from kernels.backend import select_backend
-
-
-class ConvLayout(NamedTuple):
-    """Gather plan from packed tokens to the padded (num_seqs, K-1 + max_len) input rows."""
-
-    num_seqs: int
-    width: int  # K-1 + max_len
-    row_source: torch.Tensor  # (num_seqs * width,) int64 into [tokens | states flat | zero row]
-    token_column: torch.Tensor  # (num_tokens,) int64: flat (row * width + column) of each token
-    final_columns: torch.Tensor  # (num_seqs, K-1) int64: flat columns of the last K-1 inputs
+from kernels.layouts import ConvLayout
 
 
 def build_conv_layout(

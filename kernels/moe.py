@@ -19,7 +19,7 @@ graph can capture it.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,14 +27,8 @@ import torch.nn.functional as F
 from kernels import cpu_moe
 from kernels.backend import select_backend
 from kernels.cpu_moe import PanelExperts
+from kernels.layouts import Activation, Routing
 from kernels.linear import can_pack
-
-Activation = Literal["relu2", "swiglu"]
-
-
-class Routing(NamedTuple):
-    weights: torch.Tensor  # (T, k) float32
-    ids: torch.Tensor  # (T, k) int64
 
 
 def route_sigmoid_grouped(

@@ -18,29 +18,11 @@ the first chunk and the back of the last chunk never changes a state. Then the w
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from kernels.backend import select_backend
-
-
-class ChunkLayout(NamedTuple):
-    """Where each packed token sits in the aligned (num_seqs, num_chunks, chunk_size) layout.
-
-    Built once per forward (host data) and shared by every Mamba layer.
-    """
-
-    num_seqs: int
-    num_chunks: int  # chunks of the longest sequence; shorter ones are padded with no-op slots
-    chunk_size: int
-    token_slot: torch.Tensor  # (num_tokens,) int64: flat slot of each packed token
-    slot_token: (
-        torch.Tensor
-    )  # (num_seqs * num_chunks * chunk_size,) int64: token per slot, or num_tokens (empty)
-    cu_seqlens: torch.Tensor  # (num_seqs + 1,) int32: packed token offsets
-    start_pos: torch.Tensor  # (num_seqs,) int64: absolute position of each sequence's first token
+from kernels.layouts import ChunkLayout, SSDOutput
 
 
 def build_chunk_layout(
@@ -73,14 +55,6 @@ def build_chunk_layout(
         cu_seqlens=cu.to(device=device, dtype=torch.int32),
         start_pos=torch.tensor(start_pos, dtype=torch.int64, device=device),
     )
-
-
-class SSDOutput(NamedTuple):
-    y: torch.Tensor  # (num_tokens, nheads, headdim), x's dtype
-    final_states: torch.Tensor  # (num_seqs, nheads, headdim, dstate) float32
-    chunk_states: (
-        torch.Tensor
-    )  # (num_seqs, num_chunks, nheads, headdim, dstate) float32, state after each chunk
 
 
 def segsum(x: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import AttentionLayout
 from kernels.backend import dot_precision
+from kernels.layouts import AttentionLayout
 
 
 # fmt: off

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.conv1d import ConvLayout
+from kernels.layouts import ConvLayout
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import dot_precision
-from kernels.moe import Activation, Routing
+from kernels.layouts import Activation, Routing
 
 
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int):

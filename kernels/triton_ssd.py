@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import dot_precision
-from kernels.ssd import ChunkLayout, SSDOutput
+from kernels.layouts import ChunkLayout, SSDOutput
 
 
 @triton.jit

@@ -13,7 +13,8 @@ import torch
 from engine.config import MoEConfig
 from engine.layers.moe import MoE
 from kernels import cpu_moe
-from kernels.moe import Routing, fused_moe_torch
+from kernels.layouts import Routing
+from kernels.moe import fused_moe_torch
 from tests.test_moe_kernels import experts_oracle, make_case
 
 pytestmark = pytest.mark.skipif(

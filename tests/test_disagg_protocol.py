@@ -17,8 +17,8 @@ from disagg import messages, protocol
 from disagg.messages import (
     Compat,
     Heartbeat,
-    KVChunk,
     Message,
+    PagesChunk,
     Register,
     StateTransfer,
     TensorSpec,
@@ -42,12 +42,18 @@ def a_state(**overrides) -> RequestState:
         first_logprobs={4: -0.25, 7: -1.5},
         first_page=1,
         first_block=0,
-        k_pages=torch.randn(2, 2, 4, 1, 3, generator=g),
-        v_pages=torch.randn(2, 2, 4, 1, 3, generator=g),  # the same shape as k_pages
-        conv=torch.randn(3, 6, 2, generator=g),
-        ssm=torch.randn(3, 2, 3, 4, generator=g),
-        checkpoint_conv=torch.randn(1, 3, 6, 2, generator=g),
-        checkpoint_ssm=torch.randn(1, 3, 2, 3, 4, generator=g),
+        pages={
+            "attention.k": torch.randn(2, 2, 4, 1, 3, generator=g),
+            "attention.v": torch.randn(2, 2, 4, 1, 3, generator=g),  # the same shape as k
+        },
+        slots={
+            "mamba2.conv": torch.randn(3, 6, 2, generator=g),
+            "mamba2.ssm": torch.randn(3, 2, 3, 4, generator=g),
+        },
+        checkpoints={
+            "mamba2.conv": torch.randn(1, 3, 6, 2, generator=g),
+            "mamba2.ssm": torch.randn(1, 3, 2, 3, 4, generator=g),
+        },
     )
     return RequestState(**(values | overrides))
 
@@ -62,6 +68,10 @@ def assert_same_state(got, sent) -> None:
         mine, theirs = getattr(got, field.name), getattr(sent, field.name)
         if isinstance(theirs, torch.Tensor):
             assert torch.equal(mine, theirs), field.name
+        elif isinstance(theirs, dict) and any(isinstance(t, torch.Tensor) for t in theirs.values()):
+            assert mine.keys() == theirs.keys(), field.name
+            for name in theirs:
+                assert torch.equal(mine[name], theirs[name]), (field.name, name)
         else:
             assert mine == theirs, field.name
 
@@ -99,20 +109,23 @@ def test_k_and_v_frames_in_another_order_still_land_in_k_and_v():
     frames differently (V first) must not swap them."""
     state = a_state()
     message, tensors = state_message("room", state)
+    names = [spec.name for spec in message.tensors]
+    assert names[:2] == ["pages/attention.k", "pages/attention.v"]
     order = list(range(len(tensors)))
-    k, v = order.index(0), order.index(1)  # k_pages, v_pages come first in the dataclass
-    order[k], order[v] = order[v], order[k]
+    order[0], order[1] = 1, 0
     swapped = dataclasses.replace(message, tensors=[message.tensors[i] for i in order])
     decoded, named = over_the_wire(swapped, [tensors[i] for i in order])
     got = request_state(decoded, named)
-    assert torch.equal(got.k_pages, state.k_pages) and torch.equal(got.v_pages, state.v_pages)
+    assert torch.equal(got.pages["attention.k"], state.pages["attention.k"])
+    assert torch.equal(got.pages["attention.v"], state.pages["attention.v"])
 
 
 @pytest.mark.parametrize(
     "names, error",
     [
-        (["k_pages", "k_pages"], "appears twice"),
-        (["k_pages", "values"], "a request state has"),
+        (["pages/attention.k", "pages/attention.k"], "appears twice"),
+        (["pages/attention.k", "values"], "not a request state tensor"),
+        (["pages/attention.k", "weights/attention.v"], "not a request state tensor"),
     ],
 )
 def test_misnamed_state_tensors_are_refused(names, error):
@@ -144,10 +157,7 @@ def register_body(**overrides) -> dict:
         weights="w",
         dtype="float32",
         page_size=4,
-        kv_page_shape=[1, 4, 1, 3],
-        conv_shape=[1, 6, 2],
-        ssm_shape=[1, 2, 3, 4],
-        ssm_dtype="float32",
+        state=["attention.k: paged x1 [1, 3] float32", "mamba2.ssm: slot x1 [2, 3, 4] float32"],
     )
     body = dict(
         room="r",
@@ -186,15 +196,15 @@ def test_a_well_formed_register_parses_with_its_nested_compat():
         ),
         (
             "register",
-            register_body(compat=dict(register_body()["compat"], conv_shape=[[1]])),
-            "conv_shape",
+            register_body(compat=dict(register_body()["compat"], state=[[1]])),
+            "state",
         ),
         ("heartbeat", {"rooms": 5}, "rooms"),
         ("heartbeat", {"rooms": [["a"]]}, "rooms"),
         ("heartbeat", {"rooms": ["a"] * 70000}, "rooms"),
         ("abort", {"room": "r", "reason": 1}, "reason"),
         (
-            "kv",
+            "pages",
             {
                 "room": "r",
                 "first_page": 0,
@@ -203,7 +213,7 @@ def test_a_well_formed_register_parses_with_its_nested_compat():
             "name",
         ),
         (
-            "kv",
+            "pages",
             {
                 "room": "r",
                 "first_page": 0,
@@ -211,7 +221,7 @@ def test_a_well_formed_register_parses_with_its_nested_compat():
             },
             "shape",
         ),
-        ("kv", {"room": "r", "first_page": 0, "tensors": "k0"}, "tensors"),
+        ("pages", {"room": "r", "first_page": 0, "tensors": "k0"}, "tensors"),
     ],
 )
 def test_every_field_is_checked_against_its_annotation(tag, body, field):
@@ -240,7 +250,7 @@ def test_frame_counts_and_sizes_must_match_the_header():
     heartbeat = [bytes(f) for f in encode(Heartbeat(rooms=["a"]))]
     with pytest.raises(ProtocolError, match="0 tensors announced, 1 frames"):
         decode([*heartbeat, b"\0" * 4])
-    chunk = KVChunk(
+    chunk = PagesChunk(
         room="r", first_page=0, tensors=[TensorSpec(name="k0", dtype="int8", shape=[1])]
     )
     with pytest.raises(ProtocolError, match="unsupported dtype"):

@@ -36,7 +36,10 @@ from disagg.tp_layout import TPLayout, owned, plan
 from disagg.tp_transfer import SECRET_ENV, connector_spec
 from engine.config import ModelConfig
 from engine.engine import Engine
+from engine.handover import RequestState
+from engine.models.registry import model_state_spec
 from engine.sampling_params import SamplingParams
+from engine.state_spec import ModelStateSpec
 from tests.tiny import save_tiny_model
 
 SECRET = "tp-s3cret"
@@ -159,17 +162,24 @@ def assert_clean(*workers) -> None:
         assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
 
 
+def spec_of(config: ModelConfig) -> ModelStateSpec:
+    return model_state_spec(config, torch.float32)
+
+
 def owned_bytes(
     config: ModelConfig, size: int, rank: int, *, pages: int, states: int, blocks: int
 ) -> int:
-    """What decode rank `rank` of `size` holds of `pages` K/V pages, `states` final Mamba states
-    and `blocks` block checkpoints (float32)."""
-    units = {c: sum(n for _, n in r) for c, r in owned(config, size, rank).items()}
-    attn, mamba = len(config.attention_layer_ids), len(config.mamba_layer_ids)
-    per_head = attn * ENGINE_ARGS["page_size"] * config.head_dim
-    conv = mamba * units["conv"] * (config.conv_kernel - 1)
-    ssm = mamba * units["ssm"] * config.mamba_head_dim * config.ssm_state_size
-    return 4 * (2 * pages * per_head * units["k"] + (states + blocks) * (conv + ssm))
+    """What decode rank `rank` of `size` holds of `pages` pages, `states` final slot states and
+    `blocks` block checkpoints, counted from the state spec by hand (units x unit bytes)."""
+    spec, total = spec_of(config), 0
+    for component, ranges in owned(spec, size, rank).items():
+        field, name = component.split("/", 1)
+        group, tensor = spec.tensor(name)
+        unit_bytes = tensor.bytes() // tensor.shape[tensor.unit_dim]
+        count = {"pages": pages * ENGINE_ARGS["page_size"], "slots": states, "checkpoints": blocks}
+        units = sum(n for _, n in ranges)
+        total += units * unit_bytes * group.num_layers * count[field]
+    return total
 
 
 def pages_of(prompts) -> int:
@@ -187,14 +197,15 @@ def test_each_decode_rank_is_planned_exactly_its_units_from_ranks_that_hold_them
     config = ModelConfig.from_hf(model_dir)
     if split:
         config = dataclasses.replace(config, num_key_value_heads=4, n_groups=4)
+    spec = spec_of(config)
     prefill_size, decode_size = sizes
     for rank in range(decode_size):
         got: dict[str, list[int]] = {}
-        for p in plan(config, prefill_size, decode_size, rank):
-            held = owned(config, prefill_size, p.source)[p.component]
+        for p in plan(spec, prefill_size, decode_size, rank):
+            held = owned(spec, prefill_size, p.source)[p.component]
             src_units = [u for s, n in held for u in range(s, s + n)]
             dst_units = [
-                u for s, n in owned(config, decode_size, rank)[p.component] for u in range(s, s + n)
+                u for s, n in owned(spec, decode_size, rank)[p.component] for u in range(s, s + n)
             ]
             assert (
                 src_units[p.src_offset : p.src_offset + p.length]
@@ -203,7 +214,7 @@ def test_each_decode_rank_is_planned_exactly_its_units_from_ranks_that_hold_them
             got.setdefault(p.component, []).extend(
                 dst_units[p.dst_offset : p.dst_offset + p.length]
             )
-        for component, ranges in owned(config, decode_size, rank).items():
+        for component, ranges in owned(spec, decode_size, rank).items():
             assert sorted(got[component]) == [u for s, n in ranges for u in range(s, s + n)]
 
 
@@ -211,7 +222,7 @@ def test_each_decode_rank_is_planned_exactly_its_units_from_ranks_that_hold_them
 def test_pd_across_tp_sizes_matches_colocated_tp1(workers, expected, model_dir, sizes):
     prefill_size, decode_size = sizes
     prefill, decoder = workers("prefill", prefill_size), workers("decode", decode_size)
-    before = list(decoder.engine.shard_bytes_received)
+    before = list(decoder.engine.handover.shards.bytes_received)
     hits_before = decoder.stats().prefix_cache_hit_tokens
     got = run_pair(prefill, decoder, PROMPTS, tag=f"p{prefill_size}d{decode_size}")
     assert got == expected
@@ -220,7 +231,9 @@ def test_pd_across_tp_sizes_matches_colocated_tp1(workers, expected, model_dir, 
     # Every decode rank received exactly the bytes of the heads and channels it owns: pages,
     # final states, and the checkpoints of every prompt block it did not cache already.
     config = ModelConfig.from_hf(model_dir)
-    received = [a - b for a, b in zip(decoder.engine.shard_bytes_received, before, strict=True)]
+    received = [
+        a - b for a, b in zip(decoder.engine.handover.shards.bytes_received, before, strict=True)
+    ]
     hit_blocks = (decoder.stats().prefix_cache_hit_tokens - hits_before) // INTERVAL
     blocks = sum(len(p) // INTERVAL for p in PROMPTS) - hit_blocks
     assert blocks > 0
@@ -236,33 +249,32 @@ def assert_checkpoints_as_colocated(decoder, colocated: Engine, prompt, num_bloc
     """The decode side caches the prompt's first `num_blocks` blocks, and each checkpoint holds,
     on every rank, that rank's slice of the colocated TP=1 engine's checkpoint at the same block
     end: rank 0 compared tensor by tensor, the others by the per-slot sums they report."""
-    engine, config = decoder.engine, colocated.model_config
+    engine = decoder.engine
     keys = colocated.prefix_cache.chain_keys(prompt, num_blocks)
     blocks = [engine.prefix_cache.lookup(key) for key in keys]
     assert None not in blocks, "the decode side does not cache the transferred blocks"
     reference = [colocated.prefix_cache.lookup(key).checkpoint_slot for key in keys]
-    num_slots = engine.cache.pools["mamba2.conv"].shape[1]
     digests = engine.ranks.pool_digests(engine.cache) if engine.ranks is not None else None
-    for rank in range(engine.tp_size):
-        units = owned(config, engine.tp_size, rank)
-        channels = torch.cat([torch.arange(s, s + n) for s, n in units["conv"]])
-        heads = torch.cat([torch.arange(s, s + n) for s, n in units["ssm"]])
+    # where each pool's rows start in a rank's digest (engine/tp_messages.py pool_digest)
+    offsets, row = {}, 0
+    for name, pool in engine.cache.pools.items():
+        offsets[name], row = row, row + pool.shape[1]
+    tp_size = engine.handover.shards.tp_size
+    for rank in range(tp_size):
+        units = owned(engine.state_spec, tp_size, rank)
         for block, ref_slot in zip(blocks, reference, strict=True):
-            conv = colocated.cache.pools["mamba2.conv"][:, ref_slot][:, channels]
-            ssm = colocated.cache.pools["mamba2.ssm"][:, ref_slot][:, heads]
-            assert conv.abs().sum() > 0 and ssm.abs().sum() > 0  # a real state, not a blank
             slot = block.checkpoint_slot
-            if rank == 0:
-                torch.testing.assert_close(
-                    engine.cache.pools["mamba2.conv"][:, slot], conv, atol=1e-4, rtol=1e-4
-                )
-                torch.testing.assert_close(
-                    engine.cache.pools["mamba2.ssm"][:, slot], ssm, atol=1e-4, rtol=1e-4
-                )
-            else:
-                got = digests[rank][[slot, num_slots + slot]]
-                want = torch.stack([conv.double().sum(), ssm.double().sum()])
-                torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+            for name in engine.cache.slotted:
+                ranges = units[f"checkpoints/{name}"]
+                index = torch.cat([torch.arange(s, s + n) for s, n in ranges])
+                want = colocated.cache.pools[name][:, ref_slot].index_select(1, index)
+                assert want.abs().sum() > 0  # a real state, not a blank
+                if rank == 0:
+                    got = engine.cache.pools[name][:, slot]
+                    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+                else:
+                    got = digests[rank][offsets[name] + slot]
+                    torch.testing.assert_close(got, want.double().sum(), atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("sizes", [(2, 1), (1, 2)])
@@ -285,7 +297,7 @@ def test_next_turn_hits_the_decode_side_cache_of_a_tp_handover(
     assert cached == {"r0": 0}
     assert decoder.stats().prefix_cache_blocks == blocks_before + 2  # (the stats show them)
     assert_checkpoints_as_colocated(decoder, colocated, first, 2)
-    before = list(decoder.engine.shard_bytes_received)
+    before = list(decoder.engine.handover.shards.bytes_received)
     cached = {}
     got = run_pair(prefill, decoder, [second], tag=tag + "b", cached=cached)
     assert got == {"r0": expect[f"{tag}1"]}
@@ -293,14 +305,16 @@ def test_next_turn_hits_the_decode_side_cache_of_a_tp_handover(
     assert_checkpoints_as_colocated(decoder, colocated, second, 4)
     # Only what the decode side lacked travelled: pages 8.. and the checkpoints of blocks 2, 3.
     config = ModelConfig.from_hf(model_dir)
-    received = [a - b for a, b in zip(decoder.engine.shard_bytes_received, before, strict=True)]
+    received = [
+        a - b for a, b in zip(decoder.engine.handover.shards.bytes_received, before, strict=True)
+    ]
     pages = pages_of([second]) - 2 * INTERVAL // ENGINE_ARGS["page_size"]
     assert received == [
         owned_bytes(config, decode_size, rank, pages=pages, states=1, blocks=2)
         for rank in range(decode_size)
     ]
     assert_clean(prefill, decoder)
-    assert not decoder.engine.shard_checkpoints
+    assert not decoder.engine.handover.shards.checkpoint_slots
 
 
 def test_no_checkpoints_travel_between_sides_cutting_blocks_differently(
@@ -311,9 +325,9 @@ def test_no_checkpoints_travel_between_sides_cutting_blocks_differently(
     prefill, decoder = workers("prefill", 2), workers("decode", 1, interval=2 * INTERVAL)
     prompt = _prompts(30, (40,))[0]
     expect = colocated_tokens(colocated, [prompt], tag="intervals")
-    before = list(decoder.engine.shard_bytes_received)
+    before = list(decoder.engine.handover.shards.bytes_received)
     assert run_pair(prefill, decoder, [prompt], tag="intervals") == {"r0": expect["intervals0"]}
-    received = decoder.engine.shard_bytes_received[0] - before[0]
+    received = decoder.engine.handover.shards.bytes_received[0] - before[0]
     config = ModelConfig.from_hf(model_dir)
     assert received == owned_bytes(config, 1, 0, pages=pages_of([prompt]), states=1, blocks=0)
     assert decoder.stats().prefix_cache_blocks == 0
@@ -422,14 +436,14 @@ def test_a_lying_prefill_peer_fails_its_room_and_the_decode_engine_serves_on(wor
                 push.connect(address)
                 pushes.append(push)
                 named = []
-                for p in plan(config, 1, 2, rank):
+                for p in plan(spec_of(config), 1, 2, rank):
                     shape = {
-                        "k": (2, -(-len(prompt) // 4) + stretch, 4, p.length, 16),
-                        "v": (2, -(-len(prompt) // 4) + stretch, 4, p.length, 16),
-                        "conv": (3, p.length, 3),
-                        "ssm": (3, p.length, 16, 8),
-                        "checkpoint_conv": (sent_blocks, 3, p.length, 3),
-                        "checkpoint_ssm": (sent_blocks, 3, p.length, 16, 8),
+                        "pages/attention.k": (2, -(-len(prompt) // 4) + stretch, 4, p.length, 16),
+                        "pages/attention.v": (2, -(-len(prompt) // 4) + stretch, 4, p.length, 16),
+                        "slots/mamba2.conv": (3, p.length, 3),
+                        "slots/mamba2.ssm": (3, p.length, 16, 8),
+                        "checkpoints/mamba2.conv": (sent_blocks, 3, p.length, 3),
+                        "checkpoints/mamba2.ssm": (sent_blocks, 3, p.length, 16, 8),
                     }[p.component]
                     named.append((p.name, torch.zeros(shape)))
                 shard = ShardTransfer(
@@ -455,7 +469,7 @@ def test_a_lying_prefill_peer_fails_its_room_and_the_decode_engine_serves_on(wor
             assert text in failures[0][1], failures[0][1]
             stats = decoder.stats()
             assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0, case
-            assert not decoder.engine.shard_checkpoints
+            assert not decoder.engine.handover.shards.checkpoint_slots
     finally:
         router.close(linger=0)
     cached_tokens: dict[str, int] = {}
@@ -468,24 +482,21 @@ def test_a_lying_prefill_peer_fails_its_room_and_the_decode_engine_serves_on(wor
 
 def _fake_state(config: ModelConfig, prompt, first_page: int, blocks: int):
     """A first-token state (what goes through rank 0) claiming pages from `first_page` and
-    checkpoints of `blocks` blocks from block 0 (no pages, no Mamba layers: those go rank to
+    checkpoints of `blocks` blocks from block 0 (no pages, no slot layers: those go rank to
     rank)."""
-    from engine.handover import RequestState
-
-    conv = (config.conv_dim, config.conv_kernel - 1)
-    ssm = (config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size)
+    spec = spec_of(config)
     return RequestState(
         num_prompt_tokens=len(prompt),
         first_token=5,
         first_logprobs=None,
         first_page=first_page,
         first_block=0,
-        k_pages=torch.empty(2, 0),
-        v_pages=torch.empty(2, 0),
-        conv=torch.empty(0, *conv),
-        ssm=torch.empty(0, *ssm),
-        checkpoint_conv=torch.empty(blocks, 0, *conv),
-        checkpoint_ssm=torch.empty(blocks, 0, *ssm),
+        pages={name: torch.empty(2, 0) for name in spec.names("paged")},
+        slots={name: torch.empty(0, *spec.tensor(name)[1].shape) for name in spec.names("slot")},
+        checkpoints={
+            name: torch.empty(blocks, 0, *spec.tensor(name)[1].shape)
+            for name in spec.checkpointed()
+        },
     )
 
 

@@ -13,8 +13,8 @@ from disagg.decode import DecodeWorker
 from disagg.messages import (
     Abort,
     Heartbeat,
-    KVChunk,
-    MambaChunk,
+    PagesChunk,
+    SlotChunk,
     StateTransfer,
     TensorSpec,
 )
@@ -50,13 +50,15 @@ def config(role, **overrides):
 
 
 def test_messages_round_trip_with_tensors_and_mac():
-    message = KVChunk(
-        room="r", first_page=2, tensors=[TensorSpec(name="k0", dtype="bfloat16", shape=[2, 3])]
+    message = PagesChunk(
+        room="r",
+        first_page=2,
+        tensors=[TensorSpec(name="attention.k#0", dtype="bfloat16", shape=[2, 3])],
     )
     tensor = torch.randn(2, 3).bfloat16()
     frames = [bytes(f) for f in encode(message, [tensor], secret=b"k")]
     decoded, tensors = decode(frames, secret=b"k")
-    assert decoded == message and torch.equal(tensors["k0"], tensor)
+    assert decoded == message and torch.equal(tensors["attention.k#0"], tensor)
     assert decode([bytes(f) for f in encode(Heartbeat(rooms=["a"]))])[0] == Heartbeat(rooms=["a"])
 
 
@@ -137,7 +139,7 @@ def test_pair_is_token_identical_to_colocated_and_frees_everything(
     model_dir, _ = base_model
     if one_layer_messages:
         monkeypatch.setattr("disagg.prefill_sends.PUSH_BYTES", 1)
-        monkeypatch.setattr("disagg.prefill_sends.MAMBA_PUSH_BYTES", 1)
+        monkeypatch.setattr("disagg.prefill_sends.SLOT_PUSH_BYTES", 1)
     ctx = zmq.Context()
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (1, 6, 45, 130)]
@@ -148,21 +150,23 @@ def test_pair_is_token_identical_to_colocated_and_frees_everything(
     )
     decoder = DecodeWorker(Engine(model_dir, page_size=4), config("decode"), ctx)
     installed_pages = []
-    install_pages = decoder.engine.install_pages
+    handover = decoder.engine.handover
+    install_pages = handover.install_pages
 
-    def counting_install_pages(request_id, first_page, k_pages, v_pages):
-        installed_pages.extend((request_id, first_page + i) for i in range(k_pages[0].shape[0]))
-        return install_pages(request_id, first_page, k_pages, v_pages)
+    def counting_install_pages(request_id, first_page, pages):
+        n = pages["attention.k"][0].shape[0]
+        installed_pages.extend((request_id, first_page + i) for i in range(n))
+        return install_pages(request_id, first_page, pages)
 
-    decoder.engine.install_pages = counting_install_pages
+    handover.install_pages = counting_install_pages
     installed_layers = []
-    install_mamba = decoder.engine.install_mamba
+    install_unit = handover.install_unit
 
-    def counting_install_mamba(request_id, first_layer, conv, ssm):
-        installed_layers.extend((request_id, first_layer + i) for i in range(len(conv)))
-        return install_mamba(request_id, first_layer, conv, ssm)
+    def counting_install_unit(request_id, unit, frames):
+        installed_layers.append((request_id, unit.frames[0][2]))
+        return install_unit(request_id, unit, frames)
 
-    decoder.engine.install_mamba = counting_install_mamba
+    handover.install_unit = counting_install_unit
     got = run_pair(prefill, decoder, prompts, params, registered_first=one_layer_messages)
     assert got == expect
     assert decoder.take_failures() == [] and prefill.take_failures() == []
@@ -427,7 +431,7 @@ def test_both_workers_reuse_cached_prefixes_and_stay_token_identical(base_model)
 
 
 def test_mamba_state_pushed_ahead_and_a_lost_part_fails_cleanly(base_model, monkeypatch):
-    """A registered decode side gets the final Mamba state in MambaChunks ahead of the
+    """A registered decode side gets the final Mamba state in SlotChunks ahead of the
     StateTransfer (which then carries no layers); if one of them never arrives, the room
     fails with a message naming it and both pools return to zero."""
     model_dir, _ = base_model
@@ -448,14 +452,18 @@ def test_mamba_state_pushed_ahead_and_a_lost_part_fails_cleanly(base_model, monk
     monkeypatch.setattr(prefill.socket, "send_multipart", spy)
     assert run_pair(prefill, decoder, prompts, params, registered_first=True) == expect
     finals = [m for m in sent if isinstance(m, StateTransfer)]
-    assert len(finals) == 2 and all(m.tensors[2].shape[0] == 0 for m in finals)  # conv: none
-    assert sum(isinstance(m, MambaChunk) for m in sent) >= 2
-    # Now lose the Mamba push of the next request.
-    monkeypatch.setattr(prefill.sender, "push_mamba", lambda r, req: None)
+    slot_frames = [
+        [s for s in m.tensors if s.name.startswith("slots/")] for m in finals
+    ]  # every slot tensor with no layers: they came ahead
+    assert len(finals) == 2 and all(s.shape[0] == 0 for f in slot_frames for s in f)
+    assert all(len(f) == 2 for f in slot_frames)
+    assert sum(isinstance(m, SlotChunk) for m in sent) >= 2
+    # Now lose the slot-state push of the next request.
+    monkeypatch.setattr(prefill.sender, "push_slots", lambda r, req: None)
     got = run_pair(prefill, decoder, [prompts[0]], params, timeout=10, registered_first=True)
     assert got == {}
     failures = decoder.take_failures()
-    assert len(failures) == 1 and "Mamba state incomplete: 0 of" in failures[0][1]
+    assert len(failures) == 1 and "slot state incomplete: 0 of" in failures[0][1]
     assert_pools_empty(prefill, decoder)
     prefill.close()
     decoder.close()
@@ -544,7 +552,7 @@ def test_install_pages_puts_each_page_where_the_request_has_it(base_model):
     streamed page must land in its own pool page, as with any scattered allocation."""
     model_dir, _ = base_model
     engine = Engine(model_dir, page_size=4)
-    engine.preallocate("r", list(range(3, 19)), SamplingParams(max_tokens=2))
+    engine.handover.preallocate("r", list(range(3, 19)), SamplingParams(max_tokens=2))
     req = engine.requests["r"]
     first = min(req.kv_pages)
     for order in ([0, 2, 1, 3], [0, 1, 2, 3], [3, 0, 1, 2]):
@@ -552,7 +560,7 @@ def test_install_pages_puts_each_page_where_the_request_has_it(base_model):
         n, ps = 4, engine.cache.page_size
         k = [torch.randn(n, ps, *pool.shape[1:]) for pool in engine.cache.pools["attention.k"]]
         v = [torch.randn(n, ps, *pool.shape[1:]) for pool in engine.cache.pools["attention.v"]]
-        engine.install_pages("r", 0, k, v)
+        engine.handover.install_pages("r", 0, {"attention.k": k, "attention.v": v})
         for pools, sent in (
             (engine.cache.pools["attention.k"], k),
             (engine.cache.pools["attention.v"], v),
@@ -604,7 +612,7 @@ def test_sends_a_decode_worker_never_reads_free_the_pages_after_its_timeout(
     while time.monotonic() < deadline - 0.3:  # within the decode side's timeout: still held
         prefill.step()
         time.sleep(0.05)
-    assert prefill.engine.has_held() and prefill.stats().kv_pages_used == 10
+    assert prefill.engine.handover.has_held() and prefill.stats().kv_pages_used == 10
     while prefill.has_unfinished_requests():
         assert time.monotonic() - start < 5, "held pages were never given back"
         prefill.step()

@@ -109,10 +109,10 @@ def reconstruct(md: Mamba2Metadata, sched: ScheduledBatch) -> dict:
     prompt_seqs = sorted({s for s in batch.logits_row_owner if batch.logits_row_owner.count(s) > 1})
     points = []
     ndt = md.num_decode_tracks
-    for i, dst in enumerate(md.track_ssm_dst.tolist()):
+    for i, dst in enumerate(md.track_state_dst.tolist()):
         if dst == 0:
             continue  # graph-capacity padding: dummy slot 0 onto itself
-        conv = md.track_conv_indices[i].item()
+        conv = md.track_window_indices[i].item()
         if i < ndt:
             points.append(TrackPoint(seq_index=conv, token_offset=0, dst_slot=dst))
         else:
@@ -188,7 +188,7 @@ def test_graph_path_builder_carries_every_field():
 
     def padded_build(sched):
         md = runner.build(runner.pad(sched, 8))
-        assert md.forward.decode_attention.max_kv == 64 and md.track_ssm_dst.shape[0] in (0, 8)
+        assert md.forward.decode_attention.max_kv == 64 and md.track_state_dst.shape[0] in (0, 8)
         real = sched.num_seqs
         return dataclasses.replace(
             md,
@@ -222,9 +222,9 @@ def test_graph_path_builder_carries_every_field():
         lambda md: dataclasses.replace(md, has_mamba_track_mask=False),  # the seed bug itself
         lambda md: dataclasses.replace(
             md,
-            track_ssm_dst=md.track_ssm_dst[:0],
-            track_ssm_src=md.track_ssm_src[:0],
-            track_conv_indices=md.track_conv_indices[:0],
+            track_state_dst=md.track_state_dst[:0],
+            track_state_src=md.track_state_src[:0],
+            track_window_indices=md.track_window_indices[:0],
             num_decode_tracks=0,
         ),
         lambda md: dataclasses.replace(md, prefill_slots=torch.zeros_like(md.prefill_slots)),

@@ -34,16 +34,8 @@ def timed_step(sched, timing: RequestTiming, clock: FakeClock, start: float, end
     batch = sched.schedule()
     timing.scheduled(batch)
     clock.now = end
-    by_id = {r.request_id: r for r in sched.running}
-    for s, rid in enumerate(batch.request_ids):
-        r = by_id[rid]
-        r.num_computed += batch.seq_lens[s]
-        if s in batch.logits_seqs:
-            r.output_ids.append(7)
-            done = len(r.output_ids) >= r.params.max_tokens
-            if done:
-                sched.finish(r, "length")
-            timing.sampled(rid, finished=done)
+    for delta in sched.update_from_output(batch, {s: (7, None) for s in batch.logits_seqs}, {}):
+        timing.sampled(delta.request_id, finished=delta.finished)
     return batch
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import Routing, fused_moe_torch, pack_experts, pack_onednn, route_sigmoid_grouped
+from kernels.layouts import Routing
+from kernels.moe import fused_moe_torch, pack_experts, pack_onednn, route_sigmoid_grouped
 from kernels.triton_moe import fused_moe_triton
 
 

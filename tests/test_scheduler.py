@@ -8,6 +8,20 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 
 
+class RecordedSlotOps:
+    """The scheduler's slot operations, recorded instead of applied to pools."""
+
+    def __init__(self) -> None:
+        self.resets: list[int] = []
+        self.copies: list[tuple[int, int]] = []
+
+    def reset(self, slot: int) -> None:
+        self.resets.append(slot)
+
+    def copy(self, src: int, dst: int) -> None:
+        self.copies.append((src, dst))
+
+
 def make(
     budget=32,
     chunk=16,
@@ -18,7 +32,7 @@ def make(
     policy="mixed",
     prefill_budget=None,
 ):
-    reset = []
+    ops = RecordedSlotOps()
     sched = Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=budget,
@@ -27,12 +41,14 @@ def make(
             page_size=page_size,
             policy=policy,
             max_prefill_tokens=prefill_budget or budget,
+            max_model_len=4096,
+            eos_token_ids=(0,),
         ),
         IndexPool(pages, "pages"),
         IndexPool(slots, "slots"),
-        reset.append,
+        ops,
     )
-    return sched, reset
+    return sched, ops.resets
 
 
 def req(rid, n, max_tokens=4):
@@ -45,18 +61,11 @@ def req(rid, n, max_tokens=4):
 
 
 def fake_step(sched: Scheduler):
-    """Run one step: advance computed counts and append a fake token where one is sampled."""
+    """Run one step on fake model output: token 7 wherever one is sampled."""
     batch = sched.schedule()
     if batch is None:
         return None
-    by_id = {r.request_id: r for r in sched.running}
-    for s, rid in enumerate(batch.request_ids):
-        r = by_id[rid]
-        r.num_computed += batch.seq_lens[s]
-        if s in batch.logits_seqs:
-            r.output_ids.append(7)
-            if len(r.output_ids) >= r.params.max_tokens:
-                sched.finish(r, "length")
+    sched.update_from_output(batch, {s: (7, None) for s in batch.logits_seqs}, {})
     return batch
 
 
@@ -157,7 +166,7 @@ def test_prefill_first_runs_a_waiting_prefill_without_the_decodes():
     # nothing waits now: the next step decodes all three, none was dropped
     batch = fake_step(sched)
     assert batch.mode == "decode" and batch.request_ids == ("a", "b", "new")
-    assert [len(sched.find(r).output_ids) for r in ("a", "b", "new")] == [2, 2, 2]
+    assert [len(sched.get(r).output_ids) for r in ("a", "b", "new")] == [2, 2, 2]
 
 
 def test_prefill_first_keeps_chunking_running_prefills_while_others_wait():

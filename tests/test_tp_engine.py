@@ -132,26 +132,24 @@ def test_every_rank_pools_hold_its_slice_of_tp1_state(engines, name):
     assert len(digests) == 2
     for rank, digest in enumerate(digests):
         tp = TensorParallel(rank=rank, size=2, group=None, timeout_s=0.0)
+        # The weights' slices (tp_shard, parallel) and the state spec's must agree.
         mamba = mamba_shard(config, tp)
-        channels = torch.cat([torch.arange(s, s + n) for s, n in mamba.conv_channels])
-        heads = slice(mamba.first_head, mamba.first_head + mamba.num_heads)
         first_kv, kv_heads = kv_head_part(
             config.num_key_value_heads, config.num_attention_heads, tp
         )
-        kv = slice(first_kv, first_kv + kv_heads)
-        expected = SimpleNamespace(
-            conv=full.conv[:, :, channels],
-            ssm=full.ssm[:, :, heads],
-            k=[k[:, kv] for k in full.k],
-            v=[v[:, kv] for v in full.v],
-        )
+        owned = {name: t.ranges(2, rank) for name, _, t in tp1.engine.state_spec.entries()}
+        assert owned["mamba2.conv"] == mamba.conv_channels
+        assert owned["mamba2.ssm"] == ((mamba.first_head, mamba.num_heads),)
+        assert owned["attention.k"] == owned["attention.v"] == ((first_kv, kv_heads),)
+        expected = SimpleNamespace(pools={})
+        for name, pool in full.pools.items():
+            units = torch.cat([torch.arange(s, s + n) for s, n in owned[name]])
+            expected.pools[name] = pool.index_select(2, units)  # (layers, rows, units, ...)
         torch.testing.assert_close(digest, pool_digest(expected), atol=1e-3, rtol=1e-4)
         if rank == 0:
             shard = tp2.engine.cache
-            torch.testing.assert_close(shard.conv, expected.conv, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(shard.ssm, expected.ssm, atol=1e-4, rtol=1e-4)
-            for k_1, k_2 in zip(expected.k, shard.k, strict=True):
-                torch.testing.assert_close(k_2, k_1, atol=1e-4, rtol=1e-4)
+            for name, pool in expected.pools.items():
+                torch.testing.assert_close(shard.pools[name], pool, atol=1e-4, rtol=1e-4)
 
 
 def test_unsupported_groups_for_tp_size_are_refused_naming_both(tmp_path):

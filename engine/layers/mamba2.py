@@ -249,7 +249,7 @@ class Mamba2Mixer(nn.Module):
         states at the track points, for checkpoints)."""
         z, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         window_tokens = (
-            md.track_conv_indices[md.num_decode_tracks :] if md.has_mamba_track_mask else None
+            md.track_window_indices[md.num_decode_tracks :] if md.has_mamba_track_mask else None
         )
         xbc, windows = causal_conv1d_varlen(
             xbc,
@@ -257,7 +257,7 @@ class Mamba2Mixer(nn.Module):
             self.conv1d.bias,
             conv_pool,
             md.prefill_slots,
-            md.conv_layout,
+            md.window_layout,
             window_tokens,
         )
         x, B, C = self.split_xbc(xbc)
@@ -310,14 +310,14 @@ class Mamba2Mixer(nn.Module):
         if chunk_states is not None:
             ssm_sources.append(chunk_states.flatten(0, 1))
         ssm_src = torch.cat(ssm_sources) if len(ssm_sources) > 1 else ssm_sources[0]
-        copy_states(ssm_pool, md.track_ssm_dst, ssm_src, md.track_ssm_src)
+        copy_states(ssm_pool, md.track_state_dst, ssm_src, md.track_state_src)
         if ndt:
-            rows = md.track_conv_indices[:ndt]
-            copy_states(conv_pool, md.track_ssm_dst[:ndt], conv_pool, decode_slots[rows])
+            rows = md.track_window_indices[:ndt]
+            copy_states(conv_pool, md.track_state_dst[:ndt], conv_pool, decode_slots[rows])
         if windows is not None and windows.shape[0]:
             copy_states(
                 conv_pool,
-                md.track_ssm_dst[ndt:],
+                md.track_state_dst[ndt:],
                 windows,
                 torch.arange(windows.shape[0], device=windows.device),
             )

@@ -92,9 +92,9 @@ def run_launchers(dtype: torch.dtype, dims: dict) -> None:
     conv, K = dims["conv"], dims["K"]
     xc, w, b = torch.randn(T, conv).to(dtype), torch.randn(conv, K).to(dtype), torch.randn(conv)
     conv_pool = torch.randn(4, conv, K - 1).to(dtype)
-    conv_layout = build_conv_layout(seq_lens, K, "cpu")
+    window_layout = build_conv_layout(seq_lens, K, "cpu")
     slots = torch.tensor([1, 2])
-    causal_conv1d_varlen_triton(xc, w, b, conv_pool, slots, conv_layout, torch.tensor([3, 35]))
+    causal_conv1d_varlen_triton(xc, w, b, conv_pool, slots, window_layout, torch.tensor([3, 35]))
     causal_conv1d_update_triton(xc[:3], w, None, conv_pool, rows)
     QH, KVH, Dh = dims["q_heads"], dims["kv_heads"], dims["head_dim"]
     k_cache, v_cache = torch.randn(400, KVH, Dh).to(dtype), torch.randn(400, KVH, Dh).to(dtype)

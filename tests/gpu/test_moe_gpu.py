@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe import Routing, fused_moe_torch, route_sigmoid_grouped
+from kernels.layouts import Routing
+from kernels.moe import fused_moe_torch, route_sigmoid_grouped
 from kernels.triton_moe import _moe_up_kernel, fused_moe_triton
 
 
