@@ -19,8 +19,8 @@ from disagg.decode import DecodeWorker
 from disagg.messages import (
     Abort,
     Heartbeat,
-    KVChunk,
-    MambaChunk,
+    PagesChunk,
+    SlotChunk,
     Register,
     TensorSpec,
 )
@@ -60,13 +60,15 @@ values = st.recursive(
 def valid_bodies(room: str) -> list[tuple[str, dict, list[bytes]]]:
     """(tag, body, frames) of well-formed messages of every kind for `room`."""
     state, tensors = state_message(room, a_state())
-    mamba = MambaChunk(
+    mamba = SlotChunk(
         room=room,
-        first_layer=0,
-        tensors=[TensorSpec(name="conv0", dtype="float32", shape=[2, 2])],
+        first_unit=0,
+        tensors=[TensorSpec(name="mamba2.conv#0", dtype="float32", shape=[2, 2])],
     )
-    kv = KVChunk(
-        room=room, first_page=0, tensors=[TensorSpec(name="k0", dtype="float32", shape=[1, 4])]
+    kv = PagesChunk(
+        room=room,
+        first_page=0,
+        tensors=[TensorSpec(name="attention.k#0", dtype="float32", shape=[1, 4])],
     )
     messages = [
         (Register(**register_body(room=room)), []),

@@ -16,7 +16,7 @@ from disagg.decode import DecodeWorker
 from disagg.messages import (
     Heartbeat,
     HeartbeatAck,
-    KVChunk,
+    PagesChunk,
     Register,
     Reject,
     TensorSpec,
@@ -269,10 +269,10 @@ def forged_states(room: str) -> list[tuple[str, list]]:
         state=message.state | {"first_logprobs": {"a": "b"}},
         tensors=message.tensors,
     )
-    wrong_shapes = KVChunk(
+    wrong_shapes = PagesChunk(
         room=room,
         first_page=0,
-        tensors=[TensorSpec(name="k0", dtype="float32", shape=[1, 3])],
+        tensors=[TensorSpec(name="attention.k#0", dtype="float32", shape=[1, 3])],
     )
     import torch
 
