@@ -36,7 +36,7 @@ def active_matmul_params(model) -> int:
     for module in model.modules():
         if isinstance(module, Experts):
             per_expert = module.up_proj[0].numel() + module.down_proj[0].numel()
-            active += model.config.moe.top_k * per_expert
+            active += module.top_k * per_expert
         elif isinstance(module, SoftmaxTopKMoE):
             per_expert = (
                 module.input_linear.weight[0].numel() + module.output_linear.weight[0].numel()

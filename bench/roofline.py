@@ -43,7 +43,7 @@ def model_weights(model, dtype: torch.dtype) -> Weights:
     for module in model.modules():
         if isinstance(module, Experts):
             expert += module.up_proj[0].numel() + module.down_proj[0].numel()
-            experts, top_k = module.up_proj.shape[0], config.moe.top_k
+            experts, top_k = module.up_proj.shape[0], module.top_k
         elif isinstance(module, SoftmaxTopKMoE):
             expert += module.input_linear.weight[0].numel() + module.output_linear.weight[0].numel()
             experts, top_k = module.input_linear.weight.shape[0], module.top_k

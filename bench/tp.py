@@ -37,6 +37,7 @@ from disagg.tp_transfer import connector_spec
 from engine.config import ModelConfig
 from engine.engine import Engine
 from engine.llm import LLM
+from engine.models.registry import model_state_spec
 from engine.sampling_params import SamplingParams
 
 PAGE_SIZE = 16
@@ -90,16 +91,17 @@ def owned_bytes(
     """Bytes of the prompts' K/V pages, final Mamba state and prefix-cache block checkpoints
     (one per `track_interval` tokens; none without a prefix cache) that decode rank `rank` of
     `size` holds (its units of each component; SSM state in float32)."""
-    units = {c: sum(n for _, n in r) for c, r in owned(config, size, rank).items()}
+    spec = model_state_spec(config, torch.float32 if itemsize == 4 else torch.bfloat16)
     pages = sum(-(-n // PAGE_SIZE) for n in prompt_lens)
-    kv = 2 * len(config.attention_layer_ids) * pages * PAGE_SIZE * config.head_dim
-    states = len(prompt_lens) + sum(n // track_interval for n in prompt_lens if track_interval)
-    mamba = len(config.mamba_layer_ids) * states
-    return (
-        kv * units.get("k", 0) * itemsize
-        + mamba * units.get("conv", 0) * (config.conv_kernel - 1) * itemsize
-        + mamba * units.get("ssm", 0) * config.mamba_head_dim * config.ssm_state_size * 4
-    )
+    blocks = sum(n // track_interval for n in prompt_lens if track_interval)
+    count = {"pages": pages * PAGE_SIZE, "slots": len(prompt_lens), "checkpoints": blocks}
+    total = 0
+    for component, ranges in owned(spec, size, rank).items():
+        field, name = component.split("/", 1)
+        group, tensor = spec.tensor(name)
+        unit_bytes = tensor.bytes() // tensor.shape[tensor.unit_dim]
+        total += sum(n for _, n in ranges) * unit_bytes * group.num_layers * count[field]
+    return total
 
 
 def handover_bytes(

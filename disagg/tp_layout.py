@@ -23,7 +23,8 @@ import functools
 import re
 from dataclasses import dataclass
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import ModelConfig
+from engine.config_error import ConfigError
 from engine.state_spec import ModelStateSpec, Ranges
 from engine.tp_shard import check_tp_supported
 

@@ -1,7 +1,9 @@
-"""ModelConfig: a frozen, complete description of a hybrid checkpoint, read from config.json.
+"""ModelConfig: a frozen, complete description of a checkpoint, read from config.json.
 
 config.json's `architectures` (else `model_type`) picks the family (engine/models/registry.py);
-the family's `read_config` fills one ModelConfig, the shape every engine part reads.
+the family's `read_config` fills one ModelConfig: the fields every family has (the only ones
+the engine reads), and `family`, the family's own frozen config type, defined and read in its
+family file (its layers' configs, multipliers, layout).
 
 No defaults of baton's own: every field comes from the file (or from a documented alias /
 derivation). A key the shapes cannot be guessed without (`hidden_size`, the layer layout...) is
@@ -19,17 +21,9 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-# "parallel": attention and Mamba2 side by side on the same normed input (Falcon-H1); "hybrid":
-# a use of a shared attention block, then a Mamba2 layer (Zamba2). Both own a KV pool (one per
-# use) and a Mamba state.
-LayerType = Literal["mamba", "attention", "mlp", "moe", "parallel", "hybrid"]
-MambaNorm = Literal["gated", "norm_then_gate", "none"]
-
-
-class ConfigError(ValueError):
-    """A model directory whose config.json cannot be served; the message names the key."""
+from engine.config_error import ConfigError
 
 
 @functools.cache
@@ -145,30 +139,6 @@ class ConfigReader:
         return rotary
 
 
-# The multipliers of families that have none of Falcon-H1's (ModelConfig fields).
-NO_FALCON_MULTIPLIERS: dict[str, Any] = dict(
-    lm_head_multiplier=1.0,
-    attention_in_multiplier=1.0,
-    attention_out_multiplier=1.0,
-    key_multiplier=1.0,
-    ssm_in_multiplier=1.0,
-    ssm_out_multiplier=1.0,
-    ssm_multipliers=(1.0, 1.0, 1.0, 1.0, 1.0),
-    mlp_multipliers=(1.0, 1.0),
-)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SharedBlocksConfig:
-    """`num_blocks` attention blocks reused in turn at the `hybrid` layers (Zamba2), with per-use
-    LoRA adapters of rank `adapter_rank` on q/k/v when `attention_adapters` (the MLP's
-    gate_up_proj always has them)."""
-
-    num_blocks: int
-    attention_adapters: bool
-    adapter_rank: int
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RotaryConfig:
     """NeoX-style rotary embeddings on the first channels of each head (partial rotary when
@@ -185,122 +155,22 @@ class RotaryConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class MoEConfig:
-    """A routed mixture of experts plus one always-on shared expert (NemotronH's `moe` block).
-
-    Router "softmax_topk" (Granite-4.0-H): softmax over the top-k logits; the grouping fields
-    are then 1 and no correction bias exists.
-    Router "sigmoid_grouped" (NemotronH): sigmoid scores of a float32 linear; top-k choice on
-    scores + `e_score_correction_bias` restricted to the best `topk_group` of `n_group` expert
-    groups (a group's score is the sum of its two best experts); weights are the chosen sigmoid
-    scores, renormalised to sum 1 when `norm_topk_prob`, times `routed_scaling_factor`.
-    """
-
-    router: Literal["sigmoid_grouped", "softmax_topk"]  # softmax_topk: Mixtral/Granite
-    num_experts: int
-    top_k: int
-    intermediate_size: int  # per routed expert
-    shared_intermediate_size: int  # the shared expert (an MLP beside the routed ones)
-    # Experts run in a smaller space: fc1_latent_proj (hidden -> latent) before them and
-    # fc2_latent_proj (latent -> hidden) after (Nemotron 3 Super). None: no projection.
-    latent_size: int | None
-    activation: Literal["relu2", "swiglu"]  # relu2: up/down experts; swiglu: gate_up/down
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    bias: bool  # bias of the shared expert and latent projections (`mlp_bias`)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
+    """What every family has. The engine reads these and nothing of `family`."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
-    layer_types: tuple[LayerType, ...]
-    norm_eps: float
     tie_word_embeddings: bool
     max_position_embeddings: int
-    # attention
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    attention_bias: bool
-    attention_scale: float  # softmax scale: head_dim ** -0.5, or a family's multiplier
-    rotary: RotaryConfig | None  # None: no positional encoding (NemotronH is NoPE)
-    # MLP
-    intermediate_size: int
-    mlp_bias: bool
-    mlp_hidden_act: str  # "relu2": up/down; "silu" / "gelu": gated gate/up/down
-    # µP-style multipliers (1.0 where a family has none): embeddings are scaled on the way in,
-    # each block's output before the residual add, and logits are divided on the way out.
-    embedding_multiplier: float
-    residual_multiplier: float
-    logits_scaling: float
-    # Falcon-H1's multipliers (1.0 elsewhere): lm_head output, attention input/output and its
-    # keys, Mamba input/output, the five in_proj segments [z | x | B | C | dt] (`mup_vector`),
-    # and the dense MLP's gate input and down output.
-    lm_head_multiplier: float
-    attention_in_multiplier: float
-    attention_out_multiplier: float
-    key_multiplier: float
-    ssm_in_multiplier: float
-    ssm_out_multiplier: float
-    ssm_multipliers: tuple[float, float, float, float, float]
-    mlp_multipliers: tuple[float, float]
-    # Mamba2
-    mamba_num_heads: int
-    mamba_head_dim: int
-    ssm_state_size: int
-    n_groups: int
-    conv_kernel: int
-    chunk_size: int
-    use_conv_bias: bool
-    mamba_proj_bias: bool  # in_proj's bias
-    mamba_out_proj_bias: bool  # out_proj's: mamba_proj_bias, but Falcon-H1's `projectors_bias`
-    time_step_limit: tuple[float, float]
-    # "gated": norm(y * silu(z)) per group (NemotronH, Bamba, Granite, Falcon-H1 with
-    # mamba_norm_before_gate=False); "norm_then_gate": norm(y) * silu(z); "none": y * silu(z).
-    mamba_norm: MambaNorm
-    mamba_norm_eps: float  # norm_eps, but transformers' Zamba2 mixer hard-codes 1e-5
-    mamba_ssm_cache_dtype: str
-    # Zamba2's shared attention blocks: None in families without them
-    shared_blocks: SharedBlocksConfig | None
-    # MoE: None when no layer is a `moe` block (then no MoE key is read or checked)
-    moe: MoEConfig | None
     # Multi-token-prediction layers stored in the checkpoint (`mtp.*`); baton does not run them
     # yet, the loader skips their weights.
     num_nextn_predict_layers: int
-    # tokens
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_types)
-
-    @property
-    def mamba_layer_ids(self) -> tuple[int, ...]:
-        """Layers with a Mamba state, in pool order."""
-        return tuple(
-            i for i, t in enumerate(self.layer_types) if t in ("mamba", "parallel", "hybrid")
-        )
-
-    @property
-    def attention_layer_ids(self) -> tuple[int, ...]:
-        """Layers with a KV pool, in pool order."""
-        return tuple(
-            i for i, t in enumerate(self.layer_types) if t in ("attention", "parallel", "hybrid")
-        )
-
-    @property
-    def mamba_intermediate(self) -> int:
-        return self.mamba_num_heads * self.mamba_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return self.mamba_intermediate + 2 * self.n_groups * self.ssm_state_size
+    # The family's own config (a frozen dataclass of its family file: layers, multipliers).
+    family: Any
 
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> ModelConfig:

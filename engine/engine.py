@@ -156,16 +156,15 @@ class Engine:
             self.shard_connector = None
 
     def _make_prefix_cache(self) -> PrefixCache | None:
-        args, config = self.args, self.model_config
+        args = self.args
         if not args.enable_prefix_caching:
             return None
-        interval = args.mamba_track_interval or default_track_interval(
-            config.chunk_size, args.page_size
-        )
-        if interval % config.chunk_size or interval % args.page_size:
+        chunk = self.state_spec.chunk_size
+        interval = args.mamba_track_interval or default_track_interval(chunk, args.page_size)
+        if interval % chunk or interval % args.page_size:
             raise ValueError(
-                f"mamba_track_interval {interval} must be a multiple of the SSD chunk size "
-                f"{config.chunk_size} and of the KV page size {args.page_size}"
+                f"mamba_track_interval {interval} must be a multiple of the state's chunk size "
+                f"{chunk} and of the KV page size {args.page_size}"
             )
         return PrefixCache(
             track_interval=interval, page_size=args.page_size, pages=self.pages, slots=self.slots

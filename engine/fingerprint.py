@@ -17,7 +17,7 @@ import mmap
 from pathlib import Path
 
 from engine.config import ModelConfig
-from engine.weights import SKIPPED_PREFIXES, canonical_name, checkpoint_files
+from engine.weights import SKIPPED_PREFIXES, Rename, checkpoint_files, keep_name
 
 SAMPLES_PER_TENSOR = 8  # windows spread evenly over a tensor's bytes, first and last included
 SAMPLE_BYTES = 32
@@ -27,7 +27,7 @@ def config_fingerprint(config: ModelConfig) -> str:
     return hashlib.sha256(repr(config).encode()).hexdigest()[:16]
 
 
-def weights_fingerprint(model_dir: str | Path) -> str:
+def weights_fingerprint(model_dir: str | Path, rename: Rename = keep_name) -> str:
     """A digest of every tensor's name, dtype, shape and sampled bytes (about 256 bytes read
     per tensor, from pages the loader has just read)."""
     entries: list[tuple[str, bytes]] = []
@@ -37,8 +37,10 @@ def weights_fingerprint(model_dir: str | Path) -> str:
             header = json.loads(data[8 : 8 + header_len])
             base = 8 + header_len
             for name, meta in header.items():
-                name = canonical_name(name)
-                if name == "__metadata__" or name.startswith(SKIPPED_PREFIXES):
+                if name == "__metadata__":
+                    continue
+                name = rename(name)
+                if name is None or name.startswith(SKIPPED_PREFIXES):
                     continue
                 start, end = (base + offset for offset in meta["data_offsets"])
                 digest = hashlib.sha256(f"{meta['dtype']}{meta['shape']}".encode())

@@ -115,7 +115,7 @@ def build_metadata(
     *,
     page_size: int,
     chunk_size: int,
-    conv_kernel: int,
+    window_width: int,
     buffers: MetadataBuffers,
     decode_mask: bool,
     kv_capacity: int | None,
@@ -239,7 +239,7 @@ def build_metadata(
         page_table[nd:],
         page_size=page_size,
         chunk_size=chunk_size,
-        conv_kernel=conv_kernel,
+        window_width=window_width,
     )
     forward = ForwardMetadata(
         batch=batch,

@@ -108,12 +108,12 @@ class DecodeGraphRunner:
         )
 
     def build(self, padded: ScheduledBatch) -> Mamba2Metadata:
-        config = self.runner.config
+        spec = self.runner.cache.spec
         return build_metadata(
             padded,
             page_size=self.runner.cache.page_size,
-            chunk_size=config.chunk_size,
-            conv_kernel=config.conv_kernel,
+            chunk_size=spec.chunk_size,
+            window_width=spec.conv_width,
             buffers=self.buffers,
             decode_mask=self.runner.decode_reads_mask(),
             # Static key width only matters for graphs; the CPU step keeps it tight.

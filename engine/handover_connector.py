@@ -23,6 +23,7 @@ import torch
 from engine.fingerprint import config_fingerprint, weights_fingerprint
 from engine.handover import HandoverLayout, Preallocation, RequestState
 from engine.handover_io import StateIO
+from engine.models.registry import family_named
 from engine.outputs import RequestDelta
 from engine.request import Hold, Request, Status
 from engine.sampler import Sampler
@@ -60,7 +61,9 @@ class Handover:
             self._layout = HandoverLayout.of(
                 self.cache.spec,
                 model_fingerprint=config_fingerprint(self.config),
-                weights_fingerprint=weights_fingerprint(self.model_dir),
+                weights_fingerprint=weights_fingerprint(
+                    self.model_dir, family_named(self.config.architecture).checkpoint_name
+                ),
                 dtype=self.dtype,
                 page_size=self.cache.page_size,
                 tp_size=self.shards.tp_size,

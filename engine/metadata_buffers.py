@@ -41,7 +41,7 @@ class MetadataBuffers:
         self._copy_done: torch.cuda.Event | None = None
         self._alloc_ints(ints)
         self.kv_indices = torch.zeros(kv_rows, kv_width, dtype=torch.int64, device=self.device)
-        # (chunk_size, conv_kernel) -> the empty prefill layouts of decode-only steps
+        # (chunk_size, window_width) -> the empty prefill layouts of decode-only steps
         self.empty_layouts: dict[tuple[int, int], tuple] = {}
         # decode rows -> (arange(rows) int64, arange(rows + 1) int32): the query layout of one
         # query per sequence
@@ -123,26 +123,26 @@ def prefill_layouts(
     *,
     page_size: int,
     chunk_size: int,
-    conv_kernel: int,
+    window_width: int,
 ) -> tuple[AttentionLayout, ChunkLayout, ConvLayout]:
     """The prefill segment's layouts, by the kernels' own builders (their host token table is
     as long as the chunks, and prefill steps are few). A decode-only step reuses empty layouts
     built once, so that nothing but the staged ints crosses over."""
     device = buffers.device
     if not lens:
-        key = (chunk_size, conv_kernel)
+        key = (chunk_size, window_width)
         if key not in buffers.empty_layouts:
             buffers.empty_layouts[key] = (
                 build_attention_layout([], [], torch.zeros(0, 0, dtype=torch.int64), device),
                 build_chunk_layout([], [], chunk_size, device),
-                build_conv_layout([], conv_kernel, device),
+                build_conv_layout([], window_width, device),
             )
         return buffers.empty_layouts[key]
     table = torch.from_numpy(page_table[:, :, None] * page_size + np.arange(page_size))
     return (
         build_attention_layout(lens, kv_lens, table.reshape(len(lens), -1), device),
         build_chunk_layout(lens, starts, chunk_size, device),
-        build_conv_layout(lens, conv_kernel, device),
+        build_conv_layout(lens, window_width, device),
     )
 
 

@@ -40,15 +40,16 @@ def load_model(
     """tp: this rank's place; every layer is built with, and loads, its shard only."""
     config = ModelConfig.from_hf(model_dir)
     check_tp_supported(config, tp.size)
-    if config.tie_word_embeddings and "lm_head.weight" in tensor_names(model_dir):
-        # transformers' NemotronH never ties lm_head to the embeddings (no tied-weight keys), so
-        # a checkpoint that carries its own lm_head uses it whatever the config says (the other
-        # families tie, and their save_pretrained leaves lm_head out when tied).
+    family = family_named(config.architecture)
+    if (
+        family.untie_with_stored_lm_head
+        and config.tie_word_embeddings
+        and "lm_head.weight" in tensor_names(model_dir, family.checkpoint_name)
+    ):
         config = dataclasses.replace(config, tie_word_embeddings=False)
-    model_class = family_named(config.architecture).model_class
     with torch.device(device), parallel.building(tp):
-        model = model_class(config)
-    load_into(model, model_dir)
+        model = family.model_class(config)
+    load_into(model, model_dir, family.checkpoint_name)
     # Mamba parameters A_log, D, dt_bias and norms stay where they are read in float32 anyway;
     # cast the whole module once so matmuls run in the serving dtype.
     cast_model(model, dtype)

@@ -20,16 +20,11 @@ class ModelRunner:
         self.config = model.config
         # Eager steps vary in shape: these grow to the largest step seen, then stay.
         self.buffers = MetadataBuffers(device, ints=4096, kv_rows=16, kv_width=256, fixed=False)
-        # A (1, heads, head_dim) query in the KV dtype: what the decode-kernel choice looks at.
-        keys = cache.pools.get("attention.k")
+        # A (1, heads, head_dim) query in the KV dtype: what the decode-kernel choice looks at
+        # (its head_dim and dtype).
+        keys = cache.pools.get("attention.k")  # (layers, tokens, kv_heads, head_dim)
         self._query_probe = (
-            torch.empty(
-                1,
-                self.config.num_attention_heads,
-                self.config.head_dim,
-                dtype=keys.dtype,
-                device=device,
-            )
+            torch.empty(1, *keys.shape[2:], dtype=keys.dtype, device=device)
             if keys is not None
             else None
         )
@@ -50,8 +45,8 @@ class ModelRunner:
         return build_metadata(
             sched,
             page_size=self.cache.page_size,
-            chunk_size=self.config.chunk_size,
-            conv_kernel=self.config.conv_kernel,
+            chunk_size=self.cache.spec.chunk_size,
+            window_width=self.cache.spec.conv_width,
             buffers=self.buffers,
             decode_mask=self.decode_reads_mask(),
             kv_capacity=None,

@@ -34,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from engine.config import ConfigError
+from engine.config_error import ConfigError
 
 StateKind = Literal["paged", "slot"]
 Ranges = tuple[tuple[int, int], ...]  # (start, length) along one dim of the whole tensor
@@ -114,10 +114,16 @@ class StateTensor:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayerState:
     """What one layer kind keeps per request. `kind` names the pool group: every layer of a
-    model with the same kind has the same tensors (they share pool tensors, layer-major)."""
+    model with the same kind has the same tensors (they share pool tensors, layer-major).
+
+    A recurrent kind also says how its prefill cuts sequences: `chunk_size`, the per-sequence
+    chunk grid its true states sit on (checkpoints are taken at multiples of it), and
+    `conv_width`, the causal conv window its varlen conv gathers (None: it has neither)."""
 
     kind: str
     tensors: tuple[StateTensor, ...]
+    chunk_size: int | None
+    conv_width: int | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,6 +133,8 @@ class StateGroup:
     kind: str
     num_layers: int
     tensors: tuple[StateTensor, ...]
+    chunk_size: int | None
+    conv_width: int | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,8 +157,35 @@ class ModelStateSpec:
             names = [t.name for t in states[0].tensors]
             if len(set(names)) != len(names):
                 raise ValueError(f"state kind {kind!r} names a tensor twice: {names}")
-            groups.append(StateGroup(kind=kind, num_layers=len(states), tensors=states[0].tensors))
+            first = states[0]
+            if any(s != first for s in states):
+                raise ValueError(f"layers of state kind {kind!r} declare different geometry")
+            groups.append(
+                StateGroup(
+                    kind=kind,
+                    num_layers=len(states),
+                    tensors=first.tensors,
+                    chunk_size=first.chunk_size,
+                    conv_width=first.conv_width,
+                )
+            )
         return cls(groups=tuple(groups))
+
+    def _geometry(self, field: str) -> int:
+        """The value every recurrent kind agrees on (1 when no kind has one: nothing reads
+        it then); ValueError when kinds disagree (one metadata builder serves them all)."""
+        values = {getattr(g, field) for g in self.groups} - {None}
+        if len(values) > 1:
+            raise ValueError(f"the model's state kinds declare different {field}s: {values}")
+        return values.pop() if values else 1
+
+    @property
+    def chunk_size(self) -> int:
+        return self._geometry("chunk_size")
+
+    @property
+    def conv_width(self) -> int:
+        return self._geometry("conv_width")
 
     def entries(self, kind: StateKind | None = None) -> list[tuple[str, StateGroup, StateTensor]]:
         """(pool name "kind.tensor", group, tensor) of every state tensor, in spec order."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -50,20 +50,21 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise WeightError(f"{model_dir}: no {SINGLE_FILE}, {INDEX_FILE} or model-*.safetensors found")
 
 
-def tensor_names(model_dir: str | Path) -> set[str]:
-    """Canonical names of every tensor in the checkpoint (headers only, no data read)."""
+# A checkpoint tensor's in-memory name, None to skip it (the family's `checkpoint_name`).
+Rename = Callable[[str], str | None]
+
+
+def keep_name(name: str) -> str:
+    return name
+
+
+def tensor_names(model_dir: str | Path, rename: Rename = keep_name) -> set[str]:
+    """In-memory names of every tensor in the checkpoint (headers only, no data read)."""
     names: set[str] = set()
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as shard:
-            names.update(canonical_name(n) for n in shard.keys())
+            names.update(n for n in map(rename, shard.keys()) if n is not None)
     return names
-
-
-def canonical_name(name: str) -> str:
-    """On-disk NemotronH names use `backbone.`; baton's modules use `model.`."""
-    if name.startswith("backbone."):
-        return "model." + name[len("backbone.") :]
-    return name
 
 
 class CheckpointTensor:
@@ -81,14 +82,18 @@ class CheckpointTensor:
         return tensor if rule is None else rule(tensor)
 
 
-def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Yield (canonical name, tensor to read) for every tensor of every shard, with a progress
-    bar for multi-shard checkpoints."""
+def iterate_weights(
+    model_dir: str | Path, rename: Rename = keep_name
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yield (in-memory name, tensor to read) for every tensor of every shard that `rename`
+    keeps, with a progress bar for multi-shard checkpoints."""
     files = checkpoint_files(model_dir)
     for path in tqdm(files, desc="Loading shards", disable=len(files) < 2, unit="shard"):
         with safe_open(str(path), framework="pt") as shard:
             for name in shard.keys():
-                yield canonical_name(name), CheckpointTensor(shard, name)
+                renamed = rename(name)
+                if renamed is not None:
+                    yield renamed, CheckpointTensor(shard, name)
 
 
 def expert_slot(name: str) -> tuple[str, int] | None:
@@ -99,7 +104,12 @@ def expert_slot(name: str) -> tuple[str, int] | None:
     return f"{match['prefix']}.{match['proj']}", int(match["index"])
 
 
-def load_into(module: torch.nn.Module, model_dir: str | Path, ignore: tuple[str, ...] = ()) -> None:
+def load_into(
+    module: torch.nn.Module,
+    model_dir: str | Path,
+    rename: Rename = keep_name,
+    ignore: tuple[str, ...] = (),
+) -> None:
     """Copy every checkpoint tensor into the parameter of the same name, casting to its dtype;
     per-expert tensors go into their row of the stacked expert parameter. A parameter that
     holds a tensor-parallel shard carries its rule (engine/parallel.py, set by the layer that
@@ -114,7 +124,7 @@ def load_into(module: torch.nn.Module, model_dir: str | Path, ignore: tuple[str,
     experts_loaded: dict[str, set[int]] = {}
     unexpected: list[str] = []
     skipped = 0
-    for name, checkpoint in iterate_weights(model_dir):
+    for name, checkpoint in iterate_weights(model_dir, rename):
         if name in tied:
             continue  # shares its storage with a parameter loaded under another name
         if name.startswith(SKIPPED_PREFIXES):

@@ -20,8 +20,8 @@ from disagg.messages import (
     Abort,
     Heartbeat,
     PagesChunk,
-    SlotChunk,
     Register,
+    SlotChunk,
     TensorSpec,
 )
 from disagg.prefill import PrefillWorker

@@ -196,7 +196,15 @@ def test_each_decode_rank_is_planned_exactly_its_units_from_ranks_that_hold_them
     than replicated."""
     config = ModelConfig.from_hf(model_dir)
     if split:
-        config = dataclasses.replace(config, num_key_value_heads=4, n_groups=4)
+        hybrid = config.family
+        config = dataclasses.replace(
+            config,
+            family=dataclasses.replace(
+                hybrid,
+                attention=dataclasses.replace(hybrid.attention, num_kv_heads=4),
+                mamba=dataclasses.replace(hybrid.mamba, n_groups=4),
+            ),
+        )
     spec = spec_of(config)
     prefill_size, decode_size = sizes
     for rank in range(decode_size):

@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import ModelConfig
+from engine.config_error import ConfigError
 from engine.models.registry import FAMILIES
 from tests.server_process import BATON
 
@@ -55,7 +56,7 @@ def test_unknown_architecture_lists_the_supported_ones():
 def test_model_type_alone_picks_the_family():
     config = ModelConfig.from_dict({k: v for k, v in BAMBA.items() if k != "architectures"})
     assert config.architecture == "BambaForCausalLM"
-    assert config.layer_types == ("mamba", "attention", "mamba")
+    assert config.family.layer_types == ("mamba", "attention", "mamba")
 
 
 def test_baton_serve_refuses_an_unknown_architecture_at_startup(tmp_path):
@@ -92,25 +93,27 @@ def test_missing_required_key_is_named(raw, key):
 def test_missing_optional_keys_take_transformers_defaults():
     from transformers import BambaConfig, GraniteMoeHybridConfig
 
-    bamba = ModelConfig.from_dict(BAMBA)
+    bamba = ModelConfig.from_dict(BAMBA).family
     reference = BambaConfig(**{k: v for k, v in BAMBA.items() if k != "architectures"})
     head_dim = 64 // 4
     # transformers' Bamba rotates half of each head (partial_rotary_factor 0.5) at theta 1e4
-    assert bamba.rotary is not None
-    assert bamba.rotary.dim == int(head_dim * reference.rope_parameters["partial_rotary_factor"])
-    assert bamba.rotary.theta == reference.rope_parameters["rope_theta"]
-    assert bamba.mamba_head_dim == reference.mamba_d_head == 16
-    assert bamba.ssm_state_size == reference.mamba_d_state
-    assert bamba.chunk_size == reference.mamba_chunk_size
+    rotary = bamba.attention.rotary
+    assert rotary is not None
+    assert rotary.dim == int(head_dim * reference.rope_parameters["partial_rotary_factor"])
+    assert rotary.theta == reference.rope_parameters["rope_theta"]
+    assert bamba.mamba.head_dim == reference.mamba_d_head == 16
+    assert bamba.mamba.state_size == reference.mamba_d_state
+    assert bamba.mamba.chunk_size == reference.mamba_chunk_size
     assert bamba.norm_eps == reference.rms_norm_eps
-    granite = ModelConfig.from_dict(GRANITE)
+    granite = ModelConfig.from_dict(GRANITE).family
     reference = GraniteMoeHybridConfig(**{k: v for k, v in GRANITE.items() if k != "architectures"})
-    assert granite.rotary is None  # position_embedding_type defaults to None: NoPE
-    assert granite.num_key_value_heads == reference.num_key_value_heads == 4
-    assert granite.attention_scale == reference.attention_multiplier
+    attention, moe = granite.hybrid.attention, granite.hybrid.moe
+    assert attention.rotary is None  # position_embedding_type defaults to None: NoPE
+    assert attention.num_kv_heads == reference.num_key_value_heads == 4
+    assert attention.scale == reference.attention_multiplier
     assert granite.embedding_multiplier == reference.embedding_multiplier
-    assert granite.moe is not None and granite.moe.num_experts == reference.num_local_experts
-    assert granite.moe.top_k == reference.num_experts_per_tok
+    assert moe is not None and moe.num_experts == reference.num_local_experts
+    assert moe.top_k == reference.num_experts_per_tok
 
 
 @pytest.mark.parametrize(

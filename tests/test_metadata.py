@@ -143,7 +143,7 @@ def build(sched):
         sched,
         page_size=PAGE,
         chunk_size=CHUNK,
-        conv_kernel=CONV,
+        window_width=CONV,
         # Small on purpose: every build grows them (the path eager steps take).
         buffers=MetadataBuffers("cpu", ints=8, kv_rows=1, kv_width=4, fixed=False),
         decode_mask=True,
@@ -171,8 +171,9 @@ def test_builder_carries_every_field_in_every_mode():
 
 def graph_runner(kv_capacity: int = 64) -> DecodeGraphRunner:
     fake = SimpleNamespace(
-        config=SimpleNamespace(chunk_size=CHUNK, conv_kernel=CONV),
-        cache=SimpleNamespace(page_size=PAGE),
+        cache=SimpleNamespace(
+            page_size=PAGE, spec=SimpleNamespace(chunk_size=CHUNK, conv_width=CONV)
+        ),
         device="cpu",
         buffers=MetadataBuffers("cpu", ints=8, kv_rows=1, kv_width=4, fixed=False),
         decode_reads_mask=lambda: True,
@@ -241,7 +242,7 @@ def test_tracking_writes_true_states_into_checkpoint_slots(base_model):
     model_dir, _ = base_model
     config = ModelConfig.from_hf(model_dir)
     model = load_model(model_dir, torch.float32, "cpu")
-    cs = config.chunk_size
+    cs = config.family.mamba.chunk_size
     tokens = torch.randint(
         3, config.vocab_size, (3 * cs + 5,), generator=torch.Generator().manual_seed(2)
     ).tolist()

@@ -23,7 +23,7 @@ def _build(sched, buffers, *, decode_mask=True, kv_capacity=None, track_capacity
         sched,
         page_size=PAGE,
         chunk_size=CHUNK,
-        conv_kernel=CONV,
+        window_width=CONV,
         buffers=buffers,
         decode_mask=decode_mask,
         kv_capacity=kv_capacity,

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.config import ConfigError, ModelConfig
+from engine.config import ModelConfig
+from engine.config_error import ConfigError
 from engine.forward_metadata import ScheduledBatch
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.config import ConfigError, ModelConfig
+from engine.config import ModelConfig
+from engine.config_error import ConfigError
 from engine.model_loader import load_model
 from engine.weights import WeightError
 from tests.reference import assert_greedy_matches, hf_greedy
@@ -32,23 +33,21 @@ def nemotron_h_default(key: str):
 
 def test_nano_30b_a3b_config_parses():
     config = ModelConfig.from_hf(NANO.parent)
+    hybrid = config.family
     pattern = json.loads(NANO.read_text())["hybrid_override_pattern"]
-    assert config.num_layers == len(pattern) == 52
-    assert config.layer_types.count("moe") == 23 and config.layer_types.count("mamba") == 23
-    assert config.attention_layer_ids == (5, 12, 19, 26, 33, 42)
-    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (
-        2688,
-        32,
-        2,
-    )
-    assert (config.mamba_num_heads, config.mamba_head_dim, config.n_groups) == (64, 64, 8)
-    assert config.conv_dim == 6144
-    moe = config.moe
+    assert hybrid.num_layers == len(pattern) == 52
+    assert hybrid.layer_types.count("moe") == 23 and hybrid.layer_types.count("mamba") == 23
+    assert hybrid.attention_layer_ids == (5, 12, 19, 26, 33, 42)
+    attention, mamba = hybrid.attention, hybrid.mamba
+    assert (config.hidden_size, attention.num_heads, attention.num_kv_heads) == (2688, 32, 2)
+    assert (mamba.num_heads, mamba.head_dim, mamba.n_groups) == (64, 64, 8)
+    assert mamba.conv_dim == 6144
+    moe = hybrid.moe
     assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (128, 6, 1856)
     assert (moe.shared_intermediate_size, moe.latent_size, moe.activation) == (3712, None, "relu2")
     assert (moe.n_group, moe.topk_group, moe.norm_topk_prob) == (1, 1, True)
     assert moe.routed_scaling_factor == 2.5
-    assert config.time_step_limit == (0.0, float("inf"))  # absent: transformers' default
+    assert mamba.time_step_limit == (0.0, float("inf"))  # absent: transformers' default
     assert config.num_nextn_predict_layers == 0
 
 
@@ -60,12 +59,20 @@ def test_missing_keys_take_transformers_defaults(base_model):
     # 16 attention and 16 Mamba heads: the defaults (8 KV heads, 8 groups) must divide them.
     kept = {k: v for k, v in raw.items() if k not in keys}
     config = ModelConfig.from_dict(dict(kept, num_attention_heads=16, mamba_num_heads=16))
+    hybrid = config.family
+    read = {
+        "n_groups": hybrid.mamba.n_groups,
+        "head_dim": hybrid.attention.head_dim,
+        "num_key_value_heads": hybrid.attention.num_kv_heads,
+        "chunk_size": hybrid.mamba.chunk_size,
+        "conv_kernel": hybrid.mamba.conv_kernel,
+    }
     for key in keys:
-        assert getattr(config, key) == nemotron_h_default(key), key
+        assert read[key] == nemotron_h_default(key), key
     moe_raw = dict(raw, layers_block_type=["linear_attention", "moe"])
     for key in ("n_routed_experts", "num_experts_per_tok", "routed_scaling_factor", "n_group"):
         moe_raw.pop(key, None)
-    moe = ModelConfig.from_dict(moe_raw).moe
+    moe = ModelConfig.from_dict(moe_raw).family.moe
     assert moe.num_experts == nemotron_h_default("n_routed_experts")
     assert moe.top_k == nemotron_h_default("num_experts_per_tok")
     assert moe.routed_scaling_factor == nemotron_h_default("routed_scaling_factor")
@@ -125,7 +132,8 @@ def test_scaled_down_nano_is_token_identical_to_transformers(tmp_path):
         tmp_path, seed=4, tokenizer=False, hybrid_override_pattern=pattern, **kwargs
     )
     config = ModelConfig.from_hf(tmp_path)
-    assert config.moe.num_experts == 128 and config.moe.top_k == 6 and config.num_layers == 52
+    moe = config.family.moe
+    assert moe.num_experts == 128 and moe.top_k == 6 and config.family.num_layers == 52
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 29)]
     llm = LLM(tmp_path, page_size=4, chunked_prefill_size=16)

@@ -113,7 +113,7 @@ def test_batched_unaligned_checkpoints_hold_true_states(base_model):
     model_dir, _ = base_model
     config = ModelConfig.from_hf(model_dir)
     model = load_model(model_dir, torch.float32, "cpu")
-    cs = config.chunk_size
+    cs = config.family.mamba.chunk_size
     g = torch.Generator().manual_seed(8)
     seqs = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist() for n in (70, 53, 90)]
     starts = [5, 19, 33]  # already computed before the batched step

@@ -17,8 +17,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import ModelConfig
+from engine.config_error import ConfigError
 from engine.forward_metadata import ScheduledBatch, TrackPoint
+from engine.layers.mamba2 import mamba_shard
 from engine.llm import LLM
 from engine.parallel import TensorParallel, kv_head_part
 from engine.sampling_params import SamplingParams
@@ -36,7 +38,7 @@ from engine.tp_messages import (
     encode,
     pool_digest,
 )
-from engine.tp_shard import check_tp_supported, mamba_shard
+from engine.tp_shard import check_tp_supported
 from tests.tiny import save_tiny_model
 
 SHAPES = {
@@ -133,10 +135,9 @@ def test_every_rank_pools_hold_its_slice_of_tp1_state(engines, name):
     for rank, digest in enumerate(digests):
         tp = TensorParallel(rank=rank, size=2, group=None, timeout_s=0.0)
         # The weights' slices (tp_shard, parallel) and the state spec's must agree.
-        mamba = mamba_shard(config, tp)
-        first_kv, kv_heads = kv_head_part(
-            config.num_key_value_heads, config.num_attention_heads, tp
-        )
+        mamba = mamba_shard(config.family.mamba, tp)
+        attention = config.family.attention
+        first_kv, kv_heads = kv_head_part(attention.num_kv_heads, attention.num_heads, tp)
         owned = {name: t.ranges(2, rank) for name, _, t in tp1.engine.state_spec.entries()}
         assert owned["mamba2.conv"] == mamba.conv_channels
         assert owned["mamba2.ssm"] == ((mamba.first_head, mamba.num_heads),)
@@ -158,7 +159,11 @@ def test_unsupported_groups_for_tp_size_are_refused_naming_both(tmp_path):
         LLM(tmp_path, tensor_parallel_size=2)
     config = ModelConfig.from_hf(tmp_path)
     # 3 groups on 3 ranks: one each (the heads must divide too)
-    check_tp_supported(dataclasses.replace(config, num_attention_heads=6, num_key_value_heads=3), 3)
+    hybrid = config.family
+    six_heads = dataclasses.replace(hybrid.attention, num_heads=6, num_kv_heads=3)
+    check_tp_supported(
+        dataclasses.replace(config, family=dataclasses.replace(hybrid, attention=six_heads)), 3
+    )
     with pytest.raises(ConfigError, match=r"num_attention_heads=4 .*tensor-parallel size 3"):
         check_tp_supported(config, 3)
 

@@ -7,6 +7,8 @@ cache holds rotated keys and decode and extend read the same ones.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -18,6 +20,19 @@ from engine.state_cache import StateCache
 from engine.state_spec import LayerState, Segment, StateTensor, TPSplit
 from kernels.attention import paged_attention, rotary_cos_sin, rotary_store_kv, store_kv
 from kernels.linear import PackedLinear
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionConfig:
+    """One attention layer, as a family reads its keys."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bias: bool
+    scale: float  # softmax scale: head_dim ** -0.5, or a family's multiplier
+    rotary: RotaryConfig | None  # None: no positional encoding (NemotronH is NoPE)
+    key_multiplier: float  # keys scaled after k_proj, before the rotary (Falcon-H1; else 1.0)
 
 
 def attention_state(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> LayerState:
@@ -44,6 +59,8 @@ def attention_state(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> Lay
             )
             for name in ("k", "v")
         ),
+        chunk_size=None,
+        conv_width=None,
     )
 
 
@@ -106,6 +123,20 @@ class Attention(nn.Module):
             # it is not in checkpoints and stays float32 when the model is cast.
             exponent = torch.arange(0, rotary.dim, 2, dtype=torch.int64).float() / rotary.dim
             self.inv_freq = 1.0 / (rotary.theta**exponent)
+
+    @classmethod
+    def from_config(cls, hidden_size: int, config: AttentionConfig, kv_index: int) -> Attention:
+        return cls(
+            hidden_size=hidden_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            bias=config.bias,
+            scale=config.scale,
+            rotary=config.rotary,
+            kv_index=kv_index,
+            key_multiplier=config.key_multiplier,
+        )
 
     def pack_for_cpu(self) -> None:
         """One packed matmul for q, k and v (the three plain projections are dropped)."""

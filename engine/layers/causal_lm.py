@@ -41,11 +41,23 @@ class VocabParallelEmbedding(nn.Module):
 
 class CausalLM(nn.Module):
     """`self.model` is the family's backbone (`forward(md, cache) -> hidden`, with its token
-    embedding at `self.model.<embedding_name>`)."""
+    embedding at `self.model.<embedding_name>`). The logits are divided by `logits_scaling`
+    (Granite) and multiplied by `lm_head_multiplier` (Falcon-H1), in the model dtype, as
+    transformers does."""
 
-    def __init__(self, config: ModelConfig, backbone: nn.Module, embedding_name: str):
+    def __init__(
+        self,
+        config: ModelConfig,
+        backbone: nn.Module,
+        embedding_name: str,
+        *,
+        logits_scaling: float = 1.0,
+        lm_head_multiplier: float = 1.0,
+    ):
         super().__init__()
         self.config = config
+        self.logits_scaling = logits_scaling
+        self.lm_head_multiplier = lm_head_multiplier
         self.model = backbone
         self.tp = tp = parallel.current()
         first, rows = parallel.padded_part(config.vocab_size, tp)
@@ -67,10 +79,10 @@ class CausalLM(nn.Module):
         if self.tp.size > 1:
             logits = self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]
         # In the model dtype, as transformers: Granite divides, Falcon-H1 multiplies.
-        if self.config.logits_scaling != 1.0:
-            logits = logits / self.config.logits_scaling
-        if self.config.lm_head_multiplier != 1.0:
-            logits = logits * self.config.lm_head_multiplier
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        if self.lm_head_multiplier != 1.0:
+            logits = logits * self.lm_head_multiplier
         if logits.dtype != torch.float32 and logits.device.type == "cpu":
             return self._widen_logits(logits)
         return logits.float()

@@ -2,24 +2,37 @@
 SSD scan (prefill) or selective state update (decode); the gate; out_proj. Parameter names are
 transformers' (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm.weight`, `out_proj`).
 
-Family variants are parameters, not copies (ModelConfig):
-  mamba_norm        "gated": norm(y * silu(z)) in groups of intermediate / n_groups;
+Family variants are parameters, not copies (Mamba2Config):
+  norm              "gated": norm(y * silu(z)) in groups of intermediate / n_groups;
                     "norm_then_gate": norm(y) * silu(z); "none": y * silu(z), no norm weight
-  ssm_in_multiplier the input is scaled before in_proj (Falcon-H1)
-  ssm_multipliers   in_proj's [z | x | B | C | dt] segments are scaled (Falcon-H1's mup_vector)
+  in_multiplier     the input is scaled before in_proj (Falcon-H1)
+  multipliers       in_proj's [z | x | B | C | dt] segments are scaled (Falcon-H1's mup_vector)
+
+Under tensor parallelism the in_proj rows and conv channels are segments with different split
+rules (vLLM's mamba_v2_sharded_weight_loader follows the same layout):
+
+    in_proj rows:   z (I) | x (I) | B (G*N) | C (G*N) | dt (H)     I = H * head_dim
+    conv channels:          x (I) | B (G*N) | C (G*N)
+
+z, x, dt and the conv's x channels follow the heads; B and C follow the groups: split when
+n_groups divides by the size, replicated whole on every rank when n_groups == 1 (then the
+gated norm's single group spans the ranks and its variance is all-reduced). The state spec
+(`Mamba2Mixer.state_spec`) splits the conv window and SSM state the same way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
 from engine import parallel
-from engine.config import ModelConfig
 from engine.forward_metadata import Mamba2Metadata
+from engine.parallel import TensorParallel
 from engine.state_cache import StateCache
 from engine.state_spec import LayerState, Segment, StateTensor, TPSplit
-from engine.tp_shard import mamba_shard
 from kernels import cpu_ops
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.norm import gated_rms_norm, group_rms_norm
@@ -27,29 +40,96 @@ from kernels.ssd import ssd_scan_pool
 from kernels.ssu import selective_state_update
 from kernels.state_copy import copy_states
 
+MambaNorm = Literal["gated", "norm_then_gate", "none"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Mamba2Config:
+    """One Mamba2 mixer, as every family reads its keys (engine/models/hybrid.py)."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int  # d_state
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    conv_bias: bool
+    proj_bias: bool  # in_proj's bias
+    out_proj_bias: bool  # out_proj's: the in_proj key, but Falcon-H1's `projectors_bias`
+    time_step_limit: tuple[float, float]
+    # "gated": norm(y * silu(z)) per group (NemotronH, Bamba, Granite, Falcon-H1 with
+    # mamba_norm_before_gate=False); "norm_then_gate": norm(y) * silu(z); "none": y * silu(z).
+    norm: MambaNorm
+    norm_eps: float  # the model's, but transformers' Zamba2 mixer hard-codes 1e-5
+    cache_dtype: str  # of the SSM state (`mamba_ssm_cache_dtype`)
+    in_multiplier: float  # Falcon-H1's ssm_in_multiplier (1.0 elsewhere)
+    multipliers: tuple[float, float, float, float, float]  # Falcon-H1's mup_vector segments
+
+    @property
+    def intermediate(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.n_groups * self.state_size
+
+
+Ranges = tuple[tuple[int, int], ...]  # (start, length) along one dim of the full tensor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MambaShard:
+    first_head: int
+    num_heads: int
+    first_group: int
+    num_groups: int
+    norm_across_ranks: bool  # one group replicated on every rank: the norm all-reduces
+    in_proj_rows: Ranges  # z | x | B | C | dt, in that order
+    conv_channels: Ranges  # x | B | C
+
+
+def mamba_shard(config: Mamba2Config, tp: TensorParallel) -> MambaShard:
+    """What rank `tp` holds of the mixer (the layout in the module docstring)."""
+    head_dim, d_state = config.head_dim, config.state_size
+    inter, gn = config.intermediate, config.n_groups * config.state_size
+    h0, heads = parallel.split_evenly(config.num_heads, tp, "mamba_num_heads")
+    g0, groups = parallel.mamba_group_part(config.n_groups, tp)
+    x = (h0 * head_dim, heads * head_dim)
+    b = (g0 * d_state, groups * d_state)
+    c = (gn + g0 * d_state, groups * d_state)
+    return MambaShard(
+        first_head=h0,
+        num_heads=heads,
+        first_group=g0,
+        num_groups=groups,
+        norm_across_ranks=tp.size > 1 and config.n_groups == 1 and config.norm != "none",
+        in_proj_rows=(
+            x,
+            (inter + x[0], x[1]),
+            (2 * inter + b[0], b[1]),
+            (2 * inter + c[0], c[1]),
+            (2 * inter + 2 * gn + h0, heads),
+        ),
+        conv_channels=(x, (inter + b[0], b[1]), (inter + c[0], c[1])),
+    )
+
 
 class Mamba2Mixer(nn.Module):
     """in_proj -> [z | xBC | dt]; causal conv1d + SiLU on xBC; SSD scan (prefill) or selective
     state update (decode); gated RMSNorm norm(y * silu(z)); out_proj."""
 
     @staticmethod
-    def state_spec(config: ModelConfig, dtype: torch.dtype) -> LayerState:
+    def state_spec(config: Mamba2Config, dtype: torch.dtype) -> LayerState:
         """The last K-1 inputs of the conv over x | B | C (model dtype) and the SSM state
         (`mamba_ssm_cache_dtype`), per slot, both kept at checkpoints. Under TP the conv
         channels split as x by heads, B and C by groups (one group: replicated), the SSM state
         by heads (engine/tp_shard.py slices the weights the same way)."""
-        heads, groups = config.mamba_num_heads, config.n_groups
+        heads, groups = config.num_heads, config.n_groups
         x = Segment(
-            atoms=heads,
-            atom_units=config.mamba_head_dim,
-            replicate_below=False,
-            what="mamba_num_heads",
+            atoms=heads, atom_units=config.head_dim, replicate_below=False, what="mamba_num_heads"
         )
         bc = Segment(
-            atoms=groups,
-            atom_units=config.ssm_state_size,
-            replicate_below=groups == 1,
-            what="n_groups",
+            atoms=groups, atom_units=config.state_size, replicate_below=groups == 1, what="n_groups"
         )
         by_heads = Segment(atoms=heads, atom_units=1, replicate_below=False, what="mamba_num_heads")
         return LayerState(
@@ -66,15 +146,17 @@ class Mamba2Mixer(nn.Module):
                 StateTensor(
                     name="ssm",
                     kind="slot",
-                    shape=(heads, config.mamba_head_dim, config.ssm_state_size),
-                    dtype=getattr(torch, config.mamba_ssm_cache_dtype),
+                    shape=(heads, config.head_dim, config.state_size),
+                    dtype=getattr(torch, config.cache_dtype),
                     split=TPSplit(dim=0, segments=(by_heads,)),
                     checkpointed=True,
                 ),
             ),
+            chunk_size=config.chunk_size,
+            conv_width=config.conv_kernel,
         )
 
-    def __init__(self, config: ModelConfig, mamba_index: int):
+    def __init__(self, hidden_size: int, config: Mamba2Config, mamba_index: int):
         super().__init__()
         # Under tensor parallelism this rank holds its heads and groups (engine/tp_shard.py);
         # the norm's group size stays the model's, spanning the ranks when n_groups == 1.
@@ -82,43 +164,41 @@ class Mamba2Mixer(nn.Module):
         self.shard = mamba_shard(config, tp)
         self.mamba_index = mamba_index
         self.num_heads = H = self.shard.num_heads
-        self.head_dim = config.mamba_head_dim
+        self.head_dim = config.head_dim
         self.n_groups = self.shard.num_groups
-        self.d_state = config.ssm_state_size
+        self.d_state = config.state_size
         self.intermediate = H * self.head_dim
         self.conv_dim = self.intermediate + 2 * self.n_groups * self.d_state
-        self.group_size = config.mamba_intermediate // config.n_groups
-        self.eps = config.mamba_norm_eps
+        self.group_size = config.intermediate // config.n_groups
+        self.eps = config.norm_eps
         self.dt_limit = config.time_step_limit
         self.in_proj = nn.Linear(
-            config.hidden_size, self.intermediate + self.conv_dim + H, bias=config.mamba_proj_bias
+            hidden_size, self.intermediate + self.conv_dim + H, bias=config.proj_bias
         )
         self.conv1d = nn.Conv1d(
             self.conv_dim,
             self.conv_dim,
             config.conv_kernel,
             groups=self.conv_dim,
-            bias=config.use_conv_bias,
+            bias=config.conv_bias,
             padding=config.conv_kernel - 1,
         )
         self.dt_bias = nn.Parameter(torch.ones(H))
         self.A_log = nn.Parameter(torch.zeros(H))
         self.D = nn.Parameter(torch.ones(H))
-        self.norm_mode = config.mamba_norm
+        self.norm_mode = config.norm
         if self.norm_mode != "none":
             self.norm = nn.Module()
             self.norm.weight = nn.Parameter(torch.ones(self.intermediate))
-        self.in_multiplier = config.ssm_in_multiplier
+        self.in_multiplier = config.in_multiplier
         self.mup_vector: torch.Tensor | None = None
-        if config.ssm_multipliers != (1.0,) * 5:
+        if config.multipliers != (1.0,) * 5:
             gn = self.n_groups * self.d_state
             sizes = [self.intermediate, self.intermediate, gn, gn, H]
             self.mup_vector = torch.cat(
-                [torch.full((n,), m) for n, m in zip(sizes, config.ssm_multipliers)]
+                [torch.full((n,), m) for n, m in zip(sizes, config.multipliers)]
             )
-        self.out_proj = nn.Linear(
-            self.intermediate, config.hidden_size, bias=config.mamba_out_proj_bias
-        )
+        self.out_proj = nn.Linear(self.intermediate, hidden_size, bias=config.out_proj_bias)
         self.frozen: cpu_ops.MambaDecodeParams | None = None
         if tp.size > 1:
             self.shard_parameters()

@@ -12,11 +12,13 @@ Parameter names follow transformers' NemotronH (`gate.weight`, `gate.e_score_cor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 from torch import nn
 
 from engine import parallel
-from engine.config import MoEConfig
 from engine.layers.mlp import ReluSquaredMLP
 from kernels.cpu_moe import PanelExperts
 from kernels.moe import (
@@ -27,6 +29,34 @@ from kernels.moe import (
     route_sigmoid_grouped,
     route_softmax_topk,
 )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoEConfig:
+    """A routed mixture of experts plus one always-on shared expert (NemotronH's `moe` block).
+
+    Router "softmax_topk" (Granite-4.0-H): softmax over the top-k logits; the grouping fields
+    are then 1 and no correction bias exists.
+    Router "sigmoid_grouped" (NemotronH): sigmoid scores of a float32 linear; top-k choice on
+    scores + `e_score_correction_bias` restricted to the best `topk_group` of `n_group` expert
+    groups (a group's score is the sum of its two best experts); weights are the chosen sigmoid
+    scores, renormalised to sum 1 when `norm_topk_prob`, times `routed_scaling_factor`.
+    """
+
+    router: Literal["sigmoid_grouped", "softmax_topk"]  # softmax_topk: Mixtral/Granite
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per routed expert
+    shared_intermediate_size: int  # the shared expert (an MLP beside the routed ones)
+    # Experts run in a smaller space: fc1_latent_proj (hidden -> latent) before them and
+    # fc2_latent_proj (latent -> hidden) after (Nemotron 3 Super). None: no projection.
+    latent_size: int | None
+    activation: Literal["relu2", "swiglu"]  # relu2: up/down experts; swiglu: gate_up/down
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    bias: bool  # bias of the shared expert and latent projections (`mlp_bias`)
 
 
 class Router(nn.Module):
@@ -67,6 +97,7 @@ class Experts(nn.Module):
         E, full = config.num_experts, config.intermediate_size
         up_rows = 2 * inter if config.activation == "swiglu" else inter
         self.activation = config.activation
+        self.top_k = config.top_k  # experts each token runs (what a step reads of them)
         self.up_proj = nn.Parameter(torch.zeros(E, up_rows, width))
         self.down_proj = nn.Parameter(torch.zeros(E, width, inter))
         if tp.size > 1:

@@ -18,22 +18,42 @@ input_layernorm, mamba.*, self_attn.*, pre_ff_layernorm, feed_forward.*}`,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from engine.config import ConfigReader, ModelConfig
 from engine.forward_metadata import Mamba2Metadata
-from engine.layers.attention import Attention
+from engine.layers.attention import Attention, AttentionConfig
 from engine.layers.causal_lm import CausalLM
-from engine.layers.mamba2 import Mamba2Mixer
+from engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
-from engine.layers.state import hybrid_state_spec
 from engine.models.bamba import read_attention_keys, read_ssm_keys
+from engine.models.hybrid import HybridConfig, hybrid_state_spec
 from engine.state_cache import StateCache
 
-# Mamba2 state at `mamba` layers, K/V at attention layers (engine/layers/state.py).
-state_spec = hybrid_state_spec
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FalconH1Config:
+    """Falcon-H1's own fields: its layers (the Mamba input and segment multipliers and the
+    key multiplier live in their layers' configs), and the µP multipliers of the layer map
+    above."""
+
+    hybrid: HybridConfig
+    embedding_multiplier: float
+    lm_head_multiplier: float
+    attention_in_multiplier: float
+    attention_out_multiplier: float
+    ssm_out_multiplier: float
+    mlp_multipliers: tuple[float, float]
+
+
+def state_spec(config: ModelConfig, dtype: torch.dtype):
+    """Mamba2 state and K/V at every (parallel) layer."""
+    return hybrid_state_spec(config.family.hybrid, dtype)
+
 
 HF_CONFIG_CLASS_PATH = "transformers.models.falcon_h1.configuration_falcon_h1.FalconH1Config"
 
@@ -68,70 +88,68 @@ def read_config(r: ConfigReader) -> ModelConfig:
         norm = "none"
     else:
         norm = "norm_then_gate" if r.opt("mamba_norm_before_gate") else "gated"
+    hybrid = HybridConfig(
+        layer_types=("parallel",) * num_layers,
+        norm_eps=float(r.opt("rms_norm_eps")),
+        attention=AttentionConfig(
+            **attention,
+            scale=attention["head_dim"] ** -0.5,
+            # transformers' Falcon-H1 rotates whole heads, ignoring any partial_rotary_factor
+            rotary=r.rotary(attention["head_dim"], partial=False),
+            key_multiplier=float(r.opt("key_multiplier")),
+        ),
+        mamba=Mamba2Config(
+            num_heads=n_heads,
+            head_dim=head_dim,
+            # transformers' Falcon-H1: in_proj's bias is `mamba_proj_bias`, out_proj's
+            # `projectors_bias`
+            **read_ssm_keys(r, out_proj_bias_key="projectors_bias"),
+            norm=norm,
+            cache_dtype="float32",
+            in_multiplier=float(r.opt("ssm_in_multiplier")),
+            multipliers=floats(r, "ssm_multipliers", 5, (1.0,) * 5),
+        ),
+        intermediate_size=r.need("intermediate_size"),
+        mlp_bias=bool(r.opt("mlp_bias")),
+        mlp_hidden_act="silu",
+        moe=None,
+    )
     return ModelConfig(
         architecture="FalconH1ForCausalLM",
         vocab_size=r.need("vocab_size"),
         hidden_size=hidden,
-        layer_types=("parallel",) * num_layers,
-        norm_eps=float(r.opt("rms_norm_eps")),
         tie_word_embeddings=bool(r.opt("tie_word_embeddings")),
         max_position_embeddings=r.opt("max_position_embeddings"),
-        **attention,
-        attention_scale=attention["head_dim"] ** -0.5,
-        # transformers' Falcon-H1 rotates whole heads, ignoring any partial_rotary_factor
-        rotary=r.rotary(attention["head_dim"], partial=False),
-        intermediate_size=r.need("intermediate_size"),
-        mlp_bias=bool(r.opt("mlp_bias")),
-        mlp_hidden_act="silu",
-        embedding_multiplier=float(r.opt("embedding_multiplier")),
-        residual_multiplier=1.0,
-        logits_scaling=1.0,
-        lm_head_multiplier=float(r.opt("lm_head_multiplier")),
-        attention_in_multiplier=float(r.opt("attention_in_multiplier")),
-        attention_out_multiplier=float(r.opt("attention_out_multiplier")),
-        key_multiplier=float(r.opt("key_multiplier")),
-        ssm_in_multiplier=float(r.opt("ssm_in_multiplier")),
-        ssm_out_multiplier=float(r.opt("ssm_out_multiplier")),
-        ssm_multipliers=floats(r, "ssm_multipliers", 5, (1.0,) * 5),
-        mlp_multipliers=floats(r, "mlp_multipliers", 2, (1.0, 1.0)),
-        mamba_num_heads=n_heads,
-        mamba_head_dim=head_dim,
-        # transformers' Falcon-H1: in_proj's bias is `mamba_proj_bias`, out_proj's
-        # `projectors_bias`
-        **read_ssm_keys(r, out_proj_bias_key="projectors_bias"),
-        mamba_norm=norm,
-        mamba_ssm_cache_dtype="float32",
-        moe=None,
-        shared_blocks=None,
         num_nextn_predict_layers=0,
         eos_token_ids=r.eos_token_ids(),
         bos_token_id=r.opt("bos_token_id"),
         torch_dtype=r.torch_dtype(),
+        family=FalconH1Config(
+            hybrid=hybrid,
+            embedding_multiplier=float(r.opt("embedding_multiplier")),
+            lm_head_multiplier=float(r.opt("lm_head_multiplier")),
+            attention_in_multiplier=float(r.opt("attention_in_multiplier")),
+            attention_out_multiplier=float(r.opt("attention_out_multiplier")),
+            ssm_out_multiplier=float(r.opt("ssm_out_multiplier")),
+            mlp_multipliers=floats(r, "mlp_multipliers", 2, (1.0, 1.0)),
+        ),
     )
 
 
 class ParallelLayer(nn.Module):
     """Attention and Mamba side by side, then the MLP (the layer map in the module docstring)."""
 
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, hidden_size: int, config: FalconH1Config, layer_id: int):
         super().__init__()
-        c = config
-        self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
-        self.mamba = Mamba2Mixer(c, c.mamba_layer_ids.index(layer_id))
-        self.self_attn = Attention(
-            hidden_size=c.hidden_size,
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-            bias=c.attention_bias,
-            scale=c.attention_scale,
-            rotary=c.rotary,
-            kv_index=c.attention_layer_ids.index(layer_id),
-            key_multiplier=c.key_multiplier,
+        c, h = config, config.hybrid
+        self.input_layernorm = RMSNorm(hidden_size, h.norm_eps)
+        self.mamba = Mamba2Mixer(hidden_size, h.mamba, h.mamba_layer_ids.index(layer_id))
+        self.self_attn = Attention.from_config(
+            hidden_size, h.attention, h.attention_layer_ids.index(layer_id)
         )
-        self.pre_ff_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.pre_ff_layernorm = RMSNorm(hidden_size, h.norm_eps)
         self.feed_forward = GatedMLP(
-            c.hidden_size, c.intermediate_size, c.mlp_bias, "silu", c.mlp_multipliers
+            hidden_size, h.intermediate_size, h.mlp_bias, "silu", c.mlp_multipliers
         )
         self.multipliers = (c.ssm_out_multiplier, c.attention_in_multiplier)
         self.attention_out_multiplier = c.attention_out_multiplier
@@ -148,10 +166,13 @@ class ParallelLayer(nn.Module):
 class FalconH1Model(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embedding_multiplier = config.embedding_multiplier
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(ParallelLayer(config, i) for i in range(config.num_layers))
-        self.final_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        falcon, hidden = config.family, config.hidden_size
+        self.embedding_multiplier = falcon.embedding_multiplier
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.layers = nn.ModuleList(
+            ParallelLayer(hidden, falcon, i) for i in range(falcon.hybrid.num_layers)
+        )
+        self.final_layernorm = RMSNorm(hidden, falcon.hybrid.norm_eps)
 
     def forward(self, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
         hidden = self.embed_tokens(md.forward.batch.input_ids) * self.embedding_multiplier
@@ -162,4 +183,9 @@ class FalconH1Model(nn.Module):
 
 class Model(CausalLM):
     def __init__(self, config: ModelConfig):
-        super().__init__(config, FalconH1Model(config), "embed_tokens")
+        super().__init__(
+            config,
+            FalconH1Model(config),
+            "embed_tokens",
+            lm_head_multiplier=config.family.lm_head_multiplier,
+        )

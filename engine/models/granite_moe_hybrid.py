@@ -16,22 +16,38 @@ shared_mlp.{input_linear, output_linear}}`, `model.norm`, `lm_head`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from engine.config import NO_FALCON_MULTIPLIERS, ConfigReader, LayerType, ModelConfig, MoEConfig
+from engine.config import ConfigReader, ModelConfig
 from engine.forward_metadata import Mamba2Metadata
+from engine.layers.attention import AttentionConfig
 from engine.layers.blocks import MixerFFNLayer
 from engine.layers.causal_lm import CausalLM
 from engine.layers.mlp import FusedGatedMLP
-from engine.layers.moe import SoftmaxTopKMoE
+from engine.layers.moe import MoEConfig, SoftmaxTopKMoE
 from engine.layers.norm import RMSNorm
-from engine.layers.state import hybrid_state_spec
 from engine.models.bamba import mixer_for, read_attention_keys, read_mamba_keys
+from engine.models.hybrid import HybridConfig, LayerType, hybrid_state_spec
 from engine.state_cache import StateCache
 
-# Mamba2 state at `mamba` layers, K/V at attention layers (engine/layers/state.py).
-state_spec = hybrid_state_spec
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GraniteConfig:
+    """Granite-4.0-H's own fields: its layers, and the µP multipliers (module docstring)."""
+
+    hybrid: HybridConfig
+    embedding_multiplier: float
+    residual_multiplier: float
+    logits_scaling: float
+
+
+def state_spec(config: ModelConfig, dtype: torch.dtype):
+    """Mamba2 state at `mamba` layers, K/V at attention layers."""
+    return hybrid_state_spec(config.family.hybrid, dtype)
+
 
 HF_CONFIG_CLASS_PATH = (
     "transformers.models.granitemoehybrid.configuration_granitemoehybrid.GraniteMoeHybridConfig"
@@ -77,49 +93,57 @@ def read_config(r: ConfigReader) -> ModelConfig:
             routed_scaling_factor=1.0,
             bias=False,
         )
+    hybrid = HybridConfig(
+        layer_types=tuple(LAYER_NAMES[n] for n in names),
+        norm_eps=float(r.opt("rms_norm_eps")),
+        attention=AttentionConfig(
+            **attention,
+            scale=float(r.opt("attention_multiplier")),
+            # transformers' Granite rotates whole heads, ignoring any partial_rotary_factor
+            rotary=r.rotary(attention["head_dim"], partial=False) if position == "rope" else None,
+            key_multiplier=1.0,
+        ),
+        mamba=read_mamba_keys(r, hidden),
+        intermediate_size=shared,  # the dense MLP every layer has is the shared one
+        mlp_bias=False,
+        mlp_hidden_act="silu",
+        moe=moe,
+    )
     return ModelConfig(
         architecture="GraniteMoeHybridForCausalLM",
         vocab_size=r.need("vocab_size"),
         hidden_size=hidden,
-        layer_types=tuple(LAYER_NAMES[n] for n in names),
-        norm_eps=float(r.opt("rms_norm_eps")),
         tie_word_embeddings=bool(r.opt("tie_word_embeddings")),
         max_position_embeddings=r.opt("max_position_embeddings"),
-        **attention,
-        attention_scale=float(r.opt("attention_multiplier")),
-        # transformers' Granite rotates whole heads, ignoring any partial_rotary_factor
-        rotary=r.rotary(attention["head_dim"], partial=False) if position == "rope" else None,
-        intermediate_size=shared,  # the dense MLP every layer has is the shared one
-        mlp_bias=False,
-        mlp_hidden_act="silu",
-        embedding_multiplier=float(r.opt("embedding_multiplier")),
-        residual_multiplier=float(r.opt("residual_multiplier")),
-        logits_scaling=float(r.opt("logits_scaling")),
-        **NO_FALCON_MULTIPLIERS,
-        **read_mamba_keys(r, hidden),
-        moe=moe,
-        shared_blocks=None,
         num_nextn_predict_layers=0,
         eos_token_ids=r.eos_token_ids(),
         bos_token_id=r.opt("bos_token_id"),
         torch_dtype=r.torch_dtype(),
+        family=GraniteConfig(
+            hybrid=hybrid,
+            embedding_multiplier=float(r.opt("embedding_multiplier")),
+            residual_multiplier=float(r.opt("residual_multiplier")),
+            logits_scaling=float(r.opt("logits_scaling")),
+        ),
     )
 
 
 class GraniteMoeHybridModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embedding_multiplier = config.embedding_multiplier
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        granite, hidden = config.family, config.hidden_size
+        hybrid = granite.hybrid
+        self.embedding_multiplier = granite.embedding_multiplier
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         layers = []
-        for i in range(config.num_layers):
-            name, mixer = mixer_for(config, i)
+        for i in range(hybrid.num_layers):
+            name, mixer = mixer_for(hidden, hybrid, i)
             ffn: dict[str, nn.Module] = {}
-            if config.moe is not None:
-                ffn["block_sparse_moe"] = SoftmaxTopKMoE(config.hidden_size, config.moe)
+            if hybrid.moe is not None:
+                ffn["block_sparse_moe"] = SoftmaxTopKMoE(hidden, hybrid.moe)
             ffn["shared_mlp"] = FusedGatedMLP(
-                config.hidden_size,
-                config.intermediate_size,
+                hidden,
+                hybrid.intermediate_size,
                 False,
                 "silu",
                 names=("input_linear", "output_linear"),
@@ -127,15 +151,15 @@ class GraniteMoeHybridModel(nn.Module):
             layers.append(
                 MixerFFNLayer(
                     names=("input_layernorm", name, "post_attention_layernorm"),
-                    hidden_size=config.hidden_size,
-                    eps=config.norm_eps,
+                    hidden_size=hidden,
+                    eps=hybrid.norm_eps,
                     mixer=mixer,
                     ffn=ffn,
-                    residual_multiplier=config.residual_multiplier,
+                    residual_multiplier=granite.residual_multiplier,
                 )
             )
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm = RMSNorm(hidden, hybrid.norm_eps)
 
     def forward(self, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
         hidden = self.embed_tokens(md.forward.batch.input_ids) * self.embedding_multiplier
@@ -146,4 +170,9 @@ class GraniteMoeHybridModel(nn.Module):
 
 class Model(CausalLM):
     def __init__(self, config: ModelConfig):
-        super().__init__(config, GraniteMoeHybridModel(config), "embed_tokens")
+        super().__init__(
+            config,
+            GraniteMoeHybridModel(config),
+            "embed_tokens",
+            logits_scaling=config.family.logits_scaling,
+        )

@@ -2,8 +2,10 @@
 Mamba2 / attention (NoPE, GQA) / relu² MLP / MoE -> residual. Layout from
 `hybrid_override_pattern` (`M`, `*`, `-`, `E`) or `layers_block_type`; legacy key aliases.
 
-Weights: `backbone.` on disk, `model.` in memory (engine/weights.py canonical_name);
-`model.embeddings`, `model.layers.{i}.norm`, `model.layers.{i}.mixer.*`, `model.norm_f`.
+Weights: `backbone.` on disk, `model.` in memory (`checkpoint_name`); `model.embeddings`,
+`model.layers.{i}.norm`, `model.layers.{i}.mixer.*`, `model.norm_f`. transformers' NemotronH
+never ties lm_head to the embeddings, so a checkpoint that stores its own lm_head uses it
+whatever tie_word_embeddings says. Every layer splits for tensor parallelism (`check_tp`).
 """
 
 from __future__ import annotations
@@ -13,26 +15,36 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import (
-    NO_FALCON_MULTIPLIERS,
-    ConfigError,
-    ConfigReader,
-    LayerType,
-    ModelConfig,
-    MoEConfig,
-)
+from engine.config import ConfigReader, ModelConfig
+from engine.config_error import ConfigError
 from engine.forward_metadata import Mamba2Metadata
-from engine.layers.attention import Attention
+from engine.layers.attention import Attention, AttentionConfig
 from engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
-from engine.layers.mamba2 import Mamba2Mixer
+from engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from engine.layers.mlp import ReluSquaredMLP
-from engine.layers.moe import MoE
+from engine.layers.moe import MoE, MoEConfig
 from engine.layers.norm import RMSNorm
-from engine.layers.state import hybrid_state_spec
+from engine.models.hybrid import HybridConfig, LayerType, check_hybrid_tp, hybrid_state_spec
 from engine.state_cache import StateCache
 
-# Mamba2 state at `mamba` layers, K/V at attention layers (engine/layers/state.py).
-state_spec = hybrid_state_spec
+UNTIE_WITH_STORED_LM_HEAD = True
+
+
+def state_spec(config: ModelConfig, dtype: torch.dtype):
+    """Mamba2 state at `mamba` layers, K/V at attention layers."""
+    return hybrid_state_spec(config.family, dtype)
+
+
+def check_tp(config: ModelConfig, size: int) -> None:
+    check_hybrid_tp(config.family, size)
+
+
+def checkpoint_name(name: str) -> str:
+    """On-disk NemotronH names use `backbone.`; baton's modules use `model.`."""
+    if name.startswith("backbone."):
+        return "model." + name[len("backbone.") :]
+    return name
+
 
 HF_CONFIG_CLASS_PATH = "transformers.models.nemotron_h.configuration_nemotron_h.NemotronHConfig"
 
@@ -86,46 +98,56 @@ def read_config(reader: ConfigReader) -> ModelConfig:
     # `mamba_proj_bias` key is read by nothing); a legacy file may only have the latter.
     mamba_bias = bool(hf["use_bias"] if "use_bias" in hf else opt("mamba_proj_bias"))
     ssm_cache_dtype = r.require("mamba_ssm_cache_dtype", (None, "float32", "bfloat16", "float16"))
+    norm_eps = float(need("layer_norm_epsilon"))
+    hybrid = HybridConfig(
+        layer_types=layer_types,
+        norm_eps=norm_eps,
+        attention=AttentionConfig(
+            num_heads=num_heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            bias=False,  # transformers' NemotronH attention has none, whatever the key says
+            scale=head_dim**-0.5,
+            rotary=None,  # NemotronH attention is NoPE
+            key_multiplier=1.0,
+        )
+        if "attention" in layer_types
+        else None,
+        mamba=Mamba2Config(
+            num_heads=opt("mamba_num_heads"),
+            head_dim=opt("mamba_head_dim"),
+            state_size=opt("ssm_state_size"),
+            n_groups=opt("n_groups"),
+            conv_kernel=opt("conv_kernel"),
+            chunk_size=opt("chunk_size"),
+            conv_bias=bool(opt("use_conv_bias")),
+            proj_bias=mamba_bias,
+            out_proj_bias=mamba_bias,
+            time_step_limit=r.time_step_limit(),
+            norm="gated",
+            norm_eps=norm_eps,
+            cache_dtype=ssm_cache_dtype or "float32",
+            in_multiplier=1.0,
+            multipliers=(1.0,) * 5,
+        )
+        if "mamba" in layer_types
+        else None,
+        intermediate_size=need("intermediate_size"),
+        mlp_bias=bool(opt("mlp_bias")),
+        mlp_hidden_act=opt("mlp_hidden_act"),
+        moe=_moe_config(r) if "moe" in layer_types else None,
+    )
     return ModelConfig(
         architecture="NemotronHForCausalLM",
         vocab_size=need("vocab_size"),
         hidden_size=hidden,
-        layer_types=layer_types,
-        norm_eps=float(need("layer_norm_epsilon")),
         tie_word_embeddings=bool(opt("tie_word_embeddings")),
         max_position_embeddings=need("max_position_embeddings"),
-        num_attention_heads=num_heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        attention_bias=False,  # transformers' NemotronH attention has none, whatever the key says
-        attention_scale=head_dim**-0.5,
-        rotary=None,  # NemotronH attention is NoPE
-        intermediate_size=need("intermediate_size"),
-        mlp_bias=bool(opt("mlp_bias")),
-        mlp_hidden_act=opt("mlp_hidden_act"),
-        embedding_multiplier=1.0,
-        residual_multiplier=1.0,
-        logits_scaling=1.0,
-        **NO_FALCON_MULTIPLIERS,
-        mamba_num_heads=opt("mamba_num_heads"),
-        mamba_head_dim=opt("mamba_head_dim"),
-        ssm_state_size=opt("ssm_state_size"),
-        n_groups=opt("n_groups"),
-        conv_kernel=opt("conv_kernel"),
-        chunk_size=opt("chunk_size"),
-        use_conv_bias=bool(opt("use_conv_bias")),
-        mamba_proj_bias=mamba_bias,
-        mamba_out_proj_bias=mamba_bias,
-        time_step_limit=r.time_step_limit(),
-        mamba_norm="gated",
-        mamba_norm_eps=float(need("layer_norm_epsilon")),
-        mamba_ssm_cache_dtype=ssm_cache_dtype or "float32",
-        moe=_moe_config(r) if "moe" in layer_types else None,
-        shared_blocks=None,
         num_nextn_predict_layers=int(opt("num_nextn_predict_layers") or 0),
         eos_token_ids=r.eos_token_ids(),
         bos_token_id=opt("bos_token_id"),
         torch_dtype=r.torch_dtype(),
+        family=hybrid,
     )
 
 
@@ -193,32 +215,25 @@ def _layer_types(hf: dict[str, Any], source: str) -> tuple[LayerType, ...]:
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, hidden_size: int, config: HybridConfig, layer_id: int):
         super().__init__()
         kind = config.layer_types[layer_id]
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm = RMSNorm(hidden_size, config.norm_eps)
         # Mamba and attention read and write the pools; MLP and MoE see only their rows.
         self.stateful = kind in ("mamba", "attention")
         if kind == "mamba":
-            self.mixer = Mamba2Mixer(config, config.mamba_layer_ids.index(layer_id))
+            self.mixer = Mamba2Mixer(
+                hidden_size, config.mamba, config.mamba_layer_ids.index(layer_id)
+            )
         elif kind == "attention":
-            self.mixer = Attention(
-                hidden_size=config.hidden_size,
-                num_heads=config.num_attention_heads,
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
-                bias=config.attention_bias,
-                scale=config.attention_scale,
-                rotary=config.rotary,
-                kv_index=config.attention_layer_ids.index(layer_id),
+            self.mixer = Attention.from_config(
+                hidden_size, config.attention, config.attention_layer_ids.index(layer_id)
             )
         elif kind == "mlp":
-            self.mixer = ReluSquaredMLP(
-                config.hidden_size, config.intermediate_size, config.mlp_bias
-            )
+            self.mixer = ReluSquaredMLP(hidden_size, config.intermediate_size, config.mlp_bias)
         else:
             assert config.moe is not None  # read_config builds it whenever a layer is `moe`
-            self.mixer = MoE(config.hidden_size, config.moe)
+            self.mixer = MoE(hidden_size, config.moe)
 
     def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
         normed = self.norm(hidden)
@@ -229,9 +244,12 @@ class Block(nn.Module):
 class NemotronHModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        hybrid = config.family
         self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
-        self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)
+        self.layers = nn.ModuleList(
+            Block(config.hidden_size, hybrid, i) for i in range(hybrid.num_layers)
+        )
+        self.norm_f = RMSNorm(config.hidden_size, hybrid.norm_eps)
 
     def forward(self, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
         hidden = self.embeddings(md.forward.batch.input_ids)

@@ -1,21 +1,31 @@
 """The model registry: config.json's `architectures` (else `model_type`) -> the family module.
 
-A family module (engine/models/<family>.py) provides:
-    HF_CONFIG_CLASS_PATH   the transformers config class whose defaults fill missing keys
-    read_config(reader)    -> ModelConfig (engine/config.py), every key read or refused
+A family module (engine/models/<family>.py) declares everything about its family:
+    HF_CONFIG_CLASS_PATH      the transformers config class whose defaults fill missing keys
+    read_config(reader)       -> ModelConfig (engine/config.py) with the family's own config in
+                              `family`, every key read or refused
     state_spec(config, dtype) -> ModelStateSpec: the state every layer use keeps
-    Model                  the nn.Module built from ModelConfig, weights named as on disk
+    Model                     the nn.Module built from ModelConfig, weights named as on disk
+and, where it has them, its capabilities:
+    check_tp(config, size)    ConfigError unless `size` ranks can serve the model (a family
+                              without it refuses TP > 1)
+    checkpoint_name(name)     the in-memory name of a checkpoint tensor, None to skip it
+                              (default: the name itself)
+    UNTIE_WITH_STORED_LM_HEAD True: a checkpoint that stores lm_head.weight uses it whatever
+                              tie_word_embeddings says (transformers' NemotronH never ties)
 Modules are imported when their family is asked for, so a registry lookup costs nothing.
+`register` adds a family (a test's, or a plugin's) without editing this file.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from engine.config import ConfigError
+from engine.config_error import ConfigError
 
 # architecture -> (model_type, family module)
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -25,6 +35,12 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "FalconH1ForCausalLM": ("falcon_h1", "engine.models.falcon_h1"),
     "Zamba2ForCausalLM": ("zamba2", "engine.models.zamba2"),
 }
+
+
+def register(architecture: str, model_type: str, module: str) -> None:
+    """Serve `architecture` (config.json's `architectures[0]`, or `model_type`) with the family
+    module at import path `module`."""
+    FAMILIES[architecture] = (model_type, module)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,6 +59,18 @@ class Family:
         return self.module.state_spec(config, dtype)
 
     @property
+    def check_tp(self) -> Callable[[Any, int], None] | None:
+        return getattr(self.module, "check_tp", None)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        rename = getattr(self.module, "checkpoint_name", None)
+        return name if rename is None else rename(name)
+
+    @property
+    def untie_with_stored_lm_head(self) -> bool:
+        return getattr(self.module, "UNTIE_WITH_STORED_LM_HEAD", False)
+
+    @property
     def model_class(self) -> type:
         return self.module.Model
 
@@ -54,6 +82,11 @@ def model_state_spec(config, dtype) -> Any:
 
 def supported_architectures() -> tuple[str, ...]:
     return tuple(FAMILIES)
+
+
+def tp_architectures() -> tuple[str, ...]:
+    """The families that declare a tensor-parallel check."""
+    return tuple(a for a in FAMILIES if family_named(a).check_tp is not None)
 
 
 def family_named(architecture: str) -> Family:

@@ -19,22 +19,44 @@ transformers' does, whatever rms_norm_eps says.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from engine.config import NO_FALCON_MULTIPLIERS, ConfigReader, ModelConfig, SharedBlocksConfig
+from engine.config import ConfigReader, ModelConfig
 from engine.forward_metadata import Mamba2Metadata
-from engine.layers.attention import Attention
+from engine.layers.attention import Attention, AttentionConfig
 from engine.layers.causal_lm import CausalLM
 from engine.layers.lora import AdapterList
-from engine.layers.mamba2 import Mamba2Mixer
+from engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from engine.layers.mlp import ACTIVATIONS
 from engine.layers.norm import RMSNorm
-from engine.layers.state import hybrid_state_spec
+from engine.models.hybrid import HybridConfig, hybrid_state_spec
 from engine.state_cache import StateCache
 
-# Mamba2 state at `mamba` layers, K/V at attention layers (engine/layers/state.py).
-state_spec = hybrid_state_spec
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SharedBlocksConfig:
+    """`num_blocks` attention blocks reused in turn at the `hybrid` layers, with per-use LoRA
+    adapters of rank `adapter_rank` on q/k/v when `attention_adapters` (the MLP's gate_up_proj
+    always has them)."""
+
+    num_blocks: int
+    attention_adapters: bool
+    adapter_rank: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Zamba2Config:
+    hybrid: HybridConfig
+    shared_blocks: SharedBlocksConfig
+
+
+def state_spec(config: ModelConfig, dtype: torch.dtype):
+    """Mamba2 state at every layer, K/V at each use of a shared block (`hybrid` layers)."""
+    return hybrid_state_spec(config.family.hybrid, dtype)
+
 
 HF_CONFIG_CLASS_PATH = "transformers.models.zamba2.configuration_zamba2.Zamba2Config"
 LAYER_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "hybrid": "hybrid"}  # as saved
@@ -68,60 +90,73 @@ def read_config(r: ConfigReader) -> ModelConfig:
             f"use_shared_attention_adapter=True needs num_key_value_heads={kv_heads} to equal "
             f"num_attention_heads={num_heads}"
         )
+    mlp_bias = bool(r.opt("add_bias_linear"))
+    hybrid = HybridConfig(
+        layer_types=tuple(LAYER_KINDS[k] for k in kinds),
+        norm_eps=float(r.opt("rms_norm_eps")),
+        attention=AttentionConfig(
+            num_heads=num_heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            bias=False,
+            scale=(head_dim / 2) ** -0.5,
+            # transformers' Zamba2 rotates whole heads, ignoring any partial_rotary_factor
+            rotary=r.rotary(head_dim, partial=False) if r.opt("use_mem_rope") else None,
+            key_multiplier=1.0,
+        ),
+        mamba=Mamba2Config(
+            num_heads=n_heads,
+            head_dim=intermediate // n_heads,
+            state_size=r.opt("mamba_d_state"),
+            n_groups=r.opt("mamba_ngroups"),
+            conv_kernel=r.opt("mamba_d_conv"),
+            chunk_size=r.opt("chunk_size"),
+            # transformers' Zamba2 conv1d always has a bias, whatever use_conv_bias says
+            conv_bias=True,
+            proj_bias=mlp_bias,
+            out_proj_bias=mlp_bias,
+            time_step_limit=(float(r.opt("time_step_min")), float("inf")),
+            norm="gated",
+            norm_eps=1e-5,  # transformers' Zamba2 mixer norm, whatever rms_norm_eps says
+            cache_dtype="float32",
+            in_multiplier=1.0,
+            multipliers=(1.0,) * 5,
+        ),
+        intermediate_size=r.need("intermediate_size"),
+        mlp_bias=mlp_bias,
+        mlp_hidden_act=act,
+        moe=None,
+    )
     return ModelConfig(
         architecture="Zamba2ForCausalLM",
         vocab_size=r.need("vocab_size"),
         hidden_size=hidden,
-        layer_types=tuple(LAYER_KINDS[k] for k in kinds),
-        norm_eps=float(r.opt("rms_norm_eps")),
         tie_word_embeddings=bool(r.opt("tie_word_embeddings")),
         max_position_embeddings=r.opt("max_position_embeddings"),
-        num_attention_heads=num_heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        attention_bias=False,
-        attention_scale=(head_dim / 2) ** -0.5,
-        # transformers' Zamba2 rotates whole heads, ignoring any partial_rotary_factor
-        rotary=r.rotary(head_dim, partial=False) if r.opt("use_mem_rope") else None,
-        intermediate_size=r.need("intermediate_size"),
-        mlp_bias=bool(r.opt("add_bias_linear")),
-        mlp_hidden_act=act,
-        embedding_multiplier=1.0,
-        residual_multiplier=1.0,
-        logits_scaling=1.0,
-        **NO_FALCON_MULTIPLIERS,
-        mamba_num_heads=n_heads,
-        mamba_head_dim=intermediate // n_heads,
-        ssm_state_size=r.opt("mamba_d_state"),
-        n_groups=r.opt("mamba_ngroups"),
-        conv_kernel=r.opt("mamba_d_conv"),
-        chunk_size=r.opt("chunk_size"),
-        # transformers' Zamba2 conv1d always has a bias, whatever use_conv_bias says
-        use_conv_bias=True,
-        mamba_proj_bias=bool(r.opt("add_bias_linear")),
-        mamba_out_proj_bias=bool(r.opt("add_bias_linear")),
-        time_step_limit=(float(r.opt("time_step_min")), float("inf")),
-        mamba_norm="gated",
-        mamba_norm_eps=1e-5,  # transformers' Zamba2 mixer norm, whatever rms_norm_eps says
-        mamba_ssm_cache_dtype="float32",
-        moe=None,
-        shared_blocks=SharedBlocksConfig(
-            num_blocks=int(r.opt("num_mem_blocks")),
-            attention_adapters=bool(r.opt("use_shared_attention_adapter")),
-            adapter_rank=int(r.opt("adapter_rank")),
-        ),
         num_nextn_predict_layers=0,
         eos_token_ids=r.eos_token_ids(),
         bos_token_id=r.opt("bos_token_id"),
         torch_dtype=r.torch_dtype(),
+        family=Zamba2Config(
+            hybrid=hybrid,
+            shared_blocks=SharedBlocksConfig(
+                num_blocks=int(r.opt("num_mem_blocks")),
+                attention_adapters=bool(r.opt("use_shared_attention_adapter")),
+                adapter_rank=int(r.opt("adapter_rank")),
+            ),
+        ),
     )
 
 
 class SharedMLP(nn.Module):
     def __init__(self, config: ModelConfig, adapter_rank: int, owned: list[bool]):
         super().__init__()
-        H, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.act = ACTIVATIONS[config.mlp_hidden_act]
+        H, inter, bias = (
+            config.hidden_size,
+            config.family.hybrid.intermediate_size,
+            config.family.hybrid.mlp_bias,
+        )
+        self.act = ACTIVATIONS[config.family.hybrid.mlp_hidden_act]
         self.gate_up_proj = nn.Linear(H, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, H, bias=bias)
         self.gate_up_proj_adapter_list = AdapterList(H, 2 * inter, adapter_rank, owned)
@@ -139,21 +174,28 @@ class SharedAttention(Attention):
         width = 2 * config.hidden_size
         super().__init__(
             hidden_size=width,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
+            num_heads=config.family.hybrid.attention.num_heads,
+            num_kv_heads=config.family.hybrid.attention.num_kv_heads,
+            head_dim=config.family.hybrid.attention.head_dim,
             bias=False,
-            scale=config.attention_scale,
-            rotary=config.rotary,
+            scale=config.family.hybrid.attention.scale,
+            rotary=config.family.hybrid.attention.rotary,
             kv_index=-1,  # never used: each call names its use's pool
         )
         self.o_proj = nn.Linear(
-            config.num_attention_heads * config.head_dim, config.hidden_size, bias=False
+            config.family.hybrid.attention.num_heads * config.family.hybrid.attention.head_dim,
+            config.hidden_size,
+            bias=False,
         )
         self.adapters = adapters
         if adapters:
-            q_out = config.num_attention_heads * config.head_dim
-            kv_out = config.num_key_value_heads * config.head_dim
+            q_out = (
+                config.family.hybrid.attention.num_heads * config.family.hybrid.attention.head_dim
+            )
+            kv_out = (
+                config.family.hybrid.attention.num_kv_heads
+                * config.family.hybrid.attention.head_dim
+            )
             self.linear_q_adapter_list = AdapterList(width, q_out, adapter_rank, owned)
             self.linear_k_adapter_list = AdapterList(width, kv_out, adapter_rank, owned)
             self.linear_v_adapter_list = AdapterList(width, kv_out, adapter_rank, owned)
@@ -174,9 +216,9 @@ class SharedTransformer(nn.Module):
     def __init__(self, config: ModelConfig, adapters: bool, adapter_rank: int, owned: list[bool]):
         super().__init__()
         H = config.hidden_size
-        self.input_layernorm = RMSNorm(2 * H, config.norm_eps)
+        self.input_layernorm = RMSNorm(2 * H, config.family.hybrid.norm_eps)
         self.self_attn = SharedAttention(config, adapters, adapter_rank, owned)
-        self.pre_ff_layernorm = RMSNorm(H, config.norm_eps)
+        self.pre_ff_layernorm = RMSNorm(H, config.family.hybrid.norm_eps)
         self.feed_forward = SharedMLP(config, adapter_rank, owned)
 
     def forward(self, hidden, original, md: Mamba2Metadata, cache: StateCache, use: int):
@@ -188,8 +230,12 @@ class SharedTransformer(nn.Module):
 class MambaLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mamba = Mamba2Mixer(config, config.mamba_layer_ids.index(layer_id))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.family.hybrid.norm_eps)
+        self.mamba = Mamba2Mixer(
+            config.hidden_size,
+            config.family.hybrid.mamba,
+            config.family.hybrid.mamba_layer_ids.index(layer_id),
+        )
 
     def forward(self, hidden, md: Mamba2Metadata, cache: StateCache, added=None):
         x = hidden if added is None else hidden + added
@@ -213,11 +259,11 @@ class Zamba2Model(nn.Module):
     def __init__(self, config: ModelConfig, num_mem_blocks: int, adapters: bool, rank: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        uses = config.attention_layer_ids  # the hybrid layers, in order
+        uses = config.family.hybrid.attention_layer_ids  # the hybrid layers, in order
         blocks: dict[int, SharedTransformer] = {}
         tied = config.tie_word_embeddings
         layers = []
-        for i, kind in enumerate(config.layer_types):
+        for i, kind in enumerate(config.family.hybrid.layer_types):
             if kind == "mamba":
                 layers.append(MambaLayer(config, i))
                 continue
@@ -232,7 +278,7 @@ class Zamba2Model(nn.Module):
             shared = blocks[block] if tied else SharedTransformer(config, adapters, rank, owned)
             layers.append(HybridLayer(shared, config, i, use))
         self.layers = nn.ModuleList(layers)
-        self.final_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.final_layernorm = RMSNorm(config.hidden_size, config.family.hybrid.norm_eps)
 
     def forward(self, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
         original = self.embed_tokens(md.forward.batch.input_ids)
@@ -247,7 +293,7 @@ class Zamba2Model(nn.Module):
 
 class Model(CausalLM):
     def __init__(self, config: ModelConfig):
-        shared = config.shared_blocks
+        shared = config.family.shared_blocks
         assert shared is not None  # read_config always sets it
         backbone = Zamba2Model(
             config, shared.num_blocks, shared.attention_adapters, shared.adapter_rank
