@@ -10,8 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.config import MoEConfig
-from engine.layers.moe import MoE
+from engine.layers.moe import MoE, MoEConfig
 from kernels import cpu_moe
 from kernels.layouts import Routing
 from kernels.moe import fused_moe_torch

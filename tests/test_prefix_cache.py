@@ -191,7 +191,7 @@ def test_skipping_the_ssm_checkpoint_copy_is_caught(base_model, cache_off_output
 
 def test_track_interval_must_align_with_chunk_and_page(base_model):
     model_dir, _ = base_model
-    with pytest.raises(ValueError, match="multiple of the SSD chunk size"):
+    with pytest.raises(ValueError, match="multiple of the state.s chunk size"):
         LLM(model_dir, page_size=4, mamba_track_interval=24)
 
 

@@ -14,12 +14,16 @@ and, where it has them, its capabilities:
     UNTIE_WITH_STORED_LM_HEAD True: a checkpoint that stores lm_head.weight uses it whatever
                               tie_word_embeddings says (transformers' NemotronH never ties)
 Modules are imported when their family is asked for, so a registry lookup costs nothing.
-`register` adds a family (a test's, or a plugin's) without editing this file.
+`register` adds a family (a test's, or a plugin's) without editing this file; it also notes the
+family in `BATON_FAMILIES` ("Architecture=model_type:module,..."), which the registry reads at
+import, so the processes an engine starts (tensor-parallel ranks, a server's engine) serve it
+too.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -37,10 +41,29 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
+FAMILIES_ENV = "BATON_FAMILIES"
+
+
 def register(architecture: str, model_type: str, module: str) -> None:
     """Serve `architecture` (config.json's `architectures[0]`, or `model_type`) with the family
-    module at import path `module`."""
+    module at import path `module`, here and in the processes started from here."""
     FAMILIES[architecture] = (model_type, module)
+    entries = [e for e in os.environ.get(FAMILIES_ENV, "").split(",") if e]
+    entry = f"{architecture}={model_type}:{module}"
+    if entry not in entries:
+        os.environ[FAMILIES_ENV] = ",".join([*entries, entry])
+
+
+def _registered_by_environment() -> None:
+    for entry in filter(None, os.environ.get(FAMILIES_ENV, "").split(",")):
+        architecture, _, rest = entry.partition("=")
+        model_type, _, module = rest.partition(":")
+        if not (architecture and model_type and module):
+            raise ConfigError(f"{FAMILIES_ENV}: {entry!r} is not Architecture=model_type:module")
+        FAMILIES[architecture] = (model_type, module)
+
+
+_registered_by_environment()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
