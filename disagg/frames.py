@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from disagg.protocol import check_frames
-from engine.handover import HandoverLayout, RequestState, SlotUnit
+from engine.handover.state import HandoverLayout, RequestState, SlotUnit
 
 
 def pages_chunk(layout: HandoverLayout, tensors: dict[str, torch.Tensor]) -> dict[str, list]:

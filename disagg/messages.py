@@ -19,7 +19,7 @@ class Compat:
     dtype: str  # the serving dtype (the state's may differ: an SSM state kept in float32)
     page_size: int
     # The whole model's (TP=1) state layout, whatever either side's TP size: one line per state
-    # tensor of the spec, "pool: kind xlayers [shape] dtype" (engine.handover.HandoverLayout).
+    # tensor of the spec, "pool: kind xlayers [shape] dtype" (engine.handover.state.HandoverLayout).
     state: list[str]
     model: str  # fingerprint of the model config
     weights: str  # fingerprint of the checkpoint's tensors (same config, other weights)

@@ -1,6 +1,6 @@
 """The engine process of a disaggregated worker: `python -m disagg.process SPEC_JSON`.
 
-The same loop as the colocated engine process (engine.process.EngineLoop), around a
+The same loop as the colocated engine process (engine.runtime.process.EngineLoop), around a
 PrefillWorker or DecodeWorker instead of a bare Engine: it also waits on the transfer sockets,
 reports failed rooms to the server as RequestFailed, and adds transfer counters to the stats.
 """
@@ -18,10 +18,17 @@ from disagg.prefill import PrefillWorker
 from disagg.rooms import DisaggConfig
 from disagg.tp_transfer import SECRET_ENV, connector_spec
 from disagg.worker import DisaggWorker
-from engine import process as engine_process
-from engine.engine import Engine
-from engine.gc_freeze import freeze_startup_objects
-from engine.ipc import AddRequest, EngineFailed, EngineReady, RequestFailed, StepOutput, encode
+from engine.core.engine import Engine
+from engine.runtime import process as engine_process
+from engine.runtime.gc_freeze import freeze_startup_objects
+from engine.runtime.ipc import (
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    RequestFailed,
+    StepOutput,
+    encode,
+)
 
 logger = logging.getLogger("baton.disagg")
 
@@ -121,7 +128,7 @@ def load_and_run(
                 vocab_size=engine.model_config.vocab_size,
                 max_model_len=engine.max_model_len,
                 transfer_addr=transfer_addr,
-                rank_transfer_addrs=list(engine.handover.shards.addresses),
+                rank_transfer_addrs=list(engine.handover.state.shards.addresses),
             )
         )
     )

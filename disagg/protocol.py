@@ -8,7 +8,7 @@ Headers are the messages' dataclasses (disagg.messages), their wire form derived
 `decode` checks the type tag and every field against its annotation, nested ones included, and
 rejects anything else (a pickle payload is just bytes that do not parse as a msgpack map with a
 known tag). Tensors travel as raw frames, each described in the header by name, dtype and shape,
-and are handed on by name, never by position. The request state itself (engine.handover's
+and are handed on by name, never by position. The request state itself (engine.handover.state's
 RequestState) is never listed here: a StateTransfer carries its non-tensor fields in `state` and
 its tensor fields as frames named after them, both derived from the dataclass.
 
@@ -43,7 +43,7 @@ from disagg.schema import (
 from disagg.schema import (
     hints as schema_hints,
 )
-from engine.handover import RequestState
+from engine.handover.state import RequestState
 
 # 2: K/V and Mamba chunks carry one frame per layer. 3: Register carries the decode side's
 # transfer timeout (the prefill side keeps zero-copy sends' pages no longer than that).

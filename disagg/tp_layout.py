@@ -1,6 +1,6 @@
 """Which rank holds which slice of a request's state, on either side of a handover between
 engines of different tensor-parallel sizes, and which prefill rank sends each decode rank what:
-all derived from the model's state spec (engine/state_spec.py).
+all derived from the model's state spec (engine/cache/spec.py).
 
 Every state tensor is split along one dim of "units" (its spec's TPSplit: KV heads, conv
 channels in x | B | C segments, Mamba heads, ...; SGLang's heterogeneous-TP transfer and vLLM's
@@ -23,10 +23,10 @@ import functools
 import re
 from dataclasses import dataclass
 
+from engine.cache.spec import ModelStateSpec, Ranges
 from engine.config import ModelConfig
 from engine.config_error import ConfigError
-from engine.state_spec import ModelStateSpec, Ranges
-from engine.tp_shard import check_tp_supported
+from engine.parallel.support import check_tp_supported
 
 # A peer may claim any size; these bound what one claim can make this side compute or connect.
 MAX_TP_SIZE = 256

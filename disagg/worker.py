@@ -8,9 +8,9 @@ from typing import Protocol
 
 import zmq
 
-from engine.engine_args import EngineStats
-from engine.outputs import RequestDelta
-from engine.sampling_params import SamplingParams
+from engine.core.engine_args import EngineStats
+from engine.core.outputs import RequestDelta
+from engine.core.sampling_params import SamplingParams
 
 
 class DisaggWorker(Protocol):

@@ -1,5 +1,5 @@
 """The types kernels share with their callers and with each other: the per-forward layouts the
-one metadata builder makes (engine/forward_metadata.py) and every attention, conv and scan
+one metadata builder makes (engine/executor/forward_metadata.py) and every attention, conv and scan
 kernel reads, and the values the torch and Triton paths of one op exchange. Kept apart from the
 ops so that a Triton module never imports its op's torch module (which dispatches to it)."""
 

@@ -34,12 +34,12 @@ from disagg.protocol import (
 from disagg.rooms import DisaggConfig
 from disagg.tp_layout import TPLayout, owned, plan
 from disagg.tp_transfer import SECRET_ENV, connector_spec
+from engine.cache.spec import ModelStateSpec
 from engine.config import ModelConfig
-from engine.engine import Engine
-from engine.handover import RequestState
+from engine.core.engine import Engine
+from engine.core.sampling_params import SamplingParams
+from engine.handover.state import RequestState
 from engine.models.registry import model_state_spec
-from engine.sampling_params import SamplingParams
-from engine.state_spec import ModelStateSpec
 from tests.tiny import save_tiny_model
 
 SECRET = "tp-s3cret"
@@ -259,17 +259,17 @@ def assert_checkpoints_as_colocated(decoder, colocated: Engine, prompt, num_bloc
     end: rank 0 compared tensor by tensor, the others by the per-slot sums they report."""
     engine = decoder.engine
     keys = colocated.prefix_cache.chain_keys(prompt, num_blocks)
-    blocks = [engine.prefix_cache.lookup(key) for key in keys]
+    blocks = [engine.cache.prefix_cache.lookup(key) for key in keys]
     assert None not in blocks, "the decode side does not cache the transferred blocks"
     reference = [colocated.prefix_cache.lookup(key).checkpoint_slot for key in keys]
     digests = engine.ranks.pool_digests(engine.cache) if engine.ranks is not None else None
-    # where each pool's rows start in a rank's digest (engine/tp_messages.py pool_digest)
+    # where each pool's rows start in a rank's digest (engine/parallel/messages.py pool_digest)
     offsets, row = {}, 0
     for name, pool in engine.cache.pools.items():
         offsets[name], row = row, row + pool.shape[1]
-    tp_size = engine.handover.shards.tp_size
+    tp_size = engine.handover.state.shards.tp_size
     for rank in range(tp_size):
-        units = owned(engine.state_spec, tp_size, rank)
+        units = owned(engine.cache.spec, tp_size, rank)
         for block, ref_slot in zip(blocks, reference, strict=True):
             slot = block.checkpoint_slot
             for name in engine.cache.slotted:
@@ -513,7 +513,7 @@ def test_install_report_carries_a_failed_ranks_reason_to_rank_0():
     so the room's error names the problem whichever rank's shard arrived first."""
     from types import SimpleNamespace
 
-    from engine.tp_handover import (
+    from engine.handover.shards import (
         FAILED,
         INSTALLED,
         REASON_BYTES,

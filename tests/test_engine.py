@@ -221,7 +221,7 @@ def test_prompt_logprobs_survive_a_preemption_mid_prompt(base_model):
     engine.step()  # 16 of the 40 prompt tokens
     req = engine.requests["r"]
     assert 0 < len(req.prompt_logprobs) < len(prompt)
-    engine.scheduler.preempt(req)
+    engine.core.scheduler.preempt(req)
     assert req.prompt_logprobs == [] and req.wants_prompt_logprobs
     deltas = []
     while engine.has_unfinished_requests():
@@ -237,7 +237,7 @@ def test_prompt_logprobs_survive_a_preemption_mid_prompt(base_model):
 def test_prompt_logprobs_in_row_blocks_equal_one_pass(base_model, monkeypatch):
     """The engine walks a chunk's prompt-logprob rows a few at a time (no second copy of a
     chunk's logits): blocks of 3 rows give what blocks of the whole chunk give."""
-    import engine.engine as engine_module
+    import engine.core.engine as engine_module
 
     model_dir, _ = base_model
     prompt = [(7 * i) % 250 + 3 for i in range(37)]

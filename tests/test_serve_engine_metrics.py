@@ -7,8 +7,8 @@ import pytest
 
 from bench.serve_metrics import engine_means, histogram_totals
 from bench.serve_side_by_side import server_commands
-from engine.engine import Engine
-from engine.request_timing import RequestTiming
+from engine.core.engine import Engine
+from engine.core.request_timing import RequestTiming
 from server.args import ServerArgs
 from server.metrics import ServerMetrics
 
@@ -91,6 +91,6 @@ def test_a_server_schedules_mixed_unless_told_otherwise(tmp_path):
 def test_cpu_prefill_first_steps_default_to_512_tokens(base_model):
     model_dir, _ = base_model
     engine = Engine(model_dir, max_total_tokens=1024, max_running_requests=2)
-    assert engine.scheduler.config.max_prefill_tokens == 512
+    assert engine.core.scheduler.config.max_prefill_tokens == 512
     small = Engine(model_dir, max_total_tokens=1024, max_num_batched_tokens=256)
     assert small.scheduler.config.max_prefill_tokens == 256  # never above the step budget

@@ -24,9 +24,9 @@ from disagg.prefill import PrefillWorker
 from disagg.rooms import DisaggConfig
 from disagg.tp_transfer import SECRET_ENV, connector_spec
 from engine.config import ModelConfig
-from engine.engine import Engine
-from engine.handover_io import StateIO
-from engine.sampling_params import SamplingParams
+from engine.core.engine import Engine
+from engine.core.sampling_params import SamplingParams
+from engine.handover.io import StateIO
 
 SECRET = "toy-s3cret"
 CONFIG = dict(

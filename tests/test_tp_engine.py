@@ -19,12 +19,12 @@ import torch
 
 from engine.config import ModelConfig
 from engine.config_error import ConfigError
-from engine.forward_metadata import ScheduledBatch, TrackPoint
+from engine.core.llm import LLM
+from engine.core.sampling_params import SamplingParams
+from engine.executor.forward_metadata import ScheduledBatch, TrackPoint
 from engine.layers.mamba2 import mamba_shard
-from engine.llm import LLM
 from engine.parallel import TensorParallel, kv_head_part
-from engine.sampling_params import SamplingParams
-from engine.tp_messages import (
+from engine.parallel.messages import (
     CopySlot,
     DropShard,
     InstallShard,
@@ -38,7 +38,7 @@ from engine.tp_messages import (
     encode,
     pool_digest,
 )
-from engine.tp_shard import check_tp_supported
+from engine.parallel.support import check_tp_supported
 from tests.tiny import save_tiny_model
 
 SHAPES = {

@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 from engine import parallel
+from engine.cache.pools import StateCache
+from engine.cache.spec import ModelStateSpec
 from engine.config import ConfigReader, ModelConfig
-from engine.forward_metadata import Mamba2Metadata
+from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
 from engine.layers.norm import RMSNorm
 from engine.models import registry
 from engine.parallel import TensorParallel
-from engine.state_cache import StateCache
-from engine.state_spec import ModelStateSpec
 from tests.toy_mixer import ToyMixer, ToyMixerConfig, reference
 
 ARCHITECTURE = "ToyForCausalLM"

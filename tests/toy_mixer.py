@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from engine import parallel
-from engine.forward_metadata import Mamba2Metadata
-from engine.state_cache import StateCache
-from engine.state_spec import LayerState, Segment, StateTensor, TPSplit
+from engine.cache.pools import StateCache
+from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
+from engine.executor.forward_metadata import Mamba2Metadata
 from kernels.attention import paged_attention
 
 

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from engine import parallel
-from engine.forward_metadata import Mamba2Metadata
+from engine.cache.pools import StateCache
+from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
+from engine.executor.forward_metadata import Mamba2Metadata
 from engine.parallel import TensorParallel
-from engine.state_cache import StateCache
-from engine.state_spec import LayerState, Segment, StateTensor, TPSplit
 from kernels import cpu_ops
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.norm import gated_rms_norm, group_rms_norm
@@ -123,7 +123,7 @@ class Mamba2Mixer(nn.Module):
         """The last K-1 inputs of the conv over x | B | C (model dtype) and the SSM state
         (`mamba_ssm_cache_dtype`), per slot, both kept at checkpoints. Under TP the conv
         channels split as x by heads, B and C by groups (one group: replicated), the SSM state
-        by heads (engine/tp_shard.py slices the weights the same way)."""
+        by heads (engine/parallel/support.py slices the weights the same way)."""
         heads, groups = config.num_heads, config.n_groups
         x = Segment(
             atoms=heads, atom_units=config.head_dim, replicate_below=False, what="mamba_num_heads"
@@ -158,7 +158,7 @@ class Mamba2Mixer(nn.Module):
 
     def __init__(self, hidden_size: int, config: Mamba2Config, mamba_index: int):
         super().__init__()
-        # Under tensor parallelism this rank holds its heads and groups (engine/tp_shard.py);
+        # Under tensor parallelism this rank holds its heads and groups (engine/parallel/support.py);
         # the norm's group size stays the model's, spanning the ranks when n_groups == 1.
         self.tp = tp = parallel.current()
         self.shard = mamba_shard(config, tp)

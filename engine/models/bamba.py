@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.cache.pools import StateCache
 from engine.config import ConfigReader, ModelConfig
-from engine.forward_metadata import Mamba2Metadata
+from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.attention import Attention, AttentionConfig
 from engine.layers.blocks import MixerFFNLayer
 from engine.layers.causal_lm import CausalLM
@@ -21,7 +22,6 @@ from engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.models.hybrid import HybridConfig, hybrid_state_spec
-from engine.state_cache import StateCache
 
 HF_CONFIG_CLASS_PATH = "transformers.models.bamba.configuration_bamba.BambaConfig"
 

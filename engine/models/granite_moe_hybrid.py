@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.cache.pools import StateCache
 from engine.config import ConfigReader, ModelConfig
-from engine.forward_metadata import Mamba2Metadata
+from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.attention import AttentionConfig
 from engine.layers.blocks import MixerFFNLayer
 from engine.layers.causal_lm import CausalLM
@@ -31,7 +32,6 @@ from engine.layers.moe import MoEConfig, SoftmaxTopKMoE
 from engine.layers.norm import RMSNorm
 from engine.models.bamba import mixer_for, read_attention_keys, read_mamba_keys
 from engine.models.hybrid import HybridConfig, LayerType, hybrid_state_spec
-from engine.state_cache import StateCache
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.cache.pools import StateCache
 from engine.config import ConfigReader, ModelConfig
 from engine.config_error import ConfigError
-from engine.forward_metadata import Mamba2Metadata
+from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.attention import Attention, AttentionConfig
 from engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
 from engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
@@ -25,7 +26,6 @@ from engine.layers.mlp import ReluSquaredMLP
 from engine.layers.moe import MoE, MoEConfig
 from engine.layers.norm import RMSNorm
 from engine.models.hybrid import HybridConfig, LayerType, check_hybrid_tp, hybrid_state_spec
-from engine.state_cache import StateCache
 
 UNTIE_WITH_STORED_LM_HEAD = True
 

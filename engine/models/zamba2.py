@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.cache.pools import StateCache
 from engine.config import ConfigReader, ModelConfig
-from engine.forward_metadata import Mamba2Metadata
+from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.attention import Attention, AttentionConfig
 from engine.layers.causal_lm import CausalLM
 from engine.layers.lora import AdapterList
@@ -33,7 +34,6 @@ from engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from engine.layers.mlp import ACTIVATIONS
 from engine.layers.norm import RMSNorm
 from engine.models.hybrid import HybridConfig, hybrid_state_spec
-from engine.state_cache import StateCache
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,0 +1,110 @@
+"""The tensors that hold per-request state, one pool tensor per state tensor of the model's spec
+(engine/cache/spec.py), layer-major:
+
+    paged "attention.k":  (layers, num_pages * page_size, *one token's shape)   page 0 = dummy
+                          token slot = page * page_size + offset
+    slot  "mamba2.conv":  (layers, num_slots, *one slot's shape)               slot 0 = dummy
+          "mamba2.ssm":   ...
+
+Layer-major means one (layer, slot) and one (layer, page) are contiguous blocks, so copying a
+slot (checkpoints, transfers) or a page run is a plain strided copy. Shapes are this rank's
+(the spec's local shapes under tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.spec import ModelStateSpec
+
+
+class StateCache:
+    def __init__(
+        self,
+        spec: ModelStateSpec,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_slots: int,
+        device: torch.device | str,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ):
+        self.spec = spec
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.pools: dict[str, torch.Tensor] = {}
+        for name, group, tensor in spec.entries():
+            rows = num_pages * page_size if tensor.kind == "paged" else num_slots
+            shape = (group.num_layers, rows, *tensor.local_shape(tp_size, tp_rank))
+            self.pools[name] = torch.zeros(shape, dtype=tensor.dtype, device=device)
+        self.paged = spec.names("paged")
+        self.slotted = spec.names("slot")
+        self.checkpointed = frozenset(spec.checkpointed())
+        # (kind, layer) -> {tensor name: this layer's pool view}: what a layer's forward reads
+        self._layers: dict[tuple[str, int], dict[str, torch.Tensor]] = {
+            (group.kind, i): {
+                t.name: self.pools[f"{group.kind}.{t.name}"][i] for t in group.tensors
+            }
+            for group in spec.groups
+            for i in range(group.num_layers)
+        }
+
+    def layer(self, kind: str, index: int) -> dict[str, torch.Tensor]:
+        """Layer `index` of state kind `kind`: its pool views by tensor name (a paged tensor's
+        rows are token slots, a slot tensor's rows are slots)."""
+        return self._layers[(kind, index)]
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.pools.values())).device if self.pools else torch.device("cpu")
+
+    def reset_slot(self, slot: int) -> None:
+        """A fresh request starts from zero recurrent state."""
+        for name in self.slotted:
+            self.pools[name][:, slot].zero_()
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Resume from a checkpoint: what it keeps is copied, the rest starts from zero."""
+        for name in self.slotted:
+            pool = self.pools[name]
+            if name in self.checkpointed:
+                pool[:, dst].copy_(pool[:, src])
+            else:
+                pool[:, dst].zero_()
+
+    def page_view(self, name: str) -> torch.Tensor:
+        """A paged pool as (layers, num_pages, page_size, *shape)."""
+        pool = self.pools[name]
+        return pool.view(pool.shape[0], self.num_pages, self.page_size, *pool.shape[2:])
+
+    def bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.pools.values())
+
+    @classmethod
+    def for_model(
+        cls,
+        config,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> StateCache:
+        """The pools of a ModelConfig's state spec (its family's) at the serving dtype."""
+        from engine.models.registry import model_state_spec
+
+        return cls(
+            model_state_spec(config, dtype),
+            num_pages=num_pages,
+            page_size=page_size,
+            num_slots=num_slots,
+            device=device,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+        )

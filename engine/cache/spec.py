@@ -1,0 +1,238 @@
+"""State specs: every layer kind declares the per-request state it keeps, and everything that
+holds, copies, checkpoints, hands over or splits that state is derived from the declaration.
+
+    layer file:  Mamba2Mixer.state_spec(config, dtype) -> LayerState("mamba2", conv, ssm)
+                 attention_state(...)                  -> LayerState("attention", k, v)
+    family file: state_spec(config, dtype)             -> ModelStateSpec (one entry per use)
+    derived:     pools and memory sizing (engine/cache/pools.py), slot reset / copy, prefix
+                 checkpoints, the handover snapshot and install (engine/engine_handover.py),
+                 wire frames and their validation (disagg/), the TP handover plan
+                 (disagg/tp_layout.py) and the layout both sides of a PD pair must agree on.
+
+A state tensor is either
+
+    paged  one row per token, in the KV pages (K/V): shape = one token's, e.g. (kv_heads, hd)
+    slot   one per request, in a slot of the recurrent pool: shape = one slot's, e.g.
+           (heads, head_dim, d_state); every slot tensor of the model shares the slot index
+           space, so a checkpoint, a working slot or a speculative scratch position is one
+           slot index for all of them (slot 0 is the dummy that padded rows read and write)
+
+Shapes here are the whole model's. Under tensor parallelism a tensor is split along one dim
+(`TPSplit`) in segments of atoms (heads, groups) that the ranks share evenly, or that are
+replicated when there are fewer atoms than ranks (KV heads, a single Mamba group); `split=None`
+means every rank holds all of it. A unit is one index along the split dim: the TP plan moves
+units. `checkpointed`: the prefix cache keeps the tensor at block ends (paged tensors are kept
+through their pages; a slot tensor that is not checkpointed starts from zero when a request
+resumes from a checkpoint).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from engine.config_error import ConfigError
+
+StateKind = Literal["paged", "slot"]
+Ranges = tuple[tuple[int, int], ...]  # (start, length) along one dim of the whole tensor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Segment:
+    """`atoms` consecutive atoms of `atom_units` units each along the split dim."""
+
+    atoms: int
+    atom_units: int
+    # Fewer atoms than ranks: each atom is replicated on size / atoms ranks (KV heads, one Mamba
+    # group); else the atoms must divide evenly.
+    replicate_below: bool
+    what: str  # the config key the atoms come from, for the error that refuses a TP size
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TPSplit:
+    dim: int  # of the per-token / per-slot shape
+    segments: tuple[Segment, ...]
+
+    def ranges(self, size: int, rank: int) -> Ranges:
+        """The whole-tensor unit ranges rank `rank` of `size` holds, in its local order
+        (ConfigError naming the key when the atoms cannot be shared by `size` ranks)."""
+        out, base = [], 0
+        for seg in self.segments:
+            if seg.atoms >= size or not seg.replicate_below:
+                if seg.atoms % size:
+                    raise ConfigError(
+                        f"{seg.what}={seg.atoms} is not divisible by the tensor-parallel size {size}"
+                    )
+                per = seg.atoms // size
+                first = rank * per
+            else:
+                if size % seg.atoms:
+                    raise ConfigError(
+                        f"{seg.what}={seg.atoms} must divide the tensor-parallel size {size}"
+                        " when it is smaller"
+                    )
+                per, first = 1, rank // (size // seg.atoms)
+            out.append((base + first * seg.atom_units, per * seg.atom_units))
+            base += seg.atoms * seg.atom_units
+        return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StateTensor:
+    name: str
+    kind: StateKind
+    shape: tuple[int, ...]  # the whole model's, per token (paged) or per slot
+    dtype: torch.dtype
+    split: TPSplit | None  # None: replicated on every rank
+    checkpointed: bool
+
+    def ranges(self, size: int, rank: int) -> Ranges:
+        """Units (along `unit_dim`) rank `rank` of `size` holds, in local order."""
+        if self.split is None or size == 1:
+            return ((0, self.shape[self.unit_dim]),) if self.shape else ((0, 1),)
+        return self.split.ranges(size, rank)
+
+    @property
+    def unit_dim(self) -> int:
+        return self.split.dim if self.split is not None else 0
+
+    def local_shape(self, size: int, rank: int) -> tuple[int, ...]:
+        shape = list(self.shape)
+        if self.split is not None and size > 1:
+            shape[self.split.dim] = sum(n for _, n in self.ranges(size, rank))
+        return tuple(shape)
+
+    def bytes(self, size: int = 1, rank: int = 0) -> int:
+        """One token's (paged) or one slot's bytes on that rank."""
+        return math.prod(self.local_shape(size, rank)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerState:
+    """What one layer kind keeps per request. `kind` names the pool group: every layer of a
+    model with the same kind has the same tensors (they share pool tensors, layer-major).
+
+    A recurrent kind also says how its prefill cuts sequences: `chunk_size`, the per-sequence
+    chunk grid its true states sit on (checkpoints are taken at multiples of it), and
+    `conv_width`, the causal conv window its varlen conv gathers (None: it has neither)."""
+
+    kind: str
+    tensors: tuple[StateTensor, ...]
+    chunk_size: int | None
+    conv_width: int | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StateGroup:
+    """One layer kind and how many layers (uses) of it the model has, in pool order."""
+
+    kind: str
+    num_layers: int
+    tensors: tuple[StateTensor, ...]
+    chunk_size: int | None
+    conv_width: int | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelStateSpec:
+    """A model's state: the list over its stateful layer uses, grouped by kind (first
+    appearance order). A layer's index in its group is its pool index."""
+
+    groups: tuple[StateGroup, ...]
+
+    @classmethod
+    def of(cls, uses: list[LayerState]) -> ModelStateSpec:
+        """From one LayerState per stateful layer use, in forward order."""
+        by_kind: dict[str, list[LayerState]] = {}
+        for use in uses:
+            by_kind.setdefault(use.kind, []).append(use)
+        groups = []
+        for kind, states in by_kind.items():
+            if any(s.tensors != states[0].tensors for s in states):
+                raise ValueError(f"layers of state kind {kind!r} declare different tensors")
+            names = [t.name for t in states[0].tensors]
+            if len(set(names)) != len(names):
+                raise ValueError(f"state kind {kind!r} names a tensor twice: {names}")
+            first = states[0]
+            if any(s != first for s in states):
+                raise ValueError(f"layers of state kind {kind!r} declare different geometry")
+            groups.append(
+                StateGroup(
+                    kind=kind,
+                    num_layers=len(states),
+                    tensors=first.tensors,
+                    chunk_size=first.chunk_size,
+                    conv_width=first.conv_width,
+                )
+            )
+        return cls(groups=tuple(groups))
+
+    def _geometry(self, field: str) -> int:
+        """The value every recurrent kind agrees on (1 when no kind has one: nothing reads
+        it then); ValueError when kinds disagree (one metadata builder serves them all)."""
+        values = {getattr(g, field) for g in self.groups} - {None}
+        if len(values) > 1:
+            raise ValueError(f"the model's state kinds declare different {field}s: {values}")
+        return values.pop() if values else 1
+
+    @property
+    def chunk_size(self) -> int:
+        return self._geometry("chunk_size")
+
+    @property
+    def conv_width(self) -> int:
+        return self._geometry("conv_width")
+
+    def entries(self, kind: StateKind | None = None) -> list[tuple[str, StateGroup, StateTensor]]:
+        """(pool name "kind.tensor", group, tensor) of every state tensor, in spec order."""
+        return [
+            (f"{g.kind}.{t.name}", g, t)
+            for g in self.groups
+            for t in g.tensors
+            if kind is None or t.kind == kind
+        ]
+
+    def names(self, kind: StateKind | None = None) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.entries(kind))
+
+    def tensor(self, name: str) -> tuple[StateGroup, StateTensor]:
+        for pool_name, group, tensor in self.entries():
+            if pool_name == name:
+                return group, tensor
+        raise KeyError(name)
+
+    @property
+    def has_pages(self) -> bool:
+        return bool(self.entries("paged"))
+
+    @property
+    def has_slots(self) -> bool:
+        return bool(self.entries("slot"))
+
+    def checkpointed(self) -> tuple[str, ...]:
+        return tuple(name for name, _, t in self.entries("slot") if t.checkpointed)
+
+    def bytes_per_token(self, size: int = 1, rank: int = 0) -> int:
+        """Paged state of one token over every layer, on that rank."""
+        return sum(g.num_layers * t.bytes(size, rank) for _, g, t in self.entries("paged"))
+
+    def bytes_per_slot(self, size: int = 1, rank: int = 0) -> int:
+        """Slot state of one request over every layer, on that rank."""
+        return sum(g.num_layers * t.bytes(size, rank) for _, g, t in self.entries("slot"))
+
+    def check_tp(self, size: int) -> None:
+        """ConfigError naming the key when some state cannot be shared by `size` ranks."""
+        for _, _, t in self.entries():
+            for rank in range(size):
+                t.ranges(size, rank)
+
+    def describe(self) -> list[str]:
+        """One line per tensor (the PD layout check compares these, by name)."""
+        return [
+            f"{name} {t.kind} x{g.num_layers} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+            for name, g, t in self.entries()
+        ]

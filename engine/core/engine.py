@@ -1,0 +1,371 @@
+"""The engine: model + pools + scheduler + sampler, advanced one step at a time.
+
+The server's engine process and the offline `LLM` both drive this class:
+`add_request`, `abort_request`, `step() -> [RequestDelta]`, `stats()`. Deltas carry token ids;
+text and stop strings are the next stage's work (engine/core/detokenizer.py), outside the step loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine import parallel
+from engine.cache.memory import IndexPool, size_pools
+from engine.cache.pools import StateCache
+from engine.cache.prefix_cache import PrefixCache
+from engine.checkpoint.loader import load_model, resolve_dtype
+from engine.config import ModelConfig
+from engine.core.engine_args import EngineArgs, EngineStats, default_track_interval
+from engine.core.outputs import RequestDelta, TokenLogprobs
+from engine.core.request import Request
+from engine.core.request_timing import RequestTiming
+from engine.core.sampler import Sampler, top_logprobs
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.executor.graph_runner import DecodeGraphRunner
+from engine.executor.model_runner import ModelRunner
+from engine.handover.connector import Handover
+from engine.handover.ranks import ShardHandover
+from engine.handover.shards import gather_addresses, load_connector
+from engine.models.registry import model_state_spec
+from engine.parallel.messages import PoolOps
+from engine.parallel.ranks import RankedRunner, start_ranks
+from engine.parallel.support import check_tp_supported
+from engine.runtime.cpu_allocator import keep_freed_memory_in_heap
+
+# Prompt logprobs are computed over this many rows of a chunk's logits at a time.
+PROMPT_LOGPROB_ROWS = 256
+
+
+class Engine:
+    """The parts, each owning its data: the scheduler (every request and its state), the
+    executor (model runner, graph runner, metadata), the pools, the sampler, and the handover
+    connector that a disaggregation worker drives (`self.handover`)."""
+
+    def __init__(
+        self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu", **engine_args
+    ):
+        self.args = EngineArgs(**engine_args)
+        # rank 0's device: GPU 0 when every rank has a GPU of its own (NCCL), else `device`
+        self.device = parallel.rank_device(device, 0, self.args.tensor_parallel_size)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
+        self.model_dir = Path(model_dir)
+        self.model_config = ModelConfig.from_hf(model_dir)
+        self.dtype = resolve_dtype(dtype, self.model_config)
+        args, config = self.args, self.model_config
+        self.state_spec = model_state_spec(config, self.dtype)
+        max_total_tokens, max_slots = self._budgets()
+        sizes = size_pools(
+            max_total_tokens=max_total_tokens, max_mamba_slots=max_slots, page_size=args.page_size
+        )
+        # Before any process starts: a model and TP size that cannot be served are refused.
+        check_tp_supported(config, args.tensor_parallel_size)
+        self.ranks = start_ranks(model_dir, dtype, device, args, sizes)
+        tp = self.ranks.tp if self.ranks is not None else parallel.SINGLE
+        try:
+            self.model = load_model(model_dir, self.dtype, self.device, tp)
+            if self.ranks is not None:
+                self.ranks.wait_loaded()
+        except BaseException:
+            self.close()
+            raise
+        self.tokenizer = _load_tokenizer(model_dir)
+        self.cache = StateCache(
+            self.state_spec,
+            num_pages=sizes.num_pages,
+            page_size=sizes.page_size,
+            num_slots=sizes.num_mamba_slots,
+            device=self.device,
+            tp_size=tp.size,
+            tp_rank=tp.rank,
+        )
+        self.shard_connector = load_connector(
+            args.handover_connector, config, tp.rank, tp.size, self.cache
+        )
+        # every rank's shard receive address, rank 0's first (after each rank's connector)
+        shard_addresses = gather_addresses(tp, self.shard_connector)
+        # The scheduler's pool operations, recorded for the other ranks' next step at TP > 1.
+        self.pool_ops = PoolOps(self.cache, record=self.ranks is not None)
+        self.pages = IndexPool(sizes.num_pages - 1, "KV pages")
+        self.slots = IndexPool(sizes.num_mamba_slots - 1, "state slots")
+        self.max_model_len = min(
+            args.max_model_len or config.max_position_embeddings,
+            (sizes.num_pages - 1) * sizes.page_size,
+        )
+        self.prefix_cache = self._make_prefix_cache()
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                chunked_prefill_size=min(args.chunked_prefill_size, args.max_num_batched_tokens),
+                max_running_requests=args.max_running_requests,
+                page_size=args.page_size,
+                policy=args.schedule_policy,
+                max_prefill_tokens=min(
+                    args.max_prefill_tokens
+                    or (512 if self.device.type == "cpu" else args.max_num_batched_tokens),
+                    args.max_num_batched_tokens,
+                ),
+                max_model_len=self.max_model_len,
+                eos_token_ids=config.eos_token_ids,
+            ),
+            self.pages,
+            self.slots,
+            self.pool_ops,
+            prefix_cache=self.prefix_cache,
+        )
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        if self.ranks is not None:
+            self.runner = RankedRunner(self.runner, self.ranks, self.pool_ops)
+        self.graph_runner = self._make_graph_runner() if self.ranks is None else None
+        self.sampler = Sampler(args.seed, self.device)
+        self.timing = RequestTiming() if args.request_timing else None
+        self._arrivals = 0
+        self.checkpoints_by_mode: dict[str, int] = {"extend": 0, "decode": 0, "mixed": 0}
+        self.handover = Handover(
+            model_dir=self.model_dir,
+            config=config,
+            dtype=self.dtype,
+            cache=self.cache,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+            new_request=self._new_request,
+            shards=ShardHandover(
+                cache=self.cache,
+                scheduler=self.scheduler,
+                pool_ops=self.pool_ops,
+                ranks=self.ranks,
+                connector=self.shard_connector,
+                addresses=shard_addresses,
+            ),
+        )
+
+    def check_ranks(self) -> None:
+        """Raise RankFailed if a tensor-parallel rank has exited (a waitpid per rank)."""
+        if self.ranks is not None:
+            self.ranks.check_alive()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing at TP=1); idempotent."""
+        if getattr(self, "ranks", None) is not None:
+            self.ranks.stop("engine closed")
+        if getattr(self, "shard_connector", None) is not None:
+            self.shard_connector.close()
+            self.shard_connector = None
+
+    def _make_prefix_cache(self) -> PrefixCache | None:
+        args = self.args
+        if not args.enable_prefix_caching:
+            return None
+        chunk = self.state_spec.chunk_size
+        interval = args.mamba_track_interval or default_track_interval(chunk, args.page_size)
+        if interval % chunk or interval % args.page_size:
+            raise ValueError(
+                f"mamba_track_interval {interval} must be a multiple of the state's chunk size "
+                f"{chunk} and of the KV page size {args.page_size}"
+            )
+        return PrefixCache(
+            track_interval=interval, page_size=args.page_size, pages=self.pages, slots=self.slots
+        )
+
+    def _make_graph_runner(self) -> DecodeGraphRunner | None:
+        args = self.args
+        on_cuda = self.device.type == "cuda" and not args.disable_cuda_graph
+        if not on_cuda and not args.cpu_padded_decode:
+            return None
+        page = args.page_size
+        return DecodeGraphRunner(
+            self.runner,
+            max_bs=min(
+                args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests
+            ),
+            kv_capacity=-(-self.max_model_len // page) * page,
+            use_cuda_graphs=on_cuda,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    def _budgets(self) -> tuple[int, int]:
+        args, config = self.args, self.model_config
+        slots = args.max_mamba_slots or args.max_running_requests
+        if args.max_total_tokens is not None:
+            return args.max_total_tokens, slots
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * args.mem_fraction
+            slot_bytes = self.state_spec.bytes_per_slot()
+            token_bytes = max(1, self.state_spec.bytes_per_token())
+            if args.max_mamba_slots is None:  # keep Mamba state to at most half of the budget
+                slots = max(1, min(slots, int(budget * 0.5 // max(1, slot_bytes))))
+            tokens = int((budget - slots * slot_bytes) // token_bytes)
+            # A small model on a large card would otherwise get hundreds of millions of tokens
+            # (and a host free list as long): no more than every running request at full length
+            # can use, twice over so that the prefix cache keeps pages too.
+            full = args.max_model_len or config.max_position_embeddings
+            return min(tokens, 2 * args.max_running_requests * full), slots
+        return 65536, slots
+
+    # -- requests ---------------------------------------------------------------------------
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The requests not finished yet, by id (the scheduler's)."""
+        return self.scheduler.requests
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params))
+        if self.timing is not None:
+            self.timing.added(request_id)
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what is wrong with this request; nothing is created."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        params.validate()
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias),
+        ):
+            outside = [t for t in ids if t >= vocab]
+            if outside:  # the sampler indexes the logits with them
+                raise ValueError(
+                    f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})"
+                )
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the maximum context length of {self.max_model_len} tokens"
+            )
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_request(prompt_token_ids, params)
+        req = Request(
+            request_id=request_id,
+            prompt_ids=list(prompt_token_ids),
+            params=params,
+            arrival=self._arrivals,
+        )
+        self._arrivals += 1
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        if self.timing is not None:
+            self.timing.forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        cache = self.prefix_cache
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_pages_used=self.pages.used - (cache.idle_pages if cache else 0),
+            kv_pages_total=self.pages.capacity,
+            mamba_slots_used=self.slots.used - (cache.idle_slots if cache else 0),
+            mamba_slots_total=self.slots.capacity,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.scheduler.prompt_tokens_total,
+            generation_tokens_total=self.scheduler.generation_tokens_total,
+            prefix_cache_blocks=len(cache.blocks) if cache else 0,
+            prefix_cache_query_tokens=cache.stats.query_tokens if cache else 0,
+            prefix_cache_hit_tokens=cache.stats.hit_tokens if cache else 0,
+            prefix_cache_evictions=cache.stats.evicted_blocks if cache else 0,
+            mamba_checkpoints_extend=self.checkpoints_by_mode["extend"],
+            mamba_checkpoints_decode=self.checkpoints_by_mode["decode"],
+            mamba_checkpoints_mixed=self.checkpoints_by_mode["mixed"],
+        )
+
+    def timing_stats(self) -> dict[str, float]:
+        """The request timing histograms (engine/core/request_timing.py); empty when off."""
+        return self.timing.as_stats() if self.timing is not None else {}
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        sched = self.scheduler.schedule()
+        if sched is None:
+            return []
+        if self.timing is not None:
+            self.timing.scheduled(sched)
+        if self.graph_runner is not None and self.graph_runner.can_run(sched):
+            md, logits = self.graph_runner.forward(sched)
+        else:
+            md, logits = self.runner.forward(sched)
+        if sched.track_points:
+            self.checkpoints_by_mode[sched.mode] = self.checkpoints_by_mode.get(
+                sched.mode, 0
+            ) + len(sched.track_points)
+        reqs = [self.scheduler.requests[rid] for rid in sched.request_ids]
+        rows_of: dict[int, list[int]] = {}
+        for row, owner in enumerate(md.forward.batch.logits_row_owner):
+            rows_of.setdefault(owner, []).append(row)
+
+        prompt_logprobs = {}
+        for s in sched.prompt_logprob_seqs:
+            rows = rows_of[s]  # increasing; consecutive for a prefill: a view, not a copy
+            consecutive = rows[-1] - rows[0] + 1 == len(rows)
+            own = logits[rows[0] : rows[-1] + 1] if consecutive else logits[rows]
+            prompt_logprobs[s] = self._prompt_logprobs(reqs[s], sched.start_positions[s], own)
+
+        sampled = {}
+        if sched.logits_seqs:
+            sample_rows = [rows_of[s][-1] for s in sched.logits_seqs]
+            if sample_rows != list(range(logits.shape[0])):  # decode-only: skip the copy
+                logits = logits[sample_rows]
+            result = self.sampler(
+                logits,
+                [reqs[s] for s in sched.logits_seqs],
+                self.model_config.eos_token_ids,
+            )
+            sampled = {
+                s: (t, lp) for s, t, lp in zip(sched.logits_seqs, result.token_ids, result.logprobs)
+            }
+        deltas = self.scheduler.update_from_output(sched, sampled, prompt_logprobs)
+        if self.timing is not None:
+            for delta in deltas:
+                self.timing.sampled(delta.request_id, finished=delta.finished)
+        return deltas
+
+    def _prompt_logprobs(
+        self, req: Request, start: int, logits: torch.Tensor
+    ) -> list[TokenLogprobs | None]:
+        """Row i of `logits` (position start + i) predicts the prompt token at start + i + 1."""
+        out: list[TokenLogprobs | None] = [None] if start == 0 else []
+        targets = req.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
+        # a few rows at a time: a chunk's (rows, vocab) log-softmax whole would be another copy
+        # of its logits (1 GB for 2048 rows of a 128k vocabulary)
+        for first in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            block = targets[first : first + PROMPT_LOGPROB_ROWS]
+            logprobs = logits[first : first + len(block)].log_softmax(dim=-1)
+            out.extend(top_logprobs(logprobs, torch.tensor(block), req.params.prompt_logprobs))
+        return out
+
+
+def _load_tokenizer(model_dir: str | Path):
+    if (
+        not (Path(model_dir) / "tokenizer.json").is_file()
+        and not (Path(model_dir) / "tokenizer_config.json").is_file()
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))

@@ -1,0 +1,301 @@
+"""Batch carriers and the ONE builder that turns a scheduled batch into forward metadata.
+
+    Request (mutable, scheduler) -> ScheduledBatch (frozen, host data)
+        -> build_metadata() -> Mamba2Metadata (holds ForwardMetadata, which holds ForwardBatch)
+
+Every carrier is frozen, keyword-only, slotted and has NO defaults: a constructor that forgets a
+field fails with a TypeError instead of silently taking a default. That is the cure for baton's
+seed bug (a `has_mamba_track_mask` defaulted to False in two constructors, so Mamba states were
+never checkpointed). Mamba2Metadata does not re-list ForwardMetadata's fields, it holds it.
+
+The same builder serves every mode (extend, decode, mixed, verify) and CUDA-graph capture and
+replay. Host facts stay on the host: `has_mamba_track_mask` is a Python bool decided by the
+scheduler, never a `.any()` on a device tensor.
+
+Token order inside a batch: all decode sequences first (one token each), then prefill chunks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from engine.executor.metadata_buffers import (
+    MetadataBuffers,
+    decode_attention_layout,
+    prefill_layouts,
+)
+from kernels.layouts import AttentionLayout, ChunkLayout, ConvLayout
+
+ForwardMode = Literal["extend", "decode", "mixed", "verify"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrackPoint:
+    """Checkpoint the Mamba state of sequence `seq_index` right after its local token
+    `token_offset` of this step into checkpoint slot `dst_slot`."""
+
+    seq_index: int
+    token_offset: int
+    dst_slot: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduledBatch:
+    """What the scheduler decided for one step; host data only. Decode sequences come first."""
+
+    mode: ForwardMode
+    request_ids: tuple[str, ...]  # (num_seqs,)
+    num_decode_seqs: int
+    input_ids: tuple[int, ...]  # (num_tokens,) packed
+    seq_lens: tuple[int, ...]  # (num_seqs,) tokens fed this step
+    start_positions: tuple[int, ...]  # (num_seqs,) tokens already in the state/cache
+    kv_pages: tuple[tuple[int, ...], ...]  # (num_seqs,) page table covering start + len tokens
+    mamba_slots: tuple[int, ...]  # (num_seqs,) working Mamba slot
+    logits_seqs: tuple[int, ...]  # sequences whose last token's logits are needed (sampling)
+    prompt_logprob_seqs: tuple[int, ...]  # sequences needing logits for every token fed
+    has_mamba_track_mask: bool  # decided on the host: is any TrackPoint present
+    track_points: tuple[TrackPoint, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ForwardBatch:
+    """Token-level tensors of one forward."""
+
+    mode: ForwardMode
+    num_seqs: int
+    num_decode_seqs: int
+    num_decode_tokens: int
+    input_ids: torch.Tensor  # (num_tokens,) int64
+    positions: torch.Tensor  # (num_tokens,) int64 absolute positions
+    logits_indices: torch.Tensor  # (num_logit_rows,) int64 rows of the hidden states to project
+    logits_row_owner: tuple[int, ...]  # (num_logit_rows,) seq index owning each logits row
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ForwardMetadata:
+    """What attention layers need. Empty segments have layouts with num_seqs == 0."""
+
+    batch: ForwardBatch
+    slot_mapping: torch.Tensor  # (num_tokens,) int64 KV token slot of each new token
+    decode_attention: AttentionLayout  # decode segment (max_q == 1)
+    prefill_attention: AttentionLayout  # prefill segment
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Mamba2Metadata:
+    """What Mamba layers need, on top of (not re-listing) the ForwardMetadata."""
+
+    forward: ForwardMetadata
+    decode_slots: torch.Tensor  # (num_decode_seqs,) int64 working slots of decode rows
+    prefill_slots: torch.Tensor  # (num_prefill_seqs,) int64 working slots of prefill seqs
+    chunk_layout: ChunkLayout  # SSD chunks of the prefill segment, aligned to absolute positions
+    window_layout: ConvLayout  # conv window rows of the prefill segment
+    has_mamba_track_mask: bool  # host flag: run the checkpoint copies this step
+    num_decode_tracks: int  # the first this-many track entries come from decode rows
+    track_window_indices: (
+        torch.Tensor
+    )  # (M,) int64: decode entries: decode row; prefill: prefill-segment token
+    track_state_src: (
+        torch.Tensor
+    )  # (M,) int64 into [decode rows' new states | prefill chunk-end states (S_p * C)]
+    track_state_dst: torch.Tensor  # (M,) int64 checkpoint slots (window and recurrent state)
+
+
+def build_metadata(
+    sched: ScheduledBatch,
+    *,
+    page_size: int,
+    chunk_size: int,
+    window_width: int,
+    buffers: MetadataBuffers,
+    decode_mask: bool,
+    kv_capacity: int | None,
+    track_capacity: int | None,
+) -> Mamba2Metadata:
+    """The one builder: every mode, eager and graph capture alike.
+
+    Every per-token and per-sequence index goes through `buffers` (one host-to-device copy of
+    int32s, the decode page table as pages); the decode attention layout is derived on the
+    device. `decode_mask`: build the decode rows' attention mask (only the torch attention path
+    reads it; the C and Triton decode kernels stop at kv_len), else it has width 0.
+
+    Eager callers pass kv_capacity=None and track_capacity=None (shapes fit the batch). The decode
+    graph runner passes fixed capacities so every tensor has the shape captured in its graph:
+    attention key width `kv_capacity`, and (when tracking) exactly `track_capacity` track entries,
+    the extra ones copying dummy slot 0 onto itself.
+    """
+    nd = sched.num_decode_seqs
+    lens, starts = sched.seq_lens, sched.start_positions
+    if nd and any(n != 1 for n in lens[:nd]):
+        raise ValueError("decode sequences must feed exactly one token each")
+    num_seqs = sched.num_seqs
+    lens_np = np.asarray(lens, dtype=np.int64).reshape(num_seqs)
+    starts_np = np.asarray(starts, dtype=np.int64).reshape(num_seqs)
+    token_offsets = [0]
+    for n in lens:
+        token_offsets.append(token_offsets[-1] + n)
+    seq_of_token = np.repeat(np.arange(num_seqs), lens_np)
+    positions = np.repeat(starts_np - np.asarray(token_offsets[:-1]), lens_np) + np.arange(
+        token_offsets[-1]
+    )
+    # Page table as wide as the batch's longest page list (padding -> dummy page 0); it
+    # crosses over as int32 pages, never as a token-level table.
+    page_counts = np.fromiter(map(len, sched.kv_pages), dtype=np.int64, count=num_seqs)
+    num_pages = int(page_counts.max(initial=0))
+    page_table = np.zeros((num_seqs, num_pages), dtype=np.int64)
+    all_pages = np.fromiter(
+        itertools.chain.from_iterable(sched.kv_pages), dtype=np.int64, count=int(page_counts.sum())
+    )
+    page_row = np.repeat(np.arange(num_seqs), page_counts)
+    page_table[
+        page_row,
+        np.arange(len(all_pages)) - np.repeat(np.cumsum(page_counts) - page_counts, page_counts),
+    ] = all_pages
+    slot_mapping = (
+        page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
+    )
+    kv_lens = starts_np + lens_np
+
+    # rows of the hidden states projected to logits, and the sequence owning each of them
+    logits_rows, owners = [], []
+    if not sched.prompt_logprob_seqs:  # the common case: each sampled sequence's last row
+        owners = sorted(sched.logits_seqs)
+        logits_rows = [token_offsets[s + 1] - 1 for s in owners]
+    for s in range(sched.num_seqs) if sched.prompt_logprob_seqs else ():
+        if s in sched.prompt_logprob_seqs:
+            rows = range(token_offsets[s], token_offsets[s + 1])
+        elif s in sched.logits_seqs:
+            rows = range(token_offsets[s + 1] - 1, token_offsets[s + 1])
+        else:
+            continue
+        logits_rows.extend(rows)
+        owners.extend([s] * len(rows))
+
+    prefill_lens, prefill_starts = list(lens[nd:]), list(starts[nd:])
+    num_chunks = max(
+        (
+            (p % chunk_size + n + chunk_size - 1) // chunk_size
+            for p, n in zip(prefill_starts, prefill_lens)
+        ),
+        default=0,
+    )
+    track_window, track_src, track_dst, num_decode_tracks = _track_indices(
+        sched, num_chunks, chunk_size, token_offsets
+    )
+    if track_capacity is not None and sched.has_mamba_track_mask:
+        if len(track_dst) > track_capacity or num_decode_tracks != len(track_dst):
+            raise ValueError(
+                "graph-captured batches carry at most track_capacity decode checkpoints"
+            )
+        pad = track_capacity - len(track_dst)
+        track_window, track_src, track_dst = (
+            track_window + [0] * pad,
+            track_src + [0] * pad,
+            track_dst + [0] * pad,
+        )
+        num_decode_tracks = track_capacity
+
+    ints, longs = buffers.stage(
+        [
+            np.asarray(sched.input_ids, dtype=np.int64),
+            positions,
+            slot_mapping,
+            np.asarray(logits_rows, dtype=np.int64),
+            np.asarray(sched.mamba_slots, dtype=np.int64),
+            kv_lens[:nd],
+            np.asarray(track_window, dtype=np.int64),
+            np.asarray(track_src, dtype=np.int64),
+            np.asarray(track_dst, dtype=np.int64),
+            page_table[:nd].reshape(-1),
+        ]
+    )
+    input_ids, positions_d, slot_mapping_d, logits_d, slots = longs[:5]
+    track_window_d, track_src_d, track_dst_d = longs[6:9]
+    decode_kv_lens_d, decode_pages_d = ints[5], ints[9]
+    batch = ForwardBatch(
+        mode=sched.mode,
+        num_seqs=sched.num_seqs,
+        num_decode_seqs=nd,
+        num_decode_tokens=nd,
+        input_ids=input_ids,
+        positions=positions_d,
+        logits_indices=logits_d,
+        logits_row_owner=tuple(owners),
+    )
+    prefill_attention, chunk_layout, window_layout = prefill_layouts(
+        buffers,
+        prefill_lens,
+        prefill_starts,
+        kv_lens[nd:].tolist(),
+        page_table[nd:],
+        page_size=page_size,
+        chunk_size=chunk_size,
+        window_width=window_width,
+    )
+    forward = ForwardMetadata(
+        batch=batch,
+        slot_mapping=slot_mapping_d,
+        decode_attention=decode_attention_layout(
+            buffers,
+            decode_kv_lens_d,
+            decode_pages_d.view(nd, num_pages),
+            page_size,
+            max_kv=kv_capacity if kv_capacity is not None else int(kv_lens[:nd].max(initial=0)),
+            with_mask=decode_mask,
+        ),
+        prefill_attention=prefill_attention,
+    )
+    return Mamba2Metadata(
+        forward=forward,
+        decode_slots=slots[:nd],
+        prefill_slots=slots[nd:],
+        chunk_layout=chunk_layout,
+        window_layout=window_layout,
+        has_mamba_track_mask=sched.has_mamba_track_mask,
+        num_decode_tracks=num_decode_tracks,
+        track_window_indices=track_window_d,
+        track_state_src=track_src_d,
+        track_state_dst=track_dst_d,
+    )
+
+
+def _track_indices(
+    sched: ScheduledBatch, num_chunks: int, chunk_size: int, token_offsets: list[int]
+) -> tuple[list[int], list[int], list[int], int]:
+    """Translate TrackPoints into index lists, decode entries first."""
+    if sched.has_mamba_track_mask != bool(sched.track_points):
+        raise ValueError("has_mamba_track_mask must be True exactly when track points exist")
+    nd = sched.num_decode_seqs
+    decode = [p for p in sched.track_points if p.seq_index < nd]
+    prefill = [p for p in sched.track_points if p.seq_index >= nd]
+    window, src, dst = [], [], []
+    for p in decode:
+        window.append(p.seq_index)
+        src.append(p.seq_index)
+        dst.append(p.dst_slot)
+    for p in prefill:
+        s_p = p.seq_index - nd
+        start = sched.start_positions[p.seq_index]
+        end = start + p.token_offset + 1  # absolute position right after the token
+        if end % chunk_size:
+            raise ValueError(
+                f"prefill checkpoint at position {end} is not a multiple of the chunk size {chunk_size}"
+            )
+        chunk = (start % chunk_size + p.token_offset) // chunk_size
+        window.append(token_offsets[p.seq_index] - token_offsets[nd] + p.token_offset)
+        src.append(nd + s_p * num_chunks + chunk)
+        dst.append(p.dst_slot)
+    return window, src, dst, len(decode)

@@ -1,0 +1,178 @@
+"""Decode at fixed padded batch sizes: CUDA graphs on GPU, the same padded step on CPU.
+
+A decode batch of n requests runs at the smallest capture size bs >= n. The n - bs padded rows
+feed token 0 at position 0 into the dummy KV page 0 and the dummy Mamba slot 0, so whatever they
+write lands where no live request reads; a live request never owns page 0 or slot 0 (asserted).
+
+Both capture and replay build metadata with the one `build_metadata` (the builder every eager
+step uses) at fixed capacities into this runner's MetadataBuffers, allocated once for the
+largest batch and the full KV capacity: one host-to-device copy of int32s per step (the page
+table as pages, as wide as the batch's longest sequence), the decode token table expanded on
+the device in place. `copy_from` then moves what the builder made elsewhere (int64 views) into
+the captured tensors and skips those already built in place. Checkpoints (the track mask) work inside graphs: each size is captured
+twice, without and with the checkpoint copies; the host flag `has_mamba_track_mask` picks the
+graph to replay, and the device-side track buffers hold exactly bs entries, the unused ones
+copying dummy slot 0 onto itself. Capturing both variants keeps the common no-checkpoint step
+free of copy work instead of paying for a masked copy on every step.
+
+On CPU there is nothing to capture: the runner executes the padded static-shape step eagerly,
+which exercises padding, static buffers and the builder in CPU CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from engine.executor.forward_metadata import (
+    Mamba2Metadata,
+    ScheduledBatch,
+    TrackPoint,
+    build_metadata,
+)
+from engine.executor.metadata_buffers import MetadataBuffers
+from engine.executor.model_runner import ModelRunner
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s < max_bs] + list(range(16, max_bs, 8))
+    return sorted(set(sizes + [max_bs]))
+
+
+def copy_from(static: Any, new: Any) -> None:
+    """Copy every tensor of `new` into the matching tensor of `static` (same structure)."""
+    if isinstance(static, torch.Tensor):
+        if static.shape != new.shape:
+            raise ValueError(f"static buffer {tuple(static.shape)} cannot take {tuple(new.shape)}")
+        if static.data_ptr() == new.data_ptr() and static.stride() == new.stride():
+            return  # built in place (the decode token table): no copy as wide as the capacity
+        static.copy_(new)
+    elif dataclasses.is_dataclass(static):
+        for f in dataclasses.fields(static):
+            copy_from(getattr(static, f.name), getattr(new, f.name))
+    elif isinstance(static, tuple) and hasattr(static, "_fields"):  # NamedTuple layouts
+        for a, b in zip(static, new):
+            copy_from(a, b)
+    elif static != new:
+        raise ValueError(f"host value changed between capture and replay: {static!r} -> {new!r}")
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self, runner: ModelRunner, *, max_bs: int, kv_capacity: int, use_cuda_graphs: bool
+    ):
+        self.runner = runner
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = max_bs
+        self.kv_capacity = kv_capacity
+        self.use_cuda_graphs = use_cuda_graphs and torch.cuda.is_available()
+        page = runner.cache.page_size
+        # Graphs captured the addresses of these buffers: sized once for the worst step (every
+        # row at full capacity, every row checkpointing), never reallocated.
+        self.buffers = (
+            MetadataBuffers(
+                runner.device,
+                ints=max_bs * (9 + -(-kv_capacity // page)),
+                kv_rows=max_bs,
+                kv_width=-(-kv_capacity // page) * page,
+                fixed=True,
+            )
+            if self.use_cuda_graphs
+            else runner.buffers
+        )
+        self.graphs: dict[
+            tuple[int, bool], tuple[torch.cuda.CUDAGraph, Mamba2Metadata, torch.Tensor]
+        ] = {}
+        self.num_padded_steps = 0
+
+    def can_run(self, sched: ScheduledBatch) -> bool:
+        return (
+            sched.mode == "decode"
+            and sched.num_seqs <= self.max_bs
+            and not sched.prompt_logprob_seqs
+        )
+
+    def pad(self, sched: ScheduledBatch, bs: int) -> ScheduledBatch:
+        n, extra = sched.num_seqs, bs - sched.num_seqs
+        if 0 in sched.mamba_slots or any(0 in pages for pages in sched.kv_pages):
+            raise AssertionError("a live request holds the dummy slot 0 or the dummy page 0")
+        return dataclasses.replace(
+            sched,
+            request_ids=sched.request_ids + ("",) * extra,
+            num_decode_seqs=bs,
+            input_ids=sched.input_ids + (0,) * extra,
+            seq_lens=sched.seq_lens + (1,) * extra,
+            start_positions=sched.start_positions + (0,) * extra,
+            kv_pages=sched.kv_pages + ((0,),) * extra,
+            mamba_slots=sched.mamba_slots + (0,) * extra,
+            logits_seqs=tuple(range(bs))
+            if sched.logits_seqs == tuple(range(n))
+            else sched.logits_seqs,
+        )
+
+    def build(self, padded: ScheduledBatch) -> Mamba2Metadata:
+        spec = self.runner.cache.spec
+        return build_metadata(
+            padded,
+            page_size=self.runner.cache.page_size,
+            chunk_size=spec.chunk_size,
+            window_width=spec.conv_width,
+            buffers=self.buffers,
+            decode_mask=self.runner.decode_reads_mask(),
+            # Static key width only matters for graphs; the CPU step keeps it tight.
+            kv_capacity=self.kv_capacity if self.use_cuda_graphs else None,
+            track_capacity=padded.num_seqs,
+        )
+
+    @torch.inference_mode()
+    def forward(self, sched: ScheduledBatch) -> tuple[Mamba2Metadata, torch.Tensor]:
+        """Like ModelRunner.forward for a decode batch; logits rows beyond the real batch are cut."""
+        n = sched.num_seqs
+        bs = next(s for s in self.sizes if s >= n)
+        padded = self.pad(sched, bs)
+        md = self.build(padded)
+        self.num_padded_steps += 1
+        if not self.use_cuda_graphs:
+            logits = self.runner.model(md, self.runner.cache)
+            return md, logits[:n]
+        key = (bs, padded.has_mamba_track_mask)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bs, padded.has_mamba_track_mask)
+        graph, static_md, static_logits = self.graphs[key]
+        copy_from(static_md, md)
+        graph.replay()
+        return static_md, static_logits[:n]
+
+    def dummy_batch(self, bs: int, track: bool) -> ScheduledBatch:
+        """bs padding rows only: capturing it touches nothing but dummy page 0 and slot 0."""
+        points = (TrackPoint(seq_index=0, token_offset=0, dst_slot=0),) if track else ()
+        return ScheduledBatch(
+            mode="decode",
+            request_ids=("",) * bs,
+            num_decode_seqs=bs,
+            input_ids=(0,) * bs,
+            seq_lens=(1,) * bs,
+            start_positions=(0,) * bs,
+            kv_pages=((0,),) * bs,
+            mamba_slots=(0,) * bs,
+            logits_seqs=tuple(range(bs)),
+            prompt_logprob_seqs=(),
+            has_mamba_track_mask=track,
+            track_points=points,
+        )
+
+    def _capture(self, bs: int, track: bool):
+        """Capture one graph over static buffers built from an all-padding batch (warm-up first)."""
+        static_md = self.build(self.dummy_batch(bs, track))
+        model, cache = self.runner.model, self.runner.cache
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            model(static_md, cache)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_logits = model(static_md, cache)
+        return graph, static_md, static_logits

@@ -1,0 +1,60 @@
+"""Runs one scheduled batch through the model: build metadata (the one builder), forward."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.pools import StateCache
+from engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatch, build_metadata
+from engine.executor.metadata_buffers import MetadataBuffers
+from engine.layers.causal_lm import CausalLM
+from kernels import cpu_ops
+from kernels.backend import select_backend
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: StateCache, device: torch.device | str):
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.config = model.config
+        # Eager steps vary in shape: these grow to the largest step seen, then stay.
+        self.buffers = MetadataBuffers(device, ints=4096, kv_rows=16, kv_width=256, fixed=False)
+        # A (1, heads, head_dim) query in the KV dtype: what the decode-kernel choice looks at
+        # (its head_dim and dtype).
+        keys = cache.pools.get("attention.k")  # (layers, tokens, kv_heads, head_dim)
+        self._query_probe = (
+            torch.empty(1, *keys.shape[2:], dtype=keys.dtype, device=device)
+            if keys is not None
+            else None
+        )
+
+    def decode_reads_mask(self) -> bool:
+        """Whether decode attention runs the torch path, the only one that reads a mask (the C
+        and Triton decode kernels stop at each row's kv_len). Asked per step: BATON_KERNELS may
+        change the path."""
+        probe = self._query_probe
+        if probe is None:
+            return False
+        k_cache = self.cache.pools["attention.k"][0]
+        if select_backend(probe) == "triton":
+            return False
+        return not cpu_ops.decode_attention_supported(probe, k_cache)
+
+    def build(self, sched: ScheduledBatch) -> Mamba2Metadata:
+        return build_metadata(
+            sched,
+            page_size=self.cache.page_size,
+            chunk_size=self.cache.spec.chunk_size,
+            window_width=self.cache.spec.conv_width,
+            buffers=self.buffers,
+            decode_mask=self.decode_reads_mask(),
+            kv_capacity=None,
+            track_capacity=None,
+        )
+
+    @torch.inference_mode()
+    def forward(self, sched: ScheduledBatch) -> tuple[Mamba2Metadata, torch.Tensor]:
+        """Returns the metadata and float32 logits for its `logits_indices` rows."""
+        md = self.build(sched)
+        return md, self.model(md, self.cache)

@@ -1,0 +1,120 @@
+"""A tensor-parallel rank other than 0: `python -m engine.parallel.worker SPEC_JSON`, started and
+stopped by rank 0 (engine/parallel/ranks.py).
+
+It joins the rank group (gloo; NCCL beside it for the all-reduces with a GPU per rank), loads its shard of the model, sizes its pools like rank 0's (its
+shard of each KV head and Mamba state), then follows rank 0 step by step:
+
+    PULL RankStep ─> apply pool operations ─> build metadata (the one builder) ─> forward
+                                                          collectives with every rank ─┘
+
+It exits on RankShutdown, when rank 0's process dies (PR_SET_PDEATHSIG plus a parent-pid
+check), and when a collective fails (a peer died, or hung past the timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import torch
+import zmq
+
+from engine import parallel
+from engine.cache.pools import StateCache
+from engine.checkpoint.loader import load_model, resolve_dtype
+from engine.config import ModelConfig
+from engine.executor.model_runner import ModelRunner
+from engine.handover.shards import apply_handover, gather_addresses, install_report, load_connector
+from engine.models.registry import model_state_spec
+from engine.parallel.messages import (
+    CopySlot,
+    InstallShard,
+    RankShutdown,
+    RankSpec,
+    ReportPools,
+    ResetSlot,
+    apply,
+    decode,
+    pool_digest,
+)
+from engine.runtime.gc_freeze import freeze_startup_objects
+
+logger = logging.getLogger("baton.tp_worker")
+
+POLL_MS = 200  # idle wait between parent checks
+
+
+def run(spec: RankSpec) -> int:
+    torch.set_num_threads(spec.threads)
+    device = parallel.rank_device(spec.device, spec.rank, spec.size)
+    tp = parallel.connect(
+        spec.rank, spec.size, spec.store_port, spec.timeout_s, spec.load_timeout_s, device
+    )
+    config = ModelConfig.from_hf(spec.model)
+    dtype = resolve_dtype(spec.dtype, config)
+    model = load_model(spec.model, dtype, device, tp)
+    cache = StateCache(
+        model_state_spec(config, dtype),
+        num_pages=spec.num_pages,
+        page_size=spec.page_size,
+        num_slots=spec.num_mamba_slots,
+        device=device,
+        tp_size=tp.size,
+        tp_rank=tp.rank,
+    )
+    runner = ModelRunner(model, cache, device)
+    connector = load_connector(spec.handover_connector, config, spec.rank, spec.size, cache)
+    context = zmq.Context()
+    steps = context.socket(zmq.PULL)
+    steps.connect(spec.step_addr)
+    tp.barrier(spec.load_timeout_s)
+    gather_addresses(tp, connector)  # rank 0 learns where this rank receives shards
+    freeze_startup_objects()
+    try:
+        while True:
+            if not steps.poll(POLL_MS):
+                if os.getppid() != spec.parent_pid:
+                    logger.warning("rank %d: rank 0 (pid %d) is gone", spec.rank, spec.parent_pid)
+                    return 0
+                continue
+            message = decode(steps.recv())
+            if isinstance(message, RankShutdown):
+                return 0
+            if isinstance(message, ReportPools):
+                tp.gather_last_dim(pool_digest(cache))
+                continue
+            for op in message.ops:
+                if isinstance(op, (ResetSlot, CopySlot)):
+                    apply(op, cache)
+                    continue
+                error = apply_handover(op, cache, connector)
+                if isinstance(op, InstallShard):
+                    install_report(tp, error, connector)
+            if message.batch is not None:
+                runner.forward(message.batch)
+    finally:
+        if connector is not None:
+            connector.close()
+        steps.close(linger=0)
+        context.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = RankSpec.from_json(argv[0])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from engine.runtime.process import _die_with_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the group: rank 0 decides
+    _die_with_parent()
+    try:
+        return run(spec)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", spec.rank)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

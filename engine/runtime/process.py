@@ -1,0 +1,210 @@
+"""The engine process: owns one `Engine` and steps it while there is work.
+
+    server ──AddRequest/AbortRequests/Shutdown──> [inbox PULL]  EngineLoop  [outbox PUSH] ──> server
+                                                                  │  StepOutput after every step
+                                                                  └─ engine.step() while busy
+
+Started by the server as `python -m engine.runtime.process SPEC_JSON`. It exits on `Shutdown`, when
+its parent dies (PR_SET_PDEATHSIG plus a parent-pid check, so no orphan outlives the server),
+or after an internal error, which it reports as `EngineFailed` first. SIGINT is ignored: a
+Ctrl-C reaches the whole process group and the server decides how to wind down.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import zmq
+
+from engine.core.engine import Engine
+from engine.runtime.gc_freeze import freeze_startup_objects
+from engine.runtime.ipc import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    RequestFailed,
+    Shutdown,
+    StepOutput,
+    decode,
+    encode,
+)
+
+logger = logging.getLogger("baton.engine")
+
+IDLE_POLL_MS = 100  # how long an idle engine waits for work before checking on its parent
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineProcessSpec:
+    """Everything the engine process needs, passed as JSON on its command line."""
+
+    model: str
+    dtype: str
+    device: str
+    engine_args: dict[str, Any]  # Engine keyword arguments the user set (unset ones omitted)
+    input_addr: str  # zmq address the server pushes requests to
+    output_addr: str  # zmq address the server pulls outputs from
+    parent_pid: int
+    disagg: dict[str, Any] | None  # read by `python -m disagg.process`; None when colocated
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineProcessSpec:
+        return cls(**json.loads(text))
+
+
+class EngineLoop:
+    """Receive messages, step the engine while it has work, send what each step produced."""
+
+    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent_pid = parent_pid
+        # A dead tensor-parallel rank fails the engine even while it idles (so /health turns
+        # unhealthy before a request finds out); wrapped engines (disagg workers) run at TP=1.
+        self.check_ranks = getattr(engine, "check_ranks", lambda: None)
+
+    def run(self) -> int:
+        """Return the process exit code: 0 after Shutdown or parent death, 1 after a failure."""
+        while True:
+            if os.getppid() != self.parent_pid:
+                logger.warning("parent process %d is gone; engine exiting", self.parent_pid)
+                return 0
+            handled = 0
+            if self._wait_for_messages():
+                handled, shutdown = self._drain_inbox()
+                if shutdown:
+                    return 0
+            try:
+                self.check_ranks()
+                if self.engine.has_unfinished_requests():
+                    self._send(StepOutput(deltas=self.engine.step(), stats=self._stats()))
+                    self._after_step()
+                elif handled:
+                    self._send(StepOutput(deltas=[], stats=self._stats()))
+            except Exception as error:
+                logger.exception("engine step failed")
+                self._send(EngineFailed(message=f"engine step failed: {error!r}"))
+                return 1
+
+    def _wait_for_messages(self) -> bool:
+        """Whether the server sent something; waits only while the engine has nothing to do."""
+        return bool(self.inbox.poll(0 if self.engine.has_unfinished_requests() else IDLE_POLL_MS))
+
+    def _after_step(self) -> None:
+        """Hook for wrapped engines (disaggregation reports failed rooms here)."""
+
+    def _drain_inbox(self) -> tuple[int, bool]:
+        """Handle every queued message; return how many, and whether Shutdown was among them."""
+        handled = 0
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return handled, False
+            handled += 1
+            message = decode(frame)
+            if isinstance(message, Shutdown):
+                return handled, True
+            if isinstance(message, AbortRequests):
+                for request_id in message.request_ids:
+                    self.engine.abort_request(request_id)
+            elif isinstance(message, AddRequest):
+                self._add(message)
+            else:
+                logger.error("engine ignores unexpected message %s", type(message).__name__)
+
+    def _add(self, message: AddRequest) -> None:
+        if message.room:
+            self._send(
+                RequestFailed(
+                    request_id=message.request_id,
+                    message="this worker is not part of a disaggregated pair (no --disaggregation-mode)",
+                    kind="server",
+                )
+            )
+            return
+        try:
+            self.engine.add_request(message.request_id, message.prompt_token_ids, message.params)
+        except ValueError as error:
+            self._send(
+                RequestFailed(request_id=message.request_id, message=str(error), kind="client")
+            )
+
+    def _stats(self) -> dict[str, int | float]:
+        # request timing histograms when the engine keeps them (wrapped disagg engines do not)
+        timing = getattr(self.engine, "timing_stats", dict)()
+        return asdict(self.engine.stats()) | timing
+
+    def _send(self, message) -> None:
+        self.outbox.send(encode(message))
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the parent dies (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def main(argv: list[str] | None = None, load_and_run=None) -> int:
+    """Process setup shared by every engine process; `load_and_run` builds what runs inside
+    (disagg.process passes one that wraps the engine in a prefill or decode worker)."""
+    load_and_run = load_and_run or _load_and_run
+    argv = sys.argv[1:] if argv is None else argv
+    spec = EngineProcessSpec.from_json(argv[0])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(spec.input_addr)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(spec.output_addr)
+    try:
+        return load_and_run(spec, inbox, outbox)
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=1000)  # let the last message (EngineFailed, say) reach the server
+        context.term()
+
+
+def _load_and_run(spec: EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
+    try:
+        engine = Engine(spec.model, dtype=spec.dtype, device=spec.device, **spec.engine_args)
+    except Exception as error:
+        logger.exception("failed to load %s", spec.model)
+        outbox.send(encode(EngineFailed(message=f"failed to load model {spec.model}: {error}")))
+        return 1
+    config = engine.model_config
+    outbox.send(
+        encode(
+            EngineReady(
+                vocab_size=config.vocab_size,
+                max_model_len=engine.max_model_len,
+                transfer_addr="",
+                rank_transfer_addrs=[],
+            )
+        )
+    )
+    freeze_startup_objects()  # the model and everything loaded with it
+    try:
+        return EngineLoop(engine, inbox, outbox, spec.parent_pid).run()
+    finally:
+        engine.close()  # the tensor-parallel ranks, if any
+
+
+if __name__ == "__main__":
+    sys.exit(main())
