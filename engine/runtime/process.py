@@ -54,7 +54,9 @@ class EngineProcessSpec:
     input_addr: str  # zmq address the server pushes requests to
     output_addr: str  # zmq address the server pulls outputs from
     parent_pid: int
-    disagg: dict[str, Any] | None  # read by `python -m disagg.process`; None when colocated
+    # the options of the prefill or decode worker that wraps this engine (its own process
+    # module reads them); None when colocated
+    pair: dict[str, Any] | None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
