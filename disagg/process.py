@@ -128,7 +128,7 @@ def load_and_run(
                 vocab_size=engine.model_config.vocab_size,
                 max_model_len=engine.max_model_len,
                 transfer_addr=transfer_addr,
-                rank_transfer_addrs=list(engine.handover.state.shards.addresses),
+                rank_transfer_addrs=list(engine.handover.shards.addresses),
             )
         )
     )
