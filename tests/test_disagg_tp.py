@@ -34,7 +34,7 @@ from disagg.protocol import (
 from disagg.rooms import DisaggConfig
 from disagg.tp_layout import TPLayout, owned, plan
 from disagg.tp_transfer import SECRET_ENV, connector_spec
-from engine.state_spec import ModelStateSpec
+from engine.cache.spec import ModelStateSpec
 from engine.config import ModelConfig
 from engine.core.engine import Engine
 from engine.core.sampling_params import SamplingParams

@@ -5,9 +5,7 @@ them (the last test feeds each one such a file)."""
 from __future__ import annotations
 
 import ast
-import io
 import re
-import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

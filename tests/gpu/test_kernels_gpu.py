@@ -18,7 +18,11 @@ import pytest
 import torch
 
 from kernels.attention import build_attention_layout, paged_attention_torch
-from kernels.conv1d import build_window_layout, causal_conv1d_update_torch, causal_conv1d_varlen_torch
+from kernels.conv1d import (
+    build_window_layout,
+    causal_conv1d_update_torch,
+    causal_conv1d_varlen_torch,
+)
 from kernels.norm import gated_rms_norm_torch, rms_norm_torch
 from kernels.ssd import build_chunk_layout, ssd_scan_torch
 from kernels.ssu import selective_state_update_multi, selective_state_update_torch
