@@ -125,6 +125,8 @@ def load_and_run(
                 max_model_len=engine.max_model_len,
                 transfer_addr=transfer_addr,
                 rank_transfer_addrs=list(engine.shard_addresses),
+                page_size=engine.args.page_size,
+                track_interval=engine.track_interval,
             )
         )
     )
