@@ -55,6 +55,14 @@ def scores_prompt(path: str, body: dict) -> bool:
     )
 
 
+def _settle(task: asyncio.Future, workers: WorkerSet, prefill: Worker) -> None:
+    """The prefill half ended: its place is given back, and an error nobody waits for any more
+    (the stream had committed) is read here, not reported as never retrieved."""
+    workers.end(prefill)
+    if not task.cancelled():
+        task.exception()
+
+
 def once(action: Callable[[], None]) -> Callable[[], None]:
     """`action` wrapped so that only its first call runs."""
     done = False
@@ -141,7 +149,7 @@ class Dispatcher:
             prefill_task = asyncio.ensure_future(
                 client.post(f"{prefill.url}{path}", json=prefill_body, headers=headers)
             )
-            prefill_task.add_done_callback(lambda _: workers.end(prefill))
+            prefill_task.add_done_callback(lambda task: _settle(task, workers, prefill))
         workers.begin(decode)
         end_decode = once(lambda: workers.end(decode))
         sending = asyncio.ensure_future(
