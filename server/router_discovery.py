@@ -93,20 +93,20 @@ class PodWatch:
         from kubernetes import client, watch
 
         api = client.CoreV1Api(_api_client())
-        namespace = self.args.namespace
-        if namespace:
-
-            def list_pods(**options):
-                return api.list_namespaced_pod(namespace, **options)
+        # The API function itself, not a wrapper: the watch reads its docstring to know the
+        # objects it streams (V1Pod).
+        if self.args.namespace:
+            list_pods, where = api.list_namespaced_pod, (self.args.namespace,)
         else:
-            list_pods = api.list_pod_for_all_namespaces
+            list_pods, where = api.list_pod_for_all_namespaces, ()
         while not self.stopped.is_set():
             try:
-                listed = list_pods(label_selector=self.selector)
+                listed = list_pods(*where, label_selector=self.selector)
                 states = [pod_state(pod, self.args.port) for pod in listed.items]
                 self._hand_over(states, complete=True)
                 stream = watch.Watch().stream(
                     list_pods,
+                    *where,
                     label_selector=self.selector,
                     resource_version=listed.metadata.resource_version,
                     timeout_seconds=WATCH_S,

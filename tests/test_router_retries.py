@@ -21,10 +21,13 @@ FAST = dataclasses.replace(
 )
 
 
-async def serve(fleet: Fleet, scenario, routing=FAST, api_key: str | None = None):
-    app = build_router_app(
-        fleet.urls("prefill"), fleet.urls("decode"), api_key, routing=routing, transport=fleet
-    )
+async def serve(
+    fleet: Fleet, scenario, routing=FAST, api_key: str | None = None, static: bool = True
+):
+    """Run `scenario(app, client)` against a router in front of the fleet (`static`: its
+    workers given on the command line; else none, for discovery to find)."""
+    prefill, decode = (fleet.urls("prefill"), fleet.urls("decode")) if static else ([], [])
+    app = build_router_app(prefill, decode, api_key, routing=routing, transport=fleet)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://router.test", timeout=10
