@@ -8,7 +8,8 @@ then tried with one request.
 Health probes catch a worker that is gone; the circuit catches one that answers `/health` but
 fails the requests themselves (a handover path that is broken, an engine that refuses all). Only
 failures that are the worker's (refused, reset, 503, a failed handover) count, never a client's
-400. While half-open the worker takes one request at a time: the trial.
+400. While half-open the worker takes one request at a time: the trial. A circuit only ever moves
+requests to other workers: when every worker of a role is open, they are all tried anyway.
 """
 
 from __future__ import annotations

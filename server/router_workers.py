@@ -161,7 +161,7 @@ class WorkerSet:
     # -- picks -------------------------------------------------------------------------------
 
     def usable(self, role: Role) -> list[Worker]:
-        return [w for w in self._of_role(role) if w.usable and w.circuit.allows()]
+        return [w for w in self._of_role(role) if w.usable]
 
     @property
     def needs_tokens(self) -> bool:
@@ -170,8 +170,10 @@ class WorkerSet:
     def pick_pair(
         self, prompt: Sequence[int] | None, avoid: frozenset[str] = frozenset()
     ) -> tuple[Worker, Worker] | None:
-        """A prefill and a decode worker for a request, each by its role's policy; workers in
-        `avoid` (they failed this request) only when no other is usable."""
+        """A prefill and a decode worker for a request, each by its role's policy, among the
+        usable workers whose circuit lets a request through and that have not failed this one
+        (`avoid`); failing that, among those whose circuit is closed, then all usable ones: a
+        circuit or a failure moves a request elsewhere, never refuses one a worker might serve."""
         prefill = self._pick("prefill", prompt, avoid)
         decode = self._pick("decode", prompt, avoid)
         if prefill is None or decode is None:
@@ -180,7 +182,9 @@ class WorkerSet:
 
     def _pick(self, role: Role, prompt: Sequence[int] | None, avoid: frozenset[str]):
         usable = self.usable(role)
-        candidates = [w for w in usable if w.url not in avoid] or usable
+        closed = [w for w in usable if w.circuit.allows()]
+        fresh = [w for w in closed if w.url not in avoid]
+        candidates = fresh or closed or [w for w in usable if w.url not in avoid] or usable
         if not candidates:
             return None
         policy = self.policies[role]

@@ -177,3 +177,17 @@ def test_without_retries_the_first_failure_is_the_answer():
         assert fleet.served("p2") == 0
 
     asyncio.run(serve(fleet, scenario, routing=routing))
+
+
+def test_when_every_circuit_of_a_side_is_open_its_workers_are_still_tried():
+    """A circuit moves requests to other workers; it never refuses one a worker might serve."""
+    routing = dataclasses.replace(FAST, circuit=CircuitSettings(failure_threshold=1, open_s=60))
+    fleet = Fleet(p1=FakeWorker("prefill", behaviour="503"), d1=FakeWorker("decode"))
+
+    async def scenario(app, client):
+        assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 503
+        assert app.state.workers.prefill[0].circuit.state() == "open"
+        fleet.workers[Fleet.url("p1")].behaviour = "ok"
+        assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 200
+
+    asyncio.run(serve(fleet, scenario, routing=routing))
