@@ -108,8 +108,7 @@ class Dispatcher:
             failure = outcome
             avoid |= {worker.url for worker in pair}
             if attempt < self.retry.max_retries:
-                worker = outcome.worker
-                self.workers.metrics.retries.labels(role=worker.role, worker=worker.url).inc()
+                self.workers.retried(outcome.worker)
                 logger.warning("retrying a request elsewhere: %s", outcome.reason)
                 await asyncio.sleep(self.backoff(attempt))
         return failure.response if failure is not None else error_response(503, NO_PAIR)

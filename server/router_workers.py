@@ -244,6 +244,11 @@ class WorkerSet:
             )
         self._count_circuits(worker)
 
+    def retried(self, worker: Worker) -> None:
+        """A request the worker failed is tried again elsewhere."""
+        if worker in self._of_role(worker.role):
+            self.metrics.retries.labels(role=worker.role, worker=worker.url).inc()
+
     def _count_circuits(self, worker: Worker) -> None:
         if worker not in self._of_role(worker.role):
             return
