@@ -35,6 +35,7 @@ from server.router_relay import (
     error_response,
     first_output,
     forward_headers,
+    prefill_failure,
     relay,
     worker_error_body,
 )
@@ -43,6 +44,8 @@ from server.router_workers import Worker, WorkerSet
 logger = logging.getLogger("baton.router")
 
 NO_PAIR = "no healthy prefill + decode worker pair"
+# How long a decode worker's failure waits for its prefill half to fail too (see `_blame`).
+PREFILL_GRACE_S = 1.0
 
 
 def scores_prompt(path: str, body: dict) -> bool:
@@ -163,11 +166,11 @@ class Dispatcher:
             stopped = await decode_headers(request, sending, prefill_task, prefill, workers)
             if stopped is not None:
                 await cancel(sending)
-                return self._abandon(stopped, prefill_task, end_decode)
+                return await self._abandon(stopped, prefill, prefill_task, end_decode)
             upstream = sending.result()
         except httpx.HTTPError as error:
-            return self._abandon(
-                Failure.unreachable(decode, error, workers), prefill_task, end_decode
+            return await self._abandon(
+                Failure.unreachable(decode, error, workers), prefill, prefill_task, end_decode
             )
         if upstream.status_code != 200:
             content = await upstream.aread()
@@ -177,12 +180,12 @@ class Dispatcher:
                 upstream.status_code,
                 worker_error_body(upstream.status_code, content.decode(errors="replace")),
             )
-            return self._abandon(failure, prefill_task, end_decode)
+            return await self._abandon(failure, prefill, prefill_task, end_decode)
         if body.get("stream"):
             outcome = await first_output(request, upstream, prefill_task, prefill, decode, workers)
             if not isinstance(outcome, Committed):
                 await upstream.aclose()
-                return self._abandon(outcome, prefill_task, end_decode)
+                return await self._abandon(outcome, prefill, prefill_task, end_decode)
             self._succeeded(prefill, decode)
             finish = once(lambda: (release(), end_decode(), prefill_task.cancel()))
             return StreamingResponse(
@@ -194,8 +197,8 @@ class Dispatcher:
         try:
             content = await upstream.aread()
         except httpx.HTTPError as error:
-            return self._abandon(
-                Failure.unreachable(decode, error, workers), prefill_task, end_decode
+            return await self._abandon(
+                Failure.unreachable(decode, error, workers), prefill, prefill_task, end_decode
             )
         finally:
             await upstream.aclose()
@@ -203,14 +206,22 @@ class Dispatcher:
         self._succeeded(prefill, decode)
         return Response(content, status_code=200, media_type="application/json")
 
-    def _abandon(
+    async def _abandon(
         self,
         outcome: Failure | Response,
+        prefill: Worker,
         prefill_task: asyncio.Future,
         end_decode: Callable[[], None],
     ) -> Failure | Response:
         """A try that ends before the client got anything: close its prefill half (the worker
-        aborts it) and give the decode worker's place back."""
+        aborts it) and give the decode worker's place back. A decode worker's failure while the
+        prefill half still runs is often the prefill worker's (one that dies fails the handover
+        on the decode side first): if the prefill half fails too within PREFILL_GRACE_S, the
+        failure is counted as its own, so the healthy decode worker's circuit stays closed."""
+        suspect = isinstance(outcome, Failure) and outcome.retryable
+        if suspect and outcome.worker is not prefill and not prefill_task.done():
+            await asyncio.wait({prefill_task}, timeout=PREFILL_GRACE_S)
+            outcome = prefill_failure(prefill_task, prefill, self.workers) or outcome
         prefill_task.cancel()
         end_decode()
         if isinstance(outcome, Failure) and not outcome.retryable:

@@ -17,7 +17,9 @@ TRACK_INTERVAL = 64
 @dataclass
 class FakeWorker:
     role: str
-    # "ok"; "refused" (connection refused); "503" / "400" (an error answer); decode only:
+    # "ok"; "refused" (connection refused); "503" / "400" (an error answer); prefill only:
+    # "dies" (its process dies mid-handover: the decode side reports the failed transfer, then
+    # the prefill's connection drops); decode only:
     # "error_event" (a chat opener, then a 503 error event: a failed handover), "drop_after_token"
     # (one token, then the connection drops)
     behaviour: str = "ok"
@@ -41,6 +43,7 @@ class Fleet(httpx.AsyncBaseTransport):
         # room -> set once its prefill succeeded: a decode worker answers only then, as a
         # real one waits for the handed-over state
         self.rooms: dict[str, asyncio.Event] = {}
+        self.failed_rooms: set[str] = set()
 
     def room(self, body: dict) -> asyncio.Event:
         disagg = body.get("baton_disagg") or {}
@@ -81,6 +84,11 @@ class Fleet(httpx.AsyncBaseTransport):
         if worker.behaviour in ("503", "400"):
             return _error(int(worker.behaviour), f"{worker.role} worker says {worker.behaviour}")
         if worker.role == "prefill":
+            if worker.behaviour == "dies":
+                self.failed_rooms.add(str(body["baton_disagg"]["room"]))
+                self.room(body).set()
+                await asyncio.sleep(0.05)
+                raise httpx.RemoteProtocolError("server disconnected", request=request)
             self.room(body).set()
             return httpx.Response(200, json={"choices": [{"text": "", "index": 0}]})
         chat = path == "/v1/chat/completions"
@@ -92,11 +100,11 @@ class Fleet(httpx.AsyncBaseTransport):
         return httpx.Response(
             200,
             headers={"content-type": "text/event-stream"},
-            content=self._stream(worker, chat, request, self.room(body)),
+            content=self._stream(worker, chat, request, body),
         )
 
     async def _stream(
-        self, worker: FakeWorker, chat: bool, request: httpx.Request, room: asyncio.Event
+        self, worker: FakeWorker, chat: bool, request: httpx.Request, body: dict
     ) -> AsyncIterator[bytes]:
         def event(payload: dict | str) -> bytes:
             return f"data: {json.dumps(payload) if isinstance(payload, dict) else payload}\n\n".encode()
@@ -116,13 +124,17 @@ class Fleet(httpx.AsyncBaseTransport):
                     "finish_reason": None,
                 }
                 yield event({"object": "chat.completion.chunk", "choices": [opener]})
+            failed = {"error": {"message": "transfer failed", "type": "service_unavailable",
+                                "param": None, "code": 503}}  # fmt: skip
             if worker.behaviour == "error_event":
-                body = {"error": {"message": "transfer failed", "type": "service_unavailable",
-                                  "param": None, "code": 503}}  # fmt: skip
-                yield event(body)
+                yield event(failed)
                 yield event("[DONE]")
                 return
-            await room.wait()
+            await self.room(body).wait()
+            if str(body["baton_disagg"]["room"]) in self.failed_rooms:
+                yield event(failed)
+                yield event("[DONE]")
+                return
             for i in range(worker.tokens):
                 yield event(token(f" t{i}"))
                 if worker.behaviour == "drop_after_token":

@@ -191,3 +191,29 @@ def test_when_every_circuit_of_a_side_is_open_its_workers_are_still_tried():
         assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 200
 
     asyncio.run(serve(fleet, scenario, routing=routing))
+
+
+def test_a_failed_handover_is_the_prefill_workers_when_its_half_fails_too():
+    """A prefill worker that dies fails the handover on the decode side first: the failure is
+    counted as the prefill worker's, and the healthy decode worker's circuit stays closed."""
+    routing = dataclasses.replace(FAST, circuit=CircuitSettings(failure_threshold=1, open_s=60))
+    fleet = Fleet(
+        p1=FakeWorker("prefill", behaviour="dies"),
+        p2=FakeWorker("prefill"),
+        d1=FakeWorker("decode"),
+    )
+    body = dict(COMPLETION, stream=True)
+
+    async def scenario(app, client):
+        answer = await client.post("/v1/completions", json=body)
+        assert [json.loads(e)["choices"][0]["text"] for e in sse_events(answer.text)[:-1]] == [
+            " t0",
+            " t1",
+            " t2",
+        ]
+        metrics = (await client.get("/metrics")).text
+        assert metric(metrics, "baton:router_retries_total", worker=Fleet.url("p1")) == 1
+        assert metric(metrics, "baton:router_retries_total", worker=Fleet.url("d1")) == 0
+        assert app.state.workers.decode[0].circuit.state() == "closed"
+
+    asyncio.run(serve(fleet, scenario, routing=routing))
