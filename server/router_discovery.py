@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import httpx
 
 from server.router_args import DiscoveryArgs
-from server.router_workers import Role, WorkerSet, describe
+from server.router_info import Role
+from server.router_workers import WorkerSet, describe
 
 logger = logging.getLogger("baton.router.discovery")
 
