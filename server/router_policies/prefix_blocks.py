@@ -1,6 +1,6 @@
 """The router's record of what one worker caches: whole Mamba checkpoint blocks, LRU.
 
-A hybrid worker's prefix cache (engine/prefix_cache.py) is a chain of blocks of exactly
+A hybrid worker's prefix cache (engine/cache/prefix_cache.py) is a chain of blocks of exactly
 `track_interval` tokens (whole KV pages), each ending at a Mamba checkpoint. A prompt is
 reusable only up to a block boundary and never to its last token (its logits are needed):
 
