@@ -129,6 +129,8 @@ def load_and_run(
                 max_model_len=engine.max_model_len,
                 transfer_addr=transfer_addr,
                 rank_transfer_addrs=list(engine.handover.shards.addresses),
+                page_size=engine.args.page_size,
+                track_interval=engine.handover.track_interval,
             )
         )
     )

@@ -49,7 +49,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/disagg/info")
     async def disagg_info() -> Response:
-        """Where decode engines register with this prefill worker (read by `baton router`)."""
+        """What `baton router` learns of a worker: its role, where decode engines register with a
+        prefill worker, and the prefix cache's page size and Mamba checkpoint interval."""
         mode = state.args.disaggregation_mode
         if mode is None:
             return error_response(404, "this worker is not part of a disaggregated pair")
@@ -60,6 +61,8 @@ def build_app(state: ServerState) -> FastAPI:
                 "role": mode,
                 "transfer_addr": ready.transfer_addr or None,
                 "rank_transfer_addrs": ready.rank_transfer_addrs,
+                "page_size": ready.page_size,
+                "track_interval": ready.track_interval,
             }
         )
 

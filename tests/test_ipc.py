@@ -53,7 +53,14 @@ MESSAGES = [
     ),
     AbortRequests(request_ids=["a", "b"]),
     Shutdown(),
-    EngineReady(vocab_size=320, max_model_len=4096, transfer_addr="", rank_transfer_addrs=[]),
+    EngineReady(
+        vocab_size=320,
+        max_model_len=4096,
+        transfer_addr="",
+        rank_transfer_addrs=[],
+        page_size=16,
+        track_interval=64,
+    ),
     StepOutput(
         deltas=[
             _delta(),

@@ -198,6 +198,8 @@ def _load_and_run(spec: EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket
                 max_model_len=engine.max_model_len,
                 transfer_addr="",
                 rank_transfer_addrs=[],
+                page_size=engine.args.page_size,
+                track_interval=engine.handover.track_interval,
             )
         )
     )
