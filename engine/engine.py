@@ -29,6 +29,7 @@ from engine.sampler import Sampler, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.state_cache import StateCache
+from engine.structured_output import Grammars
 from engine.tp_engine_handover import ShardHandoverMixin
 from engine.tp_handover import gather_addresses, load_connector
 from engine.tp_messages import PoolOps
@@ -116,6 +117,14 @@ class Engine(HandoverMixin, ShardHandoverMixin):
             self.runner = RankedRunner(self.runner, self.ranks, self.pool_ops)
         self.graph_runner = self._make_graph_runner() if self.ranks is None else None
         self.sampler = Sampler(args.seed, self.device)
+        # structured outputs (engine/structured_output/): compiles off the loop, masks per step
+        self.grammars = Grammars(
+            self.tokenizer,
+            config.vocab_size,
+            config.eos_token_ids,
+            compile_threads=1 if self.device.type == "cpu" else 8,
+        )
+        self.refused: list[tuple[str, str]] = []  # (request id, why) for take_refused
         self.timing = RequestTiming() if args.request_timing else None
         self.requests: dict[str, Request] = {}
         # request id -> called with the finished Request before its pages and slot are freed
@@ -138,6 +147,8 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         if getattr(self, "shard_connector", None) is not None:
             self.shard_connector.close()
             self.shard_connector = None
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.close()
 
     def _make_prefix_cache(self) -> PrefixCache | None:
         args, config = self.args, self.model_config
@@ -200,7 +211,8 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
         req = self._new_request(request_id, prompt_token_ids, params)
-        self.scheduler.add(req)
+        self.grammars.add(req)  # structured outputs: scheduled once the grammar is compiled
+        self.grammars.hold(req, self.scheduler.add)
         if self.timing is not None:
             self.timing.added(request_id)
 
@@ -213,6 +225,7 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         params.validate()
+        self.grammars.check(params)
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias),
@@ -251,13 +264,20 @@ class Engine(HandoverMixin, ShardHandoverMixin):
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         self.finish_hooks.pop(request_id, None)
+        self.grammars.forget(request_id)
         if req is not None:
             self.scheduler.finish(req, "abort")
         if self.timing is not None:
             self.timing.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.grammars.num_held > 0
+
+    def take_refused(self) -> list[tuple[str, str]]:
+        """(request id, reason) of the requests ended since the last call because their grammar
+        turned out unusable once compiled (the server answers each with a 400)."""
+        refused, self.refused = self.refused, []
+        return refused
 
     def stats(self) -> EngineStats:
         cache = self.prefix_cache
@@ -287,8 +307,12 @@ class Engine(HandoverMixin, ShardHandoverMixin):
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        for req, reason in self.grammars.release():  # compiled grammars start their requests
+            self.abort_request(req.request_id)
+            self.refused.append((req.request_id, reason))
         sched = self.scheduler.schedule()
         if sched is None:
+            self.grammars.wait()  # nothing to run but grammars to compile: no busy loop
             return []
         if self.timing is not None:
             self.timing.scheduled(sched)
@@ -319,10 +343,12 @@ class Engine(HandoverMixin, ShardHandoverMixin):
             sample_rows = [rows_of[s][-1] for s in sched.logits_seqs]
             if sample_rows != list(range(logits.shape[0])):  # decode-only: skip the copy
                 logits = logits[sample_rows]
+            sampled_reqs = [reqs[s] for s in sched.logits_seqs]
             result = self.sampler(
                 logits,
-                [reqs[s] for s in sched.logits_seqs],
+                sampled_reqs,
                 self.model_config.eos_token_ids,
+                self.grammars.constrain(sampled_reqs),
             )
             sampled = {
                 s: (t, lp) for s, t, lp in zip(sched.logits_seqs, result.token_ids, result.logprobs)
@@ -357,7 +383,10 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         if logprobs is not None:
             req.logprobs.append(logprobs)
         finish, stop_reason = None, None
-        if (
+        grammar_end = self.grammars.accept(req, token)  # structured outputs
+        if grammar_end is not None:
+            finish = grammar_end  # the grammar ended ("stop") or cannot go on ("abort")
+        elif (
             not params.ignore_eos
             and token in self.model_config.eos_token_ids
             and len(req.output_ids) > params.min_tokens
@@ -370,6 +399,7 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         ):
             finish = "length"
         if finish is not None:
+            self.grammars.forget(req.request_id)
             hook = self.finish_hooks.pop(req.request_id, None)
             if hook is not None:
                 hook(req)  # before its pages and slot are freed

@@ -21,6 +21,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.state_cache import StateCache
+from engine.structured_output import Grammars
 
 
 class Hold(Protocol):
@@ -51,6 +52,7 @@ class HandoverMixin:
     cache: StateCache
     scheduler: Scheduler
     sampler: Sampler
+    grammars: Grammars
     prefix_cache: PrefixCache | None
     requests: dict[str, Request]
     finish_hooks: dict[str, Callable[[Request], None]]
@@ -128,6 +130,7 @@ class HandoverMixin:
             self.requests.pop(request_id)
             self.prompt_tokens_total -= len(req.prompt_ids)
             raise
+        self.grammars.add(req)  # structured outputs: compiled while the prefill runs elsewhere
         return Preallocation(
             pages=tuple(req.kv_pages),
             mamba_slot=req.mamba_slot,
@@ -152,7 +155,9 @@ class HandoverMixin:
             self.cache.ssm[:, req.mamba_slot] = state.ssm.to(self.device, self.cache.ssm.dtype)
         req.num_computed = len(req.prompt_ids)
         self._register_transferred_blocks(req, state)
-        self.scheduler.start_transferred(req)
+        # Structured outputs: the grammar's state is replayed, not carried: this engine compiled
+        # the same grammar, and _append_token feeds it the first token (held until compiled).
+        self.grammars.hold(req, self.scheduler.start_transferred)
         self.sampler.skip_seeded_draws(req, 1, self.model_config.vocab_size)  # the first token
         return self._append_token(req, state.first_token, state.first_logprobs)
 

@@ -91,6 +91,7 @@ class EngineLoop:
                 self.check_ranks()
                 if self.engine.has_unfinished_requests():
                     self._send(StepOutput(deltas=self.engine.step(), stats=self._stats()))
+                    self._send_refused()
                     self._after_step()
                 elif handled:
                     self._send(StepOutput(deltas=[], stats=self._stats()))
@@ -105,6 +106,13 @@ class EngineLoop:
 
     def _after_step(self) -> None:
         """Hook for wrapped engines (disaggregation reports failed rooms here)."""
+
+    def _send_refused(self) -> None:
+        """Requests whose grammar proved unusable once compiled (structured outputs) fail as
+        the client's: ended through the wrapper (a disaggregated worker closes its room too)."""
+        for request_id, reason in self.engine.take_refused():
+            self.engine.abort_request(request_id)
+            self._send(RequestFailed(request_id=request_id, message=reason, kind="client"))
 
     def _drain_inbox(self) -> tuple[int, bool]:
         """Handle every queued message; return how many, and whether Shutdown was among them."""
