@@ -218,6 +218,9 @@ class Grammars:
         bitmask = self._bitmask[: len(reqs)]
         for row, matcher in zip(rows, matchers):
             matcher.fill_next_token_bitmask(bitmask, row)
+        for row, alive in zip(rows, bitmask[rows].any(dim=1).tolist()):
+            if not alive:  # a dead end: the model may only stop (accept() then says "abort")
+                self._allow_only(bitmask[row], self.stop_token_ids)
         self.timing.seconds += time.perf_counter() - start
 
         def apply(logits: torch.Tensor) -> None:
@@ -230,10 +233,19 @@ class Grammars:
 
         return apply
 
+    @staticmethod
+    def _allow_only(row: torch.Tensor, token_ids: list[int]) -> None:
+        """row: (words,) int32 bitmask, bit t % 32 of word t // 32 set for allowed token t."""
+        row.zero_()
+        for token in token_ids:
+            bit = 1 << (token % 32)
+            row[token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32's sign bit
+
     def accept(self, req: Request, token: int) -> GrammarEnd | None:
         """Advance the request's matcher by the token just appended to its output: "stop" when
         the grammar has ended (its stop token accepted), "abort" when the token does not fit (a
-        dead end: the grammar allowed no token at all), else None."""
+        dead end, where the grammar allowed no token and the model was made to stop), else
+        None."""
         grammar = self.requests.get(req.request_id)
         if grammar is None:
             return None

@@ -157,7 +157,7 @@ def _check_schema(schema: Any) -> None:
     try:
         validator.check_schema(schema)
     except jsonschema.SchemaError as error:
-        where = "/".join(str(part) for part in error.path) or "(root)"
+        where = "/" + "/".join(str(part) for part in error.path)
         raise ValueError(
             f"structured outputs: invalid JSON schema at {where}: {error.message}"
         ) from None
