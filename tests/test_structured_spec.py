@@ -132,7 +132,6 @@ def test_a_keyword_the_grammar_would_drop_is_refused_by_name(schema, named):
     assert named in str(error.value)
 
 
-
 def test_pydantic_schemas_pass_whole():
     from typing import Literal
 
