@@ -78,7 +78,9 @@ async def check_structured(request: Any, structured: StructuredOutputs | None) -
     try:
         await asyncio.to_thread(_checked, structured)
     except ValueError as error:
-        raise APIError.bad_request(str(error), _source(request)) from None
+        param = _source(request)
+        reason = str(error).removeprefix("structured_outputs: ")
+        raise APIError.bad_request(f"{param}: {reason}", param) from None
 
 
 @functools.lru_cache(maxsize=256)

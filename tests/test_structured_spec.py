@@ -185,7 +185,7 @@ def test_a_discriminated_one_of_is_enforced(compiler):
     ids=lambda v: v if isinstance(v, str) else v.kind,
 )
 def test_a_bad_spec_is_refused_naming_the_problem(structured, message):
-    with pytest.raises(ValueError, match="structured outputs") as error:
+    with pytest.raises(ValueError, match="structured_outputs") as error:
         check_structured_outputs(structured)
     assert message in str(error.value)
 

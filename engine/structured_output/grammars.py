@@ -91,10 +91,10 @@ class Grammars:
         if structured is None:
             return
         if self.tokenizer is None:
-            raise ValueError("structured outputs need the model's tokenizer (none in its folder)")
+            raise ValueError("structured_outputs need the model's tokenizer (none in its folder)")
         if len(structured.spec) > MAX_SPEC_CHARS:
             raise ValueError(
-                f"structured outputs: the spec is longer than {MAX_SPEC_CHARS} characters"
+                f"structured_outputs: the spec is longer than {MAX_SPEC_CHARS} characters"
             )
 
     def add(self, req: Request) -> None:
@@ -172,13 +172,13 @@ class Grammars:
         try:
             compiled = compile_structured(self._compiler, structured)
         except RuntimeError as error:  # a spec the server's check would have refused
-            raise ValueError(f"structured outputs: the {structured.kind} spec: {error}") from None
+            raise ValueError(f"structured_outputs: the {structured.kind} spec: {error}") from None
         probe = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         probe.fill_next_token_bitmask(bitmask)
         if not bitmask.any() and not probe.is_completed():
             raise ValueError(
-                f"structured outputs: the {structured.kind} admits no output (no token can "
+                f"structured_outputs: the {structured.kind} admits no output (no token can "
                 "start it: a grammar without terminals, or an empty language)"
             )
         return compiled
@@ -190,7 +190,7 @@ class Grammars:
         for token in grammar.backlog:
             if not grammar.matcher.accept_token(token):
                 return ValueError(
-                    f"structured outputs: token {token}, sampled by the prefill worker, does "
+                    f"structured_outputs: token {token}, sampled by the prefill worker, does "
                     "not fit the grammar"
                 )
         grammar.backlog = []

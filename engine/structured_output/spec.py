@@ -37,11 +37,11 @@ def check_structured_outputs(structured: StructuredOutputs) -> None:
     """Raise ValueError naming what is wrong with `structured` (see the module docstring)."""
     if len(structured.spec) > MAX_SPEC_CHARS:
         raise ValueError(
-            f"structured outputs: the {structured.kind} spec is {len(structured.spec)} characters,"
+            f"structured_outputs: the {structured.kind} spec is {len(structured.spec)} characters,"
             f" more than the {MAX_SPEC_CHARS} this server compiles"
         )
     if any(not isinstance(t, int) or t < 0 for t in structured.after_token_ids):
-        raise ValueError("structured outputs: after_token_ids must be token ids")
+        raise ValueError("structured_outputs: after_token_ids must be token ids")
     kind = structured.kind
     if kind == "json":
         schema = load_json(structured.spec, "the JSON schema")
@@ -49,12 +49,12 @@ def check_structured_outputs(structured: StructuredOutputs) -> None:
     elif kind == "choice":
         choice_ebnf(structured.spec)
     elif kind not in ("json_object", "regex", "grammar", "structural_tag"):
-        raise ValueError(f"structured outputs: unknown kind {kind!r}")
+        raise ValueError(f"structured_outputs: unknown kind {kind!r}")
     try:
         parse(structured)
     except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's errors for bad specs
         message = _xgrammar_message(error)
-        raise ValueError(f"structured outputs: invalid {_NAMES[kind]}: {message}") from None
+        raise ValueError(f"structured_outputs: invalid {_NAMES[kind]}: {message}") from None
 
 
 _NAMES = {
@@ -111,11 +111,11 @@ def choice_ebnf(spec: str) -> str:
     """A JSON list of strings as a grammar whose language is exactly those strings."""
     choices = load_json(spec, "the choice list")
     if not isinstance(choices, list) or not choices:
-        raise ValueError("structured outputs: choice must be a non-empty list of strings")
+        raise ValueError("structured_outputs: choice must be a non-empty list of strings")
     if len(choices) > MAX_CHOICES:
-        raise ValueError(f"structured outputs: choice has more than {MAX_CHOICES} strings")
+        raise ValueError(f"structured_outputs: choice has more than {MAX_CHOICES} strings")
     if not all(isinstance(choice, str) for choice in choices):
-        raise ValueError("structured outputs: choice must be a list of strings")
+        raise ValueError("structured_outputs: choice must be a list of strings")
     # JSON string escapes are EBNF string escapes (\" \\ \n \uXXXX ...)
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
@@ -126,10 +126,10 @@ def load_json(text: str, what: str) -> Any:
         value = json.loads(text, parse_constant=_refuse_constant)
     except RecursionError:
         raise ValueError(
-            f"structured outputs: {what} nests deeper than {MAX_SCHEMA_DEPTH} levels"
+            f"structured_outputs: {what} nests deeper than {MAX_SCHEMA_DEPTH} levels"
         ) from None
     except ValueError as error:
-        raise ValueError(f"structured outputs: {what} is not valid JSON: {error}") from None
+        raise ValueError(f"structured_outputs: {what} is not valid JSON: {error}") from None
     level = [value]
     for _ in range(MAX_SCHEMA_DEPTH + 1):  # iterative: the input may be deep enough to overflow
         level = [
@@ -141,7 +141,7 @@ def load_json(text: str, what: str) -> Any:
         ]
         if not level:
             return value
-    raise ValueError(f"structured outputs: {what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    raise ValueError(f"structured_outputs: {what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
 
 
 def _refuse_constant(name: str) -> Any:
@@ -152,18 +152,18 @@ def _check_schema(schema: Any) -> None:
     import jsonschema  # (imported here: ~0.1 s, only on the first schema)
 
     if not isinstance(schema, (dict, bool)):
-        raise ValueError("structured outputs: a JSON schema must be an object or a boolean")
+        raise ValueError("structured_outputs: a JSON schema must be an object or a boolean")
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)
     except jsonschema.SchemaError as error:
         where = "/" + "/".join(str(part) for part in error.path)
         raise ValueError(
-            f"structured outputs: invalid JSON schema at {where}: {error.message}"
+            f"structured_outputs: invalid JSON schema at {where}: {error.message}"
         ) from None
     problem = unenforced_keyword(schema)
     if problem is not None:
-        raise ValueError(f"structured outputs: JSON schema {problem}")
+        raise ValueError(f"structured_outputs: JSON schema {problem}")
 
 
 def _xgrammar_message(error: Exception) -> str:
