@@ -227,3 +227,15 @@ def test_disaggregated_output_is_the_colocated_one_with_a_late_decode_compile(mo
     finally:
         prefill.close()
         decoder.close()
+
+
+def test_a_grammar_over_its_matcher_time_budget_ends_and_the_others_go_on(llm, monkeypatch):
+    from engine.structured_output import grammars
+
+    monkeypatch.setattr(grammars, "MATCHER_BUDGET_S", 0.0)
+    monkeypatch.setattr(grammars, "MATCHER_BUDGET_PER_TOKEN_S", 0.0)
+    plain = SamplingParams(max_tokens=5, ignore_eos=True)
+    costly = SamplingParams(max_tokens=5, structured_outputs=grammar("regex", "[a-z ]+"))
+    free, cut = llm.generate([PROMPT, PROMPT], [plain, costly])
+    assert (len(free.token_ids), free.finish_reason) == (5, "length")
+    assert (len(cut.token_ids), cut.finish_reason) == (1, "abort")

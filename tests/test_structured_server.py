@@ -282,3 +282,95 @@ def test_a_bad_constraint_is_a_400_naming_it_colocated_and_through_the_router(
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert message in error["message"] and error["param"] == param, error
+
+
+# -- hostile input -----------------------------------------------------------------------------
+
+
+def _huge_schema(fields: int) -> dict:
+    members = {f"g{j}": {"type": ["string", "integer", "boolean"]} for j in range(8)}
+    return {
+        "type": "object",
+        "properties": {
+            f"field_{i}": {"type": "object", "properties": members} for i in range(fields)
+        },
+    }
+
+
+HOSTILE = [
+    ("huge schema, under the size limit", {"guided_json": _huge_schema(120)}),
+    ("schema over the size limit", {"guided_json": _huge_schema(200)}),
+    (
+        "schema text nested 80 deep",
+        {"guided_json": '{"type": "array", "items": ' * 80 + "{}" + "}" * 80},
+    ),
+    (
+        "recursive schema that never ends",
+        {
+            "guided_json": {
+                "$defs": {
+                    "n": {
+                        "type": "object",
+                        "properties": {"c": {"$ref": "#/$defs/n"}},
+                        "required": ["c"],
+                    }
+                },
+                "$ref": "#/$defs/n",
+            }
+        },
+    ),
+    ("unsatisfiable schema", {"guided_json": {"type": "string", "minLength": 5, "maxLength": 2}}),
+    ("schema false", {"guided_json": False}),
+    ("contradictory allOf", {"guided_json": {"allOf": [{"type": "string"}, {"type": "integer"}]}}),
+    ("backtracking regex", {"guided_regex": "(a+)+$"}),
+    ("backtracking alternation", {"guided_regex": "(x|x|xx)*y"}),
+    ("huge repetition", {"guided_regex": "(a{1000}){1000}"}),
+    ("grammar with no terminal", {"guided_grammar": "root ::= a\na ::= root"}),
+    ("ambiguous grammar", {"guided_grammar": 'root ::= s "b"\ns ::= s s | "a" | ""'}),
+]
+
+
+def test_hostile_specs_get_a_400_or_end_within_limits_while_others_stream(serve):
+    """Each hostile spec is refused or generates within max_tokens; never a 5xx; and a plain
+    stream running beside them keeps receiving tokens while the huge schema compiles."""
+    import threading
+    import time
+
+    chunks: list[float] = []
+    body = {"model": str(ASSETS), "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+
+    def stream() -> None:
+        with (
+            serve.http() as http,
+            http.stream("POST", "/v1/completions", json={**body, "stream": True}) as events,
+        ):
+            for line in events.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(time.monotonic())
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    while not chunks:
+        time.sleep(0.01)
+    windows = []
+    for name, constraint in HOSTILE:
+        sent = time.monotonic()
+        response = complete(serve.base_url, max_tokens=32, **constraint)
+        windows.append((sent, time.monotonic()))
+        assert response.status_code in (200, 400), (name, response.text)
+        if response.status_code == 200:
+            choice = response.json()["choices"][0]
+            assert choice["finish_reason"] in ("stop", "length", "abort"), name
+            assert response.json()["usage"]["completion_tokens"] <= 32, name
+        else:
+            assert response.json()["error"]["param"] in (
+                "guided_json",
+                "guided_regex",
+                "guided_grammar",
+                None,
+            )
+    reader.join(120)
+    sent, answered = windows[0]  # the huge schema: checked, compiled, then generated
+    assert sum(sent < t < answered for t in chunks) >= 2
+    assert len(chunks) >= 400  # the stream ran to its end
+    assert serve.http().get("/health").status_code == 200

@@ -20,6 +20,7 @@ installed while this side still compiles) are replayed into it when it is built.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -38,8 +39,16 @@ from engine.structured_output.spec import MAX_SPEC_CHARS, compile_structured
 CACHE_LIMIT_BYTES = 256 << 20
 # How long an engine with nothing to run but compiling grammars waits for one in a step.
 IDLE_WAIT_S = 0.01
+# A matcher's work (mask fills and token advances) runs on the step loop, and an ambiguous
+# grammar (`s ::= s s | "a"`) makes it grow with every token: 200 ms a token after 300 tokens.
+# A request whose matcher has spent more than this, and more than this per token, ends with
+# "abort" (legitimate grammars take ~0.01-0.1 ms a token), so no grammar stalls the others.
+MATCHER_BUDGET_S = 1.0
+MATCHER_BUDGET_PER_TOKEN_S = 0.002
 
 GrammarEnd = Literal["stop", "abort"]
+
+logger = logging.getLogger("baton.engine")
 
 
 @dataclass(eq=False)
@@ -49,6 +58,11 @@ class _RequestGrammar:
     active: bool  # the after_token_ids sequence has been generated (or there is none)
     matcher: xgr.GrammarMatcher | None = None
     backlog: list[int] = field(default_factory=list)  # accepted before the matcher existed
+    seconds: float = 0.0  # spent in this request's matcher on the step loop
+    tokens: int = 0  # accepted by the matcher
+
+    def over_budget(self) -> bool:
+        return self.seconds > max(MATCHER_BUDGET_S, MATCHER_BUDGET_PER_TOKEN_S * self.tokens)
 
 
 @dataclass
@@ -205,19 +219,21 @@ class Grammars:
         if not self.requests:
             return None
         start = time.perf_counter()
-        rows, matchers = [], []
+        rows, grammars = [], []
         for row, req in enumerate(reqs):
             grammar = self.requests.get(req.request_id)
             if grammar is not None and grammar.active:
                 rows.append(row)
-                matchers.append(grammar.matcher)
+                grammars.append(grammar)
         if not rows:
             return None
         if self._bitmask.shape[0] < len(reqs):
             self._bitmask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)
         bitmask = self._bitmask[: len(reqs)]
-        for row, matcher in zip(rows, matchers):
-            matcher.fill_next_token_bitmask(bitmask, row)
+        for row, grammar in zip(rows, grammars):
+            began = time.perf_counter()
+            grammar.matcher.fill_next_token_bitmask(bitmask, row)
+            grammar.seconds += time.perf_counter() - began
         for row, alive in zip(rows, bitmask[rows].any(dim=1).tolist()):
             if not alive:  # a dead end: the model may only stop (accept() then says "abort")
                 self._allow_only(bitmask[row], self.stop_token_ids)
@@ -244,8 +260,8 @@ class Grammars:
     def accept(self, req: Request, token: int) -> GrammarEnd | None:
         """Advance the request's matcher by the token just appended to its output: "stop" when
         the grammar has ended (its stop token accepted), "abort" when the token does not fit (a
-        dead end, where the grammar allowed no token and the model was made to stop), else
-        None."""
+        dead end, where the grammar allowed no token and the model was made to stop) or the
+        matcher is over its time budget, else None."""
         grammar = self.requests.get(req.request_id)
         if grammar is None:
             return None
@@ -256,7 +272,19 @@ class Grammars:
         if grammar.matcher is None:
             grammar.backlog.append(token)
             return None
-        if not grammar.matcher.accept_token(token):
+        began = time.perf_counter()
+        accepted = grammar.matcher.accept_token(token)
+        grammar.seconds += time.perf_counter() - began
+        grammar.tokens += 1
+        if not accepted:
+            return "abort"
+        if grammar.over_budget():
+            logger.warning(
+                "request %s: its grammar took %.2f s for %d tokens; ended (abort)",
+                req.request_id,
+                grammar.seconds,
+                grammar.tokens,
+            )
             return "abort"
         return "stop" if grammar.matcher.is_terminated() else None
 

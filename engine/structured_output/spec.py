@@ -37,8 +37,8 @@ def check_structured_outputs(structured: StructuredOutputs) -> None:
     """Raise ValueError naming what is wrong with `structured` (see the module docstring)."""
     if len(structured.spec) > MAX_SPEC_CHARS:
         raise ValueError(
-            f"structured_outputs: the {structured.kind} spec is {len(structured.spec)} characters,"
-            f" more than the {MAX_SPEC_CHARS} this server compiles"
+            f"structured_outputs: the {_NAMES[structured.kind]} is {len(structured.spec)} "
+            f"characters, more than the {MAX_SPEC_CHARS} this server compiles"
         )
     if any(not isinstance(t, int) or t < 0 for t in structured.after_token_ids):
         raise ValueError("structured_outputs: after_token_ids must be token ids")
