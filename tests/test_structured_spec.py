@@ -215,3 +215,24 @@ def test_json_object_is_any_object_on_one_line(compiler):
     assert writes(compiler, structured, '{"a": [1, {"b": null}]}')
     assert not writes(compiler, structured, "[1]")
     assert not writes(compiler, structured, '{\n"a": 1}')
+
+
+def test_structural_tags_new_and_legacy_forms_and_their_schemas_are_checked(compiler):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    tag = {"begin": "<f>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</f>"}
+    current = {"type": "structural_tag", "format": {"type": "tag", **tag}}
+    legacy = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
+        "triggers": ["<f>"],
+    }
+    assert writes(compiler, spec("structural_tag", current), '<f>{"a": 1}</f>')
+    assert not writes(compiler, spec("structural_tag", current), '<f>{"a": "x"}</f>')
+    for form in (current, legacy):
+        check_structured_outputs(spec("structural_tag", form))
+    assert writes(compiler, spec("structural_tag", legacy), 'text <f>{"a": 1}</f>')
+    assert not writes(compiler, spec("structural_tag", legacy), '<f>{"b": 1}</f>')
+    schema["properties"]["a"]["not"] = {}
+    for form in (current, legacy):
+        with pytest.raises(ValueError, match="'not' is not enforced"):
+            check_structured_outputs(spec("structural_tag", form))

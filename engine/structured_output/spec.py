@@ -48,6 +48,9 @@ def check_structured_outputs(structured: StructuredOutputs) -> None:
         _check_schema(schema)
     elif kind == "choice":
         choice_ebnf(structured.spec)
+    elif kind == "structural_tag":
+        for schema in _embedded_schemas(load_json(structural_tag_text(structured.spec), "")):
+            _check_schema(schema)
     elif kind not in ("json_object", "regex", "grammar", "structural_tag"):
         raise ValueError(f"structured_outputs: unknown kind {kind!r}")
     try:
@@ -80,7 +83,7 @@ def parse(structured: StructuredOutputs) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf(choice_ebnf(spec))
     if kind == "grammar":
         return xgr.Grammar.from_ebnf(spec) if _is_ebnf(spec) else xgr.Grammar.from_lark(spec)
-    return xgr.Grammar.from_structural_tag(spec)
+    return xgr.Grammar.from_structural_tag(structural_tag_text(spec))
 
 
 def compile_structured(
@@ -99,7 +102,7 @@ def compile_structured(
         return compiler.compile_grammar(choice_ebnf(spec))
     if kind == "grammar":
         return compiler.compile_grammar(spec) if _is_ebnf(spec) else compiler.compile_lark(spec)
-    return compiler.compile_structural_tag(spec)
+    return compiler.compile_structural_tag(structural_tag_text(spec))
 
 
 def _is_ebnf(grammar: str) -> bool:
@@ -118,6 +121,57 @@ def choice_ebnf(spec: str) -> str:
         raise ValueError("structured_outputs: choice must be a list of strings")
     # JSON string escapes are EBNF string escapes (\" \\ \n \uXXXX ...)
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def structural_tag_text(spec: str) -> str:
+    """The structural tag in xgrammar's current form: vLLM's older {"structures": [{"begin",
+    "schema", "end"}], "triggers"} becomes the triggered tags it stands for."""
+    value = load_json(spec, "the structural tag")
+    if not (isinstance(value, dict) and "structures" in value):
+        return spec
+    structures, triggers = value["structures"], value.get("triggers")
+    if not (
+        isinstance(structures, list)
+        and all(
+            isinstance(item, dict)
+            and isinstance(item.get("begin"), str)
+            and isinstance(item.get("end"), str)
+            and isinstance(item.get("schema"), (dict, bool))
+            for item in structures
+        )
+        and isinstance(triggers, list)
+        and all(isinstance(trigger, str) for trigger in triggers)
+    ):
+        raise ValueError(
+            "structured_outputs: a structural tag's `structures` must be objects with string "
+            "`begin` and `end` and a `schema`, its `triggers` a list of strings"
+        )
+    tags = [
+        {
+            "type": "tag",
+            "begin": item["begin"],
+            "content": {"type": "json_schema", "json_schema": item["schema"]},
+            "end": item["end"],
+        }
+        for item in structures
+    ]
+    triggered = {"type": "triggered_tags", "triggers": triggers, "tags": tags}
+    return json.dumps({"type": "structural_tag", "format": triggered}, ensure_ascii=False)
+
+
+def _embedded_schemas(value: Any) -> list[Any]:
+    """The JSON schemas inside a structural tag (its `json_schema` formats)."""
+    found, stack = [], [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                found.append(node["json_schema"])
+            else:
+                stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
 
 
 def load_json(text: str, what: str) -> Any:
