@@ -38,7 +38,7 @@ from engine.structured_output.spec import MAX_SPEC_CHARS, compile_structured
 # The compiler's cache of compiled grammars (LRU beyond this): repeated schemas compile once.
 CACHE_LIMIT_BYTES = 256 << 20
 # How long an engine with nothing to run but compiling grammars waits for one in a step.
-IDLE_WAIT_S = 0.01
+IDLE_WAIT_S = 0.02
 # A matcher's work (mask fills and token advances) runs on the step loop, and an ambiguous
 # grammar (`s ::= s s | "a"`) makes it grow with every token: 200 ms a token after 300 tokens.
 # A request whose matcher has spent more than this, and more than this per token, ends with
