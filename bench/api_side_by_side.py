@@ -181,7 +181,7 @@ def client_observe(base_url: str, call) -> Any:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
     try:
         result = call(client)
-    except openai.APIError as error:
+    except (openai.APIError, openai.LengthFinishReasonError) as error:  # (parse() raises both)
         return {"raised": type(error).__name__, "status": getattr(error, "status_code", None)}
     items = result if isinstance(result, list) else [result]
     if hasattr(result, "data"):
