@@ -239,3 +239,15 @@ def test_a_grammar_over_its_matcher_time_budget_ends_and_the_others_go_on(llm, m
     free, cut = llm.generate([PROMPT, PROMPT], [plain, costly])
     assert (len(free.token_ids), free.finish_reason) == (5, "length")
     assert (len(cut.token_ids), cut.finish_reason) == (1, "abort")
+
+
+def test_a_stop_string_still_cuts_a_constrained_answer(llm):
+    params = SamplingParams(
+        max_tokens=20,
+        temperature=0,
+        stop=["."],
+        structured_outputs=grammar("choice", ["yes. and more", "no. and less"]),
+    )
+    out = llm.generate([PROMPT], params)[0]
+    assert out.text in ("yes", "no") and (out.finish_reason, out.stop_reason) == ("stop", ".")
+    assert not llm.engine.has_unfinished_requests() and llm.stats().kv_pages_used == 0
