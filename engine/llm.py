@@ -49,9 +49,9 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        for p in params:  # a bad schema, regex or grammar is refused before anything runs
-            if p.structured_outputs is not None:
-                check_structured_outputs(p.structured_outputs)
+        # a bad schema, regex or grammar is refused before anything runs (each one once)
+        for structured in {p.structured_outputs for p in params} - {None}:
+            check_structured_outputs(structured)
         order: list[str] = []
         detokenizer = OutputDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         outputs: dict[str, RequestOutput] = {}
