@@ -70,6 +70,7 @@ def test_outputs_that_stop_follow_their_grammar(llm):
             assert out.finish_reason == "stop", (structured.kind, out.text)
             assert valid(out.text), (structured.kind, out.text)
     assert llm.stats().kv_pages_used == 0 and llm.stats().mamba_slots_used == 0
+    assert llm.engine.grammars.requests == {}  # every matcher let go with its request
 
 
 def test_seeded_samples_repeat_and_differ_from_each_other(llm):
@@ -143,7 +144,7 @@ def test_a_grammar_that_admits_nothing_is_refused_and_frees_all(llm):
     ]
     with pytest.raises(ValueError, match="admits no output"):
         llm.generate([PROMPT, PROMPT], params)
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.has_unfinished_requests() and llm.engine.grammars.requests == {}
     assert llm.stats().kv_pages_used == 0 and llm.stats().mamba_slots_used == 0
     with pytest.raises(ValueError, match="invalid regex"):  # checked before anything runs
         llm.generate([PROMPT], SamplingParams(structured_outputs=grammar("regex", "(")))
