@@ -108,10 +108,11 @@ class EngineLoop:
         """Hook for wrapped engines (disaggregation reports failed rooms here)."""
 
     def _send_refused(self) -> None:
-        """Requests whose grammar proved unusable once compiled (structured outputs) fail as
-        the client's: ended through the wrapper (a disaggregated worker closes its room too)."""
+        """Requests whose grammar proved unusable once compiled (structured outputs; the engine
+        has ended them) fail as the client's. A disaggregated room is left to the router, which
+        cancels the other half when one fails: failing it here would race that half to the
+        client with a transfer error (503) for what is a bad request (400)."""
         for request_id, reason in self.engine.take_refused():
-            self.engine.abort_request(request_id)
             self._send(RequestFailed(request_id=request_id, message=reason, kind="client"))
 
     def _drain_inbox(self) -> tuple[int, bool]:
