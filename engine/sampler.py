@@ -116,7 +116,8 @@ class Sampler:
     ) -> SampleResult:
         """logits: (rows, vocab) float32, one row per request in `reqs`. `grammar_mask`
         (structured outputs) sets the tokens its grammars forbid to -inf in place, after the
-        logprobs were taken: they are the model's, as vLLM returns them."""
+        logprobs were taken: they are the model's (issue 36 asks so; vLLM 0.32 masks first and
+        returns logprobs renormalised over the allowed tokens)."""
         raw_logprobs = (
             logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in reqs) else None
         )
