@@ -112,7 +112,7 @@ def timed_generate(llm, requests, structured) -> dict:
 
 def run_config(name: str, dtype: str, rounds: int) -> dict:
     from engine import LLM
-    from engine.sampling_params import StructuredOutputs
+    from engine.core.sampling_params import StructuredOutputs
 
     structured = StructuredOutputs(kind="json", spec=json.dumps(SCHEMA), after_token_ids=())
     requests = workload(name, None, side_by_side=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.model_loader import DTYPE_NAMES
+from engine.checkpoint.loader import DTYPE_NAMES
 from server.args import ServerArgs
 
 _DEFAULTS = ServerArgs.__dataclass_fields__

@@ -21,7 +21,7 @@ import functools
 import json
 from typing import Any
 
-from engine.sampling_params import StructuredKind, StructuredOutputs
+from engine.core.sampling_params import StructuredKind, StructuredOutputs
 from engine.structured_output import check_structured_outputs
 from server.errors import APIError
 

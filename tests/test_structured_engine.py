@@ -17,8 +17,8 @@ import zmq
 from disagg.decode import DecodeWorker
 from disagg.prefill import PrefillWorker
 from engine import LLM, SamplingParams
-from engine.engine import Engine
-from engine.sampling_params import StructuredOutputs
+from engine.core.engine import Engine
+from engine.core.sampling_params import StructuredOutputs
 from tests.test_disagg_unit import config, run_pair
 
 ASSETS = Path(__file__).parents[1] / "assets"

@@ -12,7 +12,7 @@ import pytest
 import xgrammar as xgr
 from pydantic import BaseModel, Field
 
-from engine.sampling_params import StructuredOutputs
+from engine.core.sampling_params import StructuredOutputs
 from engine.structured_output import check_structured_outputs
 from engine.structured_output.spec import MAX_SPEC_CHARS, compile_structured
 

@@ -31,8 +31,8 @@ from typing import Literal
 import torch
 import xgrammar as xgr
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
 from engine.structured_output.spec import MAX_SPEC_CHARS, compile_structured
 
 # The compiler's cache of compiled grammars (LRU beyond this): repeated schemas compile once.

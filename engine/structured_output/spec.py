@@ -15,7 +15,7 @@ from typing import Any
 
 import xgrammar as xgr
 
-from engine.sampling_params import StructuredOutputs
+from engine.core.sampling_params import StructuredOutputs
 from engine.structured_output.keywords import unenforced_keyword
 
 # A compiled grammar costs time and memory in proportion to its size times the vocabulary
