@@ -28,6 +28,7 @@ from server.generation import (
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest
 from server.sampling import build_sampling_params, params_for_prompt, truncate_prompt
+from server.structured import check_structured
 from server.validation import check_generation, num_logprobs, requested_max_tokens
 
 router = APIRouter()
@@ -67,6 +68,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     params = build_sampling_params(
         body, max_tokens=max_tokens, logprobs=num_logprobs(body), vocab_size=state.vocab_size
     )
+    await check_structured(body, params.structured_outputs)  # a bad spec: 400, no compute
     params = params_for_prompt(
         params,
         prompt,

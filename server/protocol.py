@@ -74,9 +74,16 @@ class GenerationFields(OpenAIModel):
     user: Text | None = None
     logit_bias: dict[Text, float] | None = None
     baton_disagg: DisaggField | None = None
+    # structured outputs: read, and refused with a message naming the field when malformed, by
+    # server/structured.py
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # OpenAI's and vLLM's fields that change what is generated and that baton does not do:
     # parsed so that check_generation refuses them by name (unknown fields are ignored).
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -85,11 +92,6 @@ class GenerationFields(OpenAIModel):
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     logprob_token_ids: Any = None
@@ -208,7 +210,7 @@ class SGLangSamplingParams(OpenAIModel):
     n: int = Field(1, ge=1, le=MAX_N)
     sampling_seed: int | None = Field(None, ge=0, le=MAX_SEED)
     logit_bias: dict[Text, float] | None = None
-    # constrained decoding: parsed to be refused by name
+    # constrained decoding (server/validation.py maps them onto vLLM's structured_outputs)
     json_schema: Any = None
     regex: Any = None
     ebnf: Any = None

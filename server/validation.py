@@ -146,7 +146,13 @@ _SGLANG_RENAMED = {
     "min_new_tokens": "min_tokens",
     "sampling_seed": "seed",
 }
-_SGLANG_REFUSED = ("json_schema", "regex", "ebnf", "structural_tag")
+# SGLang's constrained decoding -> vLLM's structured_outputs key (server/structured.py)
+_SGLANG_STRUCTURED = {
+    "json_schema": "json",
+    "regex": "regex",
+    "ebnf": "grammar",
+    "structural_tag": "structural_tag",
+}
 
 
 def completion_from_generate(request: GenerateRequest) -> CompletionRequest:
@@ -170,15 +176,17 @@ def completion_from_generate(request: GenerateRequest) -> CompletionRequest:
                 "sampling_params",
             )
         sampling = sampling[0]
-    for name in _SGLANG_REFUSED:
-        if getattr(sampling, name) is not None:
-            raise APIError.bad_request(
-                f"sampling_params.{name} is not supported by this server", "sampling_params"
-            )
     fields = {
         _SGLANG_RENAMED.get(name, name): value
-        for name, value in sampling.model_dump(exclude=set(_SGLANG_REFUSED)).items()
+        for name, value in sampling.model_dump(exclude=set(_SGLANG_STRUCTURED)).items()
     }
+    constraints = {
+        key: getattr(sampling, name)
+        for name, key in _SGLANG_STRUCTURED.items()
+        if getattr(sampling, name) is not None
+    }
+    if constraints:
+        fields["structured_outputs"] = constraints  # more than one: refused as vLLM's would be
     fields["prompt"] = request.text if request.text is not None else request.input_ids
     fields["stream"] = request.stream
     if request.return_logprob:
@@ -223,7 +231,6 @@ def requested_max_tokens(request: CompletionRequest | ChatCompletionRequest) -> 
 # Fields baton parses only to refuse: each with the values that ask for nothing (OpenAI's and
 # vLLM's defaults), which are accepted. Anything else would be silently not done.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),  # auto with no tools (they are refused) is none
     "functions": (None, []),
@@ -232,11 +239,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "logits_processors": (None, []),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "suffix": (None, ""),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0, 1),  # only beam search reads it

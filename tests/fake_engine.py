@@ -85,6 +85,9 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def take_refused(self) -> list[tuple[str, str]]:
+        return []  # no grammars here: nothing is refused after it was added
+
     def step(self) -> list[RequestDelta]:
         time.sleep(self.step_delay_s)
         while self.waiting and len(self.running) < self.max_running:

@@ -13,6 +13,7 @@ from engine.core.engine import Engine
 from engine.core.engine_args import EngineStats
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
+from engine.structured_output import check_structured_outputs
 
 Prompt = str | list[int]
 
@@ -48,6 +49,9 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        # a bad schema, regex or grammar is refused before anything runs (each one once)
+        for structured in {p.structured_outputs for p in params} - {None}:
+            check_structured_outputs(structured)
         order: list[str] = []
         detokenizer = OutputDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         outputs: dict[str, RequestOutput] = {}
@@ -84,7 +88,13 @@ class LLM:
                 )
         bar = tqdm(total=len(order), disable=not use_tqdm, desc="Generating")
         while self.engine.has_unfinished_requests():
-            for engine_delta in self.engine.step():
+            deltas = self.engine.step()
+            refused = self.engine.take_refused()
+            if refused:  # a grammar that admits no output: this call's requests end with it
+                for rid in order:
+                    self.engine.abort_request(rid)
+                raise ValueError(refused[0][1])
+            for engine_delta in deltas:
                 delta = engine_delta
                 if detokenizer is not None:
                     delta = detokenizer.process(engine_delta)

@@ -93,6 +93,7 @@ class EngineLoop:
                 self.check_ranks()
                 if self.engine.has_unfinished_requests():
                     self._send(StepOutput(deltas=self.engine.step(), stats=self._stats()))
+                    self._send_refused()
                     self._after_step()
                 elif handled:
                     self._send(StepOutput(deltas=[], stats=self._stats()))
@@ -107,6 +108,14 @@ class EngineLoop:
 
     def _after_step(self) -> None:
         """Hook for wrapped engines (disaggregation reports failed rooms here)."""
+
+    def _send_refused(self) -> None:
+        """Requests whose grammar proved unusable once compiled (structured outputs; the engine
+        has ended them) fail as the client's. A disaggregated room is left to the router, which
+        cancels the other half when one fails: failing it here would race that half to the
+        client with a transfer error (503) for what is a bad request (400)."""
+        for request_id, reason in self.engine.take_refused():
+            self._send(RequestFailed(request_id=request_id, message=reason, kind="client"))
 
     def _drain_inbox(self) -> tuple[int, bool]:
         """Handle every queued message; return how many, and whether Shutdown was among them."""
