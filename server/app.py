@@ -105,6 +105,13 @@ def build_app(state: ServerState) -> FastAPI:
                 body.add_generation_prompt,
                 body.chat_template_kwargs,
                 body.continue_final_message,
+                False,
+                [
+                    {"type": "function", "function": tool.function.for_template()}
+                    for tool in body.tools
+                ]
+                if body.tools
+                else None,
             )
         else:
             tokens = await asyncio.to_thread(

@@ -17,6 +17,15 @@ from server.tool_parsers import ToolCallParser, ToolCallText
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ParserSettings:
+    """The server's flags: --tool-call-parser, --enable-auto-tool-choice, --reasoning-parser."""
+
+    tool_call_parser: str | None
+    enable_auto_tool_choice: bool
+    reasoning_parser: str | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParsedOutput:
     reasoning: str
     content: str

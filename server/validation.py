@@ -30,6 +30,7 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.sampling import build_sampling_params
+from server.tool_choice import check_tools
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest a few levels; 100k-deep JSON must not reach a parser
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -224,9 +225,7 @@ def requested_max_tokens(request: CompletionRequest | ChatCompletionRequest) -> 
 # vLLM's defaults), which are accepted. Anything else would be silently not done.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),  # auto with no tools (they are refused) is none
-    "functions": (None, []),
+    "functions": (None, []),  # OpenAI's deprecated form of tools
     "function_call": (None, "none"),
     "prompt_logprobs": (None,),
     "allowed_token_ids": (None,),
@@ -248,6 +247,11 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "repetition_detection": (None,),
     "vllm_xargs": (None, {}),
 }
+# Chat's tools, which completions (as vLLM's) does not take
+COMPLETION_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),  # auto with no tools is none
+}
 # vLLM's chat-only ones (completions' `echo` is done)
 CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
@@ -259,9 +263,12 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 
 
 def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
-    refused = UNSUPPORTED_FIELDS
-    if isinstance(request, ChatCompletionRequest):
-        refused = {**UNSUPPORTED_FIELDS, **CHAT_UNSUPPORTED_FIELDS}
+    extra = (
+        CHAT_UNSUPPORTED_FIELDS
+        if isinstance(request, ChatCompletionRequest)
+        else COMPLETION_UNSUPPORTED_FIELDS
+    )
+    refused = {**UNSUPPORTED_FIELDS, **extra}
     for name, neutral in refused.items():
         value = getattr(request, name, None)
         if not any(value == allowed and type(value) is type(allowed) for allowed in neutral):
@@ -313,6 +320,7 @@ def check_generation(request: CompletionRequest | ChatCompletionRequest) -> None
         logprobs = request.logprobs
     else:
         check_continue_final_message(request)
+        check_tools(request)
         logprobs = num_logprobs(request)
     # Unset chat max_tokens depends on the prompt's length; min_tokens is checked against it
     # by the worker once the prompt is tokenized.
