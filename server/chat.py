@@ -7,10 +7,12 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from engine.sampling_params import SamplingParams
 from server.errors import APIError
 from server.generation import (
     ChoiceResult,
@@ -49,23 +51,29 @@ def _max_tokens(body: ChatCompletionRequest, prompt_len: int, max_model_len: int
     return max_model_len - prompt_len
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
-    state: ServerState = raw_request.app.state.baton
-    arrival = time.monotonic()
+class PreparedChat(NamedTuple):
+    prompt: list[int]
+    params: SamplingParams
+    plan: ChatOutputPlan
+
+
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> PreparedChat:
+    """The templated prompt, its sampling parameters and how the output is read (400 for what
+    the model or the server's flags refuse); shared with /v1/responses."""
     check_model(state, body.model)
     check_generation(body)  # the rules the router applies too, before any tokenizing
     variables = body.template_variables()
     tokenizer = state.tokenizer
+    tools = [
+        {"type": "function", "function": tool.function.for_template()} for tool in body.tools or []
+    ]
     text = await asyncio.to_thread(
         tokenizer.render_chat,
         body.messages,
         body.add_generation_prompt,
         variables,
         body.continue_final_message,
-        [{"type": "function", "function": tool.function.for_template()} for tool in body.tools]
-        if body.tools
-        else None,
+        tools or None,
     )
     plan = plan_output(body, state.args.parser_settings(), text, variables)
     prompt = await asyncio.to_thread(
@@ -87,6 +95,14 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         max_model_len=state.max_model_len,
         param="messages",
     )
+    return PreparedChat(prompt=prompt, params=params, plan=plan)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
+    state: ServerState = raw_request.app.state.baton
+    arrival = time.monotonic()
+    prompt, params, plan = await prepare_chat(state, body)
     check_disagg(state, body.baton_disagg)
     admit(state)
     request_id = new_request_id("chatcmpl")

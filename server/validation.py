@@ -29,6 +29,7 @@ from server.protocol import (
     SGLangSamplingParams,
     TokenizeRequest,
 )
+from server.responses_protocol import ResponsesRequest, to_chat_request
 from server.sampling import build_sampling_params
 from server.tool_choice import check_tools
 
@@ -39,6 +40,7 @@ GENERATION_MODELS = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/generate": GenerateRequest,  # SGLang's native route
+    "/v1/responses": ResponsesRequest,  # checked as the chat request it amounts to
 }
 
 
@@ -137,6 +139,8 @@ def parse_generation(path: str, body: Any) -> CompletionRequest | ChatCompletion
         raise APIError(400, message, param) from None
     if isinstance(request, GenerateRequest):
         return completion_from_generate(request)
+    if isinstance(request, ResponsesRequest):
+        request = to_chat_request(request)
     check_generation(request)
     return request
 
