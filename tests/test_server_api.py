@@ -373,8 +373,9 @@ UNSUPPORTED = [
     ("completions", "best_of", 2),
     ("completions", "suffix", " the end"),
     ("chat", "response_format", {"type": "json_object"}),
-    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("chat", "tool_choice", "required"),
+    ("completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("completions", "tool_choice", "required"),
+    ("chat", "functions", [{"name": "f", "parameters": {}}]),
     ("completions", "guided_choice", ["yes", "no"]),
     ("completions", "guided_json", {"type": "object"}),
     ("chat", "structured_outputs", {"regex": "[0-9]+"}),
@@ -440,8 +441,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted(client, llm):
         model=MODEL_NAME,
         messages=MESSAGES,
         response_format={"type": "text"},
-        tools=[],
-        tool_choice="auto",
+        tool_choice="none",
         **GREEDY,
     )
     assert chat.choices[0].finish_reason in ("stop", "length")
