@@ -40,11 +40,12 @@ MESSAGES = [{"role": "user", "content": QUESTION}]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 GREEDY = {"temperature": 0, "max_tokens": 8}
 
-# Forced calls are correct only under the grammar, which the structured-output engine (branch
-# structured-36, xgrammar) enforces; until it is merged these tests are skipped.
+# Forced calls are correct only under the grammar, which the structured-output engine
+# (engine/structured_output, branch structured-36) enforces; until it is merged these tests are
+# skipped.
 needs_grammar = pytest.mark.skipif(
-    importlib.util.find_spec("xgrammar") is None,
-    reason="needs the structured-output engine (xgrammar, branch structured-36)",
+    importlib.util.find_spec("engine.structured_output") is None,
+    reason="needs the structured-output engine (engine/structured_output, branch structured-36)",
 )
 
 
