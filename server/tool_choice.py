@@ -148,19 +148,29 @@ class ChatOutputPlan:
         return OutputParser(splitter, tools)
 
     def sampling(self, params: SamplingParams, reasoning_end_ids: list[int]) -> SamplingParams:
-        """The grammar of a forced call; special tokens kept when tags may be special."""
+        """The grammar of a forced call, or the request's own (response_format...) moved to
+        after the reasoning; special tokens kept when tool tags may be special ones."""
         changes: dict[str, Any] = {}
+        after = tuple(reasoning_end_ids) if self.has_reasoning_parser and self.thinking else ()
         schema = None
         if self.named is not None:
             tool = next(tool for tool in self.tools if tool.function.name == self.named)
             schema = named_schema(tool)
         elif self.tool_choice == "required":
             schema = required_schema(self.tools, self.parallel_tool_calls)
+        given = params.structured_outputs
+        if schema is not None and given is not None:
+            raise APIError.bad_request(
+                "a forced tool_choice and a structured output (response_format, "
+                "structured_outputs, guided_*) cannot both constrain the answer",
+                "tool_choice",
+            )
         if schema is not None:
-            after = tuple(reasoning_end_ids) if self.has_reasoning_parser and self.thinking else ()
             changes["structured_outputs"] = StructuredOutputs(
                 kind="json", spec=json.dumps(schema), after_token_ids=after
             )
+        elif given is not None and after:
+            changes["structured_outputs"] = dataclasses.replace(given, after_token_ids=after)
         if self.parses_tools and self.settings.tool_call_parser != "qwen3_coder":
             # vLLM's hermes / granite4: <tool_call> is a special token in some vocabularies
             changes["skip_special_tokens"] = False

@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputs
 from server.errors import APIError
 from server.output_parser import ParserSettings
 from server.protocol import ChatCompletionRequest
@@ -109,6 +109,16 @@ def test_forced_calls_ask_for_a_json_grammar_after_the_reasoning():
     assert closed.sampling(SamplingParams(), [7, 8]).structured_outputs.after_token_ids == ()
     auto = plan_output(chat(tools=[ADD]), HERMES, "", {})
     assert auto.sampling(SamplingParams(), []).structured_outputs is None
+
+
+def test_a_requested_grammar_waits_for_the_reasoning_and_excludes_forced_calls():
+    given = StructuredOutputs(kind="regex", spec="[0-9]+", after_token_ids=())
+    params = SamplingParams(structured_outputs=given)
+    thinking = plan_output(chat(), QWEN3, "<think>\n", {})
+    moved = thinking.sampling(params, [7, 8]).structured_outputs
+    assert moved == StructuredOutputs(kind="regex", spec="[0-9]+", after_token_ids=(7, 8))
+    forced = plan_output(chat(tools=[ADD], tool_choice="required"), NONE, "", {})
+    assert refusal(lambda: forced.sampling(params, [])).param == "tool_choice"
 
 
 def test_finish_reason_is_tool_calls_except_for_a_named_function():
