@@ -65,15 +65,16 @@ def named_schema(tool: ChatTool) -> dict[str, Any]:
 
 def required_schema(tools: list[ChatTool], parallel_tool_calls: bool | None) -> dict[str, Any]:
     """vLLM's schema for tool_choice "required": a non-empty array of {name, parameters}, one
-    item shape per tool; `$defs` of the tools' schemas are lifted to the top, where their
+    item shape per tool (each branch says "object" itself: a grammar engine reads only the
+    anyOf beside a type); `$defs` of the tools' schemas are lifted to the top, where their
     `$ref`s point."""
     schema: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
         "items": {
-            "type": "object",
             "anyOf": [
                 {
+                    "type": "object",
                     "properties": {
                         "name": {"type": "string", "enum": [tool.function.name]},
                         "parameters": {
