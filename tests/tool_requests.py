@@ -12,7 +12,11 @@ import pytest
 
 ADD_PARAMETERS = {
     "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    # bounded, so that even the tiny model's calls end within max_tokens
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 99},
+        "b": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
     "required": ["a", "b"],
     "additionalProperties": False,
 }
@@ -94,7 +98,12 @@ def check_forced_calls(client, model: str, extra: dict) -> None:
         (named, {"shout"}, "stop"),
     ):
         request = dict(
-            model=model, messages=MESSAGES, tools=TOOLS, tool_choice=choice, extra_body=extra
+            model=model,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            extra_body=extra,
         )
         request.update(temperature=0, max_tokens=120)
         answer = client.chat.completions.create(**request).choices[0]
