@@ -92,8 +92,13 @@ def required_schema(tools: list[ChatTool], parallel_tool_calls: bool | None) -> 
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
     definitions: dict[str, Any] = {}
-    for tool in tools:
-        for name, definition in (named_schema(tool).get("$defs") or {}).items():
+    for index, tool in enumerate(tools):
+        tool_definitions = named_schema(tool).get("$defs") or {}
+        if not isinstance(tool_definitions, dict):
+            raise APIError.bad_request(
+                f"tools[{index}].function.parameters.$defs must be an object", "tools"
+            )
+        for name, definition in tool_definitions.items():
             if definitions.get(name, definition) != definition:
                 raise APIError.bad_request(
                     f"tools: $defs {name!r} is defined differently by two tools", "tools"

@@ -192,8 +192,8 @@ class _XmlCall:
     """One qwen3_coder block: <function=NAME> then <parameter=KEY>VALUE</parameter>s. A
     parameter goes out whole (its type decides its JSON), so arguments grow one at a time."""
 
-    def __init__(self, properties_of) -> None:
-        self.properties_of = properties_of
+    def __init__(self, types_of) -> None:
+        self.types_of = types_of  # function name -> {argument: its schema's "type"}
 
     def read(self, body: str, finished: bool) -> _Body:
         opened = body.find(_FUNCTION)
@@ -201,7 +201,7 @@ class _XmlCall:
         if name_end == -1:
             return _Body(calls=(), unparsed=body if finished else "")
         name = body[opened + len(_FUNCTION) : name_end].strip()
-        properties = self.properties_of(name)
+        types = self.types_of(name)
         parameters: list[str] = []
         position, closed = name_end + 1, finished
         while True:
@@ -227,7 +227,7 @@ class _XmlCall:
             value_end = min(ends) if ends else len(body)
             key = body[parameter + len(_PARAMETER) : key_end].strip()
             value = _trim_newlines(body[key_end + 1 : value_end])
-            typed = typed_value(value, properties.get(key, {}).get("type"))
+            typed = typed_value(value, types.get(key))
             parameters.append(f"{json.dumps(key, ensure_ascii=False)}: {typed}")
             at_end = body.startswith(_PARAMETER_END, value_end)
             position = value_end + (len(_PARAMETER_END) if at_end else 0)
@@ -248,7 +248,8 @@ _INTEGER = re.compile(r"-?\d+")
 def typed_value(value: str, schema_type: Any) -> str:
     """A qwen3_coder parameter as JSON, by its schema type (a string when it does not fit,
     or when the schema gives no type), as vLLM coerces them."""
-    types = [schema_type] if isinstance(schema_type, str) else list(schema_type or [])
+    types = [schema_type] if isinstance(schema_type, str) else schema_type
+    types = [kind for kind in types if isinstance(kind, str)] if isinstance(types, list) else []
     for kind in ("null", "integer", "number", "boolean", "object", "array"):
         if kind not in types:
             continue
@@ -276,15 +277,25 @@ def typed_value(value: str, schema_type: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _property_types(parameters: Any) -> dict[str, Any]:
+    """Each argument's declared JSON type, from a tool's parameters schema (whatever shape a
+    client sent: anything that is not a schema object declares no type)."""
+    properties = parameters.get("properties") if isinstance(parameters, dict) else None
+    if not isinstance(properties, dict):
+        return {}
+    return {
+        key: schema.get("type") for key, schema in properties.items() if isinstance(schema, dict)
+    }
+
+
 class Qwen3CoderParser:
     def __init__(self, tools: list[dict]) -> None:
-        schemas = {
-            tool["function"]["name"]: (tool["function"].get("parameters") or {}).get("properties")
-            or {}
+        types = {
+            tool["function"]["name"]: _property_types(tool["function"].get("parameters"))
             for tool in tools
         }
         self.blocks = _TaggedBlocks(
-            "<tool_call>", "</tool_call>", lambda: _XmlCall(lambda name: schemas.get(name, {}))
+            "<tool_call>", "</tool_call>", lambda: _XmlCall(lambda name: types.get(name, {}))
         )
 
     def parse(self, text: str, final: bool) -> ParsedContent:

@@ -17,6 +17,7 @@ from server.protocol import ChatCompletionRequest
 from server.responses_protocol import ResponsesRequest, to_chat_request
 from server.tokenizer import conversation_for_template
 from server.tool_choice import check_tools, plan_output, required_schema
+from server.tool_parsers import make_tool_parser
 from server.validation import check_generation
 
 ADD = {
@@ -202,3 +203,16 @@ def test_responses_that_need_stored_state_are_refused_by_name(fields):
     request = ResponsesRequest.model_validate({"input": "hi", **fields})
     error = refusal(lambda: to_chat_request(request))
     assert error.param == next(iter(fields)) and "keeps no responses" in error.message
+
+
+def test_tools_with_odd_schemas_are_a_400_or_read_without_types_never_a_crash():
+    odd = {"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}
+    error = refusal(lambda: required_schema(chat(tools=[odd]).tools, None))
+    assert error.param == "tools" and "$defs" in error.message
+    shapes = [{"properties": [1]}, {"properties": {"x": True}}, {"properties": {"x": {"type": 5}}}]
+    for parameters in shapes:
+        tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+        parser = make_tool_parser("qwen3_coder", [tool])
+        text = "<tool_call><function=f><parameter=x>3</parameter></function></tool_call>"
+        (call,) = parser.parse(text, final=True).calls
+        assert call.arguments == '{"x": "3"}'
