@@ -39,7 +39,8 @@ def add_serve_parser(subparsers) -> None:
         "serve",
         help="serve a model behind an OpenAI-compatible HTTP API",
         description="Start an engine process for MODEL and an OpenAI-compatible HTTP server in front of it "
-        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",
+        "(/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /metrics, /tokenize, "
+        "/detokenize).",
         formatter_class=_HelpFormatter,
     )
     parser.add_argument(

@@ -216,3 +216,14 @@ def test_tools_with_odd_schemas_are_a_400_or_read_without_types_never_a_crash():
         text = "<tool_call><function=f><parameter=x>3</parameter></function></tool_call>"
         (call,) = parser.parse(text, final=True).calls
         assert call.arguments == '{"x": "3"}'
+
+
+def test_chat_template_flag_takes_a_file_or_the_template_itself(tmp_path):
+    from server.args import load_chat_template
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert load_chat_template(str(template)) == "{{ messages[0]['content'] }}"
+    assert load_chat_template("{{ messages }}") == "{{ messages }}"
+    with pytest.raises(ValueError, match="no such file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
