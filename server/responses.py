@@ -112,8 +112,11 @@ def _response_shell(state: ServerState, body: ResponsesRequest, chat, response_i
         if hasattr(body.tool_choice, "model_dump")
         else body.tool_choice or "auto",
         "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
+        # the sampling in effect, as OpenAI and vLLM echo it
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "background": False,
+        "service_tier": "auto",
         "max_output_tokens": body.max_output_tokens,
         "previous_response_id": None,
         "reasoning": body.reasoning.model_dump() if body.reasoning else None,
