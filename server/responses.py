@@ -34,7 +34,7 @@ from server.responses_events import (
     reasoning_item,
     response_events,
 )
-from server.responses_protocol import ResponsesRequest, to_chat_request
+from server.responses_protocol import ResponsesRequest, named_as_responses, to_chat_request
 from server.tool_choice import reasoning_end_ids
 
 router = APIRouter()
@@ -63,8 +63,9 @@ def _text_format(body: ResponsesRequest, plan, end_ids: list[int]) -> Structured
 async def create_response(body: ResponsesRequest, raw_request: Request):
     state: ServerState = raw_request.app.state.baton
     arrival = time.monotonic()
-    chat = to_chat_request(body)
-    prompt, params, plan = await prepare_chat(state, chat)
+    with named_as_responses():
+        chat = to_chat_request(body)
+        prompt, params, plan = await prepare_chat(state, chat)
     structured = _text_format(body, plan, reasoning_end_ids(state.tokenizer, plan.settings))
     if structured is not None:
         params = dataclasses.replace(params, structured_outputs=structured)

@@ -17,6 +17,8 @@ fields that need stored state (conversation, background, prompt) are a 400 namin
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
@@ -210,3 +212,21 @@ def to_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
     except ValidationError as error:
         message, param = describe_validation_errors(error.errors())
         raise APIError(400, message, param) from None
+
+
+# The chat fields a Responses request's own fields became, for errors found on the chat side.
+_RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens"}
+
+
+@contextlib.contextmanager
+def named_as_responses() -> Iterator[None]:
+    """A 400 about the chat request names the Responses field it came from."""
+    try:
+        yield
+    except APIError as error:
+        param = _RESPONSES_NAMES.get(error.param or "", error.param)
+        message = error.message
+        for chat_name, name in _RESPONSES_NAMES.items():
+            if message.startswith(chat_name):
+                message = name + message[len(chat_name) :]
+        raise APIError(error.status, message, param, error.code) from None

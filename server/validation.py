@@ -29,7 +29,7 @@ from server.protocol import (
     SGLangSamplingParams,
     TokenizeRequest,
 )
-from server.responses_protocol import ResponsesRequest, to_chat_request
+from server.responses_protocol import ResponsesRequest, named_as_responses, to_chat_request
 from server.sampling import build_sampling_params
 from server.tool_choice import check_tools
 
@@ -140,7 +140,10 @@ def parse_generation(path: str, body: Any) -> CompletionRequest | ChatCompletion
     if isinstance(request, GenerateRequest):
         return completion_from_generate(request)
     if isinstance(request, ResponsesRequest):
-        request = to_chat_request(request)
+        with named_as_responses():
+            chat = to_chat_request(request)
+            check_generation(chat)
+        return chat
     check_generation(request)
     return request
 

@@ -227,3 +227,16 @@ def test_chat_template_flag_takes_a_file_or_the_template_itself(tmp_path):
     assert load_chat_template("{{ messages }}") == "{{ messages }}"
     with pytest.raises(ValueError, match="no such file"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_a_responses_request_refused_on_the_chat_side_names_its_own_field():
+    from server.responses_protocol import named_as_responses
+    from server.validation import parse_generation
+
+    with pytest.raises(APIError) as caught:
+        parse_generation("/v1/responses", {"input": []})
+    assert caught.value.param == "input" and caught.value.message.startswith("input")
+    with pytest.raises(APIError) as caught, named_as_responses():
+        raise APIError.bad_request("max_tokens (5000) exceeds max-model-len (2048)")
+    assert caught.value.param == "max_output_tokens"
+    assert caught.value.message == "max_output_tokens (5000) exceeds max-model-len (2048)"
