@@ -129,8 +129,13 @@ class ChatOutputPlan:
         return self.settings.reasoning_parser is not None
 
     @property
+    def forced(self) -> bool:
+        """A call is forced by a grammar: tool_choice "required" or a named function."""
+        return self.tool_choice == "required" or self.named is not None
+
+    @property
     def parses(self) -> bool:
-        return self.parses_tools or self.has_reasoning_parser
+        return self.parses_tools or self.forced or self.has_reasoning_parser
 
     @property
     def named(self) -> str | None:
@@ -144,7 +149,7 @@ class ChatOutputPlan:
             reasoning_format = REASONING_FORMATS[self.settings.reasoning_parser]
             splitter = ReasoningSplitter(reasoning_format, self.thinking)
         tools = None
-        if self.tool_choice == "required" or self.named is not None:
+        if self.forced:
             tools = BareJsonParser(self.named)
         elif self.parses_tools:
             assert self.settings.tool_call_parser is not None

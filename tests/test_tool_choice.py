@@ -122,6 +122,14 @@ def test_a_requested_grammar_waits_for_the_reasoning_and_excludes_forced_calls()
     assert refusal(lambda: forced.sampling(params, [])).param == "tool_choice"
 
 
+def test_forced_calls_are_read_from_the_bare_json_without_any_parser_flag():
+    plan = plan_output(chat(tools=[ADD], tool_choice="required"), NONE, "", {})
+    assert plan.parses
+    parsed = plan.parser().parse('[{"name": "add", "parameters": {"a": 1, "b": 2}}]', final=True)
+    assert [(call.name, call.arguments) for call in parsed.calls] == [("add", '{"a": 1, "b": 2}')]
+    assert not plan_output(chat(), NONE, "", {}).parses
+
+
 def test_finish_reason_is_tool_calls_except_for_a_named_function():
     required = plan_output(chat(tools=[ADD], tool_choice="required"), NONE, "", {})
     assert required.finish_reason("stop", made_calls=True) == "tool_calls"
