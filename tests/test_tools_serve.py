@@ -42,7 +42,7 @@ def client(server):
     return server.client()
 
 
-def test_a_tool_round_trip_renders_through_the_shipped_template(client):
+def test_a_tool_round_trip_renders_through_the_shipped_template(server, client):
     history = [
         *MESSAGES,
         {
@@ -71,6 +71,10 @@ def test_a_tool_round_trip_renders_through_the_shipped_template(client):
     assert '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>\n\n' in prompt
     assert prompt.endswith("Tool result: 7\nAnswer:")
     assert answer.choices[0].message.content
+    tokenized = server.http().post(
+        "/tokenize", json={"messages": history, "tools": TOOLS, **NO_THINKING}
+    )
+    assert tokenized.json()["tokens"] == answer.prompt_token_ids
 
 
 def test_auto_answers_with_text_when_the_model_calls_no_tool(client):
