@@ -45,13 +45,16 @@ class JsonScanner:
     (element index or None for a top-level object, key)."""
 
     tracked: frozenset[str]
-    canonical: str = ""
     done: bool = False  # the top-level value is complete
     error: bool = False  # the text stopped being JSON; nothing more is read
     consumed: int = 0  # characters of the input read (the value ends here once done)
     spans: dict[tuple[int | None, str], list[int | None]] = field(default_factory=dict)
     ended_items: set[int | None] = field(default_factory=set)  # tracked objects now closed
     _stack: list[_Frame] = field(default_factory=list)
+    # The canonical text, in pieces (appending to one long str copies it every character)
+    _pieces: list[str] = field(default_factory=list)
+    _length: int = 0
+    _joined: str = ""  # "".join(_pieces) as of the last read
     _pending: str = ""  # a number or literal not yet ended
     _in_string: bool = False
     _string_raw: str = ""  # the string being read, as written (for keys)
@@ -66,6 +69,14 @@ class JsonScanner:
             if not self.error:
                 self.consumed += 1
 
+    @property
+    def canonical(self) -> str:
+        """The value so far, only what can no longer change."""
+        if len(self._joined) != self._length:
+            self._joined = "".join(self._pieces)
+            self._pieces = [self._joined]
+        return self._joined
+
     def finished_canonical(self) -> str:
         """`canonical` as it stands once the text has ended: a number or literal still pending
         counts when it is whole."""
@@ -74,7 +85,8 @@ class JsonScanner:
         return self.canonical
 
     def _emit(self, text: str) -> None:
-        self.canonical += text
+        self._pieces.append(text)
+        self._length += len(text)
 
     def _pending_complete(self) -> bool:
         return self._pending in _LITERALS or _NUMBER.fullmatch(self._pending) is not None
@@ -125,7 +137,7 @@ class JsonScanner:
                 frame.state = "value"
                 where = self._where()
                 if where is not False and frame.key in self.tracked:
-                    self.spans[(where, frame.key)] = [len(self.canonical), None]
+                    self.spans[(where, frame.key)] = [self._length, None]
             else:
                 self.error = True
         elif frame.state == "next":
@@ -204,7 +216,7 @@ class JsonScanner:
             where = self._where()
             span = self.spans.get((where, frame.key)) if where is not False else None
             if span is not None and span[1] is None:
-                span[1] = len(self.canonical)
+                span[1] = self._length
         frame.state = "next"
 
 
