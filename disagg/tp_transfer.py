@@ -1,7 +1,7 @@
 """Each rank's handover connector when either side of a disaggregated pair runs TP > 1: a prefill
 rank sends every decode rank the slices it was planned to (disagg.tp_layout.plan); a decode rank
 receives its pieces from each planned source, checks every byte against its own plan, and hands
-them to the engine to install (engine/tp_handover.py). Nothing is gathered through rank 0.
+them to the engine to install (engine/handover/shards.py). Nothing is gathered through rank 0.
 
     prefill rank p ── PUSH ──(ShardTransfer: room, p, P, first page, frames component@offset)──>
         PULL on decode rank d (its address is in the decode side's Register, TPLayout)
@@ -32,10 +32,10 @@ from disagg.protocol import (
 )
 from disagg.rooms import is_loopback
 from disagg.tp_layout import ENDPOINT, MAX_TP_SIZE, UNIT_DIM, Piece, check_prefill_size, plan
+from engine.cache.pools import StateCache
 from engine.config import ModelConfig
-from engine.state_cache import StateCache
-from engine.tp_handover import Pieces, Shard
-from engine.tp_messages import InstallShard, SendShard
+from engine.handover.shards import Pieces, Shard
+from engine.parallel.messages import InstallShard, SendShard
 
 logger = logging.getLogger("baton.disagg.tp_transfer")
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from server.errors import APIError
 from server.generation import (
     ChoiceResult,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.model_loader import DTYPE_NAMES
+from engine.checkpoint.loader import DTYPE_NAMES
 from server.args import ServerArgs
 from server.reasoning_parsers import REASONING_PARSERS
 from server.tool_parsers import TOOL_CALL_PARSERS

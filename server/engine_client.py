@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from engine.cpu_threads import engine_environment
-from engine.detokenizer import OutputDetokenizer
-from engine.ipc import (
+from engine.core.detokenizer import OutputDetokenizer
+from engine.core.outputs import RequestDelta
+from engine.core.sampling_params import SamplingParams
+from engine.runtime.cpu_threads import engine_environment
+from engine.runtime.ipc import (
     AbortRequests,
     AddRequest,
     EngineFailed,
@@ -39,9 +41,7 @@ from engine.ipc import (
     decode,
     encode,
 )
-from engine.outputs import RequestDelta
-from engine.process import EngineProcessSpec
-from engine.sampling_params import SamplingParams
+from engine.runtime.process import EngineProcessSpec
 from server.args import ServerArgs
 
 logger = logging.getLogger("baton.server")
@@ -121,7 +121,7 @@ class EngineClient:
             parent_pid=os.getpid(),
             disagg=self.args.disagg_options(),
         )
-        module = "engine.process" if spec.disagg is None else "disagg.process"
+        module = "engine.runtime.process" if spec.disagg is None else "disagg.process"
         self._process = subprocess.Popen(
             [sys.executable, "-m", module, spec.to_json()],
             env=engine_environment(os.environ, self.args.cpu_threads),

@@ -15,7 +15,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from engine.sampling_params import StructuredOutputs
+from engine.core.sampling_params import StructuredOutputs
 from server.chat import prepare_chat
 from server.errors import APIError
 from server.generation import (

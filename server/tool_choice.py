@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams, StructuredOutputs
+from engine.core.sampling_params import SamplingParams, StructuredOutputs
 from server.errors import APIError
 from server.output_parser import OutputParser, ParserSettings
 from server.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice

@@ -3,8 +3,8 @@ tools (shipped model and template), and the text generate gives for it."""
 
 from __future__ import annotations
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.core.llm import LLM
+from engine.core.sampling_params import SamplingParams
 from server.protocol import ChatCompletionRequest
 from server.tokenizer import Tokenizer
 from server.up import DEFAULT_MODEL

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from engine.cpu_threads import cores_per_engine
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.core.llm import LLM
+from engine.core.sampling_params import SamplingParams
+from engine.runtime.cpu_threads import cores_per_engine
 from tests.server_process import BATON, Stack, children_of, free_port, pid_alive, tiny_model
 from tests.tiny import load_json, save_tiny_model, save_tokenizer
 
@@ -44,7 +44,7 @@ def test_up_gives_both_workers_one_random_secret(model_dir, tmp_path):
         assert secrets_seen["decode worker"] == secret and secrets_seen["router"] is None
         for name in ("prefill worker", "decode worker"):  # never on a command line
             assert secret.encode() not in Path(f"/proc/{parts[name]}/cmdline").read_bytes()
-        # Two engines on one machine: each runs on its half of the cores (engine/cpu_threads.py).
+        # Two engines on one machine: each runs on its half of the cores (engine/runtime/cpu_threads.py).
         share = str(cores_per_engine(2))
         for name in ("prefill engine", "decode engine"):
             assert environ(parts[name]).get("OMP_NUM_THREADS") == os.environ.get(

@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from engine.sampling_params import SamplingParams, StructuredOutputs
+from engine.core.sampling_params import SamplingParams, StructuredOutputs
 from server.errors import APIError
 from server.output_parser import ParserSettings
 from server.protocol import ChatCompletionRequest

@@ -4,7 +4,7 @@
                                                                   │  StepOutput after every step
                                                                   └─ engine.step() while busy
 
-Started by the server as `python -m engine.process SPEC_JSON`. It exits on `Shutdown`, when
+Started by the server as `python -m engine.runtime.process SPEC_JSON`. It exits on `Shutdown`, when
 its parent dies (PR_SET_PDEATHSIG plus a parent-pid check, so no orphan outlives the server),
 or after an internal error, which it reports as `EngineFailed` first. SIGINT is ignored: a
 Ctrl-C reaches the whole process group and the server decides how to wind down.
@@ -23,9 +23,9 @@ from typing import Any
 
 import zmq
 
-from engine.engine import Engine
-from engine.gc_freeze import freeze_startup_objects
-from engine.ipc import (
+from engine.core.engine import Engine
+from engine.runtime.gc_freeze import freeze_startup_objects
+from engine.runtime.ipc import (
     AbortRequests,
     AddRequest,
     EngineFailed,
