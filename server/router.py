@@ -209,6 +209,10 @@ def build_router_app(
     async def chat(request: Request) -> Response:
         return await generate(request, "/v1/chat/completions")
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await generate(request, "/v1/responses")
+
     @app.post("/generate")
     async def sglang_generate(request: Request) -> Response:
         return await generate(request, "/generate")

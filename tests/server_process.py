@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import signal
 import socket
 import subprocess
@@ -193,6 +194,49 @@ def wait_ready(server: ServerProcess, require_ready: bool = True) -> None:
     raise RuntimeError(
         f"baton serve did not become healthy in {STARTUP_TIMEOUT_S} s:\n{server.log()[-4000:]}"
     )
+
+
+class Stack:
+    """A `baton up` stack (router + prefill + decode workers) with its log."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if k != "BATON_DISAGG_SECRET"}
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [str(BATON), "up", "--model", str(model_dir), "--port", str(self.port), *flags],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=Path(__file__).parents[1],
+            )
+        deadline = time.monotonic() + 180
+        while "baton is up" not in self.log():
+            assert self.process.poll() is None, self.log()[-3000:]
+            assert time.monotonic() < deadline, self.log()[-3000:]
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def parts(self) -> dict[str, int]:
+        """name -> pid for the three children and the two engines."""
+        found = {}
+        for pid in children_of(self.process.pid):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"router" in command:
+                found["router"] = pid
+            else:
+                role = command[command.index(b"--disaggregation-mode") + 1].decode()
+                found[f"{role} worker"] = pid
+                (found[f"{role} engine"],) = children_of(pid)
+        return found
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(30)
 
 
 @atexit.register

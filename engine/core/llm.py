@@ -117,6 +117,37 @@ class LLM:
         bar.close()
         return [outputs[rid] for rid in order]
 
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """`generate` on conversations (OpenAI-style message dicts, one list or several)
+        rendered by the model's chat template with `tools` and `chat_template_kwargs` (e.g.
+        enable_thinking), as vLLM's LLM.chat. The text comes back as generated: tool calls and
+        reasoning are read by the server's parsers; a forced call is a grammar in
+        SamplingParams.structured_outputs."""
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer to render a chat with")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(
+                    conversation,
+                    tools=tools,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                    **(chat_template_kwargs or {}),
+                ),
+                add_special_tokens=False,  # the template holds them
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, params, use_tqdm)
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do at TP=1)."""
         self.engine.close()
