@@ -643,7 +643,7 @@ def test_worker_loop_reports_freed_pages_after_a_peer_fails_a_room(base_model):
         Reject,
     )
     from disagg.process import DisaggEngineLoop
-    from engine import ipc
+    from engine.runtime import ipc
 
     model_dir, _ = base_model
     ctx = zmq.Context()

@@ -233,8 +233,9 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
         req = self._new_request(request_id, prompt_token_ids, params)
+        self.scheduler.register(req)
         self.grammars.add(req)  # structured outputs: scheduled once the grammar is compiled
-        self.grammars.hold(req, self.scheduler.add)
+        self.grammars.hold(req, self.scheduler.enqueue)
         if self.timing is not None:
             self.timing.added(request_id)
 

@@ -113,10 +113,16 @@ class Scheduler:
     # -- queue management -------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
-        self._register(req)
+        self.register(req)
+        self.enqueue(req)
+
+    def enqueue(self, req: Request) -> None:
+        """A registered request waits for its first step (once what it waited on is ready: its
+        grammar, for one with structured outputs)."""
         self.waiting.append(req)
 
-    def _register(self, req: Request) -> None:
+    def register(self, req: Request) -> None:
+        """The request is this scheduler's from now on (found, held, aborted by id)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
@@ -187,7 +193,7 @@ class Scheduler:
             raise OutOfMemory(
                 f"need {need} free KV pages for a transferred request, {self.pages.available} free"
             )
-        self._register(req)
+        self.register(req)
         if cache is not None:
             cache.record_lookup(len(req.prompt_ids), blocks)
         req.mamba_slot = self.slots.alloc(1)[0]
