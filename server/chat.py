@@ -59,6 +59,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         body.template_variables(),
         body.continue_final_message,
         body.add_special_tokens,
+        # a prompt that will be cut may be any length; any other needs room for one token
+        limit=None if body.truncate_prompt_tokens is not None else state.max_model_len - 1,
     )
     prompt = truncate_prompt(
         prompt, body.truncate_prompt_tokens, body.truncation_side, state.max_model_len

@@ -14,6 +14,12 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from server.errors import APIError
+from server.prompt_bound import (
+    TRIM_AFTER_CHARS,
+    encode_within,
+    release_freed_memory,
+    tokenizer_bound,
+)
 from server.protocol import ChatMessage
 
 
@@ -89,9 +95,32 @@ class Tokenizer:
         self._byte_level = type(decoder).__name__ == "ByteLevel"
         self._alphabet = _byte_level_alphabet() if self._byte_level else {}
         self.token_bytes = lru_cache(maxsize=None)(self._token_bytes)
+        # the most bytes of text one token covers; None: this tokenizer can shrink a text
+        self.max_token_bytes = tokenizer_bound(self.hf)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+    def encode(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        limit: int | None = None,
+        param: str = "prompt",
+    ) -> list[int]:
+        """The text's token ids. `limit`: the most tokens the prompt may have; a text proved
+        longer is refused (APIError 400 naming `param`) before it is tokenized whole
+        (server/prompt_bound.py). A long text's tokenization gives its memory back after."""
+        try:
+            if limit is None:
+                return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+            return encode_within(
+                text,
+                lambda part: list(self.hf.encode(part, add_special_tokens=add_special_tokens)),
+                self.max_token_bytes,
+                limit,
+                param,
+            )
+        finally:
+            if len(text) >= TRIM_AFTER_CHARS:
+                release_freed_memory()
 
     def encode_chat(
         self,
@@ -100,11 +129,13 @@ class Tokenizer:
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        limit: int | None = None,
     ) -> list[int]:
         """Render the tokenizer's chat template, then tokenize (the template holds any BOS).
         `template_kwargs` are the request's chat_template_kwargs: variables the template reads
         (vLLM's; Nemotron's templates take `enable_thinking`). `continue_final_message` ends
-        the prompt inside the last message (assistant prefill), as vLLM's field does."""
+        the prompt inside the last message (assistant prefill), as vLLM's field does.
+        `limit`: as encode's, for the rendered text."""
         conversation = conversation_for_template(messages, self.hf.chat_template or "")
         variables = dict(template_kwargs or {})
         for reserved in RESERVED_TEMPLATE_KWARGS.intersection(variables):
@@ -124,7 +155,7 @@ class Tokenizer:
             raise APIError.bad_request(
                 f"messages: the chat template failed: {error}", "messages"
             ) from error
-        return self.encode(text, add_special_tokens=add_special_tokens)
+        return self.encode(text, add_special_tokens, limit, "messages")
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

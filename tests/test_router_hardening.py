@@ -18,7 +18,7 @@ from server.args import SERVER_KEEP_ALIVE_S
 from server.router import ROUTER_KEEPALIVE_EXPIRY_S
 from tests.server_process import start_router, start_server, tiny_model
 from tests.test_server_errors import LONE, assert_unending_headers_refused
-from tests.test_server_load import HugeRequest, huge_prompt_body
+from tests.test_server_load import TOKENIZED_WHOLE, HugeRequest, huge_prompt_body
 
 API_KEY = "sesame"
 MODEL_NAME = "tiny"
@@ -142,7 +142,9 @@ def test_a_huge_prompt_leaves_the_router_and_its_workers_responsive(stack):
     worker is marked unhealthy) and another client's request succeeds meanwhile."""
     router = stack["router"]
     log_before = router.log()
-    huge = HugeRequest(f"{router.base_url}/v1/completions", huge_prompt_body(None))
+    huge = HugeRequest(
+        f"{router.base_url}/v1/completions", huge_prompt_body(None, **TOKENIZED_WHOLE)
+    )
     huge.start()
     assert huge.sent.wait(120)
     health = httpx.get(f"{router.base_url}/health", timeout=600)
@@ -153,8 +155,7 @@ def test_a_huge_prompt_leaves_the_router_and_its_workers_responsive(stack):
     huge.join(600)
     assert health.status_code == 200 and other.status_code == 200, other.text
     assert other_before_huge, "another client's request waited for the huge prompt"
-    assert huge.response is not None and huge.response.status_code == 400, huge.response.text
-    assert "exceeds max-model-len" in huge.response.json()["error"]["message"]
+    assert huge.response is not None and huge.response.status_code == 200, huge.response.text
     assert "unhealthy" not in router.log().removeprefix(log_before), router.log()[-2000:]
 
 
