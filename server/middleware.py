@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
+from collections.abc import Callable
 
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError, error_response
 from server.validation import parse_json_body
+
+logger = logging.getLogger("baton.server")
 
 # Open with or without --api-key: probes (Kubernetes, the router) and Prometheus scrapes carry no
 # key, as with vLLM. Everything else (/v1/*, /tokenize, /detokenize, /disagg/info, /docs,
@@ -120,3 +124,41 @@ class RequestCounterMiddleware:
             await self.app(scope, receive, send_and_note_status)
         finally:
             self.counter.labels(scope["path"], str(status)).inc()
+
+
+class AnswerGuard:
+    """The outermost layer: every answer is counted by status (`count`, but not for `uncounted`
+    paths), and an exception nothing else handled becomes an OpenAI-shaped 500, logged with its
+    traceback. Without it Starlette answers a plain-text 500 and the connection is closed, so a
+    client's next keep-alive request on it fails."""
+
+    def __init__(
+        self, app: ASGIApp, count: Callable[[int], None], uncounted: frozenset[str]
+    ) -> None:
+        self.app = app
+        self.count = count
+        self.uncounted = uncounted
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: int | None = None
+
+        async def send_and_note_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        except Exception:
+            logger.exception("%s %s failed", scope["method"], scope["path"])
+            if status is None:  # nothing sent yet: the client gets an answer it can read
+                status = 500
+                answer = error_response(500, "internal error while serving this request")
+                await answer(scope, receive, send)
+        finally:
+            if status is not None and scope["path"] not in self.uncounted:
+                self.count(status)

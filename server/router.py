@@ -30,12 +30,11 @@ from starlette.background import BackgroundTask
 from engine.gc_freeze import freeze_startup_objects
 from server.args import DEFAULT_MAX_REQUEST_BYTES, HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S
 from server.errors import APIError, ErrorJSONResponse, install_error_handlers
-from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware
+from server.middleware import OPEN_PATHS, AnswerGuard, ApiKeyMiddleware, RequestBodyMiddleware
 from server.router_relay import (
     GONE,
     collect,
     decode_headers,
-    error_body,
     error_response,
     forward_headers,
     relay,
@@ -99,6 +98,12 @@ def build_router_app(
     app.add_middleware(RequestBodyMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    # outermost: every answer counted (413s, 401s and 404s too), none a plain-text 500
+    app.add_middleware(
+        AnswerGuard,
+        count=lambda status: workers.metrics.requests.labels(status=str(status)).inc(),
+        uncounted=OPEN_PATHS,
+    )
 
     @app.get("/health")
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) liveness route
@@ -146,13 +151,19 @@ def build_router_app(
 
     async def generate(request: Request, path: str) -> Response:
         if not workers.try_admit():
-            workers.metrics.requests.labels(status="429").inc()
-            return JSONResponse(
-                error_body(
-                    429,
-                    f"the router has {workers.max_concurrent_requests} requests in flight "
-                    "(--max-concurrent-requests); retry later",
-                ),
+            message = (
+                f"the router has {workers.max_concurrent_requests} requests in flight "
+                "(--max-concurrent-requests); retry later"
+            )
+            return JSONResponse(  # as OpenAI answers a rate limit
+                {
+                    "error": {
+                        "message": message,
+                        "type": "requests",
+                        "param": None,
+                        "code": "rate_limit_exceeded",
+                    }
+                },
                 status_code=429,
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
@@ -162,7 +173,6 @@ def build_router_app(
         except BaseException:
             release()
             raise
-        workers.metrics.requests.labels(status=str(response.status_code)).inc()
         if not isinstance(response, StreamingResponse):
             release()
         return response
@@ -186,8 +196,7 @@ def build_router_app(
             # the prompt's logprobs, which no handover carries: the prefill worker serves the
             # whole request itself, colocated (a prefill is all such a request is). No prefill
             # half runs beside it: its task is a future that never completes.
-            decode, decode_body = prefill, body
-            prefill_task = asyncio.get_running_loop().create_future()
+            decode, decode_body, prefill_body = prefill, body, None
         else:
             room = uuid.uuid4().hex  # minted here; a client's value is never trusted
             decode_body = dict(
@@ -195,17 +204,25 @@ def build_router_app(
             )
             prefill_body = dict(body, stream=False, baton_disagg={"room": room})
             prefill_body.pop("stream_options", None)
-            prefill_task = asyncio.create_task(
-                client.post(f"{prefill.url}{path}", json=prefill_body, headers=headers)
-            )
-        sending = asyncio.ensure_future(
-            client.send(
-                client.build_request(
-                    "POST", f"{decode.url}{path}", json=decode_body, headers=headers
-                ),
-                stream=True,
-            )
+        # Both requests are built (encoded) before either is sent: one that cannot be leaves
+        # no task of the other behind.
+        decode_request = client.build_request(
+            "POST", f"{decode.url}{path}", json=decode_body, headers=headers
         )
+        if prefill_body is None:
+            prefill_task = asyncio.get_running_loop().create_future()
+        else:
+            prefill_task = asyncio.create_task(
+                client.send(
+                    client.build_request(
+                        "POST", f"{prefill.url}{path}", json=prefill_body, headers=headers
+                    )
+                )
+            )
+        # whatever becomes of the request, the prefill half's failure is read (and so never
+        # logged as "Task exception was never retrieved"); the relay reports what matters
+        prefill_task.add_done_callback(_read_outcome)
+        sending = asyncio.ensure_future(client.send(decode_request, stream=True))
         try:
             # A non-streaming answer has no headers until it is complete: watch the client and
             # the prefill half all along (a failure of either closes both halves' connections).
@@ -259,6 +276,11 @@ def scores_prompt(path: str, body: dict) -> bool:
     return (
         path == "/v1/completions" and body.get("echo") is True and body.get("logprobs") is not None
     )
+
+
+def _read_outcome(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _once(action):

@@ -50,7 +50,8 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "baton:router_requests",
-            "Generation requests the router answered, by HTTP status of its answer.",
+            "Requests the router answered (every route but /health, /ping and /metrics), by"
+            " HTTP status of its answer.",
             ["status"],
             registry=self.registry,
         )

@@ -329,3 +329,43 @@ def test_router_answers_unknown_routes_in_the_workers_error_shape(stack, method,
         assert response.status_code == status, (server.base_url, response.text)
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        ("/tokenize", f'{{"prompt": {LONE}}}', "prompt"),
+        ("/v1/completions", f'{{"prompt": "hi", "max_tokens": 2, "x_unknown": {LONE}}}', "x_unknown"),
+        ("/v1/completions", f'{{"prompt": "hi", "max_tokens": 2, {LONE}: 1}}', None),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,'
+            f' "chat_template_kwargs": {{"enable_thinking": {LONE}}}}}',
+            "chat_template_kwargs",
+        ),
+        ("/detokenize", f'{{"tokens": [5], "model": {LONE}}}', "model"),
+    ],
+    ids=["tokenize-prompt", "unknown-field", "unknown-key", "template-kwargs", "detokenize"],
+)  # fmt: skip
+def test_router_refuses_text_that_is_not_unicode_and_keeps_the_connection(stack, path, raw, param):
+    """A lone surrogate in a field the router forwards without reading used to fail its UTF-8
+    request to the worker: a plain-text 500, the connection closed under the client, the 500
+    uncounted and "Task exception was never retrieved" in its log. Now: a 400 in the OpenAI
+    shape, counted, and the same keep-alive connection serves the next request."""
+    router = stack["router"]
+    seen = samples(router).get(("baton:router_requests_total", (("status", "400"),)), 0.0)
+    url = httpx.URL(router.base_url)
+    connection = http.client.HTTPConnection(url.host, url.port, timeout=30)
+    connection.request("POST", path, body=raw.encode(), headers={"content-type": "application/json"})
+    response = connection.getresponse()
+    error = json.loads(response.read())["error"]
+    assert response.status == 400, error
+    assert set(error) == {"message", "type", "param", "code"} and "lone surrogate" in error["message"]
+    assert param is None or error["param"] == param
+    sock = connection.sock
+    assert _health_status(connection) == 200 and connection.sock is sock  # same connection
+    connection.close()
+    counted = samples(router)[("baton:router_requests_total", (("status", "400"),))]
+    assert counted == seen + 1
+    assert "Task exception was never retrieved" not in router.log()
+    assert "Traceback" not in router.log()
