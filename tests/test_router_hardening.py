@@ -356,11 +356,15 @@ def test_router_refuses_text_that_is_not_unicode_and_keeps_the_connection(stack,
     seen = samples(router).get(("baton:router_requests_total", (("status", "400"),)), 0.0)
     url = httpx.URL(router.base_url)
     connection = http.client.HTTPConnection(url.host, url.port, timeout=30)
-    connection.request("POST", path, body=raw.encode(), headers={"content-type": "application/json"})
+    connection.request(
+        "POST", path, body=raw.encode(), headers={"content-type": "application/json"}
+    )
     response = connection.getresponse()
     error = json.loads(response.read())["error"]
     assert response.status == 400, error
-    assert set(error) == {"message", "type", "param", "code"} and "lone surrogate" in error["message"]
+    assert (
+        set(error) == {"message", "type", "param", "code"} and "lone surrogate" in error["message"]
+    )
     assert param is None or error["param"] == param
     sock = connection.sock
     assert _health_status(connection) == 200 and connection.sock is sock  # same connection
