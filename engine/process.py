@@ -5,19 +5,22 @@
                                                                   └─ engine.step() while busy
 
 Started by the server as `python -m engine.process SPEC_JSON`. It exits on `Shutdown`, when
-its parent dies (PR_SET_PDEATHSIG plus a parent-pid check, so no orphan outlives the server),
+its parent dies (PR_SET_PDEATHSIG plus a parent-pid check, so no orphan outlives the server;
+it then removes the server's ipc socket files, which a server killed outright leaves behind),
 or after an internal error, which it reports as `EngineFailed` first. SIGINT is ignored: a
 Ctrl-C reaches the whole process group and the server decides how to wind down.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -167,6 +170,13 @@ def main(argv: list[str] | None = None, load_and_run=None) -> int:
     spec = EngineProcessSpec.from_json(argv[0])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def exit_on_sigterm(*_) -> None:  # PR_SET_PDEATHSIG's (or a supervisor's)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: no second cuts this short
+        _remove_orphaned_ipc_files(spec, wait_s=1.0)
+        sys.exit(0)  # through the `finally` below
+
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     _die_with_parent()
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
@@ -176,9 +186,28 @@ def main(argv: list[str] | None = None, load_and_run=None) -> int:
     try:
         return load_and_run(spec, inbox, outbox)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a late one must not cut this short
+        _remove_orphaned_ipc_files(spec)
         inbox.close(linger=0)
         outbox.close(linger=1000)  # let the last message (EngineFailed, say) reach the server
         context.term()
+
+
+def _remove_orphaned_ipc_files(spec: EngineProcessSpec, wait_s: float = 0.0) -> None:
+    """A server killed outright (kill -9) leaves its ipc socket files behind: once it is gone,
+    the engine it started removes them. `wait_s`: how long the server may take to be gone
+    (PR_SET_PDEATHSIG fires when the server's thread that started us dies, a moment before the
+    process is gone and we are handed to a new parent); still there after it, it is alive and
+    removes its own."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == spec.parent_pid:
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
+    for address in (spec.input_addr, spec.output_addr):
+        if address.startswith("ipc://"):
+            with contextlib.suppress(OSError):
+                os.unlink(address.removeprefix("ipc://"))
 
 
 def _load_and_run(spec: EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
