@@ -43,6 +43,7 @@ from engine.outputs import RequestDelta
 from engine.process import EngineProcessSpec
 from engine.sampling_params import SamplingParams
 from server.args import ServerArgs
+from server.secret_flags import DISAGG_SECRET_ENV
 
 logger = logging.getLogger("baton.server")
 
@@ -122,10 +123,10 @@ class EngineClient:
             disagg=self.args.disagg_options(),
         )
         module = "engine.process" if spec.disagg is None else "disagg.process"
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", module, spec.to_json()],
-            env=engine_environment(os.environ, self.args.cpu_threads),
-        )
+        env = engine_environment(os.environ, self.args.cpu_threads)
+        if self.args.disagg_secret:  # never on a command line (server/secret_flags.py)
+            env[DISAGG_SECRET_ENV] = self.args.disagg_secret
+        self._process = subprocess.Popen([sys.executable, "-m", module, spec.to_json()], env=env)
         deadline = asyncio.get_running_loop().time() + self.args.engine_start_timeout
         while not await self._inbox.poll(500):
             if self._process.poll() is not None:

@@ -53,6 +53,8 @@ def unencodable_text(body: dict) -> tuple[str, str] | None:
                     stack.append((where, key))
                 stack.append((where, child))
     return None
+
+
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]  # OpenAI's set
 
 

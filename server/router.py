@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import sys
 import uuid
 
 import httpx
@@ -40,6 +42,7 @@ from server.router_relay import (
     relay,
 )
 from server.router_workers import PROBE_TIMEOUT_S, RETRY_AFTER_S, Worker, WorkerSet, describe
+from server.secret_flags import API_KEY_ENV, SecretError, add_api_key_flags, secret
 from server.validation import parse_generation
 from server.version import baton_version
 
@@ -309,10 +312,10 @@ def add_router_parser(subparsers) -> None:
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
     )
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    parser.add_argument(
-        "--api-key",
-        help="require `Authorization: Bearer KEY` on every route but /health and /metrics; "
-        "forwarded to the workers (requests and /disagg/info), so give them the same key",
+    add_api_key_flags(
+        parser,
+        "/v1/*, /generate, /tokenize and /detokenize; forwarded to the workers (requests and "
+        "/disagg/info), so give them the same key",
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -342,12 +345,19 @@ def _run_router(namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
+    try:
+        api_key = secret(
+            namespace.api_key, namespace.api_key_file, "--api-key", os.environ, API_KEY_ENV
+        )
+    except SecretError as error:
+        print(f"baton router: {error}", file=sys.stderr)
+        return 2
     prefill = [u for u in namespace.prefill.split(",") if u]
     decode = [u for u in namespace.decode.split(",") if u]
     app = build_router_app(
         prefill,
         decode,
-        namespace.api_key,
+        api_key,
         namespace.max_concurrent_requests,
         namespace.max_request_bytes,
     )

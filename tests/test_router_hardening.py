@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -16,11 +17,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.args import SERVER_KEEP_ALIVE_S
 from server.router import ROUTER_KEEPALIVE_EXPIRY_S
-from tests.server_process import start_router, start_server, tiny_model
+from tests.server_process import children_of, start_router, start_server, tiny_model
 from tests.test_server_errors import LONE, assert_unending_headers_refused
 from tests.test_server_load import TOKENIZED_WHOLE, HugeRequest, huge_prompt_body
+from tests.test_server_up import environ
 
 API_KEY = "sesame"
+WORKER_SECRET = "worker-to-worker-secret-0123"
 MODEL_NAME = "tiny"
 
 
@@ -213,8 +216,13 @@ def test_router_error_texts_name_the_cause():
 @pytest.fixture(scope="module")
 def keyed_stack(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("keyed-logs")
-    prefill = start_server(model_dir, logs, "--disaggregation-mode", "prefill", api_key=API_KEY)
-    decode = start_server(model_dir, logs, "--disaggregation-mode", "decode", api_key=API_KEY)
+    secret = ("--disagg-secret", WORKER_SECRET)
+    prefill = start_server(
+        model_dir, logs, *secret, "--disaggregation-mode", "prefill", api_key=API_KEY
+    )
+    decode = start_server(
+        model_dir, logs, *secret, "--disaggregation-mode", "decode", api_key=API_KEY
+    )
     router = start_router(logs, [prefill.base_url], [decode.base_url], api_key=API_KEY)
     parts = {"prefill": prefill, "decode": decode, "router": router}
     yield parts
@@ -241,6 +249,18 @@ def test_keyed_router_reaches_keyed_workers_and_guards_its_routes(keyed_stack):
         assert httpx.get(f"{url}{path}", timeout=10).status_code == 401, path
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     assert json.loads(httpx.get(f"{url}/health", timeout=10).text)["status"] == "ok"
+
+
+def test_secrets_given_to_a_worker_never_reach_its_engines_command_line(keyed_stack):
+    """`ps` shows every command line to every local user: the secrets a worker was given go to
+    its engine process in the environment (the engine's command line used to carry the worker
+    secret, in its JSON spec)."""
+    for role in ("prefill", "decode"):
+        (engine,) = children_of(keyed_stack[role].process.pid)
+        command = Path(f"/proc/{engine}/cmdline").read_bytes()
+        assert b"engine.process" in command or b"disagg.process" in command
+        assert WORKER_SECRET.encode() not in command and API_KEY.encode() not in command, role
+        assert environ(engine)["BATON_DISAGG_SECRET"] == WORKER_SECRET, role
 
 
 def _health_status(connection: http.client.HTTPConnection) -> int:
