@@ -24,7 +24,7 @@ def test_a_flag_wins_over_the_environment_and_the_environment_is_the_fallback():
 @pytest.mark.parametrize(
     ("value", "file", "named"),
     [
-        ("k", "key", "--api-key and --api-key-file both given"),
+        ("k", "key", "--api-key and --api-key-file both given: pass one"),
         (None, "missing", "--api-key-file {dir}/missing: No such file or directory"),
         (None, "empty", "--api-key-file {dir}/empty: the file is empty"),
         ("", None, "--api-key is empty"),
