@@ -9,12 +9,19 @@ them to the engine to install (engine/tp_handover.py). Nothing is gathered throu
 Messages use the disaggregation protocol (MAC with the shared secret, replay guard). What a peer
 sent stays hostile until `receive` has checked its source, sizes, names, shapes and dtypes
 against this rank's plan; a bad or missing piece fails that room only.
+
+A decode rank's port is read all the time, by a thread of its own, whether or not a room waits
+(a TP=1 decode worker needs it when its prefill peer runs TP > 1, and is never told in advance):
+each message is authenticated and parsed on arrival, what fails is dropped and counted, and what
+passes is kept at most ARRIVED_TTL_S and within the bytes this rank's pools hold
+(engine/socket_limits.py bounds each part and the queue before that).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 
@@ -33,6 +40,7 @@ from disagg.protocol import (
 from disagg.rooms import is_loopback
 from disagg.tp_layout import ENDPOINT, MAX_TP_SIZE, UNIT_DIM, Piece, check_prefill_size, plan
 from engine.config import ModelConfig
+from engine.socket_limits import REFUSALS, SEND_ONLY, ReceiveLimits, limit, receive
 from engine.state_cache import StateCache
 from engine.tp_handover import Pieces, Shard
 from engine.tp_messages import InstallShard, SendShard
@@ -47,6 +55,8 @@ ARRIVED_TTL_S = 600.0
 MAX_ARRIVED_ROOMS = 1024
 MAX_KEPT_ROOMS = 4096  # prefill snapshots waiting for their decode side
 MAX_OUTBOXES = 64  # connections to decode ranks kept open
+POLL_MS = 100  # how often the receiving thread looks up from its port to see if it must stop
+MAX_QUEUED = 64  # unread messages per sender (a room brings one per prefill rank)
 
 
 def connector_spec(role: str, host: str) -> dict[str, str]:
@@ -77,8 +87,12 @@ class ZmqShardConnector:
         self.arrived: OrderedDict[str, dict[int, tuple[float, ShardTransfer, dict]]] = OrderedDict()
         self.bytes_sent = 0
         self.bytes_received = 0  # bench/tp.py: what this rank received, against what it owns
+        self.refusals = REFUSALS  # this process's: rank 0 reports them in its stats
         self.inbox: zmq.Socket | None = None
         self.address = ""
+        self.lock = threading.Lock()  # `arrived`, shared with the receiving thread
+        self.stopping = threading.Event()
+        self.reader: threading.Thread | None = None
         if options["role"] == "decode":
             host = options["host"]
             if self.secret is None and not is_loopback(host):
@@ -86,10 +100,16 @@ class ZmqShardConnector:
                     f"decode rank {rank} would receive shards on {host} without a shared secret"
                     f" (set --disagg-secret or {SECRET_ENV})"
                 )
-            self.inbox = self.context.socket(zmq.PULL)
+            self.limits = receive_limits(cache, rank)
+            self.inbox = limit(self.context.socket(zmq.PULL), self.limits)
             self.inbox.setsockopt(zmq.LINGER, 0)
             port = self.inbox.bind_to_random_port(f"tcp://{host}")
             self.address = f"tcp://{host}:{port}"
+            self.max_arrived_bytes = pool_bytes(cache)
+            self.reader = threading.Thread(
+                target=self._read_forever, name=f"shards-rank{rank}", daemon=True
+            )
+            self.reader.start()
 
     # -- prefill side ---------------------------------------------------------------------------
 
@@ -148,7 +168,7 @@ class ZmqShardConnector:
             raise ValueError(f"{address[:80]!r} is not a tcp://host:port address")
         sock = self.outboxes.pop(address, None)
         if sock is None:
-            sock = self.context.socket(zmq.PUSH)
+            sock = limit(self.context.socket(zmq.PUSH), SEND_ONLY)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
         self.outboxes[address] = sock  # most recently used last
@@ -169,10 +189,10 @@ class ZmqShardConnector:
         check_prefill_size(self.config, prefill_size)
         expected = plan(self.config, prefill_size, self.size, self.rank)
         sources = {p.source for p in expected}
-        self._take_messages()
-        if not sources <= set(self.arrived.get(room, {})):
-            return None
-        arrived = self.arrived.pop(room)
+        with self.lock:
+            if not sources <= set(self.arrived.get(room, {})):
+                return None
+            arrived = self.arrived.pop(room)
         pieces: Pieces = {}
         for source in sorted(sources):
             _, message, tensors = arrived[source]
@@ -213,41 +233,97 @@ class ZmqShardConnector:
             shape = (num_blocks, *shape)
         return shape, dtype_name(pool.dtype)
 
+    def _read_forever(self) -> None:
+        """The receiving thread: every message on the port, as it arrives, until close()."""
+        while not self.stopping.is_set():
+            if self.inbox.poll(POLL_MS):
+                self._take_messages()
+
     def _take_messages(self) -> None:
-        """Everything waiting on the inbox, authenticated and parsed; the rest logged and
+        """Everything waiting on the inbox, authenticated and parsed; the rest counted and
         dropped (its room then fails by its wait)."""
         while True:
             try:
-                frames = self.inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = receive(self.inbox, self.limits, self.refusals, copy=False)
             except zmq.Again:
-                break
+                return
+            if frames is None:
+                continue
             try:
                 message, tensors = decode([f.buffer for f in frames], self.secret, self.replay)
             except ProtocolError as error:
-                logger.warning("decode rank %d: rejected a message: %s", self.rank, error)
+                self.refusals.refuse(self.limits.name, str(error))
                 continue
             if (
                 not isinstance(message, ShardTransfer)
                 or message.source_rank >= message.source_size
                 or message.source_size > MAX_TP_SIZE
             ):
-                logger.warning("decode rank %d: dropped a %s message", self.rank, message.tag)
+                self.refusals.refuse(self.limits.name, f"a {message.tag} message")
                 continue
-            room = self.arrived.setdefault(message.room, {})
-            room[message.source_rank] = (time.monotonic(), message, tensors)
+            with self.lock:
+                room = self.arrived.setdefault(message.room, {})
+                room[message.source_rank] = (time.monotonic(), message, tensors)
+                self._forget_old()
+
+    def _forget_old(self) -> None:
+        """Rooms past ARRIVED_TTL_S, beyond MAX_ARRIVED_ROOMS, or beyond the bytes this rank's
+        pools hold (more than any rooms it waits for can bring) go, oldest first."""
         oldest = time.monotonic() - ARRIVED_TTL_S
-        while self.arrived and (
-            len(self.arrived) > MAX_ARRIVED_ROOMS
-            or min(t for t, _, _ in next(iter(self.arrived.values())).values()) < oldest
-        ):
-            self.arrived.popitem(last=False)
+        held = sum(
+            t.numel() * t.element_size()
+            for room in self.arrived.values()
+            for _, _, tensors in room.values()
+            for t in tensors.values()
+        )
+        while self.arrived:
+            first = next(iter(self.arrived.values()))
+            if (
+                len(self.arrived) <= MAX_ARRIVED_ROOMS
+                and held <= self.max_arrived_bytes
+                and min(t for t, _, _ in first.values()) >= oldest
+            ):
+                return
+            _, dropped = self.arrived.popitem(last=False)
+            held -= sum(
+                t.numel() * t.element_size() for _, _, ts in dropped.values() for t in ts.values()
+            )
 
     def close(self) -> None:
+        self.stopping.set()
+        if self.reader is not None:
+            self.reader.join()
         for sock in self.outboxes.values():
             sock.close(linger=0)
         if self.inbox is not None:
             self.inbox.close(linger=0)
         self.context.term()
+
+
+def pool_bytes(cache: StateCache) -> int:
+    """Bytes of this rank's KV and Mamba pools: no rooms it waits for can bring more."""
+    tensors = [*cache.k, *cache.v, cache.conv, cache.ssm]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def receive_limits(cache: StateCache, rank: int) -> ReceiveLimits:
+    """A ShardTransfer is a header, a MAC and one frame per planned piece (a component's slice:
+    at most a whole pool of this rank, K or V of every layer, conv or SSM of every slot): the
+    largest part is the largest pool, and a message has at most one piece per component and
+    x | B | C segment."""
+    largest = max(
+        sum(t.numel() * t.element_size() for t in cache.k),
+        sum(t.numel() * t.element_size() for t in cache.v),
+        cache.conv.numel() * cache.conv.element_size(),
+        cache.ssm.numel() * cache.ssm.element_size(),
+        1 << 20,  # the header
+    )
+    return ReceiveLimits(
+        name=f"decode rank {rank} shards",
+        max_part_bytes=largest,
+        max_parts=2 + 3 * len(UNIT_DIM),
+        max_queued=MAX_QUEUED,
+    )
 
 
 def _cut(shard: Shard, p: Piece, skip_pages: int, blocks: slice) -> torch.Tensor:

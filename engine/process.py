@@ -39,6 +39,7 @@ from engine.ipc import (
     decode,
     encode,
 )
+from engine.socket_limits import REFUSALS, REFUSED_STAT, SEND_ONLY, ipc_limits, limit, receive
 
 logger = logging.getLogger("baton.engine")
 
@@ -56,6 +57,7 @@ class EngineProcessSpec:
     engine_args: dict[str, Any]  # Engine keyword arguments the user set (unset ones omitted)
     input_addr: str  # zmq address the server pushes requests to
     output_addr: str  # zmq address the server pulls outputs from
+    max_message_bytes: int  # the largest frame the server sends (socket_limits.add_request_bytes)
     parent_pid: int
     disagg: dict[str, Any] | None  # read by `python -m disagg.process`; None when colocated
 
@@ -73,6 +75,7 @@ class EngineLoop:
     def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
         self.engine = engine
         self.inbox = inbox
+        self.inbox_limits = ipc_limits("engine inbox", inbox.getsockopt(zmq.MAXMSGSIZE))
         self.outbox = outbox
         self.parent_pid = parent_pid
         # A dead tensor-parallel rank fails the engine even while it idles (so /health turns
@@ -114,11 +117,17 @@ class EngineLoop:
         handled = 0
         while True:
             try:
-                frame = self.inbox.recv(zmq.NOBLOCK)
+                frames = receive(self.inbox, self.inbox_limits)
             except zmq.Again:
                 return handled, False
+            if frames is None:
+                continue
+            try:
+                message = decode(frames[0])
+            except Exception as error:  # msgpack's and the messages' own errors
+                REFUSALS.refuse(self.inbox_limits.name, f"not an ipc message: {error!r}"[:200])
+                continue
             handled += 1
-            message = decode(frame)
             if isinstance(message, Shutdown):
                 return handled, True
             if isinstance(message, AbortRequests):
@@ -149,7 +158,8 @@ class EngineLoop:
     def _stats(self) -> dict[str, int | float]:
         # request timing histograms when the engine keeps them (wrapped disagg engines do not)
         timing = getattr(self.engine, "timing_stats", dict)()
-        return asdict(self.engine.stats()) | timing
+        refused = {REFUSED_STAT: REFUSALS.total}
+        return asdict(self.engine.stats()) | timing | refused
 
     def _send(self, message) -> None:
         self.outbox.send(encode(message))
@@ -179,9 +189,9 @@ def main(argv: list[str] | None = None, load_and_run=None) -> int:
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     _die_with_parent()
     context = zmq.Context()
-    inbox = context.socket(zmq.PULL)
+    inbox = limit(context.socket(zmq.PULL), ipc_limits("engine inbox", spec.max_message_bytes))
     inbox.connect(spec.input_addr)
-    outbox = context.socket(zmq.PUSH)
+    outbox = limit(context.socket(zmq.PUSH), SEND_ONLY)
     outbox.connect(spec.output_addr)
     try:
         return load_and_run(spec, inbox, outbox)

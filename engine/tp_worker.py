@@ -26,6 +26,7 @@ from engine.config import ModelConfig
 from engine.gc_freeze import freeze_startup_objects
 from engine.model_loader import load_model, resolve_dtype
 from engine.model_runner import ModelRunner
+from engine.socket_limits import ReceiveLimits, limit, receive
 from engine.state_cache import StateCache
 from engine.tp_handover import apply_handover, gather_addresses, install_report, load_connector
 from engine.tp_messages import (
@@ -44,6 +45,19 @@ from engine.tp_shard import pool_config
 logger = logging.getLogger("baton.tp_worker")
 
 POLL_MS = 200  # idle wait between parent checks
+
+
+def step_limits(spec: RankSpec) -> ReceiveLimits:
+    """A RankStep is one frame: a step's batch (a few ids per token, per page and per slot it
+    uses: no more than the pools hold) and the pool operations since the last one. Its only
+    sender is rank 0, over an ipc file in a directory only this user can enter: a backstop."""
+    positions = spec.num_pages * spec.page_size + spec.num_mamba_slots
+    return ReceiveLimits(
+        name=f"rank {spec.rank} steps",
+        max_part_bytes=256 * positions + (16 << 20),
+        max_parts=1,
+        max_queued=1000,
+    )
 
 
 def run(spec: RankSpec) -> int:
@@ -66,7 +80,8 @@ def run(spec: RankSpec) -> int:
     runner = ModelRunner(model, cache, device)
     connector = load_connector(spec.handover_connector, config, spec.rank, spec.size, cache)
     context = zmq.Context()
-    steps = context.socket(zmq.PULL)
+    limits = step_limits(spec)
+    steps = limit(context.socket(zmq.PULL), limits)
     steps.connect(spec.step_addr)
     tp.barrier(spec.load_timeout_s)
     gather_addresses(tp, connector)  # rank 0 learns where this rank receives shards
@@ -78,7 +93,10 @@ def run(spec: RankSpec) -> int:
                     logger.warning("rank %d: rank 0 (pid %d) is gone", spec.rank, spec.parent_pid)
                     return 0
                 continue
-            message = decode(steps.recv())
+            frames = receive(steps, limits)  # rank 0 is the only peer
+            if frames is None:
+                continue
+            message = decode(frames[0])
             if isinstance(message, RankShutdown):
                 return 0
             if isinstance(message, ReportPools):
