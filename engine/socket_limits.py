@@ -11,9 +11,9 @@ before baton looks. Three limits keep that bounded, set before the socket binds 
 * `max_parts`: the parts a legal message has at most, checked as each part is read (libzmq has
   no option for it); a longer message is read to its end part by part, dropped and counted.
 
-A socket that never receives (PUSH) gets `SEND_ONLY`: one byte and one message queued at most, so
-frames forged at its port cost nothing (a PUSH socket queues what a connected peer sends, up to
-its high-water mark: 1,000 messages of any size by default).
+A socket that never receives (PUSH) gets `SEND_ONLY`: one short message queued at most, so frames
+forged at its port cost nothing (a PUSH socket queues what a connected peer sends, up to its
+high-water mark: 1,000 messages of any size by default).
 
 Messages baton reads and refuses (too many parts here; bad MAC, schema or content in the
 protocol above) are counted per socket and logged at most once per LOG_INTERVAL_S per socket
@@ -41,8 +41,10 @@ class ReceiveLimits:
     max_queued: int
 
 
-# A socket that only sends: whatever arrives on it is not part of any protocol.
-SEND_ONLY = ReceiveLimits(name="send-only socket", max_part_bytes=1, max_parts=1, max_queued=1)
+# A socket that only sends: whatever arrives on it is not part of any protocol. Its part bound
+# still admits the ZMTP handshake's commands (READY with the socket type and identity), which
+# libzmq reads through the same size check: a ZMTP "short" frame.
+SEND_ONLY = ReceiveLimits(name="send-only socket", max_part_bytes=255, max_parts=1, max_queued=1)
 
 
 def limit(sock: zmq.Socket, limits: ReceiveLimits) -> zmq.Socket:
