@@ -5,8 +5,10 @@ both halves of a request whose client left, and guards its routes with the worke
 from __future__ import annotations
 
 import asyncio
+import glob
 import http.client
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.args import SERVER_KEEP_ALIVE_S
 from server.router import ROUTER_KEEPALIVE_EXPIRY_S
+from tests import zmtp
 from tests.server_process import children_of, start_router, start_server, tiny_model
 from tests.test_server_errors import LONE, assert_unending_headers_refused
 from tests.test_server_load import TOKENIZED_WHOLE, HugeRequest, huge_prompt_body
@@ -393,3 +396,66 @@ def test_router_refuses_text_that_is_not_unicode_and_keeps_the_connection(stack,
     assert counted == seen + 1
     assert "Task exception was never retrieved" not in router.log()
     assert "Traceback" not in router.log()
+
+
+def rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def forge(address: str, claimed: bytes, messages: list[list[bytes]]) -> None:
+    """Send `messages` to `address` as a `claimed` peer, reconnecting when libzmq drops the
+    connection (it does when a part is over the socket's limit)."""
+    sock = zmtp.connect(address, claimed)
+    for parts in messages:
+        data = b"".join(zmtp.frame(p, more=i < len(parts) - 1) for i, p in enumerate(parts))
+        if not zmtp.send_all(sock, data):
+            sock.close()
+            sock = zmtp.connect(address, claimed)
+    sock.close()
+
+
+def test_forged_frames_to_every_bound_port_are_bounded_and_counted(stack):
+    """Every ZMQ port a worker binds: the prefill transfer port (ROUTER), the decode worker's
+    rank transfer port (PULL, bound at TP=1 too: a TP > 1 prefill peer sends to it), and each
+    worker's ipc files (the server's PULL inbox and PUSH outbox). 16 MB frames (the decode
+    engine used to keep every one it was sent: 20 raised it by 330 MB, for good) and junk
+    messages: no process keeps more than 50 MB, the junk is counted, and the stack serves."""
+    prefill, decode, router = stack["prefill"], stack["decode"], stack["router"]
+    info = {
+        role: httpx.get(f"{stack[role].base_url}/disagg/info", timeout=10).json()
+        for role in ("prefill", "decode")
+    }
+    ipc = {
+        role: sorted(glob.glob(f"{tempfile.gettempdir()}/baton-{stack[role].process.pid}-*"))
+        for role in ("prefill", "decode")
+    }
+    pids = {}
+    for role in ("prefill", "decode"):
+        pids[f"{role} worker"] = stack[role].process.pid
+        (pids[f"{role} engine"],) = children_of(stack[role].process.pid)
+    before = {name: rss_mb(pid) for name, pid in pids.items()}
+    refused = {
+        "prefill": total(prefill, "baton:disagg_messages_refused_total"),
+        "decode": total(decode, "baton:zmq_messages_refused_total"),
+    }
+    huge, junk = [[b"x" * (16 << 20)]] * 20, [[b"junk header", b"no mac"]] * 30
+    # junk first: a frame over a socket's part bound drops the connection, and what was sent
+    # on it after that is lost
+    (rank_port,) = info["decode"]["rank_transfer_addrs"]
+    forge(rank_port, b"PUSH", junk + [[b"p"] * 40] + huge)  # 40 parts: over the part count
+    forge(info["prefill"]["transfer_addr"], b"DEALER", junk + [[b"p"] * 5] + huge)
+    for role in ("prefill", "decode"):
+        (inbox,) = (p for p in ipc[role] if p.endswith("-out"))  # the server's PULL
+        (outbox,) = (p for p in ipc[role] if p.endswith("-in"))  # the server's PUSH
+        forge(f"ipc://{inbox}", b"PUSH", [[b"junk"]] * 10 + [[b"x" * (16 << 20)]] * 4)
+        forge(f"ipc://{outbox}", b"PULL", huge)
+    body = {"prompt": [5, 6, 7], "max_tokens": 3}  # the stack serves, and engines report stats
+    assert httpx.post(f"{router.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+    time.sleep(3)
+    after = {name: rss_mb(pid) for name, pid in pids.items()}
+    grown = {name: after[name] - before[name] for name in pids}
+    assert all(mb < 50 for mb in grown.values()), grown
+    assert total(prefill, "baton:disagg_messages_refused_total") >= refused["prefill"] + 31
+    # the decode engine's rank port (30 junk + 1 over the part count) and its server's ipc inbox
+    assert total(decode, "baton:zmq_messages_refused_total") >= refused["decode"] + 31 + 10
