@@ -143,8 +143,8 @@ def encode_within(
     tokens: by its bytes (`bound`, max_token_bytes), else by a prefix (module docstring)."""
     if bound is not None and len(text) > limit:  # a character is at least one byte
         size = len(text.encode())
-        if math.ceil(size / bound) > limit:
-            least = math.ceil(size / bound)
+        least = math.ceil(size / bound)
+        if least > limit:
             raise too_long(limit, param, least, f"{size} bytes, at most {bound} per token")
     if len(text) <= FIRST_SLICE_CHARS:
         return encode(text)
@@ -154,8 +154,8 @@ def encode_within(
         if len(ids) > limit:
             raise too_long(limit, param, len(ids), f"its first {cut} characters alone")
         # size the next prefix to hold the limit, from this one's characters per token
-        wanted = int((limit + 1) * PREFIX_MARGIN * cut / max(1, len(ids)))
-        cut = word_start_before(text, max(wanted, 2 * cut)) if wanted < len(text) else None
+        end = max(int((limit + 1) * PREFIX_MARGIN * cut / max(1, len(ids))), 2 * cut)
+        cut = word_start_before(text, end) if end < len(text) else None
     return encode(text)
 
 
