@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError, error_response
+from server.prompt_bound import release_freed_memory
 from server.validation import parse_json_body
 
 logger = logging.getLogger("baton.server")
@@ -18,6 +20,7 @@ logger = logging.getLogger("baton.server")
 # key, as with vLLM. Everything else (/v1/*, /tokenize, /detokenize, /disagg/info, /docs,
 # /openapi.json) costs CPU or describes the deployment, so it follows the key.
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
+TRIM_AFTER_BYTES = 1 << 20  # bodies at least this large are followed by malloc_trim
 
 
 def bearer_matches(authorization: bytes, api_key: str) -> bool:
@@ -90,7 +93,14 @@ class RequestBodyMiddleware:
             replayed = True
             return {"type": "http.request", "body": raw, "more_body": False}
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            if size >= TRIM_AFTER_BYTES:  # a large body (its copies, its tokens) is gone now:
+                chunks.clear()  # give the memory back (server/prompt_bound.py says why)
+                raw = b""
+                scope.get("state", {}).pop("json_body", None)
+                await asyncio.to_thread(release_freed_memory)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(

@@ -19,7 +19,8 @@ Two ways to know a text has more than `limit` tokens without tokenizing it whole
 
 The tokenizer (Rust, in a worker thread) frees what it built, but glibc keeps the freed pages
 in that thread's arena: an 8 MB prompt left a worker ~0.8 GB larger for good. After a long text
-`release_freed_memory` hands them back (malloc_trim).
+`release_freed_memory` hands them back (malloc_trim), and again once a request with a large body
+has been answered (its copies and token ids are freed only then).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from server.errors import APIError
 FIRST_SLICE_CHARS = 64 * 1024
 # A prefix is sized to hold the limit with this margin (bytes per token vary along a text).
 PREFIX_MARGIN = 1.25
-# Tokenizing at least this many characters is followed by malloc_trim.
+# Tokenizing at least this many characters is followed by malloc_trim (and a request with a
+# large body is too, once answered: server/middleware.py).
 TRIM_AFTER_CHARS = 256 * 1024
 
 # Parts of a tokenizer.json that never make the text the model sees shorter than its input.

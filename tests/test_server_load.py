@@ -171,8 +171,10 @@ class HugeRequest(threading.Thread):
 
 def test_a_huge_prompt_does_not_hold_up_health_or_other_clients(server):
     """Tokenizing millions of characters runs in a worker thread: while it runs, /health answers
-    and another client's request completes (ordered against the huge one, not timed)."""
+    and another client's request completes (ordered against the huge one, not timed); and the
+    tokenizer's peak goes back to the system afterwards (4 MB left the worker ~400 MB larger)."""
     body = huge_prompt_body(MODEL_NAME, **TOKENIZED_WHOLE)
+    before = settled_rss_mb(server.process.pid)
     huge = HugeRequest(f"{server.base_url}/v1/completions", body)
     huge.start()
     assert huge.sent.wait(120)
@@ -190,6 +192,8 @@ def test_a_huge_prompt_does_not_hold_up_health_or_other_clients(server):
     assert other_before_huge, "another client's request waited for the huge prompt"
     assert huge.response is not None and huge.response.status_code == 200, huge.response
     assert huge.response.json()["usage"]["prompt_tokens"] == 64
+    after = settled_rss_mb(server.process.pid)
+    assert after - before < 50, f"RSS {before:.0f} -> {after:.0f} MB"
 
 
 JSON = {"content-type": "application/json"}
@@ -201,8 +205,8 @@ def rss_mb(pid: int) -> float:
 
 
 def settled_rss_mb(pid: int) -> float:
-    """RSS a few seconds after a request (what stays, not the peak)."""
-    time.sleep(3)
+    """RSS a moment after a request (what stays, not the peak)."""
+    time.sleep(2)
     return rss_mb(pid)
 
 
@@ -211,9 +215,6 @@ def test_an_8_mb_prompt_is_refused_at_once_and_leaves_no_memory_behind(server):
     10-23 s of CPU and leave the worker ~1 GB larger for good)."""
     body = huge_prompt_body(MODEL_NAME, 8_300_000)
     with server.http() as http:
-        assert (
-            http.post("/v1/completions", content=body, headers=JSON).status_code == 400
-        )  # warm up
         before = settled_rss_mb(server.process.pid)
         started = time.monotonic()
         response = http.post("/v1/completions", content=body, headers=JSON)
@@ -221,19 +222,4 @@ def test_an_8_mb_prompt_is_refused_at_once_and_leaves_no_memory_behind(server):
     after = settled_rss_mb(server.process.pid)
     assert response.status_code == 400 and "exceeds max-model-len" in response.text
     assert elapsed < 1.0, f"refused after {elapsed:.2f} s"
-    assert after - before < 50, f"RSS {before:.0f} -> {after:.0f} MB"
-
-
-def test_a_long_prompt_tokenized_whole_gives_its_memory_back(server):
-    """One cut to its last tokens is tokenized whole (its first tokens are not the ones kept):
-    the tokenizer's peak goes back to the system afterwards."""
-    body = huge_prompt_body(MODEL_NAME, 2_000_000, **TOKENIZED_WHOLE)
-    with server.http() as http:
-        assert (
-            http.post("/v1/completions", content=body, headers=JSON).status_code == 200
-        )  # warm up
-        before = settled_rss_mb(server.process.pid)
-        response = http.post("/v1/completions", content=body, headers=JSON)
-    after = settled_rss_mb(server.process.pid)
-    assert response.status_code == 200, response.text[:300]
     assert after - before < 50, f"RSS {before:.0f} -> {after:.0f} MB"
