@@ -26,11 +26,13 @@ PUBLISHED = FIXTURES / "published_configs"
 # (plus one layer), so the layout's structure (kinds, their order) is the published one.
 LAYOUT_KEYS = ("layer_types", "hybrid_override_pattern", "layers_block_type")
 
-# Per fixture, the size keys a test sets (widths, heads, experts, layer counts): everything
-# else is kept as published. Widths keep the published ratios that transformers checks
+# Per fixture, the size keys a test sets (widths, heads, experts, the vocabulary, layer counts):
+# everything else is kept as published (token ids past the small vocabulary, such as Granite's
+# eos 100257, are only read to stop, and these runs ignore EOS). Widths keep the published ratios that transformers checks
 # (query heads per KV head, Mamba heads per group, Mamba width = heads x head dim).
 SHRUNK: dict[str, dict] = {
     "granite_4_0_h_350m": dict(
+        vocab_size=512,
         hidden_size=48,
         num_attention_heads=6,
         num_key_value_heads=2,
@@ -40,6 +42,7 @@ SHRUNK: dict[str, dict] = {
         shared_intermediate_size=24,
     ),
     "granite_4_0_h_1b": dict(
+        vocab_size=512,
         hidden_size=48,
         num_attention_heads=6,
         num_key_value_heads=2,
@@ -49,6 +52,7 @@ SHRUNK: dict[str, dict] = {
         shared_intermediate_size=24,
     ),
     "granite_4_0_h_micro": dict(
+        vocab_size=512,
         hidden_size=64,
         num_attention_heads=8,
         num_key_value_heads=2,
@@ -58,6 +62,7 @@ SHRUNK: dict[str, dict] = {
         shared_intermediate_size=24,
     ),
     "granite_4_0_h_tiny": dict(
+        vocab_size=512,
         hidden_size=48,
         num_attention_heads=6,
         num_key_value_heads=2,
@@ -68,6 +73,7 @@ SHRUNK: dict[str, dict] = {
         num_local_experts=8,
     ),
     "bamba_9b": dict(
+        vocab_size=512,
         hidden_size=64,
         num_attention_heads=8,
         num_key_value_heads=2,
@@ -77,6 +83,7 @@ SHRUNK: dict[str, dict] = {
         intermediate_size=32,
     ),
     "nemotron_nano_9b_v2": dict(
+        vocab_size=512,
         hidden_size=64,
         num_attention_heads=10,
         num_key_value_heads=2,
@@ -98,7 +105,7 @@ SHRUNK: dict[str, dict] = {
         mamba_d_ssm=32,
         intermediate_size=32,
         num_hidden_layers=2,
-        vocab_size=320,
+        vocab_size=512,
     ),
     "zamba2_2_7b_instruct_v2": dict(
         hidden_size=32,
@@ -112,9 +119,10 @@ SHRUNK: dict[str, dict] = {
         intermediate_size=48,
         ffn_hidden_size=48,
         adapter_rank=4,
-        vocab_size=320,
+        vocab_size=512,
     ),
     "nemotron3_nano_30b_a3b": dict(
+        vocab_size=512,
         hidden_size=32,
         num_attention_heads=4,
         num_key_value_heads=2,
