@@ -40,7 +40,7 @@ def router_serving(schema: dict):
 
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":  # schemathesis starts one per request: probed above
-            while (message := await receive())["type"] != "lifespan.shutdown":
+            while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
         elif scope["path"] == "/openapi.json":
