@@ -40,7 +40,15 @@ from disagg.protocol import (
 from disagg.rooms import is_loopback
 from disagg.tp_layout import ENDPOINT, MAX_TP_SIZE, UNIT_DIM, Piece, check_prefill_size, plan
 from engine.config import ModelConfig
-from engine.socket_limits import REFUSALS, SEND_ONLY, ReceiveLimits, limit, receive
+from engine.cpu_allocator import release_freed_memory
+from engine.socket_limits import (
+    LARGE_FRAME_BYTES,
+    REFUSALS,
+    SEND_ONLY,
+    ReceiveLimits,
+    limit,
+    receive,
+)
 from engine.state_cache import StateCache
 from engine.tp_handover import Pieces, Shard
 from engine.tp_messages import InstallShard, SendShard
@@ -253,6 +261,10 @@ class ZmqShardConnector:
                 message, tensors = decode([f.buffer for f in frames], self.secret, self.replay)
             except ProtocolError as error:
                 self.refusals.refuse(self.limits.name, str(error))
+                size = sum(len(f.buffer) for f in frames)
+                del frames
+                if size >= LARGE_FRAME_BYTES:  # and none of the memory it took stays
+                    release_freed_memory()
                 continue
             if (
                 not isinstance(message, ShardTransfer)

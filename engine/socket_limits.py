@@ -31,6 +31,8 @@ import zmq
 logger = logging.getLogger("baton.sockets")
 
 LOG_INTERVAL_S = 10.0
+# A refused message at least this large is followed by malloc_trim: its memory goes back.
+LARGE_FRAME_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

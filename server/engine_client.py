@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from engine.config import ModelConfig
+from engine.cpu_allocator import release_freed_memory
 from engine.cpu_threads import engine_environment
 from engine.detokenizer import OutputDetokenizer
 from engine.ipc import (
@@ -44,6 +45,7 @@ from engine.outputs import RequestDelta
 from engine.process import EngineProcessSpec
 from engine.sampling_params import SamplingParams
 from engine.socket_limits import (
+    LARGE_FRAME_BYTES,
     REFUSALS,
     REFUSED_STAT,
     SEND_ONLY,
@@ -285,6 +287,10 @@ class EngineClient:
                 message = decode(frames[0])
             except Exception as error:  # never the engine's: one frame costs a log line at most
                 REFUSALS.refuse(ENGINE_OUTPUTS.name, f"not an ipc message: {error!r}"[:200])
+                size = sum(map(len, frames))
+                del frames
+                if size >= LARGE_FRAME_BYTES:  # and none of the memory it took stays
+                    await asyncio.to_thread(release_freed_memory)
                 continue
             if isinstance(message, StepOutput):
                 # the engine's refused frames, and this process's (the server inbox's)

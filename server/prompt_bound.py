@@ -19,15 +19,12 @@ Two ways to know a text has more than `limit` tokens without tokenizing it whole
 
 The tokenizer (Rust, in a worker thread) frees what it built, but glibc keeps the freed pages
 in that thread's arena: an 8 MB prompt left a worker ~0.8 GB larger for good. After a long text
-`release_freed_memory` hands them back (malloc_trim), and again once a request with a large body
+`engine.cpu_allocator.release_freed_memory` hands them back (malloc_trim), and again once a request with a large body
 has been answered (its copies and token ids are freed only then).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import json
 import math
 import re
@@ -159,20 +156,3 @@ def encode_within(
         end = max(int((limit + 1) * PREFIX_MARGIN * cut / max(1, len(ids))), 2 * cut)
         cut = word_start_before(text, end) if end < len(text) else None
     return encode(text)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
-
-
-def release_freed_memory() -> None:
-    """Hand freed heap pages back to the system (glibc's malloc_trim; nothing elsewhere)."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)

@@ -13,13 +13,9 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from engine.cpu_allocator import release_freed_memory
 from server.errors import APIError
-from server.prompt_bound import (
-    TRIM_AFTER_CHARS,
-    encode_within,
-    release_freed_memory,
-    tokenizer_bound,
-)
+from server.prompt_bound import TRIM_AFTER_CHARS, encode_within, tokenizer_bound
 from server.protocol import ChatMessage
 
 
