@@ -10,6 +10,13 @@ before baton looks. Three limits keep that bounded, set before the socket binds 
   stops reading from that peer (TCP pushes back).
 * `max_parts`: the parts a legal message has at most, checked as each part is read (libzmq has
   no option for it); a longer message is read to its end part by part, dropped and counted.
+  libzmq hands a message over only once all its parts are in, and bounds neither their number
+  nor the parts of a message still arriving: a peer that sends a message of very many small
+  parts is held to its sum, not to max_parts (MAC-authenticated channels drop it once read; only
+  a transport-level handshake, such as CURVE, would keep an unauthenticated peer out earlier).
+
+A part over `max_part_bytes` is refused by libzmq itself (the connection is dropped); it never
+reaches baton, so it is not in the refusal counts.
 
 A socket that never receives (PUSH) gets `SEND_ONLY`: one short message queued at most, so frames
 forged at its port cost nothing (a PUSH socket queues what a connected peer sends, up to its
