@@ -43,10 +43,10 @@ def main() -> None:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from engine.forward_metadata import ScheduledBatch
-    from engine.graph_runner import DecodeGraphRunner
-    from engine.model_runner import ModelRunner
-    from engine.state_cache import StateCache
+    from engine.cache.pools import StateCache
+    from engine.executor.forward_metadata import ScheduledBatch
+    from engine.executor.graph_runner import DecodeGraphRunner
+    from engine.executor.model_runner import ModelRunner
     from tests.gpu.test_graph_runner_gpu import NANO_LIKE
 
     batches = [int(b) for b in args.batches.split(",")]

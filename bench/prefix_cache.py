@@ -19,8 +19,8 @@ import time
 import torch
 
 from bench.workloads import CONFIGS, save_model
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from engine.core.engine import Engine
+from engine.core.sampling_params import SamplingParams
 
 
 def ttft(engine: Engine, prompt: list[int], rid: str) -> float:

@@ -35,9 +35,9 @@ from disagg.rooms import DisaggConfig
 from disagg.tp_layout import owned
 from disagg.tp_transfer import connector_spec
 from engine.config import ModelConfig
-from engine.engine import Engine
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.core.engine import Engine
+from engine.core.llm import LLM
+from engine.core.sampling_params import SamplingParams
 
 PAGE_SIZE = 16
 

@@ -31,8 +31,8 @@ from bench.workloads import save_model
 from disagg.decode import DecodeWorker
 from disagg.prefill import PrefillWorker
 from disagg.rooms import DisaggConfig
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from engine.core.engine import Engine
+from engine.core.sampling_params import SamplingParams
 
 ENGINE_ARGS = dict(enable_prefix_caching=False, max_total_tokens=16384, max_running_requests=4)
 

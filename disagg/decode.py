@@ -40,11 +40,11 @@ from disagg.protocol import (
 )
 from disagg.rooms import DisaggConfig, RoomState, TransferCounters, compat_of, now
 from disagg.tp_layout import TPLayout
-from engine.engine import Engine
-from engine.engine_args import EngineStats
-from engine.memory import OutOfMemory
-from engine.sampling_params import SamplingParams
-from engine.socket_limits import Refusals, receive
+from engine.cache.memory import OutOfMemory
+from engine.core.engine import Engine
+from engine.core.engine_args import EngineStats
+from engine.core.sampling_params import SamplingParams
+from engine.runtime.socket_limits import Refusals, receive
 
 logger = logging.getLogger("baton.disagg.decode")
 PEER_REFUSALS = Refusals()  # rate-limited logs of the refusals `counters` counts

@@ -21,8 +21,8 @@ from disagg.protocol import STATE_CARRIER
 from disagg.rooms import now
 from disagg.schema import MAX_STRING, tensor_fields
 from disagg.tp_layout import MAX_TP_SIZE
-from engine.handover import HandoverLayout
-from engine.socket_limits import ReceiveLimits, limit
+from engine.handover.state import HandoverLayout
+from engine.runtime.socket_limits import ReceiveLimits, limit
 
 # ZMTP heartbeats on each connection to a prefill worker: a ping a second, the connection dropped
 # after 5 s without an answer (a host that vanished without closing its sockets).

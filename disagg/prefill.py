@@ -25,10 +25,10 @@ from disagg.protocol import ProtocolError, ReplayGuard, decode, encode
 from disagg.rooms import DisaggConfig, FaultInjection, TransferCounters, compat_of, is_loopback, now
 from disagg.schema import MAX_STRING
 from disagg.tp_layout import refusal
-from engine.engine import Engine
-from engine.engine_args import EngineStats
-from engine.sampling_params import SamplingParams
-from engine.socket_limits import Refusals, limit, receive
+from engine.core.engine import Engine
+from engine.core.engine_args import EngineStats
+from engine.core.sampling_params import SamplingParams
+from engine.runtime.socket_limits import Refusals, limit, receive
 
 logger = logging.getLogger("baton.disagg.prefill")
 PEER_REFUSALS = Refusals()  # rate-limited logs of the refusals `counters` counts

@@ -19,8 +19,8 @@ import zmq
 from disagg.messages import KVChunk, MambaChunk, Register, StateTransfer, TensorSpec
 from disagg.protocol import encode, state_message, tensor_specs
 from disagg.rooms import RoomState, TransferCounters, now
-from engine.engine import Engine
-from engine.handover import HandoverLayout, RequestState
+from engine.core.engine import Engine
+from engine.handover.state import HandoverLayout, RequestState
 
 logger = logging.getLogger("baton.disagg.prefill")
 

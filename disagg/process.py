@@ -1,6 +1,6 @@
 """The engine process of a disaggregated worker: `python -m disagg.process SPEC_JSON`.
 
-The same loop as the colocated engine process (engine.process.EngineLoop), around a
+The same loop as the colocated engine process (engine.runtime.process.EngineLoop), around a
 PrefillWorker or DecodeWorker instead of a bare Engine: it also waits on the transfer sockets,
 reports failed rooms to the server as RequestFailed, and adds transfer counters to the stats.
 """
@@ -17,10 +17,17 @@ from disagg.decode import DecodeWorker
 from disagg.prefill import PrefillWorker
 from disagg.rooms import DisaggConfig
 from disagg.tp_transfer import SECRET_ENV, connector_spec
-from engine import process as engine_process
-from engine.engine import Engine
-from engine.gc_freeze import freeze_startup_objects
-from engine.ipc import AddRequest, EngineFailed, EngineReady, RequestFailed, StepOutput, encode
+from engine.core.engine import Engine
+from engine.runtime import process as engine_process
+from engine.runtime.gc_freeze import freeze_startup_objects
+from engine.runtime.ipc import (
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    RequestFailed,
+    StepOutput,
+    encode,
+)
 
 logger = logging.getLogger("baton.disagg")
 

@@ -40,7 +40,7 @@ from disagg.schema import (
     tensor_fields,
     to_wire,
 )
-from engine.handover import RequestState
+from engine.handover.state import RequestState
 
 # 2: K/V and Mamba chunks carry one frame per layer. 3: Register carries the decode side's
 # transfer timeout (the prefill side keeps zero-copy sends' pages no longer than that).

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from disagg.messages import Compat
-from engine.handover import HandoverLayout
+from engine.handover.state import HandoverLayout
 
 Role = Literal["prefill", "decode"]
 RoomState = Literal["bootstrapping", "waiting_for_input", "transferring", "success", "failed"]

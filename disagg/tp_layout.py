@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from engine import parallel
 from engine.config import ConfigError, ModelConfig
 from engine.parallel import TensorParallel
-from engine.tp_shard import Ranges, check_tp_supported, mamba_shard
+from engine.parallel.support import Ranges, check_tp_supported, mamba_shard
 
 # A peer may claim any size; these bound what one claim can make this side compute or connect.
 MAX_TP_SIZE = 256

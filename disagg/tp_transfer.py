@@ -1,7 +1,7 @@
 """Each rank's handover connector when either side of a disaggregated pair runs TP > 1: a prefill
 rank sends every decode rank the slices it was planned to (disagg.tp_layout.plan); a decode rank
 receives its pieces from each planned source, checks every byte against its own plan, and hands
-them to the engine to install (engine/tp_handover.py). Nothing is gathered through rank 0.
+them to the engine to install (engine/handover/shards.py). Nothing is gathered through rank 0.
 
     prefill rank p ── PUSH ──(ShardTransfer: room, p, P, first page, frames component@offset)──>
         PULL on decode rank d (its address is in the decode side's Register, TPLayout)
@@ -14,7 +14,7 @@ A decode rank's port is read all the time, by a thread of its own, whether or no
 (a TP=1 decode worker needs it when its prefill peer runs TP > 1, and is never told in advance):
 each message is authenticated and parsed on arrival, what fails is dropped and counted, and what
 passes is kept at most ARRIVED_TTL_S and within the bytes this rank's pools hold
-(engine/socket_limits.py bounds each part and the queue before that).
+(engine/runtime/socket_limits.py bounds each part and the queue before that).
 """
 
 from __future__ import annotations
@@ -39,9 +39,12 @@ from disagg.protocol import (
 )
 from disagg.rooms import is_loopback
 from disagg.tp_layout import ENDPOINT, MAX_TP_SIZE, UNIT_DIM, Piece, check_prefill_size, plan
+from engine.cache.pools import StateCache
 from engine.config import ModelConfig
-from engine.cpu_allocator import release_freed_memory
-from engine.socket_limits import (
+from engine.handover.shards import Pieces, Shard
+from engine.parallel.messages import InstallShard, SendShard
+from engine.runtime.cpu_allocator import release_freed_memory
+from engine.runtime.socket_limits import (
     LARGE_FRAME_BYTES,
     REFUSALS,
     SEND_ONLY,
@@ -49,9 +52,6 @@ from engine.socket_limits import (
     limit,
     receive,
 )
-from engine.state_cache import StateCache
-from engine.tp_handover import Pieces, Shard
-from engine.tp_messages import InstallShard, SendShard
 
 logger = logging.getLogger("baton.disagg.tp_transfer")
 

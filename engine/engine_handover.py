@@ -10,17 +10,17 @@ from typing import Protocol
 
 import torch
 
+from engine.cache.memory import OutOfMemory
+from engine.cache.pools import StateCache
+from engine.cache.prefix_cache import PrefixCache
+from engine.checkpoint.fingerprint import config_fingerprint, weights_fingerprint
 from engine.config import ModelConfig
-from engine.fingerprint import config_fingerprint, weights_fingerprint
-from engine.handover import HandoverLayout, Preallocation, RequestState
-from engine.memory import OutOfMemory
-from engine.outputs import RequestDelta, TokenLogprobs
-from engine.prefix_cache import PrefixCache
-from engine.request import Request, Status
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.state_cache import StateCache
+from engine.core.outputs import RequestDelta, TokenLogprobs
+from engine.core.request import Request, Status
+from engine.core.sampler import Sampler
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.handover.state import HandoverLayout, Preallocation, RequestState
 
 
 class Hold(Protocol):

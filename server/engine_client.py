@@ -27,10 +27,12 @@ import zmq
 import zmq.asyncio
 
 from engine.config import ModelConfig
-from engine.cpu_allocator import release_freed_memory
-from engine.cpu_threads import engine_environment
-from engine.detokenizer import OutputDetokenizer
-from engine.ipc import (
+from engine.core.detokenizer import OutputDetokenizer
+from engine.core.outputs import RequestDelta
+from engine.core.sampling_params import SamplingParams
+from engine.runtime.cpu_allocator import release_freed_memory
+from engine.runtime.cpu_threads import engine_environment
+from engine.runtime.ipc import (
     AbortRequests,
     AddRequest,
     EngineFailed,
@@ -41,10 +43,8 @@ from engine.ipc import (
     decode,
     encode,
 )
-from engine.outputs import RequestDelta
-from engine.process import EngineProcessSpec
-from engine.sampling_params import SamplingParams
-from engine.socket_limits import (
+from engine.runtime.process import EngineProcessSpec
+from engine.runtime.socket_limits import (
     LARGE_FRAME_BYTES,
     REFUSALS,
     REFUSED_STAT,
@@ -147,7 +147,7 @@ class EngineClient:
             parent_pid=os.getpid(),
             disagg=self.args.disagg_options(),
         )
-        module = "engine.process" if spec.disagg is None else "disagg.process"
+        module = "engine.runtime.process" if spec.disagg is None else "disagg.process"
         env = engine_environment(os.environ, self.args.cpu_threads)
         if self.args.disagg_secret:  # never on a command line (server/secret_flags.py)
             env[DISAGG_SECRET_ENV] = self.args.disagg_secret

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from engine.outputs import RequestDelta, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import RequestDelta, TokenLogprobs
+from engine.core.sampling_params import SamplingParams
 from server.args import ServerArgs
 from server.engine_client import (
     EngineClient,

@@ -21,7 +21,7 @@ from types import FrameType
 import uvicorn
 
 from engine.config import ModelConfig
-from engine.gc_freeze import freeze_startup_objects
+from engine.runtime.gc_freeze import freeze_startup_objects
 from server.app import build_app
 from server.args import HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S, ServerArgs
 from server.engine_client import EngineClient

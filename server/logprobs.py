@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from engine.outputs import TokenLogprobs
+from engine.core.outputs import TokenLogprobs
 from server.tokenizer import Tokenizer
 
 _FLOOR = -9999.0  # JSON has no -inf; a token the sampler ruled out gets this instead

@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from disagg.rooms import LATENCY_BUCKET_KEY
-from engine.request_timing import HISTOGRAMS, STATS_PREFIX
+from engine.core.request_timing import HISTOGRAMS, STATS_PREFIX
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -121,7 +121,7 @@ _ENGINE_METRICS = {
 }
 
 
-# engine/request_timing.py histogram -> help (metric name: baton:<histogram>)
+# engine/core/request_timing.py histogram -> help (metric name: baton:<histogram>)
 _REQUEST_TIMING_HELP = {
     "request_queue_time_seconds": "Engine: time from a request's arrival to its first step.",
     "request_prefill_time_seconds": "Engine: time from a request's first step to its first token.",

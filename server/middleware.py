@@ -10,7 +10,7 @@ from collections.abc import Callable
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.cpu_allocator import release_freed_memory
+from engine.runtime.cpu_allocator import release_freed_memory
 from server.errors import APIError, error_response
 from server.validation import parse_json_body
 

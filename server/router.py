@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from engine.gc_freeze import freeze_startup_objects
+from engine.runtime.gc_freeze import freeze_startup_objects
 from server.args import DEFAULT_MAX_REQUEST_BYTES, HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S
 from server.errors import APIError, ErrorJSONResponse, install_error_handlers
 from server.middleware import OPEN_PATHS, AnswerGuard, ApiKeyMiddleware, RequestBodyMiddleware

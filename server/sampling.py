@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from server.errors import APIError
 from server.protocol import GenerationFields
 

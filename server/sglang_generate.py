@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from engine.outputs import TokenLogprobs
+from engine.core.outputs import TokenLogprobs
 from server.completions import start_completion
 from server.errors import APIError
 from server.generation import ChoiceResult, ServerState, collect, sse, sse_guard, timed_deltas

@@ -1,6 +1,6 @@
 """The server's tokenizer: prompts and chat templates to ids, ids to text and to exact bytes.
 
-Generated text is detokenized incrementally by EngineClient.generate (engine/detokenizer.py)
+Generated text is detokenized incrementally by EngineClient.generate (engine/core/detokenizer.py)
 from the engine's token ids; this class decodes single tokens for logprobs, where OpenAI wants
 each token's string and raw bytes.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from engine.cpu_allocator import release_freed_memory
+from engine.runtime.cpu_allocator import release_freed_memory
 from server.errors import APIError
 from server.prompt_bound import TRIM_AFTER_CHARS, encode_within, tokenizer_bound
 from server.protocol import ChatMessage
@@ -45,7 +45,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     }
 )  # fmt: skip
 
-# What AutoTokenizer needs at least one of (engine/engine.py's offline LLM checks the same).
+# What AutoTokenizer needs at least one of (engine/core/engine.py's offline LLM checks the same).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 

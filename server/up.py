@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from engine.cpu_threads import cores_per_engine
-from engine.model_loader import DTYPE_NAMES
+from engine.checkpoint.loader import DTYPE_NAMES
+from engine.runtime.cpu_threads import cores_per_engine
 from server.router import DEFAULT_MAX_CONCURRENT_REQUESTS
 from server.secret_flags import (
     API_KEY_ENV,
@@ -156,7 +156,7 @@ def run_up(ns) -> int:
         common += ["--tokenizer", ns.tokenizer]
     threads = {"prefill": [], "decode": []}
     if ns.device == "cpu" and not any(a.split("=")[0] == "--cpu-threads" for a in ns.worker_args):
-        # Every rank of both engines gets an equal share of the cores (engine/cpu_threads.py):
+        # Every rank of both engines gets an equal share of the cores (engine/runtime/cpu_threads.py):
         # a worker's engine is given its ranks' shares and divides them among its ranks.
         share = cores_per_engine(sizes["prefill"] + sizes["decode"])
         threads = {role: ["--cpu-threads", str(share * size)] for role, size in sizes.items()}

@@ -100,7 +100,7 @@ def test_sigterm_stops_the_server_the_benchmark_started():
 def test_each_baton_servers_matmul_dtype_choices_are_read_from_its_log(tmp_path):
     log = tmp_path / "baton.log"
     log.write_text(
-        "2026-12-01 engine.process INFO loading\n"
+        "2026-12-01 engine.runtime.process INFO loading\n"
         "2026-12-01 engine.layers.cpu_backend INFO CPU matmul dtype (BATON_CPU_MATMUL_DTYPE=auto)"
         " auto: 768x2048: bfloat16 (0.71 ms bfloat16 / 1.56 ms float32)\n"
     )

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from engine.cache.pools import StateCache
+from engine.checkpoint.loader import load_model
 from engine.config import ModelConfig
-from engine.forward_metadata import ScheduledBatch
-from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
-from engine.state_cache import StateCache
+from engine.executor.forward_metadata import ScheduledBatch
+from engine.executor.model_runner import ModelRunner
 
 
 def _prefill(tokens: list[int], slot: int, pages: list[int]) -> ScheduledBatch:

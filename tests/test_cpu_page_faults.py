@@ -3,7 +3,7 @@ temporary (logits, activations, gathered states, metadata) is served from memory
 already touched. A multi-MB tensor mapped afresh each step page-faults in on first touch, which
 costs more than the arithmetic that fills it, so the minor page faults counted over the decode
 steps are the oracle. (glibc keeps freed blocks for reuse by itself once its dynamic mmap
-threshold has risen, and engine/cpu_allocator.py pins the threshold at its 32 MiB ceiling; with
+threshold has risen, and engine/runtime/cpu_allocator.py pins the threshold at its 32 MiB ceiling; with
 the threshold forced down to 128 KiB and the logits widened into a fresh tensor, this test counts
 ~770 faults a step.)"""
 

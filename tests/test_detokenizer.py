@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine.detokenizer import IncrementalDetokenizer, OutputDetokenizer
-from engine.outputs import RequestDelta
+from engine.core.detokenizer import IncrementalDetokenizer, OutputDetokenizer
+from engine.core.outputs import RequestDelta
 
 ASSETS = Path(__file__).parents[1] / "assets"
 TEXTS = [
@@ -126,8 +126,8 @@ def test_each_token_is_decoded_once_without_re_decoding(tokenizer, monkeypatch):
 
 def test_engine_step_does_no_detokenization(tiny_models, monkeypatch):
     """The step loop returns token ids only: a tokenizer that fails on use does not stop it."""
-    from engine.engine import Engine
-    from engine.sampling_params import SamplingParams
+    from engine.core.engine import Engine
+    from engine.core.sampling_params import SamplingParams
 
     model_dir, _ = tiny_models("base")
     engine = Engine(model_dir, page_size=4)

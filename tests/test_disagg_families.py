@@ -25,9 +25,9 @@ import zmq
 from disagg.decode import DecodeWorker
 from disagg.prefill import PrefillWorker
 from engine import SamplingParams
+from engine.checkpoint.fingerprint import weights_fingerprint
 from engine.config import ModelConfig
-from engine.engine import Engine
-from engine.fingerprint import weights_fingerprint
+from engine.core.engine import Engine
 from tests.conftest import TINY_CONFIGS
 from tests.families import FAMILY_CONFIGS, save_family_model
 from tests.reference import assert_greedy_matches, hf_greedy

@@ -31,7 +31,7 @@ from disagg.protocol import (
     encode,
     state_message,
 )
-from engine.engine import Engine
+from engine.core.engine import Engine
 from tests.test_disagg_hardening import PARAMS, serves_a_request
 from tests.test_disagg_protocol import a_state, register_body
 from tests.test_disagg_unit import assert_pools_empty, config

@@ -30,7 +30,7 @@ from disagg.protocol import (
     state_message,
 )
 from engine import SamplingParams
-from engine.engine import Engine
+from engine.core.engine import Engine
 from server.args import ServerArgs
 from tests.test_disagg_protocol import a_state, register_body
 from tests.test_disagg_unit import assert_pools_empty, config

@@ -31,7 +31,7 @@ from disagg.protocol import (
     request_state,
     state_message,
 )
-from engine.handover import RequestState
+from engine.handover.state import RequestState
 
 
 def a_state(**overrides) -> RequestState:

@@ -35,8 +35,8 @@ from disagg.rooms import DisaggConfig
 from disagg.tp_layout import TPLayout, owned, plan
 from disagg.tp_transfer import SECRET_ENV, connector_spec
 from engine.config import ModelConfig
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from engine.core.engine import Engine
+from engine.core.sampling_params import SamplingParams
 from tests.tiny import save_tiny_model
 
 SECRET = "tp-s3cret"
@@ -466,7 +466,7 @@ def _fake_state(config: ModelConfig, prompt, first_page: int, blocks: int):
     """A first-token state (what goes through rank 0) claiming pages from `first_page` and
     checkpoints of `blocks` blocks from block 0 (no pages, no Mamba layers: those go rank to
     rank)."""
-    from engine.handover import RequestState
+    from engine.handover.state import RequestState
 
     conv = (config.conv_dim, config.conv_kernel - 1)
     ssm = (config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size)
@@ -490,7 +490,7 @@ def test_install_report_carries_a_failed_ranks_reason_to_rank_0():
     so the room's error names the problem whichever rank's shard arrived first."""
     from types import SimpleNamespace
 
-    from engine.tp_handover import (
+    from engine.handover.shards import (
         FAILED,
         INSTALLED,
         REASON_BYTES,

@@ -27,7 +27,7 @@ from disagg.protocol import (
 )
 from disagg.rooms import DisaggConfig
 from engine import SamplingParams
-from engine.engine import Engine
+from engine.core.engine import Engine
 from tests.same_outputs import assert_same_tokens_and_logprobs, chosen
 
 
@@ -520,7 +520,7 @@ def test_a_preempted_request_keeps_its_hold_for_the_pages_it_writes_after(base_m
 
 
 def test_pages_freed_as_a_run_come_back_as_a_run():
-    from engine.memory import IndexPool
+    from engine.cache.memory import IndexPool
 
     pool = IndexPool(16, "pages")
     first = pool.alloc(5)
@@ -632,7 +632,7 @@ def test_worker_loop_reports_freed_pages_after_a_peer_fails_a_room(base_model):
         Reject,
     )
     from disagg.process import DisaggEngineLoop
-    from engine import ipc
+    from engine.runtime import ipc
 
     model_dir, _ = base_model
     ctx = zmq.Context()

@@ -12,7 +12,7 @@ import zmq
 from disagg.decode import DecodeWorker
 from disagg.prefill import PrefillWorker
 from engine import LLM, SamplingParams
-from engine.engine import Engine
+from engine.core.engine import Engine
 from tests.families import FAMILY_CONFIGS
 from tests.reference import hf_greedy, hf_prompt_logprobs
 from tests.same_outputs import assert_same_outputs

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.cache.pools import StateCache
+from engine.checkpoint.loader import load_model
 from engine.config import ModelConfig
-from engine.forward_metadata import ScheduledBatch, TrackPoint
-from engine.graph_runner import DecodeGraphRunner, capture_sizes
-from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
-from engine.state_cache import StateCache
+from engine.executor.forward_metadata import ScheduledBatch, TrackPoint
+from engine.executor.graph_runner import DecodeGraphRunner, capture_sizes
+from engine.executor.model_runner import ModelRunner
 from tests.same_outputs import assert_same_outputs
 
 PAGE = 4

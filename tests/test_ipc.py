@@ -9,7 +9,9 @@ import msgpack
 import pytest
 import zmq
 
-from engine.ipc import (
+from engine.core.outputs import RequestDelta
+from engine.core.sampling_params import SamplingParams
+from engine.runtime.ipc import (
     AbortRequests,
     AddRequest,
     EngineFailed,
@@ -20,9 +22,7 @@ from engine.ipc import (
     decode,
     encode,
 )
-from engine.outputs import RequestDelta
-from engine.process import EngineLoop, EngineProcessSpec
-from engine.sampling_params import SamplingParams
+from engine.runtime.process import EngineLoop, EngineProcessSpec
 from tests.fake_engine import FakeEngine
 
 
@@ -240,13 +240,13 @@ def test_the_engine_process_exempts_start_up_objects_from_the_garbage_collector(
     model_dir, monkeypatch
 ):
     """A full collection over everything a loaded engine holds stalls a step for tens of ms
-    (engine/gc_freeze.py): the engine process freezes what exists once it has loaded."""
+    (engine/runtime/gc_freeze.py): the engine process freezes what exists once it has loaded."""
     import gc
 
-    import engine.process
+    import engine.runtime.process
 
     loaded = {"weights": []}  # stands for what loading made (a container: tracked)
-    monkeypatch.setattr(engine.process, "Engine", FakeEngine)
+    monkeypatch.setattr(engine.runtime.process, "Engine", FakeEngine)
     monkeypatch.setattr(FakeEngine, "close", lambda self: None, raising=False)
     spec = EngineProcessSpec(
         model=model_dir,
@@ -266,7 +266,7 @@ def test_the_engine_process_exempts_start_up_objects_from_the_garbage_collector(
     try:
         gc.unfreeze()
         assert any(o is loaded for o in gc.get_objects())
-        assert engine.process._load_and_run(spec, inbox, outbox) == 0
+        assert engine.runtime.process._load_and_run(spec, inbox, outbox) == 0
         assert isinstance(decode(server.recv()), EngineReady)
         assert gc.get_freeze_count() > 0
         assert not any(o is loaded for o in gc.get_objects())  # frozen: never scanned

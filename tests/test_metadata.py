@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.cache.pools import StateCache
+from engine.checkpoint.loader import load_model
 from engine.config import ModelConfig
-from engine.forward_metadata import (
+from engine.executor.forward_metadata import (
     ForwardBatch,
     ForwardMetadata,
     Mamba2Metadata,
@@ -18,11 +20,9 @@ from engine.forward_metadata import (
     TrackPoint,
     build_metadata,
 )
-from engine.graph_runner import DecodeGraphRunner
-from engine.metadata_buffers import MetadataBuffers
-from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
-from engine.state_cache import StateCache
+from engine.executor.graph_runner import DecodeGraphRunner
+from engine.executor.metadata_buffers import MetadataBuffers
+from engine.executor.model_runner import ModelRunner
 
 CARRIERS = [TrackPoint, ScheduledBatch, ForwardBatch, ForwardMetadata, Mamba2Metadata]
 PAGE, CHUNK, CONV = 4, 8, 4

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.engine import Engine
-from engine.forward_metadata import ScheduledBatch, build_metadata
-from engine.graph_runner import copy_from
-from engine.metadata_buffers import MetadataBuffers
+from engine.core.engine import Engine
+from engine.executor.forward_metadata import ScheduledBatch, build_metadata
+from engine.executor.graph_runner import copy_from
+from engine.executor.metadata_buffers import MetadataBuffers
 from kernels.attention import build_attention_layout
 from tests.test_metadata import CHUNK, CONV, PAGE, scheduled
 

@@ -1,4 +1,4 @@
-"""Per-request engine timing (engine/request_timing.py): queue / prefill / decode time, steps
+"""Per-request engine timing (engine/core/request_timing.py): queue / prefill / decode time, steps
 waited and the first step's size, as vLLM's `vllm:request_*` histograms, on /metrics."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.engine import Engine
-from engine.request_timing import STATS_PREFIX, RequestTiming
-from engine.sampling_params import SamplingParams
+from engine.core.engine import Engine
+from engine.core.request_timing import STATS_PREFIX, RequestTiming
+from engine.core.sampling_params import SamplingParams
 from tests.server_process import start_server, tiny_model
 from tests.test_scheduler import make, req
 

@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
+from engine.cache.pools import StateCache
+from engine.checkpoint.loader import load_model
+from engine.checkpoint.weights import WeightError
 from engine.config import ConfigError, ModelConfig
-from engine.forward_metadata import ScheduledBatch
-from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
-from engine.state_cache import StateCache
-from engine.weights import WeightError
+from engine.executor.forward_metadata import ScheduledBatch
+from engine.executor.model_runner import ModelRunner
 from tests.reference import assert_greedy_matches, hf_greedy, hf_prompt_logprobs
 
 CONFIG_NAMES = ["base", "odd", "single_group_tied", "mamba_only", "attention_only"]

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
+from engine.checkpoint.loader import load_model
+from engine.checkpoint.weights import WeightError
 from engine.config import ConfigError, ModelConfig
-from engine.model_loader import load_model
-from engine.weights import WeightError
 from tests.reference import assert_greedy_matches, hf_greedy
 from tests.tiny import save_tiny_model
 
@@ -163,7 +163,7 @@ def test_sharded_moe_checkpoint_with_mtp_tensors_loads(tiny_models, tmp_path, ca
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_dir / name, tmp_path / name)
-    with caplog.at_level(logging.INFO, logger="engine.weights"):
+    with caplog.at_level(logging.INFO, logger="engine.checkpoint.weights"):
         tokens = list(range(3, 30))
         assert _logits(tmp_path, tokens) == _logits(model_dir, tokens)
     assert [r.message for r in caplog.records if "mtp" in r.message] == [

@@ -10,7 +10,7 @@ import zmq
 from disagg.decode import DecodeWorker
 from disagg.prefill import PrefillWorker
 from engine import LLM, SamplingParams
-from engine.engine import Engine
+from engine.core.engine import Engine
 from tests.conftest import MOE_CONFIGS
 from tests.test_disagg_unit import assert_pools_empty, colocated_tokens, config, run_pair
 

@@ -261,7 +261,7 @@ def test_secrets_given_to_a_worker_never_reach_its_engines_command_line(keyed_st
     for role in ("prefill", "decode"):
         (engine,) = children_of(keyed_stack[role].process.pid)
         command = Path(f"/proc/{engine}/cmdline").read_bytes()
-        assert b"engine.process" in command or b"disagg.process" in command
+        assert b"engine.runtime.process" in command or b"disagg.process" in command
         assert WORKER_SECRET.encode() not in command and API_KEY.encode() not in command, role
         assert environ(engine)["BATON_DISAGG_SECRET"] == WORKER_SECRET, role
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.memory import IndexPool
-from engine.request import Request, Status
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.cache.memory import IndexPool
+from engine.core.request import Request, Status
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerConfig
 
 
 def make(

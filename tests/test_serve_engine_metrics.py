@@ -7,8 +7,8 @@ import pytest
 
 from bench.serve_metrics import engine_means, histogram_totals
 from bench.serve_side_by_side import server_commands
-from engine.engine import Engine
-from engine.request_timing import RequestTiming
+from engine.core.engine import Engine
+from engine.core.request_timing import RequestTiming
 from server.args import ServerArgs
 from server.metrics import ServerMetrics
 

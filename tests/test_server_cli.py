@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.model_loader import resolve_dtype
+from engine.checkpoint.loader import resolve_dtype
 from server.args import ServerArgs
 from server.cli import build_parser, main
 from tests.server_process import start_server

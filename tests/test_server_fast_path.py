@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from starlette.testclient import TestClient
 
-from engine.ipc import EngineReady
-from engine.outputs import RequestDelta
+from engine.core.outputs import RequestDelta
+from engine.runtime.ipc import EngineReady
 from server import completions
 from server.app import build_app
 from server.args import ServerArgs

@@ -33,7 +33,7 @@ def server(model_dir, tmp_path):
 
 
 def ipc_files(server) -> list[str]:
-    """The server's ipc socket files (engine/ipc.py's channel), /tmp/baton-<server pid>-*."""
+    """The server's ipc socket files (engine/runtime/ipc.py's channel), /tmp/baton-<server pid>-*."""
     return glob.glob(os.path.join(tempfile.gettempdir(), f"baton-{server.process.pid}-*"))
 
 

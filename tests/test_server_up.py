@@ -14,9 +14,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from engine.cpu_threads import cores_per_engine
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.core.llm import LLM
+from engine.core.sampling_params import SamplingParams
+from engine.runtime.cpu_threads import cores_per_engine
 from tests.server_process import BATON, children_of, free_port, pid_alive, tiny_model
 from tests.tiny import load_json, save_tiny_model, save_tokenizer
 
@@ -92,7 +92,7 @@ def test_up_hands_its_secrets_to_every_part_in_the_environment_never_argv(model_
         for name, pid in parts.items():  # never on a command line
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
             assert secret.encode() not in command and key.encode() not in command, name
-        # Two engines on one machine: each runs on its half of the cores (engine/cpu_threads.py).
+        # Two engines on one machine: each runs on its half of the cores (engine/runtime/cpu_threads.py).
         share = str(cores_per_engine(2))
         for name in ("prefill engine", "decode engine"):
             assert environ(parts[name]).get("OMP_NUM_THREADS") == os.environ.get(

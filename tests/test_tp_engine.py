@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from engine.config import ConfigError, ModelConfig
-from engine.forward_metadata import ScheduledBatch, TrackPoint
-from engine.llm import LLM
+from engine.core.llm import LLM
+from engine.core.sampling_params import SamplingParams
+from engine.executor.forward_metadata import ScheduledBatch, TrackPoint
 from engine.parallel import TensorParallel, kv_head_part
-from engine.sampling_params import SamplingParams
-from engine.tp_messages import (
+from engine.parallel.messages import (
     CopySlot,
     DropShard,
     InstallShard,
@@ -36,7 +36,7 @@ from engine.tp_messages import (
     encode,
     pool_digest,
 )
-from engine.tp_shard import check_tp_supported, mamba_shard
+from engine.parallel.support import check_tp_supported, mamba_shard
 from tests.tiny import save_tiny_model
 
 SHAPES = {

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.core.llm import LLM
+from engine.core.sampling_params import SamplingParams
 from tests.server_process import children_of, pid_alive, start_server, tiny_model
 from tests.test_server_lifecycle import StreamReader, wait_until
 

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from engine import parallel
+from engine.cache.pools import StateCache
 from engine.config import RotaryConfig
-from engine.forward_metadata import Mamba2Metadata
+from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.mlp import fuse_linears
-from engine.state_cache import StateCache
 from kernels.attention import paged_attention, rotary_cos_sin, rotary_store_kv, store_kv
 from kernels.linear import PackedLinear
 

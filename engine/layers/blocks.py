@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.forward_metadata import Mamba2Metadata
+from engine.cache.pools import StateCache
+from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.norm import RMSNorm
-from engine.state_cache import StateCache
 
 
 class MixerFFNLayer(nn.Module):

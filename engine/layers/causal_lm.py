@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
+from engine.cache.pools import StateCache
 from engine.config import ModelConfig
-from engine.forward_metadata import Mamba2Metadata
-from engine.state_cache import StateCache
+from engine.executor.forward_metadata import Mamba2Metadata
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from engine import parallel
+from engine.cache.pools import StateCache
 from engine.config import ModelConfig
-from engine.forward_metadata import Mamba2Metadata
-from engine.state_cache import StateCache
-from engine.tp_shard import mamba_shard
+from engine.executor.forward_metadata import Mamba2Metadata
+from engine.parallel.support import mamba_shard
 from kernels import cpu_ops
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.norm import gated_rms_norm, group_rms_norm
@@ -33,7 +33,7 @@ class Mamba2Mixer(nn.Module):
 
     def __init__(self, config: ModelConfig, mamba_index: int):
         super().__init__()
-        # Under tensor parallelism this rank holds its heads and groups (engine/tp_shard.py);
+        # Under tensor parallelism this rank holds its heads and groups (engine/parallel/support.py);
         # the norm's group size stays the model's, spanning the ranks when n_groups == 1.
         self.tp = tp = parallel.current()
         self.shard = mamba_shard(config, tp)

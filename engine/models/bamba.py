@@ -12,15 +12,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.cache.pools import StateCache
 from engine.config import NO_FALCON_MULTIPLIERS, ConfigReader, ModelConfig
-from engine.forward_metadata import Mamba2Metadata
+from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.attention import Attention
 from engine.layers.blocks import MixerFFNLayer
 from engine.layers.causal_lm import CausalLM
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
-from engine.state_cache import StateCache
 
 HF_CONFIG_CLASS_PATH = "transformers.models.bamba.configuration_bamba.BambaConfig"
 

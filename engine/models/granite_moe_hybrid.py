@@ -19,15 +19,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.cache.pools import StateCache
 from engine.config import NO_FALCON_MULTIPLIERS, ConfigReader, LayerType, ModelConfig, MoEConfig
-from engine.forward_metadata import Mamba2Metadata
+from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.blocks import MixerFFNLayer
 from engine.layers.causal_lm import CausalLM
 from engine.layers.mlp import FusedGatedMLP
 from engine.layers.moe import SoftmaxTopKMoE
 from engine.layers.norm import RMSNorm
 from engine.models.bamba import mixer_for, read_attention_keys, read_mamba_keys
-from engine.state_cache import StateCache
 
 HF_CONFIG_CLASS_PATH = (
     "transformers.models.granitemoehybrid.configuration_granitemoehybrid.GraniteMoeHybridConfig"

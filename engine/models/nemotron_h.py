@@ -2,7 +2,7 @@
 Mamba2 / attention (NoPE, GQA) / relu² MLP / MoE -> residual. Layout from
 `hybrid_override_pattern` (`M`, `*`, `-`, `E`) or `layers_block_type`; legacy key aliases.
 
-Weights: `backbone.` on disk, `model.` in memory (engine/weights.py canonical_name);
+Weights: `backbone.` on disk, `model.` in memory (engine/checkpoint/weights.py canonical_name);
 `model.embeddings`, `model.layers.{i}.norm`, `model.layers.{i}.mixer.*`, `model.norm_f`.
 """
 
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.cache.pools import StateCache
 from engine.config import (
     NO_FALCON_MULTIPLIERS,
     ConfigError,
@@ -21,14 +22,13 @@ from engine.config import (
     ModelConfig,
     MoEConfig,
 )
-from engine.forward_metadata import Mamba2Metadata
+from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.attention import Attention
 from engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import ReluSquaredMLP
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
-from engine.state_cache import StateCache
 
 HF_CONFIG_CLASS_PATH = "transformers.models.nemotron_h.configuration_nemotron_h.NemotronHConfig"
 

@@ -22,15 +22,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.cache.pools import StateCache
 from engine.config import NO_FALCON_MULTIPLIERS, ConfigReader, ModelConfig, SharedBlocksConfig
-from engine.forward_metadata import Mamba2Metadata
+from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.attention import Attention
 from engine.layers.causal_lm import CausalLM
 from engine.layers.lora import AdapterList
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import ACTIVATIONS
 from engine.layers.norm import RMSNorm
-from engine.state_cache import StateCache
 
 HF_CONFIG_CLASS_PATH = "transformers.models.zamba2.configuration_zamba2.Zamba2Config"
 LAYER_KINDS = {"mamba": "mamba", "linear_attention": "mamba", "hybrid": "hybrid"}  # as saved

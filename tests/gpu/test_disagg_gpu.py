@@ -16,7 +16,7 @@ zmq = pytest.importorskip("zmq")
 from disagg.decode import DecodeWorker  # noqa: E402
 from disagg.prefill import PrefillWorker  # noqa: E402
 from engine import SamplingParams  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from engine.core.engine import Engine  # noqa: E402
 from tests.test_disagg_unit import (  # noqa: E402
     assert_pools_empty,
     colocated_tokens,

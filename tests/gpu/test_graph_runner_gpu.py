@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from engine.forward_metadata import ScheduledBatch, TrackPoint
-from engine.graph_runner import DecodeGraphRunner
-from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
-from engine.state_cache import StateCache
+from engine.cache.pools import StateCache
+from engine.checkpoint.loader import load_model
+from engine.executor.forward_metadata import ScheduledBatch, TrackPoint
+from engine.executor.graph_runner import DecodeGraphRunner
+from engine.executor.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,

@@ -25,10 +25,10 @@ from typing import Protocol
 
 import torch
 
+from engine.cache.pools import StateCache
 from engine.config import ModelConfig
-from engine.handover import RequestState
-from engine.state_cache import StateCache
-from engine.tp_messages import (
+from engine.handover.state import RequestState
+from engine.parallel.messages import (
     DropShard,
     HandoverOp,
     InstallShard,

@@ -16,8 +16,8 @@ import json
 import mmap
 from pathlib import Path
 
+from engine.checkpoint.weights import SKIPPED_PREFIXES, canonical_name, checkpoint_files
 from engine.config import ModelConfig
-from engine.weights import SKIPPED_PREFIXES, canonical_name, checkpoint_files
 
 SAMPLES_PER_TENSOR = 8  # windows spread evenly over a tensor's bytes, first and last included
 SAMPLE_BYTES = 32

@@ -15,8 +15,8 @@ from typing import Any, ClassVar, Literal
 
 import msgpack
 
-from engine.outputs import RequestDelta
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import RequestDelta
+from engine.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

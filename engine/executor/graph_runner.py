@@ -26,9 +26,14 @@ from typing import Any
 
 import torch
 
-from engine.forward_metadata import Mamba2Metadata, ScheduledBatch, TrackPoint, build_metadata
-from engine.metadata_buffers import MetadataBuffers
-from engine.model_runner import ModelRunner
+from engine.executor.forward_metadata import (
+    Mamba2Metadata,
+    ScheduledBatch,
+    TrackPoint,
+    build_metadata,
+)
+from engine.executor.metadata_buffers import MetadataBuffers
+from engine.executor.model_runner import ModelRunner
 
 
 def capture_sizes(max_bs: int) -> list[int]:

@@ -16,7 +16,7 @@ class RequestDelta:
     """What one engine step produced for one request (streaming unit).
 
     The engine leaves `new_text` empty and ends requests by token id only (EOS,
-    stop_token_ids, length); the detokenizer stage (engine/detokenizer.py, in the server process
+    stop_token_ids, length); the detokenizer stage (engine/core/detokenizer.py, in the server process
     or the offline LLM) fills `new_text` (incomplete UTF-8 held back, stop strings removed;
     concatenating every delta's text gives the final text) and ends requests at stop strings.
     """

@@ -5,7 +5,7 @@ blocks those checkpoints close join the radix tree (DESIGN.md section 6).
     forward writes the checkpoints
     commit_step() ──extend_chain──> cached blocks (adopted when someone cached them meanwhile)
 
-A mixin of `Scheduler` (engine/scheduler.py), which owns the queues, pools and prefix cache
+A mixin of `Scheduler` (engine/core/scheduler.py), which owns the queues, pools and prefix cache
 these methods read; split out so that the step-building policy reads on its own.
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.forward_metadata import TrackPoint
-from engine.request import Request
+from engine.core.request import Request
+from engine.executor.forward_metadata import TrackPoint
 
 if TYPE_CHECKING:
-    from engine.memory import IndexPool
-    from engine.prefix_cache import PrefixCache
+    from engine.cache.memory import IndexPool
+    from engine.cache.prefix_cache import PrefixCache
 
 
 class PrefixBlocks:

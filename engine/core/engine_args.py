@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.scheduler import SCHEDULE_POLICIES, SchedulePolicy
+from engine.core.scheduler import SCHEDULE_POLICIES, SchedulePolicy
 
 
 @dataclass(kw_only=True)
@@ -27,7 +27,7 @@ class EngineArgs:
     cpu_padded_decode: bool = False  # run CPU decode steps through the padded graph runner
     enable_prefix_caching: bool = True
     # "mixed" (vLLM V1): decodes first, then new prefills with the rest of the budget;
-    # "prefill-first" (SGLang): while requests wait, a step runs prefills only (engine/scheduler.py)
+    # "prefill-first" (SGLang): while requests wait, a step runs prefills only (engine/core/scheduler.py)
     schedule_policy: SchedulePolicy = "mixed"
     # Token budget of a prefill-first step (SGLang's --max-prefill-tokens). Default: 512 on the
     # CPU, where a prefill step's time grows linearly with its tokens from a few hundred on
@@ -43,7 +43,7 @@ class EngineArgs:
     tp_timeout: float = 60.0
     tp_load_timeout: float = 600.0  # how long the ranks may take to start and load
     # "factory": "module:callable" (+ its options) building each rank's handover connector: a
-    # disaggregated worker's ranks send or receive their own shards (engine/tp_handover.py)
+    # disaggregated worker's ranks send or receive their own shards (engine/handover/shards.py)
     handover_connector: dict[str, str] | None = None
 
     def __post_init__(self) -> None:

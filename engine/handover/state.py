@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import TokenLogprobs
+from engine.core.outputs import TokenLogprobs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,7 +60,7 @@ class HandoverLayout:
     by."""
 
     model_fingerprint: str  # of the model config
-    weights_fingerprint: str  # of the checkpoint's tensors (engine/fingerprint.py)
+    weights_fingerprint: str  # of the checkpoint's tensors (engine/checkpoint/fingerprint.py)
     dtype: str  # model dtype (K/V pages, conv state)
     page_size: int
     attention_layers: int

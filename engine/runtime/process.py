@@ -4,7 +4,7 @@
                                                                   │  StepOutput after every step
                                                                   └─ engine.step() while busy
 
-Started by the server as `python -m engine.process SPEC_JSON`. It exits on `Shutdown`, when
+Started by the server as `python -m engine.runtime.process SPEC_JSON`. It exits on `Shutdown`, when
 its parent dies (PR_SET_PDEATHSIG plus a parent-pid check, so no orphan outlives the server;
 it then removes the server's ipc socket files, which a server killed outright leaves behind),
 or after an internal error, which it reports as `EngineFailed` first. SIGINT is ignored: a
@@ -26,9 +26,9 @@ from typing import Any
 
 import zmq
 
-from engine.engine import Engine
-from engine.gc_freeze import freeze_startup_objects
-from engine.ipc import (
+from engine.core.engine import Engine
+from engine.runtime.gc_freeze import freeze_startup_objects
+from engine.runtime.ipc import (
     AbortRequests,
     AddRequest,
     EngineFailed,
@@ -39,7 +39,14 @@ from engine.ipc import (
     decode,
     encode,
 )
-from engine.socket_limits import REFUSALS, REFUSED_STAT, SEND_ONLY, ipc_limits, limit, receive
+from engine.runtime.socket_limits import (
+    REFUSALS,
+    REFUSED_STAT,
+    SEND_ONLY,
+    ipc_limits,
+    limit,
+    receive,
+)
 
 logger = logging.getLogger("baton.engine")
 

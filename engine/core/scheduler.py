@@ -21,7 +21,7 @@ With a prefix cache, admission first matches the prompt against cached blocks (s
 pages and starting from a copy of the deepest checkpoint), and every step marks the requests whose
 tokens cross a multiple of `track_interval` (TrackPoints, plus the host flag
 `has_mamba_track_mask`) so the forward checkpoints their state; `commit_step` then registers the
-new blocks (engine/scheduler_blocks.py). Under memory pressure idle cached blocks are evicted
+new blocks (engine/core/scheduler_blocks.py). Under memory pressure idle cached blocks are evicted
 before anything is preempted.
 """
 
@@ -32,12 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from engine.forward_metadata import ScheduledBatch
-from engine.memory import IndexPool, OutOfMemory
-from engine.outputs import FinishReason
-from engine.prefix_cache import PrefixCache
-from engine.request import Hold, Request, Status
-from engine.scheduler_blocks import PrefixBlocks
+from engine.cache.memory import IndexPool, OutOfMemory
+from engine.cache.prefix_cache import PrefixCache
+from engine.core.outputs import FinishReason
+from engine.core.request import Hold, Request, Status
+from engine.core.scheduler_blocks import PrefixBlocks
+from engine.executor.forward_metadata import ScheduledBatch
 
 SchedulePolicy = Literal["mixed", "prefill-first"]
 SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)

@@ -24,7 +24,11 @@ from typing import Literal
 import numpy as np
 import torch
 
-from engine.metadata_buffers import MetadataBuffers, decode_attention_layout, prefill_layouts
+from engine.executor.metadata_buffers import (
+    MetadataBuffers,
+    decode_attention_layout,
+    prefill_layouts,
+)
 from kernels.attention import AttentionLayout
 from kernels.conv1d import ConvLayout
 from kernels.ssd import ChunkLayout

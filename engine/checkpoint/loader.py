@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 
 from engine import parallel
+from engine.checkpoint.weights import load_into, tensor_names
 from engine.config import ModelConfig
 from engine.layers.causal_lm import CausalLM
 from engine.layers.cpu_backend import prepare_for_cpu
 from engine.models.registry import family_named
 from engine.parallel import TensorParallel
-from engine.tp_shard import check_tp_supported
-from engine.weights import load_into, tensor_names
+from engine.parallel.support import check_tp_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings

@@ -21,8 +21,8 @@ from typing import Any
 import msgpack
 import torch
 
-from engine.forward_metadata import ScheduledBatch, TrackPoint
-from engine.state_cache import StateCache
+from engine.cache.pools import StateCache
+from engine.executor.forward_metadata import ScheduledBatch, TrackPoint
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,7 +75,7 @@ PoolOp = ResetSlot | CopySlot
 
 
 # Handover operations (disaggregation across TP sizes): every rank does its part with its own
-# shard and its own connector (engine/tp_handover.py); nothing travels through rank 0.
+# shard and its own connector (engine/handover/shards.py); nothing travels through rank 0.
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,7 +1,7 @@
 """Tensor parallelism: who this process is among the ranks, the collectives the layers call, and
 the rule by which a parameter takes its slice of a checkpoint tensor.
 
-    rank 0 (engine process: scheduler, sampler)     rank 1 .. N-1 (engine/tp_worker.py)
+    rank 0 (engine process: scheduler, sampler)     rank 1 .. N-1 (engine/parallel/worker.py)
         every layer holds its shard ──── all-reduce after each row-parallel layer ────
         logits: vocab slices gathered to rank 0
 

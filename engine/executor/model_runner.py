@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.forward_metadata import Mamba2Metadata, ScheduledBatch, build_metadata
+from engine.cache.pools import StateCache
+from engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatch, build_metadata
+from engine.executor.metadata_buffers import MetadataBuffers
 from engine.layers.causal_lm import CausalLM
-from engine.metadata_buffers import MetadataBuffers
-from engine.state_cache import StateCache
 from kernels import cpu_ops
 from kernels.backend import select_backend
 

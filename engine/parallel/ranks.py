@@ -1,4 +1,4 @@
-"""Rank 0's side of tensor parallelism: start ranks 1..N-1 (engine/tp_worker.py), send each of
+"""Rank 0's side of tensor parallelism: start ranks 1..N-1 (engine/parallel/worker.py), send each of
 them every step, notice when one dies or hangs, stop them.
 
     Engine (rank 0) ── RankedRunner.forward(sched) ──┬─ RankStep (PUSH, one socket per rank)
@@ -26,12 +26,10 @@ import torch
 import zmq
 
 from engine import parallel
-from engine.cpu_threads import engine_environment
-from engine.forward_metadata import Mamba2Metadata, ScheduledBatch
-from engine.memory import PoolSizes
-from engine.model_runner import ModelRunner
-from engine.socket_limits import SEND_ONLY, limit
-from engine.tp_messages import (
+from engine.cache.memory import PoolSizes
+from engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatch
+from engine.executor.model_runner import ModelRunner
+from engine.parallel.messages import (
     PoolOps,
     RankShutdown,
     RankSpec,
@@ -40,6 +38,8 @@ from engine.tp_messages import (
     encode,
     pool_digest,
 )
+from engine.runtime.cpu_threads import engine_environment
+from engine.runtime.socket_limits import SEND_ONLY, limit
 
 logger = logging.getLogger("baton.tp")
 
@@ -115,7 +115,7 @@ class Ranks:
                 )
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "engine.tp_worker", spec.to_json()],
+                        [sys.executable, "-m", "engine.parallel.worker", spec.to_json()],
                         # OpenMP reads its thread count and wait policy as torch loads. The
                         # rank's share replaces the engine's own OMP_NUM_THREADS (its share
                         # comes from that: the whole engine's threads over its ranks).

@@ -115,7 +115,7 @@ def receive(
 
 
 def ipc_limits(name: str, max_part_bytes: int) -> ReceiveLimits:
-    """A channel of engine/ipc.py: one msgpack frame per message."""
+    """A channel of engine/runtime/ipc.py: one msgpack frame per message."""
     return ReceiveLimits(name=name, max_part_bytes=max_part_bytes, max_parts=1, max_queued=1000)
 
 

@@ -1,5 +1,5 @@
-"""A tensor-parallel rank other than 0: `python -m engine.tp_worker SPEC_JSON`, started and
-stopped by rank 0 (engine/tp_ranks.py).
+"""A tensor-parallel rank other than 0: `python -m engine.parallel.worker SPEC_JSON`, started and
+stopped by rank 0 (engine/parallel/ranks.py).
 
 It joins the rank group (gloo; NCCL beside it for the all-reduces with a GPU per rank), loads its shard of the model, sizes its pools like rank 0's (its
 shard of each KV head and Mamba state), then follows rank 0 step by step:
@@ -22,14 +22,12 @@ import torch
 import zmq
 
 from engine import parallel
+from engine.cache.pools import StateCache
+from engine.checkpoint.loader import load_model, resolve_dtype
 from engine.config import ModelConfig
-from engine.gc_freeze import freeze_startup_objects
-from engine.model_loader import load_model, resolve_dtype
-from engine.model_runner import ModelRunner
-from engine.socket_limits import ReceiveLimits, limit, receive
-from engine.state_cache import StateCache
-from engine.tp_handover import apply_handover, gather_addresses, install_report, load_connector
-from engine.tp_messages import (
+from engine.executor.model_runner import ModelRunner
+from engine.handover.shards import apply_handover, gather_addresses, install_report, load_connector
+from engine.parallel.messages import (
     CopySlot,
     InstallShard,
     RankShutdown,
@@ -40,7 +38,9 @@ from engine.tp_messages import (
     decode,
     pool_digest,
 )
-from engine.tp_shard import pool_config
+from engine.parallel.support import pool_config
+from engine.runtime.gc_freeze import freeze_startup_objects
+from engine.runtime.socket_limits import ReceiveLimits, limit, receive
 
 logger = logging.getLogger("baton.tp_worker")
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = RankSpec.from_json(argv[0])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from engine.process import _die_with_parent
+    from engine.runtime.process import _die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the group: rank 0 decides
     _die_with_parent()

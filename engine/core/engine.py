@@ -2,7 +2,7 @@
 
 The server's engine process and the offline `LLM` both drive this class:
 `add_request`, `abort_request`, `step() -> [RequestDelta]`, `stats()`. Deltas carry token ids;
-text and stop strings are the next stage's work (engine/detokenizer.py), outside the step loop.
+text and stop strings are the next stage's work (engine/core/detokenizer.py), outside the step loop.
 """
 
 from __future__ import annotations
@@ -13,27 +13,27 @@ from pathlib import Path
 import torch
 
 from engine import parallel
+from engine.cache.memory import IndexPool, size_pools
+from engine.cache.pools import StateCache
+from engine.cache.prefix_cache import PrefixCache
+from engine.checkpoint.loader import load_model, resolve_dtype
 from engine.config import ModelConfig
-from engine.cpu_allocator import keep_freed_memory_in_heap
-from engine.engine_args import EngineArgs, EngineStats, default_track_interval
+from engine.core.engine_args import EngineArgs, EngineStats, default_track_interval
+from engine.core.outputs import RequestDelta, TokenLogprobs
+from engine.core.request import Request
+from engine.core.request_timing import RequestTiming
+from engine.core.sampler import Sampler, top_logprobs
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.engine_handover import HandoverMixin
-from engine.graph_runner import DecodeGraphRunner
-from engine.memory import IndexPool, size_pools
-from engine.model_loader import load_model, resolve_dtype
-from engine.model_runner import ModelRunner
-from engine.outputs import RequestDelta, TokenLogprobs
-from engine.prefix_cache import PrefixCache
-from engine.request import Request
-from engine.request_timing import RequestTiming
-from engine.sampler import Sampler, top_logprobs
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.state_cache import StateCache
+from engine.executor.graph_runner import DecodeGraphRunner
+from engine.executor.model_runner import ModelRunner
+from engine.handover.shards import gather_addresses, load_connector
+from engine.parallel.messages import PoolOps
+from engine.parallel.ranks import RankedRunner, start_ranks
+from engine.parallel.support import check_tp_supported, pool_config
+from engine.runtime.cpu_allocator import keep_freed_memory_in_heap
 from engine.tp_engine_handover import ShardHandoverMixin
-from engine.tp_handover import gather_addresses, load_connector
-from engine.tp_messages import PoolOps
-from engine.tp_ranks import RankedRunner, start_ranks
-from engine.tp_shard import check_tp_supported, pool_config
 
 # Prompt logprobs are computed over this many rows of a chunk's logits at a time.
 PROMPT_LOGPROB_ROWS = 256
@@ -281,7 +281,7 @@ class Engine(HandoverMixin, ShardHandoverMixin):
         )
 
     def timing_stats(self) -> dict[str, float]:
-        """The request timing histograms (engine/request_timing.py); empty when off."""
+        """The request timing histograms (engine/core/request_timing.py); empty when off."""
         return self.timing.as_stats() if self.timing is not None else {}
 
     # -- one step ---------------------------------------------------------------------------

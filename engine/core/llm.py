@@ -8,11 +8,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine.detokenizer import OutputDetokenizer
-from engine.engine import Engine
-from engine.engine_args import EngineStats
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.core.detokenizer import OutputDetokenizer
+from engine.core.engine import Engine
+from engine.core.engine_args import EngineStats
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from engine.outputs import TokenLogprobs
-from engine.request import Request
+from engine.core.outputs import TokenLogprobs
+from engine.core.request import Request
 from kernels.cpu_ops import argmax_rows
 
 
