@@ -29,7 +29,7 @@ from disagg.messages import (
     SlotChunk,
     StateTransfer,
 )
-from disagg.peer_link import PeerLink
+from disagg.peer_link import PeerLink, decode_side_limits
 from disagg.protocol import (
     ProtocolError,
     ReplayGuard,
@@ -44,8 +44,10 @@ from engine.cache.memory import OutOfMemory
 from engine.core.engine import Engine
 from engine.core.engine_args import EngineStats
 from engine.core.sampling_params import SamplingParams
+from engine.runtime.socket_limits import Refusals, receive
 
 logger = logging.getLogger("baton.disagg.decode")
+PEER_REFUSALS = Refusals()  # rate-limited logs of the refusals `counters` counts
 
 
 @dataclass
@@ -92,6 +94,9 @@ class DecodeWorker:
         self.num_slot_units = len(self.layout.slot_units())
         self.compat = compat_of(self.layout)
         self.replay = ReplayGuard()
+        self.peer_limits = decode_side_limits(
+            self.layout, self.engine.max_model_len, self.engine.track_interval
+        )
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -227,7 +232,7 @@ class DecodeWorker:
         address that is not a tcp://host:port endpoint)."""
         peer = self.peers.get(address)
         if peer is None:
-            peer = self.peers[address] = PeerLink.connect(self.context, address)
+            peer = self.peers[address] = PeerLink.connect(self.context, address, self.peer_limits)
         return peer
 
     def expire_idle(self) -> bool:
@@ -242,9 +247,12 @@ class DecodeWorker:
             self._watch_connection(address, peer)
             while True:
                 try:
-                    frames = peer.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = receive(peer.socket, self.peer_limits, copy=False)
                 except zmq.Again:
                     break
+                if frames is None:  # too many parts: counted and logged there, and here
+                    self.counters.messages_refused += 1
+                    continue
                 try:
                     message, tensors = decode(
                         [f.buffer for f in frames], self.config.secret, self.replay
@@ -275,7 +283,7 @@ class DecodeWorker:
     def _refuse(self, address: str, room: str | None, reason: str) -> None:
         """A message from `address` was malformed or unusable: logged and counted, and the room
         it names (when that room waits on this peer) fails now rather than at its timeout."""
-        logger.warning("prefill worker %s: %s", address, reason)
+        PEER_REFUSALS.refuse(f"prefill worker {address}", reason)  # a log line every 10 s
         self.counters.messages_refused += 1
         r = self.rooms.get(room) if isinstance(room, str) else None
         if r is not None and r.peer == address:

@@ -18,11 +18,22 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from disagg.rooms import now
+from disagg.schema import MAX_STRING
+from disagg.tp_layout import MAX_TP_SIZE
+from engine.handover.state import HandoverLayout
+from engine.runtime.socket_limits import ReceiveLimits, limit
 
 # ZMTP heartbeats on each connection to a prefill worker: a ping a second, the connection dropped
 # after 5 s without an answer (a host that vanished without closing its sockets).
 ZMQ_HEARTBEAT_IVL_MS = 1000
 ZMQ_HEARTBEAT_TIMEOUT_MS = 5000
+
+# The longest room id a worker accepts from its router (server/protocol.py's DisaggField; the
+# router mints 32-character ones).
+MAX_ROOM_ID = 128
+# Unread messages libzmq keeps per connection: a decode worker's Registers and heartbeats, a
+# prefill worker's chunks, come a few per room and step.
+MAX_QUEUED = 256
 
 # What a prefill worker advertises: tcp://host:port (a name, IPv4, or [IPv6]).
 _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):[0-9]{1,5}")
@@ -37,14 +48,15 @@ class PeerLink:
     answered: bool = False  # a message from it passed authentication
 
     @classmethod
-    def connect(cls, context: zmq.Context, address: str) -> PeerLink:
-        """A DEALER connected to prefill worker `address`; ValueError naming the address when it
-        is not a tcp://host:port endpoint ZMQ can connect to."""
+    def connect(cls, context: zmq.Context, address: str, limits: ReceiveLimits) -> PeerLink:
+        """A DEALER connected to prefill worker `address` (receiving within `limits`,
+        decode_side_limits); ValueError naming the address when it is not a tcp://host:port
+        endpoint ZMQ can connect to."""
         if not _ENDPOINT.fullmatch(address) or not 0 < int(address.rsplit(":", 1)[1]) < 65536:
             raise ValueError(
                 f"baton_disagg.prefill_addr {address[:200]!r} is not a tcp://host:port address"
             )
-        socket = context.socket(zmq.DEALER)
+        socket = limit(context.socket(zmq.DEALER), limits)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
@@ -82,3 +94,43 @@ class PeerLink:
         self.socket.disable_monitor()
         self.monitor.close(linger=0)
         self.socket.close(linger=0)
+
+
+def transfer_port_limits(max_rooms_per_peer: int) -> ReceiveLimits:
+    """A prefill worker's transfer port receives headers only (Register, Heartbeat, Abort),
+    after the ROUTER's identity part: the largest is a Heartbeat naming every room one decode
+    worker may hold there, or a Register with a TP layout of MAX_TP_SIZE addresses."""
+    header = max(max_rooms_per_peer * (MAX_ROOM_ID + 8), MAX_TP_SIZE * (MAX_STRING + 8))
+    return ReceiveLimits(
+        name="prefill transfer port",
+        max_part_bytes=header + (64 << 10),  # + the fixed fields
+        max_parts=3,  # identity, header, MAC
+        max_queued=MAX_QUEUED,
+    )
+
+
+def decode_side_limits(
+    layout: HandoverLayout, max_model_len: int, track_interval: int
+) -> ReceiveLimits:
+    """What a decode worker receives from a prefill worker: a header, a MAC and tensor frames
+    (the state spec's, disagg/frames.py). The largest frame is a paged tensor over a whole
+    context's pages for every layer (a StateTransfer's pages), or a slot tensor at each of a
+    context's checkpoints and its end for every layer; a message has at most a frame per layer
+    of every paged tensor (PagesChunk), per layer of every slot tensor (SlotChunk), or per
+    pool and field (StateTransfer)."""
+    tokens = -(-max_model_len // layout.page_size) * layout.page_size
+    states = 2 + max_model_len // max(1, track_interval)
+    largest = [
+        t.layers * t.bytes * (tokens if t.kind == "paged" else states) for t in layout.tensors
+    ]
+    frames = max(
+        sum(t.layers for t in layout.of_kind("paged")),
+        sum(t.layers for t in layout.of_kind("slot")),
+        2 * len(layout.tensors),
+    )
+    return ReceiveLimits(
+        name="decode worker's prefill links",
+        max_part_bytes=max([*largest, 1 << 20]),  # 1 MiB: room for any header
+        max_parts=2 + frames,
+        max_queued=MAX_QUEUED,
+    )

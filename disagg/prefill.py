@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from disagg.messages import Abort, Heartbeat, HeartbeatAck, Message, Register, Reject
+from disagg.peer_link import transfer_port_limits
 from disagg.prefill_sends import PendingSends, PrefillRoom, RoomSender
 from disagg.protocol import ProtocolError, ReplayGuard, decode, encode
 from disagg.rooms import DisaggConfig, FaultInjection, TransferCounters, compat_of, is_loopback, now
@@ -27,8 +28,10 @@ from disagg.tp_layout import refusal
 from engine.core.engine import Engine
 from engine.core.engine_args import EngineStats
 from engine.core.sampling_params import SamplingParams
+from engine.runtime.socket_limits import Refusals, limit, receive
 
 logger = logging.getLogger("baton.disagg.prefill")
+PEER_REFUSALS = Refusals()  # rate-limited logs of the refusals `counters` counts
 
 
 # How long past the decode side's transfer timeout (sent in its Register) the pages and slot of a
@@ -55,7 +58,8 @@ class PrefillWorker:
                 f"the transfer port would listen on {self.config.host} without a shared secret:"
                 " anyone who reaches it could send messages (pass --disagg-secret)"
             )
-        self.socket = self.context.socket(zmq.ROUTER)
+        self.limits = transfer_port_limits(self.config.max_rooms_per_peer)
+        self.socket = limit(self.context.socket(zmq.ROUTER), self.limits)
         self.socket.setsockopt(zmq.LINGER, 0)
         if self.config.port:
             self.socket.bind(f"tcp://{self.config.host}:{self.config.port}")
@@ -171,9 +175,13 @@ class PrefillWorker:
     def poll(self) -> None:
         while True:
             try:
-                identity, *frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=True)
+                parts = receive(self.socket, self.limits)
             except zmq.Again:
                 return
+            if parts is None:  # too many parts: counted and logged there, and here
+                self.counters.messages_refused += 1
+                continue
+            identity, *frames = parts
             try:
                 message, _ = decode(frames, self.config.secret, self.replay)
             except ProtocolError as error:
@@ -188,7 +196,7 @@ class PrefillWorker:
     def _refuse(self, identity: bytes, room: str | None, reason: str) -> None:
         """Logged and counted; a message that named its room gets a Reject for it (one that
         failed authentication names nothing: its sender hears nothing back)."""
-        logger.warning("decode worker %r: %s", identity[:64], reason)
+        PEER_REFUSALS.refuse("prefill transfer port", f"{identity[:64]!r}: {reason}")
         self.counters.messages_refused += 1
         if isinstance(room, str):
             self._send(identity, Reject(room=room[:MAX_STRING], message=reason[:MAX_STRING]))

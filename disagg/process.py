@@ -100,10 +100,8 @@ def load_and_run(
     spec: engine_process.EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket
 ) -> int:
     options = dict(spec.pair or {})
-    secret = options.pop("secret", None) or os.environ.get("BATON_DISAGG_SECRET") or None
+    secret = os.environ.get(SECRET_ENV) or None  # the server's, in our environment
     config = DisaggConfig(secret=secret.encode() if secret else None, **options)
-    if secret:  # each rank's handover connector (this process's and its ranks') reads it there
-        os.environ[SECRET_ENV] = secret
     try:
         engine = Engine(
             spec.model,

@@ -9,12 +9,19 @@ them to the engine to install (engine/handover/shards.py). Nothing is gathered t
 Messages use the disaggregation protocol (MAC with the shared secret, replay guard). What a peer
 sent stays hostile until `receive` has checked its source, sizes, names, shapes and dtypes
 against this rank's plan; a bad or missing piece fails that room only.
+
+A decode rank's port is read all the time, by a thread of its own, whether or not a room waits
+(a TP=1 decode worker needs it when its prefill peer runs TP > 1, and is never told in advance):
+each message is authenticated and parsed on arrival, what fails is dropped and counted, and what
+passes is kept at most ARRIVED_TTL_S and within the bytes this rank's pools hold
+(engine/runtime/socket_limits.py bounds each part and the queue before that).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 
@@ -36,6 +43,15 @@ from engine.cache.pools import StateCache
 from engine.config import ModelConfig
 from engine.handover.shards import ConnectorSpec, Pieces, Shard, unit_dim
 from engine.parallel.messages import InstallShard, SendShard
+from engine.runtime.cpu_allocator import release_freed_memory
+from engine.runtime.socket_limits import (
+    LARGE_FRAME_BYTES,
+    REFUSALS,
+    SEND_ONLY,
+    ReceiveLimits,
+    limit,
+    receive,
+)
 
 logger = logging.getLogger("baton.disagg.tp_transfer")
 
@@ -46,6 +62,8 @@ ARRIVED_TTL_S = 600.0
 MAX_ARRIVED_ROOMS = 1024
 MAX_KEPT_ROOMS = 4096  # prefill snapshots waiting for their decode side
 MAX_OUTBOXES = 64  # connections to decode ranks kept open
+POLL_MS = 100  # how often the receiving thread looks up from its port to see if it must stop
+MAX_QUEUED = 64  # unread messages per sender (a room brings one per prefill rank)
 
 
 def connector_spec(role: str, host: str) -> ConnectorSpec:
@@ -76,8 +94,12 @@ class ZmqShardConnector:
         self.arrived: OrderedDict[str, dict[int, tuple[float, ShardTransfer, dict]]] = OrderedDict()
         self.bytes_sent = 0
         self.bytes_received = 0  # bench/tp.py: what this rank received, against what it owns
+        self.refusals = REFUSALS  # this process's: rank 0 reports them in its stats
         self.inbox: zmq.Socket | None = None
         self.address = ""
+        self.lock = threading.Lock()  # `arrived`, shared with the receiving thread
+        self.stopping = threading.Event()
+        self.reader: threading.Thread | None = None
         if options["role"] == "decode":
             host = options["host"]
             if self.secret is None and not is_loopback(host):
@@ -85,10 +107,16 @@ class ZmqShardConnector:
                     f"decode rank {rank} would receive shards on {host} without a shared secret"
                     f" (set --disagg-secret or {SECRET_ENV})"
                 )
-            self.inbox = self.context.socket(zmq.PULL)
+            self.limits = receive_limits(cache, rank)
+            self.inbox = limit(self.context.socket(zmq.PULL), self.limits)
             self.inbox.setsockopt(zmq.LINGER, 0)
             port = self.inbox.bind_to_random_port(f"tcp://{host}")
             self.address = f"tcp://{host}:{port}"
+            self.max_arrived_bytes = cache.bytes()
+            self.reader = threading.Thread(
+                target=self._read_forever, name=f"shards-rank{rank}", daemon=True
+            )
+            self.reader.start()
 
     # -- prefill side ---------------------------------------------------------------------------
 
@@ -149,7 +177,7 @@ class ZmqShardConnector:
             raise ValueError(f"{address[:80]!r} is not a tcp://host:port address")
         sock = self.outboxes.pop(address, None)
         if sock is None:
-            sock = self.context.socket(zmq.PUSH)
+            sock = limit(self.context.socket(zmq.PUSH), SEND_ONLY)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
         self.outboxes[address] = sock  # most recently used last
@@ -170,10 +198,10 @@ class ZmqShardConnector:
         check_prefill_size(self.config, self.cache.spec, prefill_size)
         expected = plan(self.cache.spec, prefill_size, self.size, self.rank)
         sources = {p.source for p in expected}
-        self._take_messages()
-        if not sources <= set(self.arrived.get(room, {})):
-            return None
-        arrived = self.arrived.pop(room)
+        with self.lock:
+            if not sources <= set(self.arrived.get(room, {})):
+                return None
+            arrived = self.arrived.pop(room)
         pieces: Pieces = {}
         for source in sorted(sources):
             _, message, tensors = arrived[source]
@@ -229,38 +257,89 @@ class ZmqShardConnector:
         dim = unit_dim(self.cache.spec, p.component)
         return whole.narrow(dim, p.src_offset, p.length).contiguous()
 
+    def _read_forever(self) -> None:
+        """The receiving thread: every message on the port, as it arrives, until close()."""
+        while not self.stopping.is_set():
+            if self.inbox.poll(POLL_MS):
+                self._take_messages()
+
     def _take_messages(self) -> None:
-        """Everything waiting on the inbox, authenticated and parsed; the rest logged and
+        """Everything waiting on the inbox, authenticated and parsed; the rest counted and
         dropped (its room then fails by its wait)."""
         while True:
             try:
-                frames = self.inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = receive(self.inbox, self.limits, self.refusals, copy=False)
             except zmq.Again:
-                break
+                return
+            if frames is None:
+                continue
             try:
                 message, tensors = decode([f.buffer for f in frames], self.secret, self.replay)
             except ProtocolError as error:
-                logger.warning("decode rank %d: rejected a message: %s", self.rank, error)
+                self.refusals.refuse(self.limits.name, str(error))
+                size = sum(len(f.buffer) for f in frames)
+                del frames
+                if size >= LARGE_FRAME_BYTES:  # and none of the memory it took stays
+                    release_freed_memory()
                 continue
             if (
                 not isinstance(message, ShardTransfer)
                 or message.source_rank >= message.source_size
                 or message.source_size > MAX_TP_SIZE
             ):
-                logger.warning("decode rank %d: dropped a %s message", self.rank, message.tag)
+                self.refusals.refuse(self.limits.name, f"a {message.tag} message")
                 continue
-            room = self.arrived.setdefault(message.room, {})
-            room[message.source_rank] = (time.monotonic(), message, tensors)
+            with self.lock:
+                room = self.arrived.setdefault(message.room, {})
+                room[message.source_rank] = (time.monotonic(), message, tensors)
+                self._forget_old()
+
+    def _forget_old(self) -> None:
+        """Rooms past ARRIVED_TTL_S, beyond MAX_ARRIVED_ROOMS, or beyond the bytes this rank's
+        pools hold (more than any rooms it waits for can bring) go, oldest first."""
         oldest = time.monotonic() - ARRIVED_TTL_S
-        while self.arrived and (
-            len(self.arrived) > MAX_ARRIVED_ROOMS
-            or min(t for t, _, _ in next(iter(self.arrived.values())).values()) < oldest
-        ):
-            self.arrived.popitem(last=False)
+        held = sum(
+            t.numel() * t.element_size()
+            for room in self.arrived.values()
+            for _, _, tensors in room.values()
+            for t in tensors.values()
+        )
+        while self.arrived:
+            first = next(iter(self.arrived.values()))
+            if (
+                len(self.arrived) <= MAX_ARRIVED_ROOMS
+                and held <= self.max_arrived_bytes
+                and min(t for t, _, _ in first.values()) >= oldest
+            ):
+                return
+            _, dropped = self.arrived.popitem(last=False)
+            held -= sum(
+                t.numel() * t.element_size() for _, _, ts in dropped.values() for t in ts.values()
+            )
 
     def close(self) -> None:
+        self.stopping.set()
+        if self.reader is not None:
+            self.reader.join()
         for sock in self.outboxes.values():
             sock.close(linger=0)
         if self.inbox is not None:
             self.inbox.close(linger=0)
         self.context.term()
+
+
+def receive_limits(cache: StateCache, rank: int) -> ReceiveLimits:
+    """A ShardTransfer is a header, a MAC and one frame per planned piece (a component's slice,
+    at most a whole pool of this rank): the largest part is the largest pool, and a message has
+    at most one piece per component and split segment (the state spec's)."""
+    largest = max([p.numel() * p.element_size() for p in cache.pools.values()] + [1 << 20])
+    pieces = 0
+    for _, _, tensor in cache.spec.entries():
+        segments = len(tensor.split.segments) if tensor.split is not None else 1
+        pieces += segments * (2 if tensor.checkpointed and tensor.kind == "slot" else 1)
+    return ReceiveLimits(
+        name=f"decode rank {rank} shards",
+        max_part_bytes=largest,
+        max_parts=2 + pieces,
+        max_queued=MAX_QUEUED,
+    )

@@ -116,10 +116,20 @@ def build_app(state: ServerState) -> FastAPI:
                 ]
                 if body.tools
                 else None,
+                limit=state.max_model_len,
             )
         else:
             tokens = await asyncio.to_thread(
-                state.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+                state.tokenizer.encode,
+                body.prompt,
+                body.add_special_tokens,
+                state.max_model_len,
+            )
+        if len(tokens) > state.max_model_len:  # vLLM's rule for /tokenize too
+            raise APIError.bad_request(
+                f"the prompt has {len(tokens)} tokens, more than max-model-len"
+                f" ({state.max_model_len})",
+                "prompt" if body.prompt is not None else "messages",
             )
         return {
             "tokens": tokens,

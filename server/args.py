@@ -207,14 +207,14 @@ class ServerArgs:
         return args
 
     def disagg_options(self) -> dict[str, Any] | None:
-        """What `python -m disagg.process` needs; None for a colocated worker."""
+        """What `python -m disagg.process` needs; None for a colocated worker. Not the secret:
+        these travel on the engine's command line, the secret in its environment."""
         if self.disaggregation_mode is None:
             return None
         return {
             "role": self.disaggregation_mode,
             "host": self.disagg_host,
             "port": self.disagg_port,
-            "secret": self.disagg_secret,
             "bootstrap_timeout_s": self.disagg_timeout,
             "transfer_timeout_s": self.disagg_timeout,
             "heartbeat_interval_s": 0.5,

@@ -78,7 +78,12 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     )
     plan = plan_output(body, state.args.parser_settings(), text, variables)
     prompt = await asyncio.to_thread(
-        tokenizer.encode, text, add_special_tokens=body.add_special_tokens
+        tokenizer.encode,
+        text,
+        body.add_special_tokens,
+        # a prompt that will be cut may be any length; any other needs room for one token
+        None if body.truncate_prompt_tokens is not None else state.max_model_len - 1,
+        "messages",
     )
     prompt = truncate_prompt(
         prompt, body.truncate_prompt_tokens, body.truncation_side, state.max_model_len

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from engine.checkpoint.loader import DTYPE_NAMES
 from server.args import ServerArgs
 from server.reasoning_parsers import REASONING_PARSERS
+from server.secret_flags import (
+    API_KEY_ENV,
+    DISAGG_SECRET_ENV,
+    add_api_key_flags,
+    add_disagg_secret_file_flag,
+    secret,
+)
 from server.tool_parsers import TOOL_CALL_PARSERS
 
 _DEFAULTS = ServerArgs.__dataclass_fields__
@@ -64,10 +72,8 @@ def add_serve_parser(subparsers) -> None:
         help="Hugging Face tokenizer directory, for a model directory without one "
         "(default: the --model directory)",
     )
-    parser.add_argument(
-        "--api-key",
-        help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
-        "(/v1/*, /tokenize, /detokenize, /docs, /openapi.json)",
+    add_api_key_flags(
+        parser, "/v1/*, /tokenize, /detokenize, /disagg/info, /docs and /openapi.json"
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -229,8 +235,10 @@ def add_serve_parser(subparsers) -> None:
     )
     disagg.add_argument(
         "--disagg-secret",
-        help="shared secret authenticating worker-to-worker messages (or $BATON_DISAGG_SECRET)",
+        help="shared secret authenticating worker-to-worker messages (or $BATON_DISAGG_SECRET;"
+        " visible in `ps`: prefer --disagg-secret-file or the variable)",
     )
+    add_disagg_secret_file_flag(disagg)
     disagg.add_argument(
         "--disagg-timeout",
         type=float,
@@ -293,12 +301,22 @@ def _run_serve(namespace: argparse.Namespace) -> int:
         print("baton serve: no model given: baton serve DIR (or --model DIR)", file=sys.stderr)
         return 2
 
-    options = {
-        name: getattr(namespace, name)
-        for name in ServerArgs.field_names()
-        if hasattr(namespace, name)
-    }
     try:
+        namespace.api_key = secret(
+            namespace.api_key, namespace.api_key_file, "--api-key", os.environ, API_KEY_ENV
+        )
+        namespace.disagg_secret = secret(
+            namespace.disagg_secret,
+            namespace.disagg_secret_file,
+            "--disagg-secret",
+            os.environ,
+            DISAGG_SECRET_ENV,
+        )
+        options = {
+            name: getattr(namespace, name)
+            for name in ServerArgs.field_names()
+            if hasattr(namespace, name)
+        }
         args = ServerArgs(**options)
     except ValueError as error:
         print(f"baton serve: {error}", file=sys.stderr)

@@ -38,19 +38,22 @@ router = APIRouter()
 
 def tokenize_prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
     """Runs in a worker thread (the fast tokenizer releases the GIL while it encodes); each
-    prompt cut to `truncate_prompt_tokens` when the request asks."""
+    prompt cut to `truncate_prompt_tokens` when the request asks, else refused as soon as it is
+    proved too long for the context (Tokenizer.encode's limit)."""
     prompt = body.prompt
     if isinstance(prompt, str) or all(isinstance(item, int) for item in prompt):
         prompt = [prompt]
     special = body.add_special_tokens
+    side = body.truncation_side
+    keep = body.truncate_prompt_tokens
+    # a prompt that will be cut may be any length; any other needs room for one token
+    limit = None if keep is not None else state.max_model_len - 1
     prompts = [
-        state.tokenizer.encode(item, add_special_tokens=special)
+        state.tokenizer.encode(item, special, limit, "prompt")
         if isinstance(item, str)
         else list(item)
         for item in prompt
     ]
-    side = body.truncation_side
-    keep = body.truncate_prompt_tokens
     return [truncate_prompt(ids, keep, side, state.max_model_len) for ids in prompts]
 
 

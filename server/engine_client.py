@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from engine.config import ModelConfig
 from engine.core.detokenizer import OutputDetokenizer
 from engine.core.outputs import RequestDelta
 from engine.core.sampling_params import SamplingParams
+from engine.runtime.cpu_allocator import release_freed_memory
 from engine.runtime.cpu_threads import engine_environment
 from engine.runtime.ipc import (
     AbortRequests,
@@ -42,11 +44,29 @@ from engine.runtime.ipc import (
     encode,
 )
 from engine.runtime.process import EngineProcessSpec
+from engine.runtime.socket_limits import (
+    LARGE_FRAME_BYTES,
+    REFUSALS,
+    REFUSED_STAT,
+    SEND_ONLY,
+    ReceiveLimits,
+    add_request_bytes,
+    limit,
+)
 from server.args import ServerArgs
+from server.secret_flags import DISAGG_SECRET_ENV
 
 logger = logging.getLogger("baton.server")
 
 _WATCH_INTERVAL_S = 0.2
+ENGINE_OUTPUTS = ReceiveLimits(
+    name="server inbox", max_part_bytes=-1, max_parts=1, max_queued=10_000
+)
+
+
+def model_max_len(model_dir: str) -> int:
+    """The context the checkpoint declares (the engine's is no longer)."""
+    return ModelConfig.from_hf(model_dir).max_position_embeddings
 
 
 class EngineUnavailable(RuntimeError):
@@ -89,10 +109,12 @@ class EngineClient:
         self._socket_paths = (f"{socket_base}-in", f"{socket_base}-out")
         self._sync_context = zmq.Context()
         self._async_context = zmq.asyncio.Context()
-        self._outbox = self._sync_context.socket(zmq.PUSH)
+        self._outbox = limit(self._sync_context.socket(zmq.PUSH), SEND_ONLY)
         self._outbox.setsockopt(zmq.SNDHWM, 0)
-        self._inbox = self._async_context.socket(zmq.PULL)
-        self._inbox.setsockopt(zmq.RCVHWM, 0)
+        # The engine's outputs: no part bound (a StepOutput grows with the step's requests, and
+        # a request's first delta holds its whole prompt's logprobs), their count bounded. Its
+        # only peer is the engine this server starts, over a socket file only this user opens.
+        self._inbox = limit(self._async_context.socket(zmq.PULL), ENGINE_OUTPUTS)
 
     @property
     def alive(self) -> bool:
@@ -118,14 +140,18 @@ class EngineClient:
             engine_args=self.args.engine_args(),
             input_addr=input_addr,
             output_addr=output_addr,
+            max_message_bytes=add_request_bytes(
+                self.args.max_model_len or model_max_len(self.args.model),
+                self.args.max_request_bytes,
+            ),
             parent_pid=os.getpid(),
             pair=self.args.disagg_options(),
         )
         module = "engine.runtime.process" if spec.pair is None else "disagg.process"
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", module, spec.to_json()],
-            env=engine_environment(os.environ, self.args.cpu_threads),
-        )
+        env = engine_environment(os.environ, self.args.cpu_threads)
+        if self.args.disagg_secret:  # never on a command line (server/secret_flags.py)
+            env[DISAGG_SECRET_ENV] = self.args.disagg_secret
+        self._process = subprocess.Popen([sys.executable, "-m", module, spec.to_json()], env=env)
         deadline = asyncio.get_running_loop().time() + self.args.engine_start_timeout
         while not await self._inbox.poll(500):
             if self._process.poll() is not None:
@@ -136,7 +162,7 @@ class EngineClient:
                 raise RuntimeError(
                     f"engine did not load within {self.args.engine_start_timeout:.0f} s"
                 )
-        message = decode(await self._inbox.recv())
+        message = decode(await self._inbox.recv())  # the engine's first message, checked below
         if isinstance(message, EngineFailed):
             raise RuntimeError(message.message)
         if not isinstance(message, EngineReady):
@@ -254,9 +280,22 @@ class EngineClient:
 
     async def _receive_loop(self) -> None:
         while True:
-            message = decode(await self._inbox.recv())
+            frames = await self._inbox.recv_multipart()
+            try:
+                if len(frames) != 1:
+                    raise ValueError(f"{len(frames)} parts")
+                message = decode(frames[0])
+            except Exception as error:  # never the engine's: one frame costs a log line at most
+                REFUSALS.refuse(ENGINE_OUTPUTS.name, f"not an ipc message: {error!r}"[:200])
+                size = sum(map(len, frames))
+                del frames
+                if size >= LARGE_FRAME_BYTES:  # and none of the memory it took stays
+                    await asyncio.to_thread(release_freed_memory)
+                continue
             if isinstance(message, StepOutput):
-                self.stats = message.stats
+                # the engine's refused frames, and this process's (the server inbox's)
+                refused = message.stats.get(REFUSED_STAT, 0) + REFUSALS.total
+                self.stats = message.stats | {REFUSED_STAT: refused}
                 for delta in message.deltas:
                     route = self._routes.get(delta.request_id)
                     if route is not None:

@@ -105,6 +105,13 @@ _ENGINE_METRICS = {
         " the room it named, if any, failed).",
         "counter",
     ),
+    "zmq_messages_refused_total": (
+        "baton:zmq_messages_refused",
+        "Messages refused on the worker's ZMQ sockets before any protocol read them (too many"
+        " parts, not a message of the channel, unauthenticated shards at a rank's transfer"
+        " port); logged at most every 10 s per socket.",
+        "counter",
+    ),
     "disagg_holds_expired_total": (
         "baton:disagg_holds_expired",
         "Prefill side: handovers whose sends the decode worker never read within its transfer"

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import secrets
+from collections.abc import Callable
 
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.runtime.cpu_allocator import release_freed_memory
 from server.errors import APIError, error_response
 from server.validation import parse_json_body
+
+logger = logging.getLogger("baton.server")
 
 # Open with or without --api-key: probes (Kubernetes, the router) and Prometheus scrapes carry no
 # key, as with vLLM. Everything else (/v1/*, /tokenize, /detokenize, /disagg/info, /docs,
 # /openapi.json) costs CPU or describes the deployment, so it follows the key.
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
+TRIM_AFTER_BYTES = 1 << 20  # bodies at least this large are followed by malloc_trim
 
 
 def bearer_matches(authorization: bytes, api_key: str) -> bool:
@@ -86,7 +93,14 @@ class RequestBodyMiddleware:
             replayed = True
             return {"type": "http.request", "body": raw, "more_body": False}
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            if size >= TRIM_AFTER_BYTES:  # a large body (its copies, its tokens) is gone now:
+                chunks.clear()  # give the memory back (server/prompt_bound.py says why)
+                raw = b""
+                scope.get("state", {}).pop("json_body", None)
+                await asyncio.to_thread(release_freed_memory)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(
@@ -120,3 +134,41 @@ class RequestCounterMiddleware:
             await self.app(scope, receive, send_and_note_status)
         finally:
             self.counter.labels(scope["path"], str(status)).inc()
+
+
+class AnswerGuard:
+    """The outermost layer: every answer is counted by status (`count`, but not for `uncounted`
+    paths), and an exception nothing else handled becomes an OpenAI-shaped 500, logged with its
+    traceback. Without it Starlette answers a plain-text 500 and the connection is closed, so a
+    client's next keep-alive request on it fails."""
+
+    def __init__(
+        self, app: ASGIApp, count: Callable[[int], None], uncounted: frozenset[str]
+    ) -> None:
+        self.app = app
+        self.count = count
+        self.uncounted = uncounted
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: int | None = None
+
+        async def send_and_note_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        except Exception:
+            logger.exception("%s %s failed", scope["method"], scope["path"])
+            if status is None:  # nothing sent yet: the client gets an answer it can read
+                status = 500
+                answer = error_response(500, "internal error while serving this request")
+                await answer(scope, receive, send)
+        finally:
+            if status is not None and scope["path"] not in self.uncounted:
+                self.count(status)

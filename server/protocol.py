@@ -31,6 +31,30 @@ def _encodable(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_encodable)]
+
+
+def unencodable_text(body: dict) -> tuple[str, str] | None:
+    """(path, reason) of the first string in a parsed JSON body, key or value, that is not
+    encodable text, wherever it sits (a field baton ignores too: the router forwards every
+    field, and its UTF-8 request to a worker could not carry it); None when there is none."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str) and not value.isascii():
+            try:
+                _encodable(value)
+            except ValueError as error:
+                return path or "request body", str(error)
+        elif isinstance(value, (dict, list)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, child in items:
+                where = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and not key.isascii():
+                    stack.append((where, key))
+                stack.append((where, child))
+    return None
+
+
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]  # OpenAI's set
 
 

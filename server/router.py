@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import sys
 
@@ -31,15 +32,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.runtime.gc_freeze import freeze_startup_objects
 from server.args import DEFAULT_MAX_REQUEST_BYTES, HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S
 from server.errors import APIError, ErrorJSONResponse, install_error_handlers
-from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware
+from server.middleware import OPEN_PATHS, AnswerGuard, ApiKeyMiddleware, RequestBodyMiddleware
 from server.router_admin import admin_routes
 from server.router_args import RoutingArgs, add_routing_arguments, routing_args_from
 from server.router_discovery import start_discovery
 from server.router_dispatch import NO_PAIR, Dispatcher, once
 from server.router_policies import make_policy
 from server.router_prompt import routing_tokens
-from server.router_relay import error_body, error_response, forward_headers
+from server.router_relay import error_response, forward_headers
 from server.router_workers import PROBE_TIMEOUT_S, RETRY_AFTER_S, WorkerSet, describe
+from server.secret_flags import API_KEY_ENV, SecretError, add_api_key_flags, secret
 from server.tokenizer import load_tokenizer
 from server.validation import parse_generation
 from server.version import baton_version
@@ -119,6 +121,12 @@ def build_router_app(
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.include_router(admin_routes(workers, api_key))
+    # outermost: every answer counted (413s, 401s and 404s too), none a plain-text 500
+    app.add_middleware(
+        AnswerGuard,
+        count=lambda status: workers.metrics.requests.labels(status=str(status)).inc(),
+        uncounted=OPEN_PATHS,
+    )
 
     @app.get("/health")
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) liveness route
@@ -164,13 +172,19 @@ def build_router_app(
 
     async def generate(request: Request, path: str) -> Response:
         if not workers.try_admit():
-            workers.metrics.requests.labels(status="429").inc()
-            return JSONResponse(
-                error_body(
-                    429,
-                    f"the router has {workers.max_concurrent_requests} requests in flight "
-                    "(--max-concurrent-requests); retry later",
-                ),
+            message = (
+                f"the router has {workers.max_concurrent_requests} requests in flight "
+                "(--max-concurrent-requests); retry later"
+            )
+            return JSONResponse(  # as OpenAI answers a rate limit
+                {
+                    "error": {
+                        "message": message,
+                        "type": "requests",
+                        "param": None,
+                        "code": "rate_limit_exceeded",
+                    }
+                },
                 status_code=429,
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
@@ -180,7 +194,6 @@ def build_router_app(
         except BaseException:
             release()
             raise
-        workers.metrics.requests.labels(status=str(response.status_code)).inc()
         if not isinstance(response, StreamingResponse):
             release()
         return response
@@ -233,10 +246,10 @@ def add_router_parser(subparsers) -> None:
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
     )
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    parser.add_argument(
-        "--api-key",
-        help="require `Authorization: Bearer KEY` on every route but /health and /metrics; "
-        "forwarded to the workers (requests and /disagg/info), so give them the same key",
+    add_api_key_flags(
+        parser,
+        "/v1/*, /generate, /tokenize and /detokenize; forwarded to the workers (requests and "
+        "/disagg/info), so give them the same key",
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -267,6 +280,13 @@ def _run_router(namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
+    try:
+        api_key = secret(
+            namespace.api_key, namespace.api_key_file, "--api-key", os.environ, API_KEY_ENV
+        )
+    except SecretError as error:
+        print(f"baton router: {error}", file=sys.stderr)
+        return 2
     prefill = [u for u in namespace.prefill.split(",") if u]
     decode = [u for u in namespace.decode.split(",") if u]
     try:
@@ -276,7 +296,7 @@ def _run_router(namespace) -> int:
         app = build_router_app(
             prefill,
             decode,
-            namespace.api_key,
+            api_key,
             namespace.max_concurrent_requests,
             namespace.max_request_bytes,
             routing=routing,

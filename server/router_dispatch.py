@@ -147,21 +147,21 @@ class Dispatcher:
             )
             prefill_body = dict(body, stream=False, baton_disagg={"room": room})
             prefill_body.pop("stream_options", None)
-            workers.begin(prefill)
-            prefill_task = asyncio.ensure_future(
-                client.post(f"{prefill.url}{path}", json=prefill_body, headers=headers)
+        # Both requests are built (encoded) before either is sent: one that cannot be leaves no
+        # task of the other behind.
+        decode_request = client.build_request(
+            "POST", f"{decode.url}{path}", json=decode_body, headers=headers
+        )
+        if decode is not prefill:
+            prefill_request = client.build_request(
+                "POST", f"{prefill.url}{path}", json=prefill_body, headers=headers
             )
+            workers.begin(prefill)
+            prefill_task = asyncio.ensure_future(client.send(prefill_request))
             prefill_task.add_done_callback(lambda task: _settle(task, workers, prefill))
         workers.begin(decode)
         end_decode = once(lambda: workers.end(decode))
-        sending = asyncio.ensure_future(
-            client.send(
-                client.build_request(
-                    "POST", f"{decode.url}{path}", json=decode_body, headers=headers
-                ),
-                stream=True,
-            )
-        )
+        sending = asyncio.ensure_future(client.send(decode_request, stream=True))
         try:
             stopped = await decode_headers(request, sending, prefill_task, prefill, workers)
             if stopped is not None:

@@ -14,7 +14,9 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from engine.runtime.cpu_allocator import release_freed_memory
 from server.errors import APIError
+from server.prompt_bound import TRIM_AFTER_CHARS, encode_within, tokenizer_bound
 from server.protocol import ChatMessage
 
 
@@ -127,9 +129,32 @@ class Tokenizer:
         self._byte_level = type(decoder).__name__ == "ByteLevel"
         self._alphabet = _byte_level_alphabet() if self._byte_level else {}
         self.token_bytes = lru_cache(maxsize=None)(self._token_bytes)
+        # the most bytes of text one token covers; None: this tokenizer can shrink a text
+        self.max_token_bytes = tokenizer_bound(self.hf)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+    def encode(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        limit: int | None = None,
+        param: str = "prompt",
+    ) -> list[int]:
+        """The text's token ids. `limit`: the most tokens the prompt may have; a text proved
+        longer is refused (APIError 400 naming `param`) before it is tokenized whole
+        (server/prompt_bound.py). A long text's tokenization gives its memory back after."""
+        try:
+            if limit is None:
+                return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+            return encode_within(
+                text,
+                lambda part: list(self.hf.encode(part, add_special_tokens=add_special_tokens)),
+                self.max_token_bytes,
+                limit,
+                param,
+            )
+        finally:
+            if len(text) >= TRIM_AFTER_CHARS:
+                release_freed_memory()
 
     def encode_chat(
         self,
@@ -139,12 +164,14 @@ class Tokenizer:
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        limit: int | None = None,
     ) -> list[int]:
-        """render_chat, then tokenize (the template holds any BOS)."""
+        """render_chat, then tokenize (the template holds any BOS). `limit`: as encode's, for
+        the rendered text."""
         text = self.render_chat(
             messages, add_generation_prompt, template_kwargs, continue_final_message, tools
         )
-        return self.encode(text, add_special_tokens=add_special_tokens)
+        return self.encode(text, add_special_tokens, limit, "messages")
 
     def render_chat(
         self,

@@ -7,9 +7,10 @@ the three children and each worker's engine process (a grandchild) — and when 
 the rest and exits 1, naming the part that died: restarting is the job of whatever supervises
 `baton up` (systemd, a container runtime), as for `baton serve`.
 
-Without a secret (`--disagg-secret` among the worker flags, or $BATON_DISAGG_SECRET), it makes a
-random one and hands it to both workers in their environment (never on a command line, which
-`ps` shows), so worker-to-worker messages are authenticated by default.
+Without a secret (`--disagg-secret-file`, `--disagg-secret` among the worker flags, or
+$BATON_DISAGG_SECRET), it makes a random one and hands it to both workers in their environment,
+so worker-to-worker messages are authenticated by default. The API key reaches all three in
+their environment too: no secret is ever on a child's command line, which `ps` shows.
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ from engine.checkpoint.loader import DTYPE_NAMES
 from engine.runtime.cpu_threads import cores_per_engine
 from server.reasoning_parsers import REASONING_PARSERS
 from server.router import DEFAULT_MAX_CONCURRENT_REQUESTS
+from server.secret_flags import (
+    API_KEY_ENV,
+    DISAGG_SECRET_ENV,
+    SecretError,
+    add_api_key_flags,
+    add_disagg_secret_file_flag,
+    secret,
+)
 from server.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets")
@@ -69,11 +78,8 @@ def add_up_parser(subparsers) -> None:
     parser.add_argument(
         "--tokenizer", help="Hugging Face tokenizer directory (default: the --model directory)"
     )
-    parser.add_argument(
-        "--api-key",
-        help="require `Authorization: Bearer KEY` on the router and both workers "
-        "(every route but /health and /metrics)",
-    )
+    add_api_key_flags(parser, "the router and both workers (/v1/*, /tokenize, /detokenize…)")
+    add_disagg_secret_file_flag(parser)
     parser.add_argument(
         "--tensor-parallel-size",
         "--tp",
@@ -132,6 +138,11 @@ def run_up(ns) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        envs, ns.worker_args = _secret_environments(ns, os.environ)
+    except SecretError as error:
+        print(f"baton up: {error}", file=sys.stderr)
+        return 2
     sizes = {"prefill": ns.prefill_tp or ns.tp, "decode": ns.decode_tp or ns.tp}
     for flag, size in (
         ("--tp", ns.tp),
@@ -163,8 +174,6 @@ def run_up(ns) -> int:
         # a worker's engine is given its ranks' shares and divides them among its ranks.
         share = cores_per_engine(sizes["prefill"] + sizes["decode"])
         threads = {role: ["--cpu-threads", str(share * size)] for role, size in sizes.items()}
-    keyed = ["--api-key", ns.api_key] if ns.api_key else []
-    common += keyed
     for flag, value in (
         ("--tool-call-parser", ns.tool_call_parser),
         ("--reasoning-parser", ns.reasoning_parser),
@@ -215,12 +224,10 @@ def run_up(ns) -> int:
             str(ns.port),
             "--max-concurrent-requests",
             str(ns.max_concurrent_requests),
-            *keyed,
         ],
     }
-    worker_env = _with_disagg_secret(os.environ, ns.worker_args)
     children = {
-        name: subprocess.Popen(cmd, env=worker_env if name != "router" else None)
+        name: subprocess.Popen(cmd, env=envs["router" if name == "router" else "worker"])
         for name, cmd in commands.items()
     }
     stopping = False
@@ -262,12 +269,28 @@ def _template_flag(value: str | None) -> str | None:
     return str(Path(value).resolve()) if value and Path(value).is_file() else value
 
 
-def _with_disagg_secret(environ, worker_args: list[str]) -> dict[str, str]:
-    env = dict(environ)
-    given = any(arg.split("=")[0] == "--disagg-secret" for arg in worker_args)
-    if not given and not env.get("BATON_DISAGG_SECRET"):
-        env["BATON_DISAGG_SECRET"] = secrets.token_hex(32)
-    return env
+def _secret_environments(ns, environ) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """The environments of the router and of the workers, and the worker flags without any
+    secret: the API key reaches all three, the worker secret (a random one when none is given)
+    both workers, in the environment only (server/secret_flags.py)."""
+    worker_args, flagged = [], None
+    args = iter(ns.worker_args)
+    for arg in args:  # a --disagg-secret among the worker flags moves to the environment
+        if arg == "--disagg-secret":
+            flagged = next(args, "")
+        elif arg.startswith("--disagg-secret="):
+            flagged = arg.split("=", 1)[1]
+        else:
+            worker_args.append(arg)
+    api_key = secret(ns.api_key, ns.api_key_file, "--api-key", environ, API_KEY_ENV)
+    worker_secret = secret(
+        flagged, ns.disagg_secret_file, "--disagg-secret", environ, DISAGG_SECRET_ENV
+    )
+    router = dict(environ)
+    if api_key:
+        router[API_KEY_ENV] = api_key
+    worker = dict(router, **{DISAGG_SECRET_ENV: worker_secret or secrets.token_hex(32)})
+    return {"router": router, "worker": worker}, worker_args
 
 
 def _engine_pids(children, known: dict[str, int]) -> dict[str, int]:

@@ -28,6 +28,7 @@ from server.protocol import (
     GenerateRequest,
     SGLangSamplingParams,
     TokenizeRequest,
+    unencodable_text,
 )
 from server.responses_protocol import ResponsesRequest, named_as_responses, to_chat_request
 from server.sampling import build_sampling_params
@@ -65,7 +66,8 @@ def _finite_float(text: str) -> float:
 
 def parse_json_body(raw: bytes) -> dict:
     """A JSON object, strictly: NaN, Infinity and numbers that overflow a double (1e400) are refused, and so
-    is nesting deeper than MAX_JSON_DEPTH (APIError 400 for each)."""
+    are nesting deeper than MAX_JSON_DEPTH and text that is not valid Unicode (a lone surrogate)
+    in any field (APIError 400 for each)."""
     try:
         value = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
     except _NotFinite as error:
@@ -84,6 +86,9 @@ def parse_json_body(raw: bytes) -> dict:
     if not isinstance(value, dict):  # every body this API takes is an object
         raise _body_error("request body must be a JSON object")
     _check_depth(value)
+    if (bad := unencodable_text(value)) is not None:
+        path, reason = bad
+        raise APIError(400, f"{path}: {reason}", path.split(".")[0])
     return value
 
 

@@ -116,6 +116,7 @@ def test_process_spec_round_trips_through_json():
         engine_args={"max_model_len": 64},
         input_addr="ipc:///tmp/a",
         output_addr="ipc:///tmp/b",
+        max_message_bytes=1 << 20,
         parent_pid=1,
         pair={"role": "prefill", "port": 0},
     )
@@ -261,6 +262,7 @@ def test_the_engine_process_exempts_start_up_objects_from_the_garbage_collector(
         engine_args={},
         input_addr="inproc://unused-in",
         output_addr="inproc://unused-out",
+        max_message_bytes=1 << 20,
         parent_pid=os.getppid() + 1,  # not our parent: the loop exits at once
         pair=None,
     )

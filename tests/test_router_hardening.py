@@ -5,9 +5,12 @@ both halves of a request whose client left, and guards its routes with the worke
 from __future__ import annotations
 
 import asyncio
+import glob
 import http.client
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -16,11 +19,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.args import SERVER_KEEP_ALIVE_S
 from server.router import ROUTER_KEEPALIVE_EXPIRY_S
-from tests.server_process import start_router, start_server, tiny_model
+from tests import zmtp
+from tests.server_process import children_of, start_router, start_server, tiny_model
 from tests.test_server_errors import LONE, assert_unending_headers_refused
-from tests.test_server_load import HugeRequest, huge_prompt_body
+from tests.test_server_load import TOKENIZED_WHOLE, HugeRequest, huge_prompt_body
+from tests.test_server_up import environ
 
 API_KEY = "sesame"
+WORKER_SECRET = "worker-to-worker-secret-0123"
 MODEL_NAME = "tiny"
 
 
@@ -142,7 +148,9 @@ def test_a_huge_prompt_leaves_the_router_and_its_workers_responsive(stack):
     worker is marked unhealthy) and another client's request succeeds meanwhile."""
     router = stack["router"]
     log_before = router.log()
-    huge = HugeRequest(f"{router.base_url}/v1/completions", huge_prompt_body(None))
+    huge = HugeRequest(
+        f"{router.base_url}/v1/completions", huge_prompt_body(None, **TOKENIZED_WHOLE)
+    )
     huge.start()
     assert huge.sent.wait(120)
     health = httpx.get(f"{router.base_url}/health", timeout=600)
@@ -153,8 +161,7 @@ def test_a_huge_prompt_leaves_the_router_and_its_workers_responsive(stack):
     huge.join(600)
     assert health.status_code == 200 and other.status_code == 200, other.text
     assert other_before_huge, "another client's request waited for the huge prompt"
-    assert huge.response is not None and huge.response.status_code == 400, huge.response.text
-    assert "exceeds max-model-len" in huge.response.json()["error"]["message"]
+    assert huge.response is not None and huge.response.status_code == 200, huge.response.text
     assert "unhealthy" not in router.log().removeprefix(log_before), router.log()[-2000:]
 
 
@@ -212,8 +219,13 @@ def test_router_error_texts_name_the_cause():
 @pytest.fixture(scope="module")
 def keyed_stack(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("keyed-logs")
-    prefill = start_server(model_dir, logs, "--disaggregation-mode", "prefill", api_key=API_KEY)
-    decode = start_server(model_dir, logs, "--disaggregation-mode", "decode", api_key=API_KEY)
+    secret = ("--disagg-secret", WORKER_SECRET)
+    prefill = start_server(
+        model_dir, logs, *secret, "--disaggregation-mode", "prefill", api_key=API_KEY
+    )
+    decode = start_server(
+        model_dir, logs, *secret, "--disaggregation-mode", "decode", api_key=API_KEY
+    )
     router = start_router(logs, [prefill.base_url], [decode.base_url], api_key=API_KEY)
     parts = {"prefill": prefill, "decode": decode, "router": router}
     yield parts
@@ -240,6 +252,18 @@ def test_keyed_router_reaches_keyed_workers_and_guards_its_routes(keyed_stack):
         assert httpx.get(f"{url}{path}", timeout=10).status_code == 401, path
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     assert json.loads(httpx.get(f"{url}/health", timeout=10).text)["status"] == "ok"
+
+
+def test_secrets_given_to_a_worker_never_reach_its_engines_command_line(keyed_stack):
+    """`ps` shows every command line to every local user: the secrets a worker was given go to
+    its engine process in the environment (the engine's command line used to carry the worker
+    secret, in its JSON spec)."""
+    for role in ("prefill", "decode"):
+        (engine,) = children_of(keyed_stack[role].process.pid)
+        command = Path(f"/proc/{engine}/cmdline").read_bytes()
+        assert b"engine.runtime.process" in command or b"disagg.process" in command
+        assert WORKER_SECRET.encode() not in command and API_KEY.encode() not in command, role
+        assert environ(engine)["BATON_DISAGG_SECRET"] == WORKER_SECRET, role
 
 
 def _health_status(connection: http.client.HTTPConnection) -> int:
@@ -328,3 +352,113 @@ def test_router_answers_unknown_routes_in_the_workers_error_shape(stack, method,
         assert response.status_code == status, (server.base_url, response.text)
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        ("/tokenize", f'{{"prompt": {LONE}}}', "prompt"),
+        ("/v1/completions", f'{{"prompt": "hi", "max_tokens": 2, "x_unknown": {LONE}}}', "x_unknown"),
+        ("/v1/completions", f'{{"prompt": "hi", "max_tokens": 2, {LONE}: 1}}', None),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,'
+            f' "chat_template_kwargs": {{"enable_thinking": {LONE}}}}}',
+            "chat_template_kwargs",
+        ),
+        ("/detokenize", f'{{"tokens": [5], "model": {LONE}}}', "model"),
+    ],
+    ids=["tokenize-prompt", "unknown-field", "unknown-key", "template-kwargs", "detokenize"],
+)  # fmt: skip
+def test_router_refuses_text_that_is_not_unicode_and_keeps_the_connection(stack, path, raw, param):
+    """A lone surrogate in a field the router forwards without reading used to fail its UTF-8
+    request to the worker: a plain-text 500, the connection closed under the client, the 500
+    uncounted and "Task exception was never retrieved" in its log. Now: a 400 in the OpenAI
+    shape, counted, and the same keep-alive connection serves the next request."""
+    router = stack["router"]
+    seen = samples(router).get(("baton:router_requests_total", (("status", "400"),)), 0.0)
+    url = httpx.URL(router.base_url)
+    connection = http.client.HTTPConnection(url.host, url.port, timeout=30)
+    connection.request(
+        "POST", path, body=raw.encode(), headers={"content-type": "application/json"}
+    )
+    response = connection.getresponse()
+    error = json.loads(response.read())["error"]
+    assert response.status == 400, error
+    assert (
+        set(error) == {"message", "type", "param", "code"} and "lone surrogate" in error["message"]
+    )
+    assert param is None or error["param"] == param
+    sock = connection.sock
+    assert _health_status(connection) == 200 and connection.sock is sock  # same connection
+    connection.close()
+    counted = samples(router)[("baton:router_requests_total", (("status", "400"),))]
+    assert counted == seen + 1
+    assert "Task exception was never retrieved" not in router.log()
+    assert "Traceback" not in router.log()
+
+
+def rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def forge(address: str, claimed: bytes, messages: list[list[bytes]]) -> None:
+    """Send `messages` to `address` as a `claimed` peer, reconnecting when libzmq drops the
+    connection (it does when a part is over the socket's limit)."""
+    sock = zmtp.connect(address, claimed)
+    for parts in messages:
+        data = b"".join(zmtp.frame(p, more=i < len(parts) - 1) for i, p in enumerate(parts))
+        if not zmtp.send_all(sock, data):
+            sock.close()
+            sock = zmtp.connect(address, claimed)
+    sock.close()
+
+
+def test_forged_frames_to_every_bound_port_are_bounded_and_counted(stack):
+    """Every ZMQ port a worker binds: the prefill transfer port (ROUTER), the decode worker's
+    rank transfer port (PULL, bound at TP=1 too: a TP > 1 prefill peer sends to it), and each
+    worker's ipc files (the server's PULL inbox and PUSH outbox). 16 MB frames (the decode
+    engine used to keep every one it was sent: 20 raised it by 330 MB, for good) and junk
+    messages: no process keeps more than 50 MB (8 such frames: 130 MB kept before), the junk
+    (also a malformed frame at a server's ipc inbox, which used to stop its receive task for
+    good) is counted, and the stack serves."""
+    prefill, decode, router = stack["prefill"], stack["decode"], stack["router"]
+    info = {
+        role: httpx.get(f"{stack[role].base_url}/disagg/info", timeout=10).json()
+        for role in ("prefill", "decode")
+    }
+    ipc = {
+        role: sorted(glob.glob(f"{tempfile.gettempdir()}/baton-{stack[role].process.pid}-*"))
+        for role in ("prefill", "decode")
+    }
+    pids = {}
+    for role in ("prefill", "decode"):
+        pids[f"{role} worker"] = stack[role].process.pid
+        (pids[f"{role} engine"],) = children_of(stack[role].process.pid)
+    before = {name: rss_mb(pid) for name, pid in pids.items()}
+    refused = {
+        "prefill": total(prefill, "baton:disagg_messages_refused_total"),
+        "decode": total(decode, "baton:zmq_messages_refused_total"),
+    }
+    huge, junk = [[b"x" * (16 << 20)]] * 8, [[b"junk header", b"no mac"]] * 30
+    # junk first: a frame over a socket's part bound drops the connection, and what was sent
+    # on it after that is lost
+    (rank_port,) = info["decode"]["rank_transfer_addrs"]
+    forge(rank_port, b"PUSH", junk + [[b"p"] * 40] + huge)  # 40 parts: over the part count
+    forge(info["prefill"]["transfer_addr"], b"DEALER", junk + [[b"p"] * 5] + huge)
+    for role in ("prefill", "decode"):
+        (inbox,) = (p for p in ipc[role] if p.endswith("-out"))  # the server's PULL
+        (outbox,) = (p for p in ipc[role] if p.endswith("-in"))  # the server's PUSH
+        # (junk only: the server's inbox has no part bound, engine_client.py says why)
+        forge(f"ipc://{inbox}", b"PUSH", [[b"junk"]] * 10)
+        forge(f"ipc://{outbox}", b"PULL", huge)
+    body = {"prompt": [5, 6, 7], "max_tokens": 3}  # the stack serves, and engines report stats
+    assert httpx.post(f"{router.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+    time.sleep(2)
+    after = {name: rss_mb(pid) for name, pid in pids.items()}
+    grown = {name: after[name] - before[name] for name in pids}
+    assert all(mb < 50 for mb in grown.values()), grown
+    assert total(prefill, "baton:disagg_messages_refused_total") >= refused["prefill"] + 31
+    # the decode engine's rank port (30 junk + 1 over the part count) and its server's ipc inbox
+    assert total(decode, "baton:zmq_messages_refused_total") >= refused["decode"] + 31 + 10

@@ -29,6 +29,7 @@ class FakeWorkers(httpx.AsyncBaseTransport):
         self.prefill_refuses: tuple[int, str] | None = None  # (status, message), at once
         self.prefill_refusal_param: str | None = None  # the refusal's `param`
         self.cancelled: list[str] = []  # workers whose generation request was cancelled
+        self.crash = False  # generation requests raise an error that is no transport error
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         origin = f"{request.url.scheme}://{request.url.host}"
@@ -46,6 +47,8 @@ class FakeWorkers(httpx.AsyncBaseTransport):
                 info["transfer_addr"] = "tcp://127.0.0.1:1"
             return httpx.Response(200, json={**info, "page_size": 16, "track_interval": 64})
         self.generations += 1
+        if self.crash:
+            raise RuntimeError("a bug in the router's path")
         if origin in self.gone:
             raise httpx.ConnectError("connection refused", request=request)
         if origin == PREFILL and self.prefill_refuses is not None:
@@ -159,7 +162,14 @@ def test_past_the_concurrency_limit_the_router_answers_429_with_retry_after():
             refused = await client.post("/v1/completions", json=body)
             assert refused.status_code == 429
             assert refused.headers["retry-after"] == "1"
-            assert "--max-concurrent-requests" in refused.json()["error"]["message"]
+            error = refused.json()["error"]
+            assert "--max-concurrent-requests" in error["message"]
+            # as OpenAI answers a rate limit
+            assert (error["type"], error["param"], error["code"]) == (
+                "requests",
+                None,
+                "rate_limit_exceeded",
+            )
             fake.release.set()
             assert [r.status_code for r in await asyncio.gather(*running)] == [200] * 3
             # The places came back: the next request is admitted.
@@ -242,5 +252,26 @@ def test_a_prefill_refusal_reaches_the_client_with_its_param_and_code(stream):
             assert error["param"] == "max_tokens" and error["code"] == 400
             assert error["type"] == "invalid_request_error"
             assert "exceeds max-model-len (2048)" in error["message"]
+
+    asyncio.run(scenario())
+
+
+def test_an_error_nothing_handled_answers_an_openai_500_that_is_counted():
+    """An exception no handler catches (a bug, not a worker's failure) answers a JSON 500 in the
+    OpenAI shape, counted in the router's metrics, and gives its place back."""
+
+    async def scenario():
+        fake = FakeWorkers()
+        fake.crash = True
+        app, client = await _router_client(fake, limit=8)
+        async with app.router.lifespan_context(app), client:
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+            answer = await client.post("/v1/completions", json=body)
+            assert answer.status_code == 500
+            error = answer.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == 500
+            assert app.state.workers.running == 0
+            metrics = (await client.get("/metrics")).text
+            assert 'baton:router_requests_total{status="500"} 1.0' in metrics
 
     asyncio.run(scenario())

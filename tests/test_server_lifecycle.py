@@ -5,8 +5,10 @@ Each test kills what it starts, so each starts its own server.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
+import tempfile
 import threading
 import time
 
@@ -28,6 +30,11 @@ def server(model_dir, tmp_path):
     server = start_server(model_dir, tmp_path)
     yield server
     server.stop()
+
+
+def ipc_files(server) -> list[str]:
+    """The server's ipc socket files (engine/runtime/ipc.py's channel), /tmp/baton-<server pid>-*."""
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"baton-{server.process.pid}-*"))
 
 
 def wait_until(condition, timeout: float, what: str) -> float:
@@ -81,6 +88,7 @@ def test_killed_engine_fails_in_flight_requests_then_the_server_exits_non_zero(s
     assert "supervisor can restart" in server.log()
     with pytest.raises(httpx.TransportError):  # the port is closed, not answering 503
         httpx.get(f"{server.base_url}/health", timeout=5)
+    assert ipc_files(server) == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -100,7 +108,10 @@ def test_signal_aborts_in_flight_requests_and_stops_both_processes(server, sig):
 
 
 def test_engine_exits_when_the_server_is_killed_outright(server):
+    """...and removes the ipc socket files the server could not (they were left in /tmp)."""
     engine_pid = server.engine_pid
+    assert len(ipc_files(server)) == 2
     server.process.kill()
     server.process.wait(10)
     wait_until(lambda: not pid_alive(engine_pid), 5, "the orphaned engine process exiting")
+    assert ipc_files(server) == [], server.log()[-3000:]

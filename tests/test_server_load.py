@@ -131,12 +131,17 @@ def test_abandoned_requests_are_aborted_and_free_the_pools(server):
     assert generated < 50 * 2000 / 10, f"{generated} tokens: the abandoned requests ran on"
 
 
-def huge_prompt_body(model: str | None, size: int = 4_000_000) -> bytes:
+def huge_prompt_body(model: str | None, size: int = 4_000_000, **fields) -> bytes:
     """A completions body whose prompt is `size` characters of words (millions of tokens)."""
     words = ["apple", "banana", "cherry", "42", "question", "answer:", "the", "of", "pens", "7"]
     text = " ".join(words[(i * 7 + i // 3) % len(words)] for i in range(size // 6))
     named = {"model": model} if model else {}
-    return json.dumps({**named, "prompt": text, "max_tokens": 4}).encode()
+    return json.dumps({**named, "prompt": text, "max_tokens": 4, **fields}).encode()
+
+
+# A huge prompt the server must tokenize whole: one cut to its last tokens may be any length
+# (a prompt that is not cut is refused as soon as its bytes prove it too long).
+TOKENIZED_WHOLE = {"truncate_prompt_tokens": 64}
 
 
 class HugeRequest(threading.Thread):
@@ -166,8 +171,11 @@ class HugeRequest(threading.Thread):
 
 def test_a_huge_prompt_does_not_hold_up_health_or_other_clients(server):
     """Tokenizing millions of characters runs in a worker thread: while it runs, /health answers
-    and another client's request completes (ordered against the huge one, not timed)."""
-    huge = HugeRequest(f"{server.base_url}/v1/completions", huge_prompt_body(MODEL_NAME))
+    and another client's request completes (ordered against the huge one, not timed); and the
+    tokenizer's peak goes back to the system afterwards (4 MB left the worker ~400 MB larger)."""
+    body = huge_prompt_body(MODEL_NAME, **TOKENIZED_WHOLE)
+    before = settled_rss_mb(server.process.pid)
+    huge = HugeRequest(f"{server.base_url}/v1/completions", body)
     huge.start()
     assert huge.sent.wait(120)
     with server.http() as http:
@@ -182,5 +190,36 @@ def test_a_huge_prompt_does_not_hold_up_health_or_other_clients(server):
     assert health.status_code == 200 and other.status_code == 200, other.text
     assert health_before_huge, "/health waited for the huge prompt's tokenization"
     assert other_before_huge, "another client's request waited for the huge prompt"
-    assert huge.response is not None and huge.response.status_code == 400, huge.response
-    assert "exceeds max-model-len" in huge.response.json()["error"]["message"]
+    assert huge.response is not None and huge.response.status_code == 200, huge.response
+    assert huge.response.json()["usage"]["prompt_tokens"] == 64
+    after = settled_rss_mb(server.process.pid)
+    assert after - before < 50, f"RSS {before:.0f} -> {after:.0f} MB"
+
+
+JSON = {"content-type": "application/json"}
+
+
+def rss_mb(pid: int) -> float:
+    status = open(f"/proc/{pid}/status").read()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def settled_rss_mb(pid: int) -> float:
+    """RSS a moment after a request (what stays, not the peak)."""
+    time.sleep(2)
+    return rss_mb(pid)
+
+
+def test_an_8_mb_prompt_is_refused_at_once_and_leaves_no_memory_behind(server):
+    """Its bytes prove it cannot fit the context: refused before tokenizing (it used to take
+    10-23 s of CPU and leave the worker ~1 GB larger for good)."""
+    body = huge_prompt_body(MODEL_NAME, 8_300_000)
+    with server.http() as http:
+        before = settled_rss_mb(server.process.pid)
+        started = time.monotonic()
+        response = http.post("/v1/completions", content=body, headers=JSON)
+        elapsed = time.monotonic() - started
+    after = settled_rss_mb(server.process.pid)
+    assert response.status_code == 400 and "exceeds max-model-len" in response.text
+    assert elapsed < 1.0, f"refused after {elapsed:.2f} s"
+    assert after - before < 50, f"RSS {before:.0f} -> {after:.0f} MB"

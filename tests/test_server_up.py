@@ -1,4 +1,4 @@
-"""`baton up`: a random worker secret by default, and a stack that stops as a whole, exit code 1,
+"""`baton up`: a random worker secret by default, secrets only in environments, and a stack that stops as a whole, exit code 1,
 naming the part, when any of its processes dies (engines included)."""
 
 from __future__ import annotations
@@ -31,8 +31,12 @@ def environ(pid: int) -> dict[str, str]:
     return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
 
 
-def test_up_gives_both_workers_one_random_secret(model_dir, tmp_path):
-    stack = Stack(model_dir, tmp_path / "up.log")
+def test_up_hands_its_secrets_to_every_part_in_the_environment_never_argv(model_dir, tmp_path):
+    """A random worker secret for both workers, and the API key (from --api-key-file) for all
+    three, in their environments: no process of the stack shows either in /proc/*/cmdline."""
+    key = "up-api-key-4f1c"
+    (tmp_path / "key").write_text(key + "\n")
+    stack = Stack(model_dir, tmp_path / "up.log", "--api-key-file", str(tmp_path / "key"))
     try:
         parts = stack.parts()
         secrets_seen = {
@@ -42,8 +46,11 @@ def test_up_gives_both_workers_one_random_secret(model_dir, tmp_path):
         secret = secrets_seen["prefill worker"]
         assert secret and re.fullmatch(r"[0-9a-f]{64}", secret), secrets_seen
         assert secrets_seen["decode worker"] == secret and secrets_seen["router"] is None
-        for name in ("prefill worker", "decode worker"):  # never on a command line
-            assert secret.encode() not in Path(f"/proc/{parts[name]}/cmdline").read_bytes()
+        for name in ("prefill worker", "decode worker", "router"):
+            assert environ(parts[name]).get("BATON_API_KEY") == key, name
+        for name, pid in parts.items():  # never on a command line
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert secret.encode() not in command and key.encode() not in command, name
         # Two engines on one machine: each runs on its half of the cores (engine/runtime/cpu_threads.py).
         share = str(cores_per_engine(2))
         for name in ("prefill engine", "decode engine"):
@@ -52,7 +59,9 @@ def test_up_gives_both_workers_one_random_secret(model_dir, tmp_path):
             ), name
         body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
         url = f"http://127.0.0.1:{stack.port}/v1/completions"
-        assert httpx.post(url, json=body, timeout=60).status_code == 200
+        assert httpx.post(url, json=body, timeout=60).status_code == 401
+        keyed = {"Authorization": f"Bearer {key}"}
+        assert httpx.post(url, json=body, headers=keyed, timeout=60).status_code == 200
     finally:
         stack.stop()
     assert stack.process.returncode == 0, stack.log()[-3000:]

@@ -7,7 +7,7 @@ multipliers and a Mixtral-style MoE beside an always-on shared SwiGLU MLP.
     logits = lm_head(norm(h)) / logits_scaling
 
 Attention: softmax scale `attention_multiplier` (not head_dim ** -0.5); rotary only when
-`position_embedding_type` is "rope" (else NoPE), over whole heads (transformers' Granite ignores
+`position_embedding_type` is "rope" (NoPE when it is "nope" or absent), over whole heads (transformers' Granite ignores
 a partial_rotary_factor in the file). `num_local_experts` 0: the shared MLP alone.
 Weights: `model.embed_tokens`, `model.layers.{i}.{input_layernorm, mamba | self_attn,
 post_attention_layernorm, block_sparse_moe.{router.layer, input_linear, output_linear},
@@ -52,6 +52,10 @@ def state_spec(config: ModelConfig, dtype: torch.dtype):
 HF_CONFIG_CLASS_PATH = (
     "transformers.models.granitemoehybrid.configuration_granitemoehybrid.GraniteMoeHybridConfig"
 )
+# transformers builds rotary only for "rope" and no positions for anything else; the values a
+# published file uses for "no positions" are run as NoPE (every Granite-4.0-H file says "nope"),
+# any other name of a scheme (ALiBi...) is refused rather than silently run without positions.
+NOPE_VALUES = (None, "nope")
 LAYER_NAMES: dict[str, LayerType] = {
     "mamba": "mamba",
     "linear_attention": "mamba",
@@ -70,7 +74,7 @@ def read_config(r: ConfigReader) -> ModelConfig:
     if len(names) != num_layers:
         raise r.error(f"'layer_types' lists {len(names)} layers, num_hidden_layers={num_layers}")
     r.require("hidden_act", ("silu",))
-    position = r.require("position_embedding_type", (None, "rope"))
+    position = r.require("position_embedding_type", NOPE_VALUES + ("rope",))
     attention = read_attention_keys(r, hidden)
     num_experts = int(r.opt("num_local_experts"))
     shared = int(r.opt("shared_intermediate_size"))

@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -37,6 +39,7 @@ from engine.parallel.messages import (
     pool_digest,
 )
 from engine.runtime.cpu_threads import engine_environment
+from engine.runtime.socket_limits import SEND_ONLY, limit
 
 logger = logging.getLogger("baton.tp")
 
@@ -80,15 +83,18 @@ class Ranks:
         self.context = zmq.Context()
         self.sockets: list[zmq.Socket] = []
         self.procs: list[subprocess.Popen] = []
+        # Step sockets are ipc files in a directory only this user can enter: a TCP port on
+        # 127.0.0.1 let any local user connect and take every other step from a rank.
+        self.step_dir = tempfile.mkdtemp(prefix="baton-tp-")
         port = free_port()
         threads = threads_per_rank(size)
         try:
             for rank in range(1, size):
-                sock = self.context.socket(zmq.PUSH)
+                sock = limit(self.context.socket(zmq.PUSH), SEND_ONLY)
                 # A send waits for the rank's connection (the first step may come before its
                 # handshake completes), but never longer than a step may take.
                 sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-                sock.bind("tcp://127.0.0.1:*")
+                sock.bind(f"ipc://{self.step_dir}/rank{rank}")
                 self.sockets.append(sock)
                 spec = RankSpec(
                     model=str(model),
@@ -205,6 +211,7 @@ class Ranks:
         self.sockets = []
         self.procs = []
         self.context.term()
+        shutil.rmtree(self.step_dir, ignore_errors=True)
 
 
 class RankedRunner:

@@ -46,10 +46,24 @@ from engine.parallel.messages import (
     pool_digest,
 )
 from engine.runtime.gc_freeze import freeze_startup_objects
+from engine.runtime.socket_limits import ReceiveLimits, limit, receive
 
 logger = logging.getLogger("baton.tp_worker")
 
 POLL_MS = 200  # idle wait between parent checks
+
+
+def step_limits(spec: RankSpec) -> ReceiveLimits:
+    """A RankStep is one frame: a step's batch (a few ids per token, per page and per slot it
+    uses: no more than the pools hold) and the pool operations since the last one. Its only
+    sender is rank 0, over an ipc file in a directory only this user can enter: a backstop."""
+    positions = spec.num_pages * spec.page_size + spec.num_mamba_slots
+    return ReceiveLimits(
+        name=f"rank {spec.rank} steps",
+        max_part_bytes=256 * positions + (16 << 20),
+        max_parts=1,
+        max_queued=1000,
+    )
 
 
 def run(spec: RankSpec) -> int:
@@ -80,7 +94,8 @@ def run(spec: RankSpec) -> int:
         cache,
     )
     context = zmq.Context()
-    steps = context.socket(zmq.PULL)
+    limits = step_limits(spec)
+    steps = limit(context.socket(zmq.PULL), limits)
     steps.connect(spec.step_addr)
     tp.barrier(spec.load_timeout_s)
     gather_addresses(tp, connector)  # rank 0 learns where this rank receives shards
@@ -92,7 +107,10 @@ def run(spec: RankSpec) -> int:
                     logger.warning("rank %d: rank 0 (pid %d) is gone", spec.rank, spec.parent_pid)
                     return 0
                 continue
-            message = decode(steps.recv())
+            frames = receive(steps, limits)  # rank 0 is the only peer
+            if frames is None:
+                continue
+            message = decode(frames[0])
             if isinstance(message, RankShutdown):
                 return 0
             if isinstance(message, ReportPools):

@@ -1,4 +1,5 @@
-"""Keep glibc from returning per-step temporaries to the OS (CPU serving).
+"""Keep glibc from returning per-step temporaries to the OS (CPU serving), and hand freed memory
+back when something large and one-off is gone (`release_freed_memory`).
 
 By default glibc serves allocations over 128 KiB-32 MiB (its threshold adapts) with mmap and
 unmaps them on free, so every step's activations, logits and gathered states page-fault again on
@@ -36,3 +37,23 @@ def keep_freed_memory_in_heap() -> bool:
     if not ok:
         logger.info("mallopt unavailable; CPU temporaries will page-fault on every step")
     return ok
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the system (glibc's malloc_trim; nothing elsewhere): after a
+    long tokenization or a large refused frame, whose memory would otherwise stay with the process
+    (freed blocks are kept for reuse: here by design, elsewhere once glibc's adaptive mmap
+    threshold has risen)."""
+    global _LIBC
+    if _LIBC is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _LIBC = ctypes.CDLL(name) if name else None
+        except OSError:
+            _LIBC = None
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)

@@ -5,19 +5,22 @@
                                                                   └─ engine.step() while busy
 
 Started by the server as `python -m engine.runtime.process SPEC_JSON`. It exits on `Shutdown`, when
-its parent dies (PR_SET_PDEATHSIG plus a parent-pid check, so no orphan outlives the server),
+its parent dies (PR_SET_PDEATHSIG plus a parent-pid check, so no orphan outlives the server;
+it then removes the server's ipc socket files, which a server killed outright leaves behind),
 or after an internal error, which it reports as `EngineFailed` first. SIGINT is ignored: a
 Ctrl-C reaches the whole process group and the server decides how to wind down.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,6 +39,14 @@ from engine.runtime.ipc import (
     decode,
     encode,
 )
+from engine.runtime.socket_limits import (
+    REFUSALS,
+    REFUSED_STAT,
+    SEND_ONLY,
+    ipc_limits,
+    limit,
+    receive,
+)
 
 logger = logging.getLogger("baton.engine")
 
@@ -53,6 +64,7 @@ class EngineProcessSpec:
     engine_args: dict[str, Any]  # Engine keyword arguments the user set (unset ones omitted)
     input_addr: str  # zmq address the server pushes requests to
     output_addr: str  # zmq address the server pulls outputs from
+    max_message_bytes: int  # the largest frame the server sends (socket_limits.add_request_bytes)
     parent_pid: int
     # the options of the prefill or decode worker that wraps this engine (its own process
     # module reads them); None when colocated
@@ -72,6 +84,7 @@ class EngineLoop:
     def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
         self.engine = engine
         self.inbox = inbox
+        self.inbox_limits = ipc_limits("engine inbox", inbox.getsockopt(zmq.MAXMSGSIZE))
         self.outbox = outbox
         self.parent_pid = parent_pid
         # A dead tensor-parallel rank fails the engine even while it idles (so /health turns
@@ -122,11 +135,17 @@ class EngineLoop:
         handled = 0
         while True:
             try:
-                frame = self.inbox.recv(zmq.NOBLOCK)
+                frames = receive(self.inbox, self.inbox_limits)
             except zmq.Again:
                 return handled, False
+            if frames is None:
+                continue
+            try:
+                message = decode(frames[0])
+            except Exception as error:  # msgpack's and the messages' own errors
+                REFUSALS.refuse(self.inbox_limits.name, f"not an ipc message: {error!r}"[:200])
+                continue
             handled += 1
-            message = decode(frame)
             if isinstance(message, Shutdown):
                 return handled, True
             if isinstance(message, AbortRequests):
@@ -157,7 +176,8 @@ class EngineLoop:
     def _stats(self) -> dict[str, int | float]:
         # request timing histograms when the engine keeps them (wrapped disagg engines do not)
         timing = getattr(self.engine, "timing_stats", dict)()
-        return asdict(self.engine.stats()) | timing
+        refused = {REFUSED_STAT: REFUSALS.total}
+        return asdict(self.engine.stats()) | timing | refused
 
     def _send(self, message) -> None:
         self.outbox.send(encode(message))
@@ -178,18 +198,44 @@ def main(argv: list[str] | None = None, load_and_run=None) -> int:
     spec = EngineProcessSpec.from_json(argv[0])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def exit_on_sigterm(*_) -> None:  # PR_SET_PDEATHSIG's (or a supervisor's)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: no second cuts this short
+        _remove_orphaned_ipc_files(spec, wait_s=1.0)
+        sys.exit(0)  # through the `finally` below
+
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     _die_with_parent()
     context = zmq.Context()
-    inbox = context.socket(zmq.PULL)
+    inbox = limit(context.socket(zmq.PULL), ipc_limits("engine inbox", spec.max_message_bytes))
     inbox.connect(spec.input_addr)
-    outbox = context.socket(zmq.PUSH)
+    outbox = limit(context.socket(zmq.PUSH), SEND_ONLY)
     outbox.connect(spec.output_addr)
     try:
         return load_and_run(spec, inbox, outbox)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a late one must not cut this short
+        _remove_orphaned_ipc_files(spec)
         inbox.close(linger=0)
         outbox.close(linger=1000)  # let the last message (EngineFailed, say) reach the server
         context.term()
+
+
+def _remove_orphaned_ipc_files(spec: EngineProcessSpec, wait_s: float = 0.0) -> None:
+    """A server killed outright (kill -9) leaves its ipc socket files behind: once it is gone,
+    the engine it started removes them. `wait_s`: how long the server may take to be gone
+    (PR_SET_PDEATHSIG fires when the server's thread that started us dies, a moment before the
+    process is gone and we are handed to a new parent); still there after it, it is alive and
+    removes its own."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == spec.parent_pid:
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
+    for address in (spec.input_addr, spec.output_addr):
+        if address.startswith("ipc://"):
+            with contextlib.suppress(OSError):
+                os.unlink(address.removeprefix("ipc://"))
 
 
 def _load_and_run(spec: EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
