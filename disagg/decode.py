@@ -95,7 +95,7 @@ class DecodeWorker:
         self.compat = compat_of(self.layout)
         self.replay = ReplayGuard()
         self.peer_limits = decode_side_limits(
-            self.layout, self.engine.max_model_len, self.engine.track_interval
+            self.layout, self.engine.max_model_len, self.handover.track_interval
         )
 
     def stats(self) -> EngineStats:
