@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_gated_delta
 from kernels.backend import select_backend
 from kernels.ssd import ChunkLayout
 from kernels.workspace import scratch
@@ -208,8 +209,7 @@ def gated_delta_prefill(
     dtype, chunk_states (num_seqs, num_chunks, num_v_heads, k_head_dim, v_head_dim) float32 or
     None when not wanted). On the CPU the threaded C scan (kernels/cpu_gated_delta.c) runs when
     it is built and the pool is contiguous float32."""
-    from kernels import cpu_gated_delta
-
+    _check_shapes(q, k, v, g, beta, tuple(state_pool.shape), "gated_delta_prefill")
     if cpu_gated_delta.supported(v, state_pool):
         return cpu_gated_delta.gated_delta_prefill_cpu(
             q, k, v, g, beta, state_pool, state_indices, layout, want_chunk_states
@@ -239,9 +239,8 @@ def gated_delta_decode(
         from kernels.triton_gated_delta import gated_delta_decode_triton
 
         return gated_delta_decode_triton(q, k, v, g, beta, state_pool, state_indices)
-    from kernels import cpu_gated_delta
-
     if cpu_gated_delta.supported(v, state_pool):
+        _check_shapes(q, k, v, g, beta, tuple(state_pool.shape), "gated_delta_decode")
         return cpu_gated_delta.gated_delta_decode_cpu(q, k, v, g, beta, state_pool, state_indices)
     return gated_delta_decode_torch(q, k, v, g, beta, state_pool, state_indices)
 
