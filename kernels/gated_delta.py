@@ -170,8 +170,11 @@ def chunk_gated_delta_rule_torch(
     exp_cum = cum.exp()
     k_rep = kc.repeat_interleave(R, dim=1)  # (S, Hv, Cn, L, dk)
     rhs = torch.cat([vc * bc[..., None], k_rep * (bc * exp_cum)[..., None]], dim=-1)
-    # (I + A) X = rhs; solve_triangular reads A's strictly lower triangle only (unit diagonal).
-    solved = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    # X = (I + A)^-1 rhs. solve_triangular reads A's strictly lower triangle only (unit
+    # diagonal); solving for the L x L inverse and multiplying took ~0.6x the time of solving
+    # for the wide right-hand side directly (batched LAPACK trsm is slow on small systems).
+    eye = torch.eye(L, dtype=torch.float32, device=v.device).expand_as(A)
+    solved = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True) @ rhs
     U, W = solved[..., :dv], solved[..., dv:]
 
     q_dec = qc.repeat_interleave(R, dim=1) * exp_cum[..., None]  # (S, Hv, Cn, L, dk)
