@@ -232,7 +232,9 @@ def gdn_decode_cpu(
                 f"stride, got {tuple(t.shape)} {t.dtype} strides {t.stride()}"
             )
     if a.stride(0) != b.stride(0):
-        raise ValueError(f"gdn_decode: a and b must share a row stride, got {a.stride()}, {b.stride()}")
+        raise ValueError(
+            f"gdn_decode: a and b must share a row stride, got {a.stride()}, {b.stride()}"
+        )
     if conv_states.shape[1:] != (conv_dim, K - 1):
         raise ValueError(f"gdn_decode: conv_states must be (num_slots, {conv_dim}, {K - 1}), "
                          f"got {tuple(conv_states.shape)}")  # fmt: skip

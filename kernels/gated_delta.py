@@ -86,7 +86,9 @@ def _check_shapes(q, k, v, g, beta, states_shape: tuple[int, ...], what: str) ->
     lead, (Hk, dk) = q.shape[:-2], q.shape[-2:]
     Hv, dv = v.shape[-2:]
     if k.shape != q.shape:
-        raise ValueError(f"{what}: q and k must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}")
+        raise ValueError(
+            f"{what}: q and k must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
     if v.shape[:-2] != lead or g.shape != (*lead, Hv) or beta.shape != (*lead, Hv):
         raise ValueError(
             f"{what}: v must be {(*lead, Hv, dv)} and g, beta {(*lead, Hv)}, got "

@@ -96,7 +96,13 @@ def test_padding_slots_are_exact_no_ops():
         q, k, v, g, beta, init, build_chunk_layout([10, 30], [13, 0], 8, "cpu")
     )
     alone = chunk_gated_delta_rule_torch(
-        q[:10], k[:10], v[:10], g[:10], beta[:10], init[:1], build_chunk_layout([10], [13], 8, "cpu")
+        q[:10],
+        k[:10],
+        v[:10],
+        g[:10],
+        beta[:10],
+        init[:1],
+        build_chunk_layout([10], [13], 8, "cpu"),
     )
     torch.testing.assert_close(batched.o[:10], alone.o, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(batched.final_states[:1], alone.final_states, atol=1e-6, rtol=1e-6)

@@ -55,8 +55,12 @@ def test_c_prefill_without_chunk_states_leaves_the_same_pool():
     layout = build_chunk_layout(seq_lens, start_pos, 8, "cpu")
     with_states, without = pool_with(init, [1, 2], 3), pool_with(init, [1, 2], 3)
     idx = torch.tensor([1, 2])
-    o1, cs = cpu_gated_delta.gated_delta_prefill_cpu(q, k, v, g, beta, with_states, idx, layout, True)
-    o2, none = cpu_gated_delta.gated_delta_prefill_cpu(q, k, v, g, beta, without, idx, layout, False)
+    o1, cs = cpu_gated_delta.gated_delta_prefill_cpu(
+        q, k, v, g, beta, with_states, idx, layout, True
+    )
+    o2, none = cpu_gated_delta.gated_delta_prefill_cpu(
+        q, k, v, g, beta, without, idx, layout, False
+    )
     assert none is None and cs.shape == (2, layout.num_chunks, 4, 8, 6)
     assert torch.equal(o1, o2) and torch.equal(with_states, without)
 
@@ -114,7 +118,9 @@ def test_public_functions_run_the_c_path_and_fall_back_to_torch(monkeypatch):
     for name in ("gated_delta_prefill_cpu", "gated_delta_decode_cpu"):
         real = getattr(cpu_gated_delta, name)
         monkeypatch.setattr(
-            cpu_gated_delta, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a)
+            cpu_gated_delta,
+            name,
+            lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a),
         )
     results = []
     for built in (True, False):

@@ -30,7 +30,9 @@ def triton_calls(monkeypatch) -> list[str]:
     for name in ("chunk_gated_delta_rule_triton", "gated_delta_decode_triton"):
         real = getattr(triton_gated_delta, name)
         monkeypatch.setattr(
-            triton_gated_delta, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a)
+            triton_gated_delta,
+            name,
+            lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a),
         )
     return calls
 
