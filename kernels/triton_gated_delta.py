@@ -308,6 +308,9 @@ def chunk_gated_delta_rule_triton(
     cum = torch.empty(S, Cn, Hv, L, **f32)
     w, u = torch.empty(S, Cn, Hv, L, dk, **f32), torch.empty(S, Cn, Hv, L, dv, **f32)
     precision = dot_precision(v.dtype)
+    # Chunk-sized tiles (L x L, L x 64, dk x v block): 8 warps keep them in registers at
+    # Qwen3-Next's shapes (chunk 64, head dims 128), 4 spill or saturate 255 registers.
+    warps = 8 if _pow2_at_least_16(L) * _pow2_at_least_16(max(dk, dv)) >= 8192 else 4
 
     BLOCK_DK = triton.next_power_of_2(dk)
     BLOCK_R = max(1, 4096 // BLOCK_DK)
@@ -326,7 +329,8 @@ def chunk_gated_delta_rule_triton(
         kn, v, g, beta, cu, start_pos, cum, w, u,
         *v.stride(), *g.stride(), *beta.stride(),
         Hk, Hv, dk, dv, L, Cn,
-        BLOCK_L=BLOCK_L, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, DOT_PRECISION=precision, num_warps=4,
+        BLOCK_L=BLOCK_L, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, DOT_PRECISION=precision,
+        num_warps=warps,
     )
     # The state tile holds the whole k_head_dim: narrower v blocks as it grows.
     state_v = min(_pow2_at_least_16(dv), max(16, 8192 // _pow2_at_least_16(dk)))
@@ -335,13 +339,14 @@ def chunk_gated_delta_rule_triton(
         *initial_states.stride(),
         Hk, Hv, dk, dv, L, Cn,
         BLOCK_L=BLOCK_L, BLOCK_DK=_pow2_at_least_16(dk), BLOCK_V=state_v,
-        DOT_PRECISION=precision, num_warps=4,
+        DOT_PRECISION=precision, num_warps=warps, num_stages=2,
     )
     _output_kernel[(S * Cn, Hv, triton.cdiv(dv, BLOCK_V))](
         qn, kn, cum, u, initial_states, chunk_states, o, cu, start_pos,
         *initial_states.stride(), *o.stride(),
         Hk, Hv, dk, dv, L, Cn,
-        BLOCK_L=BLOCK_L, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, DOT_PRECISION=precision, num_warps=4,
+        BLOCK_L=BLOCK_L, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, DOT_PRECISION=precision,
+        num_warps=warps, num_stages=2,
     )
     # fmt: on
     return GatedDeltaOutput(o=o, final_states=final, chunk_states=chunk_states)
