@@ -44,12 +44,69 @@ static inline void store_any(void *base, int bf16, int64_t i, float v) {
 /* The value a tensor of the model dtype holds (the torch path rounds between ops). */
 static inline float round_to(int bf16, float v) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* gdn_token on a full block of BV = 32 columns: two vectors per state row, the pass-1 sums in
+ * eight registers (rows two at a time, so four FMA chains per sum hide the FMA latency), explicit
+ * FMAs (ISO C mode does not contract a * b + c). */
+static inline __attribute__((always_inline)) void gdn_token_full(float *S, int64_t ld,
+                                                                 const float *qn, const float *kn,
+                                                                 float qk, const float *v, float e,
+                                                                 float beta, float *o, int64_t dk) {
+    __m512 kv[4], qs[4];
+    for (int j = 0; j < 4; j++) kv[j] = qs[j] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 2 <= dk; i += 2) {
+        for (int r = 0; r < 2; r++) {
+            const float *row = S + (i + r) * ld;
+            const __m512 r0 = _mm512_loadu_ps(row), r1 = _mm512_loadu_ps(row + 16);
+            const __m512 ki = _mm512_set1_ps(kn[i + r]), qi = _mm512_set1_ps(qn[i + r]);
+            kv[2 * r] = _mm512_fmadd_ps(ki, r0, kv[2 * r]);
+            kv[2 * r + 1] = _mm512_fmadd_ps(ki, r1, kv[2 * r + 1]);
+            qs[2 * r] = _mm512_fmadd_ps(qi, r0, qs[2 * r]);
+            qs[2 * r + 1] = _mm512_fmadd_ps(qi, r1, qs[2 * r + 1]);
+        }
+    }
+    if (i < dk) {
+        const float *row = S + i * ld;
+        const __m512 r0 = _mm512_loadu_ps(row), r1 = _mm512_loadu_ps(row + 16);
+        const __m512 ki = _mm512_set1_ps(kn[i]), qi = _mm512_set1_ps(qn[i]);
+        kv[0] = _mm512_fmadd_ps(ki, r0, kv[0]);
+        kv[1] = _mm512_fmadd_ps(ki, r1, kv[1]);
+        qs[0] = _mm512_fmadd_ps(qi, r0, qs[0]);
+        qs[1] = _mm512_fmadd_ps(qi, r1, qs[1]);
+    }
+    const __m512 ev = _mm512_set1_ps(e), bv = _mm512_set1_ps(beta), qkv = _mm512_set1_ps(qk);
+    __m512 delta[2];
+    for (int h = 0; h < 2; h++) {
+        const __m512 kvh = _mm512_add_ps(kv[h], kv[h + 2]), qsh = _mm512_add_ps(qs[h], qs[h + 2]);
+        /* delta = beta (v - e kv);  o = e qs + (q . k) delta */
+        delta[h] = _mm512_mul_ps(bv, _mm512_fnmadd_ps(ev, kvh, _mm512_loadu_ps(v + 16 * h)));
+        _mm512_storeu_ps(o + 16 * h, _mm512_fmadd_ps(qkv, delta[h], _mm512_mul_ps(ev, qsh)));
+    }
+    for (i = 0; i < dk; i++) {
+        float *row = S + i * ld;
+        const __m512 ki = _mm512_set1_ps(kn[i]);
+        _mm512_storeu_ps(row, _mm512_fmadd_ps(ki, delta[0], _mm512_mul_ps(ev, _mm512_loadu_ps(row))));
+        _mm512_storeu_ps(row + 16,
+                         _mm512_fmadd_ps(ki, delta[1], _mm512_mul_ps(ev, _mm512_loadu_ps(row + 16))));
+    }
+}
+#endif
+
 /* One token on an nc-column block of one head's state S (rows dk, row stride ld):
  * qn, kn normalised (qn scaled), qk = qn . kn; v, o the block's nc columns. */
 static inline __attribute__((always_inline)) void gdn_token(float *S, int64_t ld, const float *qn,
                                                             const float *kn, float qk,
                                                             const float *v, float e, float beta,
                                                             float *o, int64_t dk, const int64_t nc) {
+#if defined(__AVX512F__)
+    if (nc == BV) {
+        gdn_token_full(S, ld, qn, kn, qk, v, e, beta, o, dk);
+        return;
+    }
+#endif
     float kv[BV], qs[BV], delta[BV];
 #pragma omp simd
     for (int64_t c = 0; c < nc; c++) kv[c] = qs[c] = 0.0f;

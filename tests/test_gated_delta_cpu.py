@@ -28,7 +28,11 @@ def pool_with(init: torch.Tensor, slots: list[int], num_slots: int, seed: int = 
     return pool
 
 
-@pytest.mark.parametrize("seq_lens,start_pos,chunk,dims", CASES)
+# CASES' head dims stay under one 32-column block (the portable loop); here full blocks too.
+C_CASES = CASES + [([50, 20], [7, 0], 16, (2, 4, 32, 72))]
+
+
+@pytest.mark.parametrize("seq_lens,start_pos,chunk,dims", C_CASES)
 def test_c_prefill_matches_torch_path_and_oracle(seq_lens, start_pos, chunk, dims):
     Hk, Hv, dk, dv = dims
     q, k, v, g, beta, init = gdn_inputs(seq_lens, Hk, Hv, dk, dv)
@@ -133,3 +137,34 @@ def test_public_functions_run_the_c_path_and_fall_back_to_torch(monkeypatch):
     assert calls == ["gated_delta_prefill_cpu", "gated_delta_decode_cpu"]
     for c_result, torch_result in zip(*results):
         torch.testing.assert_close(c_result, torch_result, atol=2e-5, rtol=1e-4)
+
+
+def test_plain_c_build_without_avx512_agrees(tmp_path, monkeypatch):
+    """The portable loops (-march=x86-64-v3: what a CPU without AVX-512 compiles) give the same
+    prefill and decode as the intrinsics build the rest of this file tests."""
+    from kernels import cpu_ops
+
+    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_ops.FLAGS]
+    monkeypatch.setattr(cpu_ops, "FLAGS", flags)
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
+    portable = cpu_gated_delta.library.__wrapped__()
+    assert portable is not None
+    native = cpu_gated_delta.library()
+    seq_lens, dims = [40, 3], (2, 4, 24, 70)  # 70 columns: two full blocks of 32 and a tail
+    q, k, v, g, beta, init = gdn_inputs(seq_lens, *dims, seed=14)
+    layout = build_chunk_layout(seq_lens, [5, 0], 16, "cpu")
+    results = []
+    for lib in (portable, native):
+        monkeypatch.setattr(cpu_gated_delta, "library", lambda lib=lib: lib)
+        pool = pool_with(init, [1, 2], 3)
+        o, chunk_states = cpu_gated_delta.gated_delta_prefill_cpu(
+            q, k, v, g, beta, pool, torch.tensor([1, 2]), layout, True
+        )
+        o_dec = cpu_gated_delta.gated_delta_decode_cpu(
+            q[:2], k[:2], v[:2], g[:2], beta[:2], pool, torch.tensor([2, 1])
+        )
+        results.append((o, chunk_states, o_dec, pool))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    o_ref, _, _ = gated_delta_oracle(q, k, v, g, beta, init, seq_lens)
+    torch.testing.assert_close(results[0][0].double(), o_ref, atol=2e-5, rtol=1e-4)
