@@ -103,6 +103,14 @@ def _check_shapes(q, k, v, g, beta, states_shape: tuple[int, ...], what: str) ->
         )
 
 
+def _check_indices(state_indices: torch.Tensor, rows: int, what: str) -> None:
+    if state_indices.shape != (rows,):
+        raise ValueError(
+            f"{what}: state_indices must hold one slot per row, ({rows},), "
+            f"got {tuple(state_indices.shape)}"
+        )
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -215,6 +223,7 @@ def gated_delta_prefill(
     None when not wanted). On the CPU the threaded C scan (kernels/cpu_gated_delta.c) runs when
     it is built and the pool is contiguous float32."""
     _check_shapes(q, k, v, g, beta, tuple(state_pool.shape), "gated_delta_prefill")
+    _check_indices(state_indices, layout.num_seqs, "gated_delta_prefill")
     if cpu_gated_delta.supported(v, state_pool):
         return cpu_gated_delta.gated_delta_prefill_cpu(
             q, k, v, g, beta, state_pool, state_indices, layout, want_chunk_states
@@ -240,12 +249,13 @@ def gated_delta_decode(
     state_indices: (batch,) int64. Rows whose index is 0 are padding: they read and write
     nothing (slot 0 included) and their output is zero. Returns o: (batch, num_v_heads,
     v_head_dim) in v's dtype. CUDA -> Triton; CPU -> the C step when built, else torch."""
+    _check_shapes(q, k, v, g, beta, tuple(state_pool.shape), "gated_delta_decode")
+    _check_indices(state_indices, q.shape[0], "gated_delta_decode")
     if select_backend(v) == "triton":
         from kernels.triton_gated_delta import gated_delta_decode_triton
 
         return gated_delta_decode_triton(q, k, v, g, beta, state_pool, state_indices)
     if cpu_gated_delta.supported(v, state_pool):
-        _check_shapes(q, k, v, g, beta, tuple(state_pool.shape), "gated_delta_decode")
         return cpu_gated_delta.gated_delta_decode_cpu(q, k, v, g, beta, state_pool, state_indices)
     return gated_delta_decode_torch(q, k, v, g, beta, state_pool, state_indices)
 
@@ -260,6 +270,7 @@ def gated_delta_decode_torch(
     state_indices: torch.Tensor,
 ) -> torch.Tensor:
     _check_shapes(q, k, v, g, beta, tuple(state_pool.shape), "gated_delta_decode")
+    _check_indices(state_indices, q.shape[0], "gated_delta_decode")
     batch, Hk, dk = q.shape
     Hv, dv = v.shape[1:]
     R = Hv // Hk

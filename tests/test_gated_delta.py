@@ -191,3 +191,21 @@ def test_gating_matches_the_model_expressions_and_scales_beta():
     torch.testing.assert_close(g, expected_g)
     assert torch.equal(beta, b.sigmoid().float())  # rounded to bf16 first, as the model does
     assert torch.equal(beta2, (b.sigmoid() * 2.0).float())
+
+
+def test_mismatched_shapes_and_slot_counts_are_named_errors():
+    from kernels.gated_delta import gated_delta_decode, gated_delta_prefill
+
+    q, k, v, g, beta, init = gdn_inputs([4, 2])
+    pool = torch.zeros(3, 4, 8, 6)
+    layout = build_chunk_layout([4, 2], [0, 0], 4, "cpu")
+    with pytest.raises(ValueError, match="num_v_heads 4 must be a multiple of num_k_heads 3"):
+        chunk_gated_delta_rule_torch(q[:, :1].expand(-1, 3, -1), k[:, :1].expand(-1, 3, -1),
+                                     v, g, beta, init, layout)  # fmt: skip
+    with pytest.raises(ValueError, match=r"states must be .* \(\.\.\., 4, 8, 6\)"):
+        gated_delta_prefill(q, k, v, g, beta, torch.zeros(3, 4, 6, 8), torch.tensor([1, 2]),
+                            layout, False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"state_indices must hold one slot per row, \(2,\)"):
+        gated_delta_prefill(q, k, v, g, beta, pool, torch.tensor([1]), layout, False)
+    with pytest.raises(ValueError, match=r"g, beta \(6, 4\)"):
+        gated_delta_decode(q, k, v, g[:, :2], beta, pool, torch.arange(6))
