@@ -51,9 +51,9 @@ L2NORM_EPS = 1e-6  # transformers' (and FLA's) l2norm eps inside the kernel
 class GatedDeltaOutput(NamedTuple):
     o: torch.Tensor  # (num_tokens, num_v_heads, v_head_dim), v's dtype
     final_states: torch.Tensor  # (num_seqs, num_v_heads, k_head_dim, v_head_dim) float32
-    chunk_states: (
-        torch.Tensor
-    )  # (num_seqs, num_chunks, num_v_heads, k_head_dim, v_head_dim) float32, after each chunk
+    # (num_seqs, num_chunks, num_v_heads, k_head_dim, v_head_dim) float32, after each chunk;
+    # None only from the Triton launcher asked not to gather them (gated_delta_prefill)
+    chunk_states: torch.Tensor | None
 
 
 def gdn_gating(
@@ -228,7 +228,15 @@ def gated_delta_prefill(
         return cpu_gated_delta.gated_delta_prefill_cpu(
             q, k, v, g, beta, state_pool, state_indices, layout, want_chunk_states
         )
-    out = chunk_gated_delta_rule(q, k, v, g, beta, state_pool[state_indices], layout)
+    initial_states = state_pool[state_indices]
+    if select_backend(v) == "triton":
+        from kernels.triton_gated_delta import chunk_gated_delta_rule_triton
+
+        out = chunk_gated_delta_rule_triton(
+            q, k, v, g, beta, initial_states, layout, want_chunk_states
+        )
+    else:
+        out = chunk_gated_delta_rule_torch(q, k, v, g, beta, initial_states, layout)
     state_pool[state_indices] = out.final_states.to(state_pool.dtype)
     return out.o, out.chunk_states if want_chunk_states else None
 

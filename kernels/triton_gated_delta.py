@@ -70,7 +70,7 @@ def _chunk_slots(cu_ptr, start_pos_ptr, s, c, L, BLOCK_L: tl.constexpr):
 # fmt: off
 @triton.jit
 def _chunk_prep_kernel(
-    kn_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, start_pos_ptr, cum_ptr, w_ptr, u_ptr,
+    kn_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, start_pos_ptr, chunk_base_ptr, cum_ptr, w_ptr, u_ptr,
     stride_v_t, stride_v_h, stride_v_d, stride_g_t, stride_g_h, stride_b_t, stride_b_h,
     Hk, Hv, dk, dv, L, num_chunks,
     BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -84,11 +84,12 @@ def _chunk_prep_kernel(
     l, tok, valid, seq_len, offset = _chunk_slots(cu_ptr, start_pos_ptr, s, c, L, BLOCK_L)
     if c * L >= offset + seq_len:  # past this sequence's last chunk
         return
+    chunk = tl.load(chunk_base_ptr + s) + c  # index among the batch's real chunks
     g = tl.load(g_ptr + tok * stride_g_t + h * stride_g_h, mask=valid, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + tok * stride_b_t + h * stride_b_h, mask=valid, other=0.0)
     beta = beta.to(tl.float32)
     cum = tl.cumsum(g, axis=0)
-    row = (sc * Hv + h) * L  # (num_seqs, num_chunks, Hv, L) rows of the scratch buffers
+    row = (chunk * Hv + h) * L  # (chunks, Hv, L) rows of the scratch buffers
     tl.store(cum_ptr + row + l, cum, mask=l < L)
 
     kk = tl.zeros((BLOCK_L, BLOCK_L), dtype=tl.float32)
@@ -129,8 +130,9 @@ def _chunk_prep_kernel(
 @triton.jit
 def _state_kernel(
     kn_ptr, cum_ptr, w_ptr, u_ptr, init_ptr, states_ptr, final_ptr, cu_ptr, start_pos_ptr,
+    chunk_base_ptr,
     stride_init_s, stride_init_h, stride_init_k, stride_init_v,
-    Hk, Hv, dk, dv, L, num_chunks,
+    Hk, Hv, dk, dv, L,
     BLOCK_L: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -147,28 +149,27 @@ def _state_kernel(
         mask=tile_mask, other=0.0,
     ).to(tl.float32)
     _, seq_len, offset = _chunk_coords(cu_ptr, start_pos_ptr, s, L)
-    seq_chunks = tl.cdiv(offset + seq_len, L)
-    for c in range(0, num_chunks):
-        tile = ((s * num_chunks + c) * Hv + h) * dk * dv + d[:, None] * dv + e[None, :]
-        if c < seq_chunks:
-            l, tok, valid, _, _ = _chunk_slots(cu_ptr, start_pos_ptr, s, c, L, BLOCK_L)
-            row = ((s * num_chunks + c) * Hv + h) * L
-            lk_mask = (l < L)[:, None] & (d < dk)[None, :]
-            lv_mask = (l < L)[:, None] & (e < dv)[None, :]
-            w = tl.load(w_ptr + (row + l)[:, None] * dk + d[None, :], mask=lk_mask, other=0.0)
-            u_at = u_ptr + (row + l)[:, None] * dv + e[None, :]
-            v_new = tl.load(u_at, mask=lv_mask, other=0.0)
-            v_new -= tl.dot(w, state, input_precision=DOT_PRECISION)
-            tl.store(u_at, v_new, mask=lv_mask)  # V' replaces U (this program's block only)
-            cum = tl.load(cum_ptr + row + l, mask=l < L, other=0.0)
-            cum_last = tl.load(cum_ptr + row + L - 1)
-            kb = tl.load(kn_ptr + (tok * Hk + hk)[:, None] * dk + d[None, :],
-                         mask=valid[:, None] & (d < dk)[None, :], other=0.0)
-            k_dec = kb * tl.exp(cum_last - cum)[:, None]
-            state = state * tl.exp(cum_last) + tl.dot(
-                tl.trans(k_dec), v_new, input_precision=DOT_PRECISION
-            )
-        tl.store(states_ptr + tile, state, mask=tile_mask)  # past the end: the final state
+    base = tl.load(chunk_base_ptr + s)
+    for c in range(0, tl.cdiv(offset + seq_len, L)):
+        l, tok, valid, _, _ = _chunk_slots(cu_ptr, start_pos_ptr, s, c, L, BLOCK_L)
+        row = ((base + c) * Hv + h) * L
+        lk_mask = (l < L)[:, None] & (d < dk)[None, :]
+        lv_mask = (l < L)[:, None] & (e < dv)[None, :]
+        w = tl.load(w_ptr + (row + l)[:, None] * dk + d[None, :], mask=lk_mask, other=0.0)
+        u_at = u_ptr + (row + l)[:, None] * dv + e[None, :]
+        v_new = tl.load(u_at, mask=lv_mask, other=0.0)
+        v_new -= tl.dot(w, state, input_precision=DOT_PRECISION)
+        tl.store(u_at, v_new, mask=lv_mask)  # V' replaces U (this program's block only)
+        cum = tl.load(cum_ptr + row + l, mask=l < L, other=0.0)
+        cum_last = tl.load(cum_ptr + row + L - 1)
+        kb = tl.load(kn_ptr + (tok * Hk + hk)[:, None] * dk + d[None, :],
+                     mask=valid[:, None] & (d < dk)[None, :], other=0.0)
+        k_dec = kb * tl.exp(cum_last - cum)[:, None]
+        state = state * tl.exp(cum_last) + tl.dot(
+            tl.trans(k_dec), v_new, input_precision=DOT_PRECISION
+        )
+        tile = ((base + c) * Hv + h) * dk * dv + d[:, None] * dv + e[None, :]
+        tl.store(states_ptr + tile, state, mask=tile_mask)
     tl.store(final_ptr + (s * Hv + h) * dk * dv + d[:, None] * dv + e[None, :], state,
              mask=tile_mask)
 
@@ -177,6 +178,7 @@ def _state_kernel(
 @triton.jit
 def _output_kernel(
     qn_ptr, kn_ptr, cum_ptr, u_ptr, init_ptr, states_ptr, o_ptr, cu_ptr, start_pos_ptr,
+    chunk_base_ptr,
     stride_init_s, stride_init_h, stride_init_k, stride_init_v,
     stride_o_t, stride_o_h, stride_o_d,
     Hk, Hv, dk, dv, L, num_chunks,
@@ -191,8 +193,9 @@ def _output_kernel(
     l, tok, valid, seq_len, offset = _chunk_slots(cu_ptr, start_pos_ptr, s, c, L, BLOCK_L)
     if c * L >= offset + seq_len:
         return
+    chunk = tl.load(chunk_base_ptr + s) + c
     e = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    row = (sc * Hv + h) * L
+    row = (chunk * Hv + h) * L
     cum = tl.load(cum_ptr + row + l, mask=l < L, other=0.0)
     qk = tl.zeros((BLOCK_L, BLOCK_L), dtype=tl.float32)
     acc = tl.zeros((BLOCK_L, BLOCK_V), dtype=tl.float32)
@@ -211,7 +214,7 @@ def _output_kernel(
             + d[:, None] * stride_init_k + e[None, :] * stride_init_v,
             mask=(d < init_rows)[:, None] & (e < dv)[None, :], other=0.0,
         ).to(tl.float32)
-        prev = ((sc - 1) * Hv + h) * dk * dv + d[:, None] * dv + e[None, :]
+        prev = ((chunk - 1) * Hv + h) * dk * dv + d[:, None] * dv + e[None, :]
         from_prev = tl.load(states_ptr + prev, mask=(d < prev_rows)[:, None] & (e < dv)[None, :],
                             other=0.0)
         acc += tl.dot(qb * tl.exp(cum)[:, None], from_init + from_prev,
@@ -280,13 +283,20 @@ def chunk_gated_delta_rule_triton(
     beta: torch.Tensor,
     initial_states: torch.Tensor,
     layout: ChunkLayout,
+    want_chunk_states: bool = True,
 ) -> GatedDeltaOutput:
     """Same contract as kernels.gated_delta.chunk_gated_delta_rule: q, k (num_tokens,
     num_k_heads, k_head_dim), v (num_tokens, num_v_heads, v_head_dim) float32/float16/bfloat16,
     any strides; g, beta (num_tokens, num_v_heads) any float dtype and strides; initial_states
     (num_seqs, num_v_heads, k_head_dim, v_head_dim) any float dtype (float32 expected); layout:
     num_seqs, num_chunks, chunk_size, cu_seqlens (num_seqs + 1,) int32 and start_pos
-    (num_seqs,) int64 only. Returns o in v's dtype and float32 final and chunk states."""
+    (num_seqs,) int64 only. Returns o in v's dtype and float32 final and chunk states (None
+    when not wanted: the (num_seqs, num_chunks) gather is then skipped).
+
+    The scratch buffers and the states after each chunk are kept per *real* chunk (at most
+    num_tokens // chunk + 2 num_seqs of them, a bound known on the host), not per (sequence,
+    num_chunks of the longest): one long prompt batched with many short ones would otherwise
+    pay num_seqs times its chunk count in memory."""
     _check_shapes(q, k, v, g, beta, tuple(initial_states.shape), "chunk_gated_delta_rule")
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1:]
@@ -299,14 +309,21 @@ def chunk_gated_delta_rule_triton(
     device = v.device
     o = torch.empty(T, Hv, dv, device=device, dtype=v.dtype)
     final = torch.empty(S, Hv, dk, dv, device=device, dtype=torch.float32)
-    chunk_states = torch.empty(S, Cn, Hv, dk, dv, device=device, dtype=torch.float32)
     if S == 0:
+        chunk_states = torch.empty(0, Cn, Hv, dk, dv, device=device) if want_chunk_states else None
         return GatedDeltaOutput(o=o, final_states=final, chunk_states=chunk_states)
     cu, start_pos = layout.cu_seqlens, layout.start_pos
+    # Real chunks per sequence and where each sequence's first one sits among all of them
+    # (device arithmetic: no host sync).
+    seq_chunks = (start_pos % L + (cu[1:] - cu[:-1]) + L - 1) // L
+    chunk_base = torch.zeros(S + 1, dtype=torch.int64, device=device)
+    chunk_base[1:] = torch.cumsum(seq_chunks, 0)
+    max_chunks = T // L + 2 * S  # ceil((offset + n) / L) <= n / L + 2 per sequence
     f32 = dict(device=device, dtype=torch.float32)
     qn, kn = torch.empty(T, Hk, dk, **f32), torch.empty(T, Hk, dk, **f32)
-    cum = torch.empty(S, Cn, Hv, L, **f32)
-    w, u = torch.empty(S, Cn, Hv, L, dk, **f32), torch.empty(S, Cn, Hv, L, dv, **f32)
+    cum = torch.empty(max_chunks, Hv, L, **f32)
+    w, u = torch.empty(max_chunks, Hv, L, dk, **f32), torch.empty(max_chunks, Hv, L, dv, **f32)
+    states = torch.empty(max_chunks, Hv, dk, dv, **f32)  # after each real chunk
     precision = dot_precision(v.dtype)
     # Chunk-sized tiles (L x L, L x 64, dk x v block): 8 warps keep them in registers at
     # Qwen3-Next's shapes (chunk 64, head dims 128), 4 spill or saturate 255 registers.
@@ -326,7 +343,7 @@ def chunk_gated_delta_rule_triton(
     BLOCK_V = min(64, _pow2_at_least_16(dv))
     # fmt: off
     _chunk_prep_kernel[(S * Cn, Hv)](
-        kn, v, g, beta, cu, start_pos, cum, w, u,
+        kn, v, g, beta, cu, start_pos, chunk_base, cum, w, u,
         *v.stride(), *g.stride(), *beta.stride(),
         Hk, Hv, dk, dv, L, Cn,
         BLOCK_L=BLOCK_L, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, DOT_PRECISION=precision,
@@ -335,20 +352,27 @@ def chunk_gated_delta_rule_triton(
     # The state tile holds the whole k_head_dim: narrower v blocks as it grows.
     state_v = min(_pow2_at_least_16(dv), max(16, 8192 // _pow2_at_least_16(dk)))
     _state_kernel[(S, Hv, triton.cdiv(dv, state_v))](
-        kn, cum, w, u, initial_states, chunk_states, final, cu, start_pos,
+        kn, cum, w, u, initial_states, states, final, cu, start_pos, chunk_base,
         *initial_states.stride(),
-        Hk, Hv, dk, dv, L, Cn,
+        Hk, Hv, dk, dv, L,
         BLOCK_L=BLOCK_L, BLOCK_DK=_pow2_at_least_16(dk), BLOCK_V=state_v,
         DOT_PRECISION=precision, num_warps=warps, num_stages=2,
     )
     _output_kernel[(S * Cn, Hv, triton.cdiv(dv, BLOCK_V))](
-        qn, kn, cum, u, initial_states, chunk_states, o, cu, start_pos,
+        qn, kn, cum, u, initial_states, states, o, cu, start_pos, chunk_base,
         *initial_states.stride(), *o.stride(),
         Hk, Hv, dk, dv, L, Cn,
         BLOCK_L=BLOCK_L, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, DOT_PRECISION=precision,
         num_warps=warps, num_stages=2,
     )
     # fmt: on
+    chunk_states = None
+    if want_chunk_states:
+        # chunk c of sequence s, or its last chunk for c past its end (which holds its final
+        # state, as the torch path's no-op padding leaves it)
+        c = torch.arange(Cn, device=device)
+        last = (seq_chunks - 1)[:, None]
+        chunk_states = states[chunk_base[:-1, None] + torch.minimum(c[None, :], last)]
     return GatedDeltaOutput(o=o, final_states=final, chunk_states=chunk_states)
 
 

@@ -87,12 +87,16 @@ def test_prefill_on_pool_slots_goes_through_triton_and_writes_only_its_slots(tri
         q, k, v, g, beta, pool, torch.tensor([3, 1]), layout, True
     )
     ref = chunk_gated_delta_rule_torch(q, k, v, g, beta, init, layout)
-    assert triton_calls == ["chunk_gated_delta_rule_triton"]
     torch.testing.assert_close(o, ref.o, **tol(torch.float32))
     torch.testing.assert_close(chunk_states, ref.chunk_states, **tol(torch.float32))
     torch.testing.assert_close(pool[[3, 1]], ref.final_states, **tol(torch.float32))
     for untouched in (0, 2, 4):
         assert torch.equal(pool[untouched], before[untouched])
+    pool[[3, 1]] = init
+    o_again, none = gated_delta_prefill(q, k, v, g, beta, pool, torch.tensor([3, 1]), layout, False)
+    assert none is None and torch.equal(o_again, o)
+    assert triton_calls == ["chunk_gated_delta_rule_triton"] * 2
+    torch.testing.assert_close(pool[[3, 1]], ref.final_states, **tol(torch.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
