@@ -349,14 +349,15 @@ def chunk_gated_delta_rule_triton(
         BLOCK_L=BLOCK_L, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, DOT_PRECISION=precision,
         num_warps=warps,
     )
-    # The state tile holds the whole k_head_dim: narrower v blocks as it grows.
-    state_v = min(_pow2_at_least_16(dv), max(16, 8192 // _pow2_at_least_16(dk)))
+    # The state tile holds the whole k_head_dim: narrower v blocks as it grows (dk 128: 32
+    # columns; 64 spilled at 8 warps). One pipeline stage: the loop carries the state anyway.
+    state_v = min(_pow2_at_least_16(dv), max(16, 4096 // _pow2_at_least_16(dk)))
     _state_kernel[(S, Hv, triton.cdiv(dv, state_v))](
         kn, cum, w, u, initial_states, states, final, cu, start_pos, chunk_base,
         *initial_states.stride(),
         Hk, Hv, dk, dv, L,
         BLOCK_L=BLOCK_L, BLOCK_DK=_pow2_at_least_16(dk), BLOCK_V=state_v,
-        DOT_PRECISION=precision, num_warps=warps, num_stages=2,
+        DOT_PRECISION=precision, num_warps=warps, num_stages=1,
     )
     _output_kernel[(S * Cn, Hv, triton.cdiv(dv, BLOCK_V))](
         qn, kn, cum, u, initial_states, states, o, cu, start_pos, chunk_base,
