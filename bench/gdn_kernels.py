@@ -1,6 +1,6 @@
 """The gated delta rule's fast paths against its torch path, in one process, same inputs.
 
-    python -m bench.gdn_kernels [--shapes qwen3-next|small] [--rounds 5] [--json out.json]
+    python -m bench.gdn_kernels [--shapes qwen3-next|small] [--rounds 5] [--threads N] [--json f]
 
 On the CPU: the C kernels (kernels/cpu_gated_delta.c) vs the torch path, alternated rounds,
 best of rounds: prefill (one long prompt and a batch of short ones, chunk-end states kept),
@@ -157,8 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-next")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch's and C's)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     interpreted = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
     use_cuda = torch.cuda.is_available() and not interpreted
     device = torch.device("cuda" if use_cuda else "cpu")

@@ -223,6 +223,31 @@ int64_t baton_gdn_scan(const float *q, const float *k, const float *v, const flo
     return 0;
 }
 
+/* One row of the decode conv: x = silu(conv(window | input)) over conv_dim channels, rounded to
+ * the model dtype after the conv and after the SiLU (as transformers' bf16 conv then SiLU), the
+ * window (pool row at `base`, (conv_dim, K-1)) shifted in place to take the input. */
+static inline __attribute__((always_inline)) void conv_silu_row(const void *qkv, int64_t in,
+                                                                void *conv_pool, int64_t base,
+                                                                const float *conv_w, float *x,
+                                                                int64_t conv_dim, const int64_t K,
+                                                                const int bf16) {
+    const int64_t km1 = K - 1;
+#pragma omp simd
+    for (int64_t c = 0; c < conv_dim; c++) {
+        const int64_t at = base + c * km1;
+        const float *w = conv_w + c * K;
+        const float xin = load_any(qkv, bf16, in + c);
+        float acc = xin * w[km1];
+        for (int64_t j = 0; j < km1; j++) {
+            const float held = load_any(conv_pool, bf16, at + j);
+            acc += held * w[j];
+            if (j) store_any(conv_pool, bf16, at + j - 1, held);
+        }
+        if (km1) store_any(conv_pool, bf16, at + km1 - 1, xin);
+        x[c] = round_to(bf16, silu(round_to(bf16, acc)));
+    }
+}
+
 /* One fused gated DeltaNet decode step, from the projections to the out_proj input:
  *   qkv = silu(conv(window[slot] | qkv_in))    (window shifted in place; rounded like torch)
  *   g = A softplus(a + dt_bias);  beta = sigmoid(b) * beta_scale   (beta rounded to the dtype)
@@ -251,20 +276,16 @@ int64_t baton_gdn_decode(const void *qkv, int64_t qkv_stride, const void *z, int
         for (int64_t r = 0; r < batch; r++) {
             if (slots[r] == 0) continue;
             float *x = xconv + r * conv_dim;
-            const int64_t base = slots[r] * conv_dim * km1;
-            for (int64_t c = 0; c < conv_dim; c++) {
-                const int64_t at = base + c * km1;
-                const float *w = conv_w + c * K;
-                const float xin = load_any(qkv, bf16, r * qkv_stride + c);
-                float acc = xin * w[km1];
-                for (int64_t j = 0; j < km1; j++) {
-                    const float held = load_any(conv_pool, bf16, at + j);
-                    acc += held * w[j];
-                    if (j) store_any(conv_pool, bf16, at + j - 1, held);
-                }
-                if (km1) store_any(conv_pool, bf16, at + km1 - 1, xin);
-                x[c] = round_to(bf16, silu(round_to(bf16, acc)));
-            }
+            const int64_t base = slots[r] * conv_dim * km1, in = r * qkv_stride;
+            /* literal dtype and (usual) width per copy: the channel loop vectorises */
+            if (bf16 && K == 4)
+                conv_silu_row(qkv, in, conv_pool, base, conv_w, x, conv_dim, 4, 1);
+            else if (bf16)
+                conv_silu_row(qkv, in, conv_pool, base, conv_w, x, conv_dim, K, 1);
+            else if (K == 4)
+                conv_silu_row(qkv, in, conv_pool, base, conv_w, x, conv_dim, 4, 0);
+            else
+                conv_silu_row(qkv, in, conv_pool, base, conv_w, x, conv_dim, K, 0);
             for (int64_t hk = 0; hk < Hk; hk++) {
                 float *row = qkn + (r * Hk + hk) * (2 * dk + 1);
                 row[2 * dk] = normalise_qk(x + hk * dk, x + Hk * dk + hk * dk, row, row + dk, dk);
@@ -303,11 +324,13 @@ int64_t baton_gdn_decode(const void *qkv, int64_t qkv_stride, const void *z, int
                     continue;
                 }
                 float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
                 for (int64_t c = 0; c < dv; c++) {
                     o[at + c] = round_to(bf16, o[at + c]);
                     ss += o[at + c] * o[at + c];
                 }
                 const float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+#pragma omp simd
                 for (int64_t c = 0; c < dv; c++) {
                     const float normed = round_to(bf16, round_to(bf16, o[at + c] * inv) * norm_w[c]);
                     const float gate = silu(load_any(z, bf16, r * z_stride + h * dv + c));
