@@ -11,9 +11,9 @@ recurrent state is (batch, num_v_heads, k_head_dim, v_head_dim), and so is a poo
     o_t    = q_t^T S                       (v_head_dim,)
 
 Query/key heads serve num_v_heads / num_k_heads consecutive value heads each (repeat_interleave,
-as transformers does). All arithmetic is float32; o comes back in v's dtype. This is exactly
-`torch_recurrent_gated_delta_rule` / `torch_chunk_gated_delta_rule` of transformers 5.x
-(tests/test_gated_delta.py compares against both).
+as transformers does). All arithmetic is float32; o comes back in v's dtype. These are the
+semantics of transformers 5.x's `torch_recurrent_gated_delta_rule` and
+`torch_chunk_gated_delta_rule` (tests/test_gated_delta.py compares against both).
 
 Prefill uses the chunked form on the same per-sequence, absolute-position chunk grid as the SSD
 scan (kernels/ssd.py: `build_chunk_layout`): a sequence resumed at position 100 with chunk 64
@@ -31,6 +31,11 @@ cum = cumsum(g) inside the chunk, Gamma[i, j] = exp(cum_i - cum_j) for j <= i:
 
 Everything but the last three lines is batched over every (sequence, head, chunk); the loop runs
 over chunks only, each step one batched matmul per line over (sequence, head).
+
+Public functions dispatch like every kernel (kernels/backend.py): CUDA tensors -> Triton
+(kernels/triton_gated_delta.py), CPU tensors -> the C kernels (kernels/cpu_gated_delta.c) when
+built and the pool is contiguous float32, else the torch path here; BATON_KERNELS=torch|triton
+forces a side, BATON_CPU_OPS=0 turns the C kernels off.
 """
 
 from __future__ import annotations
