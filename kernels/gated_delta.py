@@ -294,13 +294,20 @@ def gated_delta_decode_torch(
         torch.index_select(state_pool, 0, state_indices, out=state)
     else:
         state.copy_(state_pool.index_select(0, state_indices))
-    live = (state_indices != 0).view(batch, 1, 1)
-    # Padding rows keep their slot's state (written back unchanged) and output zero.
-    decay = torch.where(live, g.float().exp()[..., None], 1.0).view(batch, Hv, 1, 1)
-    state.mul_(decay)
-    kv = (kn[..., None, :] @ state).squeeze(-2)  # (batch, Hv, dv)
-    delta = (v.float() - kv) * (beta.float()[..., None] * live)
-    state.add_(kn[..., :, None] * delta[..., None, :])
-    o = (qn[..., None, :] @ state).squeeze(-2) * live
+    # The C kernel's algebra: both reads of the state in one batched product, before the decay,
+    #   kv = k^T S,  qs = q^T S;  delta = beta (v - e kv);  o = e qs + (q . k) delta;
+    #   S <- e S + k delta^T
+    # (separate vector-matrix products before and after the update read the states twice).
+    # Padding rows (slot 0) get e = 1 and beta = 0: their slot is written back unchanged.
+    live = (state_indices != 0).view(batch, 1)
+    e = torch.where(live, g.float().exp(), 1.0)  # (batch, Hv)
+    reads = torch.stack([kn, qn], dim=2).view(-1, 2, dk) @ state.view(-1, dk, dv)
+    kv, qs = reads.view(batch, Hv, 2, dv).unbind(2)
+    delta = (v.float() - e[..., None] * kv) * (beta.float() * live)[..., None]
+    o = (e[..., None] * qs + (qn * kn).sum(-1, keepdim=True) * delta) * live[..., None]
+    state.mul_(e.view(batch, Hv, 1, 1))
+    # S += k delta^T in place (a batched rank-1 update; an outer-product temporary the size of
+    # the states would cost more in page faults than the arithmetic).
+    state.view(-1, dk, dv).baddbmm_(kn.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))
     state_pool.index_copy_(0, state_indices, state.to(state_pool.dtype))
     return o.to(v.dtype)
