@@ -304,7 +304,8 @@ def gated_delta_decode_torch(
     reads = torch.stack([kn, qn], dim=2).view(-1, 2, dk) @ state.view(-1, dk, dv)
     kv, qs = reads.view(batch, Hv, 2, dv).unbind(2)
     delta = (v.float() - e[..., None] * kv) * (beta.float() * live)[..., None]
-    o = (e[..., None] * qs + (qn * kn).sum(-1, keepdim=True) * delta) * live[..., None]
+    o = e[..., None] * qs + (qn * kn).sum(-1, keepdim=True) * delta
+    o = torch.where(live[..., None], o, 0.0)  # whatever the dummy slot holds
     state.mul_(e.view(batch, Hv, 1, 1))
     # S += k delta^T in place (a batched rank-1 update; an outer-product temporary the size of
     # the states would cost more in page faults than the arithmetic).
