@@ -20,7 +20,7 @@ import torch
 
 from kernels import cpu_ops
 from kernels.backend import select_backend
-from kernels.ssd import ChunkLayout
+from kernels.layouts import ChunkLayout
 
 SOURCE = Path(__file__).with_name("cpu_gated_delta.c")
 

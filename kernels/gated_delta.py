@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_gated_delta
 from kernels.backend import select_backend
-from kernels.ssd import ChunkLayout
+from kernels.layouts import ChunkLayout
 from kernels.workspace import scratch
 
 L2NORM_EPS = 1e-6  # transformers' (and FLA's) l2norm eps inside the kernel

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_gated_delta
-from kernels.conv1d import ConvLayout, causal_conv1d_update, causal_conv1d_varlen
+from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.gated_delta import gated_delta_decode, gated_delta_prefill, gdn_gating
-from kernels.ssd import ChunkLayout
+from kernels.layouts import ChunkLayout, ConvLayout
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

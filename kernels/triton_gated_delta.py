@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kernels.backend import dot_precision
 from kernels.gated_delta import L2NORM_EPS, GatedDeltaOutput, _check_shapes
-from kernels.ssd import ChunkLayout
+from kernels.layouts import ChunkLayout
 from kernels.triton_ssd import _chunk_coords
 
 
