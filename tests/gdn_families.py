@@ -40,91 +40,185 @@ GDN_CONFIGS: dict[str, tuple[str, str, dict]] = {
     "qwen3_next_moe": (
         "Qwen3NextConfig",
         "Qwen3NextForCausalLM",
-        dict(QWEN_COMMON, **MOE, num_hidden_layers=4,
-             layer_types=["linear_attention"] * 3 + ["full_attention"],
-             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-             linear_value_head_dim=12, intermediate_size=48),
+        dict(
+            QWEN_COMMON,
+            **MOE,
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+            intermediate_size=48,
+        ),
     ),  # fmt: skip
     # Qwen3-Next: attention first and last, MoE every 2nd layer plus a dense mlp_only layer,
     # raw (not renormalised) top-k, R = 1, conv 3, rotary 0.5 with its own theta.
     "qwen3_next_mixed": (
         "Qwen3NextConfig",
         "Qwen3NextForCausalLM",
-        dict(QWEN_COMMON, **MOE, num_hidden_layers=4,
-             layer_types=["full_attention", "linear_attention", "linear_attention",
-                          "full_attention"],
-             decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False,
-             linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=8,
-             linear_value_head_dim=8, linear_conv_kernel_dim=3, intermediate_size=40,
-             rope_parameters={"rope_type": "default", "rope_theta": 500.0,
-                              "partial_rotary_factor": 0.5}),
+        dict(
+            QWEN_COMMON,
+            **MOE,
+            num_hidden_layers=4,
+            layer_types=[
+                "full_attention",
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+            norm_topk_prob=False,
+            linear_num_key_heads=3,
+            linear_num_value_heads=3,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=3,
+            intermediate_size=40,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 500.0,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
     ),  # fmt: skip
     # Qwen3.5 dense: R = 3, MQA (4 heads on 1 KV head), tied embeddings.
     "qwen3_5_dense": (
         "Qwen3_5TextConfig",
         "Qwen3_5ForCausalLM",
-        dict(QWEN_COMMON, num_hidden_layers=4, num_key_value_heads=1,
-             layer_types=["linear_attention"] * 3 + ["full_attention"],
-             linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
-             linear_value_head_dim=8, intermediate_size=96, tie_word_embeddings=True),
+        dict(
+            QWEN_COMMON,
+            num_hidden_layers=4,
+            num_key_value_heads=1,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=6,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            intermediate_size=96,
+            tie_word_embeddings=True,
+        ),
     ),  # fmt: skip
     # Qwen3.5 dense as the published vision checkpoint (text_config, model.language_model.,
     # mrope_section in the rope parameters), attention first and last.
     "qwen3_5_vision": (
         "Qwen3_5Config",
         "Qwen3_5ForConditionalGeneration",
-        dict(vision_config=VISION, text_config=dict(
-            QWEN_COMMON, num_hidden_layers=4,
-            layer_types=["full_attention", "linear_attention", "linear_attention",
-                         "full_attention"],
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-            linear_value_head_dim=8, intermediate_size=48,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
-                             "mrope_interleaved": True})),
+        dict(
+            vision_config=VISION,
+            text_config=dict(
+                QWEN_COMMON,
+                num_hidden_layers=4,
+                layer_types=[
+                    "full_attention",
+                    "linear_attention",
+                    "linear_attention",
+                    "full_attention",
+                ],
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                intermediate_size=48,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.25,
+                    "mrope_section": [1, 1, 0],
+                    "mrope_interleaved": True,
+                },
+            ),
+        ),
     ),  # fmt: skip
     # Qwen3.5 MoE: MoE in every layer (always renormalised), R = 2.
     "qwen3_5_moe": (
         "Qwen3_5MoeTextConfig",
         "Qwen3_5MoeForCausalLM",
-        dict(QWEN_COMMON, **MOE, num_hidden_layers=4,
-             layer_types=["linear_attention", "full_attention", "linear_attention",
-                          "full_attention"],
-             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-             linear_value_head_dim=8),
+        dict(
+            QWEN_COMMON,
+            **MOE,
+            num_hidden_layers=4,
+            layer_types=[
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+        ),
     ),  # fmt: skip
     "qwen3_5_moe_vision": (
         "Qwen3_5MoeConfig",
         "Qwen3_5MoeForConditionalGeneration",
-        dict(vision_config=VISION, text_config=dict(
-            QWEN_COMMON, **MOE, num_hidden_layers=3,
-            layer_types=["linear_attention", "linear_attention", "full_attention"],
-            linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16,
-            linear_value_head_dim=8)),
+        dict(
+            vision_config=VISION,
+            text_config=dict(
+                QWEN_COMMON,
+                **MOE,
+                num_hidden_layers=3,
+                layer_types=["linear_attention", "linear_attention", "full_attention"],
+                linear_num_key_heads=1,
+                linear_num_value_heads=2,
+                linear_key_head_dim=16,
+                linear_value_head_dim=8,
+            ),
+        ),
     ),  # fmt: skip
     # OLMo-Hybrid as released: NoPE (rope_theta null), R = 1 with dv = 2 dk (transformers'
     # defaults), GQA 4/2, beta x 2.
     "olmo_hybrid_nope": (
         "OlmoHybridConfig",
         "OlmoHybridForCausalLM",
-        dict(vocab_size=288, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=4,
-             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
-             rope_theta=None, max_position_embeddings=4096, pad_token_id=0, eos_token_id=2),
+        dict(
+            vocab_size=288,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            linear_num_key_heads=4,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=16,
+            rope_theta=None,
+            max_position_embeddings=4096,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
     ),  # fmt: skip
     # OLMo-Hybrid with rotary over whole heads, attention first and last, R = 2, conv 3,
     # linear_allow_neg_eigval off (beta in [0, 1]).
     "olmo_hybrid_rope": (
         "OlmoHybridConfig",
         "OlmoHybridForCausalLM",
-        dict(vocab_size=288, hidden_size=48, intermediate_size=64, num_hidden_layers=4,
-             layer_types=["full_attention", "linear_attention", "linear_attention",
-                          "full_attention"],
-             num_attention_heads=4, num_key_value_heads=4, linear_num_key_heads=2,
-             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-             linear_conv_kernel_dim=3, linear_allow_neg_eigval=False,
-             rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
-             max_position_embeddings=4096, pad_token_id=0, eos_token_id=2),
+        dict(
+            vocab_size=288,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            layer_types=[
+                "full_attention",
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=3,
+            linear_allow_neg_eigval=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+            max_position_embeddings=4096,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
     ),  # fmt: skip
 }
 
@@ -154,8 +248,9 @@ def save_gdn_model(path: Path, name: str, seed: int):
         # checkpoints cut it at the q | k | v widths. Write the published layout.
         file = path / "model.safetensors"
         tensors = load_file(str(file))
-        key, value = text.linear_num_key_heads * text.linear_key_head_dim, (
-            text.linear_num_value_heads * text.linear_value_head_dim
+        key, value = (
+            text.linear_num_key_heads * text.linear_key_head_dim,
+            (text.linear_num_value_heads * text.linear_value_head_dim),
         )
         for layer in range(text.num_hidden_layers):
             names = [f"model.layers.{layer}.linear_attn.{p}_conv1d.weight" for p in "qkv"]
