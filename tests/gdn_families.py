@@ -168,8 +168,8 @@ GDN_CONFIGS: dict[str, tuple[str, str, dict]] = {
             ),
         ),
     ),  # fmt: skip
-    # OLMo-Hybrid as released: NoPE (rope_theta null), R = 1 with dv = 2 dk (transformers'
-    # defaults), GQA 4/2, beta x 2.
+    # OLMo-Hybrid as released: NoPE (rope_parameters {"rope_theta": null}), R = 1 with
+    # dv = 2 dk (transformers' defaults), beta x 2, weights under the release's names; GQA 4/2.
     "olmo_hybrid_nope": (
         "OlmoHybridConfig",
         "OlmoHybridForCausalLM",
@@ -237,29 +237,43 @@ def build_gdn_model(name: str, seed: int):
 
 def save_gdn_model(path: Path, name: str, seed: int):
     """build_gdn_model, saved with save_pretrained plus the tiny tokenizer; returns it."""
-    from safetensors.torch import load_file, save_file
-
     model = build_gdn_model(name, seed)
     model.save_pretrained(str(path))
     text = model.config.get_text_config()
     save_tokenizer(path, vocab_size=text.vocab_size)
     if model.config.model_type == "olmo_hybrid":
-        # transformers 5.24 saves the concatenated conv back as three equal thirds; published
-        # checkpoints cut it at the q | k | v widths. Write the published layout.
-        file = path / "model.safetensors"
-        tensors = load_file(str(file))
-        key, value = (
-            text.linear_num_key_heads * text.linear_key_head_dim,
-            (text.linear_num_value_heads * text.linear_value_head_dim),
-        )
-        for layer in range(text.num_hidden_layers):
-            names = [f"model.layers.{layer}.linear_attn.{p}_conv1d.weight" for p in "qkv"]
-            if names[0] in tensors:
-                whole = torch.cat([tensors[n] for n in names])
-                for n, part in zip(names, whole.split([key, key, value])):
-                    tensors[n] = part.contiguous()
-        save_file(tensors, str(file), metadata={"format": "pt"})
+        _write_olmo_release_layout(path, model, release_names=name == "olmo_hybrid_nope")
     return model
+
+
+def _write_olmo_release_layout(path: Path, model, release_names: bool) -> None:
+    """transformers 5.24 saves OLMo-Hybrid's concatenated conv back as three equal thirds; the
+    released checkpoint cuts it at the q | k | v widths. Write that. release_names: the
+    release's tensor names (the model's own: `input_layernorm`...), else the names
+    save_pretrained writes (`attention_layer_norm`...), which transformers also reads."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = (
+        {n: t.contiguous() for n, t in model.state_dict().items()}
+        if release_names
+        else load_file(str(file))
+    )
+    c = model.config
+    key, value = (
+        c.linear_num_key_heads * c.linear_key_head_dim,
+        (c.linear_num_value_heads * c.linear_value_head_dim),
+    )
+    for layer in range(c.num_hidden_layers):
+        prefix = f"model.layers.{layer}.linear_attn."
+        names = [f"{prefix}{p}_conv1d.weight" for p in "qkv"]
+        whole = tensors.pop(prefix + "conv1d.weight", None)
+        if whole is None and names[0] in tensors:
+            whole = torch.cat([tensors[n] for n in names])
+        if whole is not None:
+            for n, part in zip(names, whole.split([key, key, value])):
+                tensors[n] = part.contiguous()
+    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="session")

@@ -236,3 +236,35 @@ def test_tensor_parallel_refused_naming_the_key(gdn_models):
 @pytest.mark.parametrize("name", [n for n in GDN_CONFIGS if n != "qwen3_next_mixed"])
 def test_every_family_supports_tensor_parallelism_where_its_heads_split(gdn_models, name):
     check_tp_supported(ModelConfig.from_hf(gdn_models(name)[0]), 2)
+
+
+def test_experts_stacked_as_qwen3_5_moe_releases_them_load_alike(gdn_models, tmp_path):
+    """The released Qwen3.5-MoE checkpoints stack each layer's experts (`experts.gate_up_proj`
+    (E, 2I, H) [gate | up], `experts.down_proj` (E, H, I)); transformers' save_pretrained writes
+    them per expert. Both layouts give the same model."""
+    model_dir, _ = gdn_models("qwen3_5_moe_vision")
+    for item in model_dir.iterdir():
+        if item.name != "model.safetensors":
+            (tmp_path / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    prefixes = sorted({n.split(".experts.")[0] for n in tensors if ".experts." in n})
+    for prefix in prefixes:
+        per = sorted(n for n in tensors if n.startswith(prefix + ".experts."))
+        stacked = {
+            proj: torch.stack([tensors[f"{prefix}.experts.{e}.{proj}.weight"]
+                               for e in range(len(per) // 3)])
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        }  # fmt: skip
+        for n in per:
+            del tensors[n]
+        tensors[f"{prefix}.experts.gate_up_proj"] = torch.cat(
+            [stacked["gate_proj"], stacked["up_proj"]], dim=1
+        )
+        tensors[f"{prefix}.experts.down_proj"] = stacked["down_proj"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    per_expert = load_model(model_dir, torch.float32, "cpu").state_dict()
+    stacked = load_model(tmp_path, torch.float32, "cpu").state_dict()
+    experts = [n for n in per_expert if ".experts." in n]
+    assert experts and per_expert.keys() == stacked.keys()
+    for name in experts:
+        torch.testing.assert_close(stacked[name], per_expert[name], rtol=0, atol=0)

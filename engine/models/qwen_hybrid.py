@@ -231,8 +231,8 @@ def checkpoint_name(name: str) -> str | None:
         _log_vision_skipped()
         return None
     if name.startswith(LANGUAGE_PREFIX):
-        return "model." + name[len(LANGUAGE_PREFIX) :]
-    # Qwen3.5-MoE releases may stack each layer's experts as one [gate | up] tensor
+        name = "model." + name[len(LANGUAGE_PREFIX) :]
+    # Qwen3.5-MoE releases stack each layer's experts, [gate | up] in one tensor
     return name.replace(".mlp.experts.gate_up_proj", ".mlp.experts.up_proj")
 
 
