@@ -1,7 +1,8 @@
 """The gated DeltaNet families on the serving paths that follow the state spec (nothing in the
 pools, prefix cache, handover, wire or TP planning names them):
 
-    prefix cache on   == off, with hits resumed from GDN checkpoints
+    prefix cache on   == off, with hits resumed from GDN checkpoints (decode steps through the
+                         padded runner: padding rows on the dummy slot, decode checkpoints)
     PD pair           == colocated, TP 1 -> 1, 2 -> 1, 1 -> 2, twice: the second round's
                          prompts extend the first's, so both workers resume from their caches
     colocated TP = 2  == TP = 1 (OLMo-Hybrid's whole-projection q/k norm spanning the ranks;
@@ -63,15 +64,20 @@ def test_prefix_cache_on_matches_off_with_hits(gdn_models):
     model_dir, hf = gdn_models("qwen3_5_moe")
     vocab = hf.config.vocab_size
     shared = prompts(vocab, 1, (70,))[0]
-    items = [shared + p for p in prompts(vocab, 2, (5, 9, 71))]
+    items = [shared + p for p in prompts(vocab, 2, (5, 9, 13, 71))]
     off = LLM(model_dir, **ARGS, enable_prefix_caching=False).generate(items, PARAMS)
-    on = LLM(model_dir, **ARGS)
+    on = LLM(model_dir, **ARGS, cpu_padded_decode=True)
+    padded = []
+    runner = on.engine.graph_runner
+    original = runner.forward
+    runner.forward = lambda sched: (padded.append(sched.num_decode_seqs), original(sched))[1]
     outs = on.generate(items[:1], PARAMS) + on.generate(items[1:], PARAMS)
+    assert 3 in padded  # a batch of 3 decodes padded to the captured size 4
     assert_same_outputs(outs, off)
-    assert [o.num_cached_tokens for o in outs] == [0, 64, 64]
-    again = on.generate(items[2:], PARAMS)  # its own prompt now cached up to 128 tokens
+    assert [o.num_cached_tokens for o in outs] == [0, 64, 64, 64]
+    again = on.generate(items[3:], PARAMS)  # its own prompt now cached up to 128 tokens
     assert again[0].num_cached_tokens == 128
-    assert_same_outputs(again, off[2:])
+    assert_same_outputs(again, off[3:])
     stats = on.stats()
     assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
 
