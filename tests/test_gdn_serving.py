@@ -6,7 +6,7 @@ pools, prefix cache, handover, wire or TP planning names them):
     PD pair           == colocated, TP 1 -> 1, 2 -> 1, 1 -> 2, twice: the second round's
                          prompts extend the first's, so both workers resume from their caches
     colocated TP = 2  == TP = 1 (OLMo-Hybrid's whole-projection q/k norm spanning the ranks;
-                         Qwen3.5-MoE with one key head, replicated on both ranks)
+                         a key head replicated on both ranks: tests/test_gdn_layer.py)
     TP the heads cannot split: refused by key, for a PD worker as for colocated serving
 
 Qwen3-Next runs the PD pairs: its packed projections are the ones whose TP slices are the most
@@ -145,23 +145,29 @@ def run_pair(prefill, decoder, items, tag: str) -> dict[str, tuple[list[int], li
     return got
 
 
-@pytest.mark.parametrize("sizes", [(1, 1), (2, 1), (1, 2)])
-def test_pd_pair_matches_colocated(gdn_models, workers, sizes):
+@pytest.fixture(scope="module")
+def colocated(gdn_models):
+    """(first round's prompts, second round's, what a colocated TP=1 engine answers to each)."""
     model_dir, hf = gdn_models("qwen3_next_moe")
     items = prompts(hf.config.vocab_size, 3, (9, 70, 131))
-    colocated = Engine(model_dir, **ARGS)
+    again = [p + [7, 8, 9] for p in items]
+    engine = Engine(model_dir, **ARGS, enable_prefix_caching=False)
+    return items, again, run(engine, items), run(engine, again)
+
+
+@pytest.mark.parametrize("sizes", [(1, 1), (2, 1), (1, 2)])
+def test_pd_pair_matches_colocated(workers, colocated, sizes):
+    items, again, expected, expected_again = colocated
     prefill, decoder = workers("prefill", sizes[0]), workers("decode", sizes[1])
     hits = [w.stats().prefix_cache_hit_tokens for w in (prefill, decoder)]
-    assert_same_runs(run_pair(prefill, decoder, items, f"a{sizes}"), run(colocated, items))
-    again = [p + [7, 8, 9] for p in items]
-    assert_same_runs(run_pair(prefill, decoder, again, f"b{sizes}"), run(colocated, again))
+    assert_same_runs(run_pair(prefill, decoder, items, f"a{sizes}"), expected)
+    assert_same_runs(run_pair(prefill, decoder, again, f"b{sizes}"), expected_again)
     # the second round resumed from GDN checkpoints on both workers
     assert all(w.stats().prefix_cache_hit_tokens > h for w, h in zip((prefill, decoder), hits))
 
 
-@pytest.mark.parametrize("name", ["olmo_hybrid_nope", "qwen3_5_moe_vision"])
-def test_tensor_parallel_matches_one_rank(gdn_models, name):
-    model_dir, hf = gdn_models(name)
+def test_tensor_parallel_matches_one_rank(gdn_models):
+    model_dir, hf = gdn_models("olmo_hybrid_nope")
     items = prompts(hf.config.get_text_config().vocab_size, 4, (11, 80))
     expected = run(Engine(model_dir, **ARGS), items)
     engine = Engine(model_dir, tensor_parallel_size=2, **ARGS)
