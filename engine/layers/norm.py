@@ -1,4 +1,5 @@
-"""RMSNorm as every family uses it (float32 math, weight applied after casting back)."""
+"""RMSNorm as every family uses it (float32 math, the weight applied in float32 before the cast
+back), and the zero-centred variant whose scale is (1 + weight)."""
 
 from __future__ import annotations
 
