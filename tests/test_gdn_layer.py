@@ -57,17 +57,54 @@ def test_state_spec_refuses_heads_the_ranks_cannot_share(Hk, Hv, key):
         spec.tensors[0].ranges(2, 0)
 
 
-def hf_qwen3_next_mixer(Hk: int, Hv: int):
-    from transformers import Qwen3NextConfig
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+PROJECTIONS = {"qwen3_next": "qkvz_ba", "qwen3_5": "qkv_z_b_a", "olmo_hybrid": "separate"}
 
-    config = Qwen3NextConfig(
+
+def hf_mixer(family: str, Hk: int, Hv: int):
+    """transformers' GDN mixer of `family` (random, fixed seed), its weights as the family's
+    checkpoints store them, and its per-head projections x -> q, k, v, z (T, heads, dim), b, a."""
+    common = dict(
         hidden_size=HIDDEN, linear_num_key_heads=Hk, linear_num_value_heads=Hv,
         linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
-        num_hidden_layers=1, layer_types=["linear_attention"],
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
     )  # fmt: skip
     torch.manual_seed(0)
-    return Qwen3NextGatedDeltaNet(config, 0).eval()
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+        hf = Qwen3NextGatedDeltaNet(Qwen3NextConfig(**common), 0).eval()
+
+        def heads(x):
+            return tuple(t[0] for t in hf.fix_query_key_value_ordering(
+                hf.in_proj_qkvz(x[None]), hf.in_proj_ba(x[None])))  # fmt: skip
+
+        return hf, hf.state_dict(), heads
+    if family == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+        hf = Qwen3_5GatedDeltaNet(Qwen3_5TextConfig(**common), 0).eval()
+        q, k, v = hf.in_proj_qkv.weight.split([Hk * 8, Hk * 8, Hv * 6])
+        projections = (q, k, v, hf.in_proj_z.weight, hf.in_proj_b.weight, hf.in_proj_a.weight)
+        state = hf.state_dict()
+    else:
+        from transformers import OlmoHybridConfig
+        from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridGatedDeltaNet
+
+        hf = OlmoHybridGatedDeltaNet(OlmoHybridConfig(**common, pad_token_id=0), 0).eval()
+        projections = tuple(getattr(hf, f"{p}_proj").weight for p in ("q", "k", "v", "g", "b", "a"))
+        state = hf.state_dict()
+        conv = state.pop("conv1d.weight")  # the release stores it cut at the q | k | v widths
+        for p, part in zip("qkv", conv.split([Hk * 8, Hk * 8, Hv * 6])):
+            state[f"{p}_conv1d.weight"] = part
+
+    def heads(x):
+        q, k, v, z, b, a = (x @ w.T for w in projections)
+        T = x.shape[0]
+        return (q.view(T, Hk, 8), k.view(T, Hk, 8), v.view(T, Hv, 6), z.view(T, Hv, 6), b, a)
+
+    return hf, state, heads
 
 
 def rank_layer(config: GDNConfig, state: dict, rank: int, size: int) -> GatedDeltaNet:
@@ -83,18 +120,21 @@ def rank_layer(config: GDNConfig, state: dict, rank: int, size: int) -> GatedDel
     return layer
 
 
+@pytest.mark.parametrize("family", list(PROJECTIONS))
 @pytest.mark.parametrize("Hk,Hv", [(2, 4), (1, 2)])
 @pytest.mark.parametrize("rank", [0, 1])
 @torch.no_grad()
-def test_each_rank_reads_its_heads_of_qwen3_next_packed_projections(Hk, Hv, rank):
-    """Qwen3-Next's in_proj_qkvz / in_proj_ba are packed per key head; a rank of 2 (key heads
-    split, or replicated when there is one) must project exactly transformers' q, k, v, z, b,
-    a of its heads, and hold its heads' conv channels."""
-    hf = hf_qwen3_next_mixer(Hk, Hv)
-    layer = rank_layer(gdn_config(Hk, Hv), hf.state_dict(), rank, 2)
+def test_each_rank_projects_transformers_heads_of_its_share(family, Hk, Hv, rank):
+    """A rank of 2 (key heads split, or replicated when there is one) must project exactly
+    transformers' q, k, v, z, b, a of its heads, whatever layout the family stores them in
+    (Qwen3-Next packs them per key head), and hold its heads' conv channels and decays."""
+    hf, state, heads = hf_mixer(family, Hk, Hv)
+    config = dataclasses.replace(gdn_config(Hk, Hv, PROJECTIONS[family]),
+                                 names=("o_norm", "o_proj") if family == "olmo_hybrid"
+                                 else ("norm", "out_proj"))  # fmt: skip
+    layer = rank_layer(config, state, rank, 2)
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1))
-    q, k, v, z, b, a = (t[0] for t in hf.fix_query_key_value_ordering(
-        hf.in_proj_qkvz(x[None]), hf.in_proj_ba(x[None])))  # fmt: skip
+    q, k, v, z, b, a = heads(x)
     ks = slice(rank * Hk // 2, rank * Hk // 2 + max(1, Hk // 2))
     vs = slice(rank * Hv // 2, (rank + 1) * Hv // 2)
     expected_qkv = torch.cat([q[:, ks].flatten(1), k[:, ks].flatten(1), v[:, vs].flatten(1)], -1)

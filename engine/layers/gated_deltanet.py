@@ -172,13 +172,12 @@ class GatedDeltaNet(nn.Module):
             norm_eps=config.norm_eps,
         )
         key, value, heads = shard.num_k * dk, shard.num_v * dv, shard.num_v
-        # (output width, rows of the checkpoint tensor this rank reads) per projection
-        for name, (width, rows) in zip(
-            PROJECTION_NAMES[config.projections], self._projection_rows(hidden_size)
-        ):
-            proj = nn.Linear(hidden_size, width, bias=False)
+        # Qwen3-Next's packed rows are reordered even at TP=1; the others are read whole there.
+        read_rows = tp.size > 1 or config.projections == "qkvz_ba"
+        for name, rows in zip(PROJECTION_NAMES[config.projections], self._projection_rows()):
+            proj = nn.Linear(hidden_size, sum(n for _, n in rows), bias=False)
             self.add_module(name, proj)
-            if rows is not None:
+            if read_rows:
                 parallel.shard(proj.weight, parallel.Slices(dim=0, ranges=rows))
         self.widths = [2 * key + value, value, heads, heads]  # qkv, z, b, a
         conv_channels = self._conv_channels()
@@ -203,51 +202,32 @@ class GatedDeltaNet(nn.Module):
         self.in_proj: PackedLinear | None = None  # CPU: every projection in one matmul
         self.frozen: tuple[GDNMixerWeights, GDNDecodeParams] | None = None  # CPU: freeze()
 
-    def _projection_rows(self, hidden_size: int) -> list[tuple[int, Ranges | None]]:
-        """(local width, checkpoint rows read or None for all) of each projection, in
-        PROJECTION_NAMES order."""
+    def _projection_rows(self) -> list[Ranges]:
+        """The checkpoint rows this rank reads of each projection, in PROJECTION_NAMES order."""
         c, s = self.config, self.shard
         dk, dv, R = c.k_head_dim, c.v_head_dim, c.num_v_heads // c.num_k_heads
         q = ((s.first_k * dk, s.num_k * dk),)
         v = ((s.first_v * dv, s.num_v * dv),)
         heads = ((s.first_v, s.num_v),)
-        key, value = s.num_k * dk, s.num_v * dv
-        whole = self.tp.size == 1
-        if c.projections == "qkvz_ba":
-            # Per key head h a group of G rows [q_h | k_h | v (R dv) | z (R dv)]; value head j
-            # sits in group j // R at position j % R. Read back in blocked order.
-            G = 2 * dk + 2 * R * dv
-            my_k = range(s.first_k, s.first_k + s.num_k)
-            my_v = range(s.first_v, s.first_v + s.num_v)
-            qkvz = (
-                [(h * G, dk) for h in my_k]
-                + [(h * G + dk, dk) for h in my_k]
-                + [((j // R) * G + 2 * dk + (j % R) * dv, dv) for j in my_v]
-                + [((j // R) * G + 2 * dk + R * dv + (j % R) * dv, dv) for j in my_v]
-            )
-            ba = [((j // R) * 2 * R + j % R, 1) for j in my_v] + [
-                ((j // R) * 2 * R + R + j % R, 1) for j in my_v
-            ]
-            return [
-                (2 * key + 2 * value, _merged(qkvz)),
-                (2 * s.num_v, _merged(ba)),
-            ]
         if c.projections == "qkv_z_b_a":
-            qkv = self._conv_channels()[0]
-            return [
-                (2 * key + value, None if whole else qkv),
-                (value, None if whole else v),
-                (s.num_v, None if whole else heads),
-                (s.num_v, None if whole else heads),
-            ]
-        return [
-            (key, None if whole else q),
-            (key, None if whole else q),
-            (value, None if whole else v),
-            (value, None if whole else v),
-            (s.num_v, None if whole else heads),
-            (s.num_v, None if whole else heads),
-        ]
+            return [self._conv_channels()[0], v, heads, heads]
+        if c.projections == "separate":
+            return [q, q, v, v, heads, heads]
+        # Qwen3-Next: per key head h a group of G rows [q_h | k_h | v (R dv) | z (R dv)], and of
+        # 2R rows [b (R) | a (R)]; value head j sits in group j // R at position j % R. Read in
+        # blocked order: every q, every k, every v, every z (b, then a).
+        G = 2 * dk + 2 * R * dv
+        my_k = range(s.first_k, s.first_k + s.num_k)
+        my_v = range(s.first_v, s.first_v + s.num_v)
+        qkvz = (
+            [(h * G, dk) for h in my_k]
+            + [(h * G + dk, dk) for h in my_k]
+            + [((j // R) * G + 2 * dk + (j % R) * dv, dv) for j in my_v]
+            + [((j // R) * G + 2 * dk + R * dv + (j % R) * dv, dv) for j in my_v]
+        )
+        ba = [((j // R) * 2 * R + j % R, 1) for j in my_v]
+        ba += [((j // R) * 2 * R + R + j % R, 1) for j in my_v]
+        return [_merged(qkvz), _merged(ba)]
 
     def _conv_channels(self) -> list[Ranges]:
         """Checkpoint channels of each conv tensor this rank reads (one conv over q|k|v, or
