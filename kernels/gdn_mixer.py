@@ -102,7 +102,7 @@ def gdn_mixer_prefill(
 
     qkv: (num_tokens, conv_dim); z: (num_tokens, Hv * dv); a, b: (num_tokens, Hv), model dtype;
     conv_states: (num_slots, conv_dim, K-1); state_pool: (num_slots, Hv, dk, dv) float32;
-    state_indices: (num_seqs,) int64; conv_layout: kernels.conv1d.build_conv_layout(seq_lens,
+    state_indices: (num_seqs,) int64; conv_layout: kernels.conv1d.build_window_layout(seq_lens,
     K, device); chunk_layout: kernels.ssd.build_chunk_layout(seq_lens, start_pos, chunk, device);
     window_tokens: packed token indices whose conv windows a checkpoint keeps, or None."""
     x, windows = causal_conv1d_varlen(

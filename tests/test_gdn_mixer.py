@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu_gated_delta
-from kernels.conv1d import build_conv_layout
+from kernels.conv1d import build_window_layout
 from kernels.gdn_mixer import (
     GDNMixerDims,
     GDNMixerWeights,
@@ -97,7 +97,7 @@ def test_prefill_then_decode_matches_transformers_mixer(family, Hk, Hv, dk, dv):
         slots = torch.tensor([3, 1])
         qkv, z, a, b = project(hidden[keep])
         out = gdn_mixer_prefill(
-            qkv, z, a, b, conv, state, slots, build_conv_layout(prompt, K, "cpu"),
+            qkv, z, a, b, conv, state, slots, build_window_layout(prompt, K, "cpu"),
             build_chunk_layout(prompt, [0, 0], 4, "cpu"), weights, dims,
             want_chunk_states=False, window_tokens=None,
         )  # fmt: skip
@@ -120,7 +120,7 @@ def test_prefill_resumed_mid_chunk_equals_one_prefill():
             sl = slice(pos, pos + n)
             outs.append(gdn_mixer_prefill(
                 qkv[sl], z[sl], a[sl], b[sl], conv, state, torch.tensor([1]),
-                build_conv_layout([n], K, "cpu"), build_chunk_layout([n], [pos], 8, "cpu"),
+                build_window_layout([n], K, "cpu"), build_chunk_layout([n], [pos], 8, "cpu"),
                 weights, dims, want_chunk_states=False, window_tokens=None,
             ).out)  # fmt: skip
             pos += n

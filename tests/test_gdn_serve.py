@@ -5,7 +5,6 @@ takes text content parts, and an image content part is refused with a 400 that n
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from engine import LLM, SamplingParams
 from tests.server_process import start_server
@@ -48,12 +47,6 @@ def test_baton_serve_serves_the_text_part_of_a_vision_checkpoint(gdn_models, tmp
         assert server.stop() == 0
 
 
-# Passes with disagg/process.py:131 reading `engine.handover.shards.addresses`: on engine-35 it
-# reads `engine.handover.state.shards`, which the handover refactor removed, so every HTTP PD
-# worker (baton up, baton serve --disaggregation-mode) exits at startup, whatever the family.
-@pytest.mark.xfail(
-    run=False, reason="disagg/process.py:131 engine.handover.state (stale): PD workers cannot start"
-)
 def test_baton_up_serves_the_text_part_of_a_vision_checkpoint(gdn_models, tmp_path):
     model_dir, _ = gdn_models("qwen3_5_vision")
     expected = in_process_texts(model_dir)

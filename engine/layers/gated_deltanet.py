@@ -153,7 +153,7 @@ class GatedDeltaNet(nn.Module):
                 ),
             ),
             chunk_size=GDN_CHUNK_SIZE,
-            conv_width=config.conv_kernel,
+            window_width=config.conv_kernel,
         )
 
     def __init__(self, hidden_size: int, config: GDNConfig, index: int):
