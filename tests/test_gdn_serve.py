@@ -1,13 +1,13 @@
-"""The text part of a Qwen3.5 vision checkpoint over HTTP: `baton serve` and `baton up` (prefill
-worker, decode worker and router) answer completions with the in-process engine's text, chat
-takes text content parts, and an image content part is refused with a 400 that names it."""
+"""The text part of a Qwen3.5 vision checkpoint over HTTP: `baton up` (two `baton serve`
+workers, prefill and decode, behind the router) answers completions with the in-process engine's
+text, chat takes text content parts, and an image content part is refused with a 400 that names
+it."""
 
 from __future__ import annotations
 
 import httpx
 
 from engine import LLM, SamplingParams
-from tests.server_process import start_server
 from tests.test_server_up import Stack
 
 PROMPTS = [[5, 9, 11, 3, 7], list(range(3, 90))]
@@ -35,16 +35,6 @@ def check_served(base: str, expected: list[str]) -> None:
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
     assert "'image_url'" in error["message"] and error["param"] == "messages"
-
-
-def test_baton_serve_serves_the_text_part_of_a_vision_checkpoint(gdn_models, tmp_path):
-    model_dir, _ = gdn_models("qwen3_5_vision")
-    expected = in_process_texts(model_dir)
-    server = start_server(model_dir, tmp_path, *FLAGS)
-    try:
-        check_served(server.base_url, expected)
-    finally:
-        assert server.stop() == 0
 
 
 def test_baton_up_serves_the_text_part_of_a_vision_checkpoint(gdn_models, tmp_path):
