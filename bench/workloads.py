@@ -153,9 +153,48 @@ CONFIGS = {
         mamba_ngroups=1,
         chunk_size=128,
     ),
+    # Qwen3.5 shapes at ~100M (the 19m workload, transformers in one static batch): gated
+    # DeltaNet and gated attention 3:1, 8 key / 16 value GDN heads (Qwen3.5's 1:2), partial
+    # rotary 0.25; the dense one ties its embeddings as the small Qwen3.5 releases do.
+    "qwen35_100m": dict(
+        vocab_size=32000,
+        hidden_size=640,
+        intermediate_size=1792,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+    ),
+    "qwen35moe100m": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=512,
+        eos_token_id=2,
+    ),
 }
 # transformers' (config class, model class) per config; NemotronH where not listed.
 FAMILY_CLASSES = {
+    "qwen35_100m": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen35moe100m": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
     "bamba100m": ("BambaConfig", "BambaForCausalLM"),
     "granite100m": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
     "falcon100m": ("FalconH1Config", "FalconH1ForCausalLM"),

@@ -74,6 +74,21 @@ def route_softmax_topk(x: torch.Tensor, weight: torch.Tensor, *, top_k: int) -> 
     return Routing(torch.softmax(top, dim=-1).to(x.dtype).float(), ids)
 
 
+def route_softmax_all_topk(
+    x: torch.Tensor, weight: torch.Tensor, *, top_k: int, norm_topk_prob: bool
+) -> Routing:
+    """Qwen's router (Qwen2-MoE to Qwen3.5): softmax over every expert's logit in float32, the
+    top-k probabilities, renormalised to sum 1 when `norm_topk_prob`, rounded to the logits'
+    dtype (the model's), as transformers computes them.
+
+    x: (T, hidden); weight: (E, hidden), both in the model dtype."""
+    logits = F.linear(x, weight)
+    top, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(top_k, dim=-1)
+    if norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return Routing(top.to(logits.dtype).float(), ids)
+
+
 class PackedExperts(NamedTuple):
     """Per-expert weights reordered once into oneDNN's blocked layout (kernels/linear.py), where
     the C path (kernels/cpu_moe.py) is not built: the few-row matmuls of decode then skip

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 128  # choices per request; each one is an engine request
 MAX_SEED = 2**63 - 1 - MAX_N  # seed + choice index must stay a signed 64-bit integer
@@ -152,8 +152,23 @@ class CompletionRequest(GenerationFields):
 
 
 class TextContentPart(OpenAIModel):
-    type: Literal["text"]
-    text: Text
+    """A message's content part. The server takes text only: a part of any other type (an
+    image, audio, a video, a file, as vision-language checkpoints would take) is refused by
+    its type, not by a generic shape error."""
+
+    type: Text
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def text_only(self) -> TextContentPart:
+        if self.type != "text":
+            raise ValueError(
+                f"content parts of type {self.type!r} are not supported: this server takes "
+                "text only (no image, audio, video or file input)"
+            )
+        if self.text is None:
+            raise ValueError("a text content part needs a 'text' field")
+        return self
 
 
 class FunctionDefinition(OpenAIModel):

@@ -71,3 +71,36 @@ def attention_oracle(q, keys, values, scale):
             w = torch.softmax((k @ q[i, h].double()) * scale, dim=0)
             out[i, h] = w @ v
     return out
+
+
+def gated_delta_oracle(q, k, v, g, beta, init, seq_lens):
+    """Gated delta rule token by token in float64, per sequence (kernels/gated_delta.py's
+    formulas). q, k: (T, Hk, dk); v: (T, Hv, dv); g, beta: (T, Hv); init: (S, Hv, dk, dv).
+    Returns o (T, Hv, dv), final (S, Hv, dk, dv) and states_after[s][j] = state after token j."""
+    T, Hk, dk = q.shape
+    Hv, dv = v.shape[1:]
+    R = Hv // Hk
+
+    def unit(x):
+        x = x.double()
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    qn = unit(q).repeat_interleave(R, 1) / dk**0.5
+    kn = unit(k).repeat_interleave(R, 1)
+    o = torch.zeros(T, Hv, dv, dtype=torch.float64)
+    finals, per_token = [], []
+    t = 0
+    for s, n in enumerate(seq_lens):
+        state = init[s].double().clone()  # (Hv, dk, dv)
+        states = []
+        for _ in range(n):
+            state = state * torch.exp(g[t].double())[:, None, None]
+            predicted = torch.einsum("hk,hkv->hv", kn[t], state)
+            delta = (v[t].double() - predicted) * beta[t].double()[:, None]
+            state = state + kn[t][:, :, None] * delta[:, None, :]
+            o[t] = torch.einsum("hk,hkv->hv", qn[t], state)
+            states.append(state.clone())
+            t += 1
+        finals.append(state)
+        per_token.append(states)
+    return o, torch.stack(finals), per_token

@@ -12,12 +12,13 @@ def _cache_kwargs(hf_model) -> dict:
     """transformers' hybrid cache cannot tell its length without an attention layer
     (`get_seq_length` raises), so a Mamba-only model runs without one: every step recomputes
     the whole sequence, the naive oracle."""
-    config = hf_model.config
+    config = hf_model.config.get_text_config()
     pattern = getattr(config, "hybrid_override_pattern", None)
     if pattern is not None:  # NemotronH
         has_attention = "*" in pattern
-    else:  # the other families name their layers
-        has_attention = "full_attention" in config.layers_block_type
+    else:  # the other families name their layers (the gated DeltaNet ones `layer_types`)
+        names = getattr(config, "layers_block_type", None) or config.layer_types
+        has_attention = "full_attention" in names
     return {} if has_attention else {"use_cache": False}
 
 

@@ -87,6 +87,7 @@ def moe_config(**overrides) -> MoEConfig:
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
         bias=False,
+        shared_expert_gate=False,
     )
     return dataclasses.replace(base, **overrides)
 

@@ -49,8 +49,8 @@ def test_unknown_architecture_lists_the_supported_ones():
     assert "JambaForCausalLM" in message and "'architectures'" in message
     for architecture in FAMILIES:
         assert architecture in message
-    with pytest.raises(ConfigError, match="model_type 'qwen3_next'"):
-        ModelConfig.from_dict({"model_type": "qwen3_next"})
+    with pytest.raises(ConfigError, match="model_type 'kimi_linear'"):
+        ModelConfig.from_dict({"model_type": "kimi_linear"})
 
 
 def test_model_type_alone_picks_the_family():

@@ -104,6 +104,22 @@ def expert_slot(name: str) -> tuple[str, int] | None:
     return f"{match['prefix']}.{match['proj']}", int(match["index"])
 
 
+def packed_expert_parts(
+    params: dict[str, torch.Tensor],
+) -> dict[str, tuple[str, int, int, ShardRule | None]]:
+    """Stacked expert parameters that pack several per-expert projections along dim -2 (a
+    SwiGLU expert's [gate | up] rows, stored per expert as `gate_proj` and `up_proj`) declare
+    them as `param.expert_parts = ((projection, rule or None), ...)`. Returns the stacked name
+    each projection stands for ("...experts.gate_proj") -> (parameter, part, parts, rule)."""
+    out = {}
+    for name, param in params.items():
+        parts = getattr(param, "expert_parts", ())
+        prefix = name.rsplit(".", 1)[0]
+        for i, (proj, rule) in enumerate(parts):
+            out[f"{prefix}.{proj}"] = (name, i, len(parts), rule)
+    return out
+
+
 def load_into(
     module: torch.nn.Module,
     model_dir: str | Path,
@@ -119,9 +135,11 @@ def load_into(
     unexpected tensors and shape mismatches. MTP tensors are skipped with one log line.
     """
     params = dict(module.named_parameters())
+    packed = packed_expert_parts(params)
     tied = set(getattr(module, "tied_parameters", ()))
     loaded: set[str] = set()
-    experts_loaded: dict[str, set[int]] = {}
+    # stacked parameter -> (expert, part) rows loaded; part 0 unless the parameter packs parts
+    experts_loaded: dict[str, set[tuple[int, int]]] = {}
     unexpected: list[str] = []
     skipped = 0
     for name, checkpoint in iterate_weights(model_dir, rename):
@@ -130,17 +148,25 @@ def load_into(
         if name.startswith(SKIPPED_PREFIXES):
             skipped += 1
             continue
-        target, index = name, None
+        target, index, part, parts = name, None, 0, 1
         slot = expert_slot(name) if name not in params else None
-        if slot is not None and slot[0] in params:
+        packed_part = packed.get(slot[0]) if slot is not None else None
+        if packed_part is not None:
+            target, part, parts, rule = packed_part
+            index = slot[1]
+        elif slot is not None and slot[0] in params:
             target, index = slot
         param = params.get(target)
         if param is None:
             if not any(name.startswith(prefix) for prefix in ignore):
                 unexpected.append(name)
             continue
+        if packed_part is None:
+            rule = shard_rule(param)
         dest = param if index is None else _expert_row(param, index, name, model_dir)
-        tensor = checkpoint.read(shard_rule(param))
+        if parts > 1:
+            dest = dest.chunk(parts, dim=-2)[part]  # this projection's rows of the expert
+        tensor = checkpoint.read(rule)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise WeightError(
                 f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -151,7 +177,7 @@ def load_into(
         if index is None:
             loaded.add(target)
         else:
-            experts_loaded.setdefault(target, set()).add(index)
+            experts_loaded.setdefault(target, set()).add((index, part))
     if skipped:
         log.info("%s: skipped %d multi-token-prediction (mtp.*) tensors", model_dir, skipped)
     missing = []
@@ -161,8 +187,12 @@ def load_into(
             missing.append(name)
             continue
         prefix, proj = name.rsplit(".", 1)
+        projs = [p for p, _ in getattr(params[name], "expert_parts", ())] or [proj]
         missing += [
-            f"{prefix}.{e}.{proj}.weight" for e in range(params[name].shape[0]) if e not in rows
+            f"{prefix}.{e}.{p}.weight"
+            for e in range(params[name].shape[0])
+            for i, p in enumerate(projs)
+            if (e, i) not in rows
         ]
     if missing:
         raise WeightError(f"{model_dir}: checkpoint is missing tensor(s) {missing}")

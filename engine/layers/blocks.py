@@ -28,12 +28,13 @@ class MixerFFNLayer(nn.Module):
         mixer: nn.Module,
         ffn: dict[str, nn.Module],  # attribute name -> row-wise module
         residual_multiplier: float,
+        norm: type[RMSNorm] = RMSNorm,  # ZeroCenteredRMSNorm for the Qwen gated DeltaNet hybrids
     ):
         super().__init__()
         self.names = names
-        self.add_module(names[0], RMSNorm(hidden_size, eps))
+        self.add_module(names[0], norm(hidden_size, eps))
         self.add_module(names[1], mixer)
-        self.add_module(names[2], RMSNorm(hidden_size, eps))
+        self.add_module(names[2], norm(hidden_size, eps))
         for name, module in ffn.items():
             self.add_module(name, module)
         self.ffn_names = tuple(ffn)

@@ -32,13 +32,13 @@ from engine import parallel
 from engine.cache.pools import StateCache
 from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from engine.executor.forward_metadata import Mamba2Metadata
+from engine.layers.track import checkpoint_states
 from engine.parallel import TensorParallel
 from kernels import cpu_ops
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.norm import gated_rms_norm, group_rms_norm
 from kernels.ssd import ssd_scan_pool
 from kernels.ssu import selective_state_update
-from kernels.state_copy import copy_states
 
 MambaNorm = Literal["gated", "norm_then_gate", "none"]
 
@@ -380,24 +380,5 @@ class Mamba2Mixer(nn.Module):
         return self.norm.weight * h.to(dtype)
 
     def checkpoint(self, md, conv_pool, ssm_pool, windows, chunk_states) -> None:
-        """Copy the conv window and SSM state at each track point into its checkpoint slot.
-
-        SSM sources are [decode rows' updated states | prefill chunk-end states]; conv sources
-        are the decode rows' updated pool windows, then the prefill windows from the conv."""
-        ndt = md.num_decode_tracks
-        decode_slots = md.decode_slots
-        ssm_sources = [ssm_pool[decode_slots]]
-        if chunk_states is not None:
-            ssm_sources.append(chunk_states.flatten(0, 1))
-        ssm_src = torch.cat(ssm_sources) if len(ssm_sources) > 1 else ssm_sources[0]
-        copy_states(ssm_pool, md.track_state_dst, ssm_src, md.track_state_src)
-        if ndt:
-            rows = md.track_window_indices[:ndt]
-            copy_states(conv_pool, md.track_state_dst[:ndt], conv_pool, decode_slots[rows])
-        if windows is not None and windows.shape[0]:
-            copy_states(
-                conv_pool,
-                md.track_state_dst[ndt:],
-                windows,
-                torch.arange(windows.shape[0], device=windows.device),
-            )
+        """Copy the conv window and SSM state at each track point into its checkpoint slot."""
+        checkpoint_states(md, conv_pool, ssm_pool, windows, chunk_states)

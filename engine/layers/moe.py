@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from engine import parallel
-from engine.layers.mlp import ReluSquaredMLP
+from engine.layers.mlp import GatedMLP, ReluSquaredMLP
 from kernels.cpu_moe import PanelExperts
 from kernels.moe import (
     PackedExperts,
@@ -27,20 +27,23 @@ from kernels.moe import (
     fused_moe,
     pack_experts,
     route_sigmoid_grouped,
+    route_softmax_all_topk,
     route_softmax_topk,
 )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MoEConfig:
-    """A routed mixture of experts plus one always-on shared expert (NemotronH's `moe` block).
+    """A routed mixture of experts plus one always-on shared expert (NemotronH's `moe` block;
+    Qwen3-Next's and Qwen3.5's sparse MoE block).
 
-    Router "softmax_topk" (Granite-4.0-H): softmax over the top-k logits; the grouping fields
-    are then 1 and no correction bias exists.
-    Router "sigmoid_grouped" (NemotronH): sigmoid scores of a float32 linear; top-k choice on
-    scores + `e_score_correction_bias` restricted to the best `topk_group` of `n_group` expert
-    groups (a group's score is the sum of its two best experts); weights are the chosen sigmoid
-    scores, renormalised to sum 1 when `norm_topk_prob`, times `routed_scaling_factor`.
+        Router "softmax_topk" (Granite-4.0-H, Qwen): the top-k of a softmax over every expert,
+        renormalised when `norm_topk_prob` (then the softmax over the top-k logits); the grouping
+        fields are then 1 and no correction bias exists.
+        Router "sigmoid_grouped" (NemotronH): sigmoid scores of a float32 linear; top-k choice on
+        scores + `e_score_correction_bias` restricted to the best `topk_group` of `n_group` expert
+        groups (a group's score is the sum of its two best experts); weights are the chosen sigmoid
+        scores, renormalised to sum 1 when `norm_topk_prob`, times `routed_scaling_factor`.
     """
 
     router: Literal["sigmoid_grouped", "softmax_topk"]  # softmax_topk: Mixtral/Granite
@@ -57,6 +60,10 @@ class MoEConfig:
     norm_topk_prob: bool
     routed_scaling_factor: float
     bias: bool  # bias of the shared expert and latent projections (`mlp_bias`)
+    # Qwen3-Next / Qwen3.5: the shared expert's output is scaled by sigmoid(shared_expert_gate(x)),
+    # a (1, hidden) linear. The shared expert's activation is the routed experts' (relu2 up/down,
+    # or SwiGLU gate/up/down).
+    shared_expert_gate: bool
 
 
 class Router(nn.Module):
@@ -85,6 +92,21 @@ class Router(nn.Module):
         )
 
 
+class SoftmaxRouter(nn.Module):
+    """Qwen's `gate.weight` (E, hidden), in the model dtype as transformers keeps it."""
+
+    def __init__(self, hidden_size: int, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        c = self.config
+        return route_softmax_all_topk(
+            x, self.weight, top_k=c.top_k, norm_topk_prob=c.norm_topk_prob
+        )
+
+
 class Experts(nn.Module):
     """Under tensor parallelism every rank holds every expert, with a slice of its
     intermediate (vLLM's default, not expert parallelism): all ranks do equal work whatever
@@ -100,9 +122,14 @@ class Experts(nn.Module):
         self.top_k = config.top_k  # experts each token runs (what a step reads of them)
         self.up_proj = nn.Parameter(torch.zeros(E, up_rows, width))
         self.down_proj = nn.Parameter(torch.zeros(E, width, inter))
+        own = parallel.Slices(dim=-2, ranges=((first, inter),)) if tp.size > 1 else None
+        if up_rows > inter:
+            # swiglu rows are [gate | up]; checkpoints may store them per expert as two
+            # projections (transformers' `experts.{e}.gate_proj` / `up_proj`), each sliced alike.
+            self.up_proj.expert_parts = (("gate_proj", own), ("up_proj", own))
         if tp.size > 1:
             # Rules on the last two dims: they fit one expert's (out, in) checkpoint tensor and
-            # the stacked (E, out, in) alike. swiglu rows are [gate | up].
+            # the stacked (E, out, in) alike.
             up = ((first, inter), (full + first, inter)) if up_rows > inter else ((first, inter),)
             parallel.shard(self.up_proj, parallel.Slices(dim=-2, ranges=up))
             parallel.shard(self.down_proj, parallel.Slices(dim=-1, ranges=((first, inter),)))
@@ -118,18 +145,38 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden_size: int, config: MoEConfig):
+    def __init__(self, hidden_size: int, config: MoEConfig, shared_name: str = "shared_experts"):
+        """shared_name: the shared expert's module name in checkpoints (NemotronH's
+        `shared_experts`, Qwen's `shared_expert`)."""
         super().__init__()
-        self.gate = Router(hidden_size, config)
+        router = Router if config.router == "sigmoid_grouped" else SoftmaxRouter
+        self.gate = router(hidden_size, config)
         latent = config.latent_size
         self.experts = Experts(latent if latent is not None else hidden_size, config)
         self.tp = tp = parallel.current()
-        self.shared_experts = ReluSquaredMLP(
-            hidden_size,
-            config.shared_intermediate_size,
-            config.bias,
-            reduce_output=False,
-            what="moe_shared_expert_intermediate_size",
+        shared_what = "shared_expert_intermediate_size"
+        self.shared_name = shared_name
+        if config.activation == "swiglu":
+            shared: nn.Module = GatedMLP(
+                hidden_size,
+                config.shared_intermediate_size,
+                config.bias,
+                "silu",
+                reduce_output=False,
+                what=shared_what,
+            )
+        else:
+            shared = ReluSquaredMLP(
+                hidden_size,
+                config.shared_intermediate_size,
+                config.bias,
+                reduce_output=False,
+                what="moe_shared_expert_intermediate_size",
+            )
+        self.add_module(shared_name, shared)
+        # Replicated (one output column): every rank scales its partial shared output alike.
+        self.shared_expert_gate = (
+            nn.Linear(hidden_size, 1, bias=False) if config.shared_expert_gate else None
         )
         self.fc1_latent_proj: nn.Module | None = None
         self.fc2_latent_proj: nn.Module | None = None
@@ -146,7 +193,10 @@ class MoE(nn.Module):
         routed = self.experts(routed, routing)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
-        return self.tp.all_reduce(routed + self.shared_experts(x))
+        shared = getattr(self, self.shared_name)(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return self.tp.all_reduce(routed + shared)
 
 
 class StackedWeight(nn.Module):

@@ -96,6 +96,7 @@ def read_config(r: ConfigReader) -> ModelConfig:
             norm_topk_prob=True,  # the softmax over the k chosen logits sums to one
             routed_scaling_factor=1.0,
             bias=False,
+            shared_expert_gate=False,
         )
     hybrid = HybridConfig(
         layer_types=tuple(LAYER_NAMES[n] for n in names),

@@ -191,6 +191,7 @@ def _moe_config(r: ConfigReader) -> MoEConfig:
         norm_topk_prob=bool(opt("norm_topk_prob")),
         routed_scaling_factor=float(opt("routed_scaling_factor")),
         bias=bool(opt("mlp_bias")),
+        shared_expert_gate=False,
     )
 
 

@@ -38,6 +38,12 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "engine.models.granite_moe_hybrid"),
     "FalconH1ForCausalLM": ("falcon_h1", "engine.models.falcon_h1"),
     "Zamba2ForCausalLM": ("zamba2", "engine.models.zamba2"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "engine.models.qwen3_next"),
+    "Qwen3_5ForCausalLM": ("qwen3_5_text", "engine.models.qwen3_5"),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "engine.models.qwen3_5"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe_text", "engine.models.qwen3_5_moe"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "engine.models.qwen3_5_moe"),
+    "OlmoHybridForCausalLM": ("olmo_hybrid", "engine.models.olmo_hybrid"),
 }
 
 

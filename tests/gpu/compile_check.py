@@ -36,6 +36,7 @@ KERNEL_MODULES = (
     "kernels.triton_attention",
     "kernels.triton_state_copy",
     "kernels.triton_norm",
+    "kernels.triton_gated_delta",
 )
 
 
@@ -116,14 +117,34 @@ def run_launchers(dtype: torch.dtype, dims: dict) -> None:
     gated_rms_norm_triton(y, z, torch.randn(inter).to(dtype), 1e-5, inter // G)
     copy_states_triton(pool, torch.tensor([3]), pool, torch.tensor([1]))
     copy_states_triton(conv_pool, torch.tensor([3]), conv_pool, torch.tensor([1]))
+    run_gated_delta_launchers(dtype, dims["gdn"], seq_lens)
 
 
+def run_gated_delta_launchers(dtype: torch.dtype, gdn: dict, seq_lens: list[int]) -> None:
+    from kernels.ssd import build_chunk_layout
+    from kernels.triton_gated_delta import (
+        chunk_gated_delta_rule_triton,
+        gated_delta_decode_triton,
+    )
+
+    Hk, Hv, dk, dv = gdn["Hk"], gdn["Hv"], gdn["dk"], gdn["dv"]
+    T = sum(seq_lens)
+    q, k = torch.randn(T, Hk, dk).to(dtype), torch.randn(T, Hk, dk).to(dtype)
+    v = torch.randn(T, Hv, dv).to(dtype)
+    g, beta = -torch.rand(T, Hv), torch.rand(T, Hv).to(dtype)
+    layout = build_chunk_layout(seq_lens, [5, 0], gdn["chunk"], "cpu")
+    chunk_gated_delta_rule_triton(q, k, v, g, beta, torch.randn(2, Hv, dk, dv), layout)
+    pool = torch.randn(4, Hv, dk, dv)
+    gated_delta_decode_triton(q[:3], k[:3], v[:3], g[:3], beta[:3], pool, torch.tensor([1, 0, 2]))
+
+
+# gdn: a gated DeltaNet layer's shapes (at full size, Qwen3-Next's)
 NANO_9B_V2 = dict(H=128, P=80, G=8, N=128, chunk=128, conv=12288, K=4, q_heads=40, kv_heads=8,
-                  head_dim=128, hidden=4480)  # fmt: skip
+                  head_dim=128, hidden=4480, gdn=dict(Hk=16, Hv=32, dk=128, dv=128, chunk=64))  # fmt: skip
 TINY = dict(H=4, P=16, G=2, N=8, chunk=16, conv=96, K=4, q_heads=4, kv_heads=2, head_dim=16,
-            hidden=64)  # fmt: skip
+            hidden=64, gdn=dict(Hk=2, Hv=4, dk=16, dv=16, chunk=16))  # fmt: skip
 ODD = dict(H=6, P=12, G=3, N=5, chunk=8, conv=102, K=3, q_heads=5, kv_heads=1, head_dim=8,
-           hidden=40)  # fmt: skip
+           hidden=40, gdn=dict(Hk=1, Hv=3, dk=12, dv=20, chunk=8))  # fmt: skip
 
 
 def ptxas_report(kernel, arch: int) -> str:

@@ -32,6 +32,8 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --f
 step pytest "${PYTEST_LIMIT:-300}" "$py" -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
     --durations=8 ${PYTEST_ARGS:-}
 step kernels "${KERNELS_LIMIT:-150}" "$py" -m bench.kernels --json "$out/kernels.json"
+step gdn_kernels "${GDN_KERNELS_LIMIT:-120}" "$py" -m bench.gdn_kernels --dtype bfloat16 \
+    --json "$out/gdn_kernels.json"
 step graphs "${GRAPHS_LIMIT:-180}" "$py" -m bench.decode_graphs --output "$out/graphs.json"
 # The prefill -> decode handover against raw ZMQ, on this machine's CPUs (#6's 0.7 target could
 # not be shown on the 2-vCPU development VM, where raw ZMQ alone keeps both vCPUs busy).
