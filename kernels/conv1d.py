@@ -130,9 +130,7 @@ def causal_conv1d_update(
     if select_backend(x) == "triton":
         from kernels.triton_conv1d import causal_conv1d_update_triton
 
-        return causal_conv1d_update_triton(
-            x, weight, bias, conv_states, state_indices, activation
-        )
+        return causal_conv1d_update_triton(x, weight, bias, conv_states, state_indices, activation)
     if cpu_ops.conv_update_supported(conv_states, x, weight.shape[1]):
         return cpu_ops.causal_conv1d_update_cpu(
             x, weight, bias, conv_states, state_indices, activation

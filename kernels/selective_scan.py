@@ -154,9 +154,7 @@ def selective_state_update(
     if select_backend(x) == "triton":
         from kernels.triton_selective_scan import selective_state_update_triton
 
-        return selective_state_update_triton(
-            ssm_pool, x, dt, A, B, C, D, dt_bias, z, state_indices
-        )
+        return selective_state_update_triton(ssm_pool, x, dt, A, B, C, D, dt_bias, z, state_indices)
     if cpu_mamba1.update_supported(x, ssm_pool):
         return cpu_mamba1.selective_state_update_cpu(
             ssm_pool, x, dt, A, B, C, D, dt_bias, z, state_indices

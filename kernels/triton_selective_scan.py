@@ -28,9 +28,11 @@ def _silu(v):
     return v / (1.0 + tl.exp(-v))
 
 
+# fmt: off
 @triton.jit
 def _token(state, x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, y_ptr, t, d, n, d_ok, n_ok, A, D, bias,
            stride_x, stride_dt, stride_bc, stride_z, stride_y, HAS_Z: tl.constexpr):
+    # fmt: on
     """One token of the recurrence on the state tile; stores y and returns the new tile."""
     x = tl.load(x_ptr + t * stride_x + d, mask=d_ok, other=0.0).to(tl.float32)
     raw = tl.load(dt_ptr + t * stride_dt + d, mask=d_ok, other=0.0).to(tl.float32)
@@ -74,9 +76,11 @@ def _scan_kernel(
     bias = tl.load(bias_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
     chunk_at = chunk_ptr + s * stride_chunk_s + tile
     for j in range(0, count):
+        # fmt: off
         state = _token(state, x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, y_ptr, t0 + j, d, n, d_ok,
                        n_ok, A, D, bias, stride_x, stride_dt, stride_bc, stride_z, stride_y,
                        HAS_Z)
+        # fmt: on
         if WANT_CHUNKS:
             if (offset + j + 1) % L == 0:
                 tl.store(chunk_at + (offset + j) // L * stride_chunk_c, state, mask=tile_ok)
@@ -110,8 +114,10 @@ def _update_kernel(
     A = tl.load(A_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
     D = tl.load(D_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
     bias = tl.load(bias_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    # fmt: off
     state = _token(state, x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, y_ptr, b, d, n, d_ok, n_ok, A, D,
                    bias, stride_x, stride_dt, stride_bc, stride_z, stride_y, HAS_Z)
+    # fmt: on
     tl.debug_barrier()
     tl.store(state_ptr + slot * stride_state_s + tile, state.to(state_ptr.dtype.element_ty),
              mask=tile_ok)

@@ -113,8 +113,10 @@ def test_torch_decode_step_matches_oracle_and_leaves_other_slots():
     y = selective_state_update_torch(pool, *scan_args(t), slots)
     for row in (0, 2):
         ref_y, ref_state, _ = selective_scan_oracle(
-            *(v[row : row + 1] if v is not None and v.dim() == 2 and v.shape[0] == 4 else v
-              for v in scan_args(t)),
+            *(
+                v[row : row + 1] if v is not None and v.dim() == 2 and v.shape[0] == 4 else v
+                for v in scan_args(t)
+            ),
             before[slots[row]][None],
             [1],
         )

@@ -113,7 +113,5 @@ def test_conv_without_activation_matches_oracle(launched, dtype):
     step = torch.randn(2, dim, generator=g).to(dtype)
     window = torch.cat([pool[slots].double(), step.double()[:, :, None]], dim=2)
     out = causal_conv1d_update(step, weight, None, pool, slots, activation="none")
-    torch.testing.assert_close(
-        out.double(), (window * weight.double()).sum(-1), atol=tol, rtol=tol
-    )
+    torch.testing.assert_close(out.double(), (window * weight.double()).sum(-1), atol=tol, rtol=tol)
     assert launched == ["causal_conv1d_varlen_triton", "causal_conv1d_update_triton"]

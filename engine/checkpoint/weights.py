@@ -6,6 +6,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +25,34 @@ EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<proj>\w
 # Multi-token-prediction layers (Nemotron 3 Super): baton does not run them yet.
 SKIPPED_PREFIXES = ("mtp.",)
 SINGLE_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExpertParts:
+    """A stacked (E, rows, in) expert parameter whose checkpoint stores each expert's rows as
+    separate tensors `{prefix}.{e}.{name}.weight`, one per name, stacked along the rows in this
+    order (SwiGLU experts saved as gate_proj and up_proj: Jamba, LFM2-MoE). `rule`: the TP slice
+    one part's tensor is read with (None: whole)."""
+
+    names: tuple[str, ...]
+    rule: ShardRule | None
+
+
+def expert_parts(param: torch.Tensor, parts: ExpertParts) -> None:
+    """Declare that `param` is loaded from per-expert parts (set by the layer that owns it)."""
+    param._baton_expert_parts = parts
+
+
+def _parts_index(params: dict[str, torch.Tensor]) -> dict[str, tuple[str, int, ExpertParts]]:
+    """'{prefix}.{part name}' -> (stacked parameter, part index, its ExpertParts)."""
+    index = {}
+    for name, param in params.items():
+        parts = getattr(param, "_baton_expert_parts", None)
+        if parts is not None:
+            prefix = name.rsplit(".", 1)[0]
+            for i, part in enumerate(parts.names):
+                index[f"{prefix}.{part}"] = (name, i, parts)
+    return index
 
 
 class WeightError(ValueError):
@@ -119,9 +148,11 @@ def load_into(
     unexpected tensors and shape mismatches. MTP tensors are skipped with one log line.
     """
     params = dict(module.named_parameters())
+    parts_of = _parts_index(params)
     tied = set(getattr(module, "tied_parameters", ()))
     loaded: set[str] = set()
-    experts_loaded: dict[str, set[int]] = {}
+    # stacked parameter -> (expert, part) rows loaded (part 0 where the expert is one tensor)
+    experts_loaded: dict[str, set[tuple[int, int]]] = {}
     unexpected: list[str] = []
     skipped = 0
     for name, checkpoint in iterate_weights(model_dir, rename):
@@ -130,9 +161,12 @@ def load_into(
         if name.startswith(SKIPPED_PREFIXES):
             skipped += 1
             continue
-        target, index = name, None
+        target, index, part, parts = name, None, 0, None
         slot = expert_slot(name) if name not in params else None
-        if slot is not None and slot[0] in params:
+        if slot is not None and slot[0] in parts_of:
+            target, part, parts = parts_of[slot[0]]
+            index = slot[1]
+        elif slot is not None and slot[0] in params:
             target, index = slot
         param = params.get(target)
         if param is None:
@@ -140,7 +174,9 @@ def load_into(
                 unexpected.append(name)
             continue
         dest = param if index is None else _expert_row(param, index, name, model_dir)
-        tensor = checkpoint.read(shard_rule(param))
+        if parts is not None:
+            dest = dest.chunk(len(parts.names), dim=0)[part]
+        tensor = checkpoint.read(shard_rule(param) if parts is None else parts.rule)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise WeightError(
                 f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -151,7 +187,7 @@ def load_into(
         if index is None:
             loaded.add(target)
         else:
-            experts_loaded.setdefault(target, set()).add(index)
+            experts_loaded.setdefault(target, set()).add((index, part))
     if skipped:
         log.info("%s: skipped %d multi-token-prediction (mtp.*) tensors", model_dir, skipped)
     missing = []
@@ -161,8 +197,13 @@ def load_into(
             missing.append(name)
             continue
         prefix, proj = name.rsplit(".", 1)
+        parts = getattr(params[name], "_baton_expert_parts", None)
+        names = parts.names if parts is not None else (proj,)
         missing += [
-            f"{prefix}.{e}.{proj}.weight" for e in range(params[name].shape[0]) if e not in rows
+            f"{prefix}.{e}.{part}.weight"
+            for e in range(params[name].shape[0])
+            for i, part in enumerate(names)
+            if (e, i) not in rows
         ]
     if missing:
         raise WeightError(f"{model_dir}: checkpoint is missing tensor(s) {missing}")
