@@ -77,7 +77,10 @@ def _gated_torch(
 
 class GatedMLP(nn.Module):
     """down_proj(act(gate_proj(x) * gate_multiplier) * up_proj(x)) * down_multiplier (the
-    multipliers are Falcon-H1's `mlp_multipliers`, 1.0 elsewhere)."""
+    multipliers are Falcon-H1's `mlp_multipliers`, 1.0 elsewhere).
+
+    Under tensor parallelism gate_proj and up_proj are column-parallel and down_proj
+    row-parallel (its output all-reduced, its bias added by rank 0), like ReluSquaredMLP."""
 
     def __init__(
         self,
@@ -86,15 +89,25 @@ class GatedMLP(nn.Module):
         bias: bool,
         activation: str,
         multipliers: tuple[float, float] = (1.0, 1.0),
+        what: str = "intermediate_size",
     ):
         super().__init__()
         self.gate_multiplier, self.down_multiplier = multipliers
         if activation not in ACTIVATIONS:
             raise ValueError(f"gated MLP activation must be one of {sorted(ACTIVATIONS)}")
         self.activation = activation
+        self.tp = tp = parallel.current()
+        first, intermediate_size = parallel.split_evenly(intermediate_size, tp, what)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        if tp.size > 1:
+            part = ((first, intermediate_size),)
+            for proj in (self.gate_proj, self.up_proj):
+                parallel.shard(proj.weight, parallel.Slices(dim=0, ranges=part))
+                parallel.shard(proj.bias, parallel.Slices(dim=0, ranges=part))
+            parallel.shard(self.down_proj.weight, parallel.Slices(dim=1, ranges=part))
+            parallel.shard(self.down_proj.bias, parallel.FirstRankOnly(rank=tp.rank))
         self.gate_up: PackedLinear | None = None  # CPU: gate and up in one packed matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +117,7 @@ class GatedMLP(nn.Module):
             hidden = _gated_torch(
                 self.gate_proj(x), self.up_proj(x), self.activation, self.gate_multiplier
             )
-        out = self.down_proj(hidden)
+        out = self.tp.all_reduce(self.down_proj(hidden))
         return out if self.down_multiplier == 1.0 else out * self.down_multiplier
 
     def pack_for_cpu(self) -> None:

@@ -38,6 +38,12 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "engine.models.granite_moe_hybrid"),
     "FalconH1ForCausalLM": ("falcon_h1", "engine.models.falcon_h1"),
     "Zamba2ForCausalLM": ("zamba2", "engine.models.zamba2"),
+    "JambaForCausalLM": ("jamba", "engine.models.jamba"),
+    "Lfm2ForCausalLM": ("lfm2", "engine.models.lfm2"),
+    "Lfm2MoeForCausalLM": ("lfm2_moe", "engine.models.lfm2_moe"),
+    "MambaForCausalLM": ("mamba", "engine.models.mamba"),
+    "Mamba2ForCausalLM": ("mamba2", "engine.models.mamba2"),
+    "FalconMambaForCausalLM": ("falcon_mamba", "engine.models.falcon_mamba"),
 }
 
 
