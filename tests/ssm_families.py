@@ -99,6 +99,23 @@ SSM_CONFIGS: dict[str, tuple[str, str, dict]] = {
             max_position_embeddings=4096,
         ),
     ),
+    # LFM2 with no attention layer: its only state is the conv windows (no K/V pool, no pages).
+    "lfm2_conv_only": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            vocab_size=320,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["conv", "conv"],
+            conv_L_cache=3,
+            block_auto_adjust_ff_dim=False,
+            max_position_embeddings=4096,
+        ),
+    ),
     # LFM2-MoE: one dense layer, then experts (6, top 2) with the expert bias, renormalised and
     # scaled by 1.5; attention at layer 2.
     "lfm2_moe_a": (
