@@ -75,7 +75,9 @@ def read_mamba1(r: ConfigReader, bcdt_norm: BCDtNorm, norm_eps_key: str) -> Mamb
     r.require("hidden_act", ("silu",))
     rank = r.opt("time_step_rank")
     return Mamba1Config(
-        intermediate=int(r.opt("expand") * hidden),  # transformers ignores a stored value
+        # transformers sets expand x hidden_size first, then lets a stored `intermediate_size`
+        # override it (falcon-mamba-7b says expand 16 and intermediate_size 8192: 8192 it is)
+        intermediate=int(r.hf.get("intermediate_size") or r.opt("expand") * hidden),
         state_size=r.opt("state_size"),
         conv_kernel=r.opt("conv_kernel"),
         dt_rank=math.ceil(hidden / 16) if rank == "auto" else int(rank),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import parallel
 from engine.cache.spec import ModelStateSpec
 from engine.config import ConfigReader, ModelConfig
 from engine.layers.causal_lm import CausalLM
@@ -67,7 +68,10 @@ def state_spec(config: ModelConfig, dtype: torch.dtype) -> ModelStateSpec:
 
 
 def check_tp(config: ModelConfig, size: int) -> None:
-    mamba_shard(config.family.mixer, TensorParallel(rank=0, size=size, group=None, timeout_s=0.0))
+    probe = TensorParallel(rank=0, size=size, group=None, timeout_s=0.0)
+    mixer = config.family.mixer
+    parallel.split_evenly(mixer.num_heads, probe, "num_heads")  # (this family's name for it)
+    mamba_shard(mixer, probe)
 
 
 class Model(CausalLM):
