@@ -3,8 +3,8 @@
     python -m bench.api_side_by_side --a http://127.0.0.1:8021 --b http://127.0.0.1:8011 \
         --model model [--only PREFIX] [--json out.json]
 
-Sends one battery of requests (bench/api_battery.py: valid ones, malformed ones, every route a
-vLLM user relies on) to both servers with raw httpx and prints, per request, where the two
+Sends one battery of requests (bench/api_battery.py and bench/api_battery_structured.py: valid
+ones, malformed ones, every route a vLLM user relies on) to both servers with raw httpx and prints, per request, where the two
 answers differ in *shape*: status code, error type / code / param, response keys and value types, `object`,
 `finish_reason`, `stop_reason`, usage counts, logprobs structure, and for streams the SSE
 framing (the chunk sequence with its roles, finish reasons and usage, and `data: [DONE]`).
@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from bench.api_battery import Case, cases, client_calls
+from bench.api_battery_structured import structured_cases, structured_client_calls
 
 # keys whose values (not only types) a client acts on
 VALUE_KEYS = {
@@ -180,7 +181,7 @@ def client_observe(base_url: str, call) -> Any:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
     try:
         result = call(client)
-    except openai.APIError as error:
+    except (openai.APIError, openai.LengthFinishReasonError) as error:  # (parse() raises both)
         return {"raised": type(error).__name__, "status": getattr(error, "status_code", None)}
     items = result if isinstance(result, list) else [result]
     if hasattr(result, "data"):
@@ -211,7 +212,7 @@ def main() -> None:
         httpx.Client(base_url=args.a, timeout=300) as a,
         httpx.Client(base_url=args.b, timeout=300) as b,
     ):
-        for case in cases(args.model):
+        for case in cases(args.model) + structured_cases(args.model):
             if not case.name.startswith(args.only):
                 continue
             seen_a, seen_b = observe(a, case), observe(b, case)
@@ -228,7 +229,7 @@ def main() -> None:
                 print(f"   A says: {seen_a.get('error_message')!r}")
                 print(f"   B says: {seen_b.get('error_message')!r}")
     if args.client:
-        for name, call in client_calls(args.model):
+        for name, call in client_calls(args.model) + structured_client_calls(args.model):
             if not name.startswith(args.only.removeprefix("client.")):
                 continue
             seen_a, seen_b = client_observe(args.a, call), client_observe(args.b, call)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from kernels import cpu_prefill
-from kernels.conv1d import build_conv_layout, causal_conv1d_varlen_torch
+from kernels.conv1d import build_window_layout, causal_conv1d_varlen_torch
 from kernels.norm import gated_rms_norm_torch
 from kernels.ssd import build_chunk_layout, discretize_dt, ssd_scan_torch
 
@@ -63,7 +63,7 @@ def bench(config: str, batch: str, dtype: torch.dtype, rounds: int) -> list[dict
     xbc = torch.randn(T, dim + H * P, generator=g).to(dtype)[:, H * P :]
     weight, bias = torch.randn(dim, K).to(dtype), torch.randn(dim).to(dtype)
     conv_pool = torch.randn(S, dim, K - 1).to(dtype)
-    window_layout = build_conv_layout(lens, K, "cpu")
+    window_layout = build_window_layout(lens, K, "cpu")
     y = torch.randn(T, H * P).to(dtype)
     z = torch.randn(T, 2 * H * P).to(dtype)[:, : H * P]
     norm_w = torch.rand(H * P).to(dtype)

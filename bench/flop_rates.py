@@ -93,10 +93,7 @@ def decode_flop_fraction(llm, batch: int = 64) -> dict:
         engine.add_request(
             f"flop-{i}", [7 + i] * 64, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         )
-    while (
-        any(r.num_remaining > 1 for r in engine.core.scheduler.running)
-        or engine.core.scheduler.waiting
-    ):
+    while any(r.num_remaining > 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     times = []
     for _ in range(20):

@@ -234,7 +234,7 @@ def bench_decode(s: Shapes, device, dtype, timer, context: int) -> list[Result]:
 
 def bench_prefill(s: Shapes, device, dtype, timer) -> list[Result]:
     from kernels.attention import build_attention_layout, paged_attention_torch
-    from kernels.conv1d import build_conv_layout, causal_conv1d_varlen_torch
+    from kernels.conv1d import build_window_layout, causal_conv1d_varlen_torch
     from kernels.norm import gated_rms_norm_torch, rms_norm_torch
     from kernels.ssd import build_chunk_layout, ssd_scan_torch
     from kernels.triton_attention import paged_attention_triton
@@ -272,7 +272,7 @@ def bench_prefill(s: Shapes, device, dtype, timer) -> list[Result]:
     bias = torch.randn(s.conv_dim, device=device, dtype=dtype)
     conv_pool = torch.zeros(2, s.conv_dim, K - 1, device=device, dtype=dtype)
     slots = torch.ones(1, dtype=torch.int64, device=device)
-    window_layout = build_conv_layout([T], K, device)
+    window_layout = build_window_layout([T], K, device)
     results.append(
         measure(
             timer,

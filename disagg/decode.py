@@ -197,6 +197,10 @@ class DecodeWorker:
         failures, self.failures = self.failures, []
         return failures
 
+    def take_refused(self) -> list[tuple[str, str]]:
+        """The engine's requests refused for their grammar (structured outputs)."""
+        return self.engine.take_refused()
+
     def extra_stats(self) -> dict:
         by_state: dict[str, int] = {"bootstrapping": len(self.queued)}
         for r in self.rooms.values():

@@ -27,9 +27,12 @@ class Compat:
     def mismatch(self, other: Compat) -> str | None:
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "state" and mine != theirs:
-                differ = [(a, b) for a, b in zip(mine, theirs) if a != b]
-                mine, theirs = differ[0] if differ else (mine, theirs)
+            if f.name == "state" and mine != theirs:  # name the first tensor that differs
+                by_name = [{line.split(":")[0]: line for line in side} for side in (mine, theirs)]
+                name = next(
+                    n for n in [*by_name[0], *by_name[1]] if by_name[0].get(n) != by_name[1].get(n)
+                )
+                mine, theirs = (side.get(name, f"no {name}") for side in by_name)
             if mine != theirs:
                 verb = "differ" if f.name == "weights" else "differs"
                 return (

@@ -137,6 +137,18 @@ class PrefillWorker:
         failures, self.failures = self.failures, []
         return failures
 
+    def take_refused(self) -> list[tuple[str, str]]:
+        """The engine's requests refused for their grammar (structured outputs): their rooms
+        forget them without failing, so the decode side hears nothing that would race the
+        client's 400 with a transfer error; the router cancels the decode half, whose Abort
+        closes the room (else it expires as a room whose request never came)."""
+        refused = self.engine.take_refused()
+        for request_id, _ in refused:
+            for r in self.rooms.values():
+                if r.request_id == request_id:
+                    r.request_id = None
+        return refused
+
     def extra_stats(self) -> dict:
         by_state: dict[str, int] = {}
         for r in self.rooms.values():

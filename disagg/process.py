@@ -99,7 +99,7 @@ class DisaggEngineLoop(engine_process.EngineLoop):
 def load_and_run(
     spec: engine_process.EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket
 ) -> int:
-    options = dict(spec.disagg or {})
+    options = dict(spec.pair or {})
     secret = options.pop("secret", None) or os.environ.get("BATON_DISAGG_SECRET") or None
     config = DisaggConfig(secret=secret.encode() if secret else None, **options)
     if secret:  # each rank's handover connector (this process's and its ranks') reads it there
@@ -116,7 +116,7 @@ def load_and_run(
         worker_class = PrefillWorker if config.role == "prefill" else DecodeWorker
         worker: DisaggWorker = worker_class(engine, config, context)
     except Exception as error:
-        logger.exception("failed to start the %s worker for %s", spec.disagg, spec.model)
+        logger.exception("failed to start the %s worker for %s", spec.pair, spec.model)
         outbox.send(encode(EngineFailed(message=f"failed to start disaggregated worker: {error}")))
         return 1
     transfer_addr = worker.transfer_address
@@ -128,7 +128,9 @@ def load_and_run(
                 vocab_size=engine.model_config.vocab_size,
                 max_model_len=engine.max_model_len,
                 transfer_addr=transfer_addr,
-                rank_transfer_addrs=list(engine.handover.state.shards.addresses),
+                rank_transfer_addrs=list(engine.handover.shards.addresses),
+                page_size=engine.args.page_size,
+                track_interval=engine.handover.track_interval,
             )
         )
     )

@@ -34,12 +34,11 @@ from disagg.rooms import is_loopback
 from disagg.tp_layout import ENDPOINT, MAX_TP_SIZE, Piece, check_prefill_size, plan
 from engine.cache.pools import StateCache
 from engine.config import ModelConfig
-from engine.handover.shards import Pieces, Shard, unit_dim
+from engine.handover.shards import ConnectorSpec, Pieces, Shard, unit_dim
 from engine.parallel.messages import InstallShard, SendShard
 
 logger = logging.getLogger("baton.disagg.tp_transfer")
 
-FACTORY = "disagg.tp_transfer:ZmqShardConnector"
 SECRET_ENV = "BATON_DISAGG_SECRET"
 # Bounds on what peers can make a rank hold: rooms whose pieces arrived but were never asked for
 # (their room failed on rank 0 first) are forgotten after this long, or beyond this many.
@@ -49,10 +48,10 @@ MAX_KEPT_ROOMS = 4096  # prefill snapshots waiting for their decode side
 MAX_OUTBOXES = 64  # connections to decode ranks kept open
 
 
-def connector_spec(role: str, host: str) -> dict[str, str]:
+def connector_spec(role: str, host: str) -> ConnectorSpec:
     """EngineArgs.handover_connector for a disaggregated worker of `role` whose decode ranks
     bind on `host`."""
-    return {"factory": FACTORY, "role": role, "host": host}
+    return ConnectorSpec(factory=ZmqShardConnector, options={"role": role, "host": host})
 
 
 class ZmqShardConnector:

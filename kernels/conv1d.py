@@ -23,7 +23,7 @@ from kernels.backend import select_backend
 from kernels.layouts import ConvActivation, ConvLayout
 
 
-def build_conv_layout(
+def build_window_layout(
     seq_lens: list[int], kernel_width: int, device: torch.device | str
 ) -> ConvLayout:
     num_seqs, km1 = len(seq_lens), kernel_width - 1

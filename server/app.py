@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from server import chat, completions, sglang_generate
+from server import chat, completions, responses, sglang_generate
 from server.errors import APIError, error_response, install_error_handlers
 from server.generation import ServerState, check_model
 from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware, RequestCounterMiddleware
@@ -18,7 +18,7 @@ from server.sampling import check_token_ids
 from server.validation import check_continue_final_message
 from server.version import baton_version
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -30,6 +30,7 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(responses.router)
     app.include_router(sglang_generate.router)
     # Outermost last: count every answer, check the key before reading a body, read the body
     # (413 / strict JSON) before any handler parses it.
@@ -49,7 +50,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/disagg/info")
     async def disagg_info() -> Response:
-        """Where decode engines register with this prefill worker (read by `baton router`)."""
+        """What `baton router` learns of a worker: its role, where decode engines register with a
+        prefill worker, and the prefix cache's page size and Mamba checkpoint interval."""
         mode = state.args.disaggregation_mode
         if mode is None:
             return error_response(404, "this worker is not part of a disaggregated pair")
@@ -60,6 +62,8 @@ def build_app(state: ServerState) -> FastAPI:
                 "role": mode,
                 "transfer_addr": ready.transfer_addr or None,
                 "rank_transfer_addrs": ready.rank_transfer_addrs,
+                "page_size": ready.page_size,
+                "track_interval": ready.track_interval,
             }
         )
 
@@ -105,6 +109,13 @@ def build_app(state: ServerState) -> FastAPI:
                 body.add_generation_prompt,
                 body.chat_template_kwargs,
                 body.continue_final_message,
+                False,
+                [
+                    {"type": "function", "function": tool.function.for_template()}
+                    for tool in body.tools
+                ]
+                if body.tools
+                else None,
             )
         else:
             tokens = await asyncio.to_thread(

@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from disagg.rooms import is_loopback
+from server.output_parser import ParserSettings
+from server.reasoning_parsers import REASONING_PARSERS
+from server.tool_parsers import TOOL_CALL_PARSERS
 
 # Settings forwarded to `Engine(...)` as keyword arguments when the user sets them; unset ones
 # (None) are left to the engine, which sizes them from the model and the machine.
@@ -41,6 +44,17 @@ SERVER_KEEP_ALIVE_S = 60
 # uvicorn's HTTP protocol, h11 even where httptools is installed: h11 bounds a request's
 # unfinished headers (16 KB, then 400); uvicorn's httptools protocol buffers them unbounded.
 HTTP_PROTOCOL = "h11"
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template as vLLM reads it: a file's text, or the template itself when it holds
+    template syntax; anything else that names no readable file is an error."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if any(char in value for char in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value}: no such file, and not a template either")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +108,11 @@ class ServerArgs:
     # noticed by the heartbeat lease (10 s), not by this timeout.
     disagg_timeout: float = 300.0
     disagg_max_rooms_per_peer: int = 1024  # prefill: rooms one decode worker may hold open
+    # Chat output parsing, vLLM's flags (server/tool_choice.py)
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    chat_template: str | None = None  # a file, or the template itself (over the model's own)
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in (None, "prefill", "decode"):
@@ -132,6 +151,20 @@ class ServerArgs:
             raise ValueError(
                 f"--schedule-policy must be mixed or prefill-first, got {self.schedule_policy!r}"
             )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"--tool-call-parser {self.tool_call_parser}: unknown; known: "
+                + ", ".join(TOOL_CALL_PARSERS)
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"--reasoning-parser {self.reasoning_parser}: unknown; known: "
+                + ", ".join(REASONING_PARSERS)
+            )
+        if self.chat_template is not None:
+            load_chat_template(self.chat_template)
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         for name in (*ENGINE_ARG_NAMES, "max_queued_requests"):
@@ -147,6 +180,16 @@ class ServerArgs:
     @property
     def tokenizer_dir(self) -> str:
         return self.tokenizer or self.model
+
+    def chat_template_text(self) -> str | None:
+        return load_chat_template(self.chat_template) if self.chat_template else None
+
+    def parser_settings(self) -> ParserSettings:
+        return ParserSettings(
+            tool_call_parser=self.tool_call_parser,
+            enable_auto_tool_choice=self.enable_auto_tool_choice,
+            reasoning_parser=self.reasoning_parser,
+        )
 
     def engine_args(self) -> dict[str, Any]:
         args = {

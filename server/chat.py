@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from engine.core.sampling_params import SamplingParams
 from server.errors import APIError
 from server.generation import (
     ChoiceResult,
@@ -26,8 +29,11 @@ from server.generation import (
     usage,
 )
 from server.logprobs import chat_logprobs
+from server.output_parser import OutputDelta, OutputStream, message_fields
 from server.protocol import ChatCompletionRequest
 from server.sampling import build_sampling_params, params_for_prompt, truncate_prompt
+from server.structured import check_structured
+from server.tool_choice import ChatOutputPlan, plan_output, reasoning_end_ids
 from server.validation import check_generation, num_logprobs, requested_max_tokens
 
 router = APIRouter()
@@ -46,19 +52,33 @@ def _max_tokens(body: ChatCompletionRequest, prompt_len: int, max_model_len: int
     return max_model_len - prompt_len
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
-    state: ServerState = raw_request.app.state.baton
-    arrival = time.monotonic()
+class PreparedChat(NamedTuple):
+    prompt: list[int]
+    params: SamplingParams
+    plan: ChatOutputPlan
+
+
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> PreparedChat:
+    """The templated prompt, its sampling parameters and how the output is read (400 for what
+    the model or the server's flags refuse); shared with /v1/responses."""
     check_model(state, body.model)
     check_generation(body)  # the rules the router applies too, before any tokenizing
-    prompt = await asyncio.to_thread(
-        state.tokenizer.encode_chat,
+    variables = body.template_variables()
+    tokenizer = state.tokenizer
+    tools = [
+        {"type": "function", "function": tool.function.for_template()} for tool in body.tools or []
+    ]
+    text = await asyncio.to_thread(
+        tokenizer.render_chat,
         body.messages,
         body.add_generation_prompt,
-        body.template_variables(),
+        variables,
         body.continue_final_message,
-        body.add_special_tokens,
+        tools or None,
+    )
+    plan = plan_output(body, state.args.parser_settings(), text, variables)
+    prompt = await asyncio.to_thread(
+        tokenizer.encode, text, add_special_tokens=body.add_special_tokens
     )
     prompt = truncate_prompt(
         prompt, body.truncate_prompt_tokens, body.truncation_side, state.max_model_len
@@ -67,6 +87,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     params = build_sampling_params(
         body, max_tokens=max_tokens, logprobs=num_logprobs(body), vocab_size=state.vocab_size
     )
+    params = plan.sampling(params, reasoning_end_ids(tokenizer, plan.settings))
+    await check_structured(body, params.structured_outputs)  # a bad spec: 400, no compute
     params = params_for_prompt(
         params,
         prompt,
@@ -75,26 +97,24 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         max_model_len=state.max_model_len,
         param="messages",
     )
+    return PreparedChat(prompt=prompt, params=params, plan=plan)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
+    state: ServerState = raw_request.app.state.baton
+    arrival = time.monotonic()
+    prompt, params, plan = await prepare_chat(state, body)
     check_disagg(state, body.baton_disagg)
     admit(state)
     request_id = new_request_id("chatcmpl")
     requests = fan_out(request_id, [prompt], params, body.n, body.baton_disagg)
     head = {"id": request_id, "created": int(time.time()), "model": state.args.model_name}
     if body.stream:
-        chunks = _stream(state, body, head, prompt, requests, arrival)
+        chunks = _stream(state, body, plan, head, prompt, requests, arrival)
         return StreamingResponse(sse_guard(chunks), media_type="text/event-stream")
     results = await collect(state, requests, arrival, raw_request)
-    choices = [
-        {
-            "index": index,
-            "message": {"role": "assistant", "content": result.text},
-            "logprobs": _logprobs(state, body, result.token_ids, result.logprobs),
-            "finish_reason": result.finish_reason,
-            "stop_reason": result.stop_reason,
-            **({"token_ids": result.token_ids} if body.return_token_ids else {}),
-        }
-        for index, result in enumerate(results)
-    ]
+    choices = [_choice(state, body, plan, index, result) for index, result in enumerate(results)]
     return {
         **head,
         "object": "chat.completion",
@@ -105,17 +125,59 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     }
 
 
+def _choice(
+    state: ServerState, body: ChatCompletionRequest, plan: ChatOutputPlan, index: int, result
+) -> dict:
+    message: dict = {"role": "assistant", "content": result.text}
+    finish_reason = result.finish_reason
+    if plan.parses:
+        parsed = plan.parser().parse(result.text, final=True)
+        parsed = dataclasses.replace(parsed, calls=parsed.calls[: plan.max_calls])
+        message.update(message_fields(parsed, None, has_reasoning_parser=plan.has_reasoning_parser))
+        if not body.include_reasoning:
+            message.pop("reasoning", None)
+        finish_reason = plan.finish_reason(finish_reason, bool(parsed.calls))
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": _logprobs(state, body, result.token_ids, result.logprobs),
+        "finish_reason": finish_reason,
+        "stop_reason": result.stop_reason,
+        **({"token_ids": result.token_ids} if body.return_token_ids else {}),
+    }
+
+
 def _logprobs(state: ServerState, body: ChatCompletionRequest, token_ids, logprobs) -> dict | None:
     if not body.logprobs:
         return None
     return {"content": chat_logprobs(state.tokenizer, token_ids, logprobs, body.top_logprobs or 0)}
 
 
+def _delta(plan: ChatOutputPlan, body: ChatCompletionRequest, parsed: OutputDelta) -> dict:
+    """A parsed stream delta as OpenAI's chat delta (calls past parallel_tool_calls dropped)."""
+    delta: dict = {}
+    if parsed.reasoning and body.include_reasoning:
+        delta["reasoning"] = parsed.reasoning
+    if parsed.content:
+        delta["content"] = parsed.content
+    calls = [call for call in parsed.tool_calls if call["index"] < (plan.max_calls or 1 << 30)]
+    if calls:
+        delta["tool_calls"] = calls
+    return delta
+
+
 async def _stream(
-    state: ServerState, body: ChatCompletionRequest, head: dict, prompt, requests, arrival: float
+    state: ServerState,
+    body: ChatCompletionRequest,
+    plan: ChatOutputPlan,
+    head: dict,
+    prompt,
+    requests,
+    arrival: float,
 ) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
     results = [ChoiceResult() for _ in requests]
+    streams = [OutputStream(plan.parser()) if plan.parses else None for _ in requests]
     extra = {"usage": None} if body.include_usage else {}
     if body.continuous_usage:
         extra = {"usage": usage([prompt], results, body.n)}
@@ -133,13 +195,20 @@ async def _stream(
         async for index, delta in deltas:
             results[index].add(delta)
             wants_ids = (body.logprobs or body.return_token_ids) and bool(delta.new_token_ids)
-            if not (delta.new_text or delta.finished or wants_ids):
+            stream = streams[index]
+            finish_reason = delta.finish_reason
+            if stream is None:
+                message = {"content": delta.new_text} if delta.new_text or wants_ids else {}
+            else:
+                message = _delta(plan, body, stream.update(results[index].text, delta.finished))
+                finish_reason = plan.finish_reason(finish_reason, bool(stream.call_ids))
+            if not (message or delta.finished or wants_ids):
                 continue
             choice = {
                 "index": index,
-                "delta": {"content": delta.new_text} if delta.new_text or wants_ids else {},
+                "delta": message,
                 "logprobs": _logprobs(state, body, delta.new_token_ids, delta.new_logprobs or []),
-                "finish_reason": delta.finish_reason if delta.finished else None,
+                "finish_reason": finish_reason if delta.finished else None,
             }
             if body.return_token_ids:
                 choice["token_ids"] = delta.new_token_ids

@@ -7,6 +7,8 @@ import sys
 
 from engine.checkpoint.loader import DTYPE_NAMES
 from server.args import ServerArgs
+from server.reasoning_parsers import REASONING_PARSERS
+from server.tool_parsers import TOOL_CALL_PARSERS
 
 _DEFAULTS = ServerArgs.__dataclass_fields__
 
@@ -37,7 +39,8 @@ def add_serve_parser(subparsers) -> None:
         "serve",
         help="serve a model behind an OpenAI-compatible HTTP API",
         description="Start an engine process for MODEL and an OpenAI-compatible HTTP server in front of it "
-        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",
+        "(/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /metrics, /tokenize, "
+        "/detokenize).",
         formatter_class=_HelpFormatter,
     )
     parser.add_argument(
@@ -240,6 +243,30 @@ def add_serve_parser(subparsers) -> None:
         type=int,
         default=_default("disagg_max_rooms_per_peer"),
         help="prefill: rooms one decode worker may hold open at once (more are rejected)",
+    )
+
+    chat = parser.add_argument_group("chat", "tool calls, reasoning and templates, as vLLM's flags")
+    chat.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="read tool calls in the model's answers in this format: hermes (Qwen3, "
+        "Qwen3-Next, Falcon-H1, the shipped model), granite4 (Granite-4.0), qwen3_coder "
+        "(Nemotron 3, Qwen3.5), nemotron_json (Nemotron Nano 9B v2)",
+    )
+    chat.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide to call tools (tool_choice "auto", the default with tools); '
+        "needs --tool-call-parser",
+    )
+    chat.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="put the model's thinking (<think>...</think>) in the message's `reasoning` field",
+    )
+    chat.add_argument(
+        "--chat-template",
+        help="a Jinja chat template file (or the template itself) to use instead of the model's",
     )
 
     server = parser.add_argument_group("admission")

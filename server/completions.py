@@ -30,6 +30,7 @@ from server.generation import (
 from server.logprobs import completion_logprobs
 from server.protocol import CompletionRequest
 from server.sampling import build_sampling_params, params_for_prompt, truncate_prompt
+from server.structured import check_structured
 from server.validation import check_generation, engine_max_tokens, requested_max_tokens
 
 router = APIRouter()
@@ -127,6 +128,7 @@ async def start_completion(
         vocab_size=state.vocab_size,
         prompt_logprobs=body.logprobs if scored else None,
     )
+    await check_structured(body, params.structured_outputs)  # a bad spec: 400, no compute
     # one set per prompt: each gets the max_tokens its own length leaves in the context
     prompt_params = [
         params_for_prompt(

@@ -119,9 +119,9 @@ class EngineClient:
             input_addr=input_addr,
             output_addr=output_addr,
             parent_pid=os.getpid(),
-            disagg=self.args.disagg_options(),
+            pair=self.args.disagg_options(),
         )
-        module = "engine.runtime.process" if spec.disagg is None else "disagg.process"
+        module = "engine.runtime.process" if spec.pair is None else "disagg.process"
         self._process = subprocess.Popen(
             [sys.executable, "-m", module, spec.to_json()],
             env=engine_environment(os.environ, self.args.cpu_threads),

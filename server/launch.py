@@ -79,7 +79,10 @@ async def serve(args: ServerArgs) -> None:
         starting = asyncio.ensure_future(client.start())
         try:
             tokenizer = await asyncio.to_thread(
-                load_tokenizer, args.tokenizer_dir, "--tokenizer" if args.tokenizer else "--model"
+                load_tokenizer,
+                args.tokenizer_dir,
+                "--tokenizer" if args.tokenizer else "--model",
+                args.chat_template_text(),
             )
         except BaseException:
             starting.cancel()

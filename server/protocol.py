@@ -74,22 +74,22 @@ class GenerationFields(OpenAIModel):
     user: Text | None = None
     logit_bias: dict[Text, float] | None = None
     baton_disagg: DisaggField | None = None
+    # structured outputs: read, and refused with a message naming the field when malformed, by
+    # server/structured.py
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # OpenAI's and vLLM's fields that change what is generated and that baton does not do:
     # parsed so that check_generation refuses them by name (unknown fields are ignored).
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     prompt_logprobs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     logprob_token_ids: Any = None
@@ -123,6 +123,8 @@ class CompletionRequest(GenerationFields):
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. around the prompt
     best_of: Any = None
     suffix: Any = None
+    tools: Any = None  # chat's; parsed to be refused by name
+    tool_choice: Any = None
 
 
 class TextContentPart(OpenAIModel):
@@ -130,10 +132,53 @@ class TextContentPart(OpenAIModel):
     text: Text
 
 
+class FunctionDefinition(OpenAIModel):
+    name: Text = Field(min_length=1)
+    description: Text | None = None
+    parameters: dict[Text, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """As vLLM hands a tool to the chat template: `strict` only when it was given."""
+        return self.model_dump(exclude={"strict"} if self.strict is None else set())
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: Text = Field(min_length=1)
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(OpenAIModel):
+    name: Text
+    arguments: Text | dict[Text, Any] | None = None  # JSON text, as OpenAI sends it back
+
+
+class MessageToolCall(OpenAIModel):
+    """A tool call of an earlier assistant turn, as the client sends the history back."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIModel):
     role: ChatRole
     content: Text | list[TextContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant
+    tool_call_id: Text | None = None  # tool
+    # An assistant turn's thinking (vLLM's name, and the one Qwen templates read)
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -155,6 +200,10 @@ class ChatCompletionRequest(GenerationFields):
     add_special_tokens: bool = False  # vLLM's: the template already holds them
     # OpenAI's; as vLLM, given to the template with enable_thinking = (effort != "none")
     reasoning_effort: Text | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the answer
     # vLLM's chat fields that change the output, parsed to be refused by name
     echo: Any = None
     chat_template: Any = None
@@ -181,6 +230,7 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[Text, Any] | None = None
+    tools: list[ChatTool] | None = None  # rendered by the chat template, as chat does
     return_token_strs: bool = False
 
 
@@ -208,7 +258,7 @@ class SGLangSamplingParams(OpenAIModel):
     n: int = Field(1, ge=1, le=MAX_N)
     sampling_seed: int | None = Field(None, ge=0, le=MAX_SEED)
     logit_bias: dict[Text, float] | None = None
-    # constrained decoding: parsed to be refused by name
+    # constrained decoding (server/validation.py maps them onto vLLM's structured_outputs)
     json_schema: Any = None
     regex: Any = None
     ebnf: Any = None

@@ -4,15 +4,16 @@
                   └────(same body + room + transfer address)──> decode worker <───────────┘
                   <──────────────── the decode worker's answer, streamed ─────┘
 
-The router mints the room id itself (a client's `baton_disagg` field is dropped), picks workers
-round-robin among the healthy ones, learns each prefill worker's transfer address from its
-`/disagg/info`, and probes every worker's health once a second on connections of its own
-(`router_workers.py`). It checks every request with the workers' own rules before it sends
+The router mints the room id itself (a client's `baton_disagg` field is dropped), picks each
+side's worker by that side's policy (`router_policies/`: round robin, random, power of two,
+cache-aware over Mamba checkpoints), learns each worker's role, transfer address and cache
+geometry from its `/disagg/info`, and probes every worker's health once a second on connections
+of its own (`router_workers.py`). Workers come and go while it serves (`router_admin.py`,
+`router_discovery.py`). It checks every request with the workers' own rules before it sends
 anything (`validation.py`). At most `--max-concurrent-requests` requests are in flight; past
 that the router answers 429 with Retry-After rather than queueing where nobody can see it.
-Relaying one request is `router_relay.py`: if the prefill side fails, the decode request is
-cancelled (the decode worker aborts it on disconnect) and the client gets the error; a broken
-decode stream ends with an error event; a client that leaves aborts both halves.
+One request is `router_dispatch.py`: tries on pairs until one commits, a try that failed before
+any byte reached the client tried again elsewhere; relaying one try is `router_relay.py`.
 """
 
 from __future__ import annotations
@@ -20,32 +21,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
+import random
+import sys
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 
 from engine.runtime.gc_freeze import freeze_startup_objects
 from server.args import DEFAULT_MAX_REQUEST_BYTES, HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S
 from server.errors import APIError, ErrorJSONResponse, install_error_handlers
 from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware
-from server.router_relay import (
-    GONE,
-    collect,
-    decode_headers,
-    error_body,
-    error_response,
-    forward_headers,
-    relay,
-)
-from server.router_workers import PROBE_TIMEOUT_S, RETRY_AFTER_S, Worker, WorkerSet, describe
+from server.router_admin import admin_routes
+from server.router_args import RoutingArgs, add_routing_arguments, routing_args_from
+from server.router_discovery import start_discovery
+from server.router_dispatch import NO_PAIR, Dispatcher, once
+from server.router_policies import make_policy
+from server.router_prompt import routing_tokens
+from server.router_relay import error_body, error_response, forward_headers
+from server.router_workers import PROBE_TIMEOUT_S, RETRY_AFTER_S, WorkerSet, describe
+from server.tokenizer import load_tokenizer
 from server.validation import parse_generation
 from server.version import baton_version
 
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 ROUTER_KEEPALIVE_EXPIRY_S = 10.0  # idle connections to workers; below SERVER_KEEP_ALIVE_S
+DEFAULT_ROUTING = RoutingArgs()
 
 
 def build_router_app(
@@ -55,13 +56,13 @@ def build_router_app(
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     *,
+    routing: RoutingArgs = DEFAULT_ROUTING,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> FastAPI:
     """The router's app. `transport` replaces the network under both of its HTTP clients (tests
     pass an in-process fake of the workers)."""
+    rng = random.Random()
     workers = WorkerSet(
-        prefill=[Worker(url=u.rstrip("/"), role="prefill") for u in prefill_urls],
-        decode=[Worker(url=u.rstrip("/"), role="decode") for u in decode_urls],
         max_concurrent_requests=max_concurrent_requests,
         # Probes have connections of their own, apart from request traffic; they carry the
         # router's key, which the workers' /disagg/info requires (their /health is open).
@@ -70,7 +71,17 @@ def build_router_app(
             transport=transport,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         ),
+        policies={
+            "prefill": make_policy(routing.prefill_policy, routing.cache_aware, rng),
+            "decode": make_policy(routing.decode_policy, routing.cache_aware, rng),
+        },
+        circuit=routing.circuit,
     )
+    for url in prefill_urls:
+        workers.add(url.rstrip("/"), "prefill")
+    for url in decode_urls:
+        workers.add(url.rstrip("/"), "decode")
+    tokenizer = load_tokenizer(routing.tokenizer, "--tokenizer") if workers.needs_tokens else None
     # Request traffic has no hidden connection cap: each request in flight holds two connections
     # (the prefill POST and the decode stream) and the explicit limit is the admission check.
     client = httpx.AsyncClient(
@@ -82,12 +93,20 @@ def build_router_app(
         ),
         transport=transport,
     )
+    dispatcher = Dispatcher(workers=workers, client=client, retry=routing.retry, rng=rng)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await workers.probe_all()
         task = asyncio.create_task(workers.probe_forever())
+        discovery = (
+            start_discovery(workers, routing.discovery, asyncio.get_running_loop())
+            if routing.discovery is not None
+            else []
+        )
         yield
+        for pod_watch in discovery:
+            pod_watch.stop()
         task.cancel()
         await client.aclose()
         await workers.probe_client.aclose()
@@ -99,12 +118,13 @@ def build_router_app(
     app.add_middleware(RequestBodyMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.include_router(admin_routes(workers, api_key))
 
     @app.get("/health")
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) liveness route
     async def health() -> Response:
         if not workers.ready:
-            return error_response(503, "no healthy prefill + decode worker pair")
+            return error_response(503, NO_PAIR)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -122,22 +142,20 @@ def build_router_app(
     async def ask_a_decode_worker(request: Request) -> Response:
         """The decode worker's answer to a request about the model (the list or one model, as
         OpenAI's retrieve; /tokenize and /detokenize): nothing is generated, no pair is used."""
-        pair = workers.pick()
-        if pair is None:
-            return error_response(503, "no healthy prefill + decode worker pair")
+        decode = workers.least_loaded_decode()
+        if decode is None or not workers.ready:
+            return error_response(503, NO_PAIR)
         path = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1")
         body = getattr(request.state, "json_body", None)  # parsed by RequestBodyMiddleware
         try:
             response = await client.request(
                 request.method,
-                f"{pair[1].url}{path}",
+                f"{decode.url}{path}",
                 headers=forward_headers(request),
                 json=body if request.method == "POST" else None,
             )
         except httpx.HTTPError as error:
-            return error_response(
-                503, f"decode worker {pair[1].url} unreachable: {describe(error)}"
-            )
+            return error_response(503, f"decode worker {decode.url} unreachable: {describe(error)}")
         return Response(
             response.content,
             status_code=response.status_code,
@@ -156,7 +174,7 @@ def build_router_app(
                 status_code=429,
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        release = _once(workers.release)
+        release = once(workers.release)
         try:
             response = await dispatch(request, path, release)
         except BaseException:
@@ -172,69 +190,16 @@ def build_router_app(
         # refuse never starts a prefill (the prefill half never sees `stream_options`).
         body = getattr(request.state, "json_body", None)  # parsed by RequestBodyMiddleware
         try:
-            parse_generation(path, body)
+            parsed = parse_generation(path, body)
+            prompt = (
+                await asyncio.to_thread(routing_tokens, tokenizer, parsed)
+                if tokenizer is not None
+                else None
+            )
         except APIError as error:
             return ErrorJSONResponse(error.body(), status_code=error.status)
         assert isinstance(body, dict)
-        pair = workers.pick()
-        if pair is None:
-            return error_response(503, "no healthy prefill + decode worker pair")
-        prefill, decode = pair
-        headers = forward_headers(request)
-        if scores_prompt(path, body):
-            # echo with logprobs (prompt scoring, lm-evaluation-harness's loglikelihood) needs
-            # the prompt's logprobs, which no handover carries: the prefill worker serves the
-            # whole request itself, colocated (a prefill is all such a request is). No prefill
-            # half runs beside it: its task is a future that never completes.
-            decode, decode_body = prefill, body
-            prefill_task = asyncio.get_running_loop().create_future()
-        else:
-            room = uuid.uuid4().hex  # minted here; a client's value is never trusted
-            decode_body = dict(
-                body, baton_disagg={"room": room, "prefill_addr": prefill.transfer_addr}
-            )
-            prefill_body = dict(body, stream=False, baton_disagg={"room": room})
-            prefill_body.pop("stream_options", None)
-            prefill_task = asyncio.create_task(
-                client.post(f"{prefill.url}{path}", json=prefill_body, headers=headers)
-            )
-        sending = asyncio.ensure_future(
-            client.send(
-                client.build_request(
-                    "POST", f"{decode.url}{path}", json=decode_body, headers=headers
-                ),
-                stream=True,
-            )
-        )
-        try:
-            # A non-streaming answer has no headers until it is complete: watch the client and
-            # the prefill half all along (a failure of either closes both halves' connections).
-            stopped = await decode_headers(request, sending, prefill_task, prefill, workers)
-            if stopped is not None:
-                return stopped
-            upstream = sending.result()
-        except httpx.HTTPError as error:
-            if isinstance(error, GONE):
-                workers.lost(decode, error)
-            prefill_task.cancel()
-            return error_response(
-                503, f"{decode.role} worker {decode.url} unreachable: {describe(error)}"
-            )
-        if upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
-            prefill_task.cancel()
-            return Response(
-                content, status_code=upstream.status_code, media_type="application/json"
-            )
-        if body.get("stream"):
-            return StreamingResponse(
-                relay(upstream, prefill_task, prefill, decode, workers, release),
-                media_type="text/event-stream",
-                # Also when the client left before the first chunk and the relay never ran.
-                background=BackgroundTask(release),
-            )
-        return await collect(request, upstream, prefill_task, prefill, decode, workers)
+        return await dispatcher.serve(request, path, body, prompt, release)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -244,34 +209,15 @@ def build_router_app(
     async def chat(request: Request) -> Response:
         return await generate(request, "/v1/chat/completions")
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await generate(request, "/v1/responses")
+
     @app.post("/generate")
     async def sglang_generate(request: Request) -> Response:
         return await generate(request, "/generate")
 
     return app
-
-
-def scores_prompt(path: str, body: dict) -> bool:
-    """A request that wants its prompt's logprobs back: completions' echo with logprobs,
-    SGLang's return_logprob with a logprob_start_len."""
-    if path == "/generate":
-        return body.get("return_logprob") is True and body.get("logprob_start_len", -1) >= 0
-    return (
-        path == "/v1/completions" and body.get("echo") is True and body.get("logprobs") is not None
-    )
-
-
-def _once(action):
-    """`action` wrapped so that only its first call runs (a place is released exactly once)."""
-    done = False
-
-    def run() -> None:
-        nonlocal done
-        if not done:
-            done = True
-            action()
-
-    return run
 
 
 def add_router_parser(subparsers) -> None:
@@ -281,8 +227,8 @@ def add_router_parser(subparsers) -> None:
         description="Serve the OpenAI API by sending each request to one prefill and one decode worker "
         "(started with `baton serve --disaggregation-mode prefill|decode`).",
     )
-    parser.add_argument("--prefill", required=True, help="prefill worker URL(s), comma-separated")
-    parser.add_argument("--decode", required=True, help="decode worker URL(s), comma-separated")
+    parser.add_argument("--prefill", default="", help="prefill worker URL(s), comma-separated")
+    parser.add_argument("--decode", default="", help="decode worker URL(s), comma-separated")
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
     )
@@ -305,6 +251,7 @@ def add_router_parser(subparsers) -> None:
         help="generation requests in flight at most; past it the router answers 429 with "
         f"Retry-After (default: {DEFAULT_MAX_CONCURRENT_REQUESTS})",
     )
+    add_routing_arguments(parser)
     parser.set_defaults(handler=_run_router)
 
 
@@ -322,13 +269,21 @@ def _run_router(namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
     prefill = [u for u in namespace.prefill.split(",") if u]
     decode = [u for u in namespace.decode.split(",") if u]
-    app = build_router_app(
-        prefill,
-        decode,
-        namespace.api_key,
-        namespace.max_concurrent_requests,
-        namespace.max_request_bytes,
-    )
+    try:
+        routing = routing_args_from(namespace)
+        if not (prefill and decode) and routing.discovery is None:
+            raise ValueError("give --prefill and --decode worker URLs, or --service-discovery")
+        app = build_router_app(
+            prefill,
+            decode,
+            namespace.api_key,
+            namespace.max_concurrent_requests,
+            namespace.max_request_bytes,
+            routing=routing,
+        )
+    except (ValueError, RuntimeError) as error:
+        print(f"baton router: {error}", file=sys.stderr)
+        return 2
     freeze_startup_objects()
     uvicorn.run(
         app,

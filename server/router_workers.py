@@ -1,4 +1,4 @@
-"""The router's view of its workers: health probes, admission, and the router's own metrics.
+"""The router's view of its workers: membership, health probes, load, circuits and the picks.
 
 Probes have a client of their own (their own connections), so request traffic can never starve
 them: a probe that waited behind a saturated request pool would time out and declare a healthy
@@ -11,20 +11,29 @@ worker dead (issue 22: above 50 requests in flight the shared pool starved every
 
 A refused connection (the process is gone) or a `/health` that answers 503 (its engine is dead) is
 proof; a slow answer is only a hint, so it takes FAILURES_TO_REMOVE of them in a row. A worker is put
-back as soon as one probe passes. Request traffic that finds a worker's port refused also takes it
-out at once (`WorkerSet.lost`), so a killed worker is out before the next probe.
+back as soon as one probe passes and its `/disagg/info` (role, transfer address, page size, track
+interval) is read. Request traffic that finds a worker's port refused also takes it out at once
+(`WorkerSet.lost`), so a killed worker is out before the next probe.
+
+Membership changes while serving (admin routes, Kubernetes discovery): a new worker is probed at
+once and picked as soon as it is healthy; a removed one drains: no new requests, the ones in
+flight finish, then it is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from server.router_circuit import Circuit, CircuitSettings
+from server.router_info import Role, WorkerInfo
+from server.router_metrics import RouterMetrics
+from server.router_policies import Policy
+from server.router_policies.base import Choice
 
 logger = logging.getLogger("baton.router")
 
@@ -34,76 +43,188 @@ FAILURES_TO_REMOVE = 3
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 
-@dataclass
+@dataclass(eq=False)
 class Worker:
     url: str
-    role: Literal["prefill", "decode"]
+    role: Role
+    circuit: Circuit
     healthy: bool = False
-    transfer_addr: str | None = None  # prefill workers only, learnt from /disagg/info
+    info: WorkerInfo | None = None  # read once healthy; dropped when it goes away
     failed_probes: int = 0
+    in_flight: int = 0  # the router's requests on it now
+    draining: bool = False  # removed: no new requests; dropped once in_flight reaches 0
 
+    @property
+    def transfer_addr(self) -> str | None:
+        return self.info.transfer_addr if self.info is not None else None
 
-class RouterMetrics:
-    """`/metrics` of the router: requests by status, in flight, and worker health transitions."""
+    @property
+    def load(self) -> int:
+        return self.in_flight
 
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "baton:router_requests",
-            "Generation requests the router answered, by HTTP status of its answer.",
-            ["status"],
-            registry=self.registry,
-        )
-        self.running = Gauge(
-            "baton:router_requests_running",
-            "Generation requests in flight through the router.",
-            registry=self.registry,
-        )
-        self.transitions = Counter(
-            "baton:router_worker_transitions",
-            "Worker health changes seen by the router, by role and new state.",
-            ["role", "state"],
-            registry=self.registry,
-        )
-        self.healthy = Gauge(
-            "baton:router_healthy_workers",
-            "Workers the router currently sends requests to, by role.",
-            ["role"],
-            registry=self.registry,
-        )
-        for role in ("prefill", "decode"):
-            self.healthy.labels(role=role).set(0)
-            for state in ("healthy", "unhealthy"):
-                self.transitions.labels(role=role, state=state)
+    @property
+    def track_interval(self) -> int:
+        return self.info.track_interval if self.info is not None else 0
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    @property
+    def usable(self) -> bool:
+        """Healthy, known, not draining, and (a prefill worker) with a transfer address."""
+        return (
+            self.healthy
+            and self.info is not None
+            and not self.draining
+            and (self.role == "decode" or self.transfer_addr is not None)
+        )
 
 
 @dataclass
 class WorkerSet:
-    """The workers, their probes, and the admission limit on requests in flight."""
+    """The workers, their probes, the policies that pick them, and the admission limit."""
 
-    prefill: list[Worker]
-    decode: list[Worker]
     max_concurrent_requests: int
     probe_client: httpx.AsyncClient  # never used for request traffic
+    policies: dict[str, Policy]  # role -> its policy
+    circuit: CircuitSettings
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    prefill: list[Worker] = field(default_factory=list)
+    decode: list[Worker] = field(default_factory=list)
     running: int = 0
-    _turn: itertools.count = field(default_factory=itertools.count)
 
-    def pick(self) -> tuple[Worker, Worker] | None:
-        prefill = [w for w in self.prefill if w.healthy and w.transfer_addr]
-        decode = [w for w in self.decode if w.healthy]
-        if not prefill or not decode:
+    # -- membership --------------------------------------------------------------------------
+
+    def find(self, url: str) -> Worker | None:
+        return next((w for w in self.prefill + self.decode if w.url == url), None)
+
+    def add(self, url: str, role: Role) -> Worker:
+        """A worker to route to once a probe finds it healthy (at once if it is: `probe` it)."""
+        worker = self.find(url)
+        if worker is not None and worker.role == role:
+            worker.draining = False  # added back while it drained: keep it
+            return worker
+        if worker is not None:
+            raise ValueError(f"{url} is already a {worker.role} worker")
+        worker = Worker(url=url, role=role, circuit=Circuit(self.circuit))
+        self._of_role(role).append(worker)
+        self.metrics.add_worker(role, url, self.policies[role].name)
+        logger.info("%s worker %s added", role, url)
+        return worker
+
+    def remove(self, url: str) -> Worker | None:
+        """Drain the worker: no new requests; dropped once its requests in flight finish."""
+        worker = self.find(url)
+        if worker is None:
             return None
-        turn = next(self._turn)
-        return prefill[turn % len(prefill)], decode[turn % len(decode)]
+        worker.draining = True
+        logger.info("%s worker %s drains (%d in flight)", worker.role, url, worker.in_flight)
+        self._drop_if_drained(worker)
+        self._count_healthy(worker.role)
+        return worker
+
+    def _drop_if_drained(self, worker: Worker) -> None:
+        if worker.draining and worker.in_flight == 0 and worker in self._of_role(worker.role):
+            self._of_role(worker.role).remove(worker)
+            self.policies[worker.role].forget(worker)
+            self.metrics.remove_worker(worker.role, worker.url, self.policies[worker.role].name)
+            logger.info("%s worker %s removed", worker.role, worker.url)
+
+    # -- picks -------------------------------------------------------------------------------
+
+    def usable(self, role: Role) -> list[Worker]:
+        return [w for w in self._of_role(role) if w.usable]
+
+    @property
+    def needs_tokens(self) -> bool:
+        return any(policy.needs_tokens for policy in self.policies.values())
+
+    def pick_pair(
+        self, prompt: Sequence[int] | None, avoid: frozenset[str] = frozenset()
+    ) -> tuple[Worker, Worker] | None:
+        """A prefill and a decode worker for a request, each by its role's policy, among the
+        usable workers whose circuit lets a request through and that have not failed this one
+        (`avoid`); failing that, among those whose circuit is closed, then all usable ones: a
+        circuit or a failure moves a request elsewhere, never refuses one a worker might serve."""
+        prefill = self._pick("prefill", prompt, avoid)
+        decode = self._pick("decode", prompt, avoid)
+        if prefill is None or decode is None:
+            return None
+        return prefill, decode
+
+    def _pick(self, role: Role, prompt: Sequence[int] | None, avoid: frozenset[str]):
+        usable = self.usable(role)
+        closed = [w for w in usable if w.circuit.allows()]
+        fresh = [w for w in closed if w.url not in avoid]
+        candidates = fresh or closed or [w for w in usable if w.url not in avoid] or usable
+        if not candidates:
+            return None
+        policy = self.policies[role]
+        choice: Choice = policy.pick(candidates, prompt)
+        worker = choice.worker
+        assert isinstance(worker, Worker)
+        self.metrics.worker_requests.labels(role=role, worker=worker.url, policy=policy.name).inc()
+        if choice.cached_tokens:
+            self.metrics.cache_hits.labels(role=role, worker=worker.url).inc()
+            self.metrics.cache_hit_tokens.labels(role=role, worker=worker.url).inc(
+                choice.cached_tokens
+            )
+        return worker
+
+    def least_loaded_decode(self) -> Worker | None:
+        """For requests about the model (/v1/models, /tokenize): nothing is generated."""
+        return min(self.usable("decode"), key=lambda w: w.load, default=None)
 
     @property
     def ready(self) -> bool:
-        return any(w.healthy and w.transfer_addr for w in self.prefill) and any(
-            w.healthy for w in self.decode
+        return any(w.usable for w in self.prefill) and any(w.usable for w in self.decode)
+
+    # -- load and circuits --------------------------------------------------------------------
+
+    def begin(self, worker: Worker) -> None:
+        worker.in_flight += 1
+        worker.circuit.started()
+        self.metrics.worker_running.labels(role=worker.role, worker=worker.url).set(
+            worker.in_flight
+        )
+
+    def end(self, worker: Worker) -> None:
+        worker.in_flight -= 1
+        worker.circuit.ended()
+        if worker in self._of_role(worker.role):
+            self.metrics.worker_running.labels(role=worker.role, worker=worker.url).set(
+                worker.in_flight
+            )
+        self._drop_if_drained(worker)
+
+    def succeeded(self, worker: Worker) -> None:
+        if worker.circuit.opened_at is not None:
+            logger.info("%s worker %s: circuit closed", worker.role, worker.url)
+        worker.circuit.succeeded()
+        self._count_circuits(worker)
+
+    def failed(self, worker: Worker, reason: str) -> None:
+        """The worker failed a request (its fault, not the client's): count it on its circuit."""
+        if worker.circuit.failed():
+            logger.warning(
+                "%s worker %s: circuit open for %.0f s after %d failures in a row (last: %s)",
+                worker.role,
+                worker.url,
+                worker.circuit.settings.open_s,
+                worker.circuit.failures,
+                reason,
+            )
+        self._count_circuits(worker)
+
+    def retried(self, worker: Worker) -> None:
+        """A request the worker failed is tried again elsewhere."""
+        if worker in self._of_role(worker.role):
+            self.metrics.retries.labels(role=worker.role, worker=worker.url).inc()
+
+    def _count_circuits(self, worker: Worker) -> None:
+        if worker not in self._of_role(worker.role):
+            return
+        is_open = worker.circuit.opened_at is not None
+        self.metrics.circuit_open.labels(role=worker.role, worker=worker.url).set(int(is_open))
+        self.metrics.open_circuits.labels(role=worker.role).set(
+            sum(w.circuit.opened_at is not None for w in self._of_role(worker.role))
         )
 
     # -- admission ---------------------------------------------------------------------------
@@ -125,15 +246,15 @@ class WorkerSet:
     def set_health(self, worker: Worker, healthy: bool, reason: str = "") -> None:
         if healthy:
             worker.failed_probes = 0
-        else:
-            worker.transfer_addr = None  # a restarted prefill worker may listen elsewhere
+        elif worker.info is not None:
+            # a restarted worker may listen elsewhere, and has an empty cache
+            worker.info = None
+            self.policies[worker.role].forget(worker)
         if healthy != worker.healthy:
             worker.healthy = healthy
             state = "healthy" if healthy else "unhealthy"
             self.metrics.transitions.labels(role=worker.role, state=state).inc()
-            self.metrics.healthy.labels(role=worker.role).set(
-                sum(w.healthy for w in self._of_role(worker.role))
-            )
+            self._count_healthy(worker.role)
             logger.info(
                 "%s worker %s is %s%s",
                 worker.role,
@@ -152,9 +273,12 @@ class WorkerSet:
             if response.status_code != 200:
                 self.set_health(worker, False, f"/health answered {response.status_code}")
                 return
-            if worker.role == "prefill" and worker.transfer_addr is None:
-                info = await self.probe_client.get(f"{worker.url}/disagg/info")
-                worker.transfer_addr = str(info.json()["transfer_addr"])
+            if worker.info is None:
+                info = await self.read_info(worker.url)
+                if info.role != worker.role:
+                    self.set_health(worker, False, f"/disagg/info says it is a {info.role} worker")
+                    return
+                worker.info = info
         except httpx.ConnectError as error:
             self.set_health(worker, False, f"connection refused: {describe(error)}")
             return
@@ -167,6 +291,13 @@ class WorkerSet:
             return
         self.set_health(worker, True)
 
+    async def read_info(self, url: str) -> WorkerInfo:
+        """The worker's `/disagg/info` (httpx.HTTPError, KeyError, TypeError or ValueError when it
+        cannot be read)."""
+        response = await self.probe_client.get(f"{url}/disagg/info")
+        response.raise_for_status()
+        return WorkerInfo.from_json(response.json())
+
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in self.prefill + self.decode))
 
@@ -174,6 +305,11 @@ class WorkerSet:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             await self.probe_all()
+
+    def _count_healthy(self, role: Role) -> None:
+        self.metrics.healthy.labels(role=role).set(
+            sum(w.healthy and not w.draining for w in self._of_role(role))
+        )
 
     def _of_role(self, role: str) -> list[Worker]:
         return self.prefill if role == "prefill" else self.decode

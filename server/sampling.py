@@ -7,6 +7,7 @@ import dataclasses
 from engine.core.sampling_params import SamplingParams
 from server.errors import APIError
 from server.protocol import GenerationFields
+from server.structured import structured_outputs_of
 
 # Request fields copied to SamplingParams as they are when the client sets them.
 _PASS_THROUGH = (
@@ -32,7 +33,8 @@ def build_sampling_params(
     vocab_size: int | None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """vocab_size None (the router, which has no model) checks everything but the vocabulary."""
+    """vocab_size None (the router, which has no model) checks everything but the vocabulary
+    (and the structured-output spec itself: server/structured.py's check_structured)."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     stop_token_ids = list(request.stop_token_ids or [])
     for token_id in stop_token_ids:
@@ -53,6 +55,7 @@ def build_sampling_params(
             stop_token_ids=stop_token_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs_of(request),
             **kwargs,
         )
     except ValueError as error:  # its messages start with the parameter's name

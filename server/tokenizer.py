@@ -7,6 +7,7 @@ each token's string and raw bytes.
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def load_tokenizer(directory: str, flag: str) -> Tokenizer:
+def load_tokenizer(directory: str, flag: str, chat_template: str | None = None) -> Tokenizer:
     """The tokenizer in `directory` (given as `flag`: --model or --tokenizer), or RuntimeError
     saying what is missing or broken there, before any request needs it."""
     if not any(Path(directory, name).is_file() for name in TOKENIZER_FILES):
@@ -57,17 +58,52 @@ def load_tokenizer(directory: str, flag: str) -> Tokenizer:
             + hint
         )
     try:
-        return Tokenizer(directory)
+        return Tokenizer(directory, chat_template)
     except Exception as error:  # transformers and tokenizers raise many kinds for broken files
         raise RuntimeError(f"{flag} {directory}: cannot load its tokenizer: {error}") from error
 
 
+def _message_for_template(message: ChatMessage) -> dict[str, Any]:
+    """One message as vLLM hands it to a template: text parts joined (a null content is ""),
+    an assistant's tool calls with their arguments as a mapping (JSON text that is not an
+    object becomes {}, so one bad turn cannot break every later request of the conversation),
+    a tool result's tool_call_id, and an assistant's reasoning under both names templates read."""
+    entry: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.name is not None:
+        entry["name"] = message.name
+    if message.role == "assistant" and message.tool_calls:
+        entry["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _arguments(call.function)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.role == "tool" and message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if message.role == "assistant" and reasoning is not None:
+        entry["reasoning"] = entry["reasoning_content"] = reasoning
+    return entry
+
+
+def _arguments(function) -> dict[str, Any]:
+    arguments = function.arguments
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = None
+    return arguments if isinstance(arguments, dict) else {}
+
+
 def conversation_for_template(messages: list[ChatMessage], template: str) -> list[dict]:
-    """The messages as the chat template gets them, as vLLM passes them: text parts joined
-    (ChatMessage.text), and for a template that never names the "developer" role, developer
+    """The messages as the chat template gets them, as vLLM passes them (_message_for_template),
+    and for a template that never names the "developer" role, developer
     messages turned into system ones and every system message merged (blank line between)
     into one first message, since templates that know only "system" often want it first."""
-    conversation = [{"role": message.role, "content": message.text()} for message in messages]
+    conversation = [_message_for_template(message) for message in messages]
     knows_developer = "'developer'" in template or '"developer"' in template
     if knows_developer or all(message["role"] != "developer" for message in conversation):
         return conversation
@@ -83,8 +119,10 @@ def conversation_for_template(messages: list[ChatMessage], template: str) -> lis
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, chat_template: str | None = None) -> None:
         self.hf = AutoTokenizer.from_pretrained(model_dir)
+        if chat_template is not None:  # --chat-template, over the model's own
+            self.hf.chat_template = chat_template
         decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
         self._alphabet = _byte_level_alphabet() if self._byte_level else {}
@@ -100,11 +138,26 @@ class Tokenizer:
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Render the tokenizer's chat template, then tokenize (the template holds any BOS).
-        `template_kwargs` are the request's chat_template_kwargs: variables the template reads
-        (vLLM's; Nemotron's templates take `enable_thinking`). `continue_final_message` ends
-        the prompt inside the last message (assistant prefill), as vLLM's field does."""
+        """render_chat, then tokenize (the template holds any BOS)."""
+        text = self.render_chat(
+            messages, add_generation_prompt, template_kwargs, continue_final_message, tools
+        )
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat template's text. `template_kwargs` are the request's chat_template_kwargs:
+        variables the template reads (vLLM's; Nemotron's templates take `enable_thinking`).
+        `continue_final_message` ends the prompt inside the last message (assistant prefill),
+        as vLLM's field does. `tools`: the request's tools, as the template's `tools`."""
         conversation = conversation_for_template(messages, self.hf.chat_template or "")
         variables = dict(template_kwargs or {})
         for reserved in RESERVED_TEMPLATE_KWARGS.intersection(variables):
@@ -118,13 +171,14 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
+                tools=tools,
                 **variables,
             )
         except Exception as error:  # jinja raises its own errors for conversations it rejects
             raise APIError.bad_request(
                 f"messages: the chat template failed: {error}", "messages"
             ) from error
-        return self.encode(text, add_special_tokens=add_special_tokens)
+        return text
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -28,7 +28,9 @@ import httpx
 
 from engine.checkpoint.loader import DTYPE_NAMES
 from engine.runtime.cpu_threads import cores_per_engine
+from server.reasoning_parsers import REASONING_PARSERS
 from server.router import DEFAULT_MAX_CONCURRENT_REQUESTS
+from server.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets")
 
@@ -105,6 +107,18 @@ def add_up_parser(subparsers) -> None:
         help="the router's limit on generation requests in flight; past it, 429 with Retry-After "
         f"(default: {DEFAULT_MAX_CONCURRENT_REQUESTS})",
     )
+    # The chat flags of `baton serve`, given to both workers (the router has no model: each
+    # worker renders and parses what it serves).
+    parser.add_argument(
+        "--tool-call-parser", choices=TOOL_CALL_PARSERS, help="as `baton serve`'s, both workers"
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help="as `baton serve`'s, both workers"
+    )
+    parser.add_argument(
+        "--reasoning-parser", choices=REASONING_PARSERS, help="as `baton serve`'s, both workers"
+    )
+    parser.add_argument("--chat-template", help="a chat template file for both workers")
     parser.add_argument(
         "worker_args", nargs="*", help="extra `baton serve` flags for both workers (after --)"
     )
@@ -151,6 +165,15 @@ def run_up(ns) -> int:
         threads = {role: ["--cpu-threads", str(share * size)] for role, size in sizes.items()}
     keyed = ["--api-key", ns.api_key] if ns.api_key else []
     common += keyed
+    for flag, value in (
+        ("--tool-call-parser", ns.tool_call_parser),
+        ("--reasoning-parser", ns.reasoning_parser),
+        ("--chat-template", _template_flag(ns.chat_template)),
+    ):
+        if value:
+            common += [flag, value]
+    if ns.enable_auto_tool_choice:
+        common.append("--enable-auto-tool-choice")
     baton = [sys.executable, "-m", "server.cli"]
     commands = {
         "prefill": baton
@@ -232,6 +255,11 @@ def run_up(ns) -> int:
         return 0
     finally:
         _stop_all(children)
+
+
+def _template_flag(value: str | None) -> str | None:
+    """A template file as an absolute path (the workers may run elsewhere), else as given."""
+    return str(Path(value).resolve()) if value and Path(value).is_file() else value
 
 
 def _with_disagg_secret(environ, worker_args: list[str]) -> dict[str, str]:

@@ -29,7 +29,9 @@ from server.protocol import (
     SGLangSamplingParams,
     TokenizeRequest,
 )
+from server.responses_protocol import ResponsesRequest, named_as_responses, to_chat_request
 from server.sampling import build_sampling_params
+from server.tool_choice import check_tools
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest a few levels; 100k-deep JSON must not reach a parser
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -38,6 +40,7 @@ GENERATION_MODELS = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/generate": GenerateRequest,  # SGLang's native route
+    "/v1/responses": ResponsesRequest,  # checked as the chat request it amounts to
 }
 
 
@@ -136,6 +139,11 @@ def parse_generation(path: str, body: Any) -> CompletionRequest | ChatCompletion
         raise APIError(400, message, param) from None
     if isinstance(request, GenerateRequest):
         return completion_from_generate(request)
+    if isinstance(request, ResponsesRequest):
+        with named_as_responses():
+            chat = to_chat_request(request)
+            check_generation(chat)
+        return chat
     check_generation(request)
     return request
 
@@ -146,7 +154,13 @@ _SGLANG_RENAMED = {
     "min_new_tokens": "min_tokens",
     "sampling_seed": "seed",
 }
-_SGLANG_REFUSED = ("json_schema", "regex", "ebnf", "structural_tag")
+# SGLang's constrained decoding -> vLLM's structured_outputs key (server/structured.py)
+_SGLANG_STRUCTURED = {
+    "json_schema": "json",
+    "regex": "regex",
+    "ebnf": "grammar",
+    "structural_tag": "structural_tag",
+}
 
 
 def completion_from_generate(request: GenerateRequest) -> CompletionRequest:
@@ -170,15 +184,17 @@ def completion_from_generate(request: GenerateRequest) -> CompletionRequest:
                 "sampling_params",
             )
         sampling = sampling[0]
-    for name in _SGLANG_REFUSED:
-        if getattr(sampling, name) is not None:
-            raise APIError.bad_request(
-                f"sampling_params.{name} is not supported by this server", "sampling_params"
-            )
     fields = {
         _SGLANG_RENAMED.get(name, name): value
-        for name, value in sampling.model_dump(exclude=set(_SGLANG_REFUSED)).items()
+        for name, value in sampling.model_dump(exclude=set(_SGLANG_STRUCTURED)).items()
     }
+    constraints = {
+        key: getattr(sampling, name)
+        for name, key in _SGLANG_STRUCTURED.items()
+        if getattr(sampling, name) is not None
+    }
+    if constraints:
+        fields["structured_outputs"] = constraints  # more than one: refused as vLLM's would be
     fields["prompt"] = request.text if request.text is not None else request.input_ids
     fields["stream"] = request.stream
     if request.return_logprob:
@@ -223,20 +239,12 @@ def requested_max_tokens(request: CompletionRequest | ChatCompletionRequest) -> 
 # Fields baton parses only to refuse: each with the values that ask for nothing (OpenAI's and
 # vLLM's defaults), which are accepted. Anything else would be silently not done.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),  # auto with no tools (they are refused) is none
-    "functions": (None, []),
+    "functions": (None, []),  # OpenAI's deprecated form of tools
     "function_call": (None, "none"),
     "prompt_logprobs": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "logits_processors": (None, []),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "suffix": (None, ""),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0, 1),  # only beam search reads it
@@ -247,6 +255,11 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),
     "vllm_xargs": (None, {}),
+}
+# Chat's tools, which completions (as vLLM's) does not take
+COMPLETION_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),  # auto with no tools is none
 }
 # vLLM's chat-only ones (completions' `echo` is done)
 CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -259,9 +272,12 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 
 
 def check_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
-    refused = UNSUPPORTED_FIELDS
-    if isinstance(request, ChatCompletionRequest):
-        refused = {**UNSUPPORTED_FIELDS, **CHAT_UNSUPPORTED_FIELDS}
+    extra = (
+        CHAT_UNSUPPORTED_FIELDS
+        if isinstance(request, ChatCompletionRequest)
+        else COMPLETION_UNSUPPORTED_FIELDS
+    )
+    refused = {**UNSUPPORTED_FIELDS, **extra}
     for name, neutral in refused.items():
         value = getattr(request, name, None)
         if not any(value == allowed and type(value) is type(allowed) for allowed in neutral):
@@ -313,6 +329,7 @@ def check_generation(request: CompletionRequest | ChatCompletionRequest) -> None
         logprobs = request.logprobs
     else:
         check_continue_final_message(request)
+        check_tools(request)
         logprobs = num_logprobs(request)
     # Unset chat max_tokens depends on the prompt's length; min_tokens is checked against it
     # by the worker once the prompt is tokenized.

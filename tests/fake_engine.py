@@ -45,6 +45,7 @@ def fake_token(prompt: list[int], position: int, vocab_size: int) -> int:
 
 class FakeEngine:
     PAGE_SIZE = 16
+    track_interval = 0  # no prefix cache
 
     def __init__(
         self, model_dir: str, *, dtype: str = "float32", device: str = "cpu", **engine_args
@@ -54,6 +55,7 @@ class FakeEngine:
         config = json.loads(Path(model_dir, "config.json").read_text())
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model_config = SimpleNamespace(vocab_size=config["vocab_size"])
+        self.args = SimpleNamespace(page_size=self.PAGE_SIZE)
         self.max_model_len = engine_args.get("max_model_len") or config["max_position_embeddings"]
         self.max_running = engine_args.get("max_running_requests") or 256
         self.step_delay_s = 0.002
@@ -82,6 +84,9 @@ class FakeEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def take_refused(self) -> list[tuple[str, str]]:
+        return []  # no grammars here: nothing is refused after it was added
 
     def step(self) -> list[RequestDelta]:
         time.sleep(self.step_delay_s)

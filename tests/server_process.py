@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import signal
 import socket
 import subprocess
@@ -49,10 +50,11 @@ class ServerProcess:
     port: int
     log_path: Path
     api_key: str | None
+    host: str = "127.0.0.1"
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def engine_pid(self) -> int:
@@ -95,12 +97,27 @@ def start_server(
     api_key: str | None = None,
     port: int | None = None,
 ) -> ServerProcess:
-    port = port or free_port()
-    log_path = log_dir / f"baton-serve-{port}-{time.monotonic_ns()}.log"
-    command = [str(BATON), "serve", "--model", str(model_dir), "--port", str(port), *flags]
-    if api_key:
-        command += ["--api-key", api_key]
-    return _start(command, port, log_path, api_key)
+    return start_servers(model_dir, log_dir, [list(flags)], api_key=api_key, port=port)[0]
+
+
+def start_servers(
+    model_dir: str | Path,
+    log_dir: Path,
+    flag_lists: list[list[str]],
+    api_key: str | None = None,
+    port: int | None = None,
+) -> list[ServerProcess]:
+    """One `baton serve` per flag list, all loading at once; returned once all are healthy."""
+    servers = []
+    for flags in flag_lists:
+        server_port = port or free_port()
+        log_path = log_dir / f"baton-serve-{server_port}-{time.monotonic_ns()}.log"
+        command = [str(BATON), "serve", "--model", str(model_dir), "--port", str(server_port)]
+        command += [*flags, *(["--api-key", api_key] if api_key else [])]
+        servers.append(launch(command, server_port, log_path, api_key))
+    for server in servers:
+        wait_ready(server)
+    return servers
 
 
 def start_router(
@@ -111,6 +128,15 @@ def start_router(
     require_ready: bool = True,
     api_key: str | None = None,
 ) -> ServerProcess:
+    server = launch_router(log_dir, prefill, decode, *flags, api_key=api_key)
+    wait_ready(server, require_ready)
+    return server
+
+
+def launch_router(
+    log_dir: Path, prefill: list[str], decode: list[str], *flags: str, api_key: str | None = None
+) -> ServerProcess:
+    """A `baton router` started, not waited for (`wait_ready`)."""
     port = free_port()
     log_path = log_dir / f"baton-router-{port}.log"
     command = [
@@ -126,18 +152,31 @@ def start_router(
     ]
     if api_key:
         command += ["--api-key", api_key]
-    return _start(command, port, log_path, api_key, require_ready=require_ready)
+    return launch(command, port, log_path, api_key)
 
 
-def _start(
-    command: list[str], port: int, log_path: Path, api_key: str | None, require_ready: bool = True
+def launch(
+    command: list[str],
+    port: int,
+    log_path: Path,
+    api_key: str | None,
+    env: dict[str, str] | None = None,
+    host: str = "127.0.0.1",
 ) -> ServerProcess:
+    """A process started, not waited for (`wait_ready`); `host`: the address it listens on."""
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1]
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1], env=env
         )
-    server = ServerProcess(process=process, port=port, log_path=log_path, api_key=api_key)
+    server = ServerProcess(
+        process=process, port=port, log_path=log_path, api_key=api_key, host=host
+    )
     _STARTED.append(server)
+    return server
+
+
+def wait_ready(server: ServerProcess, require_ready: bool = True) -> None:
+    process = server.process
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -147,7 +186,7 @@ def _start(
         try:
             status = httpx.get(f"{server.base_url}/health", timeout=1).status_code
             if status == 200 or (status == 503 and not require_ready):
-                return server
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
@@ -155,6 +194,49 @@ def _start(
     raise RuntimeError(
         f"baton serve did not become healthy in {STARTUP_TIMEOUT_S} s:\n{server.log()[-4000:]}"
     )
+
+
+class Stack:
+    """A `baton up` stack (router + prefill + decode workers) with its log."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if k != "BATON_DISAGG_SECRET"}
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [str(BATON), "up", "--model", str(model_dir), "--port", str(self.port), *flags],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=Path(__file__).parents[1],
+            )
+        deadline = time.monotonic() + 180
+        while "baton is up" not in self.log():
+            assert self.process.poll() is None, self.log()[-3000:]
+            assert time.monotonic() < deadline, self.log()[-3000:]
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def parts(self) -> dict[str, int]:
+        """name -> pid for the three children and the two engines."""
+        found = {}
+        for pid in children_of(self.process.pid):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"router" in command:
+                found["router"] = pid
+            else:
+                role = command[command.index(b"--disaggregation-mode") + 1].decode()
+                found[f"{role} worker"] = pid
+                (found[f"{role} engine"],) = children_of(pid)
+        return found
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(30)
 
 
 @atexit.register

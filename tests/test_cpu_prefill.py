@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import cpu_prefill
-from kernels.conv1d import build_conv_layout, causal_conv1d_varlen_torch
+from kernels.conv1d import build_window_layout, causal_conv1d_varlen_torch
 from kernels.norm import gated_rms_norm_torch
 from kernels.ssd import build_chunk_layout, discretize_dt, ssd_scan_pool, ssd_scan_torch
 from tests.oracles import conv_oracle, ssd_oracle
@@ -209,7 +209,7 @@ def test_fused_conv_matches_oracle_and_torch_path(dtype, K, with_bias):
     b = torch.randn(dim, generator=g).to(dtype) if with_bias else None
     init = torch.randn(len(seq_lens), dim, K - 1, generator=g).to(dtype)
     slots = torch.tensor([3, 0, 5, 1])
-    layout = build_conv_layout(seq_lens, K, "cpu")
+    layout = build_window_layout(seq_lens, K, "cpu")
     window_tokens = torch.tensor([0, 4, 5, 30, 75, 78])
     results = []
     for fn in (cpu_prefill.causal_conv1d_varlen_cpu, causal_conv1d_varlen_torch):
@@ -236,7 +236,7 @@ def test_fused_conv_bad_slot_is_an_error_and_writes_nothing():
     x = torch.randn(6, 8)
     pool = torch.randn(2, 8, 3)
     before = pool.clone()
-    layout = build_conv_layout([4, 2], 4, "cpu")
+    layout = build_window_layout([4, 2], 4, "cpu")
     with pytest.raises(IndexError, match="slot index 2 of sequence 1 is outside the pool of 2"):
         cpu_prefill.causal_conv1d_varlen_cpu(
             x, torch.randn(8, 4), None, pool, torch.tensor([0, 2]), layout
@@ -302,7 +302,7 @@ def test_plain_c_build_without_avx512_agrees(tmp_path, monkeypatch):
     inputs = ssd_inputs(seq_lens, H=4, P=24, G=2, N=40, seed=13)
     conv_x = torch.randn(sum(seq_lens), 150)
     conv_w = torch.randn(150, 4)
-    layout = build_conv_layout(seq_lens, 4, "cpu")
+    layout = build_window_layout(seq_lens, 4, "cpu")
     results = []
     for lib in (portable, native):
         monkeypatch.setattr(cpu_prefill, "library", lambda lib=lib: lib)

@@ -367,7 +367,8 @@ def test_injected_transfer_drops_fail_cleanly(model_dir, logs, colocated, monkey
     decode = start_server(
         model_dir, logs, *WORKER_FLAGS, "--disaggregation-mode", "decode", "--disagg-timeout", "4"
     )
-    router = start_router(logs, [prefill.base_url], [decode.base_url])
+    # Retries off: the failures must reach the client here (the router would try again).
+    router = start_router(logs, [prefill.base_url], [decode.base_url], "--retry-max-retries", "0")
     try:
         work = [(i % 16, prompts()[i % 16]) for i in range(60)]
         with concurrent.futures.ThreadPoolExecutor(12) as pool:

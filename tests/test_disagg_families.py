@@ -28,6 +28,7 @@ from engine import SamplingParams
 from engine.checkpoint.fingerprint import weights_fingerprint
 from engine.config import ModelConfig
 from engine.core.engine import Engine
+from engine.models.registry import model_state_spec
 from tests.conftest import TINY_CONFIGS
 from tests.families import FAMILY_CONFIGS, save_family_model
 from tests.reference import assert_greedy_matches, hf_greedy
@@ -46,6 +47,11 @@ SLOW_OK = dict(bootstrap_timeout_s=60.0, transfer_timeout_s=60.0)
 
 def model(name, family_models, tiny_models):
     return family_models(name) if name in FAMILY_CONFIGS else tiny_models(name)
+
+
+def chunk_size(model_dir) -> int:
+    """The chunk grid of the model's recurrent state (its state spec's)."""
+    return model_state_spec(ModelConfig.from_hf(model_dir), torch.float32).chunk_size
 
 
 def random_prompt(vocab: int, length: int, seed: int) -> list[int]:
@@ -153,7 +159,7 @@ def test_pair_matches_colocated_through_prefix_hits_on_both_sides(name, family_m
     its prefill ended, and a request the decode side serves alone from those blocks."""
     model_dir, hf = model(name, family_models, tiny_models)
     page = PAGE_SIZE.get(name, 4)
-    interval = math.lcm(ModelConfig.from_hf(model_dir).chunk_size, page)
+    interval = math.lcm(chunk_size(model_dir), page)
     vocab = hf.config.vocab_size
     whole = random_prompt(vocab, 3 * interval + 5, seed=1)
     other = random_prompt(vocab, 7, seed=2)
@@ -228,7 +234,7 @@ def test_preemption_on_either_side_matches_colocated(family_models):
     decoding requests preempted on the decode side that recompute from the block checkpoints
     the prefill side handed over (Zamba2: a shared block used at several depths)."""
     model_dir, hf = family_models("zamba2_shared")
-    chunk = ModelConfig.from_hf(model_dir).chunk_size
+    chunk = chunk_size(model_dir)
     shared = random_prompt(hf.config.vocab_size, 2 * chunk + 3, seed=8)
     items = [
         (f"r{i}", shared + random_prompt(hf.config.vocab_size, n, seed=9 + i))
@@ -264,7 +270,8 @@ def refusal(prefill_dir, decode_dir) -> str:
         start = time.monotonic()
         got = []
         while decoder.has_unfinished_requests() or prefill.has_unfinished_requests():
-            assert time.monotonic() - start < 3, "the mismatch was not refused at once"
+            # (a hang guard only: a refusal names the mismatch, a timeout would not)
+            assert time.monotonic() - start < 60, "the pair hung"
             prefill.step()
             got += decoder.step()
         assert got == []  # not one token
@@ -295,8 +302,14 @@ def test_same_config_with_other_weights_is_refused(name, family_models, tiny_mod
 @pytest.mark.parametrize(
     ("prefill_name", "decode_name", "named"),
     [
-        ("zamba2_shared", "zamba2_single", "kv_page_shape differs"),  # 3 vs 2 shared-block uses
-        ("moe_nano", "moe_latent", "conv_shape differs"),  # 4 vs 2 Mamba layers
+        # 5 vs 4 Mamba layers (3 vs 2 shared-block uses)
+        (
+            "zamba2_shared",
+            "zamba2_single",
+            "state differs: prefill worker has 'mamba2.conv: slot x5",
+        ),
+        # 4 vs 2 Mamba layers
+        ("moe_nano", "moe_latent", "state differs: prefill worker has 'mamba2.conv: slot x4"),
     ],
 )
 def test_other_layouts_are_refused_naming_the_shapes(
@@ -305,7 +318,7 @@ def test_other_layouts_are_refused_naming_the_shapes(
     prefill_dir, _ = model(prefill_name, family_models, tiny_models)
     decode_dir, _ = model(decode_name, family_models, tiny_models)
     failure = refusal(prefill_dir, decode_dir)
-    assert named in failure and "prefill worker has [" in failure
+    assert named in failure, failure
 
 
 def test_weights_fingerprint_ignores_sharding_and_sees_an_edited_tensor(family_models, tmp_path):

@@ -259,7 +259,7 @@ def assert_checkpoints_as_colocated(decoder, colocated: Engine, prompt, num_bloc
     end: rank 0 compared tensor by tensor, the others by the per-slot sums they report."""
     engine = decoder.engine
     keys = colocated.prefix_cache.chain_keys(prompt, num_blocks)
-    blocks = [engine.cache.prefix_cache.lookup(key) for key in keys]
+    blocks = [engine.prefix_cache.lookup(key) for key in keys]
     assert None not in blocks, "the decode side does not cache the transferred blocks"
     reference = [colocated.prefix_cache.lookup(key).checkpoint_slot for key in keys]
     digests = engine.ranks.pool_digests(engine.cache) if engine.ranks is not None else None
@@ -267,9 +267,9 @@ def assert_checkpoints_as_colocated(decoder, colocated: Engine, prompt, num_bloc
     offsets, row = {}, 0
     for name, pool in engine.cache.pools.items():
         offsets[name], row = row, row + pool.shape[1]
-    tp_size = engine.handover.state.shards.tp_size
+    tp_size = engine.handover.shards.tp_size
     for rank in range(tp_size):
-        units = owned(engine.cache.spec, tp_size, rank)
+        units = owned(engine.state_spec, tp_size, rank)
         for block, ref_slot in zip(blocks, reference, strict=True):
             slot = block.checkpoint_slot
             for name in engine.cache.slotted:

@@ -516,7 +516,7 @@ def test_a_preempted_request_keeps_its_hold_for_the_pages_it_writes_after(base_m
     engine.requests["a"].hold = hold
     engine.step()  # 16 of 37 prompt tokens
     req = engine.requests["a"]
-    engine.core.scheduler.preempt(req)
+    engine.scheduler.preempt(req)
     assert engine.stats().kv_pages_used == 4  # parked with the hold, not freed
     while engine.has_unfinished_requests():
         engine.step()
@@ -552,7 +552,7 @@ def test_install_pages_puts_each_page_where_the_request_has_it(base_model):
     streamed page must land in its own pool page, as with any scattered allocation."""
     model_dir, _ = base_model
     engine = Engine(model_dir, page_size=4)
-    engine.handover.state.preallocate("r", list(range(3, 19)), SamplingParams(max_tokens=2))
+    engine.handover.preallocate("r", list(range(3, 19)), SamplingParams(max_tokens=2))
     req = engine.requests["r"]
     first = min(req.kv_pages)
     for order in ([0, 2, 1, 3], [0, 1, 2, 3], [3, 0, 1, 2]):
@@ -560,7 +560,7 @@ def test_install_pages_puts_each_page_where_the_request_has_it(base_model):
         n, ps = 4, engine.cache.page_size
         k = [torch.randn(n, ps, *pool.shape[1:]) for pool in engine.cache.pools["attention.k"]]
         v = [torch.randn(n, ps, *pool.shape[1:]) for pool in engine.cache.pools["attention.v"]]
-        engine.handover.state.install_pages("r", 0, {"attention.k": k, "attention.v": v})
+        engine.handover.install_pages("r", 0, {"attention.k": k, "attention.v": v})
         for pools, sent in (
             (engine.cache.pools["attention.k"], k),
             (engine.cache.pools["attention.v"], v),
@@ -643,7 +643,7 @@ def test_worker_loop_reports_freed_pages_after_a_peer_fails_a_room(base_model):
         Reject,
     )
     from disagg.process import DisaggEngineLoop
-    from engine import ipc
+    from engine.runtime import ipc
 
     model_dir, _ = base_model
     ctx = zmq.Context()

@@ -221,7 +221,7 @@ def test_prompt_logprobs_survive_a_preemption_mid_prompt(base_model):
     engine.step()  # 16 of the 40 prompt tokens
     req = engine.requests["r"]
     assert 0 < len(req.prompt_logprobs) < len(prompt)
-    engine.core.scheduler.preempt(req)
+    engine.scheduler.preempt(req)
     assert req.prompt_logprobs == [] and req.wants_prompt_logprobs
     deltas = []
     while engine.has_unfinished_requests():

@@ -53,7 +53,14 @@ MESSAGES = [
     ),
     AbortRequests(request_ids=["a", "b"]),
     Shutdown(),
-    EngineReady(vocab_size=320, max_model_len=4096, transfer_addr="", rank_transfer_addrs=[]),
+    EngineReady(
+        vocab_size=320,
+        max_model_len=4096,
+        transfer_addr="",
+        rank_transfer_addrs=[],
+        page_size=16,
+        track_interval=64,
+    ),
     StepOutput(
         deltas=[
             _delta(),
@@ -110,7 +117,7 @@ def test_process_spec_round_trips_through_json():
         input_addr="ipc:///tmp/a",
         output_addr="ipc:///tmp/b",
         parent_pid=1,
-        disagg={"role": "prefill", "port": 0},
+        pair={"role": "prefill", "port": 0},
     )
     assert EngineProcessSpec.from_json(spec.to_json()) == spec
 
@@ -255,7 +262,7 @@ def test_the_engine_process_exempts_start_up_objects_from_the_garbage_collector(
         input_addr="inproc://unused-in",
         output_addr="inproc://unused-out",
         parent_pid=os.getppid() + 1,  # not our parent: the loop exits at once
-        disagg=None,
+        pair=None,
     )
     context = zmq.Context()
     inbox, outbox, server = (context.socket(t) for t in (zmq.PULL, zmq.PUSH, zmq.PULL))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.attention import build_attention_layout, paged_attention, store_kv
-from kernels.conv1d import build_conv_layout, causal_conv1d_update, causal_conv1d_varlen
+from kernels.conv1d import build_window_layout, causal_conv1d_update, causal_conv1d_varlen
 from kernels.norm import gated_rms_norm
 from kernels.ssd import build_chunk_layout, ssd_scan
 from kernels.ssu import selective_state_update, selective_state_update_multi
@@ -122,7 +122,7 @@ def test_conv_varlen_matches_oracle_and_updates_pool(K):
     slots = torch.tensor([2, 4, 1])
     init = pool[slots].clone()
     before = pool.clone()
-    layout = build_conv_layout(seq_lens, K, "cpu")
+    layout = build_window_layout(seq_lens, K, "cpu")
     window_tokens = torch.tensor([0, 4, 5, 8, 14])
     out, windows = causal_conv1d_varlen(x, w, b, pool, slots, layout, window_tokens)
     ref, finals, per_tok = conv_oracle(x, w, b, init, seq_lens)

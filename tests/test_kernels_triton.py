@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kernels.attention import build_attention_layout, paged_attention, paged_attention_torch
 from kernels.conv1d import (
-    build_conv_layout,
+    build_window_layout,
     causal_conv1d_update,
     causal_conv1d_update_torch,
     causal_conv1d_varlen,
@@ -198,7 +198,7 @@ def test_conv_varlen_matches_oracle_and_updates_only_its_slots(triton_calls, K, 
     slots = torch.tensor([2, 4, 1, 6])
     init = pool[slots].clone()
     before = pool.clone()
-    layout = build_conv_layout(seq_lens, K, "cpu")
+    layout = build_window_layout(seq_lens, K, "cpu")
     window_tokens = torch.tensor([0, 4, 5, 8, 14, 15, 16])
     out, windows = causal_conv1d_varlen(x, w, b, pool, slots, layout, window_tokens)
     assert triton_calls["causal_conv1d_varlen_triton"] == 1

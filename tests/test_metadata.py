@@ -172,7 +172,7 @@ def test_builder_carries_every_field_in_every_mode():
 def graph_runner(kv_capacity: int = 64) -> DecodeGraphRunner:
     fake = SimpleNamespace(
         cache=SimpleNamespace(
-            page_size=PAGE, spec=SimpleNamespace(chunk_size=CHUNK, conv_width=CONV)
+            page_size=PAGE, spec=SimpleNamespace(chunk_size=CHUNK, window_width=CONV)
         ),
         device="cpu",
         buffers=MetadataBuffers("cpu", ints=8, kv_rows=1, kv_width=4, fixed=False),

@@ -86,11 +86,11 @@ def _decode_batch(engine: Engine) -> ScheduledBatch:
     """Run two requests to their decode phase and return the next decode step's batch."""
     for i, prompt in enumerate(([5, 6, 7, 8, 9, 10, 11], [12, 13, 14])):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
-    while engine.core.scheduler.waiting or any(
-        r.num_computed < len(r.prompt_ids) for r in engine.core.scheduler.running
+    while engine.scheduler.waiting or any(
+        r.num_computed < len(r.prompt_ids) for r in engine.scheduler.running
     ):
         engine.step()
-    sched = engine.core.scheduler.schedule()
+    sched = engine.scheduler.schedule()
     assert sched is not None and sched.mode == "decode"
     return sched
 
@@ -102,7 +102,7 @@ def test_bytes_copied_per_decode_step_do_not_depend_on_max_model_len(base_model,
         engine = Engine(
             model_dir, page_size=PAGE, max_model_len=max_model_len, cpu_padded_decode=True
         )
-        graphs = engine.executor.graph_runner
+        graphs = engine.graph_runner
         padded = graphs.pad(_decode_batch(engine), 4)
         # What a CUDA-graph step builds: static key width = the engine's capacity, buffers
         # allocated once at that capacity, on another device so that copies are visible.

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.router import build_router_app
-from server.router_workers import FAILURES_TO_REMOVE, Worker, WorkerSet
+from server.router import DEFAULT_ROUTING, build_router_app
+from server.router_policies.round_robin import RoundRobin
+from server.router_workers import FAILURES_TO_REMOVE, WorkerSet
 
 PREFILL, DECODE = "http://prefill.test", "http://decode.test"
 
@@ -39,7 +41,10 @@ class FakeWorkers(httpx.AsyncBaseTransport):
                 raise httpx.ReadTimeout("timed out", request=request)
             return httpx.Response(503 if mode == "503" else 200, json={})
         if path == "/disagg/info":
-            return httpx.Response(200, json={"transfer_addr": "tcp://127.0.0.1:1"})
+            info = {"role": "prefill" if origin == PREFILL else "decode", "transfer_addr": None}
+            if origin == PREFILL:
+                info["transfer_addr"] = "tcp://127.0.0.1:1"
+            return httpx.Response(200, json={**info, "page_size": 16, "track_interval": 64})
         self.generations += 1
         if origin in self.gone:
             raise httpx.ConnectError("connection refused", request=request)
@@ -62,12 +67,15 @@ class FakeWorkers(httpx.AsyncBaseTransport):
 
 
 def worker_set(fake: FakeWorkers) -> WorkerSet:
-    return WorkerSet(
-        prefill=[Worker(url=PREFILL, role="prefill")],
-        decode=[Worker(url=DECODE, role="decode")],
+    workers = WorkerSet(
         max_concurrent_requests=8,
         probe_client=httpx.AsyncClient(transport=fake),
+        policies={"prefill": RoundRobin(), "decode": RoundRobin()},
+        circuit=DEFAULT_ROUTING.circuit,
     )
+    workers.add(PREFILL, "prefill")
+    workers.add(DECODE, "decode")
+    return workers
 
 
 def transitions(workers: WorkerSet, state: str) -> float:
@@ -123,8 +131,15 @@ def test_a_refused_connection_or_a_503_takes_a_worker_out_at_once_and_one_pass_p
     asyncio.run(scenario())
 
 
-async def _router_client(fake: FakeWorkers, limit: int):
-    app = build_router_app([PREFILL], [DECODE], max_concurrent_requests=limit, transport=fake)
+NO_RETRIES = dataclasses.replace(
+    DEFAULT_ROUTING, retry=dataclasses.replace(DEFAULT_ROUTING.retry, max_retries=0)
+)
+
+
+async def _router_client(fake: FakeWorkers, limit: int, routing=DEFAULT_ROUTING):
+    app = build_router_app(
+        [PREFILL], [DECODE], max_concurrent_requests=limit, transport=fake, routing=routing
+    )
     return app, httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://router.test"
     )
@@ -189,12 +204,13 @@ def test_a_failed_prefill_half_answers_at_once_and_cancels_the_decode_half(strea
     """The decode half of a disaggregated request answers only once the prefill state arrives
     (a non-streaming one only when it is complete). When the prefill half fails, the client gets
     its error at once and the decode request is cancelled, instead of both waiting for the
-    decode worker's transfer timeout (300 s by default)."""
+    decode worker's transfer timeout (300 s by default). (Retries off: a 503 would be tried
+    again, test_router_retries.py.)"""
 
     async def scenario():
         fake = FakeWorkers()
         fake.prefill_refuses = (status, "the prefill worker refused it")
-        app, client = await _router_client(fake, limit=8)
+        app, client = await _router_client(fake, limit=8, routing=NO_RETRIES)
         async with app.router.lifespan_context(app), client:
             body = {"model": "m", "prompt": "hi", "max_tokens": 2, "stream": stream}
             answer = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)

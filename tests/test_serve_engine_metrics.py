@@ -91,6 +91,6 @@ def test_a_server_schedules_mixed_unless_told_otherwise(tmp_path):
 def test_cpu_prefill_first_steps_default_to_512_tokens(base_model):
     model_dir, _ = base_model
     engine = Engine(model_dir, max_total_tokens=1024, max_running_requests=2)
-    assert engine.core.scheduler.config.max_prefill_tokens == 512
+    assert engine.scheduler.config.max_prefill_tokens == 512
     small = Engine(model_dir, max_total_tokens=1024, max_num_batched_tokens=256)
     assert small.scheduler.config.max_prefill_tokens == 256  # never above the step budget

@@ -35,7 +35,12 @@ class _OneTokenClient:
     unavailable_reason = None
     stats: dict = {}
     ready = EngineReady(
-        vocab_size=1024, max_model_len=512, transfer_addr="", rank_transfer_addrs=[]
+        vocab_size=1024,
+        max_model_len=512,
+        transfer_addr="",
+        rank_transfer_addrs=[],
+        page_size=16,
+        track_interval=512,
     )
 
     def num_waiting(self) -> int:

@@ -17,54 +17,13 @@ from transformers import AutoTokenizer
 from engine.core.llm import LLM
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.cpu_threads import cores_per_engine
-from tests.server_process import BATON, children_of, free_port, pid_alive, tiny_model
+from tests.server_process import BATON, Stack, children_of, free_port, pid_alive, tiny_model
 from tests.tiny import load_json, save_tiny_model, save_tokenizer
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return tiny_model(tmp_path_factory)
-
-
-class Stack:
-    def __init__(self, model_dir: Path, log_path: Path, *flags: str) -> None:
-        self.port = free_port()
-        self.log_path = log_path
-        env = {k: v for k, v in os.environ.items() if k != "BATON_DISAGG_SECRET"}
-        with open(log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [str(BATON), "up", "--model", str(model_dir), "--port", str(self.port), *flags],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=Path(__file__).parents[1],
-            )
-        deadline = time.monotonic() + 180
-        while "baton is up" not in self.log():
-            assert self.process.poll() is None, self.log()[-3000:]
-            assert time.monotonic() < deadline, self.log()[-3000:]
-            time.sleep(0.2)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def parts(self) -> dict[str, int]:
-        """name -> pid for the three children and the two engines."""
-        found = {}
-        for pid in children_of(self.process.pid):
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"router" in command:
-                found["router"] = pid
-            else:
-                role = command[command.index(b"--disaggregation-mode") + 1].decode()
-                found[f"{role} worker"] = pid
-                (found[f"{role} engine"],) = children_of(pid)
-        return found
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.wait(30)
 
 
 def environ(pid: int) -> dict[str, str]:

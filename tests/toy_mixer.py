@@ -77,7 +77,7 @@ class ToyMixer(nn.Module):
                 ),
             ),
             chunk_size=config.chunk_size,
-            conv_width=None,
+            window_width=None,
         )
 
     def __init__(self, hidden_size: int, config: ToyMixerConfig, index: int):

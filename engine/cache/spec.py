@@ -118,12 +118,12 @@ class LayerState:
 
     A recurrent kind also says how its prefill cuts sequences: `chunk_size`, the per-sequence
     chunk grid its true states sit on (checkpoints are taken at multiples of it), and
-    `conv_width`, the causal conv window its varlen conv gathers (None: it has neither)."""
+    `window_width`, the causal conv window its varlen conv gathers (None: it has neither)."""
 
     kind: str
     tensors: tuple[StateTensor, ...]
     chunk_size: int | None
-    conv_width: int | None
+    window_width: int | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,7 +134,7 @@ class StateGroup:
     num_layers: int
     tensors: tuple[StateTensor, ...]
     chunk_size: int | None
-    conv_width: int | None
+    window_width: int | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,7 +166,7 @@ class ModelStateSpec:
                     num_layers=len(states),
                     tensors=first.tensors,
                     chunk_size=first.chunk_size,
-                    conv_width=first.conv_width,
+                    window_width=first.window_width,
                 )
             )
         return cls(groups=tuple(groups))
@@ -184,8 +184,8 @@ class ModelStateSpec:
         return self._geometry("chunk_size")
 
     @property
-    def conv_width(self) -> int:
-        return self._geometry("conv_width")
+    def window_width(self) -> int:
+        return self._geometry("window_width")
 
     def entries(self, kind: StateKind | None = None) -> list[tuple[str, StateGroup, StateTensor]]:
         """(pool name "kind.tensor", group, tensor) of every state tensor, in spec order."""

@@ -34,6 +34,7 @@ from engine.parallel.messages import PoolOps
 from engine.parallel.ranks import RankedRunner, start_ranks
 from engine.parallel.support import check_tp_supported
 from engine.runtime.cpu_allocator import keep_freed_memory_in_heap
+from engine.structured_output import Grammars
 
 # Prompt logprobs are computed over this many rows of a chunk's logits at a time.
 PROMPT_LOGPROB_ROWS = 256
@@ -98,6 +99,14 @@ class Engine:
         if paged:
             self.max_model_len = min(self.max_model_len, (sizes.num_pages - 1) * sizes.page_size)
         self.prefix_cache = self._make_prefix_cache()
+        # structured outputs (engine/structured_output/): compiles off the loop, masks per step
+        self.grammars = Grammars(
+            self.tokenizer,
+            config.vocab_size,
+            config.eos_token_ids,
+            compile_threads=1 if self.device.type == "cpu" else 8,
+        )
+        self.refused: list[tuple[str, str]] = []  # (request id, why) for take_refused
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -117,6 +126,7 @@ class Engine:
             self.slots,
             self.pool_ops,
             prefix_cache=self.prefix_cache,
+            constraint=self.grammars,
         )
         self.runner = ModelRunner(self.model, self.cache, self.device)
         if self.ranks is not None:
@@ -133,6 +143,7 @@ class Engine:
             cache=self.cache,
             scheduler=self.scheduler,
             sampler=self.sampler,
+            grammars=self.grammars,
             new_request=self._new_request,
             shards=ShardHandover(
                 cache=self.cache,
@@ -156,6 +167,8 @@ class Engine:
         if getattr(self, "shard_connector", None) is not None:
             self.shard_connector.close()
             self.shard_connector = None
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.close()
 
     def _make_prefix_cache(self) -> PrefixCache | None:
         args = self.args
@@ -223,7 +236,10 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params))
+        req = self._new_request(request_id, prompt_token_ids, params)
+        self.scheduler.register(req)
+        self.grammars.add(req)  # structured outputs: scheduled once the grammar is compiled
+        self.grammars.hold(req, self.scheduler.enqueue)
         if self.timing is not None:
             self.timing.added(request_id)
 
@@ -236,6 +252,7 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         params.validate()
+        self.grammars.check(params)
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias),
@@ -270,12 +287,19 @@ class Engine:
         return req
 
     def abort_request(self, request_id: str) -> None:
+        self.grammars.forget(request_id)  # (held while its grammar compiles: not scheduled yet)
         self.scheduler.abort(request_id)
         if self.timing is not None:
             self.timing.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.grammars.num_held > 0
+
+    def take_refused(self) -> list[tuple[str, str]]:
+        """(request id, reason) of the requests ended since the last call because their grammar
+        turned out unusable once compiled (the server answers each with a 400)."""
+        refused, self.refused = self.refused, []
+        return refused
 
     def stats(self) -> EngineStats:
         cache = self.prefix_cache
@@ -305,8 +329,12 @@ class Engine:
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        for req, reason in self.grammars.release():  # compiled grammars start their requests
+            self.abort_request(req.request_id)
+            self.refused.append((req.request_id, reason))
         sched = self.scheduler.schedule()
         if sched is None:
+            self.grammars.wait()  # nothing to run but grammars to compile: no busy loop
             return []
         if self.timing is not None:
             self.timing.scheduled(sched)
@@ -335,10 +363,12 @@ class Engine:
             sample_rows = [rows_of[s][-1] for s in sched.logits_seqs]
             if sample_rows != list(range(logits.shape[0])):  # decode-only: skip the copy
                 logits = logits[sample_rows]
+            sampled_reqs = [reqs[s] for s in sched.logits_seqs]
             result = self.sampler(
                 logits,
-                [reqs[s] for s in sched.logits_seqs],
+                sampled_reqs,
                 self.model_config.eos_token_ids,
+                self.grammars.constrain(sampled_reqs),
             )
             sampled = {
                 s: (t, lp) for s, t, lp in zip(sched.logits_seqs, result.token_ids, result.logprobs)

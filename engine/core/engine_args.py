@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.core.scheduler import SCHEDULE_POLICIES, SchedulePolicy
+
+if TYPE_CHECKING:
+    from engine.handover.shards import ConnectorSpec
 
 
 @dataclass(kw_only=True)
@@ -42,9 +46,9 @@ class EngineArgs:
     # step (a 2048-token prefill of a 110M model takes ~2.3 s on 2 CPU cores).
     tp_timeout: float = 60.0
     tp_load_timeout: float = 600.0  # how long the ranks may take to start and load
-    # "factory": "module:callable" (+ its options) building each rank's handover connector: a
-    # disaggregated worker's ranks send or receive their own shards (engine/handover/shards.py)
-    handover_connector: dict[str, str] | None = None
+    # What builds each rank's handover connector (engine/handover/shards.py ConnectorSpec): a
+    # disaggregated worker's ranks send or receive their own shards. None: no handover.
+    handover_connector: ConnectorSpec | None = None
 
     def __post_init__(self) -> None:
         for name in (

@@ -13,6 +13,7 @@ from engine.core.engine import Engine
 from engine.core.engine_args import EngineStats
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
+from engine.structured_output import check_structured_outputs
 
 Prompt = str | list[int]
 
@@ -48,6 +49,9 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        # a bad schema, regex or grammar is refused before anything runs (each one once)
+        for structured in {p.structured_outputs for p in params} - {None}:
+            check_structured_outputs(structured)
         order: list[str] = []
         detokenizer = OutputDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         outputs: dict[str, RequestOutput] = {}
@@ -84,7 +88,13 @@ class LLM:
                 )
         bar = tqdm(total=len(order), disable=not use_tqdm, desc="Generating")
         while self.engine.has_unfinished_requests():
-            for engine_delta in self.engine.step():
+            deltas = self.engine.step()
+            refused = self.engine.take_refused()
+            if refused:  # a grammar that admits no output: this call's requests end with it
+                for rid in order:
+                    self.engine.abort_request(rid)
+                raise ValueError(refused[0][1])
+            for engine_delta in deltas:
                 delta = engine_delta
                 if detokenizer is not None:
                     delta = detokenizer.process(engine_delta)
@@ -106,6 +116,37 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [outputs[rid] for rid in order]
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """`generate` on conversations (OpenAI-style message dicts, one list or several)
+        rendered by the model's chat template with `tools` and `chat_template_kwargs` (e.g.
+        enable_thinking), as vLLM's LLM.chat. The text comes back as generated: tool calls and
+        reasoning are read by the server's parsers; a forced call is a grammar in
+        SamplingParams.structured_outputs."""
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer to render a chat with")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(
+                    conversation,
+                    tools=tools,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                    **(chat_template_kwargs or {}),
+                ),
+                add_special_tokens=False,  # the template holds them
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, params, use_tqdm)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do at TP=1)."""

@@ -7,7 +7,7 @@ generator, so its tokens do not depend on the batch around it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -108,19 +108,30 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, reqs: Sequence[Request], eos_ids: tuple[int, ...]
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Request],
+        eos_ids: tuple[int, ...],
+        grammar_mask: Callable[[torch.Tensor], None] | None = None,
     ) -> SampleResult:
-        """logits: (rows, vocab) float32, one row per request in `reqs`."""
+        """logits: (rows, vocab) float32, one row per request in `reqs`. `grammar_mask`
+        (structured outputs) sets the tokens its grammars forbid to -inf in place, after the
+        logprobs were taken: they are the model's (issue 36 asks so; vLLM 0.32 masks first and
+        returns logprobs renormalised over the allowed tokens)."""
         raw_logprobs = (
             logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in reqs) else None
         )
-        if any(
+        edited = any(
             r.params.has_penalties or r.params.logit_bias or len(r.output_ids) < r.params.min_tokens
             for r in reqs
-        ):
+        )
+        if edited:
             logits = logits.clone()  # the raw logits stay untouched for logprobs
             apply_logit_bias(logits, reqs)
             apply_penalties(logits, reqs)
+        if grammar_mask is not None:
+            grammar_mask(logits)
+        if edited:
             self._mask_early_stops(logits, reqs, eos_ids)
         tokens = argmax_rows(logits)  # greedy rows (random rows are redrawn below)
         random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -167,4 +178,8 @@ class Sampler:
                     [] if req.params.ignore_eos else list(eos_ids)
                 )
                 if banned:
+                    kept = logits[row, banned]
                     logits[row, banned] = -torch.inf
+                    if not torch.isfinite(logits[row]).any():
+                        # a grammar that allows nothing but its end: the grammar wins
+                        logits[row, banned] = kept

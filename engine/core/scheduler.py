@@ -58,6 +58,16 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...]
 
 
+class OutputConstraint(Protocol):
+    """What constrains generated tokens beyond the sampler (structured outputs'
+    engine/structured_output/grammars.py): told of every token appended, it may end the request
+    ("stop": its grammar is complete; "abort": it cannot go on)."""
+
+    def accept(self, req: Request, token: int) -> FinishReason | None: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
 class SlotOps(Protocol):
     """What the scheduler does to a slot's state outside the forward (engine/parallel/messages.py's
     PoolOps applies it on every rank)."""
@@ -79,8 +89,10 @@ class Scheduler:
         slots: IndexPool,
         slot_ops: SlotOps,
         prefix_cache: PrefixCache | None = None,
+        constraint: OutputConstraint | None = None,
     ):
         self.config = config
+        self.constraint = constraint
         self.pages = pages
         self.slots = slots
         self.slot_ops = slot_ops
@@ -101,10 +113,16 @@ class Scheduler:
     # -- queue management -------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
-        self._register(req)
+        self.register(req)
+        self.enqueue(req)
+
+    def enqueue(self, req: Request) -> None:
+        """A registered request waits for its first step (once what it waited on is ready: its
+        grammar, for one with structured outputs)."""
         self.waiting.append(req)
 
-    def _register(self, req: Request) -> None:
+    def register(self, req: Request) -> None:
+        """The request is this scheduler's from now on (found, held, aborted by id)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
@@ -128,6 +146,8 @@ class Scheduler:
         """End a request (stop, length or abort) and give back everything it holds."""
         if req.finished:
             return
+        if self.constraint is not None:
+            self.constraint.forget(req.request_id)
         self.requests.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
@@ -173,7 +193,7 @@ class Scheduler:
             raise OutOfMemory(
                 f"need {need} free KV pages for a transferred request, {self.pages.available} free"
             )
-        self._register(req)
+        self.register(req)
         if cache is not None:
             cache.record_lookup(len(req.prompt_ids), blocks)
         req.mamba_slot = self.slots.alloc(1)[0]
@@ -238,7 +258,10 @@ class Scheduler:
             req.logprobs.append(logprobs)
         finish, stop_reason = None, None
         past_min = len(req.output_ids) > params.min_tokens
-        if not params.ignore_eos and token in self.config.eos_token_ids and past_min:
+        constrained = self.constraint.accept(req, token) if self.constraint is not None else None
+        if constrained is not None:
+            finish = constrained  # its grammar ended ("stop") or cannot go on ("abort")
+        elif not params.ignore_eos and token in self.config.eos_token_ids and past_min:
             finish = "stop"
         elif token in params.stop_token_ids and past_min:
             finish, stop_reason = "stop", token

@@ -121,7 +121,7 @@ class DecodeGraphRunner:
             padded,
             page_size=self.runner.cache.page_size,
             chunk_size=spec.chunk_size,
-            window_width=spec.conv_width,
+            window_width=spec.window_width,
             buffers=self.buffers,
             decode_mask=self.runner.decode_reads_mask(),
             # Static key width only matters for graphs; the CPU step keeps it tight.

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kernels.attention import build_attention_layout
-from kernels.conv1d import build_conv_layout
+from kernels.conv1d import build_window_layout
 from kernels.layouts import AttentionLayout, ChunkLayout, ConvLayout
 from kernels.ssd import build_chunk_layout
 
@@ -135,14 +135,14 @@ def prefill_layouts(
             buffers.empty_layouts[key] = (
                 build_attention_layout([], [], torch.zeros(0, 0, dtype=torch.int64), device),
                 build_chunk_layout([], [], chunk_size, device),
-                build_conv_layout([], window_width, device),
+                build_window_layout([], window_width, device),
             )
         return buffers.empty_layouts[key]
     table = torch.from_numpy(page_table[:, :, None] * page_size + np.arange(page_size))
     return (
         build_attention_layout(lens, kv_lens, table.reshape(len(lens), -1), device),
         build_chunk_layout(lens, starts, chunk_size, device),
-        build_conv_layout(lens, window_width, device),
+        build_window_layout(lens, window_width, device),
     )
 
 

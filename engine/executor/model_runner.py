@@ -46,7 +46,7 @@ class ModelRunner:
             sched,
             page_size=self.cache.page_size,
             chunk_size=self.cache.spec.chunk_size,
-            window_width=self.cache.spec.conv_width,
+            window_width=self.cache.spec.window_width,
             buffers=self.buffers,
             decode_mask=self.decode_reads_mask(),
             kv_capacity=None,

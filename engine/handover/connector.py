@@ -30,6 +30,7 @@ from engine.handover.io import StateIO
 from engine.handover.ranks import ShardHandover
 from engine.handover.state import HandoverLayout, Preallocation, RequestState
 from engine.models.registry import family_named
+from engine.structured_output import Grammars
 
 
 class Handover:
@@ -42,6 +43,7 @@ class Handover:
         cache: StateCache,
         scheduler: Scheduler,
         sampler: Sampler,
+        grammars: Grammars,
         new_request: Callable[..., Request],
         shards: ShardHandover,
     ):
@@ -52,6 +54,7 @@ class Handover:
         self.io = StateIO(cache)
         self.scheduler = scheduler
         self.sampler = sampler
+        self.grammars = grammars
         self.new_request = new_request
         self.shards = shards
         self._layout: HandoverLayout | None = None
@@ -104,6 +107,7 @@ class Handover:
         engine. Raises ValueError for invalid requests, OutOfMemory when full (nothing kept)."""
         req = self.new_request(request_id, prompt_token_ids, params)
         self.scheduler.reserve_for_transfer(req)
+        self.grammars.add(req)  # structured outputs: compiled while the prefill runs elsewhere
         return Preallocation(
             pages=tuple(req.kv_pages),
             slot=req.mamba_slot,
@@ -128,9 +132,11 @@ class Handover:
             )
         self.install_pages(request_id, state.first_page, state.pages)
         self.io.write_slot_state(req.mamba_slot, state.slots)
-        self.scheduler.start_transferred(req)
         if not self.shards.register_checkpoints(req, state.first_block):
             self._register_transferred_blocks(req, state)
+        # Structured outputs: the grammar's state is replayed, not carried: this engine compiled
+        # the same grammar, and the scheduler feeds it the first token (held until compiled).
+        self.grammars.hold(req, self.scheduler.start_transferred)
         self.sampler.skip_seeded_draws(req, 1, self.config.vocab_size)  # the first token
         return self.scheduler.append_token(req, state.first_token, state.first_logprobs)
 

@@ -9,8 +9,8 @@ its own connector, straight between ranks, never through rank 0.
 
 Rank 0 records these operations in the step messages like any pool operation, so every rank
 does its part in the same order relative to the forwards. The connector (the wire) lives in
-disagg/ and is named to the engine by `EngineArgs.handover_connector` ("module:factory"), like
-vLLM's kv_connector: the engine never imports disagg itself. Rank 0 records these operations
+disagg/ and is handed to the engine as `EngineArgs.handover_connector` (a ConnectorSpec: the
+factory itself), like vLLM's kv_connector: the engine never names disagg. Rank 0 records these operations
 from engine/handover/ranks.py.
 """
 
@@ -91,17 +91,34 @@ class ShardConnector(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ConnectorSpec:
+    """What builds each rank's wire connector, handed in by whoever builds the engine (a
+    disaggregated worker): `factory(options, config=, rank=, size=, cache=)`."""
+
+    factory: Callable[..., ShardConnector]
+    options: dict[str, str]
+
+    def to_wire(self) -> dict[str, str]:
+        """The form a rank process receives (RankSpec, JSON): the factory by its import path,
+        taken from the object itself."""
+        path = f"{self.factory.__module__}:{self.factory.__qualname__}"
+        return {"factory": path, **self.options}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, str]) -> ConnectorSpec:
+        module, _, name = wire["factory"].partition(":")
+        factory = getattr(importlib.import_module(module), name)
+        return cls(factory=factory, options={k: v for k, v in wire.items() if k != "factory"})
+
+
 def load_connector(
-    spec: dict[str, str] | None, config: ModelConfig, rank: int, size: int, cache: StateCache
+    spec: ConnectorSpec | None, config: ModelConfig, rank: int, size: int, cache: StateCache
 ) -> ShardConnector | None:
-    """The connector `spec["factory"]` ("module:callable") builds for this rank, with the
-    spec's other keys as its options; None without a spec."""
+    """This rank's connector (None without a spec)."""
     if spec is None:
         return None
-    module, _, name = spec["factory"].partition(":")
-    factory: Callable[..., ShardConnector] = getattr(importlib.import_module(module), name)
-    options = {k: v for k, v in spec.items() if k != "factory"}
-    return factory(options, config=config, rank=rank, size=size, cache=cache)
+    return spec.factory(spec.options, config=config, rank=rank, size=size, cache=cache)
 
 
 def export_shard(

@@ -62,7 +62,7 @@ def attention_state(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> Lay
             for name in ("k", "v")
         ),
         chunk_size=None,
-        conv_width=None,
+        window_width=None,
     )
 
 

@@ -153,7 +153,7 @@ class Mamba2Mixer(nn.Module):
                 ),
             ),
             chunk_size=config.chunk_size,
-            conv_width=config.conv_kernel,
+            window_width=config.conv_kernel,
         )
 
     def __init__(self, hidden_size: int, config: Mamba2Config, mamba_index: int):

@@ -236,5 +236,7 @@ def start_ranks(model_dir, dtype: str, device: str, args, sizes: PoolSizes) -> R
         timeout_s=args.tp_timeout,
         load_timeout_s=args.tp_load_timeout,
         sizes=sizes,
-        handover_connector=args.handover_connector,
+        handover_connector=(
+            args.handover_connector.to_wire() if args.handover_connector is not None else None
+        ),
     )

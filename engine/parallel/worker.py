@@ -26,7 +26,13 @@ from engine.cache.pools import StateCache
 from engine.checkpoint.loader import load_model, resolve_dtype
 from engine.config import ModelConfig
 from engine.executor.model_runner import ModelRunner
-from engine.handover.shards import apply_handover, gather_addresses, install_report, load_connector
+from engine.handover.shards import (
+    ConnectorSpec,
+    apply_handover,
+    gather_addresses,
+    install_report,
+    load_connector,
+)
 from engine.models.registry import model_state_spec
 from engine.parallel.messages import (
     CopySlot,
@@ -65,7 +71,14 @@ def run(spec: RankSpec) -> int:
         tp_rank=tp.rank,
     )
     runner = ModelRunner(model, cache, device)
-    connector = load_connector(spec.handover_connector, config, spec.rank, spec.size, cache)
+    wire = spec.handover_connector
+    connector = load_connector(
+        ConnectorSpec.from_wire(wire) if wire is not None else None,
+        config,
+        spec.rank,
+        spec.size,
+        cache,
+    )
     context = zmq.Context()
     steps = context.socket(zmq.PULL)
     steps.connect(spec.step_addr)

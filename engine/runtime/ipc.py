@@ -84,6 +84,10 @@ class EngineReady:
     # disaggregated worker: each tensor-parallel rank's shard address, rank order ("" for a
     # rank that receives none: every prefill rank sends from its own socket)
     rank_transfer_addrs: list[str]
+    # The prefix cache's geometry, for a cache-aware router: a prompt is reusable up to the last
+    # multiple of `track_interval` (0: no prefix cache) it shares with a cached one.
+    page_size: int
+    track_interval: int
 
     def to_payload(self) -> dict[str, Any]:
         return {
@@ -91,6 +95,8 @@ class EngineReady:
             "max_model_len": self.max_model_len,
             "transfer_addr": self.transfer_addr,
             "rank_transfer_addrs": self.rank_transfer_addrs,
+            "page_size": self.page_size,
+            "track_interval": self.track_interval,
         }
 
     @classmethod
@@ -100,6 +106,8 @@ class EngineReady:
             max_model_len=payload["max_model_len"],
             transfer_addr=payload["transfer_addr"],
             rank_transfer_addrs=list(payload["rank_transfer_addrs"]),
+            page_size=payload["page_size"],
+            track_interval=payload["track_interval"],
         )
 
 

@@ -54,7 +54,9 @@ class EngineProcessSpec:
     input_addr: str  # zmq address the server pushes requests to
     output_addr: str  # zmq address the server pulls outputs from
     parent_pid: int
-    disagg: dict[str, Any] | None  # read by `python -m disagg.process`; None when colocated
+    # the options of the prefill or decode worker that wraps this engine (its own process
+    # module reads them); None when colocated
+    pair: dict[str, Any] | None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -91,6 +93,7 @@ class EngineLoop:
                 self.check_ranks()
                 if self.engine.has_unfinished_requests():
                     self._send(StepOutput(deltas=self.engine.step(), stats=self._stats()))
+                    self._send_refused()
                     self._after_step()
                 elif handled:
                     self._send(StepOutput(deltas=[], stats=self._stats()))
@@ -105,6 +108,14 @@ class EngineLoop:
 
     def _after_step(self) -> None:
         """Hook for wrapped engines (disaggregation reports failed rooms here)."""
+
+    def _send_refused(self) -> None:
+        """Requests whose grammar proved unusable once compiled (structured outputs; the engine
+        has ended them) fail as the client's. A disaggregated room is left to the router, which
+        cancels the other half when one fails: failing it here would race that half to the
+        client with a transfer error (503) for what is a bad request (400)."""
+        for request_id, reason in self.engine.take_refused():
+            self._send(RequestFailed(request_id=request_id, message=reason, kind="client"))
 
     def _drain_inbox(self) -> tuple[int, bool]:
         """Handle every queued message; return how many, and whether Shutdown was among them."""
@@ -196,6 +207,8 @@ def _load_and_run(spec: EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket
                 max_model_len=engine.max_model_len,
                 transfer_addr="",
                 rank_transfer_addrs=[],
+                page_size=engine.args.page_size,
+                track_interval=engine.handover.track_interval,
             )
         )
     )

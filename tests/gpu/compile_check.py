@@ -61,7 +61,7 @@ class StubDriver:
 def run_launchers(dtype: torch.dtype, dims: dict) -> None:
     """Call every launcher once on CPU tensors (only their shapes, strides and dtypes matter)."""
     from kernels.attention import build_attention_layout
-    from kernels.conv1d import build_conv_layout
+    from kernels.conv1d import build_window_layout
     from kernels.ssd import build_chunk_layout
     from kernels.triton_attention import paged_attention_triton, rotary_store_kv_triton
     from kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
@@ -92,7 +92,7 @@ def run_launchers(dtype: torch.dtype, dims: dict) -> None:
     conv, K = dims["conv"], dims["K"]
     xc, w, b = torch.randn(T, conv).to(dtype), torch.randn(conv, K).to(dtype), torch.randn(conv)
     conv_pool = torch.randn(4, conv, K - 1).to(dtype)
-    window_layout = build_conv_layout(seq_lens, K, "cpu")
+    window_layout = build_window_layout(seq_lens, K, "cpu")
     slots = torch.tensor([1, 2])
     causal_conv1d_varlen_triton(xc, w, b, conv_pool, slots, window_layout, torch.tensor([3, 35]))
     causal_conv1d_update_triton(xc[:3], w, None, conv_pool, rows)

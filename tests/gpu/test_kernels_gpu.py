@@ -18,7 +18,11 @@ import pytest
 import torch
 
 from kernels.attention import build_attention_layout, paged_attention_torch
-from kernels.conv1d import build_conv_layout, causal_conv1d_update_torch, causal_conv1d_varlen_torch
+from kernels.conv1d import (
+    build_window_layout,
+    causal_conv1d_update_torch,
+    causal_conv1d_varlen_torch,
+)
 from kernels.norm import gated_rms_norm_torch, rms_norm_torch
 from kernels.ssd import build_chunk_layout, ssd_scan_torch
 from kernels.ssu import selective_state_update_multi, selective_state_update_torch
@@ -138,7 +142,7 @@ def test_causal_conv1d_matches_torch_path():
     bias = torch.randn(CONV_DIM, generator=gen).to(DEVICE, torch.bfloat16)
     pool = torch.randn(9, CONV_DIM, K - 1, generator=gen).to(DEVICE, torch.bfloat16)
     slots = torch.tensor([3, 7, 1, 5], device=DEVICE)
-    layout = build_conv_layout(seq_lens, K, DEVICE)
+    layout = build_window_layout(seq_lens, K, DEVICE)
     window_tokens = torch.tensor([0, 127, 999, 1000, 1001, 1500, T - 1], device=DEVICE)
     ref_pool = pool.clone()
     y, windows = causal_conv1d_varlen_triton(x, weight, bias, pool, slots, layout, window_tokens)

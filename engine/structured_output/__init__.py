@@ -1,0 +1,11 @@
+"""Structured outputs (JSON schema, regex, choice, grammar, structural tag) with xgrammar.
+
+spec.py checks a StructuredOutputs before anything runs and maps it to xgrammar; keywords.py
+knows which JSON Schema keywords the grammar engine enforces; grammars.py is the engine's side:
+the compile thread, the per-step bitmask and the matchers.
+"""
+
+from engine.structured_output.grammars import Grammars
+from engine.structured_output.spec import check_structured_outputs
+
+__all__ = ["Grammars", "check_structured_outputs"]
