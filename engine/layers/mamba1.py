@@ -90,7 +90,7 @@ class Mamba1Mixer(nn.Module):
                 ),
             ),
             chunk_size=config.chunk_size,
-            conv_width=config.conv_kernel,
+            window_width=config.conv_kernel,
         )
 
     def __init__(self, hidden_size: int, config: Mamba1Config, index: int):

@@ -55,7 +55,7 @@ class ShortConv(nn.Module):
                 ),
             ),
             chunk_size=None,
-            conv_width=config.conv_kernel,
+            window_width=config.conv_kernel,
         )
 
     def __init__(self, config: ShortConvConfig, index: int):
