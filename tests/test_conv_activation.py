@@ -9,7 +9,7 @@ import torch
 
 from kernels import cpu_ops, cpu_prefill
 from kernels.conv1d import (
-    build_conv_layout,
+    build_window_layout,
     causal_conv1d_update,
     causal_conv1d_update_torch,
     causal_conv1d_varlen,
@@ -45,7 +45,7 @@ def test_varlen_conv_matches_oracle(path, activation, with_bias):
     init = pool[slots].clone()
     windows_at = torch.tensor([2, 4, 9])  # after tokens of each sequence
     y, windows = VARLEN[path](
-        x, weight, bias, pool, slots, build_conv_layout(LENS, K, "cpu"), windows_at, activation
+        x, weight, bias, pool, slots, build_window_layout(LENS, K, "cpu"), windows_at, activation
     )
     ref, finals, per_token = conv_oracle(x, weight, bias, init, LENS, activation=activation)
     torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)

@@ -11,7 +11,7 @@ import torch
 
 import kernels.triton_conv1d as triton_conv1d
 import kernels.triton_selective_scan as triton_scan
-from kernels.conv1d import build_conv_layout, causal_conv1d_update, causal_conv1d_varlen
+from kernels.conv1d import build_window_layout, causal_conv1d_update, causal_conv1d_varlen
 from kernels.selective_scan import (
     selective_scan_pool,
     selective_scan_torch,
@@ -100,7 +100,7 @@ def test_conv_without_activation_matches_oracle(launched, dtype):
     pool = torch.randn(4, dim, K - 1, generator=g).to(dtype)
     slots = torch.tensor([2, 3])
     init = pool[slots].clone()
-    layout = build_conv_layout(lens, K, "cpu")
+    layout = build_window_layout(lens, K, "cpu")
     y, windows = causal_conv1d_varlen(
         x, weight, None, pool, slots, layout, torch.tensor([1, 7]), activation="none"
     )
