@@ -1,8 +1,9 @@
 /* Mamba1 selective scan on the CPU for baton (built at first use by kernels/cpu_mamba1.py).
  *
  * The recurrence of kernels/selective_scan.py, per channel d and state index n:
- *   delta = softplus(dt + dt_bias[d]);  h[d, n] = exp(delta A[d, n]) h[d, n] + delta x B[n]
- *   y = h[d, :] . C + D[d] x,  times silu(z) when a gate is given
+ *   h[d, n] = exp(delta A[d, n]) h[d, n] + delta x B[n];  y = h[d, :] . C + D[d] x
+ * times silu(z) when a gate is given. delta = softplus(dt + dt_bias) comes discretised (torch's
+ * vectorised softplus: one libm log1p/exp pair per element here cost more than the scan).
  * with the state held in its pool slot (num_slots, d_inner, d_state), read there first and left
  * there last. Each OpenMP task owns one (sequence, block of CHANNELS channels): its block of the
  * state (CHANNELS x d_state floats) stays in L1 while the task walks the sequence's tokens, and a
@@ -14,7 +15,7 @@
  * at or past the sequence's end hold its final state (what the torch path's padded no-op steps
  * leave there).
  *
- * Layouts: rows of x, dt, z (T, d_inner), B, C (T, d_state) with the given row strides and unit
+ * Layouts: rows of x, delta, z (T, d_inner), B, C (T, d_state) with the given row strides and unit
  * column stride (views into the projections' outputs need no copy); y (T, d_inner) contiguous;
  * chunk_states (S, Cn, d_inner, d_state) contiguous or NULL. Slots are checked before anything is
  * written: the first bad row + 1 comes back, 0 when all are in range.
@@ -27,9 +28,7 @@
 
 #define CHANNELS 16
 
-static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
-
-static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+static inline float silu(float v) { return v / (1.0f + exp_approx(-v)); }
 
 /* One token of one channel: its state row (N) updated in place; returns h . C. */
 static inline __attribute__((always_inline)) float step(float *h, const float *Ad, float delta,
@@ -45,8 +44,8 @@ static inline __attribute__((always_inline)) float step(float *h, const float *A
     return acc;
 }
 
-int64_t baton_mamba1_scan(const float *x, int64_t x_stride, const float *dt, int64_t dt_stride,
-                          const float *dt_bias, const float *A, const float *B, const float *C,
+int64_t baton_mamba1_scan(const float *x, int64_t x_stride, const float *delta,
+                          int64_t delta_stride, const float *A, const float *B, const float *C,
                           int64_t bc_stride, const float *D, const float *z, int64_t z_stride,
                           float *pool, int64_t num_slots, const int64_t *slots,
                           const int64_t *cu_seqlens, const int64_t *start_pos, int64_t num_seqs,
@@ -68,8 +67,8 @@ int64_t baton_mamba1_scan(const float *x, int64_t x_stride, const float *dt, int
             for (int64_t c = 0; c < nb; c++) {
                 const int64_t d = d0 + c;
                 const float xv = x[t * x_stride + d];
-                const float delta = softplus(dt[t * dt_stride + d] + dt_bias[d]);
-                float out = step(h + c * N, A + d * N, delta, delta * xv, Bt, Ct, N) + D[d] * xv;
+                const float dl = delta[t * delta_stride + d];
+                float out = step(h + c * N, A + d * N, dl, dl * xv, Bt, Ct, N) + D[d] * xv;
                 if (z) out *= silu(z[t * z_stride + d]);
                 y[t * Dm + d] = out;
             }
@@ -83,11 +82,11 @@ int64_t baton_mamba1_scan(const float *x, int64_t x_stride, const float *dt, int
     return 0;
 }
 
-/* One decode token per row: x, dt, z (batch, d_inner) contiguous (z may be NULL), B, C (batch,
+/* One decode token per row: x, delta, z (batch, d_inner) contiguous (z may be NULL), B, C (batch,
  * d_state) contiguous, y (batch, d_inner). Padded rows point at dummy slot 0 and write only
  * there. */
 int64_t baton_mamba1_update(float *pool, int64_t num_slots, const int64_t *slots, int64_t batch,
-                            const float *x, const float *dt, const float *dt_bias, const float *A,
+                            const float *x, const float *delta, const float *A,
                             const float *B, const float *C, const float *D, const float *z,
                             float *y, int64_t Dm, int64_t N, int nthreads) {
     for (int64_t b = 0; b < batch; b++)
@@ -99,8 +98,7 @@ int64_t baton_mamba1_update(float *pool, int64_t num_slots, const int64_t *slots
         const int64_t d1 = Dm - d0 < CHANNELS ? Dm : d0 + CHANNELS;
         for (int64_t d = d0; d < d1; d++) {
             const int64_t i = b * Dm + d;
-            const float delta = softplus(dt[i] + dt_bias[d]);
-            float out = step(pool + (slots[b] * Dm + d) * N, A + d * N, delta, delta * x[i],
+            float out = step(pool + (slots[b] * Dm + d) * N, A + d * N, delta[i], delta[i] * x[i],
                              B + b * N, C + b * N, N) +
                         D[d] * x[i];
             if (z) out *= silu(z[i]);

@@ -12,6 +12,7 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu_ops
 from kernels.backend import select_backend
@@ -30,8 +31,8 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.baton_mamba1_scan.restype = _i64
     lib.baton_mamba1_scan.argtypes = [
-        *(_ptr, _i64, _ptr, _i64),  # x, x_stride, dt, dt_stride
-        *(_ptr, _ptr, _ptr, _ptr, _i64),  # dt_bias, A, B, C, bc_stride
+        *(_ptr, _i64, _ptr, _i64),  # x, x_stride, delta, delta_stride
+        *(_ptr, _ptr, _ptr, _i64),  # A, B, C, bc_stride
         *(_ptr, _ptr, _i64),  # D, z, z_stride
         *(_ptr, _i64, _ptr),  # pool, num_slots, slots
         *(_ptr, _ptr, _i64),  # cu_seqlens, start_pos, num_seqs
@@ -41,7 +42,7 @@ def library() -> ctypes.CDLL | None:
     lib.baton_mamba1_update.restype = _i64
     lib.baton_mamba1_update.argtypes = [
         *(_ptr, _i64, _ptr, _i64),  # pool, num_slots, slots, batch
-        *[_ptr] * 9,  # x, dt, dt_bias, A, B, C, D, z, y
+        *[_ptr] * 8,  # x, delta, A, B, C, D, z, y
         *(_i64, _i64, _int),  # d_inner, d_state, threads
     ]
     return lib
@@ -92,11 +93,12 @@ def selective_scan_cpu(
     T, width = x.shape
     N = A.shape[1]
     S = slots.shape[0]
-    xf, dtf, zf = _rows(x), _rows(dt), _rows(z) if z is not None else None
+    xf, zf = _rows(x), _rows(z) if z is not None else None
+    delta = F.softplus(dt.float() + dt_bias.float())
     Bf, Cf = _rows(B), _rows(C)
     if Bf.stride(0) != Cf.stride(0):
         Bf, Cf = Bf.contiguous(), Cf.contiguous()
-    Af, Df, biasf = (t.float().contiguous() for t in (A, D, dt_bias))
+    Af, Df = A.float().contiguous(), D.float().contiguous()
     slots64 = slots.to(torch.int64).contiguous()
     cu = layout.cu_seqlens.to(torch.int64).contiguous()
     starts = layout.start_pos.to(torch.int64).contiguous()
@@ -109,9 +111,8 @@ def selective_scan_cpu(
     result = library().baton_mamba1_scan(
         xf.data_ptr(),
         xf.stride(0),
-        dtf.data_ptr(),
-        dtf.stride(0),
-        biasf.data_ptr(),
+        delta.data_ptr(),
+        delta.stride(0),
         Af.data_ptr(),
         Bf.data_ptr(),
         Cf.data_ptr(),
@@ -152,9 +153,10 @@ def selective_state_update_cpu(
     """kernels.selective_scan.selective_state_update_torch in one C pass (same contract)."""
     batch, width = x.shape
     N = A.shape[1]
-    xf, dtf, Bf, Cf = (t.float().contiguous() for t in (x, dt, B, C))
+    xf, Bf, Cf = (t.float().contiguous() for t in (x, B, C))
+    delta = F.softplus(dt.float() + dt_bias.float())
     zf = z.float().contiguous() if z is not None else None
-    Af, Df, biasf = (t.float().contiguous() for t in (A, D, dt_bias))
+    Af, Df = A.float().contiguous(), D.float().contiguous()
     slots = state_indices.to(torch.int64).contiguous()
     y = torch.empty(batch, width, dtype=torch.float32)
     result = library().baton_mamba1_update(
@@ -163,8 +165,7 @@ def selective_state_update_cpu(
         slots.data_ptr(),
         batch,
         xf.data_ptr(),
-        dtf.data_ptr(),
-        biasf.data_ptr(),
+        delta.data_ptr(),
         Af.data_ptr(),
         Bf.data_ptr(),
         Cf.data_ptr(),
