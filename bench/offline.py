@@ -11,6 +11,9 @@ Workloads (random-weight NemotronH, fixed seed, ignore_eos):
         partial rotary), Granite-4.0-H (16 experts top-2 + shared MLP, µP multipliers), Falcon-H1
         (parallel attention + Mamba, multipliers) and Zamba2 (two shared attention blocks at four
         depths with LoRA adapters); the 19m workload, transformers in one static batch.
+  jamba100m / lfm2100m: ~100M random-weight Jamba (Mamba1 + attention, 8 experts top-2 on every
+        other layer) and LFM2 (gated short convs + rotary attention with q/k norms); the 19m
+        workload, transformers in one static batch.
   moe100m: Nemotron-3-Nano-style MoE hybrid (`MEMEM*EMEMEM*EME`: Mamba and MoE alternate, two
         attention layers; 64 routed experts, top-6, one shared expert, sigmoid routing x2.5):
         ~95M parameters, ~21M of them in matmuls per token; the 19m workload, transformers in

@@ -190,11 +190,45 @@ CONFIGS = {
         shared_expert_intermediate_size=512,
         eos_token_id=2,
     ),
+    # Jamba's shape at ~104M (tied embeddings 24.6M): 8 layers, attention at 2 and 6, experts
+    # (8, top 2, each a SwiGLU of 640) on odd layers, Mamba1 d_inner 1536 x d_state 16.
+    "jamba100m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=640,
+        num_hidden_layers=8,
+        attn_layer_period=4,
+        attn_layer_offset=2,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        tie_word_embeddings=True,
+    ),
+    # LFM2's shape at ~106M: 12 layers, attention at 2, 5, 8, 10 (LFM2-350M's placement), short
+    # convs of width 3 elsewhere, the FFN auto-adjusted from 3072 to 2048.
+    "lfm2100m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        layer_types=["full_attention" if i in (2, 5, 8, 10) else "conv" for i in range(12)],
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        conv_L_cache=3,
+    ),
 }
 # transformers' (config class, model class) per config; NemotronH where not listed.
 FAMILY_CLASSES = {
     "qwen35_100m": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "qwen35moe100m": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "jamba100m": ("JambaConfig", "JambaForCausalLM"),
+    "lfm2100m": ("Lfm2Config", "Lfm2ForCausalLM"),
     "bamba100m": ("BambaConfig", "BambaForCausalLM"),
     "granite100m": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
     "falcon100m": ("FalconH1Config", "FalconH1ForCausalLM"),

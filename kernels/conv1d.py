@@ -1,4 +1,5 @@
 """Depthwise causal conv1d over a packed varlen batch with per-sequence conv state, torch path.
+Its outputs go through SiLU (Mamba's conv) or no activation (LFM2's short conv): `activation`.
 
 A conv state holds the last K-1 inputs of a sequence (K = kernel width), the window that the next
 token's convolution needs. Pool layout: conv_states (num_slots, dim, K-1); slot 0 is the dummy
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_ops, cpu_prefill
 from kernels.backend import select_backend
-from kernels.layouts import ConvLayout
+from kernels.layouts import ConvActivation, ConvLayout
 
 
 def build_window_layout(
@@ -57,8 +58,9 @@ def causal_conv1d_varlen(
     state_indices: torch.Tensor,
     layout: ConvLayout,
     window_tokens: torch.Tensor | None = None,
+    activation: ConvActivation = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal conv + SiLU of packed sequences, continuing from and updating pool states.
+    """Causal conv + `activation` of packed sequences, continuing from and updating pool states.
 
     x: (num_tokens, dim); weight: (dim, K); bias: (dim,) or None;
     conv_states: (num_slots, dim, K-1) pool, read at and written to `state_indices` (num_seqs,);
@@ -70,14 +72,14 @@ def causal_conv1d_varlen(
         from kernels.triton_conv1d import causal_conv1d_varlen_triton
 
         return causal_conv1d_varlen_triton(
-            x, weight, bias, conv_states, state_indices, layout, window_tokens
+            x, weight, bias, conv_states, state_indices, layout, window_tokens, activation
         )
     if cpu_prefill.conv_supported(x, conv_states, weight.shape[1]):
         return cpu_prefill.causal_conv1d_varlen_cpu(
-            x, weight, bias, conv_states, state_indices, layout, window_tokens
+            x, weight, bias, conv_states, state_indices, layout, window_tokens, activation
         )
     return causal_conv1d_varlen_torch(
-        x, weight, bias, conv_states, state_indices, layout, window_tokens
+        x, weight, bias, conv_states, state_indices, layout, window_tokens, activation
     )
 
 
@@ -89,6 +91,7 @@ def causal_conv1d_varlen_torch(
     state_indices: torch.Tensor,
     layout: ConvLayout,
     window_tokens: torch.Tensor | None = None,
+    activation: ConvActivation = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     dim, K = weight.shape
     S, W = layout.num_seqs, layout.width
@@ -97,7 +100,9 @@ def causal_conv1d_varlen_torch(
     flat = source[layout.row_source]  # (S * W, dim)
     rows = flat.view(S, W, dim).transpose(1, 2)  # (S, dim, W)
     out = F.conv1d(rows, weight.to(x.dtype).unsqueeze(1), bias, groups=dim)  # (S, dim, W-K+1)
-    out = F.silu(out).transpose(1, 2).reshape(-1, dim)
+    if activation == "silu":
+        out = F.silu(out)
+    out = out.transpose(1, 2).reshape(-1, dim)
     # out row s column j is the output of the token at input column j + K-1.
     out_index = layout.token_column - (K - 1) * (layout.token_column // W + 1)
     y = out[out_index]
@@ -117,16 +122,20 @@ def causal_conv1d_update(
     bias: torch.Tensor | None,
     conv_states: torch.Tensor,
     state_indices: torch.Tensor,
+    activation: ConvActivation = "silu",
 ) -> torch.Tensor:
     """One decode step. x: (batch, dim); conv_states: (num_slots, dim, K-1) pool updated at
-    `state_indices` (batch,) (padded rows point at dummy slot 0). Returns silu(conv): (batch, dim)."""
+    `state_indices` (batch,) (padded rows point at dummy slot 0). Returns activation(conv):
+    (batch, dim)."""
     if select_backend(x) == "triton":
         from kernels.triton_conv1d import causal_conv1d_update_triton
 
-        return causal_conv1d_update_triton(x, weight, bias, conv_states, state_indices)
+        return causal_conv1d_update_triton(x, weight, bias, conv_states, state_indices, activation)
     if cpu_ops.conv_update_supported(conv_states, x, weight.shape[1]):
-        return cpu_ops.causal_conv1d_update_cpu(x, weight, bias, conv_states, state_indices)
-    return causal_conv1d_update_torch(x, weight, bias, conv_states, state_indices)
+        return cpu_ops.causal_conv1d_update_cpu(
+            x, weight, bias, conv_states, state_indices, activation
+        )
+    return causal_conv1d_update_torch(x, weight, bias, conv_states, state_indices, activation)
 
 
 def causal_conv1d_update_torch(
@@ -135,10 +144,11 @@ def causal_conv1d_update_torch(
     bias: torch.Tensor | None,
     conv_states: torch.Tensor,
     state_indices: torch.Tensor,
+    activation: ConvActivation = "silu",
 ) -> torch.Tensor:
     window = torch.cat([conv_states[state_indices].to(x.dtype), x.unsqueeze(-1)], dim=-1)
     out = (window * weight.to(x.dtype)).sum(-1)
     if bias is not None:
         out = out + bias
     conv_states[state_indices] = window[..., 1:].to(conv_states.dtype)
-    return F.silu(out)
+    return F.silu(out) if activation == "silu" else out

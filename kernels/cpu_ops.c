@@ -125,12 +125,13 @@ int64_t baton_ssu_f32(float *pool, int64_t num_slots, const int64_t *slots, int6
     return 0;
 }
 
-/* One causal-conv decode step on the conv pool (num_slots, dim, K-1), then SiLU.
+/* One causal-conv decode step on the conv pool (num_slots, dim, K-1), then SiLU (silu_out = 1)
+ * or no activation (LFM2's short conv).
  * x, out (batch, dim) float32; w (dim, K) float32; bias (dim) float32 (zeros for none). The
  * pool holds float32 (pool_bf16 = 0) or bfloat16 (pool_bf16 = 1). */
 int64_t baton_conv_update(void *pool, int pool_bf16, int64_t num_slots, const int64_t *slots,
                           int64_t batch, const float *x, const float *w, const float *bias,
-                          float *out, int64_t dim, int64_t K, int nthreads) {
+                          float *out, int64_t dim, int64_t K, int silu_out, int nthreads) {
     int64_t bad = check_slots(slots, batch, num_slots);
     if (bad) return bad;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -141,8 +142,10 @@ int64_t baton_conv_update(void *pool, int pool_bf16, int64_t num_slots, const in
             conv_row(pool, 1, pool_row, x, 0, b * dim, w, bias, ob, dim, K);
         else
             conv_row(pool, 0, pool_row, x, 0, b * dim, w, bias, ob, dim, K);
+        if (silu_out) {
 #pragma omp simd
-        for (int64_t c = 0; c < dim; c++) ob[c] = silu(ob[c]);
+            for (int64_t c = 0; c < dim; c++) ob[c] = silu(ob[c]);
+        }
     }
     return 0;
 }

@@ -103,7 +103,11 @@ def library() -> ctypes.CDLL | None:
     lib.baton_ssu_f32.restype = _i64
     lib.baton_ssu_f32.argtypes = [_ptr, _i64, _ptr, _i64, *[_ptr] * 7, _i64, _i64, _i64, _i64, _int]
     lib.baton_conv_update.restype = _i64
-    lib.baton_conv_update.argtypes = [_ptr, _int, _i64, _ptr, _i64, *[_ptr] * 4, _i64, _i64, _int]
+    lib.baton_conv_update.argtypes = [
+        *(_ptr, _int, _i64, _ptr, _i64),
+        *[_ptr] * 4,
+        *(_i64, _i64, _int, _int),
+    ]
     lib.baton_mamba_decode.restype = _i64
     lib.baton_mamba_decode.argtypes = [
         _ptr,
@@ -243,6 +247,7 @@ def causal_conv1d_update_cpu(
     bias: torch.Tensor | None,
     conv_states: torch.Tensor,
     state_indices: torch.Tensor,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """Same contract as kernels.conv1d.causal_conv1d_update_torch (fp32 arithmetic)."""
     batch, dim = x.shape
@@ -263,6 +268,7 @@ def causal_conv1d_update_cpu(
         out.data_ptr(),
         dim,
         K,
+        int(activation == "silu"),
         torch.get_num_threads(),
     )
     _check(result, slots, conv_states.shape[0], "causal_conv1d_update")

@@ -406,7 +406,8 @@ static inline const void *conv_row(const void *x, int64_t x_stride, const void *
 static inline __attribute__((always_inline)) void conv_block(
     const void *x, int64_t x_stride, const float *weight, const float *bias, void *pool,
     int64_t pbase, int64_t t0, int64_t t1, void *out, const int64_t *window_of_token,
-    void *windows, int64_t dim, const int64_t K, int64_t d0, const int64_t nb, const int bf16) {
+    void *windows, int64_t dim, const int64_t K, int64_t d0, const int64_t nb, const int bf16,
+    const int silu_out) {
     const int64_t km1 = K - 1, n = t1 - t0;
     float wk[CONV_MAX_K][CONV_BLOCK], bb[CONV_BLOCK];
     float pre_f[CONV_MAX_K][CONV_BLOCK];
@@ -432,7 +433,7 @@ static inline __attribute__((always_inline)) void conv_block(
             float acc = bb[c] + wk[km1][c] * load(rows[km1], c, bf16);
             for (int64_t k = 0; k < km1; k++) acc += wk[k][c] * load(rows[k], c, bf16);
             if (bf16) acc = bf16_to_f32(f32_to_bf16(acc));
-            store(out, t * dim + d0 + c, acc / (1.0f + exp_approx(-acc)), bf16);
+            store(out, t * dim + d0 + c, silu_out ? acc / (1.0f + exp_approx(-acc)) : acc, bf16);
         }
         const int64_t m = window_of_token ? window_of_token[t] : -1;
         if (m >= 0)
@@ -454,7 +455,7 @@ int64_t baton_conv_varlen(const void *x, int64_t x_stride, const float *weight, 
                           void *pool, int64_t num_slots, const int64_t *slots,
                           const int64_t *cu_seqlens, int64_t num_seqs, void *out,
                           const int64_t *window_of_token, void *windows, int64_t dim, int64_t K,
-                          int bf16, int nthreads) {
+                          int bf16, int silu_out, int nthreads) {
     for (int64_t s = 0; s < num_seqs; s++)
         if (slots[s] < 0 || slots[s] >= num_slots) return s + 1;
     const int64_t blocks = (dim + CONV_BLOCK - 1) / CONV_BLOCK;
@@ -465,7 +466,7 @@ int64_t baton_conv_varlen(const void *x, int64_t x_stride, const float *weight, 
         const int64_t pbase = slots[s] * dim * (K - 1), t0 = cu_seqlens[s], t1 = cu_seqlens[s + 1];
 #define CONV_CALL(KK, NB, BF)                                                                    \
     conv_block(x, x_stride, weight, bias, pool, pbase, t0, t1, out, window_of_token, windows, dim, \
-               KK, d0, NB, BF)
+               KK, d0, NB, BF, silu_out)
         /* full blocks of the common K = 4 without masks: ~1.3x on bf16 */
         if (K == 4 && nb == CONV_BLOCK && bf16)
             CONV_CALL(4, CONV_BLOCK, 1);

@@ -61,7 +61,7 @@ def library() -> ctypes.CDLL | None:
     lib.baton_gated_norm.argtypes += [ctypes.c_float, _int, _int]
     lib.baton_conv_varlen.restype = _i64
     lib.baton_conv_varlen.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64]
-    lib.baton_conv_varlen.argtypes += [_ptr, _ptr, _ptr, _i64, _i64, _int, _int]
+    lib.baton_conv_varlen.argtypes += [_ptr, _ptr, _ptr, _i64, _i64, _int, _int, _int]
     return lib
 
 
@@ -219,6 +219,7 @@ def causal_conv1d_varlen_cpu(
     state_indices: torch.Tensor,
     layout,
     window_tokens: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as kernels.conv1d.causal_conv1d_varlen_torch (layout: its ConvLayout;
     the sequence lengths are read back from `final_columns`)."""
@@ -254,6 +255,7 @@ def causal_conv1d_varlen_cpu(
         dim,
         K,
         int(x.dtype == torch.bfloat16),
+        int(activation == "silu"),
         torch.get_num_threads(),
     )
     if result:

@@ -59,7 +59,20 @@ class SSDOutput(NamedTuple):
     )  # (num_seqs, num_chunks, nheads, headdim, dstate) float32, state after each chunk
 
 
+class SelectiveScanOutput(NamedTuple):
+    """The Mamba1 selective scan's results (kernels/selective_scan.py)."""
+
+    y: torch.Tensor  # (num_tokens, d_inner), x's dtype (gated when z was given)
+    final_states: torch.Tensor  # (num_seqs, d_inner, d_state) float32
+    chunk_states: (
+        torch.Tensor
+    )  # (num_seqs, num_chunks, d_inner, d_state) float32, state after each aligned chunk
+
+
 Activation = Literal["relu2", "swiglu"]
+
+# What the causal conv applies to its outputs: SiLU (Mamba's conv) or nothing (LFM2's short conv).
+ConvActivation = Literal["silu", "none"]
 
 
 class Routing(NamedTuple):

@@ -41,12 +41,15 @@ def route_sigmoid_grouped(
     topk_group: int,
     norm_topk_prob: bool,
     scaling: float,
+    norm_eps: float = 1e-20,
 ) -> Routing:
     """NemotronH's (DeepSeek-V3-style) router, in float32 whatever x's dtype: bf16 logits flip
     near-equal top-k choices, so transformers keeps the gate and the bias in float32 too.
+    LFM2-MoE's is the same with one group (its `expert_bias`, its norm_eps 1e-6).
 
     x: (T, hidden); gate_weight: (E, hidden) float32; correction_bias: (E,) float32.
-    The bias only steers the choice; the weights are the unbiased sigmoid scores."""
+    The bias only steers the choice; the weights are the unbiased sigmoid scores, renormalised
+    as w / (sum + norm_eps) when norm_topk_prob."""
     E = gate_weight.shape[0]
     scores = F.linear(x.float(), gate_weight.float()).sigmoid()
     choice = scores + correction_bias.float()
@@ -60,7 +63,7 @@ def route_sigmoid_grouped(
     ids = choice.topk(top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + norm_eps)
     return Routing(weights * scaling, ids)
 
 
@@ -87,6 +90,14 @@ def route_softmax_all_topk(
     if norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
     return Routing(top.to(logits.dtype).float(), ids)
+
+
+def route_topk_of_softmax(x: torch.Tensor, weight: torch.Tensor, *, top_k: int) -> Routing:
+    """Jamba's router: a softmax over every expert's logit, then the top-k probabilities as they
+    are (they do not sum to one). x: (T, hidden); weight: (E, hidden); float32 math."""
+    probs = torch.softmax(F.linear(x.float(), weight.float()), dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    return Routing(weights, ids)
 
 
 class PackedExperts(NamedTuple):

@@ -1,10 +1,11 @@
-"""Depthwise causal conv1d + SiLU with pool conv states, Triton path (semantics: kernels/conv1d.py).
+"""Depthwise causal conv1d (+ SiLU, or no activation) with pool conv states, Triton path (semantics:
+kernels/conv1d.py).
 
 Varlen prefill runs three launches that follow the torch path's padded rows without building
 them: each packed token's input column is `layout.token_column[t]` in row s = column // width,
 and column j of that row holds conv state column j (j < K-1) or packed token row_source[...].
 
-    1. _conv_varlen_kernel   y[t] = silu(bias + sum_i w[:, i] * input(column(t) - (K-1) + i))
+    1. _conv_varlen_kernel   y[t] = act(bias + sum_i w[:, i] * input(column(t) - (K-1) + i))
     2. _conv_window_kernel   windows for checkpoints: the K-1 inputs ending at given columns
     3. _conv_window_kernel   again, ending at each sequence's last token, into the pool slots
 
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layouts import ConvLayout
+from kernels.layouts import ConvActivation, ConvLayout
 
 
 @triton.jit
@@ -35,7 +36,8 @@ def _conv_varlen_kernel(
     stride_x_t, stride_x_d, stride_w_d, stride_w_k,
     stride_conv_s, stride_conv_d, stride_conv_k, stride_y_t, stride_y_d,
     num_tokens, dim, width,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # fmt: on
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -64,9 +66,11 @@ def _conv_varlen_kernel(
         ).to(tl.float32)
         w = tl.load(w_ptr + d * stride_w_d + i * stride_w_k, mask=d_ok, other=0.0).to(tl.float32)
         acc += (from_x + from_state) * w[None, :]
+    if SILU:
+        acc = _silu(acc)
     tl.store(
         y_ptr + t[:, None] * stride_y_t + d[None, :] * stride_y_d,
-        _silu(acc).to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & d_ok[None, :],
+        acc.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & d_ok[None, :],
     )
 
 
@@ -116,7 +120,8 @@ def _conv_update_kernel(
     stride_x_b, stride_x_d, stride_w_d, stride_w_k,
     stride_conv_s, stride_conv_d, stride_conv_k, stride_y_b, stride_y_d,
     dim,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_KM1: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_KM1: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # fmt: on
     b = tl.program_id(0)
@@ -148,8 +153,9 @@ def _conv_update_kernel(
     tl.store(
         state_at + i[None, :] * stride_conv_k, new_state, mask=d_ok[:, None] & i_ok[None, :]
     )
-    tl.store(y_ptr + b * stride_y_b + d * stride_y_d, _silu(acc).to(y_ptr.dtype.element_ty),
-             mask=d_ok)
+    if SILU:
+        acc = _silu(acc)
+    tl.store(y_ptr + b * stride_y_b + d * stride_y_d, acc.to(y_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _block_d(dim: int) -> tuple[int, int]:
@@ -185,8 +191,9 @@ def causal_conv1d_varlen_triton(
     state_indices: torch.Tensor,
     layout: ConvLayout,
     window_tokens: torch.Tensor | None = None,
+    activation: ConvActivation = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal conv + SiLU of packed sequences, continuing from and updating pool states.
+    """Causal conv + `activation` of packed sequences, continuing from and updating pool states.
 
     x: (num_tokens, dim) float32/float16/bfloat16, any strides; weight: (dim, K); bias: (dim,)
     or None; conv_states: (num_slots, dim, K-1) pool (any float dtype), read at and written to
@@ -218,7 +225,8 @@ def causal_conv1d_varlen_triton(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         *conv_states.stride(), y.stride(0), y.stride(1),
         num_tokens, dim, W,
-        K=K, HAS_BIAS=bias is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=varlen_warps,
+        K=K, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_T=BLOCK_T,
+        BLOCK_D=BLOCK_D, num_warps=varlen_warps,
     )
     # fmt: on
 
@@ -251,10 +259,11 @@ def causal_conv1d_update_triton(
     bias: torch.Tensor | None,
     conv_states: torch.Tensor,
     state_indices: torch.Tensor,
+    activation: ConvActivation = "silu",
 ) -> torch.Tensor:
     """One decode step. x: (batch, dim) float32/float16/bfloat16; weight: (dim, K); bias: (dim,)
     or None; conv_states: (num_slots, dim, K-1) pool updated in place at state_indices (batch,)
-    (padded rows point at dummy slot 0). Returns silu(conv): (batch, dim) in x's dtype."""
+    (padded rows point at dummy slot 0). Returns activation(conv): (batch, dim) in x's dtype."""
     batch, dim = x.shape
     K = _check_common(x, weight, bias, conv_states, state_indices, batch)
     y = torch.empty(batch, dim, device=x.device, dtype=x.dtype)
@@ -267,8 +276,8 @@ def causal_conv1d_update_triton(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         *conv_states.stride(), y.stride(0), y.stride(1),
         dim,
-        K=K, HAS_BIAS=bias is not None, BLOCK_KM1=triton.next_power_of_2(K - 1),
-        BLOCK_D=BLOCK_D, num_warps=warps,
+        K=K, HAS_BIAS=bias is not None, SILU=activation == "silu",
+        BLOCK_KM1=triton.next_power_of_2(K - 1), BLOCK_D=BLOCK_D, num_warps=warps,
     )
     # fmt: on
     return y

@@ -34,8 +34,9 @@ def ssd_oracle(x, dt, A, B, C, D, dt_bias, init, seq_lens, dt_limit=(0.0, float(
     return y, torch.stack(finals), per_token
 
 
-def conv_oracle(x, weight, bias, init, seq_lens):
-    """Per token: out = silu(sum_k w[:, k] * window[k]); window = last K inputs incl. current."""
+def conv_oracle(x, weight, bias, init, seq_lens, activation="silu"):
+    """Per token: out = act(sum_k w[:, k] * window[k]); window = last K inputs incl. current;
+    act SiLU, or nothing for activation "none"."""
     T, dim = x.shape
     out = torch.zeros(T, dim, dtype=torch.float64)
     finals, windows = [], []
@@ -48,13 +49,38 @@ def conv_oracle(x, weight, bias, init, seq_lens):
             o = (window * weight.double()).sum(1)
             if bias is not None:
                 o = o + bias.double()
-            out[t] = F.silu(o)
+            out[t] = F.silu(o) if activation == "silu" else o
             hist = window[:, 1:]
             per_tok.append(hist.clone())
             t += 1
         finals.append(hist)
         windows.append(per_tok)
     return out, torch.stack(finals), windows
+
+
+def selective_scan_oracle(x, dt, A, B, C, D, dt_bias, z, init, seq_lens):
+    """Mamba1, token by token per sequence: delta = softplus(dt + dt_bias);
+    h = exp(delta A) h + (delta x) B; y = h . C + D x (times silu(z) when z is given).
+    Returns y (T, d_inner), final states (S, d_inner, d_state) and states_after[s][j], the
+    state after token j of sequence s (float64)."""
+    delta = F.softplus(dt.double() + dt_bias.double())
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    finals, per_token = [], []
+    t = 0
+    for s, n in enumerate(seq_lens):
+        h = init[s].double().clone()
+        states = []
+        for _ in range(n):
+            decay = torch.exp(delta[t][:, None] * A.double())
+            h = decay * h + (delta[t] * x[t].double())[:, None] * B[t].double()[None, :]
+            y[t] = h @ C[t].double() + D.double() * x[t].double()
+            if z is not None:
+                y[t] = y[t] * F.silu(z[t].double())
+            states.append(h.clone())
+            t += 1
+        finals.append(h)
+        per_token.append(states)
+    return y, torch.stack(finals), per_token
 
 
 def attention_oracle(q, keys, values, scale):

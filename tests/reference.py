@@ -16,9 +16,9 @@ def _cache_kwargs(hf_model) -> dict:
     pattern = getattr(config, "hybrid_override_pattern", None)
     if pattern is not None:  # NemotronH
         has_attention = "*" in pattern
-    else:  # the other families name their layers (the gated DeltaNet ones `layer_types`)
-        names = getattr(config, "layers_block_type", None) or config.layer_types
-        has_attention = "full_attention" in names
+    else:  # the other families name their layers (Jamba, LFM2, the pure SSMs: layer_types)
+        kinds = getattr(config, "layers_block_type", None) or config.layer_types
+        has_attention = bool({"full_attention", "attention"} & set(kinds))
     return {} if has_attention else {"use_cache": False}
 
 

@@ -85,6 +85,8 @@ def moe_config(**overrides) -> MoEConfig:
         n_group=1,
         topk_group=1,
         norm_topk_prob=True,
+        norm_topk_eps=1e-20,
+        expert_bias=True,
         routed_scaling_factor=2.5,
         bias=False,
         shared_expert_gate=False,

@@ -6,6 +6,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +25,34 @@ EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<proj>\w
 # Multi-token-prediction layers (Nemotron 3 Super): baton does not run them yet.
 SKIPPED_PREFIXES = ("mtp.",)
 SINGLE_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExpertParts:
+    """A stacked (E, rows, in) expert parameter whose checkpoint stores each expert's rows as
+    separate tensors `{prefix}.{e}.{name}.weight`, one per name, stacked along the rows in this
+    order (SwiGLU experts saved as gate_proj and up_proj: Jamba, LFM2-MoE). `rule`: the TP slice
+    one part's tensor is read with (None: whole)."""
+
+    names: tuple[str, ...]
+    rule: ShardRule | None
+
+
+def expert_parts(param: torch.Tensor, parts: ExpertParts) -> None:
+    """Declare that `param` is loaded from per-expert parts (set by the layer that owns it)."""
+    param._baton_expert_parts = parts
+
+
+def _parts_index(params: dict[str, torch.Tensor]) -> dict[str, tuple[str, int, ExpertParts]]:
+    """'{prefix}.{part name}' -> (stacked parameter, part index, its ExpertParts)."""
+    index = {}
+    for name, param in params.items():
+        parts = getattr(param, "_baton_expert_parts", None)
+        if parts is not None:
+            prefix = name.rsplit(".", 1)[0]
+            for i, part in enumerate(parts.names):
+                index[f"{prefix}.{part}"] = (name, i, parts)
+    return index
 
 
 class WeightError(ValueError):
@@ -104,22 +133,6 @@ def expert_slot(name: str) -> tuple[str, int] | None:
     return f"{match['prefix']}.{match['proj']}", int(match["index"])
 
 
-def packed_expert_parts(
-    params: dict[str, torch.Tensor],
-) -> dict[str, tuple[str, int, int, ShardRule | None]]:
-    """Stacked expert parameters that pack several per-expert projections along dim -2 (a
-    SwiGLU expert's [gate | up] rows, stored per expert as `gate_proj` and `up_proj`) declare
-    them as `param.expert_parts = ((projection, rule or None), ...)`. Returns the stacked name
-    each projection stands for ("...experts.gate_proj") -> (parameter, part, parts, rule)."""
-    out = {}
-    for name, param in params.items():
-        parts = getattr(param, "expert_parts", ())
-        prefix = name.rsplit(".", 1)[0]
-        for i, (proj, rule) in enumerate(parts):
-            out[f"{prefix}.{proj}"] = (name, i, len(parts), rule)
-    return out
-
-
 def load_into(
     module: torch.nn.Module,
     model_dir: str | Path,
@@ -135,10 +148,10 @@ def load_into(
     unexpected tensors and shape mismatches. MTP tensors are skipped with one log line.
     """
     params = dict(module.named_parameters())
-    packed = packed_expert_parts(params)
+    parts_of = _parts_index(params)
     tied = set(getattr(module, "tied_parameters", ()))
     loaded: set[str] = set()
-    # stacked parameter -> (expert, part) rows loaded; part 0 unless the parameter packs parts
+    # stacked parameter -> (expert, part) rows loaded (part 0 where the expert is one tensor)
     experts_loaded: dict[str, set[tuple[int, int]]] = {}
     unexpected: list[str] = []
     skipped = 0
@@ -148,11 +161,10 @@ def load_into(
         if name.startswith(SKIPPED_PREFIXES):
             skipped += 1
             continue
-        target, index, part, parts = name, None, 0, 1
+        target, index, part, parts = name, None, 0, None
         slot = expert_slot(name) if name not in params else None
-        packed_part = packed.get(slot[0]) if slot is not None else None
-        if packed_part is not None:
-            target, part, parts, rule = packed_part
+        if slot is not None and slot[0] in parts_of:
+            target, part, parts = parts_of[slot[0]]
             index = slot[1]
         elif slot is not None and slot[0] in params:
             target, index = slot
@@ -161,12 +173,10 @@ def load_into(
             if not any(name.startswith(prefix) for prefix in ignore):
                 unexpected.append(name)
             continue
-        if packed_part is None:
-            rule = shard_rule(param)
         dest = param if index is None else _expert_row(param, index, name, model_dir)
-        if parts > 1:
-            dest = dest.chunk(parts, dim=-2)[part]  # this projection's rows of the expert
-        tensor = checkpoint.read(rule)
+        if parts is not None:
+            dest = dest.chunk(len(parts.names), dim=0)[part]
+        tensor = checkpoint.read(shard_rule(param) if parts is None else parts.rule)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise WeightError(
                 f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -187,11 +197,12 @@ def load_into(
             missing.append(name)
             continue
         prefix, proj = name.rsplit(".", 1)
-        projs = [p for p, _ in getattr(params[name], "expert_parts", ())] or [proj]
+        parts = getattr(params[name], "_baton_expert_parts", None)
+        names = parts.names if parts is not None else (proj,)
         missing += [
-            f"{prefix}.{e}.{p}.weight"
+            f"{prefix}.{e}.{part}.weight"
             for e in range(params[name].shape[0])
-            for i, p in enumerate(projs)
+            for i, part in enumerate(names)
             if (e, i) not in rows
         ]
     if missing:

@@ -90,12 +90,14 @@ class Engine:
         shard_addresses = gather_addresses(tp, self.shard_connector)
         # The scheduler's pool operations, recorded for the other ranks' next step at TP > 1.
         self.pool_ops = PoolOps(self.cache, record=self.ranks is not None)
-        self.pages = IndexPool(sizes.num_pages - 1, "KV pages")
+        # A model with no paged state (no attention layer) holds no pages: no page accounting,
+        # and its context is not bounded by a page budget.
+        paged = self.state_spec.has_pages
+        self.pages = IndexPool(sizes.num_pages - 1 if paged else 0, "KV pages")
         self.slots = IndexPool(sizes.num_mamba_slots - 1, "state slots")
-        self.max_model_len = min(
-            args.max_model_len or config.max_position_embeddings,
-            (sizes.num_pages - 1) * sizes.page_size,
-        )
+        self.max_model_len = args.max_model_len or config.max_position_embeddings
+        if paged:
+            self.max_model_len = min(self.max_model_len, (sizes.num_pages - 1) * sizes.page_size)
         self.prefix_cache = self._make_prefix_cache()
         # structured outputs (engine/structured_output/): compiles off the loop, masks per step
         self.grammars = Grammars(
@@ -110,7 +112,7 @@ class Engine:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 chunked_prefill_size=min(args.chunked_prefill_size, args.max_num_batched_tokens),
                 max_running_requests=args.max_running_requests,
-                page_size=args.page_size,
+                page_size=args.page_size if paged else None,
                 policy=args.schedule_policy,
                 max_prefill_tokens=min(
                     args.max_prefill_tokens
@@ -189,12 +191,14 @@ class Engine:
         if not on_cuda and not args.cpu_padded_decode:
             return None
         page = args.page_size
+        # With no paged state no page table has a column.
+        pages = -(-self.max_model_len // page) if self.state_spec.has_pages else 0
         return DecodeGraphRunner(
             self.runner,
             max_bs=min(
                 args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests
             ),
-            kv_capacity=-(-self.max_model_len // page) * page,
+            kv_capacity=pages * page,
             use_cuda_graphs=on_cuda,
         )
 

@@ -51,7 +51,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     chunked_prefill_size: int
     max_running_requests: int
-    page_size: int
+    page_size: int | None  # None: the model keeps no paged state (requests hold no pages)
     policy: SchedulePolicy
     max_prefill_tokens: int  # token budget of a prefill-first step (<= max_num_batched_tokens)
     max_model_len: int  # a request that reaches it ends with "length"
@@ -392,7 +392,8 @@ class Scheduler:
     # -- memory -----------------------------------------------------------------------------
 
     def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.page_size)
+        page_size = self.config.page_size
+        return 0 if page_size is None else -(-num_tokens // page_size)
 
     def _reserve_pages(self, req: Request, num_tokens: int, scheduled: set[int]) -> bool:
         """Make req hold pages for `num_tokens` tokens, preempting later requests if needed.

@@ -164,9 +164,12 @@ def build_metadata(
         page_row,
         np.arange(len(all_pages)) - np.repeat(np.cumsum(page_counts) - page_counts, page_counts),
     ] = all_pages
-    slot_mapping = (
-        page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
-    )
+    if num_pages:
+        slot_mapping = (
+            page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
+        )
+    else:  # no sequence holds a page (a model with no paged state): nothing writes by token
+        slot_mapping = np.zeros(len(positions), dtype=np.int64)
     kv_lens = starts_np + lens_np
 
     # rows of the hidden states projected to logits, and the sequence owning each of them

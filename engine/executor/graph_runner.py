@@ -86,6 +86,9 @@ class DecodeGraphRunner:
             tuple[int, bool], tuple[torch.cuda.CUDAGraph, Mamba2Metadata, torch.Tensor]
         ] = {}
         self.num_padded_steps = 0
+        # padding rows write their K/V into dummy page 0; a model that keeps no pages (capacity
+        # 0: no attention) has none for them
+        self.dummy_pages = (0,) if kv_capacity else ()
 
     def can_run(self, sched: ScheduledBatch) -> bool:
         return (
@@ -105,7 +108,7 @@ class DecodeGraphRunner:
             input_ids=sched.input_ids + (0,) * extra,
             seq_lens=sched.seq_lens + (1,) * extra,
             start_positions=sched.start_positions + (0,) * extra,
-            kv_pages=sched.kv_pages + ((0,),) * extra,
+            kv_pages=sched.kv_pages + (self.dummy_pages,) * extra,
             mamba_slots=sched.mamba_slots + (0,) * extra,
             logits_seqs=tuple(range(bs))
             if sched.logits_seqs == tuple(range(n))
@@ -155,7 +158,7 @@ class DecodeGraphRunner:
             input_ids=(0,) * bs,
             seq_lens=(1,) * bs,
             start_positions=(0,) * bs,
-            kv_pages=((0,),) * bs,
+            kv_pages=(self.dummy_pages,) * bs,
             mamba_slots=(0,) * bs,
             logits_seqs=tuple(range(bs)),
             prompt_logprob_seqs=(),

@@ -162,7 +162,7 @@ class Handover:
                 f"request {request_id}: frames of one chunk hold different page counts"
             )
         n = counts.pop() if counts else 0
-        if first_page + n > len(req.kv_pages):
+        if n and first_page + n > len(req.kv_pages):
             raise ValueError(f"request {request_id}: streamed pages do not fit its preallocation")
         cached_pages = req.num_cached_tokens // self.cache.page_size
         if n and first_page < cached_pages:  # shared with other requests: never written here

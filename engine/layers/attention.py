@@ -1,5 +1,6 @@
 """Attention over the paged KV cache: GQA, optional bias, with or without rotary embeddings
-(full or partial), any softmax scale (Granite's `attention_multiplier`).
+(full or partial), any softmax scale (Granite's `attention_multiplier`), optional per-head RMS
+norms of queries and keys before the rotary (LFM2's q/k layernorms: `q_norm`, `k_norm`).
 
 Rotary embeddings are applied at the cache write (kernels.attention.rotary_store_kv), so the
 cache holds rotated keys and decode and extend read the same ones.
@@ -18,6 +19,7 @@ from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from engine.config import RotaryConfig
 from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.mlp import fuse_linears
+from engine.layers.norm import RMSNorm
 from kernels.attention import paged_attention, rotary_cos_sin, rotary_store_kv, store_kv
 from kernels.linear import PackedLinear
 
@@ -80,8 +82,11 @@ class Attention(nn.Module):
         rotary: RotaryConfig | None,
         kv_index: int,
         key_multiplier: float = 1.0,
+        qk_norm_eps: float | None = None,
     ):
         """key_multiplier: keys are scaled after k_proj, before the rotary (Falcon-H1).
+        qk_norm_eps: RMS-normalise each query and key head (weights `q_norm`, `k_norm` of
+        head_dim) with this eps before the rotary (LFM2); None: no such norms.
         Under tensor parallelism (parallel.current()) this rank holds its query heads and the
         KV heads they attend with; o_proj is row-parallel, its output all-reduced."""
         super().__init__()
@@ -98,6 +103,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm_eps is not None:  # per head: replicated on every rank
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         if tp.size > 1:
             q_rows = parallel.Slices(dim=0, ranges=((first_q * head_dim, num_heads * head_dim),))
             kv_rows = parallel.Slices(
@@ -171,6 +181,9 @@ class Attention(nn.Module):
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         state = cache.layer("attention", self.kv_index if kv_index is None else kv_index)
         k_cache, v_cache = state["k"], state["v"]
         if self.inv_freq is not None:

@@ -3,11 +3,12 @@
 Parameter names follow transformers' NemotronH (`gate.weight`, `gate.e_score_correction_bias`,
 `experts.up_proj` / `experts.down_proj` stacked (E, out, in), `shared_experts.*`,
 `fc1_latent_proj` / `fc2_latent_proj`); the loader stacks a checkpoint's per-expert tensors
-(`experts.{e}.up_proj.weight`) into the stacked parameters.
+(`experts.{e}.up_proj.weight`) into the stacked parameters, and SwiGLU experts stored as
+separate `gate_proj` / `up_proj` per expert (Jamba, LFM2-MoE) into the [gate | up] rows of one.
 
     x ──> gate (float32) ──> (weights, ids)
     x ──> [fc1_latent_proj] ──> experts (fused_moe) ──> [fc2_latent_proj] ──┐
-    x ──> shared_experts ───────────────────────────────────────────────────+──> out
+    x ──> shared_experts (when there is one) ───────────────────────────────+──> out
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from engine import parallel
+from engine.checkpoint.weights import ExpertParts, expert_parts
 from engine.layers.mlp import GatedMLP, ReluSquaredMLP
 from kernels.cpu_moe import PanelExperts
 from kernels.moe import (
@@ -29,6 +31,7 @@ from kernels.moe import (
     route_sigmoid_grouped,
     route_softmax_all_topk,
     route_softmax_topk,
+    route_topk_of_softmax,
 )
 
 
@@ -37,20 +40,25 @@ class MoEConfig:
     """A routed mixture of experts plus one always-on shared expert (NemotronH's `moe` block;
     Qwen3-Next's and Qwen3.5's sparse MoE block).
 
-        Router "softmax_topk" (Granite-4.0-H, Qwen): the top-k of a softmax over every expert,
-        renormalised when `norm_topk_prob` (then the softmax over the top-k logits); the grouping
-        fields are then 1 and no correction bias exists.
-        Router "sigmoid_grouped" (NemotronH): sigmoid scores of a float32 linear; top-k choice on
-        scores + `e_score_correction_bias` restricted to the best `topk_group` of `n_group` expert
-        groups (a group's score is the sum of its two best experts); weights are the chosen sigmoid
-        scores, renormalised to sum 1 when `norm_topk_prob`, times `routed_scaling_factor`.
+    Router "softmax_topk" (Granite-4.0-H, Qwen): the top-k of a softmax over every expert,
+    renormalised when `norm_topk_prob` (then the softmax over the top-k logits); the grouping
+    fields are then 1 and no correction bias exists.
+    Router "topk_of_softmax" (Jamba): softmax over every logit, the top-k probabilities as they
+    are (not renormalised); grouping fields 1, no bias.
+    Router "sigmoid_grouped" (NemotronH, LFM2-MoE with one group): sigmoid scores of a float32
+    linear; top-k choice on scores + the expert bias (`expert_bias`: NemotronH's
+    `e_score_correction_bias`, LFM2-MoE's `expert_bias`) restricted to the best `topk_group` of
+    `n_group` expert groups (a group's score is the sum of its two best experts); weights are
+    the chosen sigmoid scores, divided by (their sum + `norm_topk_eps`) when `norm_topk_prob`,
+    times `routed_scaling_factor`.
     """
 
-    router: Literal["sigmoid_grouped", "softmax_topk"]  # softmax_topk: Mixtral/Granite
+    router: Literal["sigmoid_grouped", "softmax_topk", "topk_of_softmax"]
     num_experts: int
     top_k: int
     intermediate_size: int  # per routed expert
-    shared_intermediate_size: int  # the shared expert (an MLP beside the routed ones)
+    # the shared expert (an MLP beside the routed ones); None: there is none (Jamba, LFM2-MoE)
+    shared_intermediate_size: int | None
     # Experts run in a smaller space: fc1_latent_proj (hidden -> latent) before them and
     # fc2_latent_proj (latent -> hidden) after (Nemotron 3 Super). None: no projection.
     latent_size: int | None
@@ -58,6 +66,8 @@ class MoEConfig:
     n_group: int
     topk_group: int
     norm_topk_prob: bool
+    norm_topk_eps: float  # NemotronH's 1e-20, LFM2-MoE's 1e-6
+    expert_bias: bool  # sigmoid router: a bias steers the top-k choice
     routed_scaling_factor: float
     bias: bool  # bias of the shared expert and latent projections (`mlp_bias`)
     # Qwen3-Next / Qwen3.5: the shared expert's output is scaled by sigmoid(shared_expert_gate(x)),
@@ -68,7 +78,7 @@ class MoEConfig:
 
 class Router(nn.Module):
     """Kept in float32 whatever the model dtype (the loader skips modules with
-    `keep_float32`), as transformers keeps `gate.weight` and the correction bias."""
+    `keep_float32`), as transformers keeps NemotronH's `gate.weight` and correction bias."""
 
     keep_float32 = True
 
@@ -76,19 +86,25 @@ class Router(nn.Module):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.zeros(config.num_experts, hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if config.expert_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))
 
     def forward(self, x: torch.Tensor) -> Routing:
         c = self.config
+        if c.router == "topk_of_softmax":
+            return route_topk_of_softmax(x, self.weight, top_k=c.top_k)
+        bias = self.e_score_correction_bias
         return route_sigmoid_grouped(
             x,
             self.weight,
-            self.e_score_correction_bias,
+            bias if bias is not None else torch.zeros_like(self.weight[:, 0]),
             top_k=c.top_k,
             n_group=c.n_group,
             topk_group=c.topk_group,
             norm_topk_prob=c.norm_topk_prob,
             scaling=c.routed_scaling_factor,
+            norm_eps=c.norm_topk_eps,
         )
 
 
@@ -122,11 +138,9 @@ class Experts(nn.Module):
         self.top_k = config.top_k  # experts each token runs (what a step reads of them)
         self.up_proj = nn.Parameter(torch.zeros(E, up_rows, width))
         self.down_proj = nn.Parameter(torch.zeros(E, width, inter))
-        own = parallel.Slices(dim=-2, ranges=((first, inter),)) if tp.size > 1 else None
-        if up_rows > inter:
-            # swiglu rows are [gate | up]; checkpoints may store them per expert as two
-            # projections (transformers' `experts.{e}.gate_proj` / `up_proj`), each sliced alike.
-            self.up_proj.expert_parts = (("gate_proj", own), ("up_proj", own))
+        mine = parallel.Slices(dim=-2, ranges=((first, inter),)) if tp.size > 1 else None
+        if config.activation == "swiglu":  # checkpoints that keep gate and up apart per expert
+            expert_parts(self.up_proj, ExpertParts(names=("gate_proj", "up_proj"), rule=mine))
         if tp.size > 1:
             # Rules on the last two dims: they fit one expert's (out, in) checkpoint tensor and
             # the stacked (E, out, in) alike.
@@ -149,23 +163,23 @@ class MoE(nn.Module):
         """shared_name: the shared expert's module name in checkpoints (NemotronH's
         `shared_experts`, Qwen's `shared_expert`)."""
         super().__init__()
-        router = Router if config.router == "sigmoid_grouped" else SoftmaxRouter
+        router = SoftmaxRouter if config.router == "softmax_topk" else Router
         self.gate = router(hidden_size, config)
         latent = config.latent_size
         self.experts = Experts(latent if latent is not None else hidden_size, config)
         self.tp = tp = parallel.current()
-        shared_what = "shared_expert_intermediate_size"
         self.shared_name = shared_name
-        if config.activation == "swiglu":
-            shared: nn.Module = GatedMLP(
+        shared: nn.Module | None = None
+        if config.shared_intermediate_size is not None and config.activation == "swiglu":
+            shared = GatedMLP(
                 hidden_size,
                 config.shared_intermediate_size,
                 config.bias,
                 "silu",
                 reduce_output=False,
-                what=shared_what,
+                what="shared_expert_intermediate_size",
             )
-        else:
+        elif config.shared_intermediate_size is not None:
             shared = ReluSquaredMLP(
                 hidden_size,
                 config.shared_intermediate_size,
@@ -193,10 +207,13 @@ class MoE(nn.Module):
         routed = self.experts(routed, routing)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
-        shared = getattr(self, self.shared_name)(x)
-        if self.shared_expert_gate is not None:
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return self.tp.all_reduce(routed + shared)
+        shared = getattr(self, self.shared_name)
+        if shared is not None:
+            out = shared(x)
+            if self.shared_expert_gate is not None:
+                out = torch.sigmoid(self.shared_expert_gate(x)) * out
+            routed = routed + out
+        return self.tp.all_reduce(routed)
 
 
 class StackedWeight(nn.Module):

@@ -94,6 +94,8 @@ def read_config(r: ConfigReader) -> ModelConfig:
             n_group=1,
             topk_group=1,
             norm_topk_prob=True,  # the softmax over the k chosen logits sums to one
+            norm_topk_eps=0.0,
+            expert_bias=False,
             routed_scaling_factor=1.0,
             bias=False,
             shared_expert_gate=False,

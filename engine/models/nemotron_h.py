@@ -189,6 +189,8 @@ def _moe_config(r: ConfigReader) -> MoEConfig:
         n_group=n_group,
         topk_group=topk_group,
         norm_topk_prob=bool(opt("norm_topk_prob")),
+        norm_topk_eps=1e-20,
+        expert_bias=True,
         routed_scaling_factor=float(opt("routed_scaling_factor")),
         bias=bool(opt("mlp_bias")),
         shared_expert_gate=False,

@@ -187,6 +187,8 @@ def qwen_moe_config(t: ConfigReader, *, norm_topk_prob: bool) -> MoEConfig:
         n_group=1,
         topk_group=1,
         norm_topk_prob=norm_topk_prob,
+        norm_topk_eps=0.0,
+        expert_bias=False,
         routed_scaling_factor=1.0,
         bias=False,
         shared_expert_gate=True,

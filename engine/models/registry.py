@@ -44,6 +44,12 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "Qwen3_5MoeForCausalLM": ("qwen3_5_moe_text", "engine.models.qwen3_5_moe"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "engine.models.qwen3_5_moe"),
     "OlmoHybridForCausalLM": ("olmo_hybrid", "engine.models.olmo_hybrid"),
+    "JambaForCausalLM": ("jamba", "engine.models.jamba"),
+    "Lfm2ForCausalLM": ("lfm2", "engine.models.lfm2"),
+    "Lfm2MoeForCausalLM": ("lfm2_moe", "engine.models.lfm2_moe"),
+    "MambaForCausalLM": ("mamba", "engine.models.mamba"),
+    "Mamba2ForCausalLM": ("mamba2", "engine.models.mamba2"),
+    "FalconMambaForCausalLM": ("falcon_mamba", "engine.models.falcon_mamba"),
 }
 
 

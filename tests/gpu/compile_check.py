@@ -37,6 +37,7 @@ KERNEL_MODULES = (
     "kernels.triton_state_copy",
     "kernels.triton_norm",
     "kernels.triton_gated_delta",
+    "kernels.triton_selective_scan",
 )
 
 
@@ -118,6 +119,33 @@ def run_launchers(dtype: torch.dtype, dims: dict) -> None:
     copy_states_triton(pool, torch.tensor([3]), pool, torch.tensor([1]))
     copy_states_triton(conv_pool, torch.tensor([3]), conv_pool, torch.tensor([1]))
     run_gated_delta_launchers(dtype, dims["gdn"], seq_lens)
+    run_mamba1_launchers(dtype, dims, layout, window_layout)
+
+
+def run_mamba1_launchers(dtype: torch.dtype, dims: dict, layout, window_layout) -> None:
+    """The Mamba1 scan and decode step (d_inner = the conv width, d_state = N), gated and not,
+    and LFM2's short conv (no activation, no bias)."""
+    from kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+    from kernels.triton_selective_scan import (
+        selective_scan_pool_triton,
+        selective_state_update_triton,
+    )
+
+    width, N, K = dims["conv"], dims["N"], dims["K"]
+    T = int(layout.cu_seqlens[-1])
+    x, dt, z = (torch.randn(T, width).to(dtype) for _ in range(3))
+    B, C = torch.randn(T, N).to(dtype), torch.randn(T, N).to(dtype)
+    A, D, bias = -torch.rand(width, N), torch.randn(width), torch.randn(width)
+    pool, slots = torch.randn(4, width, N), torch.tensor([1, 2])
+    for gate, chunks in ((z, True), (None, False)):
+        selective_scan_pool_triton(x, dt, A, B, C, D, bias, gate, pool, slots, layout, chunks)
+        selective_state_update_triton(
+            pool, x[:3], dt[:3], A, B[:3], C[:3], D, bias, gate[:3] if gate is not None else None,
+            torch.tensor([1, 2, 0]),
+        )  # fmt: skip
+    w, conv_pool = torch.randn(width, K).to(dtype), torch.randn(4, width, K - 1).to(dtype)
+    causal_conv1d_varlen_triton(x, w, None, conv_pool, slots, window_layout, None, "none")
+    causal_conv1d_update_triton(x[:3], w, None, conv_pool, torch.tensor([1, 2, 0]), "none")
 
 
 def run_gated_delta_launchers(dtype: torch.dtype, gdn: dict, seq_lens: list[int]) -> None:
