@@ -25,6 +25,13 @@ from typing import Any
 
 from engine.config_error import ConfigError
 
+# The serving dtypes by name (engine/checkpoint/loader.py maps them to torch's); --dtype also
+# takes vLLM's spellings and auto, the checkpoint's own dtype (its config.json), as vLLM does.
+# Here, not beside the torch dtypes, so that the command line builds without importing torch.
+SERVING_DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+DTYPE_NAMES = ("auto", *SERVING_DTYPES, *DTYPE_ALIASES)
+
 
 @functools.cache
 def class_defaults(config_class: type) -> dict[str, Any]:

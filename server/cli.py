@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.checkpoint.loader import DTYPE_NAMES
+from engine.config import DTYPE_NAMES
+from engine.runtime.torch_import import defer_torch
 from server.args import ServerArgs
 from server.reasoning_parsers import REASONING_PARSERS
 from server.tool_parsers import TOOL_CALL_PARSERS
@@ -336,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # No baton command holds tensors in this process (the engines run in their own): torch is
+    # kept out, and transformers (tokenizers, configs) runs without it, see torch_import.py.
+    defer_torch()
     namespace = build_parser().parse_args(argv)
     return namespace.handler(namespace)
 

@@ -34,6 +34,7 @@ from engine.runtime.ipc import (
     AbortRequests,
     AddRequest,
     EngineFailed,
+    EngineProcessSpec,
     EngineReady,
     RequestFailed,
     Shutdown,
@@ -41,7 +42,6 @@ from engine.runtime.ipc import (
     decode,
     encode,
 )
-from engine.runtime.process import EngineProcessSpec
 from server.args import ServerArgs
 
 logger = logging.getLogger("baton.server")

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
-from engine.config import ModelConfig
+from engine.models.registry import architecture_for
 from engine.runtime.gc_freeze import freeze_startup_objects
 from server.app import build_app
 from server.args import HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S, ServerArgs
@@ -58,10 +60,13 @@ class _Server(uvicorn.Server):
 
 
 def check_model_config(model_dir: str) -> None:
-    """The engine's own reading of config.json, before any process starts: an unsupported
-    family or a missing key is named at once (and before a missing tokenizer would be)."""
+    """config.json names a family baton serves, checked before any process starts, without
+    importing the family (it brings torch, which the server never needs). The family's own
+    reading of the file (a missing or unusable key) is the engine's: it names the key when it
+    fails to load."""
+    path = Path(model_dir) / "config.json"
     try:
-        ModelConfig.from_hf(model_dir)
+        architecture_for(json.loads(path.read_text()), str(path))
     except (ValueError, OSError) as error:
         raise RuntimeError(f"failed to load model {model_dir}: {error}") from error
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.checkpoint.loader import DTYPE_NAMES
+from engine.config import DTYPE_NAMES
 from engine.runtime.cpu_threads import cores_per_engine
 from server.reasoning_parsers import REASONING_PARSERS
 from server.router import DEFAULT_MAX_CONCURRENT_REQUESTS

@@ -64,6 +64,9 @@ class FakeEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
+    def warm_up(self) -> None:
+        """Nothing to pay on a first forward here."""
+
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:

@@ -9,17 +9,14 @@ import torch
 
 from engine import parallel
 from engine.checkpoint.weights import load_into, tensor_names
-from engine.config import ModelConfig
+from engine.config import DTYPE_ALIASES, DTYPE_NAMES, SERVING_DTYPES, ModelConfig
 from engine.layers.causal_lm import CausalLM
 from engine.layers.cpu_backend import prepare_for_cpu
 from engine.models.registry import family_named
 from engine.parallel import TensorParallel
 from engine.parallel.support import check_tp_supported
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
-# What --dtype accepts: auto is the checkpoint's own dtype (config.json), as in vLLM.
-DTYPE_NAMES = ("auto", *DTYPES, *DTYPE_ALIASES)
+DTYPES = {name: getattr(torch, name) for name in SERVING_DTYPES}
 
 
 def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:

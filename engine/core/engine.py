@@ -7,6 +7,8 @@ text and stop strings are the next stage's work (engine/core/detokenizer.py), ou
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ from engine.core.request_timing import RequestTiming
 from engine.core.sampler import Sampler, top_logprobs
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.warm_up import warm_up
 from engine.executor.graph_runner import DecodeGraphRunner
 from engine.executor.model_runner import ModelRunner
 from engine.handover.connector import Handover
@@ -34,7 +37,9 @@ from engine.parallel.messages import PoolOps
 from engine.parallel.ranks import RankedRunner, start_ranks
 from engine.parallel.support import check_tp_supported
 from engine.runtime.cpu_allocator import keep_freed_memory_in_heap
-from engine.structured_output import Grammars
+from engine.structured_output.grammars import Grammars
+
+logger = logging.getLogger("baton.engine")
 
 # Prompt logprobs are computed over this many rows of a chunk's logits at a time.
 PROMPT_LOGPROB_ROWS = 256
@@ -152,6 +157,13 @@ class Engine:
                 addresses=shard_addresses,
             ),
         )
+
+    def warm_up(self) -> None:
+        """Pay the first forward's one-time costs now (C kernel builds, Triton compiles:
+        engine/core/warm_up.py); the engine processes call this before they report ready."""
+        began = time.perf_counter()
+        forwards = warm_up(self)
+        logger.info("warm-up: %d forwards in %.2f s", forwards, time.perf_counter() - began)
 
     def check_ranks(self) -> None:
         """Raise RankFailed if a tensor-parallel rank has exited (a waitpid per rank)."""

@@ -120,8 +120,14 @@ def family_named(architecture: str) -> Family:
 
 
 def family_for(hf: dict[str, Any], source: str = "config.json") -> Family:
-    """The family of a config.json. `architectures[0]` decides; a file without it is looked up
-    by `model_type`. Anything else is refused with the list of what baton serves."""
+    """The family of a config.json (see architecture_for)."""
+    return family_named(architecture_for(hf, source))
+
+
+def architecture_for(hf: dict[str, Any], source: str = "config.json") -> str:
+    """The architecture baton serves a config.json as: `architectures[0]` decides; a file without
+    it is looked up by `model_type`. Anything else is refused with the list of what baton serves.
+    Imports no family module (nor torch): the server checks this before it starts an engine."""
     architectures = hf.get("architectures") or []
     model_type = hf.get("model_type")
     arch = architectures[0] if architectures else None
@@ -135,4 +141,4 @@ def family_for(hf: dict[str, Any], source: str = "config.json") -> Family:
         )
         supported = ", ".join(f"{a} ({t})" for a, (t, _) in FAMILIES.items())
         raise ConfigError(f"{source}: unsupported {named}; baton serves {supported}")
-    return family_named(arch)
+    return arch
