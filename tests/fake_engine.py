@@ -45,7 +45,7 @@ def fake_token(prompt: list[int], position: int, vocab_size: int) -> int:
 
 class FakeEngine:
     PAGE_SIZE = 16
-    track_interval = 0  # no prefix cache
+    handover = SimpleNamespace(track_interval=0)  # no prefix cache
 
     def __init__(
         self, model_dir: str, *, dtype: str = "float32", device: str = "cpu", **engine_args
