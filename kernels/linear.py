@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from kernels import cpu_gemm
+from kernels.matmul_choices import ChoiceCache
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ FLOAT32_MARGIN = 0.9
 # decode's cold weights gains little (1.0-1.1x, and a near-tie flipped with load: one of a PD
 # pair's two workers, timing at the same moment, once picked oneDNN for the 768x5144 in_proj).
 BATON_GEMM_MARGIN = 1.15
+# What the timings above depend on: choices kept on disk (kernels/matmul_choices.py) are keyed by it.
+TIMING_RULES = (
+    f"rows {TIMING_ROWS} rounds {TIMING_ROUNDS} max-out {TIMING_MAX_OUT} "
+    f"margins {FLOAT32_MARGIN} {BATON_GEMM_MARGIN}"
+)
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -147,6 +153,7 @@ class MatmulChooser:
         timer: Callable[[int, int, str], float] | None = None,
         gemm: str | None = None,
         gemm_timer: Callable[[int, int, torch.dtype, str], float] | None = None,
+        cache: ChoiceCache | None = None,
     ):
         self.model_dtype = model_dtype
         self.policy = matmul_policy() if policy is None else policy
@@ -161,6 +168,19 @@ class MatmulChooser:
         self.gemm_timer = gemm_timer or time_gemm
         self.kernels: dict[tuple[int, int, torch.dtype], str] = {}
         self.gemm_timings: dict[tuple[int, int, torch.dtype], tuple[float, float]] = {}
+        self.cache = cache  # choices timed by an earlier start on this machine (None: time all)
+        self.num_cached = 0  # choices taken from the cache rather than timed
+
+    def _remembered(self, key: str, valid: tuple[str, ...]) -> tuple[str, float, float] | None:
+        entry = self.cache.get(key) if self.cache is not None else None
+        if entry is None or entry[0] not in valid:
+            return None
+        self.num_cached += 1
+        return entry
+
+    def _remember(self, key: str, entry: tuple[str, float, float]) -> None:
+        if self.cache is not None:
+            self.cache.put(key, entry)
 
     def _time(self, in_features: int, out_features: int, form: str) -> float:
         return time_linear(in_features, out_features, self.model_dtype, form)
@@ -174,6 +194,11 @@ class MatmulChooser:
         if not fp32_packs:
             return self.model_dtype
         shape = (in_features, out_features)
+        model_name = str(self.model_dtype).removeprefix("torch.")
+        key = f"dtype {model_name} {in_features}x{out_features}"
+        if shape not in self.choices and (hit := self._remembered(key, (model_name, "float32"))):
+            self.choices[shape] = getattr(torch, hit[0])
+            self.timings[shape] = hit[1:]
         if shape not in self.choices:
             # Rounds alternate the two forms and keep each one's best: a burst of other work on
             # a shared machine then slows one round of both rather than all of one form (timed
@@ -185,6 +210,7 @@ class MatmulChooser:
             self.timings[shape] = (model_s, fp32_s)
             faster = fp32_s < FLOAT32_MARGIN * model_s
             self.choices[shape] = torch.float32 if faster else self.model_dtype
+            self._remember(key, ("float32" if faster else model_name, model_s, fp32_s))
         return self.choices[shape]
 
     def kernel(self, in_features: int, out_features: int, dtype: torch.dtype) -> str:
@@ -194,6 +220,10 @@ class MatmulChooser:
         if self.gemm == "baton":
             return "baton"
         key = (in_features, out_features, dtype)
+        cache_key = f"gemm {str(dtype).removeprefix('torch.')} {in_features}x{out_features}"
+        if key not in self.kernels and (hit := self._remembered(cache_key, ("onednn", "baton"))):
+            self.kernels[key] = hit[0]
+            self.gemm_timings[key] = hit[1:]
         if key not in self.kernels:
             onednn_s = baton_s = float("inf")
             for _ in range(TIMING_ROUNDS):  # alternated, as for the dtype
@@ -203,6 +233,7 @@ class MatmulChooser:
                 baton_s = min(baton_s, self.gemm_timer(in_features, out_features, dtype, "baton"))
             self.gemm_timings[key] = (onednn_s, baton_s)
             self.kernels[key] = "baton" if baton_s < BATON_GEMM_MARGIN * onednn_s else "onednn"
+            self._remember(cache_key, (self.kernels[key], onednn_s, baton_s))
         return self.kernels[key]
 
     def summary(self) -> str:
@@ -211,7 +242,10 @@ class MatmulChooser:
             f"({a * 1e3:.2f} ms onednn / {b * 1e3:.2f} ms baton)"
             for (i, o, d), (a, b) in self.gemm_timings.items()
         )
-        return f"{self._dtype_summary()}; GEMM {self.gemm}: {gemms or 'not timed'}"
+        cached = (
+            f" ({self.num_cached} choices timed by an earlier start)" if self.num_cached else ""
+        )
+        return f"{self._dtype_summary()}; GEMM {self.gemm}: {gemms or 'not timed'}{cached}"
 
     def _dtype_summary(self) -> str:
         if not self.timings:
