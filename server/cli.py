@@ -159,7 +159,15 @@ def add_serve_parser(subparsers) -> None:
     engine.add_argument(
         "--mem-fraction",
         type=float,
-        help="CUDA: fraction of free GPU memory for the KV and Mamba pools (default: 0.85)",
+        help="fraction of the free GPU memory for the KV and Mamba pools; on the CPU, of the "
+        "available memory, and at most 4 GiB (default: 0.85)",
+    )
+    engine.add_argument(
+        "--kv-cache-memory-bytes",
+        type=_non_negative_int,
+        help="memory for the KV and Mamba pools, in bytes, instead of --mem-fraction; the pools "
+        "hold --max-running-requests requests at --max-model-len within it (CPU pools take "
+        "memory as requests use them)",
     )
     engine.add_argument(
         "--disable-cuda-graph", action="store_true", help="CUDA: run decode steps eagerly"

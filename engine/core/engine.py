@@ -14,7 +14,13 @@ from pathlib import Path
 import torch
 
 from engine import parallel
-from engine.cache.memory import IndexPool, size_pools
+from engine.cache.memory import (
+    DEFAULT_CPU_POOL_BYTES,
+    IndexPool,
+    PoolBudget,
+    budget_pools,
+    size_pools,
+)
 from engine.cache.pools import StateCache
 from engine.cache.prefix_cache import PrefixCache
 from engine.checkpoint.loader import load_model, resolve_dtype
@@ -36,7 +42,11 @@ from engine.models.registry import model_state_spec
 from engine.parallel.messages import PoolOps
 from engine.parallel.ranks import RankedRunner, start_ranks
 from engine.parallel.support import check_tp_supported
-from engine.runtime.cpu_allocator import keep_freed_memory_in_heap
+from engine.runtime.cpu_allocator import (
+    available_memory,
+    keep_freed_memory_in_heap,
+    release_freed_memory,
+)
 from engine.structured_output.grammars import Grammars
 
 logger = logging.getLogger("baton.engine")
@@ -63,9 +73,9 @@ class Engine:
         self.dtype = resolve_dtype(dtype, self.model_config)
         args, config = self.args, self.model_config
         self.state_spec = model_state_spec(config, self.dtype)
-        max_total_tokens, max_slots = self._budgets()
+        budget = self._budgets()
         sizes = size_pools(
-            max_total_tokens=max_total_tokens, max_mamba_slots=max_slots, page_size=args.page_size
+            max_total_tokens=budget.tokens, max_mamba_slots=budget.slots, page_size=args.page_size
         )
         # Before any process starts: a model and TP size that cannot be served are refused.
         check_tp_supported(config, args.tensor_parallel_size)
@@ -78,6 +88,8 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        if self.device.type == "cpu":
+            release_freed_memory()  # the plain weights the packed ones replaced
         self.tokenizer = _load_tokenizer(model_dir)
         self.cache = StateCache(
             self.state_spec,
@@ -214,25 +226,28 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def _budgets(self) -> tuple[int, int]:
+    def _budgets(self) -> PoolBudget:
+        """The pools' sizes from the state spec and the context budget (engine/cache/memory.py),
+        within --kv-cache-memory-bytes, else --mem-fraction of the free GPU memory, else on the
+        CPU DEFAULT_CPU_POOL_BYTES (at most --mem-fraction of the available memory)."""
         args, config = self.args, self.model_config
-        slots = args.max_mamba_slots or args.max_running_requests
-        if args.max_total_tokens is not None:
-            return args.max_total_tokens, slots
-        if self.device.type == "cuda":
+        if args.kv_cache_memory_bytes is not None:
+            memory = args.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * args.mem_fraction
-            slot_bytes = self.state_spec.bytes_per_slot()
-            token_bytes = max(1, self.state_spec.bytes_per_token())
-            if args.max_mamba_slots is None:  # keep Mamba state to at most half of the budget
-                slots = max(1, min(slots, int(budget * 0.5 // max(1, slot_bytes))))
-            tokens = int((budget - slots * slot_bytes) // token_bytes)
-            # A small model on a large card would otherwise get hundreds of millions of tokens
-            # (and a host free list as long): no more than every running request at full length
-            # can use, twice over so that the prefix cache keeps pages too.
-            full = args.max_model_len or config.max_position_embeddings
-            return min(tokens, 2 * args.max_running_requests * full), slots
-        return 65536, slots
+            memory = int(free * args.mem_fraction)
+        else:
+            memory = min(DEFAULT_CPU_POOL_BYTES, int(available_memory() * args.mem_fraction))
+        return budget_pools(
+            token_bytes=self.state_spec.bytes_per_token(),
+            slot_bytes=self.state_spec.bytes_per_slot(),
+            memory_bytes=memory,
+            max_running_requests=args.max_running_requests,
+            max_model_len=args.max_model_len or config.max_position_embeddings,
+            prefix_cache=args.enable_prefix_caching,
+            max_total_tokens=args.max_total_tokens,
+            max_mamba_slots=args.max_mamba_slots,
+        )
 
     # -- requests ---------------------------------------------------------------------------
 
