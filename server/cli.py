@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     add_serve_parser(subparsers)
-    from server.router import add_router_parser
+    from server.router_cli import add_router_parser
     from server.up import add_up_parser
 
     add_router_parser(subparsers)

@@ -126,6 +126,7 @@ class EngineClient:
             [sys.executable, "-m", module, spec.to_json()],
             env=engine_environment(os.environ, self.args.cpu_threads),
         )
+        logger.info("engine process %d started", self._process.pid)
         deadline = asyncio.get_running_loop().time() + self.args.engine_start_timeout
         while not await self._inbox.poll(500):
             if self._process.poll() is not None:

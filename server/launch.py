@@ -19,17 +19,17 @@ import logging
 import signal
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from engine.models.registry import architecture_for
 from engine.runtime.gc_freeze import freeze_startup_objects
-from server.app import build_app
 from server.args import HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S, ServerArgs
 from server.engine_client import EngineClient
-from server.generation import ServerState
-from server.metrics import ServerMetrics
-from server.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from server.tokenizer import Tokenizer
 
 logger = logging.getLogger("baton.server")
 
@@ -71,6 +71,17 @@ def check_model_config(model_dir: str) -> None:
         raise RuntimeError(f"failed to load model {model_dir}: {error}") from error
 
 
+def prepare_http_side(args: ServerArgs) -> Tokenizer:
+    """The tokenizer, and the imports serving needs, made while the engine loads (in a thread,
+    after the engine process is spawned): fastapi, pydantic and transformers take ~1 s of an
+    idle 2-core machine that the engine's start would otherwise wait for."""
+    import server.app  # noqa: F401
+    from server.tokenizer import load_tokenizer
+
+    flag = "--tokenizer" if args.tokenizer else "--model"
+    return load_tokenizer(args.tokenizer_dir, flag, args.chat_template_text())
+
+
 async def serve(args: ServerArgs) -> None:
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
@@ -80,15 +91,12 @@ async def serve(args: ServerArgs) -> None:
     client = EngineClient(args)
     try:
         await asyncio.to_thread(check_model_config, args.model)
-        # The engine loads while the tokenizer does; a tokenizer that cannot load stops both.
+        # The engine loads while this process imports its HTTP side and loads the tokenizer; a
+        # tokenizer that cannot load stops both.
         starting = asyncio.ensure_future(client.start())
+        await asyncio.sleep(0)  # start() spawns the engine process before it first waits
         try:
-            tokenizer = await asyncio.to_thread(
-                load_tokenizer,
-                args.tokenizer_dir,
-                "--tokenizer" if args.tokenizer else "--model",
-                args.chat_template_text(),
-            )
+            tokenizer = await asyncio.to_thread(prepare_http_side, args)
         except BaseException:
             starting.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -103,6 +111,10 @@ async def serve(args: ServerArgs) -> None:
             # uvicorn restores these handlers after serving and re-raises the signal it caught;
             # ignoring it then lets the engine shut down below instead of killing us first.
             signal.signal(sig, signal.SIG_IGN)
+        from server.app import build_app  # imported by prepare_http_side: no cost here
+        from server.generation import ServerState
+        from server.metrics import ServerMetrics
+
         state = ServerState(
             args=args,
             client=client,

@@ -29,7 +29,7 @@ import httpx
 from engine.config import DTYPE_NAMES
 from engine.runtime.cpu_threads import cores_per_engine
 from server.reasoning_parsers import REASONING_PARSERS
-from server.router import DEFAULT_MAX_CONCURRENT_REQUESTS
+from server.router_cli import DEFAULT_MAX_CONCURRENT_REQUESTS
 from server.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets")

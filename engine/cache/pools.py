@@ -61,6 +61,10 @@ class StateCache:
             for i in range(group.num_layers)
         }
 
+    def nbytes(self) -> int:
+        """The pools' size (on the CPU, the memory they may grow to as requests write them)."""
+        return sum(pool.numel() * pool.element_size() for pool in self.pools.values())
+
     def layer(self, kind: str, index: int) -> dict[str, torch.Tensor]:
         """Layer `index` of state kind `kind`: its pool views by tensor name (a paged tensor's
         rows are token slots, a slot tensor's rows are slots)."""

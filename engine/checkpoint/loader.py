@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -16,6 +18,8 @@ from engine.layers.cpu_backend import prepare_for_cpu
 from engine.models.registry import family_named
 from engine.parallel import TensorParallel
 from engine.parallel.support import check_tp_supported
+
+log = logging.getLogger("baton.engine")
 
 DTYPES = {name: getattr(torch, name) for name in SERVING_DTYPES}
 
@@ -45,16 +49,39 @@ def load_model(
         and "lm_head.weight" in tensor_names(model_dir, family.checkpoint_name)
     ):
         config = dataclasses.replace(config, tie_word_embeddings=False)
+    began = time.perf_counter()
     with torch.device(device), parallel.building(tp), _NoRandomInit():
         model = family.model_class(config)
+    built = time.perf_counter()
     load_into(model, model_dir, family.checkpoint_name)
+    loaded = time.perf_counter()
     # Mamba parameters A_log, D, dt_bias and norms stay where they are read in float32 anyway;
     # cast the whole module once so matmuls run in the serving dtype.
     cast_model(model, dtype)
     model.eval().requires_grad_(False)
     if torch.device(device).type == "cpu":
         prepare_for_cpu(model, dtype)
+    log.info(
+        "model built in %.2f s, weights read in %.2f s, prepared in %.2f s: %.0f MiB held",
+        built - began,
+        loaded - built,
+        time.perf_counter() - loaded,
+        held_bytes(model) / 2**20,
+    )
     return model
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every tensor the model holds, each storage once: parameters, buffers, and the
+    tensors modules keep as attributes (packed weights, float32 forms for C kernels)."""
+    storages: dict[int, int] = {}
+    for module in model.modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 # torch.nn.init's random fills, and the tensor methods they end in

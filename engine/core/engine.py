@@ -63,6 +63,7 @@ class Engine:
     def __init__(
         self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu", **engine_args
     ):
+        logger.info("loading %s (%s, %s)", model_dir, dtype, device)
         self.args = EngineArgs(**engine_args)
         # rank 0's device: GPU 0 when every rank has a GPU of its own (NCCL), else `device`
         self.device = parallel.rank_device(device, 0, self.args.tensor_parallel_size)
@@ -99,6 +100,12 @@ class Engine:
             device=self.device,
             tp_size=tp.size,
             tp_rank=tp.rank,
+        )
+        logger.info(
+            "pools: %d KV tokens, %d state slots, %.0f MiB reserved (committed as used on the CPU)",
+            (sizes.num_pages - 1) * sizes.page_size,
+            sizes.num_mamba_slots - 1,
+            self.cache.nbytes() / 2**20,
         )
         self.shard_connector = load_connector(
             args.handover_connector, config, tp.rank, tp.size, self.cache
