@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.backend import select_backend
+from kernels.machine_cache import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,6 @@ def cpu_key() -> str:
     except OSError:
         flags = ""
     return flags
-
-
-def cache_dir() -> Path:
-    """Where what is made once per machine is kept: `$BATON_CACHE_DIR`, else ~/.cache/baton."""
-    return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
 
 
 def _build(source: Path, target: Path, compiler: str) -> None:

@@ -32,6 +32,7 @@ from engine.core.request_timing import RequestTiming
 from engine.core.sampler import Sampler, top_logprobs
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.tokenizer import LazyTokenizer
 from engine.core.warm_up import warm_up
 from engine.executor.graph_runner import DecodeGraphRunner
 from engine.executor.model_runner import ModelRunner
@@ -91,7 +92,7 @@ class Engine:
             raise
         if self.device.type == "cpu":
             release_freed_memory()  # the plain weights the packed ones replaced
-        self.tokenizer = _load_tokenizer(model_dir)
+        self.lazy_tokenizer = LazyTokenizer(model_dir)
         self.cache = StateCache(
             self.state_spec,
             num_pages=sizes.num_pages,
@@ -123,7 +124,7 @@ class Engine:
         self.prefix_cache = self._make_prefix_cache()
         # structured outputs (engine/structured_output/): compiles off the loop, masks per step
         self.grammars = Grammars(
-            self.tokenizer,
+            self.lazy_tokenizer,
             config.vocab_size,
             config.eos_token_ids,
             compile_threads=1 if self.device.type == "cpu" else 8,
@@ -422,14 +423,3 @@ class Engine:
             logprobs = logits[first : first + len(block)].log_softmax(dim=-1)
             out.extend(top_logprobs(logprobs, torch.tensor(block), req.params.prompt_logprobs))
         return out
-
-
-def _load_tokenizer(model_dir: str | Path):
-    if (
-        not (Path(model_dir) / "tokenizer.json").is_file()
-        and not (Path(model_dir) / "tokenizer_config.json").is_file()
-    ):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from engine.config_defaults import config_defaults
 from engine.config_error import ConfigError
 
 # architecture -> (model_type, family module)
@@ -71,9 +72,9 @@ class Family:
     architecture: str
     module: ModuleType
 
-    def hf_config_class(self) -> type:
-        module_path, name = self.module.HF_CONFIG_CLASS_PATH.rsplit(".", 1)
-        return getattr(importlib.import_module(module_path), name)
+    def hf_config_defaults(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(keyword defaults, rope defaults) of HF_CONFIG_CLASS_PATH, kept per machine."""
+        return config_defaults(self.module.HF_CONFIG_CLASS_PATH)
 
     def read_config(self, reader) -> Any:
         return self.module.read_config(reader)

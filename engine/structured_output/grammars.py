@@ -87,7 +87,7 @@ class Grammars:
         stop_token_ids: Sequence[int],
         compile_threads: int,
     ) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # a LazyTokenizer (engine/core/tokenizer.py)
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.compile_threads = compile_threads
@@ -109,7 +109,7 @@ class Grammars:
         structured = params.structured_outputs
         if structured is None:
             return
-        if self.tokenizer is None:
+        if not self.tokenizer.available:
             raise ValueError("structured_outputs need the model's tokenizer (none in its folder)")
         if len(structured.spec) > MAX_SPEC_CHARS:
             raise ValueError(
@@ -184,7 +184,7 @@ class Grammars:
         xgr = xgrammar()
         if self._compiler is None:  # built here, off the step loop: ~1 s for a large vocabulary
             self._compiler = xgr.GrammarCompiler(
-                _tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids),
+                _tokenizer_info(self.tokenizer.get(), self.vocab_size, self.stop_token_ids),
                 max_threads=self.compile_threads,
                 cache_enabled=True,
                 cache_limit_bytes=CACHE_LIMIT_BYTES,
