@@ -87,8 +87,10 @@ def baton_round(model: str, vocab: int, extra: list[str], fill_n: int, log: Path
     env = dict(os.environ)
     server = probe.start(baton_command(model, port, extra), port, log, env, 1800)
     try:
+        cpu = server.cpu_s(("server", "engine"))
         probe.time.sleep(probe.SETTLE_S)
-        sample = {"ready_s": server.ready_s, "rss": server.rss(("server", "engine"))}
+        sample = {"ready_s": server.ready_s, "ready_cpu_s": cpu,
+                  "rss": server.rss(("server", "engine"))}  # fmt: skip
         small = ids_body(model, vocab, 32, 16, seed=1)
         sample["first_s"] = probe.complete(server.url, small)
         sample["second_s"] = probe.complete(server.url, small)
@@ -146,8 +148,10 @@ def report(results: dict) -> None:
     for name in ("default", "budget"):
         samples = results[f"baton {name}"]
         rss = {key: median_of(samples, "rss", key) for key in samples[0]["rss"]}
+        cpu = {key: median_of(samples, "ready_cpu_s", key) for key in samples[0]["ready_cpu_s"]}
         line = (f"baton {name} ({' '.join(results['flags'][name]) or 'no flags'}): /health "
-                f"{median_of(samples, 'ready_s'):.2f} s, RSS after load "
+                f"{median_of(samples, 'ready_s'):.2f} s (CPU seconds until then: "
+                f"{' + '.join(f'{k} {v:.2f}' for k, v in cpu.items())}), RSS after load "
                 f"{' + '.join(f'{k} {v:.0f}' for k, v in rss.items())} = {total(rss):.0f} MB")  # fmt: skip
         if "rss_full" in samples[0]:
             full = statistics.median(total(s["rss_full"]) for s in samples)

@@ -8,6 +8,7 @@ figure comes from outside the server (wall clock, /proc) or from the lines it lo
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import re
 import socket
 import subprocess
@@ -35,6 +36,11 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def process_tree(pid: int) -> list[int]:
@@ -74,6 +80,15 @@ class Server:
         pids = process_tree(self.process.pid)
         return {
             names[i] if i < len(names) else f"process {i}": round(rss_mb(pid), 1)
+            for i, pid in enumerate(pids)
+        }
+
+    def cpu_s(self, names: tuple[str, ...]) -> dict[str, float]:
+        """CPU seconds (user + system) each process of the server's tree has used so far: on
+        a shared machine, what a start costs whatever the others run (wall time is not)."""
+        pids = process_tree(self.process.pid)
+        return {
+            names[i] if i < len(names) else f"process {i}": round(cpu_seconds(pid), 2)
             for i, pid in enumerate(pids)
         }
 
