@@ -1,17 +1,22 @@
 """The pools are sized from the model's state spec and the context budget (engine/cache/memory.py
-budget_pools), CPU pools take memory as they are written, and loading gives back what it freed."""
+budget_pools), CPU pools take memory as they are written, loading gives back what it freed, and a
+loaded model holds each weight once."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from engine.cache.memory import budget_pools
 from engine.cache.pools import StateCache
+from engine.checkpoint.loader import held_bytes, load_model
 from engine.config import ModelConfig
 from engine.core.engine import Engine
 from engine.models.registry import model_state_spec
@@ -155,3 +160,23 @@ def test_memory_freed_while_loading_goes_back_to_the_system():
     )
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.split()[-1]) > 64
+
+
+def _checkpoint_bytes(model_dir, dtype: torch.dtype) -> int:
+    total = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(path, "pt") as checkpoint:
+            for name in checkpoint.keys():
+                total += math.prod(checkpoint.get_slice(name).get_shape()) * dtype.itemsize
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_loaded_model_holds_each_weight_once(base_model, dtype, monkeypatch):
+    """After packing for the CPU the model holds its checkpoint's bytes, counted over every
+    storage it keeps (oneDNN's opaque packed weights included): no plain copy beside a packed
+    one. The rest is the GEMM's 16-row block padding and small float32 forms for C kernels."""
+    monkeypatch.setenv("BATON_CPU_MATMUL_DTYPE", "model")  # "float32" would widen, not copy
+    model = load_model(base_model[0], dtype, "cpu")
+    checkpoint = _checkpoint_bytes(base_model[0], dtype)
+    assert checkpoint <= held_bytes(model) < 1.05 * checkpoint
