@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m kernels.build  # the C kernels, built now rather than on the first request
 	touch $(STAMP)
 
 test: install

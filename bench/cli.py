@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
+import importlib.util
 import json
 import math
 import sys
@@ -57,15 +59,21 @@ def _metric_names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _module_doc(name: str) -> str:
+    """A module's docstring, read without importing it: bench.serve brings aiohttp and numpy
+    (~2 s on a busy 2-core machine), which every `baton` command would pay while it parses."""
+    spec = importlib.util.find_spec(name)
+    source = Path(spec.origin).read_text() if spec and spec.origin else ""
+    return ast.get_docstring(ast.parse(source)) or ""
+
+
 def add_bench_parser(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks against a running server")
     kinds = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
-    from bench import serve
-
     parser = kinds.add_parser(
         "serve",
         help="serving load test: TTFT, TPOT, ITL, throughput, goodput (like `vllm bench serve`)",
-        description=serve.__doc__,
+        description=_module_doc("bench.serve"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(

@@ -28,6 +28,7 @@ from disagg.messages import (
     Reject,
     SlotChunk,
     StateTransfer,
+    compat_of,
 )
 from disagg.peer_link import PeerLink, decode_side_limits
 from disagg.protocol import (
@@ -38,7 +39,7 @@ from disagg.protocol import (
     frame_bytes,
     request_state,
 )
-from disagg.rooms import DisaggConfig, RoomState, TransferCounters, compat_of, now
+from disagg.rooms import DisaggConfig, RoomState, TransferCounters, now
 from disagg.tp_layout import TPLayout
 from engine.cache.memory import OutOfMemory
 from engine.core.engine import Engine

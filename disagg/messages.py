@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from disagg.tp_layout import TPLayout
+from engine.handover.state import HandoverLayout
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,6 +41,17 @@ class Compat:
                     + _WHY.get(f.name, "")
                 )
         return None
+
+
+def compat_of(layout: HandoverLayout) -> Compat:
+    """The facts both engines must share."""
+    return Compat(
+        dtype=layout.dtype,
+        page_size=layout.page_size,
+        state=layout.describe(),
+        model=layout.model_fingerprint,
+        weights=layout.weights_fingerprint,
+    )
 
 
 # What a fingerprint mismatch means, for the person who reads it.

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from disagg.messages import Abort, Heartbeat, HeartbeatAck, Message, Register, Reject
+from disagg.messages import Abort, Heartbeat, HeartbeatAck, Message, Register, Reject, compat_of
 from disagg.peer_link import transfer_port_limits
 from disagg.prefill_sends import PendingSends, PrefillRoom, RoomSender
 from disagg.protocol import ProtocolError, ReplayGuard, decode, encode
-from disagg.rooms import DisaggConfig, FaultInjection, TransferCounters, compat_of, is_loopback, now
+from disagg.rooms import DisaggConfig, FaultInjection, TransferCounters, is_loopback, now
 from disagg.schema import MAX_STRING
 from disagg.tp_layout import refusal
 from engine.core.engine import Engine

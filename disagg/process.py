@@ -110,6 +110,7 @@ def load_and_run(
             handover_connector=connector_spec(config.role, config.host),
             **spec.engine_args,
         )
+        engine.warm_up()  # the first request's one-time costs, paid before ready
         context = zmq.Context.instance()
         worker_class = PrefillWorker if config.role == "prefill" else DecodeWorker
         worker: DisaggWorker = worker_class(engine, config, context)

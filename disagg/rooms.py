@@ -10,9 +10,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from disagg.messages import Compat
-from engine.handover.state import HandoverLayout
-
 Role = Literal["prefill", "decode"]
 RoomState = Literal["bootstrapping", "waiting_for_input", "transferring", "success", "failed"]
 
@@ -105,14 +102,3 @@ def is_loopback(host: str) -> bool:
 
 def now() -> float:
     return time.monotonic()
-
-
-def compat_of(layout: HandoverLayout) -> Compat:
-    """The facts both engines must share."""
-    return Compat(
-        dtype=layout.dtype,
-        page_size=layout.page_size,
-        state=layout.describe(),
-        model=layout.model_fingerprint,
-        weights=layout.weights_fingerprint,
-    )

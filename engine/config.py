@@ -8,15 +8,14 @@ family file (its layers' configs, multipliers, layout).
 No defaults of baton's own: every field comes from the file (or from a documented alias /
 derivation). A key the shapes cannot be guessed without (`hidden_size`, the layer layout...) is
 required and its absence is an error that names it; any other missing key takes the default of
-the family's transformers config class (read from the class, so the two cannot drift), because
-that is what transformers would run the same directory with. A key whose value baton cannot
-honour is a `ConfigError` that names it. Defaults for *serving* live at the CLI boundary.
+the family's transformers config class (read from the class, so the two cannot drift; kept per
+machine and transformers version: engine/config_defaults.py), because that is what transformers
+would run the same directory with. A key whose value baton cannot honour is a `ConfigError` that
+names it. Defaults for *serving* live at the CLI boundary.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import math
 from dataclasses import dataclass
@@ -25,22 +24,12 @@ from typing import Any
 
 from engine.config_error import ConfigError
 
-
-@functools.cache
-def class_defaults(config_class: type) -> dict[str, Any]:
-    """Keyword defaults of a transformers config class's `__init__`: what a key missing from
-    config.json means to the reference implementation."""
-    return {
-        name: param.default
-        for name, param in inspect.signature(config_class.__init__).parameters.items()
-        if param.default is not inspect.Parameter.empty
-    }
-
-
-@functools.cache
-def rope_defaults(config_class: type) -> dict[str, Any]:
-    """The rope parameters of a default instance (Bamba's, for one, carry partial rotary 0.5)."""
-    return dict(getattr(config_class(), "rope_parameters", None) or {})
+# The serving dtypes by name (engine/checkpoint/loader.py maps them to torch's); --dtype also
+# takes vLLM's spellings and auto, the checkpoint's own dtype (its config.json), as vLLM does.
+# Here, not beside the torch dtypes, so that the command line builds without importing torch.
+SERVING_DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+DTYPE_NAMES = ("auto", *SERVING_DTYPES, *DTYPE_ALIASES)
 
 
 class ConfigReader:
@@ -186,8 +175,5 @@ class ModelConfig:
         from engine.models.registry import family_for
 
         family = family_for(raw, source)
-        config_class = family.hf_config_class()
-        reader = ConfigReader(
-            raw, source, class_defaults(config_class), rope_defaults(config_class)
-        )
+        reader = ConfigReader(raw, source, *family.hf_config_defaults())
         return family.read_config(reader)

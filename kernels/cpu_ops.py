@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.backend import select_backend
+from kernels.machine_cache import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ def enabled() -> bool:
     return os.environ.get("BATON_CPU_OPS", "1").strip() not in ("0", "false", "no")
 
 
-def _cpu_key() -> str:
+def cpu_key() -> str:
+    """This CPU's feature flags (/proc/cpuinfo): what a build or a timing made here is valid for."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
@@ -80,10 +82,9 @@ def compile_library(source: Path, fallback: str) -> ctypes.CDLL | None:
         + headers
         + " ".join(FLAGS).encode()
         + compiler.encode()
-        + _cpu_key().encode()
+        + cpu_key().encode()
     ).hexdigest()[:16]
-    cache = Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
-    target = cache / f"{source.stem}-{key}.so"
+    target = cache_dir() / f"{source.stem}-{key}.so"
     try:
         if not target.exists():
             _build(source, target, compiler)

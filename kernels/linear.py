@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from kernels import cpu_gemm
+from kernels.matmul_choices import ChoiceCache
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ FLOAT32_MARGIN = 0.9
 # decode's cold weights gains little (1.0-1.1x, and a near-tie flipped with load: one of a PD
 # pair's two workers, timing at the same moment, once picked oneDNN for the 768x5144 in_proj).
 BATON_GEMM_MARGIN = 1.15
+# What the timings above depend on: choices kept on disk (kernels/matmul_choices.py) are keyed by it.
+TIMING_RULES = (
+    f"rows {TIMING_ROWS} rounds {TIMING_ROUNDS} max-out {TIMING_MAX_OUT} "
+    f"margins {FLOAT32_MARGIN} {BATON_GEMM_MARGIN}"
+)
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -147,6 +153,7 @@ class MatmulChooser:
         timer: Callable[[int, int, str], float] | None = None,
         gemm: str | None = None,
         gemm_timer: Callable[[int, int, torch.dtype, str], float] | None = None,
+        cache: ChoiceCache | None = None,
     ):
         self.model_dtype = model_dtype
         self.policy = matmul_policy() if policy is None else policy
@@ -161,6 +168,20 @@ class MatmulChooser:
         self.gemm_timer = gemm_timer or time_gemm
         self.kernels: dict[tuple[int, int, torch.dtype], str] = {}
         self.gemm_timings: dict[tuple[int, int, torch.dtype], tuple[float, float]] = {}
+        self.cache = cache  # timings kept by earlier starts on this machine (None: time all)
+        self.num_cached = 0  # shapes decided on kept timings, without timing
+
+    def _timed(self, key: str, time_both: Callable[[], tuple[float, float]]) -> tuple[float, float]:
+        """(seconds of the first form, of the second) for `key`: kept ones once settled, else
+        this start's, merged with the kept ones (the best of each form over the starts)."""
+        settled = self.cache.settled(key) if self.cache is not None else None
+        if settled is not None:
+            self.num_cached += 1
+            return settled
+        first_s, second_s = time_both()
+        if self.cache is None:
+            return first_s, second_s
+        return self.cache.record(key, first_s, second_s)
 
     def _time(self, in_features: int, out_features: int, form: str) -> float:
         return time_linear(in_features, out_features, self.model_dtype, form)
@@ -175,17 +196,23 @@ class MatmulChooser:
             return self.model_dtype
         shape = (in_features, out_features)
         if shape not in self.choices:
-            # Rounds alternate the two forms and keep each one's best: a burst of other work on
-            # a shared machine then slows one round of both rather than all of one form (timed
-            # back to back, one burst picked the slower dtype for a whole server's life).
-            model_s = fp32_s = float("inf")
-            for _ in range(TIMING_ROUNDS):
-                model_s = min(model_s, self.timer(in_features, out_features, "model"))
-                fp32_s = min(fp32_s, self.timer(in_features, out_features, "float32"))
+            model_name = str(self.model_dtype).removeprefix("torch.")
+            key = f"dtype {model_name} {in_features}x{out_features}"
+            model_s, fp32_s = self._timed(key, lambda: self._time_dtypes(in_features, out_features))
             self.timings[shape] = (model_s, fp32_s)
             faster = fp32_s < FLOAT32_MARGIN * model_s
             self.choices[shape] = torch.float32 if faster else self.model_dtype
         return self.choices[shape]
+
+    def _time_dtypes(self, in_features: int, out_features: int) -> tuple[float, float]:
+        # Rounds alternate the two forms and keep each one's best: a burst of other work on
+        # a shared machine then slows one round of both rather than all of one form (timed
+        # back to back, one burst picked the slower dtype for a whole server's life).
+        model_s = fp32_s = float("inf")
+        for _ in range(TIMING_ROUNDS):
+            model_s = min(model_s, self.timer(in_features, out_features, "model"))
+            fp32_s = min(fp32_s, self.timer(in_features, out_features, "float32"))
+        return model_s, fp32_s
 
     def kernel(self, in_features: int, out_features: int, dtype: torch.dtype) -> str:
         """ "baton" or "onednn": the GEMM an (in, out) linear computing in `dtype` runs on."""
@@ -195,15 +222,22 @@ class MatmulChooser:
             return "baton"
         key = (in_features, out_features, dtype)
         if key not in self.kernels:
-            onednn_s = baton_s = float("inf")
-            for _ in range(TIMING_ROUNDS):  # alternated, as for the dtype
-                onednn_s = min(
-                    onednn_s, self.gemm_timer(in_features, out_features, dtype, "onednn")
-                )
-                baton_s = min(baton_s, self.gemm_timer(in_features, out_features, dtype, "baton"))
+            name = f"gemm {str(dtype).removeprefix('torch.')} {in_features}x{out_features}"
+            onednn_s, baton_s = self._timed(
+                name, lambda: self._time_gemms(in_features, out_features, dtype)
+            )
             self.gemm_timings[key] = (onednn_s, baton_s)
             self.kernels[key] = "baton" if baton_s < BATON_GEMM_MARGIN * onednn_s else "onednn"
         return self.kernels[key]
+
+    def _time_gemms(
+        self, in_features: int, out_features: int, dtype: torch.dtype
+    ) -> tuple[float, float]:
+        onednn_s = baton_s = float("inf")
+        for _ in range(TIMING_ROUNDS):  # alternated, as for the dtype
+            onednn_s = min(onednn_s, self.gemm_timer(in_features, out_features, dtype, "onednn"))
+            baton_s = min(baton_s, self.gemm_timer(in_features, out_features, dtype, "baton"))
+        return onednn_s, baton_s
 
     def summary(self) -> str:
         gemms = "; ".join(
@@ -211,7 +245,8 @@ class MatmulChooser:
             f"({a * 1e3:.2f} ms onednn / {b * 1e3:.2f} ms baton)"
             for (i, o, d), (a, b) in self.gemm_timings.items()
         )
-        return f"{self._dtype_summary()}; GEMM {self.gemm}: {gemms or 'not timed'}"
+        cached = f" ({self.num_cached} shapes on kept timings)" if self.num_cached else ""
+        return f"{self._dtype_summary()}; GEMM {self.gemm}: {gemms or 'not timed'}{cached}"
 
     def _dtype_summary(self) -> str:
         if not self.timings:

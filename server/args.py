@@ -26,6 +26,7 @@ ENGINE_ARG_NAMES = (
     "seed",
     "mamba_track_interval",
     "mem_fraction",
+    "kv_cache_memory_bytes",
     "cuda_graph_max_bs",
     "tensor_parallel_size",
     "tp_timeout",
@@ -88,6 +89,7 @@ class ServerArgs:
     schedule_policy: str = "mixed"
     request_metrics: bool = False  # per-request engine timing histograms on /metrics
     mem_fraction: float | None = None
+    kv_cache_memory_bytes: int | None = None  # the KV and state pools' memory (vLLM's flag)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     mamba_track_interval: int | None = None

@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from engine.checkpoint.loader import DTYPE_NAMES
+from engine.config import DTYPE_NAMES
+from engine.runtime.torch_import import defer_torch
 from server.args import ServerArgs
 from server.reasoning_parsers import REASONING_PARSERS
 from server.secret_flags import (
@@ -164,7 +165,15 @@ def add_serve_parser(subparsers) -> None:
     engine.add_argument(
         "--mem-fraction",
         type=float,
-        help="CUDA: fraction of free GPU memory for the KV and Mamba pools (default: 0.85)",
+        help="fraction of the free GPU memory for the KV and Mamba pools; on the CPU, of the "
+        "available memory, and at most 4 GiB (default: 0.85)",
+    )
+    engine.add_argument(
+        "--kv-cache-memory-bytes",
+        type=_non_negative_int,
+        help="memory for the KV and Mamba pools, in bytes, instead of --mem-fraction; the pools "
+        "hold --max-running-requests requests at --max-model-len within it (CPU pools take "
+        "memory as requests use them)",
     )
     engine.add_argument(
         "--disable-cuda-graph", action="store_true", help="CUDA: run decode steps eagerly"
@@ -339,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     add_serve_parser(subparsers)
-    from server.router import add_router_parser
+    from server.router_cli import add_router_parser
     from server.up import add_up_parser
 
     add_router_parser(subparsers)
@@ -354,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # No baton command holds tensors in this process (the engines run in their own): torch is
+    # kept out, and transformers (tokenizers, configs) runs without it, see torch_import.py.
+    defer_torch()
     namespace = build_parser().parse_args(argv)
     return namespace.handler(namespace)
 

@@ -36,6 +36,7 @@ from engine.runtime.ipc import (
     AbortRequests,
     AddRequest,
     EngineFailed,
+    EngineProcessSpec,
     EngineReady,
     RequestFailed,
     Shutdown,
@@ -43,7 +44,6 @@ from engine.runtime.ipc import (
     decode,
     encode,
 )
-from engine.runtime.process import EngineProcessSpec
 from engine.runtime.socket_limits import (
     LARGE_FRAME_BYTES,
     REFUSALS,
@@ -152,6 +152,7 @@ class EngineClient:
         if self.args.disagg_secret:  # never on a command line (server/secret_flags.py)
             env[DISAGG_SECRET_ENV] = self.args.disagg_secret
         self._process = subprocess.Popen([sys.executable, "-m", module, spec.to_json()], env=env)
+        logger.info("engine process %d started", self._process.pid)
         deadline = asyncio.get_running_loop().time() + self.args.engine_start_timeout
         while not await self._inbox.poll(500):
             if self._process.poll() is not None:

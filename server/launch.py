@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
+from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
-from engine.config import ModelConfig
+from engine.models.registry import architecture_for
 from engine.runtime.gc_freeze import freeze_startup_objects
-from server.app import build_app
 from server.args import HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S, ServerArgs
 from server.engine_client import EngineClient
-from server.generation import ServerState
-from server.metrics import ServerMetrics
-from server.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from server.tokenizer import Tokenizer
 
 logger = logging.getLogger("baton.server")
 
@@ -58,12 +60,26 @@ class _Server(uvicorn.Server):
 
 
 def check_model_config(model_dir: str) -> None:
-    """The engine's own reading of config.json, before any process starts: an unsupported
-    family or a missing key is named at once (and before a missing tokenizer would be)."""
+    """config.json names a family baton serves, checked before any process starts, without
+    importing the family (it brings torch, which the server never needs). The family's own
+    reading of the file (a missing or unusable key) is the engine's: it names the key when it
+    fails to load."""
+    path = Path(model_dir) / "config.json"
     try:
-        ModelConfig.from_hf(model_dir)
+        architecture_for(json.loads(path.read_text()), str(path))
     except (ValueError, OSError) as error:
         raise RuntimeError(f"failed to load model {model_dir}: {error}") from error
+
+
+def prepare_http_side(args: ServerArgs) -> Tokenizer:
+    """The tokenizer, and the imports serving needs, made while the engine loads (in a thread,
+    after the engine process is spawned): fastapi, pydantic and transformers take ~1 s of an
+    idle 2-core machine that the engine's start would otherwise wait for."""
+    import server.app  # noqa: F401
+    from server.tokenizer import load_tokenizer
+
+    flag = "--tokenizer" if args.tokenizer else "--model"
+    return load_tokenizer(args.tokenizer_dir, flag, args.chat_template_text())
 
 
 async def serve(args: ServerArgs) -> None:
@@ -75,15 +91,12 @@ async def serve(args: ServerArgs) -> None:
     client = EngineClient(args)
     try:
         await asyncio.to_thread(check_model_config, args.model)
-        # The engine loads while the tokenizer does; a tokenizer that cannot load stops both.
+        # The engine loads while this process imports its HTTP side and loads the tokenizer; a
+        # tokenizer that cannot load stops both.
         starting = asyncio.ensure_future(client.start())
+        await asyncio.sleep(0)  # start() spawns the engine process before it first waits
         try:
-            tokenizer = await asyncio.to_thread(
-                load_tokenizer,
-                args.tokenizer_dir,
-                "--tokenizer" if args.tokenizer else "--model",
-                args.chat_template_text(),
-            )
+            tokenizer = await asyncio.to_thread(prepare_http_side, args)
         except BaseException:
             starting.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -98,6 +111,10 @@ async def serve(args: ServerArgs) -> None:
             # uvicorn restores these handlers after serving and re-raises the signal it caught;
             # ignoring it then lets the engine shut down below instead of killing us first.
             signal.signal(sig, signal.SIG_IGN)
+        from server.app import build_app  # imported by prepare_http_side: no cost here
+        from server.generation import ServerState
+        from server.metrics import ServerMetrics
+
         state = ServerState(
             args=args,
             client=client,

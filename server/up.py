@@ -27,10 +27,10 @@ from pathlib import Path
 
 import httpx
 
-from engine.checkpoint.loader import DTYPE_NAMES
+from engine.config import DTYPE_NAMES
 from engine.runtime.cpu_threads import cores_per_engine
 from server.reasoning_parsers import REASONING_PARSERS
-from server.router import DEFAULT_MAX_CONCURRENT_REQUESTS
+from server.router_cli import DEFAULT_MAX_CONCURRENT_REQUESTS
 from server.secret_flags import (
     API_KEY_ENV,
     DISAGG_SECRET_ENV,

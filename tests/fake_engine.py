@@ -45,7 +45,7 @@ def fake_token(prompt: list[int], position: int, vocab_size: int) -> int:
 
 class FakeEngine:
     PAGE_SIZE = 16
-    track_interval = 0  # no prefix cache
+    handover = SimpleNamespace(track_interval=0)  # no prefix cache
 
     def __init__(
         self, model_dir: str, *, dtype: str = "float32", device: str = "cpu", **engine_args
@@ -63,6 +63,9 @@ class FakeEngine:
         self.running: list[_FakeRequest] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    def warm_up(self) -> None:
+        """Nothing to pay on a first forward here."""
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -1,4 +1,4 @@
-"""Allocators for KV pages and Mamba slots, and the coordinator that sizes and composes them.
+"""Allocators for KV pages and Mamba slots, and how many of each the pools hold.
 
     PagePool  : pages 1..num_pages-1 are handed out; page 0 is the dummy page for padding.
     SlotPool  : Mamba slots 1..num_slots-1; slot 0 is the dummy slot padded rows write to.
@@ -71,3 +71,49 @@ def size_pools(
     return PoolSizes(
         num_pages=usable_pages + 1, page_size=page_size, num_mamba_slots=max_mamba_slots + 1
     )
+
+
+# The pools' memory on the CPU when neither --kv-cache-memory-bytes nor explicit sizes say
+# otherwise: vLLM's CPU backend keeps 4 GiB for its KV cache by default (VLLM_CPU_KVCACHE_SPACE).
+# baton's CPU pools are committed as requests write them (engine/cache/pools.py), so this bounds
+# what they may grow to (a full context budget, or a prefix cache that kept everything), not what
+# a start costs.
+DEFAULT_CPU_POOL_BYTES = 4 << 30
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PoolBudget:
+    tokens: int  # KV token slots (pages * page size)
+    slots: int  # recurrent-state slots (without the dummy)
+
+
+def budget_pools(
+    *,
+    token_bytes: int,
+    slot_bytes: int,
+    memory_bytes: int,
+    max_running_requests: int,
+    max_model_len: int,
+    prefix_cache: bool,
+    max_total_tokens: int | None,
+    max_mamba_slots: int | None,
+) -> PoolBudget:
+    """The pools' sizes from the model's state spec (`token_bytes` of paged state per token,
+    `slot_bytes` per slot, every layer) and the context budget, as vLLM and SGLang size theirs:
+
+    slots   one per running request (--max-running-requests), at most half of `memory_bytes`;
+    tokens  every running request at its full length (--max-model-len), twice over with a prefix
+            cache (it keeps finished requests' pages for reuse), within what `memory_bytes`
+            leaves after the slots.
+
+    --max-total-tokens / --max-mamba-slots set either outright. A model without paged state
+    (no attention) still counts tokens, in pages that hold nothing: the context budget."""
+    slots = max_mamba_slots or max_running_requests
+    if max_mamba_slots is None and slot_bytes:
+        slots = max(1, min(slots, memory_bytes // 2 // slot_bytes))
+    if max_total_tokens is not None:
+        return PoolBudget(tokens=max_total_tokens, slots=slots)
+    tokens = max_running_requests * max_model_len * (2 if prefix_cache else 1)
+    if token_bytes:
+        tokens = min(tokens, max(0, memory_bytes - slots * slot_bytes) // token_bytes)
+    return PoolBudget(tokens=max(1, tokens), slots=slots)

@@ -7,12 +7,20 @@ text and stop strings are the next stage's work (engine/core/detokenizer.py), ou
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import torch
 
 from engine import parallel
-from engine.cache.memory import IndexPool, size_pools
+from engine.cache.memory import (
+    DEFAULT_CPU_POOL_BYTES,
+    IndexPool,
+    PoolBudget,
+    budget_pools,
+    size_pools,
+)
 from engine.cache.pools import StateCache
 from engine.cache.prefix_cache import PrefixCache
 from engine.checkpoint.loader import load_model, resolve_dtype
@@ -24,6 +32,8 @@ from engine.core.request_timing import RequestTiming
 from engine.core.sampler import Sampler, top_logprobs
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.tokenizer import LazyTokenizer
+from engine.core.warm_up import warm_up
 from engine.executor.graph_runner import DecodeGraphRunner
 from engine.executor.model_runner import ModelRunner
 from engine.handover.connector import Handover
@@ -33,8 +43,14 @@ from engine.models.registry import model_state_spec
 from engine.parallel.messages import PoolOps
 from engine.parallel.ranks import RankedRunner, start_ranks
 from engine.parallel.support import check_tp_supported
-from engine.runtime.cpu_allocator import keep_freed_memory_in_heap
-from engine.structured_output import Grammars
+from engine.runtime.cpu_allocator import (
+    available_memory,
+    keep_freed_memory_in_heap,
+    release_freed_memory,
+)
+from engine.structured_output.grammars import Grammars
+
+logger = logging.getLogger("baton.engine")
 
 # Prompt logprobs are computed over this many rows of a chunk's logits at a time.
 PROMPT_LOGPROB_ROWS = 256
@@ -48,6 +64,7 @@ class Engine:
     def __init__(
         self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu", **engine_args
     ):
+        logger.info("loading %s (%s, %s)", model_dir, dtype, device)
         self.args = EngineArgs(**engine_args)
         # rank 0's device: GPU 0 when every rank has a GPU of its own (NCCL), else `device`
         self.device = parallel.rank_device(device, 0, self.args.tensor_parallel_size)
@@ -58,9 +75,9 @@ class Engine:
         self.dtype = resolve_dtype(dtype, self.model_config)
         args, config = self.args, self.model_config
         self.state_spec = model_state_spec(config, self.dtype)
-        max_total_tokens, max_slots = self._budgets()
+        budget = self._budgets()
         sizes = size_pools(
-            max_total_tokens=max_total_tokens, max_mamba_slots=max_slots, page_size=args.page_size
+            max_total_tokens=budget.tokens, max_mamba_slots=budget.slots, page_size=args.page_size
         )
         # Before any process starts: a model and TP size that cannot be served are refused.
         check_tp_supported(config, args.tensor_parallel_size)
@@ -73,7 +90,9 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        self.tokenizer = _load_tokenizer(model_dir)
+        if self.device.type == "cpu":
+            release_freed_memory()  # the plain weights the packed ones replaced
+        self.lazy_tokenizer = LazyTokenizer(model_dir)
         self.cache = StateCache(
             self.state_spec,
             num_pages=sizes.num_pages,
@@ -82,6 +101,12 @@ class Engine:
             device=self.device,
             tp_size=tp.size,
             tp_rank=tp.rank,
+        )
+        logger.info(
+            "pools: %d KV tokens, %d state slots, %.0f MiB reserved (committed as used on the CPU)",
+            (sizes.num_pages - 1) * sizes.page_size,
+            sizes.num_mamba_slots - 1,
+            self.cache.nbytes() / 2**20,
         )
         self.shard_connector = load_connector(
             args.handover_connector, config, tp.rank, tp.size, self.cache
@@ -101,7 +126,7 @@ class Engine:
         self.prefix_cache = self._make_prefix_cache()
         # structured outputs (engine/structured_output/): compiles off the loop, masks per step
         self.grammars = Grammars(
-            self.tokenizer,
+            self.lazy_tokenizer,
             config.vocab_size,
             config.eos_token_ids,
             compile_threads=1 if self.device.type == "cpu" else 8,
@@ -155,6 +180,13 @@ class Engine:
             ),
         )
 
+    def warm_up(self) -> None:
+        """Pay the first forward's one-time costs now (C kernel builds, Triton compiles:
+        engine/core/warm_up.py); the engine processes call this before they report ready."""
+        began = time.perf_counter()
+        forwards = warm_up(self)
+        logger.info("warm-up: %d forwards in %.2f s", forwards, time.perf_counter() - began)
+
     def check_ranks(self) -> None:
         """Raise RankFailed if a tensor-parallel rank has exited (a waitpid per rank)."""
         if self.ranks is not None:
@@ -206,25 +238,28 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def _budgets(self) -> tuple[int, int]:
+    def _budgets(self) -> PoolBudget:
+        """The pools' sizes from the state spec and the context budget (engine/cache/memory.py),
+        within --kv-cache-memory-bytes, else --mem-fraction of the free GPU memory, else on the
+        CPU DEFAULT_CPU_POOL_BYTES (at most --mem-fraction of the available memory)."""
         args, config = self.args, self.model_config
-        slots = args.max_mamba_slots or args.max_running_requests
-        if args.max_total_tokens is not None:
-            return args.max_total_tokens, slots
-        if self.device.type == "cuda":
+        if args.kv_cache_memory_bytes is not None:
+            memory = args.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * args.mem_fraction
-            slot_bytes = self.state_spec.bytes_per_slot()
-            token_bytes = max(1, self.state_spec.bytes_per_token())
-            if args.max_mamba_slots is None:  # keep Mamba state to at most half of the budget
-                slots = max(1, min(slots, int(budget * 0.5 // max(1, slot_bytes))))
-            tokens = int((budget - slots * slot_bytes) // token_bytes)
-            # A small model on a large card would otherwise get hundreds of millions of tokens
-            # (and a host free list as long): no more than every running request at full length
-            # can use, twice over so that the prefix cache keeps pages too.
-            full = args.max_model_len or config.max_position_embeddings
-            return min(tokens, 2 * args.max_running_requests * full), slots
-        return 65536, slots
+            memory = int(free * args.mem_fraction)
+        else:
+            memory = min(DEFAULT_CPU_POOL_BYTES, int(available_memory() * args.mem_fraction))
+        return budget_pools(
+            token_bytes=self.state_spec.bytes_per_token(),
+            slot_bytes=self.state_spec.bytes_per_slot(),
+            memory_bytes=memory,
+            max_running_requests=args.max_running_requests,
+            max_model_len=args.max_model_len or config.max_position_embeddings,
+            prefix_cache=args.enable_prefix_caching,
+            max_total_tokens=args.max_total_tokens,
+            max_mamba_slots=args.max_mamba_slots,
+        )
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -392,14 +427,3 @@ class Engine:
             logprobs = logits[first : first + len(block)].log_softmax(dim=-1)
             out.extend(top_logprobs(logprobs, torch.tensor(block), req.params.prompt_logprobs))
         return out
-
-
-def _load_tokenizer(model_dir: str | Path):
-    if (
-        not (Path(model_dir) / "tokenizer.json").is_file()
-        and not (Path(model_dir) / "tokenizer_config.json").is_file()
-    ):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))

@@ -23,9 +23,12 @@ class EngineArgs:
     max_running_requests: int = 128
     max_total_tokens: int | None = None
     max_mamba_slots: int | None = None
+    # Memory the KV and state pools may take, in bytes (vLLM's flag); None: --mem-fraction of
+    # the free GPU memory, or DEFAULT_CPU_POOL_BYTES on the CPU (engine/cache/memory.py).
+    kv_cache_memory_bytes: int | None = None
     page_size: int = 16
     seed: int = 0
-    mem_fraction: float = 0.85
+    mem_fraction: float = 0.85  # of the free GPU memory (CPU: of the available memory)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # default: max_running_requests
     cpu_padded_decode: bool = False  # run CPU decode steps through the padded graph runner
@@ -60,6 +63,10 @@ class EngineArgs:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
+            )
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.schedule_policy not in SCHEDULE_POLICIES:

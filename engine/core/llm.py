@@ -32,7 +32,7 @@ class LLM:
         self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", **engine_args
     ):
         self.engine = Engine(model_dir, dtype=dtype, device=device, **engine_args)
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = self.engine.lazy_tokenizer.get()
         self._next_id = 0
 
     def generate(

@@ -30,7 +30,7 @@ from engine.handover.io import StateIO
 from engine.handover.ranks import ShardHandover
 from engine.handover.state import HandoverLayout, Preallocation, RequestState
 from engine.models.registry import family_named
-from engine.structured_output import Grammars
+from engine.structured_output.grammars import Grammars
 
 
 class Handover:

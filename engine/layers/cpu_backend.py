@@ -7,7 +7,8 @@
    decode's few-row matmuls, lm_head above all, run 1.2-3x faster than F.linear;
    steps 1 and 2 pack each weight in the dtype `MatmulChooser` picks for its shape: a bf16 or
    fp16 model's matmuls run in float32 where this CPU's float32 GEMM is the faster one (timed
-   here, once per shape; `BATON_CPU_MATMUL_DTYPE` forces `model` or `float32`);
+   here, once per shape and machine: kernels/matmul_choices.py keeps the choices on disk, so a
+   later start times nothing; `BATON_CPU_MATMUL_DTYPE` forces `model` or `float32`);
 3. layers that cache float32 forms of small parameters for the C kernels (`freeze`: the Mamba
    mixer's fused decode step, norms) take them now that the weights are final.
 """
@@ -19,7 +20,15 @@ import logging
 import torch
 from torch import nn
 
-from kernels.linear import MATMUL_DTYPE_ENV, MatmulChooser, can_pack, matmul_dtypes, pack_linears
+from kernels.linear import (
+    MATMUL_DTYPE_ENV,
+    TIMING_RULES,
+    MatmulChooser,
+    can_pack,
+    matmul_dtypes,
+    pack_linears,
+)
+from kernels.matmul_choices import ChoiceCache
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +38,7 @@ def prepare_for_cpu(
 ) -> None:
     """Call after the weights are loaded and cast; the plain linear weights are dropped.
     chooser: the matmul dtype per shape (default: timed, or as `BATON_CPU_MATMUL_DTYPE` says)."""
-    chooser = chooser or MatmulChooser(dtype)
+    chooser = chooser or MatmulChooser(dtype, cache=ChoiceCache.for_this_machine(TIMING_RULES))
     with matmul_dtypes(chooser):
         if can_pack(dtype):
             for module in list(model.modules()):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from engine.config_defaults import config_defaults
 from engine.config_error import ConfigError
 
 # architecture -> (model_type, family module)
@@ -83,9 +84,9 @@ class Family:
     architecture: str
     module: ModuleType
 
-    def hf_config_class(self) -> type:
-        module_path, name = self.module.HF_CONFIG_CLASS_PATH.rsplit(".", 1)
-        return getattr(importlib.import_module(module_path), name)
+    def hf_config_defaults(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(keyword defaults, rope defaults) of HF_CONFIG_CLASS_PATH, kept per machine."""
+        return config_defaults(self.module.HF_CONFIG_CLASS_PATH)
 
     def read_config(self, reader) -> Any:
         return self.module.read_config(reader)
@@ -132,8 +133,14 @@ def family_named(architecture: str) -> Family:
 
 
 def family_for(hf: dict[str, Any], source: str = "config.json") -> Family:
-    """The family of a config.json. `architectures[0]` decides; a file without it is looked up
-    by `model_type`. Anything else is refused with the list of what baton serves."""
+    """The family of a config.json (see architecture_for)."""
+    return family_named(architecture_for(hf, source))
+
+
+def architecture_for(hf: dict[str, Any], source: str = "config.json") -> str:
+    """The architecture baton serves a config.json as: `architectures[0]` decides; a file without
+    it is looked up by `model_type`. Anything else is refused with the list of what baton serves.
+    Imports no family module (nor torch): the server checks this before it starts an engine."""
     architectures = hf.get("architectures") or []
     model_type = hf.get("model_type")
     arch = architectures[0] if architectures else None
@@ -147,4 +154,4 @@ def family_for(hf: dict[str, Any], source: str = "config.json") -> Family:
         )
         supported = ", ".join(f"{a} ({t})" for a, (t, _) in FAMILIES.items())
         raise ConfigError(f"{source}: unsupported {named}; baton serves {supported}")
-    return family_named(arch)
+    return arch

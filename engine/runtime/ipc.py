@@ -10,7 +10,8 @@ and from a payload of plain msgpack types. Decoding an unknown tag raises ValueE
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal
 
 import msgpack
@@ -208,3 +209,28 @@ def decode(frame: bytes) -> Message:
     if cls is None:
         raise ValueError(f"unknown ipc message tag {tag!r}")
     return cls.from_payload(payload)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineProcessSpec:
+    """Everything the engine process needs, passed as JSON on its command line (here, with
+    the messages, so that the server builds it without importing the engine and torch)."""
+
+    model: str
+    dtype: str
+    device: str
+    engine_args: dict[str, Any]  # Engine keyword arguments the user set (unset ones omitted)
+    input_addr: str  # zmq address the server pushes requests to
+    output_addr: str  # zmq address the server pulls outputs from
+    max_message_bytes: int  # the largest frame the server sends (socket_limits.add_request_bytes)
+    parent_pid: int
+    # the options of the prefill or decode worker that wraps this engine (its own process
+    # module reads them); None when colocated
+    pair: dict[str, Any] | None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineProcessSpec:
+        return cls(**json.loads(text))

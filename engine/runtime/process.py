@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict
 
 import zmq
 
@@ -32,6 +30,7 @@ from engine.runtime.ipc import (
     AbortRequests,
     AddRequest,
     EngineFailed,
+    EngineProcessSpec,
     EngineReady,
     RequestFailed,
     Shutdown,
@@ -52,30 +51,6 @@ logger = logging.getLogger("baton.engine")
 
 IDLE_POLL_MS = 100  # how long an idle engine waits for work before checking on its parent
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineProcessSpec:
-    """Everything the engine process needs, passed as JSON on its command line."""
-
-    model: str
-    dtype: str
-    device: str
-    engine_args: dict[str, Any]  # Engine keyword arguments the user set (unset ones omitted)
-    input_addr: str  # zmq address the server pushes requests to
-    output_addr: str  # zmq address the server pulls outputs from
-    max_message_bytes: int  # the largest frame the server sends (socket_limits.add_request_bytes)
-    parent_pid: int
-    # the options of the prefill or decode worker that wraps this engine (its own process
-    # module reads them); None when colocated
-    pair: dict[str, Any] | None
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> EngineProcessSpec:
-        return cls(**json.loads(text))
 
 
 class EngineLoop:
@@ -239,10 +214,14 @@ def _remove_orphaned_ipc_files(spec: EngineProcessSpec, wait_s: float = 0.0) -> 
 
 
 def _load_and_run(spec: EngineProcessSpec, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
+    engine = None
     try:
         engine = Engine(spec.model, dtype=spec.dtype, device=spec.device, **spec.engine_args)
+        engine.warm_up()  # the first request's one-time costs, paid before ready
     except Exception as error:
         logger.exception("failed to load %s", spec.model)
+        if engine is not None:
+            engine.close()
         outbox.send(encode(EngineFailed(message=f"failed to load model {spec.model}: {error}")))
         return 1
     config = engine.model_config

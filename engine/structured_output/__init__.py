@@ -2,10 +2,10 @@
 
 spec.py checks a StructuredOutputs before anything runs and maps it to xgrammar; keywords.py
 knows which JSON Schema keywords the grammar engine enforces; grammars.py is the engine's side:
-the compile thread, the per-step bitmask and the matchers.
+the compile thread, the per-step bitmask and the matchers (imported from there: it needs torch,
+which the server, a user of the check, does without).
 """
 
-from engine.structured_output.grammars import Grammars
 from engine.structured_output.spec import check_structured_outputs
 
-__all__ = ["Grammars", "check_structured_outputs"]
+__all__ = ["check_structured_outputs"]

@@ -26,14 +26,16 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-import xgrammar as xgr
 
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
-from engine.structured_output.spec import MAX_SPEC_CHARS, compile_structured
+from engine.structured_output.spec import MAX_SPEC_CHARS, compile_structured, xgrammar
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # The compiler's cache of compiled grammars (LRU beyond this): repeated schemas compile once.
 CACHE_LIMIT_BYTES = 256 << 20
@@ -85,7 +87,7 @@ class Grammars:
         stop_token_ids: Sequence[int],
         compile_threads: int,
     ) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # a LazyTokenizer (engine/core/tokenizer.py)
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.compile_threads = compile_threads
@@ -95,7 +97,9 @@ class Grammars:
         self.timing = MaskTiming()
         self._executor: ThreadPoolExecutor | None = None
         self._compiler: xgr.GrammarCompiler | None = None
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        # (rows, words) int32, grown to the largest batch that had a grammar row; xgrammar is
+        # imported at the first grammar (engine/structured_output/spec.py), not here
+        self._bitmask: torch.Tensor | None = None
 
     # -- admission -------------------------------------------------------------------------
 
@@ -105,7 +109,7 @@ class Grammars:
         structured = params.structured_outputs
         if structured is None:
             return
-        if self.tokenizer is None:
+        if not self.tokenizer.available:
             raise ValueError("structured_outputs need the model's tokenizer (none in its folder)")
         if len(structured.spec) > MAX_SPEC_CHARS:
             raise ValueError(
@@ -177,9 +181,10 @@ class Grammars:
     # -- compile thread ----------------------------------------------------------------------
 
     def _compile(self, structured) -> xgr.CompiledGrammar:
+        xgr = xgrammar()
         if self._compiler is None:  # built here, off the step loop: ~1 s for a large vocabulary
             self._compiler = xgr.GrammarCompiler(
-                _tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids),
+                _tokenizer_info(self.tokenizer.get(), self.vocab_size, self.stop_token_ids),
                 max_threads=self.compile_threads,
                 cache_enabled=True,
                 cache_limit_bytes=CACHE_LIMIT_BYTES,
@@ -199,7 +204,7 @@ class Grammars:
         return compiled
 
     def _build_matcher(self, grammar: _RequestGrammar) -> ValueError | None:
-        grammar.matcher = xgr.GrammarMatcher(
+        grammar.matcher = xgrammar().GrammarMatcher(
             grammar.compiled.result(), override_stop_tokens=self.stop_token_ids
         )
         for token in grammar.backlog:
@@ -228,8 +233,8 @@ class Grammars:
                 grammars.append(grammar)
         if not rows:
             return None
-        if self._bitmask.shape[0] < len(reqs):
-            self._bitmask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)
+        if self._bitmask is None or self._bitmask.shape[0] < len(reqs):
+            self._bitmask = xgrammar().allocate_token_bitmask(len(reqs), self.vocab_size)
         bitmask = self._bitmask[: len(reqs)]
         for row, grammar in zip(rows, grammars):
             began = time.perf_counter()
@@ -243,7 +248,9 @@ class Grammars:
         def apply(logits: torch.Tensor) -> None:
             began = time.perf_counter()
             mask = bitmask if logits.device.type == "cpu" else bitmask.to(logits.device)
-            xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
+            xgrammar().apply_token_bitmask_inplace(
+                logits, mask, vocab_size=self.vocab_size, indices=rows
+            )
             self.timing.steps += 1
             self.timing.rows += len(rows)
             self.timing.seconds += time.perf_counter() - began
@@ -296,6 +303,7 @@ def _tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xg
     """xgrammar's view of the vocabulary, with special tokens other than the stop tokens
     removed (xgrammar would otherwise spell "<pad>" or "<s>" inside a JSON string, text that
     skip_special_tokens then drops from the answer)."""
+    xgr = xgrammar()
     detected = xgr.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
     )

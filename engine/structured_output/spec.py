@@ -10,13 +10,17 @@ warning and drops them: an output "valid under the grammar" would then break the
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
-
-import xgrammar as xgr
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from engine.core.sampling_params import StructuredOutputs
+from engine.runtime.torch_import import allow_torch
 from engine.structured_output.keywords import unenforced_keyword
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # A compiled grammar costs time and memory in proportion to its size times the vocabulary
 # (a 250 KB schema: 4.5 s and 26 MB over a 494-token vocabulary), so specs are capped.
@@ -70,9 +74,20 @@ _NAMES = {
 }
 
 
+@functools.cache
+def xgrammar() -> ModuleType:
+    """xgrammar, imported at the first spec: it brings torch (and ~0.3 s), which a server or an
+    engine that never sees a structured request need not load (engine/runtime/torch_import.py)."""
+    allow_torch()
+    import xgrammar
+
+    return xgrammar
+
+
 def parse(structured: StructuredOutputs) -> xgr.Grammar:
     """The spec as an xgrammar Grammar (no tokenizer needed; raises for a bad spec)."""
     kind, spec = structured.kind, structured.spec
+    xgr = xgrammar()
     if kind == "json":
         return xgr.Grammar.from_json_schema(spec, **JSON_OPTIONS)
     if kind == "json_object":
