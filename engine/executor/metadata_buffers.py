@@ -3,14 +3,16 @@
     host ints (int32, pinned on CUDA)  ──one copy of the used prefix──>  device ints (int32)
                                                                        └─widened─> device longs (int64)
     [input_ids | positions | slot_mapping | logits rows | mamba slots | decode kv_lens |
-     track window | track src | track dst | decode page table (num_decode_seqs x batch pages)]
+     track window | track src | track dst | decode page table (num_decode_seqs x batch pages) |
+     verify kv_lens | verify page table | verify slot table (num_verify_seqs x (q + 1))]
 
-    device ints' page table ──expanded on the device──> decode token table (rows x width, int64)
+    device ints' page tables ──expanded on the device──> decode / verify token tables
+                                                         (rows x width, int64)
 
 One step moves only what its batch holds: the page table is int32 pages, as wide as the batch's
 longest sequence, never a token-level table and never as wide as `max_model_len`, so the bytes
-copied per decode step do not depend on the capacity the engine was sized for. The decode token
-table the attention kernels read lives on the device only; a step writes the columns its pages
+copied per decode step do not depend on the capacity the engine was sized for. The decode (and
+speculative verify) token tables the attention kernels read live on the device only; a step writes the columns its pages
 cover and leaves the rest (stale but valid slots, never read: every kernel stops at kv_len).
 
 On the CPU host and device are one tensor and nothing is copied. The int64 fields of the metadata are views of the device longs: a CUDA-graph replay finds them
