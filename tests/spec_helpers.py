@@ -90,3 +90,65 @@ def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
     stat = ((observed - expected) ** 2 / expected).sum()
     df = torch.tensor(float(len(expected) - 1), dtype=torch.float64)
     return float(torch.special.gammaincc(df / 2, stat.double() / 2))
+
+
+def verify_metadata(model, model_dir):
+    """Metadata of a verify step (two requests, q = 3 each, from positions 5 and 9) for `model`,
+    over a cache whose pools hold random states, and random hidden rows to feed a layer."""
+    from engine.cache.pools import StateCache
+    from engine.executor.forward_metadata import ScheduledBatch
+    from engine.executor.model_runner import ModelRunner
+
+    cache = StateCache.for_model(
+        model.config, num_pages=16, page_size=4, num_slots=8, dtype=torch.float32, device="cpu"
+    )
+    g = torch.Generator().manual_seed(0)
+    for pool in cache.pools.values():
+        pool.copy_(torch.randn(pool.shape, generator=g))
+    sched = ScheduledBatch(
+        mode="verify",
+        request_ids=("a", "b"),
+        num_decode_seqs=0,
+        num_verify_seqs=2,
+        input_ids=(5, 6, 7, 8, 9, 10),
+        seq_lens=(3, 3),
+        start_positions=(5, 9),
+        kv_pages=((1, 2), (3, 4, 5)),
+        mamba_slots=(1, 2),
+        verify_slots=((1, 3, 4), (2, 5, 6)),
+        logits_seqs=(0, 1),
+        prompt_logprob_seqs=(),
+        has_mamba_track_mask=False,
+        track_points=(),
+    )
+    md = ModelRunner(model, cache, "cpu").build(sched)
+    return md, cache, torch.randn(6, model.config.hidden_size, generator=g)
+
+
+def mtp_prefill_batch(model, tokens: list[int]):
+    """A runner over a fresh cache for `model` (built with its MTP head) and an extend batch
+    of `tokens` at positions 0.. in pages 1.. (the draft forward's rows, its last one sampled)."""
+    from engine.cache.pools import StateCache
+    from engine.executor.forward_metadata import ScheduledBatch
+    from engine.executor.model_runner import ModelRunner
+
+    cache = StateCache.for_model(
+        model.config, num_pages=16, page_size=4, num_slots=4, dtype=torch.float32, device="cpu"
+    )
+    batch = ScheduledBatch(
+        mode="extend",
+        request_ids=("r",),
+        num_decode_seqs=0,
+        num_verify_seqs=0,
+        input_ids=tuple(tokens),
+        seq_lens=(len(tokens),),
+        start_positions=(0,),
+        kv_pages=(tuple(range(1, 1 + -(-len(tokens) // 4))),),
+        mamba_slots=(1,),
+        verify_slots=(),
+        logits_seqs=(0,),
+        prompt_logprob_seqs=(),
+        has_mamba_track_mask=False,
+        track_points=(),
+    )
+    return ModelRunner(model, cache, "cpu"), batch
