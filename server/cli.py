@@ -8,6 +8,7 @@ import sys
 from engine.checkpoint.loader import DTYPE_NAMES
 from server.args import ServerArgs
 from server.reasoning_parsers import REASONING_PARSERS
+from server.spec_args import add_speculative_arguments
 from server.tool_parsers import TOOL_CALL_PARSERS
 
 _DEFAULTS = ServerArgs.__dataclass_fields__
@@ -268,6 +269,8 @@ def add_serve_parser(subparsers) -> None:
         "--chat-template",
         help="a Jinja chat template file (or the template itself) to use instead of the model's",
     )
+
+    add_speculative_arguments(parser)
 
     server = parser.add_argument_group("admission")
     server.add_argument(

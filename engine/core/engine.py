@@ -62,18 +62,13 @@ class Engine:
         self.model_dir = Path(model_dir)
         checkpoint = ModelConfig.from_hf(model_dir)
         self.speculative = (
-            SpeculativeConfig.from_dict(
+            SpeculativeConfig.for_checkpoint(
                 self.args.speculative_config, checkpoint.num_nextn_predict_layers
             )
             if self.args.speculative_config is not None
             else None
         )
         with_mtp = self.speculative is not None and self.speculative.method == "mtp"
-        if with_mtp and not checkpoint.num_nextn_predict_layers:
-            raise ValueError(
-                f"{model_dir}: speculative method 'mtp' needs the checkpoint's MTP layers, and its"
-                " config.json has num_nextn_predict_layers = 0 (method 'ngram' needs none)"
-            )
         # The MTP head, its weights and its state exist only when speculation drafts with it.
         self.model_config = checkpoint.with_mtp(with_mtp)
         self.dtype = resolve_dtype(dtype, self.model_config)

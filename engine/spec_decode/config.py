@@ -101,6 +101,19 @@ class SpeculativeConfig:
             disable_by_batch_size=disable,
         )
 
+    @classmethod
+    def for_checkpoint(
+        cls, raw: dict[str, Any], num_nextn_predict_layers: int
+    ) -> SpeculativeConfig:
+        """`from_dict`, and method "mtp" refused for a checkpoint without MTP layers."""
+        config = cls.from_dict(raw, num_nextn_predict_layers)
+        if config.method == "mtp" and not num_nextn_predict_layers:
+            raise ValueError(
+                "speculative method 'mtp' needs the checkpoint's MTP layers, and its config.json"
+                " has num_nextn_predict_layers = 0 (method 'ngram' needs none)"
+            )
+        return config
+
     def to_dict(self) -> dict[str, Any]:
         """The vLLM form (what the CLI hands an engine process)."""
         return {
