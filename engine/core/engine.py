@@ -360,7 +360,8 @@ class Engine:
             prefix_cache_hit_tokens=cache.stats.hit_tokens if cache else 0,
             prefix_cache_evictions=cache.stats.evicted_blocks if cache else 0,
             mamba_checkpoints_extend=self.checkpoints_by_mode["extend"],
-            mamba_checkpoints_decode=self.checkpoints_by_mode["decode"],
+            mamba_checkpoints_decode=self.checkpoints_by_mode["decode"]
+            + (self.scheduler.blocks.verified_checkpoints if self.scheduler.blocks else 0),
             mamba_checkpoints_mixed=self.checkpoints_by_mode["mixed"],
             spec_decode_num_drafts=self.spec_counters.num_drafts,
             spec_decode_num_draft_tokens=self.spec_counters.num_draft_tokens,
@@ -390,10 +391,9 @@ class Engine:
             md, logits = self.graph_runner.forward(sched)
         else:
             md, logits = self.runner.forward(sched)
-        if sched.track_points:
-            self.checkpoints_by_mode[sched.mode] = self.checkpoints_by_mode.get(
-                sched.mode, 0
-            ) + len(sched.track_points)
+        if sched.track_points:  # (a verify step's are its decode rows')
+            mode = "decode" if sched.mode == "verify" else sched.mode
+            self.checkpoints_by_mode[mode] += len(sched.track_points)
         reqs = [self.scheduler.requests[rid] for rid in sched.request_ids]
         rows_of: dict[int, list[int]] = {}
         for row, owner in enumerate(md.forward.batch.logits_row_owner):

@@ -41,6 +41,7 @@ from engine.cache.memory import IndexPool, OutOfMemory
 from engine.cache.prefix_cache import PrefixCache
 from engine.core.outputs import FinishReason, RequestDelta, SampledTokens, TokenLogprobs
 from engine.core.request import Hold, Request, Status
+from engine.core.request_tokens import Appended, OutputConstraint, append_tokens, delta_of
 from engine.core.scheduler_blocks import PrefixBlocks
 from engine.core.scheduler_spec import SpecSchedule, Speculation
 from engine.executor.forward_metadata import ScheduledBatch
@@ -64,16 +65,6 @@ class SchedulerConfig:
     max_prefill_tokens: int  # token budget of a prefill-first step (<= max_num_batched_tokens)
     max_model_len: int  # a request that reaches it ends with "length"
     eos_token_ids: tuple[int, ...]
-
-
-class OutputConstraint(Protocol):
-    """What constrains generated tokens beyond the sampler (structured outputs'
-    engine/structured_output/grammars.py): told of every token appended, it may end the request
-    ("stop": its grammar is complete; "abort": it cannot go on)."""
-
-    def accept(self, req: Request, token: int) -> FinishReason | None: ...
-
-    def forget(self, request_id: str) -> None: ...
 
 
 class SlotOps(Protocol):
@@ -264,7 +255,7 @@ class Scheduler:
         for s, req in enumerate(reqs):
             if nd <= s < nd + nv:
                 # the last token and the accepted drafts (fewer when a stop ended it early)
-                kept = min(len(sampled[s].token_ids), len(appended[s][0]))
+                kept = min(len(sampled[s].token_ids), len(appended[s].token_ids))
                 self.spec.accept(req, sched.start_positions[s], sched.verify_slots[s - nd], kept)
                 req.num_computed += kept
                 self._trim_pages(req, req.num_computed + self.spec.config.draft_lookahead)
@@ -274,7 +265,7 @@ class Scheduler:
             self.blocks.commit(self.running)
         for s, logprobs in prompt_logprobs.items():
             reqs[s].prompt_logprobs.extend(logprobs)
-        deltas = [self._delta(reqs[s], *appended[s]) for s in sampled]
+        deltas = [self._delta(reqs[s], appended[s]) for s in sampled]
         for s in sampled:
             reqs[s].draft_from_slot = False
             if not reqs[s].finished:
@@ -286,7 +277,7 @@ class Scheduler:
     ) -> RequestDelta:
         """One generated token (the first one of a handed-over prefill); ends the request on
         EOS, a stop token or its length."""
-        return self._delta(req, *self._append(req, SampledTokens((token,), (logprobs,))))
+        return self._delta(req, self._append(req, SampledTokens((token,), (logprobs,))))
 
     def reserve_draft_pages(self, req: Request) -> bool:
         """Pages for the positions a handed-over request's first drafts are written at, before
@@ -305,69 +296,23 @@ class Scheduler:
         req.drafts = list(drafts)
         req.draft_from_slot = False
 
-    def _append(
-        self, req: Request, sampled: SampledTokens
-    ) -> tuple[list[int], list[TokenLogprobs], FinishReason | None, str | int | None]:
-        """Append tokens in order until one ends the request (EOS, a stop token, its grammar,
-        its length): (the tokens appended, their logprobs, the finish reason, the stop reason).
-        The request is ended by `_delta`, after the step's bookkeeping."""
-        params = req.params
-        finish, stop_reason, tokens, token_logprobs = None, None, [], []
-        for token, logprobs in zip(sampled.token_ids, sampled.logprobs):
-            req.output_ids.append(token)
-            tokens.append(token)
-            self.generation_tokens_total += 1
-            if logprobs is not None:
-                req.logprobs.append(logprobs)
-                token_logprobs.append(logprobs)
-            past_min = len(req.output_ids) > params.min_tokens
-            constraint = self.constraint
-            constrained = constraint.accept(req, token) if constraint is not None else None
-            if constrained is not None:
-                finish = constrained  # its grammar ended ("stop") or cannot go on ("abort")
-            elif not params.ignore_eos and token in self.config.eos_token_ids and past_min:
-                finish = "stop"
-            elif token in params.stop_token_ids and past_min:
-                finish, stop_reason = "stop", token
-            if finish is None and (
-                len(req.output_ids) >= params.max_tokens
-                or req.num_tokens >= self.config.max_model_len
-            ):
-                finish = "length"
-            if finish is not None:
-                break
-        return tokens, token_logprobs, finish, stop_reason
+    def _append(self, req: Request, sampled: SampledTokens) -> Appended:
+        """Append the step's tokens until one ends the request (engine/core/request_tokens.py);
+        the request is ended by `_delta`, after the step's bookkeeping."""
+        appended = append_tokens(
+            req, sampled, self.constraint, self.config.eos_token_ids, self.config.max_model_len
+        )
+        self.generation_tokens_total += len(appended.token_ids)
+        return appended
 
-    def _delta(
-        self,
-        req: Request,
-        tokens: list[int],
-        token_logprobs: list[TokenLogprobs],
-        finish: FinishReason | None,
-        stop_reason: str | int | None,
-    ) -> RequestDelta:
-        """The step's delta of `req`; ends it first when `finish` says so."""
-        params = req.params
-        if finish is not None:
+    def _delta(self, req: Request, appended: Appended) -> RequestDelta:
+        """The step's delta of `req`; ends it first when its tokens say so."""
+        if appended.finish is not None:
             hook = self.finish_hooks.pop(req.request_id, None)
             if hook is not None:
                 hook(req)  # before its pages and slot are freed
-            self.finish(req, finish, stop_reason)
-        first = len(req.output_ids) == len(tokens)
-        return RequestDelta(
-            request_id=req.request_id,
-            new_token_ids=tokens,
-            new_text="",  # filled by the detokenizer stage
-            new_logprobs=token_logprobs or None,
-            prompt_logprobs=req.prompt_logprobs
-            if first and params.prompt_logprobs is not None
-            else None,
-            finished=finish is not None,
-            finish_reason=finish,
-            stop_reason=stop_reason,
-            num_prompt_tokens=len(req.prompt_ids),
-            num_cached_tokens=req.num_cached_tokens,
-        )
+            self.finish(req, appended.finish, appended.stop_reason)
+        return delta_of(req, appended)
 
     def _build(self, with_decodes: bool, budget: int) -> ScheduledBatch | None:
         cfg = self.config

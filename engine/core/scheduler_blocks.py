@@ -24,6 +24,7 @@ class PrefixBlocks:
         self.slots = slots
         # (request, block index, block key, checkpoint slot) awaiting this step's forward
         self.pending: list[tuple[Request, int, int, int]] = []
+        self.verified_checkpoints = 0  # copied from accepted verify positions (decode work)
 
     def track_points(self, rows: list[tuple[Request, int]], skip: range) -> list[TrackPoint]:
         """Checkpoint every block boundary crossed this step that is not cached yet. Rows in
@@ -72,6 +73,7 @@ class PrefixBlocks:
                 break
             slot_ops.copy(slots[boundary - start - 1], slot)
             self.pending.append((req, k, key, slot))
+            self.verified_checkpoints += 1
 
     def commit(self, running: list[Request]) -> None:
         """After the forward: register the blocks whose checkpoints it wrote, in order, and
