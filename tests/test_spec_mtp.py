@@ -200,9 +200,10 @@ def reference_drafts(config, tensors, hf_model, prompt, k):
 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])
-def test_engine_drafts_after_a_prefill_are_the_reference_chain(mtp_models, name):
-    """The MTP K/V built over the prompt during its (chunked) prefill, the first pass at its
-    last position and the chain give the reference's drafts."""
+def test_engine_drafts_at_every_step_are_the_reference_chain(mtp_models, name):
+    """The MTP K/V built over the prompt during its (chunked) prefill and over every position
+    a verify step kept, each pass-1 row and the chain give, after every step, the drafts the
+    reference computes over the whole sequence so far."""
     model_dir, hf_model, tensors = mtp_models(name)
     config = ModelConfig.from_hf(model_dir)
     llm = LLM(
@@ -211,13 +212,18 @@ def test_engine_drafts_after_a_prefill_are_the_reference_chain(mtp_models, name)
         speculative_config={"method": "mtp", "num_speculative_tokens": 3},
     )
     prompt = [5, 9, 14, 3, 3, 28, 17, 40, 41, 8, 2, 61, 90, 7, 7, 12, 33, 19, 4]
-    llm.engine.add_request("r", prompt, SamplingParams(max_tokens=8, temperature=0))
+    llm.engine.add_request("r", prompt, SamplingParams(max_tokens=7, temperature=0))
     req = llm.engine.scheduler.requests["r"]
-    while not req.output_ids:
+    steps = []
+    while llm.engine.has_unfinished_requests():
         llm.engine.step()
-    first, drafts = reference_drafts(config, tensors, hf_model, prompt, 3)
-    assert req.output_ids == [first]
-    assert tuple(req.drafts) == tuple(drafts)
+        if req.output_ids and len(req.output_ids) < 6:  # (no drafts for the last token)
+            steps.append((list(req.output_ids), tuple(req.drafts)))
+    assert len(steps) > 2
+    for output, drafts in steps:
+        first, want = reference_drafts(config, tensors, hf_model, prompt + output[:-1], 3)
+        assert first == output[-1]
+        assert drafts == tuple(want), f"after {len(output)} tokens"
 
 
 @pytest.mark.parametrize("name", ["dense", "moe"])

@@ -3,10 +3,10 @@
 After a step's sampling (before the scheduler takes its tokens, so that a PD prefill worker's
 snapshot of a finished prompt holds the MTP K/V of every prompt position):
 
-    pass 1    every position the step made final (a prefill chunk's, a decode's, a verify's
-              accepted ones), with the token after it (the next prompt token, or the token just
-              sampled) and the target's hidden state there: writes the MTP head's K/V at those
-              positions, and at each continuing request's last position drafts d_1
+    pass 1    every position the step fed, with the token after it (the next prompt token, the
+              token just sampled, a verify row's accepted drafts) and the target's hidden state
+              there: writes the MTP head's K/V at those positions, and at each continuing
+              request's last kept position drafts d_1
     pass t    (t = 2..k) one row per drafting request at the next position: d_{t-1} with the
               head's own output hidden state -> d_t
 
@@ -19,6 +19,7 @@ last prompt position, hidden from the slot), so PD + speculation runs as colocat
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from engine.core.outputs import SampledTokens
@@ -40,44 +41,50 @@ class MtpDrafter:
     def propose(
         self, sched: ScheduledBatch, reqs: Sequence[Request], sampled: dict[int, SampledTokens]
     ) -> Drafts:
-        rows = []  # (seq, request, start, next tokens, target hidden rows, drafts?)
-        offset = 0
+        """Pass 1 feeds the step's own rows again (same positions, pages and segments: its
+        layouts are the step's), each with the token after it: a verify row's accepted drafts
+        and sampled token, then that token again over its rejected positions (their K/V is
+        rewritten before anything reads it)."""
         nd, nv = sched.num_decode_seqs, sched.num_verify_seqs
+        after: list[int] = []
+        # drafting requests: (seq, request, position of its last kept token, that token's row,
+        # its logits row: a verify sequence's logits are all of its rows, as the builder gives)
+        drafting = []
+        offset = logits_rows = 0
         for s, req in enumerate(reqs):
             n, start = sched.seq_lens[s], sched.start_positions[s]
             fed = sched.input_ids[offset : offset + n]
+            verify = nd <= s < nd + nv
             if s in sampled:
                 tokens = sampled[s].token_ids
-                kept = len(tokens) if nd <= s < nd + nv else n
-                after = (*fed[1:kept], tokens[-1])
-                drafting = drafts_wanted(req, len(tokens), self.k, self.max_model_len)
+                kept = len(tokens) if verify else n
+                after += [*fed[1:kept], *(tokens[-1],) * (n - kept + 1)]
+                if drafts_wanted(req, len(tokens), self.k, self.max_model_len):
+                    row = logits_rows + (kept - 1 if verify else 0)
+                    drafting.append((s, req, start + kept - 1, offset + kept - 1, row))
+                    logits_rows += 0 if verify else 1
             else:  # a prefill chunk that is not the prompt's last: the next prompt token
-                kept, after, drafting = n, (*fed[1:], req.all_ids[start + n]), False
-            rows.append((s, req, start, after, tuple(range(offset, offset + kept)), drafting))
+                after += [*fed[1:], req.all_ids[start + n]]
+            logits_rows += n if verify else 0
             offset += n
-        # one-token rows first (the builder's decode segment), then the longer ones
-        rows.sort(key=lambda row: len(row[3]) > 1)
-        drafting = [row for row in rows if row[5]]
-        batch = _batch(
-            [(req, start, after) for _, req, start, after, _, _ in rows],
-            [i for i, row in enumerate(rows) if row[5]],
+        batch = dataclasses.replace(
+            sched,
+            input_ids=tuple(after),
+            verify_slots=tuple((0,) * len(v) for v in sched.verify_slots),  # nothing kept
+            logits_seqs=tuple(d[0] for d in drafting),
+            prompt_logprob_seqs=(),
+            has_mamba_track_mask=False,
+            track_points=(),
         )
-        hidden_rows = tuple(r for row in rows for r in row[4])
-        first = self._pass(batch, "target", hidden_rows)
+        first = self._pass(batch, "target", tuple(range(len(after))))
         if not drafting:
             return {}
-        # the output row each drafting request's chain continues from: its last in pass 1
-        ends, total = [], 0
-        for row in rows:
-            total += len(row[3])
-            if row[5]:
-                ends.append(total - 1)
         chains = self._chain(
-            [(req, start + len(after) - 1) for _, req, start, after, _, _ in drafting],
-            first,
-            tuple(ends),
+            [(req, position) for _, req, position, _, _ in drafting],
+            [first[d[4]] for d in drafting],
+            tuple(d[3] for d in drafting),
         )
-        return {row[0]: chain for row, chain in zip(drafting, chains)}
+        return {d[0]: chain for d, chain in zip(drafting, chains)}
 
     def propose_from_slots(self, reqs: Sequence[Request]) -> list[tuple[int, ...]]:
         """Drafts for requests whose prompt was computed elsewhere: pass 1 at the last prompt
