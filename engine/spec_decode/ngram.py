@@ -10,22 +10,27 @@ k + 1 tokens, and a draft that is wrong costs nothing but its row.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def ngram_drafts(token_ids: list[int], k: int, lookup_min: int, lookup_max: int) -> tuple[int, ...]:
     """k drafted continuations of `token_ids`, or () when no suffix of the lengths recurs."""
     ids = np.asarray(token_ids, dtype=np.int64)
-    n_tokens = len(ids)
-    for n in range(min(lookup_max, n_tokens - 1), lookup_min - 1, -1):
-        suffix = ids[n_tokens - n :]
-        # windows starting before the suffix itself: each is followed by at least one token
-        windows = sliding_window_view(ids[: n_tokens - 1], n)
-        starts = np.flatnonzero((windows == suffix).all(axis=1))
-        if starts.size:
-            follow = ids[starts[-1] + n : starts[-1] + n + k].tolist()
-            return tuple(follow + [follow[-1]] * (k - len(follow)))
-    return ()
+    last = len(ids) - 1
+    if last < lookup_min:
+        return ()
+    # Earlier positions holding the last token; each grows its match backwards while the tokens
+    # before it equal those before the end (one vectorised compare per step back).
+    ends = np.flatnonzero(ids[:last] == ids[last])
+    length = 1
+    while ends.size and length < lookup_max:
+        longer = ends[(ends >= length) & (ids[np.maximum(ends - length, 0)] == ids[last - length])]
+        if longer.size == 0:
+            break
+        ends, length = longer, length + 1
+    if length < lookup_min or ends.size == 0:
+        return ()
+    follow = ids[ends[-1] + 1 : ends[-1] + 1 + k].tolist()
+    return tuple(follow + [follow[-1]] * (k - len(follow)))
 
 
 class NgramDrafter:
