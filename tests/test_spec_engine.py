@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.scheduler_spec import Speculation
-from tests.spec_helpers import greedy_reference, ngram_config, scripted_llm
+from tests.spec_helpers import ScriptedDrafter, greedy_reference, ngram_config, scripted_llm
 
 PROMPTS = [
     [3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5],
@@ -138,3 +138,26 @@ def test_ngram_drafts_keep_outputs_and_are_accepted_on_repetitive_text(base_mode
     llm = LLM(model_dir, speculative_config=ngram_config(3) | {"prompt_lookup_min": 1})
     assert_same_outputs(want, llm.generate(prompts, GREEDY))
     assert llm.stats().spec_decode_num_drafts > 0
+
+
+def test_disable_by_batch_size_verifies_only_below_it(base_model, monkeypatch):
+    """With disable_by_batch_size 3, steps that run 3 requests or more verify nothing; once the
+    short requests end, the others speculate again, and outputs stay those of plain decoding."""
+    model_dir, _ = base_model
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 6, 24, 24)]
+    want = LLM(model_dir).generate(PROMPTS, params)
+    reference = {tuple(p): out.token_ids for p, out in zip(PROMPTS, want)}
+    llm = LLM(model_dir, speculative_config=ngram_config(2) | {"disable_by_batch_size": 3})
+    llm.engine.drafter = ScriptedDrafter(reference, 2, llm.engine.model_config.vocab_size)
+    steps = []
+    build = llm.engine.runner.build
+
+    def record(sched):
+        steps.append((len(llm.engine.scheduler.running), sched.num_verify_seqs))
+        return build(sched)
+
+    monkeypatch.setattr(llm.engine.runner, "build", record)
+    got = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(verifying == 0 for running, verifying in steps if running >= 3)
+    assert any(verifying > 0 for _, verifying in steps)
