@@ -90,6 +90,7 @@ def main() -> None:
             mode="decode",
             request_ids=tuple(str(i) for i in range(b)),
             num_decode_seqs=b,
+            num_verify_seqs=0,
             input_ids=(5,) * b,
             seq_lens=(1,) * b,
             start_positions=(args.context,) * b,
@@ -97,6 +98,7 @@ def main() -> None:
                 tuple(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(b)
             ),
             mamba_slots=tuple(range(1, b + 1)),
+            verify_slots=(),
             logits_seqs=tuple(range(b)),
             prompt_logprob_seqs=(),
             has_mamba_track_mask=False,

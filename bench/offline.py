@@ -39,6 +39,11 @@ the median of the N paired ratios is the figure (this VM's speed moves 10-15% be
 Any Hugging Face model directory baton serves (a real checkpoint, any family) instead of a random
 config: `--model DIR` (random ids below its config's vocab_size; the workload is uniform unless
 --workload mixed; transformers loads it too unless --skip-hf).
+
+Speculative decoding against plain decoding (bench/spec_compare.py), at batch 1, 8 and 32:
+    python -m bench.offline --model assets --workload gsm8k --dtype float32 \
+        --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'
+(gsm8k: the held-out 5-shot prompts, 64 greedy tokens each; --spec-batch-sizes, --peer-rounds).
 """
 
 from __future__ import annotations
@@ -162,6 +167,30 @@ def run_hf(model, dtype: str, requests, batch_size: int) -> dict:
     return {"batch_size": batch_size, "seconds": elapsed, "tok_per_s": useful / elapsed}
 
 
+def speculation_only(args) -> None:
+    from bench.spec_compare import compare_speculation, gsm8k_requests
+    from engine.core.llm import LLM
+
+    if not args.model:
+        raise SystemExit("--speculative-config needs --model DIR (a checkpoint with a tokenizer)")
+    sizes = [int(b) for b in args.spec_batch_sizes.split(",")]
+    dtype = "float32" if args.dtype == "all" else args.dtype
+    if args.workload == "gsm8k":
+        tokenizer = LLM(args.model, max_running_requests=1).tokenizer
+        requests = gsm8k_requests(tokenizer, args.num_requests or 2 * max(sizes), 64)
+    else:
+        from engine.config import ModelConfig
+
+        vocab = ModelConfig.from_hf(args.model).vocab_size
+        requests = workload(args.model, args.num_requests, kind="uniform", vocab_size=vocab)
+    results = compare_speculation(
+        args.model, dtype, requests, json.loads(args.speculative_config), sizes, args.peer_rounds
+    )
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -202,6 +231,12 @@ def main() -> None:
         default=1,
         help="baton and the peer alternated this many times; the median round's ratio is printed",
     )
+    ap.add_argument(
+        "--speculative-config",
+        help="JSON as vLLM's: compare speculative decoding with plain decoding at each "
+        "--spec-batch-sizes (bench/spec_compare.py) instead of the runs above",
+    )
+    ap.add_argument("--spec-batch-sizes", default="1,8,32")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     if args.peer_rounds < 1:
@@ -217,6 +252,8 @@ def main() -> None:
             ap.error(f"--peer-vllm: {error}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.speculative_config:
+        return speculation_only(args)
     results = []
     for name, model_dir, hf, vocab in benchmark_models(
         args.model, args.config, with_hf=not args.skip_hf, with_tokenizer=bool(args.peer_vllm)

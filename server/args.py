@@ -8,8 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from disagg.rooms import is_loopback
+from engine.config import ModelConfig
+from engine.spec_decode.config import SpeculativeConfig
 from server.output_parser import ParserSettings
 from server.reasoning_parsers import REASONING_PARSERS
+from server.spec_args import speculative_dict
 from server.tool_parsers import TOOL_CALL_PARSERS
 
 # Settings forwarded to `Engine(...)` as keyword arguments when the user sets them; unset ones
@@ -115,6 +118,13 @@ class ServerArgs:
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     chat_template: str | None = None  # a file, or the template itself (over the model's own)
+    # Speculative decoding: vLLM's --speculative-config (JSON), or SGLang's flags
+    # (server/spec_args.py); checked against the checkpoint here, at the boundary
+    speculative_config: str | None = None
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in (None, "prefill", "decode"):
@@ -167,6 +177,10 @@ class ServerArgs:
             )
         if self.chat_template is not None:
             load_chat_template(self.chat_template)
+        speculative = self.speculative()
+        if speculative is not None:
+            checkpoint = ModelConfig.from_hf(self.model)
+            SpeculativeConfig.for_checkpoint(speculative, checkpoint.num_nextn_predict_layers)
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         for name in (*ENGINE_ARG_NAMES, "max_queued_requests"):
@@ -185,6 +199,16 @@ class ServerArgs:
 
     def chat_template_text(self) -> str | None:
         return load_chat_template(self.chat_template) if self.chat_template else None
+
+    def speculative(self) -> dict[str, Any] | None:
+        """The vLLM-style speculative config the flags ask for (None: none)."""
+        return speculative_dict(
+            self.speculative_config,
+            self.speculative_algorithm,
+            self.speculative_num_steps,
+            self.speculative_eagle_topk,
+            self.speculative_num_draft_tokens,
+        )
 
     def parser_settings(self) -> ParserSettings:
         return ParserSettings(
@@ -206,6 +230,9 @@ class ServerArgs:
         args["schedule_policy"] = self.schedule_policy
         if self.request_metrics:
             args["request_timing"] = True
+        speculative = self.speculative()
+        if speculative is not None:
+            args["speculative_config"] = speculative
         return args
 
     def disagg_options(self) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from server.secret_flags import (
     add_disagg_secret_file_flag,
     secret,
 )
+from server.spec_args import add_speculative_arguments
 from server.tool_parsers import TOOL_CALL_PARSERS
 
 _DEFAULTS = ServerArgs.__dataclass_fields__
@@ -285,6 +286,8 @@ def add_serve_parser(subparsers) -> None:
         "--chat-template",
         help="a Jinja chat template file (or the template itself) to use instead of the model's",
     )
+
+    add_speculative_arguments(parser)
 
     server = parser.add_argument_group("admission")
     server.add_argument(

@@ -44,6 +44,21 @@ _ENGINE_METRICS = {
     "num_preemptions": ("baton:num_preemptions", "Requests preempted so far.", "counter"),
     "prompt_tokens_total": ("baton:prompt_tokens", "Prompt tokens processed.", "counter"),
     "generation_tokens_total": ("baton:generation_tokens", "Tokens generated.", "counter"),
+    "spec_decode_num_drafts": (
+        "baton:spec_decode_num_drafts",
+        "Speculative verify rows run (a request's last token and its drafts, verified at once).",
+        "counter",
+    ),
+    "spec_decode_num_draft_tokens": (
+        "baton:spec_decode_num_draft_tokens",
+        "Draft tokens verified.",
+        "counter",
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "baton:spec_decode_num_accepted_tokens",
+        "Draft tokens accepted.",
+        "counter",
+    ),
     "prefix_cache_blocks": (
         "baton:prefix_cache_blocks",
         "Cached prefix blocks (KV + Mamba checkpoint).",
@@ -152,6 +167,27 @@ def _request_timing_families(stats: dict[str, int | float]) -> Iterator:
         )
 
 
+def _spec_decode_families(stats: dict) -> Iterator:
+    """Speculative decoding's accepted drafts per draft position (vLLM's metric, label
+    `position`) and the mean acceptance length derived from the counters: tokens a verify row
+    appended on average, 1 + accepted / drafts (0 before any)."""
+    per_pos = CounterMetricFamily(
+        "baton:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted at each draft position.",
+        labels=["position"],
+    )
+    for position, count in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", ())):
+        per_pos.add_metric([str(position)], float(count))
+    yield per_pos
+    drafts = stats.get("spec_decode_num_drafts", 0)
+    accepted = stats.get("spec_decode_num_accepted_tokens", 0)
+    yield GaugeMetricFamily(
+        "baton:spec_decode_mean_acceptance_length",
+        "Tokens a speculative verify row appends on average: 1 + accepted drafts / verify rows.",
+        value=1.0 + accepted / drafts if drafts else 0.0,
+    )
+
+
 class EngineStatsCollector(Collector):
     """Exposes the engine's last reported stats; usage ratios are derived from used/total."""
 
@@ -187,6 +223,7 @@ class EngineStatsCollector(Collector):
         for step in ("extend", "decode", "mixed"):
             checkpoints.add_metric([step], float(stats.get(f"mamba_checkpoints_{step}", 0)))
         yield checkpoints
+        yield from _spec_decode_families(stats)
         queried = stats.get("prefix_cache_query_tokens", 0)
         yield GaugeMetricFamily(
             "baton:prefix_cache_hit_rate",

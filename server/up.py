@@ -27,8 +27,9 @@ from pathlib import Path
 
 import httpx
 
-from engine.config import DTYPE_NAMES
+from engine.config import DTYPE_NAMES, ModelConfig
 from engine.runtime.cpu_threads import cores_per_engine
+from engine.spec_decode.config import SpeculativeConfig
 from server.reasoning_parsers import REASONING_PARSERS
 from server.router_cli import DEFAULT_MAX_CONCURRENT_REQUESTS
 from server.secret_flags import (
@@ -39,6 +40,7 @@ from server.secret_flags import (
     add_disagg_secret_file_flag,
     secret,
 )
+from server.spec_args import add_speculative_arguments, speculative_dict, speculative_flag
 from server.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets")
@@ -125,6 +127,7 @@ def add_up_parser(subparsers) -> None:
         "--reasoning-parser", choices=REASONING_PARSERS, help="as `baton serve`'s, both workers"
     )
     parser.add_argument("--chat-template", help="a chat template file for both workers")
+    add_speculative_arguments(parser)  # both workers: the prefill one builds the MTP state
     parser.add_argument(
         "worker_args", nargs="*", help="extra `baton serve` flags for both workers (after --)"
     )
@@ -183,6 +186,21 @@ def run_up(ns) -> int:
             common += [flag, value]
     if ns.enable_auto_tool_choice:
         common.append("--enable-auto-tool-choice")
+    try:
+        speculative = speculative_dict(
+            ns.speculative_config,
+            ns.speculative_algorithm,
+            ns.speculative_num_steps,
+            ns.speculative_eagle_topk,
+            ns.speculative_num_draft_tokens,
+        )
+        if speculative is not None:
+            layers = ModelConfig.from_hf(ns.model).num_nextn_predict_layers
+            SpeculativeConfig.for_checkpoint(speculative, layers)
+        common += speculative_flag(speculative)
+    except ValueError as error:
+        print(f"baton up: {error}", file=sys.stderr)
+        return 2
     baton = [sys.executable, "-m", "server.cli"]
     commands = {
         "prefill": baton

@@ -18,11 +18,13 @@ def _prefill(tokens: list[int], slot: int, pages: list[int]) -> ScheduledBatch:
         mode="extend",
         request_ids=(f"r{slot}",),
         num_decode_seqs=0,
+        num_verify_seqs=0,
         input_ids=tuple(tokens),
         seq_lens=(len(tokens),),
         start_positions=(0,),
         kv_pages=(tuple(pages),),
         mamba_slots=(slot,),
+        verify_slots=(),
         logits_seqs=(0,),
         prompt_logprob_seqs=(0,),  # every row's logits: rows differ between the two forwards
         has_mamba_track_mask=False,

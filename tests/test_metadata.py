@@ -46,41 +46,43 @@ def test_carriers_are_frozen_keyword_only_and_have_no_defaults(carrier):
 
 
 def scheduled(mode: str, track: bool) -> ScheduledBatch:
-    """Decode rows first, then prefill chunks starting at unaligned positions."""
-    decode = mode in ("decode", "mixed")
-    prefill = mode in ("extend", "mixed", "verify")
+    """Decode rows, then verify rows (3 tokens each: the last one and 2 drafts), then prefill
+    chunks starting at unaligned positions."""
+    decode = mode in ("decode", "mixed", "verify")
+    verify = mode in ("mixed", "verify")
+    prefill = mode in ("extend", "mixed")
     rows = []  # (rid, tokens, start, pages, slot)
     if decode:
         rows += [("d0", [7], 12, (3, 4, 5, 6), 1), ("d1", [9], 5, (7, 8), 2)]
+    verify_slots = ()
+    if verify:
+        rows += [
+            ("v0", [11, 12, 13], 9, (26, 27, 28), 5),
+            ("v1", [14, 15, 16], 30, tuple(range(29, 38)), 6),
+        ]
+        verify_slots = ((5, 9, 10), (6, 11, 12))
     if prefill:
-        n = 3 if mode == "verify" else None
-        rows += [("p0", list(range(10, 10 + (n or 21))), 3, (9, 10, 11, 12, 13, 14, 15), 3)]
-        rows += [("p1", list(range(40, 40 + (n or 13))), 16, tuple(range(16, 25)), 4)]
-    nd = 2 if decode else 0
+        rows += [("p0", list(range(10, 31)), 3, (9, 10, 11, 12, 13, 14, 15), 3)]
+        rows += [("p1", list(range(40, 53)), 16, tuple(range(16, 25)), 4)]
+    nd, nv = (2 if decode else 0), len(verify_slots)
     points = ()
     if track:
         points = tuple(
             ([TrackPoint(seq_index=0, token_offset=0, dst_slot=6)] if decode else [])
-            + (
-                [TrackPoint(seq_index=nd, token_offset=4, dst_slot=7)]
-                if prefill and mode != "verify"
-                else []
-            )
-            + (
-                [TrackPoint(seq_index=nd + 1, token_offset=7, dst_slot=8)]
-                if prefill and mode != "verify"
-                else []
-            )
+            + ([TrackPoint(seq_index=nd + nv, token_offset=4, dst_slot=7)] if prefill else [])
+            + ([TrackPoint(seq_index=nd + nv + 1, token_offset=7, dst_slot=8)] if prefill else [])
         )
     return ScheduledBatch(
         mode=mode,
         request_ids=tuple(r[0] for r in rows),
         num_decode_seqs=nd,
+        num_verify_seqs=nv,
         input_ids=tuple(t for r in rows for t in r[1]),
         seq_lens=tuple(len(r[1]) for r in rows),
         start_positions=tuple(r[2] for r in rows),
         kv_pages=tuple(r[3] for r in rows),
         mamba_slots=tuple(r[4] for r in rows),
+        verify_slots=verify_slots,
         logits_seqs=tuple(range(len(rows))),
         prompt_logprob_seqs=(len(rows) - 1,) if prefill else (),
         has_mamba_track_mask=bool(points),
@@ -91,10 +93,13 @@ def scheduled(mode: str, track: bool) -> ScheduledBatch:
 def reconstruct(md: Mamba2Metadata, sched: ScheduledBatch) -> dict:
     """Read every ScheduledBatch field back out of the built metadata."""
     batch = md.forward.batch
-    nd = batch.num_decode_seqs
-    lens = [1] * nd + md.chunk_layout.cu_seqlens.diff().tolist()
-    starts = md.forward.decode_attention.kv_lens.tolist()[:nd]
-    starts = [kv - 1 for kv in starts] + md.chunk_layout.start_pos.tolist()
+    nd, nv = batch.num_decode_seqs, batch.num_verify_seqs
+    q = md.verify_slots.shape[1] - 1 if nv else 0
+    assert batch.num_verify_tokens == nv * q and md.forward.verify_attention.num_seqs == nv
+    lens = [1] * nd + [q] * nv + md.chunk_layout.cu_seqlens.diff().tolist()
+    starts = [kv - 1 for kv in md.forward.decode_attention.kv_lens.tolist()[:nd]]
+    starts += [kv - q for kv in md.forward.verify_attention.kv_lens.tolist()]
+    starts += md.chunk_layout.start_pos.tolist()
     pages = []
     slot_mapping = md.forward.slot_mapping.tolist()
     offset = 0
@@ -105,8 +110,11 @@ def reconstruct(md: Mamba2Metadata, sched: ScheduledBatch) -> dict:
         for pos, slot in zip(range(start, start + n), slots):
             assert want[pos // PAGE] == slot // PAGE
         pages.append(want)
-    logits_seqs = sorted(set(batch.logits_row_owner))
-    prompt_seqs = sorted({s for s in batch.logits_row_owner if batch.logits_row_owner.count(s) > 1})
+    owners = batch.logits_row_owner
+    logits_seqs = sorted(set(owners))
+    verifying = range(nd, nd + nv)
+    prompt_seqs = sorted({s for s in owners if owners.count(s) > 1 and s not in verifying})
+    assert all(owners.count(s) == q for s in verifying)  # a verify row's logits: all q rows
     points = []
     ndt = md.num_decode_tracks
     for i, dst in enumerate(md.track_state_dst.tolist()):
@@ -120,17 +128,22 @@ def reconstruct(md: Mamba2Metadata, sched: ScheduledBatch) -> dict:
             cu = md.chunk_layout.cu_seqlens.tolist()
             s_p = max(j for j in range(len(cu) - 1) if cu[j] <= token)
             points.append(
-                TrackPoint(seq_index=nd + s_p, token_offset=token - cu[s_p], dst_slot=dst)
+                TrackPoint(seq_index=nd + nv + s_p, token_offset=token - cu[s_p], dst_slot=dst)
             )
+    verify_table = md.verify_slots.tolist()
     return {
         "mode": batch.mode,
         "request_ids": sched.request_ids,  # host-only: the engine keeps it beside the metadata
         "num_decode_seqs": nd,
+        "num_verify_seqs": nv,
         "input_ids": tuple(batch.input_ids.tolist()),
         "seq_lens": tuple(lens),
         "start_positions": tuple(starts),
         "kv_pages": tuple(pages),
-        "mamba_slots": tuple(md.decode_slots.tolist() + md.prefill_slots.tolist()),
+        "mamba_slots": tuple(
+            md.decode_slots.tolist() + [row[0] for row in verify_table] + md.prefill_slots.tolist()
+        ),
+        "verify_slots": tuple(tuple(row[1:]) for row in verify_table),
         "logits_seqs": tuple(logits_seqs),
         "prompt_logprob_seqs": tuple(prompt_seqs),
         "has_mamba_track_mask": md.has_mamba_track_mask,
@@ -229,6 +242,7 @@ def test_graph_path_builder_carries_every_field():
             num_decode_tracks=0,
         ),
         lambda md: dataclasses.replace(md, prefill_slots=torch.zeros_like(md.prefill_slots)),
+        lambda md: dataclasses.replace(md, verify_slots=torch.zeros_like(md.verify_slots)),
     ],
 )
 def test_field_check_catches_a_broken_builder(breakage):
@@ -264,11 +278,13 @@ def test_tracking_writes_true_states_into_checkpoint_slots(base_model):
             mode="extend",
             request_ids=("r",),
             num_decode_seqs=0,
+            num_verify_seqs=0,
             input_ids=tuple(toks),
             seq_lens=(len(toks),),
             start_positions=(start,),
             kv_pages=(pages,),
             mamba_slots=(1,),
+            verify_slots=(),
             logits_seqs=(0,),
             prompt_logprob_seqs=(),
             has_mamba_track_mask=bool(points),
@@ -307,11 +323,13 @@ def test_tracking_writes_true_states_into_checkpoint_slots(base_model):
         mode="decode",
         request_ids=("r",),
         num_decode_seqs=1,
+        num_verify_seqs=0,
         input_ids=(5,),
         seq_lens=(1,),
         start_positions=(len(tokens),),
         kv_pages=(pages,),
         mamba_slots=(1,),
+        verify_slots=(),
         logits_seqs=(0,),
         prompt_logprob_seqs=(),
         has_mamba_track_mask=True,
@@ -327,3 +345,26 @@ def test_track_flag_must_match_track_points():
     sched = dataclasses.replace(scheduled("mixed", True), has_mamba_track_mask=False)
     with pytest.raises(ValueError, match="has_mamba_track_mask"):
         build(sched)
+
+
+def test_verify_attention_is_the_layout_of_q_causal_queries():
+    """The verify segment's layout, built on the device from pages like the decode one, is what
+    the kernels' own builder gives for q queries per sequence over the paged prefix."""
+    from kernels.attention import build_attention_layout
+
+    sched = scheduled("verify", track=False)
+    got = build(sched).forward.verify_attention
+    nd, nv = sched.num_decode_seqs, sched.num_verify_seqs
+    q = sched.seq_lens[nd]
+    kv_lens = [sched.start_positions[s] + q for s in range(nd, nd + nv)]
+    width = max(len(sched.kv_pages[s]) for s in range(nd, nd + nv)) * PAGE
+    table = torch.zeros(nv, width, dtype=torch.int64)
+    for v in range(nv):
+        for pos in range(kv_lens[v]):
+            table[v, pos] = sched.kv_pages[nd + v][pos // PAGE] * PAGE + pos % PAGE
+    want = build_attention_layout([q] * nv, kv_lens, table, "cpu")
+    assert (got.num_seqs, got.max_q, got.max_kv) == (want.num_seqs, want.max_q, want.max_kv)
+    for name in ("query_start_loc", "kv_lens", "q_slot", "slot_q", "mask"):
+        assert torch.equal(getattr(got, name).long(), getattr(want, name).long()), name
+    for v, n in enumerate(kv_lens):
+        assert torch.equal(got.kv_indices[v, :n], want.kv_indices[v, :n])

@@ -132,7 +132,7 @@ def test_fixed_buffers_refuse_to_grow():
     with pytest.raises(ValueError, match="metadata ints"):
         buffers.stage([torch.arange(5).numpy()])
     with pytest.raises(ValueError, match="exceeds the fixed"):
-        buffers.decode_token_table(torch.zeros(2, 1, dtype=torch.int32), PAGE, 4)
+        buffers.token_table("decode", torch.zeros(2, 1, dtype=torch.int32), PAGE, 4)
 
 
 def test_graph_replay_finds_every_tensor_built_in_place(monkeypatch):

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core.engine import Engine
+from engine.core.outputs import SampledTokens
 from engine.core.request_timing import STATS_PREFIX, RequestTiming
 from engine.core.sampling_params import SamplingParams
 from tests.server_process import start_server, tiny_model
@@ -34,7 +35,9 @@ def timed_step(sched, timing: RequestTiming, clock: FakeClock, start: float, end
     batch = sched.schedule()
     timing.scheduled(batch)
     clock.now = end
-    for delta in sched.update_from_output(batch, {s: (7, None) for s in batch.logits_seqs}, {}):
+    for delta in sched.update_from_output(
+        batch, {s: SampledTokens((7,), (None,)) for s in batch.logits_seqs}, {}, {}
+    ):
         timing.sampled(delta.request_id, finished=delta.finished)
     return batch
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.cache.memory import IndexPool
+from engine.core.outputs import SampledTokens
 from engine.core.request import Request, Status
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
@@ -65,7 +66,9 @@ def fake_step(sched: Scheduler):
     batch = sched.schedule()
     if batch is None:
         return None
-    sched.update_from_output(batch, {s: (7, None) for s in batch.logits_seqs}, {})
+    sched.update_from_output(
+        batch, {s: SampledTokens((7,), (None,)) for s in batch.logits_seqs}, {}, {}
+    )
     return batch
 
 

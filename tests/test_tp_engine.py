@@ -21,6 +21,7 @@ from engine.config import ModelConfig
 from engine.config_error import ConfigError
 from engine.core.llm import LLM
 from engine.core.sampling_params import SamplingParams
+from engine.executor.draft_batch import DraftBatch
 from engine.executor.forward_metadata import ScheduledBatch, TrackPoint
 from engine.layers.mamba2 import mamba_shard
 from engine.parallel import TensorParallel, kv_head_part
@@ -173,14 +174,16 @@ def _every_field_set() -> ScheduledBatch:
     the way reads back differently."""
     return ScheduledBatch(
         mode="mixed",
-        request_ids=("a", "b"),
+        request_ids=("a", "b", "c"),
         num_decode_seqs=1,
-        input_ids=(7, 8, 9),
-        seq_lens=(1, 2),
-        start_positions=(4, 0),
-        kv_pages=((1, 2), (3,)),
-        mamba_slots=(5, 6),
-        logits_seqs=(0, 1),
+        num_verify_seqs=1,
+        input_ids=(7, 8, 9, 10, 11),
+        seq_lens=(1, 2, 2),
+        start_positions=(4, 3, 0),
+        kv_pages=((1, 2), (4,), (3,)),
+        mamba_slots=(5, 8, 6),
+        verify_slots=((8, 9),),
+        logits_seqs=(0, 1, 2),
         prompt_logprob_seqs=(1,),
         has_mamba_track_mask=True,
         track_points=(TrackPoint(seq_index=1, token_offset=1, dst_slot=7),),
@@ -225,6 +228,8 @@ def test_every_field_of_the_step_message_round_trips():
     for field in dataclasses.fields(RankStep):
         assert getattr(back, field.name) == getattr(step, field.name), field.name
     assert decode(encode(RankStep(ops=(), batch=None))) == RankStep(ops=(), batch=None)
+    draft = DraftBatch(batch=batch, hidden_from="target", hidden_rows=(0, 2, 4))
+    assert decode(encode(RankStep(ops=(), batch=draft))).batch == draft
     assert decode(encode(RankShutdown(reason="done"))) == RankShutdown(reason="done")
     assert decode(encode(ReportPools(reason="check"))) == ReportPools(reason="check")
 

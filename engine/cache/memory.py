@@ -97,6 +97,7 @@ def budget_pools(
     prefix_cache: bool,
     max_total_tokens: int | None,
     max_mamba_slots: int | None,
+    slots_per_request: int,
 ) -> PoolBudget:
     """The pools' sizes from the model's state spec (`token_bytes` of paged state per token,
     `slot_bytes` per slot, every layer) and the context budget, as vLLM and SGLang size theirs:
@@ -106,9 +107,11 @@ def budget_pools(
             cache (it keeps finished requests' pages for reuse), within what `memory_bytes`
             leaves after the slots.
 
+    `slots_per_request`: 1, or 1 + k under speculative decoding (a speculating request keeps
+    the state after each of its k drafts in a slot of its own).
     --max-total-tokens / --max-mamba-slots set either outright. A model without paged state
     (no attention) still counts tokens, in pages that hold nothing: the context budget."""
-    slots = max_mamba_slots or max_running_requests
+    slots = max_mamba_slots or max_running_requests * slots_per_request
     if max_mamba_slots is None and slot_bytes:
         slots = max(1, min(slots, memory_bytes // 2 // slot_bytes))
     if max_total_tokens is not None:

@@ -38,9 +38,12 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     tp: TensorParallel = parallel.SINGLE,
+    *,
+    with_mtp: bool = False,
 ) -> CausalLM:
-    """tp: this rank's place; every layer is built with, and loads, its shard only."""
-    config = ModelConfig.from_hf(model_dir)
+    """tp: this rank's place; every layer is built with, and loads, its shard only. with_mtp:
+    build and load the checkpoint's MTP head (speculative decoding drafts with it)."""
+    config = ModelConfig.from_hf(model_dir).with_mtp(with_mtp)
     check_tp_supported(config, tp.size)
     family = family_named(config.architecture)
     if (

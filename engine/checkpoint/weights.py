@@ -22,7 +22,8 @@ INDEX_FILE = "model.safetensors.index.json"
 # Nemotron 3 releases alike): `...mixer.experts.{e}.up_proj.weight`. In memory the experts of a
 # layer are one stacked (E, out, in) parameter `...mixer.experts.up_proj`, as in transformers.
 EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<proj>\w+)\.weight$")
-# Multi-token-prediction layers (Nemotron 3 Super): baton does not run them yet.
+# Multi-token-prediction layers (Nemotron 3 Super): loaded only into a model built with its MTP
+# head (speculative decoding with method "mtp"), skipped otherwise.
 SKIPPED_PREFIXES = ("mtp.",)
 SINGLE_FILE = "model.safetensors"
 
@@ -145,10 +146,14 @@ def load_into(
     owns it) and takes only its slice of the checkpoint tensor.
 
     Raises WeightError naming missing tensors (a missing expert by its checkpoint name),
-    unexpected tensors and shape mismatches. MTP tensors are skipped with one log line.
+    unexpected tensors and shape mismatches. MTP tensors are skipped with one log line unless
+    the module has an MTP head to load them into.
     """
     params = dict(module.named_parameters())
     parts_of = _parts_index(params)
+    skipped_prefixes = tuple(
+        prefix for prefix in SKIPPED_PREFIXES if not any(n.startswith(prefix) for n in params)
+    )
     tied = set(getattr(module, "tied_parameters", ()))
     loaded: set[str] = set()
     # stacked parameter -> (expert, part) rows loaded (part 0 where the expert is one tensor)
@@ -158,7 +163,7 @@ def load_into(
     for name, checkpoint in iterate_weights(model_dir, rename):
         if name in tied:
             continue  # shares its storage with a parameter loaded under another name
-        if name.startswith(SKIPPED_PREFIXES):
+        if name.startswith(skipped_prefixes):
             skipped += 1
             continue
         target, index, part, parts = name, None, 0, None

@@ -180,16 +180,24 @@ class OutputDetokenizer:
         # The engine ends a request with "stop" only by token id (EOS or stop_token_ids): that
         # token's text is not part of the output (as in vLLM).
         token_ids = delta.new_token_ids[:-1] if finish_reason == "stop" else delta.new_token_ids
-        for token_id in token_ids:
+        kept = delta.new_token_ids
+        for i, token_id in enumerate(token_ids):
             detok.add(token_id)
             if detok.stopped_by is not None:
                 finished, finish_reason, stop_reason = True, "stop", detok.stopped_by
+                # A delta of several tokens (speculative decoding) ends with the one that
+                # completed the stop string, as one token at a time would have.
+                kept = delta.new_token_ids[: i + 1]
                 break
         text = detok.take(final=finished)
         if finished:
             del self.requests[delta.request_id]
         return dataclasses.replace(
             delta,
+            new_token_ids=kept,
+            new_logprobs=delta.new_logprobs[: len(kept)]
+            if delta.new_logprobs
+            else delta.new_logprobs,
             new_text=text,
             finished=finished,
             finish_reason=finish_reason,

@@ -32,6 +32,7 @@ from engine.core.request_timing import RequestTiming
 from engine.core.sampler import Sampler, top_logprobs
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.scheduler_spec import SpecSchedule
 from engine.core.tokenizer import LazyTokenizer
 from engine.core.warm_up import warm_up
 from engine.executor.graph_runner import DecodeGraphRunner
@@ -48,6 +49,11 @@ from engine.runtime.cpu_allocator import (
     keep_freed_memory_in_heap,
     release_freed_memory,
 )
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.drafters import Drafter, NgramStepDrafter
+from engine.spec_decode.mtp import MtpDrafter
+from engine.spec_decode.stats import SpecDecodeCounters
+from engine.spec_decode.verifier import sample_step
 from engine.structured_output.grammars import Grammars
 
 logger = logging.getLogger("baton.engine")
@@ -71,7 +77,17 @@ class Engine:
         if self.device.type == "cpu":
             keep_freed_memory_in_heap()
         self.model_dir = Path(model_dir)
-        self.model_config = ModelConfig.from_hf(model_dir)
+        checkpoint = ModelConfig.from_hf(model_dir)
+        self.speculative = (
+            SpeculativeConfig.for_checkpoint(
+                self.args.speculative_config, checkpoint.num_nextn_predict_layers
+            )
+            if self.args.speculative_config is not None
+            else None
+        )
+        with_mtp = self.speculative is not None and self.speculative.method == "mtp"
+        # The MTP head, its weights and its state exist only when speculation drafts with it.
+        self.model_config = checkpoint.with_mtp(with_mtp)
         self.dtype = resolve_dtype(dtype, self.model_config)
         args, config = self.args, self.model_config
         self.state_spec = model_state_spec(config, self.dtype)
@@ -81,12 +97,17 @@ class Engine:
         )
         # Before any process starts: a model and TP size that cannot be served are refused.
         check_tp_supported(config, args.tensor_parallel_size)
-        self.ranks = start_ranks(model_dir, dtype, device, args, sizes)
+        self.ranks = start_ranks(model_dir, dtype, device, args, sizes, with_mtp)
         tp = self.ranks.tp if self.ranks is not None else parallel.SINGLE
         try:
-            self.model = load_model(model_dir, self.dtype, self.device, tp)
+            self.model = load_model(model_dir, self.dtype, self.device, tp, with_mtp=with_mtp)
             if self.ranks is not None:
                 self.ranks.wait_loaded()
+            if with_mtp and self.model.mtp is None:
+                raise ValueError(
+                    f"{config.architecture}: baton has no MTP head for this family yet"
+                    " (speculative method 'ngram' works for every family)"
+                )
         except BaseException:
             self.close()
             raise
@@ -152,10 +173,13 @@ class Engine:
             self.pool_ops,
             prefix_cache=self.prefix_cache,
             constraint=self.grammars,
+            speculation=self._spec_schedule(),
         )
         self.runner = ModelRunner(self.model, self.cache, self.device)
         if self.ranks is not None:
             self.runner = RankedRunner(self.runner, self.ranks, self.pool_ops)
+        self.drafter = self._make_drafter()
+        self.spec_counters = SpecDecodeCounters()
         self.graph_runner = self._make_graph_runner() if self.ranks is None else None
         self.sampler = Sampler(args.seed, self.device)
         self.timing = RequestTiming() if args.request_timing else None
@@ -201,6 +225,25 @@ class Engine:
             self.shard_connector = None
         if getattr(self, "grammars", None) is not None:
             self.grammars.close()
+
+    def _spec_schedule(self) -> SpecSchedule | None:
+        spec = self.speculative
+        if spec is None:
+            return None
+        k = spec.num_speculative_tokens
+        return SpecSchedule(
+            num_speculative_tokens=k,
+            disable_by_batch_size=spec.disable_by_batch_size,
+            draft_lookahead=k - 1 if spec.method == "mtp" else 0,
+        )
+
+    def _make_drafter(self) -> Drafter | None:
+        spec = self.speculative
+        if spec is None:
+            return None
+        if spec.method == "mtp":
+            return MtpDrafter(spec, self.runner, self.max_model_len)
+        return NgramStepDrafter(spec, self.max_model_len)
 
     def _make_prefix_cache(self) -> PrefixCache | None:
         args = self.args
@@ -259,6 +302,8 @@ class Engine:
             prefix_cache=args.enable_prefix_caching,
             max_total_tokens=args.max_total_tokens,
             max_mamba_slots=args.max_mamba_slots,
+            slots_per_request=1
+            + (self.speculative.num_speculative_tokens if self.speculative is not None else 0),
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -353,8 +398,13 @@ class Engine:
             prefix_cache_hit_tokens=cache.stats.hit_tokens if cache else 0,
             prefix_cache_evictions=cache.stats.evicted_blocks if cache else 0,
             mamba_checkpoints_extend=self.checkpoints_by_mode["extend"],
-            mamba_checkpoints_decode=self.checkpoints_by_mode["decode"],
+            mamba_checkpoints_decode=self.checkpoints_by_mode["decode"]
+            + (self.scheduler.blocks.verified_checkpoints if self.scheduler.blocks else 0),
             mamba_checkpoints_mixed=self.checkpoints_by_mode["mixed"],
+            spec_decode_num_drafts=self.spec_counters.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_counters.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_counters.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_counters.accepted_per_pos),
         )
 
     def timing_stats(self) -> dict[str, float]:
@@ -367,6 +417,8 @@ class Engine:
         for req, reason in self.grammars.release():  # compiled grammars start their requests
             self.abort_request(req.request_id)
             self.refused.append((req.request_id, reason))
+        if self.drafter is not None:
+            self._draft_handed_over()
         sched = self.scheduler.schedule()
         if sched is None:
             self.grammars.wait()  # nothing to run but grammars to compile: no busy loop
@@ -377,10 +429,9 @@ class Engine:
             md, logits = self.graph_runner.forward(sched)
         else:
             md, logits = self.runner.forward(sched)
-        if sched.track_points:
-            self.checkpoints_by_mode[sched.mode] = self.checkpoints_by_mode.get(
-                sched.mode, 0
-            ) + len(sched.track_points)
+        if sched.track_points:  # (a verify step's are its decode rows')
+            mode = "decode" if sched.mode == "verify" else sched.mode
+            self.checkpoints_by_mode[mode] += len(sched.track_points)
         reqs = [self.scheduler.requests[rid] for rid in sched.request_ids]
         rows_of: dict[int, list[int]] = {}
         for row, owner in enumerate(md.forward.batch.logits_row_owner):
@@ -395,24 +446,40 @@ class Engine:
 
         sampled = {}
         if sched.logits_seqs:
-            sample_rows = [rows_of[s][-1] for s in sched.logits_seqs]
-            if sample_rows != list(range(logits.shape[0])):  # decode-only: skip the copy
-                logits = logits[sample_rows]
-            sampled_reqs = [reqs[s] for s in sched.logits_seqs]
-            result = self.sampler(
+            sampled, verified = sample_step(
+                self.sampler,
+                self.grammars,
                 logits,
-                sampled_reqs,
+                sched,
+                reqs,
+                rows_of,
                 self.model_config.eos_token_ids,
-                self.grammars.constrain(sampled_reqs),
+                self.model_config.vocab_size,
             )
-            sampled = {
-                s: (t, lp) for s, t, lp in zip(sched.logits_seqs, result.token_ids, result.logprobs)
-            }
-        deltas = self.scheduler.update_from_output(sched, sampled, prompt_logprobs)
+            self.spec_counters.count(verified)
+        drafts = {}
+        if self.drafter is not None and self.scheduler.spec.active(len(self.scheduler.running)):
+            # before the scheduler takes the tokens: a finishing prefill's snapshot (PD) holds
+            # the MTP head's K/V of its whole prompt
+            drafts = self.drafter.propose(sched, reqs, sampled)
+        deltas = self.scheduler.update_from_output(sched, sampled, prompt_logprobs, drafts)
         if self.timing is not None:
             for delta in deltas:
                 self.timing.sampled(delta.request_id, finished=delta.finished)
         return deltas
+
+    def _draft_handed_over(self) -> None:
+        """Requests a PD prefill worker computed draft before their first step here, from the
+        state that came with them (the MTP head's K/V over the prompt and the last hidden
+        state), as they would have after a local prefill."""
+        ready = [
+            req
+            for req in self.scheduler.running
+            if req.draft_from_slot and self.scheduler.reserve_draft_pages(req)
+        ]
+        if ready and self.scheduler.spec.active(len(self.scheduler.running)):
+            for req, drafts in zip(ready, self.drafter.propose_from_slots(ready)):
+                self.scheduler.set_drafts(req, drafts)
 
     def _prompt_logprobs(
         self, req: Request, start: int, logits: torch.Tensor

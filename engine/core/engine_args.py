@@ -52,6 +52,9 @@ class EngineArgs:
     # What builds each rank's handover connector (engine/handover/shards.py ConnectorSpec): a
     # disaggregated worker's ranks send or receive their own shards. None: no handover.
     handover_connector: ConnectorSpec | None = None
+    # vLLM's --speculative-config as a dict ({"method": "mtp" | "ngram", "num_speculative_tokens":
+    # k, ...}: engine/spec_decode/config.py); None: no speculative decoding
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -99,6 +102,12 @@ class EngineStats:
     mamba_checkpoints_extend: int
     mamba_checkpoints_decode: int
     mamba_checkpoints_mixed: int
+    # Speculative decoding, as vLLM counts it (engine/spec_decode/stats.py): verify rows run,
+    # tokens they drafted and accepted, and per draft position how often it was accepted.
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...]
 
 
 def default_track_interval(chunk_size: int, page_size: int, target: int = 512) -> int:

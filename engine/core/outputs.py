@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "abort"]
 
 # One entry per token: token_id -> logprob, always including the token itself.
 TokenLogprobs = dict[int, float]
+
+
+class SampledTokens(NamedTuple):
+    """What one step sampled for one request: one token, or with speculation the accepted
+    drafts followed by the token sampled after them (the scheduler appends them in order and
+    stops at the first that ends the request)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs | None, ...]  # one per token, None when none were asked for
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

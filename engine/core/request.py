@@ -51,6 +51,14 @@ class Request:
     # params.logit_bias as (ids, values) tensors on the logits' device, built at its first step
     # (a bias over much of the vocabulary is not rebuilt from a dict every step).
     logit_bias_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Speculative decoding (engine/core/scheduler_spec.py): the drafts the next step verifies
+    # after the last output token, and the scratch slots that keep the recurrent state after
+    # each drafted position while it runs (k of them, held from its first verify to its end).
+    drafts: list[int] = field(default_factory=list)
+    spec_slots: list[int] = field(default_factory=list)
+    # Handed over by a PD prefill worker: its first drafts come from the kept hidden state
+    # (engine/layers/mtp.py) before its first step.
+    draft_from_slot: bool = False
 
     @property
     def all_ids(self) -> list[int]:

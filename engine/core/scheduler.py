@@ -17,6 +17,11 @@ preempted by recompute: its pages and slot are freed and it goes back to the fro
 waiting queue with its generated tokens kept (they are re-fed as prompt on resumption).
 The batch lists decode sequences first, then prefill chunks (the order the model expects).
 
+With speculative decoding (engine/core/scheduler_spec.py), a decoding request with drafts feeds
+its last token and its k drafts as one verify row (the batch is then decode rows, verify rows,
+prefill chunks); `update_from_output` takes the accepted drafts and the token after them, rolls
+the recurrent state back to the last accepted position and stores the next drafts.
+
 With a prefix cache, admission first matches the prompt against cached blocks (sharing their KV
 pages and starting from a copy of the deepest checkpoint), and every step marks the requests whose
 tokens cross a multiple of `track_interval` (TrackPoints, plus the host flag
@@ -34,16 +39,20 @@ from typing import Literal, Protocol, get_args
 
 from engine.cache.memory import IndexPool, OutOfMemory
 from engine.cache.prefix_cache import PrefixCache
-from engine.core.outputs import FinishReason, RequestDelta, TokenLogprobs
+from engine.core.outputs import FinishReason, RequestDelta, SampledTokens, TokenLogprobs
 from engine.core.request import Hold, Request, Status
+from engine.core.request_tokens import Appended, OutputConstraint, append_tokens, delta_of
 from engine.core.scheduler_blocks import PrefixBlocks
+from engine.core.scheduler_spec import SpecSchedule, Speculation
 from engine.executor.forward_metadata import ScheduledBatch
 
 SchedulePolicy = Literal["mixed", "prefill-first"]
 SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)
 
-# seq index in the batch -> (sampled token, its logprobs or None)
-Sampled = dict[int, tuple[int, TokenLogprobs | None]]
+# seq index in the batch -> the tokens it sampled (one, or accepted drafts and the next)
+Sampled = dict[int, SampledTokens]
+# seq index in the batch -> the drafts its next step verifies
+Drafts = dict[int, tuple[int, ...]]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,16 +65,6 @@ class SchedulerConfig:
     max_prefill_tokens: int  # token budget of a prefill-first step (<= max_num_batched_tokens)
     max_model_len: int  # a request that reaches it ends with "length"
     eos_token_ids: tuple[int, ...]
-
-
-class OutputConstraint(Protocol):
-    """What constrains generated tokens beyond the sampler (structured outputs'
-    engine/structured_output/grammars.py): told of every token appended, it may end the request
-    ("stop": its grammar is complete; "abort": it cannot go on)."""
-
-    def accept(self, req: Request, token: int) -> FinishReason | None: ...
-
-    def forget(self, request_id: str) -> None: ...
 
 
 class SlotOps(Protocol):
@@ -90,6 +89,7 @@ class Scheduler:
         slot_ops: SlotOps,
         prefix_cache: PrefixCache | None = None,
         constraint: OutputConstraint | None = None,
+        speculation: SpecSchedule | None = None,
     ):
         self.config = config
         self.constraint = constraint
@@ -98,6 +98,13 @@ class Scheduler:
         self.slot_ops = slot_ops
         self.prefix_cache = prefix_cache
         self.blocks = PrefixBlocks(prefix_cache, pages, slots) if prefix_cache else None
+        self.spec = (
+            Speculation(
+                speculation, slots, slot_ops, prefix_cache, self.blocks, config.max_model_len
+            )
+            if speculation is not None
+            else None
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -207,6 +214,7 @@ class Scheduler:
         side's, is appended next)."""
         req.num_computed = len(req.prompt_ids)
         req.status = Status.RUNNING
+        req.draft_from_slot = self.spec is not None  # its drafts come from the kept state
         self.running.append(req)
 
     def extend_chain(self, req: Request, k: int, checkpoint_slot: int | None) -> bool:
@@ -235,82 +243,107 @@ class Scheduler:
         sched: ScheduledBatch,
         sampled: Sampled,
         prompt_logprobs: dict[int, list[TokenLogprobs | None]],
+        drafts: Drafts,
     ) -> list[RequestDelta]:
-        """After the forward: the tokens fed are computed, the new blocks are cached, the
-        prompt logprobs and sampled tokens are appended (a request may finish)."""
+        """After the forward: the sampled tokens are appended (a request may finish: it ends
+        after the bookkeeping below), the tokens fed are computed (a verify's up to its last
+        accepted draft, its state rolled back there), the new blocks are cached, the prompt
+        logprobs and the next drafts stored."""
         reqs = [self.requests[rid] for rid in sched.request_ids]
+        nd, nv = sched.num_decode_seqs, sched.num_verify_seqs
+        appended = {s: self._append(reqs[s], tokens) for s, tokens in sampled.items()}
         for s, req in enumerate(reqs):
-            req.num_computed += sched.seq_lens[s]
+            if nd <= s < nd + nv:
+                # the last token and the accepted drafts (fewer when a stop ended it early)
+                kept = min(len(sampled[s].token_ids), len(appended[s].token_ids))
+                self.spec.accept(req, sched.start_positions[s], sched.verify_slots[s - nd], kept)
+                req.num_computed += kept
+                self._trim_pages(req, req.num_computed + self.spec.config.draft_lookahead)
+            else:
+                req.num_computed += sched.seq_lens[s]
         if self.blocks is not None:
             self.blocks.commit(self.running)
         for s, logprobs in prompt_logprobs.items():
             reqs[s].prompt_logprobs.extend(logprobs)
-        return [self.append_token(req, *sampled[s]) for s, req in enumerate(reqs) if s in sampled]
+        deltas = [self._delta(reqs[s], appended[s]) for s in sampled]
+        for s in sampled:
+            reqs[s].draft_from_slot = False
+            if not reqs[s].finished:
+                reqs[s].drafts = list(drafts.get(s, ()))
+        return deltas
 
     def append_token(
         self, req: Request, token: int, logprobs: TokenLogprobs | None
     ) -> RequestDelta:
-        """One generated token; ends the request on EOS, a stop token or its length."""
-        params = req.params
-        req.output_ids.append(token)
-        self.generation_tokens_total += 1
-        if logprobs is not None:
-            req.logprobs.append(logprobs)
-        finish, stop_reason = None, None
-        past_min = len(req.output_ids) > params.min_tokens
-        constrained = self.constraint.accept(req, token) if self.constraint is not None else None
-        if constrained is not None:
-            finish = constrained  # its grammar ended ("stop") or cannot go on ("abort")
-        elif not params.ignore_eos and token in self.config.eos_token_ids and past_min:
-            finish = "stop"
-        elif token in params.stop_token_ids and past_min:
-            finish, stop_reason = "stop", token
-        if finish is None and (
-            len(req.output_ids) >= params.max_tokens or req.num_tokens >= self.config.max_model_len
-        ):
-            finish = "length"
-        if finish is not None:
+        """One generated token (the first one of a handed-over prefill); ends the request on
+        EOS, a stop token or its length."""
+        return self._delta(req, self._append(req, SampledTokens((token,), (logprobs,))))
+
+    def reserve_draft_pages(self, req: Request) -> bool:
+        """Pages for the positions a handed-over request's first drafts are written at, before
+        its first step (nothing is preempted for them: False when they cannot be had now)."""
+        lookahead = self._lookahead(req, 1, self.spec.config.draft_lookahead)
+        need = self._pages_for(req.num_computed + 1 + lookahead) - len(req.kv_pages)
+        cache = self.prefix_cache
+        if need > self.pages.available and not (cache and cache.evict(pages=need)):
+            return False
+        if need > 0:
+            req.kv_pages.extend(self.pages.alloc(need))
+        return True
+
+    def set_drafts(self, req: Request, drafts: tuple[int, ...]) -> None:
+        """Drafts proposed outside a step (a handed-over request's first ones)."""
+        req.drafts = list(drafts)
+        req.draft_from_slot = False
+
+    def _append(self, req: Request, sampled: SampledTokens) -> Appended:
+        """Append the step's tokens until one ends the request (engine/core/request_tokens.py);
+        the request is ended by `_delta`, after the step's bookkeeping."""
+        appended = append_tokens(
+            req, sampled, self.constraint, self.config.eos_token_ids, self.config.max_model_len
+        )
+        self.generation_tokens_total += len(appended.token_ids)
+        return appended
+
+    def _delta(self, req: Request, appended: Appended) -> RequestDelta:
+        """The step's delta of `req`; ends it first when its tokens say so."""
+        if appended.finish is not None:
             hook = self.finish_hooks.pop(req.request_id, None)
             if hook is not None:
                 hook(req)  # before its pages and slot are freed
-            self.finish(req, finish, stop_reason)
-        first = len(req.output_ids) == 1
-        return RequestDelta(
-            request_id=req.request_id,
-            new_token_ids=[token],
-            new_text="",  # filled by the detokenizer stage
-            new_logprobs=[logprobs] if logprobs is not None else None,
-            prompt_logprobs=req.prompt_logprobs
-            if first and params.prompt_logprobs is not None
-            else None,
-            finished=finish is not None,
-            finish_reason=finish,
-            stop_reason=stop_reason,
-            num_prompt_tokens=len(req.prompt_ids),
-            num_cached_tokens=req.num_cached_tokens,
-        )
+            self.finish(req, appended.finish, appended.stop_reason)
+        return delta_of(req, appended)
 
     def _build(self, with_decodes: bool, budget: int) -> ScheduledBatch | None:
         cfg = self.config
         decodes: list[tuple[Request, int]] = []
+        verifies: list[tuple[Request, int]] = []
         prefills: list[tuple[Request, int]] = []
         scheduled: set[int] = set()
+        spec = self.spec if self.spec is not None and self.spec.active(len(self.running)) else None
+        # pages for the positions the drafter writes past the step's own (an MTP chain)
+        lookahead = spec.config.draft_lookahead if spec is not None else 0
 
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            if req.num_remaining == 1 and not with_decodes:
+            decoding = req.num_remaining == 1
+            if decoding and not with_decodes:
                 continue
+            drafts = spec.drafts_to_verify(req) if spec is not None and decoding else []
+            if len(drafts) >= budget:
+                drafts = []  # a verify row would not fit the step's budget: decode
             n = (
-                1
-                if req.num_remaining == 1
+                1 + len(drafts)
+                if decoding
                 else min(req.num_remaining, cfg.chunked_prefill_size, budget)
             )
-            if not self._reserve_pages(req, req.num_computed + n, scheduled):
+            ahead = self._lookahead(req, n, lookahead) if n == req.num_remaining or drafts else 0
+            if not self._reserve_pages(req, req.num_computed + n + ahead, scheduled):
                 continue  # req itself was preempted
-            (decodes if req.num_remaining == 1 else prefills).append((req, n))
+            (verifies if drafts else decodes if decoding else prefills).append((req, n))
             scheduled.add(id(req))
             budget -= n
 
@@ -322,14 +355,15 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             n = min(req.num_remaining, cfg.chunked_prefill_size, budget)
-            self._reserve_pages(req, req.num_computed + n, scheduled)
+            ahead = self._lookahead(req, n, lookahead) if n == req.num_remaining else 0
+            self._reserve_pages(req, req.num_computed + n + ahead, scheduled)
             (decodes if req.num_remaining == 1 else prefills).append((req, n))
             scheduled.add(id(req))
             budget -= n
 
-        if not decodes and not prefills:
+        if not decodes and not verifies and not prefills:
             return None
-        return self._batch(decodes, prefills)
+        return self._batch(decodes, verifies, prefills)
 
     def _admit(self, req: Request, budget: int) -> bool:
         """Give `req` a working Mamba slot (fresh, or a copy of its deepest cached checkpoint)
@@ -361,28 +395,45 @@ class Scheduler:
         return True
 
     def _batch(
-        self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]
+        self,
+        decodes: list[tuple[Request, int]],
+        verifies: list[tuple[Request, int]],
+        prefills: list[tuple[Request, int]],
     ) -> ScheduledBatch:
-        rows = decodes + prefills
+        rows = decodes + verifies + prefills
+        nd, nv = len(decodes), len(verifies)
         input_ids: list[int] = []
         logits_seqs, prompt_logprob_seqs = [], []
         for s, (req, n) in enumerate(rows):
+            if nd <= s < nd + nv:  # the last token, then the drafts
+                input_ids.extend([req.all_ids[req.num_computed], *req.drafts])
+                logits_seqs.append(s)
+                continue
             input_ids.extend(req.all_ids[req.num_computed : req.num_computed + n])
             if req.num_computed + n == req.num_tokens:
                 logits_seqs.append(s)
             if req.wants_prompt_logprobs and req.num_computed < len(req.prompt_ids):
                 prompt_logprob_seqs.append(s)
-        mode = "decode" if not prefills else ("extend" if not decodes else "mixed")
-        points = self.blocks.track_points(rows) if self.blocks is not None else []
+        if not prefills:
+            mode = "verify" if verifies else "decode"
+        else:
+            mode = "extend" if not decodes and not verifies else "mixed"
+        points = (
+            self.blocks.track_points(rows, skip=range(nd, nd + nv))
+            if self.blocks is not None
+            else []
+        )
         return ScheduledBatch(
             mode=mode,
             request_ids=tuple(req.request_id for req, _ in rows),
-            num_decode_seqs=len(decodes),
+            num_decode_seqs=nd,
+            num_verify_seqs=nv,
             input_ids=tuple(input_ids),
             seq_lens=tuple(n for _, n in rows),
             start_positions=tuple(req.num_computed for req, _ in rows),
             kv_pages=tuple(tuple(req.kv_pages) for req, _ in rows),
             mamba_slots=tuple(req.mamba_slot for req, _ in rows),
+            verify_slots=tuple(Speculation.verify_slots(req) for req, _ in verifies),
             logits_seqs=tuple(logits_seqs),
             prompt_logprob_seqs=tuple(prompt_logprob_seqs),
             has_mamba_track_mask=bool(points),
@@ -413,6 +464,19 @@ class Scheduler:
             req.kv_pages.extend(self.pages.alloc(need))
         return True
 
+    def _lookahead(self, req: Request, n: int, lookahead: int) -> int:
+        """The drafter's positions past a step that feeds `n` tokens, within the context (the
+        drafter drafts nothing that would pass it)."""
+        return max(0, min(lookahead, self.config.max_model_len - req.num_computed - n))
+
+    def _trim_pages(self, req: Request, num_tokens: int) -> None:
+        """Give back the pages past the first `num_tokens` tokens (a verify's rejected drafts);
+        a cached block's pages are never among them (they hold computed tokens)."""
+        keep = self._pages_for(num_tokens)
+        if len(req.kv_pages) > keep:
+            self.pages.free(req.kv_pages[keep:])
+            del req.kv_pages[keep:]
+
     def preempt(self, req: Request) -> None:
         """Preemption by recompute: drop all cached state; resume from scratch later."""
         self.running.remove(req)
@@ -429,6 +493,8 @@ class Scheduler:
         """Give back what `req` holds, or park it while its hold reads it. The hold stays on the
         request: a preempted one that runs again writes new pages that its hold reads too (a
         disaggregated prefill streams pages while it computes), and they must outlive its end."""
+        if self.spec is not None:
+            self.spec.release(req)  # scratch slots hold nothing a hold reads
         pages, slot, blocks = req.kv_pages, req.mamba_slot, req.cached_blocks
         req.kv_pages, req.mamba_slot, req.cached_blocks = [], 0, []
         if req.hold is not None and not req.hold.done:

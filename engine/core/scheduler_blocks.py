@@ -24,12 +24,16 @@ class PrefixBlocks:
         self.slots = slots
         # (request, block index, block key, checkpoint slot) awaiting this step's forward
         self.pending: list[tuple[Request, int, int, int]] = []
+        self.verified_checkpoints = 0  # copied from accepted verify positions (decode work)
 
-    def track_points(self, rows: list[tuple[Request, int]]) -> list[TrackPoint]:
-        """Checkpoint every block boundary crossed this step that is not cached yet."""
+    def track_points(self, rows: list[tuple[Request, int]], skip: range) -> list[TrackPoint]:
+        """Checkpoint every block boundary crossed this step that is not cached yet. Rows in
+        `skip` (speculative verifies) are checkpointed after acceptance (`verified_points`)."""
         cache = self.cache
         interval, points = cache.track_interval, []
         for s, (req, n) in enumerate(rows):
+            if s in skip:
+                continue
             start, end = req.num_computed, req.num_computed + n
             first = (start // interval + 1) * interval
             for boundary in range(first, end + 1, interval):
@@ -47,6 +51,29 @@ class PrefixBlocks:
                 )
                 self.pending.append((req, k, key, slot))
         return points
+
+    def verified_points(
+        self, req: Request, start: int, kept: int, slots: tuple[int, ...], slot_ops
+    ) -> None:
+        """A verify fed tokens from `start` on, keeping the state after token i in slots[i];
+        the first `kept` were accepted. Every block end they crossed that is not cached yet is
+        checkpointed by a copy of its position's slot (commit registers it)."""
+        cache = self.cache
+        interval = cache.track_interval
+        first = (start // interval + 1) * interval
+        for boundary in range(first, start + kept + 1, interval):
+            k = boundary // interval - 1
+            if k < len(req.cached_blocks):
+                continue
+            key = cache.chain_keys(req.all_ids, k + 1)[-1]
+            if cache.lookup(key) is not None:
+                continue  # someone cached it meanwhile: adopted in commit
+            slot = self.checkpoint_slot()
+            if slot is None:
+                break
+            slot_ops.copy(slots[boundary - start - 1], slot)
+            self.pending.append((req, k, key, slot))
+            self.verified_checkpoints += 1
 
     def commit(self, running: list[Request]) -> None:
         """After the forward: register the blocks whose checkpoints it wrote, in order, and

@@ -12,7 +12,15 @@ The same builder serves every mode (extend, decode, mixed, verify) and CUDA-grap
 replay. Host facts stay on the host: `has_mamba_track_mask` is a Python bool decided by the
 scheduler, never a `.any()` on a device tensor.
 
-Token order inside a batch: all decode sequences first (one token each), then prefill chunks.
+Token order inside a batch, three segments:
+
+    [ decode: one token each | verify: q = k + 1 tokens each | prefill chunks ]
+
+A verify sequence (speculative decoding, engine/spec_decode/) feeds its last token and k drafts;
+attention reads them as q causal queries over the paged prefix, every recurrent mixer keeps its
+state after each of the q tokens in slot `verify_slots[s][i]` (the first: the working slot, in
+place; then k scratch slots the request holds), and logits come back for all q positions.
+Acceptance then picks the slot of the last accepted position: that is the whole rollback.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from engine.executor.metadata_buffers import (
     MetadataBuffers,
     decode_attention_layout,
     prefill_layouts,
+    verify_attention_layout,
 )
 from kernels.layouts import AttentionLayout, ChunkLayout, ConvLayout
 
@@ -51,12 +60,16 @@ class ScheduledBatch:
     mode: ForwardMode
     request_ids: tuple[str, ...]  # (num_seqs,)
     num_decode_seqs: int
+    num_verify_seqs: int  # the sequences right after the decode ones, q >= 2 tokens each
     input_ids: tuple[int, ...]  # (num_tokens,) packed
     seq_lens: tuple[int, ...]  # (num_seqs,) tokens fed this step
     start_positions: tuple[int, ...]  # (num_seqs,) tokens already in the state/cache
     kv_pages: tuple[tuple[int, ...], ...]  # (num_seqs,) page table covering start + len tokens
     mamba_slots: tuple[int, ...]  # (num_seqs,) working Mamba slot
-    logits_seqs: tuple[int, ...]  # sequences whose last token's logits are needed (sampling)
+    # (num_verify_seqs,) each (q,): the slot that receives the recurrent state after each fed
+    # token (the first is the working slot itself)
+    verify_slots: tuple[tuple[int, ...], ...]
+    logits_seqs: tuple[int, ...]  # sequences whose logits are needed (a verify's: all q rows)
     prompt_logprob_seqs: tuple[int, ...]  # sequences needing logits for every token fed
     has_mamba_track_mask: bool  # decided on the host: is any TrackPoint present
     track_points: tuple[TrackPoint, ...]
@@ -78,6 +91,8 @@ class ForwardBatch:
     num_seqs: int
     num_decode_seqs: int
     num_decode_tokens: int
+    num_verify_seqs: int
+    num_verify_tokens: int  # num_verify_seqs * q, right after the decode tokens
     input_ids: torch.Tensor  # (num_tokens,) int64
     positions: torch.Tensor  # (num_tokens,) int64 absolute positions
     logits_indices: torch.Tensor  # (num_logit_rows,) int64 rows of the hidden states to project
@@ -91,6 +106,7 @@ class ForwardMetadata:
     batch: ForwardBatch
     slot_mapping: torch.Tensor  # (num_tokens,) int64 KV token slot of each new token
     decode_attention: AttentionLayout  # decode segment (max_q == 1)
+    verify_attention: AttentionLayout  # verify segment (max_q == q, every sequence q queries)
     prefill_attention: AttentionLayout  # prefill segment
 
 
@@ -100,6 +116,9 @@ class Mamba2Metadata:
 
     forward: ForwardMetadata
     decode_slots: torch.Tensor  # (num_decode_seqs,) int64 working slots of decode rows
+    # (num_verify_seqs, q + 1) int64: column 0 the slot read (working), column i + 1 the slot
+    # that receives the state after token i
+    verify_slots: torch.Tensor
     prefill_slots: torch.Tensor  # (num_prefill_seqs,) int64 working slots of prefill seqs
     chunk_layout: ChunkLayout  # SSD chunks of the prefill segment, aligned to absolute positions
     window_layout: ConvLayout  # conv window rows of the prefill segment
@@ -137,10 +156,12 @@ def build_metadata(
     attention key width `kv_capacity`, and (when tracking) exactly `track_capacity` track entries,
     the extra ones copying dummy slot 0 onto itself.
     """
-    nd = sched.num_decode_seqs
+    nd, nv = sched.num_decode_seqs, sched.num_verify_seqs
     lens, starts = sched.seq_lens, sched.start_positions
     if nd and any(n != 1 for n in lens[:nd]):
         raise ValueError("decode sequences must feed exactly one token each")
+    q = _verify_width(sched)
+    npf = nd + nv  # the first prefill sequence
     num_seqs = sched.num_seqs
     lens_np = np.asarray(lens, dtype=np.int64).reshape(num_seqs)
     starts_np = np.asarray(starts, dtype=np.int64).reshape(num_seqs)
@@ -172,22 +193,9 @@ def build_metadata(
         slot_mapping = np.zeros(len(positions), dtype=np.int64)
     kv_lens = starts_np + lens_np
 
-    # rows of the hidden states projected to logits, and the sequence owning each of them
-    logits_rows, owners = [], []
-    if not sched.prompt_logprob_seqs:  # the common case: each sampled sequence's last row
-        owners = sorted(sched.logits_seqs)
-        logits_rows = [token_offsets[s + 1] - 1 for s in owners]
-    for s in range(sched.num_seqs) if sched.prompt_logprob_seqs else ():
-        if s in sched.prompt_logprob_seqs:
-            rows = range(token_offsets[s], token_offsets[s + 1])
-        elif s in sched.logits_seqs:
-            rows = range(token_offsets[s + 1] - 1, token_offsets[s + 1])
-        else:
-            continue
-        logits_rows.extend(rows)
-        owners.extend([s] * len(rows))
+    logits_rows, owners = _logits_rows(sched, token_offsets)
 
-    prefill_lens, prefill_starts = list(lens[nd:]), list(starts[nd:])
+    prefill_lens, prefill_starts = list(lens[npf:]), list(starts[npf:])
     num_chunks = max(
         (
             (p % chunk_size + n + chunk_size - 1) // chunk_size
@@ -223,16 +231,25 @@ def build_metadata(
             np.asarray(track_src, dtype=np.int64),
             np.asarray(track_dst, dtype=np.int64),
             page_table[:nd].reshape(-1),
+            kv_lens[nd:npf],
+            page_table[nd:npf].reshape(-1),
+            np.asarray(
+                [(sched.mamba_slots[nd + v], *sched.verify_slots[v]) for v in range(nv)],
+                dtype=np.int64,
+            ).reshape(-1),
         ]
     )
     input_ids, positions_d, slot_mapping_d, logits_d, slots = longs[:5]
     track_window_d, track_src_d, track_dst_d = longs[6:9]
     decode_kv_lens_d, decode_pages_d = ints[5], ints[9]
+    verify_kv_lens_d, verify_pages_d, verify_slots_d = ints[10], ints[11], longs[12]
     batch = ForwardBatch(
         mode=sched.mode,
         num_seqs=sched.num_seqs,
         num_decode_seqs=nd,
         num_decode_tokens=nd,
+        num_verify_seqs=nv,
+        num_verify_tokens=nv * q,
         input_ids=input_ids,
         positions=positions_d,
         logits_indices=logits_d,
@@ -242,8 +259,8 @@ def build_metadata(
         buffers,
         prefill_lens,
         prefill_starts,
-        kv_lens[nd:].tolist(),
-        page_table[nd:],
+        kv_lens[npf:].tolist(),
+        page_table[npf:],
         page_size=page_size,
         chunk_size=chunk_size,
         window_width=window_width,
@@ -259,12 +276,22 @@ def build_metadata(
             max_kv=kv_capacity if kv_capacity is not None else int(kv_lens[:nd].max(initial=0)),
             with_mask=decode_mask,
         ),
+        verify_attention=verify_attention_layout(
+            buffers,
+            verify_kv_lens_d,
+            verify_pages_d.view(nv, num_pages),
+            page_size,
+            q=q,
+            max_kv=kv_capacity if kv_capacity is not None else int(kv_lens[nd:npf].max(initial=0)),
+            with_mask=decode_mask,
+        ),
         prefill_attention=prefill_attention,
     )
     return Mamba2Metadata(
         forward=forward,
         decode_slots=slots[:nd],
-        prefill_slots=slots[nd:],
+        verify_slots=verify_slots_d.view(nv, q + 1),
+        prefill_slots=slots[npf:],
         chunk_layout=chunk_layout,
         window_layout=window_layout,
         has_mamba_track_mask=sched.has_mamba_track_mask,
@@ -275,22 +302,64 @@ def build_metadata(
     )
 
 
+def _verify_width(sched: ScheduledBatch) -> int:
+    """q, the tokens every verify sequence feeds (0 without verify sequences)."""
+    nd, nv = sched.num_decode_seqs, sched.num_verify_seqs
+    widths = set(sched.seq_lens[nd : nd + nv])
+    if len(sched.verify_slots) != nv:
+        raise ValueError(f"{nv} verify sequences need {nv} verify slot lists")
+    if len(widths) > 1 or widths & {0, 1}:
+        raise ValueError(
+            f"verify sequences must each feed the same q >= 2 tokens, got {sorted(widths)}"
+        )
+    q = widths.pop() if widths else 0
+    if any(len(slots) != q for slots in sched.verify_slots):
+        raise ValueError(f"each verify sequence needs one state slot per token ({q})")
+    return q
+
+
+def _logits_rows(sched: ScheduledBatch, token_offsets: list[int]) -> tuple[list[int], list[int]]:
+    """Rows of the hidden states projected to logits, and the sequence owning each: a sampled
+    sequence's last row, every row of a verify sequence or of one that wants prompt logprobs."""
+    nd, nv = sched.num_decode_seqs, sched.num_verify_seqs
+    if not sched.prompt_logprob_seqs and not nv:  # the common case: one row a sequence
+        owners = sorted(sched.logits_seqs)
+        return [token_offsets[s + 1] - 1 for s in owners], owners
+    every_row = set(sched.prompt_logprob_seqs) | set(range(nd, nd + nv))
+    logits_rows, owners = [], []
+    sampled = set(sched.logits_seqs)
+    for s in range(sched.num_seqs):
+        if s in every_row:
+            rows = range(token_offsets[s], token_offsets[s + 1])
+        elif s in sampled:
+            rows = range(token_offsets[s + 1] - 1, token_offsets[s + 1])
+        else:
+            continue
+        logits_rows.extend(rows)
+        owners.extend([s] * len(rows))
+    return logits_rows, owners
+
+
 def _track_indices(
     sched: ScheduledBatch, num_chunks: int, chunk_size: int, token_offsets: list[int]
 ) -> tuple[list[int], list[int], list[int], int]:
-    """Translate TrackPoints into index lists, decode entries first."""
+    """Translate TrackPoints into index lists, decode entries first. Verify sequences carry
+    none: which of their positions to keep is known only after acceptance, when the scheduler
+    copies the accepted position's slot (engine/core/scheduler_spec.py)."""
     if sched.has_mamba_track_mask != bool(sched.track_points):
         raise ValueError("has_mamba_track_mask must be True exactly when track points exist")
-    nd = sched.num_decode_seqs
+    nd, npf = sched.num_decode_seqs, sched.num_decode_seqs + sched.num_verify_seqs
+    if any(nd <= p.seq_index < npf for p in sched.track_points):
+        raise ValueError("verify sequences are checkpointed after acceptance, not in the forward")
     decode = [p for p in sched.track_points if p.seq_index < nd]
-    prefill = [p for p in sched.track_points if p.seq_index >= nd]
+    prefill = [p for p in sched.track_points if p.seq_index >= npf]
     window, src, dst = [], [], []
     for p in decode:
         window.append(p.seq_index)
         src.append(p.seq_index)
         dst.append(p.dst_slot)
     for p in prefill:
-        s_p = p.seq_index - nd
+        s_p = p.seq_index - npf
         start = sched.start_positions[p.seq_index]
         end = start + p.token_offset + 1  # absolute position right after the token
         if end % chunk_size:
@@ -298,7 +367,7 @@ def _track_indices(
                 f"prefill checkpoint at position {end} is not a multiple of the chunk size {chunk_size}"
             )
         chunk = (start % chunk_size + p.token_offset) // chunk_size
-        window.append(token_offsets[p.seq_index] - token_offsets[nd] + p.token_offset)
+        window.append(token_offsets[p.seq_index] - token_offsets[npf] + p.token_offset)
         src.append(nd + s_p * num_chunks + chunk)
         dst.append(p.dst_slot)
     return window, src, dst, len(decode)

@@ -82,8 +82,10 @@ class DecodeGraphRunner:
             if self.use_cuda_graphs
             else runner.buffers
         )
+        # (batch size, tracking) -> (graph, its metadata, logits, final hidden states or None)
         self.graphs: dict[
-            tuple[int, bool], tuple[torch.cuda.CUDAGraph, Mamba2Metadata, torch.Tensor]
+            tuple[int, bool],
+            tuple[torch.cuda.CUDAGraph, Mamba2Metadata, torch.Tensor, torch.Tensor | None],
         ] = {}
         self.num_padded_steps = 0
         # padding rows write their K/V into dummy page 0; a model that keeps no pages (capacity
@@ -138,14 +140,16 @@ class DecodeGraphRunner:
         md = self.build(padded)
         self.num_padded_steps += 1
         if not self.use_cuda_graphs:
-            logits = self.runner.model(md, self.runner.cache)
+            logits = self.runner.run_model(md)
             return md, logits[:n]
         key = (bs, padded.has_mamba_track_mask)
         if key not in self.graphs:
             self.graphs[key] = self._capture(bs, padded.has_mamba_track_mask)
-        graph, static_md, static_logits = self.graphs[key]
+        graph, static_md, static_logits, static_hidden = self.graphs[key]
         copy_from(static_md, md)
         graph.replay()
+        if static_hidden is not None:  # an MTP head drafts from the replayed hidden states
+            self.runner.target_hidden = static_hidden
         return static_md, static_logits[:n]
 
     def dummy_batch(self, bs: int, track: bool) -> ScheduledBatch:
@@ -155,11 +159,13 @@ class DecodeGraphRunner:
             mode="decode",
             request_ids=("",) * bs,
             num_decode_seqs=bs,
+            num_verify_seqs=0,
             input_ids=(0,) * bs,
             seq_lens=(1,) * bs,
             start_positions=(0,) * bs,
             kv_pages=(self.dummy_pages,) * bs,
             mamba_slots=(0,) * bs,
+            verify_slots=(),
             logits_seqs=tuple(range(bs)),
             prompt_logprob_seqs=(),
             has_mamba_track_mask=track,
@@ -169,13 +175,14 @@ class DecodeGraphRunner:
     def _capture(self, bs: int, track: bool):
         """Capture one graph over static buffers built from an all-padding batch (warm-up first)."""
         static_md = self.build(self.dummy_batch(bs, track))
-        model, cache = self.runner.model, self.runner.cache
+        model = self.runner.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            model(static_md, cache)
+            self.runner.run_model(static_md)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static_logits = model(static_md, cache)
-        return graph, static_md, static_logits
+            static_logits = self.runner.run_model(static_md)
+        static_hidden = self.runner.target_hidden if model.mtp is not None else None
+        return graph, static_md, static_logits, static_hidden

@@ -3,14 +3,16 @@
     host ints (int32, pinned on CUDA)  ──one copy of the used prefix──>  device ints (int32)
                                                                        └─widened─> device longs (int64)
     [input_ids | positions | slot_mapping | logits rows | mamba slots | decode kv_lens |
-     track window | track src | track dst | decode page table (num_decode_seqs x batch pages)]
+     track window | track src | track dst | decode page table (num_decode_seqs x batch pages) |
+     verify kv_lens | verify page table | verify slot table (num_verify_seqs x (q + 1))]
 
-    device ints' page table ──expanded on the device──> decode token table (rows x width, int64)
+    device ints' page tables ──expanded on the device──> decode / verify token tables
+                                                         (rows x width, int64)
 
 One step moves only what its batch holds: the page table is int32 pages, as wide as the batch's
 longest sequence, never a token-level table and never as wide as `max_model_len`, so the bytes
-copied per decode step do not depend on the capacity the engine was sized for. The decode token
-table the attention kernels read lives on the device only; a step writes the columns its pages
+copied per decode step do not depend on the capacity the engine was sized for. The decode (and
+speculative verify) token tables the attention kernels read live on the device only; a step writes the columns its pages
 cover and leaves the rest (stale but valid slots, never read: every kernel stops at kv_len).
 
 On the CPU host and device are one tensor and nothing is copied. The int64 fields of the metadata are views of the device longs: a CUDA-graph replay finds them
@@ -40,9 +42,15 @@ class MetadataBuffers:
         self.last_copy_bytes = 0  # bytes of the latest step's host-to-device copy (0 on CPU)
         self._copy_done: torch.cuda.Event | None = None
         self._alloc_ints(ints)
-        self.kv_indices = torch.zeros(kv_rows, kv_width, dtype=torch.int64, device=self.device)
-        # (chunk_size, window_width) -> the empty prefill layouts of decode-only steps
-        self.empty_layouts: dict[tuple[int, int], tuple] = {}
+        # The token tables of the decode rows and of the verify rows (speculation), each
+        # allocated once: (rows, width) int64 token slots, expanded on the device.
+        self.token_tables = {
+            segment: torch.zeros(kv_rows, kv_width, dtype=torch.int64, device=self.device)
+            for segment in ("decode", "verify")
+        }
+        # (chunk_size, window_width) -> the empty prefill layouts of decode-only steps;
+        # "verify" -> the empty verify layout of steps without speculation
+        self.empty_layouts: dict[tuple[int, int] | str, tuple | AttentionLayout] = {}
         # decode rows -> (arange(rows) int64, arange(rows + 1) int32): the query layout of one
         # query per sequence
         self.decode_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -87,27 +95,28 @@ class MetadataBuffers:
         spans = list(zip(offsets[:-1], offsets[1:]))
         return [self.ints[a:b] for a, b in spans], [self.longs[a:b] for a, b in spans]
 
-    def decode_token_table(
-        self, page_table: torch.Tensor, page_size: int, width: int
+    def token_table(
+        self, segment: str, page_table: torch.Tensor, page_size: int, width: int
     ) -> torch.Tensor:
-        """(rows, width) int64 token slots of the decode rows from their int32 page table
-        (rows, pages), expanded on the device into the allocated-once table."""
+        """(rows, width) int64 token slots of the decode (or verify) rows from their int32 page
+        table (rows, pages), expanded on the device into that segment's allocated-once table."""
         rows, pages = page_table.shape
         covered = pages * page_size
-        if rows > self.kv_indices.shape[0] or max(width, covered) > self.kv_indices.shape[1]:
+        table = self.token_tables[segment]
+        if rows > table.shape[0] or max(width, covered) > table.shape[1]:
             if self.fixed:
                 raise ValueError(
-                    f"decode table of {rows} x {max(width, covered)} exceeds the fixed "
-                    f"{tuple(self.kv_indices.shape)}"
+                    f"{segment} table of {rows} x {max(width, covered)} exceeds the fixed "
+                    f"{tuple(table.shape)}"
                 )
-            self.kv_indices = torch.zeros(
-                max(rows, 2 * self.kv_indices.shape[0]),
-                max(width, covered, 2 * self.kv_indices.shape[1]),
+            table = self.token_tables[segment] = torch.zeros(
+                max(rows, 2 * table.shape[0]),
+                max(width, covered, 2 * table.shape[1]),
                 dtype=torch.int64,
                 device=self.device,
             )
         offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
-        table = self.kv_indices[:rows]
+        table = table[:rows]
         table[:, :covered].view(rows, pages, page_size).copy_(
             page_table.to(torch.int64)[:, :, None] * page_size + offsets
         )
@@ -178,8 +187,65 @@ def decode_attention_layout(
         max_kv=max_kv,
         query_start_loc=query_start_loc,
         kv_lens=kv_lens,
-        kv_indices=buffers.decode_token_table(page_table, page_size, max_kv),
+        kv_indices=buffers.token_table("decode", page_table, page_size, max_kv),
         q_slot=rows,
         slot_q=rows,
+        mask=mask,
+    )
+
+
+def verify_attention_layout(
+    buffers: MetadataBuffers,
+    kv_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    *,
+    q: int,
+    max_kv: int,
+    with_mask: bool,
+) -> AttentionLayout:
+    """What `build_attention_layout` gives for `q` causal queries per sequence (a speculative
+    verify: the last token and its k drafts over the cached prefix), built on the device from
+    the staged int32 kv_lens (nv,) and page table (nv, pages) like the decode layout, so a
+    CUDA graph can capture it: every sequence has exactly q queries, so the packed and the
+    padded query orders coincide."""
+    nv = kv_lens.shape[0]
+    device = buffers.device
+    if nv == 0:  # most steps: an empty layout built once
+        if "verify" not in buffers.empty_layouts:
+            empty = torch.zeros(0, dtype=torch.int64, device=device)
+            buffers.empty_layouts["verify"] = AttentionLayout(
+                num_seqs=0,
+                max_q=0,
+                max_kv=0,
+                query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
+                kv_lens=kv_lens,
+                kv_indices=torch.zeros(0, 0, dtype=torch.int64, device=device),
+                q_slot=empty,
+                slot_q=empty,
+                mask=torch.ones(0, 1, 0, 0, dtype=torch.bool, device=device),
+            )
+        return buffers.empty_layouts["verify"]
+    flat = torch.arange(nv * q, dtype=torch.int64, device=device)
+    query_start_loc = torch.arange(0, (nv + 1) * q, q, dtype=torch.int32, device=device)
+    if with_mask:
+        # query i of a sequence sits at kv_len - q + i and sees keys 0 .. that
+        q_pos = kv_lens[:, None].long() - q + torch.arange(q, device=device)[None, :]
+        keys = torch.arange(max_kv, device=device)
+        mask = keys[None, None, :] <= q_pos[:, :, None]
+        if max_kv:
+            mask[:, :, 0] = True  # as build_attention_layout: no all -inf rows
+        mask = mask.unsqueeze(1)
+    else:
+        mask = torch.ones(nv, 1, q, 0, dtype=torch.bool, device=device)
+    return AttentionLayout(
+        num_seqs=nv,
+        max_q=q if nv else 0,
+        max_kv=max_kv,
+        query_start_loc=query_start_loc,
+        kv_lens=kv_lens,
+        kv_indices=buffers.token_table("verify", page_table, page_size, max_kv),
+        q_slot=flat,
+        slot_q=flat,
         mask=mask,
     )

@@ -1,13 +1,16 @@
-"""Runs one scheduled batch through the model: build metadata (the one builder), forward."""
+"""Runs one scheduled batch through the model: build metadata (the one builder), forward; and
+the drafter's forwards (an MTP head) over rows that start from kept hidden states."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.cache.pools import StateCache
+from engine.executor.draft_batch import DraftBatch
 from engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatch, build_metadata
 from engine.executor.metadata_buffers import MetadataBuffers
 from engine.layers.causal_lm import CausalLM
+from engine.layers.mtp import hidden_of_slots
 from kernels import cpu_ops
 from kernels.backend import select_backend
 
@@ -18,6 +21,10 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.config = model.config
+        # With an MTP head: the final hidden states of the latest target forward and the output
+        # of the latest draft forward (what the next draft forward starts from).
+        self.target_hidden: torch.Tensor | None = None
+        self.draft_hidden: torch.Tensor | None = None
         # Eager steps vary in shape: these grow to the largest step seen, then stay.
         self.buffers = MetadataBuffers(device, ints=4096, kv_rows=16, kv_width=256, fixed=False)
         # A (1, heads, head_dim) query in the KV dtype: what the decode-kernel choice looks at
@@ -57,4 +64,26 @@ class ModelRunner:
     def forward(self, sched: ScheduledBatch) -> tuple[Mamba2Metadata, torch.Tensor]:
         """Returns the metadata and float32 logits for its `logits_indices` rows."""
         md = self.build(sched)
-        return md, self.model(md, self.cache)
+        return md, self.run_model(md)
+
+    def run_model(self, md: Mamba2Metadata) -> torch.Tensor:
+        """The target forward on built metadata: logits, keeping the hidden states for an MTP
+        head to draft from."""
+        if self.model.mtp is None:
+            return self.model(md, self.cache)
+        logits, self.target_hidden = self.model.forward_hidden(md, self.cache)
+        return logits
+
+    @torch.inference_mode()
+    def draft(self, batch: DraftBatch) -> torch.Tensor:
+        """One forward of the MTP head (engine/executor/draft_batch.py): float32 draft logits
+        for the batch's logits rows."""
+        md = self.build(batch.batch)
+        if batch.hidden_from == "slots":
+            prev = hidden_of_slots(self.cache, md.decode_slots)
+        else:
+            source = self.target_hidden if batch.hidden_from == "target" else self.draft_hidden
+            rows = torch.tensor(batch.hidden_rows, dtype=torch.int64, device=source.device)
+            prev = source[rows]
+        logits, self.draft_hidden = self.model.draft(md, self.cache, prev)
+        return logits

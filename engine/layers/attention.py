@@ -192,13 +192,17 @@ class Attention(nn.Module):
             q = rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, fm.slot_mapping)
         else:
             store_kv(k_cache, v_cache, k, v, fm.slot_mapping)
-        nd = fm.batch.num_decode_tokens
+        nd, nv = fm.batch.num_decode_tokens, fm.batch.num_verify_tokens
         parts = []
         if fm.decode_attention.num_seqs:
             parts.append(paged_attention(q[:nd], k_cache, v_cache, fm.decode_attention, self.scale))
+        if fm.verify_attention.num_seqs:  # speculative verify: k + 1 causal queries a request
+            parts.append(
+                paged_attention(q[nd : nd + nv], k_cache, v_cache, fm.verify_attention, self.scale)
+            )
         if fm.prefill_attention.num_seqs:
             parts.append(
-                paged_attention(q[nd:], k_cache, v_cache, fm.prefill_attention, self.scale)
+                paged_attention(q[nd + nv :], k_cache, v_cache, fm.prefill_attention, self.scale)
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.reshape(T, -1)

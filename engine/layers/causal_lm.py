@@ -1,6 +1,7 @@
 """What every family's `...ForCausalLM` shares: a backbone that maps the batch to final hidden
-states, an lm_head (tied to the embeddings or not), logits for the sampled rows only; and the
-vocab-parallel embedding.
+states, an lm_head (tied to the embeddings or not), logits for the sampled rows only, an optional
+multi-token-prediction head (`mtp`, engine/layers/mtp.py) that drafts with the same embedding and
+lm_head; and the vocab-parallel embedding.
 
 Under tensor parallelism the vocabulary is cut in equal parts (the last padded with zero rows):
 each rank embeds the ids in its part (zeros elsewhere, all-reduced) and computes the logits of
@@ -17,6 +18,7 @@ from engine import parallel
 from engine.cache.pools import StateCache
 from engine.config import ModelConfig
 from engine.executor.forward_metadata import Mamba2Metadata
+from engine.layers.mtp import keep_hidden
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -53,12 +55,17 @@ class CausalLM(nn.Module):
         *,
         logits_scaling: float = 1.0,
         lm_head_multiplier: float = 1.0,
+        mtp: nn.Module | None = None,
     ):
+        """mtp: the family's MTP head (`forward(embeds, prev_hidden, md, cache) -> hidden`),
+        weights under `mtp.`; None when the checkpoint has none or speculation does not use it."""
         super().__init__()
         self.config = config
         self.logits_scaling = logits_scaling
         self.lm_head_multiplier = lm_head_multiplier
         self.model = backbone
+        self.embedding_name = embedding_name
+        self.mtp = mtp
         self.tp = tp = parallel.current()
         first, rows = parallel.padded_part(config.vocab_size, tp)
         self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
@@ -74,8 +81,33 @@ class CausalLM(nn.Module):
     def forward(self, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
         """Returns float32 logits for the rows `md.forward.batch.logits_indices` (at TP > 1 on
         rank 0; the other ranks return their vocabulary part, which nobody reads)."""
+        return self.forward_hidden(md, cache)[0]
+
+    def forward_hidden(
+        self, md: Mamba2Metadata, cache: StateCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits as `forward`, the final hidden states of every token (num_tokens, hidden)):
+        what an MTP head drafts from. With an MTP head, each request's last hidden state is
+        kept in its slot too (engine/layers/mtp.py)."""
         hidden = self.model(md, cache)
-        logits = self.lm_head(hidden[md.forward.batch.logits_indices])
+        if self.mtp is not None:
+            keep_hidden(hidden, md, cache)
+        return self.logits(hidden[md.forward.batch.logits_indices]), hidden
+
+    def draft(
+        self, md: Mamba2Metadata, cache: StateCache, prev_hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of the MTP head: md's input ids are the tokens after each position,
+        prev_hidden (num_tokens, hidden) the hidden states at those positions (the target's,
+        or the head's own output when chained). Returns (draft logits for the logits rows, the
+        head's output hidden states)."""
+        embeds = getattr(self.model, self.embedding_name)(md.forward.batch.input_ids)
+        hidden = self.mtp(embeds, prev_hidden, md, cache)
+        return self.logits(hidden[md.forward.batch.logits_indices]), hidden
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of hidden rows (num_rows, hidden)."""
+        logits = self.lm_head(rows)
         if self.tp.size > 1:
             logits = self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]
         # In the model dtype, as transformers: Granite divides, Falcon-H1 multiplies.

@@ -35,10 +35,11 @@ from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.track import checkpoint_states
 from engine.parallel import TensorParallel
 from kernels import cpu_ops
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from kernels.conv1d import causal_conv1d_update, causal_conv1d_update_multi, causal_conv1d_varlen
+from kernels.cpu_verify import mamba_verify_cpu, mamba_verify_supported
 from kernels.norm import gated_rms_norm, group_rms_norm
 from kernels.ssd import ssd_scan_pool
-from kernels.ssu import selective_state_update
+from kernels.ssu import selective_state_update, selective_state_update_multi
 
 MambaNorm = Literal["gated", "norm_then_gate", "none"]
 
@@ -259,9 +260,11 @@ class Mamba2Mixer(nn.Module):
         self.frozen = self.decode_params()
 
     def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
-        """Decode rows first, then prefill rows; each part ends gated-normed (row-wise)."""
+        """Decode rows first, then verify rows (speculation), then prefill rows; each part ends
+        gated-normed (row-wise)."""
         T = hidden.shape[0]
         nd = md.forward.batch.num_decode_tokens
+        nv = md.forward.batch.num_verify_tokens
         state = cache.layer("mamba2", self.mamba_index)
         conv_pool, ssm_pool = state["conv"], state["ssm"]
         if self.in_multiplier != 1.0:
@@ -273,8 +276,10 @@ class Mamba2Mixer(nn.Module):
         windows = chunk_states = None
         if nd:
             parts.append(self.decode(zxbcdt[:nd], md, conv_pool, ssm_pool))
-        if T > nd:
-            normed, windows, chunk_states = self.extend(zxbcdt[nd:], md, conv_pool, ssm_pool)
+        if nv:
+            parts.append(self.verify(zxbcdt[nd : nd + nv], md, conv_pool, ssm_pool))
+        if T > nd + nv:
+            normed, windows, chunk_states = self.extend(zxbcdt[nd + nv :], md, conv_pool, ssm_pool)
             parts.append(normed)
         if md.has_mamba_track_mask:
             self.checkpoint(md, conv_pool, ssm_pool, windows, chunk_states)
@@ -323,6 +328,55 @@ class Mamba2Mixer(nn.Module):
             self.dt_limit,
         )
         return self.gate(y, z)
+
+    def verify(self, zxbcdt, md: Mamba2Metadata, conv_pool, ssm_pool) -> torch.Tensor:
+        """Speculative verify: q tokens per request (rows request-major), the conv window and
+        SSM state after each token kept in slot md.verify_slots[:, i + 1] (rollback is choosing
+        one of them)."""
+        slots = md.verify_slots  # (requests, q + 1)
+        nv, q = slots.shape[0], slots.shape[1] - 1
+        across = self.shard.norm_across_ranks
+        if (not across or self.norm_mode == "gated") and mamba_verify_supported(
+            zxbcdt, conv_pool, ssm_pool, q
+        ):
+            gated = mamba_verify_cpu(
+                zxbcdt,
+                conv_pool,
+                ssm_pool,
+                slots,
+                self.decode_params(),
+                self.dt_limit,
+                self.eps,
+                num_heads=self.num_heads,
+                head_dim=self.head_dim,
+                n_groups=self.n_groups,
+                d_state=self.d_state,
+                norm_group=self.intermediate if across else self.group_size,
+                norm_mode="none" if across else self.norm_mode,
+            )
+            return self.rms_norm_across_ranks(gated.float(), gated.dtype) if across else gated
+        z, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        xbc = causal_conv1d_update_multi(
+            xbc.reshape(nv, q, self.conv_dim),
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            conv_pool,
+            slots,
+        ).reshape(nv * q, self.conv_dim)
+        x, B, C = self.split_xbc(xbc)
+        y = selective_state_update_multi(
+            ssm_pool,
+            x.view(nv, q, self.num_heads, self.head_dim),
+            dt.reshape(nv, q, self.num_heads),
+            -torch.exp(self.A_log.float()),
+            B.view(nv, q, self.n_groups, self.d_state),
+            C.view(nv, q, self.n_groups, self.d_state),
+            self.D,
+            self.dt_bias,
+            slots,
+            self.dt_limit,
+        )
+        return self.gate(y.reshape(nv * q, self.num_heads, self.head_dim), z)
 
     def extend(self, zxbcdt, md: Mamba2Metadata, conv_pool, ssm_pool):
         """Prefill chunks: varlen conv + SSD scan. Returns (normed rows, conv windows and chunk

@@ -58,6 +58,12 @@ class HybridConfig:
 def hybrid_state_spec(config: HybridConfig, dtype: torch.dtype) -> ModelStateSpec:
     """`mamba` layers keep Mamba2 state, `attention` layers K/V; Falcon-H1's `parallel` and
     Zamba2's `hybrid` layers both (attention first: its pool index is the use's)."""
+    return ModelStateSpec.of(hybrid_layer_states(config, dtype))
+
+
+def hybrid_layer_states(config: HybridConfig, dtype: torch.dtype) -> list[LayerState]:
+    """The state of every stateful layer use, in forward order (what a family appends its
+    own uses to, e.g. an MTP head's attention)."""
     uses: list[LayerState] = []
     for kind in config.layer_types:
         if kind in ("attention", "parallel", "hybrid"):
@@ -65,7 +71,7 @@ def hybrid_state_spec(config: HybridConfig, dtype: torch.dtype) -> ModelStateSpe
             uses.append(attention_state(attention.num_kv_heads, attention.head_dim, dtype))
         if kind in ("mamba", "parallel", "hybrid"):
             uses.append(Mamba2Mixer.state_spec(config.mamba, dtype))
-    return ModelStateSpec.of(uses)
+    return uses
 
 
 def check_hybrid_tp(config: HybridConfig, size: int) -> None:

@@ -6,33 +6,63 @@ Weights: `backbone.` on disk, `model.` in memory (`checkpoint_name`); `model.emb
 `model.layers.{i}.norm`, `model.layers.{i}.mixer.*`, `model.norm_f`. transformers' NemotronH
 never ties lm_head to the embeddings, so a checkpoint that stores its own lm_head uses it
 whatever tie_word_embeddings says. Every layer splits for tensor parallelism (`check_tp`).
+
+Multi-token prediction (Nemotron 3 Super; speculative decoding with method "mtp"):
+`num_nextn_predict_layers` (1, as vLLM's nemotron_h_mtp runs) MTP layer of the blocks in
+`mtp_layers_block_type` (legacy `mtp_hybrid_override_pattern`; transformers' default
+["full_attention", "moe"]), attention and MoE blocks as vLLM accepts. Weights
+`mtp.layers.{j}.{norm,mixer.*}` per block, `mtp.layers.0.{enorm,hnorm,eh_proj}` fuse the next
+token's embedding with the target's final hidden state, `mtp.layers.{last}.final_layernorm`
+ends it; embedding and lm_head are the model's. Built only when the engine drafts with it
+(ModelConfig.num_nextn_predict_layers > 0 then).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from engine.cache.pools import StateCache
+from engine.cache.spec import ModelStateSpec
 from engine.config import ConfigReader, ModelConfig
 from engine.config_error import ConfigError
 from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.attention import Attention, AttentionConfig
+from engine.layers.attention import Attention, AttentionConfig, attention_state
 from engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
 from engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from engine.layers.mlp import ReluSquaredMLP
 from engine.layers.moe import MoE, MoEConfig
+from engine.layers.mtp import mtp_state
 from engine.layers.norm import RMSNorm
-from engine.models.hybrid import HybridConfig, LayerType, check_hybrid_tp, hybrid_state_spec
+from engine.models.hybrid import HybridConfig, LayerType, check_hybrid_tp, hybrid_layer_states
 
 UNTIE_WITH_STORED_LM_HEAD = True
+# The block kinds an MTP layer may hold (vLLM's nemotron_h_mtp: attention "*" and MoE "E").
+MTP_BLOCK_TYPES: tuple[LayerType, ...] = ("attention", "moe")
 
 
-def state_spec(config: ModelConfig, dtype: torch.dtype):
-    """Mamba2 state at `mamba` layers, K/V at attention layers."""
-    return hybrid_state_spec(config.family, dtype)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NemotronHConfig(HybridConfig):
+    """The hybrid layout plus the MTP layer's block kinds (empty: the checkpoint has none)."""
+
+    mtp_layer_types: tuple[LayerType, ...]
+
+
+def state_spec(config: ModelConfig, dtype: torch.dtype) -> ModelStateSpec:
+    """Mamba2 state at `mamba` layers, K/V at attention layers; with the MTP layer built, K/V
+    at its attention blocks (pool indices after the model's own) and the target's last hidden
+    state per request (engine/layers/mtp.py)."""
+    uses = hybrid_layer_states(config.family, dtype)
+    if config.num_nextn_predict_layers:
+        attention = config.family.attention
+        for kind in config.family.mtp_layer_types:
+            if kind == "attention":
+                uses.append(attention_state(attention.num_kv_heads, attention.head_dim, dtype))
+        uses.append(mtp_state(config.hidden_size, dtype))
+    return ModelStateSpec.of(uses)
 
 
 def check_tp(config: ModelConfig, size: int) -> None:
@@ -80,6 +110,9 @@ def read_config(reader: ConfigReader) -> ModelConfig:
     r = ConfigReader(hf, reader.source, reader.defaults)
     need, opt = r.need, r.opt
     layer_types = _layer_types(hf, r.source)
+    num_mtp = int(opt("num_nextn_predict_layers") or 0)
+    mtp_types = _mtp_layer_types(hf, r.source, num_mtp)
+    all_types = layer_types + mtp_types
     hidden = need("hidden_size")
     num_heads = need("num_attention_heads")
     if "mamba_num_heads" not in hf and "mamba" in layer_types:
@@ -89,7 +122,7 @@ def read_config(reader: ConfigReader) -> ModelConfig:
     kv_heads = num_heads if kv_heads is None else kv_heads
     r.require("mlp_hidden_act", ("relu2",))
     r.require("mamba_hidden_act", ("silu",))
-    if "attention" in layer_types:
+    if "attention" in all_types:
         r.require_multiple("num_attention_heads", num_heads, "num_key_value_heads", kv_heads)
     if "mamba" in layer_types:
         r.require_multiple("mamba_num_heads", opt("mamba_num_heads"), "n_groups", opt("n_groups"))
@@ -99,8 +132,9 @@ def read_config(reader: ConfigReader) -> ModelConfig:
     mamba_bias = bool(hf["use_bias"] if "use_bias" in hf else opt("mamba_proj_bias"))
     ssm_cache_dtype = r.require("mamba_ssm_cache_dtype", (None, "float32", "bfloat16", "float16"))
     norm_eps = float(need("layer_norm_epsilon"))
-    hybrid = HybridConfig(
+    hybrid = NemotronHConfig(
         layer_types=layer_types,
+        mtp_layer_types=mtp_types,
         norm_eps=norm_eps,
         attention=AttentionConfig(
             num_heads=num_heads,
@@ -111,7 +145,7 @@ def read_config(reader: ConfigReader) -> ModelConfig:
             rotary=None,  # NemotronH attention is NoPE
             key_multiplier=1.0,
         )
-        if "attention" in layer_types
+        if "attention" in all_types
         else None,
         mamba=Mamba2Config(
             num_heads=opt("mamba_num_heads"),
@@ -135,7 +169,7 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         intermediate_size=need("intermediate_size"),
         mlp_bias=bool(opt("mlp_bias")),
         mlp_hidden_act=opt("mlp_hidden_act"),
-        moe=_moe_config(r) if "moe" in layer_types else None,
+        moe=_moe_config(r) if "moe" in all_types else None,
     )
     return ModelConfig(
         architecture="NemotronHForCausalLM",
@@ -143,7 +177,7 @@ def read_config(reader: ConfigReader) -> ModelConfig:
         hidden_size=hidden,
         tie_word_embeddings=bool(opt("tie_word_embeddings")),
         max_position_embeddings=need("max_position_embeddings"),
-        num_nextn_predict_layers=int(opt("num_nextn_predict_layers") or 0),
+        num_nextn_predict_layers=num_mtp,
         eos_token_ids=r.eos_token_ids(),
         bos_token_id=opt("bos_token_id"),
         torch_dtype=r.torch_dtype(),
@@ -197,6 +231,35 @@ def _moe_config(r: ConfigReader) -> MoEConfig:
     )
 
 
+def _mtp_layer_types(hf: dict[str, Any], source: str, num_mtp: int) -> tuple[LayerType, ...]:
+    """The block kinds of the MTP layer: `mtp_layers_block_type`, else the legacy
+    `mtp_hybrid_override_pattern`, else transformers' default (attention then MoE)."""
+    if num_mtp == 0:
+        return ()
+    if num_mtp != 1:
+        raise ConfigError(
+            f"{source}: num_nextn_predict_layers={num_mtp} is not supported (baton runs one MTP"
+            " layer, chained for every draft, as vLLM's nemotron_h_mtp)"
+        )
+    if hf.get("mtp_layers_block_type"):
+        key, names = "mtp_layers_block_type", hf["mtp_layers_block_type"]
+        unknown = sorted({n for n in names if n not in BLOCK_TYPE_NAMES})
+        kinds = tuple(BLOCK_TYPE_NAMES.get(n) for n in names)
+    elif hf.get("mtp_hybrid_override_pattern"):
+        key, names = "mtp_hybrid_override_pattern", hf["mtp_hybrid_override_pattern"]
+        unknown = sorted({c for c in names if c not in PATTERN_CHARS})
+        kinds = tuple(PATTERN_CHARS.get(c) for c in names)
+    else:
+        return ("attention", "moe")
+    unsupported = sorted({str(n) for n, k in zip(names, kinds) if k not in MTP_BLOCK_TYPES})
+    if unknown or unsupported:
+        raise ConfigError(
+            f"{source}: {key!r} has block types {unknown or unsupported} an MTP layer cannot"
+            " hold (attention and MoE blocks, as vLLM's nemotron_h_mtp)"
+        )
+    return kinds
+
+
 def _layer_types(hf: dict[str, Any], source: str) -> tuple[LayerType, ...]:
     if hf.get("layers_block_type"):
         names = hf["layers_block_type"]
@@ -218,20 +281,16 @@ def _layer_types(hf: dict[str, Any], source: str) -> tuple[LayerType, ...]:
 
 
 class Block(nn.Module):
-    def __init__(self, hidden_size: int, config: HybridConfig, layer_id: int):
+    def __init__(self, hidden_size: int, config: HybridConfig, kind: LayerType, pool_index: int):
+        """pool_index: the layer's index among the layers of its state kind (Mamba or KV)."""
         super().__init__()
-        kind = config.layer_types[layer_id]
         self.norm = RMSNorm(hidden_size, config.norm_eps)
         # Mamba and attention read and write the pools; MLP and MoE see only their rows.
         self.stateful = kind in ("mamba", "attention")
         if kind == "mamba":
-            self.mixer = Mamba2Mixer(
-                hidden_size, config.mamba, config.mamba_layer_ids.index(layer_id)
-            )
+            self.mixer = Mamba2Mixer(hidden_size, config.mamba, pool_index)
         elif kind == "attention":
-            self.mixer = Attention.from_config(
-                hidden_size, config.attention, config.attention_layer_ids.index(layer_id)
-            )
+            self.mixer = Attention.from_config(hidden_size, config.attention, pool_index)
         elif kind == "mlp":
             self.mixer = ReluSquaredMLP(hidden_size, config.intermediate_size, config.mlp_bias)
         else:
@@ -244,13 +303,77 @@ class Block(nn.Module):
         return hidden + out
 
 
+def _pool_index(config: HybridConfig, layer_id: int) -> int:
+    kind = config.layer_types[layer_id]
+    if kind == "mamba":
+        return config.mamba_layer_ids.index(layer_id)
+    if kind == "attention":
+        return config.attention_layer_ids.index(layer_id)
+    return 0
+
+
+class MTPBlock(Block):
+    """One block of the MTP layer; the first fuses the next token's embedding with the target's
+    hidden state (enorm, hnorm, eh_proj), the last ends with final_layernorm."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        config: NemotronHConfig,
+        kind: LayerType,
+        pool_index: int,
+        *,
+        first: bool,
+        last: bool,
+    ):
+        super().__init__(hidden_size, config, kind, pool_index)
+        if first:
+            self.enorm = RMSNorm(hidden_size, config.norm_eps)
+            self.hnorm = RMSNorm(hidden_size, config.norm_eps)
+            self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        if last:
+            self.final_layernorm = RMSNorm(hidden_size, config.norm_eps)
+
+
+class NemotronHMTP(nn.Module):
+    """The MTP layer (engine/layers/mtp.py): x = eh_proj(cat(enorm(embeds), hnorm(hidden))),
+    then its blocks (pre-norm, residual), then final_layernorm."""
+
+    def __init__(self, hidden_size: int, config: NemotronHConfig):
+        super().__init__()
+        kinds = config.mtp_layer_types
+        first_kv = len(config.attention_layer_ids)  # the MTP's K/V pools follow the model's
+        kv_index = [first_kv + kinds[:j].count("attention") for j in range(len(kinds))]
+        self.layers = nn.ModuleList(
+            MTPBlock(
+                hidden_size,
+                config,
+                kind,
+                kv_index[j] if kind == "attention" else 0,
+                first=j == 0,
+                last=j == len(kinds) - 1,
+            )
+            for j, kind in enumerate(kinds)
+        )
+
+    def forward(
+        self, embeds: torch.Tensor, prev_hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache
+    ) -> torch.Tensor:
+        first = self.layers[0]
+        x = first.eh_proj(torch.cat([first.enorm(embeds), first.hnorm(prev_hidden)], dim=-1))
+        for layer in self.layers:
+            x = layer(x, md, cache)
+        return self.layers[-1].final_layernorm(x)
+
+
 class NemotronHModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         hybrid = config.family
         self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            Block(config.hidden_size, hybrid, i) for i in range(hybrid.num_layers)
+            Block(config.hidden_size, hybrid, kind, _pool_index(hybrid, i))
+            for i, kind in enumerate(hybrid.layer_types)
         )
         self.norm_f = RMSNorm(config.hidden_size, hybrid.norm_eps)
 
@@ -263,7 +386,12 @@ class NemotronHModel(nn.Module):
 
 class NemotronHForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig):
-        super().__init__(config, NemotronHModel(config), "embeddings")
+        mtp = (
+            NemotronHMTP(config.hidden_size, config.family)
+            if config.num_nextn_predict_layers
+            else None
+        )
+        super().__init__(config, NemotronHModel(config), "embeddings", mtp=mtp)
 
 
 Model = NemotronHForCausalLM

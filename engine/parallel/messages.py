@@ -22,6 +22,7 @@ import msgpack
 import torch
 
 from engine.cache.pools import StateCache
+from engine.executor.draft_batch import DraftBatch
 from engine.executor.forward_metadata import ScheduledBatch, TrackPoint
 
 
@@ -46,6 +47,7 @@ class RankSpec:
     # module:factory and options of the per-rank handover connector (a disaggregated worker's
     # ranks each send or receive their own shard); None: no handover on this engine
     handover_connector: dict[str, str] | None
+    with_mtp: bool  # the model's MTP head is built (speculative decoding drafts with it)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -139,7 +141,8 @@ HandoverOp = SnapshotShard | SendShard | DropShard | InstallShard
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankStep:
     ops: tuple[PoolOp | HandoverOp, ...]  # in the order rank 0 applied them
-    batch: ScheduledBatch | None  # None: operations only, no forward
+    # None: operations only, no forward; a DraftBatch: a drafter forward (the MTP head)
+    batch: ScheduledBatch | DraftBatch | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,6 +175,7 @@ _CARRIERS: dict[str, type] = {
         RankShutdown,
         ReportPools,
         ScheduledBatch,
+        DraftBatch,
         TrackPoint,
     )
 }

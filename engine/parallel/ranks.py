@@ -27,6 +27,7 @@ import zmq
 
 from engine import parallel
 from engine.cache.memory import PoolSizes
+from engine.executor.draft_batch import DraftBatch
 from engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatch
 from engine.executor.model_runner import ModelRunner
 from engine.parallel.messages import (
@@ -76,6 +77,7 @@ class Ranks:
         load_timeout_s: float,
         sizes: PoolSizes,
         handover_connector: dict[str, str] | None,
+        with_mtp: bool,
     ):
         self.size = size
         self.timeout_s = timeout_s
@@ -112,6 +114,7 @@ class Ranks:
                     threads=threads,
                     parent_pid=os.getpid(),
                     handover_connector=handover_connector,
+                    with_mtp=with_mtp,
                 )
                 self.procs.append(
                     subprocess.Popen(
@@ -229,10 +232,18 @@ class RankedRunner:
         with self.ranks.failures("running a step"):
             return self.runner.forward(sched)
 
+    def draft(self, batch: DraftBatch) -> torch.Tensor:
+        """A drafter forward (speculative decoding's MTP head), on every rank alike."""
+        self.ranks.send(RankStep(ops=self.pool_ops.drain(), batch=batch))
+        with self.ranks.failures("running a draft step"):
+            return self.runner.draft(batch)
 
-def start_ranks(model_dir, dtype: str, device: str, args, sizes: PoolSizes) -> Ranks | None:
+
+def start_ranks(
+    model_dir, dtype: str, device: str, args, sizes: PoolSizes, with_mtp: bool
+) -> Ranks | None:
     """Ranks 1..N-1 for an engine with `args.tensor_parallel_size` N (EngineArgs); None at
-    N = 1."""
+    N = 1. with_mtp: the ranks build the model's MTP head too."""
     if args.tensor_parallel_size == 1:
         return None
     return Ranks(
@@ -246,4 +257,5 @@ def start_ranks(model_dir, dtype: str, device: str, args, sizes: PoolSizes) -> R
         handover_connector=(
             args.handover_connector.to_wire() if args.handover_connector is not None else None
         ),
+        with_mtp=with_mtp,
     )

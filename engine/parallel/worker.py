@@ -25,6 +25,7 @@ from engine import parallel
 from engine.cache.pools import StateCache
 from engine.checkpoint.loader import load_model, resolve_dtype
 from engine.config import ModelConfig
+from engine.executor.draft_batch import DraftBatch
 from engine.executor.model_runner import ModelRunner
 from engine.handover.shards import (
     ConnectorSpec,
@@ -72,9 +73,9 @@ def run(spec: RankSpec) -> int:
     tp = parallel.connect(
         spec.rank, spec.size, spec.store_port, spec.timeout_s, spec.load_timeout_s, device
     )
-    config = ModelConfig.from_hf(spec.model)
+    config = ModelConfig.from_hf(spec.model).with_mtp(spec.with_mtp)
     dtype = resolve_dtype(spec.dtype, config)
-    model = load_model(spec.model, dtype, device, tp)
+    model = load_model(spec.model, dtype, device, tp, with_mtp=spec.with_mtp)
     cache = StateCache(
         model_state_spec(config, dtype),
         num_pages=spec.num_pages,
@@ -123,7 +124,9 @@ def run(spec: RankSpec) -> int:
                 error = apply_handover(op, cache, connector)
                 if isinstance(op, InstallShard):
                     install_report(tp, error, connector)
-            if message.batch is not None:
+            if isinstance(message.batch, DraftBatch):
+                runner.draft(message.batch)
+            elif message.batch is not None:
                 runner.forward(message.batch)
     finally:
         if connector is not None:

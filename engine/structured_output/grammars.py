@@ -218,27 +218,45 @@ class Grammars:
 
     # -- every step ---------------------------------------------------------------------------
 
-    def constrain(self, reqs: Sequence[Request]) -> Callable[[torch.Tensor], None] | None:
+    def constrain(
+        self, reqs: Sequence[Request], pending: Sequence[tuple[int, ...]] | None = None
+    ) -> Callable[[torch.Tensor], None] | None:
         """The mask for this step's sampled rows (`reqs`, one per logits row), or None when no
         row follows a grammar: fills one bitmask for the batch now, applies it to the logits
-        (rows, vocab) in place when called (the sampler calls it after taking logprobs)."""
+        (rows, vocab) in place when called (the sampler calls it after taking logprobs).
+        `pending[row]`: drafts a speculative verify row sits after; its mask is the matcher's
+        after them (advanced, filled, rolled back: the matcher ends where it began)."""
         if not self.requests:
             return None
         start = time.perf_counter()
-        rows, grammars = [], []
+        rows, grammars, fed = [], [], []
         for row, req in enumerate(reqs):
             grammar = self.requests.get(req.request_id)
-            if grammar is not None and grammar.active:
+            if grammar is None:
+                continue
+            drafts = pending[row] if pending else ()
+            # (a verify row's context lists the drafts after the output already)
+            output = req.output_ids[: len(req.output_ids) - len(drafts)]
+            tokens = _fed_to_matcher(grammar, output, drafts)
+            if tokens is not None:
                 rows.append(row)
                 grammars.append(grammar)
+                fed.append(tokens)
         if not rows:
             return None
         if self._bitmask is None or self._bitmask.shape[0] < len(reqs):
             self._bitmask = xgrammar().allocate_token_bitmask(len(reqs), self.vocab_size)
         bitmask = self._bitmask[: len(reqs)]
-        for row, grammar in zip(rows, grammars):
+        for row, grammar, tokens in zip(rows, grammars, fed):
             began = time.perf_counter()
+            advanced = 0
+            for token in tokens:  # a draft the grammar refuses: this row is never reached
+                if not grammar.matcher.accept_token(token):
+                    break
+                advanced += 1
             grammar.matcher.fill_next_token_bitmask(bitmask, row)
+            if advanced:
+                grammar.matcher.rollback(advanced)
             grammar.seconds += time.perf_counter() - began
         for row, alive in zip(rows, bitmask[rows].any(dim=1).tolist()):
             if not alive:  # a dead end: the model may only stop (accept() then says "abort")
@@ -297,6 +315,21 @@ class Grammars:
             )
             return "abort"
         return "stop" if grammar.matcher.is_terminated() else None
+
+
+def _fed_to_matcher(
+    grammar: _RequestGrammar, output_ids: list[int], drafts: tuple[int, ...]
+) -> tuple[int, ...] | None:
+    """The drafts the matcher must take before a row sitting after `drafts` (all of them once
+    the grammar is active, those after its `after_token_ids` otherwise), or None when the
+    grammar is not active at that row (no mask)."""
+    if grammar.active:
+        return drafts
+    n = len(grammar.after)
+    for i in range(len(drafts)):
+        if tuple((output_ids + list(drafts[: i + 1]))[-n:]) == grammar.after:
+            return drafts[i + 1 :]
+    return None
 
 
 def _tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:

@@ -1,0 +1,176 @@
+"""Speculative decoding from the command line: vLLM's --speculative-config and SGLang's flags on
+`baton serve` and `baton up` (checked against the checkpoint before anything starts), the
+counters on /metrics as vLLM names them, and a live worker serving with MTP drafts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prometheus_client import generate_latest
+
+from engine import LLM, SamplingParams
+from server.args import ServerArgs
+from server.metrics import ServerMetrics
+from tests.mtp_models import add_mtp_layer
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tiny_models, tmp_path_factory):
+    source, _ = tiny_models("base")
+    dest = tmp_path_factory.mktemp("spec-serve") / "model"
+    add_mtp_layer(source, dest, ["full_attention", "moe"])
+    return dest
+
+
+def test_vllm_and_sglang_flags_give_the_same_engine_config(mtp_model):
+    vllm = ServerArgs(
+        model=str(mtp_model), speculative_config='{"method": "mtp", "num_speculative_tokens": 3}'
+    )
+    sglang = ServerArgs(
+        model=str(mtp_model),
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+    )
+    assert vllm.engine_args()["speculative_config"] == sglang.engine_args()["speculative_config"]
+    assert "speculative_config" not in ServerArgs(model=str(mtp_model)).engine_args()
+    ngram = ServerArgs(
+        model=str(mtp_model),
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
+    )
+    assert ngram.engine_args()["speculative_config"]["prompt_lookup_max"] == 3
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (dict(speculative_config='{"method": "eagle3"}'), "method 'eagle3' is not supported"),
+        (dict(speculative_config='{"method": "ngram"}'), "needs num_speculative_tokens"),
+        (
+            dict(speculative_config='{"method": "mtp", "num_speculative_tokens": 0}'),
+            r"num_speculative_tokens must be in \[1, 16\]",
+        ),
+        (dict(speculative_config='{"method": "mtp", "draft_tp": 2}'), r"unsupported key\(s\)"),
+        (dict(speculative_config="[1]"), "must be a JSON object"),
+        (
+            dict(speculative_algorithm="NEXTN", speculative_num_steps=2, speculative_eagle_topk=4),
+            "topk 1",
+        ),
+        (
+            dict(
+                speculative_algorithm="NEXTN",
+                speculative_num_steps=2,
+                speculative_num_draft_tokens=5,
+            ),
+            "must be --speculative-num-steps",
+        ),
+        (dict(speculative_num_steps=2), "needs --speculative-algorithm"),
+        (
+            dict(
+                speculative_config='{"method": "ngram", "prompt_lookup_min": 4, '
+                '"prompt_lookup_max": 2, "num_speculative_tokens": 2}'
+            ),
+            "prompt_lookup_min",
+        ),
+    ],
+)
+def test_bad_flags_are_refused_naming_what_is_wrong(mtp_model, flags, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(model=str(mtp_model), **flags)
+
+
+def test_mtp_on_a_checkpoint_without_mtp_layers_is_refused(tiny_models):
+    model_dir, _ = tiny_models("base")
+    with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
+        ServerArgs(model=str(model_dir), speculative_algorithm="NEXTN", speculative_num_steps=2)
+
+
+def test_up_gives_both_workers_the_speculative_config(mtp_model, monkeypatch):
+    from server import up
+    from server.cli import build_parser
+
+    commands = {}
+
+    class Spawned(Exception):
+        pass
+
+    def fake_popen(command, env=None):
+        role = (
+            "router"
+            if command[3] == "router"
+            else command[command.index("--disaggregation-mode") + 1]
+        )
+        commands[role] = command
+        if role == "router":
+            raise Spawned
+        return object()
+
+    monkeypatch.setattr(up.subprocess, "Popen", fake_popen)
+    ns = build_parser().parse_args(
+        [
+            "up",
+            "--model",
+            str(mtp_model),
+            "--speculative-algorithm",
+            "NEXTN",
+            "--speculative-num-steps",
+            "2",
+        ]
+    )
+    with pytest.raises(Spawned):
+        up.run_up(ns)
+    for role in ("prefill", "decode"):
+        flag = commands[role].index("--speculative-config")
+        assert json.loads(commands[role][flag + 1]) == {
+            "method": "mtp",
+            "num_speculative_tokens": 2,
+        }
+    bad = build_parser().parse_args(
+        ["up", "--model", str(mtp_model), "--speculative-num-steps", "2"]
+    )
+    assert up.run_up(bad) == 2
+
+
+def test_metrics_name_the_counters_as_vllm_and_derive_the_acceptance_length():
+    stats = {
+        "spec_decode_num_drafts": 10,
+        "spec_decode_num_draft_tokens": 30,
+        "spec_decode_num_accepted_tokens": 12,
+        "spec_decode_num_accepted_tokens_per_pos": [7, 4, 1],
+    }
+    text = generate_latest(ServerMetrics(lambda: stats).registry).decode()
+    assert "baton:spec_decode_num_drafts_total 10.0" in text
+    assert "baton:spec_decode_num_draft_tokens_total 30.0" in text
+    assert "baton:spec_decode_num_accepted_tokens_total 12.0" in text
+    assert 'baton:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 4.0' in text
+    assert "baton:spec_decode_mean_acceptance_length 2.2" in text
+
+
+def test_the_engine_process_path_carries_the_config_and_the_counters(mtp_model):
+    """What `baton serve` hands its engine process (JSON) starts a speculating engine, and the
+    counters it reports after a step (msgpack) render on /metrics."""
+    from dataclasses import asdict
+
+    from engine.core.engine import Engine
+    from engine.runtime import ipc
+
+    args = ServerArgs(
+        model=str(mtp_model), speculative_config='{"method": "mtp", "num_speculative_tokens": 2}'
+    )
+    engine_args = json.loads(json.dumps(args.engine_args()))  # the engine process's command line
+    engine = Engine(mtp_model, **engine_args)
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for d in engine.step() for t in d.new_token_ids]
+    assert tokens == LLM(mtp_model).generate([prompt], params)[0].token_ids
+    frame = ipc.encode(ipc.StepOutput(deltas=[], stats=asdict(engine.stats())))
+    stats = ipc.decode(frame).stats
+    text = generate_latest(ServerMetrics(lambda: stats).registry).decode()
+    drafts = engine.stats().spec_decode_num_drafts
+    assert drafts > 0 and f"baton:spec_decode_num_drafts_total {float(drafts)}" in text
+    assert 'baton:spec_decode_num_accepted_tokens_per_pos_total{position="1"}' in text
