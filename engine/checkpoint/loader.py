@@ -15,6 +15,7 @@ from engine.layers.cpu_backend import prepare_for_cpu
 from engine.models.registry import family_named
 from engine.parallel import TensorParallel
 from engine.parallel.support import check_tp_supported
+from engine.quantization import after_loading, before_loading, read_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
@@ -36,11 +37,15 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     tp: TensorParallel = parallel.SINGLE,
+    quantization: str | None = None,
 ) -> CausalLM:
-    """tp: this rank's place; every layer is built with, and loads, its shard only."""
+    """tp: this rank's place; every layer is built with, and loads, its shard only.
+    quantization: vLLM's `--quantization` (None: as the checkpoint is stored; "fp8" on an
+    unquantized checkpoint quantizes it at load)."""
     config = ModelConfig.from_hf(model_dir)
     check_tp_supported(config, tp.size)
     family = family_named(config.architecture)
+    quant = read_quantization(model_dir, quantization, family.checkpoint_name)
     if (
         family.untie_with_stored_lm_head
         and config.tie_word_embeddings
@@ -49,7 +54,12 @@ def load_model(
         config = dataclasses.replace(config, tie_word_embeddings=False)
     with torch.device(device), parallel.building(tp):
         model = family.model_class(config)
-    load_into(model, model_dir, family.checkpoint_name)
+    rename = family.checkpoint_name
+    if quant is not None:
+        rename = before_loading(model, model_dir, quant, rename, tp.size)
+    load_into(model, model_dir, rename)
+    if quant is not None:
+        after_loading(model, quant)
     # Mamba parameters A_log, D, dt_bias and norms stay where they are read in float32 anyway;
     # cast the whole module once so matmuls run in the serving dtype.
     cast_model(model, dtype)

@@ -19,8 +19,12 @@ log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 # One routed expert's matrix as checkpoints store it (transformers' save_pretrained and NVIDIA's
 # Nemotron 3 releases alike): `...mixer.experts.{e}.up_proj.weight`. In memory the experts of a
-# layer are one stacked (E, out, in) parameter `...mixer.experts.up_proj`, as in transformers.
-EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<proj>\w+)\.weight$")
+# layer are one stacked (E, out, in) parameter `...mixer.experts.up_proj`, as in transformers;
+# a quantized stack is a module whose stacked tensors keep the stored names
+# (`...experts.up_proj.weight_scale` from each `...experts.{e}.up_proj.weight_scale`).
+EXPERT_NAME = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<proj>\w+)\.(?P<tensor>\w+)$"
+)
 # Multi-token-prediction layers (Nemotron 3 Super): baton does not run them yet.
 SKIPPED_PREFIXES = ("mtp.",)
 SINGLE_FILE = "model.safetensors"
@@ -96,12 +100,18 @@ def iterate_weights(
                     yield renamed, CheckpointTensor(shard, name)
 
 
-def expert_slot(name: str) -> tuple[str, int] | None:
+def expert_slot(name: str, params: dict[str, torch.Tensor]) -> tuple[str, int] | None:
     """(stacked parameter name, expert index) for a per-expert checkpoint tensor, else None."""
     match = EXPERT_NAME.match(name)
     if match is None:
         return None
-    return f"{match['prefix']}.{match['proj']}", int(match["index"])
+    stacked = f"{match['prefix']}.{match['proj']}"
+    for target in ([stacked] if match["tensor"] == "weight" else []) + [
+        f"{stacked}.{match['tensor']}"
+    ]:
+        if target in params:
+            return target, int(match["index"])
+    return None
 
 
 def load_into(
@@ -131,8 +141,8 @@ def load_into(
             skipped += 1
             continue
         target, index = name, None
-        slot = expert_slot(name) if name not in params else None
-        if slot is not None and slot[0] in params:
+        slot = expert_slot(name, params) if name not in params else None
+        if slot is not None:
             target, index = slot
         param = params.get(target)
         if param is None:
@@ -141,6 +151,9 @@ def load_into(
             continue
         dest = param if index is None else _expert_row(param, index, name, model_dir)
         tensor = checkpoint.read(shard_rule(param))
+        check = getattr(param, "check_checkpoint", None)
+        if check is not None:  # a quantized tensor's value checks (engine/quantization)
+            tensor = check(name, tensor)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise WeightError(
                 f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -160,14 +173,18 @@ def load_into(
         if rows is None:
             missing.append(name)
             continue
-        prefix, proj = name.rsplit(".", 1)
-        missing += [
-            f"{prefix}.{e}.{proj}.weight" for e in range(params[name].shape[0]) if e not in rows
-        ]
+        missing += [_expert_name(name, e) for e in range(params[name].shape[0]) if e not in rows]
     if missing:
         raise WeightError(f"{model_dir}: checkpoint is missing tensor(s) {missing}")
     if unexpected:
         raise WeightError(f"{model_dir}: checkpoint has unexpected tensor(s) {sorted(unexpected)}")
+
+
+def _expert_name(stacked: str, index: int) -> str:
+    """The checkpoint name of expert `index`'s part of a stacked parameter."""
+    head, tail = stacked.split(".experts.", 1)
+    proj, _, tensor = tail.partition(".")
+    return f"{head}.experts.{index}.{proj}.{tensor or 'weight'}"
 
 
 def _expert_row(param: torch.Tensor, index: int, name: str, model_dir) -> torch.Tensor:

@@ -17,9 +17,8 @@ from engine.cache.pools import StateCache
 from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from engine.config import RotaryConfig
 from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.mlp import fuse_linears
+from engine.layers.mlp import fuse_for_cpu
 from kernels.attention import paged_attention, rotary_cos_sin, rotary_store_kv, store_kv
-from kernels.linear import PackedLinear
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,7 +111,7 @@ class Attention(nn.Module):
                 parallel.shard(proj.bias, rows)
             parallel.shard(self.o_proj.weight, parallel.Slices(dim=1, ranges=q_rows.ranges))
             parallel.shard(self.o_proj.bias, parallel.FirstRankOnly(rank=tp.rank))
-        self.qkv_proj: PackedLinear | None = None  # CPU: q, k, v in one packed matmul
+        self.qkv_proj: nn.Module | None = None  # CPU: q, k, v in one packed matmul
         self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         self.inv_freq: torch.Tensor | None = None
         if rotary is not None:
@@ -139,9 +138,11 @@ class Attention(nn.Module):
         )
 
     def pack_for_cpu(self) -> None:
-        """One packed matmul for q, k and v (the three plain projections are dropped)."""
-        self.qkv_proj = PackedLinear(fuse_linears([self.q_proj, self.k_proj, self.v_proj]))
-        del self.q_proj, self.k_proj, self.v_proj
+        """One packed matmul for q, k and v (the three plain projections are dropped), unless
+        they are stored differently (mixed precision)."""
+        self.qkv_proj = fuse_for_cpu([self.q_proj, self.k_proj, self.v_proj])
+        if self.qkv_proj is not None:
+            del self.q_proj, self.k_proj, self.v_proj
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv_proj is not None:

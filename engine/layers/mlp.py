@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
+from engine.quantization.modules import QuantizedLinear
 from kernels import cpu_ops
 from kernels.linear import PackedLinear
 
@@ -50,8 +51,12 @@ class ReluSquaredMLP(nn.Module):
         return self.tp.all_reduce(out) if self.reduce_output else out
 
     def pack_for_cpu(self) -> None:
-        """relu fused into the up projection's packed matmul (kernels/linear.py)."""
-        self.up_proj = PackedLinear(self.up_proj, activation="relu")
+        """relu fused into the up projection's packed matmul (kernels/linear.py, or the
+        quantized kernel's)."""
+        if isinstance(self.up_proj, QuantizedLinear):
+            self.up_proj.pack_cpu(relu=True)
+        else:
+            self.up_proj = PackedLinear(self.up_proj, activation="relu")
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}  # transformers' ACT2FN for these two names
@@ -95,7 +100,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.gate_up: PackedLinear | None = None  # CPU: gate and up in one packed matmul
+        self.gate_up: nn.Module | None = None  # CPU: gate and up in one packed matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
@@ -108,9 +113,11 @@ class GatedMLP(nn.Module):
         return out if self.down_multiplier == 1.0 else out * self.down_multiplier
 
     def pack_for_cpu(self) -> None:
-        """One packed matmul for gate and up (the two plain projections are dropped)."""
-        self.gate_up = PackedLinear(fuse_linears([self.gate_proj, self.up_proj]))
-        del self.gate_proj, self.up_proj
+        """One packed matmul for gate and up (the two plain projections are dropped), unless
+        they are stored differently (mixed precision)."""
+        self.gate_up = fuse_for_cpu([self.gate_proj, self.up_proj])
+        if self.gate_up is not None:
+            del self.gate_proj, self.up_proj
 
 
 class FusedGatedMLP(nn.Module):
@@ -150,3 +157,20 @@ def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
         if fused.bias is not None:
             fused.bias.copy_(torch.cat([p.bias for p in parts]))
     return fused.requires_grad_(False)
+
+
+def fuse_for_cpu(parts: list[nn.Module]) -> nn.Module | None:
+    """One module computing the parts' outputs side by side, packed for the CPU: a PackedLinear
+    over plain linears, a QuantizedLinear over parts quantized alike (each part's rows keep
+    their own scales); None when the parts are stored differently (mixed precision: each is
+    then packed on its own)."""
+    if all(type(p) is nn.Linear for p in parts):
+        return PackedLinear(fuse_linears(parts))
+    if not all(isinstance(p, QuantizedLinear) and p.quantized is not None for p in parts):
+        return None
+    first = parts[0].quantized
+    if any((p.quantized.format, p.quantized.group) != (first.format, first.group) for p in parts):
+        return None
+    fused = QuantizedLinear.fuse(parts)
+    fused.pack_cpu()
+    return fused
