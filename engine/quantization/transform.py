@@ -234,7 +234,7 @@ def quantize_online(model: nn.Module) -> None:
     online dynamic FP8. At TP > 1 each rank scales its own slice."""
     tied = tied_parameters(model)
     count = 0
-    for parent_name, parent in list(model.named_modules()):
+    for parent in list(model.modules()):
         for attr, child in list(parent.named_children()):
             if type(child) is nn.Linear and attr != "lm_head" and id(child.weight) not in tied:
                 setattr(
