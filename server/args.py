@@ -29,6 +29,7 @@ ENGINE_ARG_NAMES = (
     "cuda_graph_max_bs",
     "tensor_parallel_size",
     "tp_timeout",
+    "quantization",
 )
 
 # Bodies past this get 413 before they are parsed (worker and router). 8 MiB holds a 128k-token
@@ -95,6 +96,7 @@ class ServerArgs:
     # workers half the cores (engine/runtime/cpu_threads.py says why).
     cpu_threads: int | None = None
     tensor_parallel_size: int | None = None  # ranks of the engine (default 1)
+    quantization: str | None = None  # vLLM's --quantization (None: as the checkpoint is stored)
     tp_timeout: float | None = None  # seconds a rank may take in one step before it is failed
     disaggregation_mode: str | None = None  # None (colocated), "prefill" or "decode"
     disagg_host: str = "127.0.0.1"  # prefill: where the transfer socket binds and is advertised

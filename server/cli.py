@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from engine.checkpoint.loader import DTYPE_NAMES
+from engine.quantization.config import QUANTIZATION_NAMES
 from server.args import ServerArgs
 from server.reasoning_parsers import REASONING_PARSERS
 from server.tool_parsers import TOOL_CALL_PARSERS
@@ -140,6 +141,15 @@ def add_serve_parser(subparsers) -> None:
         help="seconds to wait for the model to load",
     )
 
+    engine.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATION_NAMES,
+        help="as vLLM spells it: fp8 (fine-grained or per-tensor FP8 checkpoints; on an "
+        "unquantized checkpoint, FP8 weights quantized at load), modelopt / modelopt_fp4 / "
+        "modelopt_mixed (NVIDIA ModelOpt FP8 / NVFP4 / mixed checkpoints) (default: what the "
+        "checkpoint's quantization_config says, else none)",
+    )
     engine.add_argument(
         "--tensor-parallel-size",
         "--tp",

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from engine.checkpoint.loader import DTYPE_NAMES
+from engine.quantization.config import QUANTIZATION_NAMES
 from engine.runtime.cpu_threads import cores_per_engine
 from server.reasoning_parsers import REASONING_PARSERS
 from server.router import DEFAULT_MAX_CONCURRENT_REQUESTS
@@ -98,6 +99,12 @@ def add_up_parser(subparsers) -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATION_NAMES,
+        help="as `baton serve`'s, both workers (their weights must match for the handover)",
+    )
+    parser.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for a healthy stack"
     )
     parser.add_argument(
@@ -153,6 +160,8 @@ def run_up(ns) -> int:
         "--device",
         ns.device,
     ]
+    if ns.quantization:
+        common += ["--quantization", ns.quantization]
     if ns.served_model_name:
         common += ["--served-model-name", ns.served_model_name]
     if ns.tokenizer:

@@ -29,10 +29,11 @@ from engine.executor.model_runner import ModelRunner
 from engine.handover.connector import Handover
 from engine.handover.ranks import ShardHandover
 from engine.handover.shards import gather_addresses, load_connector
-from engine.models.registry import model_state_spec
+from engine.models.registry import family_named, model_state_spec
 from engine.parallel.messages import PoolOps
 from engine.parallel.ranks import RankedRunner, start_ranks
 from engine.parallel.support import check_tp_supported
+from engine.quantization import read_quantization, weight_bytes
 from engine.runtime.cpu_allocator import keep_freed_memory_in_heap
 from engine.structured_output import Grammars
 
@@ -57,6 +58,10 @@ class Engine:
         self.model_config = ModelConfig.from_hf(model_dir)
         self.dtype = resolve_dtype(dtype, self.model_config)
         args, config = self.args, self.model_config
+        # read (and refused, if it must be) before any process starts
+        self.quantization = read_quantization(
+            model_dir, args.quantization, family_named(config.architecture).checkpoint_name
+        )
         self.state_spec = model_state_spec(config, self.dtype)
         max_total_tokens, max_slots = self._budgets()
         sizes = size_pools(
@@ -67,7 +72,7 @@ class Engine:
         self.ranks = start_ranks(model_dir, dtype, device, args, sizes)
         tp = self.ranks.tp if self.ranks is not None else parallel.SINGLE
         try:
-            self.model = load_model(model_dir, self.dtype, self.device, tp)
+            self.model = load_model(model_dir, self.dtype, self.device, tp, args.quantization)
             if self.ranks is not None:
                 self.ranks.wait_loaded()
         except BaseException:
@@ -143,6 +148,7 @@ class Engine:
             sampler=self.sampler,
             grammars=self.grammars,
             new_request=self._new_request,
+            online_quantization=self.quantization is not None and self.quantization.online,
             shards=ShardHandover(
                 cache=self.cache,
                 scheduler=self.scheduler,
@@ -209,7 +215,11 @@ class Engine:
             return args.max_total_tokens, slots
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * args.mem_fraction
+            # what the weights will take (quantized as they are stored) is not the pools'
+            rename = family_named(config.architecture).checkpoint_name
+            budget = free * args.mem_fraction - weight_bytes(
+                self.model_dir, self.dtype, self.quantization, rename, args.tensor_parallel_size
+            )
             slot_bytes = self.state_spec.bytes_per_slot()
             token_bytes = max(1, self.state_spec.bytes_per_token())
             if args.max_mamba_slots is None:  # keep Mamba state to at most half of the budget

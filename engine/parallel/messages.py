@@ -46,6 +46,7 @@ class RankSpec:
     # module:factory and options of the per-rank handover connector (a disaggregated worker's
     # ranks each send or receive their own shard); None: no handover on this engine
     handover_connector: dict[str, str] | None
+    quantization: str | None  # --quantization (engine/quantization)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

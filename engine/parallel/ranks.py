@@ -73,6 +73,7 @@ class Ranks:
         load_timeout_s: float,
         sizes: PoolSizes,
         handover_connector: dict[str, str] | None,
+        quantization: str | None,
     ):
         self.size = size
         self.timeout_s = timeout_s
@@ -106,6 +107,7 @@ class Ranks:
                     threads=threads,
                     parent_pid=os.getpid(),
                     handover_connector=handover_connector,
+                    quantization=quantization,
                 )
                 self.procs.append(
                     subprocess.Popen(
@@ -239,4 +241,5 @@ def start_ranks(model_dir, dtype: str, device: str, args, sizes: PoolSizes) -> R
         handover_connector=(
             args.handover_connector.to_wire() if args.handover_connector is not None else None
         ),
+        quantization=args.quantization,
     )

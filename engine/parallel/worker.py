@@ -60,7 +60,7 @@ def run(spec: RankSpec) -> int:
     )
     config = ModelConfig.from_hf(spec.model)
     dtype = resolve_dtype(spec.dtype, config)
-    model = load_model(spec.model, dtype, device, tp)
+    model = load_model(spec.model, dtype, device, tp, spec.quantization)
     cache = StateCache(
         model_state_spec(config, dtype),
         num_pages=spec.num_pages,

@@ -3,17 +3,22 @@ what the checkpoint says (config.py), what each scheme stores (schemes.py), the 
 quantized weights (modules.py) and the pass that puts them in a built model (transform.py).
 
 The loader calls `read_quantization`, then `before_loading` and `after_loading` around its own
-loading; nothing else in the engine knows a weight is quantized."""
+loading; nothing else in the engine knows a weight is quantized (but the GPU pool sizing, which asks
+`weight_bytes` what the weights will take)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from engine.checkpoint.weights import Rename
 from engine.quantization.config import QUANTIZATION_NAMES, QuantConfig, read_quantization
 from engine.quantization.transform import (
+    QUANTIZED_DTYPES,
+    UNUSED_SUFFIXES,
     checkpoint_headers,
     finalize,
     quantize_modules,
@@ -27,7 +32,10 @@ __all__ = [
     "after_loading",
     "before_loading",
     "read_quantization",
+    "weight_bytes",
 ]
+# what online FP8 leaves in the serving dtype (its embeddings, norms, convolutions, lm_head)
+UNQUANTIZED_ONLINE = ("embed", "norm", "conv1d", "lm_head", "A_log", "dt_bias", ".D")
 
 
 def before_loading(
@@ -46,3 +54,33 @@ def after_loading(model: nn.Module, quant: QuantConfig) -> None:
         quantize_online(model)
     else:
         finalize(model)
+
+
+def weight_bytes(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    quant: QuantConfig | None,
+    rename: Rename,
+    tp_size: int,
+) -> int:
+    """About the bytes one rank's weights take once loaded (the pools get what is left): stored
+    quantized tensors as they are, online FP8's linears at a byte per weight, the rest in
+    `dtype`; an even share of the whole at TP > 1. Headers only."""
+    total = 0
+    for name, header in checkpoint_headers(model_dir, rename).items():
+        if name.endswith(UNUSED_SUFFIXES) or name.startswith("mtp."):
+            continue
+        numel = math.prod(header.shape)
+        online_linear = (
+            quant is not None
+            and quant.online
+            and len(header.shape) >= 2
+            and not any(part in name for part in UNQUANTIZED_ONLINE)
+        )
+        if header.dtype in QUANTIZED_DTYPES or online_linear:
+            total += numel
+        elif quant is not None and name.rsplit(".", 1)[-1].startswith("weight_scale"):
+            total += numel * 4
+        else:
+            total += numel * dtype.itemsize
+    return total // tp_size
