@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.families import family_models  # noqa: E402, F401 (session fixture, every family)
+from tests.quant_models import quantized_models  # noqa: E402, F401 (quantized checkpoints)
 from tests.tiny import save_tiny_model  # noqa: E402
 
 # Tiny NemotronH shapes the model tests cover (odd sizes, n_groups > 1, conv 3 and 4,
