@@ -33,6 +33,7 @@ FORMAT_CODES = {"fp8": 0, "nvfp4": 1}
 # scales carry the 2^120 back, less `shift` when a scale that large would overflow float32.
 DECODE_EXPONENT = 120
 MAX_PACKED_EXPONENT = 126
+SERIAL_WORK = 1 << 18
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -107,6 +108,12 @@ def pack(q: QuantizedTensor) -> PackedQuant:
     return PackedQuant(q.format, codes, scales, col, q.group, n, k)
 
 
+def threads(m: int, n: int, k: int) -> int:
+    """Threads for an (m, k) x (k, n) call: one below SERIAL_WORK multiply-adds, where waking a
+    second thread costs more than its half of the work (a tiny model's layers)."""
+    return 1 if m * n * k < SERIAL_WORK else torch.get_num_threads()
+
+
 def linear(
     x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None = None, relu: bool = False
 ) -> torch.Tensor:
@@ -138,7 +145,7 @@ def linear(
             int(relu),
             y.data_ptr(),
             n,
-            torch.get_num_threads(),
+            threads(m, n, k),
         )
         if status != 0:
             raise RuntimeError(f"cpu_quant: the kernel refused a {packed.format} weight ({status})")
