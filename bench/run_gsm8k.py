@@ -1,6 +1,7 @@
 """`make gsm8k`: serve the shipped model, run `baton eval gsm8k` on the held-out file, stop.
 
-    python -m bench.run_gsm8k [--model assets] [EVAL FLAGS, e.g. --num-questions 50 --output r.json]
+    python -m bench.run_gsm8k [--model assets] [--dtype bfloat16] [--quantization fp8]
+        [EVAL FLAGS, e.g. --num-questions 50 --output r.json]
 
 Starts the disaggregated stack (`baton up`: prefill + decode + router) on a free 127.0.0.1 port, waits for /health, runs the
 eval against it (flags it does not know are passed on to `baton eval gsm8k`), prints the
@@ -90,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--startup-timeout", type=float, default=300, help="seconds to wait for /health"
     )
+    parser.add_argument("--dtype", help="the workers' --dtype (default: baton up's)")
+    parser.add_argument(
+        "--quantization",
+        help="the workers' --quantization (fp8 on the shipped fp32 model: FP8 weights at load)",
+    )
     args, eval_flags = parser.parse_known_args(argv)
 
     port = free_port()
@@ -100,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(log, "wb") as sink:
         server = subprocess.Popen(
             # the disaggregated stack: prefill worker + decode worker + router
-            [str(BATON), "up", "--model", args.model, "--port", str(port)],
+            [str(BATON), "up", "--model", args.model, "--port", str(port)]
+            + (["--dtype", args.dtype] if args.dtype else [])
+            + (["--quantization", args.quantization] if args.quantization else []),
             stdout=sink,
             stderr=subprocess.STDOUT,
             cwd=ROOT,

@@ -109,7 +109,7 @@ def dequantized(tensors: dict[str, torch.Tensor], block: tuple[int, int] | None)
 def quantize_checkpoint(
     src: Path,
     dst: Path,
-    ref: Path,
+    ref: Path | None,
     fmt: str,
     *,
     exclude: tuple[str, ...] = (),
@@ -119,7 +119,7 @@ def quantize_checkpoint(
     keep_dtype: bool = False,
 ) -> None:
     """src (a save_pretrained directory) -> dst (quantized as `fmt`) and ref (its dequantized
-    values in float32, no quantization config). exclude: on-disk module names listed as left
+    values in float32, no quantization config; None: not written). exclude: on-disk module names listed as left
     unquantized; unlisted: modules left unquantized WITHOUT being listed (an exclude list that
     misses one); mixed: module (or prefix) -> FP8 | NVFP4 for modelopt_mixed."""
     tensors = load_file(str(src / "model.safetensors"))
@@ -154,17 +154,18 @@ def quantize_checkpoint(
                 {"group_size": 16} if algo == "NVFP4" else {}
             )
         reference[name] = dequantized(parts, block).contiguous()
-    dst.mkdir(parents=True, exist_ok=True)
-    ref.mkdir(parents=True, exist_ok=True)
-    for path in src.iterdir():  # config, tokenizer, generation config
-        if path.is_file() and path.suffix != ".safetensors":
-            shutil.copy(path, dst / path.name)
-            shutil.copy(path, ref / path.name)
-    save_file(quantized, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    save_file(reference, str(ref / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    ref_config = dict(config, torch_dtype="float32", dtype="float32")
-    (ref / "config.json").write_text(json.dumps(ref_config, indent=1))
+    for out, tensors in ((dst, quantized), (ref, reference)):
+        if out is None:
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        for path in src.iterdir():  # config, tokenizer, generation config
+            if path.is_file() and path.suffix != ".safetensors":
+                shutil.copy(path, out / path.name)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if ref is not None:
+        ref_config = dict(config, torch_dtype="float32", dtype="float32")
+        (ref / "config.json").write_text(json.dumps(ref_config, indent=1))
     config["torch_dtype"] = config["dtype"] = "float32" if keep_dtype else "bfloat16"
     config["quantization_config"], hf_quant = _configs(fmt, exclude, listed_layers, block)
     (dst / "config.json").write_text(json.dumps(config, indent=1))
