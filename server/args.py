@@ -29,7 +29,6 @@ ENGINE_ARG_NAMES = (
     "cuda_graph_max_bs",
     "tensor_parallel_size",
     "tp_timeout",
-    "quantization",
 )
 
 # Bodies past this get 413 before they are parsed (worker and router). 8 MiB holds a 128k-token
@@ -206,6 +205,8 @@ class ServerArgs:
         args["schedule_policy"] = self.schedule_policy
         if self.request_metrics:
             args["request_timing"] = True
+        if self.quantization is not None:
+            args["quantization"] = self.quantization
         return args
 
     def disagg_options(self) -> dict[str, Any] | None:

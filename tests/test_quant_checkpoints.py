@@ -154,3 +154,16 @@ def test_a_tensor_parallel_size_that_splits_a_scale_block_is_refused(
     rank = TensorParallel(rank=1, size=2, group=None, timeout_s=0.0)
     with pytest.raises(ConfigError, match=message):
         load(quantized, tp=rank)
+
+
+def test_quantization_flag_reaches_the_engine(tmp_path, monkeypatch):
+    from server.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    started = []
+    monkeypatch.setattr("server.launch.run", started.append)
+    assert main(["serve", str(tmp_path), "-q", "fp8"]) == 0
+    assert main(["serve", str(tmp_path), "--quantization", "modelopt_fp4"]) == 0
+    assert [args.engine_args()["quantization"] for args in started] == ["fp8", "modelopt_fp4"]
+    with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path), "--quantization", "awq"])
