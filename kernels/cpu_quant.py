@@ -3,7 +3,7 @@ into 16-column panels of their own codes and scales, decoded in registers on eve
 decode step streams half (FP8) or about a quarter (NVFP4) of a bf16 weight's bytes).
 
 Weight-only: the inputs stay in the model's dtype (widened to float32), products and sums are
-float32, so a layer computes x @ dequantize(W).T to float32 rounding (tests/test_quant_kernels.py)
+float32, so a layer computes x @ dequantize(W).T to float32 rounding (tests/test_quant_formats.py)
 whatever the checkpoint's `input_scale` says (it is not applied: W8A16 / W4A16 numerics). Built
 and cached like kernels/cpu_ops.py; without AVX-512, a compiler, or with `BATON_CPU_OPS=0`, the
 torch path of kernels/quant.py runs instead.
