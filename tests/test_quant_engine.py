@@ -1,18 +1,22 @@
 """A quantized checkpoint (ModelOpt mixed precision: NVFP4 experts, FP8 and NVFP4 linears, the
 rest bf16) through the serving paths that hold no quantization code: tensor parallelism (each
 rank loads its slice of codes and scales), a disaggregated prefill/decode pair, and the prefix
-cache, each against colocated TP=1 on the same checkpoint."""
+cache, each against colocated TP=1 on the same checkpoint; and the GPU pool sizing, which gives the
+pools what the weights leave as stored (NVFP4), not as dequantized."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import zmq
+from safetensors import safe_open
 
 from disagg.decode import DecodeWorker
 from disagg.prefill import PrefillWorker
 from engine import LLM, SamplingParams
+from engine.config import ModelConfig
 from engine.core.engine import Engine
+from engine.models.registry import model_state_spec
 from tests.test_disagg_unit import assert_pools_empty, colocated_tokens, config, run_pair
 
 # small pools (preemption), checkpoints every 16 tokens (prefix hits), 16-token chunks
@@ -88,3 +92,49 @@ def test_disaggregated_pair_equals_colocated_on_a_quantized_checkpoint(mixed):
     finally:
         prefill.close()
         decoder.close()
+
+
+class PoolsSized(Exception):
+    """Raised in place of sizing the pools: the engine's budgets, before any weight loads."""
+
+
+def gpu_pool_budget(model_dir, monkeypatch, free: int) -> tuple[int, int]:
+    """(tokens, slots) an engine on a GPU with `free` bytes free gives its pools (nothing is
+    loaded: the engine stops where it would size them)."""
+
+    def stop(**sizes):
+        raise PoolsSized(sizes["max_total_tokens"], sizes["max_mamba_slots"])
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, free))
+    monkeypatch.setattr("engine.core.engine.size_pools", stop)
+    with pytest.raises(PoolsSized) as sized:
+        Engine(model_dir, dtype="float32", device="cuda", max_mamba_slots=4, mem_fraction=1.0)
+    return sized.value.args
+
+
+def loaded_bytes(model_dir) -> int:
+    """What the weights take in float32: quantized codes and their scales as stored, every
+    other tensor widened to 4 bytes a value; scales baton does not apply are not loaded."""
+    total = 0
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            tensor = f.get_tensor(name)
+            if name.endswith(("input_scale", "k_scale", "v_scale")):
+                continue
+            quantized = tensor.dtype in (torch.float8_e4m3fn, torch.uint8) or "weight_scale" in name
+            total += tensor.nbytes if quantized else tensor.numel() * 4
+    return total
+
+
+def test_gpu_pools_get_the_memory_the_quantized_weights_leave(quantized_models, monkeypatch):
+    """On a GPU the pools are sized before loading, from the free memory less what the weights
+    will take: an NVFP4 checkpoint's codes and scales as stored, not its dequantized size."""
+    quantized, dequantized = quantized_models("nemotron_moe", "modelopt_nvfp4")
+    spec = model_state_spec(ModelConfig.from_hf(quantized), torch.float32)
+    token_bytes, slot_bytes = spec.bytes_per_token(), spec.bytes_per_slot()
+    pools = 4 * slot_bytes + 500 * token_bytes  # the memory left once the weights are in
+    for model_dir in (quantized, dequantized):
+        weights = loaded_bytes(model_dir)
+        tokens, slots = gpu_pool_budget(model_dir, monkeypatch, free=weights + pools)
+        assert (tokens, slots) == (500, 4), model_dir.name
+    assert loaded_bytes(quantized) < 0.5 * loaded_bytes(dequantized)
