@@ -138,3 +138,11 @@ def test_gpu_pools_get_the_memory_the_quantized_weights_leave(quantized_models, 
         tokens, slots = gpu_pool_budget(model_dir, monkeypatch, free=weights + pools)
         assert (tokens, slots) == (500, 4), model_dir.name
     assert loaded_bytes(quantized) < 0.5 * loaded_bytes(dequantized)
+
+
+def test_weights_larger_than_the_free_gpu_memory_are_refused_before_loading(
+    quantized_models, monkeypatch
+):
+    quantized, _ = quantized_models("nemotron_moe", "modelopt_nvfp4")
+    with pytest.raises(ValueError, match=r"the weights take about .* free on cuda"):
+        gpu_pool_budget(quantized, monkeypatch, free=loaded_bytes(quantized) // 2)

@@ -217,9 +217,17 @@ class Engine:
             free, _ = torch.cuda.mem_get_info(self.device)
             # what the weights will take (quantized as they are stored) is not the pools'
             rename = family_named(config.architecture).checkpoint_name
-            budget = free * args.mem_fraction - weight_bytes(
+            weights = weight_bytes(
                 self.model_dir, self.dtype, self.quantization, rename, args.tensor_parallel_size
             )
+            budget = free * args.mem_fraction - weights
+            if budget <= 0:
+                raise ValueError(
+                    f"the weights take about {weights / 2**30:.2f} GiB on each rank, more than "
+                    f"--mem-fraction {args.mem_fraction} of the {free / 2**30:.2f} GiB free on "
+                    f"{self.device}: raise --mem-fraction, shard the model (--tp) or quantize "
+                    "it (--quantization fp8)"
+                )
             slot_bytes = self.state_spec.bytes_per_slot()
             token_bytes = max(1, self.state_spec.bytes_per_token())
             if args.max_mamba_slots is None:  # keep Mamba state to at most half of the budget
