@@ -111,6 +111,9 @@ def run_weights(
                 for name, llm in llms.items():  # alternated: a burst of load hits every variant
                     rate = decode_rate(llm, batch, new_tokens, vocab, seed=round_index)
                     rates[name][batch].append(rate)
+                    print(
+                        f"  round {round_index} batch {batch} {name}: {rate:.1f} tok/s", flush=True
+                    )
         result = {"batches": batches, "new_tokens": new_tokens, "rounds": rounds, "variants": {}}
         base = weights[0]
         for name, llm in llms.items():
@@ -122,7 +125,7 @@ def run_weights(
                 "rounds_tok_per_s": {b: r for b, r in rates[name].items()},
             }
         bytes_base = result["variants"][base]["weight_bytes_per_step"]
-        for name, row in result["variants"].items():
+        for row in result["variants"].values():
             row["byte_ratio_bound"] = bytes_base / row["weight_bytes_per_step"]
             row["speedup"] = {
                 b: row["decode_tok_per_s"][b] / result["variants"][base]["decode_tok_per_s"][b]
