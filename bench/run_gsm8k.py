@@ -1,6 +1,7 @@
 """`make gsm8k`: serve the shipped model, run `baton eval gsm8k` on the held-out file, stop.
 
-    python -m bench.run_gsm8k [--model assets] [--speculative-config JSON]
+    python -m bench.run_gsm8k [--model assets] [--speculative-config JSON] [--dtype bfloat16]
+        [--quantization fp8]
         [EVAL FLAGS, e.g. --num-questions 50 --output r.json]
 
 Starts the disaggregated stack (`baton up`: prefill + decode + router) on a free 127.0.0.1 port, waits for /health, runs the
@@ -96,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         "--speculative-config",
         help='JSON as vLLM\'s, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\', for baton up',
     )
+    parser.add_argument("--dtype", help="the workers' --dtype (default: baton up's)")
+    parser.add_argument(
+        "--quantization",
+        help="the workers' --quantization (fp8 on the shipped fp32 model: FP8 weights at load)",
+    )
     args, eval_flags = parser.parse_known_args(argv)
     speculation = (
         ["--speculative-config", args.speculative_config] if args.speculative_config else []
@@ -109,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(log, "wb") as sink:
         server = subprocess.Popen(
             # the disaggregated stack: prefill worker + decode worker + router
-            [str(BATON), "up", "--model", args.model, "--port", str(port)] + speculation,
+            [str(BATON), "up", "--model", args.model, "--port", str(port)]
+            + speculation
+            + (["--dtype", args.dtype] if args.dtype else [])
+            + (["--quantization", args.quantization] if args.quantization else []),
             stdout=sink,
             stderr=subprocess.STDOUT,
             cwd=ROOT,

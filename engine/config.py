@@ -31,6 +31,9 @@ from engine.config_error import ConfigError
 SERVING_DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 DTYPE_NAMES = ("auto", *SERVING_DTYPES, *DTYPE_ALIASES)
+# What --quantization accepts (vLLM's spellings; engine/quantization reads them), here for the
+# same reason.
+QUANTIZATION_NAMES = ("fp8", "modelopt", "modelopt_fp4", "modelopt_mixed")
 
 
 class ConfigReader:

@@ -26,11 +26,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from kernels import cpu_ops, cpu_quant
+from kernels.quant import NVFP4_GROUP, QuantFormat, QuantizedTensor
 
 SOURCE = Path(__file__).with_name("cpu_moe.c")
 NB = 64  # panel width; must match cpu_moe.c
 MAX_TOP_K = 64  # the C combine sorts each token's choices in a fixed-size array
+FORMATS = {"f32": 0, "bf16": 1, "fp8": 2, "nvfp4": 3}  # cpu_moe.c's FMT_*
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -61,6 +63,7 @@ def library() -> ctypes.CDLL | None:
         _ptr,  # scratch, h, ys
         _ptr,
         _int,  # out, threads
+        *(_ptr, _ptr, _ptr, _ptr, _i64, _i64),  # quantized: scales, cols, groups (up, down)
     ]
     return lib
 
@@ -71,6 +74,25 @@ class PanelExperts(NamedTuple):
 
     up: torch.Tensor  # (E, parts, I_pad / NB, D_k / pair, NB, pair)
     down: torch.Tensor  # (E, ceil(D / NB), I_pad / pair, NB, pair)
+    swiglu: bool
+
+
+class QuantPanel(NamedTuple):
+    """One projection's quantized experts in cpu_moe.c's panels (codes stay quantized)."""
+
+    codes: torch.Tensor  # uint8 (E, parts, panels, steps, NB): steps K (FP8) or K / 2 (NVFP4)
+    scales: torch.Tensor  # FP8: float32 (E, parts, panels, groups, NB); NVFP4: uint8 (.., K/16, NB)
+    col: torch.Tensor | None  # float32 (E, parts, panels * NB): NVFP4's global scale, FP8's shift
+    group: int  # FP8: inputs per scale group
+
+
+class QuantPanelExperts(NamedTuple):
+    """Quantized expert weights for cpu_moe.c: FP8 or NVFP4 (x, h and the sums in float32)."""
+
+    format: QuantFormat
+    up: QuantPanel
+    down: QuantPanel
+    inter_pad: int  # I_pad
     swiglu: bool
 
 
@@ -101,20 +123,81 @@ def pack_panels(w_up: torch.Tensor, w_down: torch.Tensor, swiglu: bool) -> Panel
     return PanelExperts(up=up, down=down, swiglu=swiglu)
 
 
+def pack_quantized(
+    w_up: QuantizedTensor, w_down: QuantizedTensor, swiglu: bool
+) -> QuantPanelExperts | None:
+    """Quantized experts in panels; None without the library or AVX-512."""
+    if w_up.device.type != "cpu" or library() is None or not cpu_quant.supported():
+        return None
+    if w_up.format != w_down.format:
+        return None
+    E, rows, _ = w_up.shape
+    inter = w_down.shape[2]
+    i_pad = -(-inter // NB) * NB
+    parts = 2 if swiglu else 1
+    up = _quant_panel(_split_parts(w_up, parts), i_pad, None)
+    down = _quant_panel(_split_parts(w_down, 1), -(-w_down.shape[1] // NB) * NB, i_pad)
+    return QuantPanelExperts(w_up.format, up, down, i_pad, swiglu)
+
+
+def _split_parts(q: QuantizedTensor, parts: int) -> QuantizedTensor:
+    """(E, parts * R, ...) -> (E, parts, R, ...) for each of the tensor's fields."""
+
+    def split(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.view(t.shape[0], parts, t.shape[1] // parts, *t.shape[2:])
+
+    return QuantizedTensor(q.format, split(q.data), split(q.scale), split(q.global_scale), q.group)
+
+
+def _quant_panel(q: QuantizedTensor, rows_pad: int, k_pad: int | None) -> QuantPanel:
+    """(E, parts, R, ...) quantized rows -> panels of NB rows, transposed; rows padded to
+    rows_pad, inputs (when k_pad) to k_pad with zero codes and zero scales."""
+    codes, scale = q.data.view(torch.uint8), q.scale
+    if q.format == "fp8":
+        largest = float(scale.abs().max()) if scale.numel() else 0.0
+        shift = cpu_quant.scale_shift(largest)
+        scale = scale.float() * 2.0 ** (cpu_quant.DECODE_EXPONENT - shift)
+        col = None if not shift else torch.full((*codes.shape[:2], rows_pad), 2.0**shift)
+    else:
+        scale = scale.view(torch.uint8)
+        col = F.pad(q.global_scale.float(), (0, rows_pad - q.global_scale.shape[-1]))
+    if k_pad is not None:
+        per_byte = 2 if q.format == "nvfp4" else 1
+        codes = F.pad(codes, (0, k_pad // per_byte - codes.shape[-1]))
+        groups = k_pad // NVFP4_GROUP if q.format == "nvfp4" else -(-k_pad // q.group)
+        scale = F.pad(scale, (0, groups - scale.shape[-1]))
+
+    def panels(t: torch.Tensor) -> torch.Tensor:
+        t = F.pad(t, (0, 0, 0, rows_pad - t.shape[-2]))
+        E, parts, rows, width = t.shape
+        return t.view(E, parts, rows // NB, NB, width).transpose(-1, -2).contiguous()
+
+    return QuantPanel(panels(codes), panels(scale), col, q.group)
+
+
 def supported(x: torch.Tensor, top_k: int) -> bool:
     return x.device.type == "cpu" and 0 < top_k <= MAX_TOP_K and library() is not None
 
 
 def routed_experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, panels: PanelExperts
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    panels: PanelExperts | QuantPanelExperts,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), summed in float32: (T, D) in x's dtype."""
     lib = library()
     assert lib is not None
     T, D = x.shape
     k = ids.shape[1]
-    dtype = panels.up.dtype  # the rows go in at the weights' dtype (a model's is both)
-    E, I_pad = panels.up.shape[0], panels.down.shape[2] * panels.down.shape[4]
+    quant = isinstance(panels, QuantPanelExperts)
+    if quant:
+        dtype, fmt = torch.float32, FORMATS[panels.format]
+        E, I_pad = panels.up.codes.shape[0], panels.inter_pad
+    else:
+        dtype = panels.up.dtype  # the rows go in at the weights' dtype (a model's is both)
+        fmt = FORMATS["bf16" if dtype == torch.bfloat16 else "f32"]
+        E, I_pad = panels.up.shape[0], panels.down.shape[2] * panels.down.shape[4]
     rows = x.to(dtype)
     if dtype == torch.bfloat16 and D % 2:
         rows = F.pad(rows, (0, 1))  # the bf16 loop reads k in pairs
@@ -136,9 +219,9 @@ def routed_experts(
         weights.data_ptr(),
         k,
         E,
-        panels.up.data_ptr(),
-        panels.down.data_ptr(),
-        int(dtype == torch.bfloat16),
+        (panels.up.codes if quant else panels.up).data_ptr(),
+        (panels.down.codes if quant else panels.down).data_ptr(),
+        fmt,
         I_pad,
         int(panels.swiglu),
         scratch.data_ptr(),
@@ -146,7 +229,20 @@ def routed_experts(
         ys.data_ptr(),
         out.data_ptr(),
         torch.get_num_threads(),
+        *(_quant_args(panels) if quant else (None, None, None, None, 0, 0)),
     )
     if bad:
         raise IndexError(f"routed_experts: token {bad - 1} chose an expert outside [0, {E})")
     return out.to(x.dtype)
+
+
+def _quant_args(panels: QuantPanelExperts) -> tuple:
+    up, down = panels.up, panels.down
+    return (
+        up.scales.data_ptr(),
+        down.scales.data_ptr(),
+        None if up.col is None else up.col.data_ptr(),
+        None if down.col is None else down.col.data_ptr(),
+        up.group,
+        down.group,
+    )

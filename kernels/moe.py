@@ -26,9 +26,13 @@ import torch.nn.functional as F
 
 from kernels import cpu_moe
 from kernels.backend import select_backend
-from kernels.cpu_moe import PanelExperts
+from kernels.cpu_moe import PanelExperts, QuantPanelExperts
 from kernels.layouts import Activation, Routing
 from kernels.linear import can_pack
+from kernels.quant import QuantizedTensor, dequantize
+
+# An expert stack: a plain (E, out, in) tensor or its quantized form (kernels/quant.py)
+ExpertWeights = torch.Tensor | QuantizedTensor
 
 
 def route_sigmoid_grouped(
@@ -110,10 +114,13 @@ class PackedExperts(NamedTuple):
 
 
 def pack_experts(
-    w_up: torch.Tensor, w_down: torch.Tensor, activation: Activation
-) -> PanelExperts | PackedExperts | None:
+    w_up: ExpertWeights, w_down: ExpertWeights, activation: Activation
+) -> PanelExperts | QuantPanelExperts | PackedExperts | None:
     """The C path's panels (kernels/cpu_moe.py) where it takes these weights, else oneDNN's
-    layouts; None where neither can run the dtype or the weights are not on the CPU."""
+    layouts; None where neither can run the dtype or the weights are not on the CPU (quantized
+    weights without the C path: the torch path dequantizes an expert when it runs)."""
+    if isinstance(w_up, QuantizedTensor):
+        return cpu_moe.pack_quantized(w_up, w_down, activation == "swiglu")
     panels = cpu_moe.pack_panels(w_up, w_down, activation == "swiglu")
     return panels if panels is not None else pack_onednn(w_up, w_down)
 
@@ -131,11 +138,11 @@ def pack_onednn(w_up: torch.Tensor, w_down: torch.Tensor) -> PackedExperts | Non
 
 def fused_moe(
     x: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_up: ExpertWeights,
+    w_down: ExpertWeights,
     routing: Routing,
     activation: Activation,
-    packed: PanelExperts | PackedExperts | None = None,
+    packed: PanelExperts | QuantPanelExperts | PackedExperts | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); dispatches on device like every kernel."""
     _check(x, w_up, w_down, routing, activation)
@@ -148,17 +155,17 @@ def fused_moe(
 
 def fused_moe_torch(
     x: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_up: ExpertWeights,
+    w_down: ExpertWeights,
     routing: Routing,
     activation: Activation,
-    packed: PanelExperts | PackedExperts | None = None,
+    packed: PanelExperts | QuantPanelExperts | PackedExperts | None = None,
 ) -> torch.Tensor:
     T, k = routing.ids.shape
     E = w_up.shape[0]
     if T == 0:
         return x.new_zeros(0, x.shape[1])
-    if isinstance(packed, PanelExperts) and cpu_moe.supported(x, k):
+    if isinstance(packed, (PanelExperts, QuantPanelExperts)) and cpu_moe.supported(x, k):
         return cpu_moe.routed_experts(x, routing.ids, routing.weights, packed)
     flat_ids = routing.ids.flatten()
     # Stable sort: within an expert, pairs keep token order, as transformers' loop does.
@@ -166,7 +173,7 @@ def fused_moe_torch(
     counts = torch.bincount(flat_ids, minlength=E).tolist()
     token_of = order // k
     rows = x[token_of]
-    if isinstance(packed, PanelExperts):
+    if isinstance(packed, (PanelExperts, QuantPanelExperts)):
         packed = None  # panels the C call cannot take (more choices per token than it sorts)
     outs = []
     start = 0
@@ -197,13 +204,18 @@ def _expert(rows, e, w_up, w_down, activation: Activation, packed: PackedExperts
             gate, up = linear(rows, packed.up[e], None, "none", [], "").chunk(2, dim=-1)
             h = F.silu(gate) * up
         return linear(h, packed.down[e], None, "none", [], "")
-    h = F.linear(rows, w_up[e])
+    h = F.linear(rows, _matrix(w_up, e, rows.dtype))
     if activation == "relu2":
         h = torch.relu(h).square()
     else:
         gate, up = h.chunk(2, dim=-1)
         h = F.silu(gate) * up
-    return F.linear(h, w_down[e])
+    return F.linear(h, _matrix(w_down, e, rows.dtype))
+
+
+def _matrix(w: ExpertWeights, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's (out, in) matrix; a quantized one dequantized for this call only."""
+    return dequantize(w.rows(e), dtype) if isinstance(w, QuantizedTensor) else w[e]
 
 
 def _check(x, w_up, w_down, routing: Routing, activation: Activation) -> None:

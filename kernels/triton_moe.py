@@ -12,7 +12,8 @@ expert's are marked -1 and exit at once.
     down kernel: grid (P/BLOCK_M, cdiv(D, BLOCK_N))   y[pair] = w[pair] * (h[pair] @ W_down[e]ᵀ)
     out = y.view(T, k, D).sum(1)
 
-Shapes as in kernels/moe.py. No autotune (a single config; the interpreter refuses several).
+Shapes as in kernels/moe.py; a quantized stack (kernels/quant.py) is decoded in the weight tiles
+by kernels/triton_quant.py's `load_weight_tile` (weight-only). No autotune (a single config; the interpreter refuses several).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import triton.language as tl
 
 from kernels.backend import dot_precision
 from kernels.layouts import Activation, Routing
+from kernels.quant import QuantizedTensor
+from kernels.triton_quant import FORMAT_PLAIN, FORMATS, load_weight_tile
 
 
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -55,7 +58,9 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
 @triton.jit
 def _moe_up_kernel(
     x_ptr,  # (T, D)
-    w_ptr,  # (E, R, D), R = I (relu2) or 2I (swiglu: gate rows, then up rows)
+    w_ptr,  # (E, R, D), R = I (relu2) or 2I (swiglu: gate rows, then up rows); or its codes
+    scale_ptr,  # quantized: (E, R, SCALE_COLS) scales (kernels/triton_quant.py), else unused
+    global_ptr,  # NVFP4: (E, R) global scales, else unused
     h_ptr,  # (T*k, I)
     sorted_pairs_ptr,
     block_expert_ptr,
@@ -63,8 +68,12 @@ def _moe_up_kernel(
     D,
     INTER,
     ROWS,  # rows of one expert's w: INTER, or 2 * INTER for SwiGLU
+    W_STRIDE,  # elements of w per expert (codes: halved for NVFP4)
+    SCALE_COLS,
+    GROUP,
     TOP_K: tl.constexpr,
     SWIGLU: tl.constexpr,
+    FORMAT: tl.constexpr,  # triton_quant's FORMAT_PLAIN / FP8 / NVFP4
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -82,7 +91,9 @@ def _moe_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + expert.to(tl.int64) * ROWS * D
+    w_base = w_ptr + expert.to(tl.int64) * W_STRIDE
+    scale_base = scale_ptr + expert.to(tl.int64) * ROWS * SCALE_COLS
+    global_base = global_ptr + expert.to(tl.int64) * ROWS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
@@ -93,19 +104,35 @@ def _moe_up_kernel(
             mask=valid[:, None] & mask_k[None, :],
             other=0.0,
         )
-        b = tl.load(
-            w_base + offs_n[None, :] * D + kk[:, None],
-            mask=mask_n[None, :] & mask_k[:, None],
-            other=0.0,
+        b = load_weight_tile(
+            w_base,
+            scale_base,
+            global_base,
+            offs_n,
+            kk,
+            mask_n,
+            mask_k,
+            D,
+            SCALE_COLS,
+            GROUP,
+            FORMAT,
         )
-        acc += tl.dot(a, b, input_precision=PRECISION)
+        acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION)
         if SWIGLU:
-            b_up = tl.load(
-                w_base + (offs_n[None, :] + INTER) * D + kk[:, None],
-                mask=mask_n[None, :] & mask_k[:, None],
-                other=0.0,
+            b_up = load_weight_tile(
+                w_base,
+                scale_base,
+                global_base,
+                offs_n + INTER,
+                kk,
+                mask_n,
+                mask_k,
+                D,
+                SCALE_COLS,
+                GROUP,
+                FORMAT,
             )
-            acc_up += tl.dot(a, b_up, input_precision=PRECISION)
+            acc_up += tl.dot(a, b_up.to(a.dtype), input_precision=PRECISION)
     if SWIGLU:
         h = acc * tl.sigmoid(acc) * acc_up
     else:
@@ -121,7 +148,9 @@ def _moe_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     h_ptr,  # (T*k, I)
-    w_ptr,  # (E, D, I)
+    w_ptr,  # (E, D, I) or its codes
+    scale_ptr,  # quantized: (E, D, SCALE_COLS)
+    global_ptr,  # NVFP4: (E, D)
     weights_ptr,  # (T*k,) float32
     y_ptr,  # (T*k, D) float32
     sorted_pairs_ptr,
@@ -129,6 +158,10 @@ def _moe_down_kernel(
     num_pairs,
     D,
     INTER,
+    W_STRIDE,
+    SCALE_COLS,
+    GROUP,
+    FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -145,7 +178,9 @@ def _moe_down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D
     offs_k = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + expert.to(tl.int64) * D * INTER
+    w_base = w_ptr + expert.to(tl.int64) * W_STRIDE
+    scale_base = scale_ptr + expert.to(tl.int64) * D * SCALE_COLS
+    global_base = global_ptr + expert.to(tl.int64) * D
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         kk = k0 + offs_k
@@ -155,12 +190,20 @@ def _moe_down_kernel(
             mask=valid[:, None] & mask_k[None, :],
             other=0.0,
         )
-        b = tl.load(
-            w_base + offs_n[None, :] * INTER + kk[:, None],
-            mask=mask_n[None, :] & mask_k[:, None],
-            other=0.0,
+        b = load_weight_tile(
+            w_base,
+            scale_base,
+            global_base,
+            offs_n,
+            kk,
+            mask_n,
+            mask_k,
+            INTER,
+            SCALE_COLS,
+            GROUP,
+            FORMAT,
         )
-        acc += tl.dot(a, b, input_precision=PRECISION)
+        acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION)
     weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0)
     tl.store(
         y_ptr + pairs[:, None].to(tl.int64) * D + offs_n[None, :],
@@ -177,21 +220,36 @@ def _blocks(num_pairs: int, width: int) -> tuple[int, int, int]:
     return block_m, block_n, 64
 
 
+def _weight_args(w: torch.Tensor | QuantizedTensor) -> tuple:
+    """(codes or values, scales, global scales, elements per expert, scale columns, group,
+    format) for a kernel: a plain stack's own tensor stands in for the unused pointers."""
+    if not isinstance(w, QuantizedTensor):
+        w = w.contiguous()
+        return w, w, w, w[0].numel(), 0, 1, FORMAT_PLAIN
+    data = w.data.contiguous()
+    scale = w.scale.contiguous() if w.format == "nvfp4" else w.scale.float().contiguous()
+    global_scale = w.global_scale.contiguous() if w.global_scale is not None else scale
+    return data, scale, global_scale, data[0].numel(), scale.shape[-1], w.group, FORMATS[w.format]
+
+
 def fused_moe_triton(
     x: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_up: torch.Tensor | QuantizedTensor,
+    w_down: torch.Tensor | QuantizedTensor,
     routing: Routing,
     activation: Activation,
 ) -> torch.Tensor:
-    """Same contract as kernels.moe.fused_moe_torch."""
+    """Same contract as kernels.moe.fused_moe_torch; quantized stacks are decoded in the tiles
+    (weight-only, kernels/triton_quant.py)."""
     T, D = x.shape
     E, inter = w_down.shape[0], w_down.shape[2]
+    up_rows = w_up.shape[1]
     k = routing.ids.shape[1]
     if T == 0:
         return x.new_zeros(0, D)
     num_pairs = T * k
-    x, w_up, w_down = x.contiguous(), w_up.contiguous(), w_down.contiguous()
+    x = x.contiguous()
+    up_args, down_args = _weight_args(w_up), _weight_args(w_down)
     weights = routing.weights.float().contiguous().flatten()
     block_m, block_n, block_k = _blocks(num_pairs, inter)
     sorted_pairs, block_expert = align_pairs(routing.ids, E, block_m)
@@ -200,16 +258,18 @@ def fused_moe_triton(
     precision = dot_precision(x.dtype)
     _moe_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
         x,
-        w_up,
+        *up_args[:3],
         h,
         sorted_pairs,
         block_expert,
         num_pairs,
         D,
         inter,
-        w_up.shape[1],
+        up_rows,
+        *up_args[3:6],
         TOP_K=k,
         SWIGLU=activation == "swiglu",
+        FORMAT=up_args[6],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -219,7 +279,7 @@ def fused_moe_triton(
     block_n_down = 64 if D >= 64 else 16
     _moe_down_kernel[(num_blocks, triton.cdiv(D, block_n_down))](
         h,
-        w_down,
+        *down_args[:3],
         weights,
         y,
         sorted_pairs,
@@ -227,6 +287,8 @@ def fused_moe_triton(
         num_pairs,
         D,
         inter,
+        *down_args[3:6],
+        FORMAT=down_args[6],
         BLOCK_M=block_m,
         BLOCK_N=block_n_down,
         BLOCK_K=block_k,

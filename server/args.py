@@ -100,6 +100,7 @@ class ServerArgs:
     # workers half the cores (engine/runtime/cpu_threads.py says why).
     cpu_threads: int | None = None
     tensor_parallel_size: int | None = None  # ranks of the engine (default 1)
+    quantization: str | None = None  # vLLM's --quantization (None: as the checkpoint is stored)
     tp_timeout: float | None = None  # seconds a rank may take in one step before it is failed
     disaggregation_mode: str | None = None  # None (colocated), "prefill" or "decode"
     disagg_host: str = "127.0.0.1"  # prefill: where the transfer socket binds and is advertised
@@ -233,6 +234,8 @@ class ServerArgs:
         speculative = self.speculative()
         if speculative is not None:
             args["speculative_config"] = speculative
+        if self.quantization is not None:
+            args["quantization"] = self.quantization
         return args
 
     def disagg_options(self) -> dict[str, Any] | None:

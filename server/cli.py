@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from engine.config import DTYPE_NAMES
+from engine.config import DTYPE_NAMES, QUANTIZATION_NAMES
 from engine.runtime.torch_import import defer_torch
 from server.args import ServerArgs
 from server.reasoning_parsers import REASONING_PARSERS
@@ -148,6 +148,15 @@ def add_serve_parser(subparsers) -> None:
         help="seconds to wait for the model to load",
     )
 
+    engine.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATION_NAMES,
+        help="as vLLM spells it: fp8 (fine-grained or per-tensor FP8 checkpoints; on an "
+        "unquantized checkpoint, FP8 weights quantized at load), modelopt / modelopt_fp4 / "
+        "modelopt_mixed (NVIDIA ModelOpt FP8 / NVFP4 / mixed checkpoints) (default: what the "
+        "checkpoint's quantization_config says, else none)",
+    )
     engine.add_argument(
         "--tensor-parallel-size",
         "--tp",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.config import DTYPE_NAMES, ModelConfig
+from engine.config import DTYPE_NAMES, QUANTIZATION_NAMES, ModelConfig
 from engine.runtime.cpu_threads import cores_per_engine
 from engine.spec_decode.config import SpeculativeConfig
 from server.reasoning_parsers import REASONING_PARSERS
@@ -106,6 +106,12 @@ def add_up_parser(subparsers) -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATION_NAMES,
+        help="as `baton serve`'s, both workers (their weights must match for the handover)",
+    )
+    parser.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for a healthy stack"
     )
     parser.add_argument(
@@ -167,6 +173,8 @@ def run_up(ns) -> int:
         "--device",
         ns.device,
     ]
+    if ns.quantization:
+        common += ["--quantization", ns.quantization]
     if ns.served_model_name:
         common += ["--served-model-name", ns.served_model_name]
     if ns.tokenizer:

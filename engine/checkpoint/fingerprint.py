@@ -27,9 +27,12 @@ def config_fingerprint(config: ModelConfig) -> str:
     return hashlib.sha256(repr(config).encode()).hexdigest()[:16]
 
 
-def weights_fingerprint(model_dir: str | Path, rename: Rename = keep_name) -> str:
+def weights_fingerprint(
+    model_dir: str | Path, rename: Rename = keep_name, transform: str = ""
+) -> str:
     """A digest of every tensor's name, dtype, shape and sampled bytes (about 256 bytes read
-    per tensor, from pages the loader has just read)."""
+    per tensor, from pages the loader has just read). transform: what the engine did to the
+    weights after loading them ("online fp8"), which two engines must share too."""
     entries: list[tuple[str, bytes]] = []
     for path in checkpoint_files(model_dir):
         with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
@@ -49,7 +52,7 @@ def weights_fingerprint(model_dir: str | Path, rename: Rename = keep_name) -> st
                     at = start + span * i // max(1, SAMPLES_PER_TENSOR - 1)
                     digest.update(data[at : min(at + SAMPLE_BYTES, end)])
                 entries.append((name, digest.digest()))
-    total = hashlib.sha256()
+    total = hashlib.sha256(transform.encode())
     for name, digest in sorted(entries):
         total.update(name.encode() + b"\0" + digest)
     return total.hexdigest()[:16]

@@ -18,6 +18,7 @@ from engine.layers.cpu_backend import prepare_for_cpu
 from engine.models.registry import family_named
 from engine.parallel import TensorParallel
 from engine.parallel.support import check_tp_supported
+from engine.quantization import after_loading, before_loading, read_quantization
 
 log = logging.getLogger("baton.engine")
 
@@ -40,12 +41,16 @@ def load_model(
     tp: TensorParallel = parallel.SINGLE,
     *,
     with_mtp: bool = False,
+    quantization: str | None = None,
 ) -> CausalLM:
     """tp: this rank's place; every layer is built with, and loads, its shard only. with_mtp:
-    build and load the checkpoint's MTP head (speculative decoding drafts with it)."""
+    build and load the checkpoint's MTP head (speculative decoding drafts with it).
+    quantization: vLLM's `--quantization` (None: as the checkpoint is stored; "fp8" on an
+    unquantized checkpoint quantizes it at load)."""
     config = ModelConfig.from_hf(model_dir).with_mtp(with_mtp)
     check_tp_supported(config, tp.size)
     family = family_named(config.architecture)
+    quant = read_quantization(model_dir, quantization, family.checkpoint_name)
     if (
         family.untie_with_stored_lm_head
         and config.tie_word_embeddings
@@ -56,7 +61,12 @@ def load_model(
     with torch.device(device), parallel.building(tp), _NoRandomInit():
         model = family.model_class(config)
     built = time.perf_counter()
-    load_into(model, model_dir, family.checkpoint_name)
+    rename = family.checkpoint_name
+    if quant is not None:
+        rename = before_loading(model, model_dir, quant, rename, tp.size)
+    load_into(model, model_dir, rename)
+    if quant is not None:
+        after_loading(model, quant)
     loaded = time.perf_counter()
     # Mamba parameters A_log, D, dt_bias and norms stay where they are read in float32 anyway;
     # cast the whole module once so matmuls run in the serving dtype.

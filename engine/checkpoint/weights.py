@@ -20,8 +20,12 @@ log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 # One routed expert's matrix as checkpoints store it (transformers' save_pretrained and NVIDIA's
 # Nemotron 3 releases alike): `...mixer.experts.{e}.up_proj.weight`. In memory the experts of a
-# layer are one stacked (E, out, in) parameter `...mixer.experts.up_proj`, as in transformers.
-EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<proj>\w+)\.weight$")
+# layer are one stacked (E, out, in) parameter `...mixer.experts.up_proj`, as in transformers;
+# a quantized stack is a module whose stacked tensors keep the stored names
+# (`...experts.up_proj.weight_scale` from each `...experts.{e}.up_proj.weight_scale`).
+EXPERT_NAME = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<proj>\w+)\.(?P<tensor>\w+)$"
+)
 # Multi-token-prediction layers (Nemotron 3 Super): loaded only into a model built with its MTP
 # head (speculative decoding with method "mtp"), skipped otherwise.
 SKIPPED_PREFIXES = ("mtp.",)
@@ -126,12 +130,28 @@ def iterate_weights(
                     yield renamed, CheckpointTensor(shard, name)
 
 
-def expert_slot(name: str) -> tuple[str, int] | None:
-    """(stacked parameter name, expert index) for a per-expert checkpoint tensor, else None."""
+def expert_slot(
+    name: str,
+    params: dict[str, torch.Tensor],
+    parts_of: dict[str, tuple[str, int, ExpertParts]],
+) -> tuple[str, int, int, ExpertParts | None] | None:
+    """(stacked parameter, expert index, part, its ExpertParts or None) for a per-expert
+    checkpoint tensor, else None: a weight goes into its stacked parameter (into its part's rows
+    where the stack joins several per-expert projections), any other tensor (a quantized
+    expert's `weight_scale`) into the stacked tensor of its own name."""
     match = EXPERT_NAME.match(name)
     if match is None:
         return None
-    return f"{match['prefix']}.{match['proj']}", int(match["index"])
+    stacked, index = f"{match['prefix']}.{match['proj']}", int(match["index"])
+    if match["tensor"] == "weight":
+        if stacked in parts_of:
+            target, part, parts = parts_of[stacked]
+            return target, index, part, parts
+        if stacked in params:
+            return stacked, index, 0, None
+    if f"{stacked}.{match['tensor']}" in params:
+        return f"{stacked}.{match['tensor']}", index, 0, None
+    return None
 
 
 def load_into(
@@ -167,12 +187,9 @@ def load_into(
             skipped += 1
             continue
         target, index, part, parts = name, None, 0, None
-        slot = expert_slot(name) if name not in params else None
-        if slot is not None and slot[0] in parts_of:
-            target, part, parts = parts_of[slot[0]]
-            index = slot[1]
-        elif slot is not None and slot[0] in params:
-            target, index = slot
+        slot = expert_slot(name, params, parts_of) if name not in params else None
+        if slot is not None:
+            target, index, part, parts = slot
         param = params.get(target)
         if param is None:
             if not any(name.startswith(prefix) for prefix in ignore):
@@ -182,6 +199,9 @@ def load_into(
         if parts is not None:
             dest = dest.chunk(len(parts.names), dim=0)[part]
         tensor = checkpoint.read(shard_rule(param) if parts is None else parts.rule)
+        check = getattr(param, "check_checkpoint", None)
+        if check is not None:  # a quantized tensor's value checks (engine/quantization)
+            tensor = check(name, tensor)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise WeightError(
                 f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -201,19 +221,29 @@ def load_into(
         if rows is None:
             missing.append(name)
             continue
-        prefix, proj = name.rsplit(".", 1)
         parts = getattr(params[name], "_baton_expert_parts", None)
-        names = parts.names if parts is not None else (proj,)
-        missing += [
-            f"{prefix}.{e}.{part}.weight"
-            for e in range(params[name].shape[0])
-            for i, part in enumerate(names)
-            if (e, i) not in rows
-        ]
+        if parts is not None:
+            prefix = name.rsplit(".", 1)[0]
+            missing += [
+                f"{prefix}.{e}.{part}.weight"
+                for e in range(params[name].shape[0])
+                for i, part in enumerate(parts.names)
+                if (e, i) not in rows
+            ]
+        else:
+            n = params[name].shape[0]
+            missing += [_expert_name(name, e) for e in range(n) if (e, 0) not in rows]
     if missing:
         raise WeightError(f"{model_dir}: checkpoint is missing tensor(s) {missing}")
     if unexpected:
         raise WeightError(f"{model_dir}: checkpoint has unexpected tensor(s) {sorted(unexpected)}")
+
+
+def _expert_name(stacked: str, index: int) -> str:
+    """The checkpoint name of expert `index`'s part of a stacked parameter."""
+    head, tail = stacked.split(".experts.", 1)
+    proj, _, tensor = tail.partition(".")
+    return f"{head}.experts.{index}.{proj}.{tensor or 'weight'}"
 
 
 def _expert_row(param: torch.Tensor, index: int, name: str, model_dir) -> torch.Tensor:

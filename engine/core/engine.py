@@ -40,10 +40,11 @@ from engine.executor.model_runner import ModelRunner
 from engine.handover.connector import Handover
 from engine.handover.ranks import ShardHandover
 from engine.handover.shards import gather_addresses, load_connector
-from engine.models.registry import model_state_spec
+from engine.models.registry import family_named, model_state_spec
 from engine.parallel.messages import PoolOps
 from engine.parallel.ranks import RankedRunner, start_ranks
 from engine.parallel.support import check_tp_supported
+from engine.quantization import read_quantization, weight_bytes
 from engine.runtime.cpu_allocator import (
     available_memory,
     keep_freed_memory_in_heap,
@@ -90,6 +91,10 @@ class Engine:
         self.model_config = checkpoint.with_mtp(with_mtp)
         self.dtype = resolve_dtype(dtype, self.model_config)
         args, config = self.args, self.model_config
+        # read (and refused, if it must be) before any process starts
+        self.quantization = read_quantization(
+            model_dir, args.quantization, family_named(config.architecture).checkpoint_name
+        )
         self.state_spec = model_state_spec(config, self.dtype)
         budget = self._budgets()
         sizes = size_pools(
@@ -100,7 +105,14 @@ class Engine:
         self.ranks = start_ranks(model_dir, dtype, device, args, sizes, with_mtp)
         tp = self.ranks.tp if self.ranks is not None else parallel.SINGLE
         try:
-            self.model = load_model(model_dir, self.dtype, self.device, tp, with_mtp=with_mtp)
+            self.model = load_model(
+                model_dir,
+                self.dtype,
+                self.device,
+                tp,
+                with_mtp=with_mtp,
+                quantization=args.quantization,
+            )
             if self.ranks is not None:
                 self.ranks.wait_loaded()
             if with_mtp and self.model.mtp is None:
@@ -194,6 +206,7 @@ class Engine:
             sampler=self.sampler,
             grammars=self.grammars,
             new_request=self._new_request,
+            online_quantization=self.quantization is not None and self.quantization.online,
             shards=ShardHandover(
                 cache=self.cache,
                 scheduler=self.scheduler,
@@ -290,7 +303,19 @@ class Engine:
             memory = args.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            memory = int(free * args.mem_fraction)
+            # what the weights will take (quantized as they are stored) is not the pools'
+            rename = family_named(config.architecture).checkpoint_name
+            weights = weight_bytes(
+                self.model_dir, self.dtype, self.quantization, rename, args.tensor_parallel_size
+            )
+            memory = int(free * args.mem_fraction - weights)
+            if memory <= 0:
+                raise ValueError(
+                    f"the weights take about {weights / 2**30:.2f} GiB on each rank, more than "
+                    f"--mem-fraction {args.mem_fraction} of the {free / 2**30:.2f} GiB free on "
+                    f"{self.device}: raise --mem-fraction, shard the model (--tp) or quantize "
+                    "it (--quantization fp8)"
+                )
         else:
             memory = min(DEFAULT_CPU_POOL_BYTES, int(available_memory() * args.mem_fraction))
         return budget_pools(

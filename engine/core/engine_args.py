@@ -45,6 +45,9 @@ class EngineArgs:
     request_timing: bool = False  # per-request queue / prefill / decode histograms in stats
     mamba_track_interval: int | None = None  # default: a multiple of chunk and page near 512
     tensor_parallel_size: int = 1  # ranks, one process each; rank 0 is this process
+    # vLLM's --quantization (fp8, modelopt, modelopt_fp4, modelopt_mixed); None: as the
+    # checkpoint is stored (engine/quantization)
+    quantization: str | None = None
     # A collective that waits longer fails the engine (a rank hung); above the slowest real
     # step (a 2048-token prefill of a 110M model takes ~2.3 s on 2 CPU cores).
     tp_timeout: float = 60.0

@@ -46,7 +46,10 @@ class Handover:
         grammars: Grammars,
         new_request: Callable[..., Request],
         shards: ShardHandover,
+        online_quantization: bool = False,
     ):
+        """online_quantization: the weights were quantized at load (--quantization fp8 on an
+        unquantized checkpoint): not the checkpoint's, so part of the weights fingerprint."""
         self.model_dir = model_dir
         self.config = config
         self.dtype = dtype
@@ -57,6 +60,7 @@ class Handover:
         self.grammars = grammars
         self.new_request = new_request
         self.shards = shards
+        self.online_quantization = online_quantization
         self._layout: HandoverLayout | None = None
 
     def layout(self) -> HandoverLayout:
@@ -65,7 +69,9 @@ class Handover:
                 self.cache.spec,
                 model_fingerprint=config_fingerprint(self.config),
                 weights_fingerprint=weights_fingerprint(
-                    self.model_dir, family_named(self.config.architecture).checkpoint_name
+                    self.model_dir,
+                    family_named(self.config.architecture).checkpoint_name,
+                    "online fp8" if self.online_quantization else "",
                 ),
                 dtype=self.dtype,
                 page_size=self.cache.page_size,

@@ -18,10 +18,9 @@ from engine.cache.pools import StateCache
 from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from engine.config import RotaryConfig
 from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.mlp import fuse_linears
+from engine.layers.mlp import fuse_for_cpu
 from engine.layers.norm import RMSNorm
 from kernels.attention import paged_attention, rotary_cos_sin, rotary_store_kv, store_kv
-from kernels.linear import PackedLinear
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,6 +104,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
+        # Applied in attend() only when built here: a subclass with norms of its own
+        # (engine/layers/qk_norm_attention.py) applies them itself, under the same names.
+        self.norms_heads = qk_norm_eps is not None
         if qk_norm_eps is not None:  # per head: replicated on every rank
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
@@ -122,7 +124,7 @@ class Attention(nn.Module):
                 parallel.shard(proj.bias, rows)
             parallel.shard(self.o_proj.weight, parallel.Slices(dim=1, ranges=q_rows.ranges))
             parallel.shard(self.o_proj.bias, parallel.FirstRankOnly(rank=tp.rank))
-        self.qkv_proj: PackedLinear | None = None  # CPU: q, k, v in one packed matmul
+        self.qkv_proj: nn.Module | None = None  # CPU: q, k, v in one packed matmul
         self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         self.inv_freq: torch.Tensor | None = None
         if rotary is not None:
@@ -149,9 +151,11 @@ class Attention(nn.Module):
         )
 
     def pack_for_cpu(self) -> None:
-        """One packed matmul for q, k and v (the three plain projections are dropped)."""
-        self.qkv_proj = PackedLinear(fuse_linears([self.q_proj, self.k_proj, self.v_proj]))
-        del self.q_proj, self.k_proj, self.v_proj
+        """One packed matmul for q, k and v (the three plain projections are dropped), unless
+        they are stored differently (mixed precision)."""
+        self.qkv_proj = fuse_for_cpu([self.q_proj, self.k_proj, self.v_proj])
+        if self.qkv_proj is not None:
+            del self.q_proj, self.k_proj, self.v_proj
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv_proj is not None:
@@ -181,7 +185,7 @@ class Attention(nn.Module):
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.norms_heads:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         state = cache.layer("attention", self.kv_index if kv_index is None else kv_index)

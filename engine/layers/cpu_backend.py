@@ -8,7 +8,8 @@
    steps 1 and 2 pack each weight in the dtype `MatmulChooser` picks for its shape: a bf16 or
    fp16 model's matmuls run in float32 where this CPU's float32 GEMM is the faster one (timed
    here, once per shape and machine: kernels/matmul_choices.py keeps the choices on disk, so a
-   later start times nothing; `BATON_CPU_MATMUL_DTYPE` forces `model` or `float32`);
+   later start times nothing; `BATON_CPU_MATMUL_DTYPE` forces `model` or `float32`); quantized
+   linears repack for the weight-only kernel (kernels/cpu_quant.py) whatever the dtype;
 3. layers that cache float32 forms of small parameters for the C kernels (`freeze`: the Mamba
    mixer's fused decode step, norms) take them now that the weights are final.
 """
@@ -20,6 +21,7 @@ import logging
 import torch
 from torch import nn
 
+from engine.quantization.modules import QuantizedLinear
 from kernels.linear import (
     MATMUL_DTYPE_ENV,
     TIMING_RULES,
@@ -45,6 +47,9 @@ def prepare_for_cpu(
                 if hasattr(module, "pack_for_cpu"):
                     module.pack_for_cpu()
         pack_linears(model, dtype)
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.pack_cpu()  # the weight-only kernel's panels (kernels/cpu_quant.py)
     log.info("CPU matmul dtype (%s=%s) %s", MATMUL_DTYPE_ENV, chooser.policy, chooser.summary())
     for module in model.modules():
         if hasattr(module, "freeze"):

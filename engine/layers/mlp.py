@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
+from engine.quantization.modules import QuantizedLinear
 from kernels import cpu_ops
 from kernels.linear import PackedLinear
 
@@ -50,8 +51,12 @@ class ReluSquaredMLP(nn.Module):
         return self.tp.all_reduce(out) if self.reduce_output else out
 
     def pack_for_cpu(self) -> None:
-        """relu fused into the up projection's packed matmul (kernels/linear.py)."""
-        self.up_proj = PackedLinear(self.up_proj, activation="relu")
+        """relu fused into the up projection's packed matmul (kernels/linear.py, or the
+        quantized kernel's)."""
+        if isinstance(self.up_proj, QuantizedLinear):
+            self.up_proj.pack_cpu(relu=True)
+        else:
+            self.up_proj = PackedLinear(self.up_proj, activation="relu")
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}  # transformers' ACT2FN for these two names
@@ -110,7 +115,7 @@ class GatedMLP(nn.Module):
                 parallel.shard(proj.bias, part)
             parallel.shard(self.down_proj.weight, parallel.Slices(dim=1, ranges=part.ranges))
             parallel.shard(self.down_proj.bias, parallel.FirstRankOnly(rank=tp.rank))
-        self.gate_up: PackedLinear | None = None  # CPU: gate and up in one packed matmul
+        self.gate_up: nn.Module | None = None  # CPU: gate and up in one packed matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
@@ -124,9 +129,11 @@ class GatedMLP(nn.Module):
         return self.tp.all_reduce(out) if self.reduce_output else out
 
     def pack_for_cpu(self) -> None:
-        """One packed matmul for gate and up (the two plain projections are dropped)."""
-        self.gate_up = PackedLinear(fuse_linears([self.gate_proj, self.up_proj]))
-        del self.gate_proj, self.up_proj
+        """One packed matmul for gate and up (the two plain projections are dropped), unless
+        they are stored differently (mixed precision)."""
+        self.gate_up = fuse_for_cpu([self.gate_proj, self.up_proj])
+        if self.gate_up is not None:
+            del self.gate_proj, self.up_proj
 
 
 class FusedGatedMLP(nn.Module):
@@ -166,3 +173,20 @@ def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
         if fused.bias is not None:
             fused.bias.copy_(torch.cat([p.bias for p in parts]))
     return fused.requires_grad_(False)
+
+
+def fuse_for_cpu(parts: list[nn.Module]) -> nn.Module | None:
+    """One module computing the parts' outputs side by side, packed for the CPU: a PackedLinear
+    over plain linears, a QuantizedLinear over parts quantized alike (each part's rows keep
+    their own scales); None when the parts are stored differently (mixed precision: each is
+    then packed on its own)."""
+    if all(type(p) is nn.Linear for p in parts):
+        return PackedLinear(fuse_linears(parts))
+    if not all(isinstance(p, QuantizedLinear) and p.quantized is not None for p in parts):
+        return None
+    first = parts[0].quantized
+    if any((p.quantized.format, p.quantized.group) != (first.format, first.group) for p in parts):
+        return None
+    fused = QuantizedLinear.fuse(parts)
+    fused.pack_cpu()
+    return fused

@@ -22,6 +22,7 @@ from torch import nn
 from engine import parallel
 from engine.checkpoint.weights import ExpertParts, expert_parts
 from engine.layers.mlp import GatedMLP, ReluSquaredMLP
+from engine.quantization.modules import stacked_weight
 from kernels.cpu_moe import PanelExperts
 from kernels.moe import (
     PackedExperts,
@@ -128,6 +129,9 @@ class Experts(nn.Module):
     intermediate (vLLM's default, not expert parallelism): all ranks do equal work whatever
     the routing picks, and the partial outputs join the MoE's one all-reduce."""
 
+    # (E, out, in) weights a quantized checkpoint may store quantized (engine/quantization)
+    quantizable_stacks = ("up_proj", "down_proj")
+
     def __init__(self, width: int, config: MoEConfig):
         super().__init__()
         tp = parallel.current()
@@ -150,12 +154,14 @@ class Experts(nn.Module):
         self.packed: PanelExperts | PackedExperts | None = None  # CPU: C panels or oneDNN
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        return fused_moe(x, self.up_proj, self.down_proj, routing, self.activation, self.packed)
+        up, down = stacked_weight(self.up_proj), stacked_weight(self.down_proj)
+        return fused_moe(x, up, down, routing, self.activation, self.packed)
 
     def pack_for_cpu(self) -> None:
         """Pack each expert's weights once for the C path (or oneDNN); the stacked copies stay
         (the Triton path and BATON_KERNELS=triton in the interpreter read them)."""
-        self.packed = pack_experts(self.up_proj.detach(), self.down_proj.detach(), self.activation)
+        up, down = stacked_weight(self.up_proj), stacked_weight(self.down_proj)
+        self.packed = pack_experts(up, down, self.activation)
 
 
 class MoE(nn.Module):
@@ -230,6 +236,8 @@ class SoftmaxTopKMoE(nn.Module):
     `input_linear.weight` (E, 2I, hidden, gate rows first) and `output_linear.weight`
     (E, hidden, I), as transformers' save_pretrained writes them."""
 
+    quantizable_stacks = ("input_linear", "output_linear")  # (engine/quantization)
+
     def __init__(self, hidden_size: int, config: MoEConfig):
         super().__init__()
         E, inter = config.num_experts, config.intermediate_size
@@ -242,10 +250,9 @@ class SoftmaxTopKMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = route_softmax_topk(x, self.router.layer.weight, top_k=self.top_k)
-        w_up, w_down = self.input_linear.weight, self.output_linear.weight
+        w_up, w_down = stacked_weight(self.input_linear), stacked_weight(self.output_linear)
         return fused_moe(x, w_up, w_down, routing, "swiglu", self.packed)
 
     def pack_for_cpu(self) -> None:
-        self.packed = pack_experts(
-            self.input_linear.weight.detach(), self.output_linear.weight.detach(), "swiglu"
-        )
+        w_up, w_down = stacked_weight(self.input_linear), stacked_weight(self.output_linear)
+        self.packed = pack_experts(w_up, w_down, "swiglu")

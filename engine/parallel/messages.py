@@ -48,6 +48,7 @@ class RankSpec:
     # ranks each send or receive their own shard); None: no handover on this engine
     handover_connector: dict[str, str] | None
     with_mtp: bool  # the model's MTP head is built (speculative decoding drafts with it)
+    quantization: str | None  # --quantization (engine/quantization)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

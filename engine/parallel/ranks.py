@@ -78,6 +78,7 @@ class Ranks:
         sizes: PoolSizes,
         handover_connector: dict[str, str] | None,
         with_mtp: bool,
+        quantization: str | None,
     ):
         self.size = size
         self.timeout_s = timeout_s
@@ -115,6 +116,7 @@ class Ranks:
                     parent_pid=os.getpid(),
                     handover_connector=handover_connector,
                     with_mtp=with_mtp,
+                    quantization=quantization,
                 )
                 self.procs.append(
                     subprocess.Popen(
@@ -258,4 +260,5 @@ def start_ranks(
             args.handover_connector.to_wire() if args.handover_connector is not None else None
         ),
         with_mtp=with_mtp,
+        quantization=args.quantization,
     )

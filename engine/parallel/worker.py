@@ -75,7 +75,9 @@ def run(spec: RankSpec) -> int:
     )
     config = ModelConfig.from_hf(spec.model).with_mtp(spec.with_mtp)
     dtype = resolve_dtype(spec.dtype, config)
-    model = load_model(spec.model, dtype, device, tp, with_mtp=spec.with_mtp)
+    model = load_model(
+        spec.model, dtype, device, tp, with_mtp=spec.with_mtp, quantization=spec.quantization
+    )
     cache = StateCache(
         model_state_spec(config, dtype),
         num_pages=spec.num_pages,

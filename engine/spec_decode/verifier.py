@@ -29,7 +29,7 @@ from engine.core.outputs import SampledTokens
 from engine.core.request import Request
 from engine.core.sampler import Sampler
 from engine.executor.forward_metadata import ScheduledBatch
-from engine.structured_output import Grammars
+from engine.structured_output.grammars import Grammars
 
 
 class DraftedRow:

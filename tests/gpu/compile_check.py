@@ -38,6 +38,8 @@ KERNEL_MODULES = (
     "kernels.triton_norm",
     "kernels.triton_gated_delta",
     "kernels.triton_selective_scan",
+    "kernels.triton_quant",
+    "kernels.triton_moe",
 )
 
 
@@ -120,6 +122,51 @@ def run_launchers(dtype: torch.dtype, dims: dict) -> None:
     copy_states_triton(conv_pool, torch.tensor([3]), conv_pool, torch.tensor([1]))
     run_gated_delta_launchers(dtype, dims["gdn"], seq_lens)
     run_mamba1_launchers(dtype, dims, layout, window_layout)
+
+
+def run_quantized_launchers(dtype: torch.dtype, dims: dict) -> None:
+    """The quantized linears (w8a8 with its row quantizer, weight-only FP8 and NVFP4) and the
+    fused MoE on plain and quantized experts."""
+    from kernels.layouts import Routing
+    from kernels.quant import QuantizedTensor
+    from kernels.triton_moe import fused_moe_triton
+    from kernels.triton_quant import quantize_rows_fp8_triton, w8a8_matmul, weight_only_matmul
+
+    k = -(-dims["hidden"] // 32) * 32  # NVFP4 groups of 16, w8a8 tiles of 32
+    n = 2 * k
+    e4m3 = torch.float8_e4m3fn
+    fp8 = QuantizedTensor("fp8", torch.zeros(n, k, dtype=e4m3), torch.ones(n, 1), None, k)
+    block = fp8._replace(scale=torch.ones(n, -(-k // 32)), group=32)
+    nvfp4 = QuantizedTensor(
+        "nvfp4", torch.zeros(n, k // 2, dtype=torch.uint8), torch.ones(n, k // 16).to(e4m3),
+        torch.ones(n), 16,
+    )  # fmt: skip
+    for rows in (3, 40):  # decode-sized and prefill-sized tiles
+        x = torch.randn(rows, k).to(dtype)
+        codes, row_scale = quantize_rows_fp8_triton(x)
+        w8a8_matmul(codes, row_scale, fp8, torch.zeros(n), dtype)
+        w8a8_matmul(codes, row_scale, block, None, dtype)
+        for weights in (fp8, block, nvfp4):
+            weight_only_matmul(x, weights, None)
+    experts, inter, T = 4, k // 2, 6
+    routing = Routing(torch.rand(T, 2), torch.randint(0, experts, (T, 2)))
+    x = torch.randn(T, k).to(dtype)
+    for activation, up_rows in (("relu2", inter), ("swiglu", 2 * inter)):
+        up = torch.randn(experts, up_rows, k).to(dtype)
+        fused_moe_triton(x, up, torch.randn(experts, k, inter).to(dtype), routing, activation)
+
+    def stack(q: QuantizedTensor, rows: int, cols: int) -> QuantizedTensor:
+        width = cols // 2 if q.format == "nvfp4" else cols
+        groups = cols // 16 if q.format == "nvfp4" else 1
+        return QuantizedTensor(
+            q.format, torch.zeros(experts, rows, width, dtype=q.data.dtype),
+            torch.ones(experts, rows, groups).to(q.scale.dtype),
+            None if q.global_scale is None else torch.ones(experts, rows), q.group if q.format == "nvfp4" else cols,
+        )  # fmt: skip
+
+    for q in (fp8, nvfp4):
+        up, down = stack(q, 2 * inter, k), stack(q, k, inter)
+        fused_moe_triton(x, up, down, routing, "swiglu")
 
 
 def run_mamba1_launchers(dtype: torch.dtype, dims: dict, layout, window_layout) -> None:

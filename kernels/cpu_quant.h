@@ -1,0 +1,61 @@
+/* Decoding quantized weights in registers, for the weight-only CPU kernels (cpu_quant.c for the
+ * linears, cpu_moe.c for the routed experts). Nothing here keeps a dequantized copy: 16 weights
+ * at a time become float32 lanes right before their FMAs.
+ *
+ * FP8 (e4m3, bias 7): sign-extending the byte to 32 bits and shifting it left by 20 puts the
+ * 7 exponent|mantissa bits at float32's bits 20..26 and copies of the sign in 27..31; masking
+ * with 0x87F00000 keeps the sign and those 7 bits. The float32 read from those bits is the e4m3
+ * value times 2^-120 exactly (a float32 denormal for e4m3's own subnormals), so one multiply by
+ * `scale * 2^120` gives `value * scale` rounded once, as `weight.float() * scale` does in torch.
+ * Denormals must then be kept: QUANT_DENORMALS_ON clears MXCSR's DAZ/FTZ for the call.
+ * The two e4m3 NaN codes (0x7f, 0xff) are refused at load (engine/quantization), never decoded.
+ *
+ * NVFP4 (e2m1): each byte holds two values, the even input in the low nibble (ModelOpt's packing,
+ * vLLM's `low nibble first`); bit 3 of a nibble is the sign. VPERMPS indexes a 16-entry table
+ * with the low 4 bits of each lane, so a nibble needs no mask. The table holds the e2m1 values
+ * times 2^120 and the e4m3 group scale goes through the FP8 decode above: their product is
+ * value * scale exactly (few significant bits each).
+ */
+#ifndef BATON_CPU_QUANT_H
+#define BATON_CPU_QUANT_H
+
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define QUANT_E4M3_MASK 0x87F00000
+#define QUANT_TWO_POW_120 1.329227995784916e36f /* 2^120 */
+
+/* 16 e4m3 codes -> their values times 2^-120, as float32 lanes. */
+static inline __m512 e4m3_scaled_down(const uint8_t *codes) {
+    const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_slli_epi32(wide, 20), _mm512_set1_epi32(QUANT_E4M3_MASK)));
+}
+
+/* The e2m1 values times 2^120, indexed by nibble. */
+static inline __m512 fp4_table(void) {
+    const float t = QUANT_TWO_POW_120;
+    return _mm512_setr_ps(0.0f, 0.5f * t, 1.0f * t, 1.5f * t, 2.0f * t, 3.0f * t, 4.0f * t,
+                          6.0f * t, -0.0f, -0.5f * t, -1.0f * t, -1.5f * t, -2.0f * t, -3.0f * t,
+                          -4.0f * t, -6.0f * t);
+}
+
+/* 16 bytes of packed e2m1 (one per column: inputs 2p low, 2p+1 high) -> the two inputs' values
+ * times 2^120. */
+static inline void fp4_pair(const uint8_t *bytes, __m512 table, __m512 *even, __m512 *odd) {
+    const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    *even = _mm512_permutexvar_ps(wide, table);
+    *odd = _mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table);
+}
+
+/* Denormals must not be flushed while decoding (see the top); restores the caller's MXCSR. */
+#define QUANT_DENORMALS_ON(saved)                                                               \
+    const unsigned int saved = _mm_getcsr();                                                    \
+    _mm_setcsr(saved & ~0x8040u)
+#define QUANT_DENORMALS_RESTORE(saved) _mm_setcsr(saved)
+
+#endif /* __AVX512F__ */
+
+#endif
