@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.core.outputs import SampledTokens
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -49,6 +50,7 @@ def warm_up(engine: Engine) -> int:
         _, logits = runner.forward(sched)
         forwards += 1
         # greedy; the batch is this one sequence, whose sampled row is the last one
-        sampled = {0: (int(logits[-1].argmax()), None)} if sched.logits_seqs else {}
-        scheduler.update_from_output(sched, sampled, {})
+        token = int(logits[-1].argmax())
+        sampled = {0: SampledTokens((token,), (None,))} if sched.logits_seqs else {}
+        scheduler.update_from_output(sched, sampled, {}, {})
     return forwards
