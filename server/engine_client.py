@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import subprocess
@@ -22,11 +23,11 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
-from engine.config import ModelConfig
 from engine.core.detokenizer import OutputDetokenizer
 from engine.core.outputs import RequestDelta
 from engine.core.sampling_params import SamplingParams
@@ -64,9 +65,26 @@ ENGINE_OUTPUTS = ReceiveLimits(
 )
 
 
+# The context assumed for a checkpoint that declares none (a pure SSM's config may not): it only
+# bounds the engine inbox's frames, which the engine's own --max-model-len check then narrows.
+UNDECLARED_CONTEXT = 1 << 20
+
+
 def model_max_len(model_dir: str) -> int:
-    """The context the checkpoint declares (the engine's is no longer)."""
-    return ModelConfig.from_hf(model_dir).max_position_embeddings
+    """The context the checkpoint declares (the engine's is no longer), read from its
+    config.json as it stands, top level or `text_config` (a vision-language checkpoint's): the
+    server builds no family config, which would import torch. A file that cannot be read is the
+    engine's to report when it fails to load."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return UNDECLARED_CONTEXT
+    scopes = [raw, raw.get("text_config")] if isinstance(raw, dict) else []
+    for scope in scopes:
+        value = scope.get("max_position_embeddings") if isinstance(scope, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return UNDECLARED_CONTEXT
 
 
 class EngineUnavailable(RuntimeError):
