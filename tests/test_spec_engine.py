@@ -22,6 +22,20 @@ PROMPTS = [
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
 
 
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_models):
+    """A tiny model's outputs for PROMPTS without speculation (the oracle), computed once."""
+    computed = {}
+
+    def get(name: str):
+        if name not in computed:
+            model_dir, _ = tiny_models(name)
+            computed[name] = LLM(model_dir).generate(PROMPTS, GREEDY)
+        return computed[name]
+
+    return get
+
+
 def assert_same_outputs(reference_outputs, outputs) -> None:
     for want, got in zip(reference_outputs, outputs):
         assert got.token_ids == want.token_ids
@@ -32,9 +46,11 @@ def assert_same_outputs(reference_outputs, outputs) -> None:
 
 @pytest.mark.parametrize("model", ["base", "moe_nano"])
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_verify_with_every_acceptance_count_matches_plain_decoding(tiny_models, model, k):
+def test_verify_with_every_acceptance_count_matches_plain_decoding(
+    tiny_models, plain_outputs, model, k
+):
     model_dir, _ = tiny_models(model)
-    want = LLM(model_dir).generate(PROMPTS, GREEDY)
+    want = plain_outputs(model)
     reference = {tuple(p): out.token_ids for p, out in zip(PROMPTS, want)}
     llm = scripted_llm(model_dir, reference, k)
     assert_same_outputs(want, llm.generate(PROMPTS, GREEDY))
@@ -75,10 +91,10 @@ def test_verify_rows_mixed_with_prefill_chunks(base_model, monkeypatch):
     assert any(mode == "mixed" and nv > 0 for mode, nv, _ in modes), modes
 
 
-def test_preemption_during_speculation_keeps_outputs(base_model):
+def test_preemption_during_speculation_keeps_outputs(base_model, plain_outputs):
     model_dir, _ = base_model
     engine_args = dict(max_total_tokens=160, page_size=4)
-    reference = greedy_reference(model_dir, PROMPTS, GREEDY)
+    reference = {tuple(p): out.token_ids for p, out in zip(PROMPTS, plain_outputs("base"))}
     llm = scripted_llm(model_dir, reference, 2, **engine_args)
     outputs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outputs] == [reference[tuple(p)] for p in PROMPTS]
@@ -120,11 +136,11 @@ def keep_state_of_last_draft(self, req, start, slots, kept):
         req.spec_slots[i], req.mamba_slot = req.mamba_slot, slots[-1]
 
 
-def test_skipping_the_rollback_is_caught(base_model, monkeypatch):
+def test_skipping_the_rollback_is_caught(base_model, plain_outputs, monkeypatch):
     """Leaving the state after a rejected draft in place changes the output: the identity
     checks above would fail without the rollback."""
     model_dir, _ = base_model
-    want = LLM(model_dir).generate(PROMPTS, GREEDY)
+    want = plain_outputs("base")
     reference = {tuple(p): out.token_ids for p, out in zip(PROMPTS, want)}
     monkeypatch.setattr(Speculation, "accept", keep_state_of_last_draft)
     outputs = scripted_llm(model_dir, reference, 2).generate(PROMPTS, GREEDY)

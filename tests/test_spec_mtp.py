@@ -226,19 +226,34 @@ def test_engine_drafts_at_every_step_are_the_reference_chain(mtp_models, name):
         assert drafts == tuple(want), f"after {len(output)} tokens"
 
 
+GREEDY_PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5], list(range(20, 45)), [40, 41, 40, 41, 42]]
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(mtp_models):
+    """A model's outputs for GREEDY_PROMPTS without speculation, computed once per model."""
+    computed = {}
+
+    def get(name: str):
+        if name not in computed:
+            computed[name] = LLM(mtp_models(name)[0]).generate(GREEDY_PROMPTS, GREEDY)
+        return computed[name]
+
+    return get
+
+
 @pytest.mark.parametrize("name", ["dense", "moe"])
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_mtp_speculation_keeps_greedy_outputs(mtp_models, name, k):
+def test_mtp_speculation_keeps_greedy_outputs(mtp_models, plain_outputs, name, k):
     model_dir, _, _ = mtp_models(name)
-    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5], list(range(20, 45)), [40, 41, 40, 41, 42]]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
-    want = LLM(model_dir).generate(prompts, params)
+    want = plain_outputs(name)
     llm = LLM(
         model_dir,
         chunked_prefill_size=8,
         speculative_config={"method": "mtp", "num_speculative_tokens": k},
     )
-    got = llm.generate(prompts, params)
+    got = llm.generate(GREEDY_PROMPTS, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for a, b in zip(want, got):
         assert all(

@@ -55,7 +55,7 @@ def speculating(model_dir, seed: int) -> LLM:
 def test_speculative_sampling_draws_the_target_distribution(tiny_vocab):
     model_dir, model = tiny_vocab
     llm = speculating(model_dir, seed=11)
-    counts = sampled_counts(llm, 3000)
+    counts = sampled_counts(llm, 1500)  # as many as the test below needs to catch a bad verifier
     stats = llm.stats()
     # drafts were verified at both positions, accepted some of the time and rejected some
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
