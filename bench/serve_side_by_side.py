@@ -4,8 +4,8 @@ invocation.
 
     python -m bench.serve_side_by_side --config 110m --dtype bfloat16 --peer-vllm /tmp/vcpu \
         [--rates 1,2,4,8,inf] [--num-prompts 64] [--prompt-len 128] [--max-tokens 64]
-    python -m bench.serve_side_by_side --config lfm2100m --dtype float32 --servers baton,llama \
-        --peer-llama /tmp/lcpp/build/bin/llama-server --llama-gguf lfm2-f32.gguf \
+    python -m bench.serve_side_by_side --model DIR --dtype float32 --servers baton,llama \
+        --peer-llama /tmp/lcpp/build/bin/llama-server --llama-gguf DIR-f32.gguf \
         --rates inf --max-concurrency 1   (one stream; 32: 32 concurrent)
 
 Random-weight model from `bench.offline` (with the word-level tokenizer of bench/peer.py), or
@@ -275,7 +275,9 @@ def main() -> None:
         for kind in servers:
             port = free_port()
             if kind == "llama":
-                context = LIMITS["max_running_requests"] * (args.prompt_len + args.max_tokens)
+                # llama-server splits -c evenly over its slots; a slot that fills stops early
+                per_slot = args.prompt_len + args.max_tokens + 16
+                context = LIMITS["max_running_requests"] * per_slot
                 command = llama_command(args.peer_llama, args.llama_gguf, port, context)
             else:
                 command = server_commands(
