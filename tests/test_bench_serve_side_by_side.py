@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve_side_by_side import LIMITS, matmul_dtype_choices, server_commands
+from bench.serve_side_by_side import LIMITS, llama_command, matmul_dtype_choices, server_commands
 
 
 def test_every_server_gets_the_same_limits_and_no_prefix_cache():
@@ -29,6 +29,15 @@ def test_every_server_gets_the_same_limits_and_no_prefix_cache():
     assert "--no-enable-prefix-caching" in vllm
     assert vllm[vllm.index("--max-num-seqs") + 1] == str(LIMITS["max_running_requests"])
     assert vllm[vllm.index("--max-num-batched-tokens") + 1] == str(LIMITS["max_num_batched_tokens"])
+
+
+def test_llama_server_gets_a_slot_per_running_request_and_its_caches_off():
+    command = llama_command("/bin/llama-server", "/m.gguf", 9000, context=12288)
+    assert command[:3] == ["/bin/llama-server", "-m", "/m.gguf"]
+    assert command[command.index("--parallel") + 1] == str(LIMITS["max_running_requests"])
+    assert command[command.index("-c") + 1] == "12288"
+    assert command[command.index("--cache-ram") + 1] == "0"
+    assert {"--no-cache-prompt", "--cont-batching", "--metrics"} <= set(command)
 
 
 HELPER = """
@@ -71,7 +80,7 @@ def start(command, port, log, timeout_s, env=None):
     started.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
     print(started[-1].pid, flush=True)
     return started[-1]
-def run_rate(port, model, prompts, rate):
+def run_rate(port, model, prompts, rate, max_concurrency):
     os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` does mid-run
     raise AssertionError("SIGTERM did not interrupt the run")
 sbs.start, sbs.run_rate = start, run_rate
@@ -118,7 +127,7 @@ def start(command, port, log, timeout_s, env=None):
     log.write_text("")
     return subprocess.Popen(["sleep", "30"], start_new_session=True)
 sbs.start = start
-sbs.run_rate = lambda port, model, prompts, rate: {"output_throughput": 1.0, "mean_ttft_ms": 1.0,
+sbs.run_rate = lambda port, model, prompts, rate, max_concurrency: {"output_throughput": 1.0, "mean_ttft_ms": 1.0,
     "p99_ttft_ms": 1.0, "mean_itl_ms": 1.0, "failed": 0, "engine": {}, "requests": []}
 sbs.save_model = sbs.save_word_tokenizer = sbs.check_vllm_cpu = lambda *args: None
 sys.argv = ["serve_side_by_side", "--servers", "baton,vllm", "--peer-vllm", "/none", "--rates", "1",
