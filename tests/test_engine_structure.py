@@ -27,7 +27,11 @@ PROGRESS = {
     "num_preemptions",
 }
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "__setitem__"}
-SCHEDULER = ("engine/core/scheduler.py", "engine/core/scheduler_blocks.py")
+SCHEDULER = (
+    "engine/core/scheduler.py",
+    "engine/core/scheduler_blocks.py",
+    "engine/core/scheduler_tokens.py",  # how sampled tokens join a request, for the scheduler
+)
 
 
 def sources(*packages: str) -> dict[str, str]:

@@ -44,9 +44,11 @@ GRANITE = {
 
 def test_unknown_architecture_lists_the_supported_ones():
     with pytest.raises(ConfigError) as error:
-        ModelConfig.from_dict({"architectures": ["JambaForCausalLM"], "model_type": "jamba"})
+        ModelConfig.from_dict(
+            {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear"}
+        )
     message = str(error.value)
-    assert "JambaForCausalLM" in message and "'architectures'" in message
+    assert "KimiLinearForCausalLM" in message and "'architectures'" in message
     for architecture in FAMILIES:
         assert architecture in message
     with pytest.raises(ConfigError, match="model_type 'kimi_linear'"):
@@ -61,7 +63,7 @@ def test_model_type_alone_picks_the_family():
 
 def test_baton_serve_refuses_an_unknown_architecture_at_startup(tmp_path):
     (tmp_path / "config.json").write_text(
-        json.dumps({"architectures": ["JambaForCausalLM"], "model_type": "jamba"})
+        json.dumps({"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear"})
     )
     result = subprocess.run(
         [str(BATON), "serve", "--model", str(tmp_path), "--port", "1"],
@@ -70,7 +72,7 @@ def test_baton_serve_refuses_an_unknown_architecture_at_startup(tmp_path):
         timeout=120,
     )
     assert result.returncode == 1
-    assert "unsupported architecture 'JambaForCausalLM'" in result.stderr
+    assert "unsupported architecture 'KimiLinearForCausalLM'" in result.stderr
     assert "GraniteMoeHybridForCausalLM" in result.stderr  # the list of what baton serves
 
 

@@ -157,6 +157,7 @@ def scheduled(mode, ids, lens, starts, pages, slots, points) -> ScheduledBatch:
         mode=mode,
         request_ids=tuple(f"r{i}" for i in range(len(lens))),
         num_decode_seqs=1 if mode == "mixed" else 0,
+        num_verify_seqs=0,
         input_ids=tuple(ids),
         seq_lens=tuple(lens),
         start_positions=tuple(starts),
@@ -166,6 +167,7 @@ def scheduled(mode, ids, lens, starts, pages, slots, points) -> ScheduledBatch:
         prompt_logprob_seqs=(),
         has_mamba_track_mask=bool(points),
         track_points=tuple(points),
+        verify_slots=(),
     )
 
 

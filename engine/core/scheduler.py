@@ -41,9 +41,9 @@ from engine.cache.memory import IndexPool, OutOfMemory
 from engine.cache.prefix_cache import PrefixCache
 from engine.core.outputs import FinishReason, RequestDelta, SampledTokens, TokenLogprobs
 from engine.core.request import Hold, Request, Status
-from engine.core.request_tokens import Appended, OutputConstraint, append_tokens, delta_of
 from engine.core.scheduler_blocks import PrefixBlocks
 from engine.core.scheduler_spec import SpecSchedule, Speculation
+from engine.core.scheduler_tokens import Appended, OutputConstraint, append_tokens, delta_of
 from engine.executor.forward_metadata import ScheduledBatch
 
 SchedulePolicy = Literal["mixed", "prefill-first"]
@@ -297,7 +297,7 @@ class Scheduler:
         req.draft_from_slot = False
 
     def _append(self, req: Request, sampled: SampledTokens) -> Appended:
-        """Append the step's tokens until one ends the request (engine/core/request_tokens.py);
+        """Append the step's tokens until one ends the request (engine/core/scheduler_tokens.py);
         the request is ended by `_delta`, after the step's bookkeeping."""
         appended = append_tokens(
             req, sampled, self.constraint, self.config.eos_token_ids, self.config.max_model_len

@@ -122,6 +122,7 @@ def run_launchers(dtype: torch.dtype, dims: dict) -> None:
     copy_states_triton(conv_pool, torch.tensor([3]), conv_pool, torch.tensor([1]))
     run_gated_delta_launchers(dtype, dims["gdn"], seq_lens)
     run_mamba1_launchers(dtype, dims, layout, window_layout)
+    run_quantized_launchers(dtype, dims)
 
 
 def run_quantized_launchers(dtype: torch.dtype, dims: dict) -> None:
