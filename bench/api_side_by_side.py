@@ -3,7 +3,7 @@
     python -m bench.api_side_by_side --a http://127.0.0.1:8021 --b http://127.0.0.1:8011 \
         --model model [--only PREFIX] [--json out.json]
 
-Sends one battery of requests (bench/api_battery.py and bench/api_battery_structured.py: valid
+Sends one battery of requests (bench/api_battery.py, bench/api_battery_structured.py and bench/api_battery_tools.py: valid
 ones, malformed ones, every route a vLLM user relies on) to both servers with raw httpx and prints, per request, where the two
 answers differ in *shape*: status code, error type / code / param, response keys and value types, `object`,
 `finish_reason`, `stop_reason`, usage counts, logprobs structure, and for streams the SSE
@@ -23,6 +23,7 @@ import httpx
 
 from bench.api_battery import Case, cases, client_calls
 from bench.api_battery_structured import structured_cases, structured_client_calls
+from bench.api_battery_tools import tool_and_reasoning_cases, tool_and_reasoning_client_calls
 
 # keys whose values (not only types) a client acts on
 VALUE_KEYS = {
@@ -212,7 +213,9 @@ def main() -> None:
         httpx.Client(base_url=args.a, timeout=300) as a,
         httpx.Client(base_url=args.b, timeout=300) as b,
     ):
-        for case in cases(args.model) + structured_cases(args.model):
+        for case in (
+            cases(args.model) + structured_cases(args.model) + tool_and_reasoning_cases(args.model)
+        ):
             if not case.name.startswith(args.only):
                 continue
             seen_a, seen_b = observe(a, case), observe(b, case)
@@ -229,7 +232,11 @@ def main() -> None:
                 print(f"   A says: {seen_a.get('error_message')!r}")
                 print(f"   B says: {seen_b.get('error_message')!r}")
     if args.client:
-        for name, call in client_calls(args.model) + structured_client_calls(args.model):
+        for name, call in (
+            client_calls(args.model)
+            + structured_client_calls(args.model)
+            + tool_and_reasoning_client_calls(args.model)
+        ):
             if not name.startswith(args.only.removeprefix("client.")):
                 continue
             seen_a, seen_b = client_observe(args.a, call), client_observe(args.b, call)
