@@ -197,6 +197,38 @@ def test_loop_runs_a_request_to_its_end_and_reports_stats(loop):
     assert not engine.has_unfinished_requests()
 
 
+def test_loop_hands_freed_memory_back_once_when_its_last_request_ends(loop, monkeypatch):
+    """While busy the heap keeps each step's temporaries for the next step; once idle they go
+    back to the system (malloc_trim), once per burst and never between two steps of one."""
+    from engine.runtime import process
+
+    send, receive, engine, _ = loop
+    calls = []
+    monkeypatch.setattr(
+        process,
+        "release_freed_memory",
+        lambda: calls.append(engine.has_unfinished_requests()),
+    )
+    for burst in range(2):
+        for k in range(2):
+            send(
+                AddRequest(
+                    request_id=f"b{burst}-{k}",
+                    prompt_token_ids=[5, 6, 7],
+                    params=SamplingParams(max_tokens=6 + 3 * k),
+                    room="",
+                    prefill_addr="",
+                )
+            )
+        _until_finished(receive, f"b{burst}-1")
+        for _ in range(100):
+            if len(calls) > burst:
+                break
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.35)  # a few idle polls (IDLE_POLL_MS): no trim again
+        assert calls == [False] * (burst + 1)
+
+
 def test_loop_answers_an_invalid_request_with_request_failed(loop):
     send, receive, _, _ = loop
     send(
