@@ -149,7 +149,7 @@ static inline __attribute__((always_inline)) void block_fp4(const int R, const v
                                                             float *acc) {
     const float *const *x = (const float *const *)xv;
     const uint8_t *panel = (const uint8_t *)panel_v, *scales = (const uint8_t *)scales_v;
-    const __m512 table = fp4_table();
+    const __m512 table = fp4_table(QUANT_TWO_POW_120);
     __m512 c[MR][4];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 4; v++) c[r][v] = _mm512_setzero_ps();

@@ -67,7 +67,14 @@ int baton_qgemm_supported(void) {
         const float *bias, int relu, float *y, int64_t ldy, int64_t ncols, const uint8_t *pf,   \
         int64_t pf_lo, int64_t pf_step
 
-/* FP8: per input, 16 codes per block decoded and scaled by their group's column scales. */
+/* FP8: per input, 16 codes per block decoded and scaled by their group's column scales. With
+ * few rows (decode) the codes are summed unscaled per group and the group's scales applied once
+ * to the partial sums: one multiply per group instead of one per input and block. Decode at
+ * batch 1 is bound by these instructions as much as by memory (Zen 4 splits each 512-bit op in
+ * two), so that multiply is ~1/6 of the work per code. The decoded codes are values times
+ * 2^-120, so the inputs are taken times 2^60 and the scales times 2^-60 (exact powers of two):
+ * the partial sums stay in float32's normal range. More rows keep the per-input multiply: a
+ * second set of accumulators would not fit in the registers. */
 #define KERNEL_FP8(ROWS, NR)                                                                    \
     static void fp8_##ROWS##_##NR(KERNEL_ARGS) {                                                \
         const float *sc = (const float *)scales_v;                                              \
@@ -78,6 +85,28 @@ int baton_qgemm_supported(void) {
             const int64_t k1 = k0 + group < k ? k0 + group : k;                                 \
             __m512 s[NR];                                                                       \
             for (int j = 0; j < NR; j++) s[j] = _mm512_loadu_ps(sc + j * sstride + g * 16);     \
+            if (ROWS <= 2) {                                                                    \
+                __m512 part[ROWS][NR];                                                          \
+                for (int r = 0; r < ROWS; r++)                                                  \
+                    for (int j = 0; j < NR; j++) part[r][j] = _mm512_setzero_ps();              \
+                for (int64_t p = k0; p < k1; p++) {                                             \
+                    PREFETCH_NEXT(p, NR)                                                         \
+                    __m512 xs[ROWS];                                                            \
+                    for (int r = 0; r < ROWS; r++)                                              \
+                        xs[r] = _mm512_set1_ps(x[r * ldx + p] * QUANT_TWO_POW_60);              \
+                    for (int j = 0; j < NR; j++) {                                              \
+                        const __m512 b = e4m3_scaled_down(w + j * wstride + p * 16);            \
+                        for (int r = 0; r < ROWS; r++)                                          \
+                            part[r][j] = _mm512_fmadd_ps(xs[r], b, part[r][j]);                 \
+                    }                                                                           \
+                }                                                                               \
+                for (int j = 0; j < NR; j++) {                                                  \
+                    const __m512 sj = _mm512_mul_ps(s[j], _mm512_set1_ps(QUANT_TWO_POW_M60));   \
+                    for (int r = 0; r < ROWS; r++)                                              \
+                        acc[r][j] = _mm512_fmadd_ps(part[r][j], sj, acc[r][j]);                 \
+                }                                                                               \
+                continue;                                                                       \
+            }                                                                                   \
             for (int64_t p = k0; p < k1; p++) {                                                 \
                 PREFETCH_NEXT(p, NR)                                                             \
                 for (int j = 0; j < NR; j++) {                                                  \
@@ -98,13 +127,38 @@ int baton_qgemm_supported(void) {
     static void fp4_##ROWS##_##NR(KERNEL_ARGS) {                                                \
         (void)group;                                                                            \
         const uint8_t *sc = (const uint8_t *)scales_v;                                          \
-        const __m512 table = fp4_table();                                                       \
+        const __m512 table = fp4_table(QUANT_TWO_POW_120), plain = fp4_table(1.0f);             \
         __m512 acc[ROWS][NR];                                                                   \
         for (int r = 0; r < ROWS; r++)                                                          \
             for (int j = 0; j < NR; j++) acc[r][j] = _mm512_setzero_ps();                       \
         for (int64_t g = 0; g < k / 16; g++) {                                                  \
             __m512 s[NR];                                                                       \
             for (int j = 0; j < NR; j++) s[j] = e4m3_scaled_down(sc + j * sstride + g * 16);    \
+            if (ROWS <= 2) { /* as FP8: the group's scale once, on its partial sums, which */   \
+                /* sum the plain e2m1 values (the 2^120 table would overflow them) */          \
+                __m512 part[ROWS][NR];                                                          \
+                for (int r = 0; r < ROWS; r++)                                                  \
+                    for (int j = 0; j < NR; j++) part[r][j] = _mm512_setzero_ps();              \
+                for (int64_t p = 8 * g; p < 8 * g + 8; p++) {                                   \
+                    PREFETCH_NEXT(p, NR)                                                         \
+                    for (int j = 0; j < NR; j++) {                                              \
+                        __m512 even, odd;                                                       \
+                        fp4_pair(w + j * wstride + p * 16, plain, &even, &odd);                 \
+                        for (int r = 0; r < ROWS; r++) {                                        \
+                            part[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * p]),    \
+                                                         even, part[r][j]);                     \
+                            part[r][j] = _mm512_fmadd_ps(                                       \
+                                _mm512_set1_ps(x[r * ldx + 2 * p + 1]), odd, part[r][j]);       \
+                        }                                                                       \
+                    }                                                                           \
+                }                                                                               \
+                for (int j = 0; j < NR; j++) {                                                  \
+                    const __m512 sj = _mm512_mul_ps(s[j], _mm512_set1_ps(QUANT_TWO_POW_120));   \
+                    for (int r = 0; r < ROWS; r++)                                              \
+                        acc[r][j] = _mm512_fmadd_ps(part[r][j], sj, acc[r][j]);                 \
+                }                                                                               \
+                continue;                                                                       \
+            }                                                                                   \
             for (int64_t p = 8 * g; p < 8 * g + 8; p++) {                                       \
                 PREFETCH_NEXT(p, NR)                                                             \
                 for (int j = 0; j < NR; j++) {                                                  \

@@ -26,6 +26,8 @@
 
 #define QUANT_E4M3_MASK 0x87F00000
 #define QUANT_TWO_POW_120 1.329227995784916e36f /* 2^120 */
+#define QUANT_TWO_POW_60 0x1p60f
+#define QUANT_TWO_POW_M60 0x1p-60f
 
 /* 16 e4m3 codes -> their values times 2^-120, as float32 lanes. */
 static inline __m512 e4m3_scaled_down(const uint8_t *codes) {
@@ -34,9 +36,8 @@ static inline __m512 e4m3_scaled_down(const uint8_t *codes) {
         _mm512_and_si512(_mm512_slli_epi32(wide, 20), _mm512_set1_epi32(QUANT_E4M3_MASK)));
 }
 
-/* The e2m1 values times 2^120, indexed by nibble. */
-static inline __m512 fp4_table(void) {
-    const float t = QUANT_TWO_POW_120;
+/* The e2m1 values times t (2^120, or 1), indexed by nibble. */
+static inline __m512 fp4_table(const float t) {
     return _mm512_setr_ps(0.0f, 0.5f * t, 1.0f * t, 1.5f * t, 2.0f * t, 3.0f * t, 4.0f * t,
                           6.0f * t, -0.0f, -0.5f * t, -1.0f * t, -1.5f * t, -2.0f * t, -3.0f * t,
                           -4.0f * t, -6.0f * t);
