@@ -11,7 +11,7 @@
 3. RSS of every process of `baton serve` 3 s after /health answered, at the default sizes (as a
    new user runs it) and at the context budget of llama.cpp's comparison (--parallel 32 over
    -c 16384: --max-running-requests 32 --max-total-tokens 16384), then after a load that uses
-   that whole budget (32 concurrent requests of 504 tokens);
+   that whole budget (32 concurrent requests of 504 tokens), 3 s after the last answer;
 4. llama-server on the same model and budget when --llama-server and --llama-gguf are given
    (../shared/peers/llama_cpp_setup.sh builds it, llama_cpp_convert.py converts the model).
 
@@ -98,6 +98,7 @@ def baton_round(model: str, vocab: int, extra: list[str], fill_n: int, log: Path
             bodies = [ids_body(model, vocab, FILL_PROMPT_TOKENS, FILL_NEW_TOKENS, seed=2 + k)
                       for k in range(fill_n)]  # fmt: skip
             sample["fill_s"] = probe.fill(server.url, bodies)
+            probe.time.sleep(probe.SETTLE_S)  # the burst is over: what a server holds idle
             sample["rss_full"] = server.rss(("server", "engine"))
     finally:
         server.stop()
@@ -115,6 +116,7 @@ def llama_round(binary: str, gguf: str, vocab: int, parallel: int, context: int,
         bodies = [ids_body("m", vocab, FILL_PROMPT_TOKENS, FILL_NEW_TOKENS, seed=2 + k)
                   for k in range(parallel)]  # fmt: skip
         sample["fill_s"] = probe.fill(server.url, bodies)
+        probe.time.sleep(probe.SETTLE_S)
         sample["rss_full"] = server.rss(("llama-server",))
     finally:
         server.stop()
