@@ -5,7 +5,10 @@ this sends every kernel through Triton's real pipeline (TTIR -> TTGIR -> LLVM ->
 with the bundled ptxas) at Nemotron-Nano-9B-v2 shapes and at tiny odd ones, launching nothing: a
 stub driver names the target and every launch becomes a warmup (compile only).
 
-    TRITON_INTERPRET=0 .venv/bin/python -m tests.gpu.compile_check [--arch 90] [-v]
+    TRITON_INTERPRET=0 .venv/bin/python -m tests.gpu.compile_check [--arch 90] [-v] [--jobs N]
+
+The work is split into tasks (three shape sets x four kernel groups) shared by --jobs processes
+(default: one per core).
 
 -v prints registers, spill stores and shared memory per compiled variant (ptxas -v): the numbers
 behind the hand-picked tiles in kernels/triton_*.py. Exit status 1 if a kernel failed to compile
@@ -62,8 +65,9 @@ class StubDriver:
         return torch.device("cpu")
 
 
-def run_launchers(dtype: torch.dtype, dims: dict) -> None:
-    """Call every launcher once on CPU tensors (only their shapes, strides and dtypes matter)."""
+def run_mamba2_attention_launchers(dtype: torch.dtype, dims: dict) -> None:
+    """Call every Mamba2, attention, norm and state-copy launcher once on CPU tensors (only their
+    shapes, strides and dtypes matter)."""
     from kernels.attention import build_attention_layout
     from kernels.conv1d import build_window_layout
     from kernels.ssd import build_chunk_layout
@@ -78,7 +82,7 @@ def run_launchers(dtype: torch.dtype, dims: dict) -> None:
     from kernels.triton_state_copy import copy_states_triton
 
     H, P, G, N, L = dims["H"], dims["P"], dims["G"], dims["N"], dims["chunk"]
-    T, seq_lens = 40, [30, 10]
+    T, seq_lens = sum(SEQ_LENS), SEQ_LENS
     x = torch.randn(T, H, P).to(dtype)
     dt, B, C = torch.randn(T, H).to(dtype), torch.randn(T, G, N).to(dtype), torch.randn(T, G, N)
     A, D, dt_bias = torch.randn(H), torch.randn(H), torch.randn(H)
@@ -120,9 +124,6 @@ def run_launchers(dtype: torch.dtype, dims: dict) -> None:
     gated_rms_norm_triton(y, z, torch.randn(inter).to(dtype), 1e-5, inter // G)
     copy_states_triton(pool, torch.tensor([3]), pool, torch.tensor([1]))
     copy_states_triton(conv_pool, torch.tensor([3]), conv_pool, torch.tensor([1]))
-    run_gated_delta_launchers(dtype, dims["gdn"], seq_lens)
-    run_mamba1_launchers(dtype, dims, layout, window_layout)
-    run_quantized_launchers(dtype, dims)
 
 
 def run_quantized_launchers(dtype: torch.dtype, dims: dict) -> None:
@@ -170,9 +171,11 @@ def run_quantized_launchers(dtype: torch.dtype, dims: dict) -> None:
         fused_moe_triton(x, up, down, routing, "swiglu")
 
 
-def run_mamba1_launchers(dtype: torch.dtype, dims: dict, layout, window_layout) -> None:
+def run_mamba1_launchers(dtype: torch.dtype, dims: dict) -> None:
     """The Mamba1 scan and decode step (d_inner = the conv width, d_state = N), gated and not,
     and LFM2's short conv (no activation, no bias)."""
+    from kernels.conv1d import build_window_layout
+    from kernels.ssd import build_chunk_layout
     from kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
     from kernels.triton_selective_scan import (
         selective_scan_pool_triton,
@@ -180,7 +183,9 @@ def run_mamba1_launchers(dtype: torch.dtype, dims: dict, layout, window_layout) 
     )
 
     width, N, K = dims["conv"], dims["N"], dims["K"]
-    T = int(layout.cu_seqlens[-1])
+    layout = build_chunk_layout(SEQ_LENS, [5, 0], dims["chunk"], "cpu")
+    window_layout = build_window_layout(SEQ_LENS, K, "cpu")
+    T = sum(SEQ_LENS)
     x, dt, z = (torch.randn(T, width).to(dtype) for _ in range(3))
     B, C = torch.randn(T, N).to(dtype), torch.randn(T, N).to(dtype)
     A, D, bias = -torch.rand(width, N), torch.randn(width), torch.randn(width)
@@ -196,13 +201,14 @@ def run_mamba1_launchers(dtype: torch.dtype, dims: dict, layout, window_layout) 
     causal_conv1d_update_triton(x[:3], w, None, conv_pool, torch.tensor([1, 2, 0]), "none")
 
 
-def run_gated_delta_launchers(dtype: torch.dtype, gdn: dict, seq_lens: list[int]) -> None:
+def run_gated_delta_launchers(dtype: torch.dtype, dims: dict) -> None:
     from kernels.ssd import build_chunk_layout
     from kernels.triton_gated_delta import (
         chunk_gated_delta_rule_triton,
         gated_delta_decode_triton,
     )
 
+    gdn, seq_lens = dims["gdn"], SEQ_LENS
     Hk, Hv, dk, dv = gdn["Hk"], gdn["Hv"], gdn["dk"], gdn["dv"]
     T = sum(seq_lens)
     q, k = torch.randn(T, Hk, dk).to(dtype), torch.randn(T, Hk, dk).to(dtype)
@@ -214,6 +220,7 @@ def run_gated_delta_launchers(dtype: torch.dtype, gdn: dict, seq_lens: list[int]
     gated_delta_decode_triton(q[:3], k[:3], v[:3], g[:3], beta[:3], pool, torch.tensor([1, 0, 2]))
 
 
+SEQ_LENS = [30, 10]  # a varlen batch: one sequence over several chunks, one in a single chunk
 # gdn: a gated DeltaNet layer's shapes (at full size, Qwen3-Next's)
 NANO_9B_V2 = dict(H=128, P=80, G=8, N=128, chunk=128, conv=12288, K=4, q_heads=40, kv_heads=8,
                   head_dim=128, hidden=4480, gdn=dict(Hk=16, Hv=32, dk=128, dv=128, chunk=64))  # fmt: skip
@@ -221,6 +228,19 @@ TINY = dict(H=4, P=16, G=2, N=8, chunk=16, conv=96, K=4, q_heads=4, kv_heads=2, 
             hidden=64, gdn=dict(Hk=2, Hv=4, dk=16, dv=16, chunk=16))  # fmt: skip
 ODD = dict(H=6, P=12, G=3, N=5, chunk=8, conv=102, K=3, q_heads=5, kv_heads=1, head_dim=8,
            hidden=40, gdn=dict(Hk=1, Hv=3, dk=12, dv=20, chunk=8))  # fmt: skip
+
+
+SHAPES = {"nano_9b_v2": (torch.bfloat16, NANO_9B_V2), "tiny": (torch.float32, TINY),
+          "odd": (torch.float16, ODD)}  # fmt: skip
+GROUPS = {
+    "mamba2_attention": run_mamba2_attention_launchers,
+    "gated_delta": run_gated_delta_launchers,
+    "mamba1": run_mamba1_launchers,
+    "quantized": run_quantized_launchers,
+}
+# Every (shapes, group) pair is one task; `--part i/n` runs tasks[i::n], so n processes share the
+# compiles (Triton's pipeline is single-threaded: one process per core is ~n times faster).
+TASKS = [(shapes, group) for shapes in SHAPES for group in GROUPS]
 
 
 def ptxas_report(kernel, arch: int) -> str:
@@ -240,27 +260,18 @@ def ptxas_report(kernel, arch: int) -> str:
             f"{spills.group(1) if spills else '?'} B")  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)"
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="ptxas registers and spills")
-    args = parser.parse_args(argv)
-
+def expected_kernels() -> set[str]:
     import importlib
 
     modules = [importlib.import_module(name) for name in KERNEL_MODULES]
-    expected = {
+    return {
         name for module in modules for name, obj in vars(module).items()
         if isinstance(obj, JITFunction) and name.endswith("_kernel")
     }  # fmt: skip
-    if not expected:
-        print(
-            "compile_check: the kernels were imported in interpreter mode; run in a fresh process"
-        )
-        return 1
 
+
+def compile_tasks(tasks: list[tuple[str, str]], arch: int, verbose: bool) -> list[str]:
+    """Compile the tasks' kernels here; one printed line per compiled variant, name first."""
     compiled: list[tuple[str, object]] = []
     original_run = JITFunction.run
 
@@ -269,24 +280,72 @@ def main(argv: list[str] | None = None) -> int:
         compiled.append((self.fn.__name__, kernel))
         return kernel
 
-    driver.set_active(StubDriver(args.arch))
+    driver.set_active(StubDriver(arch))
     JITFunction.run = compile_only
     try:
-        for dtype, dims in ((torch.bfloat16, NANO_9B_V2), (torch.float32, TINY),
-                            (torch.float16, ODD)):  # fmt: skip
-            run_launchers(dtype, dims)
+        for shapes, group in tasks:
+            dtype, dims = SHAPES[shapes]
+            GROUPS[group](dtype, dims)
     finally:
         JITFunction.run = original_run  # the stub driver stays: this process only compiles
-
+    lines = []
     for name, kernel in compiled:
         line = f"{name:<26} warps {kernel.metadata.num_warps}, smem {kernel.metadata.shared} B"
-        print(line + (f", {ptxas_report(kernel, args.arch)}" if args.verbose else ""))
-    missing = expected - {name for name, _ in compiled}
+        lines.append(line + (f", {ptxas_report(kernel, arch)}" if verbose else ""))
+    return lines
+
+
+def compile_in_processes(jobs: int, arch: int, verbose: bool) -> list[str]:
+    """Each of `jobs` fresh processes compiles its share of the tasks (--part i/jobs)."""
+    command = [sys.executable, "-m", "tests.gpu.compile_check", "--arch", str(arch)]
+    command += ["-v"] if verbose else []
+    parts = [
+        subprocess.Popen(command + ["--part", f"{i}/{jobs}"], stdout=subprocess.PIPE, text=True)
+        for i in range(jobs)
+    ]
+    lines = []
+    for part in parts:
+        out, _ = part.communicate()
+        if part.returncode != 0:
+            raise RuntimeError(f"compile_check part failed (exit {part.returncode}):\n{out}")
+        lines += out.splitlines()
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="ptxas registers and spills")
+    parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="processes compiling at once"
+    )
+    parser.add_argument("--part", help="i/n: compile only tasks[i::n] here (used by --jobs)")
+    args = parser.parse_args(argv)
+
+    expected = expected_kernels()
+    if not expected:
+        print(
+            "compile_check: the kernels were imported in interpreter mode; run in a fresh process"
+        )
+        return 1
+    if args.part:
+        index, count = (int(v) for v in args.part.split("/"))
+        print("\n".join(compile_tasks(TASKS[index::count], args.arch, args.verbose)))
+        return 0
+    jobs = max(1, min(args.jobs, len(TASKS)))
+    if jobs == 1:
+        lines = compile_tasks(TASKS, args.arch, args.verbose)
+    else:
+        lines = compile_in_processes(jobs, args.arch, args.verbose)
+    print("\n".join(lines))
+    missing = expected - {line.split()[0] for line in lines if line.strip()}
     if missing:
         print(f"compile_check: never compiled: {sorted(missing)}")
         return 1
-    print(f"compile_check: {len(compiled)} variants of {len(expected)} kernels compiled for "
-          f"sm_{args.arch} (triton {triton.__version__})")  # fmt: skip
+    print(f"compile_check: {len(lines)} variants of {len(expected)} kernels compiled for "
+          f"sm_{args.arch} (triton {triton.__version__}, {jobs} processes)")  # fmt: skip
     return 0
 
 
