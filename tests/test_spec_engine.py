@@ -157,8 +157,9 @@ def test_ngram_drafts_keep_outputs_and_are_accepted_on_repetitive_text(base_mode
 
 
 def test_disable_by_batch_size_verifies_only_below_it(base_model, monkeypatch):
-    """With disable_by_batch_size 3, steps that run 3 requests or more verify nothing; once the
-    short requests end, the others speculate again, and outputs stay those of plain decoding."""
+    """With disable_by_batch_size 3, steps with 3 requests or more in the engine (running or
+    waiting) verify nothing; once the short requests end, the others speculate again, and
+    outputs stay those of plain decoding."""
     model_dir, _ = base_model
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 6, 24, 24)]
     want = LLM(model_dir).generate(PROMPTS, params)
@@ -169,11 +170,40 @@ def test_disable_by_batch_size_verifies_only_below_it(base_model, monkeypatch):
     build = llm.engine.runner.build
 
     def record(sched):
-        steps.append((len(llm.engine.scheduler.running), sched.num_verify_seqs))
+        scheduler = llm.engine.scheduler
+        steps.append((len(scheduler.running) + len(scheduler.waiting), sched.num_verify_seqs))
         return build(sched)
 
     monkeypatch.setattr(llm.engine.runner, "build", record)
     got = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert all(verifying == 0 for running, verifying in steps if running >= 3)
+    assert all(verifying == 0 for in_engine, verifying in steps if in_engine >= 3)
+    assert any(verifying > 0 for _, verifying in steps)
+
+
+def test_disable_by_batch_size_counts_the_requests_waiting_for_the_batch(base_model, monkeypatch):
+    """Two run at a time, two wait: with disable_by_batch_size 3 nothing verifies while the
+    queue is there (the batch is about to refill), only once the last two run alone."""
+    model_dir, _ = base_model
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = LLM(model_dir, max_running_requests=2).generate(PROMPTS, params)
+    reference = {tuple(p): out.token_ids for p, out in zip(PROMPTS, want)}
+    llm = LLM(
+        model_dir,
+        max_running_requests=2,
+        speculative_config=ngram_config(2) | {"disable_by_batch_size": 3},
+    )
+    llm.engine.drafter = ScriptedDrafter(reference, 2, llm.engine.model_config.vocab_size)
+    steps = []
+    build = llm.engine.runner.build
+
+    def record(sched):
+        steps.append((len(llm.engine.scheduler.waiting), sched.num_verify_seqs))
+        return build(sched)
+
+    monkeypatch.setattr(llm.engine.runner, "build", record)
+    got = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert any(waiting for waiting, _ in steps)
+    assert all(verifying == 0 for waiting, verifying in steps if waiting)
     assert any(verifying > 0 for _, verifying in steps)

@@ -483,7 +483,7 @@ class Engine:
             )
             self.spec_counters.count(verified)
         drafts = {}
-        if self.drafter is not None and self.scheduler.spec.active(len(self.scheduler.running)):
+        if self.drafter is not None and self.scheduler.speculating():
             # before the scheduler takes the tokens: a finishing prefill's snapshot (PD) holds
             # the MTP head's K/V of its whole prompt
             drafts = self.drafter.propose(sched, reqs, sampled)
@@ -502,7 +502,7 @@ class Engine:
             for req in self.scheduler.running
             if req.draft_from_slot and self.scheduler.reserve_draft_pages(req)
         ]
-        if ready and self.scheduler.spec.active(len(self.scheduler.running)):
+        if ready and self.scheduler.speculating():
             for req, drafts in zip(ready, self.drafter.propose_from_slots(ready)):
                 self.scheduler.set_drafts(req, drafts)
 

@@ -141,6 +141,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def speculating(self) -> bool:
+        """Whether this step drafts and verifies: speculation is on and the requests in the
+        engine (running, and waiting to: a burst fills the batch within a few steps) are fewer
+        than `disable_by_batch_size`."""
+        return self.spec is not None and self.spec.active(len(self.running) + len(self.waiting))
+
     def abort(self, request_id: str) -> None:
         self.finish_hooks.pop(request_id, None)
         req = self.requests.get(request_id)
@@ -320,7 +326,7 @@ class Scheduler:
         verifies: list[tuple[Request, int]] = []
         prefills: list[tuple[Request, int]] = []
         scheduled: set[int] = set()
-        spec = self.spec if self.spec is not None and self.spec.active(len(self.running)) else None
+        spec = self.spec if self.speculating() else None
         # pages for the positions the drafter writes past the step's own (an MTP chain)
         lookahead = spec.config.draft_lookahead if spec is not None else 0
 

@@ -31,7 +31,7 @@ from engine.core.scheduler_blocks import PrefixBlocks
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SpecSchedule:
     num_speculative_tokens: int  # k: a verify row feeds k + 1 tokens
-    disable_by_batch_size: int | None  # no verify rows while this many requests run
+    disable_by_batch_size: int | None  # no verify rows while this many requests are in
     # Positions past the accepted ones the drafter writes K/V at (an MTP head chained k times:
     # k - 1; n-gram: 0): pages for them are reserved with the step.
     draft_lookahead: int
@@ -58,9 +58,9 @@ class Speculation:
     def k(self) -> int:
         return self.config.num_speculative_tokens
 
-    def active(self, num_running: int) -> bool:
+    def active(self, num_requests: int) -> bool:
         limit = self.config.disable_by_batch_size
-        return limit is None or num_running < limit
+        return limit is None or num_requests < limit
 
     def drafts_to_verify(self, req: Request) -> list[int]:
         """The drafts `req` (decoding) verifies this step, or [] for a plain decode row: none

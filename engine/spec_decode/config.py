@@ -9,7 +9,9 @@
 `method`: "mtp" drafts with the checkpoint's multi-token-prediction layers, chained for k tokens
 (vLLM's "deepseek_mtp" / "nemotron_h_mtp" / "qwen3_next_mtp" name the same thing); "ngram" drafts
 by prompt lookup, for every family. `disable_by_batch_size`: no drafts while that many requests
-(or more) run, as in vLLM (a full batch gains nothing from verifying guesses).
+(or more) are in the engine, running or waiting (vLLM counts the running ones; counting the
+queue too keeps a burst from speculating while it fills the batch): a full batch gains nothing
+from verifying guesses.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: drafts verified per step
     prompt_lookup_max: int  # ngram: the longest suffix looked up in the sequence
     prompt_lookup_min: int  # ngram: the shortest one
-    disable_by_batch_size: int | None  # no drafts while this many requests run (None: never)
+    disable_by_batch_size: int | None  # no drafts while this many requests are in (None: never)
 
     @classmethod
     def from_dict(
