@@ -335,7 +335,14 @@ class DecodeWorker:
         elif isinstance(message, HeartbeatAck):
             for room in message.unknown_rooms:
                 r = self.rooms.get(room)
-                if r is not None and now() - r.registered > self.config.heartbeat_interval_s:
+                # A room whose final state arrived waits on the other ranks' shards only: the
+                # prefill side forgot it once sent, and an ack to a heartbeat sent before the
+                # state came may still say so (the shards have their own timeout).
+                if (
+                    r is not None
+                    and r.sharded is None
+                    and now() - r.registered > self.config.heartbeat_interval_s
+                ):
                     self._fail(r, f"room {room}: the prefill worker has lost it")
 
     def _install(self, r: DecodeRoom, state) -> None:

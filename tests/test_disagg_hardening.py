@@ -307,3 +307,47 @@ def _drain(socket: zmq.Socket) -> list[list[bytes]]:
     while socket.poll(200):
         out.append(socket.recv_multipart())
     return out
+
+
+@pytest.fixture
+def sharded_decoder(base_model, monkeypatch):
+    """A decode worker that takes state from a prefill worker's ranks (its shard connector)."""
+    from disagg.tp_transfer import SECRET_ENV, connector_spec
+
+    monkeypatch.setenv(SECRET_ENV, "shards")
+    model_dir, _ = base_model
+    engine = Engine(
+        model_dir, page_size=4, handover_connector=connector_spec("decode", "127.0.0.1")
+    )
+    worker = DecodeWorker(engine, config("decode"), zmq.Context.instance())
+    yield worker
+    worker.close()
+    engine.close()
+
+
+def test_an_ack_saying_unknown_fails_a_waiting_room_but_not_one_whose_state_came(
+    sharded_decoder, fake_prefill
+):
+    """A prefill worker forgets a room once it sent its final state; with TP on the prefill
+    side the state's shards come rank to rank after it. An ack to a heartbeat sent before the
+    state arrived then says "unknown": that room waits on for its shards, while a room the
+    prefill worker never had (nothing arrived) fails."""
+    socket, _ = fake_prefill
+    identity, sent = registered_room(sharded_decoder, fake_prefill, "sent")
+    _, lost = registered_room(sharded_decoder, fake_prefill, "lost")
+    rank0_part = sharded_decoder.engine.handover.first_token_state(
+        a_state(num_prompt_tokens=5, checkpoints={})
+    )
+    message, tensors = state_message(sent, rank0_part, tp_size=2)
+    socket.send_multipart([identity, *encode(message, tensors, secret=b"s3cret")])
+    time.sleep(
+        sharded_decoder.config.heartbeat_interval_s * 1.5
+    )  # both rooms older than a heartbeat
+    ack = HeartbeatAck(unknown_rooms=[sent, lost])
+    socket.send_multipart([identity, *encode(ack, [], secret=b"s3cret")])
+    deadline = time.time() + 5
+    while lost in sharded_decoder.rooms and time.time() < deadline:
+        sharded_decoder.step()
+    failures = sharded_decoder.take_failures()
+    assert [rid for rid, _ in failures] == ["lost"], failures
+    assert sharded_decoder.rooms[sent].sharded is not None  # waiting for the prefill ranks' shards
