@@ -177,8 +177,8 @@ def gdn_mixer_verify(
         src, dst = slots[:, i].contiguous(), slots[:, i + 1].contiguous()
         conv_states.index_copy_(0, dst, conv_states[src])
         state_pool.index_copy_(0, dst, state_pool[src])
-        # token i of every request: views with a q-row stride (a and b keep a shared one)
-        rows = [t[i : nv * q : q] for t in (qkv, z, a, b)]
+        # token i of every request, gathered (each kernel path reads dense rows)
+        rows = [t[i : nv * q : q].contiguous() for t in (qkv, z, a, b)]
         outs.append(
             gdn_mixer_decode(*rows, conv_states, state_pool, dst, weights, dims, decode_params)
         )

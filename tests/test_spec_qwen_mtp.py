@@ -51,9 +51,9 @@ def published(name: str, **changes) -> ModelConfig:
 
 
 def test_mtp_layer_counts_read_as_published():
-    assert published("qwen3_next_80b_a3b_instruct").num_nextn_predict_layers == 1  # vLLM's
-    assert published("qwen3_next_80b_a3b_instruct", num_nextn_predict_layers=0) \
-        .num_nextn_predict_layers == 0  # fmt: skip
+    next_80b = "qwen3_next_80b_a3b_instruct"  # names no MTP key: 1, as vLLM reads it
+    assert published(next_80b).num_nextn_predict_layers == 1
+    assert published(next_80b, num_nextn_predict_layers=0).num_nextn_predict_layers == 0
     assert published("qwen3_5_0_8b").num_nextn_predict_layers == 1  # text_config's key
     assert published("qwen3_5_35b_a3b").num_nextn_predict_layers == 1
     assert published("qwen3_5_0_8b", mtp_num_hidden_layers=None).num_nextn_predict_layers == 0
@@ -62,14 +62,16 @@ def test_mtp_layer_counts_read_as_published():
 
 
 def test_mtp_weights_load_from_the_top_level_only_for_an_mtp_drafter(mtp_models):
-    model_dir, _, tensors = mtp_models("qwen3_5_vision")  # body under model.language_model.
+    """Every `mtp.*` tensor of a vision checkpoint (body under model.language_model.) finds its
+    parameter (the loader refuses unexpected and missing tensors) when the head is built."""
+    model_dir, _, tensors = mtp_models("qwen3_5_vision")
     assert load_model(model_dir, torch.float32, "cpu").mtp is None
     head = load_model(model_dir, torch.float32, "cpu", with_mtp=True).mtp
-    torch.testing.assert_close(head.fc.weight, tensors["mtp.fc.weight"])
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        torch.testing.assert_close(getattr(head, name).weight, tensors[f"mtp.{name}.weight"])
     torch.testing.assert_close(
-        head.layers[0].self_attn.q_proj.weight, tensors["mtp.layers.0.self_attn.q_proj.weight"]
+        head.layers[0].self_attn.k_norm.weight, tensors["mtp.layers.0.self_attn.k_norm.weight"]
     )
-    torch.testing.assert_close(head.norm.weight, tensors["mtp.norm.weight"])
 
 
 # -- the torch reference, written from the layer's definition ---------------------------------
@@ -263,9 +265,9 @@ def test_mtp_speculation_keeps_greedy_outputs(mtp_models, plain_outputs, name, k
         chunked_prefill_size=8,
         speculative_config={"method": "mtp", "num_speculative_tokens": k},
     )
-    steps = []
-    build = llm.engine.runner.build
-    llm.engine.runner.build = lambda sched: (steps.append(sched), build(sched))[1]
+    steps = []  # the target's steps (the draft passes run through runner.draft)
+    forward = llm.engine.runner.forward
+    llm.engine.runner.forward = lambda sched: (steps.append(sched), forward(sched))[1]
     assert_same_outputs(plain_outputs(name), llm.generate(GREEDY_PROMPTS, GREEDY))
     assert any(s.mode == "mixed" and s.num_verify_seqs for s in steps)
     stats = llm.stats()
