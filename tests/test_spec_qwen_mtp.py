@@ -286,7 +286,7 @@ def test_mtp_speculation_through_prefix_cache_hits(mtp_models):
     args = dict(page_size=4, mamba_track_interval=64)
     g = torch.Generator().manual_seed(3)
     first = [torch.randint(3, 280, (n,), generator=g).tolist() for n in (70, 66)]
-    plain = LLM(model_dir, **args)
+    plain = LLM(model_dir, enable_prefix_caching=False, **args)
     spec = LLM(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **args)
     for prompts in (first, [p + o.token_ids for p, o in zip(first, plain.generate(first, GREEDY))]):
         assert_same_outputs(plain.generate(prompts, GREEDY), spec.generate(prompts, GREEDY))
