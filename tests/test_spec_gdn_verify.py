@@ -40,8 +40,7 @@ def plain_run(gdn_models):
     return get
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_dense", "qwen3_next_mixed"])
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize(("name", "k"), [("qwen3_5_dense", 3), ("qwen3_next_mixed", 1)])
 def test_every_acceptance_count_keeps_outputs_and_checkpoints(gdn_models, plain_run, name, k):
     model_dir, _ = gdn_models(name)
     prompts, plain, want = plain_run(name)
