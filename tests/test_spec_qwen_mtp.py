@@ -203,30 +203,51 @@ def reference_drafts(config, tensors, hf, prompt, k):
     return first, drafts
 
 
+class MtpUnderScript:
+    """The engine's MTP drafter runs as always (its K/V, its proposals, recorded per request
+    with the tokens so far); the drafts verified are a ScriptedDrafter's, so the MTP pass after
+    a verify sees every acceptance count."""
+
+    def __init__(self, mtp, scripted):
+        self.mtp, self.scripted = mtp, scripted
+        self.proposals: list[tuple[str, list[int], tuple[int, ...]]] = []
+
+    def propose(self, sched, reqs, sampled):
+        for s, drafts in self.mtp.propose(sched, reqs, sampled).items():
+            tokens = list(reqs[s].output_ids) + list(sampled[s].token_ids)
+            self.proposals.append((reqs[s].request_id, tokens, drafts))
+        return self.scripted.propose(sched, reqs, sampled)
+
+    def propose_from_slots(self, reqs):
+        self.mtp.propose_from_slots(reqs)
+        return self.scripted.propose_from_slots(reqs)
+
+
 def test_engine_drafts_at_every_step_are_the_reference_chain(mtp_models):
     """The MTP K/V built over the prompt during its (chunked) prefill and over every position a
-    verify step kept, each pass-1 row and the chain give, after every step, the drafts the
-    reference computes over the whole sequence so far."""
-    model_dir, hf, tensors = mtp_models("qwen3_5_moe")
+    verify step kept (0, 1 or 2 drafts accepted), each pass-1 row and the chain give, after
+    every step, the drafts the reference computes over the whole sequence so far."""
+    from tests.spec_helpers import ScriptedDrafter
+
+    model_dir, hf, tensors = mtp_models("qwen3_5_vision")
     config = ModelConfig.from_hf(model_dir)
+    prompt = [5, 9, 14, 3, 3, 28, 17, 40, 41, 8, 2, 61, 90, 7, 7, 12, 33, 19, 4]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = LLM(model_dir).generate([prompt], params)[0].token_ids
     llm = LLM(
         model_dir,
         chunked_prefill_size=8,
         speculative_config={"method": "mtp", "num_speculative_tokens": 2},
     )
-    prompt = [5, 9, 14, 3, 3, 28, 17, 40, 41, 8, 2, 61, 90, 7, 7, 12, 33, 19, 4]
-    llm.engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0))
-    req = llm.engine.scheduler.requests["r"]
-    steps = []
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
-        if req.output_ids and len(req.output_ids) < 5:  # (no drafts for the last token)
-            steps.append((list(req.output_ids), tuple(req.drafts)))
-    assert len(steps) > 2
-    for output, drafts in steps:
-        first, want = reference_drafts(config, tensors, hf, prompt + output[:-1], 2)
-        assert first == output[-1]
-        assert drafts == tuple(want), f"after {len(output)} tokens"
+    scripted = ScriptedDrafter({tuple(prompt): want}, 2, config.vocab_size)
+    llm.engine.drafter = drafter = MtpUnderScript(llm.engine.drafter, scripted)
+    assert llm.generate([prompt], params)[0].token_ids == want
+    assert all(n > 0 for n in llm.stats().spec_decode_num_accepted_tokens_per_pos)
+    assert len(drafter.proposals) > 3
+    for _, tokens, drafts in drafter.proposals:
+        first, chain = reference_drafts(config, tensors, hf, prompt + tokens[:-1], 2)
+        assert first == tokens[-1]
+        assert drafts == tuple(chain), f"after {len(tokens)} tokens"
 
 
 GREEDY_PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5], list(range(20, 45)), [40, 41, 40, 41, 42]]
