@@ -340,3 +340,13 @@ def test_pd_pair_with_mtp_drafting_matches_colocated_speculation(mtp_models):
         assert_pools_empty(run.prefill, run.decoder)
     finally:
         close(run)
+
+
+def test_mtp_drafting_from_a_checkpoint_without_mtp_weights_names_them(gdn_models):
+    """Qwen3-Next counts one MTP layer when its config names none (as vLLM); a checkpoint saved
+    by transformers has no `mtp.*`, and drafting with it is refused naming the missing tensors."""
+    from engine.checkpoint.weights import WeightError
+
+    model_dir, _ = gdn_models("qwen3_next_moe")
+    with pytest.raises(WeightError, match="missing tensor.*'mtp.fc.weight'"):
+        LLM(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
