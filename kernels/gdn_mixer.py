@@ -150,3 +150,36 @@ def gdn_mixer_decode(
     o = gated_delta_decode(q, k, v, g, beta, state_pool, state_indices)
     out = norm_before_gate(o, z.view(o.shape), weights.norm_weight, dims.norm_eps)
     return out.view(-1, dims.num_v_heads * dims.v_head_dim)
+
+
+def gdn_mixer_verify(
+    qkv: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    weights: GDNMixerWeights,
+    dims: GDNMixerDims,
+    decode_params: cpu_gated_delta.GDNDecodeParams | None,
+) -> torch.Tensor:
+    """Speculative verify: q tokens per request, rows request-major (nv * q of them, shapes as
+    gdn_mixer_decode's), slots: (nv, q + 1) int64, column 0 the slot read, column i + 1 the slot
+    that keeps both states after token i (rollback is choosing one of them).
+
+    Token i is one decode step on slot column i + 1 after copying column i's states into it:
+    the decode step's own kernels (the fused C step on the CPU), so each kept state is the one
+    plain decoding would have left there."""
+    nv, q = slots.shape[0], slots.shape[1] - 1
+    outs = []
+    for i in range(q):
+        src, dst = slots[:, i].contiguous(), slots[:, i + 1].contiguous()
+        conv_states.index_copy_(0, dst, conv_states[src])
+        state_pool.index_copy_(0, dst, state_pool[src])
+        # token i of every request, gathered (each kernel path reads dense rows)
+        rows = [t[i : nv * q : q].contiguous() for t in (qkv, z, a, b)]
+        outs.append(
+            gdn_mixer_decode(*rows, conv_states, state_pool, dst, weights, dims, decode_params)
+        )
+    return torch.stack(outs, dim=1).view(nv * q, -1)

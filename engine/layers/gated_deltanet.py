@@ -40,7 +40,13 @@ from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.mlp import fuse_linears
 from engine.layers.track import checkpoint_states
 from kernels.cpu_gated_delta import GDNDecodeParams
-from kernels.gdn_mixer import GDNMixerDims, GDNMixerWeights, gdn_mixer_decode, gdn_mixer_prefill
+from kernels.gdn_mixer import (
+    GDNMixerDims,
+    GDNMixerWeights,
+    gdn_mixer_decode,
+    gdn_mixer_prefill,
+    gdn_mixer_verify,
+)
 from kernels.linear import PackedLinear
 
 # The chunk of the gated delta rule's prefill (no config key: FLA's and transformers' 64). Prefix
@@ -280,11 +286,13 @@ class GatedDeltaNet(nn.Module):
         return (torch.cat(outs[:3], dim=-1), *outs[3:])
 
     def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
-        """Decode rows first, then prefill rows (the batch's order)."""
+        """Decode rows first, then verify rows (speculation), then prefill rows (the batch's
+        order)."""
         state = cache.layer("gdn", self.index)
         conv_pool, state_pool = state["conv"], state["recurrent"]
         qkv, z, b, a = self.project(hidden)
         T, nd = hidden.shape[0], md.forward.batch.num_decode_tokens
+        nv = md.forward.batch.num_verify_tokens
         weights = self.mixer_weights()
         decode_params = self.frozen[1] if self.frozen is not None else None
         parts, windows, chunk_states = [], None, None
@@ -303,10 +311,18 @@ class GatedDeltaNet(nn.Module):
                     decode_params,
                 )  # fmt: skip
             )
-        if T > nd:
-            track = md.has_mamba_track_mask
+        if nv:
+            rows = [t[nd : nd + nv] for t in (qkv, z, a, b)]
+            slots = md.verify_slots
+            parts.append(
+                gdn_mixer_verify(
+                    *rows, conv_pool, state_pool, slots, weights, self.dims, decode_params
+                )
+            )
+        if T > nd + nv:
+            track, p = md.has_mamba_track_mask, slice(nd + nv, T)
             prefill = gdn_mixer_prefill(
-                qkv[nd:], z[nd:], a[nd:], b[nd:], conv_pool, state_pool, md.prefill_slots,
+                qkv[p], z[p], a[p], b[p], conv_pool, state_pool, md.prefill_slots,
                 md.window_layout, md.chunk_layout, weights, self.dims,
                 want_chunk_states=track,  # only checkpoints read them
                 window_tokens=md.track_window_indices[md.num_decode_tracks :] if track else None,

@@ -5,7 +5,9 @@ e.g. Qwen/Qwen3.5-27B): gated DeltaNet and gated attention 3:1, a SwiGLU MLP in 
 
 The published checkpoints are the vision-language ones: the language model's keys nest under
 `text_config`, its weights under `model.language_model.`; the vision tower is skipped and image
-inputs are refused by the server (text content parts only).
+inputs are refused by the server (text content parts only). Its MTP layer
+(engine/models/qwen_mtp.py): `mtp_num_hidden_layers` of the text config (a key transformers'
+config class does not have), its weights `mtp.*` at the checkpoint's top level.
 """
 
 from __future__ import annotations
@@ -27,4 +29,5 @@ def read_config(r: ConfigReader) -> ModelConfig:
         projections="qkv_z_b_a",
         moe_layers=(False,) * t.opt("num_hidden_layers"),
         moe=None,
+        num_mtp_layers=int(t.hf.get("mtp_num_hidden_layers") or 0),
     )

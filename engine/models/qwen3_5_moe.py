@@ -28,4 +28,5 @@ def read_config(r: ConfigReader) -> ModelConfig:
         moe_layers=(True,) * t.opt("num_hidden_layers"),
         # transformers' Qwen3.5-MoE router always renormalises (the class has no such key)
         moe=qwen_hybrid.qwen_moe_config(t, norm_topk_prob=True),
+        num_mtp_layers=int(t.hf.get("mtp_num_hidden_layers") or 0),  # as Qwen3.5's
     )

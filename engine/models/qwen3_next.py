@@ -6,6 +6,9 @@ in every `decoder_sparse_step`-th layer not in `mlp_only_layers`, a SwiGLU MLP e
 Its GDN input projections are packed per key head (`in_proj_qkvz`, `in_proj_ba`); the layer reads
 them back in blocked order (engine/layers/gated_deltanet.py). Its experts are stored per expert
 (`mlp.experts.{e}.gate_proj / up_proj / down_proj`).
+
+Its MTP layer (engine/models/qwen_mtp.py): `num_nextn_predict_layers`, 1 when absent as vLLM
+reads it (the published configs do not name it; their checkpoints hold `mtp.*`).
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ def read_config(r: ConfigReader) -> ModelConfig:
         if any(moe_layers)
         else None
     )
+    num_mtp = r.hf.get("num_nextn_predict_layers")  # absent: 1, as vLLM reads it
     return qwen_hybrid.read_config(
         r,
         architecture="Qwen3NextForCausalLM",
         projections="qkvz_ba",
         moe_layers=moe_layers,
         moe=moe,
+        num_mtp_layers=1 if num_mtp is None else int(num_mtp),
     )

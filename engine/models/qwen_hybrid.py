@@ -14,6 +14,10 @@ Weights as transformers names them: `model.embed_tokens`, `model.layers.{i}.{inp
 linear_attn | self_attn, post_attention_layernorm, mlp}`, `model.norm`, `lm_head`; the vision
 checkpoints (`...ForConditionalGeneration`) keep the language model under
 `model.language_model.` and the vision tower under `model.visual.` (skipped: text only).
+
+Multi-token prediction (speculative decoding with method "mtp"): one MTP layer
+(engine/models/qwen_mtp.py), a full-attention decoder layer whose FFN is MoE exactly when layer 0's
+is (vLLM builds it as the layer of index 0), built only when the engine drafts with it.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ from engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
 from engine.layers.gated_deltanet import GatedDeltaNet, GDNConfig, GDNProjections
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import MoE, MoEConfig
+from engine.layers.mtp import mtp_state
 from engine.layers.norm import ZeroCenteredRMSNorm
 from engine.layers.qk_norm_attention import QKNormAttention
+from engine.models.qwen_mtp import QwenMTP
 from engine.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -118,10 +124,16 @@ def read_config(
     projections: GDNProjections,
     moe_layers: tuple[bool, ...],
     moe: MoEConfig | None,
+    num_mtp_layers: int,
 ) -> ModelConfig:
     """The whole config of a Qwen hybrid from its text keys `r` (a vision checkpoint's outer
-    file holds tie_word_embeddings)."""
+    file holds tie_word_embeddings); num_mtp_layers: the checkpoint's MTP layers (family key)."""
     t = text_reader(r)
+    if num_mtp_layers > 1:
+        raise t.error(
+            f"{num_mtp_layers} MTP layers are not supported (baton runs one MTP layer, chained"
+            " for every draft, as the published checkpoints have)"
+        )
     hidden = t.need("hidden_size")
     layer_types = read_layer_types(t)
     num_heads = t.opt("num_attention_heads")
@@ -144,7 +156,7 @@ def read_config(
         hidden_size=hidden,
         tie_word_embeddings=bool(tie),
         max_position_embeddings=t.opt("max_position_embeddings"),
-        num_nextn_predict_layers=int(t.hf.get("mtp_num_hidden_layers") or 0),
+        num_nextn_predict_layers=num_mtp_layers,
         eos_token_ids=t.eos_token_ids() if t.has("eos_token_id") else r.eos_token_ids(),
         bos_token_id=t.opt("bos_token_id"),
         torch_dtype=t.hf.get("dtype") or t.hf.get("torch_dtype") or r.torch_dtype(),
@@ -196,16 +208,16 @@ def qwen_moe_config(t: ConfigReader, *, norm_topk_prob: bool) -> MoEConfig:
 
 
 def state_spec(config: ModelConfig, dtype: torch.dtype) -> ModelStateSpec:
-    """GDN conv window and recurrent state at `linear_attention` layers, K/V at the others."""
+    """GDN conv window and recurrent state at `linear_attention` layers, K/V at the others;
+    with the MTP layer built, its K/V (pool index after the model's own) and the target's last
+    hidden state per request (engine/layers/mtp.py)."""
     qwen = config.family
+    kv = attention_state(qwen.attention.num_kv_heads, qwen.attention.head_dim, dtype)
     uses: list[LayerState] = []
     for kind in qwen.layer_types:
-        if kind == "linear_attention":
-            uses.append(GatedDeltaNet.state_spec(qwen.gdn, dtype))
-        else:
-            uses.append(
-                attention_state(qwen.attention.num_kv_heads, qwen.attention.head_dim, dtype)
-            )
+        uses.append(GatedDeltaNet.state_spec(qwen.gdn, dtype) if kind == "linear_attention" else kv)
+    if config.num_nextn_predict_layers:
+        uses += [kv, mtp_state(config.hidden_size, dtype)]
     return ModelStateSpec.of(uses)
 
 
@@ -243,38 +255,42 @@ def _log_vision_skipped() -> None:
     log.info("skipping the vision tower's weights (model.visual.*): baton serves text only")
 
 
+def decoder_layer(
+    hidden: int, qwen: QwenHybridConfig, kind: LayerType, pool_index: int, moe: bool
+) -> MixerFFNLayer:
+    """pool_index: the layer's index among the layers of its state kind (GDN or K/V)."""
+    if kind == "linear_attention":
+        name, mixer = "linear_attn", GatedDeltaNet(hidden, qwen.gdn, pool_index)
+    else:
+        name = "self_attn"
+        mixer = QKNormAttention(
+            hidden, qwen.attention, pool_index,
+            qk_norm="per_head", norm_eps=qwen.norm_eps, output_gate=True,
+        )  # fmt: skip
+    if moe:
+        ffn: nn.Module = MoE(hidden, qwen.moe, shared_name="shared_expert")
+    else:
+        ffn = GatedMLP(hidden, qwen.intermediate_size, False, "silu")
+    return MixerFFNLayer(
+        names=("input_layernorm", name, "post_attention_layernorm"),
+        hidden_size=hidden,
+        eps=qwen.norm_eps,
+        mixer=mixer,
+        ffn={"mlp": ffn},
+        residual_multiplier=1.0,
+        norm=ZeroCenteredRMSNorm,
+    )
+
+
 class QwenHybridModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         qwen, hidden = config.family, config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden)
-        gdn_layers, attention_layers = qwen.uses("linear_attention"), qwen.uses("full_attention")
-        layers = []
-        for i, kind in enumerate(qwen.layer_types):
-            if kind == "linear_attention":
-                name, mixer = "linear_attn", GatedDeltaNet(hidden, qwen.gdn, gdn_layers.index(i))
-            else:
-                name = "self_attn"
-                mixer = QKNormAttention(
-                    hidden, qwen.attention, attention_layers.index(i),
-                    qk_norm="per_head", norm_eps=qwen.norm_eps, output_gate=True,
-                )  # fmt: skip
-            if qwen.moe_layers[i]:
-                ffn: nn.Module = MoE(hidden, qwen.moe, shared_name="shared_expert")
-            else:
-                ffn = GatedMLP(hidden, qwen.intermediate_size, False, "silu")
-            layers.append(
-                MixerFFNLayer(
-                    names=("input_layernorm", name, "post_attention_layernorm"),
-                    hidden_size=hidden,
-                    eps=qwen.norm_eps,
-                    mixer=mixer,
-                    ffn={"mlp": ffn},
-                    residual_multiplier=1.0,
-                    norm=ZeroCenteredRMSNorm,
-                )
-            )
-        self.layers = nn.ModuleList(layers)
+        self.layers = nn.ModuleList(
+            decoder_layer(hidden, qwen, kind, qwen.uses(kind).index(i), qwen.moe_layers[i])
+            for i, kind in enumerate(qwen.layer_types)
+        )
         self.norm = ZeroCenteredRMSNorm(hidden, qwen.norm_eps)
 
     def forward(self, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
@@ -286,4 +302,11 @@ class QwenHybridModel(nn.Module):
 
 class Model(CausalLM):
     def __init__(self, config: ModelConfig):
-        super().__init__(config, QwenHybridModel(config), "embed_tokens")
+        qwen, mtp = config.family, None
+        if config.num_nextn_predict_layers:
+            kv_index = len(qwen.uses("full_attention"))  # the MTP's K/V follow the model's
+            layer = decoder_layer(
+                config.hidden_size, qwen, "full_attention", kv_index, qwen.moe_layers[0]
+            )
+            mtp = QwenMTP(config.hidden_size, qwen.norm_eps, layer)
+        super().__init__(config, QwenHybridModel(config), "embed_tokens", mtp=mtp)
