@@ -12,7 +12,9 @@ Which weights are quantized is what the checkpoint holds, checked against its co
 with scale tensors must be one the config quantizes (else an error naming the tensor and the
 key); a layer the config would quantize but stored in a float dtype without scales (an exclude
 list that misses one, as Qwen3.5 NVFP4's `mtp.fc`) stays in that dtype, with a log line.
-Expert stacks are the attributes a layer lists in `quantizable_stacks` ((E, N, K) weights).
+Expert stacks are the attributes a layer lists in `quantizable_stacks` ((E, N, K) weights); one a
+checkpoint stores in parts per expert (Qwen3.5-MoE's gate_proj / up_proj) is quantized part by
+part and joined after loading (modules.py).
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.checkpoint.weights import Rename, checkpoint_files
+from engine.checkpoint.weights import ExpertParts, Rename, checkpoint_files
 from engine.parallel import Slices, shard_rule
 from engine.quantization.config import LayerScheme, QuantConfig
-from engine.quantization.modules import QuantizedLinear, QuantizedWeight
+from engine.quantization.modules import QuantizedLinear, QuantizedWeight, StackPart
 from engine.quantization.schemes import WeightError, WeightShape, check_header, tensor_specs
-from kernels.quant import quantize_fp8
+from kernels.quant import concat_rows, quantize_fp8
 
 log = logging.getLogger(__name__)
 
@@ -84,52 +86,90 @@ def quantize_modules(
             if type(child) is not nn.Linear or id(child.weight) in tied:
                 continue
             name = prefix + attr
-            decided = _decide(name, [name], (), child.weight, quant, headers, left)
-            if decided is not None:
-                scheme, shape, scale_shape = decided
-                setattr(
-                    parent,
-                    attr,
-                    QuantizedLinear(
-                        child,
-                        name=name,
-                        scheme=scheme,
-                        shape=shape,
-                        scale_shape=scale_shape,
-                        size_word=size_word,
-                        device=child.weight.device,
-                    ),
-                )
-                counts[scheme.algo] += 1
+            scheme = _scheme(name, [name], quant, headers, left)
+            if scheme is None:
+                continue
+            rule = _matrix_rule(child.weight)
+            shape, scale_shape = _checked_shape([name], (), child.weight.shape, rule, scheme,
+                                                quant, headers)  # fmt: skip
+            setattr(
+                parent,
+                attr,
+                QuantizedLinear(
+                    child,
+                    name=name,
+                    scheme=scheme,
+                    shape=shape,
+                    scale_shape=scale_shape,
+                    size_word=size_word,
+                    device=child.weight.device,
+                ),
+            )
+            counts[scheme.algo] += 1
         for attr in getattr(parent, "quantizable_stacks", ()):
-            name = prefix + attr
-            value = getattr(parent, attr)
-            weight = value if isinstance(value, torch.Tensor) else value.weight
-            experts = weight.shape[0]
-            if f"{name}.weight" in headers:  # stored stacked, as transformers' Granite writes it
-                matrices, lead = [name], (experts,)
-            else:  # one tensor per expert, as NVIDIA's Nemotron 3 checkpoints
-                matrices, lead = [f"{prefix}{e}.{attr}" for e in range(experts)], ()
-            decided = _decide(name, matrices, lead, weight, quant, headers, left)
-            if decided is not None:
-                scheme, shape, scale_shape = decided
-                if isinstance(value, torch.Tensor):
-                    delattr(parent, attr)
-                setattr(
-                    parent,
-                    attr,
-                    QuantizedWeight(
-                        name=name,
-                        scheme=scheme,
-                        shape=shape,
-                        lead=(experts,),
-                        scale_shape=scale_shape,
-                        size_word=size_word,
-                        device=weight.device,
-                    ),
-                )
-                counts[f"{scheme.algo} expert stack"] += 1
+            algo = _quantize_stack(parent, prefix, attr, quant, headers, left, size_word)
+            if algo is not None:
+                counts[f"{algo} expert stack"] += 1
     _log_summary(quant, counts, left, headers)
+
+
+def _quantize_stack(
+    parent: nn.Module,
+    prefix: str,
+    attr: str,
+    quant: QuantConfig,
+    headers: dict[str, Header],
+    left: list[str],
+    size_word: str,
+) -> str | None:
+    """The (E, N, K) expert stack `attr` of `parent` as the checkpoint stores it: one tensor
+    (transformers' Granite), one per expert (Nemotron 3), or one per expert and part (Qwen3.5-MoE's
+    gate_proj and up_proj, the stack's [gate | up] rows, as the layer declares with ExpertParts):
+    a QuantizedWeight per stored kind of matrix. Returns its algorithm, None if left as it is."""
+    name = prefix + attr
+    value = getattr(parent, attr)
+    weight = value if isinstance(value, torch.Tensor) else value.weight
+    experts, (n, k) = weight.shape[0], weight.shape[-2:]
+    parts: ExpertParts | None = getattr(weight, "_baton_expert_parts", None)
+    # (attribute, checkpoint matrices, lead dims on disk, this rank's (n, k), its slice)
+    pieces: list[tuple[str, list[str], tuple[int, ...], tuple[int, int], Slices | None]]
+    if f"{name}.weight" in headers:
+        pieces = [(attr, [name], (experts,), (n, k), _matrix_rule(weight))]
+    elif parts is not None and f"{prefix}0.{parts.names[0]}.weight" in headers:
+        rows = n // len(parts.names)
+        rule = None if parts.rule is None else Slices(dim=-2, ranges=parts.rule.ranges)
+        pieces = [
+            (part, [f"{prefix}{e}.{part}" for e in range(experts)], (), (rows, k), rule)
+            for part in parts.names
+        ]
+    else:
+        pieces = [(attr, [f"{prefix}{e}.{attr}" for e in range(experts)], (), (n, k),
+                   _matrix_rule(weight))]  # fmt: skip
+    every = [matrix for _, matrices, *_ in pieces for matrix in matrices]
+    scheme = _scheme(name, every, quant, headers, left)
+    if scheme is None:
+        return None
+    checked = [_checked_shape(m, lead, local, rule, scheme, quant, headers)
+               for _, m, lead, local, rule in pieces]  # fmt: skip
+    part_of = StackPart(stack=attr, parts=tuple(p[0] for p in pieces)) if len(pieces) > 1 else None
+    if isinstance(value, torch.Tensor):
+        delattr(parent, attr)
+    for (part, *_), (shape, scale_shape) in zip(pieces, checked):
+        setattr(
+            parent,
+            part,
+            QuantizedWeight(
+                name=prefix + part,
+                scheme=scheme,
+                shape=shape,
+                lead=(experts,),
+                scale_shape=scale_shape,
+                size_word=size_word,
+                device=weight.device,
+                part_of=part_of,
+            ),
+        )
+    return scheme.algo
 
 
 def tied_parameters(model: nn.Module) -> set[int]:
@@ -138,18 +178,17 @@ def tied_parameters(model: nn.Module) -> set[int]:
     return {key for key, uses in seen.items() if uses > 1}
 
 
-def _decide(
+def _scheme(
     name: str,
     matrices: list[str],
-    lead: tuple[int, ...],
-    weight: torch.Tensor,
     quant: QuantConfig,
     headers: dict[str, Header],
     left: list[str],
-) -> tuple[LayerScheme, WeightShape, tuple[int, ...] | None] | None:
-    """The scheme, shape and FP8 scale shape of the weight `name` whose checkpoint tensors are
-    `matrices` (one per expert, or one), or None to leave it as it is. Checks every stored
-    tensor's dtype and shape (WeightError naming tensor and key)."""
+) -> LayerScheme | None:
+    """The scheme of the weight `name` whose checkpoint tensors are `matrices` (one, or one per
+    expert and part), None to leave it as it is (stored unquantized: noted in `left` when the
+    config would quantize it). WeightError when its matrices are stored unlike each other or
+    unlike the config."""
     stored = [m for m in matrices if f"{m}.weight" in headers]
     if not stored:
         return None  # not in the checkpoint: the loader reports it missing
@@ -187,9 +226,23 @@ def _decide(
             f"tensor {first}.weight is stored quantized, but {quant.source} leaves {first} "
             f"unquantized ({why})"
         )
-    scheme = per_matrix[0]
-    header = headers[f"{stored[0]}.weight"]
-    shape = _weight_shape(weight, header, scheme)
+    return per_matrix[0]
+
+
+def _checked_shape(
+    matrices: list[str],
+    lead: tuple[int, ...],
+    local: tuple[int, int],
+    rule: Slices | None,
+    scheme: LayerScheme,
+    quant: QuantConfig,
+    headers: dict[str, Header],
+) -> tuple[WeightShape, tuple[int, ...] | None]:
+    """The shape of a weight this rank holds as (n, k) = `local`, sliced by `rule`, and its FP8
+    scale shape, once every stored tensor's dtype and shape is checked against `scheme`
+    (WeightError naming tensor and key)."""
+    stored = [m for m in matrices if f"{m}.weight" in headers]
+    shape = _weight_shape(local, rule, headers[f"{stored[0]}.weight"], scheme)
     scale = headers.get(f"{stored[0]}.weight_scale")
     scale_shape = scale.shape[len(lead) :] if scale is not None else None
     for matrix in stored:
@@ -202,30 +255,47 @@ def _decide(
                 )
             found = headers[tensor]
             check_header(tensor, spec, found.dtype, found.shape, lead, scheme, quant.source)
-    return scheme, shape, scale_shape
+    return shape, scale_shape
 
 
-def _weight_shape(weight: torch.Tensor, header: Header, scheme: LayerScheme) -> WeightShape:
-    """The whole model's (N, K) (the checkpoint's along the sliced axis), this rank's, and the
-    slice on the weight's last two dims."""
-    n, k = weight.shape[-2:]
+def _matrix_rule(weight: torch.Tensor) -> Slices | None:
+    """The weight's tensor-parallel slice on its last two dims (-2: rows, -1: inputs)."""
+    rule = shard_rule(weight)
+    if not isinstance(rule, Slices):
+        return None
+    on_rows = rule.dim % weight.dim() == weight.dim() - 2
+    return Slices(dim=-2 if on_rows else -1, ranges=rule.ranges)
+
+
+def _weight_shape(
+    local: tuple[int, int], rule: Slices | None, header: Header, scheme: LayerScheme
+) -> WeightShape:
+    """The whole model's (N, K) (the checkpoint's along the sliced axis) and this rank's."""
+    n, k = local
     stored_n, stored_cols = header.shape[-2:]
     stored_k = stored_cols * 2 if scheme.algo == "NVFP4" else stored_cols
-    rule = shard_rule(weight)
-    if isinstance(rule, Slices):
-        on_rows = rule.dim % weight.dim() == weight.dim() - 2
-        full = (stored_n, k) if on_rows else (n, stored_k)
-        rule = Slices(dim=-2 if on_rows else -1, ranges=rule.ranges)
-    else:
-        full, rule = (n, k), None
+    if rule is None:
+        return WeightShape(full=(n, k), local=(n, k), rule=None)
+    full = (stored_n, k) if rule.dim == -2 else (n, stored_k)
     return WeightShape(full=full, local=(n, k), rule=rule)
 
 
 def finalize(model: nn.Module) -> None:
-    """After loading: each quantized weight's stored tensors -> the kernels' per-row form."""
+    """After loading: each quantized weight's stored tensors -> the kernels' per-row form; an
+    expert stack stored in parts becomes one weight under the stack's name, the parts' rows in
+    order (each keeping its scales)."""
     for module in model.modules():
         if isinstance(module, QuantizedWeight) and module.specs:
             module.finalize()
+    for parent in list(model.modules()):
+        for attr, child in list(parent.named_children()):
+            part_of = getattr(child, "part_of", None)
+            if part_of is None or attr != part_of.parts[0]:
+                continue
+            parts = [getattr(parent, part).quantized for part in part_of.parts]
+            for part in part_of.parts:
+                delattr(parent, part)
+            setattr(parent, part_of.stack, QuantizedWeight.of(concat_rows(parts)))
 
 
 def quantize_online(model: nn.Module) -> None:
