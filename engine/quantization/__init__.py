@@ -16,10 +16,9 @@ from torch import nn
 
 from engine.checkpoint.weights import Rename
 from engine.quantization.config import QUANTIZATION_NAMES, QuantConfig, read_quantization
+from engine.quantization.stored import QUANTIZED_DTYPES, checkpoint_headers
 from engine.quantization.transform import (
-    QUANTIZED_DTYPES,
     UNUSED_SUFFIXES,
-    checkpoint_headers,
     finalize,
     quantize_modules,
     quantize_online,

@@ -24,6 +24,7 @@ Anything baton does not load is refused naming the key and its value.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,24 +73,54 @@ class QuantConfig:
         None when the config leaves it unquantized."""
         if self.excluded(name) is not None:
             return None
-        for key, scheme in self.per_layer:
-            if name == key or name.startswith(key + "."):
-                return scheme
-        return self.default
+        if not self.per_layer:
+            return self.default
+        listed = _layer_index(self.per_layer)  # the first listed entry that is `name` or a parent
+        found = [listed[p] for p in _dotted_prefixes(name) if p in listed]
+        return min(found, key=lambda entry: entry[0])[1] if found else self.default
 
     def excluded(self, name: str) -> str | None:
         """The exclude pattern that matches `name`, if any: the module itself or a parent
         (`lm_head`, `model.layers.0`), a wildcard (`*.conv1d`, `model.layers.1*`), or a suffix at
         a module boundary (transformers' `modules_to_not_convert`)."""
-        for pattern in self.exclude:
+        names, wildcards = _pattern_index(self.exclude)
+        parts = name.split(".")
+        suffixes = [".".join(parts[i:]) for i in range(1, len(parts))]
+        for candidate in _dotted_prefixes(name) + suffixes:
+            if candidate in names:
+                return candidate
+        for pattern in wildcards:
             if (
-                name == pattern
-                or name.startswith(pattern + ".")
+                name.startswith(pattern + ".")
                 or name.endswith("." + pattern)
                 or fnmatch.fnmatchcase(name, pattern)
             ):
                 return pattern
         return None
+
+
+# Qwen's FP8 releases list every module they keep (~500 names) and a MoE checks tens of
+# thousands of expert matrices: names are looked up, only wildcards are matched one by one.
+@functools.lru_cache(maxsize=16)
+def _pattern_index(patterns: tuple[str, ...]) -> tuple[frozenset[str], tuple[str, ...]]:
+    wildcards = tuple(p for p in patterns if any(c in p for c in "*?["))
+    return frozenset(patterns).difference(wildcards), wildcards
+
+
+@functools.lru_cache(maxsize=16)
+def _layer_index(
+    per_layer: tuple[tuple[str, LayerScheme], ...],
+) -> dict[str, tuple[int, LayerScheme]]:
+    index: dict[str, tuple[int, LayerScheme]] = {}
+    for position, (key, scheme) in enumerate(per_layer):
+        index.setdefault(key, (position, scheme))
+    return index
+
+
+def _dotted_prefixes(name: str) -> list[str]:
+    """`a.b.c` -> [`a`, `a.b`, `a.b.c`]."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def read_quantization(model_dir: str | Path, requested: str | None, rename) -> QuantConfig | None:

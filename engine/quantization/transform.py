@@ -21,46 +21,22 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from engine.checkpoint.weights import ExpertParts, Rename, checkpoint_files
-from engine.parallel import Slices, shard_rule
-from engine.quantization.config import LayerScheme, QuantConfig
+from engine.checkpoint.weights import ExpertParts, Rename
+from engine.parallel import Slices
+from engine.quantization.config import QuantConfig
 from engine.quantization.modules import QuantizedLinear, QuantizedWeight, StackPart
-from engine.quantization.schemes import WeightError, WeightShape, check_header, tensor_specs
+from engine.quantization.stored import Header, checked_shape, matrix_rule, stored_scheme
 from kernels.quant import concat_rows, quantize_fp8
 
 log = logging.getLogger(__name__)
 
-SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_scale_2")
 # Read and not applied: weight-only linears never quantize their inputs (the GPU's w8a8 uses
 # dynamic per-token scales), and K/V stay in the model dtype.
 UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
-QUANTIZED_DTYPES = ("F8_E4M3", "U8")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Header:
-    dtype: str  # safetensors' code: F32, BF16, F8_E4M3, U8, ...
-    shape: tuple[int, ...]
-
-
-def checkpoint_headers(model_dir: str | Path, rename: Rename) -> dict[str, Header]:
-    """Every tensor's dtype and shape by model name (headers only, nothing read)."""
-    headers: dict[str, Header] = {}
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as shard:
-            for name in shard.keys():
-                renamed = rename(name)
-                if renamed is not None:
-                    part = shard.get_slice(name)
-                    headers[renamed] = Header(dtype=part.get_dtype(), shape=tuple(part.get_shape()))
-    return headers
 
 
 def skip_unused(rename: Rename) -> Rename:
@@ -86,11 +62,11 @@ def quantize_modules(
             if type(child) is not nn.Linear or id(child.weight) in tied:
                 continue
             name = prefix + attr
-            scheme = _scheme(name, [name], quant, headers, left)
+            scheme = stored_scheme(name, [name], quant, headers, left)
             if scheme is None:
                 continue
-            rule = _matrix_rule(child.weight)
-            shape, scale_shape = _checked_shape([name], (), child.weight.shape, rule, scheme,
+            rule = matrix_rule(child.weight)
+            shape, scale_shape = checked_shape([name], (), child.weight.shape, rule, scheme,
                                                 quant, headers)  # fmt: skip
             setattr(
                 parent,
@@ -134,7 +110,7 @@ def _quantize_stack(
     # (attribute, checkpoint matrices, lead dims on disk, this rank's (n, k), its slice)
     pieces: list[tuple[str, list[str], tuple[int, ...], tuple[int, int], Slices | None]]
     if f"{name}.weight" in headers:
-        pieces = [(attr, [name], (experts,), (n, k), _matrix_rule(weight))]
+        pieces = [(attr, [name], (experts,), (n, k), matrix_rule(weight))]
     elif parts is not None and f"{prefix}0.{parts.names[0]}.weight" in headers:
         rows = n // len(parts.names)
         rule = None if parts.rule is None else Slices(dim=-2, ranges=parts.rule.ranges)
@@ -144,12 +120,12 @@ def _quantize_stack(
         ]
     else:
         pieces = [(attr, [f"{prefix}{e}.{attr}" for e in range(experts)], (), (n, k),
-                   _matrix_rule(weight))]  # fmt: skip
+                   matrix_rule(weight))]  # fmt: skip
     every = [matrix for _, matrices, *_ in pieces for matrix in matrices]
-    scheme = _scheme(name, every, quant, headers, left)
+    scheme = stored_scheme(name, every, quant, headers, left)
     if scheme is None:
         return None
-    checked = [_checked_shape(m, lead, local, rule, scheme, quant, headers)
+    checked = [checked_shape(m, lead, local, rule, scheme, quant, headers)
                for _, m, lead, local, rule in pieces]  # fmt: skip
     part_of = StackPart(stack=attr, parts=tuple(p[0] for p in pieces)) if len(pieces) > 1 else None
     if isinstance(value, torch.Tensor):
@@ -176,108 +152,6 @@ def tied_parameters(model: nn.Module) -> set[int]:
     """Parameters held under two names (an lm_head tied to the embeddings): never quantized."""
     seen = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     return {key for key, uses in seen.items() if uses > 1}
-
-
-def _scheme(
-    name: str,
-    matrices: list[str],
-    quant: QuantConfig,
-    headers: dict[str, Header],
-    left: list[str],
-) -> LayerScheme | None:
-    """The scheme of the weight `name` whose checkpoint tensors are `matrices` (one, or one per
-    expert and part), None to leave it as it is (stored unquantized: noted in `left` when the
-    config would quantize it). WeightError when its matrices are stored unlike each other or
-    unlike the config."""
-    stored = [m for m in matrices if f"{m}.weight" in headers]
-    if not stored:
-        return None  # not in the checkpoint: the loader reports it missing
-    quantized = [
-        m
-        for m in stored
-        if headers[f"{m}.weight"].dtype in QUANTIZED_DTYPES
-        or any(f"{m}.{s}" in headers for s in SCALE_SUFFIXES)
-    ]
-    per_matrix = [quant.scheme_for(m) for m in stored]
-    schemes = {None if s is None else (s.algo, s.block) for s in per_matrix}
-    if not quantized:
-        if schemes != {None}:
-            left.append(name)
-        return None
-    if len(quantized) != len(stored):
-        raise WeightError(
-            f"tensor {quantized[0]}.weight is quantized but {sorted(set(stored) - set(quantized))[0]}"
-            f".weight is not: the experts of {name} must be stored alike"
-        )
-    if len(schemes) != 1 or None in schemes:
-        first = next((m for m in stored if quant.scheme_for(m) is None), None)
-        if first is None:
-            raise WeightError(
-                f"{quant.source}: the experts of {name} are listed with different quant_algo "
-                f"({sorted(a for a, _ in schemes)}); one stack is stored one way"
-            )
-        pattern = quant.excluded(first)
-        why = (
-            f"{quant.exclude_key} lists {pattern!r}"
-            if pattern is not None
-            else ("it is not in quantized_layers")
-        )
-        raise WeightError(
-            f"tensor {first}.weight is stored quantized, but {quant.source} leaves {first} "
-            f"unquantized ({why})"
-        )
-    return per_matrix[0]
-
-
-def _checked_shape(
-    matrices: list[str],
-    lead: tuple[int, ...],
-    local: tuple[int, int],
-    rule: Slices | None,
-    scheme: LayerScheme,
-    quant: QuantConfig,
-    headers: dict[str, Header],
-) -> tuple[WeightShape, tuple[int, ...] | None]:
-    """The shape of a weight this rank holds as (n, k) = `local`, sliced by `rule`, and its FP8
-    scale shape, once every stored tensor's dtype and shape is checked against `scheme`
-    (WeightError naming tensor and key)."""
-    stored = [m for m in matrices if f"{m}.weight" in headers]
-    shape = _weight_shape(local, rule, headers[f"{stored[0]}.weight"], scheme)
-    scale = headers.get(f"{stored[0]}.weight_scale")
-    scale_shape = scale.shape[len(lead) :] if scale is not None else None
-    for matrix in stored:
-        for spec in tensor_specs(scheme, shape, scale_shape):
-            tensor = f"{matrix}.{spec.suffix}"
-            if tensor not in headers:
-                raise WeightError(
-                    f"tensor {tensor!r} is missing: {quant.source} {scheme.key} ({scheme.algo}) "
-                    f"stores it beside {matrix}.weight"
-                )
-            found = headers[tensor]
-            check_header(tensor, spec, found.dtype, found.shape, lead, scheme, quant.source)
-    return shape, scale_shape
-
-
-def _matrix_rule(weight: torch.Tensor) -> Slices | None:
-    """The weight's tensor-parallel slice on its last two dims (-2: rows, -1: inputs)."""
-    rule = shard_rule(weight)
-    if not isinstance(rule, Slices):
-        return None
-    on_rows = rule.dim % weight.dim() == weight.dim() - 2
-    return Slices(dim=-2 if on_rows else -1, ranges=rule.ranges)
-
-
-def _weight_shape(
-    local: tuple[int, int], rule: Slices | None, header: Header, scheme: LayerScheme
-) -> WeightShape:
-    """The whole model's (N, K) (the checkpoint's along the sliced axis) and this rank's."""
-    n, k = local
-    stored_n, stored_cols = header.shape[-2:]
-    stored_k = stored_cols * 2 if scheme.algo == "NVFP4" else stored_cols
-    if rule is None:
-        return WeightShape(full=(n, k), local=(n, k), rule=None)
-    full = (stored_n, k) if rule.dim == -2 else (n, stored_k)
-    return WeightShape(full=full, local=(n, k), rule=rule)
 
 
 def finalize(model: nn.Module) -> None:
