@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.families import FAMILY_CONFIGS, save_model
-from tests.gdn_families import QWEN_COMMON, VISION, save_gdn_model
+from tests.gdn_families import GDN_CONFIGS, QWEN_COMMON, VISION, save_gdn_model
 from tests.quantize import quantize_checkpoint
 from tests.tiny import save_tiny_model
 
@@ -69,6 +69,8 @@ QWEN = {
             ),
         ),
     ),
+    # Qwen3-Next (R = 1, heads of 8): in_proj_qkvz's rows are regrouped as they load
+    "qwen3_next": GDN_CONFIGS["qwen3_next_mixed"],
 }
 SOURCES = {
     "nemotron_dense": lambda path: save_tiny_model(path, seed=41),
@@ -80,6 +82,7 @@ SOURCES = {
     ),
     "qwen3_5_dense": lambda path: save_gdn_model(path, QWEN["qwen3_5_dense"], seed=44),
     "qwen3_5_moe": lambda path: save_gdn_model(path, QWEN["qwen3_5_moe"], seed=45),
+    "qwen3_next": lambda path: save_gdn_model(path, QWEN["qwen3_next"], seed=46),
 }
 # Nemotron 3 Super's kind of mix: NVFP4 routed experts, FP8 shared experts and some Mamba
 # projections, FP8 q/k (v left bf16: the three are then not fused), NVFP4 o_proj and MLP down.
@@ -140,6 +143,12 @@ OPTIONS = {
     ("qwen3_5_moe", "modelopt_nvfp4"): _QWEN_NVFP4,
     ("qwen3_5_moe", "fp8_block"): _QWEN_FP8_BLOCK,
     ("qwen3_5_moe", "fp8_block_divisible"): dict(_QWEN_FP8_BLOCK, block=(16, 16)),
+    # 8-row blocks: each head's q, k, v, z rows (8) regroup whole; 16-input edges of 8 (down)
+    ("qwen3_next", "fp8_block"): dict(
+        exclude=("*.linear_attn.in_proj_ba", "*.mlp.shared_expert_gate"),
+        block=(8, 16),
+        list_every_unquantized=True,
+    ),
 }
 
 

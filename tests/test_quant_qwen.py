@@ -28,6 +28,7 @@ CASES = [
     ("qwen3_5_moe", "modelopt_fp8"),
     ("qwen3_5_moe", "modelopt_nvfp4"),
     ("qwen3_5_moe", "fp8_block"),
+    ("qwen3_next", "fp8_block"),
 ]
 ENGINE = dict(dtype="float32", page_size=4, max_num_batched_tokens=32)
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
