@@ -152,7 +152,7 @@ def quantize_checkpoint(
         algo = _algo(fmt, module, mixed)
         listed = not quantizable(name, value) or algo is None or _matches(module, exclude)
         if listed:
-            not_converted.append(module)
+            not_converted.append(module.removesuffix(".bias"))
         if listed or _matches(module, unlisted):
             router = ".gate." in name or "router" in name
             stored = value if keep_dtype or router else value.to(torch.bfloat16)
