@@ -17,9 +17,11 @@ from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.quantization.modules import QuantizedLinear, QuantizedWeight
+from engine.quantization.schemes import WeightError
 from kernels.linear import PackedLinear
 from tests.quant_models import QWEN
 from tests.test_gdn_models import assert_matches_transformers, prompts_for
+from tests.test_quant_checkpoints import copy_of, edit_tensors, load
 
 CASES = [
     ("qwen3_5_dense", "modelopt_fp8"),
@@ -94,6 +96,24 @@ def test_what_the_release_keeps_in_bf16_stays_unquantized(quantized_models):
     assert isinstance(moe.shared_expert.gate_up, QuantizedLinear)
     assert isinstance(moe.shared_expert_gate, PackedLinear)
     assert isinstance(model.lm_head, PackedLinear)
+
+
+def test_expert_parts_stored_unlike_each_other_are_refused(quantized_models, tmp_path):
+    """One expert's up_proj in bf16 among FP8 parts: a load error naming both tensors."""
+    model_dir = copy_of(quantized_models("qwen3_5_moe", "fp8_block")[0], tmp_path / "m")
+    up = "model.language_model.layers.2.mlp.experts.3.up_proj"
+
+    def unquantize(tensors):
+        del tensors[f"{up}.weight_scale_inv"]
+        tensors[f"{up}.weight"] = tensors[f"{up}.weight"].to(torch.bfloat16)
+
+    edit_tensors(model_dir, unquantize)
+    with pytest.raises(
+        WeightError,
+        match=r"layers\.2\.mlp\.experts\.0\.gate_proj\.weight is quantized but "
+        r"model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight is not",
+    ):
+        load(model_dir)
 
 
 @pytest.mark.parametrize("model", ["qwen3_5_dense", "qwen3_5_moe"])
