@@ -24,7 +24,7 @@ _MOE = dict(
 )
 GRANITE = FAMILY_CONFIGS["granite_moe"]
 # Qwen3.5 with every dimension over 128 a partial 128-block (hidden 144, GDN conv channels and
-# the MLP 160) and every input width a multiple of 16 (NVFP4), also per rank at TP=2 (dense).
+# the MLP 160) and every input width a multiple of 16 (NVFP4), also per rank at TP=2.
 _QWEN_TEXT = dict(
     QWEN_COMMON,
     hidden_size=144,
@@ -59,9 +59,9 @@ QWEN = {
                 num_hidden_layers=3,
                 layer_types=["linear_attention", "full_attention", "linear_attention"],
                 linear_num_key_heads=1,
-                linear_num_value_heads=3,
+                linear_num_value_heads=2,
                 linear_key_head_dim=32,
-                linear_value_head_dim=32,
+                linear_value_head_dim=48,
                 num_experts=8,
                 num_experts_per_tok=2,
                 moe_intermediate_size=32,

@@ -124,12 +124,19 @@ def test_fine_grained_fp8_matches_transformers_own_fp8_loader(quantized_models, 
     assert_generates_as(LLM(quantized, **ENGINE), transformers_model(model, quantized))
 
 
-def test_tensor_parallel_ranks_load_their_slices_of_a_quantized_checkpoint(quantized_models):
-    """nvidia's mix at TP=2: each rank reads its rows / inputs of the NVFP4 MLPs (groups of 16
-    whole) and FP8 GDN and attention projections (per-tensor scales on both ranks)."""
-    quantized, dequantized = quantized_models("qwen3_5_dense", "modelopt_mixed")
+@pytest.mark.parametrize(
+    ("model", "fmt"), [("qwen3_5_dense", "modelopt_mixed"), ("qwen3_5_moe", "modelopt_nvfp4")]
+)
+def test_tensor_parallel_ranks_load_their_slices_of_a_quantized_checkpoint(
+    quantized_models, model, fmt
+):
+    """At TP=2 each rank reads its rows / inputs of every quantized weight and its scales:
+    nvidia's dense mix (NVFP4 MLPs in groups of 16 whole, FP8 GDN and attention projections with
+    per-tensor scales on both ranks), and NVFP4 experts whose gate_proj and up_proj parts are each
+    sliced on their own rows."""
+    quantized, dequantized = quantized_models(model, fmt)
     llm = LLM(quantized, tensor_parallel_size=2, **ENGINE)
     try:
-        assert_generates_as(llm, transformers_model("qwen3_5_dense", dequantized))
+        assert_generates_as(llm, transformers_model(model, dequantized))
     finally:
         llm.close()
