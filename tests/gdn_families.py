@@ -223,11 +223,15 @@ GDN_CONFIGS: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def build_gdn_model(name: str, seed: int):
-    """The transformers model of GDN_CONFIGS[name], fp32, eval mode, parameters spread."""
+GDNSpec = tuple[str, str, dict]  # (transformers config class, model class, config kwargs)
+
+
+def build_gdn_model(name: str | GDNSpec, seed: int):
+    """The transformers model of GDN_CONFIGS[name] (or of a spec), fp32, eval mode, parameters
+    spread."""
     import transformers
 
-    config_class, model_class, kwargs = GDN_CONFIGS[name]
+    config_class, model_class, kwargs = GDN_CONFIGS[name] if isinstance(name, str) else name
     config = getattr(transformers, config_class)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
@@ -235,7 +239,7 @@ def build_gdn_model(name: str, seed: int):
     return model
 
 
-def save_gdn_model(path: Path, name: str, seed: int):
+def save_gdn_model(path: Path, name: str | GDNSpec, seed: int):
     """build_gdn_model, saved with save_pretrained plus the tiny tokenizer; returns it."""
     model = build_gdn_model(name, seed)
     model.save_pretrained(str(path))

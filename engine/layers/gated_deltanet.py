@@ -16,7 +16,9 @@ Projections as the checkpoints store them (`GDNConfig.projections`), all read in
                 which are the one depthwise conv over q|k|v cut in three
 
 On the CPU (`pack_for_cpu`) the projections become one prepacked matmul in that order, which is
-also the row layout the fused C decode step reads (a and b share a row stride).
+also the row layout the fused C decode step reads (a and b share a row stride); a quantized
+checkpoint that stores them differently (Qwen3.5 FP8: in_proj_qkv and in_proj_z in FP8, in_proj_b
+and in_proj_a in bf16) gets one matmul per run of neighbours stored alike ([qkv | z], [b | a]).
 
 Under tensor parallelism a rank holds its value heads (Hv / size) and the key heads they read:
 q and k are split by key heads, each replicated on size / Hk ranks when there are fewer key heads
@@ -28,6 +30,7 @@ weights and the state cannot disagree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Literal
 
 import torch
@@ -37,7 +40,7 @@ from engine import parallel
 from engine.cache.pools import StateCache
 from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.mlp import fuse_linears
+from engine.layers.mlp import fuse_for_cpu, stored_as
 from engine.layers.track import checkpoint_states
 from kernels.cpu_gated_delta import GDNDecodeParams
 from kernels.gdn_mixer import (
@@ -47,7 +50,6 @@ from kernels.gdn_mixer import (
     gdn_mixer_prefill,
     gdn_mixer_verify,
 )
-from kernels.linear import PackedLinear
 
 # The chunk of the gated delta rule's prefill (no config key: FLA's and transformers' 64). Prefix
 # checkpoints sit on multiples of it, so a family's track interval must be one.
@@ -205,7 +207,10 @@ class GatedDeltaNet(nn.Module):
             parallel.shard(self.A_log, v_heads)
             columns = ((shard.first_v * dv, value),)
             parallel.shard(getattr(self, out_name).weight, parallel.Slices(dim=1, ranges=columns))
-        self.in_proj: PackedLinear | None = None  # CPU: every projection in one matmul
+        # CPU: the projections in as few matmuls as their storage allows (pack_for_cpu), and
+        # the widths of [qkv | z | b | a] each one's output holds
+        self.in_proj: nn.ModuleList | None = None
+        self.in_proj_widths: list[list[int]] = []
         self.frozen: tuple[GDNMixerWeights, GDNDecodeParams] | None = None  # CPU: freeze()
 
     def _projection_rows(self) -> list[Ranges]:
@@ -247,10 +252,26 @@ class GatedDeltaNet(nn.Module):
         return [((q[0], q[1]), (c.key_dim + q[0], q[1]), (2 * c.key_dim + v[0], v[1]))]
 
     def pack_for_cpu(self) -> None:
-        """One prepacked matmul for every projection, rows [qkv | z | b | a] (the plain
-        projections are dropped)."""
+        """The projections as prepacked matmuls, rows [qkv | z | b | a]: one over all of them,
+        or one per run of neighbours stored alike (the plain projections are dropped). Left
+        apart (each then packed on its own) when a run would end inside a width (OLMo-Hybrid's
+        q, k, v stored differently) or split b from a beside other widths."""
         names = PROJECTION_NAMES[self.config.projections]
-        self.in_proj = PackedLinear(fuse_linears([getattr(self, n) for n in names]))
+        runs = [list(run) for _, run in groupby(names, key=lambda n: stored_as(getattr(self, n)))]
+        widths = _split_widths(
+            [sum(getattr(self, n).out_features for n in run) for run in runs], self.widths
+        )
+        if widths is None:
+            return
+        # the fused C decode step reads b and a with one row stride: one output, or two alone
+        run_of = [i for i, group in enumerate(widths) for _ in group]  # of qkv, z, b, a
+        b_run, a_run = widths[run_of[2]], widths[run_of[3]]
+        if run_of[2] != run_of[3] and (len(b_run) > 1 or len(a_run) > 1):
+            return
+        fused = [fuse_for_cpu([getattr(self, n) for n in run]) for run in runs]
+        if any(module is None for module in fused):
+            return
+        self.in_proj, self.in_proj_widths = nn.ModuleList(fused), widths
         for name in names:
             delattr(self, name)
 
@@ -276,7 +297,11 @@ class GatedDeltaNet(nn.Module):
         """x: (T, hidden) -> qkv (T, conv channels), z (T, Hv dv), b, a (T, Hv): column views
         of one output where the layout allows (a and b then share a row stride)."""
         if self.in_proj is not None:
-            return self.in_proj(x).split(self.widths, dim=-1)
+            return tuple(
+                part
+                for proj, widths in zip(self.in_proj, self.in_proj_widths)
+                for part in proj(x).split(widths, dim=-1)
+            )
         names = PROJECTION_NAMES[self.config.projections]
         outs = [getattr(self, n)(x) for n in names]
         if self.config.projections == "qkvz_ba":
@@ -333,6 +358,20 @@ class GatedDeltaNet(nn.Module):
             checkpoint_states(md, conv_pool, state_pool, windows, chunk_states)
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.tp.all_reduce(getattr(self, self.config.names[1])(out))
+
+
+def _split_widths(outputs: list[int], widths: list[int]) -> list[list[int]] | None:
+    """`widths` cut into consecutive groups summing to each of `outputs`, None if an output
+    ends inside a width."""
+    groups, rest = [], list(widths)
+    for total in outputs:
+        group: list[int] = []
+        while rest and sum(group) < total:
+            group.append(rest.pop(0))
+        if sum(group) != total:
+            return None
+        groups.append(group)
+    return groups
 
 
 def _merged(ranges: list[tuple[int, int]]) -> Ranges:

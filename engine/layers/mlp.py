@@ -175,18 +175,26 @@ def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
     return fused.requires_grad_(False)
 
 
+def stored_as(linear: nn.Module) -> tuple[str, int] | None:
+    """What must match for linears to fuse on the CPU: ("plain", 0) for an nn.Linear, (format,
+    scale group) for a loaded QuantizedLinear, None for anything else (never fused)."""
+    if type(linear) is nn.Linear:
+        return ("plain", 0)
+    if isinstance(linear, QuantizedLinear) and linear.quantized is not None:
+        return (linear.quantized.format, linear.quantized.group)
+    return None
+
+
 def fuse_for_cpu(parts: list[nn.Module]) -> nn.Module | None:
     """One module computing the parts' outputs side by side, packed for the CPU: a PackedLinear
     over plain linears, a QuantizedLinear over parts quantized alike (each part's rows keep
     their own scales); None when the parts are stored differently (mixed precision: each is
     then packed on its own)."""
-    if all(type(p) is nn.Linear for p in parts):
+    kinds = {stored_as(p) for p in parts}
+    if len(kinds) != 1 or None in kinds:
+        return None
+    if kinds == {("plain", 0)}:
         return PackedLinear(fuse_linears(parts))
-    if not all(isinstance(p, QuantizedLinear) and p.quantized is not None for p in parts):
-        return None
-    first = parts[0].quantized
-    if any((p.quantized.format, p.quantized.group) != (first.format, first.group) for p in parts):
-        return None
     fused = QuantizedLinear.fuse(parts)
     fused.pack_cpu()
     return fused

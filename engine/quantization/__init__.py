@@ -1,6 +1,7 @@
 """Quantized checkpoints (FP8, fine-grained FP8, NVFP4, ModelOpt mixed precision) and online FP8:
-what the checkpoint says (config.py), what each scheme stores (schemes.py), the modules that hold
-quantized weights (modules.py) and the pass that puts them in a built model (transform.py).
+what the checkpoint says (config.py), what each scheme stores (schemes.py), what the checkpoint
+stores for each weight, from its headers (stored.py), the modules that hold quantized weights
+(modules.py) and the pass that puts them in a built model (transform.py).
 
 The loader calls `read_quantization`, then `before_loading` and `after_loading` around its own
 loading; nothing else in the engine knows a weight is quantized (but the GPU pool sizing, which asks
@@ -16,10 +17,9 @@ from torch import nn
 
 from engine.checkpoint.weights import Rename
 from engine.quantization.config import QUANTIZATION_NAMES, QuantConfig, read_quantization
+from engine.quantization.stored import QUANTIZED_DTYPES, checkpoint_headers
 from engine.quantization.transform import (
-    QUANTIZED_DTYPES,
     UNUSED_SUFFIXES,
-    checkpoint_headers,
     finalize,
     quantize_modules,
     quantize_online,

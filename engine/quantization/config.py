@@ -24,7 +24,9 @@ Anything baton does not load is refused naming the key and its value.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -61,7 +63,7 @@ class QuantConfig:
     method: Method  # vLLM's name for it
     source: str  # where it was read ("--quantization fp8" for online quantization)
     default: LayerScheme | None  # every layer not excluded (None: only `per_layer`)
-    per_layer: tuple[tuple[str, LayerScheme], ...]  # MIXED_PRECISION, model names
+    per_layer: Mapping[str, LayerScheme]  # MIXED_PRECISION, by model name
     exclude: tuple[str, ...]  # model-name patterns left unquantized
     exclude_key: str
     kv_cache: str | None  # the checkpoint's KV cache algorithm (K/V stay in the model dtype)
@@ -72,24 +74,44 @@ class QuantConfig:
         None when the config leaves it unquantized."""
         if self.excluded(name) is not None:
             return None
-        for key, scheme in self.per_layer:
-            if name == key or name.startswith(key + "."):
-                return scheme
+        for prefix in reversed(_dotted_prefixes(name)):  # the most specific entry listed
+            if prefix in self.per_layer:
+                return self.per_layer[prefix]
         return self.default
 
     def excluded(self, name: str) -> str | None:
         """The exclude pattern that matches `name`, if any: the module itself or a parent
         (`lm_head`, `model.layers.0`), a wildcard (`*.conv1d`, `model.layers.1*`), or a suffix at
         a module boundary (transformers' `modules_to_not_convert`)."""
-        for pattern in self.exclude:
+        names, wildcards = _pattern_index(self.exclude)
+        parts = name.split(".")
+        suffixes = [".".join(parts[i:]) for i in range(1, len(parts))]
+        for candidate in _dotted_prefixes(name) + suffixes:
+            if candidate in names:
+                return candidate
+        for pattern in wildcards:
             if (
-                name == pattern
-                or name.startswith(pattern + ".")
+                name.startswith(pattern + ".")
                 or name.endswith("." + pattern)
                 or fnmatch.fnmatchcase(name, pattern)
             ):
                 return pattern
         return None
+
+
+# Qwen's FP8 releases list every module they keep (~500 names) and a MoE checks tens of
+# thousands of expert matrices: names are looked up, only wildcards are matched one by one (the
+# cache's key, a tuple of strings, hashes fast).
+@functools.lru_cache(maxsize=16)
+def _pattern_index(patterns: tuple[str, ...]) -> tuple[frozenset[str], tuple[str, ...]]:
+    wildcards = tuple(p for p in patterns if any(c in p for c in "*?["))
+    return frozenset(patterns).difference(wildcards), wildcards
+
+
+def _dotted_prefixes(name: str) -> list[str]:
+    """`a.b.c` -> [`a`, `a.b`, `a.b.c`]."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def read_quantization(model_dir: str | Path, requested: str | None, rename) -> QuantConfig | None:
@@ -142,7 +164,7 @@ def online_fp8() -> QuantConfig:
         method="fp8",
         source="--quantization fp8",
         default=LayerScheme(algo="FP8", block=None, key="--quantization fp8"),
-        per_layer=(),
+        per_layer={},
         exclude=(),
         exclude_key="",
         kv_cache=None,
@@ -172,7 +194,7 @@ def _modelopt(raw: dict[str, Any], source: str, rename) -> QuantConfig:
         raise ConfigError(f"{source}: {prefix}group_size={group!r} is not supported (NVFP4: 16)")
     if not isinstance(exclude, list):
         raise ConfigError(f"{source}: {exclude_key} must be a list")
-    per_layer: list[tuple[str, LayerScheme]] = []
+    per_layer: dict[str, LayerScheme] = {}
     default = None
     if algo == "MIXED_PRECISION":
         layers = body.get("quantized_layers")
@@ -187,8 +209,8 @@ def _modelopt(raw: dict[str, Any], source: str, rename) -> QuantConfig:
                 raise ConfigError(f"{source}: {entry_key} {value!r} is not supported")
             model_name = rename(name)
             if model_name is not None:
-                per_layer.append(
-                    (model_name, LayerScheme(algo=MODELOPT_ALGOS[value], block=None, key=entry_key))
+                per_layer[model_name] = LayerScheme(
+                    algo=MODELOPT_ALGOS[value], block=None, key=entry_key
                 )
     elif algo in MODELOPT_ALGOS:
         default = LayerScheme(algo=MODELOPT_ALGOS[algo], block=None, key=key)
@@ -201,7 +223,7 @@ def _modelopt(raw: dict[str, Any], source: str, rename) -> QuantConfig:
         method=MODELOPT_METHODS.get(algo) or MODELOPT_METHODS[MODELOPT_ALGOS[algo]],
         source=source,
         default=default,
-        per_layer=tuple(per_layer),
+        per_layer=per_layer,
         exclude=_model_patterns(exclude, rename),
         exclude_key=exclude_key,
         kv_cache=None if kv_cache is None else str(kv_cache),
@@ -235,7 +257,7 @@ def _fine_grained_fp8(raw: dict[str, Any], source: str, rename) -> QuantConfig:
         method="fp8",
         source=source,
         default=scheme,
-        per_layer=(),
+        per_layer={},
         exclude=_model_patterns(exclude, rename),
         exclude_key=exclude_key,
         kv_cache=None,

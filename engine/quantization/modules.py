@@ -7,11 +7,18 @@ this rank's shapes and slice rules (schemes.py); filled by the loader, each tens
 loads; `finalize()` after loading turns the stored tensors into the per-row form the kernels
 take; on the CPU, `pack_cpu()` repacks that into the weight-only kernel's panels and keeps only
 those (codes and scales stay quantized: no dequantized copy exists).
+
+An expert stack whose checkpoint stores each expert's rows in parts (Qwen3.5-MoE's quantized
+releases: `experts.{e}.gate_proj` and `experts.{e}.up_proj` for the [gate | up] rows) is held as
+one QuantizedWeight per part, each under its part's name beside the stack (so the loader's
+per-expert names find them), each knowing the stack it is `part_of`; after loading the parts
+are joined row-wise into one weight under the stack's name (transform.finalize).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +37,15 @@ from kernels import cpu_quant
 from kernels.quant import QuantizedTensor, concat_rows, quant_linear
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StackPart:
+    """A part of an expert stack stored in parts: the stack's attribute and its parts' attributes
+    (siblings under the same parent), in row order."""
+
+    stack: str
+    parts: tuple[str, ...]
+
+
 class QuantizedWeight(nn.Module):
     """One quantized weight of shape (*lead, N, K); lead: the experts of a stack."""
 
@@ -45,11 +61,13 @@ class QuantizedWeight(nn.Module):
         scale_shape: tuple[int, ...] | None,
         size_word: str,
         device: torch.device,
+        part_of: StackPart | None,
     ):
         """name: the model's name of the module (errors); scale_shape: the checkpoint's per-matrix
-        FP8 weight_scale shape; size_word: what slices it ("tensor-parallel size 2")."""
+        FP8 weight_scale shape; size_word: what slices it ("tensor-parallel size 2"); part_of:
+        the stack this weight is a part of (None: a whole weight)."""
         super().__init__()
-        self.scheme = scheme
+        self.scheme, self.part_of = scheme, part_of
         self.local = shape.local
         self.specs = tensor_specs(scheme, shape, scale_shape)
         for spec in self.specs:
@@ -69,7 +87,7 @@ class QuantizedWeight(nn.Module):
         """A weight already in per-row form (online quantization, fused parts)."""
         module = cls.__new__(cls)
         nn.Module.__init__(module)
-        module.scheme, module.specs = None, []
+        module.scheme, module.specs, module.part_of = None, [], None
         module.local = tuple(quantized.shape[-2:])
         module.quantized = quantized
         return module
@@ -93,7 +111,7 @@ class QuantizedLinear(QuantizedWeight):
     input_scale is not applied). The bias stays float32."""
 
     def __init__(self, linear: nn.Linear, **kwargs):
-        super().__init__(lead=(), **kwargs)
+        super().__init__(lead=(), part_of=None, **kwargs)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias  # keeps its slice rule (a row-parallel bias: rank 0 only)
         self.packed: cpu_quant.PackedQuant | None = None
