@@ -28,6 +28,7 @@ from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.checkpoints import checkpoint_states, checkpoint_windows
 from engine.layers.norm import RMSNorm
+from engine.layers.verify import token_rows, verify_by_steps
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.norm import rms_norm
 from kernels.selective_scan import selective_scan_pool, selective_state_update
@@ -162,9 +163,11 @@ class Mamba1Mixer(nn.Module):
         return t
 
     def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
-        """Decode rows first, then prefill rows."""
+        """Decode rows first, then verify rows (speculation: engine/layers/verify.py), then
+        prefill rows."""
         nd = md.forward.batch.num_decode_tokens
-        T = hidden.shape[0]
+        nv, T = md.forward.batch.num_verify_tokens, hidden.shape[0]
+        n = nd + nv  # prefill rows start here
         state = cache.layer("mamba1", self.index)
         conv_pool, ssm_pool = state["conv"], state["ssm"]
         x, z = self.in_proj(hidden).split(self.width, dim=-1)
@@ -172,12 +175,23 @@ class Mamba1Mixer(nn.Module):
         parts, windows = [], None
         if nd:
             parts.append(causal_conv1d_update(x[:nd], weight, bias, conv_pool, md.decode_slots))
-        if T > nd:
+        if nv:
+            xv, q = x[nd:n], md.verify_slots.shape[1] - 1
+            parts.append(
+                verify_by_steps(
+                    md.verify_slots,
+                    (conv_pool,),
+                    lambda i, dst: causal_conv1d_update(
+                        token_rows(xv, i, q), weight, bias, conv_pool, dst
+                    ),
+                )
+            )
+        if T > n:
             window_tokens = (
                 md.track_window_indices[md.num_decode_tracks :] if md.has_mamba_track_mask else None
             )
             conv, windows = causal_conv1d_varlen(
-                x[nd:], weight, bias, conv_pool, md.prefill_slots, md.window_layout, window_tokens
+                x[n:], weight, bias, conv_pool, md.prefill_slots, md.window_layout, window_tokens
             )
             parts.append(conv)
         x = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -203,9 +217,19 @@ class Mamba1Mixer(nn.Module):
                     md.decode_slots,
                 )  # fmt: skip
             )
-        if T > nd:
+        if nv:
+            q = md.verify_slots.shape[1] - 1
+
+            def scan_token(i: int, dst: torch.Tensor) -> torch.Tensor:
+                xi, dti, Bi, Ci, zi = (token_rows(t[nd:n], i, q) for t in (x, dt, B, C, z))
+                return selective_state_update(
+                    ssm_pool, xi, dti, A, Bi, Ci, self.D, no_bias, zi, dst
+                )
+
+            ys.append(verify_by_steps(md.verify_slots, (ssm_pool,), scan_token))
+        if T > n:
             y, chunk_states = selective_scan_pool(
-                x[nd:], dt[nd:], A, B[nd:], C[nd:], self.D, no_bias, z[nd:], ssm_pool,
+                x[n:], dt[n:], A, B[n:], C[n:], self.D, no_bias, z[n:], ssm_pool,
                 md.prefill_slots, md.chunk_layout, want_chunk_states=md.has_mamba_track_mask,
             )  # fmt: skip
             ys.append(y)

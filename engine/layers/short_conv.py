@@ -19,6 +19,7 @@ from engine.cache.pools import StateCache
 from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.checkpoints import checkpoint_windows
+from engine.layers.verify import token_rows, verify_by_steps
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 
 
@@ -81,8 +82,10 @@ class ShortConv(nn.Module):
             parallel.shard(self.out_proj.bias, parallel.FirstRankOnly(rank=tp.rank))
 
     def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
-        """Decode rows first, then prefill rows."""
+        """Decode rows first, then verify rows (speculation: engine/layers/verify.py), then
+        prefill rows."""
         nd = md.forward.batch.num_decode_tokens
+        n = nd + md.forward.batch.num_verify_tokens  # prefill rows start here
         conv_pool = cache.layer("short_conv", self.index)["conv"]
         B, C, x = self.in_proj(hidden).split(self.width, dim=-1)
         u = B * x
@@ -94,12 +97,23 @@ class ShortConv(nn.Module):
                     u[:nd], weight, bias, conv_pool, md.decode_slots, activation="none"
                 )
             )
-        if hidden.shape[0] > nd:
+        if n > nd:
+            uv, q = u[nd:n], md.verify_slots.shape[1] - 1
+            parts.append(
+                verify_by_steps(
+                    md.verify_slots,
+                    (conv_pool,),
+                    lambda i, dst: causal_conv1d_update(
+                        token_rows(uv, i, q), weight, bias, conv_pool, dst, activation="none"
+                    ),
+                )
+            )
+        if hidden.shape[0] > n:
             window_tokens = (
                 md.track_window_indices[md.num_decode_tracks :] if md.has_mamba_track_mask else None
             )
             out, windows = causal_conv1d_varlen(
-                u[nd:], weight, bias, conv_pool, md.prefill_slots, md.window_layout,
+                u[n:], weight, bias, conv_pool, md.prefill_slots, md.window_layout,
                 window_tokens, activation="none",
             )  # fmt: skip
             parts.append(out)
