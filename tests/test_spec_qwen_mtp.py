@@ -265,3 +265,25 @@ def test_mtp_drafting_from_a_checkpoint_without_mtp_weights_names_them(gdn_model
     model_dir, _ = gdn_models("qwen3_next_moe")
     with pytest.raises(WeightError, match="missing tensor.*'mtp.fc.weight'"):
         LLM(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_a_quantized_checkpoint_drafts_with_its_mtp_layer(mtp_models, tmp_path):
+    """As Qwen3.5's NVFP4 releases ship: the body and the MTP layer's decoder in NVFP4, `mtp.fc`
+    left in BF16 without being listed. The MTP layer loads quantized as stored (fc plain), and
+    speculation on that checkpoint keeps its own plain decoding's tokens."""
+    from engine.quantization.modules import QuantizedLinear
+    from tests.quant_models import _QWEN_KEEP
+    from tests.quantize import quantize_checkpoint
+
+    model_dir, _, _ = mtp_models("qwen3_5_vision")
+    quantized = tmp_path / "nvfp4"
+    quantize_checkpoint(
+        Path(model_dir), quantized, None, "modelopt_nvfp4", exclude=_QWEN_KEEP, unlisted=("mtp.fc",)
+    )
+    plain = LLM(quantized).generate(GREEDY_PROMPTS, GREEDY)
+    llm = LLM(quantized, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    mtp = llm.engine.model.mtp
+    assert not isinstance(mtp.fc, QuantizedLinear)
+    assert any(isinstance(m, QuantizedLinear) for m in mtp.modules())
+    assert_same_outputs(plain, llm.generate(GREEDY_PROMPTS, GREEDY))
+    assert llm.stats().spec_decode_num_drafts > 0
