@@ -15,27 +15,22 @@ import torch
 
 from engine import parallel
 from engine.cache.memory import (
-    DEFAULT_CPU_POOL_BYTES,
     IndexPool,
-    PoolBudget,
-    budget_pools,
     size_pools,
 )
 from engine.cache.pools import StateCache
-from engine.cache.prefix_cache import PrefixCache
 from engine.checkpoint.loader import load_model, resolve_dtype
 from engine.config import ModelConfig
-from engine.core.engine_args import EngineArgs, EngineStats, default_track_interval
+from engine.core import assembly
+from engine.core.engine_args import EngineArgs, EngineStats
 from engine.core.outputs import RequestDelta, TokenLogprobs
 from engine.core.request import Request
 from engine.core.request_timing import RequestTiming
 from engine.core.sampler import Sampler, top_logprobs
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
-from engine.core.scheduler_spec import SpecSchedule
 from engine.core.tokenizer import LazyTokenizer
 from engine.core.warm_up import warm_up
-from engine.executor.graph_runner import DecodeGraphRunner
 from engine.executor.model_runner import ModelRunner
 from engine.handover.connector import Handover
 from engine.handover.ranks import ShardHandover
@@ -44,15 +39,12 @@ from engine.models.registry import family_named, model_state_spec
 from engine.parallel.messages import PoolOps
 from engine.parallel.ranks import RankedRunner, start_ranks
 from engine.parallel.support import check_tp_supported
-from engine.quantization import read_quantization, weight_bytes
+from engine.quantization import read_quantization
 from engine.runtime.cpu_allocator import (
-    available_memory,
     keep_freed_memory_in_heap,
     release_freed_memory,
 )
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.drafters import Drafter, NgramStepDrafter
-from engine.spec_decode.mtp import MtpDrafter
 from engine.spec_decode.stats import SpecDecodeCounters
 from engine.spec_decode.verifier import sample_step
 from engine.structured_output.grammars import Grammars
@@ -96,7 +88,10 @@ class Engine:
             model_dir, args.quantization, family_named(config.architecture).checkpoint_name
         )
         self.state_spec = model_state_spec(config, self.dtype)
-        budget = self._budgets()
+        budget = assembly.pool_budget(
+            args, config, self.state_spec, self.device, self.model_dir, self.dtype,
+            self.quantization, self.speculative,
+        )  # fmt: skip
         sizes = size_pools(
             max_total_tokens=budget.tokens, max_mamba_slots=budget.slots, page_size=args.page_size
         )
@@ -156,7 +151,9 @@ class Engine:
         self.max_model_len = args.max_model_len or config.max_position_embeddings
         if paged:
             self.max_model_len = min(self.max_model_len, (sizes.num_pages - 1) * sizes.page_size)
-        self.prefix_cache = self._make_prefix_cache()
+        self.prefix_cache = assembly.make_prefix_cache(
+            args, self.state_spec, self.pages, self.slots
+        )
         # structured outputs (engine/structured_output/): compiles off the loop, masks per step
         self.grammars = Grammars(
             self.lazy_tokenizer,
@@ -185,14 +182,20 @@ class Engine:
             self.pool_ops,
             prefix_cache=self.prefix_cache,
             constraint=self.grammars,
-            speculation=self._spec_schedule(),
+            speculation=assembly.spec_schedule(self.speculative),
         )
         self.runner = ModelRunner(self.model, self.cache, self.device)
         if self.ranks is not None:
             self.runner = RankedRunner(self.runner, self.ranks, self.pool_ops)
-        self.drafter = self._make_drafter()
+        self.drafter = assembly.make_drafter(self.speculative, self.runner, self.max_model_len)
         self.spec_counters = SpecDecodeCounters()
-        self.graph_runner = self._make_graph_runner() if self.ranks is None else None
+        self.graph_runner = (
+            assembly.make_graph_runner(
+                args, self.device, self.runner, self.max_model_len, self.state_spec
+            )
+            if self.ranks is None
+            else None
+        )
         self.sampler = Sampler(args.seed, self.device)
         self.timing = RequestTiming() if args.request_timing else None
         self._arrivals = 0
@@ -239,97 +242,9 @@ class Engine:
         if getattr(self, "grammars", None) is not None:
             self.grammars.close()
 
-    def _spec_schedule(self) -> SpecSchedule | None:
-        spec = self.speculative
-        if spec is None:
-            return None
-        k = spec.num_speculative_tokens
-        return SpecSchedule(
-            num_speculative_tokens=k,
-            disable_by_batch_size=spec.disable_by_batch_size,
-            draft_lookahead=k - 1 if spec.method == "mtp" else 0,
-        )
-
-    def _make_drafter(self) -> Drafter | None:
-        spec = self.speculative
-        if spec is None:
-            return None
-        if spec.method == "mtp":
-            return MtpDrafter(spec, self.runner, self.max_model_len)
-        return NgramStepDrafter(spec, self.max_model_len)
-
-    def _make_prefix_cache(self) -> PrefixCache | None:
-        args = self.args
-        if not args.enable_prefix_caching:
-            return None
-        chunk = self.state_spec.chunk_size
-        interval = args.mamba_track_interval or default_track_interval(chunk, args.page_size)
-        if interval % chunk or interval % args.page_size:
-            raise ValueError(
-                f"mamba_track_interval {interval} must be a multiple of the state's chunk size "
-                f"{chunk} and of the KV page size {args.page_size}"
-            )
-        return PrefixCache(
-            track_interval=interval, page_size=args.page_size, pages=self.pages, slots=self.slots
-        )
-
-    def _make_graph_runner(self) -> DecodeGraphRunner | None:
-        args = self.args
-        on_cuda = self.device.type == "cuda" and not args.disable_cuda_graph
-        if not on_cuda and not args.cpu_padded_decode:
-            return None
-        page = args.page_size
-        # With no paged state no page table has a column.
-        pages = -(-self.max_model_len // page) if self.state_spec.has_pages else 0
-        return DecodeGraphRunner(
-            self.runner,
-            max_bs=min(
-                args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests
-            ),
-            kv_capacity=pages * page,
-            use_cuda_graphs=on_cuda,
-        )
-
     def reset_prefix_cache(self) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
-
-    def _budgets(self) -> PoolBudget:
-        """The pools' sizes from the state spec and the context budget (engine/cache/memory.py),
-        within --kv-cache-memory-bytes, else --mem-fraction of the free GPU memory, else on the
-        CPU DEFAULT_CPU_POOL_BYTES (at most --mem-fraction of the available memory)."""
-        args, config = self.args, self.model_config
-        if args.kv_cache_memory_bytes is not None:
-            memory = args.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            # what the weights will take (quantized as they are stored) is not the pools'
-            rename = family_named(config.architecture).checkpoint_name
-            weights = weight_bytes(
-                self.model_dir, self.dtype, self.quantization, rename, args.tensor_parallel_size
-            )
-            memory = int(free * args.mem_fraction - weights)
-            if memory <= 0:
-                raise ValueError(
-                    f"the weights take about {weights / 2**30:.2f} GiB on each rank, more than "
-                    f"--mem-fraction {args.mem_fraction} of the {free / 2**30:.2f} GiB free on "
-                    f"{self.device}: raise --mem-fraction, shard the model (--tp) or quantize "
-                    "it (--quantization fp8)"
-                )
-        else:
-            memory = min(DEFAULT_CPU_POOL_BYTES, int(available_memory() * args.mem_fraction))
-        return budget_pools(
-            token_bytes=self.state_spec.bytes_per_token(),
-            slot_bytes=self.state_spec.bytes_per_slot(),
-            memory_bytes=memory,
-            max_running_requests=args.max_running_requests,
-            max_model_len=args.max_model_len or config.max_position_embeddings,
-            prefix_cache=args.enable_prefix_caching,
-            max_total_tokens=args.max_total_tokens,
-            max_mamba_slots=args.max_mamba_slots,
-            slots_per_request=1
-            + (self.speculative.num_speculative_tokens if self.speculative is not None else 0),
-        )
 
     # -- requests ---------------------------------------------------------------------------
 

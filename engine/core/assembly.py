@@ -1,0 +1,131 @@
+"""How the engine's parts are sized and chosen from its arguments, its model and its device: the
+pools' budget, the prefix cache, the padded-decode graph runner, and speculation's schedule and
+drafter. `Engine.__init__` (engine/core/engine.py) calls each once, in that order of need; none
+keeps state of its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.cache.memory import (
+    DEFAULT_CPU_POOL_BYTES,
+    IndexPool,
+    PoolBudget,
+    budget_pools,
+)
+from engine.cache.prefix_cache import PrefixCache
+from engine.cache.spec import ModelStateSpec
+from engine.config import ModelConfig
+from engine.core.engine_args import EngineArgs, default_track_interval
+from engine.core.scheduler_spec import SpecSchedule
+from engine.executor.graph_runner import DecodeGraphRunner
+from engine.models.registry import family_named
+from engine.quantization import weight_bytes
+from engine.runtime.cpu_allocator import available_memory
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.drafters import Drafter, NgramStepDrafter
+from engine.spec_decode.mtp import MtpDrafter
+
+
+def pool_budget(
+    args: EngineArgs,
+    config: ModelConfig,
+    state_spec: ModelStateSpec,
+    device: torch.device,
+    model_dir: Path,
+    dtype: torch.dtype,
+    quantization,
+    speculative: SpeculativeConfig | None,
+) -> PoolBudget:
+    """The pools' sizes from the state spec and the context budget (engine/cache/memory.py),
+    within --kv-cache-memory-bytes, else --mem-fraction of the free GPU memory, else on the
+    CPU DEFAULT_CPU_POOL_BYTES (at most --mem-fraction of the available memory)."""
+    if args.kv_cache_memory_bytes is not None:
+        memory = args.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        # what the weights will take (quantized as they are stored) is not the pools'
+        rename = family_named(config.architecture).checkpoint_name
+        weights = weight_bytes(model_dir, dtype, quantization, rename, args.tensor_parallel_size)
+        memory = int(free * args.mem_fraction - weights)
+        if memory <= 0:
+            raise ValueError(
+                f"the weights take about {weights / 2**30:.2f} GiB on each rank, more than "
+                f"--mem-fraction {args.mem_fraction} of the {free / 2**30:.2f} GiB free on "
+                f"{device}: raise --mem-fraction, shard the model (--tp) or quantize "
+                "it (--quantization fp8)"
+            )
+    else:
+        memory = min(DEFAULT_CPU_POOL_BYTES, int(available_memory() * args.mem_fraction))
+    return budget_pools(
+        token_bytes=state_spec.bytes_per_token(),
+        slot_bytes=state_spec.bytes_per_slot(),
+        memory_bytes=memory,
+        max_running_requests=args.max_running_requests,
+        max_model_len=args.max_model_len or config.max_position_embeddings,
+        prefix_cache=args.enable_prefix_caching,
+        max_total_tokens=args.max_total_tokens,
+        max_mamba_slots=args.max_mamba_slots,
+        slots_per_request=1 + (speculative.num_speculative_tokens if speculative else 0),
+    )
+
+
+def make_prefix_cache(
+    args: EngineArgs, state_spec: ModelStateSpec, pages: IndexPool, slots: IndexPool
+) -> PrefixCache | None:
+    if not args.enable_prefix_caching:
+        return None
+    chunk = state_spec.chunk_size
+    interval = args.mamba_track_interval or default_track_interval(chunk, args.page_size)
+    if interval % chunk or interval % args.page_size:
+        raise ValueError(
+            f"mamba_track_interval {interval} must be a multiple of the state's chunk size "
+            f"{chunk} and of the KV page size {args.page_size}"
+        )
+    return PrefixCache(track_interval=interval, page_size=args.page_size, pages=pages, slots=slots)
+
+
+def make_graph_runner(
+    args: EngineArgs,
+    device: torch.device,
+    runner,
+    max_model_len: int,
+    state_spec: ModelStateSpec,
+) -> DecodeGraphRunner | None:
+    """CUDA graphs on a GPU, or the padded decode runner on the CPU when asked; else None."""
+    on_cuda = device.type == "cuda" and not args.disable_cuda_graph
+    if not on_cuda and not args.cpu_padded_decode:
+        return None
+    page = args.page_size
+    # With no paged state no page table has a column.
+    pages = -(-max_model_len // page) if state_spec.has_pages else 0
+    return DecodeGraphRunner(
+        runner,
+        max_bs=min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests),
+        kv_capacity=pages * page,
+        use_cuda_graphs=on_cuda,
+    )
+
+
+def spec_schedule(speculative: SpeculativeConfig | None) -> SpecSchedule | None:
+    if speculative is None:
+        return None
+    k = speculative.num_speculative_tokens
+    return SpecSchedule(
+        num_speculative_tokens=k,
+        disable_by_batch_size=speculative.disable_by_batch_size,
+        draft_lookahead=k - 1 if speculative.method == "mtp" else 0,
+    )
+
+
+def make_drafter(
+    speculative: SpeculativeConfig | None, runner, max_model_len: int
+) -> Drafter | None:
+    if speculative is None:
+        return None
+    if speculative.method == "mtp":
+        return MtpDrafter(speculative, runner, max_model_len)
+    return NgramStepDrafter(speculative, max_model_len)
