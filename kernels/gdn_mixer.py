@@ -25,6 +25,7 @@ from kernels import cpu_gated_delta
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.gated_delta import gated_delta_decode, gated_delta_prefill, gdn_gating
 from kernels.layouts import ChunkLayout, ConvLayout
+from kernels.verify_steps import token_rows, verify_by_steps
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,15 +172,10 @@ def gdn_mixer_verify(
     Token i is one decode step on slot column i + 1 after copying column i's states into it:
     the decode step's own kernels (the fused C step on the CPU), so each kept state is the one
     plain decoding would have left there."""
-    nv, q = slots.shape[0], slots.shape[1] - 1
-    outs = []
-    for i in range(q):
-        src, dst = slots[:, i].contiguous(), slots[:, i + 1].contiguous()
-        conv_states.index_copy_(0, dst, conv_states[src])
-        state_pool.index_copy_(0, dst, state_pool[src])
-        # token i of every request, gathered (each kernel path reads dense rows)
-        rows = [t[i : nv * q : q].contiguous() for t in (qkv, z, a, b)]
-        outs.append(
-            gdn_mixer_decode(*rows, conv_states, state_pool, dst, weights, dims, decode_params)
-        )
-    return torch.stack(outs, dim=1).view(nv * q, -1)
+    q = slots.shape[1] - 1
+
+    def decode_token(i: int, dst: torch.Tensor) -> torch.Tensor:
+        rows = [token_rows(t, i, q) for t in (qkv, z, a, b)]
+        return gdn_mixer_decode(*rows, conv_states, state_pool, dst, weights, dims, decode_params)
+
+    return verify_by_steps(slots, (conv_states, state_pool), decode_token)

@@ -1,6 +1,6 @@
 """Verify steps on the Mamba1 and short-convolution families (Jamba, Mamba, Falcon-Mamba, LFM2,
 a conv-only LFM2): each keeps its conv window and selective-scan state after every drafted
-position in that position's slot (engine/layers/verify.py), acceptance picks one, and greedy
+position in that position's slot (kernels/verify_steps.py), acceptance picks one, and greedy
 output stays token for token (logprobs within 1e-4) what plain decoding gives, with every
 acceptance count from 0 to k (a scripted drafter, tests/spec_helpers.py), and the prefix-cache
 checkpoints copied from accepted positions equal plain decoding's. Before these paths, a

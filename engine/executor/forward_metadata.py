@@ -60,7 +60,7 @@ class ScheduledBatch:
     mode: ForwardMode
     request_ids: tuple[str, ...]  # (num_seqs,)
     num_decode_seqs: int
-    num_verify_seqs: int  # the sequences right after the decode ones, q >= 2 tokens each
+    num_verify_seqs: int  # the sequences right after the decode ones, at least 2 tokens each
     input_ids: tuple[int, ...]  # (num_tokens,) packed
     seq_lens: tuple[int, ...]  # (num_seqs,) tokens fed this step
     start_positions: tuple[int, ...]  # (num_seqs,) tokens already in the state/cache

@@ -28,10 +28,10 @@ from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.checkpoints import checkpoint_states, checkpoint_windows
 from engine.layers.norm import RMSNorm
-from engine.layers.verify import token_rows, verify_by_steps
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kernels.norm import rms_norm
 from kernels.selective_scan import selective_scan_pool, selective_state_update
+from kernels.verify_steps import token_rows, verify_by_steps
 
 # The scan's chunk grid: where true states can be checkpointed (any multiple of it); the C and
 # Triton scans emit states there at no other cost, the torch reference pads each prefill to it.
@@ -163,7 +163,7 @@ class Mamba1Mixer(nn.Module):
         return t
 
     def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
-        """Decode rows first, then verify rows (speculation: engine/layers/verify.py), then
+        """Decode rows first, then verify rows (speculation: kernels/verify_steps.py), then
         prefill rows."""
         nd = md.forward.batch.num_decode_tokens
         nv, T = md.forward.batch.num_verify_tokens, hidden.shape[0]

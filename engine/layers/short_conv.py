@@ -19,8 +19,8 @@ from engine.cache.pools import StateCache
 from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from engine.executor.forward_metadata import Mamba2Metadata
 from engine.layers.checkpoints import checkpoint_windows
-from engine.layers.verify import token_rows, verify_by_steps
 from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from kernels.verify_steps import token_rows, verify_by_steps
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,7 +82,7 @@ class ShortConv(nn.Module):
             parallel.shard(self.out_proj.bias, parallel.FirstRankOnly(rank=tp.rank))
 
     def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
-        """Decode rows first, then verify rows (speculation: engine/layers/verify.py), then
+        """Decode rows first, then verify rows (speculation: kernels/verify_steps.py), then
         prefill rows."""
         nd = md.forward.batch.num_decode_tokens
         n = nd + md.forward.batch.num_verify_tokens  # prefill rows start here

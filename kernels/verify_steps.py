@@ -5,8 +5,9 @@ after token i in slot `md.verify_slots[:, i + 1]` (column 0 is the slot read; co
 working slot itself, in place; engine/executor/forward_metadata.py). Here token i of every
 verifying request is one ordinary decode step on column i + 1, after column i's state is copied
 into it, so each kept state is the one plain decoding would have left (rollback is choosing a
-column). Mamba2 and GDN have their own paths; Mamba1's selective scan and the short convolutions
-(Jamba, Falcon-Mamba, Mamba, LFM2) go through this one, with their decode kernels.
+column). Mamba2 has its own multi-token kernels; the gated DeltaNet mixer (kernels/gdn_mixer.py),
+Mamba1's selective scan and the short convolutions (Jamba, Falcon-Mamba, Mamba, LFM2) go through
+this one, with their decode kernels.
 """
 
 from __future__ import annotations
