@@ -76,7 +76,11 @@ def test_padded_decode_equals_eager_and_dummy_slot_absorbs_padding(base_model, n
     slots = [2 + i for i in range(n)]
     eager = ModelRunner(model, eager_cache, "cpu")
     padded = DecodeGraphRunner(
-        ModelRunner(model, padded_cache, "cpu"), max_bs=8, kv_capacity=64, use_cuda_graphs=False
+        ModelRunner(model, padded_cache, "cpu"),
+        max_bs=8,
+        kv_capacity=64,
+        use_cuda_graphs=False,
+        verify_width=None,
     )
     prefill_all(eager, prompts, pages, slots)
     prefill_all(padded.runner, prompts, pages, slots)
@@ -142,7 +146,11 @@ def test_padding_never_lands_on_a_live_slot(base_model):
     model_dir, _ = base_model
     _, model, (cache, _) = setup(model_dir)
     runner = DecodeGraphRunner(
-        ModelRunner(model, cache, "cpu"), max_bs=4, kv_capacity=32, use_cuda_graphs=False
+        ModelRunner(model, cache, "cpu"),
+        max_bs=4,
+        kv_capacity=32,
+        use_cuda_graphs=False,
+        verify_width=None,
     )
     bad = ScheduledBatch(
         mode="decode",

@@ -20,7 +20,7 @@ from engine.executor.forward_metadata import (
     TrackPoint,
     build_metadata,
 )
-from engine.executor.graph_runner import DecodeGraphRunner
+from engine.executor.graph_runner import DecodeGraphRunner, copy_from
 from engine.executor.metadata_buffers import MetadataBuffers
 from engine.executor.model_runner import ModelRunner
 
@@ -182,7 +182,7 @@ def test_builder_carries_every_field_in_every_mode():
     check_builder_carries_every_field(build)
 
 
-def graph_runner(kv_capacity: int = 64) -> DecodeGraphRunner:
+def graph_runner(kv_capacity: int = 64, verify_width: int | None = None) -> DecodeGraphRunner:
     fake = SimpleNamespace(
         cache=SimpleNamespace(
             page_size=PAGE, spec=SimpleNamespace(chunk_size=CHUNK, window_width=CONV)
@@ -191,7 +191,9 @@ def graph_runner(kv_capacity: int = 64) -> DecodeGraphRunner:
         buffers=MetadataBuffers("cpu", ints=8, kv_rows=1, kv_width=4, fixed=False),
         decode_reads_mask=lambda: True,
     )
-    runner = DecodeGraphRunner(fake, max_bs=8, kv_capacity=kv_capacity, use_cuda_graphs=False)
+    runner = DecodeGraphRunner(
+        fake, max_bs=8, kv_capacity=kv_capacity, use_cuda_graphs=False, verify_width=verify_width
+    )
     runner.use_cuda_graphs = True  # build with the static capacities a CUDA graph uses
     return runner
 
@@ -368,3 +370,69 @@ def test_verify_attention_is_the_layout_of_q_causal_queries():
         assert torch.equal(getattr(got, name).long(), getattr(want, name).long()), name
     for v, n in enumerate(kv_lens):
         assert torch.equal(got.kv_indices[v, :n], want.kv_indices[v, :n])
+
+
+def only_verify_rows(sched: ScheduledBatch) -> ScheduledBatch:
+    nd = sched.num_decode_seqs
+    return dataclasses.replace(
+        sched,
+        mode="verify",
+        request_ids=sched.request_ids[nd:],
+        num_decode_seqs=0,
+        input_ids=sched.input_ids[nd:],
+        seq_lens=sched.seq_lens[nd:],
+        start_positions=sched.start_positions[nd:],
+        kv_pages=sched.kv_pages[nd:],
+        mamba_slots=sched.mamba_slots[nd:],
+        logits_seqs=tuple(range(sched.num_seqs - nd)),
+    )
+
+
+def test_padded_verify_step_replays_into_the_captured_metadata():
+    """A verify step (every row verifying its drafts) padded to a capture size, with the static
+    capacities and fixed buffers of a CUDA graph: its metadata has every shape and host value of
+    the all-padding batch the graph captured (copy_from, what a replay does, refuses any
+    difference), its real rows are the eager build's, and padding stays on dummy page 0 and
+    slot 0."""
+    runner = graph_runner(kv_capacity=64, verify_width=3)
+    runner.buffers = runner.static_buffers()
+    sched = only_verify_rows(scheduled("verify", track=False))
+    nv, q = sched.num_seqs, 3
+    assert runner.can_run(sched)
+    static = runner.build(runner.dummy_batch("verify", 4, False))
+    md = runner.build(runner.pad(sched, 4))
+    copy_from(static, md)
+    eager = build(sched)
+    real = nv * q
+    got, want = md.forward, eager.forward
+    for name in ("input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(got.batch, name)[:real], getattr(want.batch, name)), name
+    assert torch.equal(got.slot_mapping[:real], want.slot_mapping)
+    assert torch.equal(md.verify_slots[:nv], eager.verify_slots)
+    assert torch.equal(got.verify_attention.kv_lens[:nv], want.verify_attention.kv_lens)
+    for v in range(nv):
+        n = int(want.verify_attention.kv_lens[v])
+        assert torch.equal(
+            got.verify_attention.kv_indices[v, :n], want.verify_attention.kv_indices[v, :n]
+        )
+        assert torch.equal(
+            got.verify_attention.mask[v, ..., :n], want.verify_attention.mask[v, ..., :n]
+        )
+        assert not got.verify_attention.mask[v, ..., n:].any()
+    # padding rows: positions 0 .. q - 1 of dummy page 0, every state slot the dummy slot 0
+    assert got.slot_mapping[real:].tolist() == list(range(q)) * (4 - nv)
+    assert md.verify_slots[nv:].unique().tolist() == [0]
+    assert got.verify_attention.max_kv == 64
+    # a live request on the dummy slot is refused
+    with pytest.raises(AssertionError, match="dummy slot"):
+        runner.pad(dataclasses.replace(sched, verify_slots=((5, 0, 10), (6, 11, 12))), 4)
+
+
+def test_verify_steps_the_padded_runner_leaves_to_eager():
+    sched = only_verify_rows(scheduled("verify", track=False))
+    assert graph_runner(verify_width=3).can_run(sched)
+    assert not graph_runner(verify_width=None).can_run(sched)  # not speculating
+    # drafts wider than a page: the padding rows would not fit dummy page 0
+    assert graph_runner(verify_width=PAGE + 1).verify_width is None
+    # plain decode rows beside the verify rows: eager (no graph per pair of sizes)
+    assert not graph_runner(verify_width=3).can_run(scheduled("verify", track=False))

@@ -271,3 +271,32 @@ def test_mtp_needs_the_checkpoints_mtp_layers(tiny_models):
     model_dir, _ = tiny_models("base")
     with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
         LLM(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+
+
+def test_verify_steps_through_the_padded_runner_keep_greedy_outputs(mtp_models, plain_outputs):
+    """With the padded runner on (the CUDA-graph path, run eagerly on the CPU), every verify step
+    of three requests runs padded to the capture size 4; the padding rows' junk lands on the
+    dummy slot and page, which no live request reads: outputs are the plain ones."""
+    model_dir, _, _ = mtp_models("moe")
+    llm = LLM(
+        model_dir,
+        cpu_padded_decode=True,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+    )
+    junk = [pool for name, pool in llm.engine.cache.pools.items() if name.startswith("mamba2.")]
+    assert junk
+    for pool in junk:
+        pool[:, 0] = 7.0  # the dummy slot holds junk
+    runner = llm.engine.graph_runner
+    seen = []
+    original = runner.forward
+    runner.forward = lambda sched: (seen.append((sched.mode, sched.num_seqs)), original(sched))[1]
+    got = llm.generate(GREEDY_PROMPTS, GREEDY)
+    want = plain_outputs("moe")
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(want, got):
+        assert all(
+            abs(a.logprobs[i][t] - b.logprobs[i][t]) < 1e-4 for i, t in enumerate(a.token_ids)
+        )
+    assert ("verify", 3) in seen  # three verify rows padded to 4
+    assert llm.stats().kv_pages_used == 0 and llm.stats().mamba_slots_used == 0

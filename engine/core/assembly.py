@@ -94,8 +94,10 @@ def make_graph_runner(
     runner,
     max_model_len: int,
     state_spec: ModelStateSpec,
+    speculative: SpeculativeConfig | None,
 ) -> DecodeGraphRunner | None:
-    """CUDA graphs on a GPU, or the padded decode runner on the CPU when asked; else None."""
+    """CUDA graphs on a GPU, or the padded decode runner on the CPU when asked; else None.
+    Speculating, verify steps (k + 1 tokens a row) run through it as well."""
     on_cuda = device.type == "cuda" and not args.disable_cuda_graph
     if not on_cuda and not args.cpu_padded_decode:
         return None
@@ -107,6 +109,7 @@ def make_graph_runner(
         max_bs=min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests),
         kv_capacity=pages * page,
         use_cuda_graphs=on_cuda,
+        verify_width=speculative.num_speculative_tokens + 1 if speculative else None,
     )
 
 

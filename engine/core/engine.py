@@ -191,7 +191,12 @@ class Engine:
         self.spec_counters = SpecDecodeCounters()
         self.graph_runner = (
             assembly.make_graph_runner(
-                args, self.device, self.runner, self.max_model_len, self.state_spec
+                args,
+                self.device,
+                self.runner,
+                self.max_model_len,
+                self.state_spec,
+                self.speculative,
             )
             if self.ranks is None
             else None

@@ -61,30 +61,37 @@ def copy_from(static: Any, new: Any) -> None:
 
 class DecodeGraphRunner:
     def __init__(
-        self, runner: ModelRunner, *, max_bs: int, kv_capacity: int, use_cuda_graphs: bool
+        self,
+        runner: ModelRunner,
+        *,
+        max_bs: int,
+        kv_capacity: int,
+        use_cuda_graphs: bool,
+        verify_width: int | None,
     ):
+        """verify_width: q = k + 1, the tokens a speculative verify row feeds (None: no
+        speculation, decode steps only)."""
         self.runner = runner
         self.sizes = capture_sizes(max_bs)
         self.max_bs = max_bs
         self.kv_capacity = kv_capacity
         self.use_cuda_graphs = use_cuda_graphs and torch.cuda.is_available()
         page = runner.cache.page_size
+        # padding verify rows sit at positions 0 .. q - 1 of dummy page 0
+        self.verify_width = (
+            verify_width if verify_width is not None and verify_width <= page else None
+        )
+        # ints per row: decode (9 + its pages); verify (5 q + 3 + its pages: q each of ids,
+        # positions, slots, logits rows, q + 1 state slots, the working slot and kv_len)
+        per_row = max(9, 5 * self.verify_width + 3 if self.verify_width else 0)
+        self.static_ints = max_bs * (per_row + -(-kv_capacity // page))
         # Graphs captured the addresses of these buffers: sized once for the worst step (every
         # row at full capacity, every row checkpointing), never reallocated.
-        self.buffers = (
-            MetadataBuffers(
-                runner.device,
-                ints=max_bs * (9 + -(-kv_capacity // page)),
-                kv_rows=max_bs,
-                kv_width=-(-kv_capacity // page) * page,
-                fixed=True,
-            )
-            if self.use_cuda_graphs
-            else runner.buffers
-        )
-        # (batch size, tracking) -> (graph, its metadata, logits, final hidden states or None)
+        self.buffers = self.static_buffers() if self.use_cuda_graphs else runner.buffers
+        # (mode, batch size, tracking) -> (graph, its metadata, logits, final hidden states or
+        # None)
         self.graphs: dict[
-            tuple[int, bool],
+            tuple[str, int, bool],
             tuple[torch.cuda.CUDAGraph, Mamba2Metadata, torch.Tensor, torch.Tensor | None],
         ] = {}
         self.num_padded_steps = 0
@@ -92,17 +99,50 @@ class DecodeGraphRunner:
         # 0: no attention) has none for them
         self.dummy_pages = (0,) if kv_capacity else ()
 
+    def static_buffers(self) -> MetadataBuffers:
+        page = self.runner.cache.page_size
+        return MetadataBuffers(
+            self.runner.device,
+            ints=self.static_ints,
+            kv_rows=self.max_bs,
+            kv_width=-(-self.kv_capacity // page) * page,
+            fixed=True,
+        )
+
     def can_run(self, sched: ScheduledBatch) -> bool:
+        if sched.num_seqs > self.max_bs or sched.prompt_logprob_seqs:
+            return False
+        if sched.mode == "decode":
+            return True
         return (
-            sched.mode == "decode"
-            and sched.num_seqs <= self.max_bs
-            and not sched.prompt_logprob_seqs
+            sched.mode == "verify"
+            and sched.num_decode_seqs == 0
+            and self.verify_width is not None
+            and sched.seq_lens[0] == self.verify_width
         )
 
     def pad(self, sched: ScheduledBatch, bs: int) -> ScheduledBatch:
         n, extra = sched.num_seqs, bs - sched.num_seqs
-        if 0 in sched.mamba_slots or any(0 in pages for pages in sched.kv_pages):
+        if (
+            0 in sched.mamba_slots
+            or any(0 in pages for pages in sched.kv_pages)
+            or any(0 in slots for slots in sched.verify_slots)
+        ):
             raise AssertionError("a live request holds the dummy slot 0 or the dummy page 0")
+        if sched.mode == "verify":
+            q = self.verify_width
+            return dataclasses.replace(
+                sched,
+                request_ids=sched.request_ids + ("",) * extra,
+                num_verify_seqs=bs,
+                input_ids=sched.input_ids + (0,) * (extra * q),
+                seq_lens=sched.seq_lens + (q,) * extra,
+                start_positions=sched.start_positions + (0,) * extra,
+                kv_pages=sched.kv_pages + (self.dummy_pages,) * extra,
+                mamba_slots=sched.mamba_slots + (0,) * extra,
+                verify_slots=sched.verify_slots + ((0,) * q,) * extra,
+                logits_seqs=sched.logits_seqs + tuple(range(n, bs)),
+            )
         return dataclasses.replace(
             sched,
             request_ids=sched.request_ids + ("",) * extra,
@@ -133,48 +173,52 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def forward(self, sched: ScheduledBatch) -> tuple[Mamba2Metadata, torch.Tensor]:
-        """Like ModelRunner.forward for a decode batch; logits rows beyond the real batch are cut."""
+        """Like ModelRunner.forward for a decode or verify batch; logits rows beyond the real
+        batch's are cut (a verify row's are its q rows, the padding rows' come after them)."""
         n = sched.num_seqs
         bs = next(s for s in self.sizes if s >= n)
         padded = self.pad(sched, bs)
         md = self.build(padded)
         self.num_padded_steps += 1
+        rows = n * self.verify_width if sched.mode == "verify" else n
         if not self.use_cuda_graphs:
             logits = self.runner.run_model(md)
-            return md, logits[:n]
-        key = (bs, padded.has_mamba_track_mask)
+            return md, logits[:rows]
+        key = (sched.mode, bs, padded.has_mamba_track_mask)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bs, padded.has_mamba_track_mask)
+            self.graphs[key] = self._capture(sched.mode, bs, padded.has_mamba_track_mask)
         graph, static_md, static_logits, static_hidden = self.graphs[key]
         copy_from(static_md, md)
         graph.replay()
         if static_hidden is not None:  # an MTP head drafts from the replayed hidden states
             self.runner.target_hidden = static_hidden
-        return static_md, static_logits[:n]
+        return static_md, static_logits[:rows]
 
-    def dummy_batch(self, bs: int, track: bool) -> ScheduledBatch:
-        """bs padding rows only: capturing it touches nothing but dummy page 0 and slot 0."""
+    def dummy_batch(self, mode: str, bs: int, track: bool) -> ScheduledBatch:
+        """bs padding rows only: capturing it touches nothing but dummy page 0 and slot 0. A
+        verify batch's rows feed q tokens each (and never checkpoint in the forward)."""
+        q = self.verify_width if mode == "verify" else 1
         points = (TrackPoint(seq_index=0, token_offset=0, dst_slot=0),) if track else ()
         return ScheduledBatch(
-            mode="decode",
+            mode="verify" if mode == "verify" else "decode",
             request_ids=("",) * bs,
-            num_decode_seqs=bs,
-            num_verify_seqs=0,
-            input_ids=(0,) * bs,
-            seq_lens=(1,) * bs,
+            num_decode_seqs=0 if mode == "verify" else bs,
+            num_verify_seqs=bs if mode == "verify" else 0,
+            input_ids=(0,) * (bs * q),
+            seq_lens=(q,) * bs,
             start_positions=(0,) * bs,
             kv_pages=(self.dummy_pages,) * bs,
             mamba_slots=(0,) * bs,
-            verify_slots=(),
+            verify_slots=((0,) * q,) * bs if mode == "verify" else (),
             logits_seqs=tuple(range(bs)),
             prompt_logprob_seqs=(),
             has_mamba_track_mask=track,
             track_points=points,
         )
 
-    def _capture(self, bs: int, track: bool):
+    def _capture(self, mode: str, bs: int, track: bool):
         """Capture one graph over static buffers built from an all-padding batch (warm-up first)."""
-        static_md = self.build(self.dummy_batch(bs, track))
+        static_md = self.build(self.dummy_batch(mode, bs, track))
         model = self.runner.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
