@@ -85,3 +85,31 @@ def test_cuda_graphs_equal_eager_and_prefix_cache_equals_no_cache(base_model):
         for mine, theirs in zip(out.logprobs, ref.logprobs):
             for token, lp in theirs.items():
                 assert abs(mine[token] - lp) < 1e-4
+
+
+def test_cuda_graph_verify_steps_keep_greedy_outputs(tiny_models, tmp_path):
+    """MTP speculation (k = 2) with verify steps replayed from CUDA graphs gives the tokens and
+    logprobs of plain eager decoding; the verify graphs were really captured and replayed."""
+    from tests.mtp_models import add_mtp_layer
+
+    source_dir, hf = tiny_models("moe_nano")
+    model_dir = tmp_path / "model"
+    add_mtp_layer(source_dir, model_dir, ["full_attention", "moe"])
+    g = torch.Generator().manual_seed(5)
+    prompts = [
+        torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (9, 30, 17)
+    ]
+    params = greedy([20] * len(prompts))
+    plain = LLM(model_dir, **ENGINE_ARGS, disable_cuda_graph=True)
+    reference = plain.generate(prompts, params)
+    spec = LLM(
+        model_dir, **ENGINE_ARGS, speculative_config={"method": "mtp", "num_speculative_tokens": 2}
+    )
+    outs = spec.generate(prompts, params)
+    assert any(key[0] == "verify" for key in spec.engine.graph_runner.graphs)
+    assert spec.stats().spec_decode_num_drafts > 0
+    for out, ref in zip(outs, reference):
+        assert out.token_ids == ref.token_ids
+        for mine, theirs in zip(out.logprobs, ref.logprobs):
+            for token, lp in theirs.items():
+                assert abs(mine[token] - lp) < 1e-4
