@@ -436,3 +436,30 @@ def test_verify_steps_the_padded_runner_leaves_to_eager():
     assert graph_runner(verify_width=PAGE + 1).verify_width is None
     # plain decode rows beside the verify rows: eager (no graph per pair of sizes)
     assert not graph_runner(verify_width=3).can_run(scheduled("verify", track=False))
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify", "mixed", "extend"])
+def test_with_tokens_equals_building_the_draft_batch(mode):
+    """An MTP head's first pass reuses its step's metadata with other tokens and logits rows:
+    what it reads equals a fresh build of that batch."""
+    from engine.executor.forward_metadata import same_rows, with_tokens
+
+    sched = scheduled(mode, track=False)
+    draft = dataclasses.replace(
+        sched,
+        input_ids=tuple(t + 1 for t in sched.input_ids),
+        logits_seqs=sched.logits_seqs[::2],
+        prompt_logprob_seqs=(),
+    )
+    assert same_rows(sched, draft)
+    got, want = with_tokens(build(sched), draft), build(draft)
+    for name in ("input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(got.forward.batch, name), getattr(want.forward.batch, name))
+    assert got.forward.batch.logits_row_owner == want.forward.batch.logits_row_owner
+    assert torch.equal(got.forward.slot_mapping, want.forward.slot_mapping)
+    for segment in ("decode_attention", "verify_attention", "prefill_attention"):
+        a, b = getattr(got.forward, segment), getattr(want.forward, segment)
+        for field in ("query_start_loc", "kv_lens", "kv_indices", "mask"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), (segment, field)
+    moved = dataclasses.replace(draft, start_positions=(0,) + draft.start_positions[1:])
+    assert not same_rows(sched, moved)

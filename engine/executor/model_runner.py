@@ -7,7 +7,13 @@ import torch
 
 from engine.cache.pools import StateCache
 from engine.executor.draft_batch import DraftBatch
-from engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatch, build_metadata
+from engine.executor.forward_metadata import (
+    Mamba2Metadata,
+    ScheduledBatch,
+    build_metadata,
+    same_rows,
+    with_tokens,
+)
 from engine.executor.metadata_buffers import MetadataBuffers
 from engine.layers.causal_lm import CausalLM
 from engine.layers.mtp import hidden_of_slots
@@ -25,6 +31,9 @@ class ModelRunner:
         # of the latest draft forward (what the next draft forward starts from).
         self.target_hidden: torch.Tensor | None = None
         self.draft_hidden: torch.Tensor | None = None
+        # ... and the latest target step's batch and metadata (padded, when the graph runner ran
+        # it), whose layouts a draft forward over the same rows reuses
+        self.target_step: tuple[ScheduledBatch, Mamba2Metadata] | None = None
         # Eager steps vary in shape: these grow to the largest step seen, then stay.
         self.buffers = MetadataBuffers(device, ints=4096, kv_rows=16, kv_width=256, fixed=False)
         # A (1, heads, head_dim) query in the KV dtype: what the decode-kernel choice looks at
@@ -64,7 +73,10 @@ class ModelRunner:
     def forward(self, sched: ScheduledBatch) -> tuple[Mamba2Metadata, torch.Tensor]:
         """Returns the metadata and float32 logits for its `logits_indices` rows."""
         md = self.build(sched)
-        return md, self.run_model(md)
+        logits = self.run_model(md)
+        if self.model.mtp is not None:
+            self.target_step = (sched, md)
+        return md, logits
 
     def run_model(self, md: Mamba2Metadata) -> torch.Tensor:
         """The target forward on built metadata: logits, keeping the hidden states for an MTP
@@ -77,7 +89,17 @@ class ModelRunner:
     @torch.inference_mode()
     def draft(self, batch: DraftBatch) -> torch.Tensor:
         """One forward of the MTP head (engine/executor/draft_batch.py): float32 draft logits
-        for the batch's logits rows."""
+        for the batch's logits rows. A first pass over the latest target step's own rows takes
+        that step's metadata with its own tokens instead of building the same layouts again."""
+        step = self.target_step
+        if batch.hidden_from == "target" and step is not None and same_rows(step[0], batch.batch):
+            md = with_tokens(step[1], batch.batch)
+            # every row of the step in order (padding rows included): what pass 1 asks for
+            rows = md.forward.batch.input_ids.shape[0]
+            if batch.hidden_rows != tuple(range(batch.batch.num_tokens)):
+                raise ValueError("a first draft pass reads the target's rows in order")
+            logits, self.draft_hidden = self.model.draft(md, self.cache, self.target_hidden[:rows])
+            return logits
         md = self.build(batch.batch)
         if batch.hidden_from == "slots":
             prev = hidden_of_slots(self.cache, md.decode_slots)
