@@ -79,7 +79,7 @@ def test_fp8_on_an_unquantized_checkpoint_quantizes_at_load(quantized_models):
     _, dequantized = quantized_models("nemotron_moe", "modelopt_fp8")
     model = load(dequantized, "fp8")
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(quantized) >= 10 and all(m.packed.format == "fp8" for m in quantized)
+    assert len(quantized) >= 10 and all(m.format == "fp8" for m in quantized)
     assert isinstance(model.lm_head, PackedLinear)  # as vLLM, the head stays unquantized
 
 

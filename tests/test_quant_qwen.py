@@ -87,7 +87,7 @@ def test_what_the_release_keeps_in_bf16_stays_unquantized(quantized_models):
     model = LLM(quantized, **ENGINE).engine.model
     gdn, attention = model.model.layers[0].linear_attn, model.model.layers[1].self_attn
     assert [type(p) for p in gdn.in_proj] == [QuantizedLinear, PackedLinear]
-    assert gdn.in_proj[0].packed.format == "fp8"
+    assert gdn.in_proj[0].format == "fp8"
     assert isinstance(attention.qkv_proj, QuantizedLinear)
     moe = model.model.layers[2].mlp
     assert isinstance(moe.experts.up_proj, QuantizedWeight)

@@ -146,6 +146,12 @@ class QuantizedLinear(QuantizedWeight):
             self.relu = self.relu or relu
 
     @property
+    def format(self) -> str:
+        """The weights' format ("fp8", "nvfp4"), packed for the CPU kernel or not (where that
+        kernel does not run, the torch path reads the quantized tensor)."""
+        return self.packed.format if self.packed is not None else self.quantized.format
+
+    @property
     def activation(self) -> str:
         """ "relu" when the relu is fused (ReluSquaredMLP then does not apply it again)."""
         return "relu" if self.relu else "none"
