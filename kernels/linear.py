@@ -17,6 +17,13 @@ float32 accumulation, and its output is cast back to the model dtype, so every l
 sees the dtype, and the rounding point, it always did. `BATON_CPU_MATMUL_DTYPE` forces a form:
 `model` (the model's dtype), `float32`, or `auto` (default: timed).
 
+Small weights (at most SMALL_WEIGHT elements) also time decode's few rows (up to PLAIN_ROWS) as
+`F.linear` on the plain weight against their GEMM: oneDNN's fixed cost per call (45-55 us on an
+AVX2 EPYC without AVX-512, where a 192 x 384 gemv takes 9-21 us through `F.linear`) outweighs the
+multiply there, and a tiny model's decode step is made of such calls. Where the plain form wins,
+the linear keeps that plain copy beside its packed one (small by definition) and runs decode rows
+on it, prefill rows on the packed GEMM.
+
 The GEMM is chosen the same way, per shape and compute dtype: oneDNN's prepacked linear or
 baton's own (kernels/cpu_gemm.c: AVX-512 / AVX512-BF16 panels with the next panel prefetched,
 1.3-1.4x oneDNN on decode's few rows over weights larger than the caches, on a par at prefill's
@@ -55,10 +62,16 @@ FLOAT32_MARGIN = 0.9
 # decode's cold weights gains little (1.0-1.1x, and a near-tie flipped with load: one of a PD
 # pair's two workers, timing at the same moment, once picked oneDNN for the 768x5144 in_proj).
 BATON_GEMM_MARGIN = 1.15
+# Weights up to this many elements (1 MiB of float32) time the plain F.linear at decode's rows
+SMALL_WEIGHT = 1 << 18
+PLAIN_ROWS = 8  # rows up to which a linear that keeps a plain copy runs on it
+PLAIN_TIMING_ROWS = (1, PLAIN_ROWS)
+PLAIN_MARGIN = 0.9  # the plain form must beat the GEMM by this much to earn its copy
 # What the timings above depend on: choices kept on disk (kernels/matmul_choices.py) are keyed by it.
 TIMING_RULES = (
     f"rows {TIMING_ROWS} rounds {TIMING_ROUNDS} max-out {TIMING_MAX_OUT} "
-    f"margins {FLOAT32_MARGIN} {BATON_GEMM_MARGIN}"
+    f"margins {FLOAT32_MARGIN} {BATON_GEMM_MARGIN} plain {SMALL_WEIGHT} {PLAIN_TIMING_ROWS} "
+    f"{PLAIN_MARGIN}"
 )
 
 
@@ -140,6 +153,31 @@ def time_gemm(in_features: int, out_features: int, dtype: torch.dtype, kernel: s
     return sum(_best_of(fn, torch.randn(rows, in_features).to(dtype)) for rows in TIMING_ROWS)
 
 
+def time_decode_rows(
+    in_features: int, out_features: int, dtype: torch.dtype, kernel: str, form: str
+) -> float:
+    """Seconds for one (in, out) linear computing in `dtype` at decode's rows, summed over
+    PLAIN_TIMING_ROWS: form "gemm" on `kernel` ("onednn" | "baton"), form "plain" as
+    F.linear on the unpacked weight."""
+    weight = torch.randn(out_features, in_features).to(dtype)
+    if form == "plain":
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, weight)
+    elif kernel == "baton":
+        packed = cpu_gemm.pack(weight)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            return cpu_gemm.linear(x, packed, out_features)
+    else:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            return _packed_mm(x, packed)
+
+    return sum(_best_of(fn, torch.randn(rows, in_features).to(dtype)) for rows in PLAIN_TIMING_ROWS)
+
+
 class MatmulChooser:
     """The dtype each linear of a `model_dtype` model computes in, per (in, out) shape, chosen
     once per shape, and the GEMM each runs on (`kernel`). `timer(in, out, "model" | "float32")
@@ -154,7 +192,10 @@ class MatmulChooser:
         gemm: str | None = None,
         gemm_timer: Callable[[int, int, torch.dtype, str], float] | None = None,
         cache: ChoiceCache | None = None,
+        decode_timer: Callable[[int, int, torch.dtype, str, str], float] | None = None,
     ):
+        """decode_timer(in, out, dtype, kernel, "gemm" | "plain") -> seconds at decode's rows
+        (default time_decode_rows)."""
         self.model_dtype = model_dtype
         self.policy = matmul_policy() if policy is None else policy
         if self.policy not in POLICIES:
@@ -170,6 +211,9 @@ class MatmulChooser:
         self.gemm_timings: dict[tuple[int, int, torch.dtype], tuple[float, float]] = {}
         self.cache = cache  # timings kept by earlier starts on this machine (None: time all)
         self.num_cached = 0  # shapes decided on kept timings, without timing
+        self.decode_timer = decode_timer or time_decode_rows
+        # (in, out, dtype, kernel) -> (GEMM seconds, plain seconds) at decode's rows
+        self.plain_timings: dict[tuple[int, int, torch.dtype, str], tuple[float, float]] = {}
 
     def _timed(self, key: str, time_both: Callable[[], tuple[float, float]]) -> tuple[float, float]:
         """(seconds of the first form, of the second) for `key`: kept ones once settled, else
@@ -239,14 +283,43 @@ class MatmulChooser:
             baton_s = min(baton_s, self.gemm_timer(in_features, out_features, dtype, "baton"))
         return onednn_s, baton_s
 
+    def plain_for_decode(
+        self, in_features: int, out_features: int, dtype: torch.dtype, kernel: str
+    ) -> bool:
+        """Whether an (in, out) linear computing in `dtype` on `kernel` runs decode's rows (up
+        to PLAIN_ROWS) faster as F.linear on a plain copy of its weight: timed for small
+        weights only (a large one streams from memory, where the packed GEMMs win)."""
+        if in_features * out_features > SMALL_WEIGHT:
+            return False
+        key = (in_features, out_features, dtype, kernel)
+        if key not in self.plain_timings:
+            name = (
+                f"plain {str(dtype).removeprefix('torch.')} {kernel} {in_features}x{out_features}"
+            )
+
+            def time_both() -> tuple[float, float]:
+                gemm_s = plain_s = float("inf")
+                for _ in range(TIMING_ROUNDS):  # alternated, as for the dtype
+                    gemm_s = min(gemm_s, self.decode_timer(*key, "gemm"))
+                    plain_s = min(plain_s, self.decode_timer(*key, "plain"))
+                return gemm_s, plain_s
+
+            self.plain_timings[key] = self._timed(name, time_both)
+        gemm_s, plain_s = self.plain_timings[key]
+        return plain_s < PLAIN_MARGIN * gemm_s
+
     def summary(self) -> str:
         gemms = "; ".join(
             f"{i}x{o} {str(d).removeprefix('torch.')}: {self.kernels[(i, o, d)]} "
             f"({a * 1e3:.2f} ms onednn / {b * 1e3:.2f} ms baton)"
             for (i, o, d), (a, b) in self.gemm_timings.items()
         )
+        plain = sum(1 for i, o, d, k in self.plain_timings if self.plain_for_decode(i, o, d, k))
         cached = f" ({self.num_cached} shapes on kept timings)" if self.num_cached else ""
-        return f"{self._dtype_summary()}; GEMM {self.gemm}: {gemms or 'not timed'}{cached}"
+        return (
+            f"{self._dtype_summary()}; GEMM {self.gemm}: {gemms or 'not timed'}; decode rows on "
+            f"a plain copy: {plain} of {len(self.plain_timings)} small shapes{cached}"
+        )
 
     def _dtype_summary(self) -> str:
         if not self.timings:
@@ -318,6 +391,14 @@ class PackedLinear(nn.Module):
         self.compute_dtype = compute_dtype
         self.kernel = kernel
         self.upcast = compute_dtype != weight.dtype
+        # decode's rows on F.linear over a plain copy, where the chooser timed it faster
+        plain = chooser is not None and chooser.plain_for_decode(
+            self.in_features, self.out_features, compute_dtype, kernel
+        )
+        self.plain = weight.to(compute_dtype).contiguous() if plain else None
+        self.plain_bias = (
+            linear.bias.detach().to(compute_dtype) if plain and linear.bias is not None else None
+        )
         bias = linear.bias
         if kernel == "baton":
             self.packed = cpu_gemm.pack(weight.to(compute_dtype))
@@ -330,7 +411,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inputs = x.to(self.compute_dtype) if self.upcast else x
-        if self.kernel == "baton":
+        if self.plain is not None and inputs.numel() <= PLAIN_ROWS * self.in_features:
+            y = torch.nn.functional.linear(inputs, self.plain, self.plain_bias)
+            if self.activation == "relu":
+                y = torch.relu_(y)
+        elif self.kernel == "baton":
             y = cpu_gemm.linear(
                 inputs, self.packed, self.out_features, self.bias, self.activation == "relu"
             )
@@ -344,6 +429,7 @@ class PackedLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"activation={self.activation}, packed {self.compute_dtype} for {self.kernel}"
+            + (f", decode rows plain (<= {PLAIN_ROWS})" if self.plain is not None else "")
         )
 
 

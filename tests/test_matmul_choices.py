@@ -138,3 +138,44 @@ def test_loading_a_model_again_times_nothing_once_settled(tiny_models, tmp_path,
     load_model(model_dir, torch.float32, "cpu")
     assert len(timed) == settled
     assert list(tmp_path.glob("matmul-choices-*.json"))
+
+
+def _decode_times(gemm_s: float, plain_s: float):
+    return lambda in_features, out_features, dtype, kernel, form: (
+        plain_s if form == "plain" else gemm_s
+    )
+
+
+@needs_fp32_pack
+@pytest.mark.parametrize("plain_s, keeps_plain", [(0.2, True), (0.95, False)])
+def test_a_small_linear_runs_decode_rows_on_a_plain_copy_where_timed_faster(plain_s, keeps_plain):
+    """Decode's rows (up to PLAIN_ROWS) run F.linear on a plain copy of a small weight when the
+    chooser timed it faster than the GEMM by the margin; prefill's rows always run the GEMM; the
+    answer is the linear's either way."""
+    torch.manual_seed(0)
+    chooser = MatmulChooser(
+        torch.float32, gemm="onednn", decode_timer=_decode_times(1.0, plain_s), cache=None
+    )
+    linear = torch.nn.Linear(48, 80)
+    with kernels.linear.matmul_dtypes(chooser):
+        packed = kernels.linear.PackedLinear(linear, activation="relu")
+    assert (packed.plain is not None) is keeps_plain
+    calls = []
+    original = torch.nn.functional.linear
+    for rows in (1, kernels.linear.PLAIN_ROWS, kernels.linear.PLAIN_ROWS + 1):
+        x = torch.randn(rows, 48)
+        torch.nn.functional.linear = lambda *a, n=rows: (calls.append(n), original(*a))[1]
+        try:
+            got = packed(x)
+        finally:
+            torch.nn.functional.linear = original
+        torch.testing.assert_close(got, torch.relu(linear(x)), atol=1e-5, rtol=1e-5)
+    want = [1, kernels.linear.PLAIN_ROWS] if keeps_plain else []
+    assert calls == want
+
+
+@needs_fp32_pack
+def test_a_large_linear_is_never_timed_for_a_plain_copy():
+    chooser = MatmulChooser(torch.float32, gemm="onednn", decode_timer=_never, cache=None)
+    side = int(kernels.linear.SMALL_WEIGHT**0.5) + 1
+    assert not chooser.plain_for_decode(side, side, torch.float32, "onednn")
