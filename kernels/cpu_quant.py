@@ -5,8 +5,8 @@ decode step streams half (FP8) or about a quarter (NVFP4) of a bf16 weight's byt
 Weight-only: the inputs stay in the model's dtype (widened to float32), products and sums are
 float32, so a layer computes x @ dequantize(W).T to float32 rounding (tests/test_quant_formats.py)
 whatever the checkpoint's `input_scale` says (it is not applied: W8A16 / W4A16 numerics). Built
-and cached like kernels/cpu_ops.py; without AVX-512, a compiler, or with `BATON_CPU_OPS=0`, the
-torch path of kernels/quant.py runs instead.
+and cached like kernels/cpu_ops.py; without AVX-512 or AVX2 + FMA, without a compiler, or with
+`BATON_CPU_OPS=0`, the torch path of kernels/quant.py runs instead.
 
 Shapes: x (..., K) float32 or bfloat16; packed from `pack(QuantizedTensor (N, K))`; bias (N,)
 float32 or None; returns (..., N) in x's dtype.
