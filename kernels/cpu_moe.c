@@ -207,7 +207,8 @@ static inline __attribute__((always_inline)) void block_fp8(const int R, const v
     }
 }
 
-/* NVFP4 codes [K / 2][NB] (k pairs in a byte) with e4m3 scales [K / 16][NB], float32 rows. */
+/* NVFP4 codes [K / 2][NB] (k pairs in a byte) with e4m3 scales [K / 16][NB], float32 rows; 16
+ * columns (two vectors) decoded at a time. */
 static inline __attribute__((always_inline)) void block_fp4(const int R, const void *const xv[MR],
                                                             const void *panel_v,
                                                             const void *scales_v, int64_t K,
@@ -226,14 +227,18 @@ static inline __attribute__((always_inline)) void block_fp4(const int R, const v
                 s[v] = _mm256_mul_ps(e4m3_scaled_down8(scales + g * NB + c0 + 8 * v),
                                      _mm256_set1_ps(QUANT_TWO_POW_95));
             for (int64_t p = 8 * g; p < 8 * g + 8; p++)
-                for (int v = 0; v < V; v++) {
-                    __m256 even, odd;
-                    fp4_pair8(panel + p * NB + c0 + 8 * v, table, &even, &odd);
-                    even = _mm256_mul_ps(even, s[v]);
-                    odd = _mm256_mul_ps(odd, s[v]);
-                    for (int r = 0; r < R; r++) {
-                        c[r][v] = _mm256_fmadd_ps(even, _mm256_set1_ps(x[r][2 * p]), c[r][v]);
-                        c[r][v] = _mm256_fmadd_ps(odd, _mm256_set1_ps(x[r][2 * p + 1]), c[r][v]);
+                for (int v = 0; v < V; v += 2) {
+                    __m256 w[4];
+                    fp4_step16(panel + p * NB + c0 + 8 * v, table, w);
+                    for (int h = 0; h < 2; h++) {
+                        const __m256 even = _mm256_mul_ps(w[h], s[v + h]);
+                        const __m256 odd = _mm256_mul_ps(w[2 + h], s[v + h]);
+                        for (int r = 0; r < R; r++) {
+                            c[r][v + h] =
+                                _mm256_fmadd_ps(even, _mm256_set1_ps(x[r][2 * p]), c[r][v + h]);
+                            c[r][v + h] =
+                                _mm256_fmadd_ps(odd, _mm256_set1_ps(x[r][2 * p + 1]), c[r][v + h]);
+                        }
                     }
                 }
         }

@@ -300,7 +300,7 @@ static inline void store8(float *y, __m256 acc, const float *col, const float *b
     _mm256_mul_ps(_mm256_loadu_ps(sc + (j) * sstride + g * 16 + 8 * (h)),                      \
                   _mm256_set1_ps(QUANT_TWO_POW_M60))
 
-/* NVFP4: per pair of inputs, 8 bytes per half block give both inputs' 8 values (times 2^25,
+/* NVFP4: per pair of inputs, 16 bytes per block give both inputs' 16 values (times 2^25,
  * cpu_quant.h), scaled per group of 16 inputs by the e4m3 scale decoded times 2^95. */
 #define KERNEL_FP4(ROWS, NR)                                                                    \
     static void fp4_##ROWS##_##NR(KERNEL_ARGS) {                                                \
@@ -316,15 +316,16 @@ static inline void store8(float *y, __m256 acc, const float *col, const float *b
                     for (int c = 0; c < 2 * NR; c++) part[r][c] = _mm256_setzero_ps();          \
                 for (int64_t p = 8 * g; p < 8 * g + 8; p++) {                                   \
                     PREFETCH_NEXT(p, NR)                                                        \
-                    for (int c = 0; c < 2 * NR; c++) {                                          \
-                        __m256 even, odd;                                                       \
-                        fp4_pair8(w + (c >> 1) * wstride + p * 16 + 8 * (c & 1), table, &even,  \
-                                  &odd);                                                        \
+                    for (int j = 0; j < NR; j++) {                                              \
+                        __m256 v[4];                                                            \
+                        fp4_step16(w + j * wstride + p * 16, table, v);                         \
                         for (int r = 0; r < ROWS; r++) {                                        \
-                            part[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * ldx + 2 * p]),    \
-                                                         even, part[r][c]);                     \
-                            part[r][c] = _mm256_fmadd_ps(                                       \
-                                _mm256_set1_ps(x[r * ldx + 2 * p + 1]), odd, part[r][c]);       \
+                            const __m256 xe = _mm256_set1_ps(x[r * ldx + 2 * p]);               \
+                            const __m256 xo = _mm256_set1_ps(x[r * ldx + 2 * p + 1]);           \
+                            for (int h = 0; h < 2; h++) {                                       \
+                                __m256 *acc = &part[r][2 * j + h];                              \
+                                *acc = _mm256_fmadd_ps(xo, v[2 + h], _mm256_fmadd_ps(xe, v[h], *acc)); \
+                            }                                                                   \
                         }                                                                       \
                     }                                                                           \
                 }                                                                               \
@@ -340,17 +341,15 @@ static inline void store8(float *y, __m256 acc, const float *col, const float *b
                 const __m256 s[2] = {FP4_SCALE(j, 0), FP4_SCALE(j, 1)};                         \
                 for (int64_t p = 8 * g; p < 8 * g + 8; p++) {                                   \
                     PREFETCH_BLOCK(p, j)                                                        \
-                    for (int h = 0; h < 2; h++) {                                               \
-                        __m256 even, odd;                                                       \
-                        fp4_pair8(w + j * wstride + p * 16 + 8 * h, table, &even, &odd);        \
-                        even = _mm256_mul_ps(even, s[h]);                                       \
-                        odd = _mm256_mul_ps(odd, s[h]);                                         \
-                        for (int r = 0; r < ROWS; r++) {                                        \
-                            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * ldx + 2 * p]),     \
-                                                        even, acc[r][h]);                       \
-                            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * ldx + 2 * p + 1]), \
-                                                        odd, acc[r][h]);                        \
-                        }                                                                       \
+                    __m256 v[4];                                                                \
+                    fp4_step16(w + j * wstride + p * 16, table, v);                             \
+                    for (int c = 0; c < 4; c++) v[c] = _mm256_mul_ps(v[c], s[c & 1]);           \
+                    for (int r = 0; r < ROWS; r++) {                                            \
+                        const __m256 xe = _mm256_set1_ps(x[r * ldx + 2 * p]);                   \
+                        const __m256 xo = _mm256_set1_ps(x[r * ldx + 2 * p + 1]);               \
+                        for (int h = 0; h < 2; h++)                                             \
+                            acc[r][h] = _mm256_fmadd_ps(xo, v[2 + h],                           \
+                                                        _mm256_fmadd_ps(xe, v[h], acc[r][h]));  \
                     }                                                                           \
                 }                                                                               \
             }                                                                                   \

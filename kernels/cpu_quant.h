@@ -17,11 +17,13 @@
  * value * scale exactly (few significant bits each).
  *
  * AVX2 + FMA (no AVX-512: AMD Zen 3, older Intel) decodes 8 lanes at a time the same way: FP8 as
- * above. For NVFP4, VPERMPS only indexes 8 entries, so VPSHUFB looks each nibble up in a 16-byte
- * table of twice the e2m1 values as int8, into the top byte of a 32-bit lane (the lane's other
- * index bytes are 0, looking up +0, or have bit 7 set, giving 0), and VCVTDQ2PS turns that
- * integer into the value times 2^25, exactly. Multiplying by the e4m3 decode of the scale times
- * 2^95 gives value * scale exactly again: the two ISAs compute the same products.
+ * above. For NVFP4, VPERMPS only indexes 8 entries, so VPSHUFB looks a block step's 16 bytes of
+ * nibbles up in a 16-byte table of twice the e2m1 values as int8 (both 128-bit halves of the
+ * register hold the same 16 bytes), and a second VPSHUFB per 8 columns moves each int8 into the
+ * top byte of its 32-bit lane: VCVTDQ2PS makes that the value times 2^25, exactly. Multiplying
+ * by the e4m3 decode of the scale times 2^95 gives value * scale exactly again: the two ISAs
+ * compute the same products. Only in-lane shuffles: on Zen 3 a lane-crossing widen (VPMOVZXBD
+ * ymm) costs three times a VPSHUFB, and shuffles and shifts share two of the four vector pipes.
  */
 #ifndef BATON_CPU_QUANT_H
 #define BATON_CPU_QUANT_H
@@ -78,16 +80,26 @@ static inline __m256i fp4_table8(void) {
                             4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
 }
 
-/* 8 bytes of packed e2m1 (one per column: inputs 2p low, 2p+1 high) -> the two inputs' values
- * times 2^25. A byte b widened to a lane: b << 20 puts the high nibble alone in the top byte
- * and the low nibble in bits 4..7 of the byte below (index 0 or bit 7 set: 0); b << 24 masked
- * to 0x0F000000 puts the low nibble alone in the top byte. */
-static inline void fp4_pair8(const uint8_t *bytes, __m256i table, __m256 *even, __m256 *odd) {
-    const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
-    const __m256i low =
-        _mm256_and_si256(_mm256_slli_epi32(wide, 24), _mm256_set1_epi32(0x0F000000));
-    *even = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(table, low));
-    *odd = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(table, _mm256_slli_epi32(wide, 20)));
+/* VPSHUFB controls putting byte c of a 16-byte half into the top byte of lane c % 8 (the other
+ * bytes zero): columns 0..7 (bytes 0..3 in the low half, 4..7 in the high) or 8..15. */
+#define FP4_TOP_BYTES(c)                                                                        \
+    _mm256_setr_epi8(-1, -1, -1, (c), -1, -1, -1, (c) + 1, -1, -1, -1, (c) + 2, -1, -1, -1,    \
+                     (c) + 3, -1, -1, -1, (c) + 4, -1, -1, -1, (c) + 5, -1, -1, -1, (c) + 6,    \
+                     -1, -1, -1, (c) + 7)
+
+/* 16 bytes of packed e2m1 (16 columns, inputs 2p in the low nibbles, 2p + 1 in the high) ->
+ * the values times 2^25: out[0], out[1] input 2p's columns 0..7, 8..15; out[2], out[3] 2p + 1's. */
+static inline void fp4_step16(const uint8_t *bytes, __m256i table, __m256 out[4]) {
+    const __m256i packed = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)bytes));
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i even = _mm256_shuffle_epi8(table, _mm256_and_si256(packed, nibble));
+    const __m256i odd =
+        _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble));
+    const __m256i first = FP4_TOP_BYTES(0), second = FP4_TOP_BYTES(8);
+    out[0] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(even, first));
+    out[1] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(even, second));
+    out[2] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(odd, first));
+    out[3] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(odd, second));
 }
 
 #endif /* __AVX512F__, __AVX2__ && __FMA__ */
