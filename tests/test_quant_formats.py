@@ -179,6 +179,20 @@ def test_cpu_linear_bf16_rows_with_relu_and_bias(algo, rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("algo", ["FP8", "NVFP4"])
+def test_cpu_linear_reads_strided_bf16_rows(algo):
+    """bf16 rows 80 apart (a slice of a wider activation), widened and narrowed in C."""
+    q = random_codes(algo, 29, 48)
+    w = dequantize(q).double()
+    x = torch.randn(3, 80, generator=torch.Generator().manual_seed(9)).bfloat16()[:, 16:64]
+    y = cpu_quant.linear(x, cpu_quant.pack(q))
+    assert y.dtype == torch.bfloat16
+    ref = x.double() @ w.T
+    bound = sum_error_bound(x.float(), w, None) + 2.0**-8 * ref.abs()
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_cpu_linear_fp8_scales_past_the_packed_range_go_to_the_column_scale(rows):
     """FP8 scales near float32's top: the packed scales give 2^shift up to `col`, which the
