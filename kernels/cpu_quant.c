@@ -15,8 +15,8 @@
  *
  * Work is cut as in cpu_gemm.c: each thread a contiguous run of blocks in tiles of 3 (the codes
  * read from memory once per call), an 8-row register block over all of K, the next tile
- * prefetched while one runs. x and y are float32 (kernels/cpu_quant.py widens a bf16 model's
- * rows and narrows the result); sums are float32 in k order.
+ * prefetched while one runs. x and y are float32 (baton_qgemm_bf16, at the end, widens a bf16
+ * model's rows and narrows the result around the same call); sums are float32 in k order.
  *
  * With AVX2 + FMA and no AVX-512 (16 registers of 8 floats) a block is two registers wide:
  * tiles of 2 blocks, row blocks of 6, 3, 2 and 1. Up to 2 rows run a tile's blocks together
