@@ -26,7 +26,8 @@
  * low nibble), with their scales beside them per panel: FP8 [groups][NB] float32 (a column's
  * scale for each group of `group` k, times the decode's 2^120), NVFP4 [K / 16][NB] e4m3; `col`
  * (float32 per output column, may be NULL) multiplies the projection's outputs (NVFP4's
- * weight_scale_2). cpu_quant.h decodes them in registers.
+ * weight_scale_2). cpu_quant.h decodes them in registers, with AVX-512 or with AVX2 + FMA (there
+ * 16 registers of 8 floats: a block of rows runs the panel in column chunks, below).
  */
 #include <math.h>
 #include <stdint.h>
@@ -171,13 +172,87 @@ static inline __attribute__((always_inline)) void block_fp4(const int R, const v
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 4; v++) _mm512_storeu_ps(acc + r * NB + 16 * v, c[r][v]);
 }
+#elif defined(QUANT_AVX2)
+/* AVX2's 16 registers hold 12 accumulators of 8 floats, not MR x NB: the panel runs in column
+ * chunks of CHUNK(R) vectors, each over all of K, R x CHUNK(R) <= 12 (one row: the whole width).
+ * A chunk after the first finds the panel's lines in cache (K x 64 bytes of codes at most). */
+#define CHUNK(R) ((R) == 1 ? 8 : (R) <= 3 ? 4 : 2)
+
+/* FP8 codes [K][NB] with float32 scales [groups][NB] (times 2^120), float32 rows. */
+static inline __attribute__((always_inline)) void block_fp8(const int R, const void *const xv[MR],
+                                                            const void *panel_v,
+                                                            const void *scales_v, int64_t group,
+                                                            int64_t K, float *acc) {
+    const float *const *x = (const float *const *)xv;
+    const uint8_t *panel = (const uint8_t *)panel_v;
+    const float *scales = (const float *)scales_v;
+    const int V = CHUNK(R);
+    for (int c0 = 0; c0 < NB; c0 += 8 * V) {
+        __m256 c[MR][8];
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < V; v++) c[r][v] = _mm256_setzero_ps();
+        for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, g++) {
+            const int64_t k1 = k0 + group < K ? k0 + group : K;
+            for (int64_t k = k0; k < k1; k++)
+                for (int v = 0; v < V; v++) {
+                    const int64_t at = c0 + 8 * v;
+                    const __m256 w = _mm256_mul_ps(e4m3_scaled_down8(panel + k * NB + at),
+                                                   _mm256_loadu_ps(scales + g * NB + at));
+                    for (int r = 0; r < R; r++)
+                        c[r][v] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[r][k]), c[r][v]);
+                }
+        }
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < V; v++) _mm256_storeu_ps(acc + r * NB + c0 + 8 * v, c[r][v]);
+    }
+}
+
+/* NVFP4 codes [K / 2][NB] (k pairs in a byte) with e4m3 scales [K / 16][NB], float32 rows; 16
+ * columns (two vectors) decoded at a time. */
+static inline __attribute__((always_inline)) void block_fp4(const int R, const void *const xv[MR],
+                                                            const void *panel_v,
+                                                            const void *scales_v, int64_t K,
+                                                            float *acc) {
+    const float *const *x = (const float *const *)xv;
+    const uint8_t *panel = (const uint8_t *)panel_v, *scales = (const uint8_t *)scales_v;
+    const __m256i table = fp4_table8();
+    const int V = CHUNK(R);
+    for (int c0 = 0; c0 < NB; c0 += 8 * V) {
+        __m256 c[MR][8];
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < V; v++) c[r][v] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < K / 16; g++) {
+            __m256 s[8];
+            for (int v = 0; v < V; v++)
+                s[v] = _mm256_mul_ps(e4m3_scaled_down8(scales + g * NB + c0 + 8 * v),
+                                     _mm256_set1_ps(QUANT_TWO_POW_95));
+            for (int64_t p = 8 * g; p < 8 * g + 8; p++)
+                for (int v = 0; v < V; v += 2) {
+                    __m256 w[4];
+                    fp4_step16(panel + p * NB + c0 + 8 * v, table, w);
+                    for (int h = 0; h < 2; h++) {
+                        const __m256 even = _mm256_mul_ps(w[h], s[v + h]);
+                        const __m256 odd = _mm256_mul_ps(w[2 + h], s[v + h]);
+                        for (int r = 0; r < R; r++) {
+                            c[r][v + h] =
+                                _mm256_fmadd_ps(even, _mm256_set1_ps(x[r][2 * p]), c[r][v + h]);
+                            c[r][v + h] =
+                                _mm256_fmadd_ps(odd, _mm256_set1_ps(x[r][2 * p + 1]), c[r][v + h]);
+                        }
+                    }
+                }
+        }
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < V; v++) _mm256_storeu_ps(acc + r * NB + c0 + 8 * v, c[r][v]);
+    }
+}
 #endif
 
 /* One block of nr <= MR rows, with a copy of the loop per row count: a decode step's few rows
  * per expert cost no FMAs for absent rows. scales / group: a quantized panel's (else unused). */
 static void panel_block(int fmt, int64_t nr, const void *const x[MR], const void *panel,
                         const void *scales, int64_t group, int64_t K, float *acc) {
-#if defined(__AVX512F__)
+#if defined(QUANT_AVX512) || defined(QUANT_AVX2)
 #define QUANT_BLOCKS(R)                                                                            \
     if (fmt == FMT_FP8) { block_fp8(R, x, panel, scales, group, K, acc); break; }                  \
     if (fmt == FMT_NVFP4) { block_fp4(R, x, panel, scales, K, acc); break; }
@@ -278,7 +353,7 @@ int64_t baton_moe_routed(const void *x, int64_t x_stride, int64_t T, int64_t D, 
 
 #pragma omp parallel num_threads(threads)
     {
-#if defined(__AVX512F__)
+#if defined(QUANT_AVX512) || defined(QUANT_AVX2)
         QUANT_DENORMALS_ON(saved_csr);
 #endif
         float acc_g[MR * NB], acc_u[MR * NB];
@@ -366,7 +441,7 @@ int64_t baton_moe_routed(const void *x, int64_t x_stride, int64_t T, int64_t D, 
             } else
                 memcpy((float *)out + t * D, row, sizeof(float) * D);
         }
-#if defined(__AVX512F__)
+#if defined(QUANT_AVX512) || defined(QUANT_AVX2)
         QUANT_DENORMALS_RESTORE(saved_csr);
 #endif
     }

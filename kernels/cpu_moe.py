@@ -126,7 +126,7 @@ def pack_panels(w_up: torch.Tensor, w_down: torch.Tensor, swiglu: bool) -> Panel
 def pack_quantized(
     w_up: QuantizedTensor, w_down: QuantizedTensor, swiglu: bool
 ) -> QuantPanelExperts | None:
-    """Quantized experts in panels; None without the library or AVX-512."""
+    """Quantized experts in panels; None without the library or AVX-512 / AVX2 + FMA."""
     if w_up.device.type != "cpu" or library() is None or not cpu_quant.supported():
         return None
     if w_up.format != w_down.format:

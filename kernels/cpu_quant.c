@@ -15,37 +15,58 @@
  *
  * Work is cut as in cpu_gemm.c: each thread a contiguous run of blocks in tiles of 3 (the codes
  * read from memory once per call), an 8-row register block over all of K, the next tile
- * prefetched while one runs. x and y are float32 (kernels/cpu_quant.py widens a bf16 model's
- * rows and narrows the result); sums are float32 in k order.
+ * prefetched while one runs. x and y are float32 (baton_qgemm_bf16, at the end, widens a bf16
+ * model's rows and narrows the result around the same call); sums are float32 in k order.
+ *
+ * With AVX2 + FMA and no AVX-512 (16 registers of 8 floats) a block is two registers wide:
+ * tiles of 2 blocks, row blocks of 6, 3, 2 and 1. Up to 2 rows run a tile's blocks together
+ * (partial sums per scale group as with AVX-512, 8 registers at most; the scaled sums wait in
+ * memory); 3 and 6 rows run one block at a time over all of K (12 accumulators), the rows
+ * sharing each decoded weight. The same layouts, the same products (cpu_quant.h).
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
 #include "cpu_quant.h"
 
 enum { FORMAT_FP8 = 0, FORMAT_NVFP4 = 1 };
-#define TILE 3 /* blocks of 16 columns per tile */
-#define MR 8   /* rows per register block */
 
 int baton_qgemm_supported(void) {
-#if defined(__AVX512F__)
+#if defined(QUANT_AVX512) || defined(QUANT_AVX2)
     return 1;
 #else
     return 0;
 #endif
 }
 
-#if defined(__AVX512F__)
-
-/* Prefetch line q of each block of the next tile at step `step` of `steps`: the row blocks of a
- * tile share the next tile's lines [pf_lo, pf_lo + pf_span) between them. */
-#define PREFETCH_NEXT(step, NR)                                                                   \
+#if defined(QUANT_AVX512) || defined(QUANT_AVX2)
+/* Prefetch line q of each block (or of block j) of the next tile at step `step` of `steps`: the
+ * row blocks of a tile share the next tile's lines [pf_lo, pf_lo + pf_span) between them. */
+#define PREFETCH_BLOCK(step, j)                                                                 \
+    if (pf) {                                                                                   \
+        const int64_t q = pf_lo + (int64_t)(((step) * pf_step) >> 16);                          \
+        _mm_prefetch((const char *)(pf + (j) * wstride + q * 64), _MM_HINT_T0);                 \
+    }
+#define PREFETCH_NEXT(step, NR)                                                                 \
     if (pf) {                                                                                   \
         const int64_t q = pf_lo + (int64_t)(((step) * pf_step) >> 16);                          \
         for (int j = 0; j < NR; j++)                                                            \
             _mm_prefetch((const char *)(pf + j * wstride + q * 64), _MM_HINT_T0);               \
     }
+
+#define KERNEL_ARGS                                                                             \
+    const float *x, int64_t ldx, int64_t k, const uint8_t *w, int64_t wstride,                  \
+        const void *scales_v, int64_t sstride, int64_t group, const float *col,                 \
+        const float *bias, int relu, float *y, int64_t ldy, int64_t ncols, const uint8_t *pf,   \
+        int64_t pf_lo, int64_t pf_step
+#endif
+
+#if defined(QUANT_AVX512)
+#define TILE 3 /* blocks of 16 columns per tile */
+static const int BLOCK_ROWS[4] = {8, 4, 2, 1}; /* rows per register block, largest first */
 
 /* Multiply by the column scale, add the bias, relu, store the ncols columns left. */
 #define EPILOGUE(ROWS, NR)                                                                      \
@@ -60,12 +81,6 @@ int baton_qgemm_supported(void) {
             _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask, v);                               \
         }                                                                                       \
     }
-
-#define KERNEL_ARGS                                                                             \
-    const float *x, int64_t ldx, int64_t k, const uint8_t *w, int64_t wstride,                  \
-        const void *scales_v, int64_t sstride, int64_t group, const float *col,                 \
-        const float *bias, int relu, float *y, int64_t ldy, int64_t ncols, const uint8_t *pf,   \
-        int64_t pf_lo, int64_t pf_step
 
 /* FP8: per input, 16 codes per block decoded and scaled by their group's column scales. With
  * few rows (decode) the codes are summed unscaled per group and the group's scales applied once
@@ -190,16 +205,190 @@ static const qkernel KERNELS_BY_FORMAT[2][4][TILE] = {
     {{fp4_8_1, fp4_8_2, fp4_8_3}, {fp4_4_1, fp4_4_2, fp4_4_3},
      {fp4_2_1, fp4_2_2, fp4_2_3}, {fp4_1_1, fp4_1_2, fp4_1_3}}};
 
-static inline int row_block(int64_t left) { return left >= 8 ? 0 : left >= 4 ? 1 : left >= 2 ? 2 : 3; }
+#elif defined(QUANT_AVX2)
+#define TILE 2 /* blocks of 16 columns per tile */
+static const int BLOCK_ROWS[4] = {6, 3, 2, 1};
 
-#endif /* __AVX512F__ */
+/* y[0..8) = acc (* col) (+ bias) (relu) for the lanes below `left` (none when left <= 0). */
+static inline void store8(float *y, __m256 acc, const float *col, const float *bias, int relu,
+                          int64_t left) {
+    const int lanes = left <= 0 ? 0 : left >= 8 ? 8 : (int)left;
+    const __m256i mask =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 cs = col ? _mm256_maskload_ps(col, mask) : _mm256_set1_ps(1.f);
+    const __m256 bs = bias ? _mm256_maskload_ps(bias, mask) : _mm256_setzero_ps();
+    __m256 v = _mm256_fmadd_ps(acc, cs, bs);
+    if (relu) v = _mm256_max_ps(v, _mm256_setzero_ps());
+    _mm256_maskstore_ps(y, mask, v);
+}
+
+/* The up-to-2-row path: partial sums part[ROWS][2 NR] over one scale group, then each added
+ * into sums[ROWS][16 NR] times the group's scales. */
+#define FLUSH_PARTS(ROWS, NR, SCALE_OF)                                                         \
+    for (int j = 0; j < NR; j++)                                                                \
+        for (int h = 0; h < 2; h++) {                                                           \
+            const __m256 sj = SCALE_OF(j, h);                                                   \
+            for (int r = 0; r < ROWS; r++) {                                                    \
+                float *at = sums[r] + 16 * j + 8 * h;                                           \
+                _mm256_storeu_ps(at, _mm256_fmadd_ps(part[r][2 * j + h], sj, _mm256_loadu_ps(at))); \
+            }                                                                                   \
+        }
+
+#define STORE_SUMS(ROWS, NR)                                                                    \
+    for (int r = 0; r < ROWS; r++)                                                              \
+        for (int c = 0; c < 2 * NR; c++)                                                        \
+            store8(y + r * ldy + 8 * c, _mm256_loadu_ps(sums[r] + 8 * c), col ? col + 8 * c : NULL, \
+                   bias ? bias + 8 * c : NULL, relu, ncols - 8 * c);
+
+#define STORE_ACC(ROWS, j)                                                                      \
+    for (int r = 0; r < ROWS; r++)                                                              \
+        for (int h = 0; h < 2; h++)                                                             \
+            store8(y + r * ldy + 16 * (j) + 8 * h, acc[r][h],                                   \
+                   col ? col + 16 * (j) + 8 * h : NULL, bias ? bias + 16 * (j) + 8 * h : NULL,  \
+                   relu, ncols - 16 * (j) - 8 * h);
+
+/* FP8 (see the AVX-512 kernel above for the 2^60 / 2^-60 around the partial sums). */
+#define KERNEL_FP8(ROWS, NR)                                                                    \
+    static void fp8_##ROWS##_##NR(KERNEL_ARGS) {                                                \
+        const float *sc = (const float *)scales_v;                                              \
+        if (ROWS <= 2) {                                                                        \
+            float sums[ROWS][16 * NR];                                                          \
+            memset(sums, 0, sizeof(sums));                                                      \
+            for (int64_t k0 = 0, g = 0; k0 < k; k0 += group, g++) {                             \
+                const int64_t k1 = k0 + group < k ? k0 + group : k;                             \
+                __m256 part[ROWS][2 * NR];                                                      \
+                for (int r = 0; r < ROWS; r++)                                                  \
+                    for (int c = 0; c < 2 * NR; c++) part[r][c] = _mm256_setzero_ps();          \
+                for (int64_t p = k0; p < k1; p++) {                                             \
+                    PREFETCH_NEXT(p, NR)                                                        \
+                    __m256 xs[ROWS];                                                            \
+                    for (int r = 0; r < ROWS; r++)                                              \
+                        xs[r] = _mm256_set1_ps(x[r * ldx + p] * QUANT_TWO_POW_60);              \
+                    for (int c = 0; c < 2 * NR; c++) {                                          \
+                        const __m256 b =                                                        \
+                            e4m3_scaled_down8(w + (c >> 1) * wstride + p * 16 + 8 * (c & 1));   \
+                        for (int r = 0; r < ROWS; r++)                                          \
+                            part[r][c] = _mm256_fmadd_ps(xs[r], b, part[r][c]);                 \
+                    }                                                                           \
+                }                                                                               \
+                FLUSH_PARTS(ROWS, NR, FP8_SCALE)                                                \
+            }                                                                                   \
+            STORE_SUMS(ROWS, NR)                                                                \
+            return;                                                                             \
+        }                                                                                       \
+        for (int j = 0; j < NR; j++) {                                                          \
+            __m256 acc[ROWS][2];                                                                \
+            for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();         \
+            for (int64_t k0 = 0, g = 0; k0 < k; k0 += group, g++) {                             \
+                const int64_t k1 = k0 + group < k ? k0 + group : k;                             \
+                const __m256 s0 = _mm256_loadu_ps(sc + j * sstride + g * 16);                   \
+                const __m256 s1 = _mm256_loadu_ps(sc + j * sstride + g * 16 + 8);               \
+                for (int64_t p = k0; p < k1; p++) {                                             \
+                    PREFETCH_BLOCK(p, j)                                                        \
+                    const uint8_t *codes = w + j * wstride + p * 16;                            \
+                    const __m256 b0 = _mm256_mul_ps(e4m3_scaled_down8(codes), s0);              \
+                    const __m256 b1 = _mm256_mul_ps(e4m3_scaled_down8(codes + 8), s1);          \
+                    for (int r = 0; r < ROWS; r++) {                                            \
+                        const __m256 xr = _mm256_set1_ps(x[r * ldx + p]);                       \
+                        acc[r][0] = _mm256_fmadd_ps(xr, b0, acc[r][0]);                         \
+                        acc[r][1] = _mm256_fmadd_ps(xr, b1, acc[r][1]);                         \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+            STORE_ACC(ROWS, j)                                                                  \
+        }                                                                                       \
+    }
+#define FP8_SCALE(j, h)                                                                         \
+    _mm256_mul_ps(_mm256_loadu_ps(sc + (j) * sstride + g * 16 + 8 * (h)),                      \
+                  _mm256_set1_ps(QUANT_TWO_POW_M60))
+
+/* NVFP4: per pair of inputs, 16 bytes per block give both inputs' 16 values (times 2^25,
+ * cpu_quant.h), scaled per group of 16 inputs by the e4m3 scale decoded times 2^95. */
+#define KERNEL_FP4(ROWS, NR)                                                                    \
+    static void fp4_##ROWS##_##NR(KERNEL_ARGS) {                                                \
+        (void)group;                                                                            \
+        const uint8_t *sc = (const uint8_t *)scales_v;                                          \
+        const __m256i table = fp4_table8();                                                     \
+        if (ROWS <= 2) {                                                                        \
+            float sums[ROWS][16 * NR];                                                          \
+            memset(sums, 0, sizeof(sums));                                                      \
+            for (int64_t g = 0; g < k / 16; g++) {                                              \
+                __m256 part[ROWS][2 * NR];                                                      \
+                for (int r = 0; r < ROWS; r++)                                                  \
+                    for (int c = 0; c < 2 * NR; c++) part[r][c] = _mm256_setzero_ps();          \
+                for (int64_t p = 8 * g; p < 8 * g + 8; p++) {                                   \
+                    PREFETCH_NEXT(p, NR)                                                        \
+                    for (int j = 0; j < NR; j++) {                                              \
+                        __m256 v[4];                                                            \
+                        fp4_step16(w + j * wstride + p * 16, table, v);                         \
+                        for (int r = 0; r < ROWS; r++) {                                        \
+                            const __m256 xe = _mm256_set1_ps(x[r * ldx + 2 * p]);               \
+                            const __m256 xo = _mm256_set1_ps(x[r * ldx + 2 * p + 1]);           \
+                            for (int h = 0; h < 2; h++) {                                       \
+                                __m256 *acc = &part[r][2 * j + h];                              \
+                                *acc = _mm256_fmadd_ps(xo, v[2 + h], _mm256_fmadd_ps(xe, v[h], *acc)); \
+                            }                                                                   \
+                        }                                                                       \
+                    }                                                                           \
+                }                                                                               \
+                FLUSH_PARTS(ROWS, NR, FP4_SCALE)                                                \
+            }                                                                                   \
+            STORE_SUMS(ROWS, NR)                                                                \
+            return;                                                                             \
+        }                                                                                       \
+        for (int j = 0; j < NR; j++) {                                                          \
+            __m256 acc[ROWS][2];                                                                \
+            for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();         \
+            for (int64_t g = 0; g < k / 16; g++) {                                              \
+                const __m256 s[2] = {FP4_SCALE(j, 0), FP4_SCALE(j, 1)};                         \
+                for (int64_t p = 8 * g; p < 8 * g + 8; p++) {                                   \
+                    PREFETCH_BLOCK(p, j)                                                        \
+                    __m256 v[4];                                                                \
+                    fp4_step16(w + j * wstride + p * 16, table, v);                             \
+                    for (int c = 0; c < 4; c++) v[c] = _mm256_mul_ps(v[c], s[c & 1]);           \
+                    for (int r = 0; r < ROWS; r++) {                                            \
+                        const __m256 xe = _mm256_set1_ps(x[r * ldx + 2 * p]);                   \
+                        const __m256 xo = _mm256_set1_ps(x[r * ldx + 2 * p + 1]);               \
+                        for (int h = 0; h < 2; h++)                                             \
+                            acc[r][h] = _mm256_fmadd_ps(xo, v[2 + h],                           \
+                                                        _mm256_fmadd_ps(xe, v[h], acc[r][h]));  \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+            STORE_ACC(ROWS, j)                                                                  \
+        }                                                                                       \
+    }
+#define FP4_SCALE(j, h)                                                                         \
+    _mm256_mul_ps(e4m3_scaled_down8(sc + (j) * sstride + g * 16 + 8 * (h)),                    \
+                  _mm256_set1_ps(QUANT_TWO_POW_95))
+
+#define KERNELS(K) K(6, 2) K(3, 2) K(2, 2) K(1, 2) K(6, 1) K(3, 1) K(2, 1) K(1, 1)
+KERNELS(KERNEL_FP8)
+KERNELS(KERNEL_FP4)
+
+typedef void (*qkernel)(KERNEL_ARGS);
+static const qkernel KERNELS_BY_FORMAT[2][4][TILE] = {
+    {{fp8_6_1, fp8_6_2}, {fp8_3_1, fp8_3_2}, {fp8_2_1, fp8_2_2}, {fp8_1_1, fp8_1_2}},
+    {{fp4_6_1, fp4_6_2}, {fp4_3_1, fp4_3_2}, {fp4_2_1, fp4_2_2}, {fp4_1_1, fp4_1_2}}};
+
+#endif /* QUANT_AVX512, QUANT_AVX2 */
+
+#if defined(QUANT_AVX512) || defined(QUANT_AVX2)
+/* The largest register block that fits the rows left: an index into BLOCK_ROWS. */
+static inline int row_block(int64_t left) {
+    int idx = 0;
+    while (BLOCK_ROWS[idx] > left) idx++;
+    return idx;
+}
+#endif
 
 /* y[m][ldy] = x[m][ldx] @ W^T (* col) (+ bias) (relu) for W packed as above (n columns of k
- * inputs; nvfp4: k a multiple of 16). Returns 0, -1 without AVX-512, -2 for a bad format/k. */
+ * inputs; nvfp4: k a multiple of 16). Returns 0, -1 without AVX-512 or AVX2 + FMA, -2 for a bad
+ * format/k. */
 int baton_qgemm(int format, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w,
                 const void *scales, int64_t group, const float *col, int64_t n, const float *bias,
                 int relu, float *y, int64_t ldy, int threads) {
-#if defined(__AVX512F__)
+#if defined(QUANT_AVX512) || defined(QUANT_AVX2)
     if (format != FORMAT_FP8 && format != FORMAT_NVFP4) return -2;
     if (format == FORMAT_NVFP4 ? k % 16 != 0 : group < 1) return -2;
     const int64_t blocks = (n + 15) / 16;
@@ -221,7 +410,7 @@ int baton_qgemm(int format, const float *x, int64_t m, int64_t k, int64_t ldx, c
             const int next = b0 + TILE < end;
             for (int64_t r = 0; r < m;) {
                 const int idx = row_block(m - r);
-                const int64_t rows = MR >> idx;
+                const int64_t rows = BLOCK_ROWS[idx];
                 const int64_t lo = lines * r / m, hi = lines * (r + rows) / m;
                 const int64_t step = ((hi - lo) << 16) / steps;
                 KERNELS_BY_FORMAT[format][idx][nr - 1](
@@ -240,4 +429,30 @@ int baton_qgemm(int format, const float *x, int64_t m, int64_t k, int64_t ldx, c
     (void)col; (void)n; (void)bias; (void)relu; (void)y; (void)ldy; (void)threads;
     return -1;
 #endif
+}
+
+/* baton_qgemm for a bf16 model's rows: x[m][ldx] and y[m][ldy] bfloat16, widened and narrowed
+ * here (y rounded to nearest even, as torch's .to(torch.bfloat16)), so that a decode step's
+ * call costs one ctypes call instead of two more tensor ops around it (~20 us of a 2-core
+ * machine's time per call). Returns baton_qgemm's status, -3 when out of memory. */
+int baton_qgemm_bf16(int format, const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
+                     const uint8_t *w, const void *scales, int64_t group, const float *col,
+                     int64_t n, const float *bias, int relu, uint16_t *y, int64_t ldy,
+                     int threads) {
+    float *rows = malloc(sizeof(float) * (size_t)(m * (k + n)));
+    if (!rows) return -3;
+    float *out = rows + m * k;
+    const int wide = m * (k + n) > (1 << 16); /* a prefill chunk: convert in parallel */
+#pragma omp parallel for num_threads(threads) if (wide)
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t p = 0; p < k; p++) rows[i * k + p] = bf16_to_f32(x[i * ldx + p]);
+    const int status = baton_qgemm(format, rows, m, k, k, w, scales, group, col, n, bias, relu,
+                                   out, n, threads);
+    if (status == 0) {
+#pragma omp parallel for num_threads(threads) if (wide)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t c = 0; c < n; c++) y[i * ldy + c] = f32_to_bf16(out[i * n + c]);
+    }
+    free(rows);
+    return status;
 }

@@ -5,8 +5,8 @@ decode step streams half (FP8) or about a quarter (NVFP4) of a bf16 weight's byt
 Weight-only: the inputs stay in the model's dtype (widened to float32), products and sums are
 float32, so a layer computes x @ dequantize(W).T to float32 rounding (tests/test_quant_formats.py)
 whatever the checkpoint's `input_scale` says (it is not applied: W8A16 / W4A16 numerics). Built
-and cached like kernels/cpu_ops.py; without AVX-512, a compiler, or with `BATON_CPU_OPS=0`, the
-torch path of kernels/quant.py runs instead.
+and cached like kernels/cpu_ops.py; without AVX-512 or AVX2 + FMA, without a compiler, or with
+`BATON_CPU_OPS=0`, the torch path of kernels/quant.py runs instead.
 
 Shapes: x (..., K) float32 or bfloat16; packed from `pack(QuantizedTensor (N, K))`; bias (N,)
 float32 or None; returns (..., N) in x's dtype.
@@ -46,14 +46,15 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.baton_qgemm_supported.restype = _int
     lib.baton_qgemm_supported.argtypes = []
-    lib.baton_qgemm.restype = _int
-    lib.baton_qgemm.argtypes = [
-        _int,  # format
-        *(_ptr, _i64, _i64, _i64),  # x, m, k, ldx
-        *(_ptr, _ptr, _i64, _ptr),  # codes, scales, group, col
-        *(_i64, _ptr, _int),  # n, bias, relu
-        *(_ptr, _i64, _int),  # y, ldy, threads
-    ]
+    for entry in (lib.baton_qgemm, lib.baton_qgemm_bf16):  # float32 rows / bfloat16 rows
+        entry.restype = _int
+        entry.argtypes = [
+            _int,  # format
+            *(_ptr, _i64, _i64, _i64),  # x, m, k, ldx
+            *(_ptr, _ptr, _i64, _ptr),  # codes, scales, group, col
+            *(_i64, _ptr, _int),  # n, bias, relu
+            *(_ptr, _i64, _int),  # y, ldy, threads
+        ]
     return lib
 
 
@@ -123,14 +124,17 @@ def linear(
     if lib is None or x.shape[-1] != k:
         raise ValueError(f"cpu_quant: x {tuple(x.shape)} does not fit a ({n}, {k}) weight")
     rows = x.reshape(-1, k)
-    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+    if rows.dtype not in (torch.float32, torch.bfloat16) or rows.stride(-1) != 1:
         rows = rows.float().contiguous()
     m = rows.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
+    # bfloat16 rows are widened and the result narrowed in C (baton_qgemm_bf16): two fewer
+    # tensor ops per call, which a batch-1 decode step makes dozens of.
+    entry = lib.baton_qgemm_bf16 if rows.dtype == torch.bfloat16 else lib.baton_qgemm
+    y = torch.empty(m, n, dtype=rows.dtype)
     if m:
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             raise ValueError("cpu_quant: the bias is a contiguous float32 vector")
-        status = lib.baton_qgemm(
+        status = entry(
             FORMAT_CODES[packed.format],
             rows.data_ptr(),
             m,
@@ -150,4 +154,4 @@ def linear(
         if status != 0:
             raise RuntimeError(f"cpu_quant: the kernel refused a {packed.format} weight ({status})")
     y = y.view(*x.shape[:-1], n)
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
+    return y if y.dtype == x.dtype else y.to(x.dtype)

@@ -17,7 +17,9 @@ from kernels.moe import fused_moe_torch, pack_experts
 from kernels.quant import QuantizedTensor, concat_rows, dequantize
 from tests.quantize import E2M1_VALUES, dequantized, fp8_block, fp8_tensor, nvfp4
 
-needs_kernel = pytest.mark.skipif(not cpu_quant.supported(), reason="no AVX-512 C kernel here")
+needs_kernel = pytest.mark.skipif(
+    not cpu_quant.supported(), reason="no AVX-512 or AVX2 + FMA C kernel here"
+)
 SCHEMES = {
     "FP8": LayerScheme(algo="FP8", block=None, key="quant_algo"),
     "FP8_BLOCK": LayerScheme(algo="FP8_BLOCK", block=(32, 48), key="weight_block_size"),
@@ -123,21 +125,126 @@ def random_codes(algo: str, n: int, k: int, lead=()) -> QuantizedTensor:
     return QuantizedTensor("fp8", codes.view(torch.float8_e4m3fn), scale, None, group)
 
 
+def sum_error_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """How far float32 sums of x @ w.T (+ bias), taken in any order, may be from the float64
+    ones: (K + 4) rounding errors (the K products and sums, the scale, the column scale, the
+    bias) of 2^-24 each, relative to sum_k |x w| + |bias|; plus the smallest denormal per term
+    (products below float32's normal range round absolutely)."""
+    k = x.shape[-1]
+    magnitude = x.double().abs() @ w.double().abs().T
+    if bias is not None:
+        magnitude = magnitude + bias.double().abs()
+    return (k + 4) * (2.0**-24 * magnitude + 2.0**-149)
+
+
+# The kernels' edges: FP8 K = 160 is not a multiple of FP8_BLOCK's 48-input groups, NVFP4 K = 48
+# is a multiple of 16 but not of 32; 5, 29 and 37 columns end in a partial 16-column block (in
+# its first or second 8 lanes); 1, 2, 3, 5, 8, 9 and 17 rows leave every row-block remainder of
+# both ISAs' register blocks (AVX-512: 8, 4, 2, 1; AVX2: 6, 3, 2, 1).
+IN_FEATURES = {"FP8": 160, "FP8_BLOCK": 160, "NVFP4": 48}
+
+
 @needs_kernel
 @pytest.mark.parametrize("algo", list(SCHEMES))
-@pytest.mark.parametrize("rows", [1, 7, 19])
-def test_cpu_linear_matches_dequantized_weights(algo, rows):
-    q = random_codes(algo, 37, 160)
-    bias = torch.randn(37)
-    x = torch.randn(rows, 160)
-    ref = x.double() @ dequantize(q).double().T + bias.double()
+@pytest.mark.parametrize("cols", [5, 29, 37])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
+def test_cpu_linear_matches_dequantized_weights(algo, cols, rows):
+    k = IN_FEATURES[algo]
+    q = random_codes(algo, cols, k)
+    w = dequantize(q).double()
+    g = torch.Generator().manual_seed(rows)
+    bias, x = torch.randn(cols, generator=g), torch.randn(rows, k, generator=g)
     y = cpu_quant.linear(x, cpu_quant.pack(q), bias)
     assert y.dtype == torch.float32
-    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-    relu = cpu_quant.linear(x.bfloat16(), cpu_quant.pack(q), bias, relu=True)
-    expected = torch.relu(x.bfloat16().double() @ dequantize(q).double().T + bias.double())
-    assert relu.dtype == torch.bfloat16
-    assert torch.allclose(relu.double(), expected, rtol=1e-2, atol=1e-2 * float(expected.max()))
+    ref = x.double() @ w.T + bias.double()
+    assert ((y.double() - ref).abs() <= sum_error_bound(x, w, bias)).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("algo", list(SCHEMES))
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_cpu_linear_bf16_rows_with_relu_and_bias(algo, rows):
+    k = IN_FEATURES[algo]
+    q = random_codes(algo, 37, k)
+    w = dequantize(q).double()
+    g = torch.Generator().manual_seed(rows)
+    bias, x = torch.randn(37, generator=g), torch.randn(rows, k, generator=g).bfloat16()
+    y = cpu_quant.linear(x, cpu_quant.pack(q), bias, relu=True)
+    assert y.dtype == torch.bfloat16
+    ref = torch.relu(x.double() @ w.T + bias.double())
+    assert (ref == 0).any() and (ref > 0).any()  # relu cut some outputs and kept others
+    # the float32 result rounded once more, to bfloat16 (half an ulp: up to 2^-8 relative)
+    bound = sum_error_bound(x.float(), w, bias) + 2.0**-8 * ref.abs()
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("algo", ["FP8", "NVFP4"])
+def test_cpu_linear_reads_strided_bf16_rows(algo):
+    """bf16 rows 80 apart (a slice of a wider activation), widened and narrowed in C."""
+    q = random_codes(algo, 29, 48)
+    w = dequantize(q).double()
+    x = torch.randn(3, 80, generator=torch.Generator().manual_seed(9)).bfloat16()[:, 16:64]
+    y = cpu_quant.linear(x, cpu_quant.pack(q))
+    assert y.dtype == torch.bfloat16
+    ref = x.double() @ w.T
+    bound = sum_error_bound(x.float(), w, None) + 2.0**-8 * ref.abs()
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_cpu_linear_fp8_scales_past_the_packed_range_go_to_the_column_scale(rows):
+    """FP8 scales near float32's top: the packed scales give 2^shift up to `col`, which the
+    epilogue multiplies back (with the bias and relu after it)."""
+    q = random_codes("FP8_BLOCK", 29, 160)
+    q = QuantizedTensor("fp8", q.data, q.scale * 2.0**20, None, q.group)
+    packed = cpu_quant.pack(q)
+    assert packed.col is not None and float(packed.col[0]) > 1
+    w = dequantize(q).double()
+    g = torch.Generator().manual_seed(rows)
+    bias, x = torch.randn(29, generator=g) * 1e3, torch.randn(rows, 160, generator=g)
+    y = cpu_quant.linear(x, packed, bias, relu=True)
+    ref = torch.relu(x.double() @ w.T + bias.double())
+    assert ((y.double() - ref).abs() <= sum_error_bound(x, w, bias)).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("algo", list(SCHEMES))
+def test_cpu_linear_long_rows_stay_within_the_float32_sum_bound(algo, rows):
+    """K = 2048 (43 FP8 groups of 48, the last cut short; 128 NVFP4 groups), 67 columns."""
+    q = random_codes(algo, 67, 2048)
+    w = dequantize(q).double()
+    x = torch.randn(rows, 2048, generator=torch.Generator().manual_seed(7))
+    y = cpu_quant.linear(x, cpu_quant.pack(q))
+    assert ((y.double() - x.double() @ w.T).abs() <= sum_error_bound(x, w, None)).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("algo", ["FP8_BLOCK", "NVFP4"])
+def test_cpu_linear_denormal_range_gives_finite_sums(algo, rows):
+    """Subnormal e4m3 codes and scales (float32 denormals once decoded) with inputs near and
+    below float32's normal range: no NaN or inf, and the float32 sums' bound holds, with
+    DAZ/FTZ set by the caller."""
+    q = random_codes(algo, 37, 48)
+    if algo == "NVFP4":  # every group scale an e4m3 subnormal (codes 1..7: 2^-9 .. 7 * 2^-9)
+        scale = (q.scale.view(torch.uint8) % 7 + 1).view(torch.float8_e4m3fn)
+        q = QuantizedTensor("nvfp4", q.data, scale, torch.full_like(q.global_scale, 2.0**-10), 16)
+    else:  # every code an e4m3 subnormal, with tiny scales
+        codes = (q.data.view(torch.uint8) & 0x87).view(torch.float8_e4m3fn)
+        q = QuantizedTensor("fp8", codes, q.scale * 1e-30, None, q.group)
+    w = dequantize(q).double()
+    x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(8)) * 1e-36
+    previous = torch.set_flush_denormal(True)
+    try:
+        y = cpu_quant.linear(x, cpu_quant.pack(q))
+    finally:
+        torch.set_flush_denormal(False)
+    assert previous
+    assert torch.isfinite(y).all()
+    assert ((y.double() - x.double() @ w.T).abs() <= sum_error_bound(x, w, None)).all()
 
 
 @needs_kernel
@@ -161,15 +268,20 @@ def test_cpu_linear_keeps_e4m3_subnormals_when_denormals_are_flushed():
 @needs_kernel
 @pytest.mark.parametrize("algo", list(SCHEMES))
 @pytest.mark.parametrize("activation", ["relu2", "swiglu"])
-def test_cpu_routed_experts_match_the_torch_path(algo, activation):
-    E, D, inter = 6, 64, 48
+@pytest.mark.parametrize("tokens", [1, 9, 40])
+def test_cpu_routed_experts_match_the_torch_path(algo, activation, tokens):
+    """1 token: one row per expert; 40 tokens over 6 experts: blocks of 6 rows and remainders.
+    D = 80: a partial 64-column panel in the down projection, and an FP8_BLOCK group cut short."""
+    E, D, inter = 6, 80, 48
     up = random_codes(algo, 2 * inter if activation == "swiglu" else inter, D, (E,))
     down = random_codes(algo, D, inter, (E,))
     packed = pack_experts(up, down, activation)
     assert isinstance(packed, cpu_moe.QuantPanelExperts)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(9, D, generator=g) * 0.1
-    routing = Routing(torch.rand(9, 2, generator=g), torch.randint(0, E, (9, 2), generator=g))
+    x = torch.randn(tokens, D, generator=g) * 0.1
+    routing = Routing(
+        torch.rand(tokens, 2, generator=g), torch.randint(0, E, (tokens, 2), generator=g)
+    )
     ours = fused_moe_torch(x, up, down, routing, activation, packed)
     ref = fused_moe_torch(x.double(), up, down, routing, activation).float()
     assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
