@@ -134,22 +134,20 @@ def time_linear(in_features: int, out_features: int, dtype: torch.dtype, form: s
     return sum(_best_of(fn, torch.randn(rows, in_features).to(dtype), w) for rows in TIMING_ROWS)
 
 
+def _gemm(weight: torch.Tensor, kernel: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ weight.T on `kernel` ("onednn" | "baton"), the weight packed for it once."""
+    if kernel == "baton":
+        packed = cpu_gemm.pack(weight)
+        return lambda x: cpu_gemm.linear(x, packed, weight.shape[0])
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return lambda x: _packed_mm(x, packed)
+
+
 def time_gemm(in_features: int, out_features: int, dtype: torch.dtype, kernel: str) -> float:
     """Seconds for one (in, out) linear computing in `dtype` on `kernel` ("onednn" | "baton"),
     summed over TIMING_ROWS."""
-    out_features = min(out_features, TIMING_MAX_OUT)
-    weight = torch.randn(out_features, in_features).to(dtype)
-    if kernel == "baton":
-        packed = cpu_gemm.pack(weight)
-
-        def fn(x: torch.Tensor) -> torch.Tensor:
-            return cpu_gemm.linear(x, packed, out_features)
-    else:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-
-        def fn(x: torch.Tensor) -> torch.Tensor:
-            return _packed_mm(x, packed)
-
+    weight = torch.randn(min(out_features, TIMING_MAX_OUT), in_features).to(dtype)
+    fn = _gemm(weight, kernel)
     return sum(_best_of(fn, torch.randn(rows, in_features).to(dtype)) for rows in TIMING_ROWS)
 
 
@@ -161,20 +159,9 @@ def time_decode_rows(
     F.linear on the unpacked weight."""
     weight = torch.randn(out_features, in_features).to(dtype)
     if form == "plain":
-
-        def fn(x: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.linear(x, weight)
-    elif kernel == "baton":
-        packed = cpu_gemm.pack(weight)
-
-        def fn(x: torch.Tensor) -> torch.Tensor:
-            return cpu_gemm.linear(x, packed, out_features)
+        fn = lambda x: torch.nn.functional.linear(x, weight)  # noqa: E731
     else:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-
-        def fn(x: torch.Tensor) -> torch.Tensor:
-            return _packed_mm(x, packed)
-
+        fn = _gemm(weight, kernel)
     return sum(_best_of(fn, torch.randn(rows, in_features).to(dtype)) for rows in PLAIN_TIMING_ROWS)
 
 
