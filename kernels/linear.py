@@ -383,9 +383,6 @@ class PackedLinear(nn.Module):
             self.in_features, self.out_features, compute_dtype, kernel
         )
         self.plain = weight.to(compute_dtype).contiguous() if plain else None
-        self.plain_bias = (
-            linear.bias.detach().to(compute_dtype) if plain and linear.bias is not None else None
-        )
         bias = linear.bias
         if kernel == "baton":
             self.packed = cpu_gemm.pack(weight.to(compute_dtype))
@@ -395,6 +392,13 @@ class PackedLinear(nn.Module):
             if bias is not None and self.upcast:
                 bias = bias.detach().to(compute_dtype)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        # the plain path's bias in the compute dtype: the packed one's (no copy) unless baton's
+        # GEMM keeps it float32
+        self.plain_bias = (
+            None
+            if self.plain is None or self.bias is None
+            else self.bias.detach().to(compute_dtype)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inputs = x.to(self.compute_dtype) if self.upcast else x

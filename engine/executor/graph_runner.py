@@ -183,7 +183,7 @@ class DecodeGraphRunner:
         rows = n * self.verify_width if sched.mode == "verify" else n
         if not self.use_cuda_graphs:
             logits = self.runner.run_model(md)
-            self._keep_step(sched, md)
+            self.runner.keep_step(sched, md)
             return md, logits[:rows]
         key = (sched.mode, bs, padded.has_mamba_track_mask)
         if key not in self.graphs:
@@ -193,14 +193,8 @@ class DecodeGraphRunner:
         graph.replay()
         if static_hidden is not None:  # an MTP head drafts from the replayed hidden states
             self.runner.target_hidden = static_hidden
-        self._keep_step(sched, static_md)
+        self.runner.keep_step(sched, static_md)
         return static_md, static_logits[:rows]
-
-    def _keep_step(self, sched: ScheduledBatch, md: Mamba2Metadata) -> None:
-        """An MTP head's first draft pass reuses the padded step's layouts (its real rows come
-        first)."""
-        if self.runner.model.mtp is not None:
-            self.runner.target_step = (sched, md)
 
     def dummy_batch(self, mode: str, bs: int, track: bool) -> ScheduledBatch:
         """bs padding rows only: capturing it touches nothing but dummy page 0 and slot 0. A

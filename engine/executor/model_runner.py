@@ -74,9 +74,14 @@ class ModelRunner:
         """Returns the metadata and float32 logits for its `logits_indices` rows."""
         md = self.build(sched)
         logits = self.run_model(md)
+        self.keep_step(sched, md)
+        return md, logits
+
+    def keep_step(self, sched: ScheduledBatch, md: Mamba2Metadata) -> None:
+        """With an MTP head, keep the target step's batch and metadata (padded when the graph
+        runner ran it: its real rows come first) for the first draft pass over its rows."""
         if self.model.mtp is not None:
             self.target_step = (sched, md)
-        return md, logits
 
     def run_model(self, md: Mamba2Metadata) -> torch.Tensor:
         """The target forward on built metadata: logits, keeping the hidden states for an MTP
@@ -93,11 +98,11 @@ class ModelRunner:
         that step's metadata with its own tokens instead of building the same layouts again."""
         step = self.target_step
         if batch.hidden_from == "target" and step is not None and same_rows(step[0], batch.batch):
-            md = with_tokens(step[1], batch.batch)
-            # every row of the step in order (padding rows included): what pass 1 asks for
-            rows = md.forward.batch.input_ids.shape[0]
             if batch.hidden_rows != tuple(range(batch.batch.num_tokens)):
                 raise ValueError("a first draft pass reads the target's rows in order")
+            md = with_tokens(step[1], batch.batch)
+            # every row of the step in order (padding rows included)
+            rows = md.forward.batch.input_ids.shape[0]
             logits, self.draft_hidden = self.model.draft(md, self.cache, self.target_hidden[:rows])
             return logits
         md = self.build(batch.batch)
