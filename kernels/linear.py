@@ -101,6 +101,12 @@ def gemm_policy() -> str:
     return policy
 
 
+def _operand(*shape: int) -> torch.Tensor:
+    """A timing's random operand, from its own generator: timing at load must not move the
+    process's random state (a seeded run's first sample would depend on the shapes timed)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+
 def _best_of(fn: Callable[..., object], *args: object, repeats: int = 3) -> float:
     fn(*args)  # warm-up: oneDNN builds its kernel for the shape on the first call
     best = float("inf")
@@ -124,14 +130,14 @@ def time_linear(in_features: int, out_features: int, dtype: torch.dtype, form: s
     forward runs it: form "model" computes in `dtype` (packed where oneDNN packs it, else
     F.linear); "float32" widens the input, runs the fp32 packed matmul, narrows the output."""
     out_features = min(out_features, TIMING_MAX_OUT)
-    weight = torch.randn(out_features, in_features)
+    weight = _operand(out_features, in_features)
     if form == "float32":
         fn, w = _upcast_mm, torch.ops.mkldnn._reorder_linear_weight(weight, None)
     elif can_pack(dtype):
         fn, w = _packed_mm, torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), None)
     else:
         fn, w = torch.nn.functional.linear, weight.to(dtype)
-    return sum(_best_of(fn, torch.randn(rows, in_features).to(dtype), w) for rows in TIMING_ROWS)
+    return sum(_best_of(fn, _operand(rows, in_features).to(dtype), w) for rows in TIMING_ROWS)
 
 
 def _gemm(weight: torch.Tensor, kernel: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -146,9 +152,9 @@ def _gemm(weight: torch.Tensor, kernel: str) -> Callable[[torch.Tensor], torch.T
 def time_gemm(in_features: int, out_features: int, dtype: torch.dtype, kernel: str) -> float:
     """Seconds for one (in, out) linear computing in `dtype` on `kernel` ("onednn" | "baton"),
     summed over TIMING_ROWS."""
-    weight = torch.randn(min(out_features, TIMING_MAX_OUT), in_features).to(dtype)
+    weight = _operand(min(out_features, TIMING_MAX_OUT), in_features).to(dtype)
     fn = _gemm(weight, kernel)
-    return sum(_best_of(fn, torch.randn(rows, in_features).to(dtype)) for rows in TIMING_ROWS)
+    return sum(_best_of(fn, _operand(rows, in_features).to(dtype)) for rows in TIMING_ROWS)
 
 
 def time_decode_rows(
@@ -157,12 +163,12 @@ def time_decode_rows(
     """Seconds for one (in, out) linear computing in `dtype` at decode's rows, summed over
     PLAIN_TIMING_ROWS: form "gemm" on `kernel` ("onednn" | "baton"), form "plain" as
     F.linear on the unpacked weight."""
-    weight = torch.randn(out_features, in_features).to(dtype)
+    weight = _operand(out_features, in_features).to(dtype)
     if form == "plain":
         fn = lambda x: torch.nn.functional.linear(x, weight)  # noqa: E731
     else:
         fn = _gemm(weight, kernel)
-    return sum(_best_of(fn, torch.randn(rows, in_features).to(dtype)) for rows in PLAIN_TIMING_ROWS)
+    return sum(_best_of(fn, _operand(rows, in_features).to(dtype)) for rows in PLAIN_TIMING_ROWS)
 
 
 class MatmulChooser:
