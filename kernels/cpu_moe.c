@@ -116,7 +116,7 @@ static inline __attribute__((always_inline)) void block_bf16(const int R, const 
 #endif
 }
 
-#if defined(__AVX512F__)
+#if defined(QUANT_AVX512)
 /* FP8 codes [K][NB] with float32 scales [groups][NB] (times 2^120), float32 rows. */
 static inline __attribute__((always_inline)) void block_fp8(const int R, const void *const xv[MR],
                                                             const void *panel_v,

@@ -7,8 +7,11 @@
  *   fp8:   codes  [N/16][K][16]        uint8 (e4m3)
  *          scales [N/16][ceil(K/G)][16] float32: each column's scale for the group, times
  *                                       2^(120 - shift) (the decode's 2^-120, see the header)
- *   nvfp4: codes  [N/16][K/2][16]      uint8: byte (p, c) = the checkpoint's byte (row c, p),
- *                                       inputs 2p (low nibble) and 2p + 1 (high)
+ *   nvfp4: codes  [N/16][K/8][16][4]   uint8 (AVX-512): a 32-bit lane per column c and step e of 8
+ *                                       inputs, input 8e + 2t's nibble at nibble t (t < 4) and
+ *                                       8e + 2t + 1's at nibble 4 + t (kernels/cpu_quant.py)
+ *          codes  [N/16][K/2][16]      uint8 (AVX2): byte (p, c) = the checkpoint's byte (row c,
+ *                                       p), inputs 2p (low nibble) and 2p + 1 (high)
  *          scales [N/16][K/16][16]     uint8 (e4m3 group scales as stored)
  *   col    [N] float32 or NULL: multiplies each output (NVFP4's global scale weight_scale_2;
  *          FP8's 2^shift when the scales needed one)
@@ -17,6 +20,8 @@
  * read from memory once per call), an 8-row register block over all of K, the next tile
  * prefetched while one runs. x and y are float32 (baton_qgemm_bf16, at the end, widens a bf16
  * model's rows and narrows the result around the same call); sums are float32 in k order.
+ * With AVX512-BF16, NVFP4 on a bf16 model's rows skips the widening: VDPBF16PS takes the rows'
+ * bf16 input pairs as they are (KERNEL_FP4_DOT, register blocks of 4, 2 and 1 rows).
  *
  * With AVX2 + FMA and no AVX-512 (16 registers of 8 floats) a block is two registers wide:
  * tiles of 2 blocks, row blocks of 6, 3, 2 and 1. Up to 2 rows run a tile's blocks together
@@ -58,7 +63,7 @@ int baton_qgemm_supported(void) {
     }
 
 #define KERNEL_ARGS                                                                             \
-    const float *x, int64_t ldx, int64_t k, const uint8_t *w, int64_t wstride,                  \
+    const void *xv, int64_t ldx, int64_t k, const uint8_t *w, int64_t wstride,                  \
         const void *scales_v, int64_t sstride, int64_t group, const float *col,                 \
         const float *bias, int relu, float *y, int64_t ldy, int64_t ncols, const uint8_t *pf,   \
         int64_t pf_lo, int64_t pf_step
@@ -92,6 +97,7 @@ static const int BLOCK_ROWS[4] = {8, 4, 2, 1}; /* rows per register block, large
  * second set of accumulators would not fit in the registers. */
 #define KERNEL_FP8(ROWS, NR)                                                                    \
     static void fp8_##ROWS##_##NR(KERNEL_ARGS) {                                                \
+        const float *x = (const float *)xv;                                                     \
         const float *sc = (const float *)scales_v;                                              \
         __m512 acc[ROWS][NR];                                                                   \
         for (int r = 0; r < ROWS; r++)                                                          \
@@ -136,13 +142,22 @@ static const int BLOCK_ROWS[4] = {8, 4, 2, 1}; /* rows per register block, large
         EPILOGUE(ROWS, NR)                                                                      \
     }
 
-/* NVFP4: per pair of inputs, 16 bytes per block give both inputs' 16 values; a group of 16
- * inputs (8 pairs) shares each column's e4m3 scale. */
+/* NVFP4, in 64-byte steps of 8 inputs: one 32-bit lane per column holds the 8 inputs' nibbles,
+ * input 8e + 2t in nibble t and 8e + 2t + 1 in nibble 4 + t, so a lane shifted right by 4t
+ * looks both inputs' values up in one VPERMW (fp4_lane_pair, cpu_quant.h): a plain load, a
+ * shift and one lookup per pair of inputs, where a byte per pair took a widening load and two
+ * lookups. A group of 16 inputs (two steps) shares each column's e4m3 scale. Sums in k order.
+ * More than 2 rows go a pair of inputs at a time over the tile's blocks (few registers live:
+ * unrolled over the pairs the 8-row block spilled); still ~20% slower than the byte-per-pair
+ * layout at 8 rows of float32 (the bf16 rows of a bf16 model take KERNEL_FP4_DOT instead). */
+#define FP4_STEP(j, e, d)                                                                       \
+    const __m512i d = _mm512_loadu_si512((const void *)(w + (j) * wstride + (e) * 64))
 #define KERNEL_FP4(ROWS, NR)                                                                    \
     static void fp4_##ROWS##_##NR(KERNEL_ARGS) {                                                \
         (void)group;                                                                            \
+        const float *x = (const float *)xv;                                                     \
         const uint8_t *sc = (const uint8_t *)scales_v;                                          \
-        const __m512 table = fp4_table(QUANT_TWO_POW_120), plain = fp4_table(1.0f);             \
+        const __m512i table = fp4_table_bf16(120), plain = fp4_table_bf16(0);                   \
         __m512 acc[ROWS][NR];                                                                   \
         for (int r = 0; r < ROWS; r++)                                                          \
             for (int j = 0; j < NR; j++) acc[r][j] = _mm512_setzero_ps();                       \
@@ -154,16 +169,20 @@ static const int BLOCK_ROWS[4] = {8, 4, 2, 1}; /* rows per register block, large
                 __m512 part[ROWS][NR];                                                          \
                 for (int r = 0; r < ROWS; r++)                                                  \
                     for (int j = 0; j < NR; j++) part[r][j] = _mm512_setzero_ps();              \
-                for (int64_t p = 8 * g; p < 8 * g + 8; p++) {                                   \
-                    PREFETCH_NEXT(p, NR)                                                         \
+                for (int64_t e = 2 * g; e < 2 * g + 2; e++) {                                   \
+                    PREFETCH_NEXT(4 * e, NR)                                                     \
                     for (int j = 0; j < NR; j++) {                                              \
-                        __m512 even, odd;                                                       \
-                        fp4_pair(w + j * wstride + p * 16, plain, &even, &odd);                 \
-                        for (int r = 0; r < ROWS; r++) {                                        \
-                            part[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * p]),    \
-                                                         even, part[r][j]);                     \
-                            part[r][j] = _mm512_fmadd_ps(                                       \
-                                _mm512_set1_ps(x[r * ldx + 2 * p + 1]), odd, part[r][j]);       \
+                        FP4_STEP(j, e, d);                                                      \
+                        for (int t = 0; t < 4; t++) {                                           \
+                            __m512 even, odd;                                                   \
+                            fp4_lane_pair(_mm512_srli_epi32(d, 4 * t), plain, &even, &odd);     \
+                            for (int r = 0; r < ROWS; r++) {                                    \
+                                const float *xp = x + r * ldx + 8 * e + 2 * t;                  \
+                                part[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xp[0]), even,       \
+                                                             part[r][j]);                       \
+                                part[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xp[1]), odd,        \
+                                                             part[r][j]);                       \
+                            }                                                                   \
                         }                                                                       \
                     }                                                                           \
                 }                                                                               \
@@ -174,24 +193,81 @@ static const int BLOCK_ROWS[4] = {8, 4, 2, 1}; /* rows per register block, large
                 }                                                                               \
                 continue;                                                                       \
             }                                                                                   \
-            for (int64_t p = 8 * g; p < 8 * g + 8; p++) {                                       \
-                PREFETCH_NEXT(p, NR)                                                             \
-                for (int j = 0; j < NR; j++) {                                                  \
-                    __m512 even, odd;                                                           \
-                    fp4_pair(w + j * wstride + p * 16, table, &even, &odd);                     \
-                    even = _mm512_mul_ps(even, s[j]);                                           \
-                    odd = _mm512_mul_ps(odd, s[j]);                                             \
-                    for (int r = 0; r < ROWS; r++) {                                            \
-                        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * p]), even,   \
-                                                    acc[r][j]);                                 \
-                        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * p + 1]),     \
-                                                    odd, acc[r][j]);                            \
+            for (int64_t e = 2 * g; e < 2 * g + 2; e++) {                                       \
+                PREFETCH_NEXT(4 * e, NR)                                                         \
+                _Pragma("GCC unroll 1") /* a body that fits the op cache */                    \
+                for (int t = 0; t < 4; t++)                                                     \
+                    for (int j = 0; j < NR; j++) {                                              \
+                        FP4_STEP(j, e, lanes);                                                  \
+                        __m512 even, odd;                                                       \
+                        fp4_lane_pair(_mm512_srl_epi32(lanes, _mm_cvtsi32_si128(4 * t)), table, \
+                                      &even, &odd);                                             \
+                        even = _mm512_mul_ps(even, s[j]);                                       \
+                        odd = _mm512_mul_ps(odd, s[j]);                                         \
+                        for (int r = 0; r < ROWS; r++) {                                        \
+                            const float *xp = x + r * ldx + 8 * e + 2 * t;                      \
+                            acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xp[0]), even, acc[r][j]); \
+                            acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xp[1]), odd, acc[r][j]); \
+                        }                                                                       \
                     }                                                                           \
-                }                                                                               \
             }                                                                                   \
         }                                                                                       \
         EPILOGUE(ROWS, NR)                                                                      \
     }
+
+#if defined(QUANT_DOT_BF16)
+/* NVFP4 for a bf16 model's rows, where AVX512-BF16 is there: the same 64-byte steps, each lane
+ * shifted right by 4t looked up by VPERMW as two bf16 words (input 2t's value low, 2t + 1's
+ * high), and VDPBF16PS adds both products to the lane's partial sum against each row's own bf16
+ * pair of inputs, broadcast: one lookup per 16 bytes and one instruction per row and pair of
+ * inputs, where float32 rows take two FMAs and the conversions around them (the decode at
+ * batch 1 is bound by these instructions on Zen 4, which runs each 512-bit op as two halves;
+ * 1.4x the GB/s of the widened rows at 1 to 32 rows). The products are exact (bf16 times e2m1),
+ * the sums float32 with the instruction's own order (the odd input first) and denormal inputs
+ * flushed; each group's scale multiplies its partial sums, at every row count (4 rows: 24
+ * registers of partial sums and sums). */
+#define KERNEL_FP4_DOT(ROWS, NR)                                                                \
+    static void fp4dot_##ROWS##_##NR(KERNEL_ARGS) {                                             \
+        (void)group;                                                                            \
+        const uint16_t *x = (const uint16_t *)xv;                                               \
+        const uint8_t *sc = (const uint8_t *)scales_v;                                          \
+        const __m512i table = fp4_table_bf16(0);                                                \
+        __m512 acc[ROWS][NR];                                                                   \
+        for (int r = 0; r < ROWS; r++)                                                          \
+            for (int j = 0; j < NR; j++) acc[r][j] = _mm512_setzero_ps();                       \
+        for (int64_t g = 0; g < k / 16; g++) {                                                  \
+            __m512 part[ROWS][NR];                                                              \
+            for (int r = 0; r < ROWS; r++)                                                      \
+                for (int j = 0; j < NR; j++) part[r][j] = _mm512_setzero_ps();                  \
+            for (int64_t e = 2 * g; e < 2 * g + 2; e++) {                                       \
+                PREFETCH_NEXT(4 * e, NR)                                                         \
+                for (int t = 0; t < 4; t++) { /* pairs outside: ROWS broadcasts live */        \
+                    __m512i xs[ROWS];                                                           \
+                    for (int r = 0; r < ROWS; r++) {                                            \
+                        int32_t pair;                                                           \
+                        memcpy(&pair, x + r * ldx + 8 * e + 2 * t, 4);                          \
+                        xs[r] = _mm512_set1_epi32(pair);                                        \
+                    }                                                                           \
+                    for (int j = 0; j < NR; j++) {                                              \
+                        FP4_STEP(j, e, d);                                                      \
+                        const __m512i pairs =                                                   \
+                            _mm512_permutexvar_epi16(_mm512_srli_epi32(d, 4 * t), table);       \
+                        for (int r = 0; r < ROWS; r++)                                          \
+                            part[r][j] = _mm512_dpbf16_ps(part[r][j], (__m512bh)pairs,          \
+                                                          (__m512bh)xs[r]);                     \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+            for (int j = 0; j < NR; j++) {                                                      \
+                const __m512 sj = _mm512_mul_ps(e4m3_scaled_down(sc + j * sstride + g * 16),    \
+                                                _mm512_set1_ps(QUANT_TWO_POW_120));             \
+                for (int r = 0; r < ROWS; r++)                                                  \
+                    acc[r][j] = _mm512_fmadd_ps(part[r][j], sj, acc[r][j]);                     \
+            }                                                                                   \
+        }                                                                                       \
+        EPILOGUE(ROWS, NR)                                                                      \
+    }
+#endif
 
 #define KERNELS(K) K(8, 3) K(4, 3) K(2, 3) K(1, 3) K(8, 2) K(4, 2) K(2, 2) K(1, 2)              \
                    K(8, 1) K(4, 1) K(2, 1) K(1, 1)
@@ -204,6 +280,18 @@ static const qkernel KERNELS_BY_FORMAT[2][4][TILE] = {
      {fp8_2_1, fp8_2_2, fp8_2_3}, {fp8_1_1, fp8_1_2, fp8_1_3}},
     {{fp4_8_1, fp4_8_2, fp4_8_3}, {fp4_4_1, fp4_4_2, fp4_4_3},
      {fp4_2_1, fp4_2_2, fp4_2_3}, {fp4_1_1, fp4_1_2, fp4_1_3}}};
+#if defined(QUANT_DOT_BF16)
+KERNEL_FP4_DOT(4, 3) KERNEL_FP4_DOT(2, 3) KERNEL_FP4_DOT(1, 3) KERNEL_FP4_DOT(4, 2)
+KERNEL_FP4_DOT(2, 2) KERNEL_FP4_DOT(1, 2) KERNEL_FP4_DOT(4, 1) KERNEL_FP4_DOT(2, 1)
+KERNEL_FP4_DOT(1, 1)
+/* Row blocks of 4, 2 and 1 (partial sums and sums for 4 rows fill 24 registers; the last entry
+ * repeats the 1-row block, as row_block needs 4 entries). */
+static const int DOT_BLOCK_ROWS[4] = {4, 2, 1, 1};
+static const qkernel FP4_DOT_KERNELS[4][TILE] = {{fp4dot_4_1, fp4dot_4_2, fp4dot_4_3},
+                                                 {fp4dot_2_1, fp4dot_2_2, fp4dot_2_3},
+                                                 {fp4dot_1_1, fp4dot_1_2, fp4dot_1_3},
+                                                 {fp4dot_1_1, fp4dot_1_2, fp4dot_1_3}};
+#endif
 
 #elif defined(QUANT_AVX2)
 #define TILE 2 /* blocks of 16 columns per tile */
@@ -250,6 +338,7 @@ static inline void store8(float *y, __m256 acc, const float *col, const float *b
 /* FP8 (see the AVX-512 kernel above for the 2^60 / 2^-60 around the partial sums). */
 #define KERNEL_FP8(ROWS, NR)                                                                    \
     static void fp8_##ROWS##_##NR(KERNEL_ARGS) {                                                \
+        const float *x = (const float *)xv;                                                     \
         const float *sc = (const float *)scales_v;                                              \
         if (ROWS <= 2) {                                                                        \
             float sums[ROWS][16 * NR];                                                          \
@@ -306,6 +395,7 @@ static inline void store8(float *y, __m256 acc, const float *col, const float *b
  * cpu_quant.h), scaled per group of 16 inputs by the e4m3 scale decoded times 2^95. */
 #define KERNEL_FP4(ROWS, NR)                                                                    \
     static void fp4_##ROWS##_##NR(KERNEL_ARGS) {                                                \
+        const float *x = (const float *)xv;                                                     \
         (void)group;                                                                            \
         const uint8_t *sc = (const uint8_t *)scales_v;                                          \
         const __m256i table = fp4_table8();                                                     \
@@ -375,22 +465,32 @@ static const qkernel KERNELS_BY_FORMAT[2][4][TILE] = {
 
 #if defined(QUANT_AVX512) || defined(QUANT_AVX2)
 /* The largest register block that fits the rows left: an index into BLOCK_ROWS. */
-static inline int row_block(int64_t left) {
+static inline int row_block(const int block_rows[4], int64_t left) {
     int idx = 0;
-    while (BLOCK_ROWS[idx] > left) idx++;
+    while (block_rows[idx] > left) idx++;
     return idx;
 }
 #endif
 
-/* y[m][ldy] = x[m][ldx] @ W^T (* col) (+ bias) (relu) for W packed as above (n columns of k
- * inputs; nvfp4: k a multiple of 16). Returns 0, -1 without AVX-512 or AVX2 + FMA, -2 for a bad
- * format/k. */
-int baton_qgemm(int format, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w,
-                const void *scales, int64_t group, const float *col, int64_t n, const float *bias,
-                int relu, float *y, int64_t ldy, int threads) {
+/* The NVFP4 layout this build packs for: inputs per 32-bit lane and step (8, the AVX-512
+ * kernels' 64-byte steps) or per byte (2, a byte per column and input pair: AVX2). */
+int baton_qgemm_fp4_inputs_per_lane(void) {
+#if defined(QUANT_AVX512)
+    return 8;
+#else
+    return 2;
+#endif
+}
+
 #if defined(QUANT_AVX512) || defined(QUANT_AVX2)
-    if (format != FORMAT_FP8 && format != FORMAT_NVFP4) return -2;
-    if (format == FORMAT_NVFP4 ? k % 16 != 0 : group < 1) return -2;
+/* Runs `kernels` (one per row block and tile width) over y = x @ W^T: each thread a contiguous
+ * run of blocks in tiles, the rows in register blocks, the next tile prefetched. x holds m rows
+ * of `xsize`-byte elements, ldx apart. */
+static void qgemm_run(const qkernel (*kernels)[TILE], const int block_rows[4], int format,
+                      const void *x, size_t xsize,
+                      int64_t m, int64_t k, int64_t ldx, const uint8_t *w, const void *scales,
+                      int64_t group, const float *col, int64_t n, const float *bias, int relu,
+                      float *y, int64_t ldy, int threads) {
     const int64_t blocks = (n + 15) / 16;
     const int64_t steps = format == FORMAT_NVFP4 ? k / 2 : k;  /* 16 bytes per block each */
     const int64_t wstride = steps * 16;                          /* bytes per block */
@@ -409,20 +509,33 @@ int baton_qgemm(int format, const float *x, int64_t m, int64_t k, int64_t ldx, c
             const char *st = (const char *)scales + b0 * sstride * sbytes;
             const int next = b0 + TILE < end;
             for (int64_t r = 0; r < m;) {
-                const int idx = row_block(m - r);
-                const int64_t rows = BLOCK_ROWS[idx];
+                const int idx = row_block(block_rows, m - r);
+                const int64_t rows = block_rows[idx];
                 const int64_t lo = lines * r / m, hi = lines * (r + rows) / m;
                 const int64_t step = ((hi - lo) << 16) / steps;
-                KERNELS_BY_FORMAT[format][idx][nr - 1](
-                    x + r * ldx, ldx, k, wt, wstride, st, sstride, group,
-                    col ? col + b0 * 16 : NULL, bias ? bias + b0 * 16 : NULL, relu,
-                    y + r * ldy + b0 * 16, ldy, ncols, next ? wt + TILE * wstride : NULL, lo,
-                    step);
+                kernels[idx][nr - 1]((const char *)x + r * ldx * (int64_t)xsize, ldx, k, wt,
+                                     wstride, st, sstride, group, col ? col + b0 * 16 : NULL,
+                                     bias ? bias + b0 * 16 : NULL, relu, y + r * ldy + b0 * 16,
+                                     ldy, ncols, next ? wt + TILE * wstride : NULL, lo, step);
                 r += rows;
             }
         }
         QUANT_DENORMALS_RESTORE(saved);
     }
+}
+#endif
+
+/* y[m][ldy] = x[m][ldx] @ W^T (* col) (+ bias) (relu) for W packed as above (n columns of k
+ * inputs; nvfp4: k a multiple of 16). Returns 0, -1 without AVX-512 or AVX2 + FMA, -2 for a bad
+ * format/k. */
+int baton_qgemm(int format, const float *x, int64_t m, int64_t k, int64_t ldx, const uint8_t *w,
+                const void *scales, int64_t group, const float *col, int64_t n, const float *bias,
+                int relu, float *y, int64_t ldy, int threads) {
+#if defined(QUANT_AVX512) || defined(QUANT_AVX2)
+    if (format != FORMAT_FP8 && format != FORMAT_NVFP4) return -2;
+    if (format == FORMAT_NVFP4 ? k % 16 != 0 : group < 1) return -2;
+    qgemm_run(KERNELS_BY_FORMAT[format], BLOCK_ROWS, format, x, sizeof(float), m, k, ldx, w,
+              scales, group, col, n, bias, relu, y, ldy, threads);
     return 0;
 #else
     (void)format; (void)x; (void)m; (void)k; (void)ldx; (void)w; (void)scales; (void)group;
@@ -439,6 +552,18 @@ int baton_qgemm_bf16(int format, const uint16_t *x, int64_t m, int64_t k, int64_
                      const uint8_t *w, const void *scales, int64_t group, const float *col,
                      int64_t n, const float *bias, int relu, uint16_t *y, int64_t ldy,
                      int threads) {
+#if defined(QUANT_DOT_BF16)
+    if (format == FORMAT_NVFP4 && k % 16 == 0) { /* no widening */
+        float *out = malloc(sizeof(float) * (size_t)(m * n));
+        if (!out) return -3;
+        qgemm_run(FP4_DOT_KERNELS, DOT_BLOCK_ROWS, format, x, sizeof(uint16_t), m, k, ldx, w,
+                  scales, group, col, n, bias, relu, out, n, threads);
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t c = 0; c < n; c++) y[i * ldy + c] = f32_to_bf16(out[i * n + c]);
+        free(out);
+        return 0;
+    }
+#endif
     float *rows = malloc(sizeof(float) * (size_t)(m * (k + n)));
     if (!rows) return -3;
     float *out = rows + m * k;

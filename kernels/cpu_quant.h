@@ -15,6 +15,10 @@
  * with the low 4 bits of each lane, so a nibble needs no mask. The table holds the e2m1 values
  * times 2^120 and the e4m3 group scale goes through the FP8 decode above: their product is
  * value * scale exactly (few significant bits each).
+ * The linears (cpu_quant.c) hold 8 nibbles per 32-bit lane and look two up at once with VPERMW
+ * in a table of the values as bf16 (exact: e2m1 needs 2 significant bits), widened to float32
+ * by a shift or a mask (fp4_lane_pair), or fed as they are to VDPBF16PS; the routed experts
+ * (cpu_moe.c) keep a byte per input pair and VPERMPS (fp4_pair).
  *
  * AVX2 + FMA (no AVX-512: AMD Zen 3, older Intel) decodes 8 lanes at a time the same way: FP8 as
  * above. For NVFP4, VPERMPS only indexes 8 entries, so VPSHUFB looks a block step's 16 bytes of
@@ -35,7 +39,7 @@
 #define QUANT_TWO_POW_60 0x1p60f
 #define QUANT_TWO_POW_M60 0x1p-60f
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #define QUANT_AVX512 1
 #include <immintrin.h>
 
@@ -60,6 +64,34 @@ static inline void fp4_pair(const uint8_t *bytes, __m512 table, __m512 *even, __
     *even = _mm512_permutexvar_ps(wide, table);
     *odd = _mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table);
 }
+
+/* The e2m1 values times 2^exponent as bf16 bits, indexed by VPERMW's 5 bits: the 16 values
+ * twice (bit 4 of an index is the next nibble's bit 0). */
+static inline __m512i fp4_table_bf16(const int exponent) {
+    static const uint16_t values[32] = {
+        0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+        0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+        0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+        0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+    const __m512i plain = _mm512_loadu_si512((const void *)values);
+    const __m512i magnitude = _mm512_and_si512(plain, _mm512_set1_epi16(0x7FFF));
+    return _mm512_mask_add_epi16(plain, _mm512_test_epi16_mask(magnitude, magnitude), plain,
+                                 _mm512_set1_epi16((short)(exponent << 7)));
+}
+
+/* cpu_quant.c's NVFP4 steps hold 8 nibbles in each 32-bit lane (inputs 2t and 2t + 1 at nibbles
+ * t and 4 + t): from lanes shifted right by 4t, VPERMW looks both up at once, input 2t's value
+ * in the low bf16 word and 2t + 1's in the high one, and a shift or a mask makes each a float32
+ * (one lookup where two VPERMPS would take two: the decode is bound by the shuffle pipes). */
+static inline void fp4_lane_pair(__m512i lanes, __m512i table, __m512 *even, __m512 *odd) {
+    const __m512i pairs = _mm512_permutexvar_epi16(lanes, table);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+#if defined(__AVX512BF16__)
+#define QUANT_DOT_BF16 1
+#endif
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #define QUANT_AVX2 1

@@ -44,8 +44,9 @@ def library() -> ctypes.CDLL | None:
     lib = cpu_ops.compile_library(SOURCE, "quantized CPU linears run the torch path")
     if lib is None:
         return None
-    lib.baton_qgemm_supported.restype = _int
-    lib.baton_qgemm_supported.argtypes = []
+    for query in (lib.baton_qgemm_supported, lib.baton_qgemm_fp4_inputs_per_lane):
+        query.restype = _int
+        query.argtypes = []
     for entry in (lib.baton_qgemm, lib.baton_qgemm_bf16):  # float32 rows / bfloat16 rows
         entry.restype = _int
         entry.argtypes = [
@@ -67,7 +68,7 @@ class PackedQuant(NamedTuple):
     """A quantized (N, K) weight in cpu_quant.c's panels (its header gives the layouts)."""
 
     format: QuantFormat
-    codes: torch.Tensor  # uint8 (N_pad / 16, steps, 16)
+    codes: torch.Tensor  # uint8 (N_pad / 16, steps, 16); AVX-512 nvfp4: (N_pad / 16, K / 8, 64)
     scales: torch.Tensor  # fp8: float32 (N_pad / 16, groups, 16); nvfp4: uint8 (N_pad/16, K/16, 16)
     col: torch.Tensor | None  # float32 (N_pad,): NVFP4's global scale, FP8's 2^shift
     group: int
@@ -93,17 +94,39 @@ def _panels(rows: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, BLOCK, padded.shape[1]).transpose(1, 2).contiguous()
 
 
+def _fp4_lanes(pairs: torch.Tensor) -> torch.Tensor:
+    """NVFP4 panels of a byte per column and input pair (N_pad / 16, K / 2, 16) -> a 32-bit lane
+    per column and 8 inputs (N_pad / 16, K / 8, 64): input 8e + 2t's nibble at nibble t of the
+    lane, 8e + 2t + 1's at nibble 4 + t (cpu_quant.c's AVX-512 steps)."""
+    blocks, half, _ = pairs.shape
+    quads = pairs.view(blocks, half // 4, 4, BLOCK).transpose(2, 3)  # [..., column, t]
+    low, high = quads & 0x0F, quads >> 4
+    lane = torch.stack(
+        [
+            low[..., 0] | low[..., 1] << 4,
+            low[..., 2] | low[..., 3] << 4,
+            high[..., 0] | high[..., 1] << 4,
+            high[..., 2] | high[..., 3] << 4,
+        ],
+        dim=-1,
+    )  # little-endian bytes of the lane: nibbles 0..7
+    return lane.reshape(blocks, half // 4, 4 * BLOCK)
+
+
 def pack(q: QuantizedTensor) -> PackedQuant:
     """Repack a 2-D quantized weight for the kernel (codes and scales stay quantized)."""
     n, k = q.shape
+    if q.format == "nvfp4" and k % NVFP4_GROUP:
+        raise ValueError(f"NVFP4 weights need in_features divisible by 16, got {k}")
     codes = _panels(q.data.view(torch.uint8))
+    lib = library()
+    if q.format == "nvfp4" and lib is not None and lib.baton_qgemm_fp4_inputs_per_lane() == 8:
+        codes = _fp4_lanes(codes)
     if q.format == "fp8":
         shift = scale_shift(float(q.scale.abs().max()) if q.scale.numel() else 0.0)
         scales = _panels(q.scale.float() * 2.0 ** (DECODE_EXPONENT - shift))
         col = torch.full((codes.shape[0] * BLOCK,), 2.0**shift) if shift else None
     else:
-        if k % NVFP4_GROUP:
-            raise ValueError(f"NVFP4 weights need in_features divisible by 16, got {k}")
         scales = _panels(q.scale.view(torch.uint8))
         col = F.pad(q.global_scale.float(), (0, codes.shape[0] * BLOCK - n)).contiguous()
     return PackedQuant(q.format, codes, scales, col, q.group, n, k)
