@@ -105,7 +105,7 @@ def linear(
     pair = 2 if x.dtype == torch.bfloat16 else 1
     if packed.numel() != -(-out_features // BLOCK) * BLOCK * -(-k // pair) * pair:
         raise ValueError(f"cpu_gemm: packed weights are not ({out_features}, {k})")
-    rows = x.reshape(-1, k)
+    rows = x if x.dim() == 2 else x.reshape(-1, k)  # a decode step's rows: no reshape
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]

@@ -146,7 +146,7 @@ def linear(
     k, n = packed.in_features, packed.out_features
     if lib is None or x.shape[-1] != k:
         raise ValueError(f"cpu_quant: x {tuple(x.shape)} does not fit a ({n}, {k}) weight")
-    rows = x.reshape(-1, k)
+    rows = x if x.dim() == 2 else x.reshape(-1, k)  # a decode step's rows: no reshape
     if rows.dtype not in (torch.float32, torch.bfloat16) or rows.stride(-1) != 1:
         rows = rows.float().contiguous()
     m = rows.shape[0]
@@ -176,5 +176,6 @@ def linear(
         )
         if status != 0:
             raise RuntimeError(f"cpu_quant: the kernel refused a {packed.format} weight ({status})")
-    y = y.view(*x.shape[:-1], n)
+    if x.dim() != 2:
+        y = y.view(*x.shape[:-1], n)
     return y if y.dtype == x.dtype else y.to(x.dtype)
