@@ -547,32 +547,35 @@ int baton_qgemm(int format, const float *x, int64_t m, int64_t k, int64_t ldx, c
 /* baton_qgemm for a bf16 model's rows: x[m][ldx] and y[m][ldy] bfloat16, widened and narrowed
  * here (y rounded to nearest even, as torch's .to(torch.bfloat16)), so that a decode step's
  * call costs one ctypes call instead of two more tensor ops around it (~20 us of a 2-core
- * machine's time per call). Returns baton_qgemm's status, -3 when out of memory. */
+ * machine's time per call). NVFP4 with AVX512-BF16 reads the bf16 rows as they are
+ * (KERNEL_FP4_DOT). Returns baton_qgemm's status, -3 when out of memory. */
 int baton_qgemm_bf16(int format, const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
                      const uint8_t *w, const void *scales, int64_t group, const float *col,
                      int64_t n, const float *bias, int relu, uint16_t *y, int64_t ldy,
                      int threads) {
 #if defined(QUANT_DOT_BF16)
-    if (format == FORMAT_NVFP4 && k % 16 == 0) { /* no widening */
-        float *out = malloc(sizeof(float) * (size_t)(m * n));
-        if (!out) return -3;
+    const int dot = format == FORMAT_NVFP4 && k % 16 == 0; /* no widening */
+#else
+    const int dot = 0;
+#endif
+    const int64_t widened = dot ? 0 : m * k;
+    float *rows = malloc(sizeof(float) * (size_t)(widened + m * n));
+    if (!rows) return -3;
+    float *out = rows + widened;
+    const int wide = m * (k + n) > (1 << 16); /* a prefill chunk: convert in parallel */
+    int status = 0;
+#if defined(QUANT_DOT_BF16)
+    if (dot)
         qgemm_run(FP4_DOT_KERNELS, DOT_BLOCK_ROWS, format, x, sizeof(uint16_t), m, k, ldx, w,
                   scales, group, col, n, bias, relu, out, n, threads);
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t c = 0; c < n; c++) y[i * ldy + c] = f32_to_bf16(out[i * n + c]);
-        free(out);
-        return 0;
-    }
 #endif
-    float *rows = malloc(sizeof(float) * (size_t)(m * (k + n)));
-    if (!rows) return -3;
-    float *out = rows + m * k;
-    const int wide = m * (k + n) > (1 << 16); /* a prefill chunk: convert in parallel */
+    if (!dot) {
 #pragma omp parallel for num_threads(threads) if (wide)
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t p = 0; p < k; p++) rows[i * k + p] = bf16_to_f32(x[i * ldx + p]);
-    const int status = baton_qgemm(format, rows, m, k, k, w, scales, group, col, n, bias, relu,
-                                   out, n, threads);
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t p = 0; p < k; p++) rows[i * k + p] = bf16_to_f32(x[i * ldx + p]);
+        status = baton_qgemm(format, rows, m, k, k, w, scales, group, col, n, bias, relu, out, n,
+                             threads);
+    }
     if (status == 0) {
 #pragma omp parallel for num_threads(threads) if (wide)
         for (int64_t i = 0; i < m; i++)

@@ -215,7 +215,8 @@ def test_cpu_linear_fp8_scales_past_the_packed_range_go_to_the_column_scale(rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_linear_long_rows_stay_within_the_float32_sum_bound(algo, rows, dtype):
     """K = 2048 (43 FP8 groups of 48, the last cut short; 128 NVFP4 groups), 67 columns; bf16
-    rows at 1 row take NVFP4's bf16 dot-product kernel where the CPU has AVX512-BF16."""
+    rows take NVFP4's bf16 dot-product kernel where the CPU has AVX512-BF16 (6 rows: its 4- and
+    2-row blocks)."""
     q = random_codes(algo, 67, 2048)
     w = dequantize(q).double()
     x = torch.randn(rows, 2048, generator=torch.Generator().manual_seed(7)).to(dtype)
