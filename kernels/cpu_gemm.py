@@ -29,6 +29,7 @@ from kernels import cpu_ops
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
 BLOCK = 16  # output columns per packed block; must match cpu_gemm.c
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # cpu_gemm.c's DTYPE_F32 / DTYPE_BF16
+AMX_MIN_ROWS = 8  # cpu_gemm.c's amx_min_rows at load
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -41,6 +42,8 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.baton_gemm_supported.restype = _int
     lib.baton_gemm_supported.argtypes = []
+    lib.baton_gemm_amx.restype = _int
+    lib.baton_gemm_amx.argtypes = [_i64]
     lib.baton_gemm.restype = _int
     lib.baton_gemm.argtypes = [
         _int,
@@ -57,6 +60,14 @@ def library() -> ctypes.CDLL | None:
         _int,  # y, ldy, threads
     ]
     return lib
+
+
+def amx_from_rows(rows: int) -> bool:
+    """bfloat16 calls of `rows` rows and more run on AMX (rows < 1: none do; the default is
+    AMX_MIN_ROWS); returns whether this build and process run AMX at all (Linux grants the tile
+    state per process; a CPU or compiler without AMX: never)."""
+    lib = library()
+    return lib is not None and bool(lib.baton_gemm_amx(rows))
 
 
 def supports(dtype: torch.dtype) -> bool:

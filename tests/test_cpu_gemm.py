@@ -29,6 +29,23 @@ DTYPES = [
     )
     for dtype in (torch.float32, torch.bfloat16)
 ]
+HAS_AMX = cpu_gemm.supports(torch.bfloat16) and cpu_gemm.amx_from_rows(cpu_gemm.AMX_MIN_ROWS)
+# bf16's two paths: the register kernels and AMX (tile multiply-adds), each forced at every row
+# count where this machine has it
+PATHS = [
+    "registers",
+    pytest.param("amx", marks=pytest.mark.skipif(not HAS_AMX, reason="no AMX here")),
+]
+
+
+@pytest.fixture
+def gemm_path(request):
+    """Run bfloat16 on one path (the param) for the test, the default rows after."""
+    cpu_gemm.amx_from_rows(1 if request.param == "amx" else 0)
+    yield request.param
+    cpu_gemm.amx_from_rows(cpu_gemm.AMX_MIN_ROWS)
+
+
 needs_onednn = pytest.mark.skipif(not can_pack(torch.float32), reason="oneDNN is not available")
 
 
@@ -54,11 +71,18 @@ def _reference(x, w, bias, relu):
         (32, 130, 100),  # decode-like rows, a 3-block tile then a ragged one
         (70, 96, 200),  # rows past 64, several tiles per thread
         (3, 1, 5),  # K = 1: only the odd tail
+        # AMX: a row tile and a partial one, 33 k pairs (a partial last run of 16), 3 blocks
+        (17, 65, 48),
+        # AMX: a pair of row tiles then a partial one, 16 k pairs exactly, one ragged block
+        (33, 32, 9),
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("relu", [False, True])
-def test_gemm_matches_float64(dtype, m, k, n, bias, relu):
+@pytest.mark.parametrize("gemm_path", PATHS, indirect=True)
+def test_gemm_matches_float64(dtype, m, k, n, bias, relu, gemm_path):
+    if gemm_path == "amx" and dtype != torch.bfloat16:
+        pytest.skip("AMX runs bfloat16 only")
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -71,7 +95,10 @@ def test_gemm_matches_float64(dtype, m, k, n, bias, relu):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_strided_rows_and_odd_k_never_read_past_a_row(dtype):
+@pytest.mark.parametrize("gemm_path", PATHS, indirect=True)
+def test_strided_rows_and_odd_k_never_read_past_a_row(dtype, gemm_path):
+    if gemm_path == "amx" and dtype != torch.bfloat16:
+        pytest.skip("AMX runs bfloat16 only")
     """x is a view whose rows are followed by NaN: the kernel reads the row stride it is given,
     and an odd K's last pair (bf16) does not touch the element after the row."""
     m, k, n = 9, 37, 40
