@@ -233,8 +233,14 @@ static void gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 const uint16_t *a0 = a + m0 * lda, *a1 = a0 + 16 * lda;
                 const int both = m0 + 16 < mpad; /* a second row tile */
+                const uint16_t *pf = m0 == 0 && b0 + 2 < end ? w0 + 2 * wstride : NULL;
                 for (int64_t q = 0; q < chunks; q++) {
                     const int partial = q == chunks - 1 && tail < 16;
+                    if (pf) /* the first row pair fetches the next pair's panels */
+                        for (int l = 0; l < 32; l++)
+                            _mm_prefetch((const char *)(pf + q * 512 + (l & 15) * 32 +
+                                                        (l >> 4) * wstride),
+                                         _MM_HINT_T0);
                     _tile_loadd(4, a0 + q * 32, 2 * lda);
                     _tile_loadd(6, partial ? last[0] : w0 + q * 512, 64);
                     if (two) _tile_loadd(7, partial ? last[1] : w1 + q * 512, 64);
