@@ -70,6 +70,12 @@ def amx_from_rows(rows: int) -> bool:
     return lib is not None and bool(lib.baton_gemm_amx(rows))
 
 
+@functools.cache
+def has_amx() -> bool:
+    """Whether this machine's build runs bfloat16 on AMX (from AMX_MIN_ROWS rows)."""
+    return supports(torch.bfloat16) and amx_from_rows(AMX_MIN_ROWS)
+
+
 def supports(dtype: torch.dtype) -> bool:
     """Whether this machine's build runs `dtype` (AVX-512 for float32, AVX512-BF16 for bf16)."""
     lib = library()

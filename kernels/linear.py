@@ -27,8 +27,9 @@ on it, prefill rows on the packed GEMM.
 The GEMM is chosen the same way, per shape and compute dtype: oneDNN's prepacked linear or
 baton's own (kernels/cpu_gemm.c: AVX-512 / AVX512-BF16 panels with the next panel prefetched,
 1.3-1.4x oneDNN on decode's few rows over weights larger than the caches, on a par at prefill's
-hundreds). `MatmulChooser.kernel` times both where this CPU runs baton's (on CPUs where oneDNN
-wins, e.g. with AMX, oneDNN stays); `BATON_CPU_GEMM` forces `onednn` or `baton`.
+hundreds; with AMX, bf16 from 8 rows on tiles: 1.5-2x oneDNN at 1-4 rows, on a par at 16-256).
+`MatmulChooser.kernel` times both where this CPU runs baton's (where oneDNN wins, it stays);
+`BATON_CPU_GEMM` forces `onednn` or `baton`.
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ FLOAT32_MARGIN = 0.9
 # decode's cold weights gains little (1.0-1.1x, and a near-tie flipped with load: one of a PD
 # pair's two workers, timing at the same moment, once picked oneDNN for the 768x5144 in_proj).
 BATON_GEMM_MARGIN = 1.15
+# Where baton's GEMM runs bf16 on AMX (kernels/cpu_gemm.c), both GEMMs run AMX from 8 rows, on a
+# par over weights larger than the caches (0.9-1.3x at 16-256 rows on the 110M model's shapes,
+# a Xeon with AMX), 5-18% apart on the hot weights timed here; at decode's 1-4 rows baton's
+# register kernels stream the weights at 1.5-2x oneDNN's rate, which no hot timing shows (timed
+# at load, one row read 0.85-1.3x, noise). Its margin there is wider: a near-tie at 16 and 64
+# rows picked oneDNN for half a batch-1 decode step's weights.
+AMX_GEMM_MARGIN = 1.5
 # Weights up to this many elements (1 MiB of float32) time the plain F.linear at decode's rows
 SMALL_WEIGHT = 1 << 18
 PLAIN_ROWS = 8  # rows up to which a linear that keeps a plain copy runs on it
@@ -70,7 +78,7 @@ PLAIN_MARGIN = 0.9  # the plain form must beat the GEMM by this much to earn its
 # What the timings above depend on: choices kept on disk (kernels/matmul_choices.py) are keyed by it.
 TIMING_RULES = (
     f"rows {TIMING_ROWS} rounds {TIMING_ROUNDS} max-out {TIMING_MAX_OUT} "
-    f"margins {FLOAT32_MARGIN} {BATON_GEMM_MARGIN} plain {SMALL_WEIGHT} {PLAIN_TIMING_ROWS} "
+    f"margins {FLOAT32_MARGIN} {BATON_GEMM_MARGIN} amx {AMX_GEMM_MARGIN} plain {SMALL_WEIGHT} {PLAIN_TIMING_ROWS} "
     f"{PLAIN_MARGIN}"
 )
 
@@ -186,9 +194,11 @@ class MatmulChooser:
         gemm_timer: Callable[[int, int, torch.dtype, str], float] | None = None,
         cache: ChoiceCache | None = None,
         decode_timer: Callable[[int, int, torch.dtype, str, str], float] | None = None,
+        amx: bool | None = None,
     ):
         """decode_timer(in, out, dtype, kernel, "gemm" | "plain") -> seconds at decode's rows
-        (default time_decode_rows)."""
+        (default time_decode_rows); amx: whether baton's GEMM runs bf16 on AMX (default: this
+        machine's build)."""
         self.model_dtype = model_dtype
         self.policy = matmul_policy() if policy is None else policy
         if self.policy not in POLICIES:
@@ -205,6 +215,7 @@ class MatmulChooser:
         self.cache = cache  # timings kept by earlier starts on this machine (None: time all)
         self.num_cached = 0  # shapes decided on kept timings, without timing
         self.decode_timer = decode_timer or time_decode_rows
+        self.amx = amx
         # (in, out, dtype, kernel) -> (GEMM seconds, plain seconds) at decode's rows
         self.plain_timings: dict[tuple[int, int, torch.dtype, str], tuple[float, float]] = {}
 
@@ -264,7 +275,9 @@ class MatmulChooser:
                 name, lambda: self._time_gemms(in_features, out_features, dtype)
             )
             self.gemm_timings[key] = (onednn_s, baton_s)
-            self.kernels[key] = "baton" if baton_s < BATON_GEMM_MARGIN * onednn_s else "onednn"
+            amx = cpu_gemm.has_amx() if self.amx is None else self.amx
+            margin = AMX_GEMM_MARGIN if amx and dtype == torch.bfloat16 else BATON_GEMM_MARGIN
+            self.kernels[key] = "baton" if baton_s < margin * onednn_s else "onednn"
         return self.kernels[key]
 
     def _time_gemms(

@@ -193,12 +193,22 @@ def test_gemm_choice_is_a_function_of_the_timings(dtype):
     table |= {(256, 64, "onednn"): 1.0, (256, 64, "baton"): 1.5}
     # within the margin (hot timings understate the prefetch's gain on cold weights): baton
     table |= {(32, 32, "onednn"): 1.0, (32, 32, "baton"): 1.1}
+    table |= {(48, 48, "onednn"): 1.0, (48, 48, "baton"): 1.4}
     timer = FakeGemmTimer(table)
-    chooser = MatmulChooser(dtype, "model", gemm="auto", gemm_timer=timer)
+    chooser = MatmulChooser(dtype, "model", gemm="auto", gemm_timer=timer, amx=False)
     picked = [chooser.kernel(64, 256, dtype), chooser.kernel(256, 64, dtype)]
     assert picked + [chooser.kernel(32, 32, dtype)] == ["baton", "onednn", "baton"]
+    assert chooser.kernel(48, 48, dtype) == "onednn"
+    # where baton's bf16 runs on AMX (decode's rows faster than any hot timing shows), 1.4x
+    # slower at the timed rows keeps baton, 1.5x does not; float32 keeps its margin
+    amx = MatmulChooser(dtype, "model", gemm="auto", gemm_timer=timer, amx=True)
+    bf16 = dtype == torch.bfloat16
+    assert [amx.kernel(48, 48, dtype), amx.kernel(256, 64, dtype)] == [
+        "baton" if bf16 else "onednn",
+        "onednn",
+    ]
     assert chooser.kernel(64, 256, dtype) == "baton"  # cached: timed once per shape and dtype
-    assert len(timer.calls) == 3 * 2 * TIMING_ROUNDS
+    assert len(timer.calls) == 6 * 2 * TIMING_ROUNDS
     assert [c[3] for c in timer.calls[:4]] == ["onednn", "baton"] * 2  # alternated rounds
     assert "64x256" in chooser.summary() and "baton" in chooser.summary()
 
