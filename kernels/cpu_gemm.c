@@ -166,6 +166,7 @@ static const bf16_kernel BF16_KERNELS[4][TILE] = {
  * K innermost; the output goes through a float32 tile buffer for bias, relu and rounding.
  * Accumulation is float32 in the instruction's order (denormal inputs and outputs flushed). */
 #define BATON_AMX 1
+#define AMX_ROW_PANEL 128 /* rows per panel: a multiple of 32 */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -221,7 +222,11 @@ static void gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
         _tile_loadconfig(&cfg);
         float c[4][256] __attribute__((aligned(64)));
         uint16_t last[2][512] __attribute__((aligned(64))); /* a block's last k pairs, zero-padded */
+        /* rows in panels of AMX_ROW_PANEL (the panel's padded rows stay in L2 while the
+         * thread's blocks pass over them), then the thread's blocks two at a time */
+        for (int64_t p0 = 0; p0 < mpad; p0 += AMX_ROW_PANEL)
         for (int64_t b0 = first; b0 < end; b0 += 2) {
+            const int64_t p1 = p0 + AMX_ROW_PANEL < mpad ? p0 + AMX_ROW_PANEL : mpad;
             const int two = b0 + 1 < end;
             const uint16_t *w0 = packed + b0 * wstride, *w1 = w0 + wstride;
             if (tail < 16) {
@@ -229,11 +234,11 @@ static void gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
                 memcpy(last[0], w0 + (chunks - 1) * 512, 64 * tail);
                 if (two) memcpy(last[1], w1 + (chunks - 1) * 512, 64 * tail);
             }
-            for (int64_t m0 = 0; m0 < mpad; m0 += 32) {
+            for (int64_t m0 = p0; m0 < p1; m0 += 32) {
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 const uint16_t *a0 = a + m0 * lda, *a1 = a0 + 16 * lda;
-                const int both = m0 + 16 < mpad; /* a second row tile */
-                const uint16_t *pf = m0 == 0 && b0 + 2 < end ? w0 + 2 * wstride : NULL;
+                const int both = m0 + 16 < p1; /* a second row tile */
+                const uint16_t *pf = m0 == p0 && b0 + 2 < end ? w0 + 2 * wstride : NULL;
                 for (int64_t q = 0; q < chunks; q++) {
                     const int partial = q == chunks - 1 && tail < 16;
                     if (pf) /* the first row pair fetches the next pair's panels */

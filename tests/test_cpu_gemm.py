@@ -75,6 +75,8 @@ def _reference(x, w, bias, relu):
         (17, 65, 48),
         # AMX: a pair of row tiles then a partial one, 16 k pairs exactly, one ragged block
         (33, 32, 9),
+        # AMX: two row panels (128 + 22 rows: a pair and a single tile), 19 runs of 16 k pairs
+        (150, 600, 40),
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
