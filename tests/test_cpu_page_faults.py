@@ -5,7 +5,15 @@ costs more than the arithmetic that fills it, so the minor page faults counted o
 steps are the oracle. (glibc keeps freed blocks for reuse by itself once its dynamic mmap
 threshold has risen, and engine/runtime/cpu_allocator.py pins the threshold at its 32 MiB ceiling; with
 the threshold forced down to 128 KiB and the logits widened into a fresh tensor, this test counts
-~770 faults a step.)"""
+~770 faults a step.)
+
+Loading ends with malloc_trim (`release_freed_memory`), which hands the heap's free pages back
+to the system, holes where the unpacked weights lay. A step's large temporaries do not land at one
+address every step (the heap's free lists shift with the step's small allocations), and one that
+lands in such a hole faults it in once, 256 faults for the 1 MiB bf16 logits here; that is a
+one-time cost bounded by the holes' size, not a mapping per step, and it made this test fail at
+random (4 runs in 20 on an AMX machine, 0 in 20 without the trim). So the trim is left out here:
+what is counted is what recurs."""
 
 from __future__ import annotations
 
@@ -23,7 +31,8 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def test_steady_state_decode_steps_take_no_page_faults(tmp_path):
+def test_steady_state_decode_steps_take_no_page_faults(tmp_path, monkeypatch):
+    monkeypatch.setattr("engine.core.engine.release_freed_memory", lambda: True)
     # A wide vocabulary makes the logits (16 x 32768 float32 = 2 MiB) the kind of tensor that
     # glibc would map afresh per step if nothing kept it.
     save_tiny_model(tmp_path, seed=5, vocab_size=32768, tokenizer=False)
