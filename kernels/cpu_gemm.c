@@ -20,8 +20,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "cpu_amx.h"
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 #define TILE 3 /* blocks of 16 columns per tile */
@@ -156,7 +156,7 @@ static const bf16_kernel BF16_KERNELS[4][TILE] = {
 #endif /* __AVX512BF16__ */
 
 
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(BATON_AMX)
 /* bfloat16 on AMX (TDPBF16PS), for amx_min_rows rows and more: a B tile is 16 k pairs of one
  * block, 16 rows of 64 bytes, which is the packed panel as it lies ([K/2][16][2]), so AMX reads
  * the same weights the register kernels read. The rows are copied once per call into a buffer
@@ -165,39 +165,11 @@ static const bf16_kernel BF16_KERNELS[4][TILE] = {
  * its run of blocks two at a time (4 C tiles: 2 row tiles x 2 blocks) over every row pair,
  * K innermost; the output goes through a float32 tile buffer for bias, relu and rounding.
  * Accumulation is float32 in the instruction's order (denormal inputs and outputs flushed). */
-#define BATON_AMX 1
 #define AMX_ROW_PANEL 128 /* rows per panel: a multiple of 32 */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) tile_config;
 
 /* Rows from which bf16 runs on AMX (below, the register kernels: decode's few rows stream the
  * weights, where their next-panel prefetch keeps up with memory). */
 static int64_t amx_min_rows = 8;
-
-/* Linux hands out AMX state only to a process that asked for it (once per process). */
-static int amx_permitted(void) {
-    static int state = 0; /* 0 not asked, 1 granted, -1 refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? -1 : 1;
-    return state == 1;
-}
-
-/* One block's 16 x 16 float32 tile (rows from row0, stride 16) -> y: bias, relu, bf16. */
-static void amx_epilogue(const float *c, int64_t rows, int64_t ncols, const float *bias,
-                         int relu, uint16_t *y, int64_t ldy) {
-    const __mmask16 mask = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1u);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < rows; r++) {
-        __m512 v = _mm512_add_ps(_mm512_load_ps(c + 16 * r), b);
-        if (relu) v = _mm512_max_ps(v, _mm512_setzero_ps());
-        _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(v));
-    }
-}
 
 static void gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
                           const uint16_t *packed, int64_t n, const float *bias, int relu,
@@ -205,21 +177,12 @@ static void gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
     const int64_t blocks = (n + 15) / 16, pairs = (k + 1) / 2, wstride = pairs * 32;
     const int64_t chunks = (pairs + 15) / 16, lda = chunks * 32; /* A buffer: inputs per row */
     const int64_t mpad = (m + 15) / 16 * 16, tail = pairs - 16 * (chunks - 1);
-    for (int64_t r = 0; r < mpad; r++) { /* the rows, zero-padded to mpad x lda */
-        uint16_t *dst = a + r * lda;
-        const int64_t have = r < m ? k : 0;
-        if (have) memcpy(dst, x + r * ldx, 2 * have);
-        memset(dst + have, 0, 2 * (lda - have));
-    }
+    amx_pad_rows(x, m, k, ldx, a);
 #pragma omp parallel num_threads(threads)
     {
         const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
         const int64_t first = blocks * part / parts, end = blocks * (part + 1) / parts;
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-        _tile_loadconfig(&cfg);
+        amx_configure();
         float c[4][256] __attribute__((aligned(64)));
         uint16_t last[2][512] __attribute__((aligned(64))); /* a block's last k pairs, zero-padded */
         /* rows in panels of AMX_ROW_PANEL (the panel's padded rows stay in L2 while the
@@ -268,8 +231,9 @@ static void gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
                     if (rows <= 0) break;
                     for (int j = 0; j <= two; j++) {
                         const int64_t col0 = (b0 + j) * 16;
-                        amx_epilogue(c[2 * i + j], rows, n - col0, bias ? bias + col0 : NULL,
-                                     relu, y + row0 * ldy + col0, ldy);
+                        amx_epilogue(c[2 * i + j], rows, n - col0, NULL,
+                                     bias ? bias + col0 : NULL, relu, y + row0 * ldy + col0,
+                                     ldy);
                     }
                 }
             }
@@ -304,7 +268,7 @@ int baton_gemm(int dtype, const void *x, int64_t m, int64_t k, int64_t ldx, cons
 #if defined(__AVX512F__)
 #if defined(BATON_AMX)
     if (dtype == DTYPE_BF16 && m >= amx_min_rows && amx_permitted()) {
-        const int64_t lda = ((k + 1) / 2 + 15) / 16 * 32, mpad = (m + 15) / 16 * 16;
+        const int64_t lda = amx_lda(k), mpad = (m + 15) / 16 * 16;
         uint16_t *a = aligned_alloc(64, (size_t)(mpad * lda * 2));
         if (a) {
             gemm_bf16_amx(x, m, k, ldx, packed, n, bias, relu, y, ldy, threads, a);

@@ -29,11 +29,13 @@
  * memory); 3 and 6 rows run one block at a time over all of K (12 accumulators), the rows
  * sharing each decoded weight. The same layouts, the same products (cpu_quant.h).
  */
+#define _GNU_SOURCE /* syscall(), cpu_amx.h */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_amx.h"
 #include "cpu_common.h"
 #include "cpu_quant.h"
 
@@ -303,6 +305,145 @@ static const qkernel FP4_DOT_KERNELS[4][TILE] = {{fp4dot_4_1, fp4dot_4_2, fp4dot
                                                  {fp4dot_1_1, fp4dot_1_2, fp4dot_1_3}};
 #endif
 
+#if defined(BATON_AMX)
+/* A bf16 model's rows on AMX tiles, from amx_min_rows rows (a batched decode step, a prefill
+ * chunk): each block's codes are decoded once per row panel into bf16 B tiles (cpu_amx.h) that
+ * every 16 rows of the panel then read, so the decode is spread over the rows where the
+ * register kernels above repeat it per 4 or 8 rows.
+ * NVFP4: a tile row holds value * group scale, exact in bf16 (e2m1 has 2 significant bits, e4m3
+ * 4: the product has at most 6; 2^-10 <= |product| <= 2688), so the products TDPBF16PS forms are
+ * those of the dequantized weight; the global scale multiplies the sums (col).
+ * FP8: a tile row holds the e4m3 values (exact in bf16); each group's sums leave the C tiles as
+ * float32 and are multiplied by the group's column scales there, as the register kernels do.
+ * Groups must fill whole tiles (a multiple of 32 inputs, or one group for all of K: per-tensor
+ * scales); other block shapes take the register kernels. */
+#define AMX_ROW_PANEL 128 /* rows per panel: a multiple of 32 */
+static int64_t amx_min_rows = 8;
+
+/* Block `codes` / `sc` -> `panel`: chunks x 16 k pairs x 16 columns of (even, odd) bf16 words, the
+ * pairs past K zero. */
+static void amx_decode_block(int format, const uint8_t *codes, const void *sc, int64_t k,
+                             int64_t chunks, uint32_t *panel) {
+    const __m512 up = _mm512_set1_ps(QUANT_TWO_POW_120);
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    int64_t pairs = 0;
+#define AMX_PAIR(even, odd) /* two float32 vectors exact in bf16 -> one tile row */            \
+    _mm512_store_si512((void *)(panel + 16 * pairs++),                                          \
+                       _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),        \
+                                       _mm512_and_si512(_mm512_castps_si512(odd), high)))
+    if (format == FORMAT_NVFP4) {
+        const __m512i table = fp4_table_bf16(0);
+        for (int64_t g = 0; g < k / 16; g++) {
+            const __m512 s = _mm512_mul_ps(e4m3_scaled_down((const uint8_t *)sc + g * 16), up);
+            for (int64_t e = 2 * g; e < 2 * g + 2; e++) {
+                const __m512i d = _mm512_loadu_si512((const void *)(codes + e * 64));
+                for (int t = 0; t < 4; t++) {
+                    __m512 even, odd;
+                    fp4_lane_pair(_mm512_srli_epi32(d, 4 * t), table, &even, &odd);
+                    AMX_PAIR(_mm512_mul_ps(even, s), _mm512_mul_ps(odd, s));
+                }
+            }
+        }
+    } else {
+        for (int64_t p = 0; p < k / 2; p++)
+            AMX_PAIR(_mm512_mul_ps(e4m3_scaled_down(codes + 32 * p), up),
+                     _mm512_mul_ps(e4m3_scaled_down(codes + 32 * p + 16), up));
+        if (k % 2)
+            AMX_PAIR(_mm512_mul_ps(e4m3_scaled_down(codes + 16 * (k - 1)), up),
+                     _mm512_setzero_ps());
+    }
+#undef AMX_PAIR
+    memset(panel + 16 * pairs, 0, 64 * (size_t)(16 * chunks - pairs));
+}
+
+/* y (bf16) = x @ W^T (* col) (+ bias) (relu) on AMX; `a` holds the padded rows (amx_pad_rows),
+ * `panels` two decoded blocks per thread. */
+static void qgemm_bf16_amx(int format, int64_t m, int64_t k, const uint8_t *w,
+                           const void *scales, int64_t group, const float *col, int64_t n,
+                           const float *bias, int relu, uint16_t *y, int64_t ldy, int threads,
+                           const uint16_t *a, uint32_t *panels) {
+    const int64_t blocks = (n + 15) / 16, lda = amx_lda(k), chunks = lda / 32;
+    const int64_t mpad = (m + 15) / 16 * 16;
+    const int64_t wstride = format == FORMAT_NVFP4 ? 8 * k : 16 * k; /* bytes per block */
+    const int fp8 = format == FORMAT_FP8;
+    const int64_t groups = fp8 ? (k + group - 1) / group : 1;
+    const int64_t sstride = fp8 ? groups * 16 : k; /* scales per block */
+    const int64_t span = fp8 && groups > 1 ? group / 32 : chunks; /* chunks per group */
+#pragma omp parallel num_threads(threads)
+    {
+        QUANT_DENORMALS_ON(saved);
+        const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+        const int64_t first = blocks * part / parts, end = blocks * (part + 1) / parts;
+        uint32_t *pan[2] = {panels + part * 2 * chunks * 256, panels + (part * 2 + 1) * chunks * 256};
+        float c[4][256] __attribute__((aligned(64)));
+        float acc[4][256] __attribute__((aligned(64)));
+        amx_configure();
+        for (int64_t p0 = 0; p0 < mpad; p0 += AMX_ROW_PANEL)
+        for (int64_t b0 = first; b0 < end; b0 += 2) {
+            const int64_t p1 = p0 + AMX_ROW_PANEL < mpad ? p0 + AMX_ROW_PANEL : mpad;
+            const int two = b0 + 1 < end;
+            for (int j = 0; j <= two; j++)
+                amx_decode_block(format, w + (b0 + j) * wstride,
+                                 (const char *)scales + (b0 + j) * sstride * (fp8 ? 4 : 1), k,
+                                 chunks, pan[j]);
+            for (int64_t m0 = p0; m0 < p1; m0 += 32) {
+                const uint16_t *a0 = a + m0 * lda, *a1 = a0 + 16 * lda;
+                const int both = m0 + 16 < p1; /* a second row tile */
+                for (int64_t q0 = 0, g = 0; q0 < chunks; q0 += span, g++) {
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    const int64_t q1 = q0 + span < chunks ? q0 + span : chunks;
+                    for (int64_t q = q0; q < q1; q++) {
+                        _tile_loadd(4, a0 + q * 32, 2 * lda);
+                        _tile_loadd(6, pan[0] + q * 256, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (two) {
+                            _tile_loadd(7, pan[1] + q * 256, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                        }
+                        if (both) {
+                            _tile_loadd(5, a1 + q * 32, 2 * lda);
+                            _tile_dpbf16ps(2, 5, 6);
+                            if (two) _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    _tile_stored(0, c[0], 64);
+                    if (two) _tile_stored(1, c[1], 64);
+                    if (both) _tile_stored(2, c[2], 64);
+                    if (both && two) _tile_stored(3, c[3], 64);
+                    if (!fp8) continue; /* one group: c holds the sums */
+                    for (int t = 0; t < 4; t++) { /* FP8: acc (+)= c * the group's scales */
+                        if ((t & 1 && !two) || (t >= 2 && !both)) continue;
+                        const float *sp = (const float *)scales + (b0 + (t & 1)) * sstride + g * 16;
+                        const __m512 sg = _mm512_mul_ps(
+                            _mm512_mul_ps(_mm512_loadu_ps(sp), _mm512_set1_ps(QUANT_TWO_POW_M60)),
+                            _mm512_set1_ps(QUANT_TWO_POW_M60));
+                        for (int r = 0; r < 16; r++) {
+                            const __m512 v = _mm512_load_ps(c[t] + 16 * r);
+                            _mm512_store_ps(acc[t] + 16 * r,
+                                            g ? _mm512_fmadd_ps(v, sg, _mm512_load_ps(acc[t] + 16 * r))
+                                              : _mm512_mul_ps(v, sg));
+                        }
+                    }
+                }
+                for (int i = 0; i < 2; i++) {
+                    const int64_t row0 = m0 + 16 * i;
+                    const int64_t rows = m - row0 >= 16 ? 16 : m - row0;
+                    if (rows <= 0) break;
+                    for (int j = 0; j <= two; j++) {
+                        const int64_t col0 = (b0 + j) * 16;
+                        amx_epilogue(fp8 ? acc[2 * i + j] : c[2 * i + j], rows, n - col0,
+                                     col ? col + col0 : NULL, bias ? bias + col0 : NULL, relu,
+                                     y + row0 * ldy + col0, ldy);
+                    }
+                }
+            }
+        }
+        _tile_release();
+        QUANT_DENORMALS_RESTORE(saved);
+    }
+}
+#endif /* BATON_AMX */
+
 #elif defined(QUANT_AVX2)
 #define TILE 2 /* blocks of 16 columns per tile */
 static const int BLOCK_ROWS[4] = {6, 3, 2, 1};
@@ -554,6 +695,18 @@ int baton_qgemm(int format, const float *x, int64_t m, int64_t k, int64_t ldx, c
 #endif
 }
 
+/* AMX for a bf16 model's rows from `rows` rows (< 1: never); returns whether this build and
+ * process run AMX (tests run both paths on every shape). */
+int baton_qgemm_amx(int64_t rows) {
+#if defined(BATON_AMX)
+    amx_min_rows = rows < 1 ? INT64_MAX : rows;
+    return amx_permitted();
+#else
+    (void)rows;
+    return 0;
+#endif
+}
+
 /* baton_qgemm for a bf16 model's rows: x[m][ldx] and y[m][ldy] bfloat16, widened and narrowed
  * here (y rounded to nearest even, as torch's .to(torch.bfloat16)), so that a decode step's
  * call costs one ctypes call instead of two more tensor ops around it (~20 us of a 2-core
@@ -563,6 +716,23 @@ int baton_qgemm_bf16(int format, const uint16_t *x, int64_t m, int64_t k, int64_
                      const uint8_t *w, const void *scales, int64_t group, const float *col,
                      int64_t n, const float *bias, int relu, uint16_t *y, int64_t ldy,
                      int threads) {
+#if defined(BATON_AMX)
+    const int tiles_fit = format == FORMAT_NVFP4 ? k % 16 == 0
+                                                 : format == FORMAT_FP8 && group >= 1 &&
+                                                       (group >= k || group % 32 == 0);
+    if (m >= amx_min_rows && tiles_fit && amx_permitted()) {
+        const int64_t lda = amx_lda(k), mpad = (m + 15) / 16 * 16;
+        const int64_t team = threads > 0 ? threads : 1;
+        /* the padded rows, then two decoded blocks (64 bytes per k pair) per thread */
+        uint16_t *a = aligned_alloc(64, (size_t)(mpad * lda * 2 + team * 2 * lda * 32));
+        if (!a) return -3;
+        amx_pad_rows(x, m, k, ldx, a);
+        qgemm_bf16_amx(format, m, k, w, scales, group, col, n, bias, relu, y, ldy, (int)team, a,
+                       (uint32_t *)(a + mpad * lda));
+        free(a);
+        return 0;
+    }
+#endif
 #if defined(QUANT_DOT_BF16)
     const int dot = format == FORMAT_NVFP4 && k % 16 == 0; /* no widening */
 #else

@@ -34,6 +34,7 @@ FORMAT_CODES = {"fp8": 0, "nvfp4": 1}
 DECODE_EXPONENT = 120
 MAX_PACKED_EXPONENT = 126
 SERIAL_WORK = 1 << 18
+AMX_MIN_ROWS = 8  # cpu_quant.c's amx_min_rows at load: bf16 rows from here run on AMX tiles
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -47,6 +48,8 @@ def library() -> ctypes.CDLL | None:
     for query in (lib.baton_qgemm_supported, lib.baton_qgemm_fp4_inputs_per_lane):
         query.restype = _int
         query.argtypes = []
+    lib.baton_qgemm_amx.restype = _int
+    lib.baton_qgemm_amx.argtypes = [_i64]
     for entry in (lib.baton_qgemm, lib.baton_qgemm_bf16):  # float32 rows / bfloat16 rows
         entry.restype = _int
         entry.argtypes = [
@@ -62,6 +65,14 @@ def library() -> ctypes.CDLL | None:
 def supported() -> bool:
     lib = library()
     return lib is not None and bool(lib.baton_qgemm_supported())
+
+
+def amx_from_rows(rows: int) -> bool:
+    """A bf16 model's calls of `rows` rows and more run on AMX tiles, the weights decoded into
+    bf16 tiles once per block and row panel (rows < 1: none do; the default is AMX_MIN_ROWS);
+    returns whether this build and process run AMX at all."""
+    lib = library()
+    return lib is not None and bool(lib.baton_qgemm_amx(rows))
 
 
 class PackedQuant(NamedTuple):

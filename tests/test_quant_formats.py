@@ -20,6 +20,23 @@ from tests.quantize import E2M1_VALUES, dequantized, fp8_block, fp8_tensor, nvfp
 needs_kernel = pytest.mark.skipif(
     not cpu_quant.supported(), reason="no AVX-512 or AVX2 + FMA C kernel here"
 )
+HAS_AMX = cpu_quant.supported() and cpu_quant.amx_from_rows(cpu_quant.AMX_MIN_ROWS)
+# a bf16 model's two paths: the register kernels and AMX tiles (weights decoded into bf16 tiles),
+# each forced at every row count where this machine has it
+PATHS = [
+    "registers",
+    pytest.param("amx", marks=pytest.mark.skipif(not HAS_AMX, reason="no AMX here")),
+]
+
+
+@pytest.fixture
+def quant_path(request):
+    """Run bf16 rows on one path (the param) for the test, the default rows after."""
+    cpu_quant.amx_from_rows(1 if request.param == "amx" else 0)
+    yield request.param
+    cpu_quant.amx_from_rows(cpu_quant.AMX_MIN_ROWS)
+
+
 SCHEMES = {
     "FP8": LayerScheme(algo="FP8", block=None, key="quant_algo"),
     "FP8_BLOCK": LayerScheme(algo="FP8_BLOCK", block=(32, 48), key="weight_block_size"),
@@ -163,7 +180,8 @@ def test_cpu_linear_matches_dequantized_weights(algo, cols, rows):
 @needs_kernel
 @pytest.mark.parametrize("algo", list(SCHEMES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 9])
-def test_cpu_linear_bf16_rows_with_relu_and_bias(algo, rows):
+@pytest.mark.parametrize("quant_path", PATHS, indirect=True)
+def test_cpu_linear_bf16_rows_with_relu_and_bias(algo, rows, quant_path):
     k = IN_FEATURES[algo]
     q = random_codes(algo, 37, k)
     w = dequantize(q).double()
@@ -180,7 +198,8 @@ def test_cpu_linear_bf16_rows_with_relu_and_bias(algo, rows):
 
 @needs_kernel
 @pytest.mark.parametrize("algo", ["FP8", "NVFP4"])
-def test_cpu_linear_reads_strided_bf16_rows(algo):
+@pytest.mark.parametrize("quant_path", PATHS, indirect=True)
+def test_cpu_linear_reads_strided_bf16_rows(algo, quant_path):
     """bf16 rows 80 apart (a slice of a wider activation), widened and narrowed in C."""
     q = random_codes(algo, 29, 48)
     w = dequantize(q).double()
@@ -189,6 +208,41 @@ def test_cpu_linear_reads_strided_bf16_rows(algo):
     assert y.dtype == torch.bfloat16
     ref = x.double() @ w.T
     bound = sum_error_bound(x.float(), w, None) + 2.0**-8 * ref.abs()
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@needs_kernel
+@pytest.mark.skipif(not HAS_AMX, reason="no AMX here")
+@pytest.mark.parametrize(
+    "algo, k, group",
+    [
+        ("NVFP4", 80, 16),  # 40 k pairs: the last tile of 16 pairs cut short
+        ("FP8", 161, 161),  # one scale per column (per-tensor), an odd K
+        ("FP8", 200, 64),  # 4 groups of 2 tiles, the last one cut short
+        ("FP8", 130, 32),  # a group per tile, 5 groups
+    ],
+)
+@pytest.mark.parametrize("cols", [5, 37, 67])
+@pytest.mark.parametrize("rows", [8, 17, 150])
+def test_cpu_linear_bf16_rows_on_amx_tiles(algo, k, group, cols, rows):
+    """AMX's edges: a block pair or a lone block (37 and 67 columns: 3 and 5 blocks), one or two
+    row tiles of a row pair, 150 rows across two row panels of 128, groups of whole tiles (FP8's
+    group sums scaled as they leave the tiles), K past the last whole tile."""
+    q = random_codes("NVFP4" if algo == "NVFP4" else "FP8", cols, k)
+    if algo == "FP8":
+        scale = torch.rand(cols, -(-k // group), generator=torch.Generator().manual_seed(k)) * 0.01
+        q = QuantizedTensor("fp8", q.data, scale, None, group)
+    w = dequantize(q).double()
+    g = torch.Generator().manual_seed(rows)
+    bias, x = torch.randn(cols, generator=g), torch.randn(rows, k, generator=g).bfloat16()
+    packed = cpu_quant.pack(q)
+    assert cpu_quant.amx_from_rows(rows)  # this call's rows run on AMX
+    try:
+        y = cpu_quant.linear(x, packed, bias, relu=True)
+    finally:
+        cpu_quant.amx_from_rows(cpu_quant.AMX_MIN_ROWS)
+    ref = torch.relu(x.double() @ w.T + bias.double())
+    bound = sum_error_bound(x.float(), w, bias) + 2.0**-8 * ref.abs()
     assert ((y.double() - ref).abs() <= bound).all()
 
 
@@ -213,7 +267,8 @@ def test_cpu_linear_fp8_scales_past_the_packed_range_go_to_the_column_scale(rows
 @pytest.mark.parametrize("rows", [1, 6])
 @pytest.mark.parametrize("algo", list(SCHEMES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_linear_long_rows_stay_within_the_float32_sum_bound(algo, rows, dtype):
+@pytest.mark.parametrize("quant_path", PATHS, indirect=True)
+def test_cpu_linear_long_rows_stay_within_the_float32_sum_bound(algo, rows, dtype, quant_path):
     """K = 2048 (43 FP8 groups of 48, the last cut short; 128 NVFP4 groups), 67 columns; bf16
     rows take NVFP4's bf16 dot-product kernel where the CPU has AVX512-BF16 (6 rows: its 4- and
     2-row blocks)."""
