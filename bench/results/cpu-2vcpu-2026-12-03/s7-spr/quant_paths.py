@@ -1,6 +1,7 @@
 """Quantized linears on a bf16 model's rows: AMX tiles vs the register kernels, 110M shapes,
 cold weights (copies filling ~256 MB), the two paths alternated, best of 5 rounds. From the
-repository root:  (fp8: a scale per column; fp8_block: per 128
+repository root: `python bench/results/cpu-2vcpu-2026-12-03/s7-spr/quant_paths.py
+nvfp4,fp8,fp8_block 1,2,4,8,16,32,64,256,2048` (fp8: a scale per column; fp8_block: per 128
 inputs; codes from Gaussian weights, so e4m3 subnormals are as rare as in a checkpoint)."""
 
 import sys
