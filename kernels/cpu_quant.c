@@ -20,8 +20,9 @@
  * read from memory once per call), an 8-row register block over all of K, the next tile
  * prefetched while one runs. x and y are float32 (baton_qgemm_bf16, at the end, widens a bf16
  * model's rows and narrows the result around the same call); sums are float32 in k order.
- * With AVX512-BF16, NVFP4 on a bf16 model's rows skips the widening: VDPBF16PS takes the rows'
- * bf16 input pairs as they are (KERNEL_FP4_DOT, register blocks of 4, 2 and 1 rows).
+ * With AVX512-BF16 and no AMX, NVFP4 on a bf16 model's rows skips the widening: VDPBF16PS takes
+ * the rows' bf16 input pairs as they are (KERNEL_FP4_DOT, register blocks of 4, 2 and 1 rows;
+ * baton_qgemm_fp4_dot says where it pays).
  *
  * With AVX2 + FMA and no AVX-512 (16 registers of 8 floats) a block is two registers wide:
  * tiles of 2 blocks, row blocks of 6, 3, 2 and 1. Up to 2 rows run a tile's blocks together
@@ -113,7 +114,7 @@ static const int BLOCK_ROWS[4] = {8, 4, 2, 1}; /* rows per register block, large
                 for (int r = 0; r < ROWS; r++)                                                  \
                     for (int j = 0; j < NR; j++) part[r][j] = _mm512_setzero_ps();              \
                 for (int64_t p = k0; p < k1; p++) {                                             \
-                    PREFETCH_NEXT(p, NR)                                                         \
+                    if (((p - k0) & 3) == 0) { PREFETCH_NEXT(p, NR) } /* a line per 4 inputs */  \
                     __m512 xs[ROWS];                                                            \
                     for (int r = 0; r < ROWS; r++)                                              \
                         xs[r] = _mm512_set1_ps(x[r * ldx + p] * QUANT_TWO_POW_60);              \
@@ -151,7 +152,12 @@ static const int BLOCK_ROWS[4] = {8, 4, 2, 1}; /* rows per register block, large
  * lookups. A group of 16 inputs (two steps) shares each column's e4m3 scale. Sums in k order.
  * More than 2 rows go a pair of inputs at a time over the tile's blocks (few registers live:
  * unrolled over the pairs the 8-row block spilled); still ~20% slower than the byte-per-pair
- * layout at 8 rows of float32 (the bf16 rows of a bf16 model take KERNEL_FP4_DOT instead). */
+ * layout at 8 rows of float32 (the bf16 rows of a bf16 model take KERNEL_FP4_DOT instead where
+ * the CPU has no AMX). Up to 2 rows look each input's value up as a float32 directly: VPERMPS
+ * reads the low 4 bits of each lane, so the lanes shifted right by 4t (input 8e + 2t) and by
+ * 16 + 4t (input 8e + 2t + 1) index the e2m1 table as they are: a shift, a lookup and an FMA per
+ * input, where the lookup of both as bf16 words took the shift, a VPERMW and a shift or a mask
+ * for each (1.1x the GB/s at one row on a Sapphire Rapids Xeon). */
 #define FP4_STEP(j, e, d)                                                                       \
     const __m512i d = _mm512_loadu_si512((const void *)(w + (j) * wstride + (e) * 64))
 #define KERNEL_FP4(ROWS, NR)                                                                    \
@@ -159,7 +165,8 @@ static const int BLOCK_ROWS[4] = {8, 4, 2, 1}; /* rows per register block, large
         (void)group;                                                                            \
         const float *x = (const float *)xv;                                                     \
         const uint8_t *sc = (const uint8_t *)scales_v;                                          \
-        const __m512i table = fp4_table_bf16(120), plain = fp4_table_bf16(0);                   \
+        const __m512i table = fp4_table_bf16(120);                                              \
+        const __m512 ftable = fp4_table(1.0f);                                                  \
         __m512 acc[ROWS][NR];                                                                   \
         for (int r = 0; r < ROWS; r++)                                                          \
             for (int j = 0; j < NR; j++) acc[r][j] = _mm512_setzero_ps();                       \
@@ -176,8 +183,10 @@ static const int BLOCK_ROWS[4] = {8, 4, 2, 1}; /* rows per register block, large
                     for (int j = 0; j < NR; j++) {                                              \
                         FP4_STEP(j, e, d);                                                      \
                         for (int t = 0; t < 4; t++) {                                           \
-                            __m512 even, odd;                                                   \
-                            fp4_lane_pair(_mm512_srli_epi32(d, 4 * t), plain, &even, &odd);     \
+                            const __m512 even = _mm512_permutexvar_ps(                          \
+                                t ? _mm512_srli_epi32(d, 4 * t) : d, ftable);                   \
+                            const __m512 odd =                                                  \
+                                _mm512_permutexvar_ps(_mm512_srli_epi32(d, 16 + 4 * t), ftable);\
                             for (int r = 0; r < ROWS; r++) {                                    \
                                 const float *xp = x + r * ldx + 8 * e + 2 * t;                  \
                                 part[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xp[0]), even,       \
@@ -707,6 +716,29 @@ int baton_qgemm_amx(int64_t rows) {
 #endif
 }
 
+/* Whether NVFP4 on a bf16 model's rows (below AMX's rows) takes KERNEL_FP4_DOT (VDPBF16PS on the
+ * rows as they are) or the float32 kernels on widened rows. VDPBF16PS pays where it is fast (Zen
+ * 4: 1.4x the GB/s of the widened rows at 1 to 32 rows); on an Intel Xeon with AMX (Sapphire
+ * Rapids class) it measured ~2.2 cycles per instruction against 0.5 for a 512-bit FMA, and the
+ * float32 kernels read 1.02-1.15x its GB/s at 1 to 6 rows (a paired benchmark, in the results
+ * of 2026-12-03 s8): the dot kernels are the default only where the CPU has no AMX. */
+#if defined(QUANT_DOT_BF16) && !defined(BATON_AMX)
+static int fp4_dot = 1;
+#else
+static int fp4_dot = 0;
+#endif
+
+/* Sets the choice above (on: 1 or 0; < 0 leaves it) where this build has the dot kernels;
+ * returns the choice in force. */
+int baton_qgemm_fp4_dot(int on) {
+#if defined(QUANT_DOT_BF16)
+    if (on >= 0) fp4_dot = on != 0;
+#else
+    (void)on;
+#endif
+    return fp4_dot;
+}
+
 /* baton_qgemm for a bf16 model's rows: x[m][ldx] and y[m][ldy] bfloat16, widened and narrowed
  * here (y rounded to nearest even, as torch's .to(torch.bfloat16)), so that a decode step's
  * call costs one ctypes call instead of two more tensor ops around it (~20 us of a 2-core
@@ -734,7 +766,7 @@ int baton_qgemm_bf16(int format, const uint16_t *x, int64_t m, int64_t k, int64_
     }
 #endif
 #if defined(QUANT_DOT_BF16)
-    const int dot = format == FORMAT_NVFP4 && k % 16 == 0; /* no widening */
+    const int dot = fp4_dot && format == FORMAT_NVFP4 && k % 16 == 0; /* no widening */
 #else
     const int dot = 0;
 #endif

@@ -50,6 +50,8 @@ def library() -> ctypes.CDLL | None:
         query.argtypes = []
     lib.baton_qgemm_amx.restype = _int
     lib.baton_qgemm_amx.argtypes = [_i64]
+    lib.baton_qgemm_fp4_dot.restype = _int
+    lib.baton_qgemm_fp4_dot.argtypes = [_int]
     for entry in (lib.baton_qgemm, lib.baton_qgemm_bf16):  # float32 rows / bfloat16 rows
         entry.restype = _int
         entry.argtypes = [
@@ -73,6 +75,15 @@ def amx_from_rows(rows: int) -> bool:
     returns whether this build and process run AMX at all."""
     lib = library()
     return lib is not None and bool(lib.baton_qgemm_amx(rows))
+
+
+def fp4_dot(on: bool | None = None) -> bool:
+    """Whether NVFP4 on a bf16 model's rows below AMX's rows runs the VDPBF16PS kernels (on the
+    rows as they are) instead of the float32 ones (widened rows): set it with `on` where this
+    build has them (AVX512-BF16); the default is on only where the CPU has no AMX (cpu_quant.c's
+    baton_qgemm_fp4_dot says why). Returns the choice in force."""
+    lib = library()
+    return lib is not None and bool(lib.baton_qgemm_fp4_dot(-1 if on is None else int(on)))
 
 
 class PackedQuant(NamedTuple):

@@ -21,20 +21,27 @@ needs_kernel = pytest.mark.skipif(
     not cpu_quant.supported(), reason="no AVX-512 or AVX2 + FMA C kernel here"
 )
 HAS_AMX = cpu_quant.supported() and cpu_quant.amx_from_rows(cpu_quant.AMX_MIN_ROWS)
-# a bf16 model's two paths: the register kernels and AMX tiles (weights decoded into bf16 tiles),
-# each forced at every row count where this machine has it
+FP4_DOT_DEFAULT = cpu_quant.fp4_dot()
+HAS_FP4_DOT = cpu_quant.fp4_dot(True)  # this build has the VDPBF16PS kernels (AVX512-BF16)
+cpu_quant.fp4_dot(FP4_DOT_DEFAULT)
+# a bf16 model's paths: the float32 register kernels, NVFP4's VDPBF16PS register kernels (FP8
+# keeps the float32 ones there) and AMX tiles (weights decoded into bf16 tiles), each forced at
+# every row count where this machine has it
 PATHS = [
     "registers",
+    pytest.param("dot", marks=pytest.mark.skipif(not HAS_FP4_DOT, reason="no AVX512-BF16 here")),
     pytest.param("amx", marks=pytest.mark.skipif(not HAS_AMX, reason="no AMX here")),
 ]
 
 
 @pytest.fixture
 def quant_path(request):
-    """Run bf16 rows on one path (the param) for the test, the default rows after."""
+    """Run bf16 rows on one path (the param) for the test, the defaults after."""
     cpu_quant.amx_from_rows(1 if request.param == "amx" else 0)
+    cpu_quant.fp4_dot(request.param == "dot")
     yield request.param
     cpu_quant.amx_from_rows(cpu_quant.AMX_MIN_ROWS)
+    cpu_quant.fp4_dot(FP4_DOT_DEFAULT)
 
 
 SCHEMES = {
