@@ -33,6 +33,29 @@ from kernels.layouts import AttentionLayout, ChunkLayout, ConvLayout
 from kernels.ssd import build_chunk_layout
 
 
+class StagedViews:
+    """The views of one staged buffer's parts, part i = buffer[offsets[i]:offsets[i + 1]], each
+    made when it is read (an int index gives a view, a slice a list of them)."""
+
+    __slots__ = ("buffer", "offsets")
+
+    def __init__(self, buffer: torch.Tensor, offsets: list[int]):
+        self.buffer = buffer
+        self.offsets = offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"part {index} of {len(self)}")
+        return self.buffer[self.offsets[index] : self.offsets[index + 1]]
+
+
 class MetadataBuffers:
     def __init__(
         self, device: torch.device | str, *, ints: int, kv_rows: int, kv_width: int, fixed: bool
@@ -51,9 +74,11 @@ class MetadataBuffers:
         # (chunk_size, window_width) -> the empty prefill layouts of decode-only steps;
         # "verify" -> the empty verify layout of steps without speculation
         self.empty_layouts: dict[tuple[int, int] | str, tuple | AttentionLayout] = {}
-        # decode rows -> (arange(rows) int64, arange(rows + 1) int32): the query layout of one
-        # query per sequence
-        self.decode_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # decode rows -> (arange(rows) int64, arange(rows + 1) int32, the (rows, 1, 1, 0) mask
+        # of the kernels that read none): the query layout of one query per sequence
+        self.decode_rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # page size -> arange(page_size) int64: a page's token offsets (token_table)
+        self.page_offsets: dict[int, torch.Tensor] = {}
 
     def _alloc_ints(self, size: int) -> None:
         on_cuda = self.device.type == "cuda"
@@ -66,10 +91,10 @@ class MetadataBuffers:
         )
         self.longs = torch.zeros(size, dtype=torch.int64, device=self.device)
 
-    def stage(self, parts: list[np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def stage(self, parts: list[np.ndarray]) -> tuple[StagedViews, StagedViews]:
         """Pack `parts` (1-D integer arrays) into the host buffer, copy the used prefix to the
-        device in one copy, widen it there in one more, and return an int32 and an int64 device
-        view of each part."""
+        device in one copy, widen it there in one more, and return the int32 and the int64 device
+        views of the parts (each view made when it is read: a step reads about half)."""
         total = sum(len(p) for p in parts)
         if total > self.host.numel():
             if self.fixed:
@@ -92,8 +117,7 @@ class MetadataBuffers:
                 self._copy_done.record()
         self.last_copy_bytes = 0 if self.ints is self.host else total * 4
         self.longs[:total].copy_(self.ints[:total])
-        spans = list(zip(offsets[:-1], offsets[1:]))
-        return [self.ints[a:b] for a, b in spans], [self.longs[a:b] for a, b in spans]
+        return StagedViews(self.ints, offsets), StagedViews(self.longs, offsets)
 
     def token_table(
         self, segment: str, page_table: torch.Tensor, page_size: int, width: int
@@ -115,10 +139,18 @@ class MetadataBuffers:
                 dtype=torch.int64,
                 device=self.device,
             )
-        offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
+        offsets = self.page_offsets.get(page_size)
+        if offsets is None:
+            offsets = self.page_offsets[page_size] = torch.arange(
+                page_size, dtype=torch.int64, device=self.device
+            )
         table = table[:rows]
-        table[:, :covered].view(rows, pages, page_size).copy_(
-            page_table.to(torch.int64)[:, :, None] * page_size + offsets
+        # slot = page * page_size + offset, written in place (one op)
+        torch.add(
+            offsets,
+            page_table[:, :, None],
+            alpha=page_size,
+            out=table[:, :covered].view(rows, pages, page_size),
         )
         return table[:, :width]
 
@@ -172,15 +204,16 @@ def decode_attention_layout(
         buffers.decode_rows[nd] = (
             torch.arange(nd, dtype=torch.int64, device=device),
             torch.arange(nd + 1, dtype=torch.int32, device=device),
+            torch.ones(nd, 1, 1, 0, dtype=torch.bool, device=device),
         )
-    rows, query_start_loc = buffers.decode_rows[nd]
+    rows, query_start_loc, no_mask = buffers.decode_rows[nd]
     if with_mask:
         mask = torch.arange(max_kv, device=device)[None, :] < kv_lens[:, None]
         if max_kv:
             mask[:, 0] = True  # as build_attention_layout: no all -inf rows
         mask = mask.view(nd, 1, 1, max_kv)
     else:
-        mask = torch.ones(nd, 1, 1, 0, dtype=torch.bool, device=device)
+        mask = no_mask
     return AttentionLayout(
         num_seqs=nd,
         max_q=1 if nd else 0,
