@@ -113,7 +113,6 @@ static const int BLOCK_ROWS[4] = {8, 4, 2, 1}; /* rows per register block, large
                 __m512 part[ROWS][NR];                                                          \
                 for (int r = 0; r < ROWS; r++)                                                  \
                     for (int j = 0; j < NR; j++) part[r][j] = _mm512_setzero_ps();              \
-                _Pragma("GCC unroll 4")                                                         \
                 for (int64_t p = k0; p < k1; p++) {                                             \
                     if (((p - k0) & 3) == 0) { PREFETCH_NEXT(p, NR) } /* a line per 4 inputs */  \
                     __m512 xs[ROWS];                                                            \
