@@ -2,17 +2,19 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The versions the suite last passed with (pip constraints); `make upgrade-deps` moves them.
+LOCK := requirements.lock
 
-.PHONY: install test lint serve gsm8k clean
+.PHONY: install test lint serve gsm8k upgrade-deps clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[test]'
-	$(VPY) -m kernels.build  # the C kernels, built now rather than on the first request
+	$(VPY) -m pip install -q --upgrade -c $(LOCK) pip
+	$(VPY) -m pip install -q -c $(LOCK) torch
+	$(VPY) -m pip install -q -c $(LOCK) -e '.[test]'
+	$(VPY) -m baton.kernels.build  # the C kernels, built now rather than on the first request
 	touch $(STAMP)
 
 test: install
@@ -33,7 +35,23 @@ serve: install
 # make gsm8k [GSM8K_ARGS="--num-questions 50 --output results.json"]: serve the shipped assets/
 # model on a free port, run `baton eval gsm8k` on the held-out file, print the accuracy, stop.
 gsm8k: install
-	$(VPY) -m bench.run_gsm8k $(GSM8K_ARGS)
+	$(VPY) -m baton.bench.run_gsm8k $(GSM8K_ARGS)
+
+# make upgrade-deps [PYTEST_ARGS=...]: every dependency at its newest release in a fresh venv
+# (.venv-upgrade), the suite run there, and the lock rewritten from that venv only if it passes;
+# then `make install` brings .venv to the new lock. Commit requirements.lock with what it needed.
+UPGRADE := .venv-upgrade
+upgrade-deps:
+	rm -rf $(UPGRADE)
+	$(PY) -m venv $(UPGRADE)
+	$(UPGRADE)/bin/python -m pip install -q --upgrade pip
+	$(UPGRADE)/bin/python -m pip install -q torch==2.13.0
+	$(UPGRADE)/bin/python -m pip install -q --upgrade -e '.[test]'
+	$(UPGRADE)/bin/python -m baton.kernels.build
+	$(UPGRADE)/bin/python -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) tools/write_lock.py --venv $(UPGRADE) --output $(LOCK)
+	rm -rf $(UPGRADE)
+	$(MAKE) install
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(UPGRADE) build *.egg-info

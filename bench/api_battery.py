@@ -1,4 +1,4 @@
-"""The requests `bench.api_side_by_side` sends to both servers: one battery of valid and
+"""The requests `baton.bench.api_side_by_side` sends to both servers: one battery of valid and
 malformed requests over every route a vLLM user relies on (`cases`), and the same kinds of
 request through the official `openai` client (`client_calls`)."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.api_battery import MESSAGES, QUESTION, Case
+from baton.bench.api_battery import MESSAGES, QUESTION, Case
 
 SCHEMA = {
     "type": "object",

@@ -1,11 +1,11 @@
-"""The battery's tool, reasoning and /v1/responses requests (issue 36; bench.api_side_by_side adds
+"""The battery's tool, reasoning and /v1/responses requests (issue 36; baton.bench.api_side_by_side adds
 them to the cases of bench/api_battery.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from bench.api_battery import MESSAGES, Case
+from baton.bench.api_battery import MESSAGES, Case
 
 # ---- tools, reasoning and /v1/responses (issue 36). Both servers are expected to run with
 # --tool-call-parser hermes --enable-auto-tool-choice --reasoning-parser qwen3 (the shipped

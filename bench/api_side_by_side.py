@@ -1,6 +1,6 @@
 """What a client sees from two OpenAI-compatible servers on the same model, request by request.
 
-    python -m bench.api_side_by_side --a http://127.0.0.1:8021 --b http://127.0.0.1:8011 \
+    python -m baton.bench.api_side_by_side --a http://127.0.0.1:8021 --b http://127.0.0.1:8011 \
         --model model [--only PREFIX] [--json out.json]
 
 Sends one battery of requests (bench/api_battery.py, bench/api_battery_structured.py and bench/api_battery_tools.py: valid
@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 
-from bench.api_battery import Case, cases, client_calls
-from bench.api_battery_structured import structured_cases, structured_client_calls
-from bench.api_battery_tools import tool_and_reasoning_cases, tool_and_reasoning_client_calls
+from baton.bench.api_battery import Case, cases, client_calls
+from baton.bench.api_battery_structured import structured_cases, structured_client_calls
+from baton.bench.api_battery_tools import tool_and_reasoning_cases, tool_and_reasoning_client_calls
 
 # keys whose values (not only types) a client acts on
 VALUE_KEYS = {

@@ -4,7 +4,7 @@ decode step reads it (the 110M model's 171 MB of bf16 weights are five times the
 Alternated rounds in one process; prints the best round of each, the FLOP rate as a fraction of
 the 2048^3 matmul peak measured in the same run, and the baton / oneDNN speed ratio.
 
-    python -m bench.cpu_gemm --config 110m --dtype bfloat16 --rows 1,8,32,64,256
+    python -m baton.bench.cpu_gemm --config 110m --dtype bfloat16 --rows 1,8,32,64,256
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import time
 
 import torch
 
-from bench.flop_rates import mm_peaks
-from bench.workloads import CONFIGS, save_model
-from kernels import cpu_gemm
-from kernels.linear import PackedLinear, _packed_mm
+from baton.bench.flop_rates import mm_peaks
+from baton.bench.workloads import CONFIGS, save_model
+from baton.kernels import cpu_gemm
+from baton.kernels.linear import PackedLinear, _packed_mm
 
 
 def linear_shapes(config: str, dtype: str) -> list[tuple[int, int]]:
     """(in, out) of every packed linear of the config's model, in forward order."""
-    from engine import LLM
+    from baton import LLM
 
     with tempfile.TemporaryDirectory() as d:
         save_model(config, d)

@@ -2,7 +2,7 @@
 the side-by-side workload's prefill (32 prompts x 128 tokens) and a varlen batch, alternated
 rounds in one process; prints best-of-rounds times and the C / torch ratio with the load average.
 
-    python -m bench.cpu_prefill --config 110m --rounds 5
+    python -m baton.bench.cpu_prefill --config 110m --rounds 5
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import cpu_prefill
-from kernels.conv1d import build_window_layout, causal_conv1d_varlen_torch
-from kernels.norm import gated_rms_norm_torch
-from kernels.ssd import build_chunk_layout, discretize_dt, ssd_scan_torch
+from baton.kernels import cpu_prefill
+from baton.kernels.conv1d import build_window_layout, causal_conv1d_varlen_torch
+from baton.kernels.norm import gated_rms_norm_torch
+from baton.kernels.ssd import build_chunk_layout, discretize_dt, ssd_scan_torch
 
-# (heads, head_dim, groups, d_state, chunk, conv kernel) of bench.offline's configs
+# (heads, head_dim, groups, d_state, chunk, conv kernel) of baton.bench.offline's configs
 SHAPES = {"110m": (24, 64, 8, 128, 128, 4), "19m": (8, 32, 2, 64, 64, 4)}
 BATCHES = {"side-by-side": [128] * 32, "varlen": [512, 40, 300, 33, 129, 77]}
 

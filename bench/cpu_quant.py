@@ -5,7 +5,7 @@ float32 sum over 1 GiB) and bf16 `F.linear` on the same shapes. Alternated round
 prints the best round of each. At one row the kernel should stream at the read bandwidth; the
 byte-ratio bound of a quantized model's decode speed assumes it does.
 
-    python -m bench.cpu_quant --config 110m --rows 1,8,32
+    python -m baton.bench.cpu_quant --config 110m --rows 1,8,32
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.cpu_gemm import linear_shapes
-from bench.workloads import CONFIGS
-from kernels import cpu_quant
-from kernels.quant import QuantizedTensor
+from baton.bench.cpu_gemm import linear_shapes
+from baton.bench.workloads import CONFIGS
+from baton.kernels import cpu_quant
+from baton.kernels.quant import QuantizedTensor
 
 
 def random_weight(fmt: str, out_features: int, in_features: int) -> QuantizedTensor:

@@ -1,7 +1,7 @@
 """Decode step latency: eager vs CUDA graphs, against the HBM roofline (GPU); eager vs the
-padded runner on the CPU is `python -m bench.offline --compare-padded`.
+padded runner on the CPU is `python -m baton.bench.offline --compare-padded`.
 
-    python -m bench.decode_graphs [--batches 1,2,4,8,16,32,64,128,256] [--max-model-len 131072]
+    python -m baton.bench.decode_graphs [--batches 1,2,4,8,16,32,64,128,256] [--max-model-len 131072]
 
 Random bf16 weights at Nemotron-Nano-9B-v2 shapes. The roofline is the bytes one decode step must
 read (weights + each sequence's KV + Mamba state read and written) over the peak bandwidth
@@ -37,16 +37,16 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(
-            "bench.decode_graphs needs CUDA; on the CPU use: python -m bench.offline --compare-padded"
+            "baton.bench.decode_graphs needs CUDA; on the CPU use: python -m baton.bench.offline --compare-padded"
         )
         return
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from engine.cache.pools import StateCache
-    from engine.executor.forward_metadata import ScheduledBatch
-    from engine.executor.graph_runner import DecodeGraphRunner
-    from engine.executor.model_runner import ModelRunner
+    from baton.engine.cache.pools import StateCache
+    from baton.engine.executor.forward_metadata import ScheduledBatch
+    from baton.engine.executor.graph_runner import DecodeGraphRunner
+    from baton.engine.executor.model_runner import ModelRunner
     from tests.gpu.test_graph_runner_gpu import NANO_LIKE
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -56,9 +56,9 @@ def main() -> None:
     )
     rows = []
     # Built on the GPU directly: saving and loading a 9B checkpoint would take minutes.
-    from engine.config import ModelConfig
-    from engine.models.nemotron_h import NemotronHForCausalLM
-    from engine.models.registry import model_state_spec
+    from baton.engine.config import ModelConfig
+    from baton.engine.models.nemotron_h import NemotronHForCausalLM
+    from baton.engine.models.registry import model_state_spec
     from tests.gpu.test_graph_runner_gpu import init_random_
 
     with torch.device("cuda"):

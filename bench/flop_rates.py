@@ -1,8 +1,8 @@
-"""How close baton's steps and matmuls come to this machine's peak, for `bench.offline`.
+"""How close baton's steps and matmuls come to this machine's peak, for `baton.bench.offline`.
 
 The peak is the better of `torch.mm` and the oneDNN-prepacked linear (kernels/linear.py) at
 2048^3 in the model dtype; `decode_flop_fraction` and `prefill_flop_fraction` time whole engine
-steps (2 x matmul params x tokens over the step time) and, with `bench.step_time.MatmulTimer`,
+steps (2 x matmul params x tokens over the step time) and, with `baton.bench.step_time.MatmulTimer`,
 the matmuls alone.
 """
 
@@ -29,8 +29,8 @@ def checkpoint_params(model_dir: str) -> int:
 
 def active_matmul_params(model) -> int:
     """Parameters in baton's matmuls per token (routed experts: top_k of them)."""
-    from engine.layers.moe import Experts, SoftmaxTopKMoE
-    from kernels.linear import matmul_params
+    from baton.engine.layers.moe import Experts, SoftmaxTopKMoE
+    from baton.kernels.linear import matmul_params
 
     active = matmul_params(model)
     for module in model.modules():
@@ -60,7 +60,7 @@ def mm_peaks(dtype: torch.dtype) -> dict[str, float]:
     baton's CPU layers call (kernels/linear.py). They differ by machine: on a Zen 5 VM torch.mm's
     fp32 path reached 207-221 GFLOP/s and the prepacked one 475-493, so a fraction of torch.mm's
     rate alone read up to 175%."""
-    from kernels.linear import _packed_mm, can_pack
+    from baton.kernels.linear import _packed_mm, can_pack
 
     a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
     peaks = {"torch.mm": _best_rate(torch.mm, a, b)}
@@ -71,7 +71,7 @@ def mm_peaks(dtype: torch.dtype) -> dict[str, float]:
 
 
 def machine_floor(llm, requests, peak_flops: float) -> dict:
-    from bench.roofline import floor_seconds, memory_bandwidth, model_weights
+    from baton.bench.roofline import floor_seconds, memory_bandwidth, model_weights
 
     weights = model_weights(llm.engine.model, llm.engine.dtype)
     bandwidth = memory_bandwidth()
@@ -85,8 +85,8 @@ def machine_floor(llm, requests, peak_flops: float) -> dict:
 def decode_flop_fraction(llm, batch: int = 64) -> dict:
     """Time steady decode steps at `batch` and compare 2 * params * batch FLOPs to the mm peak;
     then time the matmuls alone over 10 more steps (`matmul_fraction`: their rate to the peak)."""
-    from bench.step_time import MatmulTimer
-    from engine import SamplingParams
+    from baton import SamplingParams
+    from baton.bench.step_time import MatmulTimer
 
     engine = llm.engine
     for i in range(batch):
@@ -129,8 +129,8 @@ def prefill_flop_fraction(llm, peak: float, seqs: int = 16, prompt_len: int = 12
     workload's prefill: 2048 batched tokens) and compare its matmul FLOPs (2 * params per token,
     the lm_head on the sampled rows only) to the mm peak. Best of 3, fresh ids each time (no
     prefix hits); `matmul_fraction`: the best rep's matmuls alone, to the peak."""
-    from bench.step_time import MatmulTimer
-    from engine import SamplingParams
+    from baton import SamplingParams
+    from baton.bench.step_time import MatmulTimer
 
     engine = llm.engine
     model = engine.model

@@ -1,6 +1,6 @@
 """The gated delta rule's fast paths against its torch path, in one process, same inputs.
 
-    python -m bench.gdn_kernels [--shapes qwen3-next|small] [--rounds 5] [--threads N] [--json f]
+    python -m baton.bench.gdn_kernels [--shapes qwen3-next|small] [--rounds 5] [--threads N] [--json f]
 
 On the CPU: the C kernels (kernels/cpu_gated_delta.c) vs the torch path, alternated rounds,
 best of rounds: prefill (one long prompt and a batch of short ones, chunk-end states kept),
@@ -22,14 +22,14 @@ from functools import partial
 
 import torch
 
-from kernels import cpu_gated_delta
-from kernels.gated_delta import (
+from baton.kernels import cpu_gated_delta
+from baton.kernels.gated_delta import (
     chunk_gated_delta_rule_torch,
     gated_delta_decode_torch,
     gdn_gating,
 )
-from kernels.gdn_mixer import GDNMixerDims, GDNMixerWeights, gdn_mixer_decode
-from kernels.ssd import build_chunk_layout
+from baton.kernels.gdn_mixer import GDNMixerDims, GDNMixerWeights, gdn_mixer_decode
+from baton.kernels.ssd import build_chunk_layout
 
 # (num_k_heads, num_v_heads, k_head_dim, v_head_dim, chunk) of one GDN layer
 SHAPES = {"qwen3-next": (16, 32, 128, 128, 64), "small": (4, 8, 64, 64, 64)}
@@ -69,7 +69,7 @@ def rule_inputs(T: int, shape, device, dtype):
 
 
 def torch_prefill(q, k, v, g, beta, pool, slots, layout) -> None:
-    """The torch path with its pool gather and scatter, as kernels.gated_delta does it."""
+    """The torch path with its pool gather and scatter, as baton.kernels.gated_delta does it."""
     out = chunk_gated_delta_rule_torch(q, k, v, g, beta, pool[slots], layout)
     pool[slots] = out.final_states
 
@@ -77,7 +77,7 @@ def torch_prefill(q, k, v, g, beta, pool, slots, layout) -> None:
 def bench_rule(shape, device, dtype, rounds: int, timer) -> list[dict]:
     Hk, Hv, dk, dv, chunk = shape
     if device.type == "cuda":
-        from kernels.triton_gated_delta import (
+        from baton.kernels.triton_gated_delta import (
             chunk_gated_delta_rule_triton,
             gated_delta_decode_triton,
         )
@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     use_cuda = torch.cuda.is_available() and not interpreted
     device = torch.device("cuda" if use_cuda else "cpu")
     if not use_cuda and cpu_gated_delta.library() is None:
-        print("bench.gdn_kernels: the C kernels did not build (see the warning); nothing to time")
+        print(
+            "baton.bench.gdn_kernels: the C kernels did not build (see the warning); nothing to time"
+        )
         return 1
     dtype, shape = getattr(torch, args.dtype), SHAPES[args.shapes]
     fast = "triton" if use_cuda else "C"

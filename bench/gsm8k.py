@@ -22,7 +22,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Literal
 
-from bench.gsm8k_client import STOP, OpenAIClient  # noqa: F401  (STOP is re-exported)
+from baton.bench.gsm8k_client import STOP, OpenAIClient  # noqa: F401  (STOP is re-exported)
 
 # A number as lm-eval's flexible extract sees it: an optional minus sign (not a hyphen between
 # words or digits), an optional `$`, digits with thousands commas and an optional decimal part.
@@ -254,7 +254,7 @@ def _run_gsm8k(args) -> int:
             return 2
     import httpx
 
-    from bench.gsm8k_data import read_jsonl
+    from baton.bench.gsm8k_data import read_jsonl
 
     try:
         rows = read_jsonl(args.data)

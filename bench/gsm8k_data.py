@@ -1,7 +1,7 @@
 """Synthetic GSM8K-format word problems: seeded, with a held-out split no training run can draw.
 
-    python -m bench.gsm8k_data --split heldout --count 205 --seed 1 --output bench/data/gsm8k_synthetic_heldout.jsonl
-    python -m bench.gsm8k_data --split train --count 10000 --seed 0 --output train.jsonl
+    python -m baton.bench.gsm8k_data --split heldout --count 205 --seed 1 --output bench/data/gsm8k_synthetic_heldout.jsonl
+    python -m baton.bench.gsm8k_data --split train --count 10000 --seed 0 --output train.jsonl
 
 Each row is `{"question": ..., "answer": ...}` like GSM8K's test.jsonl: a short word problem of
 one or two operations (+, -, *, exact /) and a worked answer whose last line is `#### N`.
@@ -260,7 +260,7 @@ def write_jsonl(rows: list[dict], path: str | Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.gsm8k_data",
+        prog="python -m baton.bench.gsm8k_data",
         description="Write seeded synthetic GSM8K-format problems as JSONL rows "
         '{"question", "answer"} (answers end with "#### N").',
     )

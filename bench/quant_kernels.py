@@ -2,7 +2,7 @@
 per-token activation scales), FP8 weight-only and NVFP4 weight-only, at Nemotron-Nano-9B-v2's
 linear shapes, rows 1..2048 (CUDA only; on a machine without CUDA it says so and exits 0).
 
-    python -m bench.quant_kernels [--json quant.json]
+    python -m baton.bench.quant_kernels [--json quant.json]
 
 Per shape and row count: microseconds of each, its ratio to bf16 (> 1: faster), and the weight
 bytes each reads per call over its time (decode-sized calls are bound by those bytes: FP8 reads
@@ -35,7 +35,7 @@ def time_us(fn, reps: int = 20) -> float:
 
 
 def time_all(x: torch.Tensor, weight: torch.Tensor, fp8, nvfp4) -> dict[str, float]:
-    from kernels.triton_quant import quantize_rows_fp8_triton, w8a8_matmul, weight_only_matmul
+    from baton.kernels.triton_quant import quantize_rows_fp8_triton, w8a8_matmul, weight_only_matmul
 
     def w8a8() -> torch.Tensor:
         codes, scale = quantize_rows_fp8_triton(x)
@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench.quant_kernels: no CUDA device, nothing to time")
+        print("baton.bench.quant_kernels: no CUDA device, nothing to time")
         return 0
-    from kernels.quant import QuantizedTensor, quantize_fp8
+    from baton.kernels.quant import QuantizedTensor, quantize_fp8
 
     cuda = torch.device("cuda")
     results = []

@@ -1,5 +1,5 @@
 """One model's weights as bf16, FP8 and NVFP4 in the same run: decode tokens/s at a few batch
-sizes and the bytes each decode step reads (`python -m bench.offline --weights bf16,fp8,nvfp4`).
+sizes and the bytes each decode step reads (`python -m baton.bench.offline --weights bf16,fp8,nvfp4`).
 
 The FP8 and NVFP4 checkpoints are written from the bf16 one by tests/quantize.py as NVIDIA
 ModelOpt ships them (every linear but the lm_head quantized, as ModelOpt leaves it; FP8 with one
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.quantization.modules import QuantizedLinear
-from kernels.linear import PackedLinear
+from baton.engine.quantization.modules import QuantizedLinear
+from baton.kernels.linear import PackedLinear
 
 # --weights name -> tests/quantize.py format (None: the checkpoint as it is)
 FORMATS = {"bf16": None, "fp8": "modelopt_fp8", "nvfp4": "modelopt_nvfp4"}
@@ -52,7 +52,7 @@ def weight_bytes_per_step(model: nn.Module) -> int:
 
 def decode_rate(llm, batch: int, new_tokens: int, vocab: int, seed: int) -> float:
     """Output tokens/s over the all-decode steps of `batch` requests (host time included)."""
-    from engine import SamplingParams
+    from baton import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     prompts = [
@@ -93,7 +93,7 @@ def run_weights(
     new_tokens: int,
     rounds: int,
 ) -> dict:
-    from engine import LLM
+    from baton import LLM
     from tests.quantize import quantize_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:

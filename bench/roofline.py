@@ -2,7 +2,7 @@
 each decode step no faster than reading the weights it touches at the measured memory bandwidth.
 
 The floor bounds the ratio of two engines doing the same work: baton / transformers can be at
-most `transformers seconds / floor seconds`. bench.offline prints it beside the measured ratio,
+most `transformers seconds / floor seconds`. baton.bench.offline prints it beside the measured ratio,
 so a target above the bound reads as what it is (out of reach on this machine for this workload),
 and the share of the floor each engine reaches shows how much either leaves on the table.
 
@@ -34,8 +34,8 @@ class Weights:
 
 
 def model_weights(model, dtype: torch.dtype) -> Weights:
-    from engine.layers.moe import Experts, SoftmaxTopKMoE
-    from kernels.linear import matmul_params
+    from baton.engine.layers.moe import Experts, SoftmaxTopKMoE
+    from baton.kernels.linear import matmul_params
 
     config = model.config
     head = config.vocab_size * config.hidden_size

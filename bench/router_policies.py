@@ -9,7 +9,7 @@ conversation computed is on the worker its next turn goes to, the hits a cache-a
 should match. Hits are the workers' own counters (prefix tokens served from their caches,
 prefill and decode side); TTFT is the client's.
 
-    python -m bench.router_policies --conversations 8 --turns 4 --output result.json
+    python -m baton.bench.router_policies --conversations 8 --turns 4 --output result.json
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.multi_turn import MultiTurnWorkload, run_multi_turn
-from bench.run_gsm8k import wait_healthy
-from bench.serve_side_by_side import start, stop
-from server.up import free_port
+from baton.bench.multi_turn import MultiTurnWorkload, run_multi_turn
+from baton.bench.run_gsm8k import wait_healthy
+from baton.bench.serve_side_by_side import start, stop
+from baton.server.up import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BATON = Path(sys.executable).with_name("baton")
@@ -124,7 +124,9 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.router_policies", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m baton.bench.router_policies", description=__doc__
+    )
     parser.add_argument("--model", default=str(ROOT / "assets"))
     parser.add_argument("--prefill", type=int, default=2, help="prefill workers")
     parser.add_argument("--decode", type=int, default=2, help="decode workers")

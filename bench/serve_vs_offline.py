@@ -1,9 +1,9 @@
 """What the server path costs: `bench serve` against `baton serve` vs the offline engine, same
 model, same engine settings, same batch, in one run.
 
-    python -m bench.serve_vs_offline --config 110m --dtype bfloat16 [--rounds 2]
+    python -m baton.bench.serve_vs_offline --config 110m --dtype bfloat16 [--rounds 2]
 
-Random-weight model from `bench.offline` (saved with a word-level tokenizer that covers the
+Random-weight model from `baton.bench.offline` (saved with a word-level tokenizer that covers the
 whole vocabulary, so every sampled id has text and streams as its own chunk); workload: N
 prompts x L random token ids, M new tokens, greedy, ignore_eos; the offline `LLM` and
 `baton serve` get the same engine flags; the client sends all N at once (max concurrency N).
@@ -24,15 +24,15 @@ from pathlib import Path
 
 import httpx
 
-from bench.peer import save_word_tokenizer
-from bench.serve import BenchPrompt
-from bench.workloads import CONFIGS, save_model
+from baton.bench.peer import save_word_tokenizer
+from baton.bench.serve import BenchPrompt
+from baton.bench.workloads import CONFIGS, save_model
 
 ENGINE_FLAGS = {"max_running_requests": 64, "max_num_batched_tokens": 2048}
 
 
 def offline_rate(model_dir: str, dtype: str, prompts: list[list[int]], new: int) -> float:
-    from engine import LLM, SamplingParams
+    from baton import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype=dtype, **ENGINE_FLAGS)
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
@@ -44,7 +44,16 @@ def offline_rate(model_dir: str, dtype: str, prompts: list[list[int]], new: int)
 
 def start_server(model_dir: str, dtype: str, port: int) -> subprocess.Popen:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
-    command = [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--dtype", dtype]
+    command = [
+        sys.executable,
+        "-m",
+        "baton.server.cli",
+        "serve",
+        "--model",
+        model_dir,
+        "--dtype",
+        dtype,
+    ]
     process = subprocess.Popen(
         [*command, "--port", str(port), "--log-level", "warning", *flags],
         cwd=Path(__file__).resolve().parents[1],
@@ -65,7 +74,7 @@ def start_server(model_dir: str, dtype: str, port: int) -> subprocess.Popen:
 
 def serve_rate(port: int, model_dir: str, prompts: list[list[int]], new: int) -> dict:
     """Every prompt at once (the offline engine's batch), through `bench serve`."""
-    from bench.serve_side_by_side import run_rate
+    from baton.bench.serve_side_by_side import run_rate
 
     requests = [BenchPrompt(prompt=p, prompt_len=len(p), output_len=new) for p in prompts]
     return run_rate(port, model_dir, requests, math.inf)

@@ -1,6 +1,6 @@
 """Soak a `baton up` stack: mixed valid and invalid traffic, kills of either worker, a summary.
 
-    python -m bench.soak [--duration 600] [--kill-every 60] [--clients 6] [--output soak.json]
+    python -m baton.bench.soak [--duration 600] [--kill-every 60] [--clients 6] [--output soak.json]
 
 Starts `baton up` on 127.0.0.1 (the shipped model unless --model), sends valid requests
 (completions, chat, streams, clients that give up early) and invalid ones (lone surrogates,
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from server.up import DEFAULT_MODEL, free_port
+from baton.server.up import DEFAULT_MODEL, free_port
 
 VICTIMS = ("prefill worker", "decode worker", "prefill engine", "decode engine")
 LONE = '"\\ud800"'  # a lone UTF-16 surrogate as JSON text
@@ -140,7 +140,16 @@ class Stack:
         self.log_path = log_dir / f"up-{index}.log"
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "server.cli", "up", "--model", model, "--port", str(port)],
+                [
+                    sys.executable,
+                    "-m",
+                    "baton.server.cli",
+                    "up",
+                    "--model",
+                    model,
+                    "--port",
+                    str(port),
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )

@@ -1,5 +1,5 @@
 """Speculative decoding against plain decoding on the same workload, at several batch sizes:
-`python -m bench.offline --model DIR --speculative-config '{...}'` runs it.
+`python -m baton.bench.offline --model DIR --speculative-config '{...}'` runs it.
 
 For each batch size b, two engines serve the same requests at most b at a time (max_running_
 requests = b): one plain, one with the speculative config. They run back to back `rounds`
@@ -17,8 +17,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from bench.gsm8k import build_prompts
-from bench.gsm8k_data import HELDOUT_PATH, read_jsonl
+from baton.bench.gsm8k import build_prompts
+from baton.bench.gsm8k_data import HELDOUT_PATH, read_jsonl
 
 GSM8K_SHOTS = 5
 
@@ -30,7 +30,7 @@ def gsm8k_requests(tokenizer, num_requests: int, max_tokens: int) -> list[tuple[
 
 def _timed(llm, requests) -> tuple[float, int, int, int]:
     """(seconds, output tokens, verify rows, accepted drafts) of one generate."""
-    from engine import SamplingParams
+    from baton import SamplingParams
 
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in requests]
     before = llm.stats()
@@ -54,7 +54,7 @@ def compare_speculation(
     batch_sizes: list[int],
     rounds: int,
 ) -> list[dict]:
-    from engine import LLM
+    from baton import LLM
 
     results = []
     for batch in batch_sizes:

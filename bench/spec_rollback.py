@@ -1,6 +1,6 @@
 """How to roll a recurrent state back after a speculative verify, measured on the CPU kernels.
 
-    python -m bench.spec_rollback [--config 110m|nano9b] [--threads N] [--output FILE]
+    python -m baton.bench.spec_rollback [--config 110m|nano9b] [--threads N] [--output FILE]
 
 A verify feeds q = k + 1 tokens per request; acceptance keeps the state after token j. Two ways:
 
@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from kernels import cpu_ops
-from kernels.cpu_verify import mamba_verify_cpu
+from baton.kernels import cpu_ops
+from baton.kernels.cpu_verify import mamba_verify_cpu
 
 SHAPES = {  # (heads, head_dim, d_state, n_groups, conv kernel)
     "110m": (24, 64, 128, 8, 4),
@@ -99,7 +99,7 @@ def measure(config: str, batch: int, k: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.spec_rollback")
+    parser = argparse.ArgumentParser(prog="python -m baton.bench.spec_rollback")
     parser.add_argument("--config", choices=list(SHAPES), default="110m")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=20)

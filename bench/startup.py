@@ -1,6 +1,6 @@
 """`baton serve`'s start as a newcomer meets it, in one run (issue 35):
 
-    python -m bench.startup [--config 110m | --model DIR] [--first-model assets] [--rounds 3]
+    python -m baton.bench.startup [--config 110m | --model DIR] [--first-model assets] [--rounds 3]
         [--llama-server BIN --llama-gguf FILE] [--output startup.json]
 
 1. first request vs the same request again on `--first-model` (default: the shipped assets/), on
@@ -29,9 +29,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import startup_probe as probe
-from bench.peer import save_word_tokenizer
-from bench.workloads import CONFIGS, save_model
+from baton.bench import startup_probe as probe
+from baton.bench.peer import save_word_tokenizer
+from baton.bench.workloads import CONFIGS, save_model
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = (
@@ -43,7 +43,7 @@ FILL_PROMPT_TOKENS = 440  # + 64 new = 504 <= 512, each of llama.cpp's 32 slots 
 
 
 def baton_command(model: str, port: int, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port),
+    return [sys.executable, "-m", "baton.server.cli", "serve", "--model", model, "--port", str(port),
             *extra]  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""What bench.startup measures on one server start: time to /health, request latencies, the RSS of
+"""What baton.bench.startup measures on one server start: time to /health, request latencies, the RSS of
 every process of the server, and where baton's seconds and megabytes went by its own log lines.
 
 A server runs in a session of its own (stopped whole), with its output in a log file; every
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.serve_side_by_side import share_autogroup_nice, stop
+from baton.bench.serve_side_by_side import share_autogroup_nice, stop
 
 HEALTH_POLL_S = 0.02
 SETTLE_S = 3.0  # RSS is read this long after /health answered (the issue's "after load")

@@ -1,5 +1,5 @@
 """Where an engine step's time goes: the model forward vs everything around it on the host
-(scheduling, metadata, sampling, output building), for `bench.offline`."""
+(scheduling, metadata, sampling, output building), for `baton.bench.offline`."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class MatmulTimer:
     def __init__(self, model) -> None:
         from torch import nn
 
-        from kernels.linear import PackedLinear
+        from baton.kernels.linear import PackedLinear
 
         self.modules = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
         self.seconds = 0.0

@@ -1,6 +1,6 @@
 """What a JSON schema costs decode throughput: batch 32 with a grammar vs without, same run.
 
-    python -m bench.structured_output --config 19m,110m --dtype float32 --rounds 3 --output r.json
+    python -m baton.bench.structured_output --config 19m,110m --dtype float32 --rounds 3 --output r.json
 
 Each config (bench/workloads.py, random weights) gets a byte-level tokenizer of its 32000-token
 vocabulary shaped like a trained one (save_byte_tokenizer), so xgrammar's masks have real work. The workload is the side-by-side one (32 prompts of 128
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.workloads import CONFIGS, save_model, workload
+from baton.bench.workloads import CONFIGS, save_model, workload
 
 RECORD = {
     "type": "object",
@@ -77,7 +77,7 @@ def save_byte_tokenizer(path: str, vocab_size: int, seed: int = 0) -> None:
 
 
 def timed_generate(llm, requests, structured) -> dict:
-    from engine import SamplingParams
+    from baton import SamplingParams
 
     params = SamplingParams(
         max_tokens=requests[0][1],
@@ -111,8 +111,8 @@ def timed_generate(llm, requests, structured) -> dict:
 
 
 def run_config(name: str, dtype: str, rounds: int) -> dict:
-    from engine import LLM
-    from engine.core.sampling_params import StructuredOutputs
+    from baton import LLM
+    from baton.engine.core.sampling_params import StructuredOutputs
 
     structured = StructuredOutputs(kind="json", spec=json.dumps(SCHEMA), after_token_ids=())
     requests = workload(name, None, side_by_side=True)

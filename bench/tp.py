@@ -2,7 +2,7 @@
 the logits gather) at TP=2, against the analytic count for the model, and the decode step time
 at TP=2 against TP=1 in the same run.
 
-    python -m bench.tp --config 19m --batch 8 --output tp.json
+    python -m baton.bench.tp --config 19m --batch 8 --output tp.json
 
 Analytic all-reduce bytes per rank per decode step (batch B, hidden h, model dtype of s bytes):
 one (B, h) all-reduce for the embedding and one per layer (its row-parallel output), plus one
@@ -28,17 +28,17 @@ import time
 import torch
 import zmq
 
-from bench.workloads import CONFIGS, save_model
-from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from disagg.rooms import DisaggConfig
-from disagg.tp_layout import owned
-from disagg.tp_transfer import connector_spec
-from engine.config import ModelConfig
-from engine.core.engine import Engine
-from engine.core.llm import LLM
-from engine.core.sampling_params import SamplingParams
-from engine.models.registry import model_state_spec
+from baton.bench.workloads import CONFIGS, save_model
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.prefill import PrefillWorker
+from baton.disagg.rooms import DisaggConfig
+from baton.disagg.tp_layout import owned
+from baton.disagg.tp_transfer import connector_spec
+from baton.engine.config import ModelConfig
+from baton.engine.core.engine import Engine
+from baton.engine.core.llm import LLM
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.models.registry import model_state_spec
 
 PAGE_SIZE = 16
 

@@ -1,6 +1,6 @@
 """Train the small NemotronH shipped in assets/ on synthetic GSM8K problems, on the CPU.
 
-    python -m bench.train_demo --output assets [--threads N]
+    python -m baton.bench.train_demo --output assets [--threads N]
 
 The model (~1.3M parameters: hidden 192, blocks `M*M-M*M-`, 8 Mamba heads x 32, d_state 16,
 4 query / 2 KV heads of 48, MLP 384) and a byte-level BPE tokenizer with digits split are
@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from bench.gsm8k import (
+from baton.bench.gsm8k import (
     STOP,
     build_prompts,
     extract_answer,
@@ -41,7 +41,7 @@ from bench.gsm8k import (
     format_example,
     reference_answer,
 )
-from bench.gsm8k_data import HELDOUT_PATH, Problem, generate, read_jsonl, take
+from baton.bench.gsm8k_data import HELDOUT_PATH, Problem, generate, read_jsonl, take
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2, NemotronH's pad/bos/eos
 CHAT_TEMPLATE = (
@@ -186,7 +186,7 @@ def save(model, tokenizer, directory: Path) -> None:
 def answers_correct(model_dir: Path, rows: list[dict], num_questions: int) -> list[bool]:
     """Greedy 5-shot answers of the saved model with baton's offline LLM (the eval's prompts):
     whether each asked question (rows after the shots) was answered right."""
-    from engine import LLM, SamplingParams
+    from baton import LLM, SamplingParams
 
     prompts = build_prompts(rows, NUM_SHOTS, num_questions)
     asked = rows[NUM_SHOTS : NUM_SHOTS + len(prompts)]
@@ -217,7 +217,7 @@ def lr_at(step: int, steps: int, peak: float, warmup_steps: int) -> float:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.train_demo",
+        prog="python -m baton.bench.train_demo",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

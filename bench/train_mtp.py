@@ -1,6 +1,6 @@
 """Teach the shipped model a multi-token-prediction (MTP) layer, the model itself frozen.
 
-    python -m bench.train_mtp --model assets [--minutes 20] [--threads 1]
+    python -m baton.bench.train_mtp --model assets [--minutes 20] [--threads 1]
 
 The layer is Nemotron 3 Super's kind (config `num_nextn_predict_layers: 1`,
 `mtp_layers_block_type: ["full_attention", "moe"]`): at position p it fuses the embedding of
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.gsm8k import build_prompts
-from bench.gsm8k_data import HELDOUT_PATH, generate, read_jsonl
-from bench.train_demo import NUM_SHOTS, lr_at, make_batch
+from baton.bench.gsm8k import build_prompts
+from baton.bench.gsm8k_data import HELDOUT_PATH, generate, read_jsonl
+from baton.bench.train_demo import NUM_SHOTS, lr_at, make_batch
 
 # The MoE of the MTP layer; the model's own stack has no MoE layer, so these keys of its
 # config.json describe nothing else.
@@ -194,8 +194,8 @@ def save_mtp(directory: Path, head: MTPLayer) -> None:
 
 def acceptance(model_dir: Path, prompts: list[str], ks: tuple[int, ...]) -> dict[int, float]:
     """Mean acceptance length (tokens per verify row) of greedy held-out answers at each k."""
-    from bench.gsm8k import STOP
-    from engine import LLM, SamplingParams
+    from baton import LLM, SamplingParams
+    from baton.bench.gsm8k import STOP
 
     out = {}
     for k in ks:
@@ -210,7 +210,7 @@ def acceptance(model_dir: Path, prompts: list[str], ks: tuple[int, ...]) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.train_mtp", description=__doc__.split("\n\n")[0]
+        prog="python -m baton.bench.train_mtp", description=__doc__.split("\n\n")[0]
     )
     add = parser.add_argument
     add("--model", default="assets", help="model directory (the MTP layer is added to it)")

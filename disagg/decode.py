@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from disagg.frames import check_state, pages_chunk, slot_chunk
-from disagg.messages import (
+from baton.disagg.frames import check_state, pages_chunk, slot_chunk
+from baton.disagg.messages import (
     Abort,
     Heartbeat,
     HeartbeatAck,
@@ -30,8 +30,8 @@ from disagg.messages import (
     StateTransfer,
     compat_of,
 )
-from disagg.peer_link import PeerLink, decode_side_limits
-from disagg.protocol import (
+from baton.disagg.peer_link import PeerLink, decode_side_limits
+from baton.disagg.protocol import (
     ProtocolError,
     ReplayGuard,
     decode,
@@ -39,13 +39,13 @@ from disagg.protocol import (
     frame_bytes,
     request_state,
 )
-from disagg.rooms import DisaggConfig, RoomState, TransferCounters, now
-from disagg.tp_layout import TPLayout
-from engine.cache.memory import OutOfMemory
-from engine.core.engine import Engine
-from engine.core.engine_args import EngineStats
-from engine.core.sampling_params import SamplingParams
-from engine.runtime.socket_limits import Refusals, receive
+from baton.disagg.rooms import DisaggConfig, RoomState, TransferCounters, now
+from baton.disagg.tp_layout import TPLayout
+from baton.engine.cache.memory import OutOfMemory
+from baton.engine.core.engine import Engine
+from baton.engine.core.engine_args import EngineStats
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.runtime.socket_limits import Refusals, receive
 
 logger = logging.getLogger("baton.disagg.decode")
 PEER_REFUSALS = Refusals()  # rate-limited logs of the refusals `counters` counts

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from disagg.protocol import check_frames
-from engine.handover.state import HandoverLayout, RequestState, SlotUnit
+from baton.disagg.protocol import check_frames
+from baton.engine.handover.state import HandoverLayout, RequestState, SlotUnit
 
 
 def pages_chunk(layout: HandoverLayout, tensors: dict[str, torch.Tensor]) -> dict[str, list]:

@@ -1,5 +1,5 @@
 """The messages a prefill and a decode engine exchange, as dataclasses: their fields are the
-wire form (disagg.schema derives and checks it); disagg.protocol frames, authenticates and
+wire form (baton.disagg.schema derives and checks it); baton.disagg.protocol frames, authenticates and
 decodes them, and holds the room state machine they drive."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import typing
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from disagg.tp_layout import TPLayout
-from engine.handover.state import HandoverLayout
+from baton.disagg.tp_layout import TPLayout
+from baton.engine.handover.state import HandoverLayout
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -20,7 +20,7 @@ class Compat:
     dtype: str  # the serving dtype (the state's may differ: an SSM state kept in float32)
     page_size: int
     # The whole model's (TP=1) state layout, whatever either side's TP size: one line per state
-    # tensor of the spec, "pool: kind xlayers [shape] dtype" (engine.handover.state.HandoverLayout).
+    # tensor of the spec, "pool: kind xlayers [shape] dtype" (baton.engine.handover.state.HandoverLayout).
     state: list[str]
     model: str  # fingerprint of the model config
     weights: str  # fingerprint of the checkpoint's tensors (same config, other weights)
@@ -166,7 +166,7 @@ class ShardTransfer:
     """prefill rank -> decode rank, when either side runs TP > 1: the slices of one room's
     pages (from `first_page`), final slot state and block checkpoints (from `first_block`)
     that the decode rank owns and this prefill rank was planned to send it
-    (disagg.tp_layout.plan); frames named `component@offset`."""
+    (baton.disagg.tp_layout.plan); frames named `component@offset`."""
 
     tag: ClassVar[str] = "shard"
     room: str

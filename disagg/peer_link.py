@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from disagg.rooms import now
-from disagg.schema import MAX_STRING
-from disagg.tp_layout import MAX_TP_SIZE
-from engine.handover.state import HandoverLayout
-from engine.runtime.socket_limits import ReceiveLimits, limit
+from baton.disagg.rooms import now
+from baton.disagg.schema import MAX_STRING
+from baton.disagg.tp_layout import MAX_TP_SIZE
+from baton.engine.handover.state import HandoverLayout
+from baton.engine.runtime.socket_limits import ReceiveLimits, limit
 
 # ZMTP heartbeats on each connection to a prefill worker: a ping a second, the connection dropped
 # after 5 s without an answer (a host that vanished without closing its sockets).

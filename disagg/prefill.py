@@ -18,17 +18,25 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from disagg.messages import Abort, Heartbeat, HeartbeatAck, Message, Register, Reject, compat_of
-from disagg.peer_link import transfer_port_limits
-from disagg.prefill_sends import PendingSends, PrefillRoom, RoomSender
-from disagg.protocol import ProtocolError, ReplayGuard, decode, encode
-from disagg.rooms import DisaggConfig, FaultInjection, TransferCounters, is_loopback, now
-from disagg.schema import MAX_STRING
-from disagg.tp_layout import refusal
-from engine.core.engine import Engine
-from engine.core.engine_args import EngineStats
-from engine.core.sampling_params import SamplingParams
-from engine.runtime.socket_limits import Refusals, limit, receive
+from baton.disagg.messages import (
+    Abort,
+    Heartbeat,
+    HeartbeatAck,
+    Message,
+    Register,
+    Reject,
+    compat_of,
+)
+from baton.disagg.peer_link import transfer_port_limits
+from baton.disagg.prefill_sends import PendingSends, PrefillRoom, RoomSender
+from baton.disagg.protocol import ProtocolError, ReplayGuard, decode, encode
+from baton.disagg.rooms import DisaggConfig, FaultInjection, TransferCounters, is_loopback, now
+from baton.disagg.schema import MAX_STRING
+from baton.disagg.tp_layout import refusal
+from baton.engine.core.engine import Engine
+from baton.engine.core.engine_args import EngineStats
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.runtime.socket_limits import Refusals, limit, receive
 
 logger = logging.getLogger("baton.disagg.prefill")
 PEER_REFUSALS = Refusals()  # rate-limited logs of the refusals `counters` counts

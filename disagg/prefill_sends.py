@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import zmq
 
-from disagg.messages import PagesChunk, Register, SlotChunk, StateTransfer, TensorSpec
-from disagg.protocol import encode, state_message, tensor_specs
-from disagg.rooms import RoomState, TransferCounters, now
-from engine.core.engine import Engine
-from engine.handover.state import HandoverLayout, RequestState, SlotUnit
+from baton.disagg.messages import PagesChunk, Register, SlotChunk, StateTransfer, TensorSpec
+from baton.disagg.protocol import encode, state_message, tensor_specs
+from baton.disagg.rooms import RoomState, TransferCounters, now
+from baton.engine.core.engine import Engine
+from baton.engine.handover.state import HandoverLayout, RequestState, SlotUnit
 
 logger = logging.getLogger("baton.disagg.prefill")
 
@@ -30,7 +30,7 @@ PUSH_BYTES = 4 << 20
 # Slot state per message: it is all ready at once when the prefill ends and is most of what a
 # short prompt moves, so smaller messages (about one layer each) let the decode side install
 # layer i while the next is on the wire (-20% handover time at 128..512 tokens on the 110M config
-# than with 4 MiB groups, in alternated runs of bench.transfer).
+# than with 4 MiB groups, in alternated runs of baton.bench.transfer).
 SLOT_PUSH_BYTES = 1 << 20
 
 

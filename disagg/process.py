@@ -1,6 +1,6 @@
-"""The engine process of a disaggregated worker: `python -m disagg.process SPEC_JSON`.
+"""The engine process of a disaggregated worker: `python -m baton.disagg.process SPEC_JSON`.
 
-The same loop as the colocated engine process (engine.runtime.process.EngineLoop), around a
+The same loop as the colocated engine process (baton.engine.runtime.process.EngineLoop), around a
 PrefillWorker or DecodeWorker instead of a bare Engine: it also waits on the transfer sockets,
 reports failed rooms to the server as RequestFailed, and adds transfer counters to the stats.
 """
@@ -13,15 +13,15 @@ import sys
 
 import zmq
 
-from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from disagg.rooms import DisaggConfig
-from disagg.tp_transfer import SECRET_ENV, connector_spec
-from disagg.worker import DisaggWorker
-from engine.core.engine import Engine
-from engine.runtime import process as engine_process
-from engine.runtime.gc_freeze import freeze_startup_objects
-from engine.runtime.ipc import (
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.prefill import PrefillWorker
+from baton.disagg.rooms import DisaggConfig
+from baton.disagg.tp_transfer import SECRET_ENV, connector_spec
+from baton.disagg.worker import DisaggWorker
+from baton.engine.core.engine import Engine
+from baton.engine.runtime import process as engine_process
+from baton.engine.runtime.gc_freeze import freeze_startup_objects
+from baton.engine.runtime.ipc import (
     AddRequest,
     EngineFailed,
     EngineReady,

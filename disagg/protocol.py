@@ -4,11 +4,11 @@ Every message is a multipart ZMQ message:
 
     [ header (msgpack map) | mac (32 bytes, HMAC-SHA256 of all other frames, or empty) | tensor frames... ]
 
-Headers are the messages' dataclasses (disagg.messages), their wire form derived from the fields (disagg.schema):
+Headers are the messages' dataclasses (baton.disagg.messages), their wire form derived from the fields (baton.disagg.schema):
 `decode` checks the type tag and every field against its annotation, nested ones included, and
 rejects anything else (a pickle payload is just bytes that do not parse as a msgpack map with a
 known tag). Tensors travel as raw frames, each described in the header by name, dtype and shape,
-and are handed on by name, never by position. The request state itself (engine.handover.state's
+and are handed on by name, never by position. The request state itself (baton.engine.handover.state's
 RequestState) is never listed here: a StateTransfer carries its non-tensor fields in `state` and
 its tensor fields as frames named after them, both derived from the dataclass.
 
@@ -31,8 +31,8 @@ from typing import Any
 import msgpack
 import torch
 
-from disagg.messages import MESSAGES, WITH_TENSORS, Message, StateTransfer, TensorSpec
-from disagg.schema import (
+from baton.disagg.messages import MESSAGES, WITH_TENSORS, Message, StateTransfer, TensorSpec
+from baton.disagg.schema import (
     ProtocolError,
     from_wire,
     header_fields,
@@ -40,10 +40,10 @@ from disagg.schema import (
     tensor_fields,
     to_wire,
 )
-from disagg.schema import (
+from baton.disagg.schema import (
     hints as schema_hints,
 )
-from engine.handover.state import RequestState
+from baton.engine.handover.state import RequestState
 
 # 2: K/V and Mamba chunks carry one frame per layer. 3: Register carries the decode side's
 # transfer timeout (the prefill side keeps zero-copy sends' pages no longer than that).

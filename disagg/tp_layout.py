@@ -23,10 +23,10 @@ import functools
 import re
 from dataclasses import dataclass
 
-from engine.cache.spec import ModelStateSpec, Ranges
-from engine.config import ModelConfig
-from engine.config_error import ConfigError
-from engine.parallel.support import check_tp_supported
+from baton.engine.cache.spec import ModelStateSpec, Ranges
+from baton.engine.config import ModelConfig
+from baton.engine.config_error import ConfigError
+from baton.engine.parallel.support import check_tp_supported
 
 # A peer may claim any size; these bound what one claim can make this side compute or connect.
 MAX_TP_SIZE = 256

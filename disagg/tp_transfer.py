@@ -1,5 +1,5 @@
 """Each rank's handover connector when either side of a disaggregated pair runs TP > 1: a prefill
-rank sends every decode rank the slices it was planned to (disagg.tp_layout.plan); a decode rank
+rank sends every decode rank the slices it was planned to (baton.disagg.tp_layout.plan); a decode rank
 receives its pieces from each planned source, checks every byte against its own plan, and hands
 them to the engine to install (engine/handover/shards.py). Nothing is gathered through rank 0.
 
@@ -28,8 +28,8 @@ from collections import OrderedDict
 import torch
 import zmq
 
-from disagg.messages import ShardTransfer
-from disagg.protocol import (
+from baton.disagg.messages import ShardTransfer
+from baton.disagg.protocol import (
     ProtocolError,
     ReplayGuard,
     decode,
@@ -37,14 +37,14 @@ from disagg.protocol import (
     encode,
     tensor_specs,
 )
-from disagg.rooms import is_loopback
-from disagg.tp_layout import ENDPOINT, MAX_TP_SIZE, Piece, check_prefill_size, plan
-from engine.cache.pools import StateCache
-from engine.config import ModelConfig
-from engine.handover.shards import ConnectorSpec, Pieces, Shard, unit_dim
-from engine.parallel.messages import InstallShard, SendShard
-from engine.runtime.cpu_allocator import release_freed_memory
-from engine.runtime.socket_limits import (
+from baton.disagg.rooms import is_loopback
+from baton.disagg.tp_layout import ENDPOINT, MAX_TP_SIZE, Piece, check_prefill_size, plan
+from baton.engine.cache.pools import StateCache
+from baton.engine.config import ModelConfig
+from baton.engine.handover.shards import ConnectorSpec, Pieces, Shard, unit_dim
+from baton.engine.parallel.messages import InstallShard, SendShard
+from baton.engine.runtime.cpu_allocator import release_freed_memory
+from baton.engine.runtime.socket_limits import (
     LARGE_FRAME_BYTES,
     REFUSALS,
     SEND_ONLY,

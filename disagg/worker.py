@@ -8,9 +8,9 @@ from typing import Protocol
 
 import zmq
 
-from engine.core.engine_args import EngineStats
-from engine.core.outputs import RequestDelta
-from engine.core.sampling_params import SamplingParams
+from baton.engine.core.engine_args import EngineStats
+from baton.engine.core.outputs import RequestDelta
+from baton.engine.core.sampling_params import SamplingParams
 
 
 class DisaggWorker(Protocol):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config_error import ConfigError
+from baton.engine.config_error import ConfigError
 
 # The serving dtypes by name (engine/checkpoint/loader.py maps them to torch's); --dtype also
 # takes vLLM's spellings and auto, the checkpoint's own dtype (its config.json), as vLLM does.
@@ -180,7 +180,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        from engine.models.registry import family_for
+        from baton.engine.models.registry import family_for
 
         family = family_for(raw, source)
         reader = ConfigReader(raw, source, *family.hf_config_defaults())

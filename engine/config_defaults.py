@@ -21,7 +21,7 @@ import os
 import tempfile
 from typing import Any
 
-from kernels.machine_cache import cache_dir
+from baton.kernels.machine_cache import cache_dir
 
 log = logging.getLogger(__name__)
 

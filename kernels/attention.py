@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from kernels.backend import select_backend
-from kernels.layouts import AttentionLayout
-from kernels.workspace import scratch
+from baton.kernels import cpu_ops
+from baton.kernels.backend import select_backend
+from baton.kernels.layouts import AttentionLayout
+from baton.kernels.workspace import scratch
 
 
 def build_attention_layout(
@@ -108,7 +108,7 @@ def rotary_store_kv(
     rotary_dim channels of q and k, stores the rotated k and v at `slot_mapping`; returns the
     rotated q (a new tensor; the inputs are not modified)."""
     if select_backend(q) == "triton":
-        from kernels.triton_attention import rotary_store_kv_triton
+        from baton.kernels.triton_attention import rotary_store_kv_triton
 
         return rotary_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
     return rotary_store_kv_torch(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
@@ -148,7 +148,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: (num_tokens, heads, head_dim) packed queries (their K/V already stored). Returns like q."""
     if select_backend(q) == "triton":
-        from kernels.triton_attention import paged_attention_triton
+        from baton.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, layout, scale)
     return paged_attention_torch(q, k_cache, v_cache, layout, scale)

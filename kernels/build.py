@@ -1,4 +1,4 @@
-"""Build every C kernel for this machine now: `python -m kernels.build` (`make install` runs it).
+"""Build every C kernel for this machine now: `python -m baton.kernels.build` (`make install` runs it).
 
 Each kernel file is otherwise compiled on its first use (kernels/cpu_ops.py compile_library),
 which put 8-28 s of compiling on a newcomer's first request on a busy 2-core machine. The
@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kernels.cpu_ops import compile_library
+from baton.kernels.cpu_ops import compile_library
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 

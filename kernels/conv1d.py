@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops, cpu_prefill
-from kernels.backend import select_backend
-from kernels.layouts import ConvActivation, ConvLayout
+from baton.kernels import cpu_ops, cpu_prefill
+from baton.kernels.backend import select_backend
+from baton.kernels.layouts import ConvActivation, ConvLayout
 
 
 def build_window_layout(
@@ -69,7 +69,7 @@ def causal_conv1d_varlen(
     Returns (out (num_tokens, dim) in x's dtype, windows or None).
     """
     if select_backend(x) == "triton":
-        from kernels.triton_conv1d import causal_conv1d_varlen_triton
+        from baton.kernels.triton_conv1d import causal_conv1d_varlen_triton
 
         return causal_conv1d_varlen_triton(
             x, weight, bias, conv_states, state_indices, layout, window_tokens, activation
@@ -128,7 +128,7 @@ def causal_conv1d_update(
     `state_indices` (batch,) (padded rows point at dummy slot 0). Returns activation(conv):
     (batch, dim)."""
     if select_backend(x) == "triton":
-        from kernels.triton_conv1d import causal_conv1d_update_triton
+        from baton.kernels.triton_conv1d import causal_conv1d_update_triton
 
         return causal_conv1d_update_triton(x, weight, bias, conv_states, state_indices, activation)
     if cpu_ops.conv_update_supported(conv_states, x, weight.shape[1]):

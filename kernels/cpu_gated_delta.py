@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import cpu_ops
-from kernels.backend import select_backend
-from kernels.layouts import ChunkLayout
+from baton.kernels import cpu_ops
+from baton.kernels.backend import select_backend
+from baton.kernels.layouts import ChunkLayout
 
 SOURCE = Path(__file__).with_name("cpu_gated_delta.c")
 
@@ -146,7 +146,7 @@ def gated_delta_prefill_cpu(
     layout: ChunkLayout,
     want_chunk_states: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same contract as kernels.gated_delta.gated_delta_prefill (shapes checked there)."""
+    """Same contract as baton.kernels.gated_delta.gated_delta_prefill (shapes checked there)."""
     Hv, dk, dv = state_pool.shape[1:]
     chunk_states = None
     if want_chunk_states:
@@ -169,7 +169,7 @@ def gated_delta_decode_cpu(
     state_pool: torch.Tensor,
     state_indices: torch.Tensor,
 ) -> torch.Tensor:
-    """Same contract as kernels.gated_delta.gated_delta_decode (shapes checked there)."""
+    """Same contract as baton.kernels.gated_delta.gated_delta_decode (shapes checked there)."""
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int64)
     return _scan(q, k, v, g, beta, state_pool, state_indices, cu, None, 0, None, True)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from baton.kernels import cpu_ops
 
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
 BLOCK = 16  # output columns per packed block; must match cpu_gemm.c

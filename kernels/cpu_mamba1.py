@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from kernels.backend import select_backend
-from kernels.layouts import ChunkLayout
+from baton.kernels import cpu_ops
+from baton.kernels.backend import select_backend
+from baton.kernels.layouts import ChunkLayout
 
 SOURCE = Path(__file__).with_name("cpu_mamba1.c")
 
@@ -89,7 +89,7 @@ def selective_scan_cpu(
     layout: ChunkLayout,
     want_chunk_states: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """kernels.selective_scan.selective_scan_pool on the C scan (same contract)."""
+    """baton.kernels.selective_scan.selective_scan_pool on the C scan (same contract)."""
     T, width = x.shape
     N = A.shape[1]
     S = slots.shape[0]
@@ -150,7 +150,7 @@ def selective_state_update_cpu(
     z: torch.Tensor | None,
     state_indices: torch.Tensor,
 ) -> torch.Tensor:
-    """kernels.selective_scan.selective_state_update_torch in one C pass (same contract)."""
+    """baton.kernels.selective_scan.selective_state_update_torch in one C pass (same contract)."""
     batch, width = x.shape
     N = A.shape[1]
     xf, Bf, Cf = (t.float().contiguous() for t in (x, B, C))

@@ -26,8 +26,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops, cpu_quant
-from kernels.quant import NVFP4_GROUP, QuantFormat, QuantizedTensor
+from baton.kernels import cpu_ops, cpu_quant
+from baton.kernels.quant import NVFP4_GROUP, QuantFormat, QuantizedTensor
 
 SOURCE = Path(__file__).with_name("cpu_moe.c")
 NB = 64  # panel width; must match cpu_moe.c

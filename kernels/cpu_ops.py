@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.backend import select_backend
-from kernels.machine_cache import cache_dir
+from baton.kernels.backend import select_backend
+from baton.kernels.machine_cache import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def selective_state_update_cpu(
     D: torch.Tensor,
     state_indices: torch.Tensor,
 ) -> torch.Tensor:
-    """Same contract as kernels.ssu.selective_state_update_torch, with `dt` already discretized
+    """Same contract as baton.kernels.ssu.selective_state_update_torch, with `dt` already discretized
     (float32). Updates `ssm_states` in place; returns y in x's dtype."""
     batch, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -250,7 +250,7 @@ def causal_conv1d_update_cpu(
     state_indices: torch.Tensor,
     activation: str = "silu",
 ) -> torch.Tensor:
-    """Same contract as kernels.conv1d.causal_conv1d_update_torch (fp32 arithmetic)."""
+    """Same contract as baton.kernels.conv1d.causal_conv1d_update_torch (fp32 arithmetic)."""
     batch, dim = x.shape
     K = weight.shape[1]
     xf, wf = _f32(x), _f32(weight)
@@ -348,7 +348,7 @@ def mamba_decode_cpu(
 ) -> torch.Tensor:
     """One fused Mamba2 decode step (kernels/cpu_ops.c: baton_mamba_decode): conv + SiLU, dt,
     selective state update and the gate with the grouped RMS norm, pools updated in place.
-    norm_mode (engine.config.MambaNorm): "gated" norm(y * silu(z)), "norm_then_gate"
+    norm_mode (baton.engine.config.MambaNorm): "gated" norm(y * silu(z)), "norm_then_gate"
     norm(y) * silu(z), "none" y * silu(z) (params.norm_weight is then unused).
 
     zxbcdt: (batch, I + conv_dim + H) in_proj output rows (model dtype, unit column stride);
@@ -437,7 +437,7 @@ def rms_norm_supported(x: torch.Tensor) -> bool:
 
 
 def rms_norm_cpu(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
-    """kernels.norm.rms_norm_torch in one pass; `weight_f32` float32 contiguous."""
+    """baton.kernels.norm.rms_norm_torch in one pass; `weight_f32` float32 contiguous."""
     rows, hidden = x.shape
     out = torch.empty(rows, hidden, dtype=x.dtype)
     library().baton_rms_norm(

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_ops
-from kernels.backend import select_backend
+from baton.kernels import cpu_ops
+from baton.kernels.backend import select_backend
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def ssd_prefill_cpu(
     chunk_size: int,
     num_chunks: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The chunked scan of kernels.ssd.ssd_scan_torch with `dt` already discretised (float32,
+    """The chunked scan of baton.kernels.ssd.ssd_scan_torch with `dt` already discretised (float32,
     (T, H)). Reads each sequence's initial state from `ssm_pool[slots[s]]` and leaves its final
     state there. Returns y (T, H, P) in x's dtype, and when `num_chunks` is given the float32
     state after each aligned chunk, (S, num_chunks, H, P, N) (chunks past a sequence's end hold
@@ -171,7 +171,7 @@ def gated_norm_supported(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor)
 def gated_rms_norm_cpu(
     y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int
 ) -> torch.Tensor:
-    """Same contract and rounding as kernels.norm.gated_rms_norm_torch (y, z: (T, I) rows that
+    """Same contract and rounding as baton.kernels.norm.gated_rms_norm_torch (y, z: (T, I) rows that
     may be strided, e.g. z a view of in_proj's output; weight (I,) in y's dtype)."""
     T, width = y.shape
     if width % group_size:
@@ -221,7 +221,7 @@ def causal_conv1d_varlen_cpu(
     window_tokens: torch.Tensor | None = None,
     activation: str = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same contract as kernels.conv1d.causal_conv1d_varlen_torch (layout: its ConvLayout;
+    """Same contract as baton.kernels.conv1d.causal_conv1d_varlen_torch (layout: its ConvLayout;
     the sequence lengths are read back from `final_columns`)."""
     T, dim = x.shape
     K = weight.shape[1]

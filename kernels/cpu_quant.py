@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from kernels.quant import NVFP4_GROUP, QuantFormat, QuantizedTensor
+from baton.kernels import cpu_ops
+from baton.kernels.quant import NVFP4_GROUP, QuantFormat, QuantizedTensor
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 BLOCK = 16  # output columns per panel; must match cpu_quant.c

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.backend import select_backend
-from kernels.cpu_ops import NORM_MODES, MambaDecodeParams, compile_library
+from baton.kernels.backend import select_backend
+from baton.kernels.cpu_ops import NORM_MODES, MambaDecodeParams, compile_library
 
 SOURCE = Path(__file__).with_name("cpu_verify.c")
 MAX_TOKENS, MAX_STATE, MAX_CONV_KERNEL = 64, 512, 64  # the C file's limits
@@ -92,7 +92,7 @@ def mamba_verify_cpu(
     """zxbcdt: (batch * q, I + conv_dim + H) in_proj rows, request b's q tokens consecutive;
     state_indices: (batch, q + 1) int64 (column 0 read, column i + 1 gets the state after token
     i, for the conv window and the SSM state alike). Returns (batch * q, I) in the model dtype:
-    the out_proj input, as q fused decode steps (kernels.cpu_ops.mamba_decode_cpu) would give."""
+    the out_proj input, as q fused decode steps (baton.kernels.cpu_ops.mamba_decode_cpu) would give."""
     batch, q1 = state_indices.shape
     q = q1 - 1
     intermediate = num_heads * head_dim

@@ -45,10 +45,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gated_delta
-from kernels.backend import select_backend
-from kernels.layouts import ChunkLayout
-from kernels.workspace import scratch
+from baton.kernels import cpu_gated_delta
+from baton.kernels.backend import select_backend
+from baton.kernels.layouts import ChunkLayout
+from baton.kernels.workspace import scratch
 
 L2NORM_EPS = 1e-6  # transformers' (and FLA's) l2norm eps inside the kernel
 
@@ -131,10 +131,10 @@ def chunk_gated_delta_rule(
     here); v: (num_tokens, num_v_heads, v_head_dim); g: (num_tokens, num_v_heads) log decay
     (float32 from `gdn_gating`); beta: (num_tokens, num_v_heads); initial_states: (num_seqs,
     num_v_heads, k_head_dim, v_head_dim), float32 expected (zeros for fresh sequences);
-    layout: kernels.ssd.build_chunk_layout(seq_lens, start_pos, chunk_size, device).
+    layout: baton.kernels.ssd.build_chunk_layout(seq_lens, start_pos, chunk_size, device).
     Chunks past a sequence's end hold its final state in chunk_states."""
     if select_backend(v) == "triton":
-        from kernels.triton_gated_delta import chunk_gated_delta_rule_triton
+        from baton.kernels.triton_gated_delta import chunk_gated_delta_rule_triton
 
         return chunk_gated_delta_rule_triton(q, k, v, g, beta, initial_states, layout)
     return chunk_gated_delta_rule_torch(q, k, v, g, beta, initial_states, layout)
@@ -235,7 +235,7 @@ def gated_delta_prefill(
         )
     initial_states = state_pool[state_indices]
     if select_backend(v) == "triton":
-        from kernels.triton_gated_delta import chunk_gated_delta_rule_triton
+        from baton.kernels.triton_gated_delta import chunk_gated_delta_rule_triton
 
         out = chunk_gated_delta_rule_triton(
             q, k, v, g, beta, initial_states, layout, want_chunk_states
@@ -265,7 +265,7 @@ def gated_delta_decode(
     _check_shapes(q, k, v, g, beta, tuple(state_pool.shape), "gated_delta_decode")
     _check_indices(state_indices, q.shape[0], "gated_delta_decode")
     if select_backend(v) == "triton":
-        from kernels.triton_gated_delta import gated_delta_decode_triton
+        from baton.kernels.triton_gated_delta import gated_delta_decode_triton
 
         return gated_delta_decode_triton(q, k, v, g, beta, state_pool, state_indices)
     if cpu_gated_delta.supported(v, state_pool):

@@ -21,11 +21,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gated_delta
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.gated_delta import gated_delta_decode, gated_delta_prefill, gdn_gating
-from kernels.layouts import ChunkLayout, ConvLayout
-from kernels.verify_steps import token_rows, verify_by_steps
+from baton.kernels import cpu_gated_delta
+from baton.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from baton.kernels.gated_delta import gated_delta_decode, gated_delta_prefill, gdn_gating
+from baton.kernels.layouts import ChunkLayout, ConvLayout
+from baton.kernels.verify_steps import token_rows, verify_by_steps
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,8 +103,8 @@ def gdn_mixer_prefill(
 
     qkv: (num_tokens, conv_dim); z: (num_tokens, Hv * dv); a, b: (num_tokens, Hv), model dtype;
     conv_states: (num_slots, conv_dim, K-1); state_pool: (num_slots, Hv, dk, dv) float32;
-    state_indices: (num_seqs,) int64; conv_layout: kernels.conv1d.build_window_layout(seq_lens,
-    K, device); chunk_layout: kernels.ssd.build_chunk_layout(seq_lens, start_pos, chunk, device);
+    state_indices: (num_seqs,) int64; conv_layout: baton.kernels.conv1d.build_window_layout(seq_lens,
+    K, device); chunk_layout: baton.kernels.ssd.build_chunk_layout(seq_lens, start_pos, chunk, device);
     window_tokens: packed token indices whose conv windows a checkpoint keeps, or None."""
     x, windows = causal_conv1d_varlen(
         qkv, weights.conv_weight, None, conv_states, state_indices, conv_layout, window_tokens

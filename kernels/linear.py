@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from kernels import cpu_gemm
-from kernels.matmul_choices import ChoiceCache
+from baton.kernels import cpu_gemm
+from baton.kernels.matmul_choices import ChoiceCache
 
 log = logging.getLogger(__name__)
 

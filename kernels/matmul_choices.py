@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_ops
+from baton.kernels import cpu_ops
 
 log = logging.getLogger(__name__)
 

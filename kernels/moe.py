@@ -24,12 +24,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_moe
-from kernels.backend import select_backend
-from kernels.cpu_moe import PanelExperts, QuantPanelExperts
-from kernels.layouts import Activation, Routing
-from kernels.linear import can_pack
-from kernels.quant import QuantizedTensor, dequantize
+from baton.kernels import cpu_moe
+from baton.kernels.backend import select_backend
+from baton.kernels.cpu_moe import PanelExperts, QuantPanelExperts
+from baton.kernels.layouts import Activation, Routing
+from baton.kernels.linear import can_pack
+from baton.kernels.quant import QuantizedTensor, dequantize
 
 # An expert stack: a plain (E, out, in) tensor or its quantized form (kernels/quant.py)
 ExpertWeights = torch.Tensor | QuantizedTensor
@@ -147,7 +147,7 @@ def fused_moe(
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); dispatches on device like every kernel."""
     _check(x, w_up, w_down, routing, activation)
     if select_backend(x) == "triton":
-        from kernels.triton_moe import fused_moe_triton
+        from baton.kernels.triton_moe import fused_moe_triton
 
         return fused_moe_triton(x, w_up, w_down, routing, activation)
     return fused_moe_torch(x, w_up, w_down, routing, activation, packed)

@@ -25,7 +25,7 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import select_backend
+from baton.kernels.backend import select_backend
 
 QuantFormat = Literal["fp8", "nvfp4"]
 FP8_MAX = 448.0  # largest finite e4m3fn
@@ -158,7 +158,7 @@ def quant_linear(
     weight-only, see fp8_activations), the torch path otherwise. (The CPU engine packs its
     weights once and calls kernels/cpu_quant.py instead.)"""
     if select_backend(x) == "triton":
-        from kernels.triton_quant import quant_linear_triton
+        from baton.kernels.triton_quant import quant_linear_triton
 
         return quant_linear_triton(x, q, bias, fp8_activations(x.device))
     return quant_linear_torch(x, q, bias)

@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_mamba1
-from kernels.backend import select_backend
-from kernels.layouts import ChunkLayout, SelectiveScanOutput
+from baton.kernels import cpu_mamba1
+from baton.kernels.backend import select_backend
+from baton.kernels.layouts import ChunkLayout, SelectiveScanOutput
 
 
 def selective_scan(
@@ -56,7 +56,7 @@ def selective_scan(
     z: (num_tokens, d_inner) gate or None; initial_states: (num_seqs, d_inner, d_state) float32.
     """
     if select_backend(x) == "triton":
-        from kernels.triton_selective_scan import selective_scan_triton
+        from baton.kernels.triton_selective_scan import selective_scan_triton
 
         return selective_scan_triton(x, dt, A, B, C, D, dt_bias, z, initial_states, layout)
     return selective_scan_torch(x, dt, A, B, C, D, dt_bias, z, initial_states, layout)
@@ -122,7 +122,7 @@ def selective_scan_pool(
     the Triton kernels read and write the pool directly; otherwise the torch scan and a scatter
     into the pool."""
     if select_backend(x) == "triton":
-        from kernels.triton_selective_scan import selective_scan_pool_triton
+        from baton.kernels.triton_selective_scan import selective_scan_pool_triton
 
         return selective_scan_pool_triton(
             x, dt, A, B, C, D, dt_bias, z, ssm_pool, slots, layout, want_chunk_states
@@ -152,7 +152,7 @@ def selective_state_update(
     x, dt, z: (batch, d_inner) (dt raw, z or None); B, C: (batch, d_state); A: (d_inner,
     d_state); D, dt_bias: (d_inner,). Returns y (batch, d_inner) in x's dtype."""
     if select_backend(x) == "triton":
-        from kernels.triton_selective_scan import selective_state_update_triton
+        from baton.kernels.triton_selective_scan import selective_state_update_triton
 
         return selective_state_update_triton(ssm_pool, x, dt, A, B, C, D, dt_bias, z, state_indices)
     if cpu_mamba1.update_supported(x, ssm_pool):

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import select_backend
-from kernels.layouts import ChunkLayout, SSDOutput
+from baton.kernels.backend import select_backend
+from baton.kernels.layouts import ChunkLayout, SSDOutput
 
 
 def build_chunk_layout(
@@ -98,7 +98,7 @@ def ssd_scan(
     initial_states: (num_seqs, nheads, headdim, dstate) float32 (zeros for fresh sequences).
     """
     if select_backend(x) == "triton":
-        from kernels.triton_ssd import ssd_scan_triton
+        from baton.kernels.triton_ssd import ssd_scan_triton
 
         return ssd_scan_triton(x, dt, A, B, C, D, dt_bias, initial_states, layout, dt_limit)
     return ssd_scan_torch(x, dt, A, B, C, D, dt_bias, initial_states, layout, dt_limit)
@@ -183,7 +183,7 @@ def ssd_scan_pool(
 
     On the CPU the fused C scan (kernels/cpu_prefill.c) runs when it is built and the pool is
     contiguous float32; otherwise `ssd_scan` (torch or Triton) and a scatter into the pool."""
-    from kernels import cpu_prefill
+    from baton.kernels import cpu_prefill
 
     if cpu_prefill.supported(x, ssm_pool, layout.chunk_size):
         return cpu_prefill.ssd_prefill_cpu(

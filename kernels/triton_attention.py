@@ -16,7 +16,7 @@ packing a group of 5 heads into 8 rows would waste 3/8 of every product.
 Query i of sequence s sits at absolute position kv_len - q_len + i and sees keys 0..that
 position; keys are gathered token by token through layout.kv_indices (token slots), so the page
 size never matters. Products take their operands in the cache's dtype (bf16/fp16 on the tensor
-cores; float32 in IEEE precision, see kernels.backend.dot_precision) and accumulate in float32;
+cores; float32 in IEEE precision, see baton.kernels.backend.dot_precision) and accumulate in float32;
 the online softmax is float32 and its probabilities are rounded to the cache's dtype for the
 P @ V product, as flash attention does.
 
@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import dot_precision
-from kernels.layouts import AttentionLayout
+from baton.kernels.backend import dot_precision
+from baton.kernels.layouts import AttentionLayout
 
 
 # fmt: off
@@ -296,7 +296,7 @@ def rotary_store_kv_triton(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
-    """Shapes as kernels.attention.rotary_store_kv. The rotation is computed in float32 and
+    """Shapes as baton.kernels.attention.rotary_store_kv. The rotation is computed in float32 and
     rounded once to the output dtype (the torch path rounds after each product, as transformers
     does: identical in float32, within one rounding in half precision)."""
     T, H, Dh = q.shape

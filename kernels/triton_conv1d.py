@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layouts import ConvActivation, ConvLayout
+from baton.kernels.layouts import ConvActivation, ConvLayout
 
 
 @triton.jit

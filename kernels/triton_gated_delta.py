@@ -17,7 +17,7 @@ sequence are empty: q = k = v = 0, g = beta = 0, exact no-ops):
 Decode is one launch, _decode_kernel, per (request, v head, v block), in place on its pool slot
 (rows of slot 0 are padding: no read, no write, o = 0). Every load is upcast to float32 at once;
 all accumulation is float32; tl.dot on float32 operands is IEEE for float32 models and TF32
-otherwise (kernels.backend.dot_precision). No autotune: the decode kernel writes state in place,
+otherwise (baton.kernels.backend.dot_precision). No autotune: the decode kernel writes state in place,
 and the hand-picked tiles keep every tl.dot dimension >= 16.
 """
 
@@ -27,10 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import dot_precision
-from kernels.gated_delta import L2NORM_EPS, GatedDeltaOutput, _check_shapes
-from kernels.layouts import ChunkLayout
-from kernels.triton_ssd import _chunk_coords
+from baton.kernels.backend import dot_precision
+from baton.kernels.gated_delta import L2NORM_EPS, GatedDeltaOutput, _check_shapes
+from baton.kernels.layouts import ChunkLayout
+from baton.kernels.triton_ssd import _chunk_coords
 
 
 # fmt: off
@@ -285,7 +285,7 @@ def chunk_gated_delta_rule_triton(
     layout: ChunkLayout,
     want_chunk_states: bool = True,
 ) -> GatedDeltaOutput:
-    """Same contract as kernels.gated_delta.chunk_gated_delta_rule: q, k (num_tokens,
+    """Same contract as baton.kernels.gated_delta.chunk_gated_delta_rule: q, k (num_tokens,
     num_k_heads, k_head_dim), v (num_tokens, num_v_heads, v_head_dim) float32/float16/bfloat16,
     any strides; g, beta (num_tokens, num_v_heads) any float dtype and strides; initial_states
     (num_seqs, num_v_heads, k_head_dim, v_head_dim) any float dtype (float32 expected); layout:
@@ -386,7 +386,7 @@ def gated_delta_decode_triton(
     state_pool: torch.Tensor,
     state_indices: torch.Tensor,
 ) -> torch.Tensor:
-    """Same contract as kernels.gated_delta.gated_delta_decode: q, k (batch, num_k_heads,
+    """Same contract as baton.kernels.gated_delta.gated_delta_decode: q, k (batch, num_k_heads,
     k_head_dim), v (batch, num_v_heads, v_head_dim), g, beta (batch, num_v_heads), any float
     dtypes and strides; state_pool (num_slots, num_v_heads, k_head_dim, v_head_dim) any float
     dtype and strides, updated in place; state_indices (batch,) int, 0 = padding row.

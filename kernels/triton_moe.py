@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import dot_precision
-from kernels.layouts import Activation, Routing
-from kernels.quant import QuantizedTensor
-from kernels.triton_quant import FORMAT_PLAIN, FORMATS, load_weight_tile
+from baton.kernels.backend import dot_precision
+from baton.kernels.layouts import Activation, Routing
+from baton.kernels.quant import QuantizedTensor
+from baton.kernels.triton_quant import FORMAT_PLAIN, FORMATS, load_weight_tile
 
 
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -239,7 +239,7 @@ def fused_moe_triton(
     routing: Routing,
     activation: Activation,
 ) -> torch.Tensor:
-    """Same contract as kernels.moe.fused_moe_torch; quantized stacks are decoded in the tiles
+    """Same contract as baton.kernels.moe.fused_moe_torch; quantized stacks are decoded in the tiles
     (weight-only, kernels/triton_quant.py)."""
     T, D = x.shape
     E, inter = w_down.shape[0], w_down.shape[2]

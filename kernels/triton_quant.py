@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import dot_precision
-from kernels.quant import FP8_MAX, QuantizedTensor
+from baton.kernels.backend import dot_precision
+from baton.kernels.quant import FP8_MAX, QuantizedTensor
 
 FORMAT_PLAIN, FORMAT_FP8, FORMAT_NVFP4 = 0, 1, 2
 FORMATS = {"fp8": FORMAT_FP8, "nvfp4": FORMAT_NVFP4}
@@ -204,7 +204,7 @@ def _quantize_rows_kernel(
 
 
 def quantize_rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) -> (M, K) e4m3 codes and (M, 1) float32 scales (kernels.quant.quantize_rows_fp8)."""
+    """(M, K) -> (M, K) e4m3 codes and (M, 1) float32 scales (baton.kernels.quant.quantize_rows_fp8)."""
     x = x.contiguous()
     M, K = x.shape
     codes = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layouts import ChunkLayout, SelectiveScanOutput
-from kernels.triton_ssd import _softplus
+from baton.kernels.layouts import ChunkLayout, SelectiveScanOutput
+from baton.kernels.triton_ssd import _softplus
 
 
 @triton.jit
@@ -167,7 +167,7 @@ def selective_scan_pool_triton(
     layout: ChunkLayout,
     want_chunk_states: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """kernels.selective_scan.selective_scan_pool: states read from and left in
+    """baton.kernels.selective_scan.selective_scan_pool: states read from and left in
     ssm_pool[slots] (num_seqs,). Returns y (T, d_inner) in x's dtype and, when asked for, the
     float32 chunk-end states (S, num_chunks, d_inner, d_state)."""
     _check(ssm_pool, x, dt, A, B, C, D, dt_bias, z, slots)
@@ -214,7 +214,7 @@ def selective_scan_triton(
     initial_states: torch.Tensor,
     layout: ChunkLayout,
 ) -> SelectiveScanOutput:
-    """kernels.selective_scan.selective_scan (initial_states (S, d_inner, d_state) not written)."""
+    """baton.kernels.selective_scan.selective_scan (initial_states (S, d_inner, d_state) not written)."""
     states = initial_states.float().contiguous().clone()
     slots = torch.arange(states.shape[0], device=x.device)
     y, chunks = selective_scan_pool_triton(
@@ -235,7 +235,7 @@ def selective_state_update_triton(
     z: torch.Tensor | None,
     state_indices: torch.Tensor,
 ) -> torch.Tensor:
-    """kernels.selective_scan.selective_state_update: one token per row (batch,)."""
+    """baton.kernels.selective_scan.selective_state_update: one token per row (batch,)."""
     _check(ssm_pool, x, dt, A, B, C, D, dt_bias, z, state_indices)
     batch, width = x.shape
     N = A.shape[1]

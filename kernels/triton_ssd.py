@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import dot_precision
-from kernels.layouts import ChunkLayout, SSDOutput
+from baton.kernels.backend import dot_precision
+from baton.kernels.layouts import ChunkLayout, SSDOutput
 
 
 @triton.jit
@@ -271,7 +271,7 @@ def ssd_scan_triton(
     layout: ChunkLayout,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
 ) -> SSDOutput:
-    """Chunked SSD scan of a packed varlen batch (same contract as kernels.ssd.ssd_scan).
+    """Chunked SSD scan of a packed varlen batch (same contract as baton.kernels.ssd.ssd_scan).
 
     x: (num_tokens, nheads, headdim) float32/float16/bfloat16, any strides;
     dt: (num_tokens, nheads) raw, any float dtype; A, D, dt_bias: (nheads,) any float dtype;

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_ssd import _softplus
+from baton.kernels.triton_ssd import _softplus
 
 
 @triton.jit

@@ -9,14 +9,18 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from server import chat, completions, responses, sglang_generate
-from server.errors import APIError, error_response, install_error_handlers
-from server.generation import ServerState, check_model
-from server.middleware import ApiKeyMiddleware, RequestBodyMiddleware, RequestCounterMiddleware
-from server.protocol import DetokenizeRequest, TokenizeRequest
-from server.sampling import check_token_ids
-from server.validation import check_continue_final_message
-from server.version import baton_version
+from baton.server import chat, completions, responses, sglang_generate
+from baton.server.errors import APIError, error_response, install_error_handlers
+from baton.server.generation import ServerState, check_model
+from baton.server.middleware import (
+    ApiKeyMiddleware,
+    RequestBodyMiddleware,
+    RequestCounterMiddleware,
+)
+from baton.server.protocol import DetokenizeRequest, TokenizeRequest
+from baton.server.sampling import check_token_ids
+from baton.server.validation import check_continue_final_message
+from baton.server.version import baton_version
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate")
 

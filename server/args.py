@@ -7,13 +7,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from disagg.rooms import is_loopback
-from engine.config import ModelConfig
-from engine.spec_decode.config import SpeculativeConfig
-from server.output_parser import ParserSettings
-from server.reasoning_parsers import REASONING_PARSERS
-from server.spec_args import speculative_dict
-from server.tool_parsers import TOOL_CALL_PARSERS
+from baton.disagg.rooms import is_loopback
+from baton.engine.config import ModelConfig
+from baton.engine.spec_decode.config import SpeculativeConfig
+from baton.server.output_parser import ParserSettings
+from baton.server.reasoning_parsers import REASONING_PARSERS
+from baton.server.spec_args import speculative_dict
+from baton.server.tool_parsers import TOOL_CALL_PARSERS
 
 # Settings forwarded to `Engine(...)` as keyword arguments when the user sets them; unset ones
 # (None) are left to the engine, which sizes them from the model and the machine.
@@ -239,7 +239,7 @@ class ServerArgs:
         return args
 
     def disagg_options(self) -> dict[str, Any] | None:
-        """What `python -m disagg.process` needs; None for a colocated worker. Not the secret:
+        """What `python -m baton.disagg.process` needs; None for a colocated worker. Not the secret:
         these travel on the engine's command line, the secret in its environment."""
         if self.disaggregation_mode is None:
             return None

@@ -12,9 +12,9 @@ from typing import NamedTuple
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from engine.core.sampling_params import SamplingParams
-from server.errors import APIError
-from server.generation import (
+from baton.engine.core.sampling_params import SamplingParams
+from baton.server.errors import APIError
+from baton.server.generation import (
     ChoiceResult,
     ServerState,
     admit,
@@ -28,13 +28,13 @@ from server.generation import (
     timed_deltas,
     usage,
 )
-from server.logprobs import chat_logprobs
-from server.output_parser import OutputDelta, OutputStream, message_fields
-from server.protocol import ChatCompletionRequest
-from server.sampling import build_sampling_params, params_for_prompt, truncate_prompt
-from server.structured import check_structured
-from server.tool_choice import ChatOutputPlan, plan_output, reasoning_end_ids
-from server.validation import check_generation, num_logprobs, requested_max_tokens
+from baton.server.logprobs import chat_logprobs
+from baton.server.output_parser import OutputDelta, OutputStream, message_fields
+from baton.server.protocol import ChatCompletionRequest
+from baton.server.sampling import build_sampling_params, params_for_prompt, truncate_prompt
+from baton.server.structured import check_structured
+from baton.server.tool_choice import ChatOutputPlan, plan_output, reasoning_end_ids
+from baton.server.validation import check_generation, num_logprobs, requested_max_tokens
 
 router = APIRouter()
 

@@ -6,19 +6,19 @@ import argparse
 import os
 import sys
 
-from engine.config import DTYPE_NAMES, QUANTIZATION_NAMES
-from engine.runtime.torch_import import defer_torch
-from server.args import ServerArgs
-from server.reasoning_parsers import REASONING_PARSERS
-from server.secret_flags import (
+from baton.engine.config import DTYPE_NAMES, QUANTIZATION_NAMES
+from baton.engine.runtime.torch_import import defer_torch
+from baton.server.args import ServerArgs
+from baton.server.reasoning_parsers import REASONING_PARSERS
+from baton.server.secret_flags import (
     API_KEY_ENV,
     DISAGG_SECRET_ENV,
     add_api_key_flags,
     add_disagg_secret_file_flag,
     secret,
 )
-from server.spec_args import add_speculative_arguments
-from server.tool_parsers import TOOL_CALL_PARSERS
+from baton.server.spec_args import add_speculative_arguments
+from baton.server.tool_parsers import TOOL_CALL_PARSERS
 
 _DEFAULTS = ServerArgs.__dataclass_fields__
 
@@ -308,7 +308,7 @@ def add_serve_parser(subparsers) -> None:
 
 
 def _run_serve(namespace: argparse.Namespace) -> int:
-    from server.launch import ENGINE_DIED_EXIT_CODE, EngineDied, run
+    from baton.server.launch import ENGINE_DIED_EXIT_CODE, EngineDied, run
 
     if namespace.model_dir and namespace.model and namespace.model_dir != namespace.model:
         print(
@@ -360,15 +360,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     add_serve_parser(subparsers)
-    from server.router_cli import add_router_parser
-    from server.up import add_up_parser
+    from baton.server.router_cli import add_router_parser
+    from baton.server.up import add_up_parser
 
     add_router_parser(subparsers)
     add_up_parser(subparsers)
-    from bench.gsm8k import add_eval_parser  # bench/ is a client of baton; only the CLI imports it
+    from baton.bench.gsm8k import (
+        add_eval_parser,  # bench/ is a client of baton; only the CLI imports it
+    )
 
     add_eval_parser(subparsers)
-    from bench.cli import add_bench_parser
+    from baton.bench.cli import add_bench_parser
 
     add_bench_parser(subparsers)
     return parser

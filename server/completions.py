@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from server.engine_client import EngineRequest
-from server.errors import APIError
-from server.generation import (
+from baton.server.engine_client import EngineRequest
+from baton.server.errors import APIError
+from baton.server.generation import (
     ChoiceResult,
     ServerState,
     admit,
@@ -27,11 +27,11 @@ from server.generation import (
     timed_deltas,
     usage,
 )
-from server.logprobs import completion_logprobs
-from server.protocol import CompletionRequest
-from server.sampling import build_sampling_params, params_for_prompt, truncate_prompt
-from server.structured import check_structured
-from server.validation import check_generation, engine_max_tokens, requested_max_tokens
+from baton.server.logprobs import completion_logprobs
+from baton.server.protocol import CompletionRequest
+from baton.server.sampling import build_sampling_params, params_for_prompt, truncate_prompt
+from baton.server.structured import check_structured
+from baton.server.validation import check_generation, engine_max_tokens, requested_max_tokens
 
 router = APIRouter()
 

@@ -28,12 +28,12 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from engine.core.detokenizer import OutputDetokenizer
-from engine.core.outputs import RequestDelta
-from engine.core.sampling_params import SamplingParams
-from engine.runtime.cpu_allocator import release_freed_memory
-from engine.runtime.cpu_threads import engine_environment
-from engine.runtime.ipc import (
+from baton.engine.core.detokenizer import OutputDetokenizer
+from baton.engine.core.outputs import RequestDelta
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.runtime.cpu_allocator import release_freed_memory
+from baton.engine.runtime.cpu_threads import engine_environment
+from baton.engine.runtime.ipc import (
     AbortRequests,
     AddRequest,
     EngineFailed,
@@ -45,7 +45,7 @@ from engine.runtime.ipc import (
     decode,
     encode,
 )
-from engine.runtime.socket_limits import (
+from baton.engine.runtime.socket_limits import (
     LARGE_FRAME_BYTES,
     REFUSALS,
     REFUSED_STAT,
@@ -54,8 +54,8 @@ from engine.runtime.socket_limits import (
     add_request_bytes,
     limit,
 )
-from server.args import ServerArgs
-from server.secret_flags import DISAGG_SECRET_ENV
+from baton.server.args import ServerArgs
+from baton.server.secret_flags import DISAGG_SECRET_ENV
 
 logger = logging.getLogger("baton.server")
 
@@ -165,7 +165,7 @@ class EngineClient:
             parent_pid=os.getpid(),
             pair=self.args.disagg_options(),
         )
-        module = "engine.runtime.process" if spec.pair is None else "disagg.process"
+        module = "baton.engine.runtime.process" if spec.pair is None else "baton.disagg.process"
         env = engine_environment(os.environ, self.args.cpu_threads)
         if self.args.disagg_secret:  # never on a command line (server/secret_flags.py)
             env[DISAGG_SECRET_ENV] = self.args.disagg_secret

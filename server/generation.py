@@ -18,20 +18,20 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from engine.core.outputs import RequestDelta, TokenLogprobs
-from engine.core.sampling_params import SamplingParams
-from server.args import ServerArgs
-from server.engine_client import (
+from baton.engine.core.outputs import RequestDelta, TokenLogprobs
+from baton.engine.core.sampling_params import SamplingParams
+from baton.server.args import ServerArgs
+from baton.server.engine_client import (
     EngineClient,
     EngineRejected,
     EngineRequest,
     EngineUnavailable,
     RequestFailedServerSide,
 )
-from server.errors import APIError, error_body
-from server.metrics import ServerMetrics
-from server.protocol import DisaggField
-from server.tokenizer import Tokenizer
+from baton.server.errors import APIError, error_body
+from baton.server.metrics import ServerMetrics
+from baton.server.protocol import DisaggField
+from baton.server.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

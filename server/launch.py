@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from engine.models.registry import architecture_for
-from engine.runtime.gc_freeze import freeze_startup_objects
-from server.args import HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S, ServerArgs
-from server.engine_client import EngineClient
+from baton.engine.models.registry import architecture_for
+from baton.engine.runtime.gc_freeze import freeze_startup_objects
+from baton.server.args import HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S, ServerArgs
+from baton.server.engine_client import EngineClient
 
 if TYPE_CHECKING:
-    from server.tokenizer import Tokenizer
+    from baton.server.tokenizer import Tokenizer
 
 logger = logging.getLogger("baton.server")
 
@@ -75,8 +75,8 @@ def prepare_http_side(args: ServerArgs) -> Tokenizer:
     """The tokenizer, and the imports serving needs, made while the engine loads (in a thread,
     after the engine process is spawned): fastapi, pydantic and transformers take ~1 s of an
     idle 2-core machine that the engine's start would otherwise wait for."""
-    import server.app  # noqa: F401
-    from server.tokenizer import load_tokenizer
+    import baton.server.app  # noqa: F401
+    from baton.server.tokenizer import load_tokenizer
 
     flag = "--tokenizer" if args.tokenizer else "--model"
     return load_tokenizer(args.tokenizer_dir, flag, args.chat_template_text())
@@ -111,9 +111,9 @@ async def serve(args: ServerArgs) -> None:
             # uvicorn restores these handlers after serving and re-raises the signal it caught;
             # ignoring it then lets the engine shut down below instead of killing us first.
             signal.signal(sig, signal.SIG_IGN)
-        from server.app import build_app  # imported by prepare_http_side: no cost here
-        from server.generation import ServerState
-        from server.metrics import ServerMetrics
+        from baton.server.app import build_app  # imported by prepare_http_side: no cost here
+        from baton.server.generation import ServerState
+        from baton.server.metrics import ServerMetrics
 
         state = ServerState(
             args=args,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from engine.core.outputs import TokenLogprobs
-from server.tokenizer import Tokenizer
+from baton.engine.core.outputs import TokenLogprobs
+from baton.server.tokenizer import Tokenizer
 
 _FLOOR = -9999.0  # JSON has no -inf; a token the sampler ruled out gets this instead
 

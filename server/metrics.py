@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from disagg.rooms import LATENCY_BUCKET_KEY
-from engine.core.request_timing import HISTOGRAMS, STATS_PREFIX
+from baton.disagg.rooms import LATENCY_BUCKET_KEY
+from baton.engine.core.request_timing import HISTOGRAMS, STATS_PREFIX
 
 _LATENCY_BUCKETS = (
     0.005,

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.runtime.cpu_allocator import release_freed_memory
-from server.errors import APIError, error_response
-from server.validation import parse_json_body
+from baton.engine.runtime.cpu_allocator import release_freed_memory
+from baton.server.errors import APIError, error_response
+from baton.server.validation import parse_json_body
 
 logger = logging.getLogger("baton.server")
 

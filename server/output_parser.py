@@ -12,8 +12,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from server.reasoning_parsers import ReasoningSplitter
-from server.tool_parsers import ToolCallParser, ToolCallText
+from baton.server.reasoning_parsers import ReasoningSplitter
+from baton.server.tool_parsers import ToolCallParser, ToolCallText
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -19,7 +19,7 @@ Two ways to know a text has more than `limit` tokens without tokenizing it whole
 
 The tokenizer (Rust, in a worker thread) frees what it built, but glibc keeps the freed pages
 in that thread's arena: an 8 MB prompt left a worker ~0.8 GB larger for good. After a long text
-`engine.runtime.cpu_allocator.release_freed_memory` hands them back (malloc_trim), and again once a request with a large body
+`baton.engine.runtime.cpu_allocator.release_freed_memory` hands them back (malloc_trim), and again once a request with a large body
 has been answered (its copies and token ids are freed only then).
 """
 
@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from server.errors import APIError
+from baton.server.errors import APIError
 
 # Texts shorter than this are tokenized as they are: no bound can be worth a second pass.
 FIRST_SLICE_CHARS = 64 * 1024

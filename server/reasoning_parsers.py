@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from server.tool_parsers import held_tag_prefix
+from baton.server.tool_parsers import held_tag_prefix
 
 THINK_START, THINK_END = "<think>", "</think>"
 _TOOL_CALL, _FUNCTION = "<tool_call>", "<function="

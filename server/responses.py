@@ -15,18 +15,18 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from engine.core.sampling_params import StructuredOutputs
-from server.chat import prepare_chat
-from server.errors import APIError
-from server.generation import (
+from baton.engine.core.sampling_params import StructuredOutputs
+from baton.server.chat import prepare_chat
+from baton.server.errors import APIError
+from baton.server.generation import (
     ServerState,
     admit,
     check_disagg,
     collect,
     fan_out,
 )
-from server.output_parser import OutputStream, ParsedOutput
-from server.responses_events import (
+from baton.server.output_parser import OutputStream, ParsedOutput
+from baton.server.responses_events import (
     call_item,
     finished_response,
     message_item,
@@ -34,8 +34,8 @@ from server.responses_events import (
     reasoning_item,
     response_events,
 )
-from server.responses_protocol import ResponsesRequest, named_as_responses, to_chat_request
-from server.tool_choice import reasoning_end_ids
+from baton.server.responses_protocol import ResponsesRequest, named_as_responses, to_chat_request
+from baton.server.tool_choice import reasoning_end_ids
 
 router = APIRouter()
 

@@ -19,9 +19,9 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 
-from server.engine_client import EngineRejected, EngineUnavailable, RequestFailedServerSide
-from server.generation import ChoiceResult, ServerState, timed_deltas
-from server.output_parser import OutputStream
+from baton.server.engine_client import EngineRejected, EngineUnavailable, RequestFailedServerSide
+from baton.server.generation import ChoiceResult, ServerState, timed_deltas
+from baton.server.output_parser import OutputStream
 
 
 def new_id(prefix: str) -> str:

@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
 
-from server.errors import APIError, describe_validation_errors
-from server.protocol import ChatCompletionRequest, DisaggField, OpenAIModel, Text
+from baton.server.errors import APIError, describe_validation_errors
+from baton.server.protocol import ChatCompletionRequest, DisaggField, OpenAIModel, Text
 
 
 class InputText(OpenAIModel):

@@ -26,21 +26,21 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.args import DEFAULT_MAX_REQUEST_BYTES
-from server.errors import APIError, ErrorJSONResponse, install_error_handlers
-from server.middleware import OPEN_PATHS, AnswerGuard, ApiKeyMiddleware, RequestBodyMiddleware
-from server.router_admin import admin_routes
-from server.router_args import RoutingArgs
-from server.router_cli import DEFAULT_MAX_CONCURRENT_REQUESTS
-from server.router_discovery import start_discovery
-from server.router_dispatch import NO_PAIR, Dispatcher, once
-from server.router_policies import make_policy
-from server.router_prompt import routing_tokens
-from server.router_relay import error_response, forward_headers
-from server.router_workers import PROBE_TIMEOUT_S, RETRY_AFTER_S, WorkerSet, describe
-from server.tokenizer import load_tokenizer
-from server.validation import parse_generation
-from server.version import baton_version
+from baton.server.args import DEFAULT_MAX_REQUEST_BYTES
+from baton.server.errors import APIError, ErrorJSONResponse, install_error_handlers
+from baton.server.middleware import OPEN_PATHS, AnswerGuard, ApiKeyMiddleware, RequestBodyMiddleware
+from baton.server.router_admin import admin_routes
+from baton.server.router_args import RoutingArgs
+from baton.server.router_cli import DEFAULT_MAX_CONCURRENT_REQUESTS
+from baton.server.router_discovery import start_discovery
+from baton.server.router_dispatch import NO_PAIR, Dispatcher, once
+from baton.server.router_policies import make_policy
+from baton.server.router_prompt import routing_tokens
+from baton.server.router_relay import error_response, forward_headers
+from baton.server.router_workers import PROBE_TIMEOUT_S, RETRY_AFTER_S, WorkerSet, describe
+from baton.server.tokenizer import load_tokenizer
+from baton.server.validation import parse_generation
+from baton.server.version import baton_version
 
 ROUTER_KEEPALIVE_EXPIRY_S = 10.0  # idle connections to workers; below SERVER_KEEP_ALIVE_S
 DEFAULT_ROUTING = RoutingArgs()

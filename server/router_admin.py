@@ -17,8 +17,8 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.errors import APIError
-from server.router_workers import Worker, WorkerSet, describe
+from baton.server.errors import APIError
+from baton.server.router_workers import Worker, WorkerSet, describe
 
 
 def describe_worker(worker: Worker) -> dict:

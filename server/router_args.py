@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from server.router_circuit import CircuitSettings
-from server.router_policies import POLICY_NAMES
-from server.router_policies.cache_aware import CacheAwareSettings
+from baton.server.router_circuit import CircuitSettings
+from baton.server.router_policies import POLICY_NAMES
+from baton.server.router_policies.cache_aware import CacheAwareSettings
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,9 +8,9 @@ import logging
 import os
 import sys
 
-from server.args import DEFAULT_MAX_REQUEST_BYTES, HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S
-from server.router_args import add_routing_arguments, routing_args_from
-from server.secret_flags import API_KEY_ENV, SecretError, add_api_key_flags, secret
+from baton.server.args import DEFAULT_MAX_REQUEST_BYTES, HTTP_PROTOCOL, SERVER_KEEP_ALIVE_S
+from baton.server.router_args import add_routing_arguments, routing_args_from
+from baton.server.secret_flags import API_KEY_ENV, SecretError, add_api_key_flags, secret
 
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 
@@ -60,8 +60,8 @@ def _positive_int(text: str) -> int:
 def _run_router(namespace) -> int:
     import uvicorn
 
-    from engine.runtime.gc_freeze import freeze_startup_objects
-    from server.router import build_router_app
+    from baton.engine.runtime.gc_freeze import freeze_startup_objects
+    from baton.server.router import build_router_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise

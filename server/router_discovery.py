@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from server.router_args import DiscoveryArgs
-from server.router_info import Role
-from server.router_workers import WorkerSet, describe
+from baton.server.router_args import DiscoveryArgs
+from baton.server.router_info import Role
+from baton.server.router_workers import WorkerSet, describe
 
 logger = logging.getLogger("baton.router.discovery")
 

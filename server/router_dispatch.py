@@ -26,8 +26,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from server.router_args import RetryArgs
-from server.router_relay import (
+from baton.server.router_args import RetryArgs
+from baton.server.router_relay import (
     Committed,
     Failure,
     cancel,
@@ -39,7 +39,7 @@ from server.router_relay import (
     relay,
     worker_error_body,
 )
-from server.router_workers import Worker, WorkerSet
+from baton.server.router_workers import Worker, WorkerSet
 
 logger = logging.getLogger("baton.router")
 

@@ -7,8 +7,8 @@ prompts goes to one pair; it is routed by its first prompt.
 
 from __future__ import annotations
 
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.tokenizer import Tokenizer
+from baton.server.protocol import ChatCompletionRequest, CompletionRequest
+from baton.server.tokenizer import Tokenizer
 
 
 def routing_tokens(

@@ -26,8 +26,8 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from server.errors import ErrorJSONResponse
-from server.router_workers import Worker, WorkerSet, describe
+from baton.server.errors import ErrorJSONResponse
+from baton.server.router_workers import Worker, WorkerSet, describe
 
 logger = logging.getLogger("baton.router")
 

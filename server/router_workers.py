@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from server.router_circuit import Circuit, CircuitSettings
-from server.router_info import Role, WorkerInfo
-from server.router_metrics import RouterMetrics
-from server.router_policies import Policy
-from server.router_policies.base import Choice
+from baton.server.router_circuit import Circuit, CircuitSettings
+from baton.server.router_info import Role, WorkerInfo
+from baton.server.router_metrics import RouterMetrics
+from baton.server.router_policies import Policy
+from baton.server.router_policies.base import Choice
 
 logger = logging.getLogger("baton.router")
 

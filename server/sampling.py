@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.core.sampling_params import SamplingParams
-from server.errors import APIError
-from server.protocol import GenerationFields
-from server.structured import structured_outputs_of
+from baton.engine.core.sampling_params import SamplingParams
+from baton.server.errors import APIError
+from baton.server.protocol import GenerationFields
+from baton.server.structured import structured_outputs_of
 
 # Request fields copied to SamplingParams as they are when the client sets them.
 _PASS_THROUGH = (

@@ -19,13 +19,13 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from engine.core.outputs import TokenLogprobs
-from server.completions import start_completion
-from server.errors import APIError
-from server.generation import ChoiceResult, ServerState, collect, sse, sse_guard, timed_deltas
-from server.protocol import GenerateRequest
-from server.tokenizer import Tokenizer
-from server.validation import completion_from_generate, num_prompts
+from baton.engine.core.outputs import TokenLogprobs
+from baton.server.completions import start_completion
+from baton.server.errors import APIError
+from baton.server.generation import ChoiceResult, ServerState, collect, sse, sse_guard, timed_deltas
+from baton.server.protocol import GenerateRequest
+from baton.server.tokenizer import Tokenizer
+from baton.server.validation import completion_from_generate, num_prompts
 
 router = APIRouter()
 

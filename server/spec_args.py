@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from engine.spec_decode.config import from_sglang, parse_speculative_config
+from baton.engine.spec_decode.config import from_sglang, parse_speculative_config
 
 SGLANG_FLAGS = (
     "speculative_num_steps",

@@ -21,9 +21,9 @@ import functools
 import json
 from typing import Any
 
-from engine.core.sampling_params import StructuredKind, StructuredOutputs
-from engine.structured_output import check_structured_outputs
-from server.errors import APIError
+from baton.engine.core.sampling_params import StructuredKind, StructuredOutputs
+from baton.engine.structured_output import check_structured_outputs
+from baton.server.errors import APIError
 
 # vLLM's StructuredOutputsParams: the constraint keys (exactly one) and the options baton takes.
 _CONSTRAINT_KEYS: dict[str, StructuredKind] = {

@@ -14,10 +14,10 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from engine.runtime.cpu_allocator import release_freed_memory
-from server.errors import APIError
-from server.prompt_bound import TRIM_AFTER_CHARS, encode_within, tokenizer_bound
-from server.protocol import ChatMessage
+from baton.engine.runtime.cpu_allocator import release_freed_memory
+from baton.server.errors import APIError
+from baton.server.prompt_bound import TRIM_AFTER_CHARS, encode_within, tokenizer_bound
+from baton.server.protocol import ChatMessage
 
 
 def _byte_level_alphabet() -> dict[str, int]:

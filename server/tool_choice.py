@@ -20,17 +20,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.sampling_params import SamplingParams, StructuredOutputs
-from server.errors import APIError
-from server.output_parser import OutputParser, ParserSettings
-from server.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
-from server.reasoning_parsers import (
+from baton.engine.core.sampling_params import SamplingParams, StructuredOutputs
+from baton.server.errors import APIError
+from baton.server.output_parser import OutputParser, ParserSettings
+from baton.server.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
+from baton.server.reasoning_parsers import (
     REASONING_FORMATS,
     THINK_END,
     ReasoningSplitter,
     starts_thinking,
 )
-from server.tool_parsers import BareJsonParser, make_tool_parser
+from baton.server.tool_parsers import BareJsonParser, make_tool_parser
 
 
 def effective_tool_choice(request: ChatCompletionRequest) -> str | NamedToolChoice:

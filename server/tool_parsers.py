@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from server.json_scan import JsonScanner, decode_string
+from baton.server.json_scan import JsonScanner, decode_string
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import httpx
 
-from engine.config import DTYPE_NAMES, QUANTIZATION_NAMES, ModelConfig
-from engine.runtime.cpu_threads import cores_per_engine
-from engine.spec_decode.config import SpeculativeConfig
-from server.reasoning_parsers import REASONING_PARSERS
-from server.router_cli import DEFAULT_MAX_CONCURRENT_REQUESTS
-from server.secret_flags import (
+from baton.engine.config import DTYPE_NAMES, QUANTIZATION_NAMES, ModelConfig
+from baton.engine.runtime.cpu_threads import cores_per_engine
+from baton.engine.spec_decode.config import SpeculativeConfig
+from baton.server.reasoning_parsers import REASONING_PARSERS
+from baton.server.router_cli import DEFAULT_MAX_CONCURRENT_REQUESTS
+from baton.server.secret_flags import (
     API_KEY_ENV,
     DISAGG_SECRET_ENV,
     SecretError,
@@ -40,8 +40,8 @@ from server.secret_flags import (
     add_disagg_secret_file_flag,
     secret,
 )
-from server.spec_args import add_speculative_arguments, speculative_dict, speculative_flag
-from server.tool_parsers import TOOL_CALL_PARSERS
+from baton.server.spec_args import add_speculative_arguments, speculative_dict, speculative_flag
+from baton.server.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets")
 
@@ -209,7 +209,7 @@ def run_up(ns) -> int:
     except ValueError as error:
         print(f"baton up: {error}", file=sys.stderr)
         return 2
-    baton = [sys.executable, "-m", "server.cli"]
+    baton = [sys.executable, "-m", "baton.server.cli"]
     commands = {
         "prefill": baton
         + [
@@ -339,7 +339,7 @@ def _dead_parts(children, engines: dict[str, int]) -> list[str]:
     """What has died, named for a person: a worker that exited because its engine died
     (ENGINE_DIED_EXIT_CODE) names the engine; a killed worker takes its engine with it, and
     names itself."""
-    from server.launch import ENGINE_DIED_EXIT_CODE
+    from baton.server.launch import ENGINE_DIED_EXIT_CODE
 
     dead = []
     for name, process in children.items():

@@ -20,8 +20,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from server.errors import APIError, describe_validation_errors
-from server.protocol import (
+from baton.server.errors import APIError, describe_validation_errors
+from baton.server.protocol import (
     MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,9 +30,9 @@ from server.protocol import (
     TokenizeRequest,
     unencodable_text,
 )
-from server.responses_protocol import ResponsesRequest, named_as_responses, to_chat_request
-from server.sampling import build_sampling_params
-from server.tool_choice import check_tools
+from baton.server.responses_protocol import ResponsesRequest, named_as_responses, to_chat_request
+from baton.server.sampling import build_sampling_params
+from baton.server.tool_choice import check_tools
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest a few levels; 100k-deep JSON must not reach a parser
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from engine.core.outputs import RequestDelta
-from engine.core.sampling_params import SamplingParams
+from baton.engine.core.outputs import RequestDelta
+from baton.engine.core.sampling_params import SamplingParams
 
 FIRST_PLAIN_TOKEN = 3  # ids 0-2 are <pad>, <s>, </s> in tests/tiny.py's tokenizer
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ModelConfig
-from engine.models.nemotron_h import NemotronHMTP
+from baton.engine.config import ModelConfig
+from baton.engine.models.nemotron_h import NemotronHMTP
 
 STACKED_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>\w+)$")
 

@@ -11,11 +11,14 @@ TIE_GAP = 1e-5  # top-2 logprob gap under which a greedy divergence is a tie, no
 def _cache_kwargs(hf_model) -> dict:
     """transformers' hybrid cache cannot tell its length without an attention layer
     (`get_seq_length` raises), so a Mamba-only model runs without one: every step recomputes
-    the whole sequence, the naive oracle."""
+    the whole sequence, the naive oracle. Since transformers 5.25 the cache asks its first layer
+    only, and a NemotronH whose first layer is an MLP or MoE keeps a `DummyLayer` there that
+    cannot answer ("'DummyLayer' object has no attribute 'get_seq_length'"): such a model runs
+    without a cache too (recomputed and cached logits differ by ~3e-7 in fp32, NOTES.md)."""
     config = hf_model.config.get_text_config()
     pattern = getattr(config, "hybrid_override_pattern", None)
     if pattern is not None:  # NemotronH
-        has_attention = "*" in pattern
+        has_attention = "*" in pattern and pattern[0] not in "-E"
     else:  # the other families name their layers (Jamba, LFM2, the pure SSMs: layer_types)
         kinds = getattr(config, "layers_block_type", None) or config.layer_types
         has_attention = bool({"full_attention", "attention"} & set(kinds))

@@ -7,7 +7,7 @@ a recomputed one agree to ~1e-6.
 
 from __future__ import annotations
 
-from engine.core.outputs import RequestOutput, TokenLogprobs
+from baton.engine.core.outputs import RequestOutput, TokenLogprobs
 
 LOGPROB_TOLERANCE = 1e-4
 

@@ -162,12 +162,12 @@ def launch(
     api_key: str | None,
     env: dict[str, str] | None = None,
     host: str = "127.0.0.1",
+    cwd: Path = Path(__file__).parents[1],
 ) -> ServerProcess:
-    """A process started, not waited for (`wait_ready`); `host`: the address it listens on."""
+    """A process started, not waited for (`wait_ready`); `host`: the address it listens on;
+    `cwd`: where it starts (the repository root unless a test says otherwise)."""
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1], env=env
-        )
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
     server = ServerProcess(
         process=process, port=port, log_path=log_path, api_key=api_key, host=host
     )

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 
 
 class ScriptedDrafter:
@@ -95,9 +95,9 @@ def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
 def verify_metadata(model, model_dir):
     """Metadata of a verify step (two requests, q = 3 each, from positions 5 and 9) for `model`,
     over a cache whose pools hold random states, and random hidden rows to feed a layer."""
-    from engine.cache.pools import StateCache
-    from engine.executor.forward_metadata import ScheduledBatch
-    from engine.executor.model_runner import ModelRunner
+    from baton.engine.cache.pools import StateCache
+    from baton.engine.executor.forward_metadata import ScheduledBatch
+    from baton.engine.executor.model_runner import ModelRunner
 
     cache = StateCache.for_model(
         model.config, num_pages=16, page_size=4, num_slots=8, dtype=torch.float32, device="cpu"
@@ -128,9 +128,9 @@ def verify_metadata(model, model_dir):
 def mtp_prefill_batch(model, tokens: list[int]):
     """A runner over a fresh cache for `model` (built with its MTP head) and an extend batch
     of `tokens` at positions 0.. in pages 1.. (the draft forward's rows, its last one sampled)."""
-    from engine.cache.pools import StateCache
-    from engine.executor.forward_metadata import ScheduledBatch
-    from engine.executor.model_runner import ModelRunner
+    from baton.engine.cache.pools import StateCache
+    from baton.engine.executor.forward_metadata import ScheduledBatch
+    from baton.engine.executor.model_runner import ModelRunner
 
     cache = StateCache.for_model(
         model.config, num_pages=16, page_size=4, num_slots=4, dtype=torch.float32, device="cpu"

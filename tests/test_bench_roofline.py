@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.roofline import Weights, floor_seconds
+from baton.bench.roofline import Weights, floor_seconds
 
 
 def test_dense_floor_counts_prefill_flops_and_bandwidth_bound_decode_steps():

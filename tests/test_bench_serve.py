@@ -16,8 +16,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bench.serve import BenchConfig, BenchPrompt, arrival_gaps, run_benchmark, synthetic_prompts
-from bench.serve_metrics import RequestRecord, summarize
+from baton.bench.serve import (
+    BenchConfig,
+    BenchPrompt,
+    arrival_gaps,
+    run_benchmark,
+    synthetic_prompts,
+)
+from baton.bench.serve_metrics import RequestRecord, summarize
 from tests.server_process import BATON, free_port, start_server, tiny_model
 
 # -- a scripted OpenAI-compatible server ------------------------------------------------------
@@ -234,7 +240,7 @@ def test_warm_up_failure_is_reported_not_benchmarked(fake_server):
 def test_sse_reader_joins_split_reads_and_takes_long_lines():
     """Payloads split across network reads, CRLF line ends, a line far over aiohttp's 64 KiB
     readline limit (a chunk with many logprobs), and a last line without its newline."""
-    from bench.serve import _sse_data
+    from baton.bench.serve import _sse_data
 
     long_text = "x" * 200_000
     body = (
@@ -461,23 +467,23 @@ def test_a_models_listing_without_a_model_name_is_named_not_a_traceback(
 ):
     import httpx
 
-    import bench.cli
+    import baton.bench.cli
 
     def get(url, **kwargs):
         body = {"text": listing} if isinstance(listing, str) else {"json": listing}
         return httpx.Response(200, request=httpx.Request("GET", url), **body)
 
-    monkeypatch.setattr(bench.cli.httpx, "get", get)
+    monkeypatch.setattr(baton.bench.cli.httpx, "get", get)
     with pytest.raises(ValueError, match="did not list a model"):
-        bench.cli._served_models("http://127.0.0.1:1", None)
+        baton.bench.cli._served_models("http://127.0.0.1:1", None)
     # a hostile `root` is never taken for a tokenizer directory, nor another model's
     listed = [{"id": "m", "root": 123}, {"id": "m", "root": "a\x00b"}, {"id": "m", "root": ["x"]}]
-    assert bench.cli._default_tokenizer("m", listed) is None
+    assert baton.bench.cli._default_tokenizer("m", listed) is None
     other = tmp_path / "other"
     other.mkdir()
     (other / "tokenizer.json").write_text("{}")
-    assert bench.cli._default_tokenizer("m", [{"id": "n", "root": str(other)}]) is None
-    assert bench.cli._default_tokenizer("m", [{"id": "m", "root": str(other)}]) == str(other)
+    assert baton.bench.cli._default_tokenizer("m", [{"id": "n", "root": str(other)}]) is None
+    assert baton.bench.cli._default_tokenizer("m", [{"id": "m", "root": str(other)}]) == str(other)
 
 
 @pytest.mark.parametrize(
@@ -490,13 +496,13 @@ def test_a_models_listing_without_a_model_name_is_named_not_a_traceback(
     ],
 )
 def test_the_base_url_may_be_an_openai_clients(given):
-    from bench.cli import server_root
+    from baton.bench.cli import server_root
 
     assert server_root(given) == "http://127.0.0.1:8000"
 
 
 def test_chosen_percentiles_are_computed_and_printed():
-    from bench.serve_metrics import format_summary
+    from baton.bench.serve_metrics import format_summary
 
     # TTFTs of 10 requests: 10, 20, ..., 100 ms.
     records = [

@@ -1,4 +1,4 @@
-"""bench.serve_side_by_side gives every server the same limits and the PD pair its flags."""
+"""baton.bench.serve_side_by_side gives every server the same limits and the PD pair its flags."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve_side_by_side import LIMITS, llama_command, matmul_dtype_choices, server_commands
+from baton.bench.serve_side_by_side import (
+    LIMITS,
+    llama_command,
+    matmul_dtype_choices,
+    server_commands,
+)
 
 
 def test_every_server_gets_the_same_limits_and_no_prefix_cache():
@@ -43,7 +48,7 @@ def test_llama_server_gets_a_slot_per_running_request_and_its_caches_off():
 HELPER = """
 import subprocess, sys
 from pathlib import Path
-from bench.serve_side_by_side import share_autogroup_nice
+from baton.bench.serve_side_by_side import share_autogroup_nice
 Path("/proc/self/autogroup").write_text("7")  # raising one's own nice needs no privilege
 server = subprocess.Popen(["sleep", "30"], start_new_session=True)
 try:
@@ -73,7 +78,7 @@ def test_a_server_in_its_own_session_gets_the_benchmarks_scheduling_priority():
 
 SIGTERM_HELPER = """
 import os, signal, subprocess, sys
-import bench.serve_side_by_side as sbs
+import baton.bench.serve_side_by_side as sbs
 started = []
 def start(command, port, log, timeout_s, env=None):
     log.touch()
@@ -109,8 +114,8 @@ def test_sigterm_stops_the_server_the_benchmark_started():
 def test_each_baton_servers_matmul_dtype_choices_are_read_from_its_log(tmp_path):
     log = tmp_path / "baton.log"
     log.write_text(
-        "2026-12-01 engine.runtime.process INFO loading\n"
-        "2026-12-01 engine.layers.cpu_backend INFO CPU matmul dtype (BATON_CPU_MATMUL_DTYPE=auto)"
+        "2026-12-01 baton.engine.runtime.process INFO loading\n"
+        "2026-12-01 baton.engine.layers.cpu_backend INFO CPU matmul dtype (BATON_CPU_MATMUL_DTYPE=auto)"
         " auto: 768x2048: bfloat16 (0.71 ms bfloat16 / 1.56 ms float32)\n"
     )
     assert matmul_dtype_choices(log) == [
@@ -120,7 +125,7 @@ def test_each_baton_servers_matmul_dtype_choices_are_read_from_its_log(tmp_path)
 
 MATMUL_HELPER = """
 import os, subprocess, sys
-import bench.serve_side_by_side as sbs
+import baton.bench.serve_side_by_side as sbs
 def start(command, port, log, timeout_s, env=None):
     kind = "vllm" if command[0] == "bash" else "baton"
     print(kind, (env or os.environ).get("BATON_CPU_MATMUL_DTYPE", "unset"), flush=True)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from engine import config_defaults
-from engine.config import ModelConfig
-from engine.config_defaults import class_defaults, rope_defaults
-from engine.core.tokenizer import LazyTokenizer
-from engine.models.registry import FAMILIES, family_named
+from baton.engine import config_defaults
+from baton.engine.config import ModelConfig
+from baton.engine.config_defaults import class_defaults, rope_defaults
+from baton.engine.core.tokenizer import LazyTokenizer
+from baton.engine.models.registry import FAMILIES, family_named
 
 ROOT = Path(__file__).parents[1]
 ASSETS = ROOT / "assets"
@@ -75,14 +75,14 @@ def test_an_engine_start_on_a_warm_cache_imports_no_transformers(tmp_path):
     code = textwrap.dedent(
         f"""
         import sys
-        from engine.core.engine import Engine
+        from baton.engine.core.engine import Engine
         engine = Engine({str(ASSETS)!r}, max_total_tokens=64, max_running_requests=2)
         assert "transformers" not in sys.modules, "transformers imported"
         assert engine.lazy_tokenizer.get() is not None and "transformers" in sys.modules
         """
     )
     env = dict(os.environ, BATON_CACHE_DIR=str(tmp_path), BATON_CPU_GEMM="onednn")
-    run = [sys.executable, "-c", "from engine.config import ModelConfig; "
+    run = [sys.executable, "-c", "from baton.engine.config import ModelConfig; "
            f"ModelConfig.from_hf({str(ASSETS)!r})"]  # fmt: skip
     assert subprocess.run(run, env=env, cwd=ROOT, timeout=300).returncode == 0  # warms it
     result = subprocess.run(

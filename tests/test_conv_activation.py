@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops, cpu_prefill
-from kernels.conv1d import (
+from baton.kernels import cpu_ops, cpu_prefill
+from baton.kernels.conv1d import (
     build_window_layout,
     causal_conv1d_update,
     causal_conv1d_update_torch,

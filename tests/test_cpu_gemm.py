@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine import LLM, SamplingParams
-from kernels import cpu_gemm
-from kernels.linear import (
+from baton import LLM, SamplingParams
+from baton.kernels import cpu_gemm
+from baton.kernels.linear import (
     GEMM_ENV,
     TIMING_ROUNDS,
     MatmulChooser,

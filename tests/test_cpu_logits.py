@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache.pools import StateCache
-from engine.checkpoint.loader import load_model
-from engine.config import ModelConfig
-from engine.executor.forward_metadata import ScheduledBatch
-from engine.executor.model_runner import ModelRunner
+from baton.engine.cache.pools import StateCache
+from baton.engine.checkpoint.loader import load_model
+from baton.engine.config import ModelConfig
+from baton.engine.executor.forward_metadata import ScheduledBatch
+from baton.engine.executor.model_runner import ModelRunner
 
 
 def _prefill(tokens: list[int], slot: int, pages: list[int]) -> ScheduledBatch:

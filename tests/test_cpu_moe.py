@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 import torch
 
-from engine.layers.moe import MoE, MoEConfig
-from kernels import cpu_moe
-from kernels.layouts import Routing
-from kernels.moe import fused_moe_torch
+from baton.engine.layers.moe import MoE, MoEConfig
+from baton.kernels import cpu_moe
+from baton.kernels.layouts import Routing
+from baton.kernels.moe import fused_moe_torch
 from tests.test_moe_kernels import experts_oracle, make_case
 
 pytestmark = pytest.mark.skipif(

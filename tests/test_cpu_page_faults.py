@@ -21,7 +21,7 @@ import resource
 
 import torch
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.tiny import save_tiny_model
 
 BATCH, DECODE_STEPS = 16, 12
@@ -32,7 +32,7 @@ def _minor_faults() -> int:
 
 
 def test_steady_state_decode_steps_take_no_page_faults(tmp_path, monkeypatch):
-    monkeypatch.setattr("engine.core.engine.release_freed_memory", lambda: True)
+    monkeypatch.setattr("baton.engine.core.engine.release_freed_memory", lambda: True)
     # A wide vocabulary makes the logits (16 x 32768 float32 = 2 MiB) the kind of tensor that
     # glibc would map afresh per step if nothing kept it.
     save_tiny_model(tmp_path, seed=5, vocab_size=32768, tokenizer=False)

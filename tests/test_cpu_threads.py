@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine.runtime.cpu_threads import available_cores, cores_per_engine, engine_environment
+from baton.engine.runtime.cpu_threads import available_cores, cores_per_engine, engine_environment
 from tests.server_process import BATON, tiny_model
 
 

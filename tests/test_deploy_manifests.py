@@ -12,13 +12,13 @@ import kubernetes_validate
 import pytest
 from prometheus_client import Counter
 
-from server.app import build_app
-from server.args import ServerArgs
-from server.cli import build_parser
-from server.metrics import _ENGINE_METRICS
-from server.middleware import OPEN_PATHS
-from server.router import build_router_app
-from server.router_args import routing_args_from
+from baton.server.app import build_app
+from baton.server.args import ServerArgs
+from baton.server.cli import build_parser
+from baton.server.metrics import _ENGINE_METRICS
+from baton.server.middleware import OPEN_PATHS
+from baton.server.router import build_router_app
+from baton.server.router_args import routing_args_from
 from tests.deploy_local import LOCAL, expand, manifests, of_kind
 
 KUBERNETES_VERSION = "1.30"

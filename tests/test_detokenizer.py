@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine.core.detokenizer import IncrementalDetokenizer, OutputDetokenizer
-from engine.core.outputs import RequestDelta
+from baton.engine.core.detokenizer import IncrementalDetokenizer, OutputDetokenizer
+from baton.engine.core.outputs import RequestDelta
 
 ASSETS = Path(__file__).parents[1] / "assets"
 TEXTS = [
@@ -126,8 +126,8 @@ def test_each_token_is_decoded_once_without_re_decoding(tokenizer, monkeypatch):
 
 def test_engine_step_does_no_detokenization(tiny_models, monkeypatch):
     """The step loop returns token ids only: it never even loads the tokenizer."""
-    from engine.core.engine import Engine
-    from engine.core.sampling_params import SamplingParams
+    from baton.engine.core.engine import Engine
+    from baton.engine.core.sampling_params import SamplingParams
 
     model_dir, _ = tiny_models("base")
     engine = Engine(model_dir, page_size=4)

@@ -22,13 +22,13 @@ import pytest
 import torch
 import zmq
 
-from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from engine import SamplingParams
-from engine.checkpoint.fingerprint import weights_fingerprint
-from engine.config import ModelConfig
-from engine.core.engine import Engine
-from engine.models.registry import model_state_spec
+from baton import SamplingParams
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.prefill import PrefillWorker
+from baton.engine.checkpoint.fingerprint import weights_fingerprint
+from baton.engine.config import ModelConfig
+from baton.engine.core.engine import Engine
+from baton.engine.models.registry import model_state_spec
 from tests.conftest import TINY_CONFIGS
 from tests.families import FAMILY_CONFIGS, save_family_model
 from tests.reference import assert_greedy_matches, hf_greedy
@@ -337,7 +337,7 @@ def test_baton_up_serves_zamba2_shared_blocks_as_colocated(family_models, tmp_pa
     """The whole stack over HTTP (`baton up`: prefill worker, decode worker, router): a prompt
     twice (the second a prefill-side prefix hit), a shared prefix with n=2 seeded samples,
     and max_tokens 1; texts and token logprobs as a colocated engine gives them."""
-    from engine import LLM
+    from baton import LLM
     from tests.test_server_up import Stack
 
     model_dir, hf = family_models("zamba2_shared")

@@ -15,8 +15,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from disagg.decode import DecodeWorker
-from disagg.messages import (
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.messages import (
     Abort,
     Heartbeat,
     PagesChunk,
@@ -24,14 +24,14 @@ from disagg.messages import (
     SlotChunk,
     TensorSpec,
 )
-from disagg.prefill import PrefillWorker
-from disagg.protocol import (
+from baton.disagg.prefill import PrefillWorker
+from baton.disagg.protocol import (
     PROTOCOL_VERSION,
     _mac,
     encode,
     state_message,
 )
-from engine.core.engine import Engine
+from baton.engine.core.engine import Engine
 from tests.test_disagg_hardening import PARAMS, serves_a_request
 from tests.test_disagg_protocol import a_state, register_body
 from tests.test_disagg_unit import assert_pools_empty, config

@@ -12,8 +12,9 @@ import msgpack
 import pytest
 import zmq
 
-from disagg.decode import DecodeWorker
-from disagg.messages import (
+from baton import SamplingParams
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.messages import (
     Heartbeat,
     HeartbeatAck,
     PagesChunk,
@@ -21,17 +22,16 @@ from disagg.messages import (
     Reject,
     TensorSpec,
 )
-from disagg.prefill import PrefillWorker
-from disagg.process import DisaggEngineLoop
-from disagg.protocol import (
+from baton.disagg.prefill import PrefillWorker
+from baton.disagg.process import DisaggEngineLoop
+from baton.disagg.protocol import (
     PROTOCOL_VERSION,
     decode,
     encode,
     state_message,
 )
-from engine import SamplingParams
-from engine.core.engine import Engine
-from server.args import ServerArgs
+from baton.engine.core.engine import Engine
+from baton.server.args import ServerArgs
 from tests.test_disagg_protocol import a_state, register_body
 from tests.test_disagg_unit import assert_pools_empty, config
 
@@ -190,7 +190,7 @@ def test_a_replayed_or_stale_message_is_refused_with_a_secret(base_model):
         stale = msgpack.unpackb(frames[0])
         stale["ts"] -= 61.0
         forged = msgpack.packb(stale)
-        from disagg.protocol import _mac
+        from baton.disagg.protocol import _mac
 
         dealer.send_multipart([forged, _mac(b"s3cret", [forged])])
         time.sleep(0.3)
@@ -312,7 +312,7 @@ def _drain(socket: zmq.Socket) -> list[list[bytes]]:
 @pytest.fixture
 def sharded_decoder(base_model, monkeypatch):
     """A decode worker that takes state from a prefill worker's ranks (its shard connector)."""
-    from disagg.tp_transfer import SECRET_ENV, connector_spec
+    from baton.disagg.tp_transfer import SECRET_ENV, connector_spec
 
     monkeypatch.setenv(SECRET_ENV, "shards")
     model_dir, _ = base_model

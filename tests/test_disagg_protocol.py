@@ -13,8 +13,8 @@ import msgpack
 import pytest
 import torch
 
-from disagg import messages, protocol
-from disagg.messages import (
+from baton.disagg import messages, protocol
+from baton.disagg.messages import (
     Compat,
     Heartbeat,
     Message,
@@ -23,7 +23,7 @@ from disagg.messages import (
     StateTransfer,
     TensorSpec,
 )
-from disagg.protocol import (
+from baton.disagg.protocol import (
     PROTOCOL_VERSION,
     ProtocolError,
     decode,
@@ -31,7 +31,7 @@ from disagg.protocol import (
     request_state,
     state_message,
 )
-from engine.handover.state import RequestState
+from baton.engine.handover.state import RequestState
 
 
 def a_state(**overrides) -> RequestState:

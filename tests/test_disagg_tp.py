@@ -19,27 +19,27 @@ import pytest
 import torch
 import zmq
 
-from disagg.decode import DecodeWorker
-from disagg.messages import (
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.messages import (
     Register,
     ShardTransfer,
 )
-from disagg.prefill import PrefillWorker
-from disagg.protocol import (
+from baton.disagg.prefill import PrefillWorker
+from baton.disagg.protocol import (
     decode,
     encode,
     state_message,
     tensor_specs,
 )
-from disagg.rooms import DisaggConfig
-from disagg.tp_layout import TPLayout, owned, plan
-from disagg.tp_transfer import SECRET_ENV, connector_spec
-from engine.cache.spec import ModelStateSpec
-from engine.config import ModelConfig
-from engine.core.engine import Engine
-from engine.core.sampling_params import SamplingParams
-from engine.handover.state import RequestState
-from engine.models.registry import model_state_spec
+from baton.disagg.rooms import DisaggConfig
+from baton.disagg.tp_layout import TPLayout, owned, plan
+from baton.disagg.tp_transfer import SECRET_ENV, connector_spec
+from baton.engine.cache.spec import ModelStateSpec
+from baton.engine.config import ModelConfig
+from baton.engine.core.engine import Engine
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.handover.state import RequestState
+from baton.engine.models.registry import model_state_spec
 from tests.tiny import save_tiny_model
 
 SECRET = "tp-s3cret"
@@ -513,7 +513,7 @@ def test_install_report_carries_a_failed_ranks_reason_to_rank_0():
     so the room's error names the problem whichever rank's shard arrived first."""
     from types import SimpleNamespace
 
-    from engine.handover.shards import (
+    from baton.engine.handover.shards import (
         FAILED,
         INSTALLED,
         REASON_BYTES,

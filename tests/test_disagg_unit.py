@@ -9,8 +9,9 @@ import pytest
 import torch
 import zmq
 
-from disagg.decode import DecodeWorker
-from disagg.messages import (
+from baton import SamplingParams
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.messages import (
     Abort,
     Heartbeat,
     PagesChunk,
@@ -18,16 +19,15 @@ from disagg.messages import (
     StateTransfer,
     TensorSpec,
 )
-from disagg.prefill import PrefillWorker
-from disagg.protocol import (
+from baton.disagg.prefill import PrefillWorker
+from baton.disagg.protocol import (
     PROTOCOL_VERSION,
     ProtocolError,
     decode,
     encode,
 )
-from disagg.rooms import DisaggConfig
-from engine import SamplingParams
-from engine.core.engine import Engine
+from baton.disagg.rooms import DisaggConfig
+from baton.engine.core.engine import Engine
 from tests.same_outputs import assert_same_tokens_and_logprobs, chosen
 
 
@@ -138,8 +138,8 @@ def test_pair_is_token_identical_to_colocated_and_frees_everything(
     room's state crosses in many messages, of which only the last of each batch is tracked."""
     model_dir, _ = base_model
     if one_layer_messages:
-        monkeypatch.setattr("disagg.prefill_sends.PUSH_BYTES", 1)
-        monkeypatch.setattr("disagg.prefill_sends.SLOT_PUSH_BYTES", 1)
+        monkeypatch.setattr("baton.disagg.prefill_sends.PUSH_BYTES", 1)
+        monkeypatch.setattr("baton.disagg.prefill_sends.SLOT_PUSH_BYTES", 1)
     ctx = zmq.Context()
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (1, 6, 45, 130)]
@@ -528,7 +528,7 @@ def test_a_preempted_request_keeps_its_hold_for_the_pages_it_writes_after(base_m
 
 
 def test_pages_freed_as_a_run_come_back_as_a_run():
-    from engine.cache.memory import IndexPool
+    from baton.engine.cache.memory import IndexPool
 
     pool = IndexPool(16, "pages")
     first = pool.alloc(5)
@@ -584,9 +584,9 @@ def test_sends_a_decode_worker_never_reads_free_the_pages_after_its_timeout(
     transfer timeout (sent in Register) and a grace period have passed, and the decode worker,
     reading again, installs nothing of what it gets after that timeout (those frames may hold
     another request's state by then): the room fails and both pools return to zero."""
-    import disagg.prefill
+    import baton.disagg.prefill
 
-    monkeypatch.setattr(disagg.prefill, "HOLD_GRACE_S", 0.2)
+    monkeypatch.setattr(baton.disagg.prefill, "HOLD_GRACE_S", 0.2)
     model_dir, _ = base_model
     ctx = zmq.Context()
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -638,12 +638,12 @@ def test_worker_loop_reports_freed_pages_after_a_peer_fails_a_room(base_model):
     import os
     import threading
 
-    from disagg.messages import (
+    from baton.disagg.messages import (
         Register,
         Reject,
     )
-    from disagg.process import DisaggEngineLoop
-    from engine.runtime import ipc
+    from baton.disagg.process import DisaggEngineLoop
+    from baton.engine.runtime import ipc
 
     model_dir, _ = base_model
     ctx = zmq.Context()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from server.cli import build_parser
+from baton.server.cli import build_parser
 
 DOCKER = Path(__file__).parents[1] / "docker"
 

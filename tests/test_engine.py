@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.reference import assert_greedy_matches, hf_greedy
 
 
@@ -237,7 +237,7 @@ def test_prompt_logprobs_survive_a_preemption_mid_prompt(base_model):
 def test_prompt_logprobs_in_row_blocks_equal_one_pass(base_model, monkeypatch):
     """The engine walks a chunk's prompt-logprob rows a few at a time (no second copy of a
     chunk's logits): blocks of 3 rows give what blocks of the whole chunk give."""
-    import engine.core.engine as engine_module
+    import baton.engine.core.engine as engine_module
 
     model_dir, _ = base_model
     prompt = [(7 * i) % 250 + 3 for i in range(37)]

@@ -108,7 +108,7 @@ def test_below_the_layers_no_module_names_a_layers_state():
 def handles_requests(text: str) -> bool:
     """Modules that hold the engine's Request objects (the server and the offline API's result
     objects have fields of the same names: they are not requests)."""
-    return "from engine.core.request import" in text
+    return "from baton.engine.core.request import" in text
 
 
 def test_only_the_scheduler_writes_a_requests_progress():
@@ -144,4 +144,4 @@ def test_each_check_catches_what_it_forbids():
     assert writes_progress("req.output_ids.append(token)\n")
     assert writes_progress("req.kv_pages[0] = 5\n")
     assert not writes_progress("n = req.num_computed\n")
-    assert "disagg" in code_words('import_module("disagg.tp_transfer")\n')
+    assert "disagg" in code_words('import_module("baton.disagg.tp_transfer")\n')

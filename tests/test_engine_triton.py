@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.triton_attention
-import kernels.triton_conv1d
-import kernels.triton_norm
-import kernels.triton_ssd
-import kernels.triton_ssu
-from engine import LLM, SamplingParams
+import baton.kernels.triton_attention
+import baton.kernels.triton_conv1d
+import baton.kernels.triton_norm
+import baton.kernels.triton_ssd
+import baton.kernels.triton_ssu
+from baton import LLM, SamplingParams
 
 LAUNCHERS = [
-    (kernels.triton_ssd, "ssd_scan_triton"),
-    (kernels.triton_conv1d, "causal_conv1d_varlen_triton"),
-    (kernels.triton_conv1d, "causal_conv1d_update_triton"),
-    (kernels.triton_ssu, "selective_state_update_triton"),
-    (kernels.triton_attention, "paged_attention_triton"),
+    (baton.kernels.triton_ssd, "ssd_scan_triton"),
+    (baton.kernels.triton_conv1d, "causal_conv1d_varlen_triton"),
+    (baton.kernels.triton_conv1d, "causal_conv1d_update_triton"),
+    (baton.kernels.triton_ssu, "selective_state_update_triton"),
+    (baton.kernels.triton_attention, "paged_attention_triton"),
 ]
 
 

@@ -10,9 +10,9 @@ import subprocess
 
 import pytest
 
-from engine.config import ModelConfig
-from engine.config_error import ConfigError
-from engine.models.registry import FAMILIES
+from baton.engine.config import ModelConfig
+from baton.engine.config_error import ConfigError
+from baton.engine.models.registry import FAMILIES
 from tests.server_process import BATON
 
 BAMBA = {

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from kernels.norm import group_rms_norm
+from baton.kernels import cpu_ops
+from baton.kernels.norm import group_rms_norm
 from tests.test_kernels_cpu import (
     causal_conv1d_update_torch,
     needs_cc,

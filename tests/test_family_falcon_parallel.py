@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.families import FAMILY_CONFIGS
 from tests.reference import hf_prompt_logprobs
 from tests.tiny import align_dt_limit, save_tokenizer, spread_parameters

@@ -9,10 +9,10 @@ import pytest
 import torch
 import zmq
 
-from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from engine import LLM, SamplingParams
-from engine.core.engine import Engine
+from baton import LLM, SamplingParams
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.prefill import PrefillWorker
+from baton.engine.core.engine import Engine
 from tests.families import FAMILY_CONFIGS
 from tests.reference import hf_greedy, hf_prompt_logprobs
 from tests.same_outputs import assert_same_outputs

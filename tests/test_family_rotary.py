@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import (
+from baton.kernels.attention import (
     build_attention_layout,
     paged_attention_torch,
     rotary_cos_sin,
     rotary_store_kv_torch,
 )
-from kernels.triton_attention import paged_attention_triton, rotary_store_kv_triton
+from baton.kernels.triton_attention import paged_attention_triton, rotary_store_kv_triton
 
 
 def inv_freq(rotary_dim: int, theta: float = 10000.0) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.families import FAMILY_CONFIGS
 from tests.server_process import start_router, start_server
 

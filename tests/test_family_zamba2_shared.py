@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from safetensors import safe_open
 
-from engine import LLM, SamplingParams
-from engine.models.zamba2 import HybridLayer
+from baton import LLM, SamplingParams
+from baton.engine.models.zamba2 import HybridLayer
 
 
 def hybrid_layers(llm) -> list[HybridLayer]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gated_delta import (
+from baton.kernels.gated_delta import (
     chunk_gated_delta_rule_torch,
     gated_delta_decode_torch,
     gdn_gating,
 )
-from kernels.ssd import build_chunk_layout
+from baton.kernels.ssd import build_chunk_layout
 from tests.oracles import gated_delta_oracle
 
 
@@ -194,7 +194,7 @@ def test_gating_matches_the_model_expressions_and_scales_beta():
 
 
 def test_mismatched_shapes_and_slot_counts_are_named_errors():
-    from kernels.gated_delta import gated_delta_decode, gated_delta_prefill
+    from baton.kernels.gated_delta import gated_delta_decode, gated_delta_prefill
 
     q, k, v, g, beta, init = gdn_inputs([4, 2])
     pool = torch.zeros(3, 4, 8, 6)

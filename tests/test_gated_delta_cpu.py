@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_gated_delta
-from kernels.gated_delta import (
+from baton.kernels import cpu_gated_delta
+from baton.kernels.gated_delta import (
     chunk_gated_delta_rule_torch,
     gated_delta_decode,
     gated_delta_decode_torch,
     gated_delta_prefill,
 )
-from kernels.ssd import build_chunk_layout
+from baton.kernels.ssd import build_chunk_layout
 from tests.oracles import gated_delta_oracle
 from tests.test_gated_delta import CASES, gdn_inputs
 
@@ -142,7 +142,7 @@ def test_public_functions_run_the_c_path_and_fall_back_to_torch(monkeypatch):
 def test_plain_c_build_without_avx512_agrees(tmp_path, monkeypatch):
     """The portable loops (-march=x86-64-v3: what a CPU without AVX-512 compiles) give the same
     prefill and decode as the intrinsics build the rest of this file tests."""
-    from kernels import cpu_ops
+    from baton.kernels import cpu_ops
 
     flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_ops.FLAGS]
     monkeypatch.setattr(cpu_ops, "FLAGS", flags)

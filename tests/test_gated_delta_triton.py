@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import triton_gated_delta
-from kernels.gated_delta import (
+from baton.kernels import triton_gated_delta
+from baton.kernels.gated_delta import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_torch,
     gated_delta_decode,
     gated_delta_decode_torch,
     gated_delta_prefill,
 )
-from kernels.ssd import build_chunk_layout
+from baton.kernels.ssd import build_chunk_layout
 from tests.oracles import gated_delta_oracle
 from tests.test_gated_delta import chunk_end_positions, gdn_inputs
 

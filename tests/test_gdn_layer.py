@@ -12,18 +12,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.checkpoint.loader import load_model
-from engine.checkpoint.weights import WeightError
-from engine.config import ModelConfig
-from engine.config_error import ConfigError
-from engine.executor.forward_metadata import ScheduledBatch, TrackPoint
-from engine.executor.model_runner import ModelRunner
-from engine.layers.gated_deltanet import GatedDeltaNet, GDNConfig
-from engine.models import qwen_hybrid
-from engine.parallel import TensorParallel
-from engine.parallel.support import check_tp_supported
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.checkpoint.loader import load_model
+from baton.engine.checkpoint.weights import WeightError
+from baton.engine.config import ModelConfig
+from baton.engine.config_error import ConfigError
+from baton.engine.executor.forward_metadata import ScheduledBatch, TrackPoint
+from baton.engine.executor.model_runner import ModelRunner
+from baton.engine.layers.gated_deltanet import GatedDeltaNet, GDNConfig
+from baton.engine.models import qwen_hybrid
+from baton.engine.parallel import TensorParallel
+from baton.engine.parallel.support import check_tp_supported
 from tests.gdn_families import GDN_CONFIGS
 from tests.tiny import load_json
 
@@ -241,7 +241,7 @@ def test_vision_tower_is_skipped_with_one_log_line(gdn_models, caplog):
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         assert any(n.startswith("model.visual.") for n in f.keys())
     qwen_hybrid._log_vision_skipped.cache_clear()
-    with caplog.at_level(logging.INFO, logger="engine.models.qwen_hybrid"):
+    with caplog.at_level(logging.INFO, logger="baton.engine.models.qwen_hybrid"):
         load_model(model_dir, torch.float32, "cpu")
     lines = [r for r in caplog.records if "vision tower" in r.getMessage()]
     assert len(lines) == 1

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_gated_delta
-from kernels.conv1d import build_window_layout
-from kernels.gdn_mixer import (
+from baton.kernels import cpu_gated_delta
+from baton.kernels.conv1d import build_window_layout
+from baton.kernels.gdn_mixer import (
     GDNMixerDims,
     GDNMixerWeights,
     gdn_mixer_decode,
     gdn_mixer_prefill,
 )
-from kernels.ssd import build_chunk_layout
+from baton.kernels.ssd import build_chunk_layout
 
 HIDDEN, K = 32, 4
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.gdn_families import GDN_CONFIGS
 from tests.reference import TIE_GAP, hf_prompt_logprobs
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.test_gdn_models import assert_matches_transformers
 from tests.tiny import save_tokenizer, spread_parameters
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import httpx
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.test_server_up import Stack
 
 PROMPTS = [[5, 9, 11, 3, 7], list(range(3, 90))]

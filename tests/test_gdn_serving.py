@@ -19,13 +19,13 @@ import pytest
 import torch
 import zmq
 
-from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from disagg.rooms import DisaggConfig
-from disagg.tp_transfer import SECRET_ENV, connector_spec
-from engine import LLM, SamplingParams
-from engine.config_error import ConfigError
-from engine.core.engine import Engine
+from baton import LLM, SamplingParams
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.prefill import PrefillWorker
+from baton.disagg.rooms import DisaggConfig
+from baton.disagg.tp_transfer import SECRET_ENV, connector_spec
+from baton.engine.config_error import ConfigError
+from baton.engine.core.engine import Engine
 from tests.same_outputs import assert_same_outputs, assert_same_tokens_and_logprobs
 
 SECRET = "gdn-s3cret"

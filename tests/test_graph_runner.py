@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.cache.pools import StateCache
-from engine.checkpoint.loader import load_model
-from engine.config import ModelConfig
-from engine.executor.forward_metadata import ScheduledBatch, TrackPoint
-from engine.executor.graph_runner import DecodeGraphRunner, capture_sizes
-from engine.executor.model_runner import ModelRunner
+from baton import LLM, SamplingParams
+from baton.engine.cache.pools import StateCache
+from baton.engine.checkpoint.loader import load_model
+from baton.engine.config import ModelConfig
+from baton.engine.executor.forward_metadata import ScheduledBatch, TrackPoint
+from baton.engine.executor.graph_runner import DecodeGraphRunner, capture_sizes
+from baton.engine.executor.model_runner import ModelRunner
 from tests.same_outputs import assert_same_outputs
 
 PAGE = 4

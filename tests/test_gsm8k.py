@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gsm8k import (
+from baton.bench.gsm8k import (
     build_chat_messages,
     build_prompts,
     extract_answer,
@@ -19,7 +19,7 @@ from bench.gsm8k import (
     run_eval,
     score,
 )
-from bench.gsm8k_data import (
+from baton.bench.gsm8k_data import (
     HELDOUT_PATH,
     HELDOUT_SEED,
     KINDS,
@@ -158,7 +158,7 @@ def test_training_never_draws_a_heldout_problem():
 def shipped_server(tmp_path_factory):
     if not (ASSETS / "model.safetensors").is_file():
         pytest.fail(
-            "assets/model.safetensors is missing: train it with `python -m bench.train_demo`"
+            "assets/model.safetensors is missing: train it with `python -m baton.bench.train_demo`"
         )
     server = start_server(ASSETS, tmp_path_factory.mktemp("gsm8k-server"))
     yield server
@@ -277,7 +277,7 @@ def test_eval_retries_busy_and_unavailable_answers_and_dropped_connections():
 
 
 def test_a_request_that_keeps_failing_counts_as_wrong_and_the_command_exits_1(tmp_path):
-    from server.cli import main
+    from baton.server.cli import main
 
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in ROWS))

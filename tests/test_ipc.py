@@ -9,9 +9,9 @@ import msgpack
 import pytest
 import zmq
 
-from engine.core.outputs import RequestDelta
-from engine.core.sampling_params import SamplingParams
-from engine.runtime.ipc import (
+from baton.engine.core.outputs import RequestDelta
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.runtime.ipc import (
     AbortRequests,
     AddRequest,
     EngineFailed,
@@ -22,7 +22,7 @@ from engine.runtime.ipc import (
     decode,
     encode,
 )
-from engine.runtime.process import EngineLoop, EngineProcessSpec
+from baton.engine.runtime.process import EngineLoop, EngineProcessSpec
 from tests.fake_engine import FakeEngine
 
 
@@ -200,7 +200,7 @@ def test_loop_runs_a_request_to_its_end_and_reports_stats(loop):
 def test_loop_hands_freed_memory_back_once_when_its_last_request_ends(loop, monkeypatch):
     """While busy the heap keeps each step's temporaries for the next step; once idle they go
     back to the system (malloc_trim), once per burst and never between two steps of one."""
-    from engine.runtime import process
+    from baton.engine.runtime import process
 
     send, receive, engine, _ = loop
     calls = []
@@ -282,10 +282,10 @@ def test_the_engine_process_exempts_start_up_objects_from_the_garbage_collector(
     (engine/runtime/gc_freeze.py): the engine process freezes what exists once it has loaded."""
     import gc
 
-    import engine.runtime.process
+    import baton.engine.runtime.process
 
     loaded = {"weights": []}  # stands for what loading made (a container: tracked)
-    monkeypatch.setattr(engine.runtime.process, "Engine", FakeEngine)
+    monkeypatch.setattr(baton.engine.runtime.process, "Engine", FakeEngine)
     monkeypatch.setattr(FakeEngine, "close", lambda self: None, raising=False)
     spec = EngineProcessSpec(
         model=model_dir,
@@ -305,7 +305,7 @@ def test_the_engine_process_exempts_start_up_objects_from_the_garbage_collector(
     try:
         gc.unfreeze()
         assert any(o is loaded for o in gc.get_objects())
-        assert engine.runtime.process._load_and_run(spec, inbox, outbox) == 0
+        assert baton.engine.runtime.process._load_and_run(spec, inbox, outbox) == 0
         assert isinstance(decode(server.recv()), EngineReady)
         assert gc.get_freeze_count() > 0
         assert not any(o is loaded for o in gc.get_objects())  # frozen: never scanned

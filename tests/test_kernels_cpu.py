@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_ops
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_update_torch
-from kernels.linear import PackedLinear, can_pack, matmul_params, pack_linears
-from kernels.ssd import discretize_dt
-from kernels.ssu import selective_state_update, selective_state_update_torch
+from baton.kernels import cpu_ops
+from baton.kernels.conv1d import causal_conv1d_update, causal_conv1d_update_torch
+from baton.kernels.linear import PackedLinear, can_pack, matmul_params, pack_linears
+from baton.kernels.ssd import discretize_dt
+from baton.kernels.ssu import selective_state_update, selective_state_update_torch
 
 needs_cc = pytest.mark.skipif(
     cpu_ops.library() is None,
@@ -228,7 +228,7 @@ def composite_decode(zxbcdt, conv, ssm, slots, w, cb, A, D, dt_bias, norm_w, dim
         slots,
         limit,
     )
-    from kernels.norm import gated_rms_norm_torch
+    from baton.kernels.norm import gated_rms_norm_torch
 
     return gated_rms_norm_torch(y.reshape(b, I), z, norm_w, eps, group)
 
@@ -334,7 +334,7 @@ def test_engine_decode_runs_the_fused_kernel_and_matches_the_composite_path(
 ):
     """The CPU engine's decode steps go through baton_mamba_decode; with it disabled
     (BATON_CPU_OPS=0: conv update + SSU + gated norm in torch) the tokens and logprobs agree."""
-    from engine import LLM, SamplingParams
+    from baton import LLM, SamplingParams
 
     model_dir, _ = base_model
     prompts = [[3 + (7 * i + j) % 250 for j in range(5 + 9 * i)] for i in range(4)]
@@ -368,7 +368,7 @@ def test_engine_decode_runs_the_fused_kernel_and_matches_the_composite_path(
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rms_norm_matches_torch_path(dtype):
-    from kernels.norm import rms_norm, rms_norm_torch
+    from baton.kernels.norm import rms_norm, rms_norm_torch
 
     g = torch.Generator().manual_seed(3)
     wide = torch.randn(7, 80, generator=g).to(dtype)
@@ -397,7 +397,7 @@ def test_fused_rms_norm_matches_torch_path(dtype):
 def test_decode_attention_reads_the_paged_cache_like_the_gather_path(
     dtype, H, KVH, Dh, monkeypatch
 ):
-    from kernels.attention import build_attention_layout, paged_attention
+    from baton.kernels.attention import build_attention_layout, paged_attention
 
     g = torch.Generator().manual_seed(11)
     S, slots = 5, 200
@@ -444,7 +444,7 @@ def test_extend_attention_is_causal_over_each_sequences_cached_prefix(
 ):
     """Chunks of queries after cached prefixes (and a decode row, and a whole fresh prompt) in
     one call, against a float64 causal softmax per sequence."""
-    from kernels.attention import build_attention_layout, paged_attention
+    from baton.kernels.attention import build_attention_layout, paged_attention
 
     g = torch.Generator().manual_seed(12)
     slots = 400
@@ -490,7 +490,7 @@ def test_paged_attention_over_random_shapes_matches_a_float64_softmax(seed):
     """Shapes the fixed cases above do not name: head sizes 8..256 (multiples of 16 and not),
     1..16 heads per KV head, mixed decode rows, chunks after cached prefixes and fresh
     prompts, float32 and bfloat16 caches; each batch through the CPU path the engine runs."""
-    from kernels.attention import build_attention_layout, paged_attention
+    from baton.kernels.attention import build_attention_layout, paged_attention
 
     g = torch.Generator().manual_seed(100 + seed)
 
@@ -544,7 +544,7 @@ def test_paged_attention_over_random_shapes_matches_a_float64_softmax(seed):
 def test_silu_mul_rounds_like_the_torch_expression(dtype, gate_multiplier):
     """SwiGLU's elementwise part in one pass equals up * silu(gate * m) in torch, op by op
     (bf16: all but a rare last-bit difference from the exp), on strided rows."""
-    from engine.layers.mlp import gated_activation
+    from baton.engine.layers.mlp import gated_activation
 
     g = torch.Generator().manual_seed(5)
     wide = (3 * torch.randn(37, 2 * 150 + 9, generator=g)).to(dtype)

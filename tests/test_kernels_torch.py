@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import build_attention_layout, paged_attention, store_kv
-from kernels.conv1d import build_window_layout, causal_conv1d_update, causal_conv1d_varlen
-from kernels.norm import gated_rms_norm
-from kernels.ssd import build_chunk_layout, ssd_scan
-from kernels.ssu import selective_state_update, selective_state_update_multi
+from baton.kernels.attention import build_attention_layout, paged_attention, store_kv
+from baton.kernels.conv1d import build_window_layout, causal_conv1d_update, causal_conv1d_varlen
+from baton.kernels.norm import gated_rms_norm
+from baton.kernels.ssd import build_chunk_layout, ssd_scan
+from baton.kernels.ssu import selective_state_update, selective_state_update_multi
 from tests.oracles import attention_oracle, conv_oracle, ssd_oracle
 
 

@@ -14,31 +14,34 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import build_attention_layout, paged_attention, paged_attention_torch
-from kernels.conv1d import (
+from baton.kernels.attention import build_attention_layout, paged_attention, paged_attention_torch
+from baton.kernels.conv1d import (
     build_window_layout,
     causal_conv1d_update,
     causal_conv1d_update_torch,
     causal_conv1d_varlen,
     causal_conv1d_varlen_torch,
 )
-from kernels.norm import gated_rms_norm, gated_rms_norm_torch, rms_norm, rms_norm_torch
-from kernels.ssd import build_chunk_layout, ssd_scan, ssd_scan_torch
-from kernels.ssu import (
+from baton.kernels.norm import gated_rms_norm, gated_rms_norm_torch, rms_norm, rms_norm_torch
+from baton.kernels.ssd import build_chunk_layout, ssd_scan, ssd_scan_torch
+from baton.kernels.ssu import (
     selective_state_update,
     selective_state_update_multi,
     selective_state_update_torch,
 )
-from kernels.state_copy import copy_states
+from baton.kernels.state_copy import copy_states
 from tests.oracles import attention_oracle, conv_oracle, ssd_oracle
 
 LAUNCHERS = {
-    "kernels.triton_ssd": ["ssd_scan_triton"],
-    "kernels.triton_conv1d": ["causal_conv1d_varlen_triton", "causal_conv1d_update_triton"],
-    "kernels.triton_ssu": ["selective_state_update_triton", "selective_state_update_multi_triton"],
-    "kernels.triton_attention": ["paged_attention_triton"],
-    "kernels.triton_state_copy": ["copy_states_triton"],
-    "kernels.triton_norm": ["rms_norm_triton", "gated_rms_norm_triton"],
+    "baton.kernels.triton_ssd": ["ssd_scan_triton"],
+    "baton.kernels.triton_conv1d": ["causal_conv1d_varlen_triton", "causal_conv1d_update_triton"],
+    "baton.kernels.triton_ssu": [
+        "selective_state_update_triton",
+        "selective_state_update_multi_triton",
+    ],
+    "baton.kernels.triton_attention": ["paged_attention_triton"],
+    "baton.kernels.triton_state_copy": ["copy_states_triton"],
+    "baton.kernels.triton_norm": ["rms_norm_triton", "gated_rms_norm_triton"],
 }
 DTYPES = [torch.float32, torch.float16]
 
@@ -300,7 +303,7 @@ def test_paged_attention_matches_oracle(triton_calls, q_lens, prefix, dims, dtyp
 
 @pytest.mark.parametrize("q_lens,prefix", [([1, 1, 1], [150, 2, 63]), ([6, 2], [40, 90])])
 def test_paged_attention_split_keys_merge_exactly(q_lens, prefix):
-    from kernels.triton_attention import paged_attention_triton
+    from baton.kernels.triton_attention import paged_attention_triton
 
     H, KVH, Dh, page = 4, 2, 16, 16
     kv_lens = [p + q for p, q in zip(prefix, q_lens)]

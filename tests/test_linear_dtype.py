@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine import LLM, SamplingParams
-from kernels.linear import (
+from baton import LLM, SamplingParams
+from baton.kernels.linear import (
     MATMUL_DTYPE_ENV,
     TIMING_ROUNDS,
     MatmulChooser,

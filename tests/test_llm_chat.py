@@ -3,11 +3,11 @@ tools (shipped model and template), and the text generate gives for it."""
 
 from __future__ import annotations
 
-from engine.core.llm import LLM
-from engine.core.sampling_params import SamplingParams
-from server.protocol import ChatCompletionRequest
-from server.tokenizer import Tokenizer
-from server.up import DEFAULT_MODEL
+from baton.engine.core.llm import LLM
+from baton.engine.core.sampling_params import SamplingParams
+from baton.server.protocol import ChatCompletionRequest
+from baton.server.tokenizer import Tokenizer
+from baton.server.up import DEFAULT_MODEL
 from tests.tool_requests import MESSAGES, TOOLS
 
 

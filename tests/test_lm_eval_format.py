@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.gsm8k import build_prompts
-from bench.gsm8k_data import HELDOUT_PATH, read_jsonl
+from baton.bench.gsm8k import build_prompts
+from baton.bench.gsm8k_data import HELDOUT_PATH, read_jsonl
 
 ASSETS = Path(__file__).parents[1] / "assets"
 NUM_QUESTIONS = 48
@@ -64,7 +64,7 @@ def test_lm_eval_rules_restated_here_behave_like_lm_eval():
 
 @pytest.fixture(scope="module")
 def lm_eval_outputs():
-    from engine import LLM, SamplingParams
+    from baton import LLM, SamplingParams
 
     rows = read_jsonl(HELDOUT_PATH)
     prompts = build_prompts(rows, num_shots=5, num_questions=NUM_QUESTIONS)

@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-import kernels.linear
-from engine.checkpoint.loader import load_model
-from kernels import cpu_gemm
-from kernels.linear import MatmulChooser, can_pack
-from kernels.matmul_choices import TRUSTED_SESSIONS, ChoiceCache, machine_key
+import baton.kernels.linear
+from baton.engine.checkpoint.loader import load_model
+from baton.kernels import cpu_gemm
+from baton.kernels.linear import MatmulChooser, can_pack
+from baton.kernels.matmul_choices import TRUSTED_SESSIONS, ChoiceCache, machine_key
 
 needs_fp32_pack = pytest.mark.skipif(not can_pack(torch.float32), reason="no oneDNN fp32 packing")
 needs_baton_gemm = pytest.mark.skipif(
@@ -90,7 +90,7 @@ def test_without_a_cache_every_chooser_times_again():
 
     for _ in range(TRUSTED_SESSIONS + 1):
         MatmulChooser(torch.bfloat16, "auto", counting)(64, 96)
-    assert len(calls) == (TRUSTED_SESSIONS + 1) * 2 * kernels.linear.TIMING_ROUNDS
+    assert len(calls) == (TRUSTED_SESSIONS + 1) * 2 * baton.kernels.linear.TIMING_ROUNDS
 
 
 def test_the_key_changes_with_threads_and_timing_rules():
@@ -129,7 +129,7 @@ def test_loading_a_model_again_times_nothing_once_settled(tiny_models, tmp_path,
         timed.append((in_features, out_features))
         return 1.0 if kernel == "baton" else 2.0
 
-    monkeypatch.setattr(kernels.linear, "time_gemm", counting_gemm)
+    monkeypatch.setattr(baton.kernels.linear, "time_gemm", counting_gemm)
     for _ in range(TRUSTED_SESSIONS):
         load_model(model_dir, torch.float32, "cpu")
     if not timed:
@@ -157,12 +157,12 @@ def test_a_small_linear_runs_decode_rows_on_a_plain_copy_where_timed_faster(plai
         torch.float32, gemm="onednn", decode_timer=_decode_times(1.0, plain_s), cache=None
     )
     linear = torch.nn.Linear(48, 80)
-    with kernels.linear.matmul_dtypes(chooser):
-        packed = kernels.linear.PackedLinear(linear, activation="relu")
+    with baton.kernels.linear.matmul_dtypes(chooser):
+        packed = baton.kernels.linear.PackedLinear(linear, activation="relu")
     assert (packed.plain is not None) is keeps_plain
     calls = []
     original = torch.nn.functional.linear
-    for rows in (1, kernels.linear.PLAIN_ROWS, kernels.linear.PLAIN_ROWS + 1):
+    for rows in (1, baton.kernels.linear.PLAIN_ROWS, baton.kernels.linear.PLAIN_ROWS + 1):
         x = torch.randn(rows, 48)
         torch.nn.functional.linear = lambda *a, n=rows: (calls.append(n), original(*a))[1]
         try:
@@ -170,12 +170,12 @@ def test_a_small_linear_runs_decode_rows_on_a_plain_copy_where_timed_faster(plai
         finally:
             torch.nn.functional.linear = original
         torch.testing.assert_close(got, torch.relu(linear(x)), atol=1e-5, rtol=1e-5)
-    want = [1, kernels.linear.PLAIN_ROWS] if keeps_plain else []
+    want = [1, baton.kernels.linear.PLAIN_ROWS] if keeps_plain else []
     assert calls == want
 
 
 @needs_fp32_pack
 def test_a_large_linear_is_never_timed_for_a_plain_copy():
     chooser = MatmulChooser(torch.float32, gemm="onednn", decode_timer=_never, cache=None)
-    side = int(kernels.linear.SMALL_WEIGHT**0.5) + 1
+    side = int(baton.kernels.linear.SMALL_WEIGHT**0.5) + 1
     assert not chooser.plain_for_decode(side, side, torch.float32, "onednn")

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.cache.pools import StateCache
-from engine.checkpoint.loader import load_model
-from engine.config import ModelConfig
-from engine.executor.forward_metadata import (
+from baton.engine.cache.pools import StateCache
+from baton.engine.checkpoint.loader import load_model
+from baton.engine.config import ModelConfig
+from baton.engine.executor.forward_metadata import (
     ForwardBatch,
     ForwardMetadata,
     Mamba2Metadata,
@@ -20,9 +20,9 @@ from engine.executor.forward_metadata import (
     TrackPoint,
     build_metadata,
 )
-from engine.executor.graph_runner import DecodeGraphRunner, copy_from
-from engine.executor.metadata_buffers import MetadataBuffers
-from engine.executor.model_runner import ModelRunner
+from baton.engine.executor.graph_runner import DecodeGraphRunner, copy_from
+from baton.engine.executor.metadata_buffers import MetadataBuffers
+from baton.engine.executor.model_runner import ModelRunner
 
 CARRIERS = [TrackPoint, ScheduledBatch, ForwardBatch, ForwardMetadata, Mamba2Metadata]
 PAGE, CHUNK, CONV = 4, 8, 4
@@ -352,7 +352,7 @@ def test_track_flag_must_match_track_points():
 def test_verify_attention_is_the_layout_of_q_causal_queries():
     """The verify segment's layout, built on the device from pages like the decode one, is what
     the kernels' own builder gives for q queries per sequence over the paged prefix."""
-    from kernels.attention import build_attention_layout
+    from baton.kernels.attention import build_attention_layout
 
     sched = scheduled("verify", track=False)
     got = build(sched).forward.verify_attention
@@ -442,7 +442,7 @@ def test_verify_steps_the_padded_runner_leaves_to_eager():
 def test_with_tokens_equals_building_the_draft_batch(mode):
     """An MTP head's first pass reuses its step's metadata with other tokens and logits rows:
     what it reads equals a fresh build of that batch."""
-    from engine.executor.forward_metadata import same_rows, with_tokens
+    from baton.engine.executor.forward_metadata import same_rows, with_tokens
 
     sched = scheduled(mode, track=False)
     draft = dataclasses.replace(

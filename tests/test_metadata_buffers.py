@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.core.engine import Engine
-from engine.executor.forward_metadata import ScheduledBatch, build_metadata
-from engine.executor.graph_runner import copy_from
-from engine.executor.metadata_buffers import MetadataBuffers
-from kernels.attention import build_attention_layout
+from baton import SamplingParams
+from baton.engine.core.engine import Engine
+from baton.engine.executor.forward_metadata import ScheduledBatch, build_metadata
+from baton.engine.executor.graph_runner import copy_from
+from baton.engine.executor.metadata_buffers import MetadataBuffers
+from baton.kernels.attention import build_attention_layout
 from tests.test_metadata import CHUNK, CONV, PAGE, scheduled
 
 

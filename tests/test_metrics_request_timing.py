@@ -7,10 +7,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.core.engine import Engine
-from engine.core.outputs import SampledTokens
-from engine.core.request_timing import STATS_PREFIX, RequestTiming
-from engine.core.sampling_params import SamplingParams
+from baton.engine.core.engine import Engine
+from baton.engine.core.outputs import SampledTokens
+from baton.engine.core.request_timing import STATS_PREFIX, RequestTiming
+from baton.engine.core.sampling_params import SamplingParams
 from tests.server_process import start_server, tiny_model
 from tests.test_scheduler import make, req
 

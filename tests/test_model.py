@@ -9,14 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.cache.pools import StateCache
-from engine.checkpoint.loader import load_model
-from engine.checkpoint.weights import WeightError
-from engine.config import ModelConfig
-from engine.config_error import ConfigError
-from engine.executor.forward_metadata import ScheduledBatch
-from engine.executor.model_runner import ModelRunner
+from baton import LLM, SamplingParams
+from baton.engine.cache.pools import StateCache
+from baton.engine.checkpoint.loader import load_model
+from baton.engine.checkpoint.weights import WeightError
+from baton.engine.config import ModelConfig
+from baton.engine.config_error import ConfigError
+from baton.engine.executor.forward_metadata import ScheduledBatch
+from baton.engine.executor.model_runner import ModelRunner
 from tests.reference import assert_greedy_matches, hf_greedy, hf_prompt_logprobs
 
 CONFIG_NAMES = ["base", "odd", "single_group_tied", "mamba_only", "attention_only"]

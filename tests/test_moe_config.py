@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.checkpoint.loader import load_model
-from engine.checkpoint.weights import WeightError
-from engine.config import ModelConfig
-from engine.config_error import ConfigError
+from baton import LLM, SamplingParams
+from baton.engine.checkpoint.loader import load_model
+from baton.engine.checkpoint.weights import WeightError
+from baton.engine.config import ModelConfig
+from baton.engine.config_error import ConfigError
 from tests.reference import assert_greedy_matches, hf_greedy
 from tests.tiny import save_tiny_model
 
@@ -171,7 +171,7 @@ def test_sharded_moe_checkpoint_with_mtp_tensors_loads(tiny_models, tmp_path, ca
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_dir / name, tmp_path / name)
-    with caplog.at_level(logging.INFO, logger="engine.checkpoint.weights"):
+    with caplog.at_level(logging.INFO, logger="baton.engine.checkpoint.weights"):
         tokens = list(range(3, 30))
         assert _logits(tmp_path, tokens) == _logits(model_dir, tokens)
     assert [r.message for r in caplog.records if "mtp" in r.message] == [

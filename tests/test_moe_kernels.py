@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.layouts import Routing
-from kernels.moe import fused_moe_torch, pack_experts, pack_onednn, route_sigmoid_grouped
-from kernels.triton_moe import fused_moe_triton
+from baton.kernels.layouts import Routing
+from baton.kernels.moe import fused_moe_torch, pack_experts, pack_onednn, route_sigmoid_grouped
+from baton.kernels.triton_moe import fused_moe_triton
 
 
 def experts_oracle(x, w_up, w_down, routing: Routing, activation: str, round_to=None):
@@ -148,13 +148,13 @@ def test_triton_fused_moe_on_empty_batch():
 
 def test_moe_engine_on_triton_kernels_matches_torch_engine(tiny_models, monkeypatch):
     """BATON_KERNELS picks the fused MoE kernel like every other kernel (interpreter here)."""
-    import kernels.triton_moe
-    from engine import LLM, SamplingParams
+    import baton.kernels.triton_moe
+    from baton import LLM, SamplingParams
 
     calls = []
-    original = kernels.triton_moe.fused_moe_triton
+    original = baton.kernels.triton_moe.fused_moe_triton
     monkeypatch.setattr(
-        kernels.triton_moe,
+        baton.kernels.triton_moe,
         "fused_moe_triton",
         lambda *a, **kw: (calls.append(a[0].shape[0]), original(*a, **kw))[1],
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.conftest import MOE_CONFIGS
 from tests.reference import hf_greedy, hf_prompt_logprobs
 from tests.test_engine import check_against_reference

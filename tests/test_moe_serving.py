@@ -7,10 +7,10 @@ import pytest
 import torch
 import zmq
 
-from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from engine import LLM, SamplingParams
-from engine.core.engine import Engine
+from baton import LLM, SamplingParams
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.prefill import PrefillWorker
+from baton.engine.core.engine import Engine
 from tests.conftest import MOE_CONFIGS
 from tests.test_disagg_unit import assert_pools_empty, colocated_tokens, config, run_pair
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from server.output_parser import OutputParser, OutputStream, ParsedOutput
-from server.reasoning_parsers import REASONING_FORMATS, ReasoningSplitter, starts_thinking
-from server.tool_parsers import BareJsonParser, make_tool_parser, typed_value
+from baton.server.output_parser import OutputParser, OutputStream, ParsedOutput
+from baton.server.reasoning_parsers import REASONING_FORMATS, ReasoningSplitter, starts_thinking
+from baton.server.tool_parsers import BareJsonParser, make_tool_parser, typed_value
 
 WEATHER_TOOLS = [
     {

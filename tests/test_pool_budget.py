@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.cache.memory import budget_pools
-from engine.cache.pools import StateCache
-from engine.checkpoint.loader import held_bytes, load_model
-from engine.config import ModelConfig
-from engine.core.engine import Engine
-from engine.models.registry import model_state_spec
-from kernels.linear import SMALL_WEIGHT, PackedLinear
-from server.args import ServerArgs
+from baton.engine.cache.memory import budget_pools
+from baton.engine.cache.pools import StateCache
+from baton.engine.checkpoint.loader import held_bytes, load_model
+from baton.engine.config import ModelConfig
+from baton.engine.core.engine import Engine
+from baton.engine.models.registry import model_state_spec
+from baton.kernels.linear import SMALL_WEIGHT, PackedLinear
+from baton.server.args import ServerArgs
 
 MiB = 1 << 20
 
@@ -71,7 +71,7 @@ def test_a_model_without_paged_state_counts_its_context_budget():
 
 def test_the_110m_model_at_llama_cpps_budget_reserves_what_its_spec_says(tiny_models):
     """32 requests over 16k tokens, the comparison of issue 35: pools of the spec's bytes."""
-    from bench.workloads import CONFIGS
+    from baton.bench.workloads import CONFIGS
 
     shape = CONFIGS["110m"]
     spec = model_state_spec(_nemotron_config(shape), torch.float32)
@@ -93,7 +93,7 @@ def test_the_110m_model_at_llama_cpps_budget_reserves_what_its_spec_says(tiny_mo
 
 
 def _nemotron_config(shape: dict) -> ModelConfig:
-    """The config.json transformers writes for these shapes (bench.workloads.save_model's)."""
+    """The config.json transformers writes for these shapes (baton.bench.workloads.save_model's)."""
     import transformers
 
     raw = transformers.NemotronHConfig(max_position_embeddings=8192, **shape).to_dict()
@@ -147,7 +147,7 @@ def test_memory_freed_while_loading_goes_back_to_the_system():
     weights packing replaced) stayed resident until release_freed_memory."""
     code = """
         import torch
-        from engine.runtime.cpu_allocator import keep_freed_memory_in_heap, release_freed_memory
+        from baton.engine.runtime.cpu_allocator import keep_freed_memory_in_heap, release_freed_memory
         def rss():
             with open("/proc/self/status") as status:
                 return next(int(l.split()[1]) for l in status if l.startswith("VmRSS")) // 1024

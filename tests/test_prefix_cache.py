@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.cache.pools import StateCache
-from engine.checkpoint.loader import load_model
-from engine.config import ModelConfig
-from engine.executor.forward_metadata import ScheduledBatch, TrackPoint
-from engine.executor.model_runner import ModelRunner
-from engine.models.nemotron_h import Mamba2Mixer
+from baton import LLM, SamplingParams
+from baton.engine.cache.pools import StateCache
+from baton.engine.checkpoint.loader import load_model
+from baton.engine.config import ModelConfig
+from baton.engine.executor.forward_metadata import ScheduledBatch, TrackPoint
+from baton.engine.executor.model_runner import ModelRunner
+from baton.engine.models.nemotron_h import Mamba2Mixer
 from tests.same_outputs import assert_same_outputs
 
 INTERVAL = 32  # tiny base model: chunk 16, page 4
@@ -200,7 +200,7 @@ def test_track_interval_must_align_with_chunk_and_page(base_model):
 def test_a_request_waiting_for_memory_is_looked_up_once(base_model):
     """Prefix-cache lookups count when their match is used: a request retried every step while
     the pool is full must not inflate the queries (the hit rate's denominator)."""
-    from engine.core.engine import Engine
+    from baton.engine.core.engine import Engine
 
     model_dir, _ = base_model
     engine = Engine(model_dir, page_size=4, mamba_track_interval=INTERVAL, max_total_tokens=160)

@@ -11,9 +11,9 @@ import pytest
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import normalizers
 
-from server.errors import APIError
-from server.prompt_bound import FIRST_SLICE_CHARS, encode_within, max_token_bytes
-from server.tokenizer import Tokenizer
+from baton.server.errors import APIError
+from baton.server.prompt_bound import FIRST_SLICE_CHARS, encode_within, max_token_bytes
+from baton.server.tokenizer import Tokenizer
 from tests.test_server_load import huge_prompt_body
 from tests.tiny import save_tokenizer
 

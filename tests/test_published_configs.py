@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.reference import assert_greedy_matches, hf_greedy
 from tests.tiny import align_dt_limit, spread_parameters
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.reference import assert_greedy_matches, hf_greedy, hf_prompt_logprobs
 from tests.tiny import save_tokenizer, spread_parameters
 

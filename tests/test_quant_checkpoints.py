@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint.loader import load_model
-from engine.config_error import ConfigError
-from engine.parallel import TensorParallel
-from engine.quantization.modules import QuantizedLinear
-from engine.quantization.schemes import WeightError
-from kernels.linear import PackedLinear
+from baton.engine.checkpoint.loader import load_model
+from baton.engine.config_error import ConfigError
+from baton.engine.parallel import TensorParallel
+from baton.engine.quantization.modules import QuantizedLinear
+from baton.engine.quantization.schemes import WeightError
+from baton.kernels.linear import PackedLinear
 
 IN_PROJ = "backbone.layers.0.mixer.in_proj"
 
@@ -85,7 +85,7 @@ def test_fp8_on_an_unquantized_checkpoint_quantizes_at_load(quantized_models):
 
 def test_a_layer_an_exclude_list_misses_stays_in_its_stored_dtype(quantized_models, caplog):
     quantized, _ = quantized_models("nemotron_moe", "modelopt_nvfp4")
-    with caplog.at_level(logging.INFO, logger="engine.quantization.transform"):
+    with caplog.at_level(logging.INFO, logger="baton.engine.quantization.transform"):
         model = load(quantized)
     assert not isinstance(model.model.layers[2].mixer.in_proj, QuantizedLinear)  # unlisted
     assert not isinstance(model.model.layers[0].mixer.out_proj, QuantizedLinear)  # excluded
@@ -157,11 +157,11 @@ def test_a_tensor_parallel_size_that_splits_a_scale_block_is_refused(
 
 
 def test_quantization_flag_reaches_the_engine(tmp_path, monkeypatch):
-    from server.cli import main
+    from baton.server.cli import main
 
     (tmp_path / "config.json").write_text("{}")
     started = []
-    monkeypatch.setattr("server.launch.run", started.append)
+    monkeypatch.setattr("baton.server.launch.run", started.append)
     assert main(["serve", str(tmp_path), "-q", "fp8"]) == 0
     assert main(["serve", str(tmp_path), "--quantization", "modelopt_fp4"]) == 0
     assert [args.engine_args()["quantization"] for args in started] == ["fp8", "modelopt_fp4"]

@@ -11,12 +11,12 @@ import torch
 import zmq
 from safetensors import safe_open
 
-from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from engine import LLM, SamplingParams
-from engine.config import ModelConfig
-from engine.core.engine import Engine
-from engine.models.registry import model_state_spec
+from baton import LLM, SamplingParams
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.prefill import PrefillWorker
+from baton.engine.config import ModelConfig
+from baton.engine.core.engine import Engine
+from baton.engine.models.registry import model_state_spec
 from tests.test_disagg_unit import assert_pools_empty, colocated_tokens, config, run_pair
 
 # small pools (preemption), checkpoints every 16 tokens (prefix hits), 16-token chunks
@@ -106,7 +106,7 @@ def gpu_pool_budget(model_dir, monkeypatch, free: int) -> tuple[int, int]:
         raise PoolsSized(sizes["max_total_tokens"], sizes["max_mamba_slots"])
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, free))
-    monkeypatch.setattr("engine.core.engine.size_pools", stop)
+    monkeypatch.setattr("baton.engine.core.engine.size_pools", stop)
     with pytest.raises(PoolsSized) as sized:
         Engine(model_dir, dtype="float32", device="cuda", max_mamba_slots=4, mem_fraction=1.0)
     return sized.value.args

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.quantization.config import LayerScheme
-from engine.quantization.schemes import quantized_tensor
-from kernels import cpu_moe, cpu_quant
-from kernels.layouts import Routing
-from kernels.moe import fused_moe_torch, pack_experts
-from kernels.quant import QuantizedTensor, concat_rows, dequantize
+from baton.engine.quantization.config import LayerScheme
+from baton.engine.quantization.schemes import quantized_tensor
+from baton.kernels import cpu_moe, cpu_quant
+from baton.kernels.layouts import Routing
+from baton.kernels.moe import fused_moe_torch, pack_experts
+from baton.kernels.quant import QuantizedTensor, concat_rows, dequantize
 from tests.quantize import E2M1_VALUES, dequantized, fp8_block, fp8_tensor, nvfp4
 
 needs_kernel = pytest.mark.skipif(

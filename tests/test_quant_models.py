@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.quantization.modules import QuantizedLinear, QuantizedWeight
+from baton import LLM, SamplingParams
+from baton.engine.quantization.modules import QuantizedLinear, QuantizedWeight
 from tests.reference import hf_greedy
 from tests.test_engine import check_against_reference
 

@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine import LLM, SamplingParams
-from engine.quantization.modules import QuantizedLinear, QuantizedWeight
-from engine.quantization.schemes import WeightError
-from kernels.linear import PackedLinear
+from baton import LLM, SamplingParams
+from baton.engine.quantization.modules import QuantizedLinear, QuantizedWeight
+from baton.engine.quantization.schemes import WeightError
+from baton.kernels.linear import PackedLinear
 from tests.quant_models import QWEN
 from tests.test_gdn_models import assert_matches_transformers, prompts_for
 from tests.test_quant_checkpoints import copy_of, edit_tensors, load

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.layouts import Routing
-from kernels.moe import fused_moe_torch
-from kernels.quant import dequantize, quantize_rows_fp8, w8a8_linear_torch
-from kernels.triton_moe import fused_moe_triton
-from kernels.triton_quant import quantize_rows_fp8_triton, w8a8_matmul, weight_only_matmul
+from baton.kernels.layouts import Routing
+from baton.kernels.moe import fused_moe_torch
+from baton.kernels.quant import dequantize, quantize_rows_fp8, w8a8_linear_torch
+from baton.kernels.triton_moe import fused_moe_triton
+from baton.kernels.triton_quant import quantize_rows_fp8_triton, w8a8_matmul, weight_only_matmul
 from tests.test_quant_formats import SCHEMES, random_codes
 
 

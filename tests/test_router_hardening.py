@@ -17,8 +17,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.args import SERVER_KEEP_ALIVE_S
-from server.router import ROUTER_KEEPALIVE_EXPIRY_S
+from baton.server.args import SERVER_KEEP_ALIVE_S
+from baton.server.router import ROUTER_KEEPALIVE_EXPIRY_S
 from tests import zmtp
 from tests.server_process import children_of, start_router, start_server, tiny_model
 from tests.test_server_errors import LONE, assert_unending_headers_refused
@@ -209,7 +209,7 @@ def test_router_refuses_headers_that_never_end(stack):
 
 
 def test_router_error_texts_name_the_cause():
-    from server.router_workers import describe
+    from baton.server.router_workers import describe
 
     assert "ReadError" in describe(httpx.ReadError(""))
     assert "RemoteProtocolError" in describe(httpx.RemoteProtocolError(""))
@@ -261,7 +261,7 @@ def test_secrets_given_to_a_worker_never_reach_its_engines_command_line(keyed_st
     for role in ("prefill", "decode"):
         (engine,) = children_of(keyed_stack[role].process.pid)
         command = Path(f"/proc/{engine}/cmdline").read_bytes()
-        assert b"engine.runtime.process" in command or b"disagg.process" in command
+        assert b"baton.engine.runtime.process" in command or b"baton.disagg.process" in command
         assert WORKER_SECRET.encode() not in command and API_KEY.encode() not in command, role
         assert environ(engine)["BATON_DISAGG_SECRET"] == WORKER_SECRET, role
 

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.router import DEFAULT_ROUTING, build_router_app
-from server.router_policies.round_robin import RoundRobin
-from server.router_workers import FAILURES_TO_REMOVE, WorkerSet
+from baton.server.router import DEFAULT_ROUTING, build_router_app
+from baton.server.router_policies.round_robin import RoundRobin
+from baton.server.router_workers import FAILURES_TO_REMOVE, WorkerSet
 
 PREFILL, DECODE = "http://prefill.test", "http://decode.test"
 
@@ -201,7 +201,7 @@ def test_request_traffic_that_finds_a_worker_gone_takes_it_out_at_once():
 
 
 def test_router_refuses_a_zero_concurrency_limit():
-    from server.cli import main
+    from baton.server.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["router", "--prefill", PREFILL, "--decode", DECODE, "--max-concurrent-requests", "0"])

@@ -11,9 +11,9 @@ import pytest
 from fastapi.responses import JSONResponse
 from hypothesis import HealthCheck, settings
 
-from server.app import build_app
-from server.args import DEFAULT_MAX_REQUEST_BYTES
-from server.router import build_router_app
+from baton.server.app import build_app
+from baton.server.args import DEFAULT_MAX_REQUEST_BYTES
+from baton.server.router import build_router_app
 from tests.test_router_health import DECODE, PREFILL, FakeWorkers
 
 schemathesis = pytest.importorskip("schemathesis")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.cache.memory import IndexPool
-from engine.core.outputs import SampledTokens
-from engine.core.request import Request, Status
-from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerConfig
+from baton.engine.cache.memory import IndexPool
+from baton.engine.core.outputs import SampledTokens
+from baton.engine.core.request import Request, Status
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.core.scheduler import Scheduler, SchedulerConfig
 
 
 class RecordedSlotOps:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.cli import build_parser
-from server.secret_flags import API_KEY_ENV, SecretError, secret
+from baton.server.cli import build_parser
+from baton.server.secret_flags import API_KEY_ENV, SecretError, secret
 
 
 def test_a_file_gives_its_first_line_stripped(tmp_path):

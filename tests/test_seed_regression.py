@@ -29,9 +29,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.gsm8k import few_shot_prefix, format_example
-from bench.gsm8k_data import HELDOUT_PATH, NUM_FEW_SHOT_ROWS, read_jsonl
-from server.tokenizer import Tokenizer
+from baton.bench.gsm8k import few_shot_prefix, format_example
+from baton.bench.gsm8k_data import HELDOUT_PATH, NUM_FEW_SHOT_ROWS, read_jsonl
+from baton.server.tokenizer import Tokenizer
 from tests.server_process import start_router, start_server
 
 ASSETS = Path(__file__).parents[1] / "assets"
@@ -53,7 +53,7 @@ CACHE_ON = (*ENGINE_FLAGS, "--mamba-track-interval", str(INTERVAL))
 SEED_BUG = """
 import os
 if os.environ.get("BATON_TEST_SEED_BUG") == "1":
-    from engine.models import nemotron_h
+    from baton.engine.models import nemotron_h
 
     _checkpoint = nemotron_h.Mamba2Mixer.checkpoint
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_mamba1
-from kernels.selective_scan import (
+from baton.kernels import cpu_mamba1
+from baton.kernels.selective_scan import (
     selective_scan_pool,
     selective_scan_torch,
     selective_state_update,
     selective_state_update_torch,
 )
-from kernels.ssd import build_chunk_layout
+from baton.kernels.ssd import build_chunk_layout
 from tests.oracles import selective_scan_oracle
 
 # (seq_lens, start positions, chunk size): fresh and resumed prompts, chunk ends inside and at

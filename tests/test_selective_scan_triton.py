@@ -9,16 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.triton_conv1d as triton_conv1d
-import kernels.triton_selective_scan as triton_scan
-from kernels.conv1d import build_window_layout, causal_conv1d_update, causal_conv1d_varlen
-from kernels.selective_scan import (
+import baton.kernels.triton_conv1d as triton_conv1d
+import baton.kernels.triton_selective_scan as triton_scan
+from baton.kernels.conv1d import build_window_layout, causal_conv1d_update, causal_conv1d_varlen
+from baton.kernels.selective_scan import (
     selective_scan_pool,
     selective_scan_torch,
     selective_state_update,
     selective_state_update_torch,
 )
-from kernels.ssd import build_chunk_layout
+from baton.kernels.ssd import build_chunk_layout
 from tests.oracles import conv_oracle
 from tests.test_selective_scan import inputs, scan_args
 

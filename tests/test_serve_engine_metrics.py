@@ -1,16 +1,16 @@
-"""bench.serve_side_by_side reads what the engine saw from /metrics (baton's request timing
+"""baton.bench.serve_side_by_side reads what the engine saw from /metrics (baton's request timing
 histograms and vLLM's, differenced between two scrapes); the server's scheduling defaults."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.serve_metrics import engine_means, histogram_totals
-from bench.serve_side_by_side import server_commands
-from engine.core.engine import Engine
-from engine.core.request_timing import RequestTiming
-from server.args import ServerArgs
-from server.metrics import ServerMetrics
+from baton.bench.serve_metrics import engine_means, histogram_totals
+from baton.bench.serve_side_by_side import server_commands
+from baton.engine.core.engine import Engine
+from baton.engine.core.request_timing import RequestTiming
+from baton.server.args import ServerArgs
+from baton.server.metrics import ServerMetrics
 
 VLLM_PAGE = """\
 # HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
-from server.version import baton_version
+from baton import LLM, SamplingParams
+from baton.server.version import baton_version
 from tests.server_process import start_server, tiny_model
 
 MODEL_NAME = "tiny"

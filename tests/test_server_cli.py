@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.checkpoint.loader import resolve_dtype
-from server.args import ServerArgs
-from server.cli import build_parser, main
+from baton.engine.checkpoint.loader import resolve_dtype
+from baton.server.args import ServerArgs
+from baton.server.cli import build_parser, main
 from tests.server_process import start_server
 from tests.tiny import load_json, save_tiny_model, save_tokenizer
 
@@ -169,7 +169,7 @@ def test_serve_takes_vllm_and_sglang_spellings(tmp_path, monkeypatch):
     --no-enable-prefix-caching / --disable-radix-cache: the same ServerArgs as baton's own flags."""
     (tmp_path / "config.json").write_text("{}")
     started = []
-    monkeypatch.setattr("server.launch.run", started.append)
+    monkeypatch.setattr("baton.server.launch.run", started.append)
     ours = ["--model", str(tmp_path), "--max-running-requests", "4", "--tp", "1"]
     assert main(["serve", *ours, "--no-prefix-cache"]) == 0
     theirs = [

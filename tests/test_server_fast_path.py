@@ -8,14 +8,14 @@ import asyncio
 import pytest
 from starlette.testclient import TestClient
 
-from engine.core.outputs import RequestDelta
-from engine.runtime.ipc import EngineReady
-from server import completions
-from server.app import build_app
-from server.args import ServerArgs
-from server.generation import ServerState
-from server.metrics import ServerMetrics
-from server.tokenizer import Tokenizer
+from baton.engine.core.outputs import RequestDelta
+from baton.engine.runtime.ipc import EngineReady
+from baton.server import completions
+from baton.server.app import build_app
+from baton.server.args import ServerArgs
+from baton.server.generation import ServerState
+from baton.server.metrics import ServerMetrics
+from baton.server.tokenizer import Tokenizer
 from tests.tiny import save_tokenizer
 
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from engine.core.llm import LLM
-from engine.core.sampling_params import SamplingParams
-from engine.runtime.cpu_threads import cores_per_engine
+from baton.engine.core.llm import LLM
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.runtime.cpu_threads import cores_per_engine
 from tests.server_process import BATON, Stack, children_of, free_port, pid_alive, tiny_model
 from tests.tiny import load_json, save_tiny_model, save_tokenizer
 

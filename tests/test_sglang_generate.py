@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.server_process import start_server, tiny_model
 
 MAX_MODEL_LEN = 256

@@ -14,9 +14,9 @@ import pytest
 import torch
 import transformers
 
-from engine import LLM, SamplingParams
-from engine.config import ModelConfig
-from engine.config_error import ConfigError
+from baton import LLM, SamplingParams
+from baton.engine.config import ModelConfig
+from baton.engine.config_error import ConfigError
 from tests.families import FAMILY_CONFIGS, save_model
 from tests.reference import hf_greedy
 from tests.test_engine import check_against_reference

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from engine import LLM, SamplingParams
-from engine.core.engine import Engine
+from baton import LLM, SamplingParams
+from baton.engine.core.engine import Engine
 from tests.mtp_models import add_mtp_layer
 from tests.spec_helpers import ScriptedDrafter
 from tests.test_disagg_families import assert_as_colocated, close, pair

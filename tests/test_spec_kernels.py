@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels.conv1d import causal_conv1d_update_multi
-from kernels.cpu_verify import mamba_verify_cpu, mamba_verify_supported
+from baton.kernels import cpu_ops
+from baton.kernels.conv1d import causal_conv1d_update_multi
+from baton.kernels.cpu_verify import mamba_verify_cpu, mamba_verify_supported
 from tests.oracles import conv_oracle
 
 needs_cc = pytest.mark.skipif(cpu_ops.library() is None, reason="no C compiler")
@@ -90,8 +90,8 @@ def test_fused_verify_step_refuses_a_slot_outside_the_pool():
 def test_mixer_verify_torch_path_equals_the_fused_step(base_model, monkeypatch):
     """The Mamba2 mixer's verify rows: the torch path (multi-token conv, multi-token state
     update, gate: what a GPU runs) and the fused C step agree."""
-    from engine.checkpoint.loader import load_model
-    from engine.layers import mamba2
+    from baton.engine.checkpoint.loader import load_model
+    from baton.engine.layers import mamba2
     from tests.spec_helpers import verify_metadata
 
     model_dir, _ = base_model

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from engine import LLM, SamplingParams
-from engine.checkpoint.loader import load_model
-from engine.config import ModelConfig
-from engine.config_error import ConfigError
+from baton import LLM, SamplingParams
+from baton.engine.checkpoint.loader import load_model
+from baton.engine.config import ModelConfig
+from baton.engine.config_error import ConfigError
 from tests.mtp_models import add_mtp_layer
 
 MTP_MODELS = {  # name -> (tiny model it extends, MTP block types)
@@ -161,7 +161,7 @@ def mtp_reference(config, w, embeds, hidden):
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_mtp_forward_equals_the_torch_reference(mtp_models, name):
     """A draft forward over 11 positions of a fresh cache (its attention over its own K/V)."""
-    from engine.executor.draft_batch import DraftBatch
+    from baton.engine.executor.draft_batch import DraftBatch
     from tests.spec_helpers import mtp_prefill_batch
 
     model_dir, _, tensors = mtp_models(name)

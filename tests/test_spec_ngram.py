@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.ngram import ngram_drafts
+from baton.engine.spec_decode.config import SpeculativeConfig
+from baton.engine.spec_decode.ngram import ngram_drafts
 
 
 def test_the_longest_recurring_suffix_proposes_what_followed_it_last():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.core.sampling_params import StructuredOutputs
+from baton import LLM, SamplingParams
+from baton.engine.core.sampling_params import StructuredOutputs
 from tests.spec_helpers import scripted_llm
 
 ASSETS = Path(__file__).parents[1] / "assets"

@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import LLM, SamplingParams
-from engine.checkpoint.loader import load_model
-from engine.config import ModelConfig
-from engine.config_error import ConfigError
+from baton import LLM, SamplingParams
+from baton.engine.checkpoint.loader import load_model
+from baton.engine.config import ModelConfig
+from baton.engine.config_error import ConfigError
 from tests.qwen_mtp_models import add_qwen_mtp_layer, body_prefix
 from tests.qwen_mtp_reference import mtp_reference
 
@@ -77,7 +77,7 @@ def test_mtp_weights_load_from_the_top_level_only_for_an_mtp_drafter(mtp_models)
 @pytest.mark.parametrize("name", MODELS)
 def test_mtp_forward_equals_the_torch_reference(mtp_models, name):
     """A draft forward over 11 positions of a fresh cache (its attention over its own K/V)."""
-    from engine.executor.draft_batch import DraftBatch
+    from baton.engine.executor.draft_batch import DraftBatch
     from tests.spec_helpers import mtp_prefill_batch
 
     model_dir, _, tensors = mtp_models(name)
@@ -236,7 +236,7 @@ def test_pd_pair_with_mtp_drafting_matches_colocated_speculation(mtp_models):
     verify rows as one engine speculating alone."""
     import zmq
 
-    from engine.core.engine import Engine
+    from baton.engine.core.engine import Engine
     from tests.test_disagg_families import assert_as_colocated, close, pair
     from tests.test_disagg_unit import assert_pools_empty
 
@@ -260,7 +260,7 @@ def test_pd_pair_with_mtp_drafting_matches_colocated_speculation(mtp_models):
 def test_mtp_drafting_from_a_checkpoint_without_mtp_weights_names_them(gdn_models):
     """Qwen3-Next counts one MTP layer when its config names none (as vLLM); a checkpoint saved
     by transformers has no `mtp.*`, and drafting with it is refused naming the missing tensors."""
-    from engine.checkpoint.weights import WeightError
+    from baton.engine.checkpoint.weights import WeightError
 
     model_dir, _ = gdn_models("qwen3_next_moe")
     with pytest.raises(WeightError, match="missing tensor.*'mtp.fc.weight'"):
@@ -271,7 +271,7 @@ def test_a_quantized_checkpoint_drafts_with_its_mtp_layer(mtp_models, tmp_path):
     """As Qwen3.5's NVFP4 releases ship: the body and the MTP layer's decoder in NVFP4, `mtp.fc`
     left in BF16 without being listed. The MTP layer loads quantized as stored (fc plain), and
     speculation on that checkpoint keeps its own plain decoding's tokens."""
-    from engine.quantization.modules import QuantizedLinear
+    from baton.engine.quantization.modules import QuantizedLinear
     from tests.quant_models import _QWEN_KEEP
     from tests.quantize import quantize_checkpoint
 

@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.spec_decode import verifier
+from baton import LLM, SamplingParams
+from baton.engine.spec_decode import verifier
 from tests.spec_helpers import RandomDrafter, chi_square_p, ngram_config
 from tests.tiny import save_tiny_model
 

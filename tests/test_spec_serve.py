@@ -9,9 +9,9 @@ import json
 import pytest
 from prometheus_client import generate_latest
 
-from engine import LLM, SamplingParams
-from server.args import ServerArgs
-from server.metrics import ServerMetrics
+from baton import LLM, SamplingParams
+from baton.server.args import ServerArgs
+from baton.server.metrics import ServerMetrics
 from tests.mtp_models import add_mtp_layer
 
 
@@ -88,8 +88,8 @@ def test_mtp_on_a_checkpoint_without_mtp_layers_is_refused(tiny_models):
 
 
 def test_up_gives_both_workers_the_speculative_config(mtp_model, monkeypatch):
-    from server import up
-    from server.cli import build_parser
+    from baton.server import up
+    from baton.server.cli import build_parser
 
     commands = {}
 
@@ -153,8 +153,8 @@ def test_the_engine_process_path_carries_the_config_and_the_counters(mtp_model):
     counters it reports after a step (msgpack) render on /metrics."""
     from dataclasses import asdict
 
-    from engine.core.engine import Engine
-    from engine.runtime import ipc
+    from baton.engine.core.engine import Engine
+    from baton.engine.runtime import ipc
 
     args = ServerArgs(
         model=str(mtp_model), speculative_config='{"method": "mtp", "num_speculative_tokens": 2}'

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.core.scheduler_spec import Speculation
+from baton import LLM, SamplingParams
+from baton.engine.core.scheduler_spec import Speculation
 from tests.spec_helpers import scripted_llm
 from tests.test_spec_engine import keep_state_of_last_draft
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.reference import hf_greedy, hf_prompt_logprobs
 from tests.same_outputs import assert_same_outputs
 from tests.ssm_families import SSM_CONFIGS

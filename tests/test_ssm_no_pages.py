@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 
 STATE_ONLY = ["mamba_a", "lfm2_conv_only"]
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 import zmq
 
-from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from engine import SamplingParams
-from engine.core.engine import Engine
+from baton import SamplingParams
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.prefill import PrefillWorker
+from baton.engine.core.engine import Engine
 from tests.same_outputs import assert_same_tokens_and_logprobs, chosen
 from tests.test_disagg_unit import assert_pools_empty, collect, config
 

@@ -12,15 +12,15 @@ import pytest
 import torch
 import zmq
 
-from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from disagg.tp_transfer import SECRET_ENV, connector_spec
-from engine.config import ModelConfig
-from engine.config_error import ConfigError
-from engine.core.engine import Engine
-from engine.core.llm import LLM
-from engine.core.sampling_params import SamplingParams
-from engine.parallel.support import check_tp_supported
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.prefill import PrefillWorker
+from baton.disagg.tp_transfer import SECRET_ENV, connector_spec
+from baton.engine.config import ModelConfig
+from baton.engine.config_error import ConfigError
+from baton.engine.core.engine import Engine
+from baton.engine.core.llm import LLM
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.parallel.support import check_tp_supported
 from tests.test_disagg_tp import SECRET, _config
 from tests.test_tp_engine import _assert_same
 

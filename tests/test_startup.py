@@ -13,12 +13,12 @@ import pytest
 import torch
 import zmq
 
-import engine.runtime.process
-import kernels.cpu_ops
-from engine.checkpoint.loader import load_model
-from engine.core.engine import Engine
-from engine.runtime.ipc import EngineProcessSpec, EngineReady, decode
-from kernels.build import build_all
+import baton.engine.runtime.process
+import baton.kernels.cpu_ops
+from baton.engine.checkpoint.loader import load_model
+from baton.engine.core.engine import Engine
+from baton.engine.runtime.ipc import EngineProcessSpec, EngineReady, decode
+from baton.kernels.build import build_all
 from tests.fake_engine import FakeEngine
 
 ASSETS = Path(__file__).parents[1] / "assets"
@@ -38,10 +38,10 @@ def test_engine_modules_the_server_uses_import_no_torch():
     result = _run(
         """
         import sys
-        import engine, engine.core.sampling_params, engine.core.detokenizer, engine.runtime.ipc
-        import engine.config, engine.structured_output, engine.models.registry
+        import baton, baton.engine.core.sampling_params, baton.engine.core.detokenizer, baton.engine.runtime.ipc
+        import baton.engine.config, baton.engine.structured_output, baton.engine.models.registry
         assert "torch" not in sys.modules, "torch imported"
-        engine.LLM  # the offline API is still one attribute away
+        baton.LLM  # the offline API is still one attribute away
         assert "torch" in sys.modules
         """
     )
@@ -54,13 +54,13 @@ def test_the_server_process_builds_and_tokenizes_without_torch():
     result = _run(
         f"""
         import sys
-        from engine.runtime.torch_import import defer_torch
+        from baton.engine.runtime.torch_import import defer_torch
         defer_torch()
-        from server.cli import build_parser
+        from baton.server.cli import build_parser
         build_parser()
-        import server.launch, server.app, server.router, server.up
-        from server.launch import check_model_config, prepare_http_side
-        from server.args import ServerArgs
+        import baton.server.launch, baton.server.app, baton.server.router, baton.server.up
+        from baton.server.launch import check_model_config, prepare_http_side
+        from baton.server.args import ServerArgs
         check_model_config({str(ASSETS)!r})
         tokenizer = prepare_http_side(ServerArgs(model={str(ASSETS)!r}))
         assert tokenizer.encode("Question: 12 + 3") and sys.modules["torch"] is None
@@ -73,10 +73,10 @@ def test_a_structured_output_spec_brings_xgrammar_into_a_torch_free_server():
     result = _run(
         """
         import sys
-        from engine.runtime.torch_import import defer_torch
+        from baton.engine.runtime.torch_import import defer_torch
         defer_torch()
-        from engine.core.sampling_params import StructuredOutputs
-        from engine.structured_output import check_structured_outputs
+        from baton.engine.core.sampling_params import StructuredOutputs
+        from baton.engine.structured_output import check_structured_outputs
         check_structured_outputs(StructuredOutputs(kind="regex", spec="[0-9]+", after_token_ids=()))
         assert sys.modules["torch"] is not None and "xgrammar" in sys.modules
         """
@@ -105,7 +105,7 @@ def kernel_builds(monkeypatch):
         built.append(source.name)
         return None
 
-    monkeypatch.setattr(kernels.cpu_ops, "compile_library", record)
+    monkeypatch.setattr(baton.kernels.cpu_ops, "compile_library", record)
     loaders = [m.library for m in _kernel_modules()]
     for library in loaders:
         library.cache_clear()
@@ -115,11 +115,16 @@ def kernel_builds(monkeypatch):
 
 
 def _kernel_modules():
-    import kernels.cpu_gemm
-    import kernels.cpu_moe
-    import kernels.cpu_prefill
+    import baton.kernels.cpu_gemm
+    import baton.kernels.cpu_moe
+    import baton.kernels.cpu_prefill
 
-    return [kernels.cpu_ops, kernels.cpu_prefill, kernels.cpu_gemm, kernels.cpu_moe]
+    return [
+        baton.kernels.cpu_ops,
+        baton.kernels.cpu_prefill,
+        baton.kernels.cpu_gemm,
+        baton.kernels.cpu_moe,
+    ]
 
 
 def test_warm_up_builds_the_kernels_a_first_request_would(base_model, kernel_builds):
@@ -151,7 +156,7 @@ def test_the_engine_process_warms_up_before_it_reports_ready(tiny_models, monkey
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(engine.runtime.process, "Engine", Recording)
+    monkeypatch.setattr(baton.engine.runtime.process, "Engine", Recording)
     spec = EngineProcessSpec(
         model=str(model_dir),
         dtype="float32",
@@ -168,7 +173,7 @@ def test_the_engine_process_warms_up_before_it_reports_ready(tiny_models, monkey
     server.bind("inproc://warm-up-order")
     outbox.connect("inproc://warm-up-order")
     try:
-        assert engine.runtime.process._load_and_run(spec, inbox, outbox) == 0
+        assert baton.engine.runtime.process._load_and_run(spec, inbox, outbox) == 0
         assert order == ["warm-up"] and isinstance(decode(server.recv()), EngineReady)
     finally:
         for socket in (inbox, outbox, server):

@@ -19,14 +19,14 @@ import zmq
 from safetensors.torch import save_file
 
 import tests.toy_family as toy
-from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from disagg.rooms import DisaggConfig
-from disagg.tp_transfer import SECRET_ENV, connector_spec
-from engine.config import ModelConfig
-from engine.core.engine import Engine
-from engine.core.sampling_params import SamplingParams
-from engine.handover.io import StateIO
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.prefill import PrefillWorker
+from baton.disagg.rooms import DisaggConfig
+from baton.disagg.tp_transfer import SECRET_ENV, connector_spec
+from baton.engine.config import ModelConfig
+from baton.engine.core.engine import Engine
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.handover.io import StateIO
 
 SECRET = "toy-s3cret"
 CONFIG = dict(

@@ -14,11 +14,11 @@ import jsonschema
 import pytest
 import zmq
 
-from disagg.decode import DecodeWorker
-from disagg.prefill import PrefillWorker
-from engine import LLM, SamplingParams
-from engine.core.engine import Engine
-from engine.core.sampling_params import StructuredOutputs
+from baton import LLM, SamplingParams
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.prefill import PrefillWorker
+from baton.engine.core.engine import Engine
+from baton.engine.core.sampling_params import StructuredOutputs
 from tests.test_disagg_unit import config, run_pair
 
 ASSETS = Path(__file__).parents[1] / "assets"
@@ -231,7 +231,7 @@ def test_disaggregated_output_is_the_colocated_one_with_a_late_decode_compile(mo
 
 
 def test_a_grammar_over_its_matcher_time_budget_ends_and_the_others_go_on(llm, monkeypatch):
-    from engine.structured_output import grammars
+    from baton.engine.structured_output import grammars
 
     monkeypatch.setattr(grammars, "MATCHER_BUDGET_S", 0.0)
     monkeypatch.setattr(grammars, "MATCHER_BUDGET_PER_TOKEN_S", 0.0)

@@ -12,9 +12,9 @@ import pytest
 import xgrammar as xgr
 from pydantic import BaseModel, Field
 
-from engine.core.sampling_params import StructuredOutputs
-from engine.structured_output import check_structured_outputs
-from engine.structured_output.spec import MAX_SPEC_CHARS, compile_structured
+from baton.engine.core.sampling_params import StructuredOutputs
+from baton.engine.structured_output import check_structured_outputs
+from baton.engine.structured_output.spec import MAX_SPEC_CHARS, compile_structured
 
 ASSETS = Path(__file__).parents[1] / "assets"
 

@@ -10,15 +10,15 @@ import json
 import jsonschema
 import pytest
 
-from engine.core.sampling_params import SamplingParams, StructuredOutputs
-from server.errors import APIError
-from server.output_parser import ParserSettings
-from server.protocol import ChatCompletionRequest
-from server.responses_protocol import ResponsesRequest, to_chat_request
-from server.tokenizer import conversation_for_template
-from server.tool_choice import check_tools, plan_output, required_schema
-from server.tool_parsers import make_tool_parser
-from server.validation import check_generation
+from baton.engine.core.sampling_params import SamplingParams, StructuredOutputs
+from baton.server.errors import APIError
+from baton.server.output_parser import ParserSettings
+from baton.server.protocol import ChatCompletionRequest
+from baton.server.responses_protocol import ResponsesRequest, to_chat_request
+from baton.server.tokenizer import conversation_for_template
+from baton.server.tool_choice import check_tools, plan_output, required_schema
+from baton.server.tool_parsers import make_tool_parser
+from baton.server.validation import check_generation
 
 ADD = {
     "type": "function",
@@ -227,7 +227,7 @@ def test_tools_with_odd_schemas_are_a_400_or_read_without_types_never_a_crash():
 
 
 def test_chat_template_flag_takes_a_file_or_the_template_itself(tmp_path):
-    from server.args import load_chat_template
+    from baton.server.args import load_chat_template
 
     template = tmp_path / "chat.jinja"
     template.write_text("{{ messages[0]['content'] }}")
@@ -238,8 +238,8 @@ def test_chat_template_flag_takes_a_file_or_the_template_itself(tmp_path):
 
 
 def test_a_responses_request_refused_on_the_chat_side_names_its_own_field():
-    from server.responses_protocol import named_as_responses
-    from server.validation import parse_generation
+    from baton.server.responses_protocol import named_as_responses
+    from baton.server.validation import parse_generation
 
     with pytest.raises(APIError) as caught:
         parse_generation("/v1/responses", {"input": []})

@@ -11,7 +11,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from server.up import DEFAULT_MODEL
+from baton.server.up import DEFAULT_MODEL
 from tests.server_process import start_server
 from tests.tool_requests import (
     ADD_PARAMETERS,

@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from server.up import DEFAULT_MODEL
+from baton.server.up import DEFAULT_MODEL
 from tests.server_process import Stack, children_of
 from tests.tool_requests import (
     GREEDY,

@@ -17,15 +17,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.config_error import ConfigError
-from engine.core.llm import LLM
-from engine.core.sampling_params import SamplingParams
-from engine.executor.draft_batch import DraftBatch
-from engine.executor.forward_metadata import ScheduledBatch, TrackPoint
-from engine.layers.mamba2 import mamba_shard
-from engine.parallel import TensorParallel, kv_head_part
-from engine.parallel.messages import (
+from baton.engine.config import ModelConfig
+from baton.engine.config_error import ConfigError
+from baton.engine.core.llm import LLM
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.executor.draft_batch import DraftBatch
+from baton.engine.executor.forward_metadata import ScheduledBatch, TrackPoint
+from baton.engine.layers.mamba2 import mamba_shard
+from baton.engine.parallel import TensorParallel, kv_head_part
+from baton.engine.parallel.messages import (
     CopySlot,
     DropShard,
     InstallShard,
@@ -39,7 +39,7 @@ from engine.parallel.messages import (
     encode,
     pool_digest,
 )
-from engine.parallel.support import check_tp_supported
+from baton.engine.parallel.support import check_tp_supported
 from tests.tiny import save_tiny_model
 
 SHAPES = {
@@ -275,7 +275,7 @@ def test_a_message_of_an_unknown_carrier_is_refused():
 def test_ranks_take_a_gpu_each_only_when_there_is_one_per_rank(monkeypatch):
     """NCCL needs a GPU per rank: with fewer GPUs than ranks every rank shares the named device
     (and the all-reduces stay on gloo); the CPU never changes."""
-    from engine.parallel import one_gpu_per_rank, rank_device
+    from baton.engine.parallel import one_gpu_per_rank, rank_device
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert one_gpu_per_rank("cuda", 2)

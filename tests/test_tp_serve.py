@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from engine.core.llm import LLM
-from engine.core.sampling_params import SamplingParams
+from baton.engine.core.llm import LLM
+from baton.engine.core.sampling_params import SamplingParams
 from tests.server_process import children_of, pid_alive, start_server, tiny_model
 from tests.test_server_lifecycle import StreamReader, wait_until
 
@@ -86,8 +86,8 @@ def _healthy(server):
 
 
 def test_tp_flags_reach_the_engine_and_bad_values_are_refused(model_dir):
-    from server.args import ServerArgs
-    from server.cli import build_parser
+    from baton.server.args import ServerArgs
+    from baton.server.cli import build_parser
 
     ns = build_parser().parse_args(
         ["serve", "--model", str(model_dir), "--tp", "2", "--tp-timeout", "5"]

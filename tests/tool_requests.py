@@ -48,7 +48,7 @@ GREEDY = {"temperature": 0, "max_tokens": 8}
 # (engine/structured_output, branch structured-36) enforces; until it is merged these tests are
 # skipped.
 needs_grammar = pytest.mark.skipif(
-    importlib.util.find_spec("engine.structured_output") is None,
+    importlib.util.find_spec("baton.engine.structured_output") is None,
     reason="needs the structured-output engine (engine/structured_output, branch structured-36)",
 )
 

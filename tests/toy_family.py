@@ -13,15 +13,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.cache.spec import ModelStateSpec
-from engine.config import ConfigReader, ModelConfig
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
-from engine.layers.norm import RMSNorm
-from engine.models import registry
-from engine.parallel import TensorParallel
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.cache.spec import ModelStateSpec
+from baton.engine.config import ConfigReader, ModelConfig
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
+from baton.engine.layers.norm import RMSNorm
+from baton.engine.models import registry
+from baton.engine.parallel import TensorParallel
 from tests.toy_mixer import ToyMixer, ToyMixerConfig, reference
 
 ARCHITECTURE = "ToyForCausalLM"

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
-from engine.executor.forward_metadata import Mamba2Metadata
-from kernels.attention import paged_attention
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.kernels.attention import paged_attention
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

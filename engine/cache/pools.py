@@ -24,7 +24,7 @@ import mmap
 
 import torch
 
-from engine.cache.spec import ModelStateSpec
+from baton.engine.cache.spec import ModelStateSpec
 
 
 class StateCache:
@@ -110,7 +110,7 @@ class StateCache:
         tp_rank: int = 0,
     ) -> StateCache:
         """The pools of a ModelConfig's state spec (its family's) at the serving dtype."""
-        from engine.models.registry import model_state_spec
+        from baton.engine.models.registry import model_state_spec
 
         return cls(
             model_state_spec(config, dtype),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from engine.cache.memory import IndexPool
+from baton.engine.cache.memory import IndexPool
 
 
 @dataclass(eq=False)

@@ -34,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from engine.config_error import ConfigError
+from baton.engine.config_error import ConfigError
 
 StateKind = Literal["paged", "slot"]
 Ranges = tuple[tuple[int, int], ...]  # (start, length) along one dim of the whole tensor

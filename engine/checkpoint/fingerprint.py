@@ -16,8 +16,8 @@ import json
 import mmap
 from pathlib import Path
 
-from engine.checkpoint.weights import SKIPPED_PREFIXES, Rename, checkpoint_files, keep_name
-from engine.config import ModelConfig
+from baton.engine.checkpoint.weights import SKIPPED_PREFIXES, Rename, checkpoint_files, keep_name
+from baton.engine.config import ModelConfig
 
 SAMPLES_PER_TENSOR = 8  # windows spread evenly over a tensor's bytes, first and last included
 SAMPLE_BYTES = 32

@@ -10,15 +10,15 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from engine import parallel
-from engine.checkpoint.weights import load_into, tensor_names
-from engine.config import DTYPE_ALIASES, DTYPE_NAMES, SERVING_DTYPES, ModelConfig
-from engine.layers.causal_lm import CausalLM
-from engine.layers.cpu_backend import prepare_for_cpu
-from engine.models.registry import family_named
-from engine.parallel import TensorParallel
-from engine.parallel.support import check_tp_supported
-from engine.quantization import after_loading, before_loading, read_quantization
+from baton.engine import parallel
+from baton.engine.checkpoint.weights import load_into, tensor_names
+from baton.engine.config import DTYPE_ALIASES, DTYPE_NAMES, SERVING_DTYPES, ModelConfig
+from baton.engine.layers.causal_lm import CausalLM
+from baton.engine.layers.cpu_backend import prepare_for_cpu
+from baton.engine.models.registry import family_named
+from baton.engine.parallel import TensorParallel
+from baton.engine.parallel.support import check_tp_supported
+from baton.engine.quantization import after_loading, before_loading, read_quantization
 
 log = logging.getLogger("baton.engine")
 

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.parallel import ShardRule, Slices, shard_rule
+from baton.engine.parallel import ShardRule, Slices, shard_rule
 
 log = logging.getLogger(__name__)
 

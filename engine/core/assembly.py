@@ -10,24 +10,24 @@ from pathlib import Path
 
 import torch
 
-from engine.cache.memory import (
+from baton.engine.cache.memory import (
     DEFAULT_CPU_POOL_BYTES,
     IndexPool,
     PoolBudget,
     budget_pools,
 )
-from engine.cache.prefix_cache import PrefixCache
-from engine.cache.spec import ModelStateSpec
-from engine.config import ModelConfig
-from engine.core.engine_args import EngineArgs, default_track_interval
-from engine.core.scheduler_spec import SpecSchedule
-from engine.executor.graph_runner import DecodeGraphRunner
-from engine.models.registry import family_named
-from engine.quantization import weight_bytes
-from engine.runtime.cpu_allocator import available_memory
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.drafters import Drafter, NgramStepDrafter
-from engine.spec_decode.mtp import MtpDrafter
+from baton.engine.cache.prefix_cache import PrefixCache
+from baton.engine.cache.spec import ModelStateSpec
+from baton.engine.config import ModelConfig
+from baton.engine.core.engine_args import EngineArgs, default_track_interval
+from baton.engine.core.scheduler_spec import SpecSchedule
+from baton.engine.executor.graph_runner import DecodeGraphRunner
+from baton.engine.models.registry import family_named
+from baton.engine.quantization import weight_bytes
+from baton.engine.runtime.cpu_allocator import available_memory
+from baton.engine.spec_decode.config import SpeculativeConfig
+from baton.engine.spec_decode.drafters import Drafter, NgramStepDrafter
+from baton.engine.spec_decode.mtp import MtpDrafter
 
 
 def pool_budget(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.core.outputs import RequestDelta
+from baton.engine.core.outputs import RequestDelta
 
 # Prompt tokens given to the stream as left context: byte-level BPE and SentencePiece pieces
 # render their leading space / merge correctly only after a few tokens of context.

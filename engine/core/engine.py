@@ -13,41 +13,41 @@ from pathlib import Path
 
 import torch
 
-from engine import parallel
-from engine.cache.memory import (
+from baton.engine import parallel
+from baton.engine.cache.memory import (
     IndexPool,
     size_pools,
 )
-from engine.cache.pools import StateCache
-from engine.checkpoint.loader import load_model, resolve_dtype
-from engine.config import ModelConfig
-from engine.core import assembly
-from engine.core.engine_args import EngineArgs, EngineStats
-from engine.core.outputs import RequestDelta, TokenLogprobs
-from engine.core.request import Request
-from engine.core.request_timing import RequestTiming
-from engine.core.sampler import Sampler, top_logprobs
-from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerConfig
-from engine.core.tokenizer import LazyTokenizer
-from engine.core.warm_up import warm_up
-from engine.executor.model_runner import ModelRunner
-from engine.handover.connector import Handover
-from engine.handover.ranks import ShardHandover
-from engine.handover.shards import gather_addresses, load_connector
-from engine.models.registry import family_named, model_state_spec
-from engine.parallel.messages import PoolOps
-from engine.parallel.ranks import RankedRunner, start_ranks
-from engine.parallel.support import check_tp_supported
-from engine.quantization import read_quantization
-from engine.runtime.cpu_allocator import (
+from baton.engine.cache.pools import StateCache
+from baton.engine.checkpoint.loader import load_model, resolve_dtype
+from baton.engine.config import ModelConfig
+from baton.engine.core import assembly
+from baton.engine.core.engine_args import EngineArgs, EngineStats
+from baton.engine.core.outputs import RequestDelta, TokenLogprobs
+from baton.engine.core.request import Request
+from baton.engine.core.request_timing import RequestTiming
+from baton.engine.core.sampler import Sampler, top_logprobs
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.core.scheduler import Scheduler, SchedulerConfig
+from baton.engine.core.tokenizer import LazyTokenizer
+from baton.engine.core.warm_up import warm_up
+from baton.engine.executor.model_runner import ModelRunner
+from baton.engine.handover.connector import Handover
+from baton.engine.handover.ranks import ShardHandover
+from baton.engine.handover.shards import gather_addresses, load_connector
+from baton.engine.models.registry import family_named, model_state_spec
+from baton.engine.parallel.messages import PoolOps
+from baton.engine.parallel.ranks import RankedRunner, start_ranks
+from baton.engine.parallel.support import check_tp_supported
+from baton.engine.quantization import read_quantization
+from baton.engine.runtime.cpu_allocator import (
     keep_freed_memory_in_heap,
     release_freed_memory,
 )
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.stats import SpecDecodeCounters
-from engine.spec_decode.verifier import sample_step
-from engine.structured_output.grammars import Grammars
+from baton.engine.spec_decode.config import SpeculativeConfig
+from baton.engine.spec_decode.stats import SpecDecodeCounters
+from baton.engine.spec_decode.verifier import sample_step
+from baton.engine.structured_output.grammars import Grammars
 
 logger = logging.getLogger("baton.engine")
 

@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.core.scheduler import SCHEDULE_POLICIES, SchedulePolicy
+from baton.engine.core.scheduler import SCHEDULE_POLICIES, SchedulePolicy
 
 if TYPE_CHECKING:
-    from engine.handover.shards import ConnectorSpec
+    from baton.engine.handover.shards import ConnectorSpec
 
 
 @dataclass(kw_only=True)

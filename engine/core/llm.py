@@ -8,12 +8,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine.core.detokenizer import OutputDetokenizer
-from engine.core.engine import Engine
-from engine.core.engine_args import EngineStats
-from engine.core.outputs import RequestOutput
-from engine.core.sampling_params import SamplingParams
-from engine.structured_output import check_structured_outputs
+from baton.engine.core.detokenizer import OutputDetokenizer
+from baton.engine.core.engine import Engine
+from baton.engine.core.engine_args import EngineStats
+from baton.engine.core.outputs import RequestOutput
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.structured_output import check_structured_outputs
 
 Prompt = str | list[int]
 

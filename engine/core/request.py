@@ -8,9 +8,9 @@ from typing import Protocol
 
 import torch
 
-from engine.cache.prefix_cache import CachedBlock
-from engine.core.outputs import FinishReason, TokenLogprobs
-from engine.core.sampling_params import SamplingParams
+from baton.engine.cache.prefix_cache import CachedBlock
+from baton.engine.core.outputs import FinishReason, TokenLogprobs
+from baton.engine.core.sampling_params import SamplingParams
 
 
 class Hold(Protocol):

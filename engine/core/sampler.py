@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 import torch
 
-from engine.core.outputs import TokenLogprobs
-from engine.core.request import Request
-from kernels.cpu_ops import argmax_rows
+from baton.engine.core.outputs import TokenLogprobs
+from baton.engine.core.request import Request
+from baton.kernels.cpu_ops import argmax_rows
 
 
 class SampleResult(NamedTuple):

@@ -37,14 +37,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
-from engine.cache.memory import IndexPool, OutOfMemory
-from engine.cache.prefix_cache import PrefixCache
-from engine.core.outputs import FinishReason, RequestDelta, SampledTokens, TokenLogprobs
-from engine.core.request import Hold, Request, Status
-from engine.core.scheduler_blocks import PrefixBlocks
-from engine.core.scheduler_spec import SpecSchedule, Speculation
-from engine.core.scheduler_tokens import Appended, OutputConstraint, append_tokens, delta_of
-from engine.executor.forward_metadata import ScheduledBatch
+from baton.engine.cache.memory import IndexPool, OutOfMemory
+from baton.engine.cache.prefix_cache import PrefixCache
+from baton.engine.core.outputs import FinishReason, RequestDelta, SampledTokens, TokenLogprobs
+from baton.engine.core.request import Hold, Request, Status
+from baton.engine.core.scheduler_blocks import PrefixBlocks
+from baton.engine.core.scheduler_spec import SpecSchedule, Speculation
+from baton.engine.core.scheduler_tokens import Appended, OutputConstraint, append_tokens, delta_of
+from baton.engine.executor.forward_metadata import ScheduledBatch
 
 SchedulePolicy = Literal["mixed", "prefill-first"]
 SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)

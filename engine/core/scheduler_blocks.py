@@ -11,10 +11,10 @@ extend a request's page list and cached blocks on its behalf.
 
 from __future__ import annotations
 
-from engine.cache.memory import IndexPool
-from engine.cache.prefix_cache import PrefixCache
-from engine.core.request import Request
-from engine.executor.forward_metadata import TrackPoint
+from baton.engine.cache.memory import IndexPool
+from baton.engine.cache.prefix_cache import PrefixCache
+from baton.engine.core.request import Request
+from baton.engine.executor.forward_metadata import TrackPoint
 
 
 class PrefixBlocks:

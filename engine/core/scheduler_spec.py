@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.cache.memory import IndexPool
-from engine.cache.prefix_cache import PrefixCache
-from engine.core.request import Request
-from engine.core.scheduler_blocks import PrefixBlocks
+from baton.engine.cache.memory import IndexPool
+from baton.engine.cache.prefix_cache import PrefixCache
+from baton.engine.core.request import Request
+from baton.engine.core.scheduler_blocks import PrefixBlocks
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

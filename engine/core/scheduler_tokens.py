@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
-from engine.core.outputs import FinishReason, RequestDelta, SampledTokens, TokenLogprobs
-from engine.core.request import Request
+from baton.engine.core.outputs import FinishReason, RequestDelta, SampledTokens, TokenLogprobs
+from baton.engine.core.request import Request
 
 
 class OutputConstraint(Protocol):

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.core.outputs import SampledTokens
-from engine.core.request import Request
-from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
+from baton.engine.core.outputs import SampledTokens
+from baton.engine.core.request import Request
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.core.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from engine.core.engine import Engine
+    from baton.engine.core.engine import Engine
 
 PROMPT_TOKENS = 8
 NEW_TOKENS = 3  # the prefill's token, then two decode steps

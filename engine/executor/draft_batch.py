@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.executor.forward_metadata import ScheduledBatch
+from baton.engine.executor.forward_metadata import ScheduledBatch
 
 HiddenSource = Literal["target", "draft", "slots"]
 

@@ -33,13 +33,13 @@ from typing import Literal
 import numpy as np
 import torch
 
-from engine.executor.metadata_buffers import (
+from baton.engine.executor.metadata_buffers import (
     MetadataBuffers,
     decode_attention_layout,
     prefill_layouts,
     verify_attention_layout,
 )
-from kernels.layouts import AttentionLayout, ChunkLayout, ConvLayout
+from baton.kernels.layouts import AttentionLayout, ChunkLayout, ConvLayout
 
 ForwardMode = Literal["extend", "decode", "mixed", "verify"]
 

@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 
-from engine.executor.forward_metadata import (
+from baton.engine.executor.forward_metadata import (
     Mamba2Metadata,
     ScheduledBatch,
     TrackPoint,
     build_metadata,
 )
-from engine.executor.metadata_buffers import MetadataBuffers
-from engine.executor.model_runner import ModelRunner
+from baton.engine.executor.metadata_buffers import MetadataBuffers
+from baton.engine.executor.model_runner import ModelRunner
 
 
 def capture_sizes(max_bs: int) -> list[int]:

@@ -27,10 +27,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.attention import build_attention_layout
-from kernels.conv1d import build_window_layout
-from kernels.layouts import AttentionLayout, ChunkLayout, ConvLayout
-from kernels.ssd import build_chunk_layout
+from baton.kernels.attention import build_attention_layout
+from baton.kernels.conv1d import build_window_layout
+from baton.kernels.layouts import AttentionLayout, ChunkLayout, ConvLayout
+from baton.kernels.ssd import build_chunk_layout
 
 
 class StagedViews:

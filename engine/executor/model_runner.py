@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache.pools import StateCache
-from engine.executor.draft_batch import DraftBatch
-from engine.executor.forward_metadata import (
+from baton.engine.cache.pools import StateCache
+from baton.engine.executor.draft_batch import DraftBatch
+from baton.engine.executor.forward_metadata import (
     Mamba2Metadata,
     ScheduledBatch,
     build_metadata,
     same_rows,
     with_tokens,
 )
-from engine.executor.metadata_buffers import MetadataBuffers
-from engine.layers.causal_lm import CausalLM
-from engine.layers.mtp import hidden_of_slots
-from kernels import cpu_ops
-from kernels.backend import select_backend
+from baton.engine.executor.metadata_buffers import MetadataBuffers
+from baton.engine.layers.causal_lm import CausalLM
+from baton.engine.layers.mtp import hidden_of_slots
+from baton.kernels import cpu_ops
+from baton.kernels.backend import select_backend
 
 
 class ModelRunner:

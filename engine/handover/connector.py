@@ -20,17 +20,17 @@ from pathlib import Path
 
 import torch
 
-from engine.cache.pools import StateCache
-from engine.checkpoint.fingerprint import config_fingerprint, weights_fingerprint
-from engine.core.outputs import RequestDelta
-from engine.core.request import Hold, Request, Status
-from engine.core.sampler import Sampler
-from engine.core.scheduler import Scheduler
-from engine.handover.io import StateIO
-from engine.handover.ranks import ShardHandover
-from engine.handover.state import HandoverLayout, Preallocation, RequestState
-from engine.models.registry import family_named
-from engine.structured_output.grammars import Grammars
+from baton.engine.cache.pools import StateCache
+from baton.engine.checkpoint.fingerprint import config_fingerprint, weights_fingerprint
+from baton.engine.core.outputs import RequestDelta
+from baton.engine.core.request import Hold, Request, Status
+from baton.engine.core.sampler import Sampler
+from baton.engine.core.scheduler import Scheduler
+from baton.engine.handover.io import StateIO
+from baton.engine.handover.ranks import ShardHandover
+from baton.engine.handover.state import HandoverLayout, Preallocation, RequestState
+from baton.engine.models.registry import family_named
+from baton.engine.structured_output.grammars import Grammars
 
 
 class Handover:

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from engine.cache.pools import StateCache
-from engine.handover.state import SlotUnit
+from baton.engine.cache.pools import StateCache
+from baton.engine.handover.state import SlotUnit
 
 
 def run_length(pages: Sequence[int]) -> int:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import contextlib
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler
-from engine.handover.shards import (
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.core.request import Request
+from baton.engine.core.scheduler import Scheduler
+from baton.engine.handover.shards import (
     WAITING,
     WAITING_TEXT,
     ShardConnector,
@@ -27,8 +27,8 @@ from engine.handover.shards import (
     install_report,
     shard_of_state,
 )
-from engine.handover.state import RequestState
-from engine.parallel.messages import (
+from baton.engine.handover.state import RequestState
+from baton.engine.parallel.messages import (
     DropShard,
     HandoverOp,
     InstallShard,
@@ -46,7 +46,7 @@ class ShardHandover:
         cache: StateCache,
         scheduler: Scheduler,
         pool_ops: PoolOps,
-        ranks,  # engine.parallel.ranks.Ranks | None
+        ranks,  # baton.engine.parallel.ranks.Ranks | None
         connector: ShardConnector | None,
         addresses: list[str],
     ):

@@ -25,11 +25,11 @@ from typing import Protocol
 
 import torch
 
-from engine.cache.pools import StateCache
-from engine.config import ModelConfig
-from engine.handover.io import StateIO
-from engine.handover.state import RequestState
-from engine.parallel.messages import (
+from baton.engine.cache.pools import StateCache
+from baton.engine.config import ModelConfig
+from baton.engine.handover.io import StateIO
+from baton.engine.handover.state import RequestState
+from baton.engine.parallel.messages import (
     DropShard,
     HandoverOp,
     InstallShard,

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.spec import ModelStateSpec, StateKind
-from engine.core.outputs import TokenLogprobs
+from baton.engine.cache.spec import ModelStateSpec, StateKind
+from baton.engine.core.outputs import TokenLogprobs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -2,7 +2,7 @@
 (full or partial), any softmax scale (Granite's `attention_multiplier`), optional per-head RMS
 norms of queries and keys before the rotary (LFM2's q/k layernorms: `q_norm`, `k_norm`).
 
-Rotary embeddings are applied at the cache write (kernels.attention.rotary_store_kv), so the
+Rotary embeddings are applied at the cache write (baton.kernels.attention.rotary_store_kv), so the
 cache holds rotated keys and decode and extend read the same ones.
 """
 
@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
-from engine.config import RotaryConfig
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.mlp import fuse_for_cpu
-from engine.layers.norm import RMSNorm
-from kernels.attention import paged_attention, rotary_cos_sin, rotary_store_kv, store_kv
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
+from baton.engine.config import RotaryConfig
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.mlp import fuse_for_cpu
+from baton.engine.layers.norm import RMSNorm
+from baton.kernels.attention import paged_attention, rotary_cos_sin, rotary_store_kv, store_kv
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

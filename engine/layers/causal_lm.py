@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.config import ModelConfig
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.mtp import keep_hidden
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.config import ModelConfig
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.mtp import keep_hidden
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.executor.forward_metadata import Mamba2Metadata
-from kernels.state_copy import copy_states
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.kernels.state_copy import copy_states
 
 
 def checkpoint_windows(

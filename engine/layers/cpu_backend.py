@@ -21,8 +21,8 @@ import logging
 import torch
 from torch import nn
 
-from engine.quantization.modules import QuantizedLinear
-from kernels.linear import (
+from baton.engine.quantization.modules import QuantizedLinear
+from baton.kernels.linear import (
     MATMUL_DTYPE_ENV,
     TIMING_RULES,
     MatmulChooser,
@@ -30,7 +30,7 @@ from kernels.linear import (
     matmul_dtypes,
     pack_linears,
 )
-from kernels.matmul_choices import ChoiceCache
+from baton.kernels.matmul_choices import ChoiceCache
 
 log = logging.getLogger(__name__)
 

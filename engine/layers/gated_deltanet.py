@@ -36,14 +36,14 @@ from typing import Literal
 import torch
 from torch import nn
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.mlp import fuse_for_cpu, stored_as
-from engine.layers.track import checkpoint_states
-from kernels.cpu_gated_delta import GDNDecodeParams
-from kernels.gdn_mixer import (
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.mlp import fuse_for_cpu, stored_as
+from baton.engine.layers.track import checkpoint_states
+from baton.kernels.cpu_gated_delta import GDNDecodeParams
+from baton.kernels.gdn_mixer import (
     GDNMixerDims,
     GDNMixerWeights,
     gdn_mixer_decode,

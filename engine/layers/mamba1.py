@@ -22,16 +22,16 @@ from typing import Literal
 import torch
 from torch import nn
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.checkpoints import checkpoint_states, checkpoint_windows
-from engine.layers.norm import RMSNorm
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.norm import rms_norm
-from kernels.selective_scan import selective_scan_pool, selective_state_update
-from kernels.verify_steps import token_rows, verify_by_steps
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.checkpoints import checkpoint_states, checkpoint_windows
+from baton.engine.layers.norm import RMSNorm
+from baton.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from baton.kernels.norm import rms_norm
+from baton.kernels.selective_scan import selective_scan_pool, selective_state_update
+from baton.kernels.verify_steps import token_rows, verify_by_steps
 
 # The scan's chunk grid: where true states can be checkpointed (any multiple of it); the C and
 # Triton scans emit states there at no other cost, the torch reference pads each prefill to it.

@@ -28,18 +28,22 @@ from typing import Literal
 import torch
 from torch import nn
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.track import checkpoint_states
-from engine.parallel import TensorParallel
-from kernels import cpu_ops
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_update_multi, causal_conv1d_varlen
-from kernels.cpu_verify import mamba_verify_cpu, mamba_verify_supported
-from kernels.norm import gated_rms_norm, group_rms_norm
-from kernels.ssd import ssd_scan_pool
-from kernels.ssu import selective_state_update, selective_state_update_multi
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.track import checkpoint_states
+from baton.engine.parallel import TensorParallel
+from baton.kernels import cpu_ops
+from baton.kernels.conv1d import (
+    causal_conv1d_update,
+    causal_conv1d_update_multi,
+    causal_conv1d_varlen,
+)
+from baton.kernels.cpu_verify import mamba_verify_cpu, mamba_verify_supported
+from baton.kernels.norm import gated_rms_norm, group_rms_norm
+from baton.kernels.ssd import ssd_scan_pool
+from baton.kernels.ssu import selective_state_update, selective_state_update_multi
 
 MambaNorm = Literal["gated", "norm_then_gate", "none"]
 
@@ -428,7 +432,7 @@ class Mamba2Mixer(nn.Module):
     def rms_norm_across_ranks(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """h: (T, local intermediate) float32. RMS-normalise over the whole intermediate, which
         the ranks hold in pieces (one group replicated): the sum of squares is all-reduced.
-        Same rounding as kernels.norm's gated norm: weight applied after casting to `dtype`."""
+        Same rounding as baton.kernels.norm's gated norm: weight applied after casting to `dtype`."""
         squares = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
         h = h * torch.rsqrt(squares / self.group_size + self.eps)
         return self.norm.weight * h.to(dtype)

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import parallel
-from engine.quantization.modules import QuantizedLinear
-from kernels import cpu_ops
-from kernels.linear import PackedLinear
+from baton.engine import parallel
+from baton.engine.quantization.modules import QuantizedLinear
+from baton.kernels import cpu_ops
+from baton.kernels.linear import PackedLinear
 
 
 class ReluSquaredMLP(nn.Module):

@@ -19,12 +19,12 @@ from typing import Literal
 import torch
 from torch import nn
 
-from engine import parallel
-from engine.checkpoint.weights import ExpertParts, expert_parts
-from engine.layers.mlp import GatedMLP, ReluSquaredMLP
-from engine.quantization.modules import stacked_weight
-from kernels.cpu_moe import PanelExperts
-from kernels.moe import (
+from baton.engine import parallel
+from baton.engine.checkpoint.weights import ExpertParts, expert_parts
+from baton.engine.layers.mlp import GatedMLP, ReluSquaredMLP
+from baton.engine.quantization.modules import stacked_weight
+from baton.kernels.cpu_moe import PanelExperts
+from baton.kernels.moe import (
     PackedExperts,
     Routing,
     fused_moe,

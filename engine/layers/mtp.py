@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache.pools import StateCache
-from engine.cache.spec import LayerState, StateTensor
-from engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.cache.pools import StateCache
+from baton.engine.cache.spec import LayerState, StateTensor
+from baton.engine.executor.forward_metadata import Mamba2Metadata
 
 MTP_KIND = "mtp"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.norm import rms_norm
+from baton.kernels.norm import rms_norm
 
 
 class RMSNorm(nn.Module):

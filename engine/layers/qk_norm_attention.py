@@ -22,11 +22,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.attention import Attention, AttentionConfig
-from engine.layers.norm import RMSNorm, ZeroCenteredRMSNorm
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.attention import Attention, AttentionConfig
+from baton.engine.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 
 QKNorm = Literal["per_head", "whole"]
 

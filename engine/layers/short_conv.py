@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.checkpoints import checkpoint_windows
-from kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kernels.verify_steps import token_rows, verify_by_steps
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.checkpoints import checkpoint_windows
+from baton.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from baton.kernels.verify_steps import token_rows, verify_by_steps
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -4,10 +4,10 @@ scan. Same weight names, the same pure-SSM state (no K/V pool)."""
 
 from __future__ import annotations
 
-from engine.config import ConfigReader, ModelConfig
-from engine.layers.causal_lm import CausalLM
-from engine.layers.mamba1 import Mamba1Mixer
-from engine.models.mamba import (
+from baton.engine.config import ConfigReader, ModelConfig
+from baton.engine.layers.causal_lm import CausalLM
+from baton.engine.layers.mamba1 import Mamba1Mixer
+from baton.engine.models.mamba import (
     SSMBackbone,
     check_tp,
     checkpoint_name,

@@ -21,17 +21,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.cache.pools import StateCache
-from engine.config import ConfigReader, ModelConfig
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.attention import AttentionConfig
-from engine.layers.blocks import MixerFFNLayer
-from engine.layers.causal_lm import CausalLM
-from engine.layers.mlp import FusedGatedMLP
-from engine.layers.moe import MoEConfig, SoftmaxTopKMoE
-from engine.layers.norm import RMSNorm
-from engine.models.bamba import mixer_for, read_attention_keys, read_mamba_keys
-from engine.models.hybrid import HybridConfig, LayerType, hybrid_state_spec
+from baton.engine.cache.pools import StateCache
+from baton.engine.config import ConfigReader, ModelConfig
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.attention import AttentionConfig
+from baton.engine.layers.blocks import MixerFFNLayer
+from baton.engine.layers.causal_lm import CausalLM
+from baton.engine.layers.mlp import FusedGatedMLP
+from baton.engine.layers.moe import MoEConfig, SoftmaxTopKMoE
+from baton.engine.layers.norm import RMSNorm
+from baton.engine.models.bamba import mixer_for, read_attention_keys, read_mamba_keys
+from baton.engine.models.hybrid import HybridConfig, LayerType, hybrid_state_spec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

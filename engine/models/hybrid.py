@@ -11,12 +11,12 @@ from typing import Literal
 
 import torch
 
-from engine import parallel
-from engine.cache.spec import LayerState, ModelStateSpec
-from engine.layers.attention import AttentionConfig, attention_state
-from engine.layers.mamba2 import Mamba2Config, Mamba2Mixer, mamba_shard
-from engine.layers.moe import MoEConfig
-from engine.parallel import TensorParallel
+from baton.engine import parallel
+from baton.engine.cache.spec import LayerState, ModelStateSpec
+from baton.engine.layers.attention import AttentionConfig, attention_state
+from baton.engine.layers.mamba2 import Mamba2Config, Mamba2Mixer, mamba_shard
+from baton.engine.layers.moe import MoEConfig
+from baton.engine.parallel import TensorParallel
 
 # "parallel": attention and Mamba2 side by side on the same normed input (Falcon-H1); "hybrid":
 # a use of a shared attention block, then a Mamba2 layer (Zamba2). Both own a KV pool (one per

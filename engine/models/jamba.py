@@ -20,19 +20,19 @@ from typing import Literal
 import torch
 from torch import nn
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.cache.spec import LayerState, ModelStateSpec
-from engine.config import ConfigReader, ModelConfig
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.attention import Attention, AttentionConfig, attention_state
-from engine.layers.blocks import MixerFFNLayer
-from engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
-from engine.layers.mamba1 import MAMBA1_CHUNK_SIZE, Mamba1Config, Mamba1Mixer
-from engine.layers.mlp import GatedMLP
-from engine.layers.moe import MoE, MoEConfig
-from engine.layers.norm import RMSNorm
-from engine.parallel import TensorParallel
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.cache.spec import LayerState, ModelStateSpec
+from baton.engine.config import ConfigReader, ModelConfig
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.attention import Attention, AttentionConfig, attention_state
+from baton.engine.layers.blocks import MixerFFNLayer
+from baton.engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
+from baton.engine.layers.mamba1 import MAMBA1_CHUNK_SIZE, Mamba1Config, Mamba1Mixer
+from baton.engine.layers.mlp import GatedMLP
+from baton.engine.layers.moe import MoE, MoEConfig
+from baton.engine.layers.norm import RMSNorm
+from baton.engine.parallel import TensorParallel
 
 HF_CONFIG_CLASS_PATH = "transformers.models.jamba.configuration_jamba.JambaConfig"
 

@@ -11,9 +11,9 @@ Weights as LFM2's, plus `.feed_forward.gate.weight`, `.feed_forward.expert_bias`
 
 from __future__ import annotations
 
-from engine.config import ConfigReader, ModelConfig
-from engine.layers.moe import MoEConfig
-from engine.models.lfm2 import Model, check_tp, checkpoint_name, read_common, state_spec
+from baton.engine.config import ConfigReader, ModelConfig
+from baton.engine.layers.moe import MoEConfig
+from baton.engine.models.lfm2 import Model, check_tp, checkpoint_name, read_common, state_spec
 
 # What the registry reads here; the layers, state, TP rule and weight names are LFM2's.
 __all__ = [

@@ -19,15 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.cache.spec import ModelStateSpec
-from engine.config import ConfigReader, ModelConfig
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
-from engine.layers.mamba1 import MAMBA1_CHUNK_SIZE, BCDtNorm, Mamba1Config, Mamba1Mixer
-from engine.layers.norm import RMSNorm
-from engine.parallel import TensorParallel
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.cache.spec import ModelStateSpec
+from baton.engine.config import ConfigReader, ModelConfig
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
+from baton.engine.layers.mamba1 import MAMBA1_CHUNK_SIZE, BCDtNorm, Mamba1Config, Mamba1Mixer
+from baton.engine.layers.norm import RMSNorm
+from baton.engine.parallel import TensorParallel
 
 HF_CONFIG_CLASS_PATH = "transformers.models.mamba.configuration_mamba.MambaConfig"
 

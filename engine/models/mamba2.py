@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from engine import parallel
-from engine.cache.spec import ModelStateSpec
-from engine.config import ConfigReader, ModelConfig
-from engine.layers.causal_lm import CausalLM
-from engine.layers.mamba2 import Mamba2Config, Mamba2Mixer, mamba_shard
-from engine.models.mamba import SSMBackbone, checkpoint_name, read_ssm
-from engine.parallel import TensorParallel
+from baton.engine import parallel
+from baton.engine.cache.spec import ModelStateSpec
+from baton.engine.config import ConfigReader, ModelConfig
+from baton.engine.layers.causal_lm import CausalLM
+from baton.engine.layers.mamba2 import Mamba2Config, Mamba2Mixer, mamba_shard
+from baton.engine.models.mamba import SSMBackbone, checkpoint_name, read_ssm
+from baton.engine.parallel import TensorParallel
 
 __all__ = [
     "HF_CONFIG_CLASS_PATH",

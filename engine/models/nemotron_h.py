@@ -25,19 +25,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.cache.pools import StateCache
-from engine.cache.spec import ModelStateSpec
-from engine.config import ConfigReader, ModelConfig
-from engine.config_error import ConfigError
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.attention import Attention, AttentionConfig, attention_state
-from engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
-from engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
-from engine.layers.mlp import ReluSquaredMLP
-from engine.layers.moe import MoE, MoEConfig
-from engine.layers.mtp import mtp_state
-from engine.layers.norm import RMSNorm
-from engine.models.hybrid import HybridConfig, LayerType, check_hybrid_tp, hybrid_layer_states
+from baton.engine.cache.pools import StateCache
+from baton.engine.cache.spec import ModelStateSpec
+from baton.engine.config import ConfigReader, ModelConfig
+from baton.engine.config_error import ConfigError
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.attention import Attention, AttentionConfig, attention_state
+from baton.engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
+from baton.engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
+from baton.engine.layers.mlp import ReluSquaredMLP
+from baton.engine.layers.moe import MoE, MoEConfig
+from baton.engine.layers.mtp import mtp_state
+from baton.engine.layers.norm import RMSNorm
+from baton.engine.models.hybrid import HybridConfig, LayerType, check_hybrid_tp, hybrid_layer_states
 
 UNTIE_WITH_STORED_LM_HEAD = True
 # The block kinds an MTP layer may hold (vLLM's nemotron_h_mtp: attention "*" and MoE "E").

@@ -12,9 +12,9 @@ config class does not have), its weights `mtp.*` at the checkpoint's top level.
 
 from __future__ import annotations
 
-from engine.config import ConfigReader, ModelConfig
-from engine.models import qwen_hybrid
-from engine.models.qwen_hybrid import Model, check_tp, checkpoint_name, state_spec
+from baton.engine.config import ConfigReader, ModelConfig
+from baton.engine.models import qwen_hybrid
+from baton.engine.models.qwen_hybrid import Model, check_tp, checkpoint_name, state_spec
 
 __all__ = ["Model", "check_tp", "checkpoint_name", "read_config", "state_spec"]
 

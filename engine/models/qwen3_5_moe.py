@@ -6,9 +6,9 @@ engine/models/qwen_hybrid.py's; vision checkpoints as in engine/models/qwen3_5.p
 
 from __future__ import annotations
 
-from engine.config import ConfigReader, ModelConfig
-from engine.models import qwen_hybrid
-from engine.models.qwen_hybrid import Model, check_tp, checkpoint_name, state_spec
+from baton.engine.config import ConfigReader, ModelConfig
+from baton.engine.models import qwen_hybrid
+from baton.engine.models.qwen_hybrid import Model, check_tp, checkpoint_name, state_spec
 
 __all__ = ["Model", "check_tp", "checkpoint_name", "read_config", "state_spec"]
 

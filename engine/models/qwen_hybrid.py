@@ -30,22 +30,22 @@ from typing import Literal
 import torch
 from torch import nn
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.cache.spec import LayerState, ModelStateSpec
-from engine.config import ConfigReader, ModelConfig
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.attention import AttentionConfig, attention_state
-from engine.layers.blocks import MixerFFNLayer
-from engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
-from engine.layers.gated_deltanet import GatedDeltaNet, GDNConfig, GDNProjections
-from engine.layers.mlp import GatedMLP
-from engine.layers.moe import MoE, MoEConfig
-from engine.layers.mtp import mtp_state
-from engine.layers.norm import ZeroCenteredRMSNorm
-from engine.layers.qk_norm_attention import QKNormAttention
-from engine.models.qwen_mtp import QwenMTP
-from engine.parallel import TensorParallel
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.cache.spec import LayerState, ModelStateSpec
+from baton.engine.config import ConfigReader, ModelConfig
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.attention import AttentionConfig, attention_state
+from baton.engine.layers.blocks import MixerFFNLayer
+from baton.engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
+from baton.engine.layers.gated_deltanet import GatedDeltaNet, GDNConfig, GDNProjections
+from baton.engine.layers.mlp import GatedMLP
+from baton.engine.layers.moe import MoE, MoEConfig
+from baton.engine.layers.mtp import mtp_state
+from baton.engine.layers.norm import ZeroCenteredRMSNorm
+from baton.engine.layers.qk_norm_attention import QKNormAttention
+from baton.engine.models.qwen_mtp import QwenMTP
+from baton.engine.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 

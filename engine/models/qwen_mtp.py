@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cache.pools import StateCache
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.norm import ZeroCenteredRMSNorm
+from baton.engine.cache.pools import StateCache
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.norm import ZeroCenteredRMSNorm
 
 
 class QwenMTP(nn.Module):

@@ -29,28 +29,28 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from engine.config_defaults import config_defaults
-from engine.config_error import ConfigError
+from baton.engine.config_defaults import config_defaults
+from baton.engine.config_error import ConfigError
 
 # architecture -> (model_type, family module)
 FAMILIES: dict[str, tuple[str, str]] = {
-    "NemotronHForCausalLM": ("nemotron_h", "engine.models.nemotron_h"),
-    "BambaForCausalLM": ("bamba", "engine.models.bamba"),
-    "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "engine.models.granite_moe_hybrid"),
-    "FalconH1ForCausalLM": ("falcon_h1", "engine.models.falcon_h1"),
-    "Zamba2ForCausalLM": ("zamba2", "engine.models.zamba2"),
-    "Qwen3NextForCausalLM": ("qwen3_next", "engine.models.qwen3_next"),
-    "Qwen3_5ForCausalLM": ("qwen3_5_text", "engine.models.qwen3_5"),
-    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "engine.models.qwen3_5"),
-    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe_text", "engine.models.qwen3_5_moe"),
-    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "engine.models.qwen3_5_moe"),
-    "OlmoHybridForCausalLM": ("olmo_hybrid", "engine.models.olmo_hybrid"),
-    "JambaForCausalLM": ("jamba", "engine.models.jamba"),
-    "Lfm2ForCausalLM": ("lfm2", "engine.models.lfm2"),
-    "Lfm2MoeForCausalLM": ("lfm2_moe", "engine.models.lfm2_moe"),
-    "MambaForCausalLM": ("mamba", "engine.models.mamba"),
-    "Mamba2ForCausalLM": ("mamba2", "engine.models.mamba2"),
-    "FalconMambaForCausalLM": ("falcon_mamba", "engine.models.falcon_mamba"),
+    "NemotronHForCausalLM": ("nemotron_h", "baton.engine.models.nemotron_h"),
+    "BambaForCausalLM": ("bamba", "baton.engine.models.bamba"),
+    "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "baton.engine.models.granite_moe_hybrid"),
+    "FalconH1ForCausalLM": ("falcon_h1", "baton.engine.models.falcon_h1"),
+    "Zamba2ForCausalLM": ("zamba2", "baton.engine.models.zamba2"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "baton.engine.models.qwen3_next"),
+    "Qwen3_5ForCausalLM": ("qwen3_5_text", "baton.engine.models.qwen3_5"),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "baton.engine.models.qwen3_5"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe_text", "baton.engine.models.qwen3_5_moe"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "baton.engine.models.qwen3_5_moe"),
+    "OlmoHybridForCausalLM": ("olmo_hybrid", "baton.engine.models.olmo_hybrid"),
+    "JambaForCausalLM": ("jamba", "baton.engine.models.jamba"),
+    "Lfm2ForCausalLM": ("lfm2", "baton.engine.models.lfm2"),
+    "Lfm2MoeForCausalLM": ("lfm2_moe", "baton.engine.models.lfm2_moe"),
+    "MambaForCausalLM": ("mamba", "baton.engine.models.mamba"),
+    "Mamba2ForCausalLM": ("mamba2", "baton.engine.models.mamba2"),
+    "FalconMambaForCausalLM": ("falcon_mamba", "baton.engine.models.falcon_mamba"),
 }
 
 

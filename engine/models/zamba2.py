@@ -24,16 +24,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.cache.pools import StateCache
-from engine.config import ConfigReader, ModelConfig
-from engine.executor.forward_metadata import Mamba2Metadata
-from engine.layers.attention import Attention, AttentionConfig
-from engine.layers.causal_lm import CausalLM
-from engine.layers.lora import AdapterList
-from engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
-from engine.layers.mlp import ACTIVATIONS
-from engine.layers.norm import RMSNorm
-from engine.models.hybrid import HybridConfig, hybrid_state_spec
+from baton.engine.cache.pools import StateCache
+from baton.engine.config import ConfigReader, ModelConfig
+from baton.engine.executor.forward_metadata import Mamba2Metadata
+from baton.engine.layers.attention import Attention, AttentionConfig
+from baton.engine.layers.causal_lm import CausalLM
+from baton.engine.layers.lora import AdapterList
+from baton.engine.layers.mamba2 import Mamba2Config, Mamba2Mixer
+from baton.engine.layers.mlp import ACTIVATIONS
+from baton.engine.layers.norm import RMSNorm
+from baton.engine.models.hybrid import HybridConfig, hybrid_state_spec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.config_error import ConfigError
+from baton.engine.config_error import ConfigError
 
 
 class TensorParallel:

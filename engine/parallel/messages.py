@@ -21,9 +21,9 @@ from typing import Any
 import msgpack
 import torch
 
-from engine.cache.pools import StateCache
-from engine.executor.draft_batch import DraftBatch
-from engine.executor.forward_metadata import ScheduledBatch, TrackPoint
+from baton.engine.cache.pools import StateCache
+from baton.engine.executor.draft_batch import DraftBatch
+from baton.engine.executor.forward_metadata import ScheduledBatch, TrackPoint
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,7 +97,7 @@ class SnapshotShard:
 class SendShard:
     """Prefill side: send the room's snapshot, from page `first_page` on, with the checkpoints
     of blocks [first_block, first_block + num_blocks), to the decode ranks that own parts of it
-    (disagg.tp_layout.plan), then forget it."""
+    (baton.disagg.tp_layout.plan), then forget it."""
 
     room: str
     first_page: int

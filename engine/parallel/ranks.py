@@ -25,12 +25,12 @@ from collections.abc import Iterator
 import torch
 import zmq
 
-from engine import parallel
-from engine.cache.memory import PoolSizes
-from engine.executor.draft_batch import DraftBatch
-from engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatch
-from engine.executor.model_runner import ModelRunner
-from engine.parallel.messages import (
+from baton.engine import parallel
+from baton.engine.cache.memory import PoolSizes
+from baton.engine.executor.draft_batch import DraftBatch
+from baton.engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatch
+from baton.engine.executor.model_runner import ModelRunner
+from baton.engine.parallel.messages import (
     PoolOps,
     RankShutdown,
     RankSpec,
@@ -39,8 +39,8 @@ from engine.parallel.messages import (
     encode,
     pool_digest,
 )
-from engine.runtime.cpu_threads import engine_environment
-from engine.runtime.socket_limits import SEND_ONLY, limit
+from baton.engine.runtime.cpu_threads import engine_environment
+from baton.engine.runtime.socket_limits import SEND_ONLY, limit
 
 logger = logging.getLogger("baton.tp")
 
@@ -120,7 +120,7 @@ class Ranks:
                 )
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "engine.parallel.worker", spec.to_json()],
+                        [sys.executable, "-m", "baton.engine.parallel.worker", spec.to_json()],
                         # OpenMP reads its thread count and wait policy as torch loads. The
                         # rank's share replaces the engine's own OMP_NUM_THREADS (its share
                         # comes from that: the whole engine's threads over its ranks).

@@ -4,13 +4,13 @@ weights and its state split), refused for families that declare none."""
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
-from engine.config_error import ConfigError
+from baton.engine.config import ModelConfig
+from baton.engine.config_error import ConfigError
 
 
 def check_tp_supported(config: ModelConfig, size: int) -> None:
     """Raise ConfigError naming the numbers when this model cannot run on `size` ranks."""
-    from engine.models.registry import family_named, tp_architectures
+    from baton.engine.models.registry import family_named, tp_architectures
 
     if size < 1:
         raise ConfigError(f"tensor-parallel size must be >= 1, got {size}")

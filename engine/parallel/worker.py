@@ -1,4 +1,4 @@
-"""A tensor-parallel rank other than 0: `python -m engine.parallel.worker SPEC_JSON`, started and
+"""A tensor-parallel rank other than 0: `python -m baton.engine.parallel.worker SPEC_JSON`, started and
 stopped by rank 0 (engine/parallel/ranks.py).
 
 It joins the rank group (gloo; NCCL beside it for the all-reduces with a GPU per rank), loads its shard of the model, sizes its pools like rank 0's (its
@@ -21,21 +21,21 @@ import sys
 import torch
 import zmq
 
-from engine import parallel
-from engine.cache.pools import StateCache
-from engine.checkpoint.loader import load_model, resolve_dtype
-from engine.config import ModelConfig
-from engine.executor.draft_batch import DraftBatch
-from engine.executor.model_runner import ModelRunner
-from engine.handover.shards import (
+from baton.engine import parallel
+from baton.engine.cache.pools import StateCache
+from baton.engine.checkpoint.loader import load_model, resolve_dtype
+from baton.engine.config import ModelConfig
+from baton.engine.executor.draft_batch import DraftBatch
+from baton.engine.executor.model_runner import ModelRunner
+from baton.engine.handover.shards import (
     ConnectorSpec,
     apply_handover,
     gather_addresses,
     install_report,
     load_connector,
 )
-from engine.models.registry import model_state_spec
-from engine.parallel.messages import (
+from baton.engine.models.registry import model_state_spec
+from baton.engine.parallel.messages import (
     CopySlot,
     InstallShard,
     RankShutdown,
@@ -46,8 +46,8 @@ from engine.parallel.messages import (
     decode,
     pool_digest,
 )
-from engine.runtime.gc_freeze import freeze_startup_objects
-from engine.runtime.socket_limits import ReceiveLimits, limit, receive
+from baton.engine.runtime.gc_freeze import freeze_startup_objects
+from baton.engine.runtime.socket_limits import ReceiveLimits, limit, receive
 
 logger = logging.getLogger("baton.tp_worker")
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = RankSpec.from_json(argv[0])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from engine.runtime.process import _die_with_parent
+    from baton.engine.runtime.process import _die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the group: rank 0 decides
     _die_with_parent()

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.checkpoint.weights import Rename
-from engine.quantization.config import QUANTIZATION_NAMES, QuantConfig, read_quantization
-from engine.quantization.stored import QUANTIZED_DTYPES, checkpoint_headers
-from engine.quantization.transform import (
+from baton.engine.checkpoint.weights import Rename
+from baton.engine.quantization.config import QUANTIZATION_NAMES, QuantConfig, read_quantization
+from baton.engine.quantization.stored import QUANTIZED_DTYPES, checkpoint_headers
+from baton.engine.quantization.transform import (
     UNUSED_SUFFIXES,
     finalize,
     quantize_modules,

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.config import QUANTIZATION_NAMES
-from engine.config_error import ConfigError
+from baton.engine.config import QUANTIZATION_NAMES
+from baton.engine.config_error import ConfigError
 
 # --quantization as vLLM spells it; None: whatever the checkpoint says
 HF_QUANT_CONFIG = "hf_quant_config.json"

@@ -24,17 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import parallel
-from engine.quantization.config import LayerScheme
-from engine.quantization.schemes import (
+from baton.engine import parallel
+from baton.engine.quantization.config import LayerScheme
+from baton.engine.quantization.schemes import (
     WeightShape,
     check_values,
     quantized_tensor,
     scale_rule,
     tensor_specs,
 )
-from kernels import cpu_quant
-from kernels.quant import QuantizedTensor, concat_rows, quant_linear
+from baton.kernels import cpu_quant
+from baton.kernels.quant import QuantizedTensor, concat_rows, quant_linear
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

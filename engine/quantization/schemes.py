@@ -26,10 +26,10 @@ from typing import Literal
 
 import torch
 
-from engine.config_error import ConfigError
-from engine.parallel import Slices
-from engine.quantization.config import LayerScheme
-from kernels.quant import NVFP4_GROUP, QuantizedTensor
+from baton.engine.config_error import ConfigError
+from baton.engine.parallel import Slices
+from baton.engine.quantization.config import LayerScheme
+from baton.kernels.quant import NVFP4_GROUP, QuantizedTensor
 
 FLOAT_SCALES = ("F32", "BF16", "F16")
 TORCH_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.checkpoint.weights import Rename, checkpoint_files
-from engine.parallel import Slices, shard_rule
-from engine.quantization.config import LayerScheme, QuantConfig
-from engine.quantization.schemes import WeightError, WeightShape, check_header, tensor_specs
+from baton.engine.checkpoint.weights import Rename, checkpoint_files
+from baton.engine.parallel import Slices, shard_rule
+from baton.engine.quantization.config import LayerScheme, QuantConfig
+from baton.engine.quantization.schemes import WeightError, WeightShape, check_header, tensor_specs
 
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_scale_2")
 QUANTIZED_DTYPES = ("F8_E4M3", "U8")

@@ -25,12 +25,12 @@ from collections import Counter
 import torch
 from torch import nn
 
-from engine.checkpoint.weights import ExpertParts, Rename
-from engine.parallel import Slices
-from engine.quantization.config import QuantConfig
-from engine.quantization.modules import QuantizedLinear, QuantizedWeight, StackPart
-from engine.quantization.stored import Header, checked_shape, matrix_rule, stored_scheme
-from kernels.quant import concat_rows, quantize_fp8
+from baton.engine.checkpoint.weights import ExpertParts, Rename
+from baton.engine.parallel import Slices
+from baton.engine.quantization.config import QuantConfig
+from baton.engine.quantization.modules import QuantizedLinear, QuantizedWeight, StackPart
+from baton.engine.quantization.stored import Header, checked_shape, matrix_rule, stored_scheme
+from baton.kernels.quant import concat_rows, quantize_fp8
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Any, ClassVar, Literal
 
 import msgpack
 
-from engine.core.outputs import RequestDelta
-from engine.core.sampling_params import SamplingParams
+from baton.engine.core.outputs import RequestDelta
+from baton.engine.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -4,7 +4,7 @@
                                                                   │  StepOutput after every step
                                                                   └─ engine.step() while busy
 
-Started by the server as `python -m engine.runtime.process SPEC_JSON`. It exits on `Shutdown`, when
+Started by the server as `python -m baton.engine.runtime.process SPEC_JSON`. It exits on `Shutdown`, when
 its parent dies (PR_SET_PDEATHSIG plus a parent-pid check, so no orphan outlives the server;
 it then removes the server's ipc socket files, which a server killed outright leaves behind),
 or after an internal error, which it reports as `EngineFailed` first. SIGINT is ignored: a
@@ -24,10 +24,10 @@ from dataclasses import asdict
 
 import zmq
 
-from engine.core.engine import Engine
-from engine.runtime.cpu_allocator import release_freed_memory
-from engine.runtime.gc_freeze import freeze_startup_objects
-from engine.runtime.ipc import (
+from baton.engine.core.engine import Engine
+from baton.engine.runtime.cpu_allocator import release_freed_memory
+from baton.engine.runtime.gc_freeze import freeze_startup_objects
+from baton.engine.runtime.ipc import (
     AbortRequests,
     AddRequest,
     EngineFailed,
@@ -39,7 +39,7 @@ from engine.runtime.ipc import (
     decode,
     encode,
 )
-from engine.runtime.socket_limits import (
+from baton.engine.runtime.socket_limits import (
     REFUSALS,
     REFUSED_STAT,
     SEND_ONLY,
@@ -180,7 +180,7 @@ def _die_with_parent() -> None:
 
 def main(argv: list[str] | None = None, load_and_run=None) -> int:
     """Process setup shared by every engine process; `load_and_run` builds what runs inside
-    (disagg.process passes one that wraps the engine in a prefill or decode worker)."""
+    (baton.disagg.process passes one that wraps the engine in a prefill or decode worker)."""
     load_and_run = load_and_run or _load_and_run
     argv = sys.argv[1:] if argv is None else argv
     spec = EngineProcessSpec.from_json(argv[0])

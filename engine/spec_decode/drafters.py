@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.core.outputs import SampledTokens
-from engine.core.request import Request
-from engine.executor.forward_metadata import ScheduledBatch
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.ngram import ngram_drafts
+from baton.engine.core.outputs import SampledTokens
+from baton.engine.core.request import Request
+from baton.engine.executor.forward_metadata import ScheduledBatch
+from baton.engine.spec_decode.config import SpeculativeConfig
+from baton.engine.spec_decode.ngram import ngram_drafts
 
 Drafts = dict[int, tuple[int, ...]]  # seq index in the step -> its drafts
 

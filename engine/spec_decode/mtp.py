@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from engine.core.outputs import SampledTokens
-from engine.core.request import Request
-from engine.executor.draft_batch import DraftBatch, HiddenSource
-from engine.executor.forward_metadata import ScheduledBatch
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.drafters import Drafts, drafts_wanted
-from kernels.cpu_ops import argmax_rows
+from baton.engine.core.outputs import SampledTokens
+from baton.engine.core.request import Request
+from baton.engine.executor.draft_batch import DraftBatch, HiddenSource
+from baton.engine.executor.forward_metadata import ScheduledBatch
+from baton.engine.spec_decode.config import SpeculativeConfig
+from baton.engine.spec_decode.drafters import Drafts, drafts_wanted
+from baton.kernels.cpu_ops import argmax_rows
 
 
 class MtpDrafter:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.spec_decode.verifier import Verified
+from baton.engine.spec_decode.verifier import Verified
 
 
 @dataclass

@@ -25,11 +25,11 @@ from typing import NamedTuple
 
 import torch
 
-from engine.core.outputs import SampledTokens
-from engine.core.request import Request
-from engine.core.sampler import Sampler
-from engine.executor.forward_metadata import ScheduledBatch
-from engine.structured_output.grammars import Grammars
+from baton.engine.core.outputs import SampledTokens
+from baton.engine.core.request import Request
+from baton.engine.core.sampler import Sampler
+from baton.engine.executor.forward_metadata import ScheduledBatch
+from baton.engine.structured_output.grammars import Grammars
 
 
 class DraftedRow:

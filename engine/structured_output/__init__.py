@@ -6,6 +6,6 @@ the compile thread, the per-step bitmask and the matchers (imported from there: 
 which the server, a user of the check, does without).
 """
 
-from engine.structured_output.spec import check_structured_outputs
+from baton.engine.structured_output.spec import check_structured_outputs
 
 __all__ = ["check_structured_outputs"]

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from engine.core.request import Request
-from engine.core.sampling_params import SamplingParams
-from engine.structured_output.spec import MAX_SPEC_CHARS, compile_structured, xgrammar
+from baton.engine.core.request import Request
+from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.structured_output.spec import MAX_SPEC_CHARS, compile_structured, xgrammar
 
 if TYPE_CHECKING:
     import xgrammar as xgr

@@ -15,9 +15,9 @@ import json
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from engine.core.sampling_params import StructuredOutputs
-from engine.runtime.torch_import import allow_torch
-from engine.structured_output.keywords import unenforced_keyword
+from baton.engine.core.sampling_params import StructuredOutputs
+from baton.engine.runtime.torch_import import allow_torch
+from baton.engine.structured_output.keywords import unenforced_keyword
 
 if TYPE_CHECKING:
     import xgrammar as xgr

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import random
 
-from server.router_policies.base import Policy
-from server.router_policies.cache_aware import CacheAware, CacheAwareSettings
-from server.router_policies.power_of_two import PowerOfTwo
-from server.router_policies.random_choice import RandomChoice
-from server.router_policies.round_robin import RoundRobin
+from baton.server.router_policies.base import Policy
+from baton.server.router_policies.cache_aware import CacheAware, CacheAwareSettings
+from baton.server.router_policies.power_of_two import PowerOfTwo
+from baton.server.router_policies.random_choice import RandomChoice
+from baton.server.router_policies.round_robin import RoundRobin
 
 POLICY_NAMES = ("round_robin", "random", "power_of_two", "cache_aware")
 

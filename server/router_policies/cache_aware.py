@@ -35,8 +35,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from server.router_policies.base import Candidate, Choice
-from server.router_policies.prefix_blocks import PrefixBlocks, block_chain
+from baton.server.router_policies.base import Candidate, Choice
+from baton.server.router_policies.prefix_blocks import PrefixBlocks, block_chain
 
 
 @dataclass(frozen=True, kw_only=True)

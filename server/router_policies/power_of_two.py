@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from server.router_policies.base import Candidate, Choice
+from baton.server.router_policies.base import Candidate, Choice
 
 
 class PowerOfTwo:

@@ -33,16 +33,16 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 KERNEL_MODULES = (
-    "kernels.triton_ssd",
-    "kernels.triton_conv1d",
-    "kernels.triton_ssu",
-    "kernels.triton_attention",
-    "kernels.triton_state_copy",
-    "kernels.triton_norm",
-    "kernels.triton_gated_delta",
-    "kernels.triton_selective_scan",
-    "kernels.triton_quant",
-    "kernels.triton_moe",
+    "baton.kernels.triton_ssd",
+    "baton.kernels.triton_conv1d",
+    "baton.kernels.triton_ssu",
+    "baton.kernels.triton_attention",
+    "baton.kernels.triton_state_copy",
+    "baton.kernels.triton_norm",
+    "baton.kernels.triton_gated_delta",
+    "baton.kernels.triton_selective_scan",
+    "baton.kernels.triton_quant",
+    "baton.kernels.triton_moe",
 )
 
 
@@ -68,18 +68,18 @@ class StubDriver:
 def run_mamba2_attention_launchers(dtype: torch.dtype, dims: dict) -> None:
     """Call every Mamba2, attention, norm and state-copy launcher once on CPU tensors (only their
     shapes, strides and dtypes matter)."""
-    from kernels.attention import build_attention_layout
-    from kernels.conv1d import build_window_layout
-    from kernels.ssd import build_chunk_layout
-    from kernels.triton_attention import paged_attention_triton, rotary_store_kv_triton
-    from kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
-    from kernels.triton_norm import gated_rms_norm_triton, rms_norm_triton
-    from kernels.triton_ssd import ssd_scan_triton
-    from kernels.triton_ssu import (
+    from baton.kernels.attention import build_attention_layout
+    from baton.kernels.conv1d import build_window_layout
+    from baton.kernels.ssd import build_chunk_layout
+    from baton.kernels.triton_attention import paged_attention_triton, rotary_store_kv_triton
+    from baton.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+    from baton.kernels.triton_norm import gated_rms_norm_triton, rms_norm_triton
+    from baton.kernels.triton_ssd import ssd_scan_triton
+    from baton.kernels.triton_ssu import (
         selective_state_update_multi_triton,
         selective_state_update_triton,
     )
-    from kernels.triton_state_copy import copy_states_triton
+    from baton.kernels.triton_state_copy import copy_states_triton
 
     H, P, G, N, L = dims["H"], dims["P"], dims["G"], dims["N"], dims["chunk"]
     T, seq_lens = sum(SEQ_LENS), SEQ_LENS
@@ -129,10 +129,10 @@ def run_mamba2_attention_launchers(dtype: torch.dtype, dims: dict) -> None:
 def run_quantized_launchers(dtype: torch.dtype, dims: dict) -> None:
     """The quantized linears (w8a8 with its row quantizer, weight-only FP8 and NVFP4) and the
     fused MoE on plain and quantized experts."""
-    from kernels.layouts import Routing
-    from kernels.quant import QuantizedTensor
-    from kernels.triton_moe import fused_moe_triton
-    from kernels.triton_quant import quantize_rows_fp8_triton, w8a8_matmul, weight_only_matmul
+    from baton.kernels.layouts import Routing
+    from baton.kernels.quant import QuantizedTensor
+    from baton.kernels.triton_moe import fused_moe_triton
+    from baton.kernels.triton_quant import quantize_rows_fp8_triton, w8a8_matmul, weight_only_matmul
 
     k = -(-dims["hidden"] // 32) * 32  # NVFP4 groups of 16, w8a8 tiles of 32
     n = 2 * k
@@ -174,10 +174,10 @@ def run_quantized_launchers(dtype: torch.dtype, dims: dict) -> None:
 def run_mamba1_launchers(dtype: torch.dtype, dims: dict) -> None:
     """The Mamba1 scan and decode step (d_inner = the conv width, d_state = N), gated and not,
     and LFM2's short conv (no activation, no bias)."""
-    from kernels.conv1d import build_window_layout
-    from kernels.ssd import build_chunk_layout
-    from kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
-    from kernels.triton_selective_scan import (
+    from baton.kernels.conv1d import build_window_layout
+    from baton.kernels.ssd import build_chunk_layout
+    from baton.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+    from baton.kernels.triton_selective_scan import (
         selective_scan_pool_triton,
         selective_state_update_triton,
     )
@@ -202,8 +202,8 @@ def run_mamba1_launchers(dtype: torch.dtype, dims: dict) -> None:
 
 
 def run_gated_delta_launchers(dtype: torch.dtype, dims: dict) -> None:
-    from kernels.ssd import build_chunk_layout
-    from kernels.triton_gated_delta import (
+    from baton.kernels.ssd import build_chunk_layout
+    from baton.kernels.triton_gated_delta import (
         chunk_gated_delta_rule_triton,
         gated_delta_decode_triton,
     )

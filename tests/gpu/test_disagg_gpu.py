@@ -13,10 +13,10 @@ import torch
 
 zmq = pytest.importorskip("zmq")
 
-from disagg.decode import DecodeWorker  # noqa: E402
-from disagg.prefill import PrefillWorker  # noqa: E402
-from engine import SamplingParams  # noqa: E402
-from engine.core.engine import Engine  # noqa: E402
+from baton import SamplingParams  # noqa: E402
+from baton.disagg.decode import DecodeWorker  # noqa: E402
+from baton.disagg.prefill import PrefillWorker  # noqa: E402
+from baton.engine.core.engine import Engine  # noqa: E402
 from tests.test_disagg_unit import (  # noqa: E402
     assert_pools_empty,
     colocated_tokens,

@@ -3,7 +3,7 @@ transformers on the CPU, on the tiny float32 model the CPU suite uses.
 
     TRITON_INTERPRET=0 .venv/bin/python -m pytest -m gpu tests/gpu/test_engine_gpu.py
 
-float32 serving keeps `tl.dot` in IEEE float32 (kernels.backend.dot_precision), so the CPU
+float32 serving keeps `tl.dot` in IEEE float32 (baton.kernels.backend.dot_precision), so the CPU
 suite's bar holds here too: greedy tokens identical up to a reference near-tie and logprobs
 within 1e-4.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.reference import hf_greedy
 from tests.test_engine import check_against_reference, workload
 

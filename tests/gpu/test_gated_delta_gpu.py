@@ -12,9 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gated_delta import chunk_gated_delta_rule_torch, gated_delta_decode_torch, gdn_gating
-from kernels.ssd import build_chunk_layout
-from kernels.triton_gated_delta import (
+from baton.kernels.gated_delta import (
+    chunk_gated_delta_rule_torch,
+    gated_delta_decode_torch,
+    gdn_gating,
+)
+from baton.kernels.ssd import build_chunk_layout
+from baton.kernels.triton_gated_delta import (
     _decode_kernel,
     chunk_gated_delta_rule_triton,
     gated_delta_decode_triton,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.test_gdn_models import assert_matches_transformers, prompts_for
 
 pytestmark = [

@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from engine.cache.pools import StateCache
-from engine.checkpoint.loader import load_model
-from engine.executor.forward_metadata import ScheduledBatch, TrackPoint
-from engine.executor.graph_runner import DecodeGraphRunner
-from engine.executor.model_runner import ModelRunner
+from baton.engine.cache.pools import StateCache
+from baton.engine.checkpoint.loader import load_model
+from baton.engine.executor.forward_metadata import ScheduledBatch, TrackPoint
+from baton.engine.executor.graph_runner import DecodeGraphRunner
+from baton.engine.executor.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,8 +72,8 @@ def init_random_(model: torch.nn.Module) -> None:
 def model_dir(tmp_path_factory):
     from safetensors.torch import save_file
 
-    from engine.config import ModelConfig
-    from engine.models.nemotron_h import NemotronHForCausalLM
+    from baton.engine.config import ModelConfig
+    from baton.engine.models.nemotron_h import NemotronHForCausalLM
 
     path = tmp_path_factory.mktemp("nano-like")
     (path / "config.json").write_text(json.dumps(NANO_LIKE))

@@ -17,21 +17,24 @@ import math
 import pytest
 import torch
 
-from kernels.attention import build_attention_layout, paged_attention_torch
-from kernels.conv1d import (
+from baton.kernels.attention import build_attention_layout, paged_attention_torch
+from baton.kernels.conv1d import (
     build_window_layout,
     causal_conv1d_update_torch,
     causal_conv1d_varlen_torch,
 )
-from kernels.norm import gated_rms_norm_torch, rms_norm_torch
-from kernels.ssd import build_chunk_layout, ssd_scan_torch
-from kernels.ssu import selective_state_update_multi, selective_state_update_torch
-from kernels.triton_attention import paged_attention_triton
-from kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
-from kernels.triton_norm import gated_rms_norm_triton, rms_norm_triton
-from kernels.triton_ssd import _chunk_scan_kernel, ssd_scan_triton
-from kernels.triton_ssu import selective_state_update_multi_triton, selective_state_update_triton
-from kernels.triton_state_copy import copy_states_triton
+from baton.kernels.norm import gated_rms_norm_torch, rms_norm_torch
+from baton.kernels.ssd import build_chunk_layout, ssd_scan_torch
+from baton.kernels.ssu import selective_state_update_multi, selective_state_update_torch
+from baton.kernels.triton_attention import paged_attention_triton
+from baton.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+from baton.kernels.triton_norm import gated_rms_norm_triton, rms_norm_triton
+from baton.kernels.triton_ssd import _chunk_scan_kernel, ssd_scan_triton
+from baton.kernels.triton_ssu import (
+    selective_state_update_multi_triton,
+    selective_state_update_triton,
+)
+from baton.kernels.triton_state_copy import copy_states_triton
 
 
 def _interpreted() -> bool:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.layouts import Routing
-from kernels.moe import fused_moe_torch, route_sigmoid_grouped
-from kernels.triton_moe import _moe_up_kernel, fused_moe_triton
+from baton.kernels.layouts import Routing
+from baton.kernels.moe import fused_moe_torch, route_sigmoid_grouped
+from baton.kernels.triton_moe import _moe_up_kernel, fused_moe_triton
 
 
 def _interpreted() -> bool:

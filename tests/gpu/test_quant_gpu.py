@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from kernels.quant import dequantize, quant_linear, quantize_rows_fp8, w8a8_linear_torch
+from baton import LLM, SamplingParams
+from baton.kernels.quant import dequantize, quant_linear, quantize_rows_fp8, w8a8_linear_torch
 from tests.test_quant_formats import random_codes
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +24,7 @@ def on_gpu(q):
 
 
 def test_row_quantizer_codes_equal_torch_on_gpu():
-    from kernels.triton_quant import quantize_rows_fp8_triton
+    from baton.kernels.triton_quant import quantize_rows_fp8_triton
 
     x = (torch.randn(33, 300) * 40).to(cuda)
     codes, scale = quantize_rows_fp8_triton(x)

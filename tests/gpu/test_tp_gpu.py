@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from baton import LLM, SamplingParams
 from tests.test_tp_engine import ENGINE_ARGS, SHAPES, _assert_same, _prompts
 from tests.tiny import save_tiny_model
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from kernels import cpu_quant  # noqa: E402
+from baton.kernels import cpu_quant  # noqa: E402
 
 I64, INT, PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 ARGTYPES = [INT, PTR, I64, I64, I64, PTR, PTR, I64, PTR, I64, PTR, INT, PTR, I64, INT]

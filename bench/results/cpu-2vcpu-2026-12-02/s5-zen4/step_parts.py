@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's time goes, bf16 vs NVFP4 weights of the 110M model: module
 forward times (inclusive) per decode step, medians over 126 steps, 3 alternated rounds.
 Run from the repository root: `python bench/results/cpu-2vcpu-2026-12-02/s5-zen4/step_parts.py`
-(the model directory: bench.workloads.save_model("110m", MODEL_DIR))."""
+(the model directory: baton.bench.workloads.save_model("110m", MODEL_DIR))."""
 
 import collections
 import statistics
@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, ".")
-import engine.models.nemotron_h as nemotron_h  # noqa: E402
-from bench import quantized  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.quantization.modules import QuantizedLinear  # noqa: E402
-from kernels.linear import PackedLinear  # noqa: E402
+import baton.engine.models.nemotron_h as nemotron_h  # noqa: E402
+from baton import LLM, SamplingParams  # noqa: E402
+from baton.bench import quantized  # noqa: E402
+from baton.engine.quantization.modules import QuantizedLinear  # noqa: E402
+from baton.kernels.linear import PackedLinear  # noqa: E402
 from tests.quantize import quantize_checkpoint  # noqa: E402
 
 MODEL_DIR = "/tmp/q41/m110"

@@ -13,7 +13,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from kernels import cpu_gemm  # noqa: E402
+from baton.kernels import cpu_gemm  # noqa: E402
 
 SHAPES = [(768, 5144), (1536, 768), (768, 2048), (2048, 768), (768, 32000)]  # (in, out)
 

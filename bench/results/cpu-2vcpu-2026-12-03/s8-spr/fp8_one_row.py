@@ -10,8 +10,8 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from kernels import cpu_quant  # noqa: E402
-from kernels.quant import QuantizedTensor  # noqa: E402
+from baton.kernels import cpu_quant  # noqa: E402
+from baton.kernels.quant import QuantizedTensor  # noqa: E402
 
 
 def fp8(n, k, group, g):

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 sys.path.insert(0, ".")
-from engine import LLM, SamplingParams  # noqa: E402
+from baton import LLM, SamplingParams  # noqa: E402
 from tests.quantize import quantize_checkpoint  # noqa: E402
 
 FORMATS = {"fp8": "modelopt_fp8", "nvfp4": "modelopt_nvfp4"}
