@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(VPY) -m pip install -q --upgrade -c $(LOCK) pip
 	$(VPY) -m pip install -q -c $(LOCK) torch
 	$(VPY) -m pip install -q -c $(LOCK) -e '.[test]'
-	$(VPY) -m baton.kernels.build  # the C kernels, built now rather than on the first request
+	$(VPY) -m baton.kernels.cpu.build  # the C kernels, built now rather than on the first request
 	touch $(STAMP)
 
 test: install
@@ -47,7 +47,7 @@ upgrade-deps:
 	$(UPGRADE)/bin/python -m pip install -q --upgrade pip
 	$(UPGRADE)/bin/python -m pip install -q torch==2.13.0
 	$(UPGRADE)/bin/python -m pip install -q --upgrade -e '.[test]'
-	$(UPGRADE)/bin/python -m baton.kernels.build
+	$(UPGRADE)/bin/python -m baton.kernels.cpu.build
 	$(UPGRADE)/bin/python -m pytest -q tests $(PYTEST_ARGS)
 	$(PY) tools/write_lock.py --venv $(UPGRADE) --output $(LOCK)
 	rm -rf $(UPGRADE)

@@ -1,4 +1,4 @@
-"""baton's CPU GEMM (kernels/cpu_gemm.c) against oneDNN's prepacked linear on a model's whole
+"""baton's CPU GEMM (kernels/cpu/gemm.c) against oneDNN's prepacked linear on a model's whole
 sequence of linears, in the order a forward runs them, so that each weight is read cold as a
 decode step reads it (the 110M model's 171 MB of bf16 weights are five times the L3 cache).
 Alternated rounds in one process; prints the best round of each, the FLOP rate as a fraction of
@@ -18,7 +18,7 @@ import torch
 
 from baton.bench.flop_rates import mm_peaks
 from baton.bench.workloads import CONFIGS, save_model
-from baton.kernels import cpu_gemm
+from baton.kernels.cpu import gemm as cpu_gemm
 from baton.kernels.linear import PackedLinear, _packed_mm
 
 

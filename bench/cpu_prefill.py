@@ -1,4 +1,4 @@
-"""The fused C prefill kernels (kernels/cpu_prefill.c) against the torch paths they replace, on
+"""The fused C prefill kernels (kernels/cpu/prefill.c) against the torch paths they replace, on
 the side-by-side workload's prefill (32 prompts x 128 tokens) and a varlen batch, alternated
 rounds in one process; prints best-of-rounds times and the C / torch ratio with the load average.
 
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from baton.kernels import cpu_prefill
 from baton.kernels.conv1d import build_window_layout, causal_conv1d_varlen_torch
+from baton.kernels.cpu import prefill as cpu_prefill
 from baton.kernels.norm import gated_rms_norm_torch
 from baton.kernels.ssd import build_chunk_layout, discretize_dt, ssd_scan_torch
 
@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     if cpu_prefill.library() is None:
-        raise SystemExit("kernels/cpu_prefill.c did not build (no C compiler, or BATON_CPU_OPS=0)")
+        raise SystemExit("kernels/cpu/prefill.c did not build (no C compiler, or BATON_CPU_OPS=0)")
     for config in list(SHAPES) if args.config == "all" else [args.config]:
         for dtype in ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]:
             for batch in BATCHES:

@@ -1,4 +1,4 @@
-"""The weight-only quantized CPU linear (kernels/cpu_quant.c) on a model's whole sequence of
+"""The weight-only quantized CPU linear (kernels/cpu/quant.c) on a model's whole sequence of
 linears, each weight read cold as a decode step reads it: GB/s of packed weight bytes (codes and
 scales) per call at a few row counts, FP8 and NVFP4, beside this machine's read bandwidth (a
 float32 sum over 1 GiB) and bf16 `F.linear` on the same shapes. Alternated rounds in one process;
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from baton.bench.cpu_gemm import linear_shapes
 from baton.bench.workloads import CONFIGS
-from baton.kernels import cpu_quant
+from baton.kernels.cpu import quant as cpu_quant
 from baton.kernels.quant import QuantizedTensor
 
 

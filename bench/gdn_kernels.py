@@ -2,7 +2,7 @@
 
     python -m baton.bench.gdn_kernels [--shapes qwen3-next|small] [--rounds 5] [--threads N] [--json f]
 
-On the CPU: the C kernels (kernels/cpu_gated_delta.c) vs the torch path, alternated rounds,
+On the CPU: the C kernels (kernels/cpu/gated_delta.c) vs the torch path, alternated rounds,
 best of rounds: prefill (one long prompt and a batch of short ones, chunk-end states kept),
 the decode step at batches 1..32, and the fused decode step of a whole mixer (conv, gating, the
 rule, the gated norm) vs the composite path it replaces. On a CUDA device (TRITON_INTERPRET
@@ -22,7 +22,7 @@ from functools import partial
 
 import torch
 
-from baton.kernels import cpu_gated_delta
+from baton.kernels.cpu import gated_delta as cpu_gated_delta
 from baton.kernels.gated_delta import (
     chunk_gated_delta_rule_torch,
     gated_delta_decode_torch,
@@ -77,7 +77,7 @@ def torch_prefill(q, k, v, g, beta, pool, slots, layout) -> None:
 def bench_rule(shape, device, dtype, rounds: int, timer) -> list[dict]:
     Hk, Hv, dk, dv, chunk = shape
     if device.type == "cuda":
-        from baton.kernels.triton_gated_delta import (
+        from baton.kernels.triton.gated_delta import (
             chunk_gated_delta_rule_triton,
             gated_delta_decode_triton,
         )

@@ -167,9 +167,9 @@ def bench_decode(s: Shapes, device, dtype, timer, context: int) -> list[Result]:
     from baton.kernels.attention import build_attention_layout, paged_attention_torch
     from baton.kernels.conv1d import causal_conv1d_update_torch
     from baton.kernels.ssu import selective_state_update_torch
-    from baton.kernels.triton_attention import paged_attention_triton
-    from baton.kernels.triton_conv1d import causal_conv1d_update_triton
-    from baton.kernels.triton_ssu import selective_state_update_triton
+    from baton.kernels.triton.attention import paged_attention_triton
+    from baton.kernels.triton.conv1d import causal_conv1d_update_triton
+    from baton.kernels.triton.ssu import selective_state_update_triton
 
     results = []
     esize = torch.finfo(dtype).bits // 8
@@ -237,11 +237,11 @@ def bench_prefill(s: Shapes, device, dtype, timer) -> list[Result]:
     from baton.kernels.conv1d import build_window_layout, causal_conv1d_varlen_torch
     from baton.kernels.norm import gated_rms_norm_torch, rms_norm_torch
     from baton.kernels.ssd import build_chunk_layout, ssd_scan_torch
-    from baton.kernels.triton_attention import paged_attention_triton
-    from baton.kernels.triton_conv1d import causal_conv1d_varlen_triton
-    from baton.kernels.triton_norm import gated_rms_norm_triton, rms_norm_triton
-    from baton.kernels.triton_ssd import ssd_scan_triton
-    from baton.kernels.triton_state_copy import copy_states_triton
+    from baton.kernels.triton.attention import paged_attention_triton
+    from baton.kernels.triton.conv1d import causal_conv1d_varlen_triton
+    from baton.kernels.triton.norm import gated_rms_norm_triton, rms_norm_triton
+    from baton.kernels.triton.ssd import ssd_scan_triton
+    from baton.kernels.triton.state_copy import copy_states_triton
 
     results = []
     esize = torch.finfo(dtype).bits // 8
@@ -370,7 +370,7 @@ SMOKE_MOE = MoEShapes(hidden=64, inter=32, experts=8, top_k=2, decode_batches=(1
 
 def bench_moe(s: MoEShapes, device, dtype, timer) -> list[Result]:
     from baton.kernels.moe import fused_moe_torch, route_sigmoid_grouped
-    from baton.kernels.triton_moe import fused_moe_triton
+    from baton.kernels.triton.moe import fused_moe_triton
 
     w_up = torch.randn(s.experts, s.inter, s.hidden, device=device, dtype=dtype) / s.hidden**0.5
     w_down = torch.randn(s.experts, s.hidden, s.inter, device=device, dtype=dtype) / s.inter**0.5

@@ -35,7 +35,7 @@ def time_us(fn, reps: int = 20) -> float:
 
 
 def time_all(x: torch.Tensor, weight: torch.Tensor, fp8, nvfp4) -> dict[str, float]:
-    from baton.kernels.triton_quant import quantize_rows_fp8_triton, w8a8_matmul, weight_only_matmul
+    from baton.kernels.triton.quant import quantize_rows_fp8_triton, w8a8_matmul, weight_only_matmul
 
     def w8a8() -> torch.Tensor:
         codes, scale = quantize_rows_fp8_triton(x)

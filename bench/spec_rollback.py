@@ -5,7 +5,7 @@
 A verify feeds q = k + 1 tokens per request; acceptance keeps the state after token j. Two ways:
 
   keep     (what baton does) the verify writes the state after EACH token to its own slot
-           (kernels/cpu_verify.c): rollback is choosing slot j, nothing else runs
+           (kernels/cpu/verify.c): rollback is choosing slot j, nothing else runs
   replay   the verify keeps the state in registers and writes none of it back (the working
            slot stays the snapshot); after acceptance a second pass over every recurrent layer
            reads the snapshot again and applies the j + 1 kept tokens
@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from baton.kernels import cpu_ops
-from baton.kernels.cpu_verify import mamba_verify_cpu
+from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.cpu.verify import mamba_verify_cpu
 
 SHAPES = {  # (heads, head_dim, d_state, n_groups, conv kernel)
     "110m": (24, 64, 128, 8, 4),

@@ -28,7 +28,7 @@ from baton.engine.runtime.socket_limits import ReceiveLimits, limit
 ZMQ_HEARTBEAT_IVL_MS = 1000
 ZMQ_HEARTBEAT_TIMEOUT_MS = 5000
 
-# The longest room id a worker accepts from its router (server/protocol.py's DisaggField; the
+# The longest room id a worker accepts from its router (server/openai/protocol.py's DisaggField; the
 # router mints 32-character ones).
 MAX_ROOM_ID = 128
 # Unread messages libzmq keeps per connection: a decode worker's Registers and heartbeats, a

@@ -10,7 +10,7 @@ KV cache per attention layer: k_cache, v_cache (num_token_slots, kv_heads, head_
 
 One function serves decode (one query per sequence) and extend (a chunk of queries over the
 cached prefix plus themselves, causal). On the CPU both run C kernels that read the paged cache
-in place (kernels/cpu_ops.c); without them (no compiler, `BATON_CPU_OPS=0`, other dtypes) the
+in place (kernels/cpu/ops.c); without them (no compiler, `BATON_CPU_OPS=0`, other dtypes) the
 torch path pads queries to (num_seqs, max_q) and gathers each sequence's keys to
 (num_seqs, max_kv) once per call, then runs one SDPA.
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from baton.kernels import cpu_ops
 from baton.kernels.backend import select_backend
+from baton.kernels.cpu import ops as cpu_ops
 from baton.kernels.layouts import AttentionLayout
 from baton.kernels.workspace import scratch
 
@@ -108,7 +108,7 @@ def rotary_store_kv(
     rotary_dim channels of q and k, stores the rotated k and v at `slot_mapping`; returns the
     rotated q (a new tensor; the inputs are not modified)."""
     if select_backend(q) == "triton":
-        from baton.kernels.triton_attention import rotary_store_kv_triton
+        from baton.kernels.triton.attention import rotary_store_kv_triton
 
         return rotary_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
     return rotary_store_kv_torch(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
@@ -148,7 +148,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: (num_tokens, heads, head_dim) packed queries (their K/V already stored). Returns like q."""
     if select_backend(q) == "triton":
-        from baton.kernels.triton_attention import paged_attention_triton
+        from baton.kernels.triton.attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, layout, scale)
     return paged_attention_torch(q, k_cache, v_cache, layout, scale)
@@ -164,7 +164,7 @@ def paged_attention_torch(
     num_tokens, H, Dh = q.shape
     S, Q = layout.num_seqs, layout.max_q
     if cpu_ops.decode_attention_supported(q, k_cache):
-        # Straight from the paged cache, no gathered copy, no mask (kernels/cpu_ops.c): one
+        # Straight from the paged cache, no gathered copy, no mask (kernels/cpu/ops.c): one
         # query per sequence (decode) or each sequence's causal chunk (extend).
         if Q == 1 and num_tokens == S:
             return cpu_ops.decode_attention_cpu(

@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from baton.kernels import cpu_ops, cpu_prefill
 from baton.kernels.backend import select_backend
+from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.cpu import prefill as cpu_prefill
 from baton.kernels.layouts import ConvActivation, ConvLayout
 
 
@@ -69,7 +70,7 @@ def causal_conv1d_varlen(
     Returns (out (num_tokens, dim) in x's dtype, windows or None).
     """
     if select_backend(x) == "triton":
-        from baton.kernels.triton_conv1d import causal_conv1d_varlen_triton
+        from baton.kernels.triton.conv1d import causal_conv1d_varlen_triton
 
         return causal_conv1d_varlen_triton(
             x, weight, bias, conv_states, state_indices, layout, window_tokens, activation
@@ -128,7 +129,7 @@ def causal_conv1d_update(
     `state_indices` (batch,) (padded rows point at dummy slot 0). Returns activation(conv):
     (batch, dim)."""
     if select_backend(x) == "triton":
-        from baton.kernels.triton_conv1d import causal_conv1d_update_triton
+        from baton.kernels.triton.conv1d import causal_conv1d_update_triton
 
         return causal_conv1d_update_triton(x, weight, bias, conv_states, state_indices, activation)
     if cpu_ops.conv_update_supported(conv_states, x, weight.shape[1]):

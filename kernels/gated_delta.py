@@ -33,7 +33,7 @@ Everything but the last three lines is batched over every (sequence, head, chunk
 over chunks only, each step one batched matmul per line over (sequence, head).
 
 Public functions dispatch like every kernel (kernels/backend.py): CUDA tensors -> Triton
-(kernels/triton_gated_delta.py), CPU tensors -> the C kernels (kernels/cpu_gated_delta.c) when
+(kernels/triton/gated_delta.py), CPU tensors -> the C kernels (kernels/cpu/gated_delta.c) when
 built and the pool is contiguous float32, else the torch path here; BATON_KERNELS=torch|triton
 forces a side, BATON_CPU_OPS=0 turns the C kernels off.
 """
@@ -45,8 +45,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from baton.kernels import cpu_gated_delta
 from baton.kernels.backend import select_backend
+from baton.kernels.cpu import gated_delta as cpu_gated_delta
 from baton.kernels.layouts import ChunkLayout
 from baton.kernels.workspace import scratch
 
@@ -134,7 +134,7 @@ def chunk_gated_delta_rule(
     layout: baton.kernels.ssd.build_chunk_layout(seq_lens, start_pos, chunk_size, device).
     Chunks past a sequence's end hold its final state in chunk_states."""
     if select_backend(v) == "triton":
-        from baton.kernels.triton_gated_delta import chunk_gated_delta_rule_triton
+        from baton.kernels.triton.gated_delta import chunk_gated_delta_rule_triton
 
         return chunk_gated_delta_rule_triton(q, k, v, g, beta, initial_states, layout)
     return chunk_gated_delta_rule_torch(q, k, v, g, beta, initial_states, layout)
@@ -225,7 +225,7 @@ def gated_delta_prefill(
     state_pool: (num_slots, num_v_heads, k_head_dim, v_head_dim), float32 by default;
     state_indices: (num_seqs,) int64. Returns (o (num_tokens, num_v_heads, v_head_dim) in v's
     dtype, chunk_states (num_seqs, num_chunks, num_v_heads, k_head_dim, v_head_dim) float32 or
-    None when not wanted). On the CPU the threaded C scan (kernels/cpu_gated_delta.c) runs when
+    None when not wanted). On the CPU the threaded C scan (kernels/cpu/gated_delta.c) runs when
     it is built and the pool is contiguous float32."""
     _check_shapes(q, k, v, g, beta, tuple(state_pool.shape), "gated_delta_prefill")
     _check_indices(state_indices, layout.num_seqs, "gated_delta_prefill")
@@ -235,7 +235,7 @@ def gated_delta_prefill(
         )
     initial_states = state_pool[state_indices]
     if select_backend(v) == "triton":
-        from baton.kernels.triton_gated_delta import chunk_gated_delta_rule_triton
+        from baton.kernels.triton.gated_delta import chunk_gated_delta_rule_triton
 
         out = chunk_gated_delta_rule_triton(
             q, k, v, g, beta, initial_states, layout, want_chunk_states
@@ -265,7 +265,7 @@ def gated_delta_decode(
     _check_shapes(q, k, v, g, beta, tuple(state_pool.shape), "gated_delta_decode")
     _check_indices(state_indices, q.shape[0], "gated_delta_decode")
     if select_backend(v) == "triton":
-        from baton.kernels.triton_gated_delta import gated_delta_decode_triton
+        from baton.kernels.triton.gated_delta import gated_delta_decode_triton
 
         return gated_delta_decode_triton(q, k, v, g, beta, state_pool, state_indices)
     if cpu_gated_delta.supported(v, state_pool):

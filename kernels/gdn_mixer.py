@@ -21,8 +21,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from baton.kernels import cpu_gated_delta
 from baton.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from baton.kernels.cpu import gated_delta as cpu_gated_delta
 from baton.kernels.gated_delta import gated_delta_decode, gated_delta_prefill, gdn_gating
 from baton.kernels.layouts import ChunkLayout, ConvLayout
 from baton.kernels.verify_steps import token_rows, verify_by_steps

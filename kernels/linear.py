@@ -25,7 +25,7 @@ the linear keeps that plain copy beside its packed one (small by definition) and
 on it, prefill rows on the packed GEMM.
 
 The GEMM is chosen the same way, per shape and compute dtype: oneDNN's prepacked linear or
-baton's own (kernels/cpu_gemm.c: AVX-512 / AVX512-BF16 panels with the next panel prefetched,
+baton's own (kernels/cpu/gemm.c: AVX-512 / AVX512-BF16 panels with the next panel prefetched,
 1.3-1.4x oneDNN on decode's few rows over weights larger than the caches, on a par at prefill's
 hundreds; with AMX, bf16 from 8 rows on tiles: 1.5-2x oneDNN at 1-4 rows, on a par at 16-256).
 `MatmulChooser.kernel` times both where this CPU runs baton's (where oneDNN wins, it stays);
@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from baton.kernels import cpu_gemm
+from baton.kernels.cpu import gemm as cpu_gemm
 from baton.kernels.matmul_choices import ChoiceCache
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ FLOAT32_MARGIN = 0.9
 # decode's cold weights gains little (1.0-1.1x, and a near-tie flipped with load: one of a PD
 # pair's two workers, timing at the same moment, once picked oneDNN for the 768x5144 in_proj).
 BATON_GEMM_MARGIN = 1.15
-# Where baton's GEMM runs bf16 on AMX (kernels/cpu_gemm.c), both GEMMs run AMX from 8 rows, on a
+# Where baton's GEMM runs bf16 on AMX (kernels/cpu/gemm.c), both GEMMs run AMX from 8 rows, on a
 # par over weights larger than the caches (0.9-1.3x at 16-256 rows on the 110M model's shapes,
 # a Xeon with AMX), 5-18% apart on the hot weights timed here; at decode's 1-4 rows baton's
 # register kernels stream the weights at 1.5-2x oneDNN's rate, which no hot timing shows (timed

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from baton.kernels import cpu_ops
+from baton.kernels.cpu import ops as cpu_ops
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ Entry = tuple[float, float, int]  # best seconds of the first form, of the secon
 
 def machine_key(threads: int, rules: str) -> str:
     """What a timing made here holds for; `rules` names the chooser's timing rules."""
-    gemm_source = (Path(cpu_ops.__file__).parent / "cpu_gemm.c").read_bytes()
+    gemm_source = (Path(cpu_ops.__file__).parent / "gemm.c").read_bytes()
     parts = [cpu_ops.cpu_key(), str(threads), torch.__version__, rules]
     return hashlib.sha256("\n".join(parts).encode() + gemm_source).hexdigest()[:16]
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts: the router and the routed experts (torch path; Triton in triton_moe.py).
+"""Mixture-of-experts: the router and the routed experts (torch path; Triton in triton/moe.py).
 
 Shapes (T tokens, D model width seen by the experts, I expert width, E experts, k per token):
   x:           (T, D)            model dtype
@@ -9,11 +9,11 @@ Shapes (T tokens, D model width seen by the experts, I expert width, E experts, 
   topk_weights:(T, k) float32    their weights
   returns      (T, D)            model dtype; sum over k of weight * expert(x), summed in float32
 
-On the CPU, experts packed by `pack_experts` run in one C call (kernels/cpu_moe.py: grouping,
+On the CPU, experts packed by `pack_experts` run in one C call (kernels/cpu/moe.py: grouping,
 experts and combine, no host sync). Otherwise the torch path sorts the (token, choice) pairs by
 expert and runs one matmul pair per expert that received tokens: no per-token Python loop and
 no dense all-experts compute. Its per-expert counts come back to the host (a sync), which is
-fine on the CPU; the Triton path (kernels/triton_moe.py) keeps them on the device so a CUDA
+fine on the CPU; the Triton path (kernels/triton/moe.py) keeps them on the device so a CUDA
 graph can capture it.
 """
 
@@ -24,9 +24,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from baton.kernels import cpu_moe
 from baton.kernels.backend import select_backend
-from baton.kernels.cpu_moe import PanelExperts, QuantPanelExperts
+from baton.kernels.cpu import moe as cpu_moe
+from baton.kernels.cpu.moe import PanelExperts, QuantPanelExperts
 from baton.kernels.layouts import Activation, Routing
 from baton.kernels.linear import can_pack
 from baton.kernels.quant import QuantizedTensor, dequantize
@@ -106,7 +106,7 @@ def route_topk_of_softmax(x: torch.Tensor, weight: torch.Tensor, *, top_k: int) 
 
 class PackedExperts(NamedTuple):
     """Per-expert weights reordered once into oneDNN's blocked layout (kernels/linear.py), where
-    the C path (kernels/cpu_moe.py) is not built: the few-row matmuls of decode then skip
+    the C path (kernels/cpu/moe.py) is not built: the few-row matmuls of decode then skip
     F.linear's per-call repacking."""
 
     up: list[torch.Tensor]
@@ -116,7 +116,7 @@ class PackedExperts(NamedTuple):
 def pack_experts(
     w_up: ExpertWeights, w_down: ExpertWeights, activation: Activation
 ) -> PanelExperts | QuantPanelExperts | PackedExperts | None:
-    """The C path's panels (kernels/cpu_moe.py) where it takes these weights, else oneDNN's
+    """The C path's panels (kernels/cpu/moe.py) where it takes these weights, else oneDNN's
     layouts; None where neither can run the dtype or the weights are not on the CPU (quantized
     weights without the C path: the torch path dequantizes an expert when it runs)."""
     if isinstance(w_up, QuantizedTensor):
@@ -147,7 +147,7 @@ def fused_moe(
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); dispatches on device like every kernel."""
     _check(x, w_up, w_down, routing, activation)
     if select_backend(x) == "triton":
-        from baton.kernels.triton_moe import fused_moe_triton
+        from baton.kernels.triton.moe import fused_moe_triton
 
         return fused_moe_triton(x, w_up, w_down, routing, activation)
     return fused_moe_torch(x, w_up, w_down, routing, activation, packed)

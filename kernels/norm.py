@@ -2,7 +2,7 @@
 
 Both compute in float32 and cast back like transformers' NemotronH: RMSNorm multiplies the
 weight in float32, the gated norm multiplies it after the cast to the input dtype. The public
-functions dispatch with select_backend like every kernel (Triton path: kernels/triton_norm.py).
+functions dispatch with select_backend like every kernel (Triton path: kernels/triton/norm.py).
 """
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from baton.kernels import cpu_ops, cpu_prefill
 from baton.kernels.backend import select_backend
+from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.cpu import prefill as cpu_prefill
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: (num_tokens, hidden) any float dtype; weight: (hidden,). Returns x's dtype."""
     if select_backend(x) == "triton":
-        from baton.kernels.triton_norm import rms_norm_triton
+        from baton.kernels.triton.norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)
     if cpu_ops.rms_norm_supported(x):
@@ -39,7 +40,7 @@ def gated_rms_norm(
     Returns `weight * rmsnorm_per_group(y * silu(z))` in y's dtype.
     """
     if select_backend(y) == "triton":
-        from baton.kernels.triton_norm import gated_rms_norm_triton
+        from baton.kernels.triton.norm import gated_rms_norm_triton
 
         return gated_rms_norm_triton(y, z, weight, eps, group_size)
     if cpu_prefill.gated_norm_supported(y, z, weight):

@@ -1,6 +1,6 @@
 """Quantized weights as checkpoints ship them (FP8 e4m3, NVFP4 e2m1), the one definition of their
 value, and the linear over them, dispatched like every kernel: the CPU's weight-only C kernel
-(kernels/cpu_quant.py) on weights packed once, Triton on CUDA (kernels/triton_quant.py), and the
+(kernels/cpu/quant.py) on weights packed once, Triton on CUDA (kernels/triton/quant.py), and the
 torch path (dequantize, then F.linear) elsewhere.
 
 Whatever the checkpoint's scale layout (one scale per tensor, per output row, per 128 x 128 block,
@@ -156,9 +156,9 @@ def quant_linear(
 ) -> torch.Tensor:
     """x @ W.T (+ bias) for a 2-D quantized W, in x's dtype: Triton on CUDA (w8a8 or
     weight-only, see fp8_activations), the torch path otherwise. (The CPU engine packs its
-    weights once and calls kernels/cpu_quant.py instead.)"""
+    weights once and calls kernels/cpu/quant.py instead.)"""
     if select_backend(x) == "triton":
-        from baton.kernels.triton_quant import quant_linear_triton
+        from baton.kernels.triton.quant import quant_linear_triton
 
         return quant_linear_triton(x, q, bias, fp8_activations(x.device))
     return quant_linear_torch(x, q, bias)

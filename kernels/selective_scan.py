@@ -22,7 +22,7 @@ The torch path steps through the aligned time axis, every sequence and channel a
 has no matrix form like SSD's (the decay differs per (channel, state) pair): a log-depth scan
 would stream a (seqs, tokens, d_inner, d_state) tensor through memory log2(L) times, where the
 step loop keeps one (seqs, d_inner, d_state) state in cache. The CPU engine runs the threaded C
-scan (kernels/cpu_mamba1.c) and the GPU the Triton kernels (kernels/triton_selective_scan.py);
+scan (kernels/cpu/mamba1.c) and the GPU the Triton kernels (kernels/triton/selective_scan.py);
 this path is their reference and the fallback. tests/oracles.py holds the per-sequence,
 token-by-token oracle.
 """
@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from baton.kernels import cpu_mamba1
 from baton.kernels.backend import select_backend
+from baton.kernels.cpu import mamba1 as cpu_mamba1
 from baton.kernels.layouts import ChunkLayout, SelectiveScanOutput
 
 
@@ -56,7 +56,7 @@ def selective_scan(
     z: (num_tokens, d_inner) gate or None; initial_states: (num_seqs, d_inner, d_state) float32.
     """
     if select_backend(x) == "triton":
-        from baton.kernels.triton_selective_scan import selective_scan_triton
+        from baton.kernels.triton.selective_scan import selective_scan_triton
 
         return selective_scan_triton(x, dt, A, B, C, D, dt_bias, z, initial_states, layout)
     return selective_scan_torch(x, dt, A, B, C, D, dt_bias, z, initial_states, layout)
@@ -122,7 +122,7 @@ def selective_scan_pool(
     the Triton kernels read and write the pool directly; otherwise the torch scan and a scatter
     into the pool."""
     if select_backend(x) == "triton":
-        from baton.kernels.triton_selective_scan import selective_scan_pool_triton
+        from baton.kernels.triton.selective_scan import selective_scan_pool_triton
 
         return selective_scan_pool_triton(
             x, dt, A, B, C, D, dt_bias, z, ssm_pool, slots, layout, want_chunk_states
@@ -152,7 +152,7 @@ def selective_state_update(
     x, dt, z: (batch, d_inner) (dt raw, z or None); B, C: (batch, d_state); A: (d_inner,
     d_state); D, dt_bias: (d_inner,). Returns y (batch, d_inner) in x's dtype."""
     if select_backend(x) == "triton":
-        from baton.kernels.triton_selective_scan import selective_state_update_triton
+        from baton.kernels.triton.selective_scan import selective_state_update_triton
 
         return selective_state_update_triton(ssm_pool, x, dt, A, B, C, D, dt_bias, z, state_indices)
     if cpu_mamba1.update_supported(x, ssm_pool):

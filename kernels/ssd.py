@@ -98,7 +98,7 @@ def ssd_scan(
     initial_states: (num_seqs, nheads, headdim, dstate) float32 (zeros for fresh sequences).
     """
     if select_backend(x) == "triton":
-        from baton.kernels.triton_ssd import ssd_scan_triton
+        from baton.kernels.triton.ssd import ssd_scan_triton
 
         return ssd_scan_triton(x, dt, A, B, C, D, dt_bias, initial_states, layout, dt_limit)
     return ssd_scan_torch(x, dt, A, B, C, D, dt_bias, initial_states, layout, dt_limit)
@@ -181,9 +181,9 @@ def ssd_scan_pool(
     its final state is written back there. Returns (y, chunk_states or None); chunk_states as
     SSDOutput's, computed only when asked for (the C scan skips the copies otherwise).
 
-    On the CPU the fused C scan (kernels/cpu_prefill.c) runs when it is built and the pool is
+    On the CPU the fused C scan (kernels/cpu/prefill.c) runs when it is built and the pool is
     contiguous float32; otherwise `ssd_scan` (torch or Triton) and a scatter into the pool."""
-    from baton.kernels import cpu_prefill
+    from baton.kernels.cpu import prefill as cpu_prefill
 
     if cpu_prefill.supported(x, ssm_pool, layout.chunk_size):
         return cpu_prefill.ssd_prefill_cpu(

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from baton.kernels import cpu_ops
 from baton.kernels.backend import select_backend
+from baton.kernels.cpu import ops as cpu_ops
 from baton.kernels.ssd import discretize_dt
 from baton.kernels.workspace import scratch
 
@@ -32,7 +32,7 @@ def selective_state_update(
     """x: (batch, nheads, headdim); dt: (batch, nheads) raw; A, D, dt_bias: (nheads,);
     B, C: (batch, ngroups, dstate); state_indices: (batch,) int64. Returns y like x."""
     if select_backend(x) == "triton":
-        from baton.kernels.triton_ssu import selective_state_update_triton
+        from baton.kernels.triton.ssu import selective_state_update_triton
 
         return selective_state_update_triton(
             ssm_states, x, dt, A, B, C, D, dt_bias, state_indices, dt_limit
@@ -92,7 +92,7 @@ def selective_state_update_multi(
     nheads), B, C: (batch, k, ngroups, dstate); state_indices: (batch, k + 1): column 0 is the
     slot read, column i + 1 receives the state after token i. Returns y: (batch, k, nheads, headdim)."""
     if select_backend(x) == "triton":
-        from baton.kernels.triton_ssu import selective_state_update_multi_triton
+        from baton.kernels.triton.ssu import selective_state_update_multi_triton
 
         return selective_state_update_multi_triton(
             ssm_states, x, dt, A, B, C, D, dt_bias, state_indices, dt_limit

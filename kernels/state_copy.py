@@ -17,7 +17,7 @@ def copy_states(
 ) -> None:
     """dst_pool[dst_slots[i]] = src[src_index[i]] for every i. dst_slots, src_index: (M,) int64."""
     if select_backend(src) == "triton":
-        from baton.kernels.triton_state_copy import copy_states_triton
+        from baton.kernels.triton.state_copy import copy_states_triton
 
         copy_states_triton(dst_pool, dst_slots, src, src_index)
         return

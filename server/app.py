@@ -9,17 +9,18 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from baton.server import chat, completions, responses, sglang_generate
 from baton.server.errors import APIError, error_response, install_error_handlers
-from baton.server.generation import ServerState, check_model
 from baton.server.middleware import (
     ApiKeyMiddleware,
     RequestBodyMiddleware,
     RequestCounterMiddleware,
 )
-from baton.server.protocol import DetokenizeRequest, TokenizeRequest
-from baton.server.sampling import check_token_ids
-from baton.server.validation import check_continue_final_message
+from baton.server.openai import chat, completions, sglang_generate
+from baton.server.openai.generation import ServerState, check_model
+from baton.server.openai.protocol import DetokenizeRequest, TokenizeRequest
+from baton.server.openai.responses import endpoint as responses
+from baton.server.openai.sampling import check_token_ids
+from baton.server.openai.validation import check_continue_final_message
 from baton.server.version import baton_version
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate")

@@ -10,10 +10,10 @@ from typing import Any
 from baton.disagg.rooms import is_loopback
 from baton.engine.config import ModelConfig
 from baton.engine.spec_decode.config import SpeculativeConfig
-from baton.server.output_parser import ParserSettings
-from baton.server.reasoning_parsers import REASONING_PARSERS
+from baton.server.parsers.output import ParserSettings
+from baton.server.parsers.reasoning import REASONING_PARSERS
+from baton.server.parsers.tools import TOOL_CALL_PARSERS
 from baton.server.spec_args import speculative_dict
-from baton.server.tool_parsers import TOOL_CALL_PARSERS
 
 # Settings forwarded to `Engine(...)` as keyword arguments when the user sets them; unset ones
 # (None) are left to the engine, which sizes them from the model and the machine.
@@ -114,7 +114,7 @@ class ServerArgs:
     # noticed by the heartbeat lease (10 s), not by this timeout.
     disagg_timeout: float = 300.0
     disagg_max_rooms_per_peer: int = 1024  # prefill: rooms one decode worker may hold open
-    # Chat output parsing, vLLM's flags (server/tool_choice.py)
+    # Chat output parsing, vLLM's flags (server/openai/tool_choice.py)
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None

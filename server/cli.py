@@ -9,7 +9,8 @@ import sys
 from baton.engine.config import DTYPE_NAMES, QUANTIZATION_NAMES
 from baton.engine.runtime.torch_import import defer_torch
 from baton.server.args import ServerArgs
-from baton.server.reasoning_parsers import REASONING_PARSERS
+from baton.server.parsers.reasoning import REASONING_PARSERS
+from baton.server.parsers.tools import TOOL_CALL_PARSERS
 from baton.server.secret_flags import (
     API_KEY_ENV,
     DISAGG_SECRET_ENV,
@@ -18,7 +19,6 @@ from baton.server.secret_flags import (
     secret,
 )
 from baton.server.spec_args import add_speculative_arguments
-from baton.server.tool_parsers import TOOL_CALL_PARSERS
 
 _DEFAULTS = ServerArgs.__dataclass_fields__
 
@@ -360,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     add_serve_parser(subparsers)
-    from baton.server.router_cli import add_router_parser
+    from baton.server.router.cli import add_router_parser
     from baton.server.up import add_up_parser
 
     add_router_parser(subparsers)

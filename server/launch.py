@@ -112,8 +112,8 @@ async def serve(args: ServerArgs) -> None:
             # ignoring it then lets the engine shut down below instead of killing us first.
             signal.signal(sig, signal.SIG_IGN)
         from baton.server.app import build_app  # imported by prepare_http_side: no cost here
-        from baton.server.generation import ServerState
         from baton.server.metrics import ServerMetrics
+        from baton.server.openai.generation import ServerState
 
         state = ServerState(
             args=args,

@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from baton.engine.runtime.cpu_allocator import release_freed_memory
 from baton.server.errors import APIError, error_response
-from baton.server.validation import parse_json_body
+from baton.server.openai.validation import parse_json_body
 
 logger = logging.getLogger("baton.server")
 
@@ -97,7 +97,7 @@ class RequestBodyMiddleware:
             await self.app(scope, replay, send)
         finally:
             if size >= TRIM_AFTER_BYTES:  # a large body (its copies, its tokens) is gone now:
-                chunks.clear()  # give the memory back (server/prompt_bound.py says why)
+                chunks.clear()  # give the memory back (server/openai/prompt_bound.py says why)
                 raw = b""
                 scope.get("state", {}).pop("json_body", None)
                 await asyncio.to_thread(release_freed_memory)

@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 from baton.engine.runtime.cpu_allocator import release_freed_memory
 from baton.server.errors import APIError
-from baton.server.prompt_bound import TRIM_AFTER_CHARS, encode_within, tokenizer_bound
-from baton.server.protocol import ChatMessage
+from baton.server.openai.prompt_bound import TRIM_AFTER_CHARS, encode_within, tokenizer_bound
+from baton.server.openai.protocol import ChatMessage
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -141,7 +141,7 @@ class Tokenizer:
     ) -> list[int]:
         """The text's token ids. `limit`: the most tokens the prompt may have; a text proved
         longer is refused (APIError 400 naming `param`) before it is tokenized whole
-        (server/prompt_bound.py). A long text's tokenization gives its memory back after."""
+        (server/openai/prompt_bound.py). A long text's tokenization gives its memory back after."""
         try:
             if limit is None:
                 return list(self.hf.encode(text, add_special_tokens=add_special_tokens))

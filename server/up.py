@@ -30,8 +30,9 @@ import httpx
 from baton.engine.config import DTYPE_NAMES, QUANTIZATION_NAMES, ModelConfig
 from baton.engine.runtime.cpu_threads import cores_per_engine
 from baton.engine.spec_decode.config import SpeculativeConfig
-from baton.server.reasoning_parsers import REASONING_PARSERS
-from baton.server.router_cli import DEFAULT_MAX_CONCURRENT_REQUESTS
+from baton.server.parsers.reasoning import REASONING_PARSERS
+from baton.server.parsers.tools import TOOL_CALL_PARSERS
+from baton.server.router.cli import DEFAULT_MAX_CONCURRENT_REQUESTS
 from baton.server.secret_flags import (
     API_KEY_ENV,
     DISAGG_SECRET_ENV,
@@ -41,7 +42,6 @@ from baton.server.secret_flags import (
     secret,
 )
 from baton.server.spec_args import add_speculative_arguments, speculative_dict, speculative_flag
-from baton.server.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets")
 

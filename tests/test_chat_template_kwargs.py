@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from baton.server.errors import APIError
-from baton.server.protocol import ChatMessage
+from baton.server.openai.protocol import ChatMessage
 from baton.server.tokenizer import Tokenizer
 from tests.tiny import save_tokenizer
 
@@ -46,7 +46,7 @@ def test_the_templates_own_arguments_are_refused(tokenizer, reserved):
 def test_reasoning_effort_none_turns_thinking_off_as_in_vllm(tokenizer):
     """OpenAI's reasoning_effort reaches the template as vLLM passes it: the variable itself,
     and enable_thinking = (effort != "none") unless chat_template_kwargs set it."""
-    from baton.server.protocol import ChatCompletionRequest
+    from baton.server.openai.protocol import ChatCompletionRequest
 
     def variables(**fields):
         request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)

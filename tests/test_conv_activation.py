@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.kernels import cpu_ops, cpu_prefill
 from baton.kernels.conv1d import (
     build_window_layout,
     causal_conv1d_update,
@@ -15,6 +14,8 @@ from baton.kernels.conv1d import (
     causal_conv1d_varlen,
     causal_conv1d_varlen_torch,
 )
+from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.cpu import prefill as cpu_prefill
 from tests.oracles import conv_oracle
 
 LENS, DIM, K = [4, 1, 7], 10, 3

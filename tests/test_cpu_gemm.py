@@ -1,4 +1,4 @@
-"""baton's CPU GEMM (kernels/cpu_gemm.c) and how the linears choose it (kernels/linear.py):
+"""baton's CPU GEMM (kernels/cpu/gemm.c) and how the linears choose it (kernels/linear.py):
 the kernel against a float64 reference over the shapes its blocking splits (row blocks of
 8/4/2/1, tiles of 1-3 column blocks, a ragged last block, odd K, strided rows), the packed
 layout against a naive oracle, the choice as a function of timings, and whole models on it
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from baton import LLM, SamplingParams
-from baton.kernels import cpu_gemm
+from baton.kernels.cpu import gemm as cpu_gemm
 from baton.kernels.linear import (
     GEMM_ENV,
     TIMING_ROUNDS,

@@ -1,4 +1,4 @@
-"""kernels/cpu_moe.c, the routed experts in one C call, against a per-token float64 oracle and
+"""kernels/cpu/moe.c, the routed experts in one C call, against a per-token float64 oracle and
 the torch path (F.linear per expert), in float32 and bfloat16: expert-load edge cases, widths
 that are not a multiple of the 64-column panels, gated (SwiGLU) and relu² experts, and the whole
 MoE layer with group routing and the latent projection."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from baton.engine.layers.moe import MoE, MoEConfig
-from baton.kernels import cpu_moe
+from baton.kernels.cpu import moe as cpu_moe
 from baton.kernels.layouts import Routing
 from baton.kernels.moe import fused_moe_torch
 from tests.test_moe_kernels import experts_oracle, make_case

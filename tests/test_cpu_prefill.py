@@ -1,4 +1,4 @@
-"""The fused C prefill scan (kernels/cpu_prefill.c) against the naive token recurrence and the
+"""The fused C prefill scan (kernels/cpu/prefill.c) against the naive token recurrence and the
 torch SSD path: varlen, lengths not multiples of the chunk, resumed sequences (initial states,
 chunks aligned to absolute positions), the chunk states checkpoints read, dt limits, fp16/bf16
 inputs, and bad slots."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.kernels import cpu_prefill
 from baton.kernels.conv1d import build_window_layout, causal_conv1d_varlen_torch
+from baton.kernels.cpu import prefill as cpu_prefill
 from baton.kernels.norm import gated_rms_norm_torch
 from baton.kernels.ssd import build_chunk_layout, discretize_dt, ssd_scan_pool, ssd_scan_torch
 from tests.oracles import conv_oracle, ssd_oracle
@@ -290,7 +290,7 @@ def test_c_scan_zero_initial_states_skip_nothing_they_need():
 def test_plain_c_build_without_avx512_agrees(tmp_path, monkeypatch):
     """The portable tile (no AVX-512: -march=x86-64-v3, what a CPU without it compiles) gives the
     same scan and conv as the intrinsics build the rest of this file tests."""
-    from baton.kernels import cpu_ops
+    from baton.kernels.cpu import ops as cpu_ops
 
     flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_ops.FLAGS]
     monkeypatch.setattr(cpu_ops, "FLAGS", flags)

@@ -17,8 +17,8 @@ from baton.server.args import ServerArgs
 from baton.server.cli import build_parser
 from baton.server.metrics import _ENGINE_METRICS
 from baton.server.middleware import OPEN_PATHS
-from baton.server.router import build_router_app
-from baton.server.router_args import routing_args_from
+from baton.server.router.app import build_router_app
+from baton.server.router.args import routing_args_from
 from tests.deploy_local import LOCAL, expand, manifests, of_kind
 
 KUBERNETES_VERSION = "1.30"

@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-import baton.kernels.triton_attention
-import baton.kernels.triton_conv1d
-import baton.kernels.triton_norm
-import baton.kernels.triton_ssd
-import baton.kernels.triton_ssu
+import baton.kernels.triton.attention
+import baton.kernels.triton.conv1d
+import baton.kernels.triton.norm
+import baton.kernels.triton.ssd
+import baton.kernels.triton.ssu
 from baton import LLM, SamplingParams
 
 LAUNCHERS = [
-    (baton.kernels.triton_ssd, "ssd_scan_triton"),
-    (baton.kernels.triton_conv1d, "causal_conv1d_varlen_triton"),
-    (baton.kernels.triton_conv1d, "causal_conv1d_update_triton"),
-    (baton.kernels.triton_ssu, "selective_state_update_triton"),
-    (baton.kernels.triton_attention, "paged_attention_triton"),
+    (baton.kernels.triton.ssd, "ssd_scan_triton"),
+    (baton.kernels.triton.conv1d, "causal_conv1d_varlen_triton"),
+    (baton.kernels.triton.conv1d, "causal_conv1d_update_triton"),
+    (baton.kernels.triton.ssu, "selective_state_update_triton"),
+    (baton.kernels.triton.attention, "paged_attention_triton"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The fused C Mamba decode step (kernels/cpu_ops.c) for every family's gate: "norm_then_gate"
+"""The fused C Mamba decode step (kernels/cpu/ops.c) for every family's gate: "norm_then_gate"
 (Falcon-H1's norm(y) * silu(z)) and "none" (y * silu(z)) against the composite torch path,
 float32 and bfloat16, like the "gated" mode's test in test_kernels_cpu.py."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baton.kernels import cpu_ops
+from baton.kernels.cpu import ops as cpu_ops
 from baton.kernels.norm import group_rms_norm
 from tests.test_kernels_cpu import (
     causal_conv1d_update_torch,

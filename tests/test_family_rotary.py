@@ -1,4 +1,4 @@
-"""Rotary embeddings at the paged cache write (kernels/attention.py, kernels/triton_attention.py):
+"""Rotary embeddings at the paged cache write (kernels/attention.py, kernels/triton/attention.py):
 the torch path equals transformers' `apply_rotary_pos_emb`, the Triton kernel (interpreter,
 fp32/fp16, tiny shapes) equals the torch path, the cache holds rotated keys, and attention over a
 prompt computed as one extend equals the same prompt fed as extend + decode steps."""
@@ -14,7 +14,7 @@ from baton.kernels.attention import (
     rotary_cos_sin,
     rotary_store_kv_torch,
 )
-from baton.kernels.triton_attention import paged_attention_triton, rotary_store_kv_triton
+from baton.kernels.triton.attention import paged_attention_triton, rotary_store_kv_triton
 
 
 def inv_freq(rotary_dim: int, theta: float = 10000.0) -> torch.Tensor:

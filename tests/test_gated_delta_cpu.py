@@ -1,11 +1,11 @@
-"""The C gated delta rule (kernels/cpu_gated_delta.c) against the torch path and the oracle."""
+"""The C gated delta rule (kernels/cpu/gated_delta.c) against the torch path and the oracle."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from baton.kernels import cpu_gated_delta
+from baton.kernels.cpu import gated_delta as cpu_gated_delta
 from baton.kernels.gated_delta import (
     chunk_gated_delta_rule_torch,
     gated_delta_decode,
@@ -142,7 +142,7 @@ def test_public_functions_run_the_c_path_and_fall_back_to_torch(monkeypatch):
 def test_plain_c_build_without_avx512_agrees(tmp_path, monkeypatch):
     """The portable loops (-march=x86-64-v3: what a CPU without AVX-512 compiles) give the same
     prefill and decode as the intrinsics build the rest of this file tests."""
-    from baton.kernels import cpu_ops
+    from baton.kernels.cpu import ops as cpu_ops
 
     flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_ops.FLAGS]
     monkeypatch.setattr(cpu_ops, "FLAGS", flags)

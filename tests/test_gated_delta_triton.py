@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.kernels import triton_gated_delta
 from baton.kernels.gated_delta import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_torch,
@@ -16,6 +15,7 @@ from baton.kernels.gated_delta import (
     gated_delta_prefill,
 )
 from baton.kernels.ssd import build_chunk_layout
+from baton.kernels.triton import gated_delta as triton_gated_delta
 from tests.oracles import gated_delta_oracle
 from tests.test_gated_delta import chunk_end_positions, gdn_inputs
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.kernels import cpu_gated_delta
 from baton.kernels.conv1d import build_window_layout
+from baton.kernels.cpu import gated_delta as cpu_gated_delta
 from baton.kernels.gdn_mixer import (
     GDNMixerDims,
     GDNMixerWeights,

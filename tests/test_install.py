@@ -174,11 +174,11 @@ def test_a_non_editable_install_serves_the_readme_request(tmp_path):
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     where = subprocess.run(
-        [str(python), "-c", "import baton.kernels.cpu_ops as m, baton; print(m.__file__)"],
+        [str(python), "-c", "import baton.kernels.cpu.ops as m, baton; print(m.__file__)"],
         cwd=tmp_path, capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     assert Path(where).is_relative_to(site), where
-    assert (Path(where).parent / "cpu_ops.c").is_file()  # the C sources ship as package data
+    assert (Path(where).parent / "ops.c").is_file()  # the C sources ship as package data
 
     port = free_port()
     command = [str(venv / "bin" / "baton"), "serve", "--model", str(ROOT / "assets")]

@@ -1,4 +1,4 @@
-"""The fused C decode kernels (kernels/cpu_ops.c) and the prepacked linears (kernels/linear.py)
+"""The fused C decode kernels (kernels/cpu/ops.c) and the prepacked linears (kernels/linear.py)
 against the torch path they replace. The token-by-token oracles in test_kernels_torch.py run
 through the public dispatchers, so they cover the C kernels too whenever those are built."""
 
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.kernels import cpu_ops
 from baton.kernels.conv1d import causal_conv1d_update, causal_conv1d_update_torch
+from baton.kernels.cpu import ops as cpu_ops
 from baton.kernels.linear import PackedLinear, can_pack, matmul_params, pack_linears
 from baton.kernels.ssd import discretize_dt
 from baton.kernels.ssu import selective_state_update, selective_state_update_torch
@@ -143,7 +143,7 @@ def test_broken_compiler_falls_back_to_torch(monkeypatch, tmp_path):
 
 
 def test_a_changed_shared_header_rebuilds_the_library(monkeypatch, tmp_path):
-    """The kernels include cpu_common.h: the cache key covers it, or an edit there would keep
+    """The kernels include cpu/common.h: the cache key covers it, or an edit there would keep
     loading the stale library."""
     src = tmp_path / "src"
     src.mkdir()

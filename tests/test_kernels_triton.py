@@ -33,15 +33,15 @@ from baton.kernels.state_copy import copy_states
 from tests.oracles import attention_oracle, conv_oracle, ssd_oracle
 
 LAUNCHERS = {
-    "baton.kernels.triton_ssd": ["ssd_scan_triton"],
-    "baton.kernels.triton_conv1d": ["causal_conv1d_varlen_triton", "causal_conv1d_update_triton"],
-    "baton.kernels.triton_ssu": [
+    "baton.kernels.triton.ssd": ["ssd_scan_triton"],
+    "baton.kernels.triton.conv1d": ["causal_conv1d_varlen_triton", "causal_conv1d_update_triton"],
+    "baton.kernels.triton.ssu": [
         "selective_state_update_triton",
         "selective_state_update_multi_triton",
     ],
-    "baton.kernels.triton_attention": ["paged_attention_triton"],
-    "baton.kernels.triton_state_copy": ["copy_states_triton"],
-    "baton.kernels.triton_norm": ["rms_norm_triton", "gated_rms_norm_triton"],
+    "baton.kernels.triton.attention": ["paged_attention_triton"],
+    "baton.kernels.triton.state_copy": ["copy_states_triton"],
+    "baton.kernels.triton.norm": ["rms_norm_triton", "gated_rms_norm_triton"],
 }
 DTYPES = [torch.float32, torch.float16]
 
@@ -303,7 +303,7 @@ def test_paged_attention_matches_oracle(triton_calls, q_lens, prefix, dims, dtyp
 
 @pytest.mark.parametrize("q_lens,prefix", [([1, 1, 1], [150, 2, 63]), ([6, 2], [40, 90])])
 def test_paged_attention_split_keys_merge_exactly(q_lens, prefix):
-    from baton.kernels.triton_attention import paged_attention_triton
+    from baton.kernels.triton.attention import paged_attention_triton
 
     H, KVH, Dh, page = 4, 2, 16, 16
     kv_lens = [p + q for p, q in zip(prefix, q_lens)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from baton.engine.core.llm import LLM
 from baton.engine.core.sampling_params import SamplingParams
-from baton.server.protocol import ChatCompletionRequest
+from baton.server.openai.protocol import ChatCompletionRequest
 from baton.server.tokenizer import Tokenizer
 from baton.server.up import DEFAULT_MODEL
 from tests.tool_requests import MESSAGES, TOOLS

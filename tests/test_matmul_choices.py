@@ -12,7 +12,7 @@ import torch
 
 import baton.kernels.linear
 from baton.engine.checkpoint.loader import load_model
-from baton.kernels import cpu_gemm
+from baton.kernels.cpu import gemm as cpu_gemm
 from baton.kernels.linear import MatmulChooser, can_pack
 from baton.kernels.matmul_choices import TRUSTED_SESSIONS, ChoiceCache, machine_key
 

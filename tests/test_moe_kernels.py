@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from baton.kernels.layouts import Routing
 from baton.kernels.moe import fused_moe_torch, pack_experts, pack_onednn, route_sigmoid_grouped
-from baton.kernels.triton_moe import fused_moe_triton
+from baton.kernels.triton.moe import fused_moe_triton
 
 
 def experts_oracle(x, w_up, w_down, routing: Routing, activation: str, round_to=None):
@@ -64,7 +64,7 @@ def test_torch_experts_match_per_token_oracle(load, activation):
     out = fused_moe_torch(x, w_up, w_down, routing, activation)
     assert out.shape == (T, 16) and out.dtype == x.dtype
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    # the C path's panels (kernels/cpu_moe.py) and oneDNN's prepacked weights compute the same
+    # the C path's panels (kernels/cpu/moe.py) and oneDNN's prepacked weights compute the same
     for packed in (pack_experts(w_up, w_down, activation), pack_onednn(w_up, w_down)):
         if packed is not None:
             out_packed = fused_moe_torch(x, w_up, w_down, routing, activation, packed)
@@ -148,13 +148,13 @@ def test_triton_fused_moe_on_empty_batch():
 
 def test_moe_engine_on_triton_kernels_matches_torch_engine(tiny_models, monkeypatch):
     """BATON_KERNELS picks the fused MoE kernel like every other kernel (interpreter here)."""
-    import baton.kernels.triton_moe
+    import baton.kernels.triton.moe
     from baton import LLM, SamplingParams
 
     calls = []
-    original = baton.kernels.triton_moe.fused_moe_triton
+    original = baton.kernels.triton.moe.fused_moe_triton
     monkeypatch.setattr(
-        baton.kernels.triton_moe,
+        baton.kernels.triton.moe,
         "fused_moe_triton",
         lambda *a, **kw: (calls.append(a[0].shape[0]), original(*a, **kw))[1],
     )

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from baton.server.output_parser import OutputParser, OutputStream, ParsedOutput
-from baton.server.reasoning_parsers import REASONING_FORMATS, ReasoningSplitter, starts_thinking
-from baton.server.tool_parsers import BareJsonParser, make_tool_parser, typed_value
+from baton.server.parsers.output import OutputParser, OutputStream, ParsedOutput
+from baton.server.parsers.reasoning import REASONING_FORMATS, ReasoningSplitter, starts_thinking
+from baton.server.parsers.tools import BareJsonParser, make_tool_parser, typed_value
 
 WEATHER_TOOLS = [
     {

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import normalizers
 
 from baton.server.errors import APIError
-from baton.server.prompt_bound import FIRST_SLICE_CHARS, encode_within, max_token_bytes
+from baton.server.openai.prompt_bound import FIRST_SLICE_CHARS, encode_within, max_token_bytes
 from baton.server.tokenizer import Tokenizer
 from tests.test_server_load import huge_prompt_body
 from tests.tiny import save_tokenizer

@@ -11,7 +11,8 @@ import torch
 
 from baton.engine.quantization.config import LayerScheme
 from baton.engine.quantization.schemes import quantized_tensor
-from baton.kernels import cpu_moe, cpu_quant
+from baton.kernels.cpu import moe as cpu_moe
+from baton.kernels.cpu import quant as cpu_quant
 from baton.kernels.layouts import Routing
 from baton.kernels.moe import fused_moe_torch, pack_experts
 from baton.kernels.quant import QuantizedTensor, concat_rows, dequantize

@@ -13,8 +13,8 @@ import torch
 from baton.kernels.layouts import Routing
 from baton.kernels.moe import fused_moe_torch
 from baton.kernels.quant import dequantize, quantize_rows_fp8, w8a8_linear_torch
-from baton.kernels.triton_moe import fused_moe_triton
-from baton.kernels.triton_quant import quantize_rows_fp8_triton, w8a8_matmul, weight_only_matmul
+from baton.kernels.triton.moe import fused_moe_triton
+from baton.kernels.triton.quant import quantize_rows_fp8_triton, w8a8_matmul, weight_only_matmul
 from tests.test_quant_formats import SCHEMES, random_codes
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from baton.server.router_args import DiscoveryArgs
+from baton.server.router.args import DiscoveryArgs
 from tests.router_fakes import FakeWorker, Fleet
 from tests.stub_kubernetes import StubKubernetes, pod
 from tests.test_router_retries import COMPLETION, FAST, serve

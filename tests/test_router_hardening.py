@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.server.args import SERVER_KEEP_ALIVE_S
-from baton.server.router import ROUTER_KEEPALIVE_EXPIRY_S
+from baton.server.router.app import ROUTER_KEEPALIVE_EXPIRY_S
 from tests import zmtp
 from tests.server_process import children_of, start_router, start_server, tiny_model
 from tests.test_server_errors import LONE, assert_unending_headers_refused
@@ -209,7 +209,7 @@ def test_router_refuses_headers_that_never_end(stack):
 
 
 def test_router_error_texts_name_the_cause():
-    from baton.server.router_workers import describe
+    from baton.server.router.workers import describe
 
     assert "ReadError" in describe(httpx.ReadError(""))
     assert "RemoteProtocolError" in describe(httpx.RemoteProtocolError(""))

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.server.router import DEFAULT_ROUTING, build_router_app
-from baton.server.router_policies.round_robin import RoundRobin
-from baton.server.router_workers import FAILURES_TO_REMOVE, WorkerSet
+from baton.server.router.app import DEFAULT_ROUTING, build_router_app
+from baton.server.router.policies.round_robin import RoundRobin
+from baton.server.router.workers import FAILURES_TO_REMOVE, WorkerSet
 
 PREFILL, DECODE = "http://prefill.test", "http://decode.test"
 

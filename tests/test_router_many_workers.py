@@ -19,8 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.bench.multi_turn import MultiTurnWorkload, answers, run_multi_turn
-from baton.server.protocol import ChatCompletionRequest
-from baton.server.router_prompt import routing_tokens
+from baton.server.openai.protocol import ChatCompletionRequest
+from baton.server.router.prompt import routing_tokens
 from baton.server.tokenizer import Tokenizer
 from tests.deploy_local import ASSETS, LocalDeployment
 from tests.server_process import children_of, launch_router, wait_ready

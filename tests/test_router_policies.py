@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from baton.server.router_policies import POLICY_NAMES, make_policy
-from baton.server.router_policies.cache_aware import CacheAware, CacheAwareSettings
-from baton.server.router_policies.power_of_two import PowerOfTwo
-from baton.server.router_policies.prefix_blocks import PrefixBlocks, block_chain
-from baton.server.router_policies.random_choice import RandomChoice
-from baton.server.router_policies.round_robin import RoundRobin
+from baton.server.router.policies import POLICY_NAMES, make_policy
+from baton.server.router.policies.cache_aware import CacheAware, CacheAwareSettings
+from baton.server.router.policies.power_of_two import PowerOfTwo
+from baton.server.router.policies.prefix_blocks import PrefixBlocks, block_chain
+from baton.server.router.policies.random_choice import RandomChoice
+from baton.server.router.policies.round_robin import RoundRobin
 
 SETTINGS = CacheAwareSettings(
     cache_threshold=0.3, balance_abs_threshold=64, balance_rel_threshold=1.5, max_tree_size=1000

@@ -11,8 +11,8 @@ import json
 import httpx
 import pytest
 
-from baton.server.router import DEFAULT_ROUTING, build_router_app
-from baton.server.router_circuit import CircuitSettings
+from baton.server.router.app import DEFAULT_ROUTING, build_router_app
+from baton.server.router.circuit import CircuitSettings
 from tests.router_fakes import FakeWorker, Fleet, sse_events
 
 FAST = dataclasses.replace(

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 
 from baton.server.app import build_app
 from baton.server.args import DEFAULT_MAX_REQUEST_BYTES
-from baton.server.router import build_router_app
+from baton.server.router.app import build_router_app
 from tests.test_router_health import DECODE, PREFILL, FakeWorkers
 
 schemathesis = pytest.importorskip("schemathesis")

@@ -1,6 +1,6 @@
 """The Mamba1 selective scan (kernels/selective_scan.py): the torch path against the token-by-token
 oracle (tests/oracles.py) over varlen batches resumed at any position, with true states at every
-aligned chunk end; the C scan and decode step (kernels/cpu_mamba1.c) against the torch path; the
+aligned chunk end; the C scan and decode step (kernels/cpu/mamba1.c) against the torch path; the
 pool contract (slots read and written, padding rows only touch dummy slot 0)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.kernels import cpu_mamba1
+from baton.kernels.cpu import mamba1 as cpu_mamba1
 from baton.kernels.selective_scan import (
     selective_scan_pool,
     selective_scan_torch,

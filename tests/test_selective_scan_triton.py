@@ -1,4 +1,4 @@
-"""The Mamba1 scan and decode Triton kernels (kernels/triton_selective_scan.py) and the conv
+"""The Mamba1 scan and decode Triton kernels (kernels/triton/selective_scan.py) and the conv
 kernels without activation (LFM2's short conv), run by the interpreter (TRITON_INTERPRET=1,
 set in conftest) on CPU tensors with BATON_KERNELS=triton, against the torch paths and the
 oracles, in float32 and float16, on varlen batches resumed mid-chunk; each test proves the
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import baton.kernels.triton_conv1d as triton_conv1d
-import baton.kernels.triton_selective_scan as triton_scan
+import baton.kernels.triton.conv1d as triton_conv1d
+import baton.kernels.triton.selective_scan as triton_scan
 from baton.kernels.conv1d import build_window_layout, causal_conv1d_update, causal_conv1d_varlen
 from baton.kernels.selective_scan import (
     selective_scan_pool,

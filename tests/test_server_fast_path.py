@@ -10,11 +10,11 @@ from starlette.testclient import TestClient
 
 from baton.engine.core.outputs import RequestDelta
 from baton.engine.runtime.ipc import EngineReady
-from baton.server import completions
 from baton.server.app import build_app
 from baton.server.args import ServerArgs
-from baton.server.generation import ServerState
 from baton.server.metrics import ServerMetrics
+from baton.server.openai import completions
+from baton.server.openai.generation import ServerState
 from baton.server.tokenizer import Tokenizer
 from tests.tiny import save_tokenizer
 

@@ -125,7 +125,7 @@ def test_streaming_sends_the_whole_text_so_far(server, llm):
         ({}, "text", "exactly one of text and input_ids"),
         ({"text": "a", "top_logprobs_num": 21}, "top_logprobs_num", "20"),
         ({"text": "a", "lora_path": "x"}, "lora_path", "lora_path"),
-        (  # SGLang's constraints are vLLM's structured_outputs here (server/structured.py)
+        (  # SGLang's constraints are vLLM's structured_outputs here (server/openai/structured.py)
             {"text": "a", "sampling_params": {"json_schema": "{"}},
             "structured_outputs",
             "not valid JSON",

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.kernels import cpu_ops
 from baton.kernels.conv1d import causal_conv1d_update_multi
-from baton.kernels.cpu_verify import mamba_verify_cpu, mamba_verify_supported
+from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.cpu.verify import mamba_verify_cpu, mamba_verify_supported
 from tests.oracles import conv_oracle
 
 needs_cc = pytest.mark.skipif(cpu_ops.library() is None, reason="no C compiler")

@@ -14,11 +14,11 @@ import torch
 import zmq
 
 import baton.engine.runtime.process
-import baton.kernels.cpu_ops
+import baton.kernels.cpu.ops
 from baton.engine.checkpoint.loader import load_model
 from baton.engine.core.engine import Engine
 from baton.engine.runtime.ipc import EngineProcessSpec, EngineReady, decode
-from baton.kernels.build import build_all
+from baton.kernels.cpu.build import build_all
 from tests.fake_engine import FakeEngine
 
 ASSETS = Path(__file__).parents[1] / "assets"
@@ -58,7 +58,7 @@ def test_the_server_process_builds_and_tokenizes_without_torch():
         defer_torch()
         from baton.server.cli import build_parser
         build_parser()
-        import baton.server.launch, baton.server.app, baton.server.router, baton.server.up
+        import baton.server.launch, baton.server.app, baton.server.router.app, baton.server.up
         from baton.server.launch import check_model_config, prepare_http_side
         from baton.server.args import ServerArgs
         check_model_config({str(ASSETS)!r})
@@ -105,7 +105,7 @@ def kernel_builds(monkeypatch):
         built.append(source.name)
         return None
 
-    monkeypatch.setattr(baton.kernels.cpu_ops, "compile_library", record)
+    monkeypatch.setattr(baton.kernels.cpu.ops, "compile_library", record)
     loaders = [m.library for m in _kernel_modules()]
     for library in loaders:
         library.cache_clear()
@@ -115,15 +115,15 @@ def kernel_builds(monkeypatch):
 
 
 def _kernel_modules():
-    import baton.kernels.cpu_gemm
-    import baton.kernels.cpu_moe
-    import baton.kernels.cpu_prefill
+    import baton.kernels.cpu.gemm
+    import baton.kernels.cpu.moe
+    import baton.kernels.cpu.prefill
 
     return [
-        baton.kernels.cpu_ops,
-        baton.kernels.cpu_prefill,
-        baton.kernels.cpu_gemm,
-        baton.kernels.cpu_moe,
+        baton.kernels.cpu.ops,
+        baton.kernels.cpu.prefill,
+        baton.kernels.cpu.gemm,
+        baton.kernels.cpu.moe,
     ]
 
 
@@ -132,7 +132,7 @@ def test_warm_up_builds_the_kernels_a_first_request_would(base_model, kernel_bui
     engine = Engine(model_dir, page_size=4)
     loaded = set(kernel_builds)
     engine.warm_up()
-    assert {"cpu_ops.c", "cpu_prefill.c"} <= set(kernel_builds) - loaded
+    assert {"ops.c", "prefill.c"} <= set(kernel_builds) - loaded
 
 
 def test_warm_up_leaves_no_trace_in_pools_counters_or_the_prefix_cache(base_model):

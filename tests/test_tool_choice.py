@@ -12,13 +12,13 @@ import pytest
 
 from baton.engine.core.sampling_params import SamplingParams, StructuredOutputs
 from baton.server.errors import APIError
-from baton.server.output_parser import ParserSettings
-from baton.server.protocol import ChatCompletionRequest
-from baton.server.responses_protocol import ResponsesRequest, to_chat_request
+from baton.server.openai.protocol import ChatCompletionRequest
+from baton.server.openai.responses.protocol import ResponsesRequest, to_chat_request
+from baton.server.openai.tool_choice import check_tools, plan_output, required_schema
+from baton.server.openai.validation import check_generation
+from baton.server.parsers.output import ParserSettings
+from baton.server.parsers.tools import make_tool_parser
 from baton.server.tokenizer import conversation_for_template
-from baton.server.tool_choice import check_tools, plan_output, required_schema
-from baton.server.tool_parsers import make_tool_parser
-from baton.server.validation import check_generation
 
 ADD = {
     "type": "function",
@@ -238,8 +238,8 @@ def test_chat_template_flag_takes_a_file_or_the_template_itself(tmp_path):
 
 
 def test_a_responses_request_refused_on_the_chat_side_names_its_own_field():
-    from baton.server.responses_protocol import named_as_responses
-    from baton.server.validation import parse_generation
+    from baton.server.openai.responses.protocol import named_as_responses
+    from baton.server.openai.validation import parse_generation
 
     with pytest.raises(APIError) as caught:
         parse_generation("/v1/responses", {"input": []})

@@ -14,7 +14,7 @@ import torch
 
 from baton.engine.core.outputs import TokenLogprobs
 from baton.engine.core.request import Request
-from baton.kernels.cpu_ops import argmax_rows
+from baton.kernels.cpu.ops import argmax_rows
 
 
 class SampleResult(NamedTuple):

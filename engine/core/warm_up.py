@@ -1,12 +1,12 @@
 """One short request through the executor before the engine reports ready.
 
 The first forward of a process is the slow one: the C kernels (kernels/cpu_*.c) are compiled on
-their first use when $BATON_CACHE_DIR does not hold them yet (cpu_ops.c alone takes 8-28 s on a
+their first use when $BATON_CACHE_DIR does not hold them yet (cpu/ops.c alone takes 8-28 s on a
 busy 2-core machine), a GPU compiles its Triton kernels, oneDNN and the allocator set up on their
 first calls. A newcomer's first request paid all of it (13.9 s, the same request again 0.07 s).
 `warm_up` runs a prefill and a few decode steps, the path every request takes, so that the
 engine process pays that before it sends EngineReady (and `make install` builds the C kernels
-beforehand, kernels/build.py, so that even this is quick).
+beforehand, kernels/cpu/build.py, so that even this is quick).
 
 It runs on a scheduler of its own over the engine's pools: the engine's scheduler, its counters,
 the prefix cache and the sampler's generator never see it; its pages and slot are back in the

@@ -17,8 +17,8 @@ from baton.engine.executor.forward_metadata import (
 from baton.engine.executor.metadata_buffers import MetadataBuffers
 from baton.engine.layers.causal_lm import CausalLM
 from baton.engine.layers.mtp import hidden_of_slots
-from baton.kernels import cpu_ops
 from baton.kernels.backend import select_backend
+from baton.kernels.cpu import ops as cpu_ops
 
 
 class ModelRunner:

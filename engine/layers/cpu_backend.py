@@ -9,7 +9,7 @@
    fp16 model's matmuls run in float32 where this CPU's float32 GEMM is the faster one (timed
    here, once per shape and machine: kernels/matmul_choices.py keeps the choices on disk, so a
    later start times nothing; `BATON_CPU_MATMUL_DTYPE` forces `model` or `float32`); quantized
-   linears repack for the weight-only kernel (kernels/cpu_quant.py) whatever the dtype;
+   linears repack for the weight-only kernel (kernels/cpu/quant.py) whatever the dtype;
 3. layers that cache float32 forms of small parameters for the C kernels (`freeze`: the Mamba
    mixer's fused decode step, norms) take them now that the weights are final.
 """
@@ -49,7 +49,7 @@ def prepare_for_cpu(
         pack_linears(model, dtype)
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            module.pack_cpu()  # the weight-only kernel's panels (kernels/cpu_quant.py)
+            module.pack_cpu()  # the weight-only kernel's panels (kernels/cpu/quant.py)
     log.info("CPU matmul dtype (%s=%s) %s", MATMUL_DTYPE_ENV, chooser.policy, chooser.summary())
     for module in model.modules():
         if hasattr(module, "freeze"):

@@ -42,7 +42,7 @@ from baton.engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from baton.engine.executor.forward_metadata import Mamba2Metadata
 from baton.engine.layers.mlp import fuse_for_cpu, stored_as
 from baton.engine.layers.track import checkpoint_states
-from baton.kernels.cpu_gated_delta import GDNDecodeParams
+from baton.kernels.cpu.gated_delta import GDNDecodeParams
 from baton.kernels.gdn_mixer import (
     GDNMixerDims,
     GDNMixerWeights,

@@ -34,13 +34,13 @@ from baton.engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from baton.engine.executor.forward_metadata import Mamba2Metadata
 from baton.engine.layers.track import checkpoint_states
 from baton.engine.parallel import TensorParallel
-from baton.kernels import cpu_ops
 from baton.kernels.conv1d import (
     causal_conv1d_update,
     causal_conv1d_update_multi,
     causal_conv1d_varlen,
 )
-from baton.kernels.cpu_verify import mamba_verify_cpu, mamba_verify_supported
+from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.cpu.verify import mamba_verify_cpu, mamba_verify_supported
 from baton.kernels.norm import gated_rms_norm, group_rms_norm
 from baton.kernels.ssd import ssd_scan_pool
 from baton.kernels.ssu import selective_state_update, selective_state_update_multi

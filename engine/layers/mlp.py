@@ -9,7 +9,7 @@ from torch import nn
 
 from baton.engine import parallel
 from baton.engine.quantization.modules import QuantizedLinear
-from baton.kernels import cpu_ops
+from baton.kernels.cpu import ops as cpu_ops
 from baton.kernels.linear import PackedLinear
 
 
@@ -66,7 +66,7 @@ def gated_activation(
     gate_up: torch.Tensor, activation: str, gate_multiplier: float = 1.0
 ) -> torch.Tensor:
     """act(gate * gate_multiplier) * up for gate_up = [gate | up] on its last dim; SiLU on the
-    CPU in one pass (kernels/cpu_ops.c, rounded op by op like this expression in torch)."""
+    CPU in one pass (kernels/cpu/ops.c, rounded op by op like this expression in torch)."""
     if activation == "silu" and cpu_ops.silu_mul_supported(gate_up):
         return cpu_ops.silu_mul_cpu(gate_up, gate_multiplier)
     return _gated_torch(*gate_up.chunk(2, dim=-1), activation, gate_multiplier)

@@ -23,7 +23,7 @@ from baton.engine import parallel
 from baton.engine.checkpoint.weights import ExpertParts, expert_parts
 from baton.engine.layers.mlp import GatedMLP, ReluSquaredMLP
 from baton.engine.quantization.modules import stacked_weight
-from baton.kernels.cpu_moe import PanelExperts
+from baton.kernels.cpu.moe import PanelExperts
 from baton.kernels.moe import (
     PackedExperts,
     Routing,

@@ -33,7 +33,7 @@ from baton.engine.quantization.schemes import (
     scale_rule,
     tensor_specs,
 )
-from baton.kernels import cpu_quant
+from baton.kernels.cpu import quant as cpu_quant
 from baton.kernels.quant import QuantizedTensor, concat_rows, quant_linear
 
 

@@ -1,6 +1,6 @@
 """How many CPU threads an engine process runs, set before torch starts in that process.
 
-torch's intra-op pool and the C kernels (kernels/cpu_ops.c) run on libgomp's OpenMP threads,
+torch's intra-op pool and the C kernels (kernels/cpu/ops.c) run on libgomp's OpenMP threads,
 which spin at every barrier before they sleep. When two engines share the same cores (`baton up`
 puts a prefill and a decode worker on one machine), or anything else keeps them busy, a thread
 spinning at a barrier holds a core that its team mate needs to finish: on the 2-vCPU VM the

@@ -28,7 +28,7 @@ from baton.engine.executor.draft_batch import DraftBatch, HiddenSource
 from baton.engine.executor.forward_metadata import ScheduledBatch
 from baton.engine.spec_decode.config import SpeculativeConfig
 from baton.engine.spec_decode.drafters import Drafts, drafts_wanted
-from baton.kernels.cpu_ops import argmax_rows
+from baton.kernels.cpu.ops import argmax_rows
 
 
 class MtpDrafter:

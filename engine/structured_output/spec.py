@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # A compiled grammar costs time and memory in proportion to its size times the vocabulary
 # (a 250 KB schema: 4.5 s and 26 MB over a 494-token vocabulary), so specs are capped.
 MAX_SPEC_CHARS = 64 * 1024
-MAX_SCHEMA_DEPTH = 64  # as request bodies (server/validation.py)
+MAX_SCHEMA_DEPTH = 64  # as request bodies (server/openai/validation.py)
 MAX_CHOICES = 1024
 
 # JSON on one line with xgrammar's separators ", " and ": ", where vLLM's default allows any

@@ -33,16 +33,16 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 KERNEL_MODULES = (
-    "baton.kernels.triton_ssd",
-    "baton.kernels.triton_conv1d",
-    "baton.kernels.triton_ssu",
-    "baton.kernels.triton_attention",
-    "baton.kernels.triton_state_copy",
-    "baton.kernels.triton_norm",
-    "baton.kernels.triton_gated_delta",
-    "baton.kernels.triton_selective_scan",
-    "baton.kernels.triton_quant",
-    "baton.kernels.triton_moe",
+    "baton.kernels.triton.ssd",
+    "baton.kernels.triton.conv1d",
+    "baton.kernels.triton.ssu",
+    "baton.kernels.triton.attention",
+    "baton.kernels.triton.state_copy",
+    "baton.kernels.triton.norm",
+    "baton.kernels.triton.gated_delta",
+    "baton.kernels.triton.selective_scan",
+    "baton.kernels.triton.quant",
+    "baton.kernels.triton.moe",
 )
 
 
@@ -71,15 +71,15 @@ def run_mamba2_attention_launchers(dtype: torch.dtype, dims: dict) -> None:
     from baton.kernels.attention import build_attention_layout
     from baton.kernels.conv1d import build_window_layout
     from baton.kernels.ssd import build_chunk_layout
-    from baton.kernels.triton_attention import paged_attention_triton, rotary_store_kv_triton
-    from baton.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
-    from baton.kernels.triton_norm import gated_rms_norm_triton, rms_norm_triton
-    from baton.kernels.triton_ssd import ssd_scan_triton
-    from baton.kernels.triton_ssu import (
+    from baton.kernels.triton.attention import paged_attention_triton, rotary_store_kv_triton
+    from baton.kernels.triton.conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+    from baton.kernels.triton.norm import gated_rms_norm_triton, rms_norm_triton
+    from baton.kernels.triton.ssd import ssd_scan_triton
+    from baton.kernels.triton.ssu import (
         selective_state_update_multi_triton,
         selective_state_update_triton,
     )
-    from baton.kernels.triton_state_copy import copy_states_triton
+    from baton.kernels.triton.state_copy import copy_states_triton
 
     H, P, G, N, L = dims["H"], dims["P"], dims["G"], dims["N"], dims["chunk"]
     T, seq_lens = sum(SEQ_LENS), SEQ_LENS
@@ -131,8 +131,8 @@ def run_quantized_launchers(dtype: torch.dtype, dims: dict) -> None:
     fused MoE on plain and quantized experts."""
     from baton.kernels.layouts import Routing
     from baton.kernels.quant import QuantizedTensor
-    from baton.kernels.triton_moe import fused_moe_triton
-    from baton.kernels.triton_quant import quantize_rows_fp8_triton, w8a8_matmul, weight_only_matmul
+    from baton.kernels.triton.moe import fused_moe_triton
+    from baton.kernels.triton.quant import quantize_rows_fp8_triton, w8a8_matmul, weight_only_matmul
 
     k = -(-dims["hidden"] // 32) * 32  # NVFP4 groups of 16, w8a8 tiles of 32
     n = 2 * k
@@ -176,8 +176,8 @@ def run_mamba1_launchers(dtype: torch.dtype, dims: dict) -> None:
     and LFM2's short conv (no activation, no bias)."""
     from baton.kernels.conv1d import build_window_layout
     from baton.kernels.ssd import build_chunk_layout
-    from baton.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
-    from baton.kernels.triton_selective_scan import (
+    from baton.kernels.triton.conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+    from baton.kernels.triton.selective_scan import (
         selective_scan_pool_triton,
         selective_state_update_triton,
     )
@@ -203,7 +203,7 @@ def run_mamba1_launchers(dtype: torch.dtype, dims: dict) -> None:
 
 def run_gated_delta_launchers(dtype: torch.dtype, dims: dict) -> None:
     from baton.kernels.ssd import build_chunk_layout
-    from baton.kernels.triton_gated_delta import (
+    from baton.kernels.triton.gated_delta import (
         chunk_gated_delta_rule_triton,
         gated_delta_decode_triton,
     )

@@ -18,7 +18,7 @@ from baton.kernels.gated_delta import (
     gdn_gating,
 )
 from baton.kernels.ssd import build_chunk_layout
-from baton.kernels.triton_gated_delta import (
+from baton.kernels.triton.gated_delta import (
     _decode_kernel,
     chunk_gated_delta_rule_triton,
     gated_delta_decode_triton,

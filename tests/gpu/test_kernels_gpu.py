@@ -26,15 +26,15 @@ from baton.kernels.conv1d import (
 from baton.kernels.norm import gated_rms_norm_torch, rms_norm_torch
 from baton.kernels.ssd import build_chunk_layout, ssd_scan_torch
 from baton.kernels.ssu import selective_state_update_multi, selective_state_update_torch
-from baton.kernels.triton_attention import paged_attention_triton
-from baton.kernels.triton_conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
-from baton.kernels.triton_norm import gated_rms_norm_triton, rms_norm_triton
-from baton.kernels.triton_ssd import _chunk_scan_kernel, ssd_scan_triton
-from baton.kernels.triton_ssu import (
+from baton.kernels.triton.attention import paged_attention_triton
+from baton.kernels.triton.conv1d import causal_conv1d_update_triton, causal_conv1d_varlen_triton
+from baton.kernels.triton.norm import gated_rms_norm_triton, rms_norm_triton
+from baton.kernels.triton.ssd import _chunk_scan_kernel, ssd_scan_triton
+from baton.kernels.triton.ssu import (
     selective_state_update_multi_triton,
     selective_state_update_triton,
 )
-from baton.kernels.triton_state_copy import copy_states_triton
+from baton.kernels.triton.state_copy import copy_states_triton
 
 
 def _interpreted() -> bool:

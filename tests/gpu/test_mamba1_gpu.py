@@ -14,8 +14,8 @@ from baton import LLM, SamplingParams
 from baton.kernels.conv1d import build_window_layout, causal_conv1d_varlen_torch
 from baton.kernels.selective_scan import selective_scan_torch, selective_state_update_torch
 from baton.kernels.ssd import build_chunk_layout
-from baton.kernels.triton_conv1d import causal_conv1d_varlen_triton
-from baton.kernels.triton_selective_scan import (
+from baton.kernels.triton.conv1d import causal_conv1d_varlen_triton
+from baton.kernels.triton.selective_scan import (
     _scan_kernel,
     selective_scan_pool_triton,
     selective_state_update_triton,

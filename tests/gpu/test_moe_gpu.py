@@ -14,7 +14,7 @@ import torch
 
 from baton.kernels.layouts import Routing
 from baton.kernels.moe import fused_moe_torch, route_sigmoid_grouped
-from baton.kernels.triton_moe import _moe_up_kernel, fused_moe_triton
+from baton.kernels.triton.moe import _moe_up_kernel, fused_moe_triton
 
 
 def _interpreted() -> bool:

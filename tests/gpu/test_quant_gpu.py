@@ -24,7 +24,7 @@ def on_gpu(q):
 
 
 def test_row_quantizer_codes_equal_torch_on_gpu():
-    from baton.kernels.triton_quant import quantize_rows_fp8_triton
+    from baton.kernels.triton.quant import quantize_rows_fp8_triton
 
     x = (torch.randn(33, 300) * 40).to(cuda)
     codes, scale = quantize_rows_fp8_triton(x)

@@ -2,10 +2,10 @@
 column and 8 inputs) on the same weights, cold (every weight once per round), alternated, best of
 8 rounds: GB/s of packed weight bytes. Build the two libraries first (from the repository root):
 
-    git show 6ed784b:kernels/cpu_quant.c > /tmp/s5/old_quant.c
-    git show 6ed784b:kernels/cpu_quant.h > /tmp/s5/cpu_quant.h; cp kernels/cpu_common.h /tmp/s5/
+    git show 6ed784b:kernels/cpu/quant.c > /tmp/s5/old_quant.c
+    git show 6ed784b:kernels/cpu/quant.h > /tmp/s5/cpu_quant.h; cp kernels/cpu/common.h /tmp/s5/
     gcc -O3 -march=native -fopenmp -shared -fPIC -std=c11 -o /tmp/s5/q_old.so /tmp/s5/old_quant.c
-    gcc -O3 -march=native -fopenmp -shared -fPIC -std=c11 -o /tmp/s5/q_new.so kernels/cpu_quant.c
+    gcc -O3 -march=native -fopenmp -shared -fPIC -std=c11 -o /tmp/s5/q_new.so kernels/cpu/quant.c
 """
 
 import ctypes
@@ -15,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from baton.kernels import cpu_quant  # noqa: E402
+from baton.kernels.cpu import quant as cpu_quant  # noqa: E402
 
 I64, INT, PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 ARGTYPES = [INT, PTR, I64, I64, I64, PTR, PTR, I64, PTR, I64, PTR, INT, PTR, I64, INT]

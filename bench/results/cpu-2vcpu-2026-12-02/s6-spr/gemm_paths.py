@@ -1,4 +1,4 @@
-"""baton's bf16 GEMM (kernels/cpu_gemm.c) against oneDNN's prepacked linear on the 110M model's
+"""baton's bf16 GEMM (kernels/cpu/gemm.c) against oneDNN's prepacked linear on the 110M model's
 shapes, and its two paths (register kernels, AMX tiles) against each other. Run from the
 repository root: `python bench/results/cpu-2vcpu-2026-12-02/s6-spr/gemm_paths.py`.
 
@@ -13,7 +13,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from baton.kernels import cpu_gemm  # noqa: E402
+from baton.kernels.cpu import gemm as cpu_gemm  # noqa: E402
 
 SHAPES = [(768, 5144), (1536, 768), (768, 2048), (2048, 768), (768, 32000)]  # (in, out)
 

@@ -10,7 +10,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from baton.kernels import cpu_quant
+from baton.kernels.cpu import quant as cpu_quant
 from baton.kernels.quant import QuantizedTensor
 
 SHAPES = [(768, 5144), (1536, 768), (768, 2048), (2048, 768)]

@@ -10,7 +10,7 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from baton.kernels import cpu_quant  # noqa: E402
+from baton.kernels.cpu import quant as cpu_quant  # noqa: E402
 from baton.kernels.quant import QuantizedTensor  # noqa: E402
 
 

@@ -13,7 +13,8 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from baton.kernels import cpu_gemm, cpu_quant  # noqa: E402
+from baton.kernels.cpu import gemm as cpu_gemm  # noqa: E402
+from baton.kernels.cpu import quant as cpu_quant
 from baton.kernels.quant import QuantizedTensor  # noqa: E402
 
 # (in, out, count per step) of the 110M NemotronH config's quantized linears

@@ -1,0 +1,46 @@
+/* Scalar helpers shared by baton's CPU kernels (cpu/ops.c, cpu/prefill.c, cpu/moe.c), which
+ * include this header; kernels/cpu_ops.compile_library hashes it into each library's cache key,
+ * so a change here rebuilds all three. */
+#ifndef BATON_CPU_COMMON_H
+#define BATON_CPU_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, like torch */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded); /* no branch */
+}
+
+/* exp for vectorised loops: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial
+ * (relative error ~2e-7, below float32 rounding of the results it feeds). Branch-free so
+ * `omp simd` loops vectorise it. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    /* round to nearest by the 1.5 * 2^23 trick: branch-free, no libm call */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+#endif

@@ -1,0 +1,278 @@
+"""Gated delta rule on the CPU (kernels/cpu/gated_delta.c), compiled once per machine, ctypes.
+
+Three entry points over one C recurrence (per (sequence, v head, block of 32 state columns),
+the block held in L1 across the tokens): the threaded prefill scan on pool slots with chunk-end
+states, the plain decode step, and the fused decode step of a whole gated DeltaNet mixer (conv,
+gating, the rule and the gated norm; the GDN analogue of cpu_ops.mamba_decode_cpu). Built and
+cached like kernels/cpu/ops.py (`$BATON_CACHE_DIR`, keyed by source, flags, compiler and CPU);
+`BATON_CPU_OPS=0`, no compiler, a failed build or a pool that is not contiguous float32 select the
+torch path (kernels/gated_delta.py), which agrees to float32 rounding (tests/test_gated_delta_cpu.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from baton.kernels.backend import select_backend
+from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.layouts import ChunkLayout
+
+SOURCE = Path(__file__).with_name("gated_delta.c")
+
+_i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (no compiler, build failed, or BATON_CPU_OPS=0)."""
+    lib = cpu_ops.compile_library(SOURCE, "the gated delta rule runs its (slower) torch path")
+    if lib is None:
+        return None
+    lib.baton_gdn_scan.restype = _i64
+    lib.baton_gdn_scan.argtypes = [
+        *[_ptr] * 6,  # q, k, v, g, beta, pool
+        _i64,  # num_slots
+        *[_ptr] * 3,  # slots, cu, start_pos
+        _i64,  # num_seqs
+        _i64,  # chunk
+        _ptr,  # chunk_states
+        _i64,  # num_chunks_out
+        _int,  # skip_padding
+        _ptr,  # qkn scratch
+        _ptr,  # o
+        *[_i64] * 4,  # Hk, Hv, dk, dv
+        _int,
+    ]
+    lib.baton_gdn_decode.restype = _i64
+    lib.baton_gdn_decode.argtypes = [
+        _ptr,  # qkv
+        _i64,
+        _ptr,  # z
+        _i64,
+        _ptr,  # a
+        _ptr,  # b
+        _i64,  # their row stride
+        _ptr,  # conv pool
+        _ptr,  # state pool
+        _i64,
+        _ptr,  # slots
+        _i64,  # batch
+        _ptr,  # conv_w
+        _i64,  # K
+        _ptr,  # A
+        _ptr,  # dt_bias
+        _f32,  # beta_scale
+        _ptr,  # norm_w
+        _f32,  # eps
+        *[_ptr] * 4,  # xconv, qkn, o, out
+        _int,  # bf16
+        *[_i64] * 4,  # Hk, Hv, dk, dv
+        _int,
+    ]
+    return lib
+
+
+def supported(v: torch.Tensor, state_pool: torch.Tensor) -> bool:
+    """CPU tensors on the torch backend with a contiguous float32 pool and the library built."""
+    return (
+        v.device.type == "cpu"
+        and select_backend(v) == "torch"
+        and state_pool.dtype == torch.float32
+        and state_pool.is_contiguous()
+        and library() is not None
+    )
+
+
+def _f32c(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+def _raise_bad_slot(result: int, slots: torch.Tensor, num_slots: int, what: str) -> None:
+    if result:
+        row = result - 1
+        raise IndexError(
+            f"{what}: slot index {int(slots[row])} of row {row} is outside the pool of {num_slots}"
+        )
+
+
+def _scan(q, k, v, g, beta, state_pool, slots, cu, start_pos, chunk, chunk_states, skip_padding):
+    T, Hk, dk = q.shape
+    Hv, dv = v.shape[1:]
+    slots64 = slots.to(torch.int64).contiguous()
+    o = torch.empty(T, Hv, dv, dtype=torch.float32)
+    qkn = torch.empty(T, Hk, 2 * dk + 1, dtype=torch.float32)
+    qf, kf, vf, gf, bf = (_f32c(t) for t in (q, k, v, g, beta))
+    result = library().baton_gdn_scan(
+        qf.data_ptr(),
+        kf.data_ptr(),
+        vf.data_ptr(),
+        gf.data_ptr(),
+        bf.data_ptr(),
+        state_pool.data_ptr(),
+        state_pool.shape[0],
+        slots64.data_ptr(),
+        cu.data_ptr(),
+        start_pos.data_ptr() if start_pos is not None else None,
+        slots64.shape[0],
+        chunk,
+        chunk_states.data_ptr() if chunk_states is not None else None,
+        chunk_states.shape[1] if chunk_states is not None else 0,
+        int(skip_padding),
+        qkn.data_ptr(),
+        o.data_ptr(),
+        Hk,
+        Hv,
+        dk,
+        dv,
+        torch.get_num_threads(),
+    )
+    _raise_bad_slot(result, slots64, state_pool.shape[0], "gated delta rule")
+    return o.to(v.dtype)
+
+
+def gated_delta_prefill_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    layout: ChunkLayout,
+    want_chunk_states: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same contract as baton.kernels.gated_delta.gated_delta_prefill (shapes checked there)."""
+    Hv, dk, dv = state_pool.shape[1:]
+    chunk_states = None
+    if want_chunk_states:
+        chunk_states = torch.empty(layout.num_seqs, layout.num_chunks, Hv, dk, dv)
+    cu = layout.cu_seqlens.to(torch.int64).contiguous()
+    start_pos = layout.start_pos.to(torch.int64).contiguous()
+    o = _scan(
+        q, k, v, g, beta, state_pool, state_indices, cu, start_pos, layout.chunk_size,
+        chunk_states, skip_padding=False,
+    )  # fmt: skip
+    return o, chunk_states
+
+
+def gated_delta_decode_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as baton.kernels.gated_delta.gated_delta_decode (shapes checked there)."""
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int64)
+    return _scan(q, k, v, g, beta, state_pool, state_indices, cu, None, 0, None, True)
+
+
+class GDNDecodeParams(NamedTuple):
+    """A gated DeltaNet mixer's small parameters as the fused decode step reads them (float32,
+    contiguous)."""
+
+    conv_weight: torch.Tensor  # (conv_dim, K), conv_dim = 2 Hk dk + Hv dv, no bias
+    A: torch.Tensor  # (Hv,) = -exp(A_log)
+    dt_bias: torch.Tensor  # (Hv,)
+    norm_weight: torch.Tensor  # (dv,) the output norm's plain weight
+
+
+def gdn_decode_supported(
+    qkv: torch.Tensor, conv_states: torch.Tensor, state_pool: torch.Tensor
+) -> bool:
+    """CPU rows in float32 or bfloat16 on the torch backend, pools as the kernel reads them."""
+    return (
+        qkv.device.type == "cpu"
+        and select_backend(qkv) == "torch"
+        and qkv.dtype in (torch.float32, torch.bfloat16)
+        and conv_states.dtype == qkv.dtype
+        and conv_states.is_contiguous()
+        and supported(qkv, state_pool)
+    )
+
+
+def gdn_decode_cpu(
+    qkv: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    params: GDNDecodeParams,
+    *,
+    beta_scale: float,
+    eps: float,
+    num_k_heads: int,
+) -> torch.Tensor:
+    """One fused gated DeltaNet decode step (baton_gdn_decode), both pools updated in place.
+
+    qkv: (batch, 2 Hk dk + Hv dv) in_proj rows [q | k | v] before the conv; z: (batch, Hv dv)
+    the gate; a, b: (batch, Hv) the decay and beta projections (a and b share a row stride);
+    all in the model dtype (float32 or bfloat16) with unit column stride (views are fine).
+    conv_states: (num_slots, conv_dim, K-1) model dtype; state_pool: (num_slots, Hv, dk, dv)
+    float32; state_indices: (batch,) int64, 0 for padding rows (nothing written, output 0).
+    Returns (batch, Hv dv) in the model dtype: the out_proj input. Same result as conv1d's
+    update + gdn_gating + gated_delta_decode + the norm-before-gate to float32 rounding."""
+    batch = qkv.shape[0]
+    Hv, dk, dv = state_pool.shape[1:]
+    conv_dim = 2 * num_k_heads * dk + Hv * dv
+    K = params.conv_weight.shape[1]
+    for name, t, width in (("qkv", qkv, conv_dim), ("z", z, Hv * dv), ("a", a, Hv), ("b", b, Hv)):
+        if t.shape != (batch, width) or t.dtype != qkv.dtype or (width > 1 and t.stride(1) != 1):
+            raise ValueError(
+                f"gdn_decode: {name} must be ({batch}, {width}) {qkv.dtype} rows with unit column "
+                f"stride, got {tuple(t.shape)} {t.dtype} strides {t.stride()}"
+            )
+    if a.stride(0) != b.stride(0):
+        raise ValueError(
+            f"gdn_decode: a and b must share a row stride, got {a.stride()}, {b.stride()}"
+        )
+    if conv_states.shape[1:] != (conv_dim, K - 1):
+        raise ValueError(f"gdn_decode: conv_states must be (num_slots, {conv_dim}, {K - 1}), "
+                         f"got {tuple(conv_states.shape)}")  # fmt: skip
+    slots = state_indices.to(torch.int64).contiguous()
+    xconv = torch.empty(batch, conv_dim, dtype=torch.float32)
+    qkn = torch.empty(batch, num_k_heads, 2 * dk + 1, dtype=torch.float32)
+    o = torch.empty(batch, Hv * dv, dtype=torch.float32)
+    out = torch.empty(batch, Hv * dv, dtype=qkv.dtype)
+    result = library().baton_gdn_decode(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        z.data_ptr(),
+        z.stride(0),
+        a.data_ptr(),
+        b.data_ptr(),
+        a.stride(0),
+        conv_states.data_ptr(),
+        state_pool.data_ptr(),
+        state_pool.shape[0],
+        slots.data_ptr(),
+        batch,
+        params.conv_weight.data_ptr(),
+        K,
+        params.A.data_ptr(),
+        params.dt_bias.data_ptr(),
+        beta_scale,
+        params.norm_weight.data_ptr(),
+        eps,
+        xconv.data_ptr(),
+        qkn.data_ptr(),
+        o.data_ptr(),
+        out.data_ptr(),
+        int(qkv.dtype == torch.bfloat16),
+        num_k_heads,
+        Hv,
+        dk,
+        dv,
+        torch.get_num_threads(),
+    )
+    _raise_bad_slot(result, slots, state_pool.shape[0], "gdn_decode")
+    return out

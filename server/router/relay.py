@@ -1,0 +1,290 @@
+"""How the router relays one try of a request: the decode worker's answer held back until it
+carries output (so a failure before that can be retried elsewhere), then passed through; the
+prefill half watched meanwhile; both halves aborted when the client leaves.
+
+    send both halves ──> decode headers ──> (stream) lines held back ──> first output line
+           │                  │                     │                        │ committed: the
+           └──── prefill fails, decode fails, an error event, the client leaves: a Failure
+                 (retryable when it is the worker's fault: refused, reset, 503) or an answer
+
+Closing a worker connection is how an abort reaches it: each worker aborts a request whose
+client disconnected. A non-streaming decode answer has no headers until it is complete, so the
+client is watched from the moment the request is sent. A chat stream opens with one role chunk
+per choice before any token: those are held back too, since the handover may still fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from baton.server.errors import ErrorJSONResponse
+from baton.server.router.workers import Worker, WorkerSet, describe
+
+logger = logging.getLogger("baton.router")
+
+
+def error_body(status: int, message: str, code: str | None = None) -> dict:
+    kind = (
+        "invalid_request_error"
+        if status < 500
+        else "service_unavailable"
+        if status == 503
+        else "internal_error"
+    )
+    return {
+        "error": {
+            "message": message,
+            "type": kind,
+            "param": None,
+            "code": code or status,
+        }
+    }
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return ErrorJSONResponse(error_body(status, message), status_code=status)
+
+
+# Transport errors that prove a worker is gone (refused, or its connection dropped), as opposed to
+# a slow answer; they take the worker out at once, and the next passing probe puts it back.
+GONE = (
+    httpx.ConnectError,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.RemoteProtocolError,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    """A try that ended before any byte reached the client."""
+
+    response: Response  # what the client gets if it is not tried again
+    worker: Worker  # whose failure it is
+    retryable: bool  # the worker's fault (refused, reset, 503): another pair may serve it
+    reason: str  # for the log
+
+    @classmethod
+    def unreachable(cls, worker: Worker, error: httpx.HTTPError, workers: WorkerSet) -> Failure:
+        if isinstance(error, GONE):
+            workers.lost(worker, error)
+        reason = f"{worker.role} worker {worker.url} failed: {describe(error)}"
+        return cls(
+            response=error_response(503, reason), worker=worker, retryable=True, reason=reason
+        )
+
+    @classmethod
+    def answered(cls, worker: Worker, status: int, body: dict) -> Failure:
+        """The worker's own error answer (OpenAI shape), marked as that worker's."""
+        reason = f"{worker.role} worker {worker.url} answered {status}: {body['error']['message']}"
+        return cls(
+            response=ErrorJSONResponse(body, status_code=status),
+            worker=worker,
+            retryable=status == 503,
+            reason=reason[:500],
+        )
+
+
+def forward_headers(request: Request) -> dict[str, str]:
+    keep = ("authorization", "content-type")
+    return {k: v for k, v in request.headers.items() if k.lower() in keep}
+
+
+def worker_error_body(status: int, text: str) -> dict:
+    """An error answer in the OpenAI shape: the worker's own (param, type and code kept), or
+    its text as the message."""
+    body = error_body(status, text)
+    try:
+        given = json.loads(text)["error"]
+        body["error"].update(
+            {key: given[key] for key in ("message", "type", "param", "code") if key in given}
+        )
+    except (ValueError, KeyError, TypeError):
+        pass  # not the OpenAI error shape: its text is the message
+    return body
+
+
+def prefill_failure(task: asyncio.Future, prefill: Worker, workers: WorkerSet) -> Failure | None:
+    """None while the prefill side is fine or still running; a Failure once it failed: the
+    worker's own refusal (the message marked as the prefill worker's), or a 503 when it could
+    not be reached."""
+    if not task.done() or task.cancelled():
+        return None
+    error = task.exception()
+    if isinstance(error, httpx.HTTPError):
+        return Failure.unreachable(prefill, error, workers)
+    if error is not None:
+        raise error
+    response = task.result()
+    if response.status_code == 200:
+        return None
+    body = worker_error_body(response.status_code, response.text)
+    body["error"]["message"] = f"prefill worker: {body['error']['message']}"
+    return Failure.answered(prefill, response.status_code, body)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def client_gone() -> Response:
+    return error_response(499, "client closed the request")  # nobody reads it
+
+
+async def decode_headers(
+    request: Request,
+    sending: asyncio.Future,
+    prefill_task: asyncio.Future,
+    prefill: Worker,
+    workers: WorkerSet,
+) -> Failure | Response | None:
+    """Wait for the decode worker's answer to start; None once it has. A non-streaming answer
+    starts only when it is complete, so the prefill half is watched meanwhile: when it fails
+    (it refused the request, or its worker went away), the client gets the prefill's error now,
+    not when the decode side gives up waiting for state that will never come (its transfer
+    timeout, minutes). A client that leaves gets a 499 that nobody reads."""
+    hangup = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        while not sending.done():
+            watched = {sending, hangup} | (set() if prefill_task.done() else {prefill_task})
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            if sending.done():
+                break
+            if hangup.done():
+                return client_gone()
+            failure = prefill_failure(prefill_task, prefill, workers)
+            if failure is not None:
+                return failure
+    finally:
+        hangup.cancel()
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Committed:
+    """A stream that carries output: what was held back, and the rest of its lines (None when
+    it already ended)."""
+
+    held: list[str]
+    rest: AsyncIterator[str] | None
+
+
+def _event(line: str) -> str:
+    """What a held-back SSE line is: "error" (an error event), "opener" (a chat choice's role
+    chunk, sent before any token), or "output" (anything else: a token, the end)."""
+    if not line.startswith("data:"):
+        return "opener"  # a comment or a field line: carries nothing
+    try:
+        payload = json.loads(line[len("data:") :])
+    except ValueError:
+        return "output"  # [DONE]
+    if not isinstance(payload, dict):
+        return "output"
+    if "error" in payload:
+        return "error"
+    choices = payload.get("choices")
+    if payload.get("object") == "chat.completion.chunk" and choices:
+        if all(
+            set(choice.get("delta", {})) <= {"role", "content"}
+            and not choice.get("delta", {}).get("content")
+            and choice.get("finish_reason") is None
+            for choice in choices
+        ):
+            return "opener"
+    return "output"
+
+
+async def first_output(
+    request: Request,
+    upstream: httpx.Response,
+    prefill_task: asyncio.Future,
+    prefill: Worker,
+    decode: Worker,
+    workers: WorkerSet,
+) -> Committed | Failure | Response:
+    """Hold the decode worker's stream back until a line carries output (or it ends)."""
+    lines = upstream.aiter_lines()
+    held: list[str] = []
+    pending: asyncio.Future | None = None
+    hangup = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(lines.__anext__())
+            watched = {pending, hangup} | (set() if prefill_task.done() else {prefill_task})
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            if hangup.done():
+                return client_gone()
+            failure = prefill_failure(prefill_task, prefill, workers)
+            if failure is not None:
+                return failure
+            if not pending.done():
+                continue
+            try:
+                line = pending.result()
+            except StopAsyncIteration:
+                return Committed(held=held, rest=None)
+            except httpx.HTTPError as error:
+                return Failure.unreachable(decode, error, workers)
+            pending = None
+            if not line:
+                continue
+            kind = _event(line)
+            if kind == "error":
+                body = worker_error_body(503, line[len("data:") :])
+                code = body["error"]["code"]
+                return Failure.answered(decode, code if isinstance(code, int) else 503, body)
+            held.append(line)
+            if kind == "output":
+                return Committed(held=held, rest=lines)
+    finally:
+        hangup.cancel()
+        if pending is not None and not pending.done():
+            pending.cancel()
+
+
+async def relay(
+    committed: Committed,
+    upstream: httpx.Response,
+    decode: Worker,
+    workers: WorkerSet,
+    finish: Callable[[], None],
+) -> AsyncIterator[str]:
+    """Pass the committed stream through; a decode worker that fails mid-stream ends it with an
+    error event followed by `data: [DONE]` (as vLLM and the workers end a failed stream). The
+    prefill half is not watched any more: its state reached the decode worker, which notices a
+    prefill worker that dies before the rest of a multi-choice request's state arrives."""
+    try:
+        for line in committed.held:
+            yield line + "\n\n"
+        if committed.rest is not None:
+            async for line in committed.rest:
+                if line:
+                    yield line + "\n\n"
+    except httpx.HTTPError as error:
+        if isinstance(error, GONE):
+            workers.lost(decode, error)
+        message = f"{decode.role} worker {decode.url} failed mid-stream: {describe(error)}"
+        yield f"data: {json.dumps(error_body(503, message))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        finish()
+        await upstream.aclose()
+
+
+async def cancel(work: asyncio.Future) -> None:
+    """Cancel an HTTP exchange and wait until its connection is closed (the worker on the other
+    end then aborts the request)."""
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        await work
