@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from baton.disagg.rooms import is_loopback
-from baton.engine.config import ModelConfig
 from baton.engine.spec_decode.config import SpeculativeConfig
 from baton.server.parsers.output import ParserSettings
 from baton.server.parsers.reasoning import REASONING_PARSERS
@@ -180,8 +179,7 @@ class ServerArgs:
             load_chat_template(self.chat_template)
         speculative = self.speculative()
         if speculative is not None:
-            checkpoint = ModelConfig.from_hf(self.model)
-            SpeculativeConfig.for_checkpoint(speculative, checkpoint.num_nextn_predict_layers)
+            SpeculativeConfig.check_flags(speculative)
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         for name in (*ENGINE_ARG_NAMES, "max_queued_requests"):

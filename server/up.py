@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from baton.engine.config import DTYPE_NAMES, QUANTIZATION_NAMES, ModelConfig
+from baton.engine.config import DTYPE_NAMES, QUANTIZATION_NAMES
 from baton.engine.runtime.cpu_threads import cores_per_engine
 from baton.engine.spec_decode.config import SpeculativeConfig
 from baton.server.parsers.reasoning import REASONING_PARSERS
@@ -203,8 +203,7 @@ def run_up(ns) -> int:
             ns.speculative_num_draft_tokens,
         )
         if speculative is not None:
-            layers = ModelConfig.from_hf(ns.model).num_nextn_predict_layers
-            SpeculativeConfig.for_checkpoint(speculative, layers)
+            SpeculativeConfig.check_flags(speculative)
         common += speculative_flag(speculative)
     except ValueError as error:
         print(f"baton up: {error}", file=sys.stderr)

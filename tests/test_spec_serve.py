@@ -1,11 +1,15 @@
 """Speculative decoding from the command line: vLLM's --speculative-config and SGLang's flags on
-`baton serve` and `baton up` (checked against the checkpoint before anything starts), the
-counters on /metrics as vLLM names them, and a live worker serving with MTP drafts."""
+`baton serve` and `baton up` (the flags checked before anything starts, the checkpoint's MTP
+layers by the engine at load), the counters on /metrics as vLLM names them, and live workers and
+`baton up` stacks serving with drafts."""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
+import httpx
 import pytest
 from prometheus_client import generate_latest
 
@@ -13,6 +17,9 @@ from baton import LLM, SamplingParams
 from baton.server.args import ServerArgs
 from baton.server.metrics import ServerMetrics
 from tests.mtp_models import add_mtp_layer
+from tests.server_process import BATON, Stack, free_port, launch
+
+ASSETS = Path(__file__).parents[1] / "assets"
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +88,57 @@ def test_bad_flags_are_refused_naming_what_is_wrong(mtp_model, flags, message):
         ServerArgs(model=str(mtp_model), **flags)
 
 
-def test_mtp_on_a_checkpoint_without_mtp_layers_is_refused(tiny_models):
+def test_mtp_on_a_checkpoint_without_mtp_layers_stops_the_server_naming_the_key(
+    tiny_models, tmp_path
+):
+    """The server process keeps torch out, so the checkpoint's MTP layers are the engine's to
+    check at load: `baton serve` exits, naming the key, instead of serving without drafts."""
     model_dir, _ = tiny_models("base")
-    with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
-        ServerArgs(model=str(model_dir), speculative_algorithm="NEXTN", speculative_num_steps=2)
+    flags = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"]
+    port = free_port()
+    command = [str(BATON), "serve", "--model", str(model_dir), "--port", str(port), *flags]
+    server = launch(command, port, tmp_path / "serve.log", None)
+    assert server.process.wait(180) != 0
+    assert "num_nextn_predict_layers = 0" in server.log(), server.log()[-3000:]
+
+
+README_PROMPT = (
+    "Question: A pen costs $12. Anna buys 4 pens and pays with $60. How much change does she get?"
+    "\nAnswer:"
+)
+
+
+@pytest.mark.parametrize(
+    "speculative",
+    [
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
+        '{"method": "mtp", "num_speculative_tokens": 2}',
+    ],
+    ids=["ngram", "mtp"],
+)
+def test_baton_up_serves_with_speculation_and_answers_as_without(speculative, tmp_path):
+    """`baton up --speculative-config` on the shipped model (it has an MTP layer): the stack
+    starts (its server processes hold no torch), answers the README's request as a plain
+    stack does, and its decode worker counts drafts."""
+    stack = Stack(ASSETS, tmp_path / "up.log", "--speculative-config", speculative)
+    try:
+        decode_port = int(re.search(r"-> decode :(\d+)", stack.log()).group(1))
+        body = {"model": str(ASSETS), "prompt": README_PROMPT, "max_tokens": 48,
+                "temperature": 0, "stop": ["Question"]}  # fmt: skip
+        url = f"http://127.0.0.1:{stack.port}/v1/completions"
+        answer = httpx.post(url, json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        text = answer.json()["choices"][0]["text"]
+        metrics = httpx.get(f"http://127.0.0.1:{decode_port}/metrics", timeout=30).text
+    finally:
+        stack.stop()
+    assert stack.process.returncode == 0, stack.log()[-3000:]
+    plain = LLM(str(ASSETS), dtype="float32").generate(
+        [README_PROMPT], SamplingParams(max_tokens=48, temperature=0, stop=["Question"])
+    )[0]
+    assert text == plain.text
+    drafts = re.search(r"^baton:spec_decode_num_drafts_total\S* (\S+)$", metrics, re.M)
+    assert drafts is not None and float(drafts.group(1)) > 0, metrics
 
 
 def test_up_gives_both_workers_the_speculative_config(mtp_model, monkeypatch):

@@ -104,6 +104,15 @@ class SpeculativeConfig:
         )
 
     @classmethod
+    def check_flags(cls, raw: dict[str, Any]) -> None:
+        """Every key and value the flags give, checked where the checkpoint is not read: the
+        server and `baton up` keep torch out of their processes, and reading a family's config
+        imports its module (and torch). The checkpoint's part, MTP layers for method "mtp" and
+        MTP's default k, is checked by the engine at load (`for_checkpoint`), whose refusal the
+        server reports as a startup failure; 1 MTP layer stands in for it here."""
+        cls.from_dict(raw, num_nextn_predict_layers=1)
+
+    @classmethod
     def for_checkpoint(
         cls, raw: dict[str, Any], num_nextn_predict_layers: int
     ) -> SpeculativeConfig:
