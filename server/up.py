@@ -251,8 +251,13 @@ def run_up(ns) -> int:
             str(ns.max_concurrent_requests),
         ],
     }
+    # Each part in a process group of its own: a Ctrl-C reaches this process only, which then
+    # stops the router before the workers (a router that outlives its workers reports them
+    # unhealthy on the way out, which reads like a failure).
     children = {
-        name: subprocess.Popen(cmd, env=envs["router" if name == "router" else "worker"])
+        name: subprocess.Popen(
+            cmd, env=envs["router" if name == "router" else "worker"], start_new_session=True
+        )
         for name, cmd in commands.items()
     }
     stopping = False
@@ -261,8 +266,8 @@ def run_up(ns) -> int:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
     url = f"http://127.0.0.1:{ns.port}"
     try:
         if not _wait_healthy(url, children, ns.startup_timeout, lambda: stopping):
@@ -381,13 +386,18 @@ def _wait_healthy(url: str, children, timeout: float, stopping) -> bool:
 
 
 def _stop_all(children) -> None:
-    for process in children.values():
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+    """The router first (no request reaches a stopping worker, and it does not see them go),
+    then the workers, each given what is left of 20 s before it is killed."""
     deadline = time.time() + 20
-    for process in children.values():
-        try:
-            process.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    router = [p for name, p in children.items() if name == "router"]
+    workers = [p for name, p in children.items() if name != "router"]
+    for group in (router, workers):
+        for process in group:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in group:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -150,3 +150,20 @@ def test_up_forwards_tokenizer_to_both_workers(tmp_path):
     finally:
         stack.stop()
     assert stack.process.returncode == 0, stack.log()[-3000:]
+
+
+def test_up_on_the_shipped_model_prints_nothing_a_newcomer_would_take_for_an_error(tmp_path):
+    """What `make serve` shows (`baton up --model assets`), through one answered request: no
+    warning, error or "not found" line (the server processes hold no torch on purpose, and
+    transformers' notice of it is not shown)."""
+    assets = Path(__file__).parents[1] / "assets"
+    stack = Stack(assets, tmp_path / "up.log")
+    try:
+        body = {"prompt": "Question: 2 pens cost $4. How much is one?\nAnswer:", "max_tokens": 8}
+        url = f"http://127.0.0.1:{stack.port}/v1/completions"
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
+    finally:
+        stack.stop()
+    assert stack.process.returncode == 0, stack.log()[-3000:]
+    alarming = re.compile(r"warn|error|not found|traceback|deprecat|fail", re.IGNORECASE)
+    assert [line for line in stack.log().splitlines() if alarming.search(line)] == []

@@ -12,14 +12,22 @@ which the server imports to check a structured-output spec, at the first request
 
 from __future__ import annotations
 
+import logging
 import sys
 
 
 def defer_torch() -> None:
     """Until allow_torch(), this process imports no torch (nor lets transformers use it); a
-    no-op once torch is imported (a test process, say)."""
+    no-op once torch is imported (a test process, say). transformers' notice that it found no
+    PyTorch is what this asks for, not a broken install: it is dropped (every other message of
+    transformers still shows)."""
     if "torch" not in sys.modules:
         sys.modules["torch"] = None  # type: ignore[assignment]
+        logging.getLogger("transformers").addFilter(_drop_no_torch_notice)
+
+
+def _drop_no_torch_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("PyTorch was not found.")
 
 
 def allow_torch() -> None:
