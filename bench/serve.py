@@ -194,7 +194,7 @@ def _payload(config: BenchConfig, prompt: BenchPrompt) -> dict:
     return payload
 
 
-def _failure(prompt: BenchPrompt, error: str, latency: float) -> RequestRecord:
+def _failure(prompt: BenchPrompt, error: str, latency: float, retried: bool) -> RequestRecord:
     return RequestRecord(
         success=False,
         error=error,
@@ -203,7 +203,14 @@ def _failure(prompt: BenchPrompt, error: str, latency: float) -> RequestRecord:
         ttft=0.0,
         itl=(),
         latency=latency,
+        retried=retried,
     )
+
+
+class NotSent(Exception):
+    """The connection failed before a byte of an answer came back: a kept-alive connection the
+    server had already closed (llama-server closes one after each streamed answer although its
+    headers say keep-alive). The request never reached the server's queue."""
 
 
 def _count(usage: dict, key: str, fallback: int) -> int:
@@ -229,24 +236,50 @@ async def _sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
 
 
 async def send_request(
-    session: aiohttp.ClientSession, config: BenchConfig, prompt: BenchPrompt, clock: Clock
+    session: aiohttp.ClientSession,
+    config: BenchConfig,
+    prompt: BenchPrompt,
+    clock: Clock,
+    fresh: aiohttp.ClientSession | None,
 ) -> RequestRecord:
     """Stream one request. `clock` is read once at the send and once per chunk with choices
-    (the e2e latency ends at the last of them, as in vLLM)."""
+    (the e2e latency ends at the last of them, as in vLLM). A request whose connection failed
+    before any answer (NotSent) is sent once more on a connection of its own from `fresh`
+    (None: not retried), timed from that send, and counted as retried in the summary."""
+    try:
+        return await _attempt(session, config, prompt, clock, retried=False)
+    except NotSent as error:
+        if fresh is None:
+            return _failure(prompt, str(error), 0.0, retried=False)
+    try:
+        return await _attempt(fresh, config, prompt, clock, retried=True)
+    except NotSent as error:
+        return _failure(prompt, str(error), 0.0, retried=True)
+
+
+async def _attempt(
+    session: aiohttp.ClientSession,
+    config: BenchConfig,
+    prompt: BenchPrompt,
+    clock: Clock,
+    retried: bool,
+) -> RequestRecord:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     start = clock()
     last = start
     ttft, gaps, chunks = None, [], 0
     usage: dict = {}
+    answered = False
     try:
         async with session.post(
             config.base_url + config.endpoint,
             json=_payload(config, prompt),
             headers=headers,
         ) as response:
+            answered = True
             if response.status != 200:
                 body = (await response.read()).decode(errors="replace")
-                return _failure(prompt, f"HTTP {response.status}: {body[:300]}", 0.0)
+                return _failure(prompt, f"HTTP {response.status}: {body[:300]}", 0.0, retried)
             async for data in _sse_data(response):
                 if data == b"[DONE]":
                     break
@@ -256,7 +289,7 @@ async def send_request(
                 if chunk.get("error"):
                     error = chunk["error"]
                     message = error.get("message", error) if isinstance(error, dict) else error
-                    return _failure(prompt, f"stream error: {message}", last - start)
+                    return _failure(prompt, f"stream error: {message}", last - start, retried)
                 if config.endpoint == "/generate":
                     # SGLang streams each output's whole text so far, with its token counts:
                     # a chunk brings tokens when completion_tokens grows.
@@ -281,9 +314,11 @@ async def send_request(
                     usage = chunk["usage"]
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
         # ValueError: a payload that is not JSON (json.JSONDecodeError is one)
-        return _failure(prompt, f"{type(error).__name__}: {error}", last - start)
+        if isinstance(error, aiohttp.ClientConnectionError) and not answered:
+            raise NotSent(f"{type(error).__name__}: {error}") from error
+        return _failure(prompt, f"{type(error).__name__}: {error}", last - start, retried)
     if ttft is None:
-        return _failure(prompt, "the stream ended without a single token", last - start)
+        return _failure(prompt, "the stream ended without a single token", last - start, retried)
     return RequestRecord(
         success=True,
         error="",
@@ -292,6 +327,7 @@ async def send_request(
         ttft=ttft,
         itl=tuple(gaps),
         latency=last - start,
+        retried=retried,
     )
 
 
@@ -310,11 +346,15 @@ async def run_benchmark(
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or len(config.prompts) or 1)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0)
     semaphore = asyncio.Semaphore(config.max_concurrency or max(1, len(config.prompts)))
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+    # Retries go on connections used once (force_close): the pool may hold more stale ones.
+    fresh = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(force_close=True, limit=0), timeout=timeout
+    )
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client, fresh:
 
         async def limited(prompt: BenchPrompt, clock: Clock) -> RequestRecord:
             async with semaphore:
-                return await send_request(client, config, prompt, clock)
+                return await send_request(client, config, prompt, clock, fresh)
 
         if config.num_warmups and config.prompts:
             warm = await asyncio.gather(

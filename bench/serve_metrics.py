@@ -40,6 +40,7 @@ class RequestRecord:
     ttft: float  # 0.0 when no chunk arrived
     itl: tuple[float, ...]  # gaps between consecutive choice chunks
     latency: float  # e2e
+    retried: bool  # sent again on a fresh connection: the first one failed before any answer
 
     @property
     def tpot(self) -> float:
@@ -103,6 +104,7 @@ def summarize(
         "duration": duration_s,
         "completed": len(done),
         "failed": len(records) - len(done),
+        "retried": sum(r.retried for r in records),
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "request_throughput": len(done) / duration_s,
@@ -128,6 +130,7 @@ def format_summary(
         "{:=^60}".format(" Serving Benchmark Result "),
         f"{'Successful requests:':<40}{summary['completed']:>20}",
         f"{'Failed requests:':<40}{summary['failed']:>20}",
+        f"{'Retried on a fresh connection:':<40}{summary.get('retried', 0):>20}",
         f"{'Benchmark duration (s):':<40}{summary['duration']:>20.2f}",
         f"{'Total input tokens:':<40}{summary['total_input_tokens']:>20}",
         f"{'Total generated tokens:':<40}{summary['total_output_tokens']:>20}",

@@ -508,7 +508,7 @@ def test_chosen_percentiles_are_computed_and_printed():
     records = [
         RequestRecord(
             success=True, error="", prompt_tokens=1, output_tokens=2, ttft=t / 100, itl=(0.01,),
-            latency=t / 100 + 0.01,
+            latency=t / 100 + 0.01, retried=False,
         )
         for t in range(1, 11)
     ]  # fmt: skip
@@ -522,7 +522,14 @@ def test_chosen_percentiles_are_computed_and_printed():
 
 def test_unknown_slo_metric_is_refused():
     record = RequestRecord(
-        success=True, error="", prompt_tokens=1, output_tokens=1, ttft=0.1, itl=(), latency=0.1
+        success=True,
+        error="",
+        prompt_tokens=1,
+        output_tokens=1,
+        ttft=0.1,
+        itl=(),
+        latency=0.1,
+        retried=False,
     )
     with pytest.raises(ValueError, match="unknown SLO"):
         summarize([record], 1.0, {"itl": 5.0})
@@ -611,3 +618,76 @@ def test_short_run_against_a_real_baton_serve(tmp_path_factory, tmp_path):
     assert summary["request_goodput"] == summary["request_throughput"] > 0
     assert all(0 < r["ttft"] <= r["latency"] for r in summary["requests"])
     assert summary["config"]["model"] == str(model)
+
+
+class ClosingAfterEachAnswer:
+    """An HTTP/1.1 server like llama-server: every answer says keep-alive, but a connection
+    that already carried one answer is closed when the next request arrives on it."""
+
+    STREAM = (
+        b'data: {"choices": [{"text": "a"}]}\n\n'
+        b'data: {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.answered = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served = 0
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+            await reader.readexactly(length)
+            if served:
+                writer.close()
+                return
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
+                + f"Content-Length: {len(self.STREAM)}\r\n\r\n".encode()
+                + self.STREAM
+            )
+            await writer.drain()
+            served += 1
+            self.answered += 1
+
+    async def run(self, body):
+        server = await asyncio.start_server(self.handle, "127.0.0.1", self.port)
+        async with server:
+            return await body(f"http://127.0.0.1:{self.port}")
+
+
+def test_a_request_on_a_connection_the_server_closed_is_retried_once_and_counted():
+    """`baton bench serve` against llama-server lost requests (`Can not write request body`):
+    a request that failed before any answer is sent again on a fresh connection, counted."""
+    peer = ClosingAfterEachAnswer()
+    prompts = [BenchPrompt(prompt=f"p{i}", prompt_len=1, output_len=1) for i in range(6)]
+    result = asyncio.run(peer.run(lambda url: run_benchmark(_config(url, prompts))))
+    assert (result["completed"], result["failed"]) == (6, 0), result["requests"]
+    assert result["retried"] >= 2 and peer.answered == 6
+    assert sum(r["retried"] for r in result["requests"]) == result["retried"]
+
+
+def test_without_the_retry_such_a_request_fails_before_reaching_the_server():
+    import aiohttp
+
+    from baton.bench.serve import send_request
+
+    peer = ClosingAfterEachAnswer()
+    prompt = BenchPrompt(prompt="p", prompt_len=1, output_len=1)
+
+    async def twice(url):
+        async with aiohttp.ClientSession() as session:
+            config = _config(url, [prompt])
+            first = await send_request(session, config, prompt, time.perf_counter, None)
+            second = await send_request(session, config, prompt, time.perf_counter, None)
+            return first, second
+
+    first, second = asyncio.run(peer.run(twice))
+    assert first.success and not second.success and not second.retried
+    assert "Disconnected" in second.error and peer.answered == 1

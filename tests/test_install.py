@@ -11,6 +11,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -157,9 +158,16 @@ def test_a_non_editable_install_serves_the_readme_request(tmp_path):
     """`pip install .` into a fresh venv (its dependencies lent from this one by a .pth line, so
     nothing is downloaded but the build backend): `baton serve --model assets`, started outside
     the repository, answers the README's request from the installed copy."""
+    source = tmp_path / "source"  # a copy: pip builds in the tree it is given (build/, egg-info)
+    skip = shutil.ignore_patterns("__pycache__", "results", "*.egg-info", "build")
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "requirements.lock"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("baton", *TOP_NAMES):
+        shutil.copytree(ROOT / name, source / name, symlinks=True, ignore=skip)
     wheels = tmp_path / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(source)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     (wheel,) = wheels.glob("baton-*.whl")
