@@ -30,7 +30,7 @@ from baton.disagg.messages import (
     StateTransfer,
     compat_of,
 )
-from baton.disagg.peer_link import PeerLink, decode_side_limits
+from baton.disagg.peer_link import PeerLink, PeerLinks, decode_side_limits
 from baton.disagg.protocol import (
     ProtocolError,
     ReplayGuard,
@@ -83,7 +83,6 @@ class DecodeWorker:
     config: DisaggConfig
     context: zmq.Context
     rooms: dict[str, DecodeRoom] = field(default_factory=dict)
-    peers: dict[str, PeerLink] = field(default_factory=dict)
     counters: TransferCounters = field(default_factory=TransferCounters)
     failures: list[tuple[str, str]] = field(default_factory=list)
     ready: list = field(default_factory=list)  # first-token deltas of installed rooms
@@ -98,6 +97,7 @@ class DecodeWorker:
         self.peer_limits = decode_side_limits(
             self.layout, self.engine.max_model_len, self.handover.track_interval
         )
+        self.peers = PeerLinks(self.context, self.peer_limits)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -214,7 +214,7 @@ class DecodeWorker:
         return self.counters.as_dict(by_state)
 
     def sockets(self) -> list[zmq.Socket]:
-        return [s for p in self.peers.values() for s in (p.socket, p.monitor)]
+        return self.peers.sockets()
 
     @property
     def transfer_address(self) -> str:
@@ -223,29 +223,32 @@ class DecodeWorker:
         return ""
 
     def close(self) -> None:
-        for peer in self.peers.values():
-            peer.close()
+        self.peers.close()
 
     # -- protocol -----------------------------------------------------------------------------
 
     def _peer(self, address: str) -> PeerLink:
         """The link to prefill worker `address`, connected on first use (ValueError naming an
-        address that is not a tcp://host:port endpoint)."""
-        peer = self.peers.get(address)
-        if peer is None:
-            peer = self.peers[address] = PeerLink.connect(self.context, address, self.peer_limits)
-        return peer
+        address that is not a tcp://host:port endpoint, or one too many unanswered dials)."""
+        return self.peers.dial(address)
 
     def expire_idle(self) -> bool:
         """Timeouts and heartbeats between steps (the engine loop calls it while idle too);
         True if a room failed."""
         failed = len(self.failures)
         self._heartbeat_and_expire()
+        self.peers.close_unused(self._addresses_in_use(), failed=set())
         return len(self.failures) > failed
 
+    def _addresses_in_use(self) -> set[str]:
+        return {r.peer for r in self.rooms.values()} | {q.peer for q in self.queued}
+
     def poll(self) -> None:
-        for address, peer in list(self.peers.items()):
-            self._watch_connection(address, peer)
+        failed = set()
+        for address, peer in self.peers.items():
+            if self._watch_connection(address, peer):
+                failed.add(address)
+                continue
             while True:
                 try:
                     frames = receive(peer.socket, self.peer_limits, copy=False)
@@ -267,19 +270,32 @@ class DecodeWorker:
                 except Exception as error:  # one peer message never takes the engine down
                     room = getattr(message, "room", None)
                     self._refuse(address, room, f"could not use its {message.tag}: {error}")
+        self.peers.close_unused(self._addresses_in_use(), failed)
 
-    def _watch_connection(self, address: str, peer: PeerLink) -> None:
-        """Fail the rooms pending on a peer whose connection dropped: its process is gone (or it
-        stopped answering ZMTP heartbeats), and what it had in flight is lost with it."""
-        if not peer.connection_lost():
-            return
+    def _watch_connection(self, address: str, peer: PeerLink) -> bool:
+        """Fail the rooms (and queued rooms) of a peer whose connection dropped, its process
+        gone (or deaf to ZMTP heartbeats) with what it had in flight, or was never made (nothing
+        listens there); True then, and the link is closed once no room uses it."""
+        event = peer.connection_event()
+        if event is None:
+            return False
+        if event == "refused":
+            reason = f"cannot connect to prefill worker {address} (nothing answers there)"
+        else:
+            # A peer that never authenticated a message did not "stop": the connection that
+            # dropped may not even have been to a prefill worker (a self-connection, say).
+            reason = f"{peer.silence(address)} (connection lost)"
         rooms = [r for r in self.rooms.values() if r.peer == address]
-        if rooms:
-            logger.warning("lost the connection to prefill worker %s", address)
-        # A peer that never authenticated a message did not "stop": the connection that dropped
-        # may not even have been to a prefill worker (a closed port, or a self-connection).
+        queued = [q for q in self.queued if q.peer == address]
+        if rooms or queued:
+            logger.warning("%s", reason)
         for r in rooms:
-            self._fail(r, f"{peer.silence(address)} (connection lost)", notify=False)
+            self._fail(r, reason, notify=False)
+        if queued:
+            self.queued = deque(q for q in self.queued if q.peer != address)
+            for q in queued:
+                self._report(q.request_id, f"room {q.room}: {reason}")
+        return True
 
     def _refuse(self, address: str, room: str | None, reason: str) -> None:
         """A message from `address` was malformed or unusable: logged and counted, and the room
@@ -440,4 +456,7 @@ class DecodeWorker:
         self.failures.append((request_id, reason))
 
     def _send(self, address: str, message) -> None:
-        self._peer(address).socket.send_multipart(encode(message, secret=self.config.secret))
+        """To a peer still linked (a closed link's worker is not dialed again to be told)."""
+        peer = self.peers.get(address)
+        if peer is not None:
+            peer.socket.send_multipart(encode(message, secret=self.config.secret))

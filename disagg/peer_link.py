@@ -12,7 +12,8 @@ keeps its connection up and stops acknowledging.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -39,6 +40,15 @@ MAX_QUEUED = 256
 _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):[0-9]{1,5}")
 
 
+# Links dialed for requests whose prefill worker has not yet sent an authenticated message, at
+# once. The address of a room comes in a request's baton_disagg field (the router's, but anyone
+# holding the API key and reaching the worker can send one): links are per address, so this
+# bounds what made-up addresses can open.
+MAX_UNVERIFIED_LINKS = 16
+
+ConnectionEvent = Literal["lost", "refused"]
+
+
 @dataclass
 class PeerLink:
     socket: zmq.Socket
@@ -46,6 +56,7 @@ class PeerLink:
     last_ack: float
     last_heartbeat: float = 0.0
     answered: bool = False  # a message from it passed authentication
+    connected: bool = False  # its TCP connection was established once
 
     @classmethod
     def connect(cls, context: zmq.Context, address: str, limits: ReceiveLimits) -> PeerLink:
@@ -60,7 +71,9 @@ class PeerLink:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
-        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = socket.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+        )
         link = cls(socket=socket, monitor=monitor, last_ack=now())
         try:
             socket.connect(address)
@@ -71,15 +84,21 @@ class PeerLink:
             ) from None
         return link
 
-    def connection_lost(self) -> bool:
-        """Whether the connection dropped since the last call (the monitor's events drained)."""
-        lost = False
+    def connection_event(self) -> ConnectionEvent | None:
+        """What happened to the connection since the last call (the monitor's events drained):
+        "lost" (it dropped), "refused" (it was never made, and ZMQ is retrying), or None."""
+        happened: ConnectionEvent | None = None
         while True:
             try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
-                return lost
-            lost |= event["event"] == zmq.EVENT_DISCONNECTED
+                return happened
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                happened = "lost"
+            elif event == zmq.EVENT_CONNECT_RETRIED and not self.connected:
+                happened = happened or "refused"
 
     def silence(self, address: str) -> str:
         """What to say when this peer did not deliver in time."""
@@ -94,6 +113,58 @@ class PeerLink:
         self.socket.disable_monitor()
         self.monitor.close(linger=0)
         self.socket.close(linger=0)
+
+
+@dataclass
+class PeerLinks:
+    """A decode worker's links to prefill workers, by transfer address. A link is dialed for the
+    first room that names its address and kept while rooms use it or once its worker has
+    answered; one whose connection failed or that never answered is closed as soon as no room
+    waits on it (ZMQ would redial a closed port forever), and at most MAX_UNVERIFIED_LINKS
+    unanswered ones exist at once."""
+
+    context: zmq.Context
+    limits: ReceiveLimits
+    links: dict[str, PeerLink] = field(default_factory=dict)
+
+    def dial(self, address: str) -> PeerLink:
+        """The link to `address`, connected now if there is none (ValueError naming the address
+        when it is malformed, or when MAX_UNVERIFIED_LINKS others are still unanswered)."""
+        link = self.links.get(address)
+        if link is None:
+            unverified = sum(not link.answered for link in self.links.values())
+            if unverified >= MAX_UNVERIFIED_LINKS:
+                raise ValueError(
+                    f"baton_disagg.prefill_addr {address[:200]!r}: {unverified} prefill workers"
+                    " dialed for other requests have not answered yet; not dialing another"
+                )
+            link = self.links[address] = PeerLink.connect(self.context, address, self.limits)
+        return link
+
+    def get(self, address: str) -> PeerLink | None:
+        return self.links.get(address)
+
+    def __getitem__(self, address: str) -> PeerLink:
+        return self.links[address]
+
+    def items(self) -> list[tuple[str, PeerLink]]:
+        return list(self.links.items())
+
+    def close_unused(self, in_use: set[str], failed: set[str]) -> None:
+        """Close the links no room uses (`in_use`: the addresses rooms wait on) that never
+        answered or whose connection `failed`."""
+        for address, link in self.items():
+            if address not in in_use and (not link.answered or address in failed):
+                del self.links[address]
+                link.close()
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [s for link in self.links.values() for s in (link.socket, link.monitor)]
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
 
 
 def transfer_port_limits(max_rooms_per_peer: int) -> ReceiveLimits:

@@ -6,6 +6,7 @@ drives them."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import msgpack
@@ -22,6 +23,7 @@ from baton.disagg.messages import (
     Reject,
     TensorSpec,
 )
+from baton.disagg.peer_link import MAX_UNVERIFIED_LINKS
 from baton.disagg.prefill import PrefillWorker
 from baton.disagg.process import DisaggEngineLoop
 from baton.disagg.protocol import (
@@ -32,6 +34,7 @@ from baton.disagg.protocol import (
 )
 from baton.engine.core.engine import Engine
 from baton.server.args import ServerArgs
+from tests.server_process import free_port
 from tests.test_disagg_protocol import a_state, register_body
 from tests.test_disagg_unit import assert_pools_empty, config
 
@@ -351,3 +354,70 @@ def test_an_ack_saying_unknown_fails_a_waiting_room_but_not_one_whose_state_came
     failures = sharded_decoder.take_failures()
     assert [rid for rid, _ in failures] == ["lost"], failures
     assert sharded_decoder.rooms[sent].sharded is not None  # waiting for the prefill ranks' shards
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _step_until_failed(decoder, count: int, timeout_s: float = 20) -> list[tuple[str, str]]:
+    failures: list[tuple[str, str]] = []
+    deadline = time.time() + timeout_s
+    while len(failures) < count and time.time() < deadline:
+        decoder.step()
+        failures += decoder.take_failures()
+        time.sleep(0.01)
+    return failures
+
+
+def test_a_prefill_address_where_nothing_listens_fails_at_once_and_is_not_dialed_again(decoder):
+    """Issue 51.10: requests naming closed loopback ports each held the engine 30 s, left their
+    sockets open and ZMQ redialing the ports for good. Now each fails as its connection is
+    refused, the link is closed, and a listener opened later on that port hears nothing."""
+    before = _open_fds()
+    ports = [free_port() for _ in range(12)]
+    for i, port in enumerate(ports):
+        address = f"tcp://127.0.0.1:{port}"
+        decoder.add_request(f"r{i}", [5, 6, 7, 8], PARAMS, room=f"room{i}", prefill_addr=address)
+    failures = _step_until_failed(decoder, len(ports), timeout_s=decoder.config.bootstrap_timeout_s)
+    assert sorted(f[0] for f in failures) == sorted(f"r{i}" for i in range(len(ports)))
+    assert all("cannot connect to prefill worker" in reason for _, reason in failures), failures
+    assert decoder.peers.items() == [] and _open_fds() <= before
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", ports[0]))
+        listener.listen()
+        listener.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    assert serves_a_request(decoder)
+    assert_pools_empty(decoder)
+
+
+def test_unanswered_prefill_links_are_bounded_and_closed_with_their_rooms(decoder):
+    """Listeners that accept and never answer: at most MAX_UNVERIFIED_LINKS such links at once
+    (the next address is refused by name, nothing reserved for it), all closed when their
+    rooms are aborted."""
+    silent = []
+    try:
+        for _ in range(MAX_UNVERIFIED_LINKS + 1):
+            router = zmq.Context.instance().socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            silent.append(
+                (router, f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}")
+            )
+        for i, (_, address) in enumerate(silent[:-1]):
+            decoder.add_request(f"s{i}", [5, 6, 7], PARAMS, room=f"s{i}", prefill_addr=address)
+        with pytest.raises(ValueError, match="have not answered yet"):
+            decoder.add_request(
+                "extra", [5, 6, 7], PARAMS, room="extra", prefill_addr=silent[-1][1]
+            )
+        assert "extra" not in decoder.rooms and len(decoder.peers.items()) == MAX_UNVERIFIED_LINKS
+        for i in range(MAX_UNVERIFIED_LINKS):
+            decoder.abort_request(f"s{i}")
+        decoder.expire_idle()
+        assert decoder.peers.items() == []
+        assert serves_a_request(decoder)
+        assert_pools_empty(decoder)
+    finally:
+        for router, _ in silent:
+            router.close()
