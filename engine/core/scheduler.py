@@ -35,13 +35,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, get_args
+from typing import Literal, get_args
 
-from baton.engine.cache.memory import IndexPool, OutOfMemory
+from baton.engine.cache.memory import IndexPool
 from baton.engine.cache.prefix_cache import PrefixCache
 from baton.engine.core.outputs import FinishReason, RequestDelta, SampledTokens, TokenLogprobs
 from baton.engine.core.request import Hold, Request, Status
+from baton.engine.core.scheduler_batch import scheduled_batch
 from baton.engine.core.scheduler_blocks import PrefixBlocks
+from baton.engine.core.scheduler_memory import RequestMemory, SlotOps
 from baton.engine.core.scheduler_spec import SpecSchedule, Speculation
 from baton.engine.core.scheduler_tokens import Appended, OutputConstraint, append_tokens, delta_of
 from baton.engine.executor.forward_metadata import ScheduledBatch
@@ -67,15 +69,6 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...]
 
 
-class SlotOps(Protocol):
-    """What the scheduler does to a slot's state outside the forward (engine/parallel/messages.py's
-    PoolOps applies it on every rank)."""
-
-    def reset(self, slot: int) -> None: ...
-
-    def copy(self, src: int, dst: int) -> None: ...
-
-
 class Scheduler:
     """Owns every request and every change to its state: schedule -> (the executor runs the
     batch) -> update_from_output, as vLLM V1's engine core; plus the handover's scheduler half
@@ -95,8 +88,8 @@ class Scheduler:
         self.constraint = constraint
         self.pages = pages
         self.slots = slots
-        self.slot_ops = slot_ops
         self.prefix_cache = prefix_cache
+        self.memory = RequestMemory(config.page_size, pages, slots, slot_ops, prefix_cache)
         self.blocks = PrefixBlocks(prefix_cache, pages, slots) if prefix_cache else None
         self.spec = (
             Speculation(
@@ -111,8 +104,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        # What released requests still held (Request.hold): (hold, pages, slot, cached blocks)
-        self.held: list[tuple[Hold, list[int], int, list]] = []
         # request id -> called with the finished Request before its pages and slot are freed
         # (the prefill side of a disaggregated pair snapshots it)
         self.finish_hooks: dict[str, Callable[[Request], None]] = {}
@@ -130,8 +121,7 @@ class Scheduler:
 
     def register(self, req: Request) -> None:
         """The request is this scheduler's from now on (found, held, aborted by id)."""
-        if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self._check_unused(req.request_id)
         self.requests[req.request_id] = req
         self.prompt_tokens_total += len(req.prompt_ids)
 
@@ -177,15 +167,11 @@ class Scheduler:
 
     def release_held(self) -> None:
         """Give back the pages and slots of released requests whose holds are done."""
-        if not self.held:
-            return
-        still = []
-        for hold, pages, slot, blocks in self.held:
-            if hold.done:
-                self._free(pages, slot, blocks)
-            else:
-                still.append((hold, pages, slot, blocks))
-        self.held = still
+        self.memory.release_held()
+
+    def _check_unused(self, request_id: str) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
 
     # -- the handover's scheduler half ----------------------------------------------------------
 
@@ -194,25 +180,9 @@ class Scheduler:
         generated token, held while the prefill engine computes and sends them. Blocks of the
         prompt this engine already caches are shared, not reserved (their pages need no
         transfer). OutOfMemory (and nothing registered) when the pools cannot hold it now."""
-        cache = self.prefix_cache
-        if self.slots.available == 0 and not (cache and cache.evict(slots=1)):
-            raise OutOfMemory("no free slot for a transferred request")
-        blocks = cache.match(req.prompt_ids) if cache is not None else []
-        shared = [p for b in blocks for p in b.pages]
-        need = self._pages_for(len(req.prompt_ids) + 1) - len(shared)
-        if self.pages.available < need and not (cache and cache.evict(pages=need)):
-            if blocks:
-                cache.release(blocks)
-            raise OutOfMemory(
-                f"need {need} free KV pages for a transferred request, {self.pages.available} free"
-            )
+        self._check_unused(req.request_id)
+        self.memory.reserve_transfer(req)
         self.register(req)
-        if cache is not None:
-            cache.record_lookup(len(req.prompt_ids), blocks)
-        req.mamba_slot = self.slots.alloc(1)[0]
-        req.kv_pages = shared + self.pages.alloc(need)
-        req.cached_blocks = blocks
-        req.num_cached_tokens = len(blocks) * cache.track_interval if blocks else 0
         req.status = Status.TRANSFERRING
 
     def start_transferred(self, req: Request) -> None:
@@ -264,7 +234,7 @@ class Scheduler:
                 kept = min(len(sampled[s].token_ids), len(appended[s].token_ids))
                 self.spec.accept(req, sched.start_positions[s], sched.verify_slots[s - nd], kept)
                 req.num_computed += kept
-                self._trim_pages(req, req.num_computed + self.spec.config.draft_lookahead)
+                self.memory.trim(req, req.num_computed + self.spec.config.draft_lookahead)
             else:
                 req.num_computed += sched.seq_lens[s]
         if self.blocks is not None:
@@ -289,13 +259,7 @@ class Scheduler:
         """Pages for the positions a handed-over request's first drafts are written at, before
         its first step (nothing is preempted for them: False when they cannot be had now)."""
         lookahead = self._lookahead(req, 1, self.spec.config.draft_lookahead)
-        need = self._pages_for(req.num_computed + 1 + lookahead) - len(req.kv_pages)
-        cache = self.prefix_cache
-        if need > self.pages.available and not (cache and cache.evict(pages=need)):
-            return False
-        if need > 0:
-            req.kv_pages.extend(self.pages.alloc(need))
-        return True
+        return self.memory.grow(req, req.num_computed + 1 + lookahead) == 0
 
     def set_drafts(self, req: Request, drafts: tuple[int, ...]) -> None:
         """Drafts proposed outside a step (a handed-over request's first ones)."""
@@ -355,7 +319,7 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < cfg.max_running_requests:
             req = self.waiting[0]
-            if not self._admit(req, budget):
+            if not self.memory.admit(req, cfg.chunked_prefill_size, budget):
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -369,96 +333,15 @@ class Scheduler:
 
         if not decodes and not verifies and not prefills:
             return None
-        return self._batch(decodes, verifies, prefills)
-
-    def _admit(self, req: Request, budget: int) -> bool:
-        """Give `req` a working Mamba slot (fresh, or a copy of its deepest cached checkpoint)
-        and the KV pages of its cached prefix; False if memory does not allow it now."""
-        cache = self.prefix_cache
-        if self.slots.available == 0 and not (cache and cache.evict(slots=1)):
-            return False
-        blocks = []
-        if cache is not None and not req.wants_prompt_logprobs:
-            blocks = cache.match(req.all_ids)
-        cached = len(blocks) * cache.track_interval if blocks else 0
-        n = min(req.num_tokens - cached, self.config.chunked_prefill_size, budget)
-        need = self._pages_for(cached + n) - len(blocks) * (cache.pages_per_block if cache else 0)
-        if self.pages.available < need and not (cache and cache.evict(pages=need)):
-            if blocks:
-                cache.release(blocks)
-            return False
-        if cache is not None and not req.wants_prompt_logprobs:
-            cache.record_lookup(len(req.all_ids), blocks)
-        req.mamba_slot = self.slots.alloc(1)[0]
-        if blocks:
-            self.slot_ops.copy(blocks[-1].checkpoint_slot, req.mamba_slot)
-            req.cached_blocks = blocks
-            req.kv_pages = [p for b in blocks for p in b.pages]
-            req.num_computed = cached
-            req.num_cached_tokens = max(req.num_cached_tokens, cached)
-        else:
-            self.slot_ops.reset(req.mamba_slot)
-        return True
-
-    def _batch(
-        self,
-        decodes: list[tuple[Request, int]],
-        verifies: list[tuple[Request, int]],
-        prefills: list[tuple[Request, int]],
-    ) -> ScheduledBatch:
-        rows = decodes + verifies + prefills
-        nd, nv = len(decodes), len(verifies)
-        input_ids: list[int] = []
-        logits_seqs, prompt_logprob_seqs = [], []
-        for s, (req, n) in enumerate(rows):
-            if nd <= s < nd + nv:  # the last token, then the drafts
-                input_ids.extend([req.all_ids[req.num_computed], *req.drafts])
-                logits_seqs.append(s)
-                continue
-            input_ids.extend(req.all_ids[req.num_computed : req.num_computed + n])
-            if req.num_computed + n == req.num_tokens:
-                logits_seqs.append(s)
-            if req.wants_prompt_logprobs and req.num_computed < len(req.prompt_ids):
-                prompt_logprob_seqs.append(s)
-        if not prefills:
-            mode = "verify" if verifies else "decode"
-        else:
-            mode = "extend" if not decodes and not verifies else "mixed"
-        points = (
-            self.blocks.track_points(rows, skip=range(nd, nd + nv))
-            if self.blocks is not None
-            else []
-        )
-        return ScheduledBatch(
-            mode=mode,
-            request_ids=tuple(req.request_id for req, _ in rows),
-            num_decode_seqs=nd,
-            num_verify_seqs=nv,
-            input_ids=tuple(input_ids),
-            seq_lens=tuple(n for _, n in rows),
-            start_positions=tuple(req.num_computed for req, _ in rows),
-            kv_pages=tuple(tuple(req.kv_pages) for req, _ in rows),
-            mamba_slots=tuple(req.mamba_slot for req, _ in rows),
-            verify_slots=tuple(Speculation.verify_slots(req) for req, _ in verifies),
-            logits_seqs=tuple(logits_seqs),
-            prompt_logprob_seqs=tuple(prompt_logprob_seqs),
-            has_mamba_track_mask=bool(points),
-            track_points=tuple(points),
-        )
+        return scheduled_batch(decodes, verifies, prefills, self.blocks)
 
     # -- memory -----------------------------------------------------------------------------
-
-    def _pages_for(self, num_tokens: int) -> int:
-        page_size = self.config.page_size
-        return 0 if page_size is None else -(-num_tokens // page_size)
 
     def _reserve_pages(self, req: Request, num_tokens: int, scheduled: set[int]) -> bool:
         """Make req hold pages for `num_tokens` tokens, preempting later requests if needed.
         Returns False if req itself had to be preempted."""
-        need = self._pages_for(num_tokens) - len(req.kv_pages)
-        if need > self.pages.available and self.prefix_cache is not None:
-            self.prefix_cache.evict(pages=need)
-        while need > self.pages.available:
+        missing = self.memory.grow(req, num_tokens)  # idle cached blocks are evicted first
+        while missing:
             victim = next(
                 (r for r in reversed(self.running) if r is not req and id(r) not in scheduled), None
             )
@@ -466,22 +349,13 @@ class Scheduler:
                 self.preempt(req)
                 return False
             self.preempt(victim)
-        if need > 0:
-            req.kv_pages.extend(self.pages.alloc(need))
+            missing = self.memory.grow(req, num_tokens, evict=False)
         return True
 
     def _lookahead(self, req: Request, n: int, lookahead: int) -> int:
         """The drafter's positions past a step that feeds `n` tokens, within the context (the
         drafter drafts nothing that would pass it)."""
         return max(0, min(lookahead, self.config.max_model_len - req.num_computed - n))
-
-    def _trim_pages(self, req: Request, num_tokens: int) -> None:
-        """Give back the pages past the first `num_tokens` tokens (a verify's rejected drafts);
-        a cached block's pages are never among them (they hold computed tokens)."""
-        keep = self._pages_for(num_tokens)
-        if len(req.kv_pages) > keep:
-            self.pages.free(req.kv_pages[keep:])
-            del req.kv_pages[keep:]
 
     def preempt(self, req: Request) -> None:
         """Preemption by recompute: drop all cached state; resume from scratch later."""
@@ -496,24 +370,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
-        """Give back what `req` holds, or park it while its hold reads it. The hold stays on the
-        request: a preempted one that runs again writes new pages that its hold reads too (a
-        disaggregated prefill streams pages while it computes), and they must outlive its end."""
+        """Give back what `req` holds (engine/core/scheduler_memory.py), its scratch slots too."""
         if self.spec is not None:
             self.spec.release(req)  # scratch slots hold nothing a hold reads
-        pages, slot, blocks = req.kv_pages, req.mamba_slot, req.cached_blocks
-        req.kv_pages, req.mamba_slot, req.cached_blocks = [], 0, []
-        if req.hold is not None and not req.hold.done:
-            self.held.append((req.hold, pages, slot, blocks))
-        else:
-            self._free(pages, slot, blocks)
-
-    def _free(self, pages: list[int], slot: int, blocks: list) -> None:
-        shared = 0
-        if blocks:
-            self.prefix_cache.release(blocks)
-            shared = len(blocks) * self.prefix_cache.pages_per_block
-        if pages:
-            self.pages.free(pages[shared:])
-        if slot:
-            self.slots.free([slot])
+        self.memory.release(req)

@@ -101,7 +101,7 @@ class Handover:
 
     def has_held(self) -> bool:
         """Whether pages or slots of ended requests wait for their holds (sends in flight)."""
-        return bool(self.scheduler.held)
+        return bool(self.scheduler.memory.held)
 
     def release_held(self) -> None:
         self.scheduler.release_held()

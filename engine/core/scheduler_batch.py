@@ -1,0 +1,55 @@
+"""One step's rows -> the ScheduledBatch carrier (engine/executor/forward_metadata.py), every
+field given: decode rows first, then verify rows (the last token and its drafts), then prefill
+chunks, the order the model expects."""
+
+from __future__ import annotations
+
+from baton.engine.core.request import Request
+from baton.engine.core.scheduler_blocks import PrefixBlocks
+from baton.engine.core.scheduler_spec import Speculation
+from baton.engine.executor.forward_metadata import ScheduledBatch
+
+Rows = list[tuple[Request, int]]  # (request, tokens it feeds this step)
+
+
+def scheduled_batch(
+    decodes: Rows, verifies: Rows, prefills: Rows, blocks: PrefixBlocks | None
+) -> ScheduledBatch:
+    """The batch of these rows; `blocks` marks the rows whose tokens cross a checkpoint
+    position (the track points and `has_mamba_track_mask`; verify rows are checkpointed only at
+    accepted positions, after the step)."""
+    rows = decodes + verifies + prefills
+    nd, nv = len(decodes), len(verifies)
+    input_ids: list[int] = []
+    logits_seqs, prompt_logprob_seqs = [], []
+    for s, (req, n) in enumerate(rows):
+        if nd <= s < nd + nv:  # the last token, then the drafts
+            input_ids.extend([req.all_ids[req.num_computed], *req.drafts])
+            logits_seqs.append(s)
+            continue
+        input_ids.extend(req.all_ids[req.num_computed : req.num_computed + n])
+        if req.num_computed + n == req.num_tokens:
+            logits_seqs.append(s)
+        if req.wants_prompt_logprobs and req.num_computed < len(req.prompt_ids):
+            prompt_logprob_seqs.append(s)
+    if not prefills:
+        mode = "verify" if verifies else "decode"
+    else:
+        mode = "extend" if not decodes and not verifies else "mixed"
+    points = blocks.track_points(rows, skip=range(nd, nd + nv)) if blocks is not None else []
+    return ScheduledBatch(
+        mode=mode,
+        request_ids=tuple(req.request_id for req, _ in rows),
+        num_decode_seqs=nd,
+        num_verify_seqs=nv,
+        input_ids=tuple(input_ids),
+        seq_lens=tuple(n for _, n in rows),
+        start_positions=tuple(req.num_computed for req, _ in rows),
+        kv_pages=tuple(tuple(req.kv_pages) for req, _ in rows),
+        mamba_slots=tuple(req.mamba_slot for req, _ in rows),
+        verify_slots=tuple(Speculation.verify_slots(req) for req, _ in verifies),
+        logits_seqs=tuple(logits_seqs),
+        prompt_logprob_seqs=tuple(prompt_logprob_seqs),
+        has_mamba_track_mask=bool(points),
+        track_points=tuple(points),
+    )
