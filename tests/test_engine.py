@@ -237,14 +237,14 @@ def test_prompt_logprobs_survive_a_preemption_mid_prompt(base_model):
 def test_prompt_logprobs_in_row_blocks_equal_one_pass(base_model, monkeypatch):
     """The engine walks a chunk's prompt-logprob rows a few at a time (no second copy of a
     chunk's logits): blocks of 3 rows give what blocks of the whole chunk give."""
-    import baton.engine.core.engine as engine_module
+    import baton.engine.core.sampler as sampler_module
 
     model_dir, _ = base_model
     prompt = [(7 * i) % 250 + 3 for i in range(37)]
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=3)
     runs = []
     for rows in (4096, 3):
-        monkeypatch.setattr(engine_module, "PROMPT_LOGPROB_ROWS", rows)
+        monkeypatch.setattr(sampler_module, "PROMPT_LOGPROB_ROWS", rows)
         llm = LLM(model_dir, page_size=4, chunked_prefill_size=16, max_num_batched_tokens=16)
         (out,) = llm.generate([prompt], params)
         runs.append(out.prompt_logprobs)

@@ -20,6 +20,7 @@ from baton.engine.cache.prefix_cache import PrefixCache
 from baton.engine.cache.spec import ModelStateSpec
 from baton.engine.config import ModelConfig
 from baton.engine.core.engine_args import EngineArgs, default_track_interval
+from baton.engine.core.scheduler import SchedulerConfig
 from baton.engine.core.scheduler_spec import SpecSchedule
 from baton.engine.executor.graph_runner import DecodeGraphRunner
 from baton.engine.models.registry import family_named
@@ -132,3 +133,25 @@ def make_drafter(
     if speculative.method == "mtp":
         return MtpDrafter(speculative, runner, max_model_len)
     return NgramStepDrafter(speculative, max_model_len)
+
+
+def scheduler_config(
+    args: EngineArgs, config: ModelConfig, device: torch.device, paged: bool, max_model_len: int
+) -> SchedulerConfig:
+    """The scheduler's limits: a chunk never exceeds the step's budget; a prefill-first step
+    takes 512 tokens on the CPU (the whole budget on a GPU) unless told; a model with no paged
+    state schedules no pages."""
+    return SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        chunked_prefill_size=min(args.chunked_prefill_size, args.max_num_batched_tokens),
+        max_running_requests=args.max_running_requests,
+        page_size=args.page_size if paged else None,
+        policy=args.schedule_policy,
+        max_prefill_tokens=min(
+            args.max_prefill_tokens
+            or (512 if device.type == "cpu" else args.max_num_batched_tokens),
+            args.max_num_batched_tokens,
+        ),
+        max_model_len=max_model_len,
+        eos_token_ids=config.eos_token_ids,
+    )

@@ -23,12 +23,13 @@ from baton.engine.checkpoint.loader import load_model, resolve_dtype
 from baton.engine.config import ModelConfig
 from baton.engine.core import assembly
 from baton.engine.core.engine_args import EngineArgs, EngineStats
-from baton.engine.core.outputs import RequestDelta, TokenLogprobs
+from baton.engine.core.outputs import RequestDelta
 from baton.engine.core.request import Request
+from baton.engine.core.request_checks import check_request
 from baton.engine.core.request_timing import RequestTiming
-from baton.engine.core.sampler import Sampler, top_logprobs
+from baton.engine.core.sampler import Sampler, prompt_logprobs_of
 from baton.engine.core.sampling_params import SamplingParams
-from baton.engine.core.scheduler import Scheduler, SchedulerConfig
+from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.tokenizer import LazyTokenizer
 from baton.engine.core.warm_up import warm_up
 from baton.engine.executor.model_runner import ModelRunner
@@ -50,9 +51,6 @@ from baton.engine.spec_decode.verifier import sample_step
 from baton.engine.structured_output.grammars import Grammars
 
 logger = logging.getLogger("baton.engine")
-
-# Prompt logprobs are computed over this many rows of a chunk's logits at a time.
-PROMPT_LOGPROB_ROWS = 256
 
 
 class Engine:
@@ -163,20 +161,7 @@ class Engine:
         )
         self.refused: list[tuple[str, str]] = []  # (request id, why) for take_refused
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                chunked_prefill_size=min(args.chunked_prefill_size, args.max_num_batched_tokens),
-                max_running_requests=args.max_running_requests,
-                page_size=args.page_size if paged else None,
-                policy=args.schedule_policy,
-                max_prefill_tokens=min(
-                    args.max_prefill_tokens
-                    or (512 if self.device.type == "cpu" else args.max_num_batched_tokens),
-                    args.max_num_batched_tokens,
-                ),
-                max_model_len=self.max_model_len,
-                eos_token_ids=config.eos_token_ids,
-            ),
+            assembly.scheduler_config(args, config, self.device, paged, self.max_model_len),
             self.pages,
             self.slots,
             self.pool_ops,
@@ -270,29 +255,8 @@ class Engine:
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming what is wrong with this request; nothing is created."""
-        if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        params.validate()
+        check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         self.grammars.check(params)
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", params.logit_bias),
-        ):
-            outside = [t for t in ids if t >= vocab]
-            if outside:  # the sampler indexes the logits with them
-                raise ValueError(
-                    f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})"
-                )
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the maximum context length of {self.max_model_len} tokens"
-            )
 
     def _new_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -387,7 +351,7 @@ class Engine:
             rows = rows_of[s]  # increasing; consecutive for a prefill: a view, not a copy
             consecutive = rows[-1] - rows[0] + 1 == len(rows)
             own = logits[rows[0] : rows[-1] + 1] if consecutive else logits[rows]
-            prompt_logprobs[s] = self._prompt_logprobs(reqs[s], sched.start_positions[s], own)
+            prompt_logprobs[s] = prompt_logprobs_of(reqs[s], sched.start_positions[s], own)
 
         sampled = {}
         if sched.logits_seqs:
@@ -425,17 +389,3 @@ class Engine:
         if ready and self.scheduler.speculating():
             for req, drafts in zip(ready, self.drafter.propose_from_slots(ready)):
                 self.scheduler.set_drafts(req, drafts)
-
-    def _prompt_logprobs(
-        self, req: Request, start: int, logits: torch.Tensor
-    ) -> list[TokenLogprobs | None]:
-        """Row i of `logits` (position start + i) predicts the prompt token at start + i + 1."""
-        out: list[TokenLogprobs | None] = [None] if start == 0 else []
-        targets = req.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
-        # a few rows at a time: a chunk's (rows, vocab) log-softmax whole would be another copy
-        # of its logits (1 GB for 2048 rows of a 128k vocabulary)
-        for first in range(0, len(targets), PROMPT_LOGPROB_ROWS):
-            block = targets[first : first + PROMPT_LOGPROB_ROWS]
-            logprobs = logits[first : first + len(block)].log_softmax(dim=-1)
-            out.extend(top_logprobs(logprobs, torch.tensor(block), req.params.prompt_logprobs))
-        return out

@@ -36,6 +36,26 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[T
     return out
 
 
+# Prompt logprobs are computed over this many rows of a chunk's logits at a time.
+PROMPT_LOGPROB_ROWS = 256
+
+
+def prompt_logprobs_of(
+    req: Request, start: int, logits: torch.Tensor
+) -> list[TokenLogprobs | None]:
+    """Row i of `logits` (position start + i) predicts the prompt token at start + i + 1; the
+    first prompt token has none (None)."""
+    out: list[TokenLogprobs | None] = [None] if start == 0 else []
+    targets = req.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
+    # a few rows at a time: a chunk's (rows, vocab) log-softmax whole would be another copy
+    # of its logits (1 GB for 2048 rows of a 128k vocabulary)
+    for first in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        block = targets[first : first + PROMPT_LOGPROB_ROWS]
+        logprobs = logits[first : first + len(block)].log_softmax(dim=-1)
+        out.extend(top_logprobs(logprobs, torch.tensor(block), req.params.prompt_logprobs))
+    return out
+
+
 def apply_logit_bias(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """Each request's logit_bias added to its row (OpenAI / vLLM semantics)."""
     for row, req in enumerate(reqs):
