@@ -100,3 +100,32 @@ def same_arguments(arguments: str, expected: dict | str) -> bool:
     if isinstance(expected, str):
         return arguments == expected
     return pairs(arguments) == pairs(json.dumps(expected))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Case:
+    """A recorded output and what it means. `name`: the peer's test that recorded it."""
+
+    name: str
+    text: str
+    content: str = ""
+    calls: tuple[tuple[str, dict | str], ...] = ()  # arguments as an object, or exact text
+    reasoning: str = ""
+    end: TextEnd = "stop"
+
+
+def check(make: MakeParser, case: Case) -> Parsed:
+    """`case` parsed whole and streamed at every chunking (equal), and as expected."""
+    parsed = parse_every_way(make, case.text, case.end)
+    assert parsed.reasoning == case.reasoning
+    assert parsed.content == case.content
+    assert [name for name, _ in parsed.calls] == [name for name, _ in case.calls]
+    for (_, arguments), (_, expected) in zip(parsed.calls, case.calls, strict=True):
+        assert same_arguments(arguments, expected), arguments
+    return parsed
+
+
+def tool(name: str, properties: dict[str, dict]) -> dict:
+    """A request's function tool with these parameter schemas."""
+    parameters = {"type": "object", "properties": properties}
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}

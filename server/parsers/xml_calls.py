@@ -208,9 +208,11 @@ class _XmlCall:
                 ending = self._ends_value(body, after, tag.group(), end, opens)
                 if ending is None:
                     return None
+                if ending and tag.group() == PARAMETER_END:
+                    return at, after
                 if ending:
-                    return at, (after if tag.group() == PARAMETER_END else at)
-        return None if not finished else (len(body), len(body))
+                    return _before_own_close(body, start, at), at
+        return None if not finished else (_before_own_close(body, start, len(body)), len(body))
 
     def _ends_value(self, body: str, after: int, tag: str, end: TextEnd, opens) -> bool | None:
         """Whether a closing `tag` outside nested tags ends the value, by what follows it."""
@@ -243,6 +245,14 @@ class _XmlCall:
         call = ToolCallText(name=self.name or "", arguments=arguments)
         leftover = "".join([*self.between, text]).strip() if closed else ""
         return Block(calls=(call,), span=span, closed=closed, leftover=leftover)
+
+
+def _before_own_close(body: str, start: int, end: int) -> int:
+    """Where a value that ends without its `</parameter>` ends: before a `</parameter>` that
+    closes it, all the same (taken for a tag the value opened, as `<parameter=path>` in a
+    fixture's text that never closes it)."""
+    kept = body[start:end].rstrip()
+    return start + len(kept) - len(PARAMETER_END) if kept.endswith(PARAMETER_END) else end
 
 
 def _trim_newlines(value: str) -> str:
