@@ -12,11 +12,15 @@ the bounds here are the ones only the HTTP layer needs: `n` fan-out and a 64-bit
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 128  # choices per request; each one is an engine request
+# OpenAI bodies nest a few levels; 100k-deep JSON must not reach a parser. Holds for the body and
+# for JSON text inside it (tool-call arguments), which the history's rendering parses.
+MAX_JSON_DEPTH = 64
 MAX_SEED = 2**63 - 1 - MAX_N  # seed + choice index must stay a signed 64-bit integer
 
 
@@ -31,6 +35,26 @@ def _encodable(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_encodable)]
+
+_JSON_STRING_OR_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]', re.DOTALL)
+
+
+def _shallow_json(text: str) -> str:
+    """JSON text nested at most MAX_JSON_DEPTH levels, counted without parsing it (a parser
+    given deeper text overflows the stack); text that is not JSON passes as it is."""
+    depth = 0
+    for token in _JSON_STRING_OR_BRACKET.finditer(text):
+        bracket = token.group()
+        if bracket == "[" or bracket == "{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        elif bracket == "]" or bracket == "}":
+            depth = max(depth - 1, 0)
+    return text
+
+
+JsonText = Annotated[Text, AfterValidator(_shallow_json)]  # JSON carried as a string
 
 
 def unencodable_text(body: dict) -> tuple[str, str] | None:
@@ -198,7 +222,7 @@ class NamedToolChoice(OpenAIModel):
 
 class ToolCallFunction(OpenAIModel):
     name: Text
-    arguments: Text | dict[Text, Any] | None = None  # JSON text, as OpenAI sends it back
+    arguments: JsonText | dict[Text, Any] | None = None  # JSON text, as OpenAI sends it back
 
 
 class MessageToolCall(OpenAIModel):

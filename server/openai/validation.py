@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from baton.server.errors import APIError, describe_validation_errors
 from baton.server.openai.protocol import (
+    MAX_JSON_DEPTH,
     MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,7 +39,6 @@ from baton.server.openai.responses.protocol import (
 from baton.server.openai.sampling import build_sampling_params
 from baton.server.openai.tool_choice import check_tools
 
-MAX_JSON_DEPTH = 64  # OpenAI bodies nest a few levels; 100k-deep JSON must not reach a parser
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 GENERATION_MODELS = {

@@ -108,6 +108,7 @@ class TaggedBlocks:
         self.starts = starts
         self.reader_for = reader_for
         self.readers: dict[int, BlockReader] = {}
+        self.closed: dict[int, Block] = {}  # blocks that ended: read once
 
     def parse(self, text: str, end: TextEnd) -> ParsedContent:
         content: list[str] = []
@@ -119,10 +120,7 @@ class TaggedBlocks:
             if start == -1:
                 content.append(self._last_segment(text[position:], end, after_block))
                 break
-            reader = self.readers.get(start)
-            if reader is None:
-                reader = self.readers[start] = self.reader_for(tag)
-            read = reader.read(text[start + len(tag) :], end)
+            read = self.closed.get(start) or self._read(text, start, tag, end)
             if isinstance(read, NotABlock):
                 search = start + 1
                 continue
@@ -142,6 +140,15 @@ class TaggedBlocks:
             position = search = body_start + read.span
             after_block = True
         return ParsedContent(content="".join(content), calls=tuple(calls))
+
+    def _read(self, text: str, start: int, tag: str, end: TextEnd) -> Block | NotABlock | Undecided:
+        reader = self.readers.get(start)
+        if reader is None:
+            reader = self.readers[start] = self.reader_for(tag)
+        read = reader.read(text[start + len(tag) :], end)
+        if isinstance(read, Block) and read.closed:
+            self.closed[start] = read
+        return read
 
     def _next_start(self, text: str, search: int) -> tuple[int, str]:
         found = [(text.find(tag, search), tag) for tag in self.starts]

@@ -10,11 +10,12 @@ the tool's JSON schema (server/parsers/param_types.py).
     print("</parameter>")
     </parameter>
     </function>
-    </tool_call>                    ->  write_file({"path": "a.py", "content": "print(\"</parameter>\")"})
+    </tool_call>          ->  write_file({"path": "a.py", "content": "print(\"</parameter>\")"})
 
 A `<function=NAME>` without the `<tool_call>` around it is a call too (both peers recover it);
-a NAME no function has (`bad\n</function`, `{{ tc.name }}`) makes the tags text. One newline
-each side of a value is the template's layout, not the value.
+a NAME no function has (`bad\n</function`, `{{ tc.name }}`) makes the tags text. One call per
+block: what follows `</function>` inside the block is content. One newline each side of a value
+is the template's layout, not the value.
 
 A value may hold these tags as text (an agent writing a parser's fixture, a chat template), so a
 value ends only at a tag that continues the call:
@@ -192,7 +193,9 @@ class _XmlCall:
                     if not finished:
                         return None
                     continue
-                name = body[after:closer].strip()
+                name = function_name(body[after:closer])
+                if name is None:  # `<parameter=` and text: no tag
+                    continue
                 line_start = at > start and body[at - 1] == "\n"
                 if not parameters and not functions and line_start and opens(name):
                     return at, at  # the model forgot </parameter>
