@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from baton.server.parsers.blocks import text_end
 from baton.server.parsers.param_types import declared_types, typed_value
 from baton.server.parsers.reasoning import REASONING_FORMATS, starts_thinking
 from tests.parser_cases import Parsed, output_parser, parse_every_way, whole
@@ -77,6 +78,13 @@ RECORDED = {
         '<tool_call>{"name": "get_weather", "arguments": {"city": "</tool_call>"}}</tool_call>',
         "stop",
         ("", "", [("get_weather", '{"city": "</tool_call>"}')]),
+    ),
+    "hermes: a name no function has is not a call": (
+        "hermes",
+        None,
+        '<tool_call>{"name": "bad\\n</function", "arguments": {}}</tool_call>',
+        "stop",
+        ("", '<tool_call>{"name": "bad\\n</function", "arguments": {}}</tool_call>', []),
     ),
     "hermes: cut inside the arguments by the length limit": (
         "hermes",
@@ -207,6 +215,12 @@ def test_recorded_output_parses_to_its_meaning_whole_and_streamed(case):
     tool_parser, reasoning, text, end, (reasoning_text, content, calls) = RECORDED[case]
     expected = Parsed(reasoning=reasoning_text, content=content, calls=tuple(calls))
     assert parse_every_way(_make(tool_parser, reasoning), text, end) == expected
+
+
+def test_the_text_ends_as_the_engine_finished_it():
+    assert text_end(False, None) == "open"
+    assert text_end(True, "length") == "length"
+    assert text_end(True, "stop") == text_end(True, "abort") == "stop"
 
 
 def test_finished_arguments_are_json_objects():

@@ -210,3 +210,13 @@ def test_sglang_srt_qwen3_coder_case_reads_the_same_whole_and_streamed(case):
         output_parser("qwen3_coder", tools=[tool("get_weather", {"city": STRING, "unit": STRING})]),
         case,
     )
+
+
+def test_a_call_to_a_function_the_request_does_not_name_is_still_a_call():
+    """sgl-project/sglang test/registered/function_call/test_unknown_tool_name.py
+    @ 1ee37b4912c6da7d7a22a94d477a04a61623e0d2 drops it by default (forwards it with
+    SGLANG_FORWARD_UNKNOWN_TOOLS); baton forwards it, as vLLM does: the agent can tell the model
+    that no such tool exists, where a dropped call leaves an answer with nothing in it."""
+    text = '<tool_call>{"name":"unknown_tool","parameters":{"city":"Paris"}}</tool_call>'
+    case = Case(name="forwarded", text=text, calls=(("unknown_tool", {"city": "Paris"}),))
+    check(output_parser("hermes", tools=[tool("get_weather", {})]), case)
