@@ -399,8 +399,11 @@ def test_tool_call_arguments_nested_too_deep_answer_400_and_the_server_serves_on
             error = response.json()["error"]
             assert error["param"] == param, error
             assert error["message"] == f"{field}: JSON nested deeper than 64 levels", error
-        response = http.post(path, json=_history_with_arguments(path, _nested(64)))
-        assert response.status_code == 200, response.text[:300]
+        unclosed = http.post(path, json=_history_with_arguments(path, "[" * 100_000))
+        assert unclosed.status_code == 400, unclosed.text[:300]
+        for arguments in (_nested(64), "not JSON {", "[" * 100):  # rendered as {}, as before
+            response = http.post(path, json=_history_with_arguments(path, arguments))
+            assert response.status_code == 200, (arguments[:20], response.text[:300])
 
 
 def test_body_over_max_request_bytes_answers_413_in_the_openai_shape(server):

@@ -12,7 +12,7 @@ the bounds here are the ones only the HTTP layer needs: `n` fan-out and a 64-bit
 
 from __future__ import annotations
 
-import re
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -36,21 +36,32 @@ def _encodable(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_encodable)]
 
-_JSON_STRING_OR_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]', re.DOTALL)
+
+def nests_deeper_than(value: Any, levels: int) -> bool:
+    """Whether parsed JSON holds containers more than `levels` deep (the outermost is level 1),
+    walked level by level: a recursive walk would overflow on the input it is meant to refuse."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(levels):
+        level = [
+            child
+            for container in level
+            for child in (container.values() if isinstance(container, dict) else container)
+            if isinstance(child, (dict, list))
+        ]
+    return bool(level)
 
 
 def _shallow_json(text: str) -> str:
-    """JSON text nested at most MAX_JSON_DEPTH levels, counted without parsing it (a parser
-    given deeper text overflows the stack); text that is not JSON passes as it is."""
-    depth = 0
-    for token in _JSON_STRING_OR_BRACKET.finditer(text):
-        bracket = token.group()
-        if bracket == "[" or bracket == "{":
-            depth += 1
-            if depth > MAX_JSON_DEPTH:
-                raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
-        elif bracket == "]" or bracket == "}":
-            depth = max(depth - 1, 0)
+    """JSON text nested at most MAX_JSON_DEPTH levels (parsing it deeper overflows the stack
+    where the history is rendered); text that is not JSON passes as it is."""
+    try:
+        deep = nests_deeper_than(json.loads(text), MAX_JSON_DEPTH)
+    except RecursionError:
+        deep = True
+    except ValueError:
+        return text
+    if deep:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     return text
 
 
