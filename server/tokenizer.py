@@ -95,7 +95,7 @@ def _arguments(function) -> dict[str, Any]:
     if isinstance(arguments, str) and arguments:
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # protocol.JsonText refused valid JSON too deep
             arguments = None
     return arguments if isinstance(arguments, dict) else {}
 

@@ -356,6 +356,56 @@ def test_json_the_strict_parser_refuses_answers_400(server, raw, needle):
         assert needle in response.json()["error"]["message"], response.json()
 
 
+def _history_with_arguments(path: str, arguments: str) -> dict:
+    """A conversation whose earlier assistant turn called a tool with `arguments`."""
+    if path == "/v1/responses":
+        items = [
+            {"type": "message", "role": "user", "content": "hi"},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        ]
+        return {"model": MODEL_NAME, "input": items, "max_output_tokens": 2}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    return {"model": MODEL_NAME, "messages": messages, "max_tokens": 2}
+
+
+def _nested(levels: int) -> str:
+    """Tool-call arguments nested `levels` deep: an object around arrays, and at the bottom a
+    string of brackets (and an escaped quote) that must not count."""
+    return '{"a": ' + "[" * (levels - 1) + '"\\"[[{{"' + "]" * (levels - 1) + "}"
+
+
+@pytest.mark.parametrize(
+    ("path", "param", "field"),
+    [
+        ("/v1/chat/completions", "messages", "messages.1.tool_calls.0.function.arguments"),
+        ("/v1/responses", "input", "input.1.FunctionCallItem.arguments"),
+    ],
+)
+def test_tool_call_arguments_nested_too_deep_answer_400_and_the_server_serves_on(
+    server, path, param, field
+):
+    """Arguments are JSON text inside the body, so the body's depth check cannot see them; a
+    1,000-deep one overflowed the stack where the history is rendered (a plain-text 500)."""
+    with server.http() as http:
+        for levels in (65, 1_000, 100_000):
+            response = http.post(path, json=_history_with_arguments(path, _nested(levels)))
+            assert response.status_code == 400, (levels, response.text[:300])
+            error = response.json()["error"]
+            assert error["param"] == param, error
+            assert error["message"] == f"{field}: JSON nested deeper than 64 levels", error
+        unclosed = http.post(path, json=_history_with_arguments(path, "[" * 100_000))
+        assert unclosed.status_code == 400, unclosed.text[:300]
+        for arguments in (_nested(64), "not JSON {", "[" * 100):  # rendered as {}, as before
+            response = http.post(path, json=_history_with_arguments(path, arguments))
+            assert response.status_code == 200, (arguments[:20], response.text[:300])
+
+
 def test_body_over_max_request_bytes_answers_413_in_the_openai_shape(server):
     nine_mb = b'{"prompt": "' + b"a" * (9 * 1024 * 1024) + b'"}'
     declared = post_raw(server, "/v1/completions", nine_mb)

@@ -125,7 +125,7 @@ def test_a_requested_grammar_waits_for_the_reasoning_and_excludes_forced_calls()
 def test_forced_calls_are_read_from_the_bare_json_without_any_parser_flag():
     plan = plan_output(chat(tools=[ADD], tool_choice="required"), NONE, "", {})
     assert plan.parses
-    parsed = plan.parser().parse('[{"name": "add", "parameters": {"a": 1, "b": 2}}]', final=True)
+    parsed = plan.parser().parse('[{"name": "add", "parameters": {"a": 1, "b": 2}}]', "stop")
     assert [(call.name, call.arguments) for call in parsed.calls] == [("add", '{"a": 1, "b": 2}')]
     assert not plan_output(chat(), NONE, "", {}).parses
 
@@ -222,7 +222,7 @@ def test_tools_with_odd_schemas_are_a_400_or_read_without_types_never_a_crash():
         tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
         parser = make_tool_parser("qwen3_coder", [tool])
         text = "<tool_call><function=f><parameter=x>3</parameter></function></tool_call>"
-        (call,) = parser.parse(text, final=True).calls
+        (call,) = parser.parse(text, "stop").calls
         assert call.arguments == '{"x": "3"}'
 
 

@@ -34,6 +34,7 @@ from baton.server.openai.sampling import build_sampling_params, params_for_promp
 from baton.server.openai.structured import check_structured
 from baton.server.openai.tool_choice import ChatOutputPlan, plan_output, reasoning_end_ids
 from baton.server.openai.validation import check_generation, num_logprobs, requested_max_tokens
+from baton.server.parsers.blocks import text_end
 from baton.server.parsers.output import OutputDelta, OutputStream, message_fields
 
 router = APIRouter()
@@ -136,7 +137,7 @@ def _choice(
     message: dict = {"role": "assistant", "content": result.text}
     finish_reason = result.finish_reason
     if plan.parses:
-        parsed = plan.parser().parse(result.text, final=True)
+        parsed = plan.parser().parse(result.text, text_end(True, result.finish_reason))
         parsed = dataclasses.replace(parsed, calls=parsed.calls[: plan.max_calls])
         message.update(message_fields(parsed, None, has_reasoning_parser=plan.has_reasoning_parser))
         if not body.include_reasoning:
@@ -205,7 +206,8 @@ async def _stream(
             if stream is None:
                 message = {"content": delta.new_text} if delta.new_text or wants_ids else {}
             else:
-                message = _delta(plan, body, stream.update(results[index].text, delta.finished))
+                end = text_end(delta.finished, delta.finish_reason)
+                message = _delta(plan, body, stream.update(results[index].text, end))
                 finish_reason = plan.finish_reason(finish_reason, bool(stream.call_ids))
             if not (message or delta.finished or wants_ids):
                 continue

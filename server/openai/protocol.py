@@ -12,11 +12,15 @@ the bounds here are the ones only the HTTP layer needs: `n` fan-out and a 64-bit
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 128  # choices per request; each one is an engine request
+# OpenAI bodies nest a few levels; 100k-deep JSON must not reach a parser. Holds for the body and
+# for JSON text inside it (tool-call arguments), which the history's rendering parses.
+MAX_JSON_DEPTH = 64
 MAX_SEED = 2**63 - 1 - MAX_N  # seed + choice index must stay a signed 64-bit integer
 
 
@@ -31,6 +35,37 @@ def _encodable(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_encodable)]
+
+
+def nests_deeper_than(value: Any, levels: int) -> bool:
+    """Whether parsed JSON holds containers more than `levels` deep (the outermost is level 1),
+    walked level by level: a recursive walk would overflow on the input it is meant to refuse."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(levels):
+        level = [
+            child
+            for container in level
+            for child in (container.values() if isinstance(container, dict) else container)
+            if isinstance(child, (dict, list))
+        ]
+    return bool(level)
+
+
+def _shallow_json(text: str) -> str:
+    """JSON text nested at most MAX_JSON_DEPTH levels (parsing it deeper overflows the stack
+    where the history is rendered); text that is not JSON passes as it is."""
+    try:
+        deep = nests_deeper_than(json.loads(text), MAX_JSON_DEPTH)
+    except RecursionError:
+        deep = True
+    except ValueError:
+        return text
+    if deep:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return text
+
+
+JsonText = Annotated[Text, AfterValidator(_shallow_json)]  # JSON carried as a string
 
 
 def unencodable_text(body: dict) -> tuple[str, str] | None:
@@ -198,7 +233,7 @@ class NamedToolChoice(OpenAIModel):
 
 class ToolCallFunction(OpenAIModel):
     name: Text
-    arguments: Text | dict[Text, Any] | None = None  # JSON text, as OpenAI sends it back
+    arguments: JsonText | dict[Text, Any] | None = None  # JSON text, as OpenAI sends it back
 
 
 class MessageToolCall(OpenAIModel):

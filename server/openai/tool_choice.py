@@ -23,6 +23,7 @@ from typing import Any
 from baton.engine.core.sampling_params import SamplingParams, StructuredOutputs
 from baton.server.errors import APIError
 from baton.server.openai.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
+from baton.server.parsers.json_calls import BareJsonParser
 from baton.server.parsers.output import OutputParser, ParserSettings
 from baton.server.parsers.reasoning import (
     REASONING_FORMATS,
@@ -30,7 +31,7 @@ from baton.server.parsers.reasoning import (
     ReasoningSplitter,
     starts_thinking,
 )
-from baton.server.parsers.tools import BareJsonParser, make_tool_parser
+from baton.server.parsers.tools import make_tool_parser
 
 
 def effective_tool_choice(request: ChatCompletionRequest) -> str | NamedToolChoice:

@@ -22,12 +22,14 @@ from pydantic import ValidationError
 
 from baton.server.errors import APIError, describe_validation_errors
 from baton.server.openai.protocol import (
+    MAX_JSON_DEPTH,
     MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     SGLangSamplingParams,
     TokenizeRequest,
+    nests_deeper_than,
     unencodable_text,
 )
 from baton.server.openai.responses.protocol import (
@@ -38,7 +40,6 @@ from baton.server.openai.responses.protocol import (
 from baton.server.openai.sampling import build_sampling_params
 from baton.server.openai.tool_choice import check_tools
 
-MAX_JSON_DEPTH = 64  # OpenAI bodies nest a few levels; 100k-deep JSON must not reach a parser
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 GENERATION_MODELS = {
@@ -121,19 +122,8 @@ def _path_to_non_finite(raw: bytes) -> str | None:
 
 
 def _check_depth(value: Any) -> None:
-    """Iterative (a recursive walk would itself overflow on the input it is meant to refuse)."""
-    level = [value]
-    for _ in range(MAX_JSON_DEPTH + 1):
-        level = [
-            child
-            for container in level
-            if isinstance(container, (dict, list))
-            for child in (container.values() if isinstance(container, dict) else container)
-            if isinstance(child, (dict, list))
-        ]
-        if not level:
-            return
-    raise _body_error(f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    if nests_deeper_than(value, MAX_JSON_DEPTH):
+        raise _body_error(f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels")
 
 
 def parse_generation(path: str, body: Any) -> CompletionRequest | ChatCompletionRequest:

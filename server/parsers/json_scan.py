@@ -49,7 +49,8 @@ class JsonScanner:
     error: bool = False  # the text stopped being JSON; nothing more is read
     consumed: int = 0  # characters of the input read (the value ends here once done)
     spans: dict[tuple[int | None, str], list[int | None]] = field(default_factory=dict)
-    ended_items: set[int | None] = field(default_factory=set)  # tracked objects now closed
+    # tracked objects now closed -> characters of the input read up to and with their "}"
+    ended_items: dict[int | None, int] = field(default_factory=dict)
     _stack: list[_Frame] = field(default_factory=list)
     # The canonical text, in pieces (appending to one long str copies it every character)
     _pieces: list[str] = field(default_factory=list)
@@ -202,7 +203,7 @@ class JsonScanner:
         self._emit("}" if frame.kind == "{" else "]")
         self._stack.pop()
         if where is not False:
-            self.ended_items.add(where)
+            self.ended_items[where] = self.consumed + 1  # `consumed` counts up after the step
         self._value_done()
 
     def _value_done(self) -> None:

@@ -2,9 +2,10 @@
 
     text ──ReasoningSplitter──> reasoning | answer ──tool-call parser──> content | calls
 
-Both stages are functions of the text so far that return only what can no longer change, so
-`OutputStream` streams the difference between successive parses, and the concatenation of
-its deltas is exactly `OutputParser.parse(whole text, final=True)`.
+Both stages are functions of the text so far (and of how it ended: still open, stopped by the
+model, or cut by the length limit) that return only what can no longer change, so
+`OutputStream` streams the difference between successive parses, and the concatenation of its
+deltas is exactly `OutputParser.parse(whole text, end)`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from baton.server.parsers.blocks import TextEnd, ToolCallParser, ToolCallText
 from baton.server.parsers.reasoning import ReasoningSplitter
-from baton.server.parsers.tools import ToolCallParser, ToolCallText
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,14 +38,14 @@ class OutputParser:
         self.splitter = splitter
         self.tools = tools
 
-    def parse(self, text: str, final: bool) -> ParsedOutput:
+    def parse(self, text: str, end: TextEnd) -> ParsedOutput:
         reasoning, answer = "", text
         if self.splitter is not None:
-            split = self.splitter.split(text, final)
+            split = self.splitter.split(text, final=end != "open")
             reasoning, answer = split.reasoning, split.answer
         if self.tools is None:
             return ParsedOutput(reasoning=reasoning, content=answer, calls=())
-        parsed = self.tools.parse(answer, final)
+        parsed = self.tools.parse(answer, end)
         return ParsedOutput(reasoning=reasoning, content=parsed.content, calls=parsed.calls)
 
 
@@ -72,8 +73,8 @@ class OutputStream:
         self.sent = ParsedOutput(reasoning="", content="", calls=())
         self.call_ids: list[str] = []
 
-    def update(self, text: str, final: bool) -> OutputDelta:
-        parsed = self.parser.parse(text, final)
+    def update(self, text: str, end: TextEnd) -> OutputDelta:
+        parsed = self.parser.parse(text, end)
         sent = self.sent
         tool_calls = []
         for index, call in enumerate(parsed.calls):

@@ -5,8 +5,12 @@ All three read <think>...</think> (vLLM's names and rules):
                 tag, everything is reasoning
   qwen3         the same, and enable_thinking false (chat_template_kwargs / reasoning_effort
                 "none") means no reasoning at all; a <tool_call> followed by <function= ends
-                the reasoning without </think> (Qwen3.5 does that)
-  nemotron_v3   as qwen3 (Nemotron 3 writes Qwen3's format)
+                the reasoning without </think> (Qwen3.5 does that), and the </think> that then
+                follows the call closes the interrupted thinking: it is dropped, not content
+  nemotron_v3   as qwen3 (Nemotron 3 writes Qwen3's format); vLLM's and SGLang's
+                force_nonempty_content (reasoning moved into an empty answer) is not taken: a
+                stream cannot take back the reasoning it sent
+<think> tags the output opens with, and whitespace around them, are markers, not reasoning.
 
 Where the output starts (thinking or answering) comes from the prompt: when the rendered prompt
 already closed a thinking block after its last opening (a template given enable_thinking false
@@ -21,10 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from baton.server.parsers.tools import held_tag_prefix
+from baton.server.parsers.blocks import held_tag_prefix
 
 THINK_START, THINK_END = "<think>", "</think>"
-_TOOL_CALL, _FUNCTION = "<tool_call>", "<function="
+_TOOL_CALL, _TOOL_CALL_END, _FUNCTION = "<tool_call>", "</tool_call>", "<function="
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,21 +75,17 @@ class ReasoningSplitter:
         self.thinking = thinking
 
     def split(self, text: str, final: bool) -> ReasoningSplit:
-        if not self.thinking:
-            stripped = text.lstrip()
-            if not stripped.startswith(THINK_START):
-                if not final and THINK_START.startswith(stripped):
-                    return ReasoningSplit(reasoning="", answer="")  # may open a <think> yet
-                return ReasoningSplit(reasoning="", answer=text)
-            text = stripped
-        if text.startswith(THINK_START):
-            text = text[len(THINK_START) :]
-        elif not final and THINK_START.startswith(text):
-            return ReasoningSplit(reasoning="", answer="")
+        opened = _after_opening_tags(text, final)
+        if opened is None:
+            return ReasoningSplit(reasoning="", answer="")  # may open a <think> yet
+        if not self.thinking and opened == 0:
+            return ReasoningSplit(reasoning="", answer=text)
+        text = text[opened:]
         end = text.find(THINK_END)
         implicit = self._tool_call_end(text, end)
         if implicit is not None and (end == -1 or implicit < end):
-            return ReasoningSplit(reasoning=text[:implicit], answer=text[implicit:])
+            answer = _without_interrupted_end(text[implicit:], final)
+            return ReasoningSplit(reasoning=text[:implicit], answer=answer)
         if end != -1:
             return ReasoningSplit(reasoning=text[:end], answer=text[end + len(THINK_END) :])
         if final:  # cut before the end tag (a length limit): all of it is reasoning
@@ -120,6 +120,37 @@ class ReasoningSplitter:
             return None
         after = text[at + len(_TOOL_CALL) :].lstrip()
         return at if _FUNCTION.startswith(after) else None
+
+
+def _after_opening_tags(text: str, final: bool) -> int | None:
+    """Where the text begins after the <think> tags it opens with (0: it opens with none);
+    None while it may still turn out to open with one."""
+    position = 0
+    while True:
+        stripped = text[position:].lstrip()
+        if stripped.startswith(THINK_START):
+            position = len(text) - len(stripped) + len(THINK_START)
+        elif not final and THINK_START.startswith(stripped):
+            return None
+        else:
+            return position
+
+
+def _without_interrupted_end(answer: str, final: bool) -> str:
+    """The answer after a tool call ended the thinking early, less the </think> that the model
+    writes after the call (right after a </tool_call>) to close the thinking it interrupted; a
+    suffix that may still become that tag is held back."""
+    position = 0
+    while (close := answer.find(_TOOL_CALL_END, position)) != -1:
+        after = close + len(_TOOL_CALL_END)
+        stripped = answer[after:].lstrip()
+        at = len(answer) - len(stripped)
+        if stripped.startswith(THINK_END):
+            return answer[:at] + answer[at + len(THINK_END) :]
+        if not final and THINK_END.startswith(stripped):
+            return answer[:at]
+        position = after
+    return answer
 
 
 REASONING_PARSERS = tuple(REASONING_FORMATS)

@@ -39,6 +39,7 @@ from baton.server.openai.responses.protocol import (
     to_chat_request,
 )
 from baton.server.openai.tool_choice import reasoning_end_ids
+from baton.server.parsers.blocks import text_end
 from baton.server.parsers.output import OutputStream, ParsedOutput
 
 router = APIRouter()
@@ -85,7 +86,7 @@ async def create_response(body: ResponsesRequest, raw_request: Request):
         )
         return StreamingResponse(events, media_type="text/event-stream")
     (result,) = await collect(state, requests, arrival, raw_request)
-    parsed = parser.parse(result.text, final=True)
+    parsed = parser.parse(result.text, text_end(True, result.finish_reason))
     call_ids = [new_id("call") for _ in parsed.calls]
     output = _items(parsed, call_ids, plan.max_calls)
     return finished_response(shell, output, prompt, result)

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 from baton.server.engine_client import EngineRejected, EngineUnavailable, RequestFailedServerSide
 from baton.server.openai.generation import ChoiceResult, ServerState, timed_deltas
+from baton.server.parsers.blocks import text_end
 from baton.server.parsers.output import OutputStream
 
 
@@ -108,7 +109,7 @@ async def response_events(
         async with contextlib.aclosing(timed_deltas(state, requests, arrival)) as deltas:
             async for _, delta in deltas:
                 result.add(delta)
-                parsed = stream.update(result.text, delta.finished)
+                parsed = stream.update(result.text, text_end(delta.finished, delta.finish_reason))
                 if parsed.reasoning:
                     if reasoning_at is None:
                         reasoning_at, added = writer.open(reasoning_item(new_id("rs"), ""))

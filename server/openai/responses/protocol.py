@@ -24,7 +24,13 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationError
 
 from baton.server.errors import APIError, describe_validation_errors
-from baton.server.openai.protocol import ChatCompletionRequest, DisaggField, OpenAIModel, Text
+from baton.server.openai.protocol import (
+    ChatCompletionRequest,
+    DisaggField,
+    JsonText,
+    OpenAIModel,
+    Text,
+)
 
 
 class InputText(OpenAIModel):
@@ -47,7 +53,7 @@ class FunctionCallItem(OpenAIModel):
     type: Literal["function_call"]
     call_id: Text
     name: Text
-    arguments: Text
+    arguments: JsonText
 
 
 class FunctionCallOutputItem(OpenAIModel):
