@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from baton.disagg.frames import check_state, pages_chunk, slot_chunk
+from baton.disagg.decode_install import RoomInstaller
 from baton.disagg.messages import (
     Abort,
     Heartbeat,
@@ -36,10 +36,8 @@ from baton.disagg.protocol import (
     ReplayGuard,
     decode,
     encode,
-    frame_bytes,
-    request_state,
 )
-from baton.disagg.rooms import DisaggConfig, RoomState, TransferCounters, now
+from baton.disagg.rooms import DecodeRoom, DisaggConfig, QueuedRoom, TransferCounters, now
 from baton.disagg.tp_layout import TPLayout
 from baton.engine.cache.memory import OutOfMemory
 from baton.engine.core.engine import Engine
@@ -52,32 +50,6 @@ PEER_REFUSALS = Refusals()  # rate-limited logs of the refusals `counters` count
 
 
 @dataclass
-class DecodeRoom:
-    room: str
-    request_id: str
-    peer: str  # prefill transfer address
-    registered: float
-    state: RoomState = "waiting_for_input"
-    slot_units: int = 0  # slot units installed ahead of the StateTransfer (SlotChunk)
-    # (first-token state, prefill TP size) of a StateTransfer whose shards the ranks still await
-    sharded: tuple | None = None
-
-
-@dataclass
-class QueuedRoom:
-    """A room whose pages and slot do not fit in the pools yet: it registers (oldest first) once
-    they do, like a request waiting in a colocated engine's queue, or fails after the bootstrap
-    timeout (the prefill side gives up on an unregistered room after the same time)."""
-
-    room: str
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    peer: str  # prefill transfer address
-    queued: float
-
-
-@dataclass
 class DecodeWorker:
     engine: Engine
     config: DisaggConfig
@@ -85,19 +57,25 @@ class DecodeWorker:
     rooms: dict[str, DecodeRoom] = field(default_factory=dict)
     counters: TransferCounters = field(default_factory=TransferCounters)
     failures: list[tuple[str, str]] = field(default_factory=list)
-    ready: list = field(default_factory=list)  # first-token deltas of installed rooms
     queued: deque[QueuedRoom] = field(default_factory=deque)  # waiting for pages or a slot
 
     def __post_init__(self) -> None:
         self.handover = self.engine.handover
         self.layout = self.handover.layout()
-        self.num_slot_units = len(self.layout.slot_units())
         self.compat = compat_of(self.layout)
         self.replay = ReplayGuard()
         self.peer_limits = decode_side_limits(
             self.layout, self.engine.max_model_len, self.handover.track_interval
         )
         self.peers = PeerLinks(self.context, self.peer_limits)
+        self.installer = RoomInstaller(
+            handover=self.handover,
+            layout=self.layout,
+            config=self.config,
+            counters=self.counters,
+            rooms=self.rooms,
+            fail=self._fail,
+        )
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -184,17 +162,17 @@ class DecodeWorker:
         return (
             self.engine.has_unfinished_requests()
             or bool(self.rooms)
-            or bool(self.ready)
+            or bool(self.installer.ready)
             or bool(self.queued)
         )
 
     def step(self):
         self.poll()
         for r in [r for r in self.rooms.values() if r.sharded is not None]:
-            self._install_shards(r)
+            self.installer.install_shards(r)
         self._heartbeat_and_expire()
         self._register_queued()  # pages and slots the last step freed
-        deltas, self.ready = self.ready, []
+        deltas = self.installer.take_ready()
         if self.engine.has_unfinished_requests():
             deltas += self.engine.step()
         return deltas
@@ -279,12 +257,10 @@ class DecodeWorker:
         event = peer.connection_event()
         if event is None:
             return False
-        if event == "refused":
-            reason = f"cannot connect to prefill worker {address} (nothing answers there)"
-        else:
-            # A peer that never authenticated a message did not "stop": the connection that
-            # dropped may not even have been to a prefill worker (a self-connection, say).
-            reason = f"{peer.silence(address)} (connection lost)"
+        # A peer that never authenticated a message did not "stop": the connection that dropped
+        # may not even have been to a prefill worker (a self-connection, say).
+        what = "connection refused" if event == "refused" else "connection lost"
+        reason = f"{peer.silence(address)} ({what})"
         rooms = [r for r in self.rooms.values() if r.peer == address]
         queued = [q for q in self.queued if q.peer == address]
         if rooms or queued:
@@ -307,38 +283,8 @@ class DecodeWorker:
             self._fail(r, f"room {r.room}: {reason}")
 
     def _handle(self, message: Message, tensors: dict[str, torch.Tensor]) -> None:
-        layout = self.layout
-        if isinstance(message, PagesChunk):
-            r = self._room_for(message)
-            if r is not None:
-                r.state = "transferring"
-                pages = pages_chunk(layout, tensors)
-                self.handover.install_pages(r.request_id, message.first_page, pages)
-                self.counters.bytes_total += frame_bytes(tensors)
-        elif isinstance(message, SlotChunk):
-            r = self._room_for(message)
-            if r is not None:
-                r.state = "transferring"
-                for unit in slot_chunk(layout, message.first_unit, tensors):
-                    if self.handover.install_unit(r.request_id, unit, tensors):
-                        r.slot_units += 1
-                self.counters.bytes_total += frame_bytes(tensors)
-        elif isinstance(message, StateTransfer):
-            r = self._room_for(message)
-            if r is None:
-                return  # aborted or timed out meanwhile
-            state = request_state(message, tensors)
-            sharded = message.tp_size > 1 or layout.tp_size > 1  # the state comes rank to rank
-            check_state(layout, state, sharded)
-            if sharded:
-                r.state, r.sharded = "transferring", (state, message.tp_size)
-                self._install_shards(r)
-                return
-            units = self.num_slot_units
-            if not any(t.shape[0] for t in state.slots.values()) and r.slot_units != units:
-                raise ValueError(f"slot state incomplete: {r.slot_units} of {units} units arrived")
-            self._install(r, state)
-            self.counters.bytes_total += frame_bytes(tensors)
+        if isinstance(message, (PagesChunk, SlotChunk, StateTransfer)):
+            self.installer.receive(message, tensors)
         elif isinstance(message, (Reject, Abort)):
             r = self.rooms.pop(message.room, None)
             if r is not None:
@@ -360,44 +306,6 @@ class DecodeWorker:
                     and now() - r.registered > self.config.heartbeat_interval_s
                 ):
                     self._fail(r, f"room {room}: the prefill worker has lost it")
-
-    def _install(self, r: DecodeRoom, state) -> None:
-        del self.rooms[r.room]
-        try:
-            delta = self.handover.install(r.request_id, state)
-        except ValueError:
-            self.rooms[r.room] = r  # failed by the caller, with its peer told
-            raise
-        self.counters.transfers_ok += 1
-        self.counters.observe_latency(now() - r.registered)
-        if delta is not None:
-            self.ready.append(delta)
-
-    def _install_shards(self, r: DecodeRoom) -> None:
-        """Try to install a room whose ranks receive their shards straight from the prefill
-        ranks: done once every rank has all its pieces; until then it is tried again each step
-        (the room's transfer timeout still applies); a rank's bad piece fails it."""
-        state, prefill_size = r.sharded
-        try:
-            if self.handover.shards.install(r.request_id, r.room, prefill_size, state):
-                self._install(r, state)
-        except ValueError as error:
-            self._fail(r, f"room {r.room}: could not use its state: {error}")
-
-    def _room_for(self, message) -> DecodeRoom | None:
-        """The pending room a state message is for, or None: gone (aborted, failed), or past its
-        transfer timeout. Then the room fails here and now, whatever the timers say: after that
-        timeout the prefill engine may reuse the pages its unsent frames still read (Register
-        told it the timeout), so late frames may hold another request's state."""
-        r = self.rooms.get(message.room)
-        if r is not None and now() - r.registered > self.config.transfer_timeout_s:
-            self._fail(
-                r,
-                f"room {r.room}: state arrived after the transfer timeout "
-                f"({self.config.transfer_timeout_s:g} s)",
-            )
-            return None
-        return r
 
     def _heartbeat_and_expire(self) -> None:
         t = now()

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from baton.engine.core.sampling_params import SamplingParams
+
 Role = Literal["prefill", "decode"]
 RoomState = Literal["bootstrapping", "waiting_for_input", "transferring", "success", "failed"]
 
@@ -88,6 +90,32 @@ class TransferCounters:
         for state in ("bootstrapping", "waiting_for_input", "transferring"):
             out[f"disagg_rooms_{state}"] = rooms_by_state.get(state, 0)
         return out
+
+
+@dataclass
+class DecodeRoom:
+    room: str
+    request_id: str
+    peer: str  # prefill transfer address
+    registered: float
+    state: RoomState = "waiting_for_input"
+    slot_units: int = 0  # slot units installed ahead of the StateTransfer (SlotChunk)
+    # (first-token state, prefill TP size) of a StateTransfer whose shards the ranks still await
+    sharded: tuple | None = None
+
+
+@dataclass
+class QueuedRoom:
+    """A room whose pages and slot do not fit in the pools yet: it registers (oldest first) once
+    they do, like a request waiting in a colocated engine's queue, or fails after the bootstrap
+    timeout (the prefill side gives up on an unregistered room after the same time)."""
+
+    room: str
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    peer: str  # prefill transfer address
+    queued: float
 
 
 def is_loopback(host: str) -> bool:
