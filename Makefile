@@ -35,7 +35,7 @@ serve: install
 # make gsm8k [GSM8K_ARGS="--num-questions 50 --output results.json"]: serve the shipped assets/
 # model on a free port, run `baton eval gsm8k` on the held-out file, print the accuracy, stop.
 gsm8k: install
-	$(VPY) -m baton.bench.run_gsm8k $(GSM8K_ARGS)
+	$(VPY) -m baton.bench.accuracy.run_gsm8k $(GSM8K_ARGS)
 
 # make upgrade-deps [PYTEST_ARGS=...]: every dependency at its newest release in a fresh venv
 # (.venv-upgrade), the suite run there, and the lock rewritten from that venv only if it passes;

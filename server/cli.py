@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_router_parser(subparsers)
     add_up_parser(subparsers)
-    from baton.bench.gsm8k import (
+    from baton.bench.accuracy.gsm8k import (
         add_eval_parser,  # bench/ is a client of baton; only the CLI imports it
     )
 

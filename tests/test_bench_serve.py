@@ -16,14 +16,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from baton.bench.serve import (
+from baton.bench.serving.serve import (
     BenchConfig,
     BenchPrompt,
     arrival_gaps,
     run_benchmark,
     synthetic_prompts,
 )
-from baton.bench.serve_metrics import RequestRecord, summarize
+from baton.bench.serving.serve_metrics import RequestRecord, summarize
 from tests.server_process import BATON, free_port, start_server, tiny_model
 
 # -- a scripted OpenAI-compatible server ------------------------------------------------------
@@ -240,7 +240,7 @@ def test_warm_up_failure_is_reported_not_benchmarked(fake_server):
 def test_sse_reader_joins_split_reads_and_takes_long_lines():
     """Payloads split across network reads, CRLF line ends, a line far over aiohttp's 64 KiB
     readline limit (a chunk with many logprobs), and a last line without its newline."""
-    from baton.bench.serve import _sse_data
+    from baton.bench.serving.serve import _sse_data
 
     long_text = "x" * 200_000
     body = (
@@ -502,7 +502,7 @@ def test_the_base_url_may_be_an_openai_clients(given):
 
 
 def test_chosen_percentiles_are_computed_and_printed():
-    from baton.bench.serve_metrics import format_summary
+    from baton.bench.serving.serve_metrics import format_summary
 
     # TTFTs of 10 requests: 10, 20, ..., 100 ms.
     records = [
@@ -676,7 +676,7 @@ def test_a_request_on_a_connection_the_server_closed_is_retried_once_and_counted
 def test_without_the_retry_such_a_request_fails_before_reaching_the_server():
     import aiohttp
 
-    from baton.bench.serve import send_request
+    from baton.bench.serving.serve import send_request
 
     peer = ClosingAfterEachAnswer()
     prompt = BenchPrompt(prompt="p", prompt_len=1, output_len=1)

@@ -1,4 +1,4 @@
-"""baton.bench.serve_side_by_side gives every server the same limits and the PD pair its flags."""
+"""baton.bench.serving.serve_side_by_side gives every server the same limits and the PD pair its flags."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.bench.serve_side_by_side import (
+from baton.bench.serving.serve_side_by_side import (
     LIMITS,
     llama_command,
     matmul_dtype_choices,
@@ -48,7 +48,7 @@ def test_llama_server_gets_a_slot_per_running_request_and_its_caches_off():
 HELPER = """
 import subprocess, sys
 from pathlib import Path
-from baton.bench.serve_side_by_side import share_autogroup_nice
+from baton.bench.serving.serve_side_by_side import share_autogroup_nice
 Path("/proc/self/autogroup").write_text("7")  # raising one's own nice needs no privilege
 server = subprocess.Popen(["sleep", "30"], start_new_session=True)
 try:
@@ -78,7 +78,7 @@ def test_a_server_in_its_own_session_gets_the_benchmarks_scheduling_priority():
 
 SIGTERM_HELPER = """
 import os, signal, subprocess, sys
-import baton.bench.serve_side_by_side as sbs
+import baton.bench.serving.serve_side_by_side as sbs
 started = []
 def start(command, port, log, timeout_s, env=None):
     log.touch()
@@ -125,7 +125,7 @@ def test_each_baton_servers_matmul_dtype_choices_are_read_from_its_log(tmp_path)
 
 MATMUL_HELPER = """
 import os, subprocess, sys
-import baton.bench.serve_side_by_side as sbs
+import baton.bench.serving.serve_side_by_side as sbs
 def start(command, port, log, timeout_s, env=None):
     kind = "vllm" if command[0] == "bash" else "baton"
     print(kind, (env or os.environ).get("BATON_CPU_MATMUL_DTYPE", "unset"), flush=True)

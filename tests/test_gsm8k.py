@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.bench.gsm8k import (
+from baton.bench.accuracy.gsm8k import (
     build_chat_messages,
     build_prompts,
     extract_answer,
@@ -19,7 +19,7 @@ from baton.bench.gsm8k import (
     run_eval,
     score,
 )
-from baton.bench.gsm8k_data import (
+from baton.bench.accuracy.gsm8k_data import (
     HELDOUT_PATH,
     HELDOUT_SEED,
     KINDS,
@@ -158,7 +158,7 @@ def test_training_never_draws_a_heldout_problem():
 def shipped_server(tmp_path_factory):
     if not (ASSETS / "model.safetensors").is_file():
         pytest.fail(
-            "assets/model.safetensors is missing: train it with `python -m baton.bench.train_demo`"
+            "assets/model.safetensors is missing: train it with `python -m baton.bench.accuracy.train_demo`"
         )
     server = start_server(ASSETS, tmp_path_factory.mktemp("gsm8k-server"))
     yield server

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.bench.gsm8k_data import HELDOUT_PATH
+from baton.bench.accuracy.gsm8k_data import HELDOUT_PATH
 from tests.server_process import BATON, start_router, start_server
 from tests.test_seed_regression import metric
 

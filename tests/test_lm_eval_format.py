@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from baton.bench.gsm8k import build_prompts
-from baton.bench.gsm8k_data import HELDOUT_PATH, read_jsonl
+from baton.bench.accuracy.gsm8k import build_prompts
+from baton.bench.accuracy.gsm8k_data import HELDOUT_PATH, read_jsonl
 
 ASSETS = Path(__file__).parents[1] / "assets"
 NUM_QUESTIONS = 48

@@ -16,7 +16,7 @@ ROOT = Path(__file__).parents[1]
 
 def test_make_gsm8k_passes_with_64_in_flight_and_no_worker_marked_unhealthy():
     finished = subprocess.run(
-        [sys.executable, "-m", "baton.bench.run_gsm8k"],  # what `make gsm8k` runs
+        [sys.executable, "-m", "baton.bench.accuracy.run_gsm8k"],  # what `make gsm8k` runs
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.bench.multi_turn import MultiTurnWorkload, answers, run_multi_turn
+from baton.bench.serving.multi_turn import MultiTurnWorkload, answers, run_multi_turn
 from baton.server.openai.protocol import ChatCompletionRequest
 from baton.server.router.prompt import routing_tokens
 from baton.server.tokenizer import Tokenizer

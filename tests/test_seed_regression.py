@@ -29,8 +29,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.bench.gsm8k import few_shot_prefix, format_example
-from baton.bench.gsm8k_data import HELDOUT_PATH, NUM_FEW_SHOT_ROWS, read_jsonl
+from baton.bench.accuracy.gsm8k import few_shot_prefix, format_example
+from baton.bench.accuracy.gsm8k_data import HELDOUT_PATH, NUM_FEW_SHOT_ROWS, read_jsonl
 from baton.server.tokenizer import Tokenizer
 from tests.server_process import start_router, start_server
 

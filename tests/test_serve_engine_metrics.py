@@ -1,12 +1,12 @@
-"""baton.bench.serve_side_by_side reads what the engine saw from /metrics (baton's request timing
+"""baton.bench.serving.serve_side_by_side reads what the engine saw from /metrics (baton's request timing
 histograms and vLLM's, differenced between two scrapes); the server's scheduling defaults."""
 
 from __future__ import annotations
 
 import pytest
 
-from baton.bench.serve_metrics import engine_means, histogram_totals
-from baton.bench.serve_side_by_side import server_commands
+from baton.bench.serving.serve_metrics import engine_means, histogram_totals
+from baton.bench.serving.serve_side_by_side import server_commands
 from baton.engine.core.engine import Engine
 from baton.engine.core.request_timing import RequestTiming
 from baton.server.args import ServerArgs

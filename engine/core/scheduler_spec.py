@@ -12,7 +12,7 @@ acceptance does to a request (its rollback).
 Keeping every position's state costs k slots per speculating request and k extra state writes
 per layer and step; snapshot-and-replay would write once but needs a second pass over every
 recurrent layer after acceptance (an extra synchronisation with every tensor-parallel rank,
-outside any CUDA graph). bench/spec_rollback.py measures both on the CPU kernels.
+outside any CUDA graph). bench/offline/spec_rollback.py measures both on the CPU kernels.
 
 Held by the `Scheduler` (engine/core/scheduler.py), the only writer of request state: these
 methods change a request's slots and pages on its behalf.

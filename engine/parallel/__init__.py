@@ -49,7 +49,7 @@ class TensorParallel:
         # NCCL over the ranks' GPUs when each rank has its own; None: all-reduces on gloo
         self.device_group = device_group
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        # Bytes this rank handed to all-reduces (bench/tp.py compares them with the analytic
+        # Bytes this rank handed to all-reduces (bench/offline/tp.py compares them with the analytic
         # count); an integer add per call.
         self.all_reduce_bytes = 0
         self.all_reduce_calls = 0

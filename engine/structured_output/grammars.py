@@ -69,7 +69,7 @@ class _RequestGrammar:
 
 @dataclass
 class MaskTiming:
-    """Time spent filling and applying bitmasks (bench/structured_output.py reports it)."""
+    """Time spent filling and applying bitmasks (bench/offline/structured_output.py reports it)."""
 
     steps: int = 0
     rows: int = 0

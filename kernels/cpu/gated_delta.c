@@ -11,7 +11,7 @@
  * k_head_dim x BV block (16 KB for k_head_dim 128) stays in L1 across the sequence's tokens, and
  * the tasks need no synchronisation. The chunked form of the torch path pays a triangular solve
  * and L x L products per chunk to turn this into matmuls; on the CPU the plain recurrence over an
- * L1-resident block does no more flops and ran 2-4x faster on one thread (bench/gdn_kernels.py).
+ * L1-resident block does no more flops and ran 2-4x faster on one thread (bench/kernels/gdn_kernels.py).
  *
  * Prefill also copies the block into chunk_states at every end of an aligned chunk (the chunk
  * grid of kernels/ssd.py: sequence s's first chunk holds chunk - start_pos[s] % chunk tokens) and

@@ -31,14 +31,14 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --f
     transformers.__version__, torch.cuda.get_device_name())'"
 step pytest "${PYTEST_LIMIT:-300}" "$py" -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
     --durations=8 ${PYTEST_ARGS:-}
-step kernels "${KERNELS_LIMIT:-150}" "$py" -m baton.bench.kernels --json "$out/kernels.json"
-step gdn_kernels "${GDN_KERNELS_LIMIT:-120}" "$py" -m baton.bench.gdn_kernels --dtype bfloat16 \
+step kernels "${KERNELS_LIMIT:-150}" "$py" -m baton.bench.kernels.triton_ops --json "$out/kernels.json"
+step gdn_kernels "${GDN_KERNELS_LIMIT:-120}" "$py" -m baton.bench.kernels.gdn_kernels --dtype bfloat16 \
     --json "$out/gdn_kernels.json"
 # Quantized linears (Triton w8a8 FP8, FP8 and NVFP4 weight-only) against bf16 torch.mm; their
 # correctness (and the row quantizer's e4m3 codes) is tests/gpu/test_quant_gpu.py, above.
-step quant "${QUANT_LIMIT:-120}" "$py" -m baton.bench.quant_kernels --json "$out/quant.json"
-step graphs "${GRAPHS_LIMIT:-180}" "$py" -m baton.bench.decode_graphs --output "$out/graphs.json"
+step quant "${QUANT_LIMIT:-120}" "$py" -m baton.bench.kernels.quant_kernels --json "$out/quant.json"
+step graphs "${GRAPHS_LIMIT:-180}" "$py" -m baton.bench.offline.decode_graphs --output "$out/graphs.json"
 # The prefill -> decode handover against raw ZMQ, on this machine's CPUs (#6's 0.7 target could
 # not be shown on the 2-vCPU development VM, where raw ZMQ alone keeps both vCPUs busy).
-step transfer "${TRANSFER_LIMIT:-200}" "$py" -m baton.bench.transfer --config 110m \
+step transfer "${TRANSFER_LIMIT:-200}" "$py" -m baton.bench.serving.transfer --config 110m \
     --lengths 128,512,1024,2048,4096 --threads 4 --no-ttft --output "$out/transfer.json"

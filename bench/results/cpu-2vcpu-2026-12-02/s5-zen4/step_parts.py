@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, ".")
 import baton.engine.models.nemotron_h as nemotron_h  # noqa: E402
 from baton import LLM, SamplingParams  # noqa: E402
-from baton.bench import quantized  # noqa: E402
+from baton.bench.offline.run import quantized  # noqa: E402
 from baton.engine.quantization.modules import QuantizedLinear  # noqa: E402
 from baton.kernels.linear import PackedLinear  # noqa: E402
 from tests.quantize import quantize_checkpoint  # noqa: E402
