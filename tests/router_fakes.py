@@ -1,6 +1,7 @@
 """Fake prefill and decode workers behind one httpx transport, for in-process router tests:
-each worker (by origin) answers /health and /disagg/info, and generation requests as its
-`behaviour` says, and every generation request is recorded."""
+each worker (by origin) answers /health, /disagg/info and /disagg/tokenizer (the shipped
+model's tokenizer, unless told otherwise), and generation requests as its `behaviour` says, and
+every generation request is recorded."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
+from baton.server.tokenizer_bundle import TokenizerBundle, model_identity
+
 TRACK_INTERVAL = 64
+ASSETS = Path(__file__).parents[1] / "assets"
+BUNDLE = TokenizerBundle.from_directory(str(ASSETS), None)
+MODEL = model_identity("tiny", str(ASSETS), BUNDLE)  # what every fake serves unless told
 
 
 @dataclass
@@ -28,6 +35,8 @@ class FakeWorker:
     hold: asyncio.Event | None = None  # set: streams wait for it after their first token
     requests: list[dict] = field(default_factory=list)  # generation bodies received
     streaming: int = 0  # streams running now
+    model: dict = field(default_factory=lambda: dict(MODEL))  # its /disagg/info's model
+    bundle: TokenizerBundle = BUNDLE  # what its /disagg/tokenizer sends
 
 
 def _error(status: int, message: str) -> httpx.Response:
@@ -76,7 +85,9 @@ class Fleet(httpx.AsyncBaseTransport):
             info["transfer_addr"] = (
                 f"tcp://{request.url.host}:9" if worker.role == "prefill" else None
             )
-            return httpx.Response(200, json=info)
+            return httpx.Response(200, json={**info, "model": worker.model})
+        if path == "/disagg/tokenizer":
+            return httpx.Response(200, json=worker.bundle.to_json())
         body = json.loads(request.content)
         worker.requests.append(body)
         if worker.behaviour == "refused":

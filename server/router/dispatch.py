@@ -26,10 +26,19 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from baton.server.router.answers import (
+    ANSWER_BODY_BYTES,
+    SMALL_BODY_BYTES,
+    BadAnswer,
+    exchange,
+    parse_json,
+    read_body,
+)
 from baton.server.router.args import RetryArgs
 from baton.server.router.relay import (
     Committed,
     Failure,
+    FirstByte,
     cancel,
     decode_headers,
     error_response,
@@ -85,6 +94,7 @@ class Dispatcher:
     client: httpx.AsyncClient  # request traffic
     retry: RetryArgs
     rng: random.Random
+    first_byte_timeout_s: float  # --worker-first-byte-timeout-secs
 
     async def serve(
         self,
@@ -157,13 +167,20 @@ class Dispatcher:
                 "POST", f"{prefill.url}{path}", json=prefill_body, headers=headers
             )
             workers.begin(prefill)
-            prefill_task = asyncio.ensure_future(client.send(prefill_request))
+            what = f"prefill worker {prefill.url}'s answer"
+            prefill_task = asyncio.ensure_future(
+                exchange(client, prefill_request, ANSWER_BODY_BYTES, what)
+            )
             prefill_task.add_done_callback(lambda task: _settle(task, workers, prefill))
         workers.begin(decode)
         end_decode = once(lambda: workers.end(decode))
+        first_byte = FirstByte.starting_now(self.first_byte_timeout_s)
         sending = asyncio.ensure_future(client.send(decode_request, stream=True))
+        stream = bool(body.get("stream"))
         try:
-            stopped = await decode_headers(request, sending, prefill_task, prefill, workers)
+            stopped = await decode_headers(
+                request, sending, prefill_task, (prefill, decode), workers, first_byte, stream
+            )
             if stopped is not None:
                 await cancel(sending)
                 return await self._abandon(stopped, prefill, prefill_task, end_decode)
@@ -172,17 +189,26 @@ class Dispatcher:
             return await self._abandon(
                 Failure.unreachable(decode, error, workers), prefill, prefill_task, end_decode
             )
+        what = f"{decode.role} worker {decode.url}'s answer"
         if upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
-            failure = Failure.answered(
-                decode,
-                upstream.status_code,
-                worker_error_body(upstream.status_code, content.decode(errors="replace")),
-            )
+            try:
+                content = await read_body(upstream, SMALL_BODY_BYTES, what)
+                failure = Failure.answered(
+                    decode,
+                    upstream.status_code,
+                    worker_error_body(upstream.status_code, content.decode(errors="replace")),
+                )
+            except BadAnswer as error:
+                failure = Failure.malformed(decode, error)
+            except httpx.HTTPError as error:
+                failure = Failure.unreachable(decode, error, workers)
+            finally:
+                await upstream.aclose()
             return await self._abandon(failure, prefill, prefill_task, end_decode)
-        if body.get("stream"):
-            outcome = await first_output(request, upstream, prefill_task, prefill, decode, workers)
+        if stream:
+            outcome = await first_output(
+                request, upstream, prefill_task, (prefill, decode), workers, first_byte
+            )
             if not isinstance(outcome, Committed):
                 await upstream.aclose()
                 return await self._abandon(outcome, prefill, prefill_task, end_decode)
@@ -195,11 +221,15 @@ class Dispatcher:
                 background=BackgroundTask(finish),
             )
         try:
-            content = await upstream.aread()
+            content = await read_body(upstream, ANSWER_BODY_BYTES, what)
+            await parse_json(content, what)  # cut short or garbled: never a 200 to the client
         except httpx.HTTPError as error:
             return await self._abandon(
                 Failure.unreachable(decode, error, workers), prefill, prefill_task, end_decode
             )
+        except BadAnswer as error:
+            failure = Failure.malformed(decode, error)
+            return await self._abandon(failure, prefill, prefill_task, end_decode)
         finally:
             await upstream.aclose()
         end_decode()
