@@ -68,15 +68,16 @@ class RouterTokenizer:
 
     def learn(
         self, url: str, model: ModelIdentity, fetch: Callable[[str], Awaitable[TokenizerBundle]]
-    ) -> None:
+    ) -> asyncio.Task:
         """Learn `model`'s tokenizer from the worker at `url` in the background, unless that is
-        under way already; a failure is logged and the worker's next probe tries again."""
+        under way already (its task either way); a failure is logged and the worker's next probe
+        tries again."""
         digest = model.tokenizer_digest
-        if digest in self._learning:
-            return
-        task = asyncio.ensure_future(self._learn(url, model, fetch))
-        self._learning[digest] = task
-        task.add_done_callback(lambda _: self._learning.pop(digest, None))
+        if digest not in self._learning:
+            task = asyncio.ensure_future(self._learn(url, model, fetch))
+            self._learning[digest] = task
+            task.add_done_callback(lambda _: self._learning.pop(digest, None))
+        return self._learning[digest]
 
     async def _learn(
         self, url: str, model: ModelIdentity, fetch: Callable[[str], Awaitable[TokenizerBundle]]

@@ -78,10 +78,12 @@ def _host(value: str, netloc: str, hostname: str | None) -> str:
         try:
             address = ipaddress.IPv6Address(hostname)
         except ValueError:
+            address = None
+        if address is None or address.scope_id is not None:
             raise ValueError(
                 f"worker URL {value!r}: [{hostname}] is not an IPv6 address (zone ids are not "
                 "allowed)"
-            ) from None
+            )
         mapped = address.ipv4_mapped
         return str(mapped) if mapped is not None else f"[{address.compressed}]"
     if _NUMERIC.fullmatch(hostname):

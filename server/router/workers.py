@@ -307,11 +307,14 @@ class WorkerSet:
                 if not self._accept_model(worker, info):
                     return
                 worker.info = info
-            if not self.tokenizer.has(worker.info.model):
-                # out of rotation until the router can match its prompts (no failure: the next
-                # probe looks again, and starts another try if this one failed)
-                self.tokenizer.learn(worker.url, worker.info.model, self.read_tokenizer)
-                return
+            model = worker.info.model
+            if not self.tokenizer.has(model):
+                # out of rotation until the router can match its prompts: waited for a probe's
+                # time here, then the next probe looks again (and tries again if this failed)
+                learning = self.tokenizer.learn(worker.url, model, self.read_tokenizer)
+                await asyncio.wait({learning}, timeout=PROBE_TIMEOUT_S)
+                if not self.tokenizer.has(model) or worker.info is None:
+                    return
         except httpx.ConnectError as error:
             self.set_health(worker, False, f"connection refused: {describe(error)}")
             return
