@@ -15,6 +15,7 @@ import pytest
 from baton.server.router.answers import HEALTH_BODY_BYTES, SMALL_BODY_BYTES
 from baton.server.router.app import build_router_app
 from baton.server.router.circuit import CircuitSettings
+from baton.server.router.info import read_info
 from baton.server.router.urls import worker_url
 from baton.server.router.workers import FAILURES_TO_REMOVE, WorkerSet
 from tests.router_fakes import FakeWorker, Fleet, sse_events
@@ -231,7 +232,7 @@ def test_a_200_mb_disagg_info_is_cut_at_its_cap():
         workers = worker_set(gusher)  # type: ignore[arg-type]
         workers.probe_client = httpx.AsyncClient(transport=gusher)
         with pytest.raises(ValueError, match=f"more than the {SMALL_BODY_BYTES} bytes"):
-            await workers.read_info("http://prefill.test")
+            await read_info(workers.probe_client, "http://prefill.test")
         await workers.probe_all()
         assert not any(w.usable for w in workers.prefill + workers.decode)
 
@@ -248,7 +249,7 @@ def test_a_content_coded_answer_is_refused_not_inflated():
         workers = worker_set(Zipped())  # type: ignore[arg-type]
         workers.probe_client = httpx.AsyncClient(transport=Zipped())
         with pytest.raises(ValueError, match="Content-Encoding 'gzip'"):
-            await workers.read_info("http://prefill.test")
+            await read_info(workers.probe_client, "http://prefill.test")
 
     asyncio.run(scenario())
 

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from baton.server.errors import APIError
+from baton.server.router.info import read_info
 from baton.server.router.urls import worker_url
 from baton.server.router.workers import Worker, WorkerSet, describe
 
@@ -76,7 +77,7 @@ def admin_routes(workers: WorkerSet, api_key: str | None) -> APIRouter:
             )
         if role is None:
             try:
-                info = await workers.read_info(url)
+                info = await read_info(workers.probe_client, url)
             except (httpx.HTTPError, ValueError) as error:
                 raise APIError.bad_request(
                     f"no role given and {url}/disagg/info could not be read "

@@ -38,9 +38,10 @@ from baton.server.router.args import RoutingArgs
 from baton.server.router.cli import DEFAULT_MAX_CONCURRENT_REQUESTS
 from baton.server.router.discovery import start_discovery
 from baton.server.router.dispatch import NO_PAIR, Dispatcher, once
+from baton.server.router.failures import error_response, passable, worker_error_body
 from baton.server.router.policies import make_policy
 from baton.server.router.prompt import routing_tokens
-from baton.server.router.relay import error_response, forward_headers, worker_error_body
+from baton.server.router.relay import forward_headers
 from baton.server.router.urls import worker_url
 from baton.server.router.workers import PROBE_TIMEOUT_S, RETRY_AFTER_S, WorkerSet, describe
 from baton.server.tokenizer import load_tokenizer
@@ -188,13 +189,11 @@ def build_router_app(
             return error_response(503, f"decode worker {decode.url} unreachable: {describe(error)}")
         except BadAnswer as error:
             return error_response(502, f"decode worker {decode.url}: {error}")
-        if not (
-            200 <= answer.status < 300 or 400 <= answer.status < 500 or answer.status in (503, 504)
-        ):
+        if not passable(answer.status):
             text = worker_error_body(answer.status, answer.body.decode(errors="replace"))
             message = text["error"]["message"]
             return error_response(
-                502, f"decode worker {decode.url} answered {answer.status}: {message}"
+                502, f"decode worker {decode.url} answered {answer.status}: {message}"[:2000]
             )
         return Response(answer.body, status_code=answer.status, media_type="application/json")
 

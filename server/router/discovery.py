@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import httpx
 
 from baton.server.router.args import DiscoveryArgs
-from baton.server.router.info import Role
+from baton.server.router.info import Role, read_info
 from baton.server.router.urls import worker_url
 from baton.server.router.workers import WorkerSet, describe
 
@@ -160,7 +160,7 @@ class PodWatch:
         role = self.role
         if role is None:
             try:
-                role = (await self.workers.read_info(state.url)).role
+                role = (await read_info(self.workers.probe_client, state.url)).role
             except (httpx.HTTPError, KeyError, TypeError, ValueError) as error:
                 logger.warning(
                     "pod %s: cannot read %s/disagg/info yet (%s)",

@@ -4,8 +4,10 @@
       └─> try it (router/relay.py) ──> committed: the answer goes to the client, done
                                    ├─> the client's fault (400...), or the client left: done
                                    └─> the workers' fault before any byte reached the client
-                                       (refused, reset, 503, a failed handover): count it on the
-                                       worker's circuit, wait (backoff), try another pair
+                                       (refused, reset, 503, a failed handover, a broken answer,
+                                       no first token by the deadline: router/failures.py):
+                                       count it on the worker's circuit, wait (backoff), try
+                                       another pair
 
 A try that already sent the client a byte is never tried again, so the client never sees a
 duplicate or a mixed stream: a stream is held back until it carries output (a chat stream's role
@@ -35,18 +37,15 @@ from baton.server.router.answers import (
     read_body,
 )
 from baton.server.router.args import RetryArgs
+from baton.server.router.failures import Failure, FirstByte, error_response, worker_error_body
 from baton.server.router.relay import (
     Committed,
-    Failure,
-    FirstByte,
     cancel,
     decode_headers,
-    error_response,
     first_output,
     forward_headers,
     prefill_failure,
     relay,
-    worker_error_body,
 )
 from baton.server.router.workers import Worker, WorkerSet
 

@@ -9,6 +9,9 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+import httpx
+
+from baton.server.router.answers import SMALL_BODY_BYTES, BadAnswer, get, parse_json
 from baton.server.tokenizer_bundle import MAX_NAME_CHARS
 
 Role = Literal["prefill", "decode"]
@@ -88,6 +91,15 @@ class WorkerInfo:
             track_interval=track_interval,
             model=ModelIdentity.from_json(payload.get("model")),
         )
+
+
+async def read_info(client: httpx.AsyncClient, url: str) -> WorkerInfo:
+    """The worker's `/disagg/info`, read within SMALL_BODY_BYTES (httpx.HTTPError, or
+    ValueError naming what is wrong with its answer)."""
+    answer = await get(client, f"{url}/disagg/info", SMALL_BODY_BYTES, "/disagg/info")
+    if answer.status != 200:
+        raise BadAnswer(f"/disagg/info answered {answer.status}")
+    return WorkerInfo.from_json(await parse_json(answer.body, "/disagg/info"))
 
 
 def _integer(payload: dict, key: str, low: int, high: int) -> int:

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 
+import httpx
+
+from baton.server.router.answers import TOKENIZER_BODY_BYTES, BadAnswer, get, parse_json
 from baton.server.router.info import ModelIdentity
 from baton.server.tokenizer import Tokenizer
 from baton.server.tokenizer_bundle import TokenizerBundle
@@ -40,6 +43,16 @@ def model_conflict(
                 f"{other}: one router serves one model (run a router per model)"
             )
     return None
+
+
+async def read_tokenizer(client: httpx.AsyncClient, url: str) -> TokenizerBundle:
+    """The worker's tokenizer files, read within TOKENIZER_BODY_BYTES and checked (ValueError
+    naming what is wrong, or httpx.HTTPError)."""
+    what = "/disagg/tokenizer"
+    answer = await get(client, f"{url}{what}", TOKENIZER_BODY_BYTES, what)
+    if answer.status != 200:
+        raise BadAnswer(f"{what} answered {answer.status}")
+    return TokenizerBundle.from_json(await parse_json(answer.body, what))
 
 
 class RouterTokenizer:
@@ -66,24 +79,20 @@ class RouterTokenizer:
             or (self._learned is not None and self._learned[0] == model.tokenizer_digest)
         )
 
-    def learn(
-        self, url: str, model: ModelIdentity, fetch: Callable[[str], Awaitable[TokenizerBundle]]
-    ) -> asyncio.Task:
+    def learn(self, url: str, model: ModelIdentity, client: httpx.AsyncClient) -> asyncio.Task:
         """Learn `model`'s tokenizer from the worker at `url` in the background, unless that is
         under way already (its task either way); a failure is logged and the worker's next probe
         tries again."""
         digest = model.tokenizer_digest
         if digest not in self._learning:
-            task = asyncio.ensure_future(self._learn(url, model, fetch))
+            task = asyncio.ensure_future(self._learn(url, model, client))
             self._learning[digest] = task
             task.add_done_callback(lambda _: self._learning.pop(digest, None))
         return self._learning[digest]
 
-    async def _learn(
-        self, url: str, model: ModelIdentity, fetch: Callable[[str], Awaitable[TokenizerBundle]]
-    ) -> None:
+    async def _learn(self, url: str, model: ModelIdentity, client: httpx.AsyncClient) -> None:
         try:
-            bundle = await fetch(url)
+            bundle = await read_tokenizer(client, url)
             if bundle.digest != model.tokenizer_digest:
                 raise ValueError(
                     f"its files hash to {bundle.digest[:12]}, not to the "

@@ -36,22 +36,14 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from baton.server.router.answers import (
-    HEALTH_BODY_BYTES,
-    SMALL_BODY_BYTES,
-    TOKENIZER_BODY_BYTES,
-    BadAnswer,
-    get,
-    parse_json,
-)
+from baton.server.router.answers import HEALTH_BODY_BYTES, get
 from baton.server.router.circuit import Circuit, CircuitSettings
-from baton.server.router.info import ModelIdentity, Role, WorkerInfo
+from baton.server.router.info import ModelIdentity, Role, WorkerInfo, read_info
 from baton.server.router.metrics import RouterMetrics
 from baton.server.router.model import RouterTokenizer, model_conflict
 from baton.server.router.policies import Policy
 from baton.server.router.policies.base import Choice
 from baton.server.tokenizer import Tokenizer
-from baton.server.tokenizer_bundle import TokenizerBundle
 
 logger = logging.getLogger("baton.router")
 
@@ -300,7 +292,7 @@ class WorkerSet:
                 self.set_health(worker, False, f"/health answered {health.status}")
                 return
             if worker.info is None:
-                info = await self.read_info(worker.url)
+                info = await read_info(self.probe_client, worker.url)
                 if info.role != worker.role:
                     self.set_health(worker, False, f"/disagg/info says it is a {info.role} worker")
                     return
@@ -311,7 +303,7 @@ class WorkerSet:
             if not self.tokenizer.has(model):
                 # out of rotation until the router can match its prompts: waited for a probe's
                 # time here, then the next probe looks again (and tries again if this failed)
-                learning = self.tokenizer.learn(worker.url, model, self.read_tokenizer)
+                learning = self.tokenizer.learn(worker.url, model, self.probe_client)
                 await asyncio.wait({learning}, timeout=PROBE_TIMEOUT_S)
                 if not self.tokenizer.has(model) or worker.info is None:
                     return
@@ -347,23 +339,6 @@ class WorkerSet:
             if other.url != url and other.info is not None and not other.draining
         ]
         return model_conflict(url, model, others)
-
-    async def read_info(self, url: str) -> WorkerInfo:
-        """The worker's `/disagg/info` (httpx.HTTPError, or ValueError naming what is wrong with
-        its answer)."""
-        answer = await get(
-            self.probe_client, f"{url}/disagg/info", SMALL_BODY_BYTES, "/disagg/info"
-        )
-        if answer.status != 200:
-            raise BadAnswer(f"/disagg/info answered {answer.status}")
-        return WorkerInfo.from_json(await parse_json(answer.body, "/disagg/info"))
-
-    async def read_tokenizer(self, url: str) -> TokenizerBundle:
-        what = "/disagg/tokenizer"
-        answer = await get(self.probe_client, f"{url}{what}", TOKENIZER_BODY_BYTES, what)
-        if answer.status != 200:
-            raise BadAnswer(f"{what} answered {answer.status}")
-        return TokenizerBundle.from_json(await parse_json(answer.body, what))
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in self.prefill + self.decode))
