@@ -89,6 +89,8 @@ BAD_URLS = [
     ("http://2130706433:8000", "IPv4"),
     ("http://[fe80::1%25eth0]:8000", "IPv6"),
     ("http://under_score-.example:8000", "host name"),
+    ("http://xn--zz.example:8000", "A-label"),
+    ("http://a..b:8000", "host name"),
     ("http://" + "a" * 64 + ".example", "host name"),
     (5, "string"),
     (None, "string"),
@@ -182,6 +184,25 @@ def test_the_health_loop_outlives_refused_adds_and_deletes_and_still_sees_a_work
         await until(ready)  # and back, by the same loop
 
     asyncio.run(serve(fleet, scenario, api_key=KEY))
+
+
+def test_a_probe_that_fails_in_a_way_nobody_foresaw_is_a_failed_probe_not_a_dead_loop():
+    class Buggy(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request):
+            if request.url.host == "prefill.test":
+                raise RuntimeError("a bug under the probe")
+            return httpx.Response(200, json={"status": "ok"})
+
+    async def scenario() -> WorkerSet:
+        workers = worker_set(Buggy())  # type: ignore[arg-type]
+        workers.probe_client = httpx.AsyncClient(transport=Buggy())
+        for _ in range(FAILURES_TO_REMOVE):
+            await workers.probe_all()  # raises nothing
+        return workers
+
+    workers = asyncio.run(scenario())
+    assert workers.prefill[0].failed_probes == FAILURES_TO_REMOVE
+    assert workers.decode[0].failed_probes == FAILURES_TO_REMOVE  # /disagg/info "ok": no info
 
 
 # -- bounded reads -----------------------------------------------------------------------------

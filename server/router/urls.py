@@ -23,6 +23,8 @@ import ipaddress
 import re
 from urllib.parse import urlsplit
 
+import httpx
+
 DEFAULT_PORTS = {"http": 80, "https": 443}
 MAX_URL_CHARS = 2048
 _LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
@@ -58,7 +60,13 @@ def worker_url(value: object) -> str:
     host = _host(value, parts.netloc, parts.hostname)
     port = _port(value, parts.netloc)
     shown = "" if port is None or port == DEFAULT_PORTS[scheme] else f":{port}"
-    return f"{scheme}://{host}{shown}"
+    canonical = f"{scheme}://{host}{shown}"
+    try:  # what the router's HTTP client will be given: its rules too (an A-label must decode)
+        if not httpx.URL(canonical).host:
+            raise ValueError("no host")
+    except Exception as error:
+        raise ValueError(f"worker URL {value!r}: {error}") from None
+    return canonical
 
 
 def _port(value: str, netloc: str) -> int | None:

@@ -310,7 +310,9 @@ class WorkerSet:
         except httpx.ConnectError as error:
             self.set_health(worker, False, f"connection refused: {describe(error)}")
             return
-        except (httpx.HTTPError, ValueError) as error:  # BadAnswer and WorkerInfo's refusals too
+        except Exception as error:  # an answer it cannot use (BadAnswer, WorkerInfo's refusals)
+            if not isinstance(error, (httpx.HTTPError, ValueError)):  # nobody foresaw it
+                logger.exception("probing %s worker %s failed", worker.role, worker.url)
             worker.failed_probes += 1
             if worker.failed_probes >= FAILURES_TO_REMOVE:
                 self.set_health(
