@@ -18,7 +18,7 @@ from baton.server.router.circuit import CircuitSettings
 from baton.server.router.info import read_info
 from baton.server.router.urls import worker_url
 from baton.server.router.workers import FAILURES_TO_REMOVE, WorkerSet
-from tests.router_fakes import FakeWorker, Fleet, sse_events
+from tests.router_fakes import MODEL, FakeWorker, Fleet, sse_events
 from tests.test_router_health import worker_set
 from tests.test_router_retries import COMPLETION, FAST, serve
 
@@ -315,6 +315,56 @@ def test_a_truncated_answer_is_retried_on_a_sound_pair():
     asyncio.run(serve(fleet, scenario, api_key=KEY))
 
 
+class OddStream(httpx.AsyncBaseTransport):
+    """A prefill and a decode worker; the decode worker streams one given event, then ends."""
+
+    def __init__(self, event: bytes) -> None:
+        self.event = event
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        role = "prefill" if request.url.host == "p1.test" else "decode"
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        if request.url.path == "/disagg/info":
+            info = {"role": role, "page_size": 16, "track_interval": 64, "model": MODEL}
+            return httpx.Response(200, json=info | {"transfer_addr": "tcp://p1.test:9"})
+        if role == "prefill":
+            return httpx.Response(200, json={"choices": [{"text": "", "index": 0}]})
+        return httpx.Response(200, content=b"data: " + self.event + b"\n\n")
+
+
+@pytest.mark.parametrize(
+    ("event", "status"),
+    [
+        (b'{"object": "chat.completion.chunk", "choices": [1, 2]}', 502),
+        (b'[{"choices": []}]', 502),
+        (b"\xff\xfe not UTF-8", 502),
+        (b'{"error": {"message": "fine, really", "code": 200}}', 502),
+        (b'{"error": {"message": "handover failed", "code": 503}}', 503),
+        (b"[" * 100_000, 502),
+    ],
+)
+def test_a_first_stream_event_that_is_not_a_chunk_is_refused_in_the_openai_shape(event, status):
+    fleet = OddStream(event)
+    app = build_router_app(
+        [Fleet.url("p1")], [Fleet.url("d1")], routing=ONE_TRY_TRIPS, transport=fleet
+    )
+
+    async def scenario() -> None:
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://router.test"
+            ) as client:
+                body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+                answer = await client.post("/v1/chat/completions", json=body)
+                error = openai_error(answer, status)
+                # the router's own words for a broken worker; a worker's 503 passes as it is
+                named = Fleet.url("d1") if status == 502 else "handover failed"
+                assert named in error["message"], error
+
+    asyncio.run(scenario())
+
+
 def test_a_workers_500_reaches_the_client_as_a_502_naming_it():
     fleet = Fleet(p1=FakeWorker("prefill"), d1=FakeWorker("decode", behaviour="500"))
 
@@ -351,6 +401,16 @@ def test_a_hung_worker_fails_the_request_at_the_first_byte_deadline(stream, hung
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def test_a_question_about_the_model_to_a_hung_decode_worker_ends_at_the_deadline():
+    fleet = Fleet(p1=FakeWorker("prefill"), d1=FakeWorker("decode", behaviour="hangs"))
+
+    async def scenario(app, client):
+        answer = await client.post("/tokenize", json={"prompt": "hi"}, headers=AUTH)
+        assert "sent no answer within 0.3 s" in openai_error(answer, 504)["message"]
+
+    asyncio.run(serve(fleet, scenario, routing=QUICK_DEADLINE, api_key=KEY))
 
 
 def test_a_hung_prefill_worker_is_left_for_another_at_the_deadline():

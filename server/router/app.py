@@ -38,7 +38,7 @@ from baton.server.router.args import RoutingArgs
 from baton.server.router.cli import DEFAULT_MAX_CONCURRENT_REQUESTS
 from baton.server.router.discovery import start_discovery
 from baton.server.router.dispatch import NO_PAIR, Dispatcher, once
-from baton.server.router.failures import error_response, passable, worker_error_body
+from baton.server.router.failures import Failure, error_response, passable, worker_error_body
 from baton.server.router.policies import make_policy
 from baton.server.router.prompt import routing_tokens
 from baton.server.router.relay import forward_headers
@@ -170,7 +170,8 @@ def build_router_app(
     @app.post("/detokenize")
     async def ask_a_decode_worker(request: Request) -> Response:
         """The decode worker's answer to a request about the model (the list or one model, as
-        OpenAI's retrieve; /tokenize and /detokenize): nothing is generated, no pair is used."""
+        OpenAI's retrieve; /tokenize and /detokenize): nothing is generated, no pair is used.
+        The whole answer is its first byte, so it has the first-byte deadline."""
         decode = workers.least_loaded_decode()
         if decode is None or not workers.ready:
             return error_response(503, NO_PAIR)
@@ -184,7 +185,11 @@ def build_router_app(
         )
         what = f"decode worker {decode.url}'s answer"
         try:
-            answer = await exchange(client, forwarded, ANSWER_BODY_BYTES, what)
+            answer = await asyncio.wait_for(
+                exchange(client, forwarded, ANSWER_BODY_BYTES, what), routing.first_byte_timeout_s
+            )
+        except TimeoutError:
+            return Failure.late(decode, routing.first_byte_timeout_s, "answer").response
         except httpx.HTTPError as error:
             return error_response(503, f"decode worker {decode.url} unreachable: {describe(error)}")
         except BadAnswer as error:

@@ -77,7 +77,7 @@ def worker_error_body(status: int, text: str) -> dict:
         body["error"].update(
             {key: given[key] for key in ("message", "type", "param", "code") if key in given}
         )
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         pass  # not the OpenAI error shape: its text is the message
     return body
 
@@ -106,7 +106,7 @@ class Failure:
         worker should send (a 500, a redirect) reaches the client as a 502: the router's own
         status says that a worker failed, whatever the worker's says."""
         reason = f"{worker.role} worker {worker.url} answered {status}: {body['error']['message']}"
-        if not passable(status):
+        if status < 400 or not passable(status):  # (an error event may claim any code)
             body = error_body(502, reason[:2000])
             status = 502
         return cls(
@@ -126,9 +126,9 @@ class Failure:
         )
 
     @classmethod
-    def late(cls, worker: Worker, seconds: float) -> Failure:
+    def late(cls, worker: Worker, seconds: float, owed: str = "first token") -> Failure:
         reason = (
-            f"{worker.role} worker {worker.url} sent no first token within {seconds:g} s "
+            f"{worker.role} worker {worker.url} sent no {owed} within {seconds:g} s "
             "(--worker-first-byte-timeout-secs)"
         )
         return cls(

@@ -150,7 +150,7 @@ class Committed:
 def _event(line: str) -> str:
     """What a held-back SSE line is: "error" (an error event), "opener" (a chat choice's role
     chunk, sent before any token), "output" (a token, the end), or "broken" (data that is
-    neither JSON nor [DONE])."""
+    neither a JSON object nor [DONE], or a chat chunk whose choices are not objects)."""
     if not line.startswith("data:"):
         return "opener"  # a comment or a field line: carries nothing
     data = line[len("data:") :].strip()
@@ -166,6 +166,11 @@ def _event(line: str) -> str:
         return "error"
     choices = payload.get("choices")
     if payload.get("object") == "chat.completion.chunk" and choices:
+        if not isinstance(choices, list) or not all(
+            isinstance(choice, dict) and isinstance(choice.get("delta", {}), dict)
+            for choice in choices
+        ):
+            return "broken"
         if all(
             set(choice.get("delta", {})) <= {"role", "content"}
             and not choice.get("delta", {}).get("content")
