@@ -21,6 +21,7 @@ from baton.server.openai.protocol import DetokenizeRequest, TokenizeRequest
 from baton.server.openai.responses import endpoint as responses
 from baton.server.openai.sampling import check_token_ids
 from baton.server.openai.validation import check_continue_final_message
+from baton.server.tokenizer_bundle import TokenizerBundle, model_identity
 from baton.server.version import baton_version
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate")
@@ -53,10 +54,28 @@ def build_app(state: ServerState) -> FastAPI:
             return error_response(503, f"engine unavailable: {state.client.unavailable_reason}")
         return JSONResponse({"status": "ok"})
 
+    served: list[tuple[TokenizerBundle, dict]] = []  # read once, on the router's first ask
+
+    async def served_model() -> tuple[TokenizerBundle, dict]:
+        """The tokenizer files this worker serves with, and the model identity they are part of
+        (server/tokenizer_bundle.py), read from disk off the event loop."""
+        if not served:
+            args = state.args
+
+            def read() -> tuple[TokenizerBundle, dict]:
+                bundle = TokenizerBundle.from_directory(
+                    args.tokenizer_dir, args.chat_template_text()
+                )
+                return bundle, model_identity(args.model_name, args.model, bundle)
+
+            served.append(await asyncio.to_thread(read))
+        return served[0]
+
     @app.get("/disagg/info")
     async def disagg_info() -> Response:
         """What `baton router` learns of a worker: its role, where decode engines register with a
-        prefill worker, and the prefix cache's page size and Mamba checkpoint interval."""
+        prefill worker, the prefix cache's page size and Mamba checkpoint interval, and the
+        model it serves (the router serves one model: it compares these)."""
         mode = state.args.disaggregation_mode
         if mode is None:
             return error_response(404, "this worker is not part of a disaggregated pair")
@@ -69,8 +88,17 @@ def build_app(state: ServerState) -> FastAPI:
                 "rank_transfer_addrs": ready.rank_transfer_addrs,
                 "page_size": ready.page_size,
                 "track_interval": ready.track_interval,
+                "model": (await served_model())[1],
             }
         )
+
+    @app.get("/disagg/tokenizer")
+    async def disagg_tokenizer() -> Response:
+        """The tokenizer files (and --chat-template) this worker serves with, for a router that
+        matches prompts in tokens without a copy of the model directory of its own."""
+        if state.args.disaggregation_mode is None:
+            return error_response(404, "this worker is not part of a disaggregated pair")
+        return JSONResponse((await served_model())[0].to_json())
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -74,9 +74,7 @@ def add_serve_parser(subparsers) -> None:
         help="Hugging Face tokenizer directory, for a model directory without one "
         "(default: the --model directory)",
     )
-    add_api_key_flags(
-        parser, "/v1/*, /tokenize, /detokenize, /disagg/info, /docs and /openapi.json"
-    )
+    add_api_key_flags(parser, "/v1/*, /tokenize, /detokenize, /disagg/*, /docs and /openapi.json")
     parser.add_argument(
         "--max-request-bytes",
         type=int,

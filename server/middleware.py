@@ -17,7 +17,7 @@ from baton.server.openai.validation import parse_json_body
 logger = logging.getLogger("baton.server")
 
 # Open with or without --api-key: probes (Kubernetes, the router) and Prometheus scrapes carry no
-# key, as with vLLM. Everything else (/v1/*, /tokenize, /detokenize, /disagg/info, /docs,
+# key, as with vLLM. Everything else (/v1/*, /tokenize, /detokenize, /disagg/*, /docs,
 # /openapi.json) costs CPU or describes the deployment, so it follows the key.
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 TRIM_AFTER_BYTES = 1 << 20  # bodies at least this large are followed by malloc_trim

@@ -1,6 +1,7 @@
 """Fake prefill and decode workers behind one httpx transport, for in-process router tests:
-each worker (by origin) answers /health and /disagg/info, and generation requests as its
-`behaviour` says, and every generation request is recorded."""
+each worker (by origin) answers /health, /disagg/info and /disagg/tokenizer (the shipped
+model's tokenizer, unless told otherwise), and generation requests as its `behaviour` says, and
+every generation request is recorded."""
 
 from __future__ import annotations
 
@@ -8,26 +9,39 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
+from baton.server.tokenizer_bundle import TokenizerBundle, model_identity
+
 TRACK_INTERVAL = 64
+ASSETS = Path(__file__).parents[1] / "assets"
+BUNDLE = TokenizerBundle.from_directory(str(ASSETS), None)
+MODEL = model_identity("tiny", str(ASSETS), BUNDLE)  # what every fake serves unless told
 
 
 @dataclass
 class FakeWorker:
     role: str
-    # "ok"; "refused" (connection refused); "503" / "400" (an error answer); prefill only:
+    # "ok"; "refused" (connection refused); "503" / "400" / "500" (an error answer); "hangs"
+    # (accepts the request and never answers); prefill only:
     # "dies" (its process dies mid-handover: the decode side reports the failed transfer, then
     # the prefill's connection drops); decode only:
     # "error_event" (a chat opener, then a 503 error event: a failed handover), "drop_after_token"
-    # (one token, then the connection drops)
+    # (one token, then the connection drops), "truncated" (a 200 whose JSON, or first stream
+    # event, is cut short)
     behaviour: str = "ok"
     healthy: bool = True
     tokens: int = 3  # a decode worker's answer: this many tokens " t0", " t1", ...
     hold: asyncio.Event | None = None  # set: streams wait for it after their first token
     requests: list[dict] = field(default_factory=list)  # generation bodies received
     streaming: int = 0  # streams running now
+    model: dict = field(default_factory=lambda: dict(MODEL))  # its /disagg/info's model
+    bundle: TokenizerBundle = BUNDLE  # what its /disagg/tokenizer sends
+    bundle_gate: asyncio.Event | None = None  # set: /disagg/tokenizer waits for it
+    answer_delay_s: float = 0.0  # a decode worker's non-streamed answer: after its state came
+    abandoned: int = 0  # requests whose connection the router closed before an answer
 
 
 def _error(status: int, message: str) -> httpx.Response:
@@ -76,13 +90,22 @@ class Fleet(httpx.AsyncBaseTransport):
             info["transfer_addr"] = (
                 f"tcp://{request.url.host}:9" if worker.role == "prefill" else None
             )
-            return httpx.Response(200, json=info)
+            return httpx.Response(200, json={**info, "model": worker.model})
+        if path == "/disagg/tokenizer":
+            if worker.bundle_gate is not None:
+                await worker.bundle_gate.wait()
+            return httpx.Response(200, json=worker.bundle.to_json())
         body = json.loads(request.content)
         worker.requests.append(body)
         if worker.behaviour == "refused":
             raise httpx.ConnectError("connection refused", request=request)
-        if worker.behaviour in ("503", "400"):
+        if worker.behaviour in ("503", "400", "500"):
             return _error(int(worker.behaviour), f"{worker.role} worker says {worker.behaviour}")
+        if worker.behaviour == "hangs":
+            try:
+                await asyncio.Event().wait()
+            finally:  # cancelled: the router closed the connection
+                worker.abandoned += 1
         if worker.role == "prefill":
             if worker.behaviour == "dies":
                 self.failed_rooms.add(str(body["baton_disagg"]["room"]))
@@ -94,6 +117,9 @@ class Fleet(httpx.AsyncBaseTransport):
         chat = path == "/v1/chat/completions"
         if not body.get("stream"):
             await self.room(body).wait()
+            await asyncio.sleep(worker.answer_delay_s)
+            if worker.behaviour == "truncated":
+                return httpx.Response(200, content=b'{"choices": [{"text": ')
             text = "".join(f" t{i}" for i in range(worker.tokens))
             choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
             return httpx.Response(200, json={"choices": [{"index": 0, **choice}]})
@@ -131,6 +157,9 @@ class Fleet(httpx.AsyncBaseTransport):
                 yield event("[DONE]")
                 return
             await self.room(body).wait()
+            if worker.behaviour == "truncated":
+                yield b'data: {"choices": [{"text": \n\n'
+                return
             if str(body["baton_disagg"]["room"]) in self.failed_rooms:
                 yield event(failed)
                 yield event("[DONE]")

@@ -83,7 +83,8 @@ def test_each_command_is_one_baton_parses_flag_by_flag(name, monkeypatch):
         ServerArgs(**{k: getattr(namespace, k) for k in fields if hasattr(namespace, k)})
     else:
         routing = routing_args_from(namespace)
-        assert routing.discovery is not None and routing.tokenizer is not None
+        assert routing.discovery is not None and routing.prefill_policy == "cache_aware"
+        assert routing.tokenizer is None  # learned from the workers: no model volume to mount
 
 
 def _routes(name: str) -> set[str]:

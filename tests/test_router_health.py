@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from baton.server.router.app import DEFAULT_ROUTING, build_router_app
 from baton.server.router.policies.round_robin import RoundRobin
 from baton.server.router.workers import FAILURES_TO_REMOVE, WorkerSet
+from tests.router_fakes import MODEL
 
 PREFILL, DECODE = "http://prefill.test", "http://decode.test"
 
@@ -45,7 +46,8 @@ class FakeWorkers(httpx.AsyncBaseTransport):
             info = {"role": "prefill" if origin == PREFILL else "decode", "transfer_addr": None}
             if origin == PREFILL:
                 info["transfer_addr"] = "tcp://127.0.0.1:1"
-            return httpx.Response(200, json={**info, "page_size": 16, "track_interval": 64})
+            info |= {"page_size": 16, "track_interval": 64, "model": MODEL}
+            return httpx.Response(200, json=info)
         self.generations += 1
         if self.crash:
             raise RuntimeError("a bug in the router's path")

@@ -1,8 +1,9 @@
 """deploy/ run on this machine (tests/deploy_local.py: two prefill and two decode pods of the
 shipped model and the router, each with its manifest's command and environment, the router
 finding the pods through a stub Kubernetes API): it answers through its router; cache-aware
-routing on a multi-turn workload against one pair's prefix hits; workers added, removed and
-killed while traffic runs. The pods are shared by the module's tests, in order; the last one
+routing on a multi-turn workload against one pair's prefix hits (the manifest's router has no
+--tokenizer: it learns the tokenizer from the pods); workers added, removed and killed while
+traffic runs. The pods are shared by the module's tests, in order; the last one
 kills one."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from baton.bench.serving.multi_turn import MultiTurnWorkload, answers, run_multi
 from baton.server.openai.protocol import ChatCompletionRequest
 from baton.server.router.prompt import routing_tokens
 from baton.server.tokenizer import Tokenizer
+from baton.server.tokenizer_bundle import TokenizerBundle
 from tests.deploy_local import ASSETS, LocalDeployment
 from tests.server_process import children_of, launch_router, wait_ready
 
@@ -142,6 +144,8 @@ def test_outputs_are_the_same_whatever_the_policy(routers):
 
 
 def test_the_router_tokenizes_a_chat_as_the_workers_do(fleet):
+    """With the tokenizer a worker hands out (what the deployment's router, given no
+    --tokenizer, matches prompts with), and with the model directory's."""
     messages = [
         {"role": "system", "content": "Answer briefly."},
         {"role": "user", "content": "Question: Tom has 3 apples and buys 4 more.\nAnswer:"},
@@ -152,6 +156,12 @@ def test_the_router_tokenizes_a_chat_as_the_workers_do(fleet):
     worker = fleet["decode"][0]
     with worker.http() as http:
         expected = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        announced = http.get("/disagg/info").json()["model"]
+        bundle = TokenizerBundle.from_json(http.get("/disagg/tokenizer").json())
+    assert bundle.digest == announced["tokenizer_digest"]
+    others = [w for pods in fleet.values() for w in pods if w is not worker]
+    assert all(httpx.get(f"{w.base_url}/disagg/info").json()["model"] == announced for w in others)
+    assert routing_tokens(bundle.load(), request) == expected
     assert routing_tokens(Tokenizer(str(ASSETS)), request) == expected
 
 

@@ -6,18 +6,21 @@
     DELETE /workers?url=...       the worker drains: no new requests, in-flight ones finish
 
 They change where traffic goes, so they exist only behind the router's `--api-key` (the key
-middleware checks it before they run); without a key they answer 403.
+middleware checks it before they run); without a key they answer 403. A URL is checked and made
+canonical first (router/urls.py: 400 naming what is wrong, nothing added), so one worker written
+two ways is one worker; a worker that serves another model than the others is refused (409
+naming both models, nothing added).
 """
 
 from __future__ import annotations
-
-from urllib.parse import urlsplit
 
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from baton.server.errors import APIError
+from baton.server.router.info import read_info
+from baton.server.router.urls import worker_url
 from baton.server.router.workers import Worker, WorkerSet, describe
 
 
@@ -32,19 +35,16 @@ def describe_worker(worker: Worker) -> dict:
         "transfer_addr": worker.transfer_addr,
         "page_size": worker.info.page_size if worker.info is not None else None,
         "track_interval": worker.info.track_interval if worker.info is not None else None,
+        "model": worker.info.model.name if worker.info is not None else None,
+        "refused": worker.refused,
     }
 
 
-def worker_url(value: object) -> str:
-    """A worker's base URL, http(s)://host:port, without a trailing slash (400 otherwise)."""
-    if not isinstance(value, str):
-        raise APIError.bad_request("url must be a string such as http://10.0.0.7:8000", "url")
-    parts = urlsplit(value.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
-        raise APIError.bad_request(
-            f"url {value!r} is not a worker's base URL such as http://10.0.0.7:8000", "url"
-        )
-    return value.strip().rstrip("/")
+def checked_url(value: object) -> str:
+    try:
+        return worker_url(value)
+    except ValueError as error:
+        raise APIError.bad_request(str(error), "url") from None
 
 
 def admin_routes(workers: WorkerSet, api_key: str | None) -> APIRouter:
@@ -69,30 +69,39 @@ def admin_routes(workers: WorkerSet, api_key: str | None) -> APIRouter:
         body = getattr(request.state, "json_body", None)  # parsed by RequestBodyMiddleware
         if not isinstance(body, dict):
             raise APIError.bad_request("body must be a JSON object with url (and role)", None)
-        url = worker_url(body.get("url"))
+        url = checked_url(body.get("url"))
         role = body.get("role")
         if role not in (None, "prefill", "decode"):
-            raise APIError.bad_request(f"role must be prefill or decode, got {role!r}", "role")
+            raise APIError.bad_request(
+                f"role must be prefill or decode, got {role!r}"[:300], "role"
+            )
         if role is None:
             try:
-                role = (await workers.read_info(url)).role
-            except (httpx.HTTPError, KeyError, TypeError, ValueError) as error:
+                info = await read_info(workers.probe_client, url)
+            except (httpx.HTTPError, ValueError) as error:
                 raise APIError.bad_request(
                     f"no role given and {url}/disagg/info could not be read "
                     f"({describe(error)}); pass role",
                     "role",
                 ) from None
+            if (refusal := workers.model_refusal(url, info.model)) is not None:
+                raise APIError(409, refusal, "url")
+            role = info.role
+        known = workers.find(url) is not None
         try:
             worker = workers.add(url, role)
         except ValueError as error:
             raise APIError(409, str(error), "url") from None
         await workers.probe(worker)
+        if worker.refused is not None and not known:  # another model: nothing added
+            workers.remove(url)
+            raise APIError(409, worker.refused, "url")
         return JSONResponse(describe_worker(worker))
 
     @router.delete("/workers")
     async def remove_worker(url: str) -> Response:
         check_enabled()
-        worker = workers.remove(worker_url(url))
+        worker = workers.remove(checked_url(url))
         if worker is None:
             raise APIError(404, f"no worker {url}", "url")
         return JSONResponse(describe_worker(worker))

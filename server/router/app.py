@@ -8,7 +8,9 @@ The router mints the room id itself (a client's `baton_disagg` field is dropped)
 side's worker by that side's policy (`router/policies/`: round robin, random, power of two,
 cache-aware over Mamba checkpoints), learns each worker's role, transfer address and cache
 geometry from its `/disagg/info`, and probes every worker's health once a second on connections
-of its own (`router/workers.py`). Workers come and go while it serves (`router/admin.py`,
+of its own (`router/workers.py`); its workers serve one model, whose tokenizer cache_aware learns
+from them (`router/model.py`). Nothing a worker sends is read unbounded or passed on unchecked
+(`router/answers.py`). Workers come and go while it serves (`router/admin.py`,
 `router/discovery.py`). It checks every request with the workers' own rules before it sends
 anything (`validation.py`). At most `--max-concurrent-requests` requests are in flight; past
 that the router answers 429 with Retry-After rather than queueing where nobody can see it.
@@ -31,13 +33,16 @@ from baton.server.errors import APIError, ErrorJSONResponse, install_error_handl
 from baton.server.middleware import OPEN_PATHS, AnswerGuard, ApiKeyMiddleware, RequestBodyMiddleware
 from baton.server.openai.validation import parse_generation
 from baton.server.router.admin import admin_routes
+from baton.server.router.answers import ANSWER_BODY_BYTES, NO_CODING, BadAnswer, exchange
 from baton.server.router.args import RoutingArgs
 from baton.server.router.cli import DEFAULT_MAX_CONCURRENT_REQUESTS
 from baton.server.router.discovery import start_discovery
 from baton.server.router.dispatch import NO_PAIR, Dispatcher, once
+from baton.server.router.failures import Failure, error_response, passable, worker_error_body
 from baton.server.router.policies import make_policy
 from baton.server.router.prompt import routing_tokens
-from baton.server.router.relay import error_response, forward_headers
+from baton.server.router.relay import forward_headers
+from baton.server.router.urls import worker_url
 from baton.server.router.workers import PROBE_TIMEOUT_S, RETRY_AFTER_S, WorkerSet, describe
 from baton.server.tokenizer import load_tokenizer
 from baton.server.version import baton_version
@@ -57,8 +62,14 @@ def build_router_app(
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> FastAPI:
     """The router's app. `transport` replaces the network under both of its HTTP clients (tests
-    pass an in-process fake of the workers)."""
+    pass an in-process fake of the workers). ValueError names a worker URL that is not one, or
+    RuntimeError a --tokenizer that does not load."""
     rng = random.Random()
+    policies = {
+        "prefill": make_policy(routing.prefill_policy, routing.cache_aware, rng),
+        "decode": make_policy(routing.decode_policy, routing.cache_aware, rng),
+    }
+    needs_tokens = any(policy.needs_tokens for policy in policies.values())
     workers = WorkerSet(
         max_concurrent_requests=max_concurrent_requests,
         # Probes have connections of their own, apart from request traffic; they carry the
@@ -66,19 +77,26 @@ def build_router_app(
         probe_client=httpx.AsyncClient(
             timeout=PROBE_TIMEOUT_S,
             transport=transport,
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+            headers={**NO_CODING, **({"Authorization": f"Bearer {api_key}"} if api_key else {})},
         ),
-        policies={
-            "prefill": make_policy(routing.prefill_policy, routing.cache_aware, rng),
-            "decode": make_policy(routing.decode_policy, routing.cache_aware, rng),
-        },
+        policies=policies,
         circuit=routing.circuit,
+        # --tokenizer overrides what the router learns from its workers (router/model.py)
+        tokenizer_override=(
+            load_tokenizer(routing.tokenizer, "--tokenizer")
+            if needs_tokens and routing.tokenizer is not None
+            else None
+        ),
     )
-    for url in prefill_urls:
-        workers.add(url.rstrip("/"), "prefill")
-    for url in decode_urls:
-        workers.add(url.rstrip("/"), "decode")
-    tokenizer = load_tokenizer(routing.tokenizer, "--tokenizer") if workers.needs_tokens else None
+    for flag, urls, role in (
+        ("--prefill", prefill_urls, "prefill"),
+        ("--decode", decode_urls, "decode"),
+    ):
+        for url in urls:
+            try:
+                workers.add(worker_url(url), role)
+            except ValueError as error:
+                raise ValueError(f"{flag}: {error}") from None
     # Request traffic has no hidden connection cap: each request in flight holds two connections
     # (the prefill POST and the decode stream) and the explicit limit is the admission check.
     client = httpx.AsyncClient(
@@ -89,8 +107,15 @@ def build_router_app(
             keepalive_expiry=ROUTER_KEEPALIVE_EXPIRY_S,  # well before the workers drop them
         ),
         transport=transport,
+        headers=NO_CODING,
     )
-    dispatcher = Dispatcher(workers=workers, client=client, retry=routing.retry, rng=rng)
+    dispatcher = Dispatcher(
+        workers=workers,
+        client=client,
+        retry=routing.retry,
+        rng=rng,
+        first_byte_timeout_s=routing.first_byte_timeout_s,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -105,6 +130,7 @@ def build_router_app(
         for pod_watch in discovery:
             pod_watch.stop()
         task.cancel()
+        await workers.tokenizer.close()
         await client.aclose()
         await workers.probe_client.aclose()
 
@@ -144,26 +170,37 @@ def build_router_app(
     @app.post("/detokenize")
     async def ask_a_decode_worker(request: Request) -> Response:
         """The decode worker's answer to a request about the model (the list or one model, as
-        OpenAI's retrieve; /tokenize and /detokenize): nothing is generated, no pair is used."""
+        OpenAI's retrieve; /tokenize and /detokenize): nothing is generated, no pair is used.
+        The whole answer is its first byte, so it has the first-byte deadline."""
         decode = workers.least_loaded_decode()
         if decode is None or not workers.ready:
             return error_response(503, NO_PAIR)
         path = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1")
         body = getattr(request.state, "json_body", None)  # parsed by RequestBodyMiddleware
+        forwarded = client.build_request(
+            request.method,
+            f"{decode.url}{path}",
+            headers={**forward_headers(request), **NO_CODING},
+            json=body if request.method == "POST" else None,
+        )
+        what = f"decode worker {decode.url}'s answer"
         try:
-            response = await client.request(
-                request.method,
-                f"{decode.url}{path}",
-                headers=forward_headers(request),
-                json=body if request.method == "POST" else None,
+            answer = await asyncio.wait_for(
+                exchange(client, forwarded, ANSWER_BODY_BYTES, what), routing.first_byte_timeout_s
             )
+        except TimeoutError:
+            return Failure.late(decode, routing.first_byte_timeout_s, "answer").response
         except httpx.HTTPError as error:
             return error_response(503, f"decode worker {decode.url} unreachable: {describe(error)}")
-        return Response(
-            response.content,
-            status_code=response.status_code,
-            media_type="application/json",
-        )
+        except BadAnswer as error:
+            return error_response(502, f"decode worker {decode.url}: {error}")
+        if not passable(answer.status):
+            text = worker_error_body(answer.status, answer.body.decode(errors="replace"))
+            message = text["error"]["message"]
+            return error_response(
+                502, f"decode worker {decode.url} answered {answer.status}: {message}"[:2000]
+            )
+        return Response(answer.body, status_code=answer.status, media_type="application/json")
 
     async def generate(request: Request, path: str) -> Response:
         if not workers.try_admit():
@@ -197,6 +234,7 @@ def build_router_app(
         # The workers' own rules, before anything is dispatched: a request either half would
         # refuse never starts a prefill (the prefill half never sees `stream_options`).
         body = getattr(request.state, "json_body", None)  # parsed by RequestBodyMiddleware
+        tokenizer = workers.tokenizer.current
         try:
             parsed = parse_generation(path, body)
             prompt = (

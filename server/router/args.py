@@ -40,8 +40,10 @@ class RoutingArgs:
         balance_rel_threshold=1.5,
         max_tree_size=2**16,
     )
-    # the model's tokenizer: cache_aware hashes prompts in tokens (None: no policy needs them)
+    # the model's tokenizer directory, over the one cache_aware learns from the workers
     tokenizer: str | None = None
+    # a try's first token must come within this (router/relay.py says from which worker)
+    first_byte_timeout_s: float = 60.0
     retry: RetryArgs = RetryArgs(max_retries=3, initial_backoff_s=0.05, max_backoff_s=1.0)
     circuit: CircuitSettings = CircuitSettings(failure_threshold=5, open_s=30.0)
     discovery: DiscoveryArgs | None = None  # None: only the workers given (and the admin routes)
@@ -52,11 +54,9 @@ class RoutingArgs:
                 raise ValueError(
                     f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}"
                 )
-        needs_tokens = "cache_aware" in (self.prefill_policy, self.decode_policy)
-        if needs_tokens and self.tokenizer is None:
+        if not self.first_byte_timeout_s > 0:
             raise ValueError(
-                "--policy cache_aware needs --tokenizer DIR (the served model's directory): the "
-                "router counts prompt tokens to find the Mamba checkpoints a worker holds"
+                f"--worker-first-byte-timeout-secs must be > 0, got {self.first_byte_timeout_s}"
             )
 
 
@@ -125,8 +125,9 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     policy.add_argument(
         "--tokenizer",
         "--tokenizer-path",
-        help="the served model's tokenizer directory; cache_aware needs it (prompts are matched "
-        "in tokens, at each worker's Mamba checkpoint interval)",
+        help="cache_aware: the served model's tokenizer directory, an override: without it the "
+        "router learns the tokenizer from its workers (prompts are matched in tokens, at each "
+        "worker's Mamba checkpoint interval)",
     )
     retry = parser.add_argument_group(
         "retries",
@@ -150,6 +151,14 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         type=_non_negative(int),
         default=int(defaults.retry.max_backoff_s * 1000),
         help="the longest wait between tries (default: %(default)s)",
+    )
+    retry.add_argument(
+        "--worker-first-byte-timeout-secs",
+        type=float,
+        default=defaults.first_byte_timeout_s,
+        help="a try fails (504, tried elsewhere) when the worker that owes its first token sends "
+        "none within this: the prefill half's answer, a stream's first output line (a queue "
+        "deeper than this counts too) (default: %(default)s)",
     )
     retry.add_argument(
         "--cb-failure-threshold",
@@ -224,6 +233,7 @@ def routing_args_from(namespace: argparse.Namespace) -> RoutingArgs:
             max_tree_size=max(1, namespace.max_tree_size),
         ),
         tokenizer=namespace.tokenizer,
+        first_byte_timeout_s=namespace.worker_first_byte_timeout_secs,
         retry=RetryArgs(
             max_retries=namespace.retry_max_retries,
             initial_backoff_s=namespace.retry_initial_backoff_ms / 1000,

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import httpx
 
 from baton.server.router.args import DiscoveryArgs
-from baton.server.router.info import Role
+from baton.server.router.info import Role, read_info
+from baton.server.router.urls import worker_url
 from baton.server.router.workers import WorkerSet, describe
 
 logger = logging.getLogger("baton.router.discovery")
@@ -56,7 +57,11 @@ def pod_state(pod, port: int) -> PodState:
         return PodState(key=key, url=None)
     ip = status.pod_ip
     host = f"[{ip}]" if ":" in ip else ip
-    return PodState(key=key, url=f"http://{host}:{port}")
+    try:
+        return PodState(key=key, url=worker_url(f"http://{host}:{port}"))
+    except ValueError as error:  # not an address: the API server's answer is checked too
+        logger.warning("pod %s: %s", key, error)
+        return PodState(key=key, url=None)
 
 
 def _selector_text(labels: dict[str, str]) -> str:
@@ -155,7 +160,7 @@ class PodWatch:
         role = self.role
         if role is None:
             try:
-                role = (await self.workers.read_info(state.url)).role
+                role = (await read_info(self.workers.probe_client, state.url)).role
             except (httpx.HTTPError, KeyError, TypeError, ValueError) as error:
                 logger.warning(
                     "pod %s: cannot read %s/disagg/info yet (%s)",

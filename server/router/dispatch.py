@@ -4,8 +4,10 @@
       └─> try it (router/relay.py) ──> committed: the answer goes to the client, done
                                    ├─> the client's fault (400...), or the client left: done
                                    └─> the workers' fault before any byte reached the client
-                                       (refused, reset, 503, a failed handover): count it on the
-                                       worker's circuit, wait (backoff), try another pair
+                                       (refused, reset, 503, a failed handover, a broken answer,
+                                       no first token by the deadline: router/failures.py):
+                                       count it on the worker's circuit, wait (backoff), try
+                                       another pair
 
 A try that already sent the client a byte is never tried again, so the client never sees a
 duplicate or a mixed stream: a stream is held back until it carries output (a chat stream's role
@@ -26,18 +28,24 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from baton.server.router.answers import (
+    ANSWER_BODY_BYTES,
+    SMALL_BODY_BYTES,
+    BadAnswer,
+    exchange,
+    parse_json,
+    read_body,
+)
 from baton.server.router.args import RetryArgs
+from baton.server.router.failures import Failure, FirstByte, error_response, worker_error_body
 from baton.server.router.relay import (
     Committed,
-    Failure,
     cancel,
     decode_headers,
-    error_response,
     first_output,
     forward_headers,
     prefill_failure,
     relay,
-    worker_error_body,
 )
 from baton.server.router.workers import Worker, WorkerSet
 
@@ -85,6 +93,7 @@ class Dispatcher:
     client: httpx.AsyncClient  # request traffic
     retry: RetryArgs
     rng: random.Random
+    first_byte_timeout_s: float  # --worker-first-byte-timeout-secs
 
     async def serve(
         self,
@@ -157,13 +166,20 @@ class Dispatcher:
                 "POST", f"{prefill.url}{path}", json=prefill_body, headers=headers
             )
             workers.begin(prefill)
-            prefill_task = asyncio.ensure_future(client.send(prefill_request))
+            what = f"prefill worker {prefill.url}'s answer"
+            prefill_task = asyncio.ensure_future(
+                exchange(client, prefill_request, ANSWER_BODY_BYTES, what)
+            )
             prefill_task.add_done_callback(lambda task: _settle(task, workers, prefill))
         workers.begin(decode)
         end_decode = once(lambda: workers.end(decode))
+        first_byte = FirstByte.starting_now(self.first_byte_timeout_s)
         sending = asyncio.ensure_future(client.send(decode_request, stream=True))
+        stream = bool(body.get("stream"))
         try:
-            stopped = await decode_headers(request, sending, prefill_task, prefill, workers)
+            stopped = await decode_headers(
+                request, sending, prefill_task, (prefill, decode), workers, first_byte, stream
+            )
             if stopped is not None:
                 await cancel(sending)
                 return await self._abandon(stopped, prefill, prefill_task, end_decode)
@@ -172,17 +188,26 @@ class Dispatcher:
             return await self._abandon(
                 Failure.unreachable(decode, error, workers), prefill, prefill_task, end_decode
             )
+        what = f"{decode.role} worker {decode.url}'s answer"
         if upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
-            failure = Failure.answered(
-                decode,
-                upstream.status_code,
-                worker_error_body(upstream.status_code, content.decode(errors="replace")),
-            )
+            try:
+                content = await read_body(upstream, SMALL_BODY_BYTES, what)
+                failure = Failure.answered(
+                    decode,
+                    upstream.status_code,
+                    worker_error_body(upstream.status_code, content.decode(errors="replace")),
+                )
+            except BadAnswer as error:
+                failure = Failure.malformed(decode, error)
+            except httpx.HTTPError as error:
+                failure = Failure.unreachable(decode, error, workers)
+            finally:
+                await upstream.aclose()
             return await self._abandon(failure, prefill, prefill_task, end_decode)
-        if body.get("stream"):
-            outcome = await first_output(request, upstream, prefill_task, prefill, decode, workers)
+        if stream:
+            outcome = await first_output(
+                request, upstream, prefill_task, (prefill, decode), workers, first_byte
+            )
             if not isinstance(outcome, Committed):
                 await upstream.aclose()
                 return await self._abandon(outcome, prefill, prefill_task, end_decode)
@@ -195,11 +220,15 @@ class Dispatcher:
                 background=BackgroundTask(finish),
             )
         try:
-            content = await upstream.aread()
+            content = await read_body(upstream, ANSWER_BODY_BYTES, what)
+            await parse_json(content, what)  # cut short or garbled: never a 200 to the client
         except httpx.HTTPError as error:
             return await self._abandon(
                 Failure.unreachable(decode, error, workers), prefill, prefill_task, end_decode
             )
+        except BadAnswer as error:
+            failure = Failure.malformed(decode, error)
+            return await self._abandon(failure, prefill, prefill_task, end_decode)
         finally:
             await upstream.aclose()
         end_decode()

@@ -11,6 +11,19 @@ Closing a worker connection is how an abort reaches it: each worker aborts a req
 client disconnected. A non-streaming decode answer has no headers until it is complete, so the
 client is watched from the moment the request is sent. A chat stream opens with one role chunk
 per choice before any token: those are held back too, since the handover may still fail.
+
+A worker's answer is read within bounds and checked (router/answers.py): one that is cut short,
+not JSON, or too large is a 502 to the client, counted against that worker's circuit like any
+failure of its own. And each try has a first-byte deadline (`FirstByte`,
+--worker-first-byte-timeout-secs): the worker that owes the request's first token must deliver
+it in time, or the try fails with a 504 naming it (and is tried elsewhere):
+
+    streamed request:      the decode worker's headers (sent at once by a live worker), then
+                           its first output line (the prefill half's first token, handed over)
+    non-streamed request:  the prefill half's answer (sent once it sampled the first token);
+                           the decode worker's answer starts only when it is complete, so once
+                           the prefill half answered, it is bounded by max_tokens, not by this
+    scoring (echo + logprobs, served whole by a prefill worker): its answer
 """
 
 from __future__ import annotations
@@ -24,74 +37,20 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from baton.server.errors import ErrorJSONResponse
+from baton.server.router.answers import Answer, BadAnswer, sse_lines
+from baton.server.router.failures import (
+    GONE,
+    Failure,
+    FirstByte,
+    error_body,
+    error_response,
+    worker_error_body,
+)
 from baton.server.router.workers import Worker, WorkerSet, describe
 
 logger = logging.getLogger("baton.router")
-
-
-def error_body(status: int, message: str, code: str | None = None) -> dict:
-    kind = (
-        "invalid_request_error"
-        if status < 500
-        else "service_unavailable"
-        if status == 503
-        else "internal_error"
-    )
-    return {
-        "error": {
-            "message": message,
-            "type": kind,
-            "param": None,
-            "code": code or status,
-        }
-    }
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return ErrorJSONResponse(error_body(status, message), status_code=status)
-
-
-# Transport errors that prove a worker is gone (refused, or its connection dropped), as opposed to
-# a slow answer; they take the worker out at once, and the next passing probe puts it back.
-GONE = (
-    httpx.ConnectError,
-    httpx.ReadError,
-    httpx.WriteError,
-    httpx.RemoteProtocolError,
-)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Failure:
-    """A try that ended before any byte reached the client."""
-
-    response: Response  # what the client gets if it is not tried again
-    worker: Worker  # whose failure it is
-    retryable: bool  # the worker's fault (refused, reset, 503): another pair may serve it
-    reason: str  # for the log
-
-    @classmethod
-    def unreachable(cls, worker: Worker, error: httpx.HTTPError, workers: WorkerSet) -> Failure:
-        if isinstance(error, GONE):
-            workers.lost(worker, error)
-        reason = f"{worker.role} worker {worker.url} failed: {describe(error)}"
-        return cls(
-            response=error_response(503, reason), worker=worker, retryable=True, reason=reason
-        )
-
-    @classmethod
-    def answered(cls, worker: Worker, status: int, body: dict) -> Failure:
-        """The worker's own error answer (OpenAI shape), marked as that worker's."""
-        reason = f"{worker.role} worker {worker.url} answered {status}: {body['error']['message']}"
-        return cls(
-            response=ErrorJSONResponse(body, status_code=status),
-            worker=worker,
-            retryable=status == 503,
-            reason=reason[:500],
-        )
 
 
 def forward_headers(request: Request) -> dict[str, str]:
@@ -99,37 +58,35 @@ def forward_headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() in keep}
 
 
-def worker_error_body(status: int, text: str) -> dict:
-    """An error answer in the OpenAI shape: the worker's own (param, type and code kept), or
-    its text as the message."""
-    body = error_body(status, text)
-    try:
-        given = json.loads(text)["error"]
-        body["error"].update(
-            {key: given[key] for key in ("message", "type", "param", "code") if key in given}
-        )
-    except (ValueError, KeyError, TypeError):
-        pass  # not the OpenAI error shape: its text is the message
-    return body
-
-
 def prefill_failure(task: asyncio.Future, prefill: Worker, workers: WorkerSet) -> Failure | None:
     """None while the prefill side is fine or still running; a Failure once it failed: the
-    worker's own refusal (the message marked as the prefill worker's), or a 503 when it could
-    not be reached."""
+    worker's own refusal (the message marked as the prefill worker's), a 503 when it could not
+    be reached, a 502 when its answer was broken."""
     if not task.done() or task.cancelled():
         return None
     error = task.exception()
     if isinstance(error, httpx.HTTPError):
         return Failure.unreachable(prefill, error, workers)
+    if isinstance(error, BadAnswer):
+        return Failure.malformed(prefill, error)
     if error is not None:
         raise error
-    response = task.result()
-    if response.status_code == 200:
+    answer: Answer = task.result()
+    if answer.status == 200:
         return None
-    body = worker_error_body(response.status_code, response.text)
+    body = worker_error_body(answer.status, answer.body.decode(errors="replace"))
     body["error"]["message"] = f"prefill worker: {body['error']['message']}"
-    return Failure.answered(prefill, response.status_code, body)
+    return Failure.answered(prefill, answer.status, body)
+
+
+def prefill_answered(task: asyncio.Future) -> bool:
+    """The prefill half answered 200: the request's first token exists."""
+    return (
+        task.done()
+        and not task.cancelled()
+        and task.exception() is None
+        and task.result().status == 200
+    )
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -145,19 +102,30 @@ async def decode_headers(
     request: Request,
     sending: asyncio.Future,
     prefill_task: asyncio.Future,
-    prefill: Worker,
+    pair: tuple[Worker, Worker],
     workers: WorkerSet,
+    first_byte: FirstByte,
+    stream: bool,
 ) -> Failure | Response | None:
     """Wait for the decode worker's answer to start; None once it has. A non-streaming answer
     starts only when it is complete, so the prefill half is watched meanwhile: when it fails
     (it refused the request, or its worker went away), the client gets the prefill's error now,
     not when the decode side gives up waiting for state that will never come (its transfer
-    timeout, minutes). A client that leaves gets a 499 that nobody reads."""
+    timeout, minutes). A client that leaves gets a 499 that nobody reads. `first_byte` holds
+    until the headers of a stream, or until the prefill half answered (module docstring)."""
+    prefill, decode = pair
     hangup = asyncio.ensure_future(wait_for_disconnect(request))
     try:
         while not sending.done():
             watched = {sending, hangup} | (set() if prefill_task.done() else {prefill_task})
-            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            bounded = stream or not prefill_answered(prefill_task)
+            done, _ = await asyncio.wait(
+                watched,
+                timeout=first_byte.left() if bounded else None,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if not done:
+                return Failure.late(decode if stream else prefill, first_byte.seconds)
             if sending.done():
                 break
             if hangup.done():
@@ -181,19 +149,28 @@ class Committed:
 
 def _event(line: str) -> str:
     """What a held-back SSE line is: "error" (an error event), "opener" (a chat choice's role
-    chunk, sent before any token), or "output" (anything else: a token, the end)."""
+    chunk, sent before any token), "output" (a token, the end), or "broken" (data that is
+    neither a JSON object nor [DONE], or a chat chunk whose choices are not objects)."""
     if not line.startswith("data:"):
         return "opener"  # a comment or a field line: carries nothing
-    try:
-        payload = json.loads(line[len("data:") :])
-    except ValueError:
-        return "output"  # [DONE]
-    if not isinstance(payload, dict):
+    data = line[len("data:") :].strip()
+    if data == "[DONE]":
         return "output"
+    try:
+        payload = json.loads(data)
+    except (ValueError, RecursionError):
+        return "broken"
+    if not isinstance(payload, dict):
+        return "broken"
     if "error" in payload:
         return "error"
     choices = payload.get("choices")
     if payload.get("object") == "chat.completion.chunk" and choices:
+        if not isinstance(choices, list) or not all(
+            isinstance(choice, dict) and isinstance(choice.get("delta", {}), dict)
+            for choice in choices
+        ):
+            return "broken"
         if all(
             set(choice.get("delta", {})) <= {"role", "content"}
             and not choice.get("delta", {}).get("content")
@@ -208,12 +185,15 @@ async def first_output(
     request: Request,
     upstream: httpx.Response,
     prefill_task: asyncio.Future,
-    prefill: Worker,
-    decode: Worker,
+    pair: tuple[Worker, Worker],
     workers: WorkerSet,
+    first_byte: FirstByte,
 ) -> Committed | Failure | Response:
-    """Hold the decode worker's stream back until a line carries output (or it ends)."""
-    lines = upstream.aiter_lines()
+    """Hold the decode worker's stream back until a line carries output (or it ends), within
+    `first_byte`: past it, the prefill worker is late if its half has not answered, else the
+    decode worker."""
+    prefill, decode = pair
+    lines = sse_lines(upstream, f"decode worker {decode.url}'s stream")
     held: list[str] = []
     pending: asyncio.Future | None = None
     hangup = asyncio.ensure_future(wait_for_disconnect(request))
@@ -222,7 +202,12 @@ async def first_output(
             if pending is None:
                 pending = asyncio.ensure_future(lines.__anext__())
             watched = {pending, hangup} | (set() if prefill_task.done() else {prefill_task})
-            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                watched, timeout=first_byte.left(), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                late = prefill if not prefill_task.done() else decode
+                return Failure.late(late, first_byte.seconds)
             if hangup.done():
                 return client_gone()
             failure = prefill_failure(prefill_task, prefill, workers)
@@ -236,10 +221,14 @@ async def first_output(
                 return Committed(held=held, rest=None)
             except httpx.HTTPError as error:
                 return Failure.unreachable(decode, error, workers)
+            except BadAnswer as error:
+                return Failure.malformed(decode, error)
             pending = None
             if not line:
                 continue
             kind = _event(line)
+            if kind == "broken":
+                return Failure.malformed(decode, BadAnswer(f"a stream event {line[:120]!r}"))
             if kind == "error":
                 body = worker_error_body(503, line[len("data:") :])
                 code = body["error"]["code"]
@@ -271,11 +260,14 @@ async def relay(
             async for line in committed.rest:
                 if line:
                     yield line + "\n\n"
-    except httpx.HTTPError as error:
+    except (httpx.HTTPError, BadAnswer) as error:
         if isinstance(error, GONE):
             workers.lost(decode, error)
+        if isinstance(error, BadAnswer):
+            workers.failed(decode, str(error))
+        status = 502 if isinstance(error, BadAnswer) else 503
         message = f"{decode.role} worker {decode.url} failed mid-stream: {describe(error)}"
-        yield f"data: {json.dumps(error_body(503, message))}\n\n"
+        yield f"data: {json.dumps(error_body(status, message))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         finish()

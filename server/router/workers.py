@@ -17,7 +17,14 @@ interval) is read. Request traffic that finds a worker's port refused also takes
 
 Membership changes while serving (admin routes, Kubernetes discovery): a new worker is probed at
 once and picked as soon as it is healthy; a removed one drains: no new requests, the ones in
-flight finish, then it is dropped.
+flight finish, then it is dropped. Workers are named by their canonical URL (router/urls.py), so
+one worker written two ways is one worker.
+
+Every answer a probe reads is bounded (router/answers.py) and checked (router/info.py); nothing a
+worker sends or fails to send ends the probe loop: what a probe cannot use is a failed probe,
+and a round that fails for a reason nobody foresaw is logged and the next round runs. A worker
+whose model is not the other workers' is refused; with cache_aware, a worker is usable once the
+router has its model's tokenizer (router/model.py).
 """
 
 from __future__ import annotations
@@ -29,11 +36,14 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from baton.server.router.answers import HEALTH_BODY_BYTES, get
 from baton.server.router.circuit import Circuit, CircuitSettings
-from baton.server.router.info import Role, WorkerInfo
+from baton.server.router.info import ModelIdentity, Role, WorkerInfo, read_info
 from baton.server.router.metrics import RouterMetrics
+from baton.server.router.model import RouterTokenizer, model_conflict
 from baton.server.router.policies import Policy
 from baton.server.router.policies.base import Choice
+from baton.server.tokenizer import Tokenizer
 
 logger = logging.getLogger("baton.router")
 
@@ -53,6 +63,7 @@ class Worker:
     failed_probes: int = 0
     in_flight: int = 0  # the router's requests on it now
     draining: bool = False  # removed: no new requests; dropped once in_flight reaches 0
+    refused: str | None = None  # why its last /disagg/info was not accepted (another model)
 
     @property
     def transfer_addr(self) -> str | None:
@@ -85,10 +96,14 @@ class WorkerSet:
     probe_client: httpx.AsyncClient  # never used for request traffic
     policies: dict[str, Policy]  # role -> its policy
     circuit: CircuitSettings
+    tokenizer_override: Tokenizer | None = None  # --tokenizer, when some policy reads tokens
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     prefill: list[Worker] = field(default_factory=list)
     decode: list[Worker] = field(default_factory=list)
     running: int = 0
+
+    def __post_init__(self) -> None:
+        self.tokenizer = RouterTokenizer(self.needs_tokens, self.tokenizer_override)
 
     # -- membership --------------------------------------------------------------------------
 
@@ -96,7 +111,8 @@ class WorkerSet:
         return next((w for w in self.prefill + self.decode if w.url == url), None)
 
     def add(self, url: str, role: Role) -> Worker:
-        """A worker to route to once a probe finds it healthy (at once if it is: `probe` it)."""
+        """A worker to route to once a probe finds it healthy (at once if it is: `probe` it).
+        `url` is canonical (router/urls.py)."""
         worker = self.find(url)
         if worker is not None and worker.role == role:
             worker.draining = False  # added back while it drained: keep it
@@ -269,20 +285,34 @@ class WorkerSet:
 
     async def probe(self, worker: Worker) -> None:
         try:
-            response = await self.probe_client.get(f"{worker.url}/health")
-            if response.status_code != 200:
-                self.set_health(worker, False, f"/health answered {response.status_code}")
+            health = await get(
+                self.probe_client, f"{worker.url}/health", HEALTH_BODY_BYTES, "/health"
+            )
+            if health.status != 200:
+                self.set_health(worker, False, f"/health answered {health.status}")
                 return
             if worker.info is None:
-                info = await self.read_info(worker.url)
+                info = await read_info(self.probe_client, worker.url)
                 if info.role != worker.role:
                     self.set_health(worker, False, f"/disagg/info says it is a {info.role} worker")
                     return
+                if not self._accept_model(worker, info):
+                    return
                 worker.info = info
+            model = worker.info.model
+            if not self.tokenizer.has(model):
+                # out of rotation until the router can match its prompts: waited for a probe's
+                # time here, then the next probe looks again (and tries again if this failed)
+                learning = self.tokenizer.learn(worker.url, model, self.probe_client)
+                await asyncio.wait({learning}, timeout=PROBE_TIMEOUT_S)
+                if not self.tokenizer.has(model) or worker.info is None:
+                    return
         except httpx.ConnectError as error:
             self.set_health(worker, False, f"connection refused: {describe(error)}")
             return
-        except (httpx.HTTPError, KeyError, ValueError, TypeError) as error:
+        except Exception as error:  # an answer it cannot use (BadAnswer, WorkerInfo's refusals)
+            if not isinstance(error, (httpx.HTTPError, ValueError)):  # nobody foresaw it
+                logger.exception("probing %s worker %s failed", worker.role, worker.url)
             worker.failed_probes += 1
             if worker.failed_probes >= FAILURES_TO_REMOVE:
                 self.set_health(
@@ -291,20 +321,39 @@ class WorkerSet:
             return
         self.set_health(worker, True)
 
-    async def read_info(self, url: str) -> WorkerInfo:
-        """The worker's `/disagg/info` (httpx.HTTPError, KeyError, TypeError or ValueError when it
-        cannot be read)."""
-        response = await self.probe_client.get(f"{url}/disagg/info")
-        response.raise_for_status()
-        return WorkerInfo.from_json(response.json())
+    def _accept_model(self, worker: Worker, info: WorkerInfo) -> bool:
+        """Whether the worker serves the model of the router's other workers; a refusal is
+        logged once and shown in GET /workers."""
+        refusal = self.model_refusal(worker.url, info.model)
+        if refusal is not None and refusal != worker.refused:
+            logger.warning("%s worker refused: %s", worker.role, refusal)
+        worker.refused = refusal
+        if refusal is not None:
+            self.set_health(worker, False, "another model")
+        return refusal is None
+
+    def model_refusal(self, url: str, model: ModelIdentity) -> str | None:
+        """Why the worker at `url` cannot serve `model` beside the router's other workers (those
+        not draining whose /disagg/info was read), or None."""
+        others = [
+            (other.url, other.info.model)
+            for other in self.prefill + self.decode
+            if other.url != url and other.info is not None and not other.draining
+        ]
+        return model_conflict(url, model, others)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in self.prefill + self.decode))
 
     async def probe_forever(self) -> None:
+        """Probe every worker each PROBE_INTERVAL_S, for as long as the router runs: a round
+        that fails for a reason `probe` did not foresee is logged, and the next one runs."""
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            await self.probe_all()
+            try:
+                await self.probe_all()
+            except Exception:
+                logger.exception("a round of health probes failed; probing goes on")
 
     def _count_healthy(self, role: Role) -> None:
         self.metrics.healthy.labels(role=role).set(
