@@ -27,6 +27,7 @@ from baton.engine.config import ModelConfig
 from baton.engine.core.engine import Engine
 from baton.engine.core.sampling_params import SamplingParams
 from baton.engine.handover.io import StateIO
+from baton.kernels.cpu import ops as cpu_ops
 
 SECRET = "toy-s3cret"
 CONFIG = dict(
@@ -100,7 +101,12 @@ def test_the_pools_are_the_toys_spec(toy_model):
     assert engine.cache.pools["toy.peak"].shape[2:] == (4,)
 
 
-def test_batched_and_chunked_runs_match_the_reference(toy_model):
+@pytest.mark.parametrize("attention", ["c", "torch"])
+def test_batched_and_chunked_runs_match_the_reference(toy_model, attention, monkeypatch):
+    """Also on the torch attention path (no C compiler, or BATON_CPU_OPS=0): the toy's paged
+    state is not named attention.k, and its decode rows once got no mask there."""
+    if attention == "torch":
+        monkeypatch.setattr(cpu_ops, "decode_attention_supported", lambda q, k_cache: False)
     model_dir, model = toy_model
     items = prompts(1, (3, 13, 29, 8))
     got = run(Engine(model_dir, **ARGS), items)  # 16 tokens a step: chunked and batched

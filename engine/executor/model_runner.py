@@ -48,10 +48,12 @@ class ModelRunner:
     def decode_reads_mask(self) -> bool:
         """Whether decode attention runs the torch path, the only one that reads a mask (the C
         and Triton decode kernels stop at each row's kv_len). Asked per step: BATON_KERNELS may
-        change the path."""
+        change the path. A model whose paged state is not the attention layers' K/V (a layer of
+        its own attending over it) has no probe: its mask is always built (a few host ops a
+        step), so its torch path never reads a missing one."""
         probe = self._query_probe
         if probe is None:
-            return False
+            return bool(self.cache.paged)
         k_cache = self.cache.pools["attention.k"][0]
         if select_backend(probe) == "triton":
             return False
