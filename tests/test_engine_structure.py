@@ -31,6 +31,7 @@ SCHEDULER = (
     "engine/core/scheduler.py",
     "engine/core/scheduler_blocks.py",
     "engine/core/scheduler_tokens.py",  # how sampled tokens join a request, for the scheduler
+    "engine/core/scheduler_memory.py",  # what a request holds of the pools, for the scheduler
 )
 
 

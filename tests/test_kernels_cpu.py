@@ -142,6 +142,7 @@ def test_broken_compiler_falls_back_to_torch(monkeypatch, tmp_path):
         cpu_ops.library.cache_clear()
 
 
+@needs_cc
 def test_a_changed_shared_header_rebuilds_the_library(monkeypatch, tmp_path):
     """The kernels include cpu/common.h: the cache key covers it, or an edit there would keep
     loading the stale library."""

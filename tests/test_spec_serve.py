@@ -150,7 +150,8 @@ def test_up_gives_both_workers_the_speculative_config(mtp_model, monkeypatch):
     class Spawned(Exception):
         pass
 
-    def fake_popen(command, env=None):
+    def fake_popen(command, env=None, start_new_session=False):
+        assert start_new_session  # a Ctrl-C reaches `up` only, which stops the parts in order
         role = (
             "router"
             if command[3] == "router"
