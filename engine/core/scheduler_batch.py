@@ -20,7 +20,7 @@ def scheduled_batch(
     accepted positions, after the step)."""
     rows = decodes + verifies + prefills
     nd, nv = len(decodes), len(verifies)
-    input_ids: list[int] = []
+    input_ids = []  # the step's tokens, row after row
     logits_seqs, prompt_logprob_seqs = [], []
     for s, (req, n) in enumerate(rows):
         if nd <= s < nd + nv:  # the last token, then the drafts
