@@ -35,7 +35,7 @@ class Walker:
         self.closing[self.stop] = True
         self._shifts = torch.arange(32, dtype=torch.int32)
 
-    def walk(self, compiled: xgr.CompiledGrammar, seed: int, max_tokens: int = 3000) -> str | None:
+    def walk(self, compiled: xgr.CompiledGrammar, seed: int, max_tokens: int = 12000) -> str | None:
         """One output the grammar admits, or None when the walk did not end in max_tokens."""
         rng = random.Random(seed)
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[self.stop])

@@ -25,7 +25,7 @@ from baton.engine.structured_output.schema.lower import lower_schema
 # (xgrammar compiles JSONSchemaBench's largest, ~240 KB of constraints, in ~2.5 s).
 MAX_LOWERED_CHARS = 256 * 1024
 
-__all__ = ["MAX_LOWERED_CHARS", "Unenforceable", "lowered_schema_text"]
+__all__ = ["MAX_LOWERED_CHARS", "Unenforceable", "lowered_schema_text", "validator_class"]
 
 
 def lowered_schema_text(schema: Any) -> str:
@@ -33,9 +33,9 @@ def lowered_schema_text(schema: Any) -> str:
     what is wrong or what cannot be enforced, and where)."""
     if not isinstance(schema, (dict, bool)):
         raise ValueError("structured_outputs: a JSON schema must be an object or a boolean")
-    validator_class = _validator_class(schema)
+    draft = validator_class(schema)
     try:
-        lowered = lower_schema(schema, validator_class)
+        lowered = lower_schema(schema, draft)
     except Unenforceable as error:
         raise ValueError(f"structured_outputs: JSON schema {error}") from None
     except RecursionError:
@@ -50,7 +50,7 @@ def lowered_schema_text(schema: Any) -> str:
     return text
 
 
-def _validator_class(schema: Any) -> type:
+def validator_class(schema: Any) -> type:
     """The draft `$schema` names; without one (or an unknown one), the newest of 2020-12, 7
     and 4 whose metaschema the schema meets (draft-4 style `items` lists and boolean
     `exclusiveMinimum` are common in schemas that name no draft)."""
