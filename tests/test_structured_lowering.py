@@ -55,6 +55,16 @@ LOWERED = {
         '{"a": 1}',
         ["{}"],
     ),
+    "draft-03 dependencies and type lists": (
+        {
+            "$schema": DRAFT3,
+            "type": ["object", "null"],
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependencies": {"a": "b"},
+        },
+        '{"a": 1, "b": 2}',
+        ['{"a": 1}', '"x"'],
+    ),
     # keywords beside a head (anyOf, oneOf, $ref, enum), merged into each branch
     "type beside anyOf": (
         {
@@ -353,3 +363,13 @@ def test_a_tool_call_grammar_resolves_each_tools_refs_in_its_own_schema():
     check_structured_outputs(
         StructuredOutputs(kind="json", spec=json.dumps(schema), after_token_ids=())
     )
+
+
+def test_property_names_json_escapes_are_written_escaped(compiler):
+    schema = {
+        "type": "object",
+        "properties": {'a"b\\c\n': {"type": "integer"}},
+        "required": ['a"b\\c\n'],
+    }
+    assert admits(compiler, schema, json.dumps({'a"b\\c\n': 1}))
+    assert not admits(compiler, schema, '{"a"b\\c\n": 1}')

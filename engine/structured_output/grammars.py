@@ -33,7 +33,7 @@ import torch
 from baton.engine.core.request import Request
 from baton.engine.core.sampling_params import SamplingParams
 from baton.engine.structured_output.compiled_cache import CompiledCache
-from baton.engine.structured_output.spec import MAX_SPEC_CHARS, compile_structured, xgrammar
+from baton.engine.structured_output.spec import compile_structured, compiled_spec_limit, xgrammar
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -113,10 +113,9 @@ class Grammars:
             return
         if not self.tokenizer.available:
             raise ValueError("structured_outputs need the model's tokenizer (none in its folder)")
-        if len(structured.spec) > MAX_SPEC_CHARS:
-            raise ValueError(
-                f"structured_outputs: the spec is longer than {MAX_SPEC_CHARS} characters"
-            )
+        limit = compiled_spec_limit(structured.kind)
+        if len(structured.spec) > limit:
+            raise ValueError(f"structured_outputs: the spec is longer than {limit} characters")
 
     def add(self, req: Request) -> None:
         """Begin compiling the request's grammar, if it has one (on the compile thread)."""

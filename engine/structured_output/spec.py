@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from baton.engine.core.sampling_params import StructuredOutputs
 from baton.engine.runtime.torch_import import allow_torch
-from baton.engine.structured_output.schema import lowered_schema_text
+from baton.engine.structured_output.schema import MAX_LOWERED_CHARS, lowered_schema_text
 from baton.engine.structured_output.schema.regex import parse_regex, regex_ebnf
 
 if TYPE_CHECKING:
@@ -50,6 +50,12 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 JSON_OBJECT_OPTIONS = {"any_whitespace": False, "strict_mode": False}
 
 logger = logging.getLogger("baton.engine")
+
+
+def compiled_spec_limit(kind: str) -> int:
+    """The longest spec of `kind` the engine compiles (a JSON schema or structural tag: as
+    lowered, annotations left out)."""
+    return MAX_LOWERED_CHARS if kind in ("json", "structural_tag") else MAX_SPEC_CHARS
 
 
 def check_structured_outputs(structured: StructuredOutputs) -> StructuredOutputs:
@@ -206,10 +212,10 @@ def _lowered_tag(spec: str) -> str:
     for node in _schema_formats(value):
         node["json_schema"] = json.loads(lowered_schema_text(node["json_schema"]))
     text = json.dumps(value, ensure_ascii=False)
-    if len(text) > MAX_SPEC_CHARS:
+    if len(text) > MAX_LOWERED_CHARS:
         raise ValueError(
             f"structured_outputs: the structural tag's schemas lower to {len(text)} characters, "
-            f"more than the {MAX_SPEC_CHARS} this server compiles"
+            f"more than the {MAX_LOWERED_CHARS} this server compiles"
         )
     return text
 

@@ -36,6 +36,8 @@ def dependencies(lowering: Lowering, node: Node) -> list[list[Flat]]:
     for key in ("dependencies", "dependentRequired", "dependentSchemas"):
         for name, dependency in (schema.get(key) or {}).items():
             present = Flat(sources=(node,)).with_names(required=[name])
+            if isinstance(dependency, str):  # (draft 3: one name)
+                dependency = [dependency]
             if isinstance(dependency, list):
                 branches = [present.with_names(required=dependency)]
             else:

@@ -189,7 +189,9 @@ def flat_of(doc: Document, node: Node) -> Flat | None:
     if schema is False:
         return None
     types = ALL_TYPES
-    typed = "type" in schema and doc.draft != "3" or isinstance(schema.get("type"), str)
+    kind = schema.get("type")  # (draft 3's list of types and schemas is lower.py's union)
+    union = doc.draft == "3" and isinstance(kind, list) and any(isinstance(k, dict) for k in kind)
+    typed = kind is not None and not union
     if typed:
         names = [schema["type"]] if isinstance(schema["type"], str) else schema["type"]
         types = frozenset().union(*(_TYPE_SETS.get(name, set()) for name in names))

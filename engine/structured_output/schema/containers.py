@@ -29,8 +29,6 @@ from baton.engine.structured_output.schema.patterns import (
 if TYPE_CHECKING:
     from baton.engine.structured_output.schema.lower import Lowering
 
-_JSON_UNSAFE = re.compile(r'["\\\x00-\x1f]')
-
 
 # -- arrays -------------------------------------------------------------------------------------
 
@@ -140,14 +138,9 @@ def write_object(lowering: Lowering, flat: Flat) -> dict:
     properties: dict[str, Any] = {}
     for name in {**declared, **required}:
         nodes = _property_nodes(lowering, parts, name)
-        if nodes is None or name in flat.forbidden or _JSON_UNSAFE.search(name):
+        if nodes is None or name in flat.forbidden:
             if name in required:
-                why = (
-                    "is forbidden beside"
-                    if nodes is None or name in flat.forbidden
-                    else "has a character the grammar engine cannot write in"
-                )
-                raise Empty(path, f"required property {name!r} {why} the rest of the schema")
+                raise Empty(path, f"required property {name!r} is forbidden by the rest of it")
             continue
         try:
             properties[name] = lowering.schema(nodes) if nodes else {}
