@@ -179,6 +179,18 @@ LOWERED = {
         '{"kind": "a", "n": 1}',
         ['{"kind": "b", "n": 1}', '{"kind": "a"}'],
     ),
+    "if a property has a value, then ... else ...": (
+        {
+            "type": "object",
+            "properties": {"kind": {"enum": ["car", "bike"]}, "wheels": {"type": "integer"}},
+            "required": ["kind", "wheels"],
+            "if": {"properties": {"kind": {"const": "car"}}},
+            "then": {"properties": {"wheels": {"const": 4}}},
+            "else": {"properties": {"wheels": {"maximum": 2}}},
+        },
+        '{"kind": "bike", "wheels": 2}',
+        ['{"kind": "car", "wheels": 2}', '{"kind": "bike", "wheels": 4}'],
+    ),
     "not of a type": (
         {"not": {"type": ["string", "object", "array", "null"]}},
         "true",
@@ -373,3 +385,46 @@ def test_property_names_json_escapes_are_written_escaped(compiler):
     }
     assert admits(compiler, schema, json.dumps({'a"b\\c\n': 1}))
     assert not admits(compiler, schema, '{"a"b\\c\n": 1}')
+
+
+def test_branches_sharing_a_property_write_it_once_so_nesting_stays_linear():
+    """Each level's two branches hold the same child: written twice per level, 30 levels were
+    2**30 copies (a request that never finished); shared, the lowered schema grows by level."""
+    node: dict = {"type": "integer"}
+    for _ in range(30):
+        node = {
+            "type": "object",
+            "properties": {"x": node},
+            "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+        }
+    lowered = check_structured_outputs(spec("json", node)).spec
+    assert len(lowered) < 50_000
+
+
+def test_a_branch_dropped_as_empty_leaves_no_reference_to_what_it_wrote(compiler):
+    """Positions written (and shared) while a branch that turns out empty was being written
+    leave with it; one written before it and shared during it stays."""
+    shared = {"type": "object", "properties": {"deep": {"type": "string", "maxLength": 300}}}
+    schema = {
+        "type": "object",
+        "properties": {"first": {"$ref": "#/$defs/a"}, "p": {"$ref": "#/$defs/a"}},
+        "$defs": {
+            "a": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {
+                            "k": shared,
+                            "bad": {"type": "string", "minLength": 3, "maxLength": 1},
+                        },
+                        "required": ["bad"],
+                    },
+                    {"type": "object", "properties": {"k": shared}},
+                ]
+            }
+        },
+    }
+    lowered = check_structured_outputs(spec("json", schema)).spec
+    names = set(re.findall(r'"#/\$defs/(s\d+)"', lowered))
+    assert names <= set(json.loads(lowered).get("$defs", {})), lowered
+    assert admits(compiler, schema, '{"first": {"k": {"deep": "x"}}}')

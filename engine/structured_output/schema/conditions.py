@@ -16,10 +16,17 @@ is enforced only over const / enum values, each one validated).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from baton.engine.structured_output.schema.conjunction import ALL_TYPES, CONSTRAINTS, Flat, flat_of
-from baton.engine.structured_output.schema.document import Node
+from baton.engine.structured_output.schema.conjunction import (
+    ALL_TYPES,
+    CONSTRAINTS,
+    Flat,
+    canonical,
+    flat_of,
+)
+from baton.engine.structured_output.schema.document import Empty, Node
+from baton.engine.structured_output.schema.patterns import PatternError, excluding_regex
 
 if TYPE_CHECKING:
     from baton.engine.structured_output.schema.lower import Lowering
@@ -86,6 +93,8 @@ def negation(lowering: Lowering, node: Node, depth: int) -> list[Flat] | None:
         return [Flat(typed=True, types=others)] if others else []
     if keys == {"$ref"}:
         return negation(lowering, lowering.resolve(node), depth - 1)
+    if "properties" in keys and keys <= {"properties", "required"}:
+        return _property_negation(lowering, node)
     if keys == {"anyOf"}:  # none of the options: each one's negation, together
         flats = [Flat()]
         for index in range(len(schema["anyOf"])):
@@ -103,3 +112,74 @@ def negation(lowering: Lowering, node: Node, depth: int) -> list[Flat] | None:
             found += negated
         return found
     return None
+
+
+def _property_negation(lowering: Lowering, node: Node) -> list[Flat] | None:
+    """Not {properties: {p: const / enum}, required: [...]} (JSON Schema Store's `if`s): a value
+    that is no object, or lacks a required property, or has p with another value."""
+    schema = node.schema
+    branches = [Flat(typed=True, types=ALL_TYPES - {"object"})]
+    branches += [
+        Flat(sources=(node,)).with_names(forbidden=[name]) for name in schema.get("required", [])
+    ]
+    for name in schema["properties"]:
+        sub = lowering.child(node, "properties", name)
+        while isinstance(sub.schema, dict) and set(sub.schema) & CONSTRAINTS == {"$ref"}:
+            sub = lowering.resolve(sub)
+        keys = set(sub.schema) & CONSTRAINTS if isinstance(sub.schema, dict) else {"?"}
+        own = flat_of(lowering.doc, sub) if not keys - {"const", "enum", "type"} else None
+        if own is None or own.values is None:
+            return None  # (p of a type, a pattern...: its negation is no const / enum)
+        values = [v for v in own.values if lowering.is_valid(v, sub, unknown=True)]
+        excluded = [(name, value) for value in values]
+        branches.append(Flat(sources=(node,)).with_names(required=[name], excluded=excluded))
+    return branches
+
+
+def without_values(lowering: Lowering, lowered: Any, values: list[Any], path: str) -> Any:
+    """A lowered schema that admits what `lowered` does but `values` (Empty when that cannot be
+    written: a number or an object held off one value, a pattern and a value...)."""
+    if isinstance(lowered, dict) and "$ref" in lowered:
+        lowered = dict(lowering.defs[lowered["$ref"].rsplit("/", 1)[1]])
+    keys = {canonical(value) for value in values}
+    if "const" in lowered or "enum" in lowered:
+        kept = [v for v in lowered.get("enum", [lowered.get("const")]) if canonical(v) not in keys]
+        if not kept:
+            raise Empty(path, "no value is left beside an excluded one")
+        return {"const": kept[0]} if len(kept) == 1 else {"enum": kept}
+    if "anyOf" in lowered or isinstance(lowered.get("type"), list):
+        options = lowered.get("anyOf") or [{"type": kind} for kind in lowered["type"]]
+        kept = []
+        for option in options:
+            try:
+                kept.append(without_values(lowering, option, values, path))
+            except Empty:
+                continue
+        if not kept:
+            raise Empty(path, "no value is left beside an excluded one")
+        return kept[0] if len(kept) == 1 else {"anyOf": kept}
+    kind = lowered.get("type")
+    hit = [v for v in values if _is_of(v, kind)]
+    if not hit:
+        return lowered
+    if kind == "boolean":
+        kept = [b for b in (True, False) if canonical(b) not in keys]
+        if not kept:
+            raise Empty(path, "no boolean is left beside the excluded ones")
+        return {"const": kept[0]}
+    if kind == "string" and set(lowered) <= {"type", "minLength", "maxLength"}:
+        low, high = lowered.get("minLength", 0), lowered.get("maxLength", float("inf"))
+        try:
+            return {"type": "string", "pattern": excluding_regex(set(hit), low, high)}
+        except PatternError:
+            raise Empty(path, "no string is left beside the excluded ones") from None
+    raise Empty(path, f"a {kind or 'value of any type'} held off given values is not written")
+
+
+def _is_of(value: Any, kind: str | None) -> bool:
+    if kind is None:
+        return True
+    if kind in ("integer", "number"):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    python = {"string": str, "boolean": bool, "null": type(None), "object": dict, "array": list}
+    return isinstance(value, python[kind])

@@ -129,6 +129,7 @@ class Flat:
     arrays: tuple[Node, ...] = ()  # subschemas with array keywords
     required: frozenset[str] = frozenset()  # beyond the objects' own `required`
     forbidden: frozenset[str] = frozenset()  # property names this branch must not write
+    excluded: tuple[tuple[str, Any], ...] = ()  # (property, a value it must not have)
     keywords: frozenset[str] = field(default=frozenset())  # which families have keywords
     # keywords (a `not` no branch expresses) only the validator checks: enforced when the
     # branch is const / enum values (each one validated), else refused
@@ -156,17 +157,46 @@ class Flat:
             arrays=self.arrays + other.arrays,
             required=self.required | other.required,
             forbidden=self.forbidden | other.forbidden,
+            excluded=self.excluded + other.excluded,
             keywords=self.keywords | other.keywords,
             unchecked=self.unchecked + other.unchecked,
         )
 
-    def with_names(self, required=(), forbidden=()) -> Flat:
+    def with_names(self, required=(), forbidden=(), excluded=()) -> Flat:
         return replace(
             self,
             required=self.required | frozenset(required),
             forbidden=self.forbidden | frozenset(forbidden),
+            excluded=self.excluded + tuple(excluded),
             keywords=self.keywords | {"object"},
         )
+
+    def hopeless(self) -> bool:
+        """A cheap proof that no object meets the branch (and it is one): a name both required
+        and forbidden, or required and held to values that exclude each other. Branches are
+        multiplied (each `if` of an allOf: two or more): these are dropped as they appear."""
+        if self.values is not None or self.emitted_types() != frozenset({"object"}):
+            return False
+        required = set(self.required)
+        for part in self.objects:
+            if isinstance(part.schema.get("required"), list):
+                required |= set(part.schema["required"])
+        if required & self.forbidden:
+            return True
+        for name in required:
+            held = None
+            for part in self.objects:
+                sub = (part.schema.get("properties") or {}).get(name)
+                if isinstance(sub, dict) and ("const" in sub or "enum" in sub):
+                    values = {canonical(v) for v in sub.get("enum", [sub.get("const")])}
+                    if "const" in sub:
+                        values &= {canonical(sub["const"])}
+                    held = values if held is None else held & values
+            if held is not None:
+                held -= {canonical(value) for n, value in self.excluded if n == name}
+                if not held:
+                    return True
+        return False
 
     def emitted_types(self) -> frozenset[str]:
         """The types a value of this branch is written as: those `type` allows, narrowed to

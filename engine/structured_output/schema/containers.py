@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from baton.engine.structured_output.schema.conditions import without_values
 from baton.engine.structured_output.schema.conjunction import Flat
 from baton.engine.structured_output.schema.document import Empty, Node, Unenforceable
 from baton.engine.structured_output.schema.patterns import (
@@ -143,7 +144,11 @@ def write_object(lowering: Lowering, flat: Flat) -> dict:
                 raise Empty(path, f"required property {name!r} is forbidden by the rest of it")
             continue
         try:
-            properties[name] = lowering.schema(nodes) if nodes else {}
+            child = lowering.schema(nodes) if nodes else {}
+            held_off = [value for excluded, value in flat.excluded if excluded == name]
+            if held_off:
+                child = without_values(lowering, child, held_off, path)
+            properties[name] = child
         except Empty:
             if name in required:
                 raise

@@ -41,7 +41,9 @@ from baton.engine.structured_output.schema.oneof import exclusive
 from baton.engine.structured_output.schema.values import ValueWriter
 
 MAX_BRANCHES = 128  # alternatives one schema object may expand into
-MAX_SHARED = 2000  # shared parts ($defs) one schema may lower into
+MAX_POSITIONS = 20000  # positions (properties, items...) one schema may lower into
+MAX_COPIED_CHARS = 256  # a position met again is shared under $defs unless this small
+MAX_WRITTEN = 20_000  # branches written in all: the lowering's work, bounded
 
 
 def lower_schema(schema: Any, validator_class: type) -> Any:
@@ -58,6 +60,9 @@ class Lowering:
         self.defs: dict[str, Any] = {}  # name -> lowered schema
         self._names: dict[tuple[str, ...], str] = {}  # the subschemas' paths -> name
         self._writing: dict[tuple[str, ...], str | None] = {}  # being written -> name if needed
+        self._inline: dict[tuple[str, ...], Any] = {}  # written inline (once, so far)
+        self._empty: dict[tuple[str, ...], Empty] = {}  # positions no value meets
+        self.written = 0  # branches written, all positions together
         self._expanding: list[str] = []  # $ref targets being expanded inline (cycles)
         self.values = ValueWriter(self)
 
@@ -73,33 +78,55 @@ class Lowering:
     # -- one position (a property, the items...) holding the conjunction of subschemas --------
 
     def schema(self, nodes: list[Node]) -> Any:
-        """The lowered schema of a value that meets all of `nodes`. A position a `$ref` leads
-        to is written once under $defs (every reference to it shares it), and so is one met
-        again while it is being written (recursion ends at its name); others are inline."""
+        """The lowered schema of a value that meets all of `nodes`. Each position is written
+        once: one a `$ref` leads to goes under $defs (every reference shares it), and so does
+        one met again while it is being written (recursion ends at its name) or met a second
+        time (a schema's branches share their properties: copies would double per level)."""
         referenced = any(isinstance(n.schema, dict) and "$ref" in n.schema for n in nodes)
         nodes = list({node.path: node for node in map(self._target, nodes)}.values())
         key = tuple(sorted(node.path for node in nodes))
         if key in self._names:
             return {"$ref": f"#/$defs/{self._names[key]}"}
+        if key in self._empty:
+            raise self._empty[key]
         if key in self._writing:  # recursion: refer to it by name, written when it is done
             self._names[key] = self._writing[key] = f"s{len(self._names)}"
             return {"$ref": f"#/$defs/{self._names[key]}"}
-        if len(self._names) >= MAX_SHARED:
-            raise Unenforceable(nodes[0].path, f"lowers into more than {MAX_SHARED} parts")
-        before = set(self._names)
+        if key in self._inline:  # written once already: shared from now on, there too
+            lowered = self._inline[key]
+            if len(json.dumps(lowered)) <= MAX_COPIED_CHARS:
+                return lowered
+            reference = self._shared(key, dict(lowered))
+            lowered.clear()  # (the first copy, where it sits, becomes the reference)
+            lowered.update(reference)
+            return reference
+        if len(self._names) + len(self._inline) >= MAX_POSITIONS:
+            raise Unenforceable(nodes[0].path, f"lowers into more than {MAX_POSITIONS} parts")
+        names_before, inline_before = set(self._names), set(self._inline)
         self._writing[key] = None
         try:
             lowered = self._branches(nodes)
-        except Empty:
-            for made in self._names.keys() - before:  # with what refers to it
+        except Empty as empty:
+            # what was written for it goes, with what refers to it (a position written before,
+            # shared during it, stays: its first copy already refers to its name)
+            for made in self._names.keys() - names_before - inline_before:
                 self.defs.pop(self._names.pop(made), None)
+            for made in self._inline.keys() - inline_before:
+                del self._inline[made]
+            self._empty[key] = empty
             raise
         finally:
             name = self._writing.pop(key)
-        if name is None and not referenced:
-            return lowered
-        if name is None:
-            name = self._names[key] = f"s{len(self._names)}"
+        if name is not None:
+            self.defs[name] = lowered
+            return {"$ref": f"#/$defs/{name}"}
+        if referenced:
+            return self._shared(key, lowered)
+        self._inline[key] = lowered
+        return lowered
+
+    def _shared(self, key: tuple[str, ...], lowered: Any) -> dict:
+        name = self._names[key] = f"s{len(self._names)}"
         self.defs[name] = lowered
         return {"$ref": f"#/$defs/{name}"}
 
@@ -117,7 +144,11 @@ class Lowering:
 
     def _branches(self, nodes: list[Node]) -> Any:
         lowered, dropped = [], []
-        for flat in self.expand(nodes):
+        flats = self.expand(nodes)
+        self.written += len(flats)
+        if self.written > MAX_WRITTEN:
+            raise Unenforceable(nodes[0].path, f"lowers into more than {MAX_WRITTEN} branches")
+        for flat in flats:
             try:
                 lowered.append(self.values.write(flat))
             except Empty as empty:
@@ -140,7 +171,9 @@ class Lowering:
         return flats
 
     def _product(self, left: list[Flat], right: list[Flat], path: str) -> list[Flat]:
-        merged = [m for a in left for b in right if (m := a.merge(b)) is not None]
+        merged = [
+            m for a in left for b in right if (m := a.merge(b)) is not None and not m.hopeless()
+        ]
         if len(merged) > MAX_BRANCHES:
             raise Unenforceable(path, f"combines into more than {MAX_BRANCHES} alternatives")
         return merged
@@ -237,11 +270,18 @@ class Lowering:
 
     # -- what values are valid (const / enum candidates, propertyNames) ------------------------
 
-    def is_valid(self, value: Any, node: Node, unknown: bool) -> bool:
+    def is_valid(self, value: Any, node: Node, unknown: bool, beside_values: bool = False) -> bool:
         """`value` against the subschema at `node`, with the document's $refs and draft;
-        `unknown` where the validator fails on the schema (each caller's safe side)."""
+        `unknown` where the validator fails on the schema (each caller's safe side).
+        `beside_values`: against its keywords other than const / enum (a value a branch's
+        merged values hold already meets those: a large enum is then not read once per value)."""
+        schema = node.schema
+        if beside_values and node.base == "" and isinstance(schema, dict):
+            schema = {k: v for k, v in schema.items() if k not in ("const", "enum")}
+            if not CONSTRAINTS & schema.keys():
+                return True
         if node.base == "":
-            validator = self._validator.evolve(schema=node.schema)
+            validator = self._validator.evolve(schema=schema)
         else:  # (its $refs resolve against its own resource, which a pointer enters)
             pointer = "#" + quote(node.path, safe="/~!$&'()*+,;=:@")
             validator = self._validator.evolve(schema={"$ref": pointer})

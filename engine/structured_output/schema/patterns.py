@@ -292,8 +292,9 @@ def _counted(node: Repeat, inner: Node, low: int, high: float) -> Node | None:
 # -- nodes -> the grammar engine's regex ------------------------------------------------------------
 
 
-def excluding_regex(names: set[str]) -> str:
-    """A regex matching every JSON-safe string but `names` (a trie, complemented)."""
+def excluding_regex(names: set[str], min_length: int = 0, max_length: float = math.inf) -> str:
+    """A regex matching every JSON-safe string but `names` (a trie, complemented), of these
+    lengths (PatternError when none is left)."""
 
     def node(words: set[str]) -> Node:
         firsts = {word[0] for word in words if word}
@@ -306,7 +307,10 @@ def excluding_regex(names: set[str]) -> str:
             options.append(Seq((Chars(((ord(first), ord(first)),)), node(rest))))
         return simplify(Alt(tuple(options)))
 
-    return regex_text(node(set(names)))
+    narrowed = bounded(node(set(names)), min_length, max_length)
+    if narrowed is None:
+        raise PatternError(f"leaves no string of {min_length} to {max_length} characters")
+    return regex_text(narrowed)
 
 
 def json_string_regex(pattern: str, min_length: int = 0, max_length: float = math.inf) -> str:

@@ -64,7 +64,10 @@ class ValueWriter:
                 value
                 for value in flat.values
                 if _finite(value)
-                and all(self.lowering.is_valid(value, n, unknown=False) for n in flat.sources)
+                and all(
+                    self.lowering.is_valid(value, n, unknown=False, beside_values=True)
+                    for n in flat.sources
+                )
             ]
             if not kept:
                 raise Empty(path, "no const / enum value meets the keywords beside it")
