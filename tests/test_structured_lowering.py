@@ -133,6 +133,11 @@ LOWERED = {
         '"a\\tb"',
         ['"a\tb"', '"a\x01"', '"abcd"'],
     ),
+    "one character at most: no raw control character either": (
+        {"type": "string", "maxLength": 1},
+        '"\\b"',
+        ['"\x08"', '"ab"'],
+    ),
     # objects
     "required name outside properties": (
         {"type": "object", "required": ["a"]},

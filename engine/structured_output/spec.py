@@ -142,11 +142,15 @@ def compile_structured(
     return compiler.compile_structural_tag(_grammar_tag(spec))
 
 
-# xgrammar's character of a string with a length bound, as it prints it, and JSON's: any
-# character but a quote, a backslash or a control character, or a two-character escape (a
-# \\uXXXX escape may be half of a surrogate pair, which would count as one character).
-_LENGTH_CHARACTER = r"(([^\"\\\r\n]))"
-_JSON_CHARACTER = r'(([^\0-\x1f\"\\]) | ("\\" [\"\\/bfnrt]))'
+# xgrammar's character of a string with a length bound, as it prints it (in `(([^...]))`, or
+# `("" | ([^...]))` for at most one), and JSON's: any character but a quote, a backslash or a
+# control character, or a two-character escape (a \uXXXX escape may be half of a surrogate
+# pair, which would count as one character).
+_LENGTH_CHARACTER = r"[^\"\\\r\n]"
+_JSON_CHARACTER = r'([^\0-\x1f\"\\] | ("\\" [\"\\/bfnrt]))'
+
+
+_PLACEHOLDER = "batonpatternplaceholder"
 
 
 def json_schema_grammar(schema: str) -> str:
@@ -157,13 +161,11 @@ def json_schema_grammar(schema: str) -> str:
     value = _placeholders(json.loads(schema), patterns)
     grammar = str(xgrammar().Grammar.from_json_schema(json.dumps(value), **JSON_OPTIONS))
     grammar = grammar.replace(_LENGTH_CHARACTER, _JSON_CHARACTER)
-    for pattern, placeholder in patterns.items():
+    for pattern, placeholder in patterns.items():  # (absent where the grammar needs none)
         printed = f'Regex("{placeholder}", json_string=true)'
-        if printed not in grammar:
-            raise ValueError(
-                f"the pattern {pattern!r} has no rule of its own in xgrammar's grammar"
-            )
         grammar = grammar.replace(printed, regex_ebnf(parse_regex(pattern)))
+    if _PLACEHOLDER in grammar:  # (one xgrammar wrote another way: its text would be written)
+        raise ValueError("a pattern's placeholder is left in xgrammar's grammar")
     return grammar
 
 
@@ -172,7 +174,7 @@ def _placeholders(schema: Any, patterns: dict[str, str]) -> Any:
     replaced by a placeholder regex xgrammar prints as written."""
 
     def placeholder(pattern: str) -> str:
-        return patterns.setdefault(pattern, f"^baton{len(patterns)}$")
+        return patterns.setdefault(pattern, f"^{_PLACEHOLDER}{len(patterns)}$")
 
     if not isinstance(schema, dict) or "const" in schema or "enum" in schema:
         return schema

@@ -85,8 +85,8 @@ def negation(lowering: Lowering, node: Node, depth: int) -> list[Flat] | None:
     keys = {key for key in schema if key in CONSTRAINTS} if isinstance(schema, dict) else set()
     if not keys or depth == 0:
         return [] if not keys else None
-    if keys == {"required"}:
-        return [Flat(sources=(node,)).with_names(forbidden=[name]) for name in schema["required"]]
+    if keys == {"required"}:  # (a value that is no object meets any `required`)
+        return [_object(node).with_names(forbidden=[name]) for name in schema["required"]]
     if keys == {"type"}:
         own = flat_of(lowering.doc, node)
         others = ALL_TYPES - own.types if own is not None else ALL_TYPES
@@ -115,13 +115,10 @@ def negation(lowering: Lowering, node: Node, depth: int) -> list[Flat] | None:
 
 
 def _property_negation(lowering: Lowering, node: Node) -> list[Flat] | None:
-    """Not {properties: {p: const / enum}, required: [...]} (JSON Schema Store's `if`s): a value
-    that is no object, or lacks a required property, or has p with another value."""
+    """Not {properties: {p: const / enum}, required: [...]} (JSON Schema Store's `if`s): an
+    object that lacks a required property, or has p with another value."""
     schema = node.schema
-    branches = [Flat(typed=True, types=ALL_TYPES - {"object"})]
-    branches += [
-        Flat(sources=(node,)).with_names(forbidden=[name]) for name in schema.get("required", [])
-    ]
+    branches = [_object(node).with_names(forbidden=[name]) for name in schema.get("required", [])]
     for name in schema["properties"]:
         sub = lowering.child(node, "properties", name)
         while isinstance(sub.schema, dict) and set(sub.schema) & CONSTRAINTS == {"$ref"}:
@@ -132,15 +129,24 @@ def _property_negation(lowering: Lowering, node: Node) -> list[Flat] | None:
             return None  # (p of a type, a pattern...: its negation is no const / enum)
         values = [v for v in own.values if lowering.is_valid(v, sub, unknown=True)]
         excluded = [(name, value) for value in values]
-        branches.append(Flat(sources=(node,)).with_names(required=[name], excluded=excluded))
+        branches.append(_object(node).with_names(required=[name], excluded=excluded))
     return branches
+
+
+def _object(node: Node) -> Flat:
+    """A branch of objects only: what a negation of object keywords leaves (any value that
+    is no object meets `properties` and `required`)."""
+    return Flat(sources=(node,), types=frozenset({"object"}), typed=True)
 
 
 def without_values(lowering: Lowering, lowered: Any, values: list[Any], path: str) -> Any:
     """A lowered schema that admits what `lowered` does but `values` (Empty when that cannot be
     written: a number or an object held off one value, a pattern and a value...)."""
     if isinstance(lowered, dict) and "$ref" in lowered:
-        lowered = dict(lowering.defs[lowered["$ref"].rsplit("/", 1)[1]])
+        shared = lowering.defs.get(lowered["$ref"].rsplit("/", 1)[1])
+        if shared is None:  # (still being written: a recursive position)
+            raise Empty(path, "a value held off given values inside its own recursion")
+        lowered = dict(shared)
     keys = {canonical(value) for value in values}
     if "const" in lowered or "enum" in lowered:
         kept = [v for v in lowered.get("enum", [lowered.get("const")]) if canonical(v) not in keys]

@@ -135,6 +135,8 @@ def write_object(lowering: Lowering, flat: Flat) -> dict:
         low = max(low, schema.get("minProperties", 0))
         high = _least(high, schema.get("maxProperties"))
     required.update(dict.fromkeys(sorted(flat.required)))
+    if high is not None and low > high:
+        raise Empty(parts[0].path, "its minProperties is above its maxProperties")
     path = parts[0].path if parts else (flat.sources[0].path if flat.sources else "")
     properties: dict[str, Any] = {}
     for name in {**declared, **required}:
@@ -209,11 +211,11 @@ def _write_others(lowering: Lowering, flat: Flat, written: dict, low: int) -> No
     names = [
         lowering.child(node, "propertyNames") for node in parts if "propertyNames" in node.schema
     ]
-    if flat.forbidden and (names or patterned):
-        return  # (a forbidden name must stay out of other keys: only a propertyNames of ours)
     if patterned:
-        if len(parts) > 1:
-            return  # (which subschema a pattern key falls under in the others: narrowed away)
+        if len(parts) > 1 or names or flat.forbidden:
+            # (which subschema a pattern key falls under in the others, or a key both a pattern
+            # and propertyNames or a forbidden name must allow: narrowed away)
+            return
         node = patterned[0]
         patterns = node.schema["patternProperties"]
         every = [lowering.child(node, "patternProperties", p) for p in patterns]
@@ -233,14 +235,14 @@ def _write_others(lowering: Lowering, flat: Flat, written: dict, low: int) -> No
                 if re.fullmatch(regex, name)
             ]
             try:
-                keys[regex] = lowering.schema(every + declared + names)
+                keys[regex] = lowering.schema(every + declared)
             except Empty:
                 continue
         if keys:
             written["patternProperties"] = keys
         return
-    if any(value is False for value in later):
-        return
+    if any(value is False for value in later) or (flat.forbidden and names):
+        return  # (a forbidden name must stay out of other keys: only a propertyNames of ours)
     explicit = [value for value in later if isinstance(value, Node)]
     if explicit:
         try:

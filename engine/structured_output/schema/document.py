@@ -125,6 +125,7 @@ class Document:
         self._uris: dict[str, str] = {}  # absolute resource URI -> path
         self._anchors: dict[tuple[str, str], str] = {}  # (resource path, anchor) -> path
         self._base_uri: dict[str, str] = {}  # resource path -> its absolute URI
+        self.refs: list[Node] = []  # the subschemas holding a $ref
         self._index(self.node(), "")
 
     def node(self, path: str = "") -> Node:
@@ -180,8 +181,21 @@ class Document:
                 self._anchors[(node.base, anchor)] = node.path
             elif isinstance(old_anchor, str) and old_anchor.startswith("#") and len(old_anchor) > 1:
                 self._anchors[(node.base, old_anchor[1:])] = node.path
+            if isinstance(schema.get("$ref"), str):
+                self.refs.append(node)
             for parts, _ in subschemas(schema):
                 stack.append((self.child(node, *parts), uri))
+
+    def check_refs(self) -> None:
+        """Every `$ref` into this document points to something (one that does not makes the
+        schema invalid wherever it sits; one to another document is refused where it is
+        met)."""
+        for node in self.refs:
+            try:
+                self.resolve(node)
+            except Unenforceable as error:
+                if "points to nothing" in error.why or "names no anchor" in error.why:
+                    raise
 
     def resolve(self, node: Node) -> Node:
         """The subschema node's `$ref` points to (Unenforceable when it is not in here)."""

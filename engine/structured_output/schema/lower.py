@@ -67,6 +67,7 @@ class Lowering:
         self.values = ValueWriter(self)
 
     def lower(self) -> Any:
+        self.doc.check_refs()
         try:
             lowered = self.schema([self.doc.node()])
         except Empty as empty:

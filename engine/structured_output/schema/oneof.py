@@ -18,6 +18,7 @@ property all pass; options that may overlap are refused ('anyOf' says the same a
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from baton.engine.structured_output.schema.conjunction import ALL_TYPES, Flat, canonical, flat_of
@@ -40,7 +41,11 @@ def exclusive(lowering: Lowering, node: Node, options: list[list[Flat]]) -> list
         for flat in branches:
             candidates = [flat, *_discriminated(lowering, flat), _without(lowering, flat, others)]
             for candidate in filter(None, candidates):
-                if all(_fails(lowering, candidate, other) for other in others):
+                for other in others:
+                    candidate = _fails(lowering, candidate, other)
+                    if candidate is None:
+                        break
+                else:
                     kept.append(candidate)
                     break
     if not kept:
@@ -78,15 +83,22 @@ def _without(lowering: Lowering, flat: Flat, others: list[Node]) -> Flat | None:
     return flat.with_names(forbidden=left_out)
 
 
-def _fails(lowering: Lowering, flat: Flat, option: Node) -> bool:
+def _fails(lowering: Lowering, flat: Flat, option: Node) -> Flat | None:
+    """The branch, made to keep what proves that it fails `option` (None: no proof). The
+    branch is merged further (with the keywords beside the oneOf, allOf siblings...), which
+    may only narrow it, so the proof must not rest on what a merge changes: the types it is
+    written as are fixed (implied types would be lost to a `type` beside it), and so is a
+    property it must leave out (another subschema might declare it)."""
     if flat.values is not None:
-        return not any(lowering.is_valid(value, option, unknown=True) for value in flat.values)
+        valid = any(lowering.is_valid(value, option, unknown=True) for value in flat.values)
+        return None if valid else flat
     written = flat.emitted_types()
+    fixed = replace(flat, types=written, typed=True)
     if not written & asserted_types(lowering, option, _DEPTH):
-        return True
+        return fixed
     if written <= {"object"}:
-        return _object_fails(lowering, flat, option)
-    return False
+        return _object_fails(lowering, fixed, option)
+    return None
 
 
 def asserted_types(lowering: Lowering, node: Node, depth: int) -> frozenset[str]:
@@ -140,24 +152,25 @@ def _type_of(value: Any) -> frozenset[str]:
     return frozenset({"array" if isinstance(value, list) else "object"})
 
 
-def _object_fails(lowering: Lowering, flat: Flat, option: Node) -> bool:
+def _object_fails(lowering: Lowering, flat: Flat, option: Node) -> Flat | None:
     parts = _conjuncts(lowering, option, _DEPTH)
-    if any(not can_write(flat, name) for name in _required(lowering, option)):
-        return True
+    for name in sorted(_required(lowering, option)):
+        if not can_write(flat, name):
+            return flat.with_names(forbidden=[name])
     for name in _always(flat):
         for part in parts:
             for node in _property_schemas(lowering, part, name):
                 if node is None:  # the option forbids it
-                    return True
+                    return flat.with_names(required=[name])
                 values = _values_of(lowering, flat, name)
                 if values is not None:
                     if not any(lowering.is_valid(v, node, unknown=True) for v in values):
-                        return True
+                        return flat.with_names(required=[name])
                 elif not _property_types(lowering, flat, name) & asserted_types(
                     lowering, node, _DEPTH
                 ):
-                    return True
-    return False
+                    return flat.with_names(required=[name])
+    return None
 
 
 def _required(lowering: Lowering, option: Node) -> set[str]:

@@ -26,6 +26,7 @@ import math
 import re
 import re._constants as sre
 import re._parser as sre_parse
+import warnings
 
 from baton.engine.structured_output.schema.regex import (
     EMPTY,
@@ -129,7 +130,9 @@ _ALLOWED_FLAGS = re.UNICODE | re.VERBOSE | re.ASCII
 def parse(pattern: str) -> Node:
     """The pattern as nodes (PatternError for what the grammar engine cannot enforce)."""
     try:
-        parsed = sre_parse.parse(pattern)
+        with warnings.catch_warnings():  # (FutureWarning: "possible nested set" and the like)
+            warnings.simplefilter("ignore")
+            parsed = sre_parse.parse(pattern)
     except re.error as error:
         raise PatternError(f"is not a valid regular expression: {error}") from None
     if parsed.state.flags & ~_ALLOWED_FLAGS:
@@ -234,10 +237,27 @@ def bounded(node: Node, low: int, high: float) -> Node | None:
 
 
 def _bounded_seq(node: Seq, low: int, high: float) -> Node | None:
+    """Each item gets a window of lengths: an equal share of the room first, else each
+    variable item in turn takes all of it (the others at their least)."""
     ranges = [length_range(item) for item in node.items]
+    found = _windowed(node, ranges, low, high, shared=True)
+    variable = [i for i, (least, most) in enumerate(ranges) if most > least]
+    for taker in variable if found is None else []:
+        found = _windowed(node, ranges, low, high, shared=False, taker=taker)
+        if found is not None:
+            break
+    return found
+
+
+def _windowed(node: Seq, ranges, low: int, high: float, shared: bool, taker: int = -1):
     floor = sum(r[0] for r in ranges)
     windows = [[least, most] for least, most in ranges]
     variable = [i for i, (least, most) in enumerate(ranges) if most > least]
+    if not shared:  # one item takes the room, the others keep to their least
+        variable = [taker]
+        for i, (least, _) in enumerate(ranges):
+            if i != taker:
+                windows[i][1] = least
     if high < math.inf:  # each variable item: its minimum plus an equal share of the room
         room = min(high, max(low, floor + MAX_DERIVED_REPEAT)) - floor
         for rank, i in enumerate(variable):
@@ -320,8 +340,8 @@ def json_string_regex(pattern: str, min_length: int = 0, max_length: float = mat
     node = whole_match(parse(pattern))
     if node == EMPTY:
         raise PatternError(
-            "matches only strings with a quote, a backslash or a control character, which the "
-            "grammar engine cannot write in a pattern"
+            "matches no string the grammar engine can write (an anchor ^ or $ inside it, or "
+            "only strings with a quote, a backslash or a control character)"
         )
     narrowed = bounded(node, min_length, max_length)
     if narrowed is None:

@@ -109,6 +109,8 @@ class ValueWriter:
         lower, upper = _finite_bound(flat.lower, +1), _finite_bound(flat.upper, -1)
         if lower is False or upper is False:
             raise Empty(path, "no number meets an infinite bound")
+        if "integer" not in types:  # (a `not` of integers: numbers with a fractional part)
+            raise Unenforceable(path, "numbers that are not integers are not enforced")
         if "fraction" in types and not flat.multiples:
             return _number(lower, upper, path)
         # multipleOf p/q (as written) admits the whole numbers that are multiples of p: the
