@@ -19,6 +19,7 @@ from baton.disagg.decode import DecodeWorker
 from baton.disagg.prefill import PrefillWorker
 from baton.engine.core.engine import Engine
 from baton.engine.core.sampling_params import StructuredOutputs
+from baton.engine.structured_output import check_structured_outputs
 from tests.test_disagg_unit import config, run_pair
 
 ASSETS = Path(__file__).parents[1] / "assets"
@@ -252,3 +253,19 @@ def test_a_stop_string_still_cuts_a_constrained_answer(llm):
     out = llm.generate([PROMPT], params)[0]
     assert out.text in ("yes", "no") and (out.finish_reason, out.stop_reason) == ("stop", ".")
     assert not llm.engine.has_unfinished_requests() and llm.stats().kv_pages_used == 0
+
+
+def test_a_schema_that_lowers_past_64_kib_runs_and_its_output_follows_it(llm):
+    """The check accepts up to 256 KiB of lowered constraints (JSONSchemaBench's largest are
+    ~240 KB); the engine compiles what the check accepts."""
+    first = {f"field_{i}": {"type": "integer", "minimum": i, "maximum": i + 9} for i in range(1500)}
+    schema = {"type": "object", "properties": {"answer": SCHEMA, **first}, "required": ["answer"]}
+    structured = grammar("json", schema)
+    assert len(check_structured_outputs(structured).spec) > 64 * 1024
+    (output,) = llm.generate(
+        [PROMPT], SamplingParams(max_tokens=200, temperature=0, structured_outputs=structured)
+    )
+    if output.finish_reason == "stop":
+        assert follows(json.loads(output.text), schema)
+    else:
+        assert output.finish_reason == "length" and output.text.startswith('{"answer": {')

@@ -251,7 +251,16 @@ def test_sglang_generate_takes_its_constraint_fields_through_the_router(up, fiel
 # -- refusals ----------------------------------------------------------------------------------
 
 REFUSED = [
-    ({"guided_json": {"type": "object", "properties": {"a": {"not": {}}}}}, "guided_json", "'not'"),
+    (
+        {
+            "guided_json": {
+                "type": "object",
+                "properties": {"a": {"type": "array", "uniqueItems": True}},
+            }
+        },
+        "guided_json",
+        "at /properties/a/uniqueItems: 'uniqueItems'",
+    ),
     ({"guided_json": {"type": "integer", "minimum": 3, "maximum": 1}}, "guided_json", "minimum"),
     ({"guided_regex": "a(b"}, "guided_regex", "invalid regex"),
     # found by the engine once compiled: it cannot know the field
@@ -376,3 +385,107 @@ def test_hostile_specs_get_a_400_or_end_within_limits_while_others_stream(serve)
     assert sum(sent < t < answered for t in chunks) >= 2
     assert finishes[-1] == "length"  # the stream ran to its end
     assert serve.http().get("/health").status_code == 200
+
+
+# -- /v1/responses: text.format behind the same check as chat and completions -----------------
+
+
+def respond(base_url: str, text_format: dict, **body) -> httpx.Response:
+    body = {
+        "model": str(ASSETS),
+        "input": "Tom has 13 apples and buys 24 more. How many apples?",
+        "max_output_tokens": 40,
+        "temperature": 0,
+        "text": {"format": text_format},
+        **body,
+    }
+    return httpx.post(f"{base_url}/v1/responses", json=body, timeout=60)
+
+
+RESPONSES_REFUSED = [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "at /uniqueItems"),
+    ({"type": "string", "not": {"pattern": "^a"}}, "at /not"),
+    ({"$ref": "https://example.com/schema.json"}, "at /$ref"),
+    ({"type": "string", "pattern": "^(?!x)"}, "at /pattern"),
+    ({"type": "integer", "minimum": 3, "maximum": 1}, "no integer lies between its minimum"),
+]
+
+
+@pytest.mark.parametrize(("schema", "named"), RESPONSES_REFUSED, ids=lambda v: str(v)[:30])
+def test_responses_text_format_is_refused_as_chat_would_naming_keyword_and_path(
+    serve, schema, named
+):
+    text_format = {"type": "json_schema", "name": "answer", "schema": schema}
+    chat = complete(
+        serve.base_url,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema},
+        },
+    )
+    response = respond(serve.base_url, text_format)
+    for answer in (chat, response):
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert named in error["message"], error
+        assert ".cc" not in error["message"] and "xgrammar" not in error["message"], error
+    assert response.json()["error"]["param"] == "text"
+    assert response.json()["error"]["message"].startswith("text.format: JSON schema ")
+
+
+def test_responses_text_format_writes_what_the_schema_allows(serve):
+    schema = {
+        "type": "object",
+        "properties": {"count": {"type": "integer", "minimum": 0, "multipleOf": 12}},
+        "required": ["count"],
+        "format": "not-a-known-format",  # an annotation: accepted, nothing to enforce
+    }
+    for seed in range(3):
+        response = respond(
+            serve.base_url,
+            {"type": "json_schema", "name": "answer", "schema": schema},
+            temperature=1.0,
+            seed=seed,
+        )
+        assert response.status_code == 200, response.text
+        (message,) = [item for item in response.json()["output"] if item["type"] == "message"]
+        text = message["content"][0]["text"]
+        if response.json()["status"] == "completed":
+            jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_forced_tool_call_resolves_refs_to_its_own_parameters(serve):
+    """`$ref: "#"` in a tool's parameters is the tool's schema, not tool_choice=required's array
+    of calls (arguments once came back as {"c": [{"name": "t", "parameters": ...}]})."""
+    parameters = {
+        "type": "object",
+        "properties": {
+            "v": {"type": "integer", "minimum": 0, "maximum": 9},
+            "c": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1},
+        },
+        "required": ["v", "c"],
+    }
+    tools = [{"type": "function", "function": {"name": "t", "parameters": parameters}}]
+    body = {
+        "model": str(ASSETS),
+        "messages": [{"role": "user", "content": "Make a tree."}],
+        "tools": tools,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 200,
+        "temperature": 1.0,
+    }
+    nested = 0  # calls whose `c` holds a node: where the reference was resolved
+    for seed in range(16):
+        response = httpx.post(
+            f"{serve.base_url}/v1/chat/completions", json={**body, "seed": seed}, timeout=60
+        )
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        if choice["finish_reason"] != "tool_calls":
+            continue  # (cut by max_tokens: its arguments are partial)
+        (call,) = choice["message"]["tool_calls"]
+        arguments = json.loads(call["function"]["arguments"])
+        jsonschema.validate(arguments, parameters)
+        nested += bool(arguments["c"])
+    assert nested, "no whole call with a nested node in 16 tries"

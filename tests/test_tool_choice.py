@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from baton.engine.core.sampling_params import SamplingParams, StructuredOutputs
+from baton.engine.structured_output import check_structured_outputs
 from baton.server.errors import APIError
 from baton.server.openai.protocol import ChatCompletionRequest
 from baton.server.openai.responses.protocol import ResponsesRequest, to_chat_request
@@ -214,9 +215,10 @@ def test_responses_that_need_stored_state_are_refused_by_name(fields):
 
 
 def test_tools_with_odd_schemas_are_a_400_or_read_without_types_never_a_crash():
-    odd = {"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}
-    error = refusal(lambda: required_schema(chat(tools=[odd]).tools, None))
-    assert error.param == "tools" and "$defs" in error.message
+    odd = {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}
+    spec = json.dumps(required_schema(chat(tools=[odd]).tools, None))
+    with pytest.raises(ValueError, match=r"at /\$defs/tool_0/type: invalid schema: 5 is not valid"):
+        check_structured_outputs(StructuredOutputs(kind="json", spec=spec, after_token_ids=()))
     shapes = [{"properties": [1]}, {"properties": {"x": True}}, {"properties": {"x": {"type": 5}}}]
     for parameters in shapes:
         tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}

@@ -49,9 +49,17 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        # a bad schema, regex or grammar is refused before anything runs (each one once)
-        for structured in {p.structured_outputs for p in params} - {None}:
-            check_structured_outputs(structured)
+        # a bad schema, regex or grammar is refused before anything runs (each one once); the
+        # engine compiles the checked spec (a JSON schema lowered to what it enforces)
+        checked = {
+            s: check_structured_outputs(s) for s in {p.structured_outputs for p in params} - {None}
+        }
+        params = [
+            p
+            if p.structured_outputs is None
+            else dataclasses.replace(p, structured_outputs=checked[p.structured_outputs])
+            for p in params
+        ]
         order: list[str] = []
         detokenizer = OutputDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         outputs: dict[str, RequestOutput] = {}

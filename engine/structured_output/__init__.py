@@ -1,7 +1,7 @@
 """Structured outputs (JSON schema, regex, choice, grammar, structural tag) with xgrammar.
 
-spec.py checks a StructuredOutputs before anything runs and maps it to xgrammar; keywords.py
-knows which JSON Schema keywords the grammar engine enforces; grammars.py is the engine's side:
+spec.py checks a StructuredOutputs before anything runs and maps it to xgrammar; schema/ lowers
+a JSON schema into what the grammar engine enforces exactly; grammars.py is the engine's side:
 the compile thread, the per-step bitmask and the matchers (imported from there: it needs torch,
 which the server, a user of the check, does without).
 """

@@ -32,12 +32,13 @@ import torch
 
 from baton.engine.core.request import Request
 from baton.engine.core.sampling_params import SamplingParams
-from baton.engine.structured_output.spec import MAX_SPEC_CHARS, compile_structured, xgrammar
+from baton.engine.structured_output.compiled_cache import CompiledCache
+from baton.engine.structured_output.spec import compile_structured, compiled_spec_limit, xgrammar
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-# The compiler's cache of compiled grammars (LRU beyond this): repeated schemas compile once.
+# Compiled grammars kept for specs that come again (compiled_cache.py: LRU beyond this).
 CACHE_LIMIT_BYTES = 256 << 20
 # How long an engine with nothing to run but compiling grammars waits for one in a step.
 IDLE_WAIT_S = 0.02
@@ -97,6 +98,7 @@ class Grammars:
         self.timing = MaskTiming()
         self._executor: ThreadPoolExecutor | None = None
         self._compiler: xgr.GrammarCompiler | None = None
+        self.compiled = CompiledCache(CACHE_LIMIT_BYTES)  # (touched on the compile thread only)
         # (rows, words) int32, grown to the largest batch that had a grammar row; xgrammar is
         # imported at the first grammar (engine/structured_output/spec.py), not here
         self._bitmask: torch.Tensor | None = None
@@ -111,10 +113,9 @@ class Grammars:
             return
         if not self.tokenizer.available:
             raise ValueError("structured_outputs need the model's tokenizer (none in its folder)")
-        if len(structured.spec) > MAX_SPEC_CHARS:
-            raise ValueError(
-                f"structured_outputs: the spec is longer than {MAX_SPEC_CHARS} characters"
-            )
+        limit = compiled_spec_limit(structured.kind)
+        if len(structured.spec) > limit:
+            raise ValueError(f"structured_outputs: the spec is longer than {limit} characters")
 
     def add(self, req: Request) -> None:
         """Begin compiling the request's grammar, if it has one (on the compile thread)."""
@@ -186,13 +187,19 @@ class Grammars:
             self._compiler = xgr.GrammarCompiler(
                 _tokenizer_info(self.tokenizer.get(), self.vocab_size, self.stop_token_ids),
                 max_threads=self.compile_threads,
-                cache_enabled=True,
-                cache_limit_bytes=CACHE_LIMIT_BYTES,
+                cache_enabled=False,  # (its memory is not bounded: compiled_cache.py)
             )
+        compiler = self._compiler
         try:
-            compiled = compile_structured(self._compiler, structured)
-        except RuntimeError as error:  # a spec the server's check would have refused
-            raise ValueError(f"structured_outputs: the {structured.kind} spec: {error}") from None
+            compiled = self.compiled.get(
+                (structured.kind, structured.spec),
+                lambda: compile_structured(compiler, structured),
+            )
+        except (RuntimeError, ValueError) as error:  # a spec the server's check would refuse
+            logger.warning("a %s spec failed to compile: %s", structured.kind, error)
+            raise ValueError(
+                f"structured_outputs: the {structured.kind} spec could not be compiled"
+            ) from None
         probe = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         probe.fill_next_token_bitmask(bitmask)

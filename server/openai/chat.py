@@ -31,7 +31,7 @@ from baton.server.openai.generation import (
 from baton.server.openai.logprobs import chat_logprobs
 from baton.server.openai.protocol import ChatCompletionRequest
 from baton.server.openai.sampling import build_sampling_params, params_for_prompt, truncate_prompt
-from baton.server.openai.structured import check_structured
+from baton.server.openai.structured import checked_structured, structured_source
 from baton.server.openai.tool_choice import ChatOutputPlan, plan_output, reasoning_end_ids
 from baton.server.openai.validation import check_generation, num_logprobs, requested_max_tokens
 from baton.server.parsers.blocks import text_end
@@ -94,7 +94,8 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
         body, max_tokens=max_tokens, logprobs=num_logprobs(body), vocab_size=state.vocab_size
     )
     params = plan.sampling(params, reasoning_end_ids(tokenizer, plan.settings))
-    await check_structured(body, params.structured_outputs)  # a bad spec: 400, no compute
+    # a bad spec: 400, no compute; the engine compiles the lowered one
+    params = await checked_structured(params, structured_source(body))
     params = params_for_prompt(
         params,
         prompt,

@@ -30,7 +30,7 @@ from baton.server.openai.generation import (
 from baton.server.openai.logprobs import completion_logprobs
 from baton.server.openai.protocol import CompletionRequest
 from baton.server.openai.sampling import build_sampling_params, params_for_prompt, truncate_prompt
-from baton.server.openai.structured import check_structured
+from baton.server.openai.structured import checked_structured, structured_source
 from baton.server.openai.validation import check_generation, engine_max_tokens, requested_max_tokens
 
 router = APIRouter()
@@ -131,7 +131,8 @@ async def start_completion(
         vocab_size=state.vocab_size,
         prompt_logprobs=body.logprobs if scored else None,
     )
-    await check_structured(body, params.structured_outputs)  # a bad spec: 400, no compute
+    # a bad spec: 400, no compute; the engine compiles the lowered one
+    params = await checked_structured(params, structured_source(body))
     # one set per prompt: each gets the max_tokens its own length leaves in the context
     prompt_params = [
         params_for_prompt(

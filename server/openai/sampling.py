@@ -34,7 +34,7 @@ def build_sampling_params(
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """vocab_size None (the router, which has no model) checks everything but the vocabulary
-    (and the structured-output spec itself: server/openai/structured.py's check_structured)."""
+    (and the structured-output spec itself: server/openai/structured.py's checked_structured)."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     stop_token_ids = list(request.stop_token_ids or [])
     for token_id in stop_token_ids:

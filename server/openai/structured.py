@@ -9,19 +9,22 @@
              structured_outputs by server/openai/validation.py:completion_from_generate)
 
 `structured_outputs_of` runs where every generation request is checked without a model (the
-workers and the router): the field's shape. `check_structured` runs on a worker, in a thread,
-before the request is admitted: the spec itself (xgrammar parses it; JSON Schema keywords the
-grammar engine would drop are refused), so a bad spec is a 400 before any compute.
+workers and the router): the field's shape. `checked_structured` runs on a worker, in a thread,
+before the request is admitted: the spec itself (a JSON schema lowered into what the grammar
+engine enforces, or refused naming the keyword and its path; xgrammar parses the rest), so a bad
+spec is a 400 before any compute, and the engine compiles the lowered spec.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import dataclasses
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
-from baton.engine.core.sampling_params import StructuredKind, StructuredOutputs
+from baton.engine.core.sampling_params import SamplingParams, StructuredKind, StructuredOutputs
 from baton.engine.structured_output import check_structured_outputs
 from baton.server.errors import APIError
 
@@ -71,30 +74,56 @@ def structured_outputs_of(request: Any) -> StructuredOutputs | None:
     return found[0][1] if found else None
 
 
-async def check_structured(request: Any, structured: StructuredOutputs | None) -> None:
-    """The spec's own check (a worker thread: a large schema takes a while to parse)."""
+async def checked_structured(params: SamplingParams, param: str) -> SamplingParams:
+    """`params` with its structured output checked and lowered (a worker thread: a large
+    schema takes a while), or a 400 naming `param` (the field the spec came from)."""
+    structured = params.structured_outputs
     if structured is None:
-        return
+        return params
     try:
-        await asyncio.to_thread(_checked, structured)
+        checked = await asyncio.to_thread(_checked, structured)
     except ValueError as error:
-        param = _source(request)
         reason = str(error).removeprefix("structured_outputs: ")
-        raise APIError.bad_request(f"{param}: {reason}", param) from None
+        raise APIError.bad_request(f"{param}: {reason}", param.split(".")[0]) from None
+    return dataclasses.replace(params, structured_outputs=checked)
 
 
-@functools.lru_cache(maxsize=256)
-def _checked(structured: StructuredOutputs) -> None:
-    """Specs that passed stay here (a client sends the same schema again and again); a failed
-    check raises and is not remembered."""
-    check_structured_outputs(structured)
-
-
-def _source(request: Any) -> str | None:
+def structured_source(request: Any) -> str:
+    """The request field its structured output came from (a forced tool call's: `tools`)."""
     for name in ("response_format", "structured_outputs", *_GUIDED):
         if getattr(request, name, None) not in (None, {"type": "text"}):
             return name
-    return None
+    return "tools"
+
+
+class _CheckedSpecs:
+    """Specs that passed, with what the engine compiles for them (a client sends the same
+    schema again and again), least recently used first, up to `limit` characters of spec in
+    all; a failed check raises and is not remembered. Shared by the check threads."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._specs: OrderedDict[StructuredOutputs, StructuredOutputs] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, structured: StructuredOutputs) -> StructuredOutputs:
+        with self._lock:
+            if structured in self._specs:
+                self._specs.move_to_end(structured)
+                return self._specs[structured]
+        checked = check_structured_outputs(structured)
+        with self._lock:
+            if structured not in self._specs:
+                self._specs[structured] = checked
+                self._chars += len(structured.spec) + len(checked.spec)
+            while self._chars > self.limit and len(self._specs) > 1:
+                key, value = self._specs.popitem(last=False)
+                self._chars -= len(key.spec) + len(value.spec)
+        return checked
+
+
+_checked = _CheckedSpecs(limit=16 << 20)
 
 
 def _from_response_format(value: Any) -> StructuredOutputs | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from baton.engine.core.sampling_params import SamplingParams, StructuredOutputs
+from baton.engine.structured_output.schema.document import subschemas
 from baton.server.errors import APIError
 from baton.server.openai.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
 from baton.server.parsers.json_calls import BareJsonParser
@@ -66,9 +67,13 @@ def named_schema(tool: ChatTool) -> dict[str, Any]:
 
 def required_schema(tools: list[ChatTool], parallel_tool_calls: bool | None) -> dict[str, Any]:
     """vLLM's schema for tool_choice "required": a non-empty array of {name, parameters}, one
-    item shape per tool (each branch says "object" itself: a grammar engine reads only the
-    anyOf beside a type); `$defs` of the tools' schemas are lifted to the top, where their
-    `$ref`s point."""
+    item shape per tool. Each tool's parameters sit whole under `$defs` (`tool_0`, ...), with
+    their `$ref`s rebased there: a reference resolves in the tool's own schema ("#" is its
+    parameters, not this array), and two tools' `$defs` of the same name stay apart."""
+    definitions = {
+        f"tool_{index}": _rebased(named_schema(tool), f"#/$defs/tool_{index}")
+        for index, tool in enumerate(tools)
+    }
     schema: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
@@ -78,36 +83,36 @@ def required_schema(tools: list[ChatTool], parallel_tool_calls: bool | None) -> 
                     "type": "object",
                     "properties": {
                         "name": {"type": "string", "enum": [tool.function.name]},
-                        "parameters": {
-                            key: value
-                            for key, value in named_schema(tool).items()
-                            if key != "$defs"
-                        },
+                        "parameters": {"$ref": f"#/$defs/tool_{index}"},
                     },
                     "required": ["name", "parameters"],
                 }
-                for tool in tools
+                for index, tool in enumerate(tools)
             ],
         },
+        "$defs": definitions,
     }
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
-    definitions: dict[str, Any] = {}
-    for index, tool in enumerate(tools):
-        tool_definitions = named_schema(tool).get("$defs") or {}
-        if not isinstance(tool_definitions, dict):
-            raise APIError.bad_request(
-                f"tools[{index}].function.parameters.$defs must be an object", "tools"
-            )
-        for name, definition in tool_definitions.items():
-            if definitions.get(name, definition) != definition:
-                raise APIError.bad_request(
-                    f"tools: $defs {name!r} is defined differently by two tools", "tools"
-                )
-            definitions[name] = definition
-    if definitions:
-        schema["$defs"] = definitions
     return schema
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with each `$ref` into itself ("#", "#/...") pointing under `base` instead (only
+    `$ref` keywords: a property named "$ref" or a const holding one is left as it is)."""
+    if not isinstance(schema, dict):
+        return schema
+    rebased = dict(schema)
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        rebased["$ref"] = base + ref[1:]
+    for parts, sub in subschemas(schema):
+        holder = rebased
+        for part in parts[:-1]:
+            holder[part] = holder[part].copy()  # (copied on the way down: the tool is the user's)
+            holder = holder[part]
+        holder[parts[-1]] = _rebased(sub, base)
+    return rebased
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -38,6 +38,7 @@ from baton.server.openai.responses.protocol import (
     named_as_responses,
     to_chat_request,
 )
+from baton.server.openai.structured import checked_structured
 from baton.server.openai.tool_choice import reasoning_end_ids
 from baton.server.parsers.blocks import text_end
 from baton.server.parsers.output import OutputStream, ParsedOutput
@@ -72,8 +73,9 @@ async def create_response(body: ResponsesRequest, raw_request: Request):
         chat = to_chat_request(body)
         prompt, params, plan = await prepare_chat(state, chat)
     structured = _text_format(body, plan, reasoning_end_ids(state.tokenizer, plan.settings))
-    if structured is not None:
+    if structured is not None:  # the same check (and lowering) as chat's response_format
         params = dataclasses.replace(params, structured_outputs=structured)
+        params = await checked_structured(params, "text.format")
     check_disagg(state, chat.baton_disagg)
     admit(state)
     response_id = new_id("resp")
