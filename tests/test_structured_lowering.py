@@ -433,3 +433,25 @@ def test_a_branch_dropped_as_empty_leaves_no_reference_to_what_it_wrote(compiler
     names = set(re.findall(r'"#/\$defs/(s\d+)"', lowered))
     assert names <= set(json.loads(lowered).get("$defs", {})), lowered
     assert admits(compiler, schema, '{"first": {"k": {"deep": "x"}}}')
+
+
+def test_extra_keys_never_write_a_declared_name_with_another_value(compiler):
+    """Keys of additionalProperties keep off the declared names in xgrammar, keys under a
+    propertyNames do not ({"c": 5} was written for a `c` that must be null)."""
+    named = {
+        "type": "object",
+        "properties": {"c": {"type": "null"}},
+        "additionalProperties": True,
+        "propertyNames": {"pattern": "^[a-c]+$"},
+    }
+    assert admits(compiler, named, '{"c": null}')
+    assert not admits(compiler, named, '{"c": 5}')
+    one_of_two = {  # the oneOf leaves `b` out of its first branch through a propertyNames
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "additionalProperties": {"type": "string"},
+        "oneOf": [{"required": ["a"]}, {"required": ["b"]}],
+    }
+    assert admits(compiler, one_of_two, '{"a": 1, "x": "y"}')
+    for text in ('{"a": 1, "a": "y"}', '{"a": 1, "b": "y"}', '{"a": 1, "b": 2}'):
+        assert not admits(compiler, one_of_two, text), text

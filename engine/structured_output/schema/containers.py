@@ -211,16 +211,19 @@ def _write_others(lowering: Lowering, flat: Flat, written: dict, low: int) -> No
     names = [
         lowering.child(node, "propertyNames") for node in parts if "propertyNames" in node.schema
     ]
+    written_names = list(written["properties"])
     if patterned:
-        if len(parts) > 1 or names or flat.forbidden:
+        if len(parts) > 1 or flat.forbidden:
             # (which subschema a pattern key falls under in the others, or a key both a pattern
-            # and propertyNames or a forbidden name must allow: narrowed away)
+            # and a forbidden name must allow: narrowed away)
             return
         node = patterned[0]
         patterns = node.schema["patternProperties"]
         every = [lowering.child(node, "patternProperties", p) for p in patterns]
         keys = {}
         for pattern in patterns:
+            if not all(_names_allow(name.schema, pattern) for name in names):
+                continue  # (a key both this pattern and propertyNames allow: not written)
             try:
                 regex = json_string_regex(pattern)
             except PatternError as error:
@@ -241,8 +244,11 @@ def _write_others(lowering: Lowering, flat: Flat, written: dict, low: int) -> No
         if keys:
             written["patternProperties"] = keys
         return
-    if any(value is False for value in later) or (flat.forbidden and names):
-        return  # (a forbidden name must stay out of other keys: only a propertyNames of ours)
+    if any(value is False for value in later) or (names and (flat.forbidden or written_names)):
+        # (keys from a propertyNames are not kept off the declared names, as keys of
+        # additionalProperties alone are, and a forbidden name must stay out of them: extra
+        # keys are written under a propertyNames of ours, or none)
+        return
     explicit = [value for value in later if isinstance(value, Node)]
     if explicit:
         try:
@@ -255,9 +261,25 @@ def _write_others(lowering: Lowering, flat: Flat, written: dict, low: int) -> No
         return
     if names:
         written["propertyNames"] = lowering.schema(names)
-    elif flat.forbidden:  # other keys, but not a forbidden name
-        pattern = excluding_regex(set(flat.forbidden))
+    elif flat.forbidden:  # other keys, but neither a forbidden name nor a declared one
+        pattern = excluding_regex(set(flat.forbidden) | set(written_names))
         written["propertyNames"] = {"type": "string", "pattern": pattern}
+
+
+def _names_allow(names: object, pattern: str) -> bool:
+    """Whether a propertyNames schema allows every key a pattern does (when it says the same
+    pattern, or nothing of strings)."""
+    if names is True or names in ({}, {"type": "string"}):
+        return True
+    return (
+        isinstance(names, dict)
+        and names.get("pattern") == pattern
+        and set(names)
+        <= {
+            "pattern",
+            "type",
+        }
+    )
 
 
 def _subschema(lowering: Lowering, node: Node, key: str) -> Node | bool | None:
