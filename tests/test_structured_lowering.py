@@ -455,3 +455,14 @@ def test_extra_keys_never_write_a_declared_name_with_another_value(compiler):
     assert admits(compiler, one_of_two, '{"a": 1, "x": "y"}')
     for text in ('{"a": 1, "a": "y"}', '{"a": 1, "b": "y"}', '{"a": 1, "b": 2}'):
         assert not admits(compiler, one_of_two, text), text
+
+
+def test_a_declared_property_no_value_fits_is_not_written_as_an_extra_key(compiler):
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "null", "enum": [1]}, "b": {"type": "integer"}},
+        "additionalProperties": True,
+    }
+    assert admits(compiler, schema, '{"b": 1, "c": 2}')
+    for text in ('{"a": 1}', '{"a": null}', '{"b": 1, "a": 2}'):
+        assert not admits(compiler, schema, text), text

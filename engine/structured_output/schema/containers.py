@@ -158,7 +158,8 @@ def write_object(lowering: Lowering, flat: Flat) -> dict:
     names = [name for name in required if name in properties]
     if names:
         written["required"] = names
-    _write_others(lowering, flat, written, low)
+    left_out = set(declared) | set(required) - set(properties)  # (none of their values fit)
+    _write_others(lowering, flat, written, low, flat.forbidden | left_out)
     others = "additionalProperties" in written or "patternProperties" in written
     if high is not None:
         if len(names) > high:
@@ -198,9 +199,12 @@ def _property_nodes(lowering: Lowering, parts: tuple[Node, ...], name: str) -> l
     return nodes
 
 
-def _write_others(lowering: Lowering, flat: Flat, written: dict, low: int) -> None:
+def _write_others(
+    lowering: Lowering, flat: Flat, written: dict, low: int, kept_off: frozenset[str]
+) -> None:
     """Properties beyond the declared ones: pattern keys, or additionalProperties, where every
-    object subschema of the branch allows them (and no name is forbidden)."""
+    object subschema of the branch allows them; never a name `kept_off` (forbidden, or declared
+    with no value that fits: as undeclared keys, they would be written)."""
     parts = flat.objects
     patterned = [node for node in parts if node.schema.get("patternProperties")]
     later = [_subschema(lowering, node, "additionalProperties") for node in parts]
@@ -213,7 +217,7 @@ def _write_others(lowering: Lowering, flat: Flat, written: dict, low: int) -> No
     ]
     written_names = list(written["properties"])
     if patterned:
-        if len(parts) > 1 or flat.forbidden:
+        if len(parts) > 1 or kept_off:
             # (which subschema a pattern key falls under in the others, or a key both a pattern
             # and a forbidden name must allow: narrowed away)
             return
@@ -244,7 +248,7 @@ def _write_others(lowering: Lowering, flat: Flat, written: dict, low: int) -> No
         if keys:
             written["patternProperties"] = keys
         return
-    if any(value is False for value in later) or (names and (flat.forbidden or written_names)):
+    if any(value is False for value in later) or (names and (kept_off or written_names)):
         # (keys from a propertyNames are not kept off the declared names, as keys of
         # additionalProperties alone are, and a forbidden name must stay out of them: extra
         # keys are written under a propertyNames of ours, or none)
@@ -261,8 +265,8 @@ def _write_others(lowering: Lowering, flat: Flat, written: dict, low: int) -> No
         return
     if names:
         written["propertyNames"] = lowering.schema(names)
-    elif flat.forbidden:  # other keys, but neither a forbidden name nor a declared one
-        pattern = excluding_regex(set(flat.forbidden) | set(written_names))
+    elif kept_off:  # other keys, but neither a name kept off nor a declared one
+        pattern = excluding_regex(set(kept_off) | set(written_names))
         written["propertyNames"] = {"type": "string", "pattern": pattern}
 
 
