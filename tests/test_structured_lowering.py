@@ -285,7 +285,8 @@ def test_a_oneof_branch_that_may_match_another_option_is_left_out(compiler):
         check_structured_outputs(spec("json", {"oneOf": [{"type": "string"}, {"enum": ["a"]}]}))
     mixed = {"oneOf": [{"type": "integer"}, {"type": "array"}, {"enum": [1, "a"]}]}
     assert admits(compiler, mixed, "[]")  # arrays match the second option only
-    for text in ("1", "2", '"a"'):  # 1 matches two options; 2 or "a" might have been 1
+    assert admits(compiler, mixed, '"a"')  # a value of the third option alone
+    for text in ("1", "2"):  # 1 matches two options; 2 might have been 1
         assert not admits(compiler, mixed, text), text
 
 
@@ -466,3 +467,15 @@ def test_a_declared_property_no_value_fits_is_not_written_as_an_extra_key(compil
     assert admits(compiler, schema, '{"b": 1, "c": 2}')
     for text in ('{"a": 1}', '{"a": null}', '{"b": 1, "a": 2}'):
         assert not admits(compiler, schema, text), text
+
+
+def test_a_oneof_over_values_keeps_the_values_one_option_allows(compiler):
+    schema = {
+        "type": "object",
+        "properties": {"a": {}, "b": {}},
+        "oneOf": [{"required": ["a"]}, {"required": ["b"]}],
+        "enum": [{"a": 1}, {"a": 1, "b": 2}, {"b": 2}],
+    }
+    # (a const is written compact)
+    assert admits(compiler, schema, '{"a":1}') and admits(compiler, schema, '{"b":2}')
+    assert not admits(compiler, schema, '{"a":1,"b":2}')  # both options: not one
