@@ -479,3 +479,23 @@ def test_a_oneof_over_values_keeps_the_values_one_option_allows(compiler):
     # (a const is written compact)
     assert admits(compiler, schema, '{"a":1}') and admits(compiler, schema, '{"b":2}')
     assert not admits(compiler, schema, '{"a":1,"b":2}')  # both options: not one
+
+
+def test_min_properties_counts_distinct_keys_which_extra_keys_may_not_be(compiler):
+    """A grammar may write an extra key twice ({"x": 1, "x": 2}: one property once parsed):
+    minProperties is met with declared properties made required, at most one extra key."""
+    declared = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "additionalProperties": {"type": "integer"},
+        "minProperties": 2,
+    }
+    assert admits(compiler, declared, '{"a": 1, "x": 2}')
+    assert not admits(compiler, declared, '{"x": 1, "x": 2}')
+    extras_only = {
+        "type": "object",
+        "additionalProperties": {"type": "integer"},
+        "minProperties": 2,
+    }
+    with pytest.raises(ValueError, match="at /minProperties: minProperties 2 beyond"):
+        check_structured_outputs(spec("json", extras_only))

@@ -169,7 +169,27 @@ def write_object(lowering: Lowering, flat: Flat) -> dict:
         if low > len(properties) and not others:
             raise Empty(path, f"it needs {low} properties and can write {len(properties)}")
         written["minProperties"] = low
+        _distinct_enough(written, low, others, path)
     return written
+
+
+def _distinct_enough(written: dict, low: int, others: bool, path: str) -> None:
+    """minProperties counts distinct names; the grammar counts the keys it writes, and may
+    write an extra key twice ({"x": 1, "x": 2}: one property, parsed). Declared names are
+    written once, and kept off the extra keys: so optional declared properties are made
+    required until at most one extra key is needed (one cannot repeat)."""
+    required = written.setdefault("required", [])
+    optional = [name for name in written["properties"] if name not in required]
+    while low - len(required) >= 2 and optional:
+        required.append(optional.pop(0))
+    if not required:
+        del written["required"]
+    if low - len(required) >= 2 and others:
+        raise Unenforceable(
+            f"{path}/minProperties",
+            f"minProperties {low} beyond the declared properties is not enforced (extra keys "
+            "are not kept apart: a grammar cannot compare them)",
+        )
 
 
 def _property_nodes(lowering: Lowering, parts: tuple[Node, ...], name: str) -> list[Node] | None:
