@@ -116,7 +116,7 @@ def test_random_schemas_are_refused_cleanly_or_written_only_as_they_allow():
         try:
             checked = check_structured_outputs(structured)
         except ValueError as error:
-            assert "could not compile" not in str(error), (schema, error)  # (a lowering gap)
+            assert "could not" not in str(error), (schema, error)  # (a gap or a lowering bug)
             continue
         accepted += 1
         compiled = compile_structured(walker.compiler, checked)
