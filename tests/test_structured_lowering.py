@@ -124,6 +124,16 @@ LOWERED = {
         '"ab"',
         ['"b@c.de"'],
     ),
+    "a format its lengths cut: the lengths": (
+        {"type": "string", "format": "email", "maxLength": 0},
+        '""',
+        ['"a@b.co"'],
+    ),
+    "a format within its lengths: the format": (
+        {"type": "string", "format": "date", "maxLength": 10},
+        '"2024-02-29"',
+        ['"x"'],
+    ),
     "unknown format (an annotation)": ({"type": "string", "format": "color"}, '"red"', ["1"]),
     "lengths never write a raw control character": (
         {"type": "string", "maxLength": 3},
@@ -227,6 +237,11 @@ LOWERED = {
         {"type": "array", "items": {"type": "integer"}, "contains": {"minimum": 5}},
         "[7, 1]",
         ["[]", "[1]"],
+    ),
+    "counts written as floats (2.0)": (
+        {"type": "array", "items": {"type": "string", "maxLength": 2.0}, "minItems": 1.0},
+        '["ab"]',
+        ["[]", '["abc"]'],
     ),
     "minItems with no items schema": ({"type": "array", "minItems": 2}, '[1, "a"]', ["[1]"]),
     # numbers

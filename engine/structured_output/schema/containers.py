@@ -19,7 +19,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from baton.engine.structured_output.schema.conditions import without_values
-from baton.engine.structured_output.schema.conjunction import Flat
+from baton.engine.structured_output.schema.conjunction import Flat, count_of
 from baton.engine.structured_output.schema.document import Empty, Node, Unenforceable
 from baton.engine.structured_output.schema.patterns import (
     PatternError,
@@ -57,12 +57,12 @@ def write_array(lowering: Lowering, flat: Flat) -> dict:
                 positions.append([])
             positions[index].append(item)
         rest.append((len(prefix), later))
-        low = max(low, schema.get("minItems", 0))
-        high = _least(high, schema.get("maxItems"))
+        low = max(low, count_of(schema, "minItems", 0))
+        high = _least(high, count_of(schema, "maxItems", None))
         if schema.get("uniqueItems") is True:
             unique = f"{node.path}/uniqueItems"
-        if "contains" in schema and schema.get("minContains", 1) > 0:
-            contains.append((lowering.child(node, "contains"), schema.get("minContains", 1)))
+        if "contains" in schema and count_of(schema, "minContains", 1) > 0:
+            contains.append((lowering.child(node, "contains"), count_of(schema, "minContains", 1)))
     need = max((count for _, count in contains), default=0)
     low = max(low, need)
     positions += [[] for _ in range(need - len(positions))]
@@ -132,8 +132,8 @@ def write_object(lowering: Lowering, flat: Flat) -> dict:
             for name, sub in (schema.get("properties") or {}).items():
                 if isinstance(sub, dict) and sub.get("required") is True:
                     required[name] = None
-        low = max(low, schema.get("minProperties", 0))
-        high = _least(high, schema.get("maxProperties"))
+        low = max(low, count_of(schema, "minProperties", 0))
+        high = _least(high, count_of(schema, "maxProperties", None))
     required.update(dict.fromkeys(sorted(flat.required)))
     if high is not None and low > high:
         raise Empty(parts[0].path, "its minProperties is above its maxProperties")

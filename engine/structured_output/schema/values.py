@@ -172,7 +172,8 @@ class ValueWriter:
         formats = [f for f in flat.formats if f in STRING_FORMATS]
         if len(formats) == 1:
             fixed_low, fixed_high = FORMAT_LENGTHS.get(formats[0], (0, math.inf))
-            if low == 0 and high is None or (low <= fixed_low and fixed_high <= (high or math.inf)):
+            most = math.inf if high is None else high
+            if (low, high) == (0, None) or (low <= fixed_low and fixed_high <= most):
                 return {"type": "string", "format": formats[0]}
         schema = {"type": "string"}
         if low:
