@@ -7,9 +7,7 @@ is sound. Each case: the schema, a text the grammar writes, texts it must not.""
 
 from __future__ import annotations
 
-import itertools
 import json
-import random
 import re
 
 import pytest
@@ -17,8 +15,7 @@ import xgrammar as xgr
 
 from baton.engine.core.sampling_params import StructuredOutputs
 from baton.engine.structured_output import check_structured_outputs
-from baton.engine.structured_output.schema import regex as nodes
-from baton.engine.structured_output.spec import compile_structured, json_schema_grammar
+from baton.engine.structured_output.spec import compile_structured
 from tests.structured_walk import Walker
 from tests.test_structured_spec import spec
 
@@ -127,6 +124,16 @@ LOWERED = {
         '"ab"',
         ['"b@c.de"'],
     ),
+    "a format its lengths cut: the lengths": (
+        {"type": "string", "format": "email", "maxLength": 0},
+        '""',
+        ['"a@b.co"'],
+    ),
+    "a format within its lengths: the format": (
+        {"type": "string", "format": "date", "maxLength": 10},
+        '"2024-02-29"',
+        ['"x"'],
+    ),
     "unknown format (an annotation)": ({"type": "string", "format": "color"}, '"red"', ["1"]),
     "lengths never write a raw control character": (
         {"type": "string", "maxLength": 3},
@@ -231,6 +238,11 @@ LOWERED = {
         "[7, 1]",
         ["[]", "[1]"],
     ),
+    "counts written as floats (2.0)": (
+        {"type": "array", "items": {"type": "string", "maxLength": 2.0}, "minItems": 1.0},
+        '["ab"]',
+        ["[]", '["abc"]'],
+    ),
     "minItems with no items schema": ({"type": "array", "minItems": 2}, '[1, "a"]', ["[1]"]),
     # numbers
     "draft-04 exclusiveMinimum": (
@@ -285,7 +297,8 @@ def test_a_oneof_branch_that_may_match_another_option_is_left_out(compiler):
         check_structured_outputs(spec("json", {"oneOf": [{"type": "string"}, {"enum": ["a"]}]}))
     mixed = {"oneOf": [{"type": "integer"}, {"type": "array"}, {"enum": [1, "a"]}]}
     assert admits(compiler, mixed, "[]")  # arrays match the second option only
-    for text in ("1", "2", '"a"'):  # 1 matches two options; 2 or "a" might have been 1
+    assert admits(compiler, mixed, '"a"')  # a value of the third option alone
+    for text in ("1", "2"):  # 1 matches two options; 2 might have been 1
         assert not admits(compiler, mixed, text), text
 
 
@@ -301,52 +314,6 @@ def test_the_lowered_schema_drops_annotations_and_shares_referenced_parts():
     (shared,) = lowered["$defs"].values()  # one definition for both references and the recursion
     assert lowered["properties"]["head"] == lowered["properties"]["tail"]
     assert shared["properties"]["next"] == lowered["properties"]["head"]
-
-
-# -- patterns: the engine's own regex automaton admits strings the regex does not ------------------
-
-
-def _random_regex(rng: random.Random, depth: int) -> nodes.Node:
-    roll = rng.random()
-    if depth == 0 or roll < 0.3:
-        low, high = rng.choice([(97, 97), (98, 98), (77, 77), (97, 98)])
-        return nodes.Chars(((low, high),))
-    if roll < 0.55:
-        return nodes.Seq(tuple(_random_regex(rng, depth - 1) for _ in range(rng.randint(2, 3))))
-    if roll < 0.7:
-        return nodes.Alt(tuple(_random_regex(rng, depth - 1) for _ in range(2)))
-    low, high = rng.choice([0, 0, 1, 2]), rng.choice([None, 1, 2, 3])
-    return nodes.Repeat(
-        _random_regex(rng, depth - 1), low, high if high is None else max(low, high)
-    )
-
-
-def test_pattern_grammars_match_exactly_what_pythons_re_does(compiler):
-    """Seeded random regexes over {a, b, M}: every string of up to 4 characters is written by
-    the grammar exactly when `re.fullmatch` matches it (xgrammar's automaton, which the
-    lowering steps around, fails this: "^(?:ba*)?$" writes "a")."""
-    rng = random.Random(51)
-    texts = ["".join(t) for n in range(5) for t in itertools.product("abM", repeat=n)]
-    for _ in range(40):
-        regex = nodes.regex_text(nodes.simplify(_random_regex(rng, 3)))
-        assert nodes.regex_text(nodes.parse_regex(regex)) == regex
-        grammar = json_schema_grammar(json.dumps({"type": "string", "pattern": regex}))
-        compiled = compiler.compile_grammar(grammar)
-        for text in texts:
-            matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
-            written = matcher.accept_string(json.dumps(text)) and matcher.is_completed()
-            assert written == bool(re.fullmatch(regex, text)), (regex, text)
-
-
-def test_a_pattern_never_writes_what_json_strings_escape(compiler):
-    schema = {"type": "string", "pattern": "^[ -~]{3}$"}  # printable ASCII: a quote too
-    assert admits(compiler, schema, '"a b"')
-    for text in ('"a"b"', '"a\\b"', '"a\\"b"'):
-        assert not admits(compiler, schema, text), text
-    lowered = json.loads(check_structured_outputs(spec("json", {"pattern": "é[^a]"})).spec)
-    assert lowered["pattern"].isascii()  # (non-ASCII text took another, unescaped, path)
-    assert not admits(compiler, {"pattern": "^é[^a]$"}, '"é\x01"')
-    assert admits(compiler, {"pattern": "^é[^a]$"}, '"éb"')
 
 
 def test_a_tool_call_grammar_resolves_each_tools_refs_in_its_own_schema():
@@ -455,3 +422,46 @@ def test_extra_keys_never_write_a_declared_name_with_another_value(compiler):
     assert admits(compiler, one_of_two, '{"a": 1, "x": "y"}')
     for text in ('{"a": 1, "a": "y"}', '{"a": 1, "b": "y"}', '{"a": 1, "b": 2}'):
         assert not admits(compiler, one_of_two, text), text
+
+
+def test_a_declared_property_no_value_fits_is_not_written_as_an_extra_key(compiler):
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "null", "enum": [1]}, "b": {"type": "integer"}},
+        "additionalProperties": True,
+    }
+    assert admits(compiler, schema, '{"b": 1, "c": 2}')
+    for text in ('{"a": 1}', '{"a": null}', '{"b": 1, "a": 2}'):
+        assert not admits(compiler, schema, text), text
+
+
+def test_a_oneof_over_values_keeps_the_values_one_option_allows(compiler):
+    schema = {
+        "type": "object",
+        "properties": {"a": {}, "b": {}},
+        "oneOf": [{"required": ["a"]}, {"required": ["b"]}],
+        "enum": [{"a": 1}, {"a": 1, "b": 2}, {"b": 2}],
+    }
+    # (a const is written compact)
+    assert admits(compiler, schema, '{"a":1}') and admits(compiler, schema, '{"b":2}')
+    assert not admits(compiler, schema, '{"a":1,"b":2}')  # both options: not one
+
+
+def test_min_properties_counts_distinct_keys_which_extra_keys_may_not_be(compiler):
+    """A grammar may write an extra key twice ({"x": 1, "x": 2}: one property once parsed):
+    minProperties is met with declared properties made required, at most one extra key."""
+    declared = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "additionalProperties": {"type": "integer"},
+        "minProperties": 2,
+    }
+    assert admits(compiler, declared, '{"a": 1, "x": 2}')
+    assert not admits(compiler, declared, '{"x": 1, "x": 2}')
+    extras_only = {
+        "type": "object",
+        "additionalProperties": {"type": "integer"},
+        "minProperties": 2,
+    }
+    with pytest.raises(ValueError, match="at /minProperties: minProperties 2 beyond"):
+        check_structured_outputs(spec("json", extras_only))

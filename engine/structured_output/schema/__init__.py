@@ -15,6 +15,7 @@ the keyword and its path.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from baton.engine.structured_output.schema.document import Unenforceable
@@ -24,6 +25,8 @@ from baton.engine.structured_output.schema.lower import lower_schema
 # a grammar costs compile time and memory in proportion to its size times the vocabulary
 # (xgrammar compiles JSONSchemaBench's largest, ~240 KB of constraints, in ~2.5 s).
 MAX_LOWERED_CHARS = 256 * 1024
+
+logger = logging.getLogger("baton.engine")
 
 __all__ = ["MAX_LOWERED_CHARS", "Unenforceable", "lowered_schema_text", "validator_class"]
 
@@ -40,6 +43,12 @@ def lowered_schema_text(schema: Any) -> str:
         raise ValueError(f"structured_outputs: JSON schema {error}") from None
     except RecursionError:
         raise ValueError("structured_outputs: JSON schema nests too deeply") from None
+    except Exception:  # noqa: BLE001 (a bug of the lowering: a 400 and a log line, not a 500)
+        logger.exception("lowering a JSON schema failed")
+        raise ValueError(
+            "structured_outputs: JSON schema: the server could not read it (an internal error, "
+            "logged)"
+        ) from None
     text = json.dumps(lowered, ensure_ascii=False, separators=(",", ":"))
     if len(text) > MAX_LOWERED_CHARS:
         raise ValueError(

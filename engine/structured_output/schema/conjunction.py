@@ -257,8 +257,8 @@ def flat_of(doc: Document, node: Node) -> Flat | None:
         lower=lower,
         upper=upper,
         multiples=multiples,
-        min_length=schema.get("minLength", 0),
-        max_length=schema.get("maxLength"),
+        min_length=count_of(schema, "minLength", 0),
+        max_length=count_of(schema, "maxLength", None),
         patterns=((f"{node.path}/pattern", pattern),) if isinstance(pattern, str) else (),
         formats=(fmt,) if isinstance(fmt, str) else (),
         objects=(node,) if "object" in keywords else (),
@@ -304,6 +304,12 @@ def _tighter(a: Bound | None, b: Bound | None, pick) -> Bound | None:
 
 def _least(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else min(a, b)
+
+
+def count_of(schema: dict, key: str, default: int | None) -> int | None:
+    """A count keyword's value as an int (drafts 6+ allow 2.0; the grammar engine takes 2)."""
+    value = schema.get(key)
+    return default if value is None else int(value)
 
 
 def canonical(value: Any) -> str:

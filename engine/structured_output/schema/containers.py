@@ -19,7 +19,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from baton.engine.structured_output.schema.conditions import without_values
-from baton.engine.structured_output.schema.conjunction import Flat
+from baton.engine.structured_output.schema.conjunction import Flat, count_of
 from baton.engine.structured_output.schema.document import Empty, Node, Unenforceable
 from baton.engine.structured_output.schema.patterns import (
     PatternError,
@@ -57,12 +57,12 @@ def write_array(lowering: Lowering, flat: Flat) -> dict:
                 positions.append([])
             positions[index].append(item)
         rest.append((len(prefix), later))
-        low = max(low, schema.get("minItems", 0))
-        high = _least(high, schema.get("maxItems"))
+        low = max(low, count_of(schema, "minItems", 0))
+        high = _least(high, count_of(schema, "maxItems", None))
         if schema.get("uniqueItems") is True:
             unique = f"{node.path}/uniqueItems"
-        if "contains" in schema and schema.get("minContains", 1) > 0:
-            contains.append((lowering.child(node, "contains"), schema.get("minContains", 1)))
+        if "contains" in schema and count_of(schema, "minContains", 1) > 0:
+            contains.append((lowering.child(node, "contains"), count_of(schema, "minContains", 1)))
     need = max((count for _, count in contains), default=0)
     low = max(low, need)
     positions += [[] for _ in range(need - len(positions))]
@@ -132,8 +132,8 @@ def write_object(lowering: Lowering, flat: Flat) -> dict:
             for name, sub in (schema.get("properties") or {}).items():
                 if isinstance(sub, dict) and sub.get("required") is True:
                     required[name] = None
-        low = max(low, schema.get("minProperties", 0))
-        high = _least(high, schema.get("maxProperties"))
+        low = max(low, count_of(schema, "minProperties", 0))
+        high = _least(high, count_of(schema, "maxProperties", None))
     required.update(dict.fromkeys(sorted(flat.required)))
     if high is not None and low > high:
         raise Empty(parts[0].path, "its minProperties is above its maxProperties")
@@ -158,7 +158,8 @@ def write_object(lowering: Lowering, flat: Flat) -> dict:
     names = [name for name in required if name in properties]
     if names:
         written["required"] = names
-    _write_others(lowering, flat, written, low)
+    left_out = set(declared) | set(required) - set(properties)  # (none of their values fit)
+    _write_others(lowering, flat, written, low, flat.forbidden | left_out)
     others = "additionalProperties" in written or "patternProperties" in written
     if high is not None:
         if len(names) > high:
@@ -168,7 +169,27 @@ def write_object(lowering: Lowering, flat: Flat) -> dict:
         if low > len(properties) and not others:
             raise Empty(path, f"it needs {low} properties and can write {len(properties)}")
         written["minProperties"] = low
+        _distinct_enough(written, low, others, path)
     return written
+
+
+def _distinct_enough(written: dict, low: int, others: bool, path: str) -> None:
+    """minProperties counts distinct names; the grammar counts the keys it writes, and may
+    write an extra key twice ({"x": 1, "x": 2}: one property, parsed). Declared names are
+    written once, and kept off the extra keys: so optional declared properties are made
+    required until at most one extra key is needed (one cannot repeat)."""
+    required = written.setdefault("required", [])
+    optional = [name for name in written["properties"] if name not in required]
+    while low - len(required) >= 2 and optional:
+        required.append(optional.pop(0))
+    if not required:
+        del written["required"]
+    if low - len(required) >= 2 and others:
+        raise Unenforceable(
+            f"{path}/minProperties",
+            f"minProperties {low} beyond the declared properties is not enforced (extra keys "
+            "are not kept apart: a grammar cannot compare them)",
+        )
 
 
 def _property_nodes(lowering: Lowering, parts: tuple[Node, ...], name: str) -> list[Node] | None:
@@ -198,9 +219,12 @@ def _property_nodes(lowering: Lowering, parts: tuple[Node, ...], name: str) -> l
     return nodes
 
 
-def _write_others(lowering: Lowering, flat: Flat, written: dict, low: int) -> None:
+def _write_others(
+    lowering: Lowering, flat: Flat, written: dict, low: int, kept_off: frozenset[str]
+) -> None:
     """Properties beyond the declared ones: pattern keys, or additionalProperties, where every
-    object subschema of the branch allows them (and no name is forbidden)."""
+    object subschema of the branch allows them; never a name `kept_off` (forbidden, or declared
+    with no value that fits: as undeclared keys, they would be written)."""
     parts = flat.objects
     patterned = [node for node in parts if node.schema.get("patternProperties")]
     later = [_subschema(lowering, node, "additionalProperties") for node in parts]
@@ -213,7 +237,7 @@ def _write_others(lowering: Lowering, flat: Flat, written: dict, low: int) -> No
     ]
     written_names = list(written["properties"])
     if patterned:
-        if len(parts) > 1 or flat.forbidden:
+        if len(parts) > 1 or kept_off:
             # (which subschema a pattern key falls under in the others, or a key both a pattern
             # and a forbidden name must allow: narrowed away)
             return
@@ -244,7 +268,7 @@ def _write_others(lowering: Lowering, flat: Flat, written: dict, low: int) -> No
         if keys:
             written["patternProperties"] = keys
         return
-    if any(value is False for value in later) or (names and (flat.forbidden or written_names)):
+    if any(value is False for value in later) or (names and (kept_off or written_names)):
         # (keys from a propertyNames are not kept off the declared names, as keys of
         # additionalProperties alone are, and a forbidden name must stay out of them: extra
         # keys are written under a propertyNames of ours, or none)
@@ -261,8 +285,8 @@ def _write_others(lowering: Lowering, flat: Flat, written: dict, low: int) -> No
         return
     if names:
         written["propertyNames"] = lowering.schema(names)
-    elif flat.forbidden:  # other keys, but neither a forbidden name nor a declared one
-        pattern = excluding_regex(set(flat.forbidden) | set(written_names))
+    elif kept_off:  # other keys, but neither a name kept off nor a declared one
+        pattern = excluding_regex(set(kept_off) | set(written_names))
         written["propertyNames"] = {"type": "string", "pattern": pattern}
 
 

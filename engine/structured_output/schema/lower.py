@@ -59,6 +59,7 @@ class Lowering:
         self._targets: set[str] = set()  # $ref targets checked against the metaschema
         self.defs: dict[str, Any] = {}  # name -> lowered schema
         self._names: dict[tuple[str, ...], str] = {}  # the subschemas' paths -> name
+        self._named = 0  # names given so far
         self._writing: dict[tuple[str, ...], str | None] = {}  # being written -> name if needed
         self._inline: dict[tuple[str, ...], Any] = {}  # written inline (once, so far)
         self._empty: dict[tuple[str, ...], Empty] = {}  # positions no value meets
@@ -91,7 +92,7 @@ class Lowering:
         if key in self._empty:
             raise self._empty[key]
         if key in self._writing:  # recursion: refer to it by name, written when it is done
-            self._names[key] = self._writing[key] = f"s{len(self._names)}"
+            self._names[key] = self._writing[key] = self._new_name()
             return {"$ref": f"#/$defs/{self._names[key]}"}
         if key in self._inline:  # written once already: shared from now on, there too
             lowered = self._inline[key]
@@ -126,8 +127,14 @@ class Lowering:
         self._inline[key] = lowered
         return lowered
 
+    def _new_name(self) -> str:
+        """A name under $defs never given before (names of a position that turned out empty
+        are taken back, so a count of the names held would repeat one)."""
+        self._named += 1
+        return f"s{self._named - 1}"
+
     def _shared(self, key: tuple[str, ...], lowered: Any) -> dict:
-        name = self._names[key] = f"s{len(self._names)}"
+        name = self._names[key] = self._new_name()
         self.defs[name] = lowered
         return {"$ref": f"#/$defs/{name}"}
 
@@ -259,7 +266,7 @@ class Lowering:
         """The target of node's `$ref`, checked against the metaschema when it lies where the
         document's own check did not look (a `$ref` may point anywhere: "#/x/y")."""
         target = self.doc.resolve(node)
-        if target.path not in self._targets:
+        if target.path not in self._targets and target.path != "":  # (the root: checked)
             self._targets.add(target.path)
             try:
                 self._validator_class.check_schema(target.schema)

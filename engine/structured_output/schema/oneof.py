@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from baton.engine.structured_output.schema.conjunction import ALL_TYPES, Flat, canonical, flat_of
 from baton.engine.structured_output.schema.document import Node, Unenforceable
+from baton.engine.structured_output.schema.values import type_of
 
 if TYPE_CHECKING:
     from baton.engine.structured_output.schema.lower import Lowering
@@ -89,9 +90,9 @@ def _fails(lowering: Lowering, flat: Flat, option: Node) -> Flat | None:
     may only narrow it, so the proof must not rest on what a merge changes: the types it is
     written as are fixed (implied types would be lost to a `type` beside it), and so is a
     property it must leave out (another subschema might declare it)."""
-    if flat.values is not None:
-        valid = any(lowering.is_valid(value, option, unknown=True) for value in flat.values)
-        return None if valid else flat
+    if flat.values is not None:  # the values no other option allows (the validator says)
+        kept = tuple(v for v in flat.values if not lowering.is_valid(v, option, unknown=True))
+        return replace(flat, values=kept) if kept else None
     written = flat.emitted_types()
     fixed = replace(flat, types=written, typed=True)
     if not written & asserted_types(lowering, option, _DEPTH):
@@ -115,7 +116,7 @@ def asserted_types(lowering: Lowering, node: Node, depth: int) -> frozenset[str]
     own = flat_of(lowering.doc, node)
     types = own.types if own is not None else frozenset()
     if own is not None and own.values is not None:
-        types &= frozenset().union(*map(_type_of, own.values))
+        types &= frozenset().union(*map(type_of, own.values))
     if "$ref" in schema:
         types &= target
     for index in range(len(schema.get("allOf") or [])):
@@ -136,20 +137,6 @@ def _ref_hides_siblings(lowering: Lowering, schema: dict) -> bool:
     """Drafts 3 to 7 validate only the `$ref` of a schema that has one (its siblings are
     ignored): what an option asserts must be read the validator's way."""
     return "$ref" in schema and lowering.doc.draft in ("3", "4", "6", "7")
-
-
-def _type_of(value: Any) -> frozenset[str]:
-    if value is None:
-        return frozenset({"null"})
-    if isinstance(value, bool):
-        return frozenset({"boolean"})
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
-        return frozenset({"integer"})
-    if isinstance(value, float):
-        return frozenset({"fraction"})
-    if isinstance(value, str):
-        return frozenset({"string"})
-    return frozenset({"array" if isinstance(value, list) else "object"})
 
 
 def _object_fails(lowering: Lowering, flat: Flat, option: Node) -> Flat | None:

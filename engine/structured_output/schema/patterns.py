@@ -11,10 +11,13 @@ code point per character match, between the quotes and without escapes. Three ga
   without those characters (a pattern that needs one has no output the engine can write);
 * lookarounds are dropped silently ("(?!x)" matches "x"), `\\b`, `\\p{..}` and flags fail:
   refused here, naming the construct;
-* classes and shorthands differ (Python's `\\d` is every Unicode digit): each is written as
-  explicit code point ranges, never wider than Python's (`\\w` and `\\W` narrowed to ASCII).
+* classes and shorthands differ between dialects (Python's `\\d` is every Unicode digit,
+  ECMA 262's, JSON Schema's own, the ASCII ones): each is written as explicit code point
+  ranges, never wider than either (`\\w` and `\\W` narrowed to ASCII, `.` and `\\s` to what
+  both take).
 
-The result is what the grammar engine matches whole: an unanchored pattern gets `.*` on its
+Parsing is Python's (re._parser), so a pattern means what the validator reads. The result is
+what the grammar engine matches whole: an unanchored pattern gets `.*` on its
 open side (search semantics). `bounded` narrows a pattern's language to the lengths a
 minLength / maxLength allow (the grammar engine reads only one of pattern and lengths).
 """
@@ -73,6 +76,10 @@ def _runs(predicate) -> Ranges:
 
 
 _ASCII = ((0, 0x7F),)
+_ECMA_ONLY_SPACES = ((0xFEFF, 0xFEFF),)
+_PYTHON_ONLY_SPACES = ((0x1C, 0x1F), (0x85, 0x85))
+# ECMA's `.` leaves out U+2028 and U+2029 (line terminators) besides what Python's does
+_DOT = minus(UNIVERSE, ((0x2028, 0x2029),))
 _ASCII_WORD = normal([(0x30, 0x39), (0x41, 0x5A), (0x61, 0x7A), (0x5F, 0x5F)])
 
 
@@ -82,21 +89,25 @@ def _digits() -> Ranges:  # Python's \d: str.isdecimal (exact)
 
 
 @functools.cache
-def _spaces() -> Ranges:  # Python's \s: str.isspace (exact)
-    return _runs(str.isspace)
+def _spaces(widest: bool) -> Ranges:
+    """Python's \\s (str.isspace) and ECMA 262's (JSON Schema's dialect): both (widest), or
+    what both take (Python's has U+0085 and U+001C-1F, ECMA's U+FEFF)."""
+    python = _runs(str.isspace)
+    return normal(python + _ECMA_ONLY_SPACES) if widest else minus(python, _PYTHON_ONLY_SPACES)
 
 
 def _category(category, widest: bool) -> Ranges:
-    """The category's code points: a subset of Python's (or, `widest`, a superset), so a
-    class never admits more than Python's and a negated class never excludes less."""
+    """The category's code points: a subset of Python's and ECMA's (or, `widest`, a superset
+    of both), so a class never admits more than either dialect's and a negated class never
+    excludes less."""
     if category in (sre.CATEGORY_DIGIT, sre.CATEGORY_UNI_DIGIT):
         return _digits() if widest else ((0x30, 0x39),)
     if category in (sre.CATEGORY_NOT_DIGIT, sre.CATEGORY_UNI_NOT_DIGIT):
         return minus(UNIVERSE, _digits())
     if category in (sre.CATEGORY_SPACE, sre.CATEGORY_UNI_SPACE):
-        return _spaces()
+        return _spaces(widest)
     if category in (sre.CATEGORY_NOT_SPACE, sre.CATEGORY_UNI_NOT_SPACE):
-        return minus(UNIVERSE, _spaces())
+        return minus(UNIVERSE, _spaces(not widest))
     non_ascii = minus(((0, MAX_CODE_POINT),), _ASCII)
     if category in (sre.CATEGORY_WORD, sre.CATEGORY_UNI_WORD):  # Unicode letters: too many
         return normal(_ASCII_WORD + non_ascii) if widest else _ASCII_WORD
@@ -150,7 +161,7 @@ def _item(op, value) -> Node:
     if op is sre.NOT_LITERAL:
         return Chars(minus(UNIVERSE, ((value, value),)))
     if op is sre.ANY:
-        return Chars(UNIVERSE)
+        return Chars(_DOT)
     if op is sre.IN:
         return Chars(_class(value))
     if op is sre.BRANCH:

@@ -12,7 +12,7 @@ import math
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from baton.engine.structured_output.schema.conjunction import ALL_TYPES, Flat
+from baton.engine.structured_output.schema.conjunction import ALL_TYPES, Flat, canonical
 from baton.engine.structured_output.schema.containers import write_array, write_object
 from baton.engine.structured_output.schema.document import Empty, Unenforceable
 from baton.engine.structured_output.schema.patterns import PatternError, json_string_regex
@@ -64,6 +64,7 @@ class ValueWriter:
                 value
                 for value in flat.values
                 if _finite(value)
+                and _meets_branch(value, flat)
                 and all(
                     self.lowering.is_valid(value, n, unknown=False, beside_values=True)
                     for n in flat.sources
@@ -171,7 +172,8 @@ class ValueWriter:
         formats = [f for f in flat.formats if f in STRING_FORMATS]
         if len(formats) == 1:
             fixed_low, fixed_high = FORMAT_LENGTHS.get(formats[0], (0, math.inf))
-            if low == 0 and high is None or (low <= fixed_low and fixed_high <= (high or math.inf)):
+            most = math.inf if high is None else high
+            if (low, high) == (0, None) or (low <= fixed_low and fixed_high <= most):
                 return {"type": "string", "format": formats[0]}
         schema = {"type": "string"}
         if low:
@@ -209,6 +211,35 @@ def _float_multiple(number: int, multiple: float) -> bool:
         return int(quotient) == quotient
     except OverflowError:
         return (Fraction(number) / Fraction(multiple)).denominator == 1
+
+
+def _meets_branch(value: Any, flat: Flat) -> bool:
+    """What a branch asks beside its subschemas (from negations, dependencies, a oneOf's
+    proof): its types, and of an object its required, forbidden and held-off properties."""
+    if not type_of(value) & flat.types:
+        return False
+    if not isinstance(value, dict):
+        return True
+    if flat.forbidden & value.keys() or not flat.required <= value.keys():
+        return False
+    return not any(
+        name in value and canonical(value[name]) == canonical(held) for name, held in flat.excluded
+    )
+
+
+def type_of(value: Any) -> frozenset[str]:
+    """A JSON value's type, as a Flat counts types (1.0 an integer, 1.5 a fraction)."""
+    if value is None:
+        return frozenset({"null"})
+    if isinstance(value, bool):
+        return frozenset({"boolean"})
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return frozenset({"integer"})
+    if isinstance(value, float):
+        return frozenset({"fraction"})
+    if isinstance(value, str):
+        return frozenset({"string"})
+    return frozenset({"array" if isinstance(value, list) else "object"})
 
 
 def _finite(value: Any) -> bool:
