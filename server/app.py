@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from baton.disagg.address_token import vouch
 from baton.server.errors import APIError, error_response, install_error_handlers
 from baton.server.middleware import (
     ApiKeyMiddleware,
@@ -74,7 +75,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/disagg/info")
     async def disagg_info() -> Response:
         """What `baton router` learns of a worker: its role, where decode engines register with a
-        prefill worker, the prefix cache's page size and Mamba checkpoint interval, and the
+        prefill worker (and that address's token, disagg/address_token.py), the prefix cache's page size and Mamba checkpoint interval, and the
         model it serves (the router serves one model: it compares these)."""
         mode = state.args.disaggregation_mode
         if mode is None:
@@ -85,6 +86,12 @@ def build_app(state: ServerState) -> FastAPI:
             {
                 "role": mode,
                 "transfer_addr": ready.transfer_addr or None,
+                # The address vouched for under the secret: decode workers dial no other.
+                "transfer_addr_token": (
+                    vouch(secret, ready.transfer_addr)
+                    if (secret := state.args.worker_secret) and ready.transfer_addr
+                    else None
+                ),
                 "rank_transfer_addrs": ready.rank_transfer_addrs,
                 "page_size": ready.page_size,
                 "track_interval": ready.track_interval,

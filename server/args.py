@@ -152,7 +152,7 @@ class ServerArgs:
         if (
             self.disaggregation_mode == "prefill"
             and not is_loopback(self.disagg_host)
-            and not (self.disagg_secret or os.environ.get("BATON_DISAGG_SECRET"))
+            and not self.worker_secret
         ):
             raise ValueError(
                 f"--disagg-host {self.disagg_host} exposes the transfer port beyond this machine:"
@@ -191,6 +191,12 @@ class ServerArgs:
     def model_name(self) -> str:
         """The name clients pass as `model`: --served-model-name, else the model path."""
         return self.served_model_name or self.model
+
+    @property
+    def worker_secret(self) -> str | None:
+        """The disaggregation secret the engine runs with: the flag's, else the one its
+        environment passes on (engine processes inherit it)."""
+        return self.disagg_secret or os.environ.get("BATON_DISAGG_SECRET") or None
 
     @property
     def tokenizer_dir(self) -> str:

@@ -17,6 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.disagg.address_token import vouch
 from baton.server.args import SERVER_KEEP_ALIVE_S
 from baton.server.router.app import ROUTER_KEEPALIVE_EXPIRY_S
 from tests import zmtp
@@ -252,6 +253,40 @@ def test_keyed_router_reaches_keyed_workers_and_guards_its_routes(keyed_stack):
         assert httpx.get(f"{url}{path}", timeout=10).status_code == 401, path
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     assert json.loads(httpx.get(f"{url}/health", timeout=10).text)["status"] == "ok"
+
+
+def test_a_keyed_decode_worker_dials_only_addresses_a_prefill_worker_vouched_for(keyed_stack):
+    """Issue 51's probe: a decode worker dialed any baton_disagg.prefill_addr a client sent.
+    With a secret, the address must come with its prefill worker's token (its /disagg/info's,
+    which the router passes on): a missing, another address's or a forged token is a 400 that
+    names the field, before any engine work; the router's own requests still pass."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    prefill, decode = keyed_stack["prefill"], keyed_stack["decode"]
+    info = httpx.get(f"{prefill.base_url}/disagg/info", headers=headers, timeout=10).json()
+    address, token = info["transfer_addr"], info["transfer_addr_token"]
+    assert token == vouch(WORKER_SECRET, address) and token != vouch("other", address)
+    body = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+    elsewhere = "tcp://127.0.0.1:1"
+    for disagg in (
+        {"prefill_addr": elsewhere},
+        {"prefill_addr": elsewhere, "prefill_addr_token": token},
+        {"prefill_addr": address, "prefill_addr_token": "0" * 64},
+        {"prefill_addr": address, "prefill_addr_token": token[:-1]},
+    ):
+        response = httpx.post(
+            f"{decode.base_url}/v1/completions",
+            json=body | {"baton_disagg": {"room": "probe", **disagg}},
+            headers=headers,
+            timeout=30,
+        )
+        assert response.status_code == 400, (disagg, response.text)
+        error = response.json()["error"]
+        assert error["param"] == "baton_disagg.prefill_addr_token", error
+        assert "vouched" in error["message"]
+    routed = httpx.post(
+        f"{keyed_stack['router'].base_url}/v1/completions", json=body, headers=headers, timeout=60
+    )
+    assert routed.status_code == 200, routed.text
 
 
 def test_secrets_given_to_a_worker_never_reach_its_engines_command_line(keyed_stack):

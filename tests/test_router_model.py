@@ -218,6 +218,8 @@ INFO = {"role": "decode", "page_size": 16, "track_interval": 64, "model": MODEL}
         ({"role": ["decode"]}, "role"),
         ({"transfer_addr": "tcp://a b"}, "transfer_addr"),
         ({"transfer_addr": "x" * 300}, "transfer_addr"),
+        ({"transfer_addr_token": "ab"}, "transfer_addr_token"),
+        ({"transfer_addr_token": ["0" * 64]}, "transfer_addr_token"),
         ({"model": None}, "model must be an object"),
         ({"model": dict(MODEL, name="")}, "model.name"),
         ({"model": dict(MODEL, config_digest="abc")}, "model.config_digest"),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from baton.disagg.address_token import vouched
 from baton.engine.core.outputs import RequestDelta, TokenLogprobs
 from baton.engine.core.sampling_params import SamplingParams
 from baton.server.args import ServerArgs
@@ -69,7 +70,8 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def check_disagg(state: ServerState, disagg: DisaggField | None) -> None:
     """Room fields only make sense on a disaggregated worker (which, without them, simply
-    serves the request itself, colocated)."""
+    serves the request itself, colocated). A decode worker with a secret takes only prefill
+    addresses a prefill worker vouched for (disagg/address_token.py)."""
     mode = state.args.disaggregation_mode
     if disagg is not None and mode is None:
         raise APIError.bad_request(
@@ -79,6 +81,15 @@ def check_disagg(state: ServerState, disagg: DisaggField | None) -> None:
         raise APIError.bad_request(
             "a decode worker needs baton_disagg.prefill_addr", "baton_disagg"
         )
+    secret = state.args.worker_secret
+    if disagg is not None and mode == "decode" and secret is not None:
+        if not vouched(secret, disagg.prefill_addr, disagg.prefill_addr_token):
+            raise APIError.bad_request(
+                "baton_disagg.prefill_addr is not vouched for by a prefill worker holding this"
+                " worker's --disagg-secret: baton_disagg.prefill_addr_token must be the"
+                " transfer_addr_token of that worker's /disagg/info (baton router passes it on)",
+                "baton_disagg.prefill_addr_token",
+            )
 
 
 def admit(state: ServerState) -> None:

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from baton.disagg.address_token import TOKEN_CHARS
+
 MAX_N = 128  # choices per request; each one is an engine request
 # OpenAI bodies nest a few levels; 100k-deep JSON must not reach a parser. Holds for the body and
 # for JSON text inside it (tool-call arguments), which the history's rendering parses.
@@ -107,6 +109,9 @@ class DisaggField(OpenAIModel):
 
     room: Text = Field(min_length=1, max_length=128)
     prefill_addr: Text | None = None
+    # The prefill worker's HMAC of prefill_addr (its /disagg/info transfer_addr_token): a decode
+    # worker with a --disagg-secret dials no address without one (disagg/address_token.py).
+    prefill_addr_token: Text | None = Field(None, max_length=TOKEN_CHARS)
 
 
 class GenerationFields(OpenAIModel):

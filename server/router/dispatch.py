@@ -152,7 +152,12 @@ class Dispatcher:
         else:
             room = uuid.uuid4().hex  # minted here; a client's value is never trusted
             decode_body = dict(
-                body, baton_disagg={"room": room, "prefill_addr": prefill.transfer_addr}
+                body,
+                baton_disagg={
+                    "room": room,
+                    "prefill_addr": prefill.transfer_addr,
+                    "prefill_addr_token": prefill.transfer_addr_token,
+                },
             )
             prefill_body = dict(body, stream=False, baton_disagg={"room": room})
             prefill_body.pop("stream_options", None)

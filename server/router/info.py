@@ -57,6 +57,9 @@ class WorkerInfo:
 
     role: Role
     transfer_addr: str | None  # prefill workers: where decode engines register
+    # Its HMAC under the workers' secret (None without one): decode workers with a secret dial
+    # only vouched addresses (disagg/address_token.py). The router, holding no secret, passes it on.
+    transfer_addr_token: str | None
     page_size: int
     track_interval: int  # tokens between Mamba checkpoints of its prefix cache (0: none)
     model: ModelIdentity
@@ -84,9 +87,13 @@ class WorkerInfo:
             raise ValueError(
                 f"transfer_addr must be printable ASCII of at most {MAX_ADDR_CHARS} characters"
             )
+        token = payload.get("transfer_addr_token")
+        if token is not None and (not isinstance(token, str) or not _DIGEST.fullmatch(token)):
+            raise ValueError("transfer_addr_token must be a sha256 digest in hex")
         return cls(
             role=role,
             transfer_addr=transfer_addr or None,
+            transfer_addr_token=token,
             page_size=page_size,
             track_interval=track_interval,
             model=ModelIdentity.from_json(payload.get("model")),

@@ -70,6 +70,10 @@ class Worker:
         return self.info.transfer_addr if self.info is not None else None
 
     @property
+    def transfer_addr_token(self) -> str | None:
+        return self.info.transfer_addr_token if self.info is not None else None
+
+    @property
     def load(self) -> int:
         return self.in_flight
 
