@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.machine_cache import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class ChoiceCache:
     @classmethod
     def for_this_machine(cls, rules: str) -> ChoiceCache:
         key = machine_key(torch.get_num_threads(), rules)
-        return cls(cpu_ops.cache_dir() / f"matmul-choices-{key}.json")
+        return cls(cache_dir() / f"matmul-choices-{key}.json")
 
     def settled(self, key: str) -> tuple[float, float] | None:
         """The best times of both forms, once enough starts timed them (else None: time)."""

@@ -10,6 +10,7 @@ import torch
 
 from baton.kernels.conv1d import build_window_layout, causal_conv1d_varlen_torch
 from baton.kernels.cpu import prefill as cpu_prefill
+from baton.kernels.cpu.extension import PORTABLE_FLAGS
 from baton.kernels.norm import gated_rms_norm_torch
 from baton.kernels.ssd import build_chunk_layout, discretize_dt, ssd_scan_pool, ssd_scan_torch
 from tests.oracles import conv_oracle, ssd_oracle
@@ -290,12 +291,9 @@ def test_c_scan_zero_initial_states_skip_nothing_they_need():
 def test_plain_c_build_without_avx512_agrees(tmp_path, monkeypatch):
     """The portable tile (no AVX-512: -march=x86-64-v3, what a CPU without it compiles) gives the
     same scan and conv as the intrinsics build the rest of this file tests."""
-    from baton.kernels.cpu import ops as cpu_ops
+    from baton.kernels.cpu import extension
 
-    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_ops.FLAGS]
-    monkeypatch.setattr(cpu_ops, "FLAGS", flags)
-    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
-    portable = cpu_prefill.library.__wrapped__()
+    portable = extension.variant(PORTABLE_FLAGS, "baton_portable")
     assert portable is not None
     native = cpu_prefill.library()
     seq_lens, start_pos, chunk = [70, 3, 1], [0, 9, 5], 64

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from baton.kernels.cpu import gated_delta as cpu_gated_delta
+from baton.kernels.cpu.extension import PORTABLE_FLAGS
 from baton.kernels.gated_delta import (
     chunk_gated_delta_rule_torch,
     gated_delta_decode,
@@ -142,12 +143,9 @@ def test_public_functions_run_the_c_path_and_fall_back_to_torch(monkeypatch):
 def test_plain_c_build_without_avx512_agrees(tmp_path, monkeypatch):
     """The portable loops (-march=x86-64-v3: what a CPU without AVX-512 compiles) give the same
     prefill and decode as the intrinsics build the rest of this file tests."""
-    from baton.kernels.cpu import ops as cpu_ops
+    from baton.kernels.cpu import extension
 
-    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_ops.FLAGS]
-    monkeypatch.setattr(cpu_ops, "FLAGS", flags)
-    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
-    portable = cpu_gated_delta.library.__wrapped__()
+    portable = extension.variant(PORTABLE_FLAGS, "baton_portable")
     assert portable is not None
     native = cpu_gated_delta.library()
     seq_lens, dims = [40, 3], (2, 4, 24, 70)  # 70 columns: two full blocks of 32 and a tail

@@ -18,7 +18,7 @@ import baton.kernels.cpu.ops
 from baton.engine.checkpoint.loader import load_model
 from baton.engine.core.engine import Engine
 from baton.engine.runtime.ipc import EngineProcessSpec, EngineReady, decode
-from baton.kernels.cpu.build import build_all
+from baton.kernels.cpu import extension
 from tests.fake_engine import FakeEngine
 
 ASSETS = Path(__file__).parents[1] / "assets"
@@ -98,32 +98,38 @@ def test_building_a_model_draws_no_random_numbers(base_model, dtype, tmp_path, m
 
 @pytest.fixture
 def kernel_builds(monkeypatch):
-    """The C kernel sources compiled from now on (none really: the torch paths run)."""
-    built: list[str] = []
-
-    def record(source: Path, fallback: str):
-        built.append(source.name)
-        return None
-
-    monkeypatch.setattr(baton.kernels.cpu.ops, "compile_library", record)
-    loaders = [m.library for m in _kernel_modules()]
-    for library in loaders:
-        library.cache_clear()
-    yield built
-    for library in loaders:
-        library.cache_clear()  # the real libraries again for the tests after this one
+    """The kernel modules that asked for the C kernels from now on (given none: the torch paths
+    run)."""
+    asked: list[str] = []
+    modules = _kernel_modules()
+    for module in modules:
+        name = module.__name__.rsplit(".", 1)[1]
+        monkeypatch.setattr(module, "cpu_library", lambda name=name: asked.append(name))
+        module.library.cache_clear()
+    yield asked
+    for module in modules:
+        module.library.cache_clear()  # the real libraries again for the tests after this one
 
 
 def _kernel_modules():
+    import baton.kernels.cpu.gated_delta
     import baton.kernels.cpu.gemm
+    import baton.kernels.cpu.mamba1
     import baton.kernels.cpu.moe
     import baton.kernels.cpu.prefill
+    import baton.kernels.cpu.quant
+    import baton.kernels.cpu.verify
 
+    cpu = baton.kernels.cpu
     return [
-        baton.kernels.cpu.ops,
-        baton.kernels.cpu.prefill,
-        baton.kernels.cpu.gemm,
-        baton.kernels.cpu.moe,
+        cpu.ops,
+        cpu.prefill,
+        cpu.gemm,
+        cpu.moe,
+        cpu.quant,
+        cpu.verify,
+        cpu.gated_delta,
+        cpu.mamba1,
     ]
 
 
@@ -132,7 +138,7 @@ def test_warm_up_builds_the_kernels_a_first_request_would(base_model, kernel_bui
     engine = Engine(model_dir, page_size=4)
     loaded = set(kernel_builds)
     engine.warm_up()
-    assert {"ops.c", "prefill.c"} <= set(kernel_builds) - loaded
+    assert {"ops", "prefill"} <= set(kernel_builds) - loaded
 
 
 def test_warm_up_leaves_no_trace_in_pools_counters_or_the_prefix_cache(base_model):
@@ -185,9 +191,15 @@ def test_the_engine_process_warms_up_before_it_reports_ready(tiny_models, monkey
     baton.kernels.cpu.ops.library() is None, reason="no C compiler, or BATON_CPU_OPS=0"
 )
 def test_make_install_builds_every_kernel_and_reports_a_failed_one(tmp_path, monkeypatch):
+    """One extension holds every kernel: a source that does not compile fails the build with
+    the compiler's words naming it (the engine then runs the torch paths); good sources build
+    once and are found again in the cache."""
     monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path / "cache"))
     good, bad = tmp_path / "good.c", tmp_path / "bad.c"
     good.write_text("int baton_answer(void) { return 42; }\n")
-    bad.write_text("this is not C\n")
-    assert build_all([good, bad]) == {"good.c": True, "bad.c": False}
-    assert len(list((tmp_path / "cache").glob("good-*.so"))) == 1
+    bad.write_text("int baton_broken(void) { this is not C }\n")
+    with pytest.raises(RuntimeError, match="bad.c"):
+        extension.build([good, bad], namespace="baton_install_test")
+    first = extension.build([good], namespace="baton_install_test")
+    assert extension.build([good], namespace="baton_install_test") == first
+    assert len(list((tmp_path / "cache").glob("*/*.so"))) == 1

@@ -1,39 +1,31 @@
-"""Build every C kernel for this machine now: `python -m baton.kernels.cpu.build` (`make install` runs it).
+"""Build the C kernels for this machine now: `python -m baton.kernels.cpu.build` (`make install` runs it).
 
-Each kernel file is otherwise compiled on its first use (kernels/cpu/ops.py compile_library),
-which put 8-28 s of compiling on a newcomer's first request on a busy 2-core machine. The
-builds land in the same cache ($BATON_CACHE_DIR, keyed by source, flags, compiler and CPU), in
-parallel. A build that fails (no compiler) is reported, as at run time, and the engine then
-runs the torch path; it is not an installation error.
+The kernels are one C++ extension (kernels/cpu/extension.py), otherwise compiled on its first
+use, which put 30-60 s of compiling on a newcomer's first request on a busy 2-core machine. The
+build lands in the same cache ($BATON_CACHE_DIR, keyed by the sources, flags, compilers, CPU
+and torch). A build that fails (no compiler) is reported, as at run time, and the engine then
+runs the torch paths; it is not an installation error.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from baton.kernels.cpu.ops import compile_library
-
-SOURCES = sorted(Path(__file__).parent.glob("*.c"))
-
-
-def build_all(sources: list[Path] = SOURCES) -> dict[str, bool]:
-    """Build (or find cached) each source; {file name: loaded}."""
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        loaded = pool.map(lambda source: compile_library(source, "torch path at run time"), sources)
-        return {source.name: lib is not None for source, lib in zip(sources, loaded)}
+from baton.kernels.cpu import extension
 
 
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     began = time.perf_counter()
-    built = build_all()
-    names = ", ".join(f"{name}{'' if ok else ' (failed)'}" for name, ok in built.items())
-    print(f"C kernels ready in {time.perf_counter() - began:.1f} s: {names}")
+    try:
+        path = extension.build()
+    except RuntimeError as error:
+        print(f"C kernels not built (the torch paths will run): {error}")
+        return 0
+    found = extension.kernels(extension.sources())
+    print(f"C kernels ready in {time.perf_counter() - began:.1f} s: {len(found)} kernels in {path}")
     return 0
 
 

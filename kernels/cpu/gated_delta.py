@@ -1,4 +1,5 @@
-"""Gated delta rule on the CPU (kernels/cpu/gated_delta.c), compiled once per machine, ctypes.
+"""Gated delta rule on the CPU (kernels/cpu/gated_delta.c), compiled once per machine into
+the operator extension (kernels/cpu/extension.py).
 
 Three entry points over one C recurrence (per (sequence, v head, block of 32 state columns),
 the block held in L1 across the tokens): the threaded prefill scan on pool slots with chunk-end
@@ -11,7 +12,6 @@ torch path (kernels/gated_delta.py), which agrees to float32 rounding (tests/tes
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 from typing import NamedTuple
@@ -19,62 +19,17 @@ from typing import NamedTuple
 import torch
 
 from baton.kernels.backend import select_backend
-from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.cpu.extension import Kernels
+from baton.kernels.cpu.extension import library as cpu_library
 from baton.kernels.layouts import ChunkLayout
 
 SOURCE = Path(__file__).with_name("gated_delta.c")
 
-_i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (no compiler, build failed, or BATON_CPU_OPS=0)."""
-    lib = cpu_ops.compile_library(SOURCE, "the gated delta rule runs its (slower) torch path")
-    if lib is None:
-        return None
-    lib.baton_gdn_scan.restype = _i64
-    lib.baton_gdn_scan.argtypes = [
-        *[_ptr] * 6,  # q, k, v, g, beta, pool
-        _i64,  # num_slots
-        *[_ptr] * 3,  # slots, cu, start_pos
-        _i64,  # num_seqs
-        _i64,  # chunk
-        _ptr,  # chunk_states
-        _i64,  # num_chunks_out
-        _int,  # skip_padding
-        _ptr,  # qkn scratch
-        _ptr,  # o
-        *[_i64] * 4,  # Hk, Hv, dk, dv
-        _int,
-    ]
-    lib.baton_gdn_decode.restype = _i64
-    lib.baton_gdn_decode.argtypes = [
-        _ptr,  # qkv
-        _i64,
-        _ptr,  # z
-        _i64,
-        _ptr,  # a
-        _ptr,  # b
-        _i64,  # their row stride
-        _ptr,  # conv pool
-        _ptr,  # state pool
-        _i64,
-        _ptr,  # slots
-        _i64,  # batch
-        _ptr,  # conv_w
-        _i64,  # K
-        _ptr,  # A
-        _ptr,  # dt_bias
-        _f32,  # beta_scale
-        _ptr,  # norm_w
-        _f32,  # eps
-        *[_ptr] * 4,  # xconv, qkn, o, out
-        _int,  # bf16
-        *[_i64] * 4,  # Hk, Hv, dk, dv
-        _int,
-    ]
-    return lib
+def library() -> Kernels | None:
+    """The C kernels as torch operators (kernels/cpu/extension.py), or None: the gated delta rule runs its (slower) torch path."""
+    return cpu_library()
 
 
 def supported(v: torch.Tensor, state_pool: torch.Tensor) -> bool:
@@ -108,23 +63,23 @@ def _scan(q, k, v, g, beta, state_pool, slots, cu, start_pos, chunk, chunk_state
     qkn = torch.empty(T, Hk, 2 * dk + 1, dtype=torch.float32)
     qf, kf, vf, gf, bf = (_f32c(t) for t in (q, k, v, g, beta))
     result = library().baton_gdn_scan(
-        qf.data_ptr(),
-        kf.data_ptr(),
-        vf.data_ptr(),
-        gf.data_ptr(),
-        bf.data_ptr(),
-        state_pool.data_ptr(),
+        qf,
+        kf,
+        vf,
+        gf,
+        bf,
+        state_pool,
         state_pool.shape[0],
-        slots64.data_ptr(),
-        cu.data_ptr(),
-        start_pos.data_ptr() if start_pos is not None else None,
+        slots64,
+        cu,
+        start_pos,
         slots64.shape[0],
         chunk,
-        chunk_states.data_ptr() if chunk_states is not None else None,
+        chunk_states,
         chunk_states.shape[1] if chunk_states is not None else 0,
         int(skip_padding),
-        qkn.data_ptr(),
-        o.data_ptr(),
+        qkn,
+        o,
         Hk,
         Hv,
         dk,
@@ -244,29 +199,29 @@ def gdn_decode_cpu(
     o = torch.empty(batch, Hv * dv, dtype=torch.float32)
     out = torch.empty(batch, Hv * dv, dtype=qkv.dtype)
     result = library().baton_gdn_decode(
-        qkv.data_ptr(),
+        qkv,
         qkv.stride(0),
-        z.data_ptr(),
+        z,
         z.stride(0),
-        a.data_ptr(),
-        b.data_ptr(),
+        a,
+        b,
         a.stride(0),
-        conv_states.data_ptr(),
-        state_pool.data_ptr(),
+        conv_states,
+        state_pool,
         state_pool.shape[0],
-        slots.data_ptr(),
+        slots,
         batch,
-        params.conv_weight.data_ptr(),
+        params.conv_weight,
         K,
-        params.A.data_ptr(),
-        params.dt_bias.data_ptr(),
+        params.A,
+        params.dt_bias,
         beta_scale,
-        params.norm_weight.data_ptr(),
+        params.norm_weight,
         eps,
-        xconv.data_ptr(),
-        qkn.data_ptr(),
-        o.data_ptr(),
-        out.data_ptr(),
+        xconv,
+        qkn,
+        o,
+        out,
         int(qkv.dtype == torch.bfloat16),
         num_k_heads,
         Hv,

@@ -17,49 +17,25 @@ bias (N,) float32 or None; returns (..., N) in x's dtype.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.cpu.extension import Kernels
+from baton.kernels.cpu.extension import library as cpu_library
 
 SOURCE = Path(__file__).with_name("gemm.c")
 BLOCK = 16  # output columns per packed block; must match cpu/gemm.c
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # cpu/gemm.c's DTYPE_F32 / DTYPE_BF16
 AMX_MIN_ROWS = 8  # cpu/gemm.c's amx_min_rows at load
 
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, or None (no compiler, build failed, or BATON_CPU_OPS=0)."""
-    lib = cpu_ops.compile_library(SOURCE, "CPU linears run on oneDNN")
-    if lib is None:
-        return None
-    lib.baton_gemm_supported.restype = _int
-    lib.baton_gemm_supported.argtypes = []
-    lib.baton_gemm_amx.restype = _int
-    lib.baton_gemm_amx.argtypes = [_i64]
-    lib.baton_gemm.restype = _int
-    lib.baton_gemm.argtypes = [
-        _int,
-        _ptr,
-        _i64,
-        _i64,
-        _i64,  # dtype, x, m, k, ldx
-        _ptr,
-        _i64,
-        _ptr,
-        _int,  # packed, n, bias, relu
-        _ptr,
-        _i64,
-        _int,  # y, ldy, threads
-    ]
-    return lib
+def library() -> Kernels | None:
+    """The C kernels as torch operators (kernels/cpu/extension.py), or None: CPU linears run on oneDNN."""
+    return cpu_library()
 
 
 def amx_from_rows(rows: int) -> bool:
@@ -133,15 +109,15 @@ def linear(
         raise ValueError("cpu_gemm: the bias is a contiguous float32 vector")
     status = lib.baton_gemm(
         code,
-        rows.data_ptr(),
+        rows,
         m,
         k,
         rows.stride(0),
-        packed.data_ptr(),
+        packed,
         out_features,
-        None if bias is None else bias.data_ptr(),
+        bias,
         int(relu),
-        y.data_ptr(),
+        y,
         out_features,
         torch.get_num_threads(),
     )

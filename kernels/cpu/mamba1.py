@@ -1,5 +1,5 @@
 """The Mamba1 selective scan and decode step in C (kernels/cpu/mamba1.c), compiled once per machine
-and loaded by ctypes like kernels/cpu/ops.py (same flags, `$BATON_CACHE_DIR`, `BATON_CPU_OPS=0`
+and called as a torch operator from the one extension (kernels/cpu/extension.py; `BATON_CPU_OPS=0`
 to turn off). Without a compiler, with it off, or for a pool that is not contiguous float32 the
 torch path of kernels/selective_scan.py runs instead; they agree to float32 rounding
 (tests/test_selective_scan.py).
@@ -7,7 +7,6 @@ torch path of kernels/selective_scan.py runs instead; they agree to float32 roun
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 
@@ -15,37 +14,17 @@ import torch
 import torch.nn.functional as F
 
 from baton.kernels.backend import select_backend
-from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.cpu.extension import Kernels
+from baton.kernels.cpu.extension import library as cpu_library
 from baton.kernels.layouts import ChunkLayout
 
 SOURCE = Path(__file__).with_name("mamba1.c")
 
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (no compiler, build failed, or BATON_CPU_OPS=0)."""
-    lib = cpu_ops.compile_library(SOURCE, "the Mamba1 scan runs the (slower) torch path")
-    if lib is None:
-        return None
-    lib.baton_mamba1_scan.restype = _i64
-    lib.baton_mamba1_scan.argtypes = [
-        *(_ptr, _i64, _ptr, _i64),  # x, x_stride, delta, delta_stride
-        *(_ptr, _ptr, _ptr, _i64),  # A, B, C, bc_stride
-        *(_ptr, _ptr, _i64),  # D, z, z_stride
-        *(_ptr, _i64, _ptr),  # pool, num_slots, slots
-        *(_ptr, _ptr, _i64),  # cu_seqlens, start_pos, num_seqs
-        *(_ptr, _ptr, _i64),  # y, chunk_states, num_chunks
-        *(_i64, _i64, _i64, _int),  # d_inner, d_state, chunk, threads
-    ]
-    lib.baton_mamba1_update.restype = _i64
-    lib.baton_mamba1_update.argtypes = [
-        *(_ptr, _i64, _ptr, _i64),  # pool, num_slots, slots, batch
-        *[_ptr] * 8,  # x, delta, A, B, C, D, z, y
-        *(_i64, _i64, _int),  # d_inner, d_state, threads
-    ]
-    return lib
+def library() -> Kernels | None:
+    """The C kernels as torch operators (kernels/cpu/extension.py), or None: the Mamba1 scan runs the (slower) torch path."""
+    return cpu_library()
 
 
 def _supported(x: torch.Tensor, ssm_pool: torch.Tensor) -> bool:
@@ -109,25 +88,25 @@ def selective_scan_cpu(
         else None
     )
     result = library().baton_mamba1_scan(
-        xf.data_ptr(),
+        xf,
         xf.stride(0),
-        delta.data_ptr(),
+        delta,
         delta.stride(0),
-        Af.data_ptr(),
-        Bf.data_ptr(),
-        Cf.data_ptr(),
+        Af,
+        Bf,
+        Cf,
         Bf.stride(0),
-        Df.data_ptr(),
-        zf.data_ptr() if zf is not None else None,
+        Df,
+        zf,
         zf.stride(0) if zf is not None else 0,
-        ssm_pool.data_ptr(),
+        ssm_pool,
         ssm_pool.shape[0],
-        slots64.data_ptr(),
-        cu.data_ptr(),
-        starts.data_ptr(),
+        slots64,
+        cu,
+        starts,
         S,
-        y.data_ptr(),
-        chunk_states.data_ptr() if chunk_states is not None else None,
+        y,
+        chunk_states,
         layout.num_chunks,
         width,
         N,
@@ -160,18 +139,18 @@ def selective_state_update_cpu(
     slots = state_indices.to(torch.int64).contiguous()
     y = torch.empty(batch, width, dtype=torch.float32)
     result = library().baton_mamba1_update(
-        ssm_pool.data_ptr(),
+        ssm_pool,
         ssm_pool.shape[0],
-        slots.data_ptr(),
+        slots,
         batch,
-        xf.data_ptr(),
-        delta.data_ptr(),
-        Af.data_ptr(),
-        Bf.data_ptr(),
-        Cf.data_ptr(),
-        Df.data_ptr(),
-        zf.data_ptr() if zf is not None else None,
-        y.data_ptr(),
+        xf,
+        delta,
+        Af,
+        Bf,
+        Cf,
+        Df,
+        zf,
+        y,
         width,
         N,
         torch.get_num_threads(),

@@ -18,7 +18,6 @@ Shapes (T tokens, D the experts' model width, I expert width, E experts, k choic
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 from typing import NamedTuple
@@ -26,8 +25,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from baton.kernels.cpu import ops as cpu_ops
 from baton.kernels.cpu import quant as cpu_quant
+from baton.kernels.cpu.extension import Kernels
+from baton.kernels.cpu.extension import library as cpu_library
 from baton.kernels.quant import NVFP4_GROUP, QuantFormat, QuantizedTensor
 
 SOURCE = Path(__file__).with_name("moe.c")
@@ -35,38 +35,11 @@ NB = 64  # panel width; must match cpu/moe.c
 MAX_TOP_K = 64  # the C combine sorts each token's choices in a fixed-size array
 FORMATS = {"f32": 0, "bf16": 1, "fp8": 2, "nvfp4": 3}  # cpu/moe.c's FMT_*
 
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, or None (no compiler, build failed, or BATON_CPU_OPS=0)."""
-    lib = cpu_ops.compile_library(SOURCE, "CPU MoE runs the (slower) per-expert oneDNN path")
-    if lib is None:
-        return None
-    lib.baton_moe_routed.restype = _i64
-    lib.baton_moe_routed.argtypes = [
-        _ptr,
-        _i64,
-        _i64,
-        _i64,  # x, x_stride, T, D
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,  # ids, weights, k, E
-        _ptr,
-        _ptr,
-        _int,
-        _i64,
-        _int,  # up, down, bf16, I_pad, swiglu
-        _ptr,
-        _ptr,
-        _ptr,  # scratch, h, ys
-        _ptr,
-        _int,  # out, threads
-        *(_ptr, _ptr, _ptr, _ptr, _i64, _i64),  # quantized: scales, cols, groups (up, down)
-    ]
-    return lib
+def library() -> Kernels | None:
+    """The C kernels as torch operators (kernels/cpu/extension.py), or None: CPU MoE runs the (slower) per-expert oneDNN path."""
+    return cpu_library()
 
 
 class PanelExperts(NamedTuple):
@@ -212,23 +185,23 @@ def routed_experts(
     ys = torch.empty(P, D, dtype=torch.float32)
     out = torch.empty(T, D, dtype=dtype)
     bad = lib.baton_moe_routed(
-        rows.data_ptr(),
+        rows,
         rows.stride(0),
         T,
         D,
-        ids.data_ptr(),
-        weights.data_ptr(),
+        ids,
+        weights,
         k,
         E,
-        (panels.up.codes if quant else panels.up).data_ptr(),
-        (panels.down.codes if quant else panels.down).data_ptr(),
+        panels.up.codes if quant else panels.up,
+        panels.down.codes if quant else panels.down,
         fmt,
         I_pad,
         int(panels.swiglu),
-        scratch.data_ptr(),
-        h.data_ptr(),
-        ys.data_ptr(),
-        out.data_ptr(),
+        scratch,
+        h,
+        ys,
+        out,
         torch.get_num_threads(),
         *(_quant_args(panels) if quant else (None, None, None, None, 0, 0)),
     )
@@ -240,10 +213,10 @@ def routed_experts(
 def _quant_args(panels: QuantPanelExperts) -> tuple:
     up, down = panels.up, panels.down
     return (
-        up.scales.data_ptr(),
-        down.scales.data_ptr(),
-        None if up.col is None else up.col.data_ptr(),
-        None if down.col is None else down.col.data_ptr(),
+        up.scales,
+        down.scales,
+        up.col,
+        down.col,
         up.group,
         down.group,
     )

@@ -1,174 +1,36 @@
-"""Fused CPU decode kernels (kernels/cpu/ops.c), compiled once per machine and loaded by ctypes.
+"""Fused CPU decode kernels (kernels/cpu/ops.c), torch operators of baton's C++ extension.
 
 The torch path of a decode step reads and writes each Mamba state several times (gather,
 scale, outer-product add, scatter, reduce); at batch 64 of the ~110M config that is ~15 ms per
-layer for what one in-place pass does in ~2 ms. The C file is small and has no torch headers, so
-the first use builds it with the system C compiler in about a second; the shared object is
-cached under `$BATON_CACHE_DIR` (default ~/.cache/baton), keyed by the source, the flags and
-the CPU. Without a compiler, with `BATON_CPU_OPS=0`, or for dtypes the kernels do not take, the
-torch path runs instead; the two agree to float32 rounding (tests/test_kernels_torch.py).
+layer for what one in-place pass does in ~2 ms. The C file has no torch headers; the extension
+(kernels/cpu/extension.py) compiles it with the others and makes each kernel an operator,
+built once per machine and cached under `$BATON_CACHE_DIR` (default ~/.cache/baton). Without a
+compiler, with `BATON_CPU_OPS=0`, or for dtypes the kernels do not take, the torch path runs
+instead; the two agree to float32 rounding (tests/test_kernels_torch.py).
 
-ctypes releases the GIL for the call; the loops use OpenMP with torch's thread count.
+The operators release the GIL while they run; the loops use OpenMP with torch's thread count.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from baton.kernels.backend import select_backend
-from baton.kernels.machine_cache import cache_dir
+from baton.kernels.cpu.extension import Kernels, cpu_key, enabled
+from baton.kernels.cpu.extension import library as cpu_library
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("ops.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 MAX_CONV_KERNEL = 64
 
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-
-
-def enabled() -> bool:
-    return os.environ.get("BATON_CPU_OPS", "1").strip() not in ("0", "false", "no")
-
-
-def cpu_key() -> str:
-    """This CPU's feature flags (/proc/cpuinfo): what a build or a timing made here is valid for."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return flags
-
-
-def _build(source: Path, target: Path, compiler: str) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", str(out), "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        os.replace(out, target)  # atomic: concurrent builders race harmlessly
-
-
-def compile_library(source: Path, fallback: str) -> ctypes.CDLL | None:
-    """Build `source` once per machine (cached in $BATON_CACHE_DIR, keyed by the source, flags,
-    compiler and CPU) and load it; None, with one warning naming `fallback`, when disabled, no
-    compiler is found or the build fails."""
-    if not enabled():
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler found: %s", fallback)
-        return None
-    # The headers beside the source (cpu/common.h) are part of what gets compiled.
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    key = hashlib.sha256(
-        source.read_bytes()
-        + headers
-        + " ".join(FLAGS).encode()
-        + compiler.encode()
-        + cpu_key().encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
-    try:
-        if not target.exists():
-            _build(source, target, compiler)
-        return ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        log.warning("building %s failed (%s): %s", source.name, fallback, detail)
-        return None
+__all__ = ["cpu_key", "enabled", "library"]
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (no compiler, build failed, or disabled)."""
-    lib = compile_library(SOURCE, "CPU decode runs the (slower) torch path")
-    if lib is None:
-        return None
-    lib.baton_ssu_f32.restype = _i64
-    lib.baton_ssu_f32.argtypes = [_ptr, _i64, _ptr, _i64, *[_ptr] * 7, _i64, _i64, _i64, _i64, _int]
-    lib.baton_conv_update.restype = _i64
-    lib.baton_conv_update.argtypes = [
-        *(_ptr, _int, _i64, _ptr, _i64),
-        *[_ptr] * 4,
-        *(_i64, _i64, _int, _int),
-    ]
-    lib.baton_mamba_decode.restype = _i64
-    lib.baton_mamba_decode.argtypes = [
-        _ptr,
-        _i64,
-        _ptr,
-        _ptr,
-        _i64,
-        _ptr,
-        _i64,  # rows, stride, pools, num_slots, slots, batch
-        *[_ptr] * 5,  # conv_w, conv_b, dt_bias, A, D
-        ctypes.c_float,
-        ctypes.c_float,
-        _ptr,
-        ctypes.c_float,  # dt_min, dt_max, norm_w, eps
-        _ptr,
-        _ptr,
-        _ptr,
-        _int,  # xbc, y, out, bf16
-        *[_i64] * 8,  # I, H, P, N, G, K, norm_group, norm_mode
-        _int,
-    ]
-    lib.baton_decode_attention.restype = _i64
-    lib.baton_decode_attention.argtypes = [
-        _ptr,
-        _ptr,
-        _ptr,
-        _i64,
-        _ptr,
-        _i64,
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        ctypes.c_float,
-        _int,
-        _int,
-    ]
-    lib.baton_extend_attention.restype = _i64
-    lib.baton_extend_attention.argtypes = [
-        *[_ptr] * 3,  # q, k_cache, v_cache
-        _i64,  # num_token_slots
-        _ptr,  # kv_indices
-        _i64,  # its row stride
-        _ptr,  # kv_lens
-        _ptr,  # query_start_loc
-        _ptr,  # out
-        *[_i64] * 5,  # T, S, H, KVH, Dh
-        ctypes.c_float,
-        _int,
-        _int,
-    ]
-    lib.baton_silu_mul.restype = None
-    lib.baton_silu_mul.argtypes = [_ptr, _i64, _ptr, _i64, _i64, ctypes.c_float, _int, _int]
-    lib.baton_rms_norm.restype = None
-    lib.baton_rms_norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_float, _int, _int]
-    lib.baton_argmax_f32.restype = None
-    lib.baton_argmax_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _int]
-    return lib
+def library() -> Kernels | None:
+    """The C kernels as torch operators (kernels/cpu/extension.py), or None: CPU decode runs the (slower) torch path."""
+    return cpu_library()
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -211,17 +73,17 @@ def selective_state_update_cpu(
     slots = state_indices.to(torch.int64).contiguous()
     y = torch.empty(batch, H, P, dtype=torch.float32)
     result = library().baton_ssu_f32(
-        ssm_states.data_ptr(),
+        ssm_states,
         ssm_states.shape[0],
-        slots.data_ptr(),
+        slots,
         batch,
-        xf.data_ptr(),
-        dtf.data_ptr(),
-        Af.data_ptr(),
-        Bf.data_ptr(),
-        Cf.data_ptr(),
-        Df.data_ptr(),
-        y.data_ptr(),
+        xf,
+        dtf,
+        Af,
+        Bf,
+        Cf,
+        Df,
+        y,
         H,
         P,
         N,
@@ -258,15 +120,15 @@ def causal_conv1d_update_cpu(
     slots = state_indices.to(torch.int64).contiguous()
     out = torch.empty(batch, dim, dtype=torch.float32)
     result = library().baton_conv_update(
-        conv_states.data_ptr(),
+        conv_states,
         int(conv_states.dtype == torch.bfloat16),
         conv_states.shape[0],
-        slots.data_ptr(),
+        slots,
         batch,
-        xf.data_ptr(),
-        wf.data_ptr(),
-        bf.data_ptr(),
-        out.data_ptr(),
+        xf,
+        wf,
+        bf,
+        out,
         dim,
         K,
         int(activation == "silu"),
@@ -292,9 +154,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
     rows, cols = logits.shape
     out = torch.empty(rows, dtype=torch.int64)
-    lib.baton_argmax_f32(
-        logits.data_ptr(), rows, cols, logits.stride(0), out.data_ptr(), torch.get_num_threads()
-    )
+    lib.baton_argmax_f32(logits, rows, cols, logits.stride(0), out, torch.get_num_threads())
     bad = out >= cols  # no element equals the max: the row has a NaN
     if bool(bad.any()):
         out[bad] = logits[bad].argmax(dim=-1)
@@ -363,25 +223,25 @@ def mamba_decode_cpu(
     y = torch.empty(batch, intermediate, dtype=torch.float32)
     out = torch.empty(batch, intermediate, dtype=zxbcdt.dtype)
     result = library().baton_mamba_decode(
-        zxbcdt.data_ptr(),
+        zxbcdt,
         zxbcdt.stride(0),
-        conv_states.data_ptr(),
-        ssm_states.data_ptr(),
+        conv_states,
+        ssm_states,
         ssm_states.shape[0],
-        slots.data_ptr(),
+        slots,
         batch,
-        params.conv_weight.data_ptr(),
-        params.conv_bias.data_ptr(),
-        params.dt_bias.data_ptr(),
-        params.A.data_ptr(),
-        params.D.data_ptr(),
+        params.conv_weight,
+        params.conv_bias,
+        params.dt_bias,
+        params.A,
+        params.D,
         dt_limit[0],
         min(dt_limit[1], 3.0e38),
-        params.norm_weight.data_ptr(),
+        params.norm_weight,
         eps,
-        xbc.data_ptr(),
-        y.data_ptr(),
-        out.data_ptr(),
+        xbc,
+        y,
+        out,
         int(zxbcdt.dtype == torch.bfloat16),
         intermediate,
         num_heads,
@@ -414,9 +274,9 @@ def silu_mul_cpu(gate_up: torch.Tensor, gate_multiplier: float = 1.0) -> torch.T
     inter = width // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
     library().baton_silu_mul(
-        gate_up.data_ptr(),
+        gate_up,
         gate_up.stride(0),
-        out.data_ptr(),
+        out,
         rows,
         inter,
         gate_multiplier,
@@ -441,10 +301,10 @@ def rms_norm_cpu(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch
     rows, hidden = x.shape
     out = torch.empty(rows, hidden, dtype=x.dtype)
     library().baton_rms_norm(
-        x.data_ptr(),
+        x,
         x.stride(0),
-        weight_f32.data_ptr(),
-        out.data_ptr(),
+        weight_f32,
+        out,
         rows,
         hidden,
         eps,
@@ -506,22 +366,20 @@ def _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, query_start_loc, s
         kv_indices = kv_indices.contiguous()
     out = torch.empty(T, H, Dh, dtype=q.dtype)
     common = (
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
+        q,
+        k_cache,
+        v_cache,
         k_cache.shape[0],
-        kv_indices.data_ptr(),
+        kv_indices,
         kv_indices.stride(0),
-        kv_lens.data_ptr(),
+        kv_lens,
     )
     tail = (H, k_cache.shape[1], Dh, scale, int(q.dtype == torch.bfloat16), torch.get_num_threads())
     if query_start_loc is None:
-        result = library().baton_decode_attention(*common, out.data_ptr(), S, *tail)
+        result = library().baton_decode_attention(*common, out, S, *tail)
     else:
         cu = query_start_loc.to(torch.int32).contiguous()
-        result = library().baton_extend_attention(
-            *common, cu.data_ptr(), out.data_ptr(), T, S, *tail
-        )
+        result = library().baton_extend_attention(*common, cu, out, T, S, *tail)
     if result == -1:
         raise MemoryError("attention: no memory for the per-thread score buffers")
     if result == -2:

@@ -1,4 +1,5 @@
-"""Fused CPU prefill scan (kernels/cpu/prefill.c), compiled once per machine and loaded by ctypes.
+"""Fused CPU prefill scan (kernels/cpu/prefill.c), compiled once per machine into the
+operator extension (kernels/cpu/extension.py).
 
 The torch SSD path (kernels/ssd.py) pads every sequence to the longest one's chunk count, builds
 two segment-sum masks and permutes its operands for the einsums; on the 110M config that was
@@ -12,7 +13,6 @@ that is not contiguous float32 select the torch path, which agrees to float32 ro
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 from pathlib import Path
@@ -20,49 +20,19 @@ from pathlib import Path
 import torch
 
 from baton.kernels.backend import select_backend
-from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.cpu.extension import Kernels
+from baton.kernels.cpu.extension import library as cpu_library
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("prefill.c")
 MAX_CHUNK = 1024  # the C scan keeps two chunk-length float arrays on each thread's stack
 
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded scan, or None (no compiler, build failed, or BATON_CPU_OPS=0)."""
-    lib = cpu_ops.compile_library(SOURCE, "CPU prefill runs the (slower) torch SSD path")
-    if lib is None:
-        return None
-    lib.baton_ssd_prefill.restype = _i64
-    lib.baton_ssd_prefill.argtypes = [
-        _ptr,
-        _i64,  # x, x_stride
-        _ptr,
-        _ptr,
-        _i64,  # B, C, bc_stride
-        *[_ptr] * 3,  # dt, A, D
-        _ptr,
-        _i64,
-        _ptr,  # pool, num_slots, slots
-        _ptr,
-        _ptr,
-        _i64,  # cu_seqlens, start_pos, num_seqs
-        _ptr,
-        _ptr,
-        _i64,  # y, chunk_states, num_chunks_out
-        *[_i64] * 5,  # H, P, N, G, L
-        _int,
-    ]
-    lib.baton_gated_norm.restype = None
-    lib.baton_gated_norm.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, *[_i64] * 3]
-    lib.baton_gated_norm.argtypes += [ctypes.c_float, _int, _int]
-    lib.baton_conv_varlen.restype = _i64
-    lib.baton_conv_varlen.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64]
-    lib.baton_conv_varlen.argtypes += [_ptr, _ptr, _ptr, _i64, _i64, _int, _int, _int]
-    return lib
+def library() -> Kernels | None:
+    """The C kernels as torch operators (kernels/cpu/extension.py), or None: CPU prefill runs the (slower) torch SSD path."""
+    return cpu_library()
 
 
 def supported(x: torch.Tensor, ssm_pool: torch.Tensor, chunk_size: int) -> bool:
@@ -120,22 +90,22 @@ def ssd_prefill_cpu(
     if num_chunks is not None:
         chunk_states = torch.empty(S, num_chunks, H, P, N, dtype=torch.float32)
     result = library().baton_ssd_prefill(
-        xf.data_ptr(),
+        xf,
         xf.stride(0),
-        Bf.data_ptr(),
-        Cf.data_ptr(),
+        Bf,
+        Cf,
         Bf.stride(0),
-        dtf.data_ptr(),
-        Af.data_ptr(),
-        Df.data_ptr(),
-        ssm_pool.data_ptr(),
+        dtf,
+        Af,
+        Df,
+        ssm_pool,
         ssm_pool.shape[0],
-        slots64.data_ptr(),
-        cu.data_ptr(),
-        starts.data_ptr(),
+        slots64,
+        cu,
+        starts,
         S,
-        y.data_ptr(),
-        chunk_states.data_ptr() if chunk_states is not None else None,
+        y,
+        chunk_states,
         num_chunks or 0,
         H,
         P,
@@ -178,12 +148,12 @@ def gated_rms_norm_cpu(
         raise ValueError(f"gated norm: width {width} is not a multiple of the group {group_size}")
     out = torch.empty(T, width, dtype=y.dtype)
     library().baton_gated_norm(
-        y.data_ptr(),
+        y,
         y.stride(0),
-        z.data_ptr(),
+        z,
         z.stride(0),
-        weight.data_ptr(),
-        out.data_ptr(),
+        weight,
+        out,
         T,
         width,
         group_size,
@@ -240,18 +210,18 @@ def causal_conv1d_varlen_cpu(
     wf = weight.float().contiguous()
     bf = bias.float().contiguous() if bias is not None else None
     result = library().baton_conv_varlen(
-        x.data_ptr(),
+        x,
         x.stride(0),
-        wf.data_ptr(),
-        bf.data_ptr() if bf is not None else None,
-        conv_states.data_ptr(),
+        wf,
+        bf,
+        conv_states,
         conv_states.shape[0],
-        slots.data_ptr(),
-        cu.data_ptr(),
+        slots,
+        cu,
         S,
-        out.data_ptr(),
-        window_of_token.data_ptr() if window_of_token is not None else None,
-        windows.data_ptr() if windows is not None else None,
+        out,
+        window_of_token,
+        windows,
         dim,
         K,
         int(x.dtype == torch.bfloat16),

@@ -14,7 +14,6 @@ float32 or None; returns (..., N) in x's dtype.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 from pathlib import Path
@@ -23,7 +22,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.cpu.extension import Kernels
+from baton.kernels.cpu.extension import library as cpu_library
 from baton.kernels.quant import NVFP4_GROUP, QuantFormat, QuantizedTensor
 
 SOURCE = Path(__file__).with_name("quant.c")
@@ -36,32 +36,11 @@ MAX_PACKED_EXPONENT = 126
 SERIAL_WORK = 1 << 18
 AMX_MIN_ROWS = 8  # cpu/quant.c's amx_min_rows at load: bf16 rows from here run on AMX tiles
 
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, or None (no compiler, build failed, or BATON_CPU_OPS=0)."""
-    lib = cpu_ops.compile_library(SOURCE, "quantized CPU linears run the torch path")
-    if lib is None:
-        return None
-    for query in (lib.baton_qgemm_supported, lib.baton_qgemm_fp4_inputs_per_lane):
-        query.restype = _int
-        query.argtypes = []
-    lib.baton_qgemm_amx.restype = _int
-    lib.baton_qgemm_amx.argtypes = [_i64]
-    lib.baton_qgemm_fp4_dot.restype = _int
-    lib.baton_qgemm_fp4_dot.argtypes = [_int]
-    for entry in (lib.baton_qgemm, lib.baton_qgemm_bf16):  # float32 rows / bfloat16 rows
-        entry.restype = _int
-        entry.argtypes = [
-            _int,  # format
-            *(_ptr, _i64, _i64, _i64),  # x, m, k, ldx
-            *(_ptr, _ptr, _i64, _ptr),  # codes, scales, group, col
-            *(_i64, _ptr, _int),  # n, bias, relu
-            *(_ptr, _i64, _int),  # y, ldy, threads
-        ]
-    return lib
+def library() -> Kernels | None:
+    """The C kernels as torch operators (kernels/cpu/extension.py), or None: quantized CPU linears run the torch path."""
+    return cpu_library()
 
 
 def supported() -> bool:
@@ -181,18 +160,18 @@ def linear(
             raise ValueError("cpu_quant: the bias is a contiguous float32 vector")
         status = entry(
             FORMAT_CODES[packed.format],
-            rows.data_ptr(),
+            rows,
             m,
             k,
             rows.stride(0),
-            packed.codes.data_ptr(),
-            packed.scales.data_ptr(),
+            packed.codes,
+            packed.scales,
             packed.group,
-            None if packed.col is None else packed.col.data_ptr(),
+            None if packed.col is None else packed.col,
             n,
-            None if bias is None else bias.data_ptr(),
+            bias,
             int(relu),
-            y.data_ptr(),
+            y,
             n,
             threads(m, n, k),
         )

@@ -10,47 +10,24 @@ registers across the q tokens and writes it once per token to its slot.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 
 import torch
 
 from baton.kernels.backend import select_backend
-from baton.kernels.cpu.ops import NORM_MODES, MambaDecodeParams, compile_library
+from baton.kernels.cpu.extension import Kernels
+from baton.kernels.cpu.extension import library as cpu_library
+from baton.kernels.cpu.ops import NORM_MODES, MambaDecodeParams
 
 SOURCE = Path(__file__).with_name("verify.c")
 MAX_TOKENS, MAX_STATE, MAX_CONV_KERNEL = 64, 512, 64  # the C file's limits
 
-_i64, _int, _ptr, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    lib = compile_library(SOURCE, "CPU verify steps run the torch path")
-    if lib is None:
-        return None
-    lib.baton_mamba_verify.restype = _i64
-    lib.baton_mamba_verify.argtypes = [
-        _ptr,  # zxbcdt
-        _i64,  # row stride
-        _ptr,  # conv pool
-        _ptr,  # ssm pool
-        _i64,  # num_slots
-        _ptr,  # slots (batch, q + 1)
-        _i64,  # batch
-        _i64,  # q
-        *[_ptr] * 5,  # conv_w, conv_b, dt_bias, A, D
-        _f,  # dt_min
-        _f,  # dt_max
-        _ptr,  # norm_w
-        _f,  # eps
-        *[_ptr] * 3,  # xbc, y, out
-        _int,  # bf16
-        *[_i64] * 8,  # I, H, P, N, G, K, norm_group, norm_mode
-        _int,  # threads
-    ]
-    return lib
+def library() -> Kernels | None:
+    """The C kernels as torch operators (kernels/cpu/extension.py), or None: CPU verify steps run the torch path."""
+    return cpu_library()
 
 
 def mamba_verify_supported(
@@ -104,26 +81,26 @@ def mamba_verify_cpu(
     y = torch.empty(rows, intermediate, dtype=torch.float32)
     out = torch.empty(rows, intermediate, dtype=zxbcdt.dtype)
     result = library().baton_mamba_verify(
-        zxbcdt.data_ptr(),
+        zxbcdt,
         zxbcdt.stride(0),
-        conv_states.data_ptr(),
-        ssm_states.data_ptr(),
+        conv_states,
+        ssm_states,
         ssm_states.shape[0],
-        slots.data_ptr(),
+        slots,
         batch,
         q,
-        params.conv_weight.data_ptr(),
-        params.conv_bias.data_ptr(),
-        params.dt_bias.data_ptr(),
-        params.A.data_ptr(),
-        params.D.data_ptr(),
+        params.conv_weight,
+        params.conv_bias,
+        params.dt_bias,
+        params.A,
+        params.D,
         dt_limit[0],
         min(dt_limit[1], 3.0e38),
-        params.norm_weight.data_ptr(),
+        params.norm_weight,
         eps,
-        xbc.data_ptr(),
-        y.data_ptr(),
-        out.data_ptr(),
+        xbc,
+        y,
+        out,
         int(zxbcdt.dtype == torch.bfloat16),
         intermediate,
         num_heads,
