@@ -5,6 +5,8 @@ handover, wire or TP planning names KDA or MLA):
                            a pool of its own, no per-head K/V pool: the published 48B's bytes a
                            token, measured from its state spec
     prefix cache on        == off, with hits resumed from KDA checkpoints and latent pages
+                           (decode steps through the padded runner: padding rows on the dummy
+                           slot and page)
     PD pair                == colocated, TP 1 -> 1 and 2 -> 1, twice: the second round's prompts
                            extend the first's, so both workers resume from their caches
     colocated TP = 2       == TP = 1 (KDA and MLA heads split, the latent replicated)
@@ -83,15 +85,20 @@ def test_prefix_cache_on_matches_off_with_hits(kimi_models):
     model_dir, hf = kimi_models("kimi_moe")
     vocab = hf.config.vocab_size
     shared = prompts(vocab, 1, (70,))[0]
-    items = [shared + p for p in prompts(vocab, 2, (5, 9, 71))]
+    items = [shared + p for p in prompts(vocab, 2, (5, 9, 13, 71))]
     off = LLM(model_dir, **ARGS, enable_prefix_caching=False).generate(items, PARAMS)
-    on = LLM(model_dir, **ARGS)
+    on = LLM(model_dir, **ARGS, cpu_padded_decode=True)
+    padded = []
+    runner = on.engine.graph_runner
+    original = runner.forward
+    runner.forward = lambda sched: (padded.append(sched.num_decode_seqs), original(sched))[1]
     outs = on.generate(items[:1], PARAMS) + on.generate(items[1:], PARAMS)
+    assert 3 in padded  # a batch of 3 decodes padded to the captured size 4
     assert_same_outputs(outs, off)
-    assert [o.num_cached_tokens for o in outs] == [0, 64, 64]
-    again = on.generate(items[2:], PARAMS)  # its own prompt now cached up to 128 tokens
+    assert [o.num_cached_tokens for o in outs] == [0, 64, 64, 64]
+    again = on.generate(items[3:], PARAMS)  # its own prompt now cached up to 128 tokens
     assert again[0].num_cached_tokens == 128
-    assert_same_outputs(again, off[2:])
+    assert_same_outputs(again, off[3:])
     stats = on.stats()
     assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
 
