@@ -31,6 +31,11 @@ D[i, j, c] = exp(cum_i[c] - cum_j[c]) for j <= i:
 Unlike GDN's scalar decay, D does not factor into a row and a column term without overflow risk
 (exp(-cum_j) grows without bound), so the (L, L, dk) decay is built per chunk, masked before the
 exp (as transformers does), and the loop runs over chunks with (sequence, head) batched inside.
+
+On the CPU, prefill and decode run the C kernels (kernels/cpu/kda.c: the recurrence token by token
+on an L1-resident block of the state, threaded over (sequence, head, column block), chunk-end
+states copied out on the same grid) when they are built and the pool is contiguous float32, else
+the torch path here; BATON_CPU_OPS=0 turns them off.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from baton.kernels.cpu import kda as cpu_kda
 from baton.kernels.layouts import ChunkLayout
 
 L2NORM_EPS = 1e-6  # transformers' (and FLA's) l2norm eps inside the kernel
@@ -165,16 +171,19 @@ def kda_prefill(
     state_pool: torch.Tensor,
     state_indices: torch.Tensor,
     layout: ChunkLayout,
-) -> KDAOutput:
-    """`chunk_kda_torch` with the states in the pool: sequence s starts from
-    `state_pool[state_indices[s]]` (num_slots, heads, dk, dv) and its final state is written
-    back there. state_indices: (num_seqs,) int64."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA with the states in the pool: sequence s starts from `state_pool[state_indices[s]]`
+    (num_slots, heads, dk, dv) and its final state is written back there. state_indices:
+    (num_seqs,) int64. Returns (o (num_tokens, heads, dv) in v's dtype, chunk_states (num_seqs,
+    num_chunks, heads, dk, dv) float32). CPU: the C scan when supported, else torch."""
     _check(q, k, v, g, beta, tuple(state_pool.shape), "kda_prefill")
     if state_indices.shape != (layout.num_seqs,):
         raise ValueError(f"kda_prefill: one slot per sequence, got {tuple(state_indices.shape)}")
+    if cpu_kda.supported(v, state_pool):
+        return cpu_kda.kda_prefill_cpu(q, k, v, g, beta, state_pool, state_indices, layout)
     out = chunk_kda_torch(q, k, v, g, beta, state_pool[state_indices], layout)
     state_pool[state_indices] = out.final_states.to(state_pool.dtype)
-    return out
+    return out.o, out.chunk_states
 
 
 def kda_decode(
@@ -190,11 +199,25 @@ def kda_decode(
 
     q, k: (batch, heads, dk); v: (batch, heads, dv); g: (batch, heads, dk) float32; beta:
     (batch, heads); state_pool: (num_slots, heads, dk, dv); state_indices: (batch,) int64.
-    Rows whose index is 0 are padding: their slot is written back unchanged and their output
-    is zero. Returns o: (batch, heads, dv) in v's dtype."""
+    Rows whose index is 0 are padding: their slot is left as it was and their output is zero.
+    Returns o: (batch, heads, dv) in v's dtype. CPU: the C step when supported, else torch."""
     _check(q, k, v, g, beta, tuple(state_pool.shape), "kda_decode")
     if state_indices.shape != (q.shape[0],):
         raise ValueError(f"kda_decode: one slot per row, got {tuple(state_indices.shape)}")
+    if cpu_kda.supported(v, state_pool):
+        return cpu_kda.kda_decode_cpu(q, k, v, g, beta, state_pool, state_indices)
+    return kda_decode_torch(q, k, v, g, beta, state_pool, state_indices)
+
+
+def kda_decode_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
     dk = q.shape[-1]
     live = (state_indices != 0)[:, None, None]  # (batch, 1, 1)
     qn, kn = l2norm(q) * dk**-0.5, l2norm(k)

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from baton.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from baton.kernels.cpu import kda as cpu_kda
 from baton.kernels.kda import kda_decode, kda_gate, kda_prefill
 from baton.kernels.layouts import ChunkLayout, ConvLayout
 from baton.kernels.verify_steps import token_rows, verify_by_steps
@@ -43,6 +44,15 @@ class KDAMixerWeights(NamedTuple):
     A_log: torch.Tensor  # (heads,)
     dt_bias: torch.Tensor  # (width,)
     norm_weight: torch.Tensor  # (head_dim,)
+
+    def decode_params(self) -> cpu_kda.KDADecodeParams:
+        """The float32 copies the fused C decode step reads (build once per layer)."""
+        return cpu_kda.KDADecodeParams(
+            conv_weight=self.conv_weight.float().contiguous(),
+            A=-self.A_log.float().exp(),
+            dt_bias=self.dt_bias.float().contiguous(),
+            norm_weight=self.norm_weight.float().contiguous(),
+        )
 
 
 class KDAPrefillOutput(NamedTuple):
@@ -93,10 +103,10 @@ def kda_mixer_prefill(
         qkv, weights.conv_weight, None, conv_states, state_indices, conv_layout, window_tokens
     )
     q, k, v, g, beta = _heads(x, f, b, weights, dims)
-    scan = kda_prefill(q, k, v, g, beta, state_pool, state_indices, chunk_layout)
-    out = gated_norm(scan.o, gate.view(scan.o.shape), weights.norm_weight, dims.norm_eps)
+    o, chunk_states = kda_prefill(q, k, v, g, beta, state_pool, state_indices, chunk_layout)
+    out = gated_norm(o, gate.view(o.shape), weights.norm_weight, dims.norm_eps)
     return KDAPrefillOutput(
-        out=out.view(-1, dims.width), chunk_states=scan.chunk_states, conv_windows=windows
+        out=out.view(-1, dims.width), chunk_states=chunk_states, conv_windows=windows
     )
 
 
@@ -110,10 +120,19 @@ def kda_mixer_decode(
     state_indices: torch.Tensor,
     weights: KDAMixerWeights,
     dims: KDAMixerDims,
+    decode_params: cpu_kda.KDADecodeParams | None,
 ) -> torch.Tensor:
     """One decode step per request (rows of slot 0 are padding), both pools updated in place.
     Shapes as kda_mixer_prefill's with batch rows for tokens; state_indices: (batch,) int64.
-    Returns (batch, width) in the model dtype."""
+    decode_params: `weights.decode_params()` to run the fused C step on the CPU where it is
+    supported, None for the composite path. Returns (batch, width) in the model dtype."""
+    if decode_params is not None and cpu_kda.kda_mixer_decode_supported(
+        qkv, conv_states, state_pool
+    ):
+        return cpu_kda.kda_mixer_decode_cpu(
+            qkv, f, b, gate, conv_states, state_pool, state_indices, decode_params,
+            eps=dims.norm_eps,
+        )  # fmt: skip
     x = causal_conv1d_update(qkv, weights.conv_weight, None, conv_states, state_indices)
     q, k, v, g, beta = _heads(x, f, b, weights, dims)
     o = kda_decode(q, k, v, g, beta, state_pool, state_indices)
@@ -132,6 +151,7 @@ def kda_mixer_verify(
     slots: torch.Tensor,
     weights: KDAMixerWeights,
     dims: KDAMixerDims,
+    decode_params: cpu_kda.KDADecodeParams | None,
 ) -> torch.Tensor:
     """Speculative verify: q tokens per request, rows request-major, slots (nv, q + 1) int64
     (kernels/verify_steps.py): token i is one decode step on slot column i + 1."""
@@ -139,6 +159,6 @@ def kda_mixer_verify(
 
     def decode_token(i: int, dst: torch.Tensor) -> torch.Tensor:
         rows = [token_rows(t, i, q) for t in (qkv, f, b, gate)]
-        return kda_mixer_decode(*rows, conv_states, state_pool, dst, weights, dims)
+        return kda_mixer_decode(*rows, conv_states, state_pool, dst, weights, dims, decode_params)
 
     return verify_by_steps(slots, (conv_states, state_pool), decode_token)

@@ -1,6 +1,6 @@
 """Kimi Linear's kernels against naive oracles: KDA's chunked prefill and decode step
-(kernels/kda.py) against a float64 token-by-token recurrence and against transformers 5.25's own
-reference functions; MLA's absorbed attention over the latent pages (kernels/mla.py) against the
+(kernels/kda.py's torch path and kernels/cpu/kda.c's scan and fused decode step) against a float64
+token-by-token recurrence and against transformers 5.25's own reference functions; MLA's absorbed attention over the latent pages (kernels/mla.py) against the
 expanded per-head K/V attention transformers computes."""
 
 from __future__ import annotations
@@ -9,9 +9,19 @@ import pytest
 import torch
 
 from baton.kernels.attention import build_attention_layout
-from baton.kernels.kda import chunk_kda_torch, kda_decode, kda_gate
+from baton.kernels.conv1d import build_window_layout
+from baton.kernels.cpu import kda as cpu_kda
+from baton.kernels.kda import chunk_kda_torch, kda_decode, kda_decode_torch, kda_gate, kda_prefill
+from baton.kernels.kda_mixer import (
+    KDAMixerDims,
+    KDAMixerWeights,
+    kda_mixer_decode,
+    kda_mixer_prefill,
+)
 from baton.kernels.mla import mla_attention
 from baton.kernels.ssd import build_chunk_layout
+
+needs_c = pytest.mark.skipif(cpu_kda.library() is None, reason="the C kernels are not built")
 
 
 def kda_oracle(q, k, v, g, beta, init):
@@ -82,7 +92,35 @@ def test_chunked_kda_matches_token_recurrence_with_true_chunk_end_states(
         offset += n
 
 
-def test_decode_steps_match_token_recurrence_and_skip_padding_rows():
+@needs_c
+@pytest.mark.parametrize("seq_lens,start_pos,chunk", CASES[1:])
+def test_c_scan_matches_token_recurrence_with_true_chunk_end_states(seq_lens, start_pos, chunk):
+    """The C prefill on pool slots (dv 40: a full and a partial column block)."""
+    q, k, v, g, beta, init = kda_inputs(seq_lens, H=2, dk=8, dv=40, seed=1)
+    layout = build_chunk_layout(seq_lens, start_pos, chunk, "cpu")
+    pool = torch.zeros(len(seq_lens) + 2, 2, 8, 40)
+    slots = torch.arange(len(seq_lens)) + 2
+    pool[slots] = init
+    assert cpu_kda.supported(v, pool)
+    o, chunk_states = kda_prefill(q, k, v, g, beta, pool, slots, layout)
+    offset = 0
+    for s, (n, p0) in enumerate(zip(seq_lens, start_pos)):
+        rows = slice(offset, offset + n)
+        o_ref, states = kda_oracle(q[rows], k[rows], v[rows], g[rows], beta[rows], init[s])
+        torch.testing.assert_close(o[rows].double(), o_ref, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(pool[slots[s]].double(), states[-1], atol=1e-5, rtol=1e-4)
+        ends = [c for c in range(layout.num_chunks)
+                if 0 <= p0 - p0 % chunk + (c + 1) * chunk - p0 - 1 < n]  # fmt: skip
+        for c in range(layout.num_chunks):  # true chunk-end states, then the final one
+            j = p0 - p0 % chunk + (c + 1) * chunk - p0 - 1 if c in ends else n - 1
+            torch.testing.assert_close(chunk_states[s, c].double(), states[j], atol=1e-5, rtol=1e-4)
+        offset += n
+
+
+@pytest.mark.parametrize(
+    "decode", [kda_decode_torch, pytest.param(kda_decode, marks=needs_c)], ids=["torch", "c"]
+)
+def test_decode_steps_match_token_recurrence_and_skip_padding_rows(decode):
     H, dk, dv, steps = 2, 8, 4, 5
     q, k, v, g, beta, _ = kda_inputs([steps * 2], H, dk, dv, seed=3)
     pool = torch.randn(4, H, dk, dv)
@@ -91,7 +129,7 @@ def test_decode_steps_match_token_recurrence_and_skip_padding_rows():
     outs = []
     for t in range(steps):
         rows = slice(2 * t, 2 * t + 2)
-        outs.append(kda_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], pool, slots))
+        outs.append(decode(q[rows], k[rows], v[rows], g[rows], beta[rows], pool, slots))
     live = slice(0, 2 * steps, 2)
     o_ref, states = kda_oracle(q[live], k[live], v[live], g[live], beta[live], start[2])
     torch.testing.assert_close(torch.stack([o[0] for o in outs]).double(), o_ref, atol=2e-5,
@@ -116,13 +154,72 @@ def test_kda_matches_transformers_reference_functions():
     torch.testing.assert_close(ours.o, o_chunk[0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(ours.final_states, s_chunk, atol=1e-5, rtol=1e-4)
     pool = init.clone().repeat(2, 1, 1, 1)  # slot 1 holds the initial state
-    o_step = kda_decode(q[:1], k[:1], v[:1], g[:1], beta[:1], pool, torch.tensor([1]))
+    o_step = kda_decode_torch(q[:1], k[:1], v[:1], g[:1], beta[:1], pool, torch.tensor([1]))
     o_rec, s_rec = ref.recurrent_kimi_delta_attention(
         *[t[:, :1] for t in args[:3]], g=args[3][:, :1], beta=args[4][:, :1],
         initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     torch.testing.assert_close(o_step, o_rec[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(pool[1:], s_rec, atol=1e-6, rtol=1e-5)
+
+
+def mixer_case(dtype: torch.dtype, H=2, d=8, K=4, batch=3, seed=2):
+    """Random projections and weights of one KDA mixer, pools with state in slots 1..batch."""
+    gen = torch.Generator().manual_seed(seed)
+    W = H * d
+    weights = KDAMixerWeights(
+        conv_weight=(torch.randn(3 * W, K, generator=gen) * 0.5).to(dtype),
+        A_log=torch.empty(H).uniform_(1.0, 16.0, generator=gen).log(),
+        dt_bias=torch.randn(W, generator=gen) * 0.5,
+        norm_weight=(1 + 0.1 * torch.randn(d, generator=gen)).to(dtype),
+    )
+    rows = [torch.randn(batch, n, generator=gen).to(dtype) for n in (3 * W, W, H, W)]
+    conv = torch.randn(batch + 1, 3 * W, K - 1, generator=gen).to(dtype)
+    state = torch.randn(batch + 1, H, d, d, generator=gen) * 0.3
+    return weights, KDAMixerDims(num_heads=H, head_dim=d, norm_eps=1e-5), rows, conv, state
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_c_decode_step_matches_the_composite_mixer(dtype):
+    """Conv, decay, beta, the rule and the gated norm in one C call = the composite path (torch
+    ops and the plain rule), padding rows (slot 0) untouched with zero output."""
+    weights, dims, rows, conv, state = mixer_case(dtype)
+    slots = torch.tensor([3, 0, 1])
+    fused_conv, fused_state = conv.clone(), state.clone()
+    fused = kda_mixer_decode(*rows, fused_conv, fused_state, slots, weights, dims,
+                             weights.decode_params())  # fmt: skip
+    plain = kda_mixer_decode(*rows, conv, state, slots, weights, dims, None)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fused.float(), plain.float(), **tol)
+    assert (fused[1] == 0).all()
+    # live slots alike (the composite conv shifts the dummy slot's window; the fused step skips it)
+    torch.testing.assert_close(fused_conv[1:], conv[1:])
+    torch.testing.assert_close(fused_state[1:], state[1:], **tol)
+
+
+def test_mixer_prefill_then_decode_matches_one_longer_prefill():
+    """The conv window and the state a prefill leaves are what the next decode step continues
+    from: prefill of n tokens + one decode step = prefill of n + 1 tokens (last row)."""
+    weights, dims, _, _, _ = mixer_case(torch.float32, batch=1)
+    gen = torch.Generator().manual_seed(4)
+    n, W, H = 9, dims.width, dims.num_heads
+    rows = [torch.randn(n + 1, m, generator=gen) for m in (3 * W, W, H, W)]
+
+    def prefill(count):
+        conv, state = torch.zeros(2, 3 * W, 3), torch.zeros(2, H, 8, 8)
+        out = kda_mixer_prefill(
+            *[r[:count] for r in rows], conv, state, torch.tensor([1]),
+            build_window_layout([count], 4, "cpu"), build_chunk_layout([count], [0], 4, "cpu"),
+            weights, dims, window_tokens=None,
+        )  # fmt: skip
+        return out.out, conv, state
+
+    _, conv, state = prefill(n)
+    step = kda_mixer_decode(*[r[n:] for r in rows], conv, state, torch.tensor([1]), weights, dims,
+                            None)  # fmt: skip
+    whole, _, _ = prefill(n + 1)
+    torch.testing.assert_close(step[0], whole[n], atol=1e-5, rtol=1e-4)
 
 
 def expanded_mla(q, latent, w_kv_b, nope, vdim, scale, causal_from):

@@ -34,6 +34,7 @@ from baton.engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from baton.engine.executor.forward_metadata import Mamba2Metadata
 from baton.engine.layers.mlp import fuse_for_cpu
 from baton.engine.layers.track import checkpoint_states
+from baton.kernels.cpu.kda import KDADecodeParams
 from baton.kernels.kda_mixer import (
     KDAMixerDims,
     KDAMixerWeights,
@@ -144,7 +145,7 @@ class KimiDeltaAttention(nn.Module):
             parallel.shard(self.o_proj.weight, parallel.Slices(dim=1, ranges=((q0, qn),)))
         self.in_proj: nn.Module | None = None  # CPU: the six projections of x in one matmul
         self.in_proj_widths = [width, width, width, d, heads, d]
-        self.frozen: KDAMixerWeights | None = None  # CPU: freeze()
+        self.frozen: tuple[KDAMixerWeights, KDADecodeParams] | None = None  # CPU: freeze()
 
     def pack_for_cpu(self) -> None:
         """[q | k | v | f_a | b | g_a] as one prepacked matmul (the six linears are dropped),
@@ -155,13 +156,15 @@ class KimiDeltaAttention(nn.Module):
                 delattr(self, name)
 
     def freeze(self) -> None:
-        """Cache the mixer's weights as the kernels read them (CPU, after loading)."""
+        """Cache the mixer's weights as the kernels read them and the fused decode step's
+        float32 copies (CPU, after loading)."""
         self.frozen = None
-        self.frozen = self.mixer_weights()
+        weights = self.mixer_weights()
+        self.frozen = (weights, weights.decode_params())
 
     def mixer_weights(self) -> KDAMixerWeights:
         if self.frozen is not None:
-            return self.frozen
+            return self.frozen[0]
         return KDAMixerWeights(
             conv_weight=torch.cat([getattr(self, n).weight[:, 0] for n in CONVS]),
             A_log=self.A_log.view(-1),
@@ -186,16 +189,21 @@ class KimiDeltaAttention(nn.Module):
         T, nd = hidden.shape[0], md.forward.batch.num_decode_tokens
         nv = md.forward.batch.num_verify_tokens
         weights, dims = self.mixer_weights(), self.dims
+        params = self.frozen[1] if self.frozen is not None else None
         parts, windows, chunk_states = [], None, None
         if nd:
             rows = [t[:nd] for t in (qkv, f, b, gate)]
             parts.append(
-                kda_mixer_decode(*rows, conv_pool, state_pool, md.decode_slots, weights, dims)
+                kda_mixer_decode(
+                    *rows, conv_pool, state_pool, md.decode_slots, weights, dims, params
+                )
             )
         if nv:
             rows = [t[nd : nd + nv] for t in (qkv, f, b, gate)]
             parts.append(
-                kda_mixer_verify(*rows, conv_pool, state_pool, md.verify_slots, weights, dims)
+                kda_mixer_verify(
+                    *rows, conv_pool, state_pool, md.verify_slots, weights, dims, params
+                )
             )
         if T > nd + nv:
             track, p = md.has_mamba_track_mask, slice(nd + nv, T)
