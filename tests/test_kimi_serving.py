@@ -10,6 +10,7 @@ handover, wire or TP planning names KDA or MLA):
     PD pair                == colocated, TP 1 -> 1 and 2 -> 1, twice: the second round's prompts
                            extend the first's, so both workers resume from their caches
     colocated TP = 2       == TP = 1 (KDA and MLA heads split, the latent replicated)
+    speculative verify     == plain decoding at every acceptance count
 
 Greedy, fp32; tokens and their logprobs compared (1e-4).
 """
@@ -23,7 +24,7 @@ import pytest
 import torch
 import zmq
 
-from baton import LLM
+from baton import LLM, SamplingParams
 from baton.disagg.decode import DecodeWorker
 from baton.disagg.prefill import PrefillWorker
 from baton.disagg.tp_transfer import SECRET_ENV, connector_spec
@@ -31,6 +32,7 @@ from baton.engine.config import ModelConfig
 from baton.engine.core.engine import Engine
 from baton.engine.models.registry import model_state_spec
 from tests.same_outputs import assert_same_outputs
+from tests.spec_helpers import scripted_llm
 from tests.test_gdn_serving import (
     ARGS,
     PARAMS,
@@ -161,3 +163,20 @@ def test_tensor_parallel_matches_one_rank(kimi_models):
         assert_same_runs(run(engine, items), expected)
     finally:
         engine.close()
+
+
+def test_speculative_verify_keeps_plain_outputs_at_every_acceptance_count(kimi_models):
+    """A scripted drafter (tests/spec_helpers.py) makes every acceptance count from 0 to k happen:
+    KDA keeps its conv window and state after each drafted position in that position's slot, MLA
+    attends the verify rows over the latent pages, rejected pages are freed; greedy output and
+    its logprobs are plain decoding's."""
+    model_dir, hf = kimi_models("kimi_moe")
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    items = prompts(hf.config.vocab_size, 6, (9, 50, 61))
+    want = LLM(model_dir, **ARGS).generate(items, greedy)
+    reference = {tuple(p): o.token_ids for p, o in zip(items, want)}
+    spec = scripted_llm(model_dir, reference, 2, **ARGS)
+    assert_same_outputs(spec.generate(items, greedy), want)
+    stats = spec.stats()
+    assert all(n > 0 for n in stats.spec_decode_num_accepted_tokens_per_pos)
+    assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
