@@ -58,15 +58,25 @@ class KDAOutput(NamedTuple):
 
 
 def kda_gate(
-    f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int
+    f: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    head_dim: int,
+    lower_bound: float | None = None,
 ) -> torch.Tensor:
-    """The per-channel log decay, as transformers' KimiLinearForgetGate computes it.
+    """The per-channel log decay, as transformers computes it.
 
-    f: (..., heads * dk) the output of f_b_proj(f_a_proj(x)) (model dtype); A_log: (heads,);
-    dt_bias: (heads * dk,). Returns g = -exp(A_log) softplus(f + dt_bias): (..., heads, dk)
-    float32 (softplus is the identity above 20, as there)."""
+    f: (..., heads * dk) the decay projection's output (model dtype); A_log: (heads,);
+    dt_bias: (heads * dk,). Returns (..., heads, dk) float32:
+      lower_bound None: g = -exp(A_log) softplus(f + dt_bias) (KimiLinearForgetGate; softplus
+                        is the identity above 20, as there)
+      else:             g = lower_bound sigmoid(exp(A_log) (f + dt_bias)) (Bailing's safe gate,
+                        rounded to f's dtype as BailingHybridForgetGate returns it)"""
     x = (f.float() + dt_bias.float()).unflatten(-1, (-1, head_dim))
-    return -A_log.float().exp()[:, None] * F.softplus(x)
+    rate = A_log.float().exp()[:, None]
+    if lower_bound is None:
+        return -rate * F.softplus(x)
+    return (lower_bound * torch.sigmoid(rate * x)).to(f.dtype).float()
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:

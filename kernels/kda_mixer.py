@@ -3,6 +3,7 @@ input (transformers 5.25's KimiLinearDeltaAttention):
 
     qkv   --conv (K taps, no bias) + SiLU-->  q | k | v     (conv state: the last K-1 inputs)
     f     --kda_gate-->  g = -exp(A_log) softplus(f + dt_bias)   per key channel (heads, dk)
+                         (Bailing's bounded form: lb sigmoid(exp(A_log) (f + dt_bias)))
     b     --sigmoid-->   beta                                    per head
     o     = KDA (kernels/kda.py; state per slot (heads, dk, dv) float32)
     out   = w * rmsnorm(o) * sigmoid(gate)   per head, all in float32 (transformers'
@@ -33,6 +34,7 @@ class KDAMixerDims:
     num_heads: int  # this rank's
     head_dim: int  # dk = dv
     norm_eps: float  # of the output norm (rms_norm_eps)
+    gate_lower_bound: float | None  # Bailing's bounded decay (kernels/kda.py: kda_gate)
 
     @property
     def width(self) -> int:
@@ -73,7 +75,7 @@ def _heads(qkv: torch.Tensor, f, b, weights: KDAMixerWeights, dims: KDAMixerDims
     """(q, k, v) as (rows, heads, head_dim), g (rows, heads, dk) float32, beta (rows, heads)."""
     rows, H, d = qkv.shape[0], dims.num_heads, dims.head_dim
     q, k, v = (t.view(rows, H, d) for t in qkv.split(dims.width, dim=-1))
-    g = kda_gate(f, weights.A_log, weights.dt_bias, d)
+    g = kda_gate(f, weights.A_log, weights.dt_bias, d, dims.gate_lower_bound)
     return q, k, v, g, torch.sigmoid(b).float()
 
 
@@ -131,7 +133,7 @@ def kda_mixer_decode(
     ):
         return cpu_kda.kda_mixer_decode_cpu(
             qkv, f, b, gate, conv_states, state_pool, state_indices, decode_params,
-            eps=dims.norm_eps,
+            eps=dims.norm_eps, gate_lower_bound=dims.gate_lower_bound,
         )  # fmt: skip
     x = causal_conv1d_update(qkv, weights.conv_weight, None, conv_states, state_indices)
     q, k, v, g, beta = _heads(x, f, b, weights, dims)

@@ -163,7 +163,7 @@ def test_kda_matches_transformers_reference_functions():
     torch.testing.assert_close(pool[1:], s_rec, atol=1e-6, rtol=1e-5)
 
 
-def mixer_case(dtype: torch.dtype, H=2, d=8, K=4, batch=3, seed=2):
+def mixer_case(dtype: torch.dtype, H=2, d=8, K=4, batch=3, seed=2, lower_bound=None):
     """Random projections and weights of one KDA mixer, pools with state in slots 1..batch."""
     gen = torch.Generator().manual_seed(seed)
     W = H * d
@@ -176,15 +176,18 @@ def mixer_case(dtype: torch.dtype, H=2, d=8, K=4, batch=3, seed=2):
     rows = [torch.randn(batch, n, generator=gen).to(dtype) for n in (3 * W, W, H, W)]
     conv = torch.randn(batch + 1, 3 * W, K - 1, generator=gen).to(dtype)
     state = torch.randn(batch + 1, H, d, d, generator=gen) * 0.3
-    return weights, KDAMixerDims(num_heads=H, head_dim=d, norm_eps=1e-5), rows, conv, state
+    dims = KDAMixerDims(num_heads=H, head_dim=d, norm_eps=1e-5, gate_lower_bound=lower_bound)
+    return weights, dims, rows, conv, state
 
 
 @needs_c
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_c_decode_step_matches_the_composite_mixer(dtype):
-    """Conv, decay, beta, the rule and the gated norm in one C call = the composite path (torch
-    ops and the plain rule), padding rows (slot 0) untouched with zero output."""
-    weights, dims, rows, conv, state = mixer_case(dtype)
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+def test_fused_c_decode_step_matches_the_composite_mixer(dtype, lower_bound):
+    """Conv, decay (Kimi's softplus or Bailing's bounded gate), beta, the rule and the gated norm
+    in one C call = the composite path (torch ops and the plain rule), padding rows (slot 0)
+    untouched with zero output."""
+    weights, dims, rows, conv, state = mixer_case(dtype, lower_bound=lower_bound)
     slots = torch.tensor([3, 0, 1])
     fused_conv, fused_state = conv.clone(), state.clone()
     fused = kda_mixer_decode(*rows, fused_conv, fused_state, slots, weights, dims,

@@ -3,7 +3,8 @@ spec, its weights as the released checkpoints store them, TP sharding, and the f
 pools. The math is kernels/kda_mixer.py's (conv over q|k|v + SiLU, per-channel decay, the delta
 rule, a sigmoid-gated norm).
 
-Weights (`self_attn.` in Kimi Linear), as the release and transformers' save_pretrained write them:
+Weights (`KDAConfig.projections`) of Kimi Linear (`self_attn.`), as its release and transformers'
+save_pretrained write them:
 
     q_proj, k_proj, v_proj          (H d, hidden) each
     q_conv1d, k_conv1d, v_conv1d    (H d, 1, K): the one depthwise conv over q|k|v, cut in three
@@ -13,8 +14,11 @@ Weights (`self_attn.` in Kimi Linear), as the release and transformers' save_pre
     o_proj (hidden, H d)
 
 (transformers' in-memory names put f_a_proj, f_b_proj, dt_bias and A_log under `forget_gate.` and
-join the three convs; its save_pretrained writes the names above.) On the CPU the six
-projections of x become one prepacked matmul [q | k | v | f_a | b | g_a] (pack_for_cpu).
+join the three convs; its save_pretrained writes the names above.) Bailing hybrid's ("full_rank")
+have one full-rank `f_proj` (H d, hidden) and `g_proj` (H d, hidden) instead of the a/b pairs,
+A_log of shape (H,), and may bound the decay (`gate_lower_bound`: g = lb sigmoid(exp(A_log)
+(f + dt_bias)), its `kda_safe_gate`). On the CPU the projections of x become one prepacked matmul
+[q | k | v | f_a or f | b | g_a or g] (pack_for_cpu).
 
 Under tensor parallelism a rank holds num_heads / size heads: q/k/v, f_b, g_b, b, dt_bias, A_log,
 the conv channels and the state split by head (the state spec's split, which the slices here
@@ -24,6 +28,7 @@ are read from), f_a and g_a (rank d) replicated, o_proj row-parallel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -46,7 +51,12 @@ from baton.kernels.kda_mixer import (
 # The chunk of KDA's prefill (no config key: FLA's and transformers' 64). Prefix checkpoints sit on
 # multiples of it, so a family's track interval must be one.
 KDA_CHUNK_SIZE = 64
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")
+KDAProjections = Literal["low_rank", "full_rank"]
+# the linears of x, in the order of the CPU's one matmul
+PROJECTIONS: dict[KDAProjections, tuple[str, ...]] = {
+    "low_rank": ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj"),
+    "full_rank": ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj"),
+}
 CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
@@ -58,6 +68,11 @@ class KDAConfig:
     head_dim: int  # dk = dv
     conv_kernel: int
     norm_eps: float  # of the gated output norm (rms_norm_eps)
+    # "low_rank": Kimi's f_a/f_b and g_a/g_b pairs, A_log (1, 1, H, 1); "full_rank": Bailing's
+    # f_proj and g_proj, A_log (H,)
+    projections: KDAProjections
+    # None: g = -exp(A_log) softplus(f + dt_bias); else g = lb sigmoid(exp(A_log) (f + dt_bias))
+    gate_lower_bound: float | None
 
     @property
     def width(self) -> int:
@@ -120,39 +135,53 @@ class KimiDeltaAttention(nn.Module):
         d, K = config.head_dim, config.conv_kernel
         first, heads = q0 // d, qn // d
         width = heads * d
-        self.dims = KDAMixerDims(num_heads=heads, head_dim=d, norm_eps=config.norm_eps)
+        self.dims = KDAMixerDims(
+            num_heads=heads,
+            head_dim=d,
+            norm_eps=config.norm_eps,
+            gate_lower_bound=config.gate_lower_bound,
+        )
         by_head = parallel.Slices(dim=0, ranges=((q0, qn),))
         for name in ("q_proj", "k_proj", "v_proj"):
             self.add_module(name, nn.Linear(hidden_size, width, bias=False))
         for name in CONVS:
             self.add_module(name, nn.Conv1d(width, width, K, groups=width, bias=False))
-        self.f_a_proj = nn.Linear(hidden_size, d, bias=False)
-        self.f_b_proj = nn.Linear(d, width, bias=False)
+        low_rank = config.projections == "low_rank"
+        if low_rank:
+            self.f_a_proj = nn.Linear(hidden_size, d, bias=False)
+            self.f_b_proj = nn.Linear(d, width, bias=False)
+            self.g_a_proj = nn.Linear(hidden_size, d, bias=False)
+            self.g_b_proj = nn.Linear(d, width, bias=False)
+        else:
+            self.f_proj = nn.Linear(hidden_size, width, bias=False)
+            self.g_proj = nn.Linear(hidden_size, width, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(width))
-        self.A_log = nn.Parameter(torch.zeros(1, 1, heads, 1))
+        self.A_log = nn.Parameter(torch.zeros((1, 1, heads, 1) if low_rank else (heads,)))
         self.b_proj = nn.Linear(hidden_size, heads, bias=False)
-        self.g_a_proj = nn.Linear(hidden_size, d, bias=False)
-        self.g_b_proj = nn.Linear(d, width, bias=False)
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(d))
         self.o_proj = nn.Linear(width, hidden_size, bias=False)
+        self.projections = PROJECTIONS[config.projections]
         if tp.size > 1:
-            for name in ("q_proj", "k_proj", "v_proj", *CONVS, "f_b_proj", "g_b_proj"):
+            by_rows = ("f_b_proj", "g_b_proj") if low_rank else ("f_proj", "g_proj")
+            for name in ("q_proj", "k_proj", "v_proj", *CONVS, *by_rows):
                 parallel.shard(getattr(self, name).weight, by_head)
             parallel.shard(self.dt_bias, by_head)
-            parallel.shard(self.A_log, parallel.Slices(dim=2, ranges=((first, heads),)))
+            heads_dim = 2 if low_rank else 0
+            parallel.shard(self.A_log, parallel.Slices(dim=heads_dim, ranges=((first, heads),)))
             parallel.shard(self.b_proj.weight, parallel.Slices(dim=0, ranges=((first, heads),)))
             parallel.shard(self.o_proj.weight, parallel.Slices(dim=1, ranges=((q0, qn),)))
         self.in_proj: nn.Module | None = None  # CPU: the six projections of x in one matmul
-        self.in_proj_widths = [width, width, width, d, heads, d]
+        rank = d if low_rank else width
+        self.in_proj_widths = [width, width, width, rank, heads, rank]
         self.frozen: tuple[KDAMixerWeights, KDADecodeParams] | None = None  # CPU: freeze()
 
     def pack_for_cpu(self) -> None:
-        """[q | k | v | f_a | b | g_a] as one prepacked matmul (the six linears are dropped),
-        unless they are stored differently (mixed precision)."""
-        self.in_proj = fuse_for_cpu([getattr(self, n) for n in PROJECTIONS])
+        """[q | k | v | f_a or f | b | g_a or g] as one prepacked matmul (the six linears are
+        dropped), unless they are stored differently (mixed precision)."""
+        self.in_proj = fuse_for_cpu([getattr(self, n) for n in self.projections])
         if self.in_proj is not None:
-            for name in PROJECTIONS:
+            for name in self.projections:
                 delattr(self, name)
 
     def freeze(self) -> None:
@@ -175,10 +204,12 @@ class KimiDeltaAttention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: (T, hidden) -> qkv (T, 3 width), f (T, width), b (T, heads), gate (T, width)."""
         if self.in_proj is not None:
-            q, k, v, f_a, b, g_a = self.in_proj(x).split(self.in_proj_widths, dim=-1)
+            q, k, v, f, b, g = self.in_proj(x).split(self.in_proj_widths, dim=-1)
         else:
-            q, k, v, f_a, b, g_a = (getattr(self, n)(x) for n in PROJECTIONS)
-        return torch.cat([q, k, v], dim=-1), self.f_b_proj(f_a), b, self.g_b_proj(g_a)
+            q, k, v, f, b, g = (getattr(self, n)(x) for n in self.projections)
+        if self.config.projections == "low_rank":
+            f, g = self.f_b_proj(f), self.g_b_proj(g)
+        return torch.cat([q, k, v], dim=-1), f, b, g
 
     def forward(self, hidden: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
         """Decode rows first, then verify rows (speculation), then prefill rows (the batch's

@@ -216,6 +216,8 @@ def read_config(r: ConfigReader) -> ModelConfig:
                     linear.get("short_conv_kernel_size", r.opt("linear_conv_kernel_dim"))
                 ),
                 norm_eps=norm_eps,
+                projections="low_rank",
+                gate_lower_bound=None,
             ),
             mla=MLAConfig(
                 num_heads=heads,

@@ -253,7 +253,8 @@ static inline __attribute__((always_inline)) void conv_silu_row(const void *qkv,
 
 /* One fused KDA decode step, from the projections to the o_proj input:
  *   qkv = silu(conv(window[slot] | qkv_in))     (window shifted in place; rounded like torch)
- *   g = A softplus(f + dt_bias) per key channel;  beta = sigmoid(b)  (rounded to the dtype)
+ *   g = A softplus(f + dt_bias) per key channel, or with `safe` (Bailing's bounded gate)
+ *   g = lb sigmoid(-A (f + dt_bias)) rounded to the dtype;  beta = sigmoid(b)  (rounded too)
  *   o = the KDA step on state[slot]             (q, k l2-normalised)
  *   out = w * rmsnorm(o) * sigmoid(gate)        per head, float32 from the dtype-rounded o
  * qkv (batch, 3 H d) [q | k | v], f and gate (batch, H d), b (batch, H): model-dtype rows with
@@ -266,7 +267,8 @@ int64_t baton_kda_decode(const void *qkv, int64_t qkv_stride, const void *f, int
                          const void *b, int64_t b_stride, const void *gate, int64_t gate_stride,
                          void *conv_pool, float *state_pool, int64_t num_slots,
                          const int64_t *slots, int64_t batch, const float *conv_w, int64_t K,
-                         const float *A, const float *dt_bias, const float *norm_w, float eps,
+                         const float *A, const float *dt_bias, int safe, float lb,
+                         const float *norm_w, float eps,
                          float *xconv, float *prep, float *o, void *out, int bf16, int64_t H,
                          int64_t d, int nthreads) {
     for (int64_t r = 0; r < batch; r++)
@@ -297,9 +299,13 @@ int64_t baton_kda_decode(const void *qkv, int64_t qkv_stride, const void *f, int
                 const float *x = xconv + r * conv_dim;
                 float g[1024], *p = prep + (r * H + h) * PREP(d);
                 for (int64_t i = 0; i < d; i++) {
-                    float sp = load_any(f, bf16, r * f_stride + h * d + i) + dt_bias[h * d + i];
-                    sp = sp > 20.0f ? sp : log1pf(expf(sp)); /* softplus, torch's threshold */
-                    g[i] = A[h] * sp;
+                    float x = load_any(f, bf16, r * f_stride + h * d + i) + dt_bias[h * d + i];
+                    if (safe) {
+                        g[i] = round_to(bf16, lb / (1.0f + expf(A[h] * x)));
+                    } else {
+                        x = x > 20.0f ? x : log1pf(expf(x)); /* softplus, torch's threshold */
+                        g[i] = A[h] * x;
+                    }
                 }
                 prepare(x + h * d, x + W + h * d, g, p, d);
                 const float beta = round_to(bf16, 1.0f / (1.0f + expf(-load_any(b, bf16, r * b_stride + h))));

@@ -61,6 +61,8 @@ def library() -> ctypes.CDLL | None:
         _i64,  # K
         _ptr,  # A
         _ptr,  # dt_bias
+        _int,  # safe
+        _f32,  # lb
         _ptr,  # norm_w
         _f32,  # eps
         *[_ptr] * 4,  # xconv, prep, o, out
@@ -185,6 +187,7 @@ def kda_mixer_decode_cpu(
     params: KDADecodeParams,
     *,
     eps: float,
+    gate_lower_bound: float | None,
 ) -> torch.Tensor:
     """One fused KDA decode step (baton_kda_decode), both pools updated in place.
 
@@ -192,7 +195,8 @@ def kda_mixer_decode_cpu(
     projection (f_b_proj's output); b: (batch, H); gate: (batch, H d) the output gate; all in
     the model dtype (float32 or bfloat16) with unit column stride (views are fine).
     conv_states: (num_slots, 3 H d, K-1) model dtype; state_pool: (num_slots, H, d, d) float32;
-    state_indices: (batch,) int64, 0 for padding rows (nothing written, output 0). Returns
+    state_indices: (batch,) int64, 0 for padding rows (nothing written, output 0);
+    gate_lower_bound: None for the softplus decay, else Bailing's bound. Returns
     (batch, H d) in the model dtype: the o_proj input (kernels/kda_mixer.py's, to float32
     rounding)."""
     batch = qkv.shape[0]
@@ -217,7 +221,8 @@ def kda_mixer_decode_cpu(
         qkv.data_ptr(), qkv.stride(0), f.data_ptr(), f.stride(0), b.data_ptr(), b.stride(0),
         gate.data_ptr(), gate.stride(0), conv_states.data_ptr(), state_pool.data_ptr(),
         state_pool.shape[0], slots.data_ptr(), batch, params.conv_weight.data_ptr(), K,
-        params.A.data_ptr(), params.dt_bias.data_ptr(), params.norm_weight.data_ptr(), eps,
+        params.A.data_ptr(), params.dt_bias.data_ptr(), int(gate_lower_bound is not None),
+        gate_lower_bound or 0.0, params.norm_weight.data_ptr(), eps,
         xconv.data_ptr(), prep.data_ptr(), o.data_ptr(), out.data_ptr(),
         int(qkv.dtype == torch.bfloat16), H, d, torch.get_num_threads(),
     )  # fmt: skip
