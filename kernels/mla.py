@@ -19,8 +19,8 @@ W_UV takes each head's latent output back out:
     o_h       = W_UV_h (sum_j p_hj c_kv_j)
 
 the same sums in another order (fp32: ~1e-7 apart). The positions are NoPE in Kimi Linear (its
-"rope" part is a shared key that is never rotated); a family with rotary rotates q_rope and k_rope
-before they get here.
+"rope" part is a shared key that is never rotated); a family with rotary (Bailing hybrid) rotates
+q_rope and k_rope (`rotary_interleaved`) before they get here, so the pages hold rotated keys.
 """
 
 from __future__ import annotations
@@ -29,6 +29,15 @@ import torch
 import torch.nn.functional as F
 
 from baton.kernels.layouts import AttentionLayout
+
+
+def rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved rotary as transformers' apply_rotary_pos_emb_interleave computes it:
+    x (num_tokens, heads, dim) rotated pairwise (x0, x1), (x2, x3)... by cos, sin (num_tokens,
+    dim // 2) float32 (cast to x's dtype first), returned as [rotated evens | rotated odds]."""
+    c, s = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * c - odd * s, odd * c + even * s], dim=-1)
 
 
 def store_latent(latent_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor):

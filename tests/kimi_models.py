@@ -1,4 +1,5 @@
-"""Tiny random Kimi Linear models (KDA + MLA + DeepSeek-style MoE), built by transformers 5.25
+"""Tiny random Kimi Linear and Bailing hybrid models (KDA + MLA + DeepSeek-style MoE), built by
+transformers 5.25
 (fp32, fixed seeds, parameters spread like tests/tiny.py) and saved with save_pretrained, whose
 files carry the released layout (per-expert w1/w3/w2 under block_sparse_moe, q/k/v_conv1d, the
 KDA gate projections beside the others).
@@ -6,7 +7,8 @@ KDA gate projections beside the others).
 Variants: dense first layer + MoE (the release's first_k_dense_replace=1) with grouped routing;
 two dense first layers with a low-rank query (q_lora_rank), attention bias and conv 3; MoE in
 every layer (first_k_dense_replace=0). Layers come from `linear_attn_config`'s 1-indexed lists,
-MLA first, last and between KDA layers.
+MLA first, last and between KDA layers. Bailing hybrid (BAILING_CONFIGS): full-rank KDA gates,
+bounded decay or softplus, rotary MLA with a head gate, MLA every `layer_group_size`-th layer.
 """
 
 from __future__ import annotations
@@ -85,19 +87,53 @@ KIMI_CONFIGS: dict[str, dict] = {
 }
 
 
-def build_kimi_model(kwargs: dict, seed: int):
-    """The transformers model of a KimiLinearConfig's kwargs, fp32, eval mode, spread."""
+BAILING_COMMON = dict(
+    COMMON,
+    head_dim=8,  # KDA heads are the attention's: 4 x 8
+    rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    num_expert_group=2,
+    topk_group=1,
+)
+BAILING_CONFIGS: dict[str, dict] = {
+    # MLA every 2nd layer, one dense layer, the bounded (safe) KDA gate
+    "bailing_safe_gate": dict(
+        BAILING_COMMON,
+        num_hidden_layers=4,
+        layer_group_size=2,
+        first_k_dense_replace=1,
+    ),  # fmt: skip
+    # MLA every 3rd, the softplus gate, a low-rank query, conv 3, MoE in every layer
+    "bailing_softplus": dict(
+        BAILING_COMMON,
+        num_hidden_layers=3,
+        layer_group_size=3,
+        first_k_dense_replace=0,
+        kda_safe_gate=False,
+        q_lora_rank=12,
+        short_conv_kernel_size=3,
+    ),  # fmt: skip
+}
+
+
+def build_kimi_model(name: str, seed: int):
+    """The transformers model of KIMI_CONFIGS[name] or BAILING_CONFIGS[name], fp32, eval mode,
+    spread."""
     import transformers
 
-    config = transformers.KimiLinearConfig(**kwargs)
+    if name in BAILING_CONFIGS:
+        config = transformers.BailingHybridConfig(**BAILING_CONFIGS[name])
+        model_class = transformers.BailingHybridForCausalLM
+    else:
+        config = transformers.KimiLinearConfig(**KIMI_CONFIGS[name])
+        model_class = transformers.KimiLinearForCausalLM
     torch.manual_seed(seed)
-    model = transformers.KimiLinearForCausalLM(config).eval()
+    model = model_class(config).eval()
     spread_parameters(model)
     return model
 
 
 def save_kimi_model(path: Path, name: str, seed: int):
-    model = build_kimi_model(KIMI_CONFIGS[name], seed)
+    model = build_kimi_model(name, seed)
     model.save_pretrained(str(path))
     save_tokenizer(path, vocab_size=model.config.vocab_size)
     return model

@@ -10,7 +10,10 @@ the forward over the pages (kernels/mla.py: the absorbed form).
     o        = o_proj(attention of q over the latents through kv_b_proj's W_UK / W_UV)
 
 Kimi Linear's MLA is NoPE (transformers' KimiLinearAttention applies no rotary: the "rope" part of
-the key is a shared, unrotated key). Under tensor parallelism a rank holds num_heads / size query
+the key is a shared, unrotated key); Bailing hybrid's rotates q_rope and k_rope with DeepSeek's
+interleaved rotary (pairs (x0, x1), (x2, x3)... each by one frequency, written out as
+[evens | odds]) before k_rope is stored, and gates each head's output by sigmoid(g_proj(x))
+(`head_gate`). Under tensor parallelism a rank holds num_heads / size query
 heads (q_proj / q_b_proj and kv_b_proj rows, o_proj columns); the latent, kv_a_proj_with_mqa and
 the norms are replicated: every rank keeps every token's whole latent (the state spec says
 `split=None`).
@@ -26,9 +29,11 @@ from torch import nn
 from baton.engine import parallel
 from baton.engine.cache.pools import StateCache
 from baton.engine.cache.spec import LayerState, StateTensor
+from baton.engine.config import RotaryConfig
 from baton.engine.executor.forward_metadata import Mamba2Metadata
 from baton.engine.layers.norm import RMSNorm
-from baton.kernels.mla import mla_attention, store_latent
+from baton.kernels.attention import rotary_cos_sin
+from baton.kernels.mla import mla_attention, rotary_interleaved, store_latent
 
 # transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default eps, not
 # rms_norm_eps (DeepseekV3Attention and KimiLinearAttention alike)
@@ -44,6 +49,8 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     bias: bool  # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj
+    rotary: RotaryConfig | None  # None: NoPE (Kimi Linear); else interleaved over qk_rope
+    head_gate: bool  # Bailing: o_h *= sigmoid(g_proj(x))_h before o_proj
 
     @property
     def qk_head_dim(self) -> int:
@@ -106,6 +113,14 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(lora, LATENT_NORM_EPS)
         self.kv_b_proj = Weight(heads * (config.qk_nope_head_dim + config.v_head_dim), lora)
         self.o_proj = nn.Linear(heads * config.v_head_dim, hidden_size, bias=config.bias)
+        self.g_proj = nn.Linear(hidden_size, heads, bias=False) if config.head_gate else None
+        self.inv_freq: torch.Tensor | None = None
+        if config.rotary is not None:
+            # transformers' default rope over qk_rope_head_dim, in float32 (a plain attribute:
+            # not in checkpoints, not cast with the model)
+            dim = config.rotary.dim
+            exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+            self.inv_freq = 1.0 / (config.rotary.theta**exponent)
         if tp.size > 1:
             per_head = config.qk_nope_head_dim + config.v_head_dim
             rows = parallel.Slices
@@ -116,6 +131,8 @@ class MultiHeadLatentAttention(nn.Module):
             v = config.v_head_dim
             parallel.shard(self.o_proj.weight, rows(dim=1, ranges=((first * v, heads * v),)))
             parallel.shard(self.o_proj.bias, parallel.FirstRankOnly(rank=tp.rank))
+            if self.g_proj is not None:
+                parallel.shard(self.g_proj.weight, rows(dim=0, ranges=((first, heads),)))
 
     def forward(self, x: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
         c = self.config
@@ -127,6 +144,11 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(T, self.num_heads, c.qk_head_dim)
         kv, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        if self.inv_freq is not None:
+            cos, sin = rotary_cos_sin(fm.batch.positions, self.inv_freq)
+            nope = c.qk_nope_head_dim
+            q = torch.cat([q[..., :nope], rotary_interleaved(q[..., nope:], cos, sin)], dim=-1)
+            k_rope = rotary_interleaved(k_rope[:, None], cos, sin)[:, 0]
         latent_cache = cache.layer("mla", self.index)["latent"]
         store_latent(
             latent_cache, torch.cat([self.kv_a_layernorm(kv), k_rope], -1), fm.slot_mapping
@@ -150,5 +172,7 @@ class MultiHeadLatentAttention(nn.Module):
             for rows, layout in segments
             if layout.num_seqs
         ]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, heads, v_head_dim)
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(x).float()).to(x.dtype)[..., None]
         return self.tp.all_reduce(self.o_proj(out.reshape(T, -1)))

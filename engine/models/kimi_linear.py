@@ -227,6 +227,8 @@ def read_config(r: ConfigReader) -> ModelConfig:
                 qk_rope_head_dim=int(r.opt("qk_rope_head_dim")),
                 v_head_dim=int(r.opt("v_head_dim")),
                 bias=bool(r.opt("attention_bias")),
+                rotary=None,  # NoPE: transformers' KimiLinearAttention rotates nothing
+                head_gate=False,
             ),
             intermediate_size=None if all(sparse) else int(r.opt("intermediate_size")),
             moe=read_moe(r) if any(sparse) else None,
