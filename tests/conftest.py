@@ -12,6 +12,7 @@ import torch  # noqa: E402
 
 from tests.families import family_models  # noqa: E402, F401 (session fixture, every family)
 from tests.gdn_families import gdn_models  # noqa: E402, F401 (session fixture, GDN families)
+from tests.kimi_models import kimi_models  # noqa: E402, F401 (session fixture, Kimi Linear)
 from tests.quant_models import quantized_models  # noqa: E402, F401 (quantized checkpoints)
 from tests.ssm_families import ssm_models  # noqa: E402, F401 (session fixture, Mamba1 / short conv)
 from tests.tiny import save_tiny_model  # noqa: E402

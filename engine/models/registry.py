@@ -51,6 +51,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "MambaForCausalLM": ("mamba", "baton.engine.models.mamba"),
     "Mamba2ForCausalLM": ("mamba2", "baton.engine.models.mamba2"),
     "FalconMambaForCausalLM": ("falcon_mamba", "baton.engine.models.falcon_mamba"),
+    "KimiLinearForCausalLM": ("kimi_linear", "baton.engine.models.kimi_linear"),
+    "BailingHybridForCausalLM": ("bailing_hybrid", "baton.engine.models.bailing_hybrid"),
 }
 
 

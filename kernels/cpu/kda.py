@@ -1,0 +1,230 @@
+"""Kimi Delta Attention on the CPU (kernels/cpu/kda.c), compiled once per machine, ctypes.
+
+Two entry points over one C recurrence (per (sequence, head, block of 32 state columns), the block
+held in L1 across the tokens): the threaded scan on pool slots with chunk-end states (prefill,
+and the plain decode step), and the fused decode step of a whole KDA mixer (conv, decay and beta,
+the rule and the gated norm). Built and cached like kernels/cpu/ops.py (`$BATON_CACHE_DIR`, keyed
+by source, flags, compiler and CPU: a file of its own, beside the gated delta rule's);
+`BATON_CPU_OPS=0`, no compiler, a failed build or a pool that is not contiguous float32 select the
+torch path (kernels/kda.py), which agrees to float32 rounding (tests/test_kimi_kernels.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from baton.kernels.backend import select_backend
+from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.layouts import ChunkLayout
+
+SOURCE = Path(__file__).with_name("kda.c")
+MAX_HEAD_DIM = 1024  # the fused decode step's per-head decay buffer
+
+_i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (no compiler, build failed, or BATON_CPU_OPS=0)."""
+    lib = cpu_ops.compile_library(SOURCE, "KDA runs its (slower) torch path")
+    if lib is None:
+        return None
+    lib.baton_kda_scan.restype = _i64
+    lib.baton_kda_scan.argtypes = [
+        *[_ptr] * 6,  # q, k, v, g, beta, pool
+        _i64,  # num_slots
+        *[_ptr] * 3,  # slots, cu, start_pos
+        _i64,  # num_seqs
+        _i64,  # chunk
+        _ptr,  # chunk_states
+        _i64,  # num_chunks_out
+        _int,  # skip_padding
+        _ptr,  # prep scratch
+        _ptr,  # o
+        *[_i64] * 3,  # H, dk, dv
+        _int,
+    ]
+    lib.baton_kda_decode.restype = _i64
+    lib.baton_kda_decode.argtypes = [
+        *[_ptr, _i64] * 4,  # qkv, f, b, gate with their row strides
+        _ptr,  # conv pool
+        _ptr,  # state pool
+        _i64,
+        _ptr,  # slots
+        _i64,  # batch
+        _ptr,  # conv_w
+        _i64,  # K
+        _ptr,  # A
+        _ptr,  # dt_bias
+        _int,  # safe
+        _f32,  # lb
+        _ptr,  # norm_w
+        _f32,  # eps
+        *[_ptr] * 4,  # xconv, prep, o, out
+        _int,  # bf16
+        *[_i64] * 2,  # H, d
+        _int,
+    ]
+    return lib
+
+
+def supported(v: torch.Tensor, state_pool: torch.Tensor) -> bool:
+    """CPU tensors on the torch backend with a contiguous float32 pool and the library built."""
+    return (
+        v.device.type == "cpu"
+        and select_backend(v) == "torch"
+        and state_pool.dtype == torch.float32
+        and state_pool.is_contiguous()
+        and library() is not None
+    )
+
+
+def _f32c(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+def _raise_bad_slot(result: int, slots: torch.Tensor, num_slots: int, what: str) -> None:
+    if result:
+        row = result - 1
+        raise IndexError(
+            f"{what}: slot index {int(slots[row])} of row {row} is outside the pool of {num_slots}"
+        )
+
+
+def _scan(q, k, v, g, beta, state_pool, slots, cu, start_pos, chunk, chunk_states, skip_padding):
+    T, H, dk = q.shape
+    dv = v.shape[-1]
+    slots64 = slots.to(torch.int64).contiguous()
+    o = torch.empty(T, H, dv, dtype=torch.float32)
+    prep = torch.empty(T, H, 4 * dk + 1, dtype=torch.float32)
+    qf, kf, vf, gf, bf = (_f32c(t) for t in (q, k, v, g, beta))
+    result = library().baton_kda_scan(
+        qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), gf.data_ptr(), bf.data_ptr(),
+        state_pool.data_ptr(), state_pool.shape[0], slots64.data_ptr(), cu.data_ptr(),
+        start_pos.data_ptr() if start_pos is not None else None, slots64.shape[0], chunk,
+        chunk_states.data_ptr() if chunk_states is not None else None,
+        chunk_states.shape[1] if chunk_states is not None else 0, int(skip_padding),
+        prep.data_ptr(), o.data_ptr(), H, dk, dv, torch.get_num_threads(),
+    )  # fmt: skip
+    _raise_bad_slot(result, slots64, state_pool.shape[0], "KDA")
+    return o.to(v.dtype)
+
+
+def kda_prefill_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    layout: ChunkLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as baton.kernels.kda.kda_prefill (shapes checked there): (o, chunk_states
+    (num_seqs, num_chunks, H, dk, dv) float32)."""
+    H, dk, dv = state_pool.shape[1:]
+    chunk_states = torch.empty(layout.num_seqs, layout.num_chunks, H, dk, dv)
+    cu = layout.cu_seqlens.to(torch.int64).contiguous()
+    start_pos = layout.start_pos.to(torch.int64).contiguous()
+    o = _scan(
+        q, k, v, g, beta, state_pool, state_indices, cu, start_pos, layout.chunk_size,
+        chunk_states, skip_padding=False,
+    )  # fmt: skip
+    return o, chunk_states
+
+
+def kda_decode_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """Same contract as baton.kernels.kda.kda_decode (shapes checked there)."""
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int64)
+    return _scan(q, k, v, g, beta, state_pool, state_indices, cu, None, 0, None, True)
+
+
+class KDADecodeParams(NamedTuple):
+    """A KDA mixer's small parameters as the fused decode step reads them (float32,
+    contiguous)."""
+
+    conv_weight: torch.Tensor  # (3 H d, K), no bias
+    A: torch.Tensor  # (H,) = -exp(A_log)
+    dt_bias: torch.Tensor  # (H d,)
+    norm_weight: torch.Tensor  # (d,) the gated output norm's weight
+
+
+def kda_mixer_decode_supported(
+    qkv: torch.Tensor, conv_states: torch.Tensor, state_pool: torch.Tensor
+) -> bool:
+    """CPU rows in float32 or bfloat16 on the torch backend, pools as the kernel reads them."""
+    return (
+        qkv.device.type == "cpu"
+        and qkv.dtype in (torch.float32, torch.bfloat16)
+        and conv_states.dtype == qkv.dtype
+        and conv_states.is_contiguous()
+        and state_pool.shape[-1] <= MAX_HEAD_DIM
+        and supported(qkv, state_pool)
+    )
+
+
+def kda_mixer_decode_cpu(
+    qkv: torch.Tensor,
+    f: torch.Tensor,
+    b: torch.Tensor,
+    gate: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    params: KDADecodeParams,
+    *,
+    eps: float,
+    gate_lower_bound: float | None,
+) -> torch.Tensor:
+    """One fused KDA decode step (baton_kda_decode), both pools updated in place.
+
+    qkv: (batch, 3 H d) projection rows [q | k | v] before the conv; f: (batch, H d) the decay
+    projection (f_b_proj's output); b: (batch, H); gate: (batch, H d) the output gate; all in
+    the model dtype (float32 or bfloat16) with unit column stride (views are fine).
+    conv_states: (num_slots, 3 H d, K-1) model dtype; state_pool: (num_slots, H, d, d) float32;
+    state_indices: (batch,) int64, 0 for padding rows (nothing written, output 0);
+    gate_lower_bound: None for the softplus decay, else Bailing's bound. Returns
+    (batch, H d) in the model dtype: the o_proj input (kernels/kda_mixer.py's, to float32
+    rounding)."""
+    batch = qkv.shape[0]
+    H, d = state_pool.shape[1:3]
+    K = params.conv_weight.shape[1]
+    for name, t, width in (("qkv", qkv, 3 * H * d), ("f", f, H * d), ("b", b, H),
+                           ("gate", gate, H * d)):  # fmt: skip
+        if t.shape != (batch, width) or t.dtype != qkv.dtype or (width > 1 and t.stride(1) != 1):
+            raise ValueError(
+                f"kda_decode: {name} must be ({batch}, {width}) {qkv.dtype} rows with unit column "
+                f"stride, got {tuple(t.shape)} {t.dtype} strides {t.stride()}"
+            )
+    if conv_states.shape[1:] != (3 * H * d, K - 1):
+        raise ValueError(f"kda_decode: conv_states must be (num_slots, {3 * H * d}, {K - 1}), "
+                         f"got {tuple(conv_states.shape)}")  # fmt: skip
+    slots = state_indices.to(torch.int64).contiguous()
+    xconv = torch.empty(batch, 3 * H * d, dtype=torch.float32)
+    prep = torch.empty(batch, H, 4 * d + 1, dtype=torch.float32)
+    o = torch.empty(batch, H * d, dtype=torch.float32)
+    out = torch.empty(batch, H * d, dtype=qkv.dtype)
+    result = library().baton_kda_decode(
+        qkv.data_ptr(), qkv.stride(0), f.data_ptr(), f.stride(0), b.data_ptr(), b.stride(0),
+        gate.data_ptr(), gate.stride(0), conv_states.data_ptr(), state_pool.data_ptr(),
+        state_pool.shape[0], slots.data_ptr(), batch, params.conv_weight.data_ptr(), K,
+        params.A.data_ptr(), params.dt_bias.data_ptr(), int(gate_lower_bound is not None),
+        gate_lower_bound or 0.0, params.norm_weight.data_ptr(), eps,
+        xconv.data_ptr(), prep.data_ptr(), o.data_ptr(), out.data_ptr(),
+        int(qkv.dtype == torch.bfloat16), H, d, torch.get_num_threads(),
+    )  # fmt: skip
+    _raise_bad_slot(result, slots, state_pool.shape[0], "kda_decode")
+    return out
