@@ -63,7 +63,7 @@ def test_model_type_alone_picks_the_family():
 
 def test_baton_serve_refuses_an_unknown_architecture_at_startup(tmp_path):
     (tmp_path / "config.json").write_text(
-        json.dumps({"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear"})
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     )
     result = subprocess.run(
         [str(BATON), "serve", "--model", str(tmp_path), "--port", "1"],
@@ -72,7 +72,7 @@ def test_baton_serve_refuses_an_unknown_architecture_at_startup(tmp_path):
         timeout=120,
     )
     assert result.returncode == 1
-    assert "unsupported architecture 'KimiLinearForCausalLM'" in result.stderr
+    assert "unsupported architecture 'GPT2LMHeadModel'" in result.stderr
     assert "GraniteMoeHybridForCausalLM" in result.stderr  # the list of what baton serves
 
 

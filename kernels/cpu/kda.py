@@ -1,17 +1,15 @@
-"""Kimi Delta Attention on the CPU (kernels/cpu/kda.c), compiled once per machine, ctypes.
+"""Kimi Delta Attention on the CPU (kernels/cpu/kda.c), compiled once per machine into
+the operator extension (kernels/cpu/extension.py).
 
 Two entry points over one C recurrence (per (sequence, head, block of 32 state columns), the block
 held in L1 across the tokens): the threaded scan on pool slots with chunk-end states (prefill,
 and the plain decode step), and the fused decode step of a whole KDA mixer (conv, decay and beta,
-the rule and the gated norm). Built and cached like kernels/cpu/ops.py (`$BATON_CACHE_DIR`, keyed
-by source, flags, compiler and CPU: a file of its own, beside the gated delta rule's);
-`BATON_CPU_OPS=0`, no compiler, a failed build or a pool that is not contiguous float32 select the
+the rule and the gated norm). `BATON_CPU_OPS=0`, no compiler, a failed build or a pool that is not contiguous float32 select the
 torch path (kernels/kda.py), which agrees to float32 rounding (tests/test_kimi_kernels.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 from typing import NamedTuple
@@ -19,58 +17,19 @@ from typing import NamedTuple
 import torch
 
 from baton.kernels.backend import select_backend
-from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.cpu.extension import Kernels
+from baton.kernels.cpu.extension import library as cpu_library
 from baton.kernels.layouts import ChunkLayout
 
 SOURCE = Path(__file__).with_name("kda.c")
 MAX_HEAD_DIM = 1024  # the fused decode step's per-head decay buffer
 
-_i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (no compiler, build failed, or BATON_CPU_OPS=0)."""
-    lib = cpu_ops.compile_library(SOURCE, "KDA runs its (slower) torch path")
-    if lib is None:
-        return None
-    lib.baton_kda_scan.restype = _i64
-    lib.baton_kda_scan.argtypes = [
-        *[_ptr] * 6,  # q, k, v, g, beta, pool
-        _i64,  # num_slots
-        *[_ptr] * 3,  # slots, cu, start_pos
-        _i64,  # num_seqs
-        _i64,  # chunk
-        _ptr,  # chunk_states
-        _i64,  # num_chunks_out
-        _int,  # skip_padding
-        _ptr,  # prep scratch
-        _ptr,  # o
-        *[_i64] * 3,  # H, dk, dv
-        _int,
-    ]
-    lib.baton_kda_decode.restype = _i64
-    lib.baton_kda_decode.argtypes = [
-        *[_ptr, _i64] * 4,  # qkv, f, b, gate with their row strides
-        _ptr,  # conv pool
-        _ptr,  # state pool
-        _i64,
-        _ptr,  # slots
-        _i64,  # batch
-        _ptr,  # conv_w
-        _i64,  # K
-        _ptr,  # A
-        _ptr,  # dt_bias
-        _int,  # safe
-        _f32,  # lb
-        _ptr,  # norm_w
-        _f32,  # eps
-        *[_ptr] * 4,  # xconv, prep, o, out
-        _int,  # bf16
-        *[_i64] * 2,  # H, d
-        _int,
-    ]
-    return lib
+def library() -> Kernels | None:
+    """The C kernels as torch operators (kernels/cpu/extension.py), or None: KDA runs its
+    (slower) torch path."""
+    return cpu_library()
 
 
 def supported(v: torch.Tensor, state_pool: torch.Tensor) -> bool:
@@ -104,12 +63,12 @@ def _scan(q, k, v, g, beta, state_pool, slots, cu, start_pos, chunk, chunk_state
     prep = torch.empty(T, H, 4 * dk + 1, dtype=torch.float32)
     qf, kf, vf, gf, bf = (_f32c(t) for t in (q, k, v, g, beta))
     result = library().baton_kda_scan(
-        qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), gf.data_ptr(), bf.data_ptr(),
-        state_pool.data_ptr(), state_pool.shape[0], slots64.data_ptr(), cu.data_ptr(),
-        start_pos.data_ptr() if start_pos is not None else None, slots64.shape[0], chunk,
-        chunk_states.data_ptr() if chunk_states is not None else None,
+        qf, kf, vf, gf, bf,
+        state_pool, state_pool.shape[0], slots64, cu,
+        start_pos, slots64.shape[0], chunk,
+        chunk_states,
         chunk_states.shape[1] if chunk_states is not None else 0, int(skip_padding),
-        prep.data_ptr(), o.data_ptr(), H, dk, dv, torch.get_num_threads(),
+        prep, o, H, dk, dv, torch.get_num_threads(),
     )  # fmt: skip
     _raise_bad_slot(result, slots64, state_pool.shape[0], "KDA")
     return o.to(v.dtype)
@@ -218,12 +177,12 @@ def kda_mixer_decode_cpu(
     o = torch.empty(batch, H * d, dtype=torch.float32)
     out = torch.empty(batch, H * d, dtype=qkv.dtype)
     result = library().baton_kda_decode(
-        qkv.data_ptr(), qkv.stride(0), f.data_ptr(), f.stride(0), b.data_ptr(), b.stride(0),
-        gate.data_ptr(), gate.stride(0), conv_states.data_ptr(), state_pool.data_ptr(),
-        state_pool.shape[0], slots.data_ptr(), batch, params.conv_weight.data_ptr(), K,
-        params.A.data_ptr(), params.dt_bias.data_ptr(), int(gate_lower_bound is not None),
-        gate_lower_bound or 0.0, params.norm_weight.data_ptr(), eps,
-        xconv.data_ptr(), prep.data_ptr(), o.data_ptr(), out.data_ptr(),
+        qkv, qkv.stride(0), f, f.stride(0), b, b.stride(0),
+        gate, gate.stride(0), conv_states, state_pool,
+        state_pool.shape[0], slots, batch, params.conv_weight, K,
+        params.A, params.dt_bias, int(gate_lower_bound is not None),
+        gate_lower_bound or 0.0, params.norm_weight, eps,
+        xconv, prep, o, out,
         int(qkv.dtype == torch.bfloat16), H, d, torch.get_num_threads(),
     )  # fmt: skip
     _raise_bad_slot(result, slots, state_pool.shape[0], "kda_decode")
