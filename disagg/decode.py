@@ -195,7 +195,7 @@ class DecodeWorker:
         self.poll()
         for r in [r for r in self.rooms.values() if r.sharded is not None]:
             self.installer.install_shards(r)
-        self._finish_reads()
+        self.finish_reads()
         self.handover.release_held()
         self._heartbeat_and_expire()
         self._register_queued()  # pages and slots the last step freed
@@ -385,9 +385,10 @@ class DecodeWorker:
                     encode(Heartbeat(rooms=rooms), secret=self.config.secret)
                 )
 
-    def _finish_reads(self) -> None:
-        """Install the rooms whose READ is done (and tell their prefill side, which lets its
-        pages and slot go); fail those whose READ failed."""
+    def finish_reads(self) -> None:
+        """nixl: install the rooms whose READ is done (and tell their prefill side, which lets
+        its pages and slot go); fail those whose READ failed. Each step does it (a benchmark
+        timing the handover alone may too)."""
         if self.reader is None:
             return
         for read, error in self.reader.progress():
