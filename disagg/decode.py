@@ -230,7 +230,7 @@ class DecodeWorker:
     def close(self) -> None:
         self.peers.close()
         if self.reader is not None:
-            self.reader.agent.close()
+            self.reader.close()
 
     # -- protocol -----------------------------------------------------------------------------
 

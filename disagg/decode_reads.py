@@ -101,6 +101,12 @@ class RoomReader:
         if read is not None:
             self._release(read)
 
+    def close(self) -> None:
+        """Cancel every READ in flight, then let the agent go."""
+        for read in list(self.reads.values()):
+            self._release(read)
+        self.agent.close()
+
     def _release(self, read: PendingRead) -> None:
         self.reads.pop(read.room, None)
         if read.handle is not None:
