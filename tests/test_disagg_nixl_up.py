@@ -20,7 +20,7 @@ import pytest
 
 from baton import LLM, SamplingParams
 from tests.same_outputs import chosen
-from tests.server_process import Stack, children_of, start_router, start_server
+from tests.server_process import Stack, children_of, start_server
 from tests.test_disagg_e2e import complete, gauge, pools_return_to_zero
 from tests.test_disagg_nixl import needs_nixl
 
@@ -108,15 +108,23 @@ def test_prefill_killed_mid_read_fails_the_request_and_frees_the_decode_worker(
         model_dir, tmp_path, *WORKER_FLAGS, "--disaggregation-mode", "decode", *nixl
     )
     monkeypatch.delenv("BATON_FAULT_STALL_READS")
-    router = start_router(
-        tmp_path, [prefill.base_url], [decode.base_url], "--retry-max-retries", "0"
-    )
+    info = httpx.get(f"{prefill.base_url}/disagg/info", timeout=10).json()
+    room = {"room": "mid-read", "prefill_addr": info["transfer_addr"]}
     result: dict = {}
+
+    def send(worker, key: str) -> None:  # as the router does: the same request to both halves
+        try:
+            result[key] = complete(worker.base_url, list(range(3, 60)), baton_disagg=room)
+        except httpx.TransportError as error:  # (the prefill worker, killed)
+            result[key] = error
+
     try:
-        thread = threading.Thread(
-            target=lambda: result.update(response=complete(router.base_url, list(range(3, 60))))
-        )
-        thread.start()
+        threads = [
+            threading.Thread(target=send, args=(worker, key))
+            for worker, key in ((decode, "decode"), (prefill, "prefill"))
+        ]
+        for thread in threads:
+            thread.start()
         deadline = time.monotonic() + 30
         while gauge(decode, "baton:disagg_rooms_transferring") < 1:  # the READ is in flight
             assert time.monotonic() < deadline, "the decode worker never started reading"
@@ -124,12 +132,12 @@ def test_prefill_killed_mid_read_fails_the_request_and_frees_the_decode_worker(
         assert gauge(decode, "baton:kv_pages_used") > 0
         for pid in [*children_of(prefill.process.pid), prefill.process.pid]:
             os.kill(pid, signal.SIGKILL)
-        thread.join(30)
-        response = result["response"]
+        threads[0].join(30)
+        response = result["decode"]
         assert response.status_code == 503, response.text
         assert "connection lost" in response.json()["error"]["message"]
         assert pools_return_to_zero(decode) == [0, 0]
         assert httpx.get(f"{decode.base_url}/health", timeout=10).status_code == 200
     finally:
-        for part in (router, decode, prefill):
+        for part in (decode, prefill):
             part.stop()
