@@ -182,6 +182,9 @@ class DecodeWorker:
         self.handover.shards.release_checkpoints(request_id)
         self.engine.abort_request(request_id)
 
+    def reading(self) -> bool:
+        return self.reader is not None and bool(self.reader.reads)
+
     def has_unfinished_requests(self) -> bool:
         return (
             self.engine.has_unfinished_requests()

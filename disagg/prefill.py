@@ -140,6 +140,10 @@ class PrefillWorker:
                 self._fail(r, "prefill request aborted")
         self.engine.abort_request(request_id)
 
+    def reading(self) -> bool:
+        """A prefill worker is read from (its agent's progress thread serves the READs)."""
+        return False
+
     def has_unfinished_requests(self) -> bool:
         return (
             self.engine.has_unfinished_requests()
