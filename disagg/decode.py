@@ -18,18 +18,22 @@ import torch
 import zmq
 
 from baton.disagg.decode_install import RoomInstaller
+from baton.disagg.decode_reads import RoomReader
 from baton.disagg.messages import (
     Abort,
     Heartbeat,
     HeartbeatAck,
     Message,
     PagesChunk,
+    ReadDone,
+    ReadOffer,
     Register,
     Reject,
     SlotChunk,
     StateTransfer,
     compat_of,
 )
+from baton.disagg.nixl_transfer import NixlAgent
 from baton.disagg.peer_link import PeerLink, PeerLinks, decode_side_limits
 from baton.disagg.protocol import (
     ProtocolError,
@@ -37,7 +41,14 @@ from baton.disagg.protocol import (
     decode,
     encode,
 )
-from baton.disagg.rooms import DecodeRoom, DisaggConfig, QueuedRoom, TransferCounters, now
+from baton.disagg.rooms import (
+    DecodeRoom,
+    DisaggConfig,
+    FaultInjection,
+    QueuedRoom,
+    TransferCounters,
+    now,
+)
 from baton.disagg.tp_layout import TPLayout
 from baton.engine.cache.memory import OutOfMemory
 from baton.engine.core.engine import Engine
@@ -58,11 +69,23 @@ class DecodeWorker:
     counters: TransferCounters = field(default_factory=TransferCounters)
     failures: list[tuple[str, str]] = field(default_factory=list)
     queued: deque[QueuedRoom] = field(default_factory=deque)  # waiting for pages or a slot
+    faults: FaultInjection = field(default_factory=FaultInjection.from_env)
 
     def __post_init__(self) -> None:
         self.handover = self.engine.handover
         self.layout = self.handover.layout()
-        self.compat = compat_of(self.layout)
+        self.compat = compat_of(self.layout, self.config.transfer_backend)
+        self.counters.backend = self.config.transfer_backend
+        # nixl: this engine's pools registered once, and the rooms' READs (None with zmq)
+        self.reader: RoomReader | None = None
+        if self.config.transfer_backend == "nixl":
+            if self.layout.tp_size > 1:
+                raise ValueError(
+                    "--disaggregation-transfer-backend nixl runs decode workers at"
+                    " --tensor-parallel-size 1 for now"
+                )
+            agent = NixlAgent("decode", self.config.host, self.handover.pool_tensors())
+            self.reader = RoomReader(agent, self.handover, self.layout, self.faults)
         self.replay = ReplayGuard()
         self.peer_limits = decode_side_limits(
             self.layout, self.engine.max_model_len, self.handover.track_interval
@@ -153,10 +176,14 @@ class DecodeWorker:
         self.queued = deque(q for q in self.queued if q.request_id != request_id)
         for r in list(self.rooms.values()):
             if r.request_id == request_id:
+                self._cancel_read(r)
                 self._send(r.peer, Abort(room=r.room, reason="decode request aborted"))
                 del self.rooms[r.room]
         self.handover.shards.release_checkpoints(request_id)
         self.engine.abort_request(request_id)
+
+    def reading(self) -> bool:
+        return self.reader is not None and bool(self.reader.reads)
 
     def has_unfinished_requests(self) -> bool:
         return (
@@ -164,12 +191,15 @@ class DecodeWorker:
             or bool(self.rooms)
             or bool(self.installer.ready)
             or bool(self.queued)
+            or self.handover.has_held()  # pages a cancelled READ may still have written
         )
 
     def step(self):
         self.poll()
         for r in [r for r in self.rooms.values() if r.sharded is not None]:
             self.installer.install_shards(r)
+        self.finish_reads()
+        self.handover.release_held()
         self._heartbeat_and_expire()
         self._register_queued()  # pages and slots the last step freed
         deltas = self.installer.take_ready()
@@ -202,6 +232,8 @@ class DecodeWorker:
 
     def close(self) -> None:
         self.peers.close()
+        if self.reader is not None:
+            self.reader.close()
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -244,7 +276,7 @@ class DecodeWorker:
                     continue
                 peer.last_ack, peer.answered = now(), True
                 try:
-                    self._handle(message, tensors)
+                    self._handle(message, tensors, address)
                 except Exception as error:  # one peer message never takes the engine down
                     room = getattr(message, "room", None)
                     self._refuse(address, room, f"could not use its {message.tag}: {error}")
@@ -282,9 +314,17 @@ class DecodeWorker:
         if r is not None and r.peer == address:
             self._fail(r, f"room {r.room}: {reason}")
 
-    def _handle(self, message: Message, tensors: dict[str, torch.Tensor]) -> None:
+    def _handle(self, message: Message, tensors: dict[str, torch.Tensor], address: str) -> None:
         if isinstance(message, (PagesChunk, SlotChunk, StateTransfer)):
+            if self.reader is not None:
+                raise ValueError("this decode worker reads its state over nixl, not from frames")
             self.installer.receive(message, tensors)
+        elif isinstance(message, ReadOffer):
+            r = self.rooms.get(message.room)
+            if self.reader is None:
+                raise ValueError("this decode worker takes its state as zmq frames, not reads")
+            if r is not None and not self.installer.expired(r):
+                self.reader.start(r, message, address)
         elif isinstance(message, (Reject, Abort)):
             r = self.rooms.pop(message.room, None)
             if r is not None:
@@ -348,8 +388,34 @@ class DecodeWorker:
                     encode(Heartbeat(rooms=rooms), secret=self.config.secret)
                 )
 
+    def finish_reads(self) -> None:
+        """nixl: install the rooms whose READ is done (and tell their prefill side, which lets
+        its pages and slot go); fail those whose READ failed. Each step does it (a benchmark
+        timing the handover alone may too)."""
+        if self.reader is None:
+            return
+        for read, error in self.reader.progress():
+            r = self.rooms.get(read.room)
+            if r is None:
+                continue
+            if error is not None:
+                self._fail(r, f"room {r.room}: {error}")
+                continue
+            self._send(r.peer, ReadDone(room=r.room))
+            self.counters.transfer_seconds_sum += now() - read.started
+            try:
+                self.installer.install_read(r, read)
+            except ValueError as error:
+                self._fail(r, f"room {r.room}: could not use its state: {error}")
+
+    def _cancel_read(self, r: DecodeRoom) -> None:
+        """Before a room's pages may go: its READ, if one is in flight, is stopped."""
+        if self.reader is not None:
+            self.reader.cancel(r.room)
+
     def _fail(self, r: DecodeRoom, reason: str, notify: bool = True) -> None:
         r.state = "failed"
+        self._cancel_read(r)
         self.rooms.pop(r.room, None)
         if notify:
             self._send(r.peer, Abort(room=r.room, reason=reason))

@@ -75,6 +75,18 @@ class RoomInstaller:
         except ValueError as error:
             self.fail(r, f"room {r.room}: could not use its state: {error}")
 
+    def install_read(self, r: DecodeRoom, read) -> None:
+        """A room whose READ (disagg/decode_reads.py's PendingRead) wrote its state straight into
+        its place: the first token installed, its blocks registered. ValueError when it does
+        not fit (the caller fails the room)."""
+        self.handover.clear_unkept(read.place)
+        self._install(r, read.state)
+        self.counters.bytes_total += read.bytes
+
+    def expired(self, r: DecodeRoom) -> bool:
+        """Whether the room is past its transfer timeout (failed here and now if so)."""
+        return self._room_for(r) is None
+
     def take_ready(self) -> list:
         ready, self.ready = self.ready, []
         return ready

@@ -14,9 +14,11 @@ from baton.engine.handover.state import HandoverLayout
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Compat:
-    """What must match between the two engines for a handover to be meaningful. The layout
-    fields come first, so that a mismatch names the shapes that differ when there are any."""
+    """What must match between the two engines for a handover to be meaningful. The transfer
+    backend comes first (a pair that moves bytes differently cannot hand over at all), then the
+    layout fields, so that a mismatch names the shapes that differ when there are any."""
 
+    transfer_backend: str  # how the state's bytes move: "zmq" frames or "nixl" reads
     dtype: str  # the serving dtype (the state's may differ: an SSM state kept in float32)
     page_size: int
     # The whole model's (TP=1) state layout, whatever either side's TP size: one line per state
@@ -43,9 +45,10 @@ class Compat:
         return None
 
 
-def compat_of(layout: HandoverLayout) -> Compat:
+def compat_of(layout: HandoverLayout, transfer_backend: str) -> Compat:
     """The facts both engines must share."""
     return Compat(
+        transfer_backend=transfer_backend,
         dtype=layout.dtype,
         page_size=layout.page_size,
         state=layout.describe(),
@@ -54,8 +57,9 @@ def compat_of(layout: HandoverLayout) -> Compat:
     )
 
 
-# What a fingerprint mismatch means, for the person who reads it.
+# What a mismatch means, for the person who reads it.
 _WHY = {
+    "transfer_backend": " (start both workers with the same --disaggregation-transfer-backend)",
     "model": " (the two workers load models with different config.json: start both with the"
     " same --model)",
     "weights": " (the two workers load different checkpoints of the same model config, e.g. a"
@@ -177,6 +181,52 @@ class ShardTransfer:
     tensors: list[TensorSpec]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PoolRegion:
+    """One pool tensor of an engine as its transfer engine registered it (engine/cache/pools.py's
+    layout): `layers` blocks of `rows` rows of `row_bytes` each, layer-major, from `address`
+    on memory `memory` ("DRAM" or "VRAM") of device `device`. Row r of layer l starts at
+    address + (l * rows + r) * row_bytes; a paged pool's rows are token slots."""
+
+    name: str  # the pool's ("attention.k", "mamba2.ssm", ...)
+    address: int
+    layers: int
+    rows: int
+    row_bytes: int
+    memory: str
+    device: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReadOffer:
+    """prefill -> decode, with the nixl transfer backend: the room's prefill is done and its
+    state stays in the prefill engine's pools (held) until the decode side has READ it from
+    there and said so (ReadDone), or its transfer timeout has passed. Indices, not addresses:
+    the decode side derives every descriptor from `pools` and its own state spec, after checking
+    each index and region (disagg/nixl_transfer.py)."""
+
+    tag: ClassVar[str] = "read_offer"
+    carries: ClassVar[str] = "state"  # the field holding STATE_CARRIER's non-tensor fields
+    room: str
+    agent: str  # the prefill engine's NIXL agent
+    # Its NIXL metadata: deserialized by the library, so it only ever comes inside this
+    # authenticated channel, from the prefill worker the room names.
+    agent_metadata: bytes
+    pools: list[PoolRegion]
+    pages: list[int]  # the prompt's pool pages from state's first_page on
+    slot: int  # the request's slot (its final state)
+    checkpoint_slots: list[int]  # checkpoints of the prompt's blocks from state's first_block on
+    state: dict[str, object]  # the first-token state: checked against STATE_CARRIER by `decode`
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReadDone:
+    """decode -> prefill: the room's state has been read; its pages and slot may go."""
+
+    tag: ClassVar[str] = "read_done"
+    room: str
+
+
 Message = (
     Register
     | Reject
@@ -187,6 +237,8 @@ Message = (
     | PagesChunk
     | SlotChunk
     | ShardTransfer
+    | ReadOffer
+    | ReadDone
 )
 MESSAGES: dict[str, type] = {cls.tag: cls for cls in typing.get_args(Message)}
 WITH_TENSORS = (StateTransfer, PagesChunk, SlotChunk, ShardTransfer)

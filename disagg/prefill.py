@@ -23,10 +23,12 @@ from baton.disagg.messages import (
     Heartbeat,
     HeartbeatAck,
     Message,
+    ReadDone,
     Register,
     Reject,
     compat_of,
 )
+from baton.disagg.nixl_transfer import NixlAgent
 from baton.disagg.peer_link import transfer_port_limits
 from baton.disagg.prefill_sends import PendingSends, PrefillRoom, RoomSender
 from baton.disagg.protocol import ProtocolError, ReplayGuard, decode, encode
@@ -77,8 +79,18 @@ class PrefillWorker:
         self.address = f"tcp://{self.config.host}:{self.port}"
         self.handover = self.engine.handover
         self.layout = self.handover.layout()
-        self.compat = compat_of(self.layout)
+        self.compat = compat_of(self.layout, self.config.transfer_backend)
+        self.counters.backend = self.config.transfer_backend
         self.tp_size = self.layout.tp_size
+        # nixl: this engine's pools registered once; decode workers READ rooms' state from them
+        self.agent: NixlAgent | None = None
+        if self.config.transfer_backend == "nixl":
+            if self.tp_size > 1:
+                raise ValueError(
+                    "--disaggregation-transfer-backend nixl runs prefill workers at"
+                    " --tensor-parallel-size 1 for now"
+                )
+            self.agent = NixlAgent("prefill", self.config.host, self.handover.pool_tensors())
         self.sender = RoomSender(
             self.engine,
             self.socket,
@@ -128,6 +140,10 @@ class PrefillWorker:
                 self._fail(r, "prefill request aborted")
         self.engine.abort_request(request_id)
 
+    def reading(self) -> bool:
+        """A prefill worker is read from (its agent's progress thread serves the READs)."""
+        return False
+
     def has_unfinished_requests(self) -> bool:
         return (
             self.engine.has_unfinished_requests()
@@ -159,6 +175,7 @@ class PrefillWorker:
             for r in self.rooms.values():
                 if r.request_id == request_id:
                     r.request_id = None
+                    r.sends.release()  # (nixl) nothing of it will be read
         return refused
 
     def extra_stats(self) -> dict:
@@ -177,6 +194,8 @@ class PrefillWorker:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+        if self.agent is not None:
+            self.agent.close()
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -223,11 +242,26 @@ class PrefillWorker:
             self._send(identity, HeartbeatAck(unknown_rooms=unknown))
         elif isinstance(message, Abort):
             r = self.rooms.get(message.room)
-            if r is not None:
+            if r is not None and r.peer in (None, identity):
                 logger.info("room %s aborted by decode: %s", r.room, message.reason)
+                r.sends.release()  # (nixl) the decode side stopped its read before it said so
                 self._drop(r, notify=False, reason=message.reason)
+        elif isinstance(message, ReadDone):
+            self._read_done(identity, message)
         else:
-            raise ValueError("a prefill worker receives Register, Heartbeat and Abort only")
+            raise ValueError("a prefill worker receives Register, Heartbeat, Abort, ReadDone only")
+
+    def _read_done(self, identity: bytes, message: ReadDone) -> None:
+        """nixl: the decode side has read the room's state: its pages and slot may go."""
+        r = self.rooms.get(message.room)
+        if r is None or r.peer != identity or not r.offered:
+            raise ValueError(f"no read of room {message.room} is pending for this decode worker")
+        r.sends.release()
+        self.counters.transfers_ok += 1
+        self.counters.bytes_total += r.read_bytes
+        self.counters.observe_latency(now() - r.ready_at)
+        r.state = "success"
+        del self.rooms[r.room]
 
     def _register(self, identity: bytes, message: Register) -> None:
         mismatch = self.compat.mismatch(message.compat)
@@ -236,6 +270,11 @@ class PrefillWorker:
             if mismatch
             else refusal(self.engine.model_config, self.engine.state_spec, self.tp_size, message.tp)
         )
+        if not why and self.agent is not None and message.tp.size > 1:
+            why = (
+                f"cannot serve this pair (prefill worker TP=1, decode worker TP={message.tp.size}):"
+                " the nixl transfer backend runs at TP=1 on both sides for now"
+            )
         if why:
             self._send(identity, Reject(room=message.room, message=why[:MAX_STRING]))
             # The decode side fails the room on the Reject: its prefill here is of no use (it
@@ -268,9 +307,8 @@ class PrefillWorker:
     def _room(self, room: str) -> PrefillRoom:
         r = self.rooms.get(room)
         if r is None:
-            r = self.rooms[room] = PrefillRoom(
-                room=room, created=now(), sends=PendingSends(room, self.counters)
-            )
+            sends = PendingSends(room, self.counters, awaiting_read=self.agent is not None)
+            r = self.rooms[room] = PrefillRoom(room=room, created=now(), sends=sends)
         return r
 
     def _prefilled(self, r: PrefillRoom, req) -> None:
@@ -280,6 +318,12 @@ class PrefillWorker:
         token and the prefix-cache checkpoints (and everything, if nothing was pushed)."""
         if r.peer is not None:
             r.ready_at = now()
+        if self.agent is not None:  # nixl: the state stays in place (held) and is read there
+            r.place = self.handover.place_of(req)
+            r.snapshot = self.handover.first_token_state(req)
+            if r.peer is not None:
+                self._schedule_send(r)
+            return
         if self.tp_size > 1:  # every rank snapshots its shard; the message carries no tensors
             self.handover.shards.snapshot(r.room, req)
             r.snapshot = self.handover.first_token_state(req)
@@ -307,7 +351,12 @@ class PrefillWorker:
                 self.counters.transfers_failed += 1
                 if self.tp_size > 1:
                     self.handover.shards.drop(r.room)
+                r.sends.release()
                 del self.rooms[r.room]
+                continue
+            if self.agent is not None:  # the room stays until the decode side has read it
+                r.send_at = None
+                r.read_bytes = self.sender.send_offer(r, self.agent)
                 continue
             self.sender.send_final(r)
             self.counters.transfers_ok += 1
@@ -321,7 +370,7 @@ class PrefillWorker:
         for r in self.rooms.values():
             if r.peer is None or r.snapshot is not None or r.request_id is None:
                 continue
-            if not self.sender.sharded(r):
+            if self.agent is None and not self.sender.sharded(r):
                 self.sender.push_pages(r)
 
     def expire_idle(self) -> bool:
@@ -339,6 +388,8 @@ class PrefillWorker:
                     r,
                     f"room {r.room}: no decode worker registered within {self.config.bootstrap_timeout_s:.0f} s",
                 )
+            elif r.offered and r.sends.expired:
+                self._fail(r, f"room {r.room}: the decode worker did not read its state in time")
             elif r.request_id is None and t - r.created > self.config.bootstrap_timeout_s:
                 # Registered, but its request never came here: heartbeats do not keep it.
                 self._fail(r, f"room {r.room}: its request never reached this prefill worker")
@@ -358,6 +409,11 @@ class PrefillWorker:
     def _drop(self, r: PrefillRoom, notify: bool, reason: str) -> None:
         r.state = "failed"
         self.rooms.pop(r.room, None)
+        if not r.offered:
+            # (nixl) nothing reads its pages yet; once offered, the decode side may be reading
+            # them until it says otherwise or its transfer timeout has passed (the hold's
+            # deadline), and a page reused meanwhile would reach it as another request's state
+            r.sends.release()
         if r.snapshot is not None and self.tp_size > 1:
             self.handover.shards.drop(r.room)  # every rank's copy
         if r.request_id is not None:

@@ -16,11 +16,18 @@ from dataclasses import dataclass
 
 import zmq
 
-from baton.disagg.messages import PagesChunk, Register, SlotChunk, StateTransfer, TensorSpec
-from baton.disagg.protocol import encode, state_message, tensor_specs
+from baton.disagg.messages import (
+    PagesChunk,
+    ReadOffer,
+    Register,
+    SlotChunk,
+    StateTransfer,
+    TensorSpec,
+)
+from baton.disagg.protocol import encode, state_header, state_message, tensor_specs
 from baton.disagg.rooms import RoomState, TransferCounters, now
 from baton.engine.core.engine import Engine
-from baton.engine.handover.state import HandoverLayout, RequestState, SlotUnit
+from baton.engine.handover.state import HandoverLayout, RequestState, SlotUnit, StatePlace
 
 logger = logging.getLogger("baton.disagg.prefill")
 
@@ -41,11 +48,18 @@ class PendingSends:
     them: a decode worker that stopped reading (hung, or its socket full) while its connection
     stays up would otherwise keep them forever."""
 
-    def __init__(self, room: str, counters: TransferCounters) -> None:
+    def __init__(self, room: str, counters: TransferCounters, awaiting_read: bool) -> None:
         self.room, self.counters = room, counters
         self.trackers: list[zmq.MessageTracker] = []
         self.deadline = math.inf  # set when the decode side registers
         self.expired = False
+        # nixl: the decode side READs the pages and slot in place, from the request's end until
+        # its ReadDone (or Abort, or the deadline); cleared by `release`
+        self.awaiting_read = awaiting_read
+
+    def release(self) -> None:
+        """Nothing will read the request's pages and slot any more (nixl)."""
+        self.awaiting_read = False
 
     def add(self, tracker: zmq.MessageTracker) -> None:
         self.trackers = [t for t in self.trackers if not t.done]
@@ -53,7 +67,7 @@ class PendingSends:
 
     @property
     def done(self) -> bool:
-        if self.expired or all(t.done for t in self.trackers):
+        if self.expired or (not self.awaiting_read and all(t.done for t in self.trackers)):
             return True
         if now() > self.deadline:
             self.expired = True
@@ -105,6 +119,9 @@ class PrefillRoom:
     snapshot: RequestState | None = None
     ready_at: float | None = None  # prefill done and decode side registered
     send_at: float | None = None  # fault injection: delayed send
+    place: StatePlace | None = None  # nixl: where the finished prefill's state sits, held
+    offered: bool = False  # nixl: its ReadOffer went out (the decode side may be reading)
+    read_bytes: int = 0  # nixl: what the offer lets the decode side read
 
 
 class RoomSender:
@@ -133,6 +150,35 @@ class RoomSender:
         else:
             message, tensors = state_message(r.room, self.needed_part(r))
         self.send_tensors(r, message, tensors, track=False)  # copies
+
+    def send_offer(self, r: PrefillRoom, agent) -> int:
+        """nixl: tell the room's decode side where its state is to be read (what it does not
+        cache: its pages from the first after its cached prefix, its blocks' checkpoints from
+        the first it does not cache), with this engine's agent and pool regions; the bytes the
+        decode side will read."""
+        reg, state, place = r.registration, r.snapshot, r.place
+        first_page = min(reg.cached_tokens, state.num_prompt_tokens) // self.page_size
+        first_page = min(first_page, len(place.pages))  # (a model with no pages: 0)
+        skip = self.skipped_blocks(r)
+        control = self.engine.handover.first_token_state(state.skip(0, skip), first_page)
+        checkpoint_slots = list(place.checkpoint_slots[skip:])
+        offer = ReadOffer(
+            room=r.room,
+            agent=agent.name,
+            agent_metadata=agent.metadata,
+            pools=agent.regions,
+            pages=list(place.pages[first_page:]),
+            slot=place.slot,
+            checkpoint_slots=checkpoint_slots,
+            state=state_header(control),
+        )
+        self.send_tensors(r, offer, [], track=False)
+        r.offered = True
+        layout = self.layout
+        slot_bytes = sum(t.layers * t.bytes for t in layout.of_kind("slot"))
+        kept_bytes = sum(t.layers * t.bytes for t in layout.of_kind("slot") if t.checkpointed)
+        pages = len(place.pages) - first_page
+        return pages * layout.page_bytes + slot_bytes + len(checkpoint_slots) * kept_bytes
 
     def sharded(self, r: PrefillRoom) -> bool:
         """Whether the room's state goes rank to rank (either side at TP > 1)."""

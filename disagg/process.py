@@ -33,6 +33,7 @@ from baton.engine.runtime.ipc import (
 logger = logging.getLogger("baton.disagg")
 
 PEER_POLL_MS = 10  # while rooms wait on the other side: heartbeats and timeouts need steps
+READ_POLL_MS = 1  # while READs are in flight: each ms of noticing one late is a ms of TTFT
 
 
 class DisaggEngineLoop(engine_process.EngineLoop):
@@ -46,6 +47,8 @@ class DisaggEngineLoop(engine_process.EngineLoop):
             poller.register(socket, zmq.POLLIN)
         waiting_on_peers = worker.has_unfinished_requests()
         timeout = PEER_POLL_MS if waiting_on_peers else engine_process.IDLE_POLL_MS
+        if worker.reading():
+            timeout = READ_POLL_MS
         events = dict(poller.poll(timeout))
         peer_messages = len(events) > (self.inbox in events)
         if peer_messages:

@@ -31,7 +31,14 @@ from typing import Any
 import msgpack
 import torch
 
-from baton.disagg.messages import MESSAGES, WITH_TENSORS, Message, StateTransfer, TensorSpec
+from baton.disagg.messages import (
+    MESSAGES,
+    WITH_TENSORS,
+    Message,
+    ReadOffer,
+    StateTransfer,
+    TensorSpec,
+)
 from baton.disagg.schema import (
     ProtocolError,
     from_wire,
@@ -58,7 +65,8 @@ from baton.engine.handover.state import RequestState
 # 9: state by the model's state spec: Compat lists the spec's tensors, StateTransfer's frames are
 # "field/pool" (pages/attention.k, slots/mamba2.ssm, checkpoints/...), PagesChunk and SlotChunk
 # (was KVChunk, MambaChunk) carry "pool#layer" frames, ShardTransfer "field/pool@offset".
-PROTOCOL_VERSION = 9
+# 10: Compat carries the transfer backend; ReadOffer / ReadDone (the nixl backend's reads).
+PROTOCOL_VERSION = 10
 
 # With a secret, a message is accepted within this many seconds of the time it was sent (two
 # hosts need clocks within this of each other, e.g. NTP), and only once.
@@ -86,26 +94,35 @@ def state_message(
 ) -> tuple[StateTransfer, list[torch.Tensor]]:
     """A request state's message and frames: every field of its dataclass, tensors by name
     ("field/pool" for each tensor of a field holding tensors by pool name)."""
-    carrier = type(state)
+    named = named_tensors(state)
+    message = StateTransfer(
+        room=room, tp_size=tp_size, state=state_header(state), tensors=tensor_specs(named)
+    )
+    return message, [t for _, t in named]
+
+
+def state_header(state: Any) -> dict[str, object]:
+    """A request state's non-tensor fields (what a message `carries`)."""
+    return {name: getattr(state, name) for name in header_fields(type(state))}
+
+
+def named_tensors(state: Any) -> list[tuple[str, torch.Tensor]]:
+    """A request state's tensors by frame name: "field", or "field/pool" for each tensor of a
+    field holding tensors by pool name."""
     named = []
-    for field in tensor_fields(carrier):
+    for field in tensor_fields(type(state)):
         value = getattr(state, field)
         if isinstance(value, torch.Tensor):
             named.append((field, value))
         else:
             named.extend((f"{field}/{name}", t) for name, t in value.items())
-    message = StateTransfer(
-        room=room,
-        tp_size=tp_size,
-        state={name: getattr(state, name) for name in header_fields(carrier)},
-        tensors=tensor_specs(named),
-    )
-    return message, [t for _, t in named]
+    return named
 
 
-def request_state(message: StateTransfer, tensors: dict[str, torch.Tensor]) -> Any:
-    """The STATE_CARRIER a decoded StateTransfer holds (its fields were checked by `decode`,
-    its frames' names too; their shapes are the receiver's to check against its layout)."""
+def request_state(message: StateTransfer | ReadOffer, tensors: dict[str, torch.Tensor]) -> Any:
+    """The STATE_CARRIER a decoded StateTransfer (or ReadOffer) holds (its fields were checked
+    by `decode`, its frames' names too; their shapes are the receiver's to check against its
+    layout)."""
     hints = schema_hints(STATE_CARRIER)
     by_field: dict[str, object] = {
         f: {} for f in tensor_fields(STATE_CARRIER) if hints[f] is not torch.Tensor

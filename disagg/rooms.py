@@ -29,6 +29,10 @@ class DisaggConfig:
         float  # no heartbeat (prefill side) / no ack (decode side) for this long: peer lost
     )
     max_rooms_per_peer: int  # prefill side: rooms one decode worker may hold open at once
+    # How the state's bytes move (both workers must agree): "zmq" pushes them as frames on the
+    # control channel, "nixl" has the decode side READ them from the prefill side's pools
+    # (disagg/nixl_transfer.py).
+    transfer_backend: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,12 +41,16 @@ class FaultInjection:
 
     drop_probability: float
     delay_ms: int
+    # nixl backend, decode side: posted READs are never seen to finish (a read stuck on the
+    # wire), so that the deadline and peer-loss paths can be proven mid-read
+    stall_reads: bool
 
     @classmethod
     def from_env(cls) -> FaultInjection:
         return cls(
             drop_probability=float(os.environ.get("BATON_FAULT_DROP_TRANSFER", "0") or 0),
             delay_ms=int(os.environ.get("BATON_FAULT_DELAY_TRANSFER_MS", "0") or 0),
+            stall_reads=os.environ.get("BATON_FAULT_STALL_READS", "") not in ("", "0"),
         )
 
     def should_drop(self, rng: random.Random) -> bool:
@@ -52,12 +60,19 @@ class FaultInjection:
 # Upper bounds (seconds) of the transfer latency histogram's buckets; the last is +Inf.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LATENCY_BUCKET_KEY = "disagg_transfer_latency_le_"  # + the bound, in the stats dict
+# Per transfer backend, in the stats dict: key + backend ("disagg_backend_bytes_total:nixl")
+BACKEND_KEYS = (
+    "disagg_backend_bytes_total:",
+    "disagg_backend_transfers_total:",
+    "disagg_backend_transfer_seconds_sum:",
+)
 
 
 @dataclass
 class TransferCounters:
     """Exported on /metrics by the server (`baton:disagg_*`)."""
 
+    backend: str = "zmq"  # the worker's transfer backend: its counts are reported under it too
     bytes_total: int = 0
     transfers_ok: int = 0
     transfers_failed: int = 0
@@ -68,6 +83,9 @@ class TransferCounters:
     # side registered) -> its last message handed to ZMQ.
     latency_sum_s: float = 0.0
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    # Time the bytes were on the wire: nixl, decode side, a READ's post to its completion (the
+    # latency above adds the prefill and the waits on either side)
+    transfer_seconds_sum: float = 0.0
 
     def observe_latency(self, seconds: float) -> None:
         self.latency_sum_s += seconds
@@ -83,6 +101,10 @@ class TransferCounters:
             "disagg_messages_refused_total": self.messages_refused,
             "disagg_transfer_latency_sum": self.latency_sum_s,
         }
+        for key, value in zip(
+            BACKEND_KEYS, (self.bytes_total, self.transfers_ok, self.transfer_seconds_sum)
+        ):
+            out[f"{key}{self.backend}"] = value
         cumulative = 0
         for bound, count in zip((*LATENCY_BUCKETS, float("inf")), self.latency_counts):
             cumulative += count

@@ -3,8 +3,9 @@
 `to_wire` turns a message dataclass into a msgpack map of its fields; `from_wire` builds one back
 from what a peer sent, checking every field against its annotation before anything uses it:
 the exact set of keys, scalar types (an int is not a bool, a float is finite), lists, dicts,
-optionals and nested dataclasses, and sizes (string lengths, item counts). Integers on this wire
-are counts, indices and token ids, so they must be non-negative too.
+optionals, byte strings and nested dataclasses, and sizes (string and blob lengths, item
+counts). Integers on this wire are counts, indices, token ids and addresses, so they must be
+non-negative too.
 
 Tensor-valued fields (`torch.Tensor`, or `dict[str, torch.Tensor]`: tensors by name) never go in
 a header: `tensor_fields` names them so that a message can carry them as frames, matched by
@@ -28,6 +29,8 @@ import torch
 MAX_STRING = 4096
 MAX_ITEMS = 1 << 16
 MAX_INT = 1 << 62
+# An opaque blob (a transfer engine's agent metadata: a few hundred bytes per backend and region).
+MAX_BLOB = 1 << 20
 
 
 class ProtocolError(ValueError):
@@ -122,6 +125,12 @@ def check(value: Any, hint: Any, where: str) -> Any:
             raise ProtocolError(f"{where}: expected a string, got {_describe(value)}")
         if len(value) > MAX_STRING:
             raise ProtocolError(f"{where}: {len(value)} characters, at most {MAX_STRING}")
+        return value
+    if hint is bytes:
+        if not isinstance(value, bytes):
+            raise ProtocolError(f"{where}: expected bytes, got {_describe(value)}")
+        if len(value) > MAX_BLOB:
+            raise ProtocolError(f"{where}: {len(value)} bytes, at most {MAX_BLOB}")
         return value
     if origin is list:
         if not isinstance(value, list):

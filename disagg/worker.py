@@ -39,6 +39,11 @@ class DisaggWorker(Protocol):
         """Whether the engine has requests to step (not just rooms waiting on peers)."""
         ...
 
+    def reading(self) -> bool:
+        """Whether transfers this worker polls itself are in flight (nixl READs, which wake no
+        socket): the loop then looks again within READ_POLL_MS."""
+        ...
+
     def step(self) -> list[RequestDelta]: ...
 
     def poll(self) -> None:

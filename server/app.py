@@ -75,8 +75,9 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/disagg/info")
     async def disagg_info() -> Response:
         """What `baton router` learns of a worker: its role, where decode engines register with a
-        prefill worker (and that address's token, disagg/address_token.py), the prefix cache's page size and Mamba checkpoint interval, and the
-        model it serves (the router serves one model: it compares these)."""
+        prefill worker (and that address's token, disagg/address_token.py), the prefix cache's page size and Mamba checkpoint interval, how the
+        pair moves the state (transfer backend: zmq or nixl), and the model it serves (the
+        router serves one model: it compares these)."""
         mode = state.args.disaggregation_mode
         if mode is None:
             return error_response(404, "this worker is not part of a disaggregated pair")
@@ -95,6 +96,7 @@ def build_app(state: ServerState) -> FastAPI:
                 "rank_transfer_addrs": ready.rank_transfer_addrs,
                 "page_size": ready.page_size,
                 "track_interval": ready.track_interval,
+                "transfer_backend": state.args.disaggregation_transfer_backend,
                 "model": (await served_model())[1],
             }
         )

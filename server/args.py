@@ -113,6 +113,9 @@ class ServerArgs:
     # noticed by the heartbeat lease (10 s), not by this timeout.
     disagg_timeout: float = 300.0
     disagg_max_rooms_per_peer: int = 1024  # prefill: rooms one decode worker may hold open
+    # How the state's bytes move between the pair (SGLang's flag): "zmq" frames on the control
+    # channel, or "nixl" READs from the prefill worker's pools (both workers must agree)
+    disaggregation_transfer_backend: str = "zmq"
     # Chat output parsing, vLLM's flags (server/openai/tool_choice.py)
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
@@ -145,6 +148,11 @@ class ServerArgs:
             raise ValueError(f"--tp-timeout must be > 0, got {self.tp_timeout}")
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+        if self.disaggregation_transfer_backend not in ("zmq", "nixl"):
+            raise ValueError(
+                "--disaggregation-transfer-backend must be zmq or nixl, got"
+                f" {self.disaggregation_transfer_backend!r}"
+            )
         if self.disagg_max_rooms_per_peer < 1:
             raise ValueError(
                 f"--disagg-max-rooms-per-peer must be >= 1, got {self.disagg_max_rooms_per_peer}"
@@ -259,6 +267,7 @@ class ServerArgs:
             # steps; a peer that dies is noticed sooner, by its connection (ZMTP heartbeats).
             "lease_timeout_s": min(30.0, self.disagg_timeout),
             "max_rooms_per_peer": self.disagg_max_rooms_per_peer,
+            "transfer_backend": self.disaggregation_transfer_backend,
         }
 
     @classmethod

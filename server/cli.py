@@ -264,6 +264,15 @@ def add_serve_parser(subparsers) -> None:
         "prefill worker included; a dead peer is noticed within 10 s by heartbeats (default: 300)",
     )
     disagg.add_argument(
+        "--disaggregation-transfer-backend",
+        choices=["zmq", "nixl"],
+        default=_default("disaggregation_transfer_backend"),
+        help="how the KV pages and state move between the pair (both workers must agree): zmq"
+        " frames on the authenticated control channel, or nixl READs by the decode worker from"
+        " the prefill worker's pools (UCX; pip install 'baton[nixl]'; UCX_TLS picks the"
+        " transports) (default: zmq)",
+    )
+    disagg.add_argument(
         "--disagg-max-rooms-per-peer",
         type=int,
         default=_default("disagg_max_rooms_per_peer"),

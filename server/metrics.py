@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from baton.disagg.rooms import LATENCY_BUCKET_KEY
+from baton.disagg.rooms import BACKEND_KEYS, LATENCY_BUCKET_KEY
 from baton.engine.core.request_timing import HISTOGRAMS, STATS_PREFIX
 
 _LATENCY_BUCKETS = (
@@ -167,6 +167,33 @@ def _request_timing_families(stats: dict[str, int | float]) -> Iterator:
         )
 
 
+# disagg/rooms.py's per-backend keys -> (metric name, help)
+_BACKEND_METRICS = dict(
+    zip(
+        BACKEND_KEYS,
+        (
+            ("baton:disagg_backend_transfer_bytes", "Bytes of KV + state handed over, by backend."),
+            ("baton:disagg_backend_transfers", "Completed handovers, by transfer backend."),
+            (
+                "baton:disagg_backend_transfer_seconds",
+                "Seconds the handed-over bytes were on the wire, by backend (nixl, decode side:"
+                " each READ from its post to its completion).",
+            ),
+        ),
+    )
+)
+
+
+def _backend_families(stats: dict) -> Iterator:
+    """A disaggregated worker's transfer counts labelled by its transfer backend (zmq, nixl)."""
+    for key, (name, doc) in _BACKEND_METRICS.items():
+        family = CounterMetricFamily(name, doc, labels=["backend"])
+        for stat, value in stats.items():
+            if stat.startswith(key):
+                family.add_metric([stat[len(key) :]], float(value))
+        yield family
+
+
 def _spec_decode_families(stats: dict) -> Iterator:
     """Speculative decoding's accepted drafts per draft position (vLLM's metric, label
     `position`) and the mean acceptance length derived from the counters: tokens a verify row
@@ -213,6 +240,7 @@ class EngineStatsCollector(Collector):
                 buckets=[("+Inf" if le == float("inf") else str(le), n) for le, n in buckets],
                 sum_value=stats.get("disagg_transfer_latency_sum", 0.0),
             )
+        yield from _backend_families(stats)
         yield from _request_timing_families(stats)
         checkpoints = CounterMetricFamily(
             "baton:mamba_checkpoints",

@@ -99,6 +99,13 @@ def add_up_parser(subparsers) -> None:
         "--decode-tp", type=int, help="tensor-parallel ranks of the decode worker (default: --tp)"
     )
     parser.add_argument(
+        "--disaggregation-transfer-backend",
+        choices=["zmq", "nixl"],
+        default="zmq",
+        help="how the KV pages and state move from the prefill worker to the decode worker: zmq"
+        " frames, or nixl reads (UCX; UCX_TLS picks the transports) (default: zmq)",
+    )
+    parser.add_argument(
         "--dtype",
         default="float32",
         choices=DTYPE_NAMES,
@@ -175,6 +182,7 @@ def run_up(ns) -> int:
     ]
     if ns.quantization:
         common += ["--quantization", ns.quantization]
+    common += ["--disaggregation-transfer-backend", ns.disaggregation_transfer_backend]
     if ns.served_model_name:
         common += ["--served-model-name", ns.served_model_name]
     if ns.tokenizer:

@@ -153,6 +153,7 @@ def raw_message(tag: str, body) -> list[bytes]:
 
 def register_body(**overrides) -> dict:
     compat = dict(
+        transfer_backend="zmq",
         model="m",
         weights="w",
         dtype="float32",

@@ -76,6 +76,7 @@ def _config(role: str) -> DisaggConfig:
         heartbeat_interval_s=0.2,
         lease_timeout_s=20.0,
         max_rooms_per_peer=64,
+        transfer_backend="zmq",
     )
 
 

@@ -44,6 +44,7 @@ def config(role, **overrides):
         # is caught by its dropped connection, and the tests of the lease set their own.
         lease_timeout_s=10.0,
         max_rooms_per_peer=64,
+        transfer_backend="zmq",
     )
     values.update(overrides)
     return DisaggConfig(**values)

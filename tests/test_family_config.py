@@ -44,9 +44,7 @@ GRANITE = {
 
 def test_unknown_architecture_lists_the_supported_ones():
     with pytest.raises(ConfigError) as error:
-        ModelConfig.from_dict(
-            {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
-        )
+        ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     message = str(error.value)
     assert "GPT2LMHeadModel" in message and "'architectures'" in message
     for architecture in FAMILIES:

@@ -93,6 +93,7 @@ def disagg_config(role: str) -> DisaggConfig:
         heartbeat_interval_s=0.2,
         lease_timeout_s=60.0,
         max_rooms_per_peer=64,
+        transfer_backend="zmq",
     )
 
 

@@ -118,6 +118,7 @@ def handover_bytes(
         heartbeat_interval_s=1.0,
         lease_timeout_s=60.0,
         max_rooms_per_peer=1024,
+        transfer_backend="zmq",
     )
     context = zmq.Context()
     workers = []

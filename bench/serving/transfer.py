@@ -1,6 +1,12 @@
-"""Prefill -> decode handover speed vs raw ZMQ, and TTFT disaggregated vs colocated.
+"""Prefill -> decode handover speed per transfer backend (zmq, nixl) vs raw ZMQ, and TTFT
+disaggregated vs colocated.
 
-    python -m baton.bench.serving.transfer [--config 110m] [--lengths 128,512,1024,2048,4096] [--output out.json]
+    python -m baton.bench.serving.transfer [--config 110m] [--lengths 1024,8192]
+        [--backends zmq,nixl] [--output out.json]
+
+With nixl, UCX_TLS picks UCX's transports (tcp,self or sm,tcp,self on one host; the run records
+it); the handover is then the decode side's READ from the prefill engine's pools plus the control
+messages around it (the offer, the ReadDone that releases the prefill side's hold).
 
 The prefill worker runs in this process and the decode worker in a child process, each with its
 own engine and ZMQ context, talking over tcp://127.0.0.1 exactly as in production (msgpack
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
 import tempfile
 import time
@@ -37,7 +44,7 @@ from baton.engine.core.sampling_params import SamplingParams
 ENGINE_ARGS = dict(enable_prefix_caching=False, max_total_tokens=16384, max_running_requests=4)
 
 
-def config(role: str) -> DisaggConfig:
+def config(role: str, backend: str) -> DisaggConfig:
     return DisaggConfig(
         role=role,
         host="127.0.0.1",
@@ -48,15 +55,17 @@ def config(role: str) -> DisaggConfig:
         heartbeat_interval_s=1.0,
         lease_timeout_s=600,
         max_rooms_per_peer=1024,
+        transfer_backend=backend,
     )
 
 
-def decode_process(conn, model_dir: str, dtype: str, threads: int) -> None:
+def decode_process(conn, model_dir: str, dtype: str, threads: int, backend: str) -> None:
     """The decode side: a DecodeWorker and a raw ROUTER socket, driven by commands on `conn`."""
     if threads:
         torch.set_num_threads(threads)
     context = zmq.Context()
-    decoder = DecodeWorker(Engine(model_dir, dtype=dtype, **ENGINE_ARGS), config("decode"), context)
+    engine = Engine(model_dir, dtype=dtype, **ENGINE_ARGS)
+    decoder = DecodeWorker(engine, config("decode", backend), context)
     raw = context.socket(zmq.ROUTER)
     conn.send(raw.bind_to_random_port("tcp://127.0.0.1"))
     while True:
@@ -77,8 +86,9 @@ def decode_process(conn, model_dir: str, dtype: str, threads: int) -> None:
             poller.register(socket, zmq.POLLIN)
         if command == "handover":
             while rid in decoder.rooms:  # installed once the room is gone
-                poller.poll(5)
+                poller.poll(1 if decoder.reader is not None and decoder.reader.reads else 5)
                 decoder.poll()
+                decoder.finish_reads()  # (nixl: a READ is done when the agent says so)
             result = (time.monotonic(), decoder.counters.bytes_total - before)
         else:  # "ttft": the first token as the decode worker emits it
             result = None
@@ -96,11 +106,13 @@ def decode_process(conn, model_dir: str, dtype: str, threads: int) -> None:
 
 
 class DecodeSide:
-    def __init__(self, model_dir: str, dtype: str, threads: int, context: zmq.Context):
+    def __init__(
+        self, model_dir: str, dtype: str, threads: int, backend: str, context: zmq.Context
+    ):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=decode_process, args=(child, model_dir, dtype, threads), daemon=True
+            target=decode_process, args=(child, model_dir, dtype, threads, backend), daemon=True
         )
         self.process.start()
         self.raw = context.socket(zmq.DEALER)
@@ -194,7 +206,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--config", default="110m", choices=["19m", "110m"])
-    ap.add_argument("--lengths", default="128,512,1024,2048,4096")
+    ap.add_argument("--lengths", default="1024,8192")
+    ap.add_argument(
+        "--backends",
+        default="zmq,nixl",
+        help="transfer backends to compare, alternated in each round (nixl needs baton[nixl])",
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=15, help="handovers (and raw runs) per length")
     ap.add_argument(
@@ -206,6 +223,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
+    backends = args.backends.split(",")
     context = zmq.Context.instance()
     rows = []
     with tempfile.TemporaryDirectory() as model_dir:
@@ -214,56 +232,79 @@ def main() -> None:
         # The whole prompt in one prefill step: every byte moves after the prefill, so the
         # handover is measured alone (chunked prefills also stream pages while computing).
         one_chunk = dict(chunked_prefill_size=8192, max_num_batched_tokens=8192)
-        prefill = PrefillWorker(
-            Engine(model_dir, **engine_args, **one_chunk), config("prefill"), context
-        )
-        decode = DecodeSide(model_dir, args.dtype, args.threads, context)
+        pairs = {
+            b: (
+                PrefillWorker(
+                    Engine(model_dir, **engine_args, **one_chunk), config("prefill", b), context
+                ),
+                DecodeSide(model_dir, args.dtype, args.threads, b, context),
+            )
+            for b in backends
+        }
+        raw_side = pairs[backends[0]][1]
         colocated = Engine(model_dir, **engine_args)
         # TTFT compares like with like: a prefill worker chunking exactly as the colocated engine.
-        prefill_ttft = PrefillWorker(Engine(model_dir, **engine_args), config("prefill"), context)
-        handover(prefill, decode, [5] * 64, "warmup")
-        decode.raw_bytes_per_s(1 << 20)
+        ttft_prefill = {
+            b: PrefillWorker(Engine(model_dir, **engine_args), config("prefill", b), context)
+            for b in backends
+        }
+        for b, (prefill, decode) in pairs.items():
+            handover(prefill, decode, [5] * 64, f"warmup-{b}")
+        raw_side.raw_bytes_per_s(1 << 20)
         ttft_colocated(colocated, [5] * 64, "warmup")
         for n in lengths:
             prompt = [(7 * i) % 31000 + 3 for i in range(n)]
-            handover(prefill, decode, prompt, f"w{n}")  # first use of this many pages
-            # Alternating, so both see the same machine noise.
-            runs, raws = [], []
+            for b, (prefill, decode) in pairs.items():
+                handover(prefill, decode, prompt, f"w{n}-{b}")  # first use of this many pages
+            # Alternating, so every backend and the raw baseline see the same machine noise.
+            runs: dict[str, list[dict]] = {b: [] for b in backends}
+            raws = []
             for i in range(args.repeats):
-                runs.append(handover(prefill, decode, prompt, f"h{n}-{i}"))
-                raws.append(decode.raw_bytes_per_s(runs[-1]["bytes"]))
-            rates = [r["bytes_per_s"] for r in runs]
-            h, raw = statistics.median(rates), statistics.median(raws)
-            t_colo = t_disagg = float("nan")
+                for b, (prefill, decode) in pairs.items():
+                    runs[b].append(handover(prefill, decode, prompt, f"h{n}-{i}-{b}"))
+                raws.append(raw_side.raw_bytes_per_s(runs[backends[0]][-1]["bytes"]))
+            raw = statistics.median(raws)
+            t_colo = float("nan")
             if not args.no_ttft:
                 t_colo = min(ttft_colocated(colocated, prompt, f"c{n}-{i}") for i in range(2))
-                t_disagg = min(
-                    ttft_disaggregated(prefill_ttft, decode, prompt, f"d{n}-{i}") for i in range(2)
+            for b, (_, decode) in pairs.items():
+                rates = [r["bytes_per_s"] for r in runs[b]]
+                h = statistics.median(rates)
+                t_disagg = float("nan")
+                if not args.no_ttft:
+                    t_disagg = min(
+                        ttft_disaggregated(ttft_prefill[b], decode, prompt, f"d{n}-{i}-{b}")
+                        for i in range(2)
+                    )
+                row = {
+                    "backend": b,
+                    "ucx_tls": os.environ.get("UCX_TLS") if b == "nixl" else None,
+                    "prompt_tokens": n,
+                    "bytes": runs[b][0]["bytes"],
+                    "handover_seconds": [r["seconds"] for r in runs[b]],
+                    "handover_seconds_median": statistics.median(r["seconds"] for r in runs[b]),
+                    "handover_bytes_per_s_median": h,
+                    "raw_zmq_bytes_per_s": raws,
+                    "raw_zmq_bytes_per_s_median": raw,
+                    "fraction_of_raw": h / raw,
+                    "fraction_of_raw_best": max(rates) / max(raws),
+                    "ttft_colocated_s": t_colo,
+                    "ttft_disaggregated_s": t_disagg,
+                }
+                rows.append(row)
+                print(
+                    f"{b:4s} {n:5d} tokens: {row['bytes'] / 2**20:6.1f} MiB, handover median "
+                    f"{row['handover_seconds_median'] * 1e3:6.2f} ms = {h / 2**30:5.2f} GiB/s,"
+                    f" raw ZMQ {raw / 2**30:5.2f} GiB/s: {row['fraction_of_raw']:.2f} of raw "
+                    f"(best vs best {row['fraction_of_raw_best']:.2f}); TTFT colocated "
+                    f"{t_colo * 1e3:.0f} ms, disaggregated {t_disagg * 1e3:.0f} ms",
+                    flush=True,
                 )
-            row = {
-                "prompt_tokens": n,
-                "bytes": runs[0]["bytes"],
-                "handover_seconds": [r["seconds"] for r in runs],
-                "handover_bytes_per_s_median": h,
-                "raw_zmq_bytes_per_s": raws,
-                "raw_zmq_bytes_per_s_median": raw,
-                "fraction_of_raw": h / raw,
-                "fraction_of_raw_best": max(rates) / max(raws),
-                "ttft_colocated_s": t_colo,
-                "ttft_disaggregated_s": t_disagg,
-            }
-            rows.append(row)
-            print(
-                f"{n:5d} tokens: {row['bytes'] / 2**20:6.1f} MiB, handover median "
-                f"{row['bytes'] / h * 1e3:6.2f} ms = {h / 2**30:5.2f} GiB/s, raw ZMQ "
-                f"{raw / 2**30:5.2f} GiB/s: {row['fraction_of_raw']:.2f} of raw "
-                f"(best vs best {row['fraction_of_raw_best']:.2f}); TTFT colocated "
-                f"{t_colo * 1e3:.0f} ms, disaggregated {t_disagg * 1e3:.0f} ms",
-                flush=True,
-            )
-        prefill.close()
-        prefill_ttft.close()
-        decode.close()
+        for prefill, decode in pairs.values():
+            prefill.close()
+            decode.close()
+        for prefill in ttft_prefill.values():
+            prefill.close()
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=2)

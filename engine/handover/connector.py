@@ -28,7 +28,7 @@ from baton.engine.core.sampler import Sampler
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.handover.io import StateIO
 from baton.engine.handover.ranks import ShardHandover
-from baton.engine.handover.state import HandoverLayout, Preallocation, RequestState
+from baton.engine.handover.state import HandoverLayout, Preallocation, RequestState, StatePlace
 from baton.engine.models.registry import family_named
 from baton.engine.structured_output.grammars import Grammars
 
@@ -187,6 +187,50 @@ class Handover:
         self.io.write_unit(req.mamba_slot, unit, frames)
         return True
 
+    def reserve_place(
+        self, request_id: str, first_page: int, first_block: int, num_blocks: int
+    ) -> StatePlace:
+        """Where a transferred state is to be written straight into the pools (a transfer
+        engine reading from the prefill engine's): the preallocated pages from `first_page`,
+        which must be the first after this engine's cached prefix (those are shared with other
+        requests), the request's slot, and checkpoint slots for the prompt's blocks
+        `first_block`.. (reserved here until `install` registers them, or
+        `shards.release_checkpoints` gives them back). ValueError naming what does not fit."""
+        req = self._transferring(request_id)
+        if req is None:
+            raise ValueError(f"request {request_id} is gone")
+        num_pages = -(-len(req.prompt_ids) // self.cache.page_size) if self.cache.paged else 0
+        cached_pages = req.num_cached_tokens // self.cache.page_size if self.cache.paged else 0
+        if not cached_pages == first_page <= num_pages:
+            raise ValueError(
+                f"the prefill worker sends pages from {first_page}, expected from"
+                f" {cached_pages} (the first {cached_pages} of {num_pages} are cached here)"
+            )
+        slots = self.shards.reserve_checkpoints(req, first_block, num_blocks)
+        return StatePlace(
+            pages=tuple(req.kv_pages[first_page:num_pages]),
+            slot=req.mamba_slot,
+            checkpoint_slots=slots,
+        )
+
+    def direct_state(self, header: Mapping[str, object], num_blocks: int) -> RequestState:
+        """The state to `install` once its tensors were written straight into a reserved place:
+        `header`'s first token (RequestState's other fields), no pages, no slot layers, and
+        `num_blocks` checkpoints of no layers (the blocks `install` registers)."""
+        return RequestState(
+            **header,
+            pages=self.io.gather_pages([]),
+            slots=self.io.no_slot_state(),
+            checkpoints=self.io.no_checkpoints(num_blocks),
+        )
+
+    def clear_unkept(self, place: StatePlace) -> None:
+        """After a state was written straight into `place`: its checkpoint slots' tensors that
+        checkpoints do not keep start from zero, as `install` leaves them."""
+        for slot in place.checkpoint_slots:
+            if slot:
+                self.io.clear_unkept(slot)
+
     def _register_transferred_blocks(self, req: Request, state: RequestState) -> None:
         """The prompt's block checkpoints let later requests (the next turn of a chat) reuse
         this prompt on the decode side too."""
@@ -208,6 +252,20 @@ class Handover:
                 return
 
     # -- prefill side -----------------------------------------------------------------------
+
+    def pool_tensors(self) -> dict[str, torch.Tensor]:
+        """Every pool tensor by name (engine/cache/pools.py's layout), for a transfer engine to
+        register once at start: what it then reads or writes there is a request's StatePlace."""
+        return dict(self.cache.pools)
+
+    def place_of(self, req: Request) -> StatePlace:
+        """Where a finished prefill's state sits (its prompt's pages, its slot, its blocks'
+        checkpoints), read in place while the request's hold keeps them."""
+        return StatePlace(
+            pages=tuple(self.prompt_pages(req)),
+            slot=req.mamba_slot,
+            checkpoint_slots=tuple(b.checkpoint_slot for b in req.cached_blocks),
+        )
 
     def prompt_pages(self, req: Request) -> list[int]:
         return req.kv_pages[: -(-len(req.prompt_ids) // self.cache.page_size)]

@@ -97,6 +97,13 @@ class StateIO:
         for frame, name, layer in unit.frames:
             self.cache.pools[name][layer, slot].copy_(frames[frame])
 
+    def clear_unkept(self, slot: int) -> None:
+        """The slot tensors that checkpoints do not keep start from zero in checkpoint `slot`
+        (its kept tensors were written straight into the pool)."""
+        for name in self.cache.slotted:
+            if name not in self.cache.checkpointed:
+                self.cache.pools[name][:, slot].zero_()
+
     # -- checkpoints ----------------------------------------------------------------------------
 
     def gather_checkpoints(self, slots: Sequence[int]) -> dict[str, torch.Tensor]:

@@ -148,7 +148,7 @@ class ShardHandover:
             )
         slots = self.checkpoint_slots.get(request_id)
         if slots is None:  # the first try: the same slots on every later one
-            slots = self.checkpoint_slots[request_id] = self._checkpoint_slots(req, control)
+            slots = self.reserve_checkpoints(req, control.first_block, control.num_blocks)
         error = self._rank_op(
             InstallShard(
                 room=room,
@@ -168,12 +168,17 @@ class ShardHandover:
             raise ValueError(error)
         return True
 
-    def _checkpoint_slots(self, req: Request, control: RequestState) -> tuple[int, ...]:
-        """Checkpoint slots for the blocks the prefill side says it sends, from the first on
-        that this engine's prefix cache does not hold (0 for those it holds), stopping at the
-        first it cannot allocate. ValueError when the claim exceeds the prompt's blocks past
-        those cached here."""
-        first, count = control.first_block, control.num_blocks
+    def reserve_checkpoints(self, req: Request, first: int, count: int) -> tuple[int, ...]:
+        """Checkpoint slots for blocks first..first + count - 1 that the prefill side says it
+        sends, from the first on that this engine's prefix cache does not hold (0 for those it
+        holds), stopping at the first it cannot allocate; kept for the request until
+        `register_checkpoints` or `release_checkpoints`. ValueError when the claim exceeds the
+        prompt's blocks past those cached here."""
+        slots = self._checkpoint_slots(req, first, count)
+        self.checkpoint_slots[req.request_id] = slots
+        return slots
+
+    def _checkpoint_slots(self, req: Request, first: int, count: int) -> tuple[int, ...]:
         cache = self.scheduler.prefix_cache
         total = len(req.prompt_ids) // cache.track_interval if cache is not None else 0
         if first < 0 or count > max(0, total - first):

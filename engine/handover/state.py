@@ -69,6 +69,19 @@ class Preallocation:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class StatePlace:
+    """Where a request's handed-over state sits in an engine's pools, for a transfer engine that
+    reads it straight from one engine's pools into the other's: the prompt's pages from the
+    first that travels, the request's slot (its final state), and the checkpoint slots of the
+    prompt's blocks from the first that travels (on the decode side 0 marks a block cached
+    there already: not written)."""
+
+    pages: tuple[int, ...]
+    slot: int
+    checkpoint_slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TensorLayout:
     """One pool tensor as a handover sees it."""
 
