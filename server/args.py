@@ -93,6 +93,7 @@ class ServerArgs:
     mem_fraction: float | None = None
     kv_cache_memory_bytes: int | None = None  # the KV and state pools' memory (vLLM's flag)
     disable_cuda_graph: bool = False
+    enforce_eager: bool = False  # no CUDA graphs, no captured CPU step (vLLM's flag)
     cuda_graph_max_bs: int | None = None
     mamba_track_interval: int | None = None
     # CPU threads of the engine process (None: one per core). `baton up` gives each of its two
@@ -238,8 +239,10 @@ class ServerArgs:
         }
         if self.no_prefix_cache:
             args["enable_prefix_caching"] = False
-        if self.disable_cuda_graph:
+        if self.disable_cuda_graph or self.enforce_eager:
             args["disable_cuda_graph"] = True
+        if self.enforce_eager:
+            args["cpu_step_capture"] = False
         args["schedule_policy"] = self.schedule_policy
         if self.request_metrics:
             args["request_timing"] = True

@@ -187,9 +187,15 @@ def add_serve_parser(subparsers) -> None:
         "--disable-cuda-graph", action="store_true", help="CUDA: run decode steps eagerly"
     )
     engine.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly: no CUDA graphs, no captured CPU decode step",
+    )
+    engine.add_argument(
         "--cuda-graph-max-bs",
         type=_non_negative_int,
-        help="CUDA: largest decode batch captured in a graph (default: --max-running-requests)",
+        help="largest decode batch captured: in a CUDA graph (default: --max-running-requests) "
+        "or a CPU plan (default: 16)",
     )
 
     engine.add_argument(

@@ -44,8 +44,8 @@ def test_batched_chunked_mixed_matches_transformers(base_model, references):
     prompts, max_tokens, refs = references
     llm = LLM(model_dir, page_size=4, max_num_batched_tokens=96, chunked_prefill_size=40)
     modes = []
-    original = llm.engine.runner.forward
-    llm.engine.runner.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]
+    original = llm.engine.forward
+    llm.engine.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]
     params = [
         SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=1) for m in max_tokens
     ]

@@ -49,8 +49,8 @@ def test_engine_matches_transformers(gdn_models, name):
     prompts = prompts_for(hf.config.get_text_config().vocab_size)
     llm = LLM(model_dir, **ENGINE)
     modes = []
-    original = llm.engine.runner.forward
-    llm.engine.runner.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]
+    original = llm.engine.forward
+    llm.engine.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]
     params = SamplingParams(
         max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1
     )

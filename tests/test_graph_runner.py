@@ -79,7 +79,7 @@ def test_padded_decode_equals_eager_and_dummy_slot_absorbs_padding(base_model, n
         ModelRunner(model, padded_cache, "cpu"),
         max_bs=8,
         kv_capacity=64,
-        use_cuda_graphs=False,
+        capture=None,
         verify_width=None,
     )
     prefill_all(eager, prompts, pages, slots)
@@ -149,7 +149,7 @@ def test_padding_never_lands_on_a_live_slot(base_model):
         ModelRunner(model, cache, "cpu"),
         max_bs=4,
         kv_capacity=32,
-        use_cuda_graphs=False,
+        capture=None,
         verify_width=None,
     )
     bad = ScheduledBatch(

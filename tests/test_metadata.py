@@ -192,9 +192,9 @@ def graph_runner(kv_capacity: int = 64, verify_width: int | None = None) -> Deco
         decode_reads_mask=lambda: True,
     )
     runner = DecodeGraphRunner(
-        fake, max_bs=8, kv_capacity=kv_capacity, use_cuda_graphs=False, verify_width=verify_width
+        fake, max_bs=8, kv_capacity=kv_capacity, capture=None, verify_width=verify_width
     )
-    runner.use_cuda_graphs = True  # build with the static capacities a CUDA graph uses
+    runner.capture = "cuda"  # build with the static capacities a captured step uses
     return runner
 
 

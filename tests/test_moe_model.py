@@ -48,8 +48,8 @@ def test_moe_batched_chunked_matches_transformers(moe_references, name):
     model_dir, prompts, refs = moe_references(name)
     llm = LLM(model_dir, page_size=4, max_num_batched_tokens=48, chunked_prefill_size=20)
     modes = []
-    original = llm.engine.runner.forward
-    llm.engine.runner.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]
+    original = llm.engine.forward
+    llm.engine.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]
     outs = llm.generate(prompts, greedy_params())
     assert {"mixed", "decode"} <= set(modes)  # prefill chunks really shared steps with decodes
     check_against_reference(outs, prompts, refs)

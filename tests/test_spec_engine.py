@@ -71,13 +71,13 @@ def test_verify_rows_mixed_with_prefill_chunks(base_model, monkeypatch):
     llm = scripted_llm(model_dir, reference, 2, **engine_args)
     engine = llm.engine
     modes = []
-    build = engine.runner.build
+    forward = engine.forward
 
     def record(sched):
         modes.append((sched.mode, sched.num_verify_seqs, sched.num_seqs))
-        return build(sched)
+        return forward(sched)
 
-    monkeypatch.setattr(engine.runner, "build", record)
+    monkeypatch.setattr(engine, "forward", record)
     outputs: dict[str, list[int]] = {}
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, GREEDY)
@@ -167,14 +167,14 @@ def test_disable_by_batch_size_verifies_only_below_it(base_model, monkeypatch):
     llm = LLM(model_dir, speculative_config=ngram_config(2) | {"disable_by_batch_size": 3})
     llm.engine.drafter = ScriptedDrafter(reference, 2, llm.engine.model_config.vocab_size)
     steps = []
-    build = llm.engine.runner.build
+    forward = llm.engine.forward
 
     def record(sched):
         scheduler = llm.engine.scheduler
         steps.append((len(scheduler.running) + len(scheduler.waiting), sched.num_verify_seqs))
-        return build(sched)
+        return forward(sched)
 
-    monkeypatch.setattr(llm.engine.runner, "build", record)
+    monkeypatch.setattr(llm.engine, "forward", record)
     got = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(verifying == 0 for in_engine, verifying in steps if in_engine >= 3)
@@ -195,13 +195,13 @@ def test_disable_by_batch_size_counts_the_requests_waiting_for_the_batch(base_mo
     )
     llm.engine.drafter = ScriptedDrafter(reference, 2, llm.engine.model_config.vocab_size)
     steps = []
-    build = llm.engine.runner.build
+    forward = llm.engine.forward
 
     def record(sched):
         steps.append((len(llm.engine.scheduler.waiting), sched.num_verify_seqs))
-        return build(sched)
+        return forward(sched)
 
-    monkeypatch.setattr(llm.engine.runner, "build", record)
+    monkeypatch.setattr(llm.engine, "forward", record)
     got = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert any(waiting for waiting, _ in steps)

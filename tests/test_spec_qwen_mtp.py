@@ -202,8 +202,8 @@ def test_mtp_speculation_keeps_greedy_outputs(mtp_models, plain_outputs, name, k
         speculative_config={"method": "mtp", "num_speculative_tokens": k},
     )
     steps = []  # the target's steps (the draft passes run through runner.draft)
-    forward = llm.engine.runner.forward
-    llm.engine.runner.forward = lambda sched: (steps.append(sched), forward(sched))[1]
+    forward = llm.engine.forward
+    llm.engine.forward = lambda sched: (steps.append(sched), forward(sched))[1]
     assert_same_outputs(plain_outputs(name), llm.generate(GREEDY_PROMPTS, GREEDY))
     assert any(s.mode == "mixed" and s.num_verify_seqs for s in steps)
     stats = llm.stats()

@@ -48,8 +48,8 @@ def test_batched_chunked_mixed_and_prompt_logprobs_match_transformers(references
     model_dir, prompts, refs, prompt_ref = references(name)
     llm = LLM(model_dir, page_size=4, max_num_batched_tokens=40, chunked_prefill_size=16)
     modes = []
-    original = llm.engine.runner.forward
-    llm.engine.runner.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]
+    original = llm.engine.forward
+    llm.engine.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]
     params = [greedy(m, logprobs=1) for m in NEW_TOKENS] + [greedy(1, prompt_logprobs=2)]
     outs = llm.generate(prompts + [prompts[1]], params)
     assert {"mixed", "decode"} <= set(modes)  # prefill chunks really shared steps with decodes

@@ -20,8 +20,8 @@ def test_no_request_holds_a_page_and_no_page_budget_bounds_the_context(ssm_model
     assert not engine.cache.paged and engine.pages.capacity == 0
     assert engine.max_model_len == engine.model_config.max_position_embeddings
     pages_seen = []
-    original = engine.runner.forward
-    engine.runner.forward = lambda sched: (pages_seen.extend(sched.kv_pages), original(sched))[1]
+    original = engine.forward
+    engine.forward = lambda sched: (pages_seen.extend(sched.kv_pages), original(sched))[1]
     outs = llm.generate([list(range(3, 90)), [7, 8]], SamplingParams(max_tokens=5, temperature=0))
     assert all(len(o.token_ids) == 5 for o in outs)
     assert pages_seen and all(pages == () for pages in pages_seen)

@@ -82,7 +82,7 @@ def main() -> None:
         eager,
         max_bs=max_b,
         kv_capacity=-(-max(args.max_model_len, pages_per_seq * page) // page) * page,
-        use_cuda_graphs=True,
+        capture="cuda",
         verify_width=None,
     )
     state_bytes = spec.bytes_per_slot() * 2 + spec.bytes_per_token() * args.context

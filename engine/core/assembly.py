@@ -22,7 +22,8 @@ from baton.engine.config import ModelConfig
 from baton.engine.core.engine_args import EngineArgs, default_track_interval
 from baton.engine.core.scheduler import SchedulerConfig
 from baton.engine.core.scheduler_spec import SpecSchedule
-from baton.engine.executor.graph_runner import DecodeGraphRunner
+from baton.engine.executor.cpu_plan import plans_available
+from baton.engine.executor.graph_runner import CPU_CAPTURE_MAX_BS, DecodeGraphRunner
 from baton.engine.models.registry import family_named
 from baton.engine.quantization import weight_bytes
 from baton.engine.runtime.cpu_allocator import available_memory
@@ -100,16 +101,30 @@ def make_graph_runner(
     """CUDA graphs on a GPU, or the padded decode runner on the CPU when asked; else None.
     Speculating, verify steps (k + 1 tokens a row) run through it as well."""
     on_cuda = device.type == "cuda" and not args.disable_cuda_graph
-    if not on_cuda and not args.cpu_padded_decode:
+    capture = "cuda" if on_cuda else None
+    # A step whose decode attention reads a mask (no C kernel for it) would attend over the
+    # whole fixed capacity in a plan: it stays eager and tight.
+    if (
+        device.type == "cpu"
+        and args.cpu_step_capture
+        and plans_available()
+        and not runner.decode_reads_mask()
+    ):
+        capture = "cpu"
+    if capture is None and not args.cpu_padded_decode:
         return None
     page = args.page_size
     # With no paged state no page table has a column.
     pages = -(-max_model_len // page) if state_spec.has_pages else 0
     return DecodeGraphRunner(
         runner,
-        max_bs=min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests),
+        max_bs=min(
+            args.cuda_graph_max_bs
+            or (CPU_CAPTURE_MAX_BS if capture == "cpu" else args.max_running_requests),
+            args.max_running_requests,
+        ),
         kv_capacity=pages * page,
-        use_cuda_graphs=on_cuda,
+        capture=capture,
         verify_width=speculative.num_speculative_tokens + 1 if speculative else None,
     )
 

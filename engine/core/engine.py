@@ -32,6 +32,7 @@ from baton.engine.core.sampling_params import SamplingParams
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.tokenizer import LazyTokenizer
 from baton.engine.core.warm_up import warm_up
+from baton.engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatch
 from baton.engine.executor.model_runner import ModelRunner
 from baton.engine.handover.connector import Handover
 from baton.engine.handover.ranks import ShardHandover
@@ -322,6 +323,13 @@ class Engine:
 
     # -- one step ---------------------------------------------------------------------------
 
+    def forward(self, sched: ScheduledBatch) -> tuple[Mamba2Metadata, torch.Tensor]:
+        """One scheduled batch through the model: the graph runner's padded step (a CUDA graph
+        or a CPU plan, replayed) where it takes the batch, else the eager runner."""
+        if self.graph_runner is not None and self.graph_runner.can_run(sched):
+            return self.graph_runner.forward(sched)
+        return self.runner.forward(sched)
+
     def step(self) -> list[RequestDelta]:
         for req, reason in self.grammars.release():  # compiled grammars start their requests
             self.abort_request(req.request_id)
@@ -334,10 +342,7 @@ class Engine:
             return []
         if self.timing is not None:
             self.timing.scheduled(sched)
-        if self.graph_runner is not None and self.graph_runner.can_run(sched):
-            md, logits = self.graph_runner.forward(sched)
-        else:
-            md, logits = self.runner.forward(sched)
+        md, logits = self.forward(sched)
         if sched.track_points:  # (a verify step's are its decode rows')
             mode = "decode" if sched.mode == "verify" else sched.mode
             self.checkpoints_by_mode[mode] += len(sched.track_points)

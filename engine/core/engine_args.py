@@ -32,6 +32,9 @@ class EngineArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # default: max_running_requests
     cpu_padded_decode: bool = False  # run CPU decode steps through the padded graph runner
+    # CPU: decode and verify steps up to cuda_graph_max_bs (default CPU_CAPTURE_MAX_BS) rows
+    # replayed from a recorded plan (engine/executor/cpu_plan.py) instead of eagerly
+    cpu_step_capture: bool = True
     enable_prefix_caching: bool = True
     # "mixed" (vLLM V1): decodes first, then new prefills with the rest of the budget;
     # "prefill-first" (SGLang): while requests wait, a step runs prefills only (engine/core/scheduler.py)

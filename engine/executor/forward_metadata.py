@@ -231,19 +231,23 @@ def build_metadata(
             np.asarray(track_window, dtype=np.int64),
             np.asarray(track_src, dtype=np.int64),
             np.asarray(track_dst, dtype=np.int64),
-            page_table[:nd].reshape(-1),
             kv_lens[nd:npf],
-            page_table[nd:npf].reshape(-1),
             np.asarray(
                 [(sched.mamba_slots[nd + v], *sched.verify_slots[v]) for v in range(nv)],
                 dtype=np.int64,
             ).reshape(-1),
+            # Last, the page tables, as wide as the batch's longest sequence: every part
+            # before them keeps its offset from step to step at a batch size (a captured step
+            # reads its parts where its recording found them), and a graph-runner step has
+            # decode rows or verify rows, never both, so the one of them it has comes last.
+            page_table[:nd].reshape(-1),
+            page_table[nd:npf].reshape(-1),
         ]
     )
     input_ids, positions_d, slot_mapping_d, logits_d, slots = longs[:5]
     track_window_d, track_src_d, track_dst_d = longs[6:9]
-    decode_kv_lens_d, decode_pages_d = ints[5], ints[9]
-    verify_kv_lens_d, verify_pages_d, verify_slots_d = ints[10], ints[11], longs[12]
+    decode_kv_lens_d, decode_pages_d = ints[5], ints[11]
+    verify_kv_lens_d, verify_pages_d, verify_slots_d = ints[9], ints[12], longs[10]
     batch = ForwardBatch(
         mode=sched.mode,
         num_seqs=sched.num_seqs,

@@ -15,17 +15,24 @@ graph to replay, and the device-side track buffers hold exactly bs entries, the 
 copying dummy slot 0 onto itself. Capturing both variants keeps the common no-checkpoint step
 free of copy work instead of paying for a masked copy on every step.
 
-On CPU there is nothing to capture: the runner executes the padded static-shape step eagerly,
-which exercises padding, static buffers and the builder in CPU CI.
+On the CPU the same step is captured as a plan (engine/executor/cpu_plan.py): the first step
+of each (mode, batch size, tracking) runs eagerly under a dispatcher-level recorder over the
+fixed buffers, later ones copy their metadata in (`copy_from`, as for graphs) and replay the
+recorded operator calls in C++ with no Python per layer. A step the recorder cannot capture
+(an operator that hands a host value to Python, or whose output shape follows the data) runs
+eagerly at that key from then on. Without the C++ extension, or with `capture=None`, the padded
+step runs eagerly, which still exercises padding, static buffers and the builder.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import logging
+from typing import Any, Literal
 
 import torch
 
+from baton.engine.executor.cpu_plan import Recorder, new_plan
 from baton.engine.executor.forward_metadata import (
     Mamba2Metadata,
     ScheduledBatch,
@@ -34,6 +41,12 @@ from baton.engine.executor.forward_metadata import (
 )
 from baton.engine.executor.metadata_buffers import MetadataBuffers
 from baton.engine.executor.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+# Largest CPU batch recorded by default: a plan keeps every intermediate its step made, and past
+# a few dozen rows the step's arithmetic outweighs the Python a plan saves.
+CPU_CAPTURE_MAX_BS = 16
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -48,6 +61,10 @@ def copy_from(static: Any, new: Any) -> None:
             raise ValueError(f"static buffer {tuple(static.shape)} cannot take {tuple(new.shape)}")
         if static.data_ptr() == new.data_ptr() and static.stride() == new.stride():
             return  # built in place (the decode token table): no copy as wide as the capacity
+        if static.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
+            # the builder moved a part within the fixed buffers: copying it back could
+            # overwrite parts not yet copied
+            raise ValueError("a metadata part moved within the fixed buffers between steps")
         static.copy_(new)
     elif dataclasses.is_dataclass(static):
         for f in dataclasses.fields(static):
@@ -66,16 +83,20 @@ class DecodeGraphRunner:
         *,
         max_bs: int,
         kv_capacity: int,
-        use_cuda_graphs: bool,
+        capture: Literal["cuda", "cpu"] | None,
         verify_width: int | None,
     ):
-        """verify_width: q = k + 1, the tokens a speculative verify row feeds (None: no
+        """capture: CUDA graphs, CPU plans or neither (the padded step run eagerly);
+        verify_width: q = k + 1, the tokens a speculative verify row feeds (None: no
         speculation, decode steps only)."""
         self.runner = runner
         self.sizes = capture_sizes(max_bs)
         self.max_bs = max_bs
         self.kv_capacity = kv_capacity
-        self.use_cuda_graphs = use_cuda_graphs and torch.cuda.is_available()
+        if capture == "cuda" and not torch.cuda.is_available():
+            capture = None
+        self.capture = capture
+        self.use_cuda_graphs = capture == "cuda"
         page = runner.cache.page_size
         # padding verify rows sit at positions 0 .. q - 1 of dummy page 0
         self.verify_width = (
@@ -87,14 +108,21 @@ class DecodeGraphRunner:
         self.static_ints = max_bs * (per_row + -(-kv_capacity // page))
         # Graphs captured the addresses of these buffers: sized once for the worst step (every
         # row at full capacity, every row checkpointing), never reallocated.
-        self.buffers = self.static_buffers() if self.use_cuda_graphs else runner.buffers
+        self.buffers = self.static_buffers() if capture else runner.buffers
         # (mode, batch size, tracking) -> (graph, its metadata, logits, final hidden states or
         # None)
         self.graphs: dict[
             tuple[str, int, bool],
             tuple[torch.cuda.CUDAGraph, Mamba2Metadata, torch.Tensor, torch.Tensor | None],
         ] = {}
+        # (mode, batch size, tracking) -> (plan, its metadata, logits, final hidden states or
+        # None), or None where the step could not be captured (it runs eagerly)
+        self.plans: dict[
+            tuple[str, int, bool],
+            tuple[Any, Mamba2Metadata, torch.Tensor, torch.Tensor | None] | None,
+        ] = {}
         self.num_padded_steps = 0
+        self.num_replays = 0
         # padding rows write their K/V into dummy page 0; a model that keeps no pages (capacity
         # 0: no attention) has none for them
         self.dummy_pages = (0,) if kv_capacity else ()
@@ -166,8 +194,8 @@ class DecodeGraphRunner:
             window_width=spec.window_width,
             buffers=self.buffers,
             decode_mask=self.runner.decode_reads_mask(),
-            # Static key width only matters for graphs; the CPU step keeps it tight.
-            kv_capacity=self.kv_capacity if self.use_cuda_graphs else None,
+            # Static key width only matters for a captured step; eager keeps it tight.
+            kv_capacity=self.kv_capacity if self.capture else None,
             track_capacity=padded.num_seqs,
         )
 
@@ -181,16 +209,48 @@ class DecodeGraphRunner:
         md = self.build(padded)
         self.num_padded_steps += 1
         rows = n * self.verify_width if sched.mode == "verify" else n
+        key = (sched.mode, bs, padded.has_mamba_track_mask)
+        if self.capture == "cpu":
+            return self._forward_cpu(sched, key, md, rows)
         if not self.use_cuda_graphs:
             logits = self.runner.run_model(md)
             self.runner.keep_step(sched, md)
             return md, logits[:rows]
-        key = (sched.mode, bs, padded.has_mamba_track_mask)
         if key not in self.graphs:
             self.graphs[key] = self._capture(sched.mode, bs, padded.has_mamba_track_mask)
         graph, static_md, static_logits, static_hidden = self.graphs[key]
         copy_from(static_md, md)
         graph.replay()
+        if static_hidden is not None:  # an MTP head drafts from the replayed hidden states
+            self.runner.target_hidden = static_hidden
+        self.runner.keep_step(sched, static_md)
+        return static_md, static_logits[:rows]
+
+    def _forward_cpu(
+        self, sched: ScheduledBatch, key: tuple[str, int, bool], md: Mamba2Metadata, rows: int
+    ) -> tuple[Mamba2Metadata, torch.Tensor]:
+        """Replay the plan recorded at `key`, or record this very step as it runs."""
+        if key in self.plans and self.plans[key] is None:  # could not be captured
+            logits = self.runner.run_model(md)
+            self.runner.keep_step(sched, md)
+            return md, logits[:rows]
+        if key not in self.plans:
+            plan = new_plan()
+            with Recorder(plan) as recorder:
+                logits = self.runner.run_model(md)
+            if recorder.error is not None:
+                log.info("the CPU %s step at batch %d runs eagerly: %s", key[0], key[1],
+                         recorder.error)  # fmt: skip
+                self.plans[key] = None
+            else:
+                hidden = self.runner.target_hidden if self.runner.model.mtp is not None else None
+                self.plans[key] = (plan, md, logits, hidden)
+            self.runner.keep_step(sched, md)
+            return md, logits[:rows]
+        plan, static_md, static_logits, static_hidden = self.plans[key]
+        copy_from(static_md, md)
+        plan.replay()
+        self.num_replays += 1
         if static_hidden is not None:  # an MTP head drafts from the replayed hidden states
             self.runner.target_hidden = static_hidden
         self.runner.keep_step(sched, static_md)

@@ -3,8 +3,9 @@
     host ints (int32, pinned on CUDA)  ──one copy of the used prefix──>  device ints (int32)
                                                                        └─widened─> device longs (int64)
     [input_ids | positions | slot_mapping | logits rows | mamba slots | decode kv_lens |
-     track window | track src | track dst | decode page table (num_decode_seqs x batch pages) |
-     verify kv_lens | verify page table | verify slot table (num_verify_seqs x (q + 1))]
+     track window | track src | track dst | verify kv_lens |
+     verify slot table (num_verify_seqs x (q + 1)) |
+     decode page table (num_decode_seqs x batch pages) | verify page table]
 
     device ints' page tables ──expanded on the device──> decode / verify token tables
                                                          (rows x width, int64)

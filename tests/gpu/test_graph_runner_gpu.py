@@ -106,7 +106,7 @@ def test_graph_replay_equals_eager_with_tracking(model_dir):
         ModelRunner(model, caches[1], "cuda"),
         max_bs=32,
         kv_capacity=1024,
-        use_cuda_graphs=True,
+        capture="cuda",
         verify_width=None,
     )
     n = 13  # not a capture size: 3 padded rows
