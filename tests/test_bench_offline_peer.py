@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -88,22 +87,36 @@ def test_side_by_side_workload_is_the_vllm_comparison():
     assert {(len(prompt), new) for prompt, new in requests} == {(128, 64)}
 
 
-def test_step_timer_splits_forward_from_host_time():
-    model = SimpleNamespace(forward=lambda: time.sleep(0.02))
+def test_step_timer_splits_model_metadata_and_host_time():
+    class Runner:
+        def build(self, sched):
+            time.sleep(0.005)  # metadata
 
-    def step():
-        time.sleep(0.01)  # host work
-        model.forward()
-        return ["delta"]
+    class Engine:
+        graph_runner = None
 
-    engine = SimpleNamespace(step=step, runner=SimpleNamespace(model=model))
+        def __init__(self):
+            self.runner = Runner()
+
+        def forward(self, sched):
+            self.runner.build(sched)
+            time.sleep(0.02)  # the model
+
+        def step(self):
+            time.sleep(0.01)  # host work
+            self.forward(None)
+            return ["delta"]
+
+    engine = Engine()
     with StepTimer(engine) as timer:
         assert engine.step() == ["delta"]
         engine.step()
     summary = timer.summary()
     assert summary["steps"] == 2
-    assert summary["forward_ms"] >= 20 and summary["host_ms"] >= 10
+    assert summary["forward_ms"] >= 20 and summary["metadata_ms"] >= 5
+    assert summary["host_ms"] >= 15  # the host work and the metadata
     assert summary["step_ms"] == pytest.approx(summary["forward_ms"] + summary["host_ms"])
+    assert not {"step", "forward"} & set(vars(engine)) and "build" not in vars(engine.runner)
 
 
 def test_matmul_timer_counts_every_linear_call_and_unwraps():

@@ -340,8 +340,9 @@ def main() -> None:
             steps = baton["step_time"]
             print(
                 f"[{name} {dtype}] {steps['steps']} steps, {steps['step_ms']:.2f} ms each: "
-                f"forward {steps['forward_ms']:.2f} ms, host {steps['host_ms']:.2f} ms "
-                f"({steps['host_fraction']:.1%})",
+                f"model {steps['forward_ms']:.2f} ms ({steps['replayed_steps']} replayed), "
+                f"host {steps['host_ms']:.2f} ms ({steps['host_fraction']:.1%}; metadata "
+                f"{steps['metadata_ms']:.2f} ms)",
                 flush=True,
             )
             if args.peer_vllm:

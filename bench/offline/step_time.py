@@ -1,5 +1,6 @@
-"""Where an engine step's time goes: the model forward vs everything around it on the host
-(scheduling, metadata, sampling, output building), for `baton.bench.offline.run`."""
+"""Where an engine step's time goes: the model (an eager forward or a replayed plan), the
+metadata builder, and everything else on the host (scheduling, sampling, output building), for
+`baton.bench.offline.run`."""
 
 from __future__ import annotations
 
@@ -8,37 +9,36 @@ from types import TracebackType
 
 
 class StepTimer:
-    """Times `engine.step` and the model's forward while active (instance-level wrappers,
-    removed on exit); host time = step time - forward time."""
+    """Times `engine.step`, `engine.forward` (metadata and model, eager or replayed) and the
+    metadata builders of both runners while active (instance-level wrappers, removed on exit):
+    model time = forward - metadata; host time = step - model."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.model = engine.runner.model
+        graphs = getattr(engine, "graph_runner", None)
+        self.builders = [engine.runner] + ([graphs] if graphs is not None else [])
         self.steps = 0
         self.step_s = 0.0
         self.forward_s = 0.0
+        self.metadata_s = 0.0
+
+    def _timed(self, fn, field: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - start)
+                if field == "step_s":
+                    self.steps += 1
+
+        return timed
 
     def __enter__(self) -> StepTimer:
-        step, forward = self.engine.step, self.model.forward
-        self._originals = (step, forward)
-
-        def timed_step(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return step(*args, **kwargs)
-            finally:
-                self.step_s += time.perf_counter() - start
-                self.steps += 1
-
-        def timed_forward(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                self.forward_s += time.perf_counter() - start
-
-        self.engine.step = timed_step
-        self.model.forward = timed_forward
+        self.engine.step = self._timed(self.engine.step, "step_s")
+        self.engine.forward = self._timed(self.engine.forward, "forward_s")
+        for runner in self.builders:
+            runner.build = self._timed(runner.build, "metadata_s")
         return self
 
     def __exit__(
@@ -47,16 +47,23 @@ class StepTimer:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.engine.step, self.model.forward = self._originals
+        for owner, name in [(self.engine, "step"), (self.engine, "forward")] + [
+            (runner, "build") for runner in self.builders
+        ]:
+            vars(owner).pop(name, None)  # the class's method again
 
     def summary(self) -> dict[str, float | int]:
         steps = max(1, self.steps)
+        model_s = self.forward_s - self.metadata_s
+        graphs = getattr(self.engine, "graph_runner", None)
         return {
             "steps": self.steps,
             "step_ms": 1e3 * self.step_s / steps,
-            "forward_ms": 1e3 * self.forward_s / steps,
-            "host_ms": 1e3 * (self.step_s - self.forward_s) / steps,
-            "host_fraction": (self.step_s - self.forward_s) / max(self.step_s, 1e-12),
+            "forward_ms": 1e3 * model_s / steps,
+            "metadata_ms": 1e3 * self.metadata_s / steps,
+            "host_ms": 1e3 * (self.step_s - model_s) / steps,
+            "host_fraction": (self.step_s - model_s) / max(self.step_s, 1e-12),
+            "replayed_steps": getattr(graphs, "num_replays", 0),
         }
 
 

@@ -56,6 +56,8 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 def copy_from(static: Any, new: Any) -> None:
     """Copy every tensor of `new` into the matching tensor of `static` (same structure)."""
+    if static is new:  # a part built once and reused (empty layouts, decode row layouts)
+        return
     if isinstance(static, torch.Tensor):
         if static.shape != new.shape:
             raise ValueError(f"static buffer {tuple(static.shape)} cannot take {tuple(new.shape)}")
