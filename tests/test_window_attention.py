@@ -89,3 +89,17 @@ def test_decode_takes_the_c_kernel_where_built_and_matches_the_torch_path(monkey
     monkeypatch.setattr(cpu_ops, "decode_attention_supported", lambda *a: False)
     torch_path = window_attention(q, k_cache, v_cache, layout, 0.3, 6)
     torch.testing.assert_close(fast, torch_path, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_window_layout_runs_the_triton_decode_kernel():
+    """On a GPU decode goes through the Triton paged kernel with the narrowed layout (here in
+    the interpreter, tests/conftest.py): the oracle's answer, nothing behind a window read."""
+    from baton.kernels.triton.attention import paged_attention_triton
+    from baton.kernels.window_attention import decode_window_layout
+
+    q, k_cache, v_cache, layout, seqs = paged_case((1, 1), (3, 21), 4, 2, 8, 8, 7)
+    out = paged_attention_triton(q, k_cache, v_cache, decode_window_layout(layout, 8), 0.3)
+    assert torch.isfinite(out).all()
+    for s, (keys, values) in enumerate(seqs):
+        want = window_oracle(q[s : s + 1], keys, values, 0.3, 8)
+        torch.testing.assert_close(out[s : s + 1].double(), want, atol=1e-5, rtol=1e-5)
