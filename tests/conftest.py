@@ -16,6 +16,7 @@ from tests.kimi_models import kimi_models  # noqa: E402, F401 (session fixture, 
 from tests.quant_models import quantized_models  # noqa: E402, F401 (quantized checkpoints)
 from tests.ssm_families import ssm_models  # noqa: E402, F401 (session fixture, Mamba1 / short conv)
 from tests.tiny import save_tiny_model  # noqa: E402
+from tests.window_models import window_models  # noqa: E402, F401 (sliding-window families)
 
 # Tiny NemotronH shapes the model tests cover (odd sizes, n_groups > 1, conv 3 and 4,
 # attention as the first block, chunk sizes smaller than the prompts, tied embeddings).

@@ -32,6 +32,7 @@ def make(
     page_size=4,
     policy="mixed",
     prefill_budget=None,
+    page_window=None,
 ):
     ops = RecordedSlotOps()
     sched = Scheduler(
@@ -40,6 +41,7 @@ def make(
             chunked_prefill_size=chunk,
             max_running_requests=max_running,
             page_size=page_size,
+            page_window=page_window,
             policy=policy,
             max_prefill_tokens=prefill_budget or budget,
             max_model_len=4096,

@@ -78,6 +78,7 @@ class ToyMixer(nn.Module):
             ),
             chunk_size=config.chunk_size,
             window_width=None,
+            page_window=None,
         )
 
     def __init__(self, hidden_size: int, config: ToyMixerConfig, index: int):

@@ -13,7 +13,9 @@ the block's end:
               request's working slot; prefill resumes at 2 * track_interval.
 
 Blocks are page-aligned, so a request never writes into a cached page (no copy-on-write is
-needed). A block is evictable when no request holds it and no cached block extends it; eviction
+needed). Under a sliding window a block may hold the dummy page 0 where its request released a
+page behind the window before the block closed (engine/core/scheduler_memory.py): a hit there
+reads only the window of the block's end. A block is evictable when no request holds it and no cached block extends it; eviction
 is LRU and gives back its pages and its checkpoint slot.
 """
 
@@ -163,7 +165,7 @@ class PrefixCache:
         del self.blocks[block.key]
         if block.parent is not None:
             block.parent.num_children -= 1
-        self.pages.free(block.pages)
+        self.pages.free([p for p in block.pages if p])  # 0: released behind a sliding window
         self.slots.free([block.checkpoint_slot])
         self.stats.evicted_blocks += 1
 
@@ -174,7 +176,7 @@ class PrefixCache:
     @property
     def idle_pages(self) -> int:
         """Pages held only by the cache (no request uses them): free for accounting purposes."""
-        return sum(len(b.pages) for b in self.blocks.values() if b.ref_count == 0)
+        return sum(sum(1 for p in b.pages if p) for b in self.blocks.values() if b.ref_count == 0)
 
     @property
     def idle_slots(self) -> int:

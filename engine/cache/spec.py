@@ -118,12 +118,18 @@ class LayerState:
 
     A recurrent kind also says how its prefill cuts sequences: `chunk_size`, the per-sequence
     chunk grid its true states sit on (checkpoints are taken at multiples of it), and
-    `window_width`, the causal conv window its varlen conv gathers (None: it has neither)."""
+    `window_width`, the causal conv window its varlen conv gathers (None: it has neither).
+
+    A paged kind says how far back it reads: `page_window`, the number of most recent tokens
+    (its own included) a query attends to (sliding-window attention), or None when it reads
+    every token. Pages wholly behind every paged kind's window are released during decode
+    (ModelStateSpec.page_window)."""
 
     kind: str
     tensors: tuple[StateTensor, ...]
     chunk_size: int | None
     window_width: int | None
+    page_window: int | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,6 +141,7 @@ class StateGroup:
     tensors: tuple[StateTensor, ...]
     chunk_size: int | None
     window_width: int | None
+    page_window: int | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,6 +174,7 @@ class ModelStateSpec:
                     tensors=first.tensors,
                     chunk_size=first.chunk_size,
                     window_width=first.window_width,
+                    page_window=first.page_window,
                 )
             )
         return cls(groups=tuple(groups))
@@ -186,6 +194,17 @@ class ModelStateSpec:
     @property
     def window_width(self) -> int:
         return self._geometry("window_width")
+
+    @property
+    def page_window(self) -> int | None:
+        """How many most recent tokens any paged state is still read at: the widest window over
+        the paged kinds, or None when one of them reads every token (full attention, MLA) or
+        there is no paged state. A request's pages wholly behind it can be given back
+        (engine/core/scheduler_memory.py); with None every page is kept while it runs."""
+        windows = [g.page_window for g in self.groups if any(t.kind == "paged" for t in g.tensors)]
+        if not windows or None in windows:
+            return None
+        return max(windows)
 
     def entries(self, kind: StateKind | None = None) -> list[tuple[str, StateGroup, StateTensor]]:
         """(pool name "kind.tensor", group, tensor) of every state tensor, in spec order."""

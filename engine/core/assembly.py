@@ -151,16 +151,23 @@ def make_drafter(
 
 
 def scheduler_config(
-    args: EngineArgs, config: ModelConfig, device: torch.device, paged: bool, max_model_len: int
+    args: EngineArgs,
+    config: ModelConfig,
+    device: torch.device,
+    state_spec: ModelStateSpec,
+    max_model_len: int,
 ) -> SchedulerConfig:
     """The scheduler's limits: a chunk never exceeds the step's budget; a prefill-first step
     takes 512 tokens on the CPU (the whole budget on a GPU) unless told; a model with no paged
-    state schedules no pages."""
+    state schedules no pages; one whose paged state all sits behind sliding windows releases
+    the pages behind them (the spec's page_window)."""
+    paged = state_spec.has_pages
     return SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
         chunked_prefill_size=min(args.chunked_prefill_size, args.max_num_batched_tokens),
         max_running_requests=args.max_running_requests,
         page_size=args.page_size if paged else None,
+        page_window=state_spec.page_window if paged else None,
         policy=args.schedule_policy,
         max_prefill_tokens=min(
             args.max_prefill_tokens

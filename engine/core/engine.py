@@ -162,7 +162,9 @@ class Engine:
         )
         self.refused: list[tuple[str, str]] = []  # (request id, why) for take_refused
         self.scheduler = Scheduler(
-            assembly.scheduler_config(args, config, self.device, paged, self.max_model_len),
+            assembly.scheduler_config(
+                args, config, self.device, self.state_spec, self.max_model_len
+            ),
             self.pages,
             self.slots,
             self.pool_ops,

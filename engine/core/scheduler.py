@@ -12,7 +12,9 @@ requests wait, step 1 skips the decodes, so the step is prefill chunks only (run
 next chunks and new requests), within `max_prefill_tokens`; the decodes run in the next step
 that has no prefill to run (a new request's first token sooner, running requests' next token
 later). When no prefill can run (the waiting ones cannot be admitted), the step is the mixed one.
-When the KV pool runs dry, the most recently admitted request not yet scheduled this step is
+Under a sliding window (every paged state reads only the last `page_window` tokens) a decoding
+request gives back its pages wholly behind the window before its step. When the KV pool runs
+dry, the most recently admitted request not yet scheduled this step is
 preempted by recompute: its pages and slot are freed and it goes back to the front of the
 waiting queue with its generated tokens kept (they are re-fed as prompt on resumption).
 The batch lists decode sequences first, then prefill chunks (the order the model expects).
@@ -63,6 +65,9 @@ class SchedulerConfig:
     chunked_prefill_size: int
     max_running_requests: int
     page_size: int | None  # None: the model keeps no paged state (requests hold no pages)
+    # Tokens every paged state still reads back (ModelStateSpec.page_window): a decoding
+    # request's pages wholly behind it are released; None: pages are kept while it runs.
+    page_window: int | None
     policy: SchedulePolicy
     max_prefill_tokens: int  # token budget of a prefill-first step (<= max_num_batched_tokens)
     max_model_len: int  # a request that reaches it ends with "length"
@@ -302,6 +307,8 @@ class Scheduler:
             decoding = req.num_remaining == 1
             if decoding and not with_decodes:
                 continue
+            if decoding:
+                self.memory.release_window(req, cfg.page_window)
             drafts = spec.drafts_to_verify(req) if spec is not None and decoding else []
             if len(drafts) >= budget:
                 drafts = []  # a verify row would not fit the step's budget: decode

@@ -12,6 +12,18 @@ from baton.engine.executor.forward_metadata import ScheduledBatch
 Rows = list[tuple[Request, int]]  # (request, tokens it feeds this step)
 
 
+def page_table(req: Request) -> tuple[int, ...]:
+    """The request's pages by position. Pages released behind a sliding window are 0 in
+    `req.kv_pages` (engine/core/scheduler_memory.py); here they show the request's last page
+    instead, so that no live row's table names the dummy page that padded rows write (the
+    graph runners refuse that). Those positions are behind every window: nothing reads or
+    writes them (kernels/window_attention.py), whatever page they name."""
+    if 0 not in req.kv_pages:
+        return tuple(req.kv_pages)
+    last = req.kv_pages[-1]
+    return tuple(p or last for p in req.kv_pages)
+
+
 def scheduled_batch(
     decodes: Rows, verifies: Rows, prefills: Rows, blocks: PrefixBlocks | None
 ) -> ScheduledBatch:
@@ -45,7 +57,7 @@ def scheduled_batch(
         input_ids=tuple(input_ids),
         seq_lens=tuple(n for _, n in rows),
         start_positions=tuple(req.num_computed for req, _ in rows),
-        kv_pages=tuple(tuple(req.kv_pages) for req, _ in rows),
+        kv_pages=tuple(page_table(req) for req, _ in rows),
         mamba_slots=tuple(req.mamba_slot for req, _ in rows),
         verify_slots=tuple(Speculation.verify_slots(req) for req, _ in verifies),
         logits_seqs=tuple(logits_seqs),

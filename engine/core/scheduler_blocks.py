@@ -101,7 +101,7 @@ class PrefixBlocks:
         existing = cache.lookup(key)
         if existing is not None and existing.tokens == tokens:
             existing.ref_count += 1
-            self.pages.free(own)
+            self.pages.free([p for p in own if p])  # 0: released behind a sliding window
             req.kv_pages[k * ppb : (k + 1) * ppb] = existing.pages
             req.cached_blocks.append(existing)
             if checkpoint_slot is not None:
@@ -109,6 +109,9 @@ class PrefixBlocks:
             return True
         if checkpoint_slot is None or existing is not None:
             return False
+        # Pages of `own` released behind a sliding window (0) lie behind the window of the
+        # block's end (they were dead before the step that closed the block): a hit resuming
+        # there never reads them, so the block is a correct checkpoint with them missing.
         parent = req.cached_blocks[-1] if req.cached_blocks else None
         req.cached_blocks.append(cache.insert(key, tokens, parent, own, checkpoint_slot))
         return True

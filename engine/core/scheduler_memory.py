@@ -5,6 +5,9 @@ cached blocks of their prefix.
                                the pages of the cached prefix plus what is asked for
     grow / trim                pages for more tokens (nothing preempted here: the scheduler
                                picks victims) / back to fewer (a verify's rejected drafts)
+    release_window             a decoding request's own pages wholly behind the model's
+                               sliding window (ModelStateSpec.page_window) go back to the pool;
+                               their entries in its page list become the dummy page 0
     release -> held -> free    what an ended or preempted request held goes back to the pools,
                                or is parked while its hold (a disaggregated prefill's send)
                                still reads it, and freed once the hold is done
@@ -132,6 +135,32 @@ class RequestMemory:
             self.pages.free(req.kv_pages[keep:])
             del req.kv_pages[keep:]
 
+    def release_window(self, req: Request, window: int | None) -> int:
+        """Give back the pages of `req` that no query of it will read again: every paged state
+        of the model reads only the last `window` tokens (None: some reads them all), and the
+        next query sits at position num_computed, so a page whose last token is at or before
+        num_computed - window is dead. Its entry in `req.kv_pages` becomes the dummy page 0 (the
+        list stays indexed by page; nothing reads those slots: kernels/window_attention.py).
+
+        Kept: the pages of the request's cached blocks (the prefix cache owns them, and a later
+        hit reads them), and everything of a request whose hold still reads its pages in place
+        (a disaggregated prefill's sends). A block committed later with released pages is
+        still a correct checkpoint: its released pages lie behind the window of its end, which
+        is all a hit resuming there reads (engine/core/scheduler_blocks.py). Returns the
+        number of pages released."""
+        if window is None or self.page_size is None or req.hold is not None:
+            return 0
+        cache = self.prefix_cache
+        first = len(req.cached_blocks) * cache.pages_per_block if cache is not None else 0
+        dead = (req.num_computed - window + 1) // self.page_size  # pages [0, dead) are behind
+        if dead <= first:
+            return 0
+        released = [p for p in req.kv_pages[first:dead] if p]
+        if released:
+            self.pages.free(released)
+            req.kv_pages[first:dead] = [0] * (dead - first)
+        return len(released)
+
     def release(self, req: Request) -> None:
         """Give back what `req` holds, or park it while its hold reads it. The hold stays on the
         request: a preempted one that runs again writes new pages that its hold reads too (a
@@ -160,7 +189,8 @@ class RequestMemory:
         if blocks:
             self.prefix_cache.release(blocks)
             shared = len(blocks) * self.prefix_cache.pages_per_block
-        if pages:
-            self.pages.free(pages[shared:])
+        own = [p for p in pages[shared:] if p]  # 0: released behind a sliding window
+        if own:
+            self.pages.free(own)
         if slot:
             self.slots.free([slot])

@@ -21,6 +21,7 @@ from baton.engine.executor.forward_metadata import Mamba2Metadata
 from baton.engine.layers.mlp import fuse_for_cpu
 from baton.engine.layers.norm import RMSNorm
 from baton.kernels.attention import paged_attention, rotary_cos_sin, rotary_store_kv, store_kv
+from baton.kernels.window_attention import window_attention
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,9 +37,15 @@ class AttentionConfig:
     key_multiplier: float  # keys scaled after k_proj, before the rotary (Falcon-H1; else 1.0)
 
 
-def attention_state(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> LayerState:
+def attention_state(
+    num_kv_heads: int, head_dim: int, dtype: torch.dtype, sliding_window: int | None = None
+) -> LayerState:
     """K and V of every token, in the KV pages (model dtype; rotated keys where the layer has
-    rotary). Under TP split by KV heads, each replicated when there are fewer than ranks."""
+    rotary). Under TP split by KV heads, each replicated when there are fewer than ranks.
+
+    sliding_window: the layer reads only the last that-many tokens (its own included), a kind
+    of its own ("sliding_attention") whose `page_window` says so: where every paged kind of the
+    model has a window, the pages behind it are released during decode."""
     heads = TPSplit(
         dim=0,
         segments=(
@@ -47,8 +54,10 @@ def attention_state(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> Lay
             ),
         ),
     )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"a sliding window must hold at least one token, got {sliding_window}")
     return LayerState(
-        kind="attention",
+        kind="attention" if sliding_window is None else "sliding_attention",
         tensors=tuple(
             StateTensor(
                 name=name,
@@ -62,6 +71,7 @@ def attention_state(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> Lay
         ),
         chunk_size=None,
         window_width=None,
+        page_window=sliding_window,
     )
 
 
@@ -82,10 +92,14 @@ class Attention(nn.Module):
         kv_index: int,
         key_multiplier: float = 1.0,
         qk_norm_eps: float | None = None,
+        sliding_window: int | None = None,
     ):
         """key_multiplier: keys are scaled after k_proj, before the rotary (Falcon-H1).
         qk_norm_eps: RMS-normalise each query and key head (weights `q_norm`, `k_norm` of
         head_dim) with this eps before the rotary (LFM2); None: no such norms.
+        sliding_window: each query attends to the last that-many tokens only (its own included,
+        transformers' `kv_idx > q_idx - sliding_window`); its K/V live in the
+        "sliding_attention" pools (attention_state).
         Under tensor parallelism (parallel.current()) this rank holds its query heads and the
         KV heads they attend with; o_proj is row-parallel, its output all-reduced."""
         super().__init__()
@@ -93,6 +107,8 @@ class Attention(nn.Module):
         first_q, num_heads = parallel.split_evenly(num_heads, tp, "num_attention_heads")
         first_kv, num_kv_heads = parallel.kv_head_part(num_kv_heads, num_heads * tp.size, tp)
         self.kv_index = kv_index
+        self.sliding_window = sliding_window
+        self.state_kind = "attention" if sliding_window is None else "sliding_attention"
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -188,7 +204,7 @@ class Attention(nn.Module):
         if self.norms_heads:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        state = cache.layer("attention", self.kv_index if kv_index is None else kv_index)
+        state = cache.layer(self.state_kind, self.kv_index if kv_index is None else kv_index)
         k_cache, v_cache = state["k"], state["v"]
         if self.inv_freq is not None:
             # A few cos/sin per token per layer: cheaper than threading a shared table through.
@@ -198,15 +214,20 @@ class Attention(nn.Module):
             store_kv(k_cache, v_cache, k, v, fm.slot_mapping)
         nd, nv = fm.batch.num_decode_tokens, fm.batch.num_verify_tokens
         parts = []
-        if fm.decode_attention.num_seqs:
-            parts.append(paged_attention(q[:nd], k_cache, v_cache, fm.decode_attention, self.scale))
-        if fm.verify_attention.num_seqs:  # speculative verify: k + 1 causal queries a request
-            parts.append(
-                paged_attention(q[nd : nd + nv], k_cache, v_cache, fm.verify_attention, self.scale)
-            )
-        if fm.prefill_attention.num_seqs:
-            parts.append(
-                paged_attention(q[nd + nv :], k_cache, v_cache, fm.prefill_attention, self.scale)
-            )
+        for rows, layout in (
+            (slice(0, nd), fm.decode_attention),
+            (slice(nd, nd + nv), fm.verify_attention),  # speculative verify: k + 1 causal queries
+            (slice(nd + nv, T), fm.prefill_attention),
+        ):
+            if not layout.num_seqs:
+                continue
+            if self.sliding_window is None:
+                parts.append(paged_attention(q[rows], k_cache, v_cache, layout, self.scale))
+            else:
+                parts.append(
+                    window_attention(
+                        q[rows], k_cache, v_cache, layout, self.scale, self.sliding_window
+                    )
+                )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.reshape(T, -1)

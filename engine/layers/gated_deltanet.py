@@ -162,6 +162,7 @@ class GatedDeltaNet(nn.Module):
             ),
             chunk_size=GDN_CHUNK_SIZE,
             window_width=config.conv_kernel,
+            page_window=None,
         )
 
     def __init__(self, hidden_size: int, config: GDNConfig, index: int):

@@ -123,6 +123,7 @@ class KimiDeltaAttention(nn.Module):
             ),
             chunk_size=KDA_CHUNK_SIZE,
             window_width=config.conv_kernel,
+            page_window=None,
         )
 
     def __init__(self, hidden_size: int, config: KDAConfig, index: int):

@@ -92,6 +92,7 @@ class Mamba1Mixer(nn.Module):
             ),
             chunk_size=config.chunk_size,
             window_width=config.conv_kernel,
+            page_window=None,
         )
 
     def __init__(self, hidden_size: int, config: Mamba1Config, index: int):

@@ -159,6 +159,7 @@ class Mamba2Mixer(nn.Module):
             ),
             chunk_size=config.chunk_size,
             window_width=config.conv_kernel,
+            page_window=None,
         )
 
     def __init__(self, hidden_size: int, config: Mamba2Config, mamba_index: int):

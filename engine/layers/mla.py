@@ -79,6 +79,7 @@ def mla_state(config: MLAConfig, dtype: torch.dtype) -> LayerState:
         ),
         chunk_size=None,
         window_width=None,
+        page_window=None,
     )
 
 

@@ -50,6 +50,7 @@ def mtp_state(hidden_size: int, dtype: torch.dtype) -> LayerState:
         ),
         chunk_size=None,
         window_width=None,
+        page_window=None,
     )
 
 

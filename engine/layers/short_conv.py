@@ -57,6 +57,7 @@ class ShortConv(nn.Module):
             ),
             chunk_size=None,
             window_width=config.conv_kernel,
+            page_window=None,
         )
 
     def __init__(self, config: ShortConvConfig, index: int):

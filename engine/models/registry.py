@@ -48,6 +48,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "JambaForCausalLM": ("jamba", "baton.engine.models.jamba"),
     "Lfm2ForCausalLM": ("lfm2", "baton.engine.models.lfm2"),
     "Lfm2MoeForCausalLM": ("lfm2_moe", "baton.engine.models.lfm2_moe"),
+    "Lfm3ForCausalLM": ("lfm3", "baton.engine.models.lfm3"),
     "MambaForCausalLM": ("mamba", "baton.engine.models.mamba"),
     "Mamba2ForCausalLM": ("mamba2", "baton.engine.models.mamba2"),
     "FalconMambaForCausalLM": ("falcon_mamba", "baton.engine.models.falcon_mamba"),

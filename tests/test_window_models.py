@@ -1,0 +1,62 @@
+"""The sliding-window families (tests/window_models.py: LFM3 with sliding and full attention, LFM3
+with sliding attention only, whose pages behind the window are released during decode) against
+transformers in fp32, one engine per config: in one run, prompts batched, prefilled in chunks
+beside decodes (mixed steps) and preempted for memory; greedy tokens are transformers' greedy
+tokens, their logprobs and every prompt logprob within 1e-4 (teacher forcing,
+tests/test_gdn_models.py). Every window is shorter than the longer prompts. Pools are empty at
+the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from baton import LLM, SamplingParams
+from tests.test_gdn_models import ENGINE, NEW_TOKENS, assert_matches_transformers, prompts_for
+from tests.window_models import WINDOW_CONFIGS
+
+
+@pytest.mark.parametrize("name", list(WINDOW_CONFIGS))
+def test_engine_matches_transformers(window_models, name):
+    model_dir, hf = window_models(name)
+    prompts = prompts_for(hf.config.vocab_size)
+    llm = LLM(model_dir, **ENGINE)
+    modes = []
+    original = llm.engine.runner.forward
+    llm.engine.runner.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1
+    )
+    outs = llm.generate(prompts, params)
+    stats = llm.stats()
+    assert {"mixed", "decode", "extend"} <= set(modes)
+    assert stats.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert len(out.token_ids) == NEW_TOKENS and out.finish_reason == "length"
+        assert_matches_transformers(hf, prompt, out)
+    assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+
+
+def test_only_a_model_without_full_attention_releases_pages(window_models):
+    """LFM3's full-attention layers read every page: its pages stay; with sliding layers only,
+    a long decode holds the window's pages, not the sequence's."""
+    kept = LLM(window_models("lfm3_mixed")[0], **ENGINE)
+    released = LLM(window_models("lfm3_sliding")[0], **ENGINE)
+    assert kept.engine.scheduler.config.page_window is None
+    assert released.engine.scheduler.config.page_window == 10  # its sliding_window
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    last_step, most = [], []
+    for llm in (kept, released):
+        engine, used = llm.engine, []
+        original = engine.runner.forward
+        engine.runner.forward = lambda sched, e=engine, u=used, f=original: (
+            u.append(e.pages.used),
+            f(sched),
+        )[1]
+        llm.generate([list(range(3, 33))], params)
+        last_step.append(used[-1])
+        most.append(max(used))
+        assert engine.pages.used == 0
+    # the last step feeds position 68 (30 + 39 tokens in pages of 4): all 18 pages kept, or the
+    # pages of positions 59..68, the window of 10
+    assert last_step == [18, 4]
+    assert most == [18, 8]  # with the window: the 30-token prompt's (no release in prefill)

@@ -1,0 +1,119 @@
+"""The sliding-window families on the serving paths that follow the state spec (nothing in the
+pools, prefix cache, handover, wire or TP planning names LFM3 or its window):
+
+    prefix cache on     == off, with hits: LFM3 with sliding layers only releases the pages
+                        behind its window while decoding, so the block its decode closes is
+                        cached with the dummy page where pages were released; a later prompt
+                        that extends prompt + output resumes there and reads only the window
+    PD pair             == colocated, TP 1 -> 1 and 2 -> 1, twice: the second round's prompts
+                        extend the first's, so both workers resume from their caches
+    colocated TP = 2    == TP = 1 (query heads and the attention gate split, KV heads split)
+
+Greedy, fp32; tokens and their logprobs compared (1e-4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from baton import LLM, SamplingParams
+from baton.disagg.decode import DecodeWorker
+from baton.disagg.prefill import PrefillWorker
+from baton.disagg.tp_transfer import SECRET_ENV, connector_spec
+from baton.engine.core.engine import Engine
+from tests.same_outputs import assert_same_outputs
+from tests.test_gdn_serving import (
+    ARGS,
+    assert_same_runs,
+    disagg_config,
+    prompts,
+    run,
+    run_pair,
+)
+
+SECRET = "window-s3cret"
+
+
+def test_prefix_cache_on_matches_off_with_hits_on_blocks_closed_after_a_release(window_models):
+    model_dir, hf = window_models("lfm3_sliding")
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    first = prompts(hf.config.vocab_size, 1, (60,))[0]
+    off = LLM(model_dir, **ARGS, enable_prefix_caching=False)
+    on = LLM(model_dir, **ARGS, cpu_padded_decode=True)
+    (want,) = off.generate([first], greedy)
+    (got,) = on.generate([first], greedy)  # its decode crosses 64: block 0 closes there
+    assert_same_outputs([got], [want])
+    (block,) = on.engine.prefix_cache.blocks.values()
+    released = block.pages.count(0)
+    # the pages behind the window of 10 were given back before the block closed at 64: the
+    # last step before it fed position 63 and read back to 54, so pages 0..12 (positions
+    # 0..51) went
+    assert released == 13
+    items = [first + got.token_ids[:8] + p for p in prompts(hf.config.vocab_size, 2, (3, 9))]
+    outs = on.generate(items, greedy)
+    assert [o.num_cached_tokens for o in outs] == [64, 64]
+    assert_same_outputs(outs, off.generate(items, greedy))
+    for llm in (on, off):
+        stats = llm.stats()
+        assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
+
+
+@pytest.fixture(scope="module")
+def workers(window_models):
+    """(role, tp size) -> its worker for LFM3 with sliding layers only, built on first use."""
+    model_dir, _ = window_models("lfm3_sliding")
+    patch = pytest.MonkeyPatch()
+    patch.setenv(SECRET_ENV, SECRET)
+    context = zmq.Context()
+    built: dict[tuple[str, int], PrefillWorker | DecodeWorker] = {}
+
+    def get(role: str, size: int):
+        if (role, size) not in built:
+            engine = Engine(
+                model_dir,
+                tensor_parallel_size=size,
+                handover_connector=connector_spec(role, "127.0.0.1"),
+                **ARGS,
+            )
+            cls = PrefillWorker if role == "prefill" else DecodeWorker
+            built[role, size] = cls(engine, disagg_config(role), context)
+        return built[role, size]
+
+    yield get
+    for worker in built.values():
+        worker.close()
+        worker.engine.close()
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def colocated(window_models):
+    """(first round's prompts, second round's, what a colocated TP=1 engine answers to each)."""
+    model_dir, hf = window_models("lfm3_sliding")
+    items = prompts(hf.config.vocab_size, 3, (9, 70, 131))
+    again = [p + [7, 8, 9] for p in items]
+    engine = Engine(model_dir, **ARGS, enable_prefix_caching=False)
+    return items, again, run(engine, items), run(engine, again)
+
+
+@pytest.mark.parametrize("sizes", [(1, 1), (2, 1)])
+def test_pd_pair_matches_colocated(workers, colocated, sizes):
+    items, again, expected, expected_again = colocated
+    prefill, decoder = workers("prefill", sizes[0]), workers("decode", sizes[1])
+    hits = [w.stats().prefix_cache_hit_tokens for w in (prefill, decoder)]
+    assert_same_runs(run_pair(prefill, decoder, items, f"a{sizes}"), expected)
+    assert_same_runs(run_pair(prefill, decoder, again, f"b{sizes}"), expected_again)
+    assert all(w.stats().prefix_cache_hit_tokens > h for w, h in zip((prefill, decoder), hits))
+
+
+def test_tensor_parallel_matches_one_rank(window_models):
+    """Query heads, the attention gate's rows, conv channels and the MLP split over 2 ranks."""
+    model_dir, hf = window_models("lfm3_mixed")
+    items = prompts(hf.config.vocab_size, 4, (11, 80))
+    expected = run(Engine(model_dir, **ARGS), items)
+    engine = Engine(model_dir, tensor_parallel_size=2, **ARGS)
+    try:
+        assert_same_runs(run(engine, items), expected)
+    finally:
+        engine.close()

@@ -1,0 +1,81 @@
+"""Tiny random models of the sliding-window families (LFM3), built by transformers 5.25 (fp32,
+fixed seeds, parameters spread like tests/tiny.py) with tests/families.py's builder, saved with
+save_pretrained plus the tiny tokenizer, and shared per session.
+
+Every window is shorter than the longer test prompts (23 and 70 tokens in tests/test_gdn_models.py),
+so the windows really cut what a query sees.
+
+    lfm3_mixed     transformers' LFM3 layout in small (conv, sliding, full, conv): the release's
+                   per-type rope (default on sliding layers, proportional with factor 0.5 on full
+                   ones), sandwich norms, the attention gate, GQA 4/2, window 16, conv 3
+    lfm3_sliding   every attention layer sliding (no full attention: the pages behind the window
+                   are released during decode), no sandwich norms, no gate, MQA, window 10 (not
+                   a multiple of the page size), its own rope theta, untied lm_head
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.families import save_model
+
+WINDOW_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    "lfm3_mixed": (
+        "Lfm3Config",
+        "Lfm3ForCausalLM",
+        dict(
+            vocab_size=288,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            layer_types=["conv", "sliding_attention", "full_attention", "conv"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=16,
+            conv_L_cache=3,
+            max_position_embeddings=4096,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "lfm3_sliding": (
+        "Lfm3Config",
+        "Lfm3ForCausalLM",
+        dict(
+            vocab_size=301,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "conv", "sliding_attention"],
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=12,
+            sliding_window=10,
+            conv_L_cache=3,
+            use_sandwich_norm=False,
+            use_attention_gate=False,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 500.0}},
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def window_models(tmp_path_factory):
+    """name -> (model_dir, transformers model), built once per session."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            path = tmp_path_factory.mktemp(f"window-{name}")
+            built[name] = (path, save_model(path, *WINDOW_CONFIGS[name], seed=700 + len(built)))
+        return built[name]
+
+    return get
