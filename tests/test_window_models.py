@@ -21,8 +21,8 @@ def test_engine_matches_transformers(window_models, name):
     prompts = prompts_for(hf.config.vocab_size)
     llm = LLM(model_dir, **ENGINE)
     modes = []
-    original = llm.engine.runner.forward
-    llm.engine.runner.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]
+    original = llm.engine.forward
+    llm.engine.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]
     params = SamplingParams(
         max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1
     )
@@ -47,8 +47,8 @@ def test_only_a_model_without_full_attention_releases_pages(window_models):
     last_step, most = [], []
     for llm in (kept, released):
         engine, used = llm.engine, []
-        original = engine.runner.forward
-        engine.runner.forward = lambda sched, e=engine, u=used, f=original: (
+        original = engine.forward
+        engine.forward = lambda sched, e=engine, u=used, f=original: (
             u.append(e.pages.used),
             f(sched),
         )[1]
