@@ -54,11 +54,32 @@ def capture_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
+# type -> how copy_from walks its values: "tensor", field names (a dataclass or a NamedTuple),
+# or None (a host value, compared)
+_WALKS: dict[type, str | tuple[str, ...] | None] = {}
+
+
+def _walk(kind: type) -> str | tuple[str, ...] | None:
+    walk = _WALKS.get(kind, ())
+    if walk == ():
+        if issubclass(kind, torch.Tensor):
+            walk = "tensor"
+        elif dataclasses.is_dataclass(kind):
+            walk = tuple(f.name for f in dataclasses.fields(kind))
+        elif issubclass(kind, tuple) and hasattr(kind, "_fields"):  # NamedTuple layouts
+            walk = kind._fields
+        else:
+            walk = None
+        _WALKS[kind] = walk
+    return walk
+
+
 def copy_from(static: Any, new: Any) -> None:
     """Copy every tensor of `new` into the matching tensor of `static` (same structure)."""
-    if static is new:  # a part built once and reused (empty layouts, decode row layouts)
+    if static is new:  # a part reused from step to step (a staged view, an empty layout)
         return
-    if isinstance(static, torch.Tensor):
+    walk = _walk(type(static))
+    if walk == "tensor":
         if static.shape != new.shape:
             raise ValueError(f"static buffer {tuple(static.shape)} cannot take {tuple(new.shape)}")
         if static.data_ptr() == new.data_ptr() and static.stride() == new.stride():
@@ -68,12 +89,9 @@ def copy_from(static: Any, new: Any) -> None:
             # overwrite parts not yet copied
             raise ValueError("a metadata part moved within the fixed buffers between steps")
         static.copy_(new)
-    elif dataclasses.is_dataclass(static):
-        for f in dataclasses.fields(static):
-            copy_from(getattr(static, f.name), getattr(new, f.name))
-    elif isinstance(static, tuple) and hasattr(static, "_fields"):  # NamedTuple layouts
-        for a, b in zip(static, new):
-            copy_from(a, b)
+    elif walk is not None:
+        for name in walk:
+            copy_from(getattr(static, name), getattr(new, name))
     elif static != new:
         raise ValueError(f"host value changed between capture and replay: {static!r} -> {new!r}")
 
