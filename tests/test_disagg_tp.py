@@ -12,6 +12,7 @@ one KV head for two ranks (replicated too). One engine per role and size serves 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -40,6 +41,7 @@ from baton.engine.core.engine import Engine
 from baton.engine.core.sampling_params import SamplingParams
 from baton.engine.handover.state import RequestState
 from baton.engine.models.registry import model_state_spec
+from tests.test_disagg_nixl import needs_nixl
 from tests.tiny import save_tiny_model
 
 SECRET = "tp-s3cret"
@@ -65,7 +67,7 @@ def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
 PROMPTS = _prompts(0, (5, 40, 63, 17))
 
 
-def _config(role: str) -> DisaggConfig:
+def _config(role: str, backend: str = "zmq") -> DisaggConfig:
     return DisaggConfig(
         role=role,
         host="127.0.0.1",
@@ -76,7 +78,7 @@ def _config(role: str) -> DisaggConfig:
         heartbeat_interval_s=0.2,
         lease_timeout_s=20.0,
         max_rooms_per_peer=64,
-        transfer_backend="zmq",
+        transfer_backend=backend,
     )
 
 
@@ -108,31 +110,42 @@ def expected(colocated) -> dict[str, list[int]]:
     return colocated_tokens(colocated, PROMPTS)
 
 
-@pytest.fixture(scope="module")
-def workers(model_dir):
-    """(role, tp size[, track interval]) -> its worker, built on first use, closed at the end."""
+@contextlib.contextmanager
+def tp_workers(model_dir, engine_args: dict):
+    """(role, tp size[, track interval][, transfer backend]) -> its worker on `model_dir`, built
+    on first use with its ranks' connectors, closed at the end."""
     patch = pytest.MonkeyPatch()
     patch.setenv(SECRET_ENV, SECRET)  # every rank's connector (the ranks inherit it)
+    patch.setenv("UCX_TLS", "tcp,self")  # nixl: UCX over TCP on loopback, in every rank
     context = zmq.Context()
-    built: dict[tuple[str, int], PrefillWorker | DecodeWorker] = {}
+    built: dict[tuple, PrefillWorker | DecodeWorker] = {}
 
-    def get(role: str, size: int, interval: int = INTERVAL):
-        if (role, size, interval) not in built:
+    def get(role: str, size: int, interval: int = INTERVAL, backend: str = "zmq"):
+        key = (role, size, interval, backend)
+        if key not in built:
             engine = Engine(
                 model_dir,
                 tensor_parallel_size=size,
-                handover_connector=connector_spec(role, "127.0.0.1"),
-                **ENGINE_ARGS | {"mamba_track_interval": interval},
+                handover_connector=connector_spec(role, "127.0.0.1", backend),
+                **engine_args | {"mamba_track_interval": interval},
             )
             cls = PrefillWorker if role == "prefill" else DecodeWorker
-            built[role, size, interval] = cls(engine, _config(role), context)
-        return built[role, size, interval]
+            built[key] = cls(engine, _config(role, backend), context)
+        return built[key]
 
-    yield get
-    for worker in built.values():
-        worker.close()
-        worker.engine.close()
-    patch.undo()
+    try:
+        yield get
+    finally:
+        for worker in built.values():
+            worker.close()
+            worker.engine.close()
+        patch.undo()
+
+
+@pytest.fixture(scope="module")
+def workers(model_dir):
+    with tp_workers(model_dir, ENGINE_ARGS) as get:
+        yield get
 
 
 def run_pair(
@@ -154,6 +167,14 @@ def run_pair(
             if cached is not None:
                 cached.setdefault(delta.request_id, delta.num_cached_tokens)
     return got
+
+
+def settle(prefill, decoder, seconds: float = 0.3) -> None:
+    """Step both sides a moment (ReadDone and Abort reach the prefill side between steps)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        prefill.step()
+        decoder.step()
 
 
 def assert_clean(*workers) -> None:
@@ -227,14 +248,33 @@ def test_each_decode_rank_is_planned_exactly_its_units_from_ranks_that_hold_them
             assert sorted(got[component]) == [u for s, n in ranges for u in range(s, s + n)]
 
 
-@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)])
-def test_pd_across_tp_sizes_matches_colocated_tp1(workers, expected, model_dir, sizes):
+# nixl: every decode rank READs its slices from each prefill rank's pools (disagg/nixl_shards.py)
+PAIRS = [
+    ("zmq", (2, 1)),
+    ("zmq", (1, 2)),
+    pytest.param("nixl", (2, 1), marks=needs_nixl),
+    pytest.param("nixl", (1, 2), marks=needs_nixl),
+    pytest.param("nixl", (2, 2), marks=needs_nixl),
+]
+
+
+@pytest.mark.parametrize(("backend", "sizes"), PAIRS)
+def test_pd_across_tp_sizes_matches_colocated_tp1(workers, expected, model_dir, backend, sizes):
+    """The tokens of a colocated TP=1 engine (so the zmq and nixl pairs' tokens are the same),
+    each decode rank getting exactly its units: as frames (zmq) or READ in place (nixl: the
+    prefill side offered what the decode ranks read, not a byte more, and nothing came as
+    frames)."""
     prefill_size, decode_size = sizes
-    prefill, decoder = workers("prefill", prefill_size), workers("decode", decode_size)
+    prefill = workers("prefill", prefill_size, backend=backend)
+    decoder = workers("decode", decode_size, backend=backend)
+    decoder.engine.reset_prefix_cache()  # (a worker another case used: every block travels)
     before = list(decoder.engine.handover.shards.bytes_received)
+    counted = (decoder.counters.bytes_total, prefill.counters.bytes_total)
     hits_before = decoder.stats().prefix_cache_hit_tokens
-    got = run_pair(prefill, decoder, PROMPTS, tag=f"p{prefill_size}d{decode_size}")
+    got = run_pair(prefill, decoder, PROMPTS, tag=f"{backend}-p{prefill_size}d{decode_size}")
     assert got == expected
+    if backend == "nixl":
+        settle(prefill, decoder)  # the ReadDones reach the prefill side
     assert_clean(prefill, decoder)
     assert decoder.counters.transfers_ok >= len(PROMPTS)
     # Every decode rank received exactly the bytes of the heads and channels it owns: pages,
@@ -252,6 +292,13 @@ def test_pd_across_tp_sizes_matches_colocated_tp1(workers, expected, model_dir, 
         )
         for rank in range(decode_size)
     ]
+    read = decoder.counters.bytes_total - counted[0]
+    assert read == sum(received)
+    if backend == "nixl":
+        assert prefill.counters.bytes_total - counted[1] == read  # offered = read
+        assert prefill.counters.kv_chunks == 0
+        stats = decoder.extra_stats()
+        assert stats["disagg_backend_transfers_total:nixl"] >= len(PROMPTS)
 
 
 def assert_checkpoints_as_colocated(decoder, colocated: Engine, prompt, num_blocks: int) -> None:
@@ -286,17 +333,18 @@ def assert_checkpoints_as_colocated(decoder, colocated: Engine, prompt, num_bloc
                     torch.testing.assert_close(got, want.double().sum(), atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)])
+@pytest.mark.parametrize(("backend", "sizes"), PAIRS[:4])
 def test_next_turn_hits_the_decode_side_cache_of_a_tp_handover(
-    workers, colocated, model_dir, sizes
+    workers, colocated, model_dir, backend, sizes
 ):
     """After a handover across TP sizes the decode worker caches the prompt's blocks with the
     prefill side's checkpoints (each rank its slice), so the next request sharing the prompt's
-    first blocks hits its cache there; only the blocks it lacks travel, and the tokens equal a
-    colocated TP=1 engine's."""
+    first blocks hits its cache there; only the blocks it lacks travel (or are read), and the
+    tokens equal a colocated TP=1 engine's."""
     prefill_size, decode_size = sizes
-    prefill, decoder = workers("prefill", prefill_size), workers("decode", decode_size)
-    tag = f"turns-p{prefill_size}d{decode_size}"
+    prefill = workers("prefill", prefill_size, backend=backend)
+    decoder = workers("decode", decode_size, backend=backend)
+    tag = f"turns-{backend}-p{prefill_size}d{decode_size}"
     first = _prompts(10 + decode_size, (40,))[0]  # blocks 0, 1 (and 8 tokens)
     second = first[: 2 * INTERVAL] + _prompts(20 + decode_size, (36,))[0]  # + blocks 2, 3
     expect = colocated_tokens(colocated, [first, second], tag=tag)
@@ -312,6 +360,7 @@ def test_next_turn_hits_the_decode_side_cache_of_a_tp_handover(
     assert got == {"r0": expect[f"{tag}1"]}
     assert cached["r0"] == 2 * INTERVAL  # the decode side resumed from a transferred checkpoint
     assert_checkpoints_as_colocated(decoder, colocated, second, 4)
+    settle(prefill, decoder)
     # Only what the decode side lacked travelled: pages 8.. and the checkpoints of blocks 2, 3.
     config = ModelConfig.from_hf(model_dir)
     received = [
