@@ -248,7 +248,8 @@ class NixlShardConnector:
         """The descriptors of this rank's pieces from one prefill rank: per piece, layer and
         row (page token, slot, checkpoint slot) the piece's units, each run of them that is
         contiguous in both rows one descriptor (a whole row when the piece is one, runs of
-        pages then merged). Every remote index checked against its region first."""
+        pages then merged). Every index of the offer is checked against its regions first,
+        those this rank reads and the others."""
         spec, source = self.cache.spec, offer.source_rank
         whose = f"prefill rank {source}"
         expected = {
@@ -260,6 +261,15 @@ class NixlShardConnector:
             {n: v for n, v in expected.items() if v[1]}, offer.pools, whose
         )
         ps = self.cache.page_size
+        for name, region in remote_regions.items():
+            where = f"{name} of {whose}"
+            if spec.tensor(name)[1].kind == "paged":
+                for p in offer.pages:
+                    index_in("page", p, region.rows // ps, where)
+                continue
+            index_in("slot", offer.slot, region.rows, where)
+            for slot in offer.checkpoint_slots:
+                index_in("checkpoint slot", slot, region.rows, where)
         local_d: list[Descriptor] = []
         remote_d: list[Descriptor] = []
         for piece in pieces:
@@ -269,15 +279,10 @@ class NixlShardConnector:
             segments = _segments(spec, name, prefill_size, source, self.size, self.rank, piece)
             whole = segments == [(0, 0, lr.row_bytes)] and lr.row_bytes == rr.row_bytes
             if field == "pages":
-                for p in offer.pages:
-                    index_in("page", p, rr.rows // ps, f"{name} of {whose}")
                 rows = [(a * ps, b * ps, n * ps) for a, b, n in runs_of(op.pages, offer.pages)]
             elif field == "slots":
-                index_in("slot", offer.slot, rr.rows, f"{name} of {whose}")
                 rows = [(op.slot, offer.slot, 1)]
             else:
-                for slot in offer.checkpoint_slots:
-                    index_in("checkpoint slot", slot, rr.rows, f"{name} of {whose}")
                 wanted = zip(op.checkpoint_slots, offer.checkpoint_slots)
                 rows = [(a, b, 1) for a, b in wanted if a]
             if not whole:  # row by row
