@@ -228,6 +228,26 @@ def test_nixl_tp_pairs_match_colocated_through_prefix_hits(where, name, gdn_mode
             assert decoder.counters.transfers_ok == prefill.counters.transfers_ok == 4
 
 
+@needs_nixl
+def test_mtp_speculation_over_nixl_from_tp1_to_tp2_matches_colocated(tiny_models, tmp_path):
+    """The MTP head's K/V and hidden state split across the decode ranks like any state-spec
+    tensor: each rank reads its slices of them, and the TP=2 decode worker drafts and verifies
+    as a colocated TP=1 engine does."""
+    source, _ = tiny_models("moe_nano")
+    add_mtp_layer(source, tmp_path / "mtp", ["full_attention", "moe"])
+    model_dir = tmp_path / "mtp"
+    spec = dict(page_size=4, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    prompts = [[(7 * i) % 300 + 3 for i in range(41)], [5, 9, 14]]
+    want = colocated_tokens(Engine(model_dir, **spec, mamba_track_interval=16), prompts, "c")
+    with tp_workers(model_dir, spec | dict(chunked_prefill_size=11)) as workers:
+        prefill, decoder = workers("prefill", 1, 16, "nixl"), workers("decode", 2, 16, "nixl")
+        got = run_pair(prefill, decoder, prompts, "mtp")
+        assert got == {f"r{i}": want[f"c{i}"] for i in range(len(prompts))}
+        assert decoder.engine.stats().spec_decode_num_drafts > 0
+        settle_pair(prefill, decoder)
+        assert_pools_empty(prefill, decoder)
+
+
 # -- refused and failed reads --------------------------------------------------------------
 
 
