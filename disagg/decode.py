@@ -78,7 +78,7 @@ class DecodeWorker:
         self.counters.backend = self.config.transfer_backend
         # nixl: this engine's pools registered once, and the rooms' READs (None with zmq)
         self.reader: RoomReader | None = None
-        self.owns_agent = False
+        self.owns_agent = False  # (rank 0's connector's agent is the engine's to close)
         if self.config.transfer_backend == "nixl":
             agent, self.owns_agent = engine_agent(self.handover, "decode", self.config.host)
             self.reader = RoomReader(agent, self.handover, self.layout, self.faults)

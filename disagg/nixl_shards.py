@@ -24,7 +24,6 @@ the prefill agent registered. Agent metadata only arrives on the authenticated r
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -43,9 +42,8 @@ from baton.disagg.protocol import encode
 from baton.disagg.rooms import FaultInjection, now
 from baton.disagg.schema import MAX_BLOB
 from baton.disagg.shard_channel import MAX_QUEUED, ShardChannel
-from baton.disagg.tp_layout import Piece, check_prefill_size, owned, plan
+from baton.disagg.tp_layout import Piece, check_prefill_size, piece_segments, plan
 from baton.engine.cache.pools import StateCache
-from baton.engine.cache.spec import ModelStateSpec
 from baton.engine.config import ModelConfig
 from baton.engine.handover.connector import Handover
 from baton.engine.handover.shards import Pieces, Shard
@@ -276,7 +274,7 @@ class NixlShardConnector:
             field, name = piece.component.split("/", 1)
             group, tensor = spec.tensor(name)
             lr, rr = local_regions[name], remote_regions[name]
-            segments = _segments(spec, name, prefill_size, source, self.size, self.rank, piece)
+            segments = piece_segments(spec, name, prefill_size, source, self.size, self.rank, piece)
             whole = segments == [(0, 0, lr.row_bytes)] and lr.row_bytes == rr.row_bytes
             if field == "pages":
                 rows = [(a * ps, b * ps, n * ps) for a, b, n in runs_of(op.pages, offer.pages)]
@@ -333,52 +331,6 @@ class NixlShardConnector:
             self._release(room)
         self.channel.close()
         self.agent.close()
-
-
-def _segments(
-    spec: ModelStateSpec,
-    name: str,
-    prefill_size: int,
-    source: int,
-    decode_size: int,
-    rank: int,
-    piece: Piece,
-) -> list[tuple[int, int, int]]:
-    """(offset in a decode row, offset in a prefill row, bytes) of each run of `piece`'s units
-    within one row: the units are one index of the split dim, so a row holds them as `outer`
-    runs (the dims before it) of `length x inner` bytes (the dims after it)."""
-    _, tensor = spec.tensor(name)
-    dim = tensor.unit_dim
-    src = list(tensor.local_shape(prefill_size, source)) or [1]
-    dst = list(tensor.local_shape(decode_size, rank)) or [1]
-    if src[:dim] + src[dim + 1 :] != dst[:dim] + dst[dim + 1 :]:
-        raise ValueError(f"pool {name}: prefill rank rows {src} and decode rank rows {dst} differ")
-    inner = math.prod(src[dim + 1 :]) * tensor.dtype.itemsize
-    outer = math.prod(src[:dim])
-    return [
-        (
-            o * dst[dim] * inner + piece.dst_offset * inner,
-            o * src[dim] * inner + piece.src_offset * inner,
-            piece.length * inner,
-        )
-        for o in range(outer)
-    ]
-
-
-def planned_bytes(
-    spec: ModelStateSpec, decode_size: int, *, tokens: int, states: int, blocks: int
-) -> int:
-    """What the decode ranks of `decode_size` READ in all for `tokens` page rows, `states` final
-    slot states and `blocks` block checkpoints: each exactly what it owns."""
-    total = 0
-    for rank in range(decode_size):
-        for component, ranges in owned(spec, decode_size, rank).items():
-            field, name = component.split("/", 1)
-            group, tensor = spec.tensor(name)
-            unit_bytes = tensor.bytes() // max(1, (tensor.shape or (1,))[tensor.unit_dim])
-            count = {"pages": tokens, "slots": states, "checkpoints": blocks}[field]
-            total += sum(n for _, n in ranges) * unit_bytes * group.num_layers * count
-    return total
 
 
 def engine_agent(handover: Handover, role: str, host: str) -> tuple[NixlAgent, bool]:

@@ -85,6 +85,7 @@ class PrefillWorker:
         self.tp_size = self.layout.tp_size
         # nixl: this engine's pools registered once; decode workers READ rooms' state from them
         self.agent: NixlAgent | None = None
+        self.owns_agent = False  # (rank 0's connector's agent is the engine's to close)
         if self.config.transfer_backend == "nixl":
             self.agent, self.owns_agent = engine_agent(self.handover, "prefill", self.config.host)
         self.sender = RoomSender(

@@ -24,9 +24,9 @@ from baton.disagg.messages import (
     StateTransfer,
     TensorSpec,
 )
-from baton.disagg.nixl_shards import planned_bytes
 from baton.disagg.protocol import encode, state_header, state_message, tensor_specs
 from baton.disagg.rooms import RoomState, TransferCounters, now
+from baton.disagg.tp_layout import planned_bytes
 from baton.engine.core.engine import Engine
 from baton.engine.handover.state import HandoverLayout, RequestState, SlotUnit, StatePlace
 
