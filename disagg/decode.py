@@ -33,7 +33,7 @@ from baton.disagg.messages import (
     StateTransfer,
     compat_of,
 )
-from baton.disagg.nixl_transfer import NixlAgent
+from baton.disagg.nixl_shards import engine_agent
 from baton.disagg.peer_link import PeerLink, PeerLinks, decode_side_limits
 from baton.disagg.protocol import (
     ProtocolError,
@@ -78,13 +78,9 @@ class DecodeWorker:
         self.counters.backend = self.config.transfer_backend
         # nixl: this engine's pools registered once, and the rooms' READs (None with zmq)
         self.reader: RoomReader | None = None
+        self.owns_agent = False  # (rank 0's connector's agent is the engine's to close)
         if self.config.transfer_backend == "nixl":
-            if self.layout.tp_size > 1:
-                raise ValueError(
-                    "--disaggregation-transfer-backend nixl runs decode workers at"
-                    " --tensor-parallel-size 1 for now"
-                )
-            agent = NixlAgent("decode", self.config.host, self.handover.pool_tensors())
+            agent, self.owns_agent = engine_agent(self.handover, "decode", self.config.host)
             self.reader = RoomReader(agent, self.handover, self.layout, self.faults)
         self.replay = ReplayGuard()
         self.peer_limits = decode_side_limits(
@@ -183,7 +179,10 @@ class DecodeWorker:
         self.engine.abort_request(request_id)
 
     def reading(self) -> bool:
-        return self.reader is not None and bool(self.reader.reads)
+        """nixl: READs this worker polls (its own at TP=1, every rank's for a sharded room)."""
+        return self.reader is not None and (
+            bool(self.reader.reads) or any(r.sharded is not None for r in self.rooms.values())
+        )
 
     def has_unfinished_requests(self) -> bool:
         return (
@@ -198,6 +197,7 @@ class DecodeWorker:
         self.poll()
         for r in [r for r in self.rooms.values() if r.sharded is not None]:
             self.installer.install_shards(r)
+        self._sharded_read_done()
         self.finish_reads()
         self.handover.release_held()
         self._heartbeat_and_expire()
@@ -234,6 +234,8 @@ class DecodeWorker:
         self.peers.close()
         if self.reader is not None:
             self.reader.close()
+            if self.owns_agent:
+                self.reader.agent.close()
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -281,6 +283,14 @@ class DecodeWorker:
                     room = getattr(message, "room", None)
                     self._refuse(address, room, f"could not use its {message.tag}: {error}")
         self.peers.close_unused(self._addresses_in_use(), failed)
+        self._sharded_read_done()  # (a StateTransfer tries its room's install at once)
+
+    def _sharded_read_done(self) -> None:
+        """nixl: tell the prefill side of each room its ranks have all read and installed, so
+        that its pages and slot may go."""
+        for r in self.installer.take_sharded():
+            if self.reader is not None:
+                self._send(r.peer, ReadDone(room=r.room))
 
     def _watch_connection(self, address: str, peer: PeerLink) -> bool:
         """Fail the rooms (and queued rooms) of a peer whose connection dropped, its process
@@ -316,7 +326,10 @@ class DecodeWorker:
 
     def _handle(self, message: Message, tensors: dict[str, torch.Tensor], address: str) -> None:
         if isinstance(message, (PagesChunk, SlotChunk, StateTransfer)):
-            if self.reader is not None:
+            sharded = isinstance(message, StateTransfer) and (
+                message.tp_size > 1 or self.layout.tp_size > 1
+            )
+            if self.reader is not None and not sharded:  # (sharded: the first token only)
                 raise ValueError("this decode worker reads its state over nixl, not from frames")
             self.installer.receive(message, tensors)
         elif isinstance(message, ReadOffer):
@@ -342,7 +355,7 @@ class DecodeWorker:
                 # state came may still say so (the shards have their own timeout).
                 if (
                     r is not None
-                    and r.sharded is None
+                    and (r.sharded is None or self.reader is not None)
                     and now() - r.registered > self.config.heartbeat_interval_s
                 ):
                     self._fail(r, f"room {room}: the prefill worker has lost it")
@@ -367,7 +380,9 @@ class DecodeWorker:
                     f"room {r.room}: {what} from the prefill worker within "
                     f"{self.config.transfer_timeout_s:g} s{hint}",
                 )
-            elif r.sharded is None:  # (the prefill side is done with a room it sent)
+            elif r.sharded is None or self.reader is not None:
+                # (zmq: the prefill side is done with a room it sent; nixl: it holds the state
+                # until the ranks have read it)
                 pending_by_peer.setdefault(r.peer, []).append(r.room)
         for address, rooms in pending_by_peer.items():
             peer = self.peers[address]
@@ -409,9 +424,13 @@ class DecodeWorker:
                 self._fail(r, f"room {r.room}: could not use its state: {error}")
 
     def _cancel_read(self, r: DecodeRoom) -> None:
-        """Before a room's pages may go: its READ, if one is in flight, is stopped."""
-        if self.reader is not None:
-            self.reader.cancel(r.room)
+        """Before a room's pages may go: its READ, if one is in flight, is stopped (a sharded
+        room's on every rank: each stops its own before any later step of it)."""
+        if self.reader is None:
+            return
+        self.reader.cancel(r.room)
+        if r.sharded is not None:
+            self.handover.shards.drop(r.room)
 
     def _fail(self, r: DecodeRoom, reason: str, notify: bool = True) -> None:
         r.state = "failed"

@@ -31,6 +31,9 @@ class RoomInstaller:
     rooms: dict[str, DecodeRoom]  # the decode worker's pending rooms (shared)
     fail: Callable[[DecodeRoom, str], None]  # the worker's: frees the room, tells its client
     ready: list = field(default_factory=list)  # first-token deltas of installed rooms
+    # rooms installed from their ranks' shards since the last `take_sharded` (nixl: each
+    # prefill side waits for its ReadDone)
+    sharded_installed: list[DecodeRoom] = field(default_factory=list)
 
     def receive(
         self, message: PagesChunk | SlotChunk | StateTransfer, tensors: dict[str, torch.Tensor]
@@ -55,7 +58,7 @@ class RoomInstaller:
             sharded = message.tp_size > 1 or layout.tp_size > 1  # the state comes rank to rank
             check_state(layout, state, sharded)
             if sharded:
-                r.state, r.sharded = "transferring", (state, message.tp_size)
+                r.state, r.sharded = "transferring", (state, message.tp_size, now())
                 self.install_shards(r)
                 return
             units = len(layout.slot_units())
@@ -65,15 +68,29 @@ class RoomInstaller:
         self.counters.bytes_total += frame_bytes(tensors)
 
     def install_shards(self, r: DecodeRoom) -> None:
-        """Try to install a room whose ranks receive their shards straight from the prefill
-        ranks: done once every rank has all its pieces; until then it is tried again each step
-        (the room's transfer timeout still applies); a rank's bad piece fails it."""
-        state, prefill_size = r.sharded
+        """Try to install a room whose ranks receive (or read) their shards straight from the
+        prefill ranks: done once every rank has all its pieces; until then it is tried again
+        each step (the room's transfer timeout still applies); a rank's bad piece fails it."""
+        state, prefill_size, arrived = r.sharded
+        shards = self.handover.shards
+        before = sum(shards.bytes_received)
         try:
-            if self.handover.shards.install(r.request_id, r.room, prefill_size, state):
-                self._install(r, state)
+            installed = shards.install(r.request_id, r.room, prefill_size, state)
         except ValueError as error:
             self.fail(r, f"room {r.room}: could not use its state: {error}")
+            return
+        finally:  # what the ranks took of this room in this try (each reports with it)
+            self.counters.bytes_total += sum(shards.bytes_received) - before
+        if not installed:
+            return
+        try:
+            self._install(r, state)
+        except ValueError as error:
+            self.fail(r, f"room {r.room}: could not use its state: {error}")
+            return
+        if self.config.transfer_backend == "nixl":  # the ranks' READs, posted as it came
+            self.counters.transfer_seconds_sum += now() - arrived
+        self.sharded_installed.append(r)
 
     def install_read(self, r: DecodeRoom, read) -> None:
         """A room whose READ (disagg/decode_reads.py's PendingRead) wrote its state straight into
@@ -86,6 +103,10 @@ class RoomInstaller:
     def expired(self, r: DecodeRoom) -> bool:
         """Whether the room is past its transfer timeout (failed here and now if so)."""
         return self._room_for(r) is None
+
+    def take_sharded(self) -> list[DecodeRoom]:
+        installed, self.sharded_installed = self.sharded_installed, []
+        return installed
 
     def take_ready(self) -> list:
         ready, self.ready = self.ready, []

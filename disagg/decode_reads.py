@@ -102,10 +102,9 @@ class RoomReader:
             self._release(read)
 
     def close(self) -> None:
-        """Cancel every READ in flight, then let the agent go."""
+        """Cancel every READ in flight (the agent is its owner's to close)."""
         for read in list(self.reads.values()):
             self._release(read)
-        self.agent.close()
 
     def _release(self, read: PendingRead) -> None:
         self.reads.pop(read.room, None)

@@ -220,6 +220,31 @@ class ReadOffer:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ShardOffer:
+    """prefill rank -> decode rank, with the nixl transfer backend when either side runs
+    TP > 1: where this prefill rank's part of one room's state sits in its pools (held until
+    the decode side's ReadDone, Abort or transfer timeout), for the decode rank to READ the
+    slices it owns and was planned to take from this rank (baton.disagg.tp_layout.plan). As in
+    a ReadOffer, indices and regions, never addresses to use as they are
+    (disagg/nixl_shards.py checks both against this rank's plan and the prefill rank's shapes).
+    It comes on the rank-to-rank channel (authenticated like every message here); the first
+    token goes through rank 0 as a StateTransfer without tensors."""
+
+    tag: ClassVar[str] = "shard_offer"
+    room: str
+    source_rank: int
+    source_size: int
+    first_page: int
+    first_block: int
+    agent: str  # the prefill rank's NIXL agent
+    agent_metadata: bytes  # deserialized by the library: only inside the authenticated channel
+    pools: list[PoolRegion]  # the prefill rank's pools (its slices' shapes)
+    pages: list[int]  # the prompt's pool pages from first_page on
+    slot: int  # the request's slot (its final state)
+    checkpoint_slots: list[int]  # checkpoints of the prompt's blocks from first_block on
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ReadDone:
     """decode -> prefill: the room's state has been read; its pages and slot may go."""
 
@@ -238,6 +263,7 @@ Message = (
     | SlotChunk
     | ShardTransfer
     | ReadOffer
+    | ShardOffer
     | ReadDone
 )
 MESSAGES: dict[str, type] = {cls.tag: cls for cls in typing.get_args(Message)}

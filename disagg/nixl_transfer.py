@@ -32,6 +32,7 @@ the RDMA devices are the operator's to set otherwise: README, "Transfer backends
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import secrets
@@ -51,6 +52,7 @@ TransferBackend = Literal["zmq", "nixl"]
 TRANSFER_BACKENDS: tuple[TransferBackend, ...] = ("zmq", "nixl")
 
 MEMORY_KINDS = ("DRAM", "VRAM")
+PROGRESS_DELAY_US = 1000  # between the passes of a prefill agent's progress thread
 
 # (address, bytes, device id): one side of a NIXL transfer descriptor
 Descriptor = tuple[int, int, int]
@@ -78,6 +80,29 @@ def nixl_available() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def paced_agent(nixl: Any, name: str) -> Any:
+    """An agent with the UCX backend whose progress thread waits PROGRESS_DELAY_US between
+    passes. NIXL's Python API starts it with no delay: it spins, ~0.7 of a core while idle on
+    this 2-core machine, per process (every prefill rank has one). The C++ config it wraps takes
+    the delay, and the thread still wakes on its worker's events: a 16 MiB READ over TCP on
+    loopback took ~15 ms paced at 1 ms, 45-100 ms spinning (the spinner competes with the
+    reader), idle cost ~2% of a core. Built through the same bindings the Python API uses;
+    where they are not as this version has them, its own (spinning) agent."""
+    bind = getattr(importlib.import_module(nixl.nixl_agent.__module__), "nixlBind", None)
+    if bind is None or not hasattr(bind, "nixlAgentConfig"):
+        return nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+    shell = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=[]))
+    config = bind.nixlAgentConfig()
+    config.useProgThread = True
+    config.useListenThread = False
+    config.syncMode = nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE.value  # (as the API's)
+    config.pthrDelay = PROGRESS_DELAY_US
+    config.captureTelemetry = False
+    shell.agent = bind.nixlAgent(name, config)
+    shell.create_backend("UCX", {})
+    return shell
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,34 +133,44 @@ def region_of(name: str, pool: torch.Tensor) -> PoolRegion:
 
 
 def check_regions(layout: HandoverLayout, regions: list[PoolRegion]) -> dict[str, PoolRegion]:
-    """A peer's pool regions by name, each checked against this engine's layout (the same
-    tensors, layers and row sizes: Compat proved the whole model's shapes match, and both sides
-    run TP=1); ValueError naming the first that does not fit."""
+    """A TP=1 peer's pool regions by name, each checked against this TP=1 engine's layout (the
+    same tensors, layers and row sizes: Compat proved the whole model's shapes match);
+    ValueError naming the first that does not fit."""
+    return check_pool_regions(
+        {t.name: (t.layers, t.bytes) for t in layout.tensors}, regions, "the prefill worker"
+    )
+
+
+def check_pool_regions(
+    expected: dict[str, tuple[int, int]], regions: list[PoolRegion], whose: str
+) -> dict[str, PoolRegion]:
+    """`whose` pool regions by name, each checked against `expected` (pool name -> (layers, row
+    bytes) that peer must have: its own rank's rows); ValueError naming the first that does
+    not fit."""
     by_name = {r.name: r for r in regions}
-    expected = {t.name for t in layout.tensors}
-    if len(by_name) != len(regions) or set(by_name) != expected:
+    if len(by_name) != len(regions) or set(by_name) != set(expected):
         raise ValueError(
-            f"the prefill worker offers pools {sorted(r.name for r in regions)}, this model keeps"
+            f"{whose} offers pools {sorted(r.name for r in regions)}, this model keeps"
             f" {sorted(expected)}"
         )
     memory = {r.memory for r in regions}
     if not memory <= set(MEMORY_KINDS) or len(memory) > 1:
-        raise ValueError(f"the prefill worker's pools are in memory {sorted(memory)}")
-    for t in layout.tensors:
-        r = by_name[t.name]
+        raise ValueError(f"{whose}'s pools are in memory {sorted(memory)}")
+    for name, (layers, row_bytes) in expected.items():
+        r = by_name[name]
         size = r.layers * r.rows * r.row_bytes
-        if r.layers != t.layers or r.row_bytes != t.bytes or r.rows < 2:
+        if r.layers != layers or r.row_bytes != row_bytes or r.rows < 2:
             raise ValueError(
-                f"pool {t.name} of the prefill worker: {r.layers} layers of {r.rows} rows of"
-                f" {r.row_bytes} bytes, expected {t.layers} layers of rows of {t.bytes} bytes"
+                f"pool {name} of {whose}: {r.layers} layers of {r.rows} rows of"
+                f" {r.row_bytes} bytes, expected {layers} layers of rows of {row_bytes} bytes"
                 " (and a dummy row)"
             )
         if not 0 < r.address <= MAX_INT - size:
-            raise ValueError(f"pool {t.name} of the prefill worker lies outside any address space")
+            raise ValueError(f"pool {name} of {whose} lies outside any address space")
     return by_name
 
 
-def _index_in(kind: str, index: int, rows: int, pool: str) -> None:
+def index_in(kind: str, index: int, rows: int, pool: str) -> None:
     """Row 0 (page 0, slot 0) is the pool's dummy: a live request never has it."""
     if not 1 <= index < rows:
         raise ValueError(
@@ -190,19 +225,19 @@ def plan_read(
         rows = remote_regions[t.name].rows
         if t.kind == "paged":
             for p in remote.pages:
-                _index_in("page", p, rows // ps, t.name)
-            runs = _runs(local.pages, remote.pages)
+                index_in("page", p, rows // ps, t.name)
+            runs = runs_of(local.pages, remote.pages)
             for layer in range(t.layers):
                 for local_page, remote_page, n in runs:
                     add(t.name, layer, local_page * ps, remote_page * ps, n * ps)
             continue
-        _index_in("slot", remote.slot, rows, t.name)
+        index_in("slot", remote.slot, rows, t.name)
         for layer in range(t.layers):
             add(t.name, layer, local.slot, remote.slot, 1)
         if not t.checkpointed:
             continue
         for local_slot, remote_slot in zip(local.checkpoint_slots, remote.checkpoint_slots):
-            _index_in("checkpoint slot", remote_slot, rows, t.name)
+            index_in("checkpoint slot", remote_slot, rows, t.name)
             if local_slot:
                 for layer in range(t.layers):
                     add(t.name, layer, local_slot, remote_slot, 1)
@@ -217,7 +252,7 @@ def plan_read(
     )
 
 
-def _runs(local: tuple[int, ...], remote: tuple[int, ...]) -> list[tuple[int, int, int]]:
+def runs_of(local: tuple[int, ...], remote: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """(local first, remote first, length) of the runs consecutive on both sides."""
     runs: list[tuple[int, int, int]] = []
     for a, b in zip(local, remote):
@@ -241,10 +276,13 @@ class NixlAgent:
         self.name = f"baton-{role}-{os.getpid()}-{secrets.token_hex(4)}"
         # The side that is read needs its UCX worker progressed while its engine computes (over
         # TCP a READ is served by the target; shared memory and RDMA need nothing of it): NIXL's
-        # progress thread, which costs CPU even idle (~0.4 core on this 2-core machine). The
-        # reading side progresses its own READs as it polls them, and runs none.
-        config = nixl.nixl_agent_config(enable_prog_thread=role == "prefill", backends=["UCX"])
-        self.agent = nixl.nixl_agent(self.name, config)
+        # progress thread, paced (`paced_agent`). The reading side progresses its own READs as
+        # it polls them, and runs none.
+        if role == "prefill":
+            self.agent = paced_agent(nixl, self.name)
+        else:
+            config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            self.agent = nixl.nixl_agent(self.name, config)
         if "UCX" not in self.agent.backends:
             raise RuntimeError(
                 "NIXL could not create its UCX backend (check UCX_TLS: tcp,self or sm,tcp,self"

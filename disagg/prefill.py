@@ -28,6 +28,7 @@ from baton.disagg.messages import (
     Reject,
     compat_of,
 )
+from baton.disagg.nixl_shards import engine_agent
 from baton.disagg.nixl_transfer import NixlAgent
 from baton.disagg.peer_link import transfer_port_limits
 from baton.disagg.prefill_sends import PendingSends, PrefillRoom, RoomSender
@@ -84,13 +85,9 @@ class PrefillWorker:
         self.tp_size = self.layout.tp_size
         # nixl: this engine's pools registered once; decode workers READ rooms' state from them
         self.agent: NixlAgent | None = None
+        self.owns_agent = False  # (rank 0's connector's agent is the engine's to close)
         if self.config.transfer_backend == "nixl":
-            if self.tp_size > 1:
-                raise ValueError(
-                    "--disaggregation-transfer-backend nixl runs prefill workers at"
-                    " --tensor-parallel-size 1 for now"
-                )
-            self.agent = NixlAgent("prefill", self.config.host, self.handover.pool_tensors())
+            self.agent, self.owns_agent = engine_agent(self.handover, "prefill", self.config.host)
         self.sender = RoomSender(
             self.engine,
             self.socket,
@@ -194,7 +191,7 @@ class PrefillWorker:
 
     def close(self) -> None:
         self.socket.close(linger=0)
-        if self.agent is not None:
+        if self.agent is not None and self.owns_agent:
             self.agent.close()
 
     # -- protocol -----------------------------------------------------------------------------
@@ -270,11 +267,6 @@ class PrefillWorker:
             if mismatch
             else refusal(self.engine.model_config, self.engine.state_spec, self.tp_size, message.tp)
         )
-        if not why and self.agent is not None and message.tp.size > 1:
-            why = (
-                f"cannot serve this pair (prefill worker TP=1, decode worker TP={message.tp.size}):"
-                " the nixl transfer backend runs at TP=1 on both sides for now"
-            )
         if why:
             self._send(identity, Reject(room=message.room, message=why[:MAX_STRING]))
             # The decode side fails the room on the Reject: its prefill here is of no use (it
@@ -356,7 +348,10 @@ class PrefillWorker:
                 continue
             if self.agent is not None:  # the room stays until the decode side has read it
                 r.send_at = None
-                r.read_bytes = self.sender.send_offer(r, self.agent)
+                if self.sender.sharded(r):  # every decode rank reads from every prefill rank
+                    r.read_bytes = self.sender.offer_shards(r)
+                else:
+                    r.read_bytes = self.sender.send_offer(r, self.agent)
                 continue
             self.sender.send_final(r)
             self.counters.transfers_ok += 1

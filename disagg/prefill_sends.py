@@ -26,6 +26,7 @@ from baton.disagg.messages import (
 )
 from baton.disagg.protocol import encode, state_header, state_message, tensor_specs
 from baton.disagg.rooms import RoomState, TransferCounters, now
+from baton.disagg.tp_layout import planned_bytes
 from baton.engine.core.engine import Engine
 from baton.engine.handover.state import HandoverLayout, RequestState, SlotUnit, StatePlace
 
@@ -179,6 +180,30 @@ class RoomSender:
         kept_bytes = sum(t.layers * t.bytes for t in layout.of_kind("slot") if t.checkpointed)
         pages = len(place.pages) - first_page
         return pages * layout.page_bytes + slot_bytes + len(checkpoint_slots) * kept_bytes
+
+    def offer_shards(self, r: PrefillRoom) -> int:
+        """nixl, either side at TP > 1: every rank offers each decode rank that takes slices
+        from it where they sit (disagg/nixl_shards.py), then the first token goes to the decode
+        side as a StateTransfer without tensors (as `send_shards` sends it); the bytes the
+        decode ranks will read in all."""
+        reg, state, place = r.registration, r.snapshot, r.place
+        first_page = min(reg.cached_tokens, state.num_prompt_tokens) // self.page_size
+        skip = self.skipped_blocks(r)
+        handover = self.engine.handover
+        control = handover.first_token_state(state.skip(0, skip), first_page)
+        handover.shards.snapshot_place(r.room, place)
+        handover.shards.send(r.room, control, reg.tp.size, reg.tp.rank_addresses)
+        message, tensors = state_message(r.room, control, tp_size=self.tp_size)
+        self.send_tensors(r, message, tensors, track=False)
+        r.offered = True
+        tokens = (len(place.pages) - first_page) * self.page_size if self.layout.page_bytes else 0
+        return planned_bytes(
+            self.engine.state_spec,
+            reg.tp.size,
+            tokens=max(tokens, 0),
+            states=1,
+            blocks=control.num_blocks,
+        )
 
     def sharded(self, r: PrefillRoom) -> bool:
         """Whether the room's state goes rank to rank (either side at TP > 1)."""

@@ -110,7 +110,7 @@ def load_and_run(
             spec.model,
             dtype=spec.dtype,
             device=spec.device,
-            handover_connector=connector_spec(config.role, config.host),
+            handover_connector=connector_spec(config.role, config.host, config.transfer_backend),
             **spec.engine_args,
         )
         engine.warm_up()  # the first request's one-time costs, paid before ready

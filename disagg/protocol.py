@@ -66,7 +66,8 @@ from baton.engine.handover.state import RequestState
 # "field/pool" (pages/attention.k, slots/mamba2.ssm, checkpoints/...), PagesChunk and SlotChunk
 # (was KVChunk, MambaChunk) carry "pool#layer" frames, ShardTransfer "field/pool@offset".
 # 10: Compat carries the transfer backend; ReadOffer / ReadDone (the nixl backend's reads).
-PROTOCOL_VERSION = 10
+# 11: ShardOffer: the nixl backend's reads rank to rank when either side runs TP > 1.
+PROTOCOL_VERSION = 11
 
 # With a secret, a message is accepted within this many seconds of the time it was sent (two
 # hosts need clocks within this of each other, e.g. NTP), and only once.

@@ -122,7 +122,8 @@ class DecodeRoom:
     registered: float
     state: RoomState = "waiting_for_input"
     slot_units: int = 0  # slot units installed ahead of the StateTransfer (SlotChunk)
-    # (first-token state, prefill TP size) of a StateTransfer whose shards the ranks still await
+    # (first-token state, prefill TP size, when it came) of a StateTransfer whose shards the
+    # ranks still await
     sharded: tuple | None = None
 
 

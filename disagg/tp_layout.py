@@ -20,6 +20,7 @@ that owns it and every decode rank receives exactly what it owns, no more.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass
 
@@ -131,6 +132,52 @@ def plan(spec: ModelStateSpec, prefill_size: int, decode_size: int, rank: int) -
                     )
                 dst += 1
     return tuple(pieces)
+
+
+def piece_segments(
+    spec: ModelStateSpec,
+    name: str,
+    prefill_size: int,
+    source: int,
+    decode_size: int,
+    rank: int,
+    piece: Piece,
+) -> list[tuple[int, int, int]]:
+    """(offset in a decode row, offset in a prefill row, bytes) of each run of `piece`'s units
+    within one row: the units are one index of the split dim, so a row holds them as `outer`
+    runs (the dims before it) of `length x inner` bytes (the dims after it)."""
+    _, tensor = spec.tensor(name)
+    dim = tensor.unit_dim
+    src = list(tensor.local_shape(prefill_size, source)) or [1]
+    dst = list(tensor.local_shape(decode_size, rank)) or [1]
+    if src[:dim] + src[dim + 1 :] != dst[:dim] + dst[dim + 1 :]:
+        raise ValueError(f"pool {name}: prefill rank rows {src} and decode rank rows {dst} differ")
+    inner = math.prod(src[dim + 1 :]) * tensor.dtype.itemsize
+    outer = math.prod(src[:dim])
+    return [
+        (
+            o * dst[dim] * inner + piece.dst_offset * inner,
+            o * src[dim] * inner + piece.src_offset * inner,
+            piece.length * inner,
+        )
+        for o in range(outer)
+    ]
+
+
+def planned_bytes(
+    spec: ModelStateSpec, decode_size: int, *, tokens: int, states: int, blocks: int
+) -> int:
+    """What the decode ranks of `decode_size` take in all (each exactly what it owns) of
+    `tokens` page rows, `states` final slot states and `blocks` block checkpoints."""
+    total = 0
+    for rank in range(decode_size):
+        for component, ranges in owned(spec, decode_size, rank).items():
+            field, name = component.split("/", 1)
+            group, tensor = spec.tensor(name)
+            unit_bytes = tensor.bytes() // max(1, (tensor.shape or (1,))[tensor.unit_dim])
+            count = {"pages": tokens, "slots": states, "checkpoints": blocks}[field]
+            total += sum(n for _, n in ranges) * unit_bytes * group.num_layers * count
+    return total
 
 
 def check_size(config: ModelConfig, spec: ModelStateSpec, size: int) -> None:

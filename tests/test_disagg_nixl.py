@@ -3,7 +3,9 @@ from the prefill worker's pools gives the tokens and logprobs of a colocated eng
 zmq backend, for NemotronH, gated DeltaNet, Mamba1 + MoE, NemotronH MoE with its MTP head
 drafting, and a model without attention, through prefix caches on both sides; a forged offer,
 a read stuck past its deadline and a peer gone mid-read fail only their request, with every
-page and slot back on both sides and the next request served as before.
+page and slot back on both sides and the next request served as before. Gated DeltaNet and
+Mamba1 pairs at TP 1:2 and 2:1 read rank to rank (NemotronH's and the TP faults: in
+tests/test_disagg_tp.py, whose harness serves here too).
 
 UCX over TCP on loopback here (tests/test_disagg_nixl_up.py runs two processes over TCP and
 over shared memory). Skipped only where NIXL is not installed, and never when
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 
 import pytest
@@ -24,22 +25,18 @@ import zmq
 from baton import SamplingParams
 from baton.disagg.decode import DecodeWorker
 from baton.disagg.messages import ReadOffer
-from baton.disagg.nixl_transfer import check_regions, nixl_available, plan_read, region_of
+from baton.disagg.nixl_transfer import check_regions, plan_read, region_of
 from baton.disagg.prefill import PrefillWorker
 from baton.disagg.rooms import FaultInjection
 from baton.engine.core.engine import Engine
 from baton.engine.handover.state import StatePlace
 from tests.mtp_models import add_mtp_layer
+from tests.nixl_required import needs_nixl
 from tests.same_outputs import assert_same_tokens_and_logprobs
 from tests.test_disagg_families import Run, assert_as_colocated, chunk_size
+from tests.test_disagg_tp import colocated_tokens, run_pair, tp_workers
+from tests.test_disagg_tp import settle as settle_pair
 from tests.test_disagg_unit import assert_pools_empty, config
-
-REQUIRED = os.environ.get("BATON_REQUIRE_NIXL", "") not in ("", "0")
-if REQUIRED and not nixl_available():
-    raise RuntimeError("BATON_REQUIRE_NIXL is set but NIXL is not importable (make install)")
-needs_nixl = pytest.mark.skipif(
-    not nixl_available(), reason="NIXL is not installed (pip install 'baton[nixl]')"
-)
 
 SLOW_OK = dict(bootstrap_timeout_s=60.0, transfer_timeout_s=60.0)
 NO_FAULTS = FaultInjection(drop_probability=0.0, delay_ms=0, stall_reads=False)
@@ -185,6 +182,70 @@ def test_mtp_speculation_over_nixl_matches_colocated(tiny_models, tmp_path):
         assert_pools_empty(run.prefill, run.decoder)
     finally:
         close(run)
+
+
+# -- across tensor-parallel sizes -------------------------------------------------------------
+
+# NemotronH at 1:2, 2:1, 2:2 and the TP faults: tests/test_disagg_tp.py (its harness serves here)
+TP_FAMILIES = [
+    ("gdn", "qwen3_next_moe"),  # gated DeltaNet: packed q | k | v conv channels, MoE
+    ("ssm", "jamba_moe"),  # Mamba1 + attention + MoE
+]
+
+
+@needs_nixl
+@pytest.mark.parametrize(("where", "name"), TP_FAMILIES, ids=[n for _, n in TP_FAMILIES])
+def test_nixl_tp_pairs_match_colocated_through_prefix_hits(where, name, gdn_models, ssm_models):
+    """Prefill:decode at TP 1:2 and 2:1 over nixl, each decode rank reading its channels and
+    heads of each prefill rank's pools: a first round, then prompts extending it (both sides
+    resume from their checkpoints, the decode side reads only the blocks it lacks): the tokens
+    of a colocated TP=1 engine, so those of the zmq pairs (tests/test_gdn_serving.py,
+    tests/test_ssm_tp.py), with every page and slot back on both sides."""
+    model_dir, hf = {"gdn": gdn_models, "ssm": ssm_models}[where](name)
+    page = 4
+    interval = math.lcm(chunk_size(model_dir), page)
+    vocab = hf.config.vocab_size
+    first = [random_prompt(vocab, n, seed=n) for n in (9, 2 * interval + 5)]
+    again = [p + [7, 8, 9] for p in first]
+    args = dict(page_size=page, chunked_prefill_size=interval // 2, max_num_batched_tokens=interval)
+    reference = Engine(model_dir, page_size=page, enable_prefix_caching=False)
+    expect = [
+        colocated_tokens(reference, prompts, tag) for prompts, tag in ((first, "a"), (again, "b"))
+    ]
+    with tp_workers(model_dir, args) as workers:
+        for sizes in ((1, 2), (2, 1)):
+            prefill = workers("prefill", sizes[0], interval, "nixl")
+            decoder = workers("decode", sizes[1], interval, "nixl")
+            cached: dict[str, int] = {}
+            for prompts, tag, want in ((first, "a", expect[0]), (again, "b", expect[1])):
+                got = run_pair(prefill, decoder, prompts, f"{tag}{sizes}", cached=cached)
+                assert got == {f"r{i}": want[f"{tag}{i}"] for i in range(len(prompts))}, sizes
+                cached_first_round, cached = cached, {}
+            assert cached_first_round["r1"] >= 2 * interval  # the decode side's own blocks
+            assert prefill.stats().prefix_cache_hit_tokens >= 2 * interval
+            settle_pair(prefill, decoder)
+            assert_pools_empty(prefill, decoder)
+            assert decoder.counters.transfers_ok == prefill.counters.transfers_ok == 4
+
+
+@needs_nixl
+def test_mtp_speculation_over_nixl_from_tp1_to_tp2_matches_colocated(tiny_models, tmp_path):
+    """The MTP head's K/V and hidden state split across the decode ranks like any state-spec
+    tensor: each rank reads its slices of them, and the TP=2 decode worker drafts and verifies
+    as a colocated TP=1 engine does."""
+    source, _ = tiny_models("moe_nano")
+    add_mtp_layer(source, tmp_path / "mtp", ["full_attention", "moe"])
+    model_dir = tmp_path / "mtp"
+    spec = dict(page_size=4, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    prompts = [[(7 * i) % 300 + 3 for i in range(41)], [5, 9, 14]]
+    want = colocated_tokens(Engine(model_dir, **spec, mamba_track_interval=16), prompts, "c")
+    with tp_workers(model_dir, spec | dict(chunked_prefill_size=11)) as workers:
+        prefill, decoder = workers("prefill", 1, 16, "nixl"), workers("decode", 2, 16, "nixl")
+        got = run_pair(prefill, decoder, prompts, "mtp")
+        assert got == {f"r{i}": want[f"c{i}"] for i in range(len(prompts))}
+        assert decoder.engine.stats().spec_decode_num_drafts > 0
+        settle_pair(prefill, decoder)
+        assert_pools_empty(prefill, decoder)
 
 
 # -- refused and failed reads --------------------------------------------------------------

@@ -4,7 +4,9 @@ rank receives exactly the K/V heads, conv channels and SSM heads it owns, straig
 prefill rank that holds them; the handshake refuses a layout pair it cannot serve, naming both;
 a lying peer fails its room, never the engine. The prompt's prefix-cache block checkpoints
 travel the same way (sliced like the final conv / SSM state), so the decode side caches the
-transferred prompt as a TP=1 handover does.
+transferred prompt as a TP=1 handover does. With the nixl backend (1:2, 2:1, 2:2) each decode
+rank READs exactly those units from the prefill ranks' pools instead, with the same tokens; a
+peer gone mid-read fails only its room, with every page and slot back on both sides.
 
 The model has n_groups = 1 (B and C replicated on every rank: one prefill rank sends them) and
 one KV head for two ranks (replicated too). One engine per role and size serves every case.
@@ -12,6 +14,7 @@ one KV head for two ranks (replicated too). One engine per role and size serves 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -21,7 +24,9 @@ import zmq
 
 from baton.disagg.decode import DecodeWorker
 from baton.disagg.messages import (
+    PoolRegion,
     Register,
+    ShardOffer,
     ShardTransfer,
 )
 from baton.disagg.prefill import PrefillWorker
@@ -31,7 +36,7 @@ from baton.disagg.protocol import (
     state_message,
     tensor_specs,
 )
-from baton.disagg.rooms import DisaggConfig
+from baton.disagg.rooms import DisaggConfig, FaultInjection
 from baton.disagg.tp_layout import TPLayout, owned, plan
 from baton.disagg.tp_transfer import SECRET_ENV, connector_spec
 from baton.engine.cache.spec import ModelStateSpec
@@ -40,6 +45,8 @@ from baton.engine.core.engine import Engine
 from baton.engine.core.sampling_params import SamplingParams
 from baton.engine.handover.state import RequestState
 from baton.engine.models.registry import model_state_spec
+from baton.engine.parallel.messages import InstallShard
+from tests.nixl_required import needs_nixl
 from tests.tiny import save_tiny_model
 
 SECRET = "tp-s3cret"
@@ -65,7 +72,7 @@ def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
 PROMPTS = _prompts(0, (5, 40, 63, 17))
 
 
-def _config(role: str) -> DisaggConfig:
+def _config(role: str, backend: str = "zmq") -> DisaggConfig:
     return DisaggConfig(
         role=role,
         host="127.0.0.1",
@@ -76,7 +83,7 @@ def _config(role: str) -> DisaggConfig:
         heartbeat_interval_s=0.2,
         lease_timeout_s=20.0,
         max_rooms_per_peer=64,
-        transfer_backend="zmq",
+        transfer_backend=backend,
     )
 
 
@@ -108,31 +115,70 @@ def expected(colocated) -> dict[str, list[int]]:
     return colocated_tokens(colocated, PROMPTS)
 
 
-@pytest.fixture(scope="module")
-def workers(model_dir):
-    """(role, tp size[, track interval]) -> its worker, built on first use, closed at the end."""
-    patch = pytest.MonkeyPatch()
-    patch.setenv(SECRET_ENV, SECRET)  # every rank's connector (the ranks inherit it)
-    context = zmq.Context()
-    built: dict[tuple[str, int], PrefillWorker | DecodeWorker] = {}
+class TPWorkers:
+    """(role, tp size[, track interval][, transfer backend][, instance][, DisaggConfig changes])
+    -> its worker on `model_dir`, built on first use with its ranks' connectors; `gone` closes
+    one (its process gone, as far as its peers can tell)."""
 
-    def get(role: str, size: int, interval: int = INTERVAL):
-        if (role, size, interval) not in built:
+    def __init__(self, model_dir, engine_args: dict) -> None:
+        self.model_dir, self.engine_args = model_dir, engine_args
+        self.context = zmq.Context()
+        self.built: dict[tuple, PrefillWorker | DecodeWorker] = {}
+
+    def __call__(
+        self,
+        role: str,
+        size: int,
+        interval: int = INTERVAL,
+        backend: str = "zmq",
+        instance: str = "",
+        **changes,
+    ):
+        """`instance`: another worker of the same kind (one a test may see go)."""
+        key = (role, size, interval, backend, instance, tuple(sorted(changes.items())))
+        if key not in self.built:
             engine = Engine(
-                model_dir,
+                self.model_dir,
                 tensor_parallel_size=size,
-                handover_connector=connector_spec(role, "127.0.0.1"),
-                **ENGINE_ARGS | {"mamba_track_interval": interval},
+                handover_connector=connector_spec(role, "127.0.0.1", backend),
+                **self.engine_args | {"mamba_track_interval": interval},
             )
             cls = PrefillWorker if role == "prefill" else DecodeWorker
-            built[role, size, interval] = cls(engine, _config(role), context)
-        return built[role, size, interval]
+            config = dataclasses.replace(_config(role, backend), **changes)
+            self.built[key] = cls(engine, config, self.context)
+        return self.built[key]
 
-    yield get
-    for worker in built.values():
+    def gone(self, worker) -> None:
+        for key, built in list(self.built.items()):
+            if built is worker:
+                del self.built[key]
         worker.close()
         worker.engine.close()
-    patch.undo()
+
+    def close(self) -> None:
+        for worker in list(self.built.values()):
+            self.gone(worker)
+
+
+@contextlib.contextmanager
+def tp_workers(model_dir, engine_args: dict):
+    """TPWorkers on `model_dir`, every rank with the shared secret and UCX over TCP on loopback
+    (nixl), closed at the end."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv(SECRET_ENV, SECRET)  # every rank's connector (the ranks inherit it)
+    patch.setenv("UCX_TLS", "tcp,self")  # nixl: UCX over TCP on loopback, in every rank
+    workers = TPWorkers(model_dir, engine_args)
+    try:
+        yield workers
+    finally:
+        workers.close()
+        patch.undo()
+
+
+@pytest.fixture(scope="module")
+def workers(model_dir):
+    with tp_workers(model_dir, ENGINE_ARGS) as get:
+        yield get
 
 
 def run_pair(
@@ -154,6 +200,14 @@ def run_pair(
             if cached is not None:
                 cached.setdefault(delta.request_id, delta.num_cached_tokens)
     return got
+
+
+def settle(prefill, decoder, seconds: float = 0.3) -> None:
+    """Step both sides a moment (ReadDone and Abort reach the prefill side between steps)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        prefill.step()
+        decoder.step()
 
 
 def assert_clean(*workers) -> None:
@@ -227,14 +281,33 @@ def test_each_decode_rank_is_planned_exactly_its_units_from_ranks_that_hold_them
             assert sorted(got[component]) == [u for s, n in ranges for u in range(s, s + n)]
 
 
-@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)])
-def test_pd_across_tp_sizes_matches_colocated_tp1(workers, expected, model_dir, sizes):
+# nixl: every decode rank READs its slices from each prefill rank's pools (disagg/nixl_shards.py)
+PAIRS = [
+    ("zmq", (2, 1)),
+    ("zmq", (1, 2)),
+    pytest.param("nixl", (2, 1), marks=needs_nixl),
+    pytest.param("nixl", (1, 2), marks=needs_nixl),
+    pytest.param("nixl", (2, 2), marks=needs_nixl),
+]
+
+
+@pytest.mark.parametrize(("backend", "sizes"), PAIRS)
+def test_pd_across_tp_sizes_matches_colocated_tp1(workers, expected, model_dir, backend, sizes):
+    """The tokens of a colocated TP=1 engine (so the zmq and nixl pairs' tokens are the same),
+    each decode rank getting exactly its units: as frames (zmq) or READ in place (nixl: the
+    prefill side offered what the decode ranks read, not a byte more, and nothing came as
+    frames)."""
     prefill_size, decode_size = sizes
-    prefill, decoder = workers("prefill", prefill_size), workers("decode", decode_size)
+    prefill = workers("prefill", prefill_size, backend=backend)
+    decoder = workers("decode", decode_size, backend=backend)
+    decoder.engine.reset_prefix_cache()  # (a worker another case used: every block travels)
     before = list(decoder.engine.handover.shards.bytes_received)
+    counted = (decoder.counters.bytes_total, prefill.counters.bytes_total)
     hits_before = decoder.stats().prefix_cache_hit_tokens
-    got = run_pair(prefill, decoder, PROMPTS, tag=f"p{prefill_size}d{decode_size}")
+    got = run_pair(prefill, decoder, PROMPTS, tag=f"{backend}-p{prefill_size}d{decode_size}")
     assert got == expected
+    if backend == "nixl":
+        settle(prefill, decoder)  # the ReadDones reach the prefill side
     assert_clean(prefill, decoder)
     assert decoder.counters.transfers_ok >= len(PROMPTS)
     # Every decode rank received exactly the bytes of the heads and channels it owns: pages,
@@ -252,6 +325,13 @@ def test_pd_across_tp_sizes_matches_colocated_tp1(workers, expected, model_dir, 
         )
         for rank in range(decode_size)
     ]
+    read = decoder.counters.bytes_total - counted[0]
+    assert read == sum(received)
+    if backend == "nixl":
+        assert prefill.counters.bytes_total - counted[1] == read  # offered = read
+        assert prefill.counters.kv_chunks == 0
+        stats = decoder.extra_stats()
+        assert stats["disagg_backend_transfers_total:nixl"] >= len(PROMPTS)
 
 
 def assert_checkpoints_as_colocated(decoder, colocated: Engine, prompt, num_blocks: int) -> None:
@@ -286,17 +366,18 @@ def assert_checkpoints_as_colocated(decoder, colocated: Engine, prompt, num_bloc
                     torch.testing.assert_close(got, want.double().sum(), atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)])
+@pytest.mark.parametrize(("backend", "sizes"), PAIRS[:4])
 def test_next_turn_hits_the_decode_side_cache_of_a_tp_handover(
-    workers, colocated, model_dir, sizes
+    workers, colocated, model_dir, backend, sizes
 ):
     """After a handover across TP sizes the decode worker caches the prompt's blocks with the
     prefill side's checkpoints (each rank its slice), so the next request sharing the prompt's
-    first blocks hits its cache there; only the blocks it lacks travel, and the tokens equal a
-    colocated TP=1 engine's."""
+    first blocks hits its cache there; only the blocks it lacks travel (or are read), and the
+    tokens equal a colocated TP=1 engine's."""
     prefill_size, decode_size = sizes
-    prefill, decoder = workers("prefill", prefill_size), workers("decode", decode_size)
-    tag = f"turns-p{prefill_size}d{decode_size}"
+    prefill = workers("prefill", prefill_size, backend=backend)
+    decoder = workers("decode", decode_size, backend=backend)
+    tag = f"turns-{backend}-p{prefill_size}d{decode_size}"
     first = _prompts(10 + decode_size, (40,))[0]  # blocks 0, 1 (and 8 tokens)
     second = first[: 2 * INTERVAL] + _prompts(20 + decode_size, (36,))[0]  # + blocks 2, 3
     expect = colocated_tokens(colocated, [first, second], tag=tag)
@@ -312,6 +393,7 @@ def test_next_turn_hits_the_decode_side_cache_of_a_tp_handover(
     assert got == {"r0": expect[f"{tag}1"]}
     assert cached["r0"] == 2 * INTERVAL  # the decode side resumed from a transferred checkpoint
     assert_checkpoints_as_colocated(decoder, colocated, second, 4)
+    settle(prefill, decoder)
     # Only what the decode side lacked travelled: pages 8.. and the checkpoints of blocks 2, 3.
     config = ModelConfig.from_hf(model_dir)
     received = [
@@ -341,6 +423,187 @@ def test_no_checkpoints_travel_between_sides_cutting_blocks_differently(
     assert received == owned_bytes(config, 1, 0, pages=pages_of([prompt]), states=1, blocks=0)
     assert decoder.stats().prefix_cache_blocks == 0
     assert_clean(prefill, decoder)
+
+
+NO_STALL = FaultInjection(drop_probability=0.0, delay_ms=0, stall_reads=False)
+STALL = dataclasses.replace(NO_STALL, stall_reads=True)  # READs are never seen to end
+
+
+def start_until_read(prefill, decoder, connector, prompt, room: str) -> None:
+    """One room through the pair until `connector` (a decode rank's) has posted its READs."""
+    decoder.add_request(room, prompt, PARAMS, room=room, prefill_addr=prefill.address)
+    prefill.add_request(room, prompt, PARAMS, room=room)
+    start = time.monotonic()
+    while not connector.reads:
+        assert time.monotonic() - start < 30, "the read never started"
+        prefill.step()
+        decoder.step()
+
+
+@needs_nixl
+def test_nixl_prefill_gone_mid_read_fails_the_room_and_frees_the_tp2_decode_side(workers, expected):
+    """A prefill worker goes while decode rank 0 of a TP=2 pair reads from it (fault injection:
+    rank 0 never sees its READ end): the dropped connection fails the room (its client gets a
+    503), every rank's READ is stopped before the pages may go, the pages, slot and checkpoint
+    slots come back, and the next rooms give the colocated tokens."""
+    decoder = workers("decode", 2, backend="nixl")
+    decoder.engine.reset_prefix_cache()
+    connector = decoder.engine.handover.shards.connector
+    doomed = workers("prefill", 1, backend="nixl", instance="gone")
+    connector.faults = STALL
+    try:
+        start_until_read(doomed, decoder, connector, PROMPTS[1], "gone-mid-read")
+        assert decoder.stats().kv_pages_used > 0 and decoder.rooms["gone-mid-read"].sharded
+        workers.gone(doomed)
+        start = time.monotonic()
+        while decoder.has_unfinished_requests():
+            assert time.monotonic() - start < 30, "the decode side did not notice"
+            decoder.step()
+            time.sleep(0.01)
+    finally:
+        connector.faults = NO_STALL
+    ((rid, reason),) = decoder.take_failures()
+    assert rid == "gone-mid-read" and "connection lost" in reason, reason
+    assert not connector.reads  # stopped (DropShard), not left to write into freed pages
+    assert_clean(decoder)
+    assert not decoder.engine.handover.shards.checkpoint_slots
+    prefill = workers("prefill", 1, backend="nixl")
+    assert run_pair(prefill, decoder, PROMPTS[:2], tag="after-gone") == {
+        k: expected[k] for k in ("r0", "r1")
+    }
+    settle(prefill, decoder)
+    assert_clean(prefill, decoder)
+
+
+@needs_nixl
+def test_nixl_decode_gone_mid_read_frees_the_tp2_prefill_side_after_its_deadline(workers, expected):
+    """A decode worker goes while it reads from a TP=2 prefill worker: the prefill side keeps
+    the pages and slot it offered (on every rank: they mirror rank 0's) until the decode side's
+    transfer timeout has passed, then gives them back and serves the next pair as colocated."""
+    prefill = workers("prefill", 2, backend="nixl")
+    doomed = workers(
+        "decode",
+        1,
+        backend="nixl",
+        instance="gone",
+        transfer_timeout_s=1.0,
+        lease_timeout_s=0.5,
+        bootstrap_timeout_s=0.5,
+    )
+    connector = doomed.engine.handover.shards.connector
+    connector.faults = STALL
+    expired = prefill.counters.holds_expired
+    start_until_read(prefill, doomed, connector, PROMPTS[1], "reader-gone")
+    assert prefill.stats().kv_pages_used > 0
+    workers.gone(doomed)
+    held_at = time.monotonic()
+    while prefill.has_unfinished_requests():
+        assert time.monotonic() - held_at < 30, "the prefill side kept the pages"
+        prefill.step()
+        time.sleep(0.01)
+    assert time.monotonic() - held_at >= 0.5  # not before the decode side's deadline
+    assert prefill.counters.holds_expired == expired + 1
+    prefill.take_failures()
+    assert_clean(prefill)
+    decoder = workers("decode", 1, backend="nixl")
+    assert run_pair(prefill, decoder, PROMPTS[:2], tag="after-reader-gone") == {
+        k: expected[k] for k in ("r0", "r1")
+    }
+    settle(prefill, decoder)
+    assert_clean(prefill, decoder)
+
+
+def _offer(config: ModelConfig, room: str, rank: int, pages: int, blocks: int) -> ShardOffer:
+    """What prefill rank `rank` of 2 would offer a decode rank for a room of `pages` pages and
+    `blocks` block checkpoints: its own pools' regions (rows of its slices), valid indices."""
+    spec = spec_of(config)
+    pools = [
+        PoolRegion(
+            name=name,
+            address=(1 << 40) + (i << 32) + (rank << 36),
+            layers=group.num_layers,
+            rows=256,
+            row_bytes=tensor.bytes(2, rank),
+            memory="DRAM",
+            device=0,
+        )
+        for i, (name, group, tensor) in enumerate(spec.entries())
+    ]
+    return ShardOffer(
+        room=room,
+        source_rank=rank,
+        source_size=2,
+        first_page=0,
+        first_block=0,
+        agent=f"prefill-rank{rank}",
+        agent_metadata=b"never loaded: every check comes first",
+        pools=pools,
+        pages=list(range(10, 10 + pages)),
+        slot=3,
+        checkpoint_slots=list(range(20, 20 + blocks)),
+    )
+
+
+def _rows_doubled(offer: ShardOffer) -> ShardOffer:
+    pools = [dataclasses.replace(offer.pools[0], row_bytes=offer.pools[0].row_bytes * 2)]
+    return dataclasses.replace(offer, pools=pools + offer.pools[1:])
+
+
+# case -> (what prefill rank 1's offer says instead, what the refusal names)
+FORGED_OFFERS = {
+    "page past its pool": (lambda o: dataclasses.replace(o, pages=[1 << 30, *o.pages[1:]]), "page"),
+    "the dummy slot": (lambda o: dataclasses.replace(o, slot=0), "slot 0"),
+    "one page short": (lambda o: dataclasses.replace(o, pages=o.pages[1:]), "pages, this request"),
+    "a checkpoint short": (
+        lambda o: dataclasses.replace(o, checkpoint_slots=o.checkpoint_slots[1:]),
+        "block checkpoints",
+    ),
+    "rows of another size": (_rows_doubled, "rows"),
+    "another TP size": (lambda o: dataclasses.replace(o, source_size=4), "offers TP=4"),
+    "pools missing": (lambda o: dataclasses.replace(o, pools=o.pools[1:]), "offers pools"),
+}
+
+
+@needs_nixl
+def test_forged_shard_offers_are_refused_before_any_read(workers, model_dir):
+    """A decode rank takes prefill ranks' ShardOffers on its authenticated port and checks each
+    against its plan before loading any metadata or posting a READ: an index outside its
+    region, the dummy slot, counts that are not the room's, rows that are not the prefill rank's
+    slices, another TP size, missing pools: refused naming the problem, nothing read."""
+    decoder = workers("decode", 1, backend="nixl")
+    connector = decoder.engine.handover.shards.connector
+    config = ModelConfig.from_hf(model_dir)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(connector.address)
+    op = dict(pages=(1, 2, 3), slot=1, first_page=0, prefill_size=2, first_block=0)
+    loaded = list(connector.loaded)  # prefill agents it reads from (none of these)
+    try:
+        for case, (change, named) in FORGED_OFFERS.items():
+            room = f"forged {case}"
+            for rank in (0, 1):
+                offer = _offer(config, room, rank, pages=3, blocks=2)
+                if rank == 1:
+                    offer = change(offer)
+                push.send_multipart(encode(offer, [], SECRET.encode()))
+            install = InstallShard(room=room, num_blocks=2, checkpoint_slots=(4, 0), **op)
+            deadline = time.time() + 10
+            while (pieces := _refusal(connector, install)) is None:
+                assert time.time() < deadline, f"{case}: the offers never arrived"
+                time.sleep(0.01)
+            assert named in pieces, (case, pieces)
+            assert not connector.reads and list(connector.loaded) == loaded, case
+    finally:
+        push.close(linger=0)
+
+
+def _refusal(connector, install: InstallShard) -> str | None:
+    """Why the connector refuses the op's offers (None while they have not all arrived)."""
+    try:
+        result = connector.receive(install)
+    except ValueError as error:
+        return str(error)
+    assert result is None, "a forged offer was read"
+    return None
 
 
 def _register(room: str, compat, tp: TPLayout) -> Register:

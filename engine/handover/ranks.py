@@ -27,7 +27,7 @@ from baton.engine.handover.shards import (
     install_report,
     shard_of_state,
 )
-from baton.engine.handover.state import RequestState
+from baton.engine.handover.state import RequestState, StatePlace
 from baton.engine.parallel.messages import (
     DropShard,
     HandoverOp,
@@ -98,6 +98,19 @@ class ShardHandover:
                 pages=tuple(req.kv_pages[:num_pages]),
                 slot=req.mamba_slot,
                 checkpoint_slots=tuple(b.checkpoint_slot for b in req.cached_blocks),
+            )
+        )
+
+    def snapshot_place(self, room: str, place: StatePlace) -> None:
+        """Every rank keeps its part of `place` (a held request's prompt pages, slot and block
+        checkpoint slots, the same indices on every rank) for `room`: a connector that reads
+        in place notes it, one that sends copies copies it."""
+        self._rank_op(
+            SnapshotShard(
+                room=room,
+                pages=place.pages,
+                slot=place.slot,
+                checkpoint_slots=place.checkpoint_slots,
             )
         )
 

@@ -73,12 +73,18 @@ Pieces = dict[str, list[tuple[int, torch.Tensor]]]
 
 
 class ShardConnector(Protocol):
-    """What each rank's handover connector does (disagg/tp_transfer.py is the one there is)."""
+    """What each rank's handover connector does (disagg/tp_transfer.py moves the slices as ZMQ
+    frames, disagg/nixl_shards.py has the decode ranks READ them in place)."""
 
     address: str  # where this rank receives shards ("" on the prefill side)
     # Rooms this rank has installed: asked again (another rank still waiting), it says so at
     # once. A room id is used once (the router mints it).
     installed: OrderedDict[str, None]
+
+    def snapshot(self, op: SnapshotShard) -> None:
+        """This rank's part of a finished prefill's state, kept for its decode side: a copy, or
+        only where it sits when the connector reads it in place (the request's hold)."""
+        ...
 
     def keep(self, room: str, shard: Shard) -> None: ...
 
@@ -150,7 +156,7 @@ def install_shard(cache: StateCache, op: InstallShard, pieces: Pieces) -> None:
     """Write checked pieces (component -> [(unit offset, tensor)], disagg/tp_layout.py's
     components) into the op's pages, its slot and its checkpoint slots (0: cached here
     already, not written); a checkpoint slot's tensors that are not checkpointed start from
-    zero."""
+    zero (also when a connector that reads in place wrote the rest: no pieces then)."""
     index = torch.tensor(op.pages, dtype=torch.int64, device=cache.device)
     for component, parts in pieces.items():
         field, name = component.split("/", 1)
@@ -167,7 +173,7 @@ def install_shard(cache: StateCache, op: InstallShard, pieces: Pieces) -> None:
                 for block, slot in enumerate(op.checkpoint_slots):
                     if slot:
                         dst[:, slot] = t[block]
-    for slot in op.checkpoint_slots if pieces else ():
+    for slot in op.checkpoint_slots:
         for name in cache.slotted:
             if slot and name not in cache.checkpointed:
                 cache.pools[name][:, slot].zero_()
@@ -186,7 +192,7 @@ def apply_handover(op: HandoverOp, cache: StateCache, connector: ShardConnector 
         return "this engine has no handover connector"
     try:
         if isinstance(op, SnapshotShard):
-            connector.keep(op.room, export_shard(cache, op.pages, op.slot, op.checkpoint_slots))
+            connector.snapshot(op)
         elif isinstance(op, SendShard):
             connector.send(op)
         elif isinstance(op, DropShard):
