@@ -120,6 +120,7 @@ FAMILIES = [
     ("ssm_models", "lfm2_moe_a"),
     ("ssm_models", "mamba_a"),
     ("ssm_models", "mamba2_a"),
+    ("window_models", "rgemma_hawk"),  # RecurrentGemma's RG-LRU (its windowed attention: eager)
 ]
 
 

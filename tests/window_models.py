@@ -18,6 +18,9 @@ so the windows really cut what a query sees.
     rgemma_gqa     attention first (attention, recurrent), GQA 4/2 with q/k/v biases, window 16,
                    conv width 3, its own rope theta and partial rotary, soft cap 5 (it bites),
                    untied lm_head
+    rgemma_hawk    recurrent blocks only (Griffin's "Hawk"): no paged state at all, so the CPU
+                   decode step is captured (tests/test_cpu_plan.py; a step over windowed
+                   attention only stays eager: the executor's choice)
 """
 
 from __future__ import annotations
@@ -116,6 +119,24 @@ WINDOW_CONFIGS: dict[str, tuple[str, str, dict]] = {
         ),
     ),
 }
+# Beside them, without a window (no paged state): the recurrent block alone.
+RECURRENT_ONLY_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    "rgemma_hawk": (
+        "RecurrentGemmaConfig",
+        "RecurrentGemmaForCausalLM",
+        dict(
+            vocab_size=280,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            block_types=["recurrent"],
+            num_attention_heads=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+}
 
 
 @pytest.fixture(scope="session")
@@ -126,7 +147,8 @@ def window_models(tmp_path_factory):
     def get(name: str):
         if name not in built:
             path = tmp_path_factory.mktemp(f"window-{name}")
-            built[name] = (path, save_model(path, *WINDOW_CONFIGS[name], seed=700 + len(built)))
+            spec = (WINDOW_CONFIGS | RECURRENT_ONLY_CONFIGS)[name]
+            built[name] = (path, save_model(path, *spec, seed=700 + len(built)))
         return built[name]
 
     return get
