@@ -55,6 +55,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "KimiLinearForCausalLM": ("kimi_linear", "baton.engine.models.kimi_linear"),
     "BailingHybridForCausalLM": ("bailing_hybrid", "baton.engine.models.bailing_hybrid"),
     "RecurrentGemmaForCausalLM": ("recurrent_gemma", "baton.engine.models.recurrent_gemma"),
+    "MiniMaxForCausalLM": ("minimax", "baton.engine.models.minimax"),
 }
 
 
