@@ -12,6 +12,8 @@ RecurrentGemma) and so release pages:
                         extend the first's, so both workers resume from their caches
     colocated TP = 2    == TP = 1 (LFM3: query heads and the attention gate split, KV heads
                         split; RecurrentGemma: query and KV heads, the RG-LRU's gate blocks)
+    speculative verify  == plain decoding at every acceptance count (RecurrentGemma: its conv
+                        window and LRU state kept after each drafted position)
 
 Greedy, fp32; tokens and their logprobs compared (1e-4).
 """
@@ -27,6 +29,7 @@ from baton.disagg.prefill import PrefillWorker
 from baton.disagg.tp_transfer import SECRET_ENV, connector_spec
 from baton.engine.core.engine import Engine
 from tests.same_outputs import assert_same_outputs
+from tests.spec_helpers import scripted_llm
 from tests.test_gdn_serving import (
     ARGS,
     assert_same_runs,
@@ -136,3 +139,20 @@ def test_tensor_parallel_matches_one_rank(window_models, name):
         assert_same_runs(run(engine, items), expected)
     finally:
         engine.close()
+
+
+def test_speculative_verify_keeps_plain_outputs_at_every_acceptance_count(window_models):
+    """A scripted drafter (tests/spec_helpers.py) makes every acceptance count from 0 to k
+    happen: the RG-LRU keeps its window and state after each drafted position in that
+    position's slot, windowed attention reads the verify rows; greedy output and its logprobs
+    are plain decoding's."""
+    model_dir, hf = window_models("rgemma_local")
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    items = prompts(hf.config.vocab_size, 6, (9, 50, 61))
+    want = LLM(model_dir, **ARGS).generate(items, greedy)
+    reference = {tuple(p): o.token_ids for p, o in zip(items, want)}
+    spec = scripted_llm(model_dir, reference, 2, **ARGS)
+    assert_same_outputs(spec.generate(items, greedy), want)
+    stats = spec.stats()
+    assert all(n > 0 for n in stats.spec_decode_num_accepted_tokens_per_pos)
+    assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
