@@ -1,13 +1,17 @@
 """The RG-LRU's torch path (kernels/rglru.py) against a float64 token-by-token oracle written from
 Griffin's equations: the prefill scan over a batch of sequences resumed at unaligned positions
 (one from position 0, where the state resets and the input is not normalised), its states at
-every aligned chunk end and its final states in the pool; the decode step; and the gates op for
-op against transformers' RecurrentGemmaRglru."""
+every aligned chunk end and its final states in the pool; the decode step; the gates op for op
+against transformers' RecurrentGemmaRglru; and the fused C decode step (kernels/cpu/rglru.c)
+against the torch step."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from baton.kernels.conv1d import causal_conv1d_update
+from baton.kernels.cpu import rglru as cpu_rglru
 from baton.kernels.rglru import (
     RGLRUWeights,
     rglru_inputs,
@@ -121,3 +125,33 @@ def test_inputs_are_transformers_gates_op_for_op():
     pool = torch.zeros(2, WIDTH)
     got = rglru_scan_pool(a, u, pool, torch.tensor([1]), build_chunk_layout([7], [0], 8, "cpu"))
     torch.testing.assert_close(got.y, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(cpu_rglru.library() is None, reason="the C++ extension is not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_c_decode_step_matches_the_torch_step(dtype):
+    """kernels/cpu/rglru.c's conv + RG-LRU step = causal_conv1d_update + rglru_inputs +
+    rglru_update on the same pools (float32 to rounding; bf16 to a bf16 ulp or two), the conv
+    window shifted alike, other slots untouched, a slot outside the pool refused by name."""
+    gen = torch.Generator().manual_seed(4)
+    w, K, batch = random_weights(gen), 4, 3
+    conv_w, conv_b = torch.randn(WIDTH, K, generator=gen) / 2, torch.randn(WIDTH, generator=gen)
+    w = RGLRUWeights(*(t.to(dtype) for t in w))
+    conv_w, conv_b = conv_w.to(dtype), conv_b.to(dtype)
+    x = torch.randn(batch, WIDTH, generator=gen).to(dtype)
+    slots = torch.tensor([3, 1, 4])
+    conv_pools = [torch.randn(5, WIDTH, K - 1, generator=gen).to(dtype)]
+    lru_pools = [torch.randn(5, WIDTH, generator=gen)]
+    conv_pools.append(conv_pools[0].clone())
+    lru_pools.append(lru_pools[0].clone())
+    conv = causal_conv1d_update(x, conv_w, conv_b, conv_pools[0], slots, activation="none")
+    a, u = rglru_inputs(conv, torch.full((batch,), 7), w)
+    want = rglru_update(a, u, lru_pools[0], slots)
+    params = cpu_rglru.RGLRUDecodeParams.of(conv_w, conv_b, w)
+    got = cpu_rglru.rglru_decode_cpu(x, conv_pools[1], lru_pools[1], slots, params)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    torch.testing.assert_close(lru_pools[1], lru_pools[0], **tol)
+    torch.testing.assert_close(conv_pools[1], conv_pools[0], rtol=0, atol=0)
+    with pytest.raises(IndexError, match="slot index 9 of row 1"):
+        cpu_rglru.rglru_decode_cpu(x, conv_pools[1], lru_pools[1], torch.tensor([1, 9, 2]), params)

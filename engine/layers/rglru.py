@@ -30,6 +30,7 @@ from baton.engine.executor.forward_metadata import Mamba2Metadata
 from baton.engine.layers.mlp import ACTIVATIONS
 from baton.engine.layers.track import checkpoint_states
 from baton.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from baton.kernels.cpu import rglru as cpu_rglru
 from baton.kernels.rglru import (
     RGLRUWeights,
     rglru_inputs,
@@ -125,6 +126,14 @@ class RecurrentBlock(nn.Module):
                 parallel.shard(getattr(self.rg_lru, f"{name}_bias"), by_head)
             parallel.shard(self.linear_out.weight, parallel.Slices(dim=1, ranges=rows.ranges))
             parallel.shard(self.linear_out.bias, parallel.FirstRankOnly(rank=tp.rank))
+        self.decode_params: cpu_rglru.RGLRUDecodeParams | None = None  # CPU: freeze()
+
+    def freeze(self) -> None:
+        """The fused C decode step's float32 copies of the conv and LRU parameters (CPU, after
+        loading)."""
+        self.decode_params = cpu_rglru.RGLRUDecodeParams.of(
+            self.conv_1d.weight.squeeze(1), self.conv_1d.bias, self.lru_weights()
+        )
 
     def lru_weights(self) -> RGLRUWeights:
         lru = self.rg_lru
@@ -150,7 +159,17 @@ class RecurrentBlock(nn.Module):
         weights = self.lru_weights()
         positions = batch.positions
         parts, windows, chunk_states = [], None, None
-        if nd:
+        if (
+            nd
+            and self.decode_params is not None
+            and cpu_rglru.decode_supported(x, conv_pool, lru_pool)
+        ):
+            parts.append(
+                cpu_rglru.rglru_decode_cpu(
+                    x[:nd], conv_pool, lru_pool, md.decode_slots, self.decode_params
+                )
+            )
+        elif nd:
             conv = causal_conv1d_update(
                 x[:nd], weight, bias, conv_pool, md.decode_slots, activation="none"
             )
