@@ -27,7 +27,7 @@ from baton.engine import parallel
 from baton.engine.cache.pools import StateCache
 from baton.engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from baton.engine.executor.forward_metadata import Mamba2Metadata
-from baton.engine.layers.mlp import ACTIVATIONS
+from baton.engine.layers.mlp import ACTIVATIONS, fuse_for_cpu
 from baton.engine.layers.track import checkpoint_states
 from baton.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from baton.kernels.cpu import rglru as cpu_rglru
@@ -127,6 +127,14 @@ class RecurrentBlock(nn.Module):
             parallel.shard(self.linear_out.weight, parallel.Slices(dim=1, ranges=rows.ranges))
             parallel.shard(self.linear_out.bias, parallel.FirstRankOnly(rank=tp.rank))
         self.decode_params: cpu_rglru.RGLRUDecodeParams | None = None  # CPU: freeze()
+        self.yx_proj: nn.Module | None = None  # CPU: linear_y and linear_x in one matmul
+
+    def pack_for_cpu(self) -> None:
+        """[y | x] as one prepacked matmul (the two linears are dropped), unless they are
+        stored differently (mixed precision)."""
+        self.yx_proj = fuse_for_cpu([self.linear_y, self.linear_x])
+        if self.yx_proj is not None:
+            del self.linear_y, self.linear_x
 
     def freeze(self) -> None:
         """The fused C decode step's float32 copies of the conv and LRU parameters (CPU, after
@@ -153,8 +161,11 @@ class RecurrentBlock(nn.Module):
         n = nd + batch.num_verify_tokens  # prefill rows start here
         state = cache.layer("rglru", self.index)
         conv_pool, lru_pool = state["conv"], state["recurrent"]
-        gate = self.act(self.linear_y(hidden))
-        x = self.linear_x(hidden)
+        if self.yx_proj is not None:
+            y, x = self.yx_proj(hidden).split(self.width, dim=-1)
+        else:
+            y, x = self.linear_y(hidden), self.linear_x(hidden)
+        gate = self.act(y)
         weight, bias = self.conv_1d.weight.squeeze(1), self.conv_1d.bias
         weights = self.lru_weights()
         positions = batch.positions
