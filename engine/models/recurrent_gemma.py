@@ -118,6 +118,11 @@ def read_window(r: ConfigReader) -> int:
     return int(window)
 
 
+def token_ids(value: int | list[int]) -> tuple[int, ...]:
+    """An `eos_token_id` (one id or a list; transformers' default when the file has none)."""
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
 def read_config(r: ConfigReader) -> ModelConfig:
     hidden, num_layers = r.need("hidden_size"), r.need("num_hidden_layers")
     heads = r.opt("num_attention_heads")
@@ -147,7 +152,7 @@ def read_config(r: ConfigReader) -> ModelConfig:
         tie_word_embeddings=bool(r.opt("tie_word_embeddings")),
         max_position_embeddings=r.hf.get("max_position_embeddings") or DEFAULT_MAX_LENGTH,
         num_nextn_predict_layers=0,
-        eos_token_ids=(lambda e: tuple(e) if isinstance(e, list) else (e,))(r.opt("eos_token_id")),
+        eos_token_ids=token_ids(r.opt("eos_token_id")),
         bos_token_id=r.opt("bos_token_id"),
         torch_dtype=r.torch_dtype(),
         family=RecurrentGemmaConfig(
