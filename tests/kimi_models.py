@@ -1,4 +1,5 @@
-"""Tiny random Kimi Linear and Bailing hybrid models (KDA + MLA + DeepSeek-style MoE), built by
+"""Tiny random linear-attention hybrids: Kimi Linear and Bailing hybrid (KDA + MLA + DeepSeek-style
+MoE) and MiniMax (lightning attention + softmax attention + Mixtral-style MoE), built by
 transformers 5.25
 (fp32, fixed seeds, parameters spread like tests/tiny.py) and saved with save_pretrained, whose
 files carry the released layout (per-expert w1/w3/w2 under block_sparse_moe, q/k/v_conv1d, the
@@ -9,6 +10,9 @@ two dense first layers with a low-rank query (q_lora_rank), attention bias and c
 every layer (first_k_dense_replace=0). Layers come from `linear_attn_config`'s 1-indexed lists,
 MLA first, last and between KDA layers. Bailing hybrid (BAILING_CONFIGS): full-rank KDA gates,
 bounded decay or softplus, rotary MLA with a head gate, MLA every `layer_group_size`-th layer.
+MiniMax (MINIMAX_CONFIGS): softmax attention in one layer of four with the release's residual
+factors (alpha != 1), and transformers' alternating default with windowed softmax layers (every
+paged kind windowed: pages released) and hidden / heads as head_dim.
 """
 
 from __future__ import annotations
@@ -115,12 +119,53 @@ BAILING_CONFIGS: dict[str, dict] = {
 }
 
 
+MINIMAX_COMMON = dict(
+    vocab_size=296,
+    hidden_size=64,
+    intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    rms_norm_eps=1e-5,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+MINIMAX_CONFIGS: dict[str, dict] = {
+    # the release's 7 : 1 in small: softmax attention in the last of four layers; its residual
+    # factors (alpha 3.56, beta 1 on every part) and some of our own
+    "minimax_one_in_four": dict(
+        MINIMAX_COMMON,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        head_dim=16,
+        full_attn_alpha_factor=3.5565588200778455,
+        linear_attn_alpha_factor=1.5,
+        linear_attn_beta_factor=0.75,
+        mlp_alpha_factor=2.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+    ),  # fmt: skip
+    # transformers' default layer types (full, linear, full), windowed softmax layers
+    "minimax_alternating_window": dict(
+        MINIMAX_COMMON,
+        num_hidden_layers=3,
+        num_key_value_heads=1,
+        sliding_window=12,
+        tie_word_embeddings=True,
+    ),  # fmt: skip
+}
+
+
 def build_kimi_model(name: str, seed: int):
-    """The transformers model of KIMI_CONFIGS[name] or BAILING_CONFIGS[name], fp32, eval mode,
-    spread."""
+    """The transformers model of KIMI_CONFIGS[name], BAILING_CONFIGS[name] or
+    MINIMAX_CONFIGS[name], fp32, eval mode, spread."""
     import transformers
 
-    if name in BAILING_CONFIGS:
+    if name in MINIMAX_CONFIGS:
+        config = transformers.MiniMaxConfig(**MINIMAX_CONFIGS[name])
+        model_class = transformers.MiniMaxForCausalLM
+    elif name in BAILING_CONFIGS:
         config = transformers.BailingHybridConfig(**BAILING_CONFIGS[name])
         model_class = transformers.BailingHybridForCausalLM
     else:

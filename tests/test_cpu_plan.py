@@ -120,6 +120,8 @@ FAMILIES = [
     ("ssm_models", "lfm2_moe_a"),
     ("ssm_models", "mamba_a"),
     ("ssm_models", "mamba2_a"),
+    ("kimi_models", "minimax_one_in_four"),  # lightning attention + softmax attention + MoE
+    ("window_models", "rgemma_hawk"),  # RecurrentGemma's RG-LRU (its windowed attention: eager)
 ]
 
 

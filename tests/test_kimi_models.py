@@ -1,5 +1,6 @@
 """Kimi Linear (tests/kimi_models.py: dense first layers + MoE, two dense layers with a low-rank
-query, MoE only) and Bailing hybrid (bounded and softplus decay, rotary MLA with a head gate)
+query, MoE only), Bailing hybrid (bounded and softplus decay, rotary MLA with a head gate) and
+MiniMax (lightning attention with softmax attention in one layer of four; alternating, windowed)
 against transformers in fp32, one engine per config: in one run, prompts batched,
 prefilled in chunks beside decodes (mixed steps) and preempted for memory; greedy tokens are
 transformers' greedy tokens, their logprobs and every prompt logprob within 1e-4 (teacher
@@ -10,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 from baton import LLM, SamplingParams
-from tests.kimi_models import BAILING_CONFIGS, KIMI_CONFIGS
+from tests.kimi_models import BAILING_CONFIGS, KIMI_CONFIGS, MINIMAX_CONFIGS
 from tests.test_gdn_models import ENGINE, NEW_TOKENS, assert_matches_transformers, prompts_for
 
 
-@pytest.mark.parametrize("name", [*KIMI_CONFIGS, *BAILING_CONFIGS])
+@pytest.mark.parametrize("name", [*KIMI_CONFIGS, *BAILING_CONFIGS, *MINIMAX_CONFIGS])
 def test_engine_matches_transformers(kimi_models, name):
     model_dir, hf = kimi_models(name)
     prompts = prompts_for(hf.config.vocab_size)

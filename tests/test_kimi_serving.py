@@ -12,6 +12,10 @@ handover, wire or TP planning names KDA or MLA):
     colocated TP = 2       == TP = 1 (KDA and MLA heads split, the latent replicated)
     speculative verify     == plain decoding at every acceptance count
 
+MiniMax (lightning attention's (heads, dk, dv) slot state beside softmax K/V pages) on the same
+paths but the latent's: prefix cache, PD, TP = 2 (lightning heads and its whole-width output
+norm, softmax heads, experts' intermediate split) and speculative verify.
+
 Greedy, fp32; tokens and their logprobs compared (1e-4).
 """
 
@@ -83,8 +87,12 @@ def test_pools_hold_latent_pages_and_kda_slots_only(kimi_models):
     assert engine.stats().kv_pages_used == 0 and engine.stats().mamba_slots_used == 0
 
 
-def test_prefix_cache_on_matches_off_with_hits(kimi_models):
-    model_dir, hf = kimi_models("kimi_moe")
+LINEAR_HYBRIDS = ["kimi_moe", "minimax_one_in_four"]
+
+
+@pytest.mark.parametrize("name", LINEAR_HYBRIDS)
+def test_prefix_cache_on_matches_off_with_hits(kimi_models, name):
+    model_dir, hf = kimi_models(name)
     vocab = hf.config.vocab_size
     shared = prompts(vocab, 1, (70,))[0]
     items = [shared + p for p in prompts(vocab, 2, (5, 9, 13, 71))]
@@ -107,15 +115,15 @@ def test_prefix_cache_on_matches_off_with_hits(kimi_models):
 
 @pytest.fixture(scope="module")
 def workers(kimi_models):
-    """(role, tp size) -> its worker, built on first use, closed at the end."""
-    model_dir, _ = kimi_models("kimi_moe")
+    """(model, role, tp size) -> its worker, built on first use, closed at the end."""
     patch = pytest.MonkeyPatch()
     patch.setenv(SECRET_ENV, SECRET)
     context = zmq.Context()
-    built: dict[tuple[str, int], PrefillWorker | DecodeWorker] = {}
+    built: dict[tuple[str, str, int], PrefillWorker | DecodeWorker] = {}
 
-    def get(role: str, size: int):
-        if (role, size) not in built:
+    def get(name: str, role: str, size: int):
+        if (name, role, size) not in built:
+            model_dir, _ = kimi_models(name)
             engine = Engine(
                 model_dir,
                 tensor_parallel_size=size,
@@ -123,8 +131,8 @@ def workers(kimi_models):
                 **ARGS,
             )
             cls = PrefillWorker if role == "prefill" else DecodeWorker
-            built[role, size] = cls(engine, disagg_config(role), context)
-        return built[role, size]
+            built[name, role, size] = cls(engine, disagg_config(role), context)
+        return built[name, role, size]
 
     yield get
     for worker in built.values():
@@ -135,18 +143,27 @@ def workers(kimi_models):
 
 @pytest.fixture(scope="module")
 def colocated(kimi_models):
-    """(first round's prompts, second round's, what a colocated TP=1 engine answers to each)."""
-    model_dir, hf = kimi_models("kimi_moe")
-    items = prompts(hf.config.vocab_size, 3, (9, 70, 131))
-    again = [p + [7, 8, 9] for p in items]
-    engine = Engine(model_dir, **ARGS, enable_prefix_caching=False)
-    return items, again, run(engine, items), run(engine, again)
+    """model -> (first round's prompts, second round's, what a colocated TP=1 engine answers to
+    each), computed on first use."""
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            model_dir, hf = kimi_models(name)
+            items = prompts(hf.config.vocab_size, 3, (9, 70, 131))
+            again = [p + [7, 8, 9] for p in items]
+            engine = Engine(model_dir, **ARGS, enable_prefix_caching=False)
+            done[name] = items, again, run(engine, items), run(engine, again)
+        return done[name]
+
+    return get
 
 
+@pytest.mark.parametrize("name", LINEAR_HYBRIDS)
 @pytest.mark.parametrize("sizes", [(1, 1), (2, 1)])
-def test_pd_pair_matches_colocated(workers, colocated, sizes):
-    items, again, expected, expected_again = colocated
-    prefill, decoder = workers("prefill", sizes[0]), workers("decode", sizes[1])
+def test_pd_pair_matches_colocated(workers, colocated, sizes, name):
+    items, again, expected, expected_again = colocated(name)
+    prefill, decoder = workers(name, "prefill", sizes[0]), workers(name, "decode", sizes[1])
     hits = [w.stats().prefix_cache_hit_tokens for w in (prefill, decoder)]
     assert_same_runs(run_pair(prefill, decoder, items, f"a{sizes}"), expected)
     assert_same_runs(run_pair(prefill, decoder, again, f"b{sizes}"), expected_again)
@@ -154,8 +171,15 @@ def test_pd_pair_matches_colocated(workers, colocated, sizes):
     assert all(w.stats().prefix_cache_hit_tokens > h for w, h in zip((prefill, decoder), hits))
 
 
-def test_tensor_parallel_matches_one_rank(kimi_models):
-    model_dir, hf = kimi_models("kimi_dense_first")  # 4 KDA heads, MLA with q_lora and bias
+@pytest.mark.parametrize(
+    "name",
+    [
+        "kimi_dense_first",  # 4 KDA heads, MLA with q_lora and bias
+        "minimax_one_in_four",  # 4 lightning heads, softmax attention 4/2, 4 experts
+    ],
+)
+def test_tensor_parallel_matches_one_rank(kimi_models, name):
+    model_dir, hf = kimi_models(name)
     items = prompts(hf.config.vocab_size, 4, (11, 80))
     expected = run(Engine(model_dir, **ARGS), items)
     engine = Engine(model_dir, tensor_parallel_size=2, **ARGS)
@@ -165,12 +189,13 @@ def test_tensor_parallel_matches_one_rank(kimi_models):
         engine.close()
 
 
-def test_speculative_verify_keeps_plain_outputs_at_every_acceptance_count(kimi_models):
+@pytest.mark.parametrize("name", LINEAR_HYBRIDS)
+def test_speculative_verify_keeps_plain_outputs_at_every_acceptance_count(kimi_models, name):
     """A scripted drafter (tests/spec_helpers.py) makes every acceptance count from 0 to k happen:
     KDA keeps its conv window and state after each drafted position in that position's slot, MLA
     attends the verify rows over the latent pages, rejected pages are freed; greedy output and
-    its logprobs are plain decoding's."""
-    model_dir, hf = kimi_models("kimi_moe")
+    its logprobs are plain decoding's (MiniMax: lightning attention's state likewise)."""
+    model_dir, hf = kimi_models(name)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     items = prompts(hf.config.vocab_size, 6, (9, 50, 61))
     want = LLM(model_dir, **ARGS).generate(items, greedy)

@@ -4,7 +4,8 @@ transformers in fp32, one engine per config: in one run, prompts batched, prefil
 beside decodes (mixed steps) and preempted for memory; greedy tokens are transformers' greedy
 tokens, their logprobs and every prompt logprob within 1e-4 (teacher forcing,
 tests/test_gdn_models.py). Every window is shorter than the longer prompts. Pools are empty at
-the end."""
+the end. RecurrentGemma's recurrent block alone (no window, no pages) the same way, but for
+preemption (nothing to preempt for)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from baton import LLM, SamplingParams
 from tests.test_gdn_models import ENGINE, NEW_TOKENS, assert_matches_transformers, prompts_for
-from tests.window_models import WINDOW_CONFIGS
+from tests.window_models import RECURRENT_ONLY_CONFIGS, WINDOW_CONFIGS
 
 
 @pytest.mark.parametrize("name", list(WINDOW_CONFIGS))
@@ -60,3 +61,23 @@ def test_only_a_model_without_full_attention_releases_pages(window_models):
     # pages of positions 59..68, the window of 10
     assert last_step == [18, 4]
     assert most == [18, 8]  # with the window: the 30-token prompt's (no release in prefill)
+
+
+@pytest.mark.parametrize("name", list(RECURRENT_ONLY_CONFIGS))
+def test_recurrent_only_model_matches_transformers_without_pages(window_models, name):
+    model_dir, hf = window_models(name)
+    prompts = prompts_for(hf.config.vocab_size)
+    llm = LLM(model_dir, **ENGINE)
+    modes = []
+    original = llm.engine.forward
+    llm.engine.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1
+    )
+    outs = llm.generate(prompts, params)
+    stats = llm.stats()
+    assert {"mixed", "decode", "extend"} <= set(modes)
+    assert stats.kv_pages_total == 0
+    for prompt, out in zip(prompts, outs):
+        assert_matches_transformers(hf, prompt, out)
+    assert stats.mamba_slots_used == 0

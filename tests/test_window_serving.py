@@ -1,13 +1,19 @@
 """The sliding-window families on the serving paths that follow the state spec (nothing in the
-pools, prefix cache, handover, wire or TP planning names LFM3 or its window):
+pools, prefix cache, handover, wire or TP planning names LFM3, RecurrentGemma or the window),
+each for the two models whose only paged kind is windowed (LFM3 with sliding layers only,
+RecurrentGemma) and so release pages:
 
-    prefix cache on     == off, with hits: LFM3 with sliding layers only releases the pages
-                        behind its window while decoding, so the block its decode closes is
-                        cached with the dummy page where pages were released; a later prompt
-                        that extends prompt + output resumes there and reads only the window
+    prefix cache on     == off, with hits: the model releases the pages behind its window
+                        while decoding, so the block its decode closes is cached with the dummy
+                        page where pages were released; a later prompt that extends prompt +
+                        output resumes there and reads only the window (RecurrentGemma resumes
+                        its RG-LRU and conv from the checkpoint of that block)
     PD pair             == colocated, TP 1 -> 1 and 2 -> 1, twice: the second round's prompts
                         extend the first's, so both workers resume from their caches
-    colocated TP = 2    == TP = 1 (query heads and the attention gate split, KV heads split)
+    colocated TP = 2    == TP = 1 (LFM3: query heads and the attention gate split, KV heads
+                        split; RecurrentGemma: query and KV heads, the RG-LRU's gate blocks)
+    speculative verify  == plain decoding at every acceptance count (RecurrentGemma: its conv
+                        window and LRU state kept after each drafted position)
 
 Greedy, fp32; tokens and their logprobs compared (1e-4).
 """
@@ -23,6 +29,7 @@ from baton.disagg.prefill import PrefillWorker
 from baton.disagg.tp_transfer import SECRET_ENV, connector_spec
 from baton.engine.core.engine import Engine
 from tests.same_outputs import assert_same_outputs
+from tests.spec_helpers import scripted_llm
 from tests.test_gdn_serving import (
     ARGS,
     assert_same_runs,
@@ -33,10 +40,14 @@ from tests.test_gdn_serving import (
 )
 
 SECRET = "window-s3cret"
+RELEASING = ["lfm3_sliding", "rgemma_local"]  # windows of 10: every paged kind is windowed
 
 
-def test_prefix_cache_on_matches_off_with_hits_on_blocks_closed_after_a_release(window_models):
-    model_dir, hf = window_models("lfm3_sliding")
+@pytest.mark.parametrize("name", RELEASING)
+def test_prefix_cache_on_matches_off_with_hits_on_blocks_closed_after_a_release(
+    window_models, name
+):
+    model_dir, hf = window_models(name)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     first = prompts(hf.config.vocab_size, 1, (60,))[0]
     off = LLM(model_dir, **ARGS, enable_prefix_caching=False)
@@ -61,15 +72,15 @@ def test_prefix_cache_on_matches_off_with_hits_on_blocks_closed_after_a_release(
 
 @pytest.fixture(scope="module")
 def workers(window_models):
-    """(role, tp size) -> its worker for LFM3 with sliding layers only, built on first use."""
-    model_dir, _ = window_models("lfm3_sliding")
+    """(model, role, tp size) -> its worker, built on first use."""
     patch = pytest.MonkeyPatch()
     patch.setenv(SECRET_ENV, SECRET)
     context = zmq.Context()
-    built: dict[tuple[str, int], PrefillWorker | DecodeWorker] = {}
+    built: dict[tuple[str, str, int], PrefillWorker | DecodeWorker] = {}
 
-    def get(role: str, size: int):
-        if (role, size) not in built:
+    def get(name: str, role: str, size: int):
+        if (name, role, size) not in built:
+            model_dir, _ = window_models(name)
             engine = Engine(
                 model_dir,
                 tensor_parallel_size=size,
@@ -77,8 +88,8 @@ def workers(window_models):
                 **ARGS,
             )
             cls = PrefillWorker if role == "prefill" else DecodeWorker
-            built[role, size] = cls(engine, disagg_config(role), context)
-        return built[role, size]
+            built[name, role, size] = cls(engine, disagg_config(role), context)
+        return built[name, role, size]
 
     yield get
     for worker in built.values():
@@ -89,27 +100,38 @@ def workers(window_models):
 
 @pytest.fixture(scope="module")
 def colocated(window_models):
-    """(first round's prompts, second round's, what a colocated TP=1 engine answers to each)."""
-    model_dir, hf = window_models("lfm3_sliding")
-    items = prompts(hf.config.vocab_size, 3, (9, 70, 131))
-    again = [p + [7, 8, 9] for p in items]
-    engine = Engine(model_dir, **ARGS, enable_prefix_caching=False)
-    return items, again, run(engine, items), run(engine, again)
+    """model -> (first round's prompts, second round's, what a colocated TP=1 engine answers to
+    each), computed on first use."""
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            model_dir, hf = window_models(name)
+            items = prompts(hf.config.vocab_size, 3, (9, 70, 131))
+            again = [p + [7, 8, 9] for p in items]
+            engine = Engine(model_dir, **ARGS, enable_prefix_caching=False)
+            done[name] = items, again, run(engine, items), run(engine, again)
+        return done[name]
+
+    return get
 
 
+@pytest.mark.parametrize("name", RELEASING)
 @pytest.mark.parametrize("sizes", [(1, 1), (2, 1)])
-def test_pd_pair_matches_colocated(workers, colocated, sizes):
-    items, again, expected, expected_again = colocated
-    prefill, decoder = workers("prefill", sizes[0]), workers("decode", sizes[1])
+def test_pd_pair_matches_colocated(workers, colocated, sizes, name):
+    items, again, expected, expected_again = colocated(name)
+    prefill, decoder = workers(name, "prefill", sizes[0]), workers(name, "decode", sizes[1])
     hits = [w.stats().prefix_cache_hit_tokens for w in (prefill, decoder)]
     assert_same_runs(run_pair(prefill, decoder, items, f"a{sizes}"), expected)
     assert_same_runs(run_pair(prefill, decoder, again, f"b{sizes}"), expected_again)
     assert all(w.stats().prefix_cache_hit_tokens > h for w, h in zip((prefill, decoder), hits))
 
 
-def test_tensor_parallel_matches_one_rank(window_models):
-    """Query heads, the attention gate's rows, conv channels and the MLP split over 2 ranks."""
-    model_dir, hf = window_models("lfm3_mixed")
+@pytest.mark.parametrize("name", ["lfm3_mixed", "rgemma_gqa"])
+def test_tensor_parallel_matches_one_rank(window_models, name):
+    """Query heads, the attention gate's rows (LFM3), the RG-LRU's gate blocks (RecurrentGemma),
+    conv channels and the MLP split over 2 ranks."""
+    model_dir, hf = window_models(name)
     items = prompts(hf.config.vocab_size, 4, (11, 80))
     expected = run(Engine(model_dir, **ARGS), items)
     engine = Engine(model_dir, tensor_parallel_size=2, **ARGS)
@@ -117,3 +139,20 @@ def test_tensor_parallel_matches_one_rank(window_models):
         assert_same_runs(run(engine, items), expected)
     finally:
         engine.close()
+
+
+def test_speculative_verify_keeps_plain_outputs_at_every_acceptance_count(window_models):
+    """A scripted drafter (tests/spec_helpers.py) makes every acceptance count from 0 to k
+    happen: the RG-LRU keeps its window and state after each drafted position in that
+    position's slot, windowed attention reads the verify rows; greedy output and its logprobs
+    are plain decoding's."""
+    model_dir, hf = window_models("rgemma_local")
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    items = prompts(hf.config.vocab_size, 6, (9, 50, 61))
+    want = LLM(model_dir, **ARGS).generate(items, greedy)
+    reference = {tuple(p): o.token_ids for p, o in zip(items, want)}
+    spec = scripted_llm(model_dir, reference, 2, **ARGS)
+    assert_same_outputs(spec.generate(items, greedy), want)
+    stats = spec.stats()
+    assert all(n > 0 for n in stats.spec_decode_num_accepted_tokens_per_pos)
+    assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0

@@ -1,4 +1,4 @@
-"""Tiny random models of the sliding-window families (LFM3), built by transformers 5.25 (fp32,
+"""Tiny random models of the sliding-window families (LFM3, RecurrentGemma), built by transformers 5.25 (fp32,
 fixed seeds, parameters spread like tests/tiny.py) with tests/families.py's builder, saved with
 save_pretrained plus the tiny tokenizer, and shared per session.
 
@@ -11,6 +11,16 @@ so the windows really cut what a query sees.
     lfm3_sliding   every attention layer sliding (no full attention: the pages behind the window
                    are released during decode), no sandwich norms, no gate, MQA, window 10 (not
                    a multiple of the page size), its own rope theta, untied lm_head
+    rgemma_local   RecurrentGemma's release pattern (recurrent, recurrent, attention) over 4
+                   layers: RG-LRU of width 64 (4 gate blocks of 16, wider than hidden 48), local
+                   MQA attention with window 10 (its only paged kind: pages are released),
+                   Gemma's bf16-rounded embedding scale (sqrt 48), tied lm_head, soft cap 30
+    rgemma_gqa     attention first (attention, recurrent), GQA 4/2 with q/k/v biases, window 16,
+                   conv width 3, its own rope theta and partial rotary, soft cap 5 (it bites),
+                   untied lm_head
+    rgemma_hawk    recurrent blocks only (Griffin's "Hawk"): no paged state at all, so the CPU
+                   decode step is captured (tests/test_cpu_plan.py; a step over windowed
+                   attention only stays eager: the executor's choice)
 """
 
 from __future__ import annotations
@@ -64,6 +74,68 @@ WINDOW_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    "rgemma_local": (
+        "RecurrentGemmaConfig",
+        "RecurrentGemmaForCausalLM",
+        dict(
+            vocab_size=288,
+            hidden_size=48,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            lru_width=64,
+            attention_window_size=10,
+            conv1d_width=4,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "rgemma_gqa": (
+        "RecurrentGemmaConfig",
+        "RecurrentGemmaForCausalLM",
+        dict(
+            vocab_size=301,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            block_types=["attention", "recurrent"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_bias=True,
+            attention_window_size=16,
+            conv1d_width=3,
+            logits_soft_cap=5.0,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 500.0,
+                "partial_rotary_factor": 0.25,
+            },
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+}
+# Beside them, without a window (no paged state): the recurrent block alone.
+RECURRENT_ONLY_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    "rgemma_hawk": (
+        "RecurrentGemmaConfig",
+        "RecurrentGemmaForCausalLM",
+        dict(
+            vocab_size=280,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            block_types=["recurrent"],
+            num_attention_heads=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
 }
 
 
@@ -75,7 +147,8 @@ def window_models(tmp_path_factory):
     def get(name: str):
         if name not in built:
             path = tmp_path_factory.mktemp(f"window-{name}")
-            built[name] = (path, save_model(path, *WINDOW_CONFIGS[name], seed=700 + len(built)))
+            spec = (WINDOW_CONFIGS | RECURRENT_ONLY_CONFIGS)[name]
+            built[name] = (path, save_model(path, *spec, seed=700 + len(built)))
         return built[name]
 
     return get

@@ -44,7 +44,8 @@ class VocabParallelEmbedding(nn.Module):
 class CausalLM(nn.Module):
     """`self.model` is the family's backbone (`forward(md, cache) -> hidden`, with its token
     embedding at `self.model.<embedding_name>`). The logits are divided by `logits_scaling`
-    (Granite) and multiplied by `lm_head_multiplier` (Falcon-H1), in the model dtype, as
+    (Granite), multiplied by `lm_head_multiplier` (Falcon-H1) and soft-capped to
+    cap * tanh(logits / cap) (`logits_soft_cap`, RecurrentGemma), in the model dtype, as
     transformers does."""
 
     def __init__(
@@ -55,6 +56,7 @@ class CausalLM(nn.Module):
         *,
         logits_scaling: float = 1.0,
         lm_head_multiplier: float = 1.0,
+        logits_soft_cap: float | None = None,
         mtp: nn.Module | None = None,
     ):
         """mtp: the family's MTP head (`forward(embeds, prev_hidden, md, cache) -> hidden`),
@@ -63,6 +65,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.logits_scaling = logits_scaling
         self.lm_head_multiplier = lm_head_multiplier
+        self.logits_soft_cap = logits_soft_cap
         self.model = backbone
         self.embedding_name = embedding_name
         self.mtp = mtp
@@ -115,6 +118,8 @@ class CausalLM(nn.Module):
             logits = logits / self.logits_scaling
         if self.lm_head_multiplier != 1.0:
             logits = logits * self.lm_head_multiplier
+        if self.logits_soft_cap is not None:
+            logits = torch.tanh(logits / self.logits_soft_cap) * self.logits_soft_cap
         if logits.dtype != torch.float32 and logits.device.type == "cpu":
             return self._widen_logits(logits)
         return logits.float()

@@ -59,7 +59,12 @@ class ReluSquaredMLP(nn.Module):
             self.up_proj = PackedLinear(self.up_proj, activation="relu")
 
 
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}  # transformers' ACT2FN for these two names
+# transformers' ACT2FN for these names ("gelu_pytorch_tanh": Gemma's, GELU's tanh approximation)
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh"),
+}
 
 
 def gated_activation(

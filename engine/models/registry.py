@@ -54,6 +54,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "FalconMambaForCausalLM": ("falcon_mamba", "baton.engine.models.falcon_mamba"),
     "KimiLinearForCausalLM": ("kimi_linear", "baton.engine.models.kimi_linear"),
     "BailingHybridForCausalLM": ("bailing_hybrid", "baton.engine.models.bailing_hybrid"),
+    "RecurrentGemmaForCausalLM": ("recurrent_gemma", "baton.engine.models.recurrent_gemma"),
+    "MiniMaxForCausalLM": ("minimax", "baton.engine.models.minimax"),
 }
 
 

@@ -1,0 +1,80 @@
+"""Lightning attention's torch path (kernels/lightning.py) against a float64 token-by-token oracle
+of S_t = g S_{t-1} + k_t^T v_t, o_t = q_t S_t: the chunked prefill over a batch of sequences
+resumed at unaligned positions (and one shorter than its chunk), its states after every chunk
+end a sequence crosses and its final states in the pool; decode steps after a prefill; and the
+decay rates against transformers' MiniMaxLightningAttention.get_slope_rate."""
+
+from __future__ import annotations
+
+import torch
+
+from baton.engine.layers.lightning_attention import decay_rates
+from baton.kernels.lightning import lightning_decode, lightning_prefill_pool
+from baton.kernels.ssd import build_chunk_layout
+
+H, D = 3, 4
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def oracle(q, k, v, decay, h0):
+    """One sequence, float64: (outputs (n, H, D), states after each token (n, H, D, D))."""
+    g = torch.exp(-decay.double())[:, None, None]
+    state = h0.double().clone()
+    outs, states = [], []
+    for qt, kt, vt in zip(q.double(), k.double(), v.double()):
+        state = g * state + kt[:, :, None] * vt[:, None, :]
+        outs.append(torch.einsum("hd,hde->he", qt, state))
+        states.append(state.clone())
+    return torch.stack(outs), torch.stack(states)
+
+
+def test_prefill_matches_the_float64_oracle_with_states_at_chunk_ends():
+    gen = torch.Generator().manual_seed(0)
+    decay = torch.rand(H, generator=gen) * 0.5
+    chunk = 8
+    lens, starts = [1, 19, 30, 5], [0, 3, 0, 16]
+    T = sum(lens)
+    q, k, v = (torch.randn(T, H, D, generator=gen) for _ in range(3))
+    pool = torch.zeros(6, H, D, D)
+    slots = torch.tensor([4, 1, 2, 5])
+    pool[slots] = torch.randn(len(lens), H, D, D, generator=gen)
+    h0 = pool[slots].clone()
+    layout = build_chunk_layout(lens, starts, chunk, "cpu")
+    scan = lightning_prefill_pool(q, k, v, decay, pool, slots, layout)
+    offset = 0
+    for s, (n, start) in enumerate(zip(lens, starts)):
+        rows = slice(offset, offset + n)
+        want, states = oracle(q[rows], k[rows], v[rows], decay, h0[s])
+        torch.testing.assert_close(scan.out[rows].double(), want, **TOL)
+        torch.testing.assert_close(pool[slots[s]].double(), states[-1], **TOL)
+        for j in range(layout.num_chunks):
+            end = (start // chunk + j + 1) * chunk
+            if start < end <= start + n:
+                torch.testing.assert_close(
+                    scan.chunk_states[s, j].double(), states[end - start - 1], **TOL
+                )
+        offset += n
+
+
+def test_decode_steps_continue_the_prefill_state():
+    gen = torch.Generator().manual_seed(1)
+    decay = torch.rand(H, generator=gen)
+    q, k, v = (torch.randn(9, H, D, generator=gen) for _ in range(3))
+    want, _ = oracle(q, k, v, decay, torch.zeros(H, D, D))
+    pool, slot = torch.zeros(3, H, D, D), torch.tensor([2])
+    layout = build_chunk_layout([6], [0], 4, "cpu")
+    got = [lightning_prefill_pool(q[:6], k[:6], v[:6], decay, pool, slot, layout).out]
+    for t in range(6, 9):
+        got.append(lightning_decode(q[t : t + 1], k[t : t + 1], v[t : t + 1], decay, pool, slot))
+    torch.testing.assert_close(torch.cat(got).double(), want, **TOL)
+    assert pool[0].abs().sum() == 0 and pool[1].abs().sum() == 0
+
+
+def test_decay_rates_are_transformers_slope_rates():
+    from transformers import MiniMaxConfig
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+    config = MiniMaxConfig(hidden_size=48, num_attention_heads=6, num_hidden_layers=5)
+    for layer in (0, 3, 4):
+        want = MiniMaxLightningAttention(config, layer).slope_rate.view(-1)
+        torch.testing.assert_close(decay_rates(6, layer, 5), want, rtol=0, atol=0)
