@@ -138,7 +138,9 @@ def test_warm_up_builds_the_kernels_a_first_request_would(base_model, kernel_bui
     engine = Engine(model_dir, page_size=4)
     loaded = set(kernel_builds)
     engine.warm_up()
-    assert {"ops", "prefill"} <= set(kernel_builds) - loaded
+    # The engine asks for the decode kernels when it decides whether its CPU step can be
+    # captured (a step whose attention reads a mask is not); the warm-up asks for the rest.
+    assert "ops" in loaded and "prefill" in set(kernel_builds) - loaded
 
 
 def test_warm_up_leaves_no_trace_in_pools_counters_or_the_prefix_cache(base_model):
