@@ -288,6 +288,7 @@ PAIRS = [
     pytest.param("nixl", (2, 1), marks=needs_nixl),
     pytest.param("nixl", (1, 2), marks=needs_nixl),
     pytest.param("nixl", (2, 2), marks=needs_nixl),
+    pytest.param("nixl", (4, 2), marks=needs_nixl),
 ]
 
 
