@@ -4,7 +4,7 @@ rank receives exactly the K/V heads, conv channels and SSM heads it owns, straig
 prefill rank that holds them; the handshake refuses a layout pair it cannot serve, naming both;
 a lying peer fails its room, never the engine. The prompt's prefix-cache block checkpoints
 travel the same way (sliced like the final conv / SSM state), so the decode side caches the
-transferred prompt as a TP=1 handover does. With the nixl backend (1:2, 2:1, 2:2) each decode
+transferred prompt as a TP=1 handover does. With the nixl backend (1:2, 2:1, 2:2, 4:2) each decode
 rank READs exactly those units from the prefill ranks' pools instead, with the same tokens; a
 peer gone mid-read fails only its room, with every page and slot back on both sides.
 
