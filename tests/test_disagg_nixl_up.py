@@ -33,11 +33,16 @@ def model_dir(tiny_models):
 
 
 @needs_nixl
-@pytest.mark.parametrize("transports", ["tcp,self", "sm,tcp,self"])
-def test_baton_up_over_nixl_serves_as_colocated(transports, model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("transports", "tp"),
+    [("tcp,self", (1, 1)), ("sm,tcp,self", (1, 1)), ("tcp,self", (1, 2)), ("tcp,self", (2, 1))],
+    ids=["tcp", "sm", "tcp-tp1to2", "tcp-tp2to1"],
+)
+def test_baton_up_over_nixl_serves_as_colocated(transports, tp, model_dir, tmp_path, monkeypatch):
     """A prompt twice (a prefix hit on the prefill worker; the decode worker reads only what it
     does not cache), a shared prefix, a first-token-only request: texts and logprobs as an
-    in-process colocated engine gives them."""
+    in-process colocated engine gives them, at TP 1:1, 1:2 and 2:1 (each decode rank READs its
+    slices from every prefill rank's pools, across the worker processes)."""
     monkeypatch.setenv("UCX_TLS", transports)
     whole = [(7 * i) % 300 + 3 for i in range(45)]
     greedy = dict(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -53,6 +58,10 @@ def test_baton_up_over_nixl_serves_as_colocated(transports, model_dir, tmp_path,
         tmp_path / "up.log",
         "--disaggregation-transfer-backend",
         "nixl",
+        "--prefill-tp",
+        str(tp[0]),
+        "--decode-tp",
+        str(tp[1]),
         "--",
         *WORKER_FLAGS,
     )
