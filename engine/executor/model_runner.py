@@ -38,7 +38,9 @@ class ModelRunner:
         self.buffers = MetadataBuffers(device, ints=4096, kv_rows=16, kv_width=256, fixed=False)
         # A (1, heads, head_dim) query in the KV dtype: what the decode-kernel choice looks at
         # (its head_dim and dtype).
-        keys = cache.pools.get("attention.k")  # (layers, tokens, kv_heads, head_dim)
+        # (layers, tokens, kv_heads, head_dim): full attention's K pool, else the windowed
+        # layers' (the same decode kernels read it, over each row's window)
+        keys = cache.pools.get("attention.k", cache.pools.get("sliding_attention.k"))
         self._query_probe = (
             torch.empty(1, *keys.shape[2:], dtype=keys.dtype, device=device)
             if keys is not None
@@ -54,7 +56,8 @@ class ModelRunner:
         probe = self._query_probe
         if probe is None:
             return bool(self.cache.paged)
-        k_cache = self.cache.pools["attention.k"][0]
+        pools = self.cache.pools
+        k_cache = pools.get("attention.k", pools.get("sliding_attention.k"))[0]
         if select_backend(probe) == "triton":
             return False
         return not cpu_ops.decode_attention_supported(probe, k_cache)
