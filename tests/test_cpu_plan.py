@@ -196,8 +196,11 @@ def test_captured_verify_step_equals_eager(request, method):
     captured, outputs = run()
     assert_outputs_match(outputs, eager)
     assert_replayed(captured)
-    assert any(key[0] == "verify" for key in captured.engine.graph_runner.plans)
+    runner = captured.engine.graph_runner
+    assert any(key[0] == "verify" for key in runner.plans)
     assert captured.stats().spec_decode_num_drafts > 0
+    if method == "mtp":  # the head's first and chained passes replayed from their own plans
+        assert {key[0] for key, plan in runner.draft_plans.items() if plan} == {"target", "chain"}
 
 
 # --- the failures the equality tests must catch -------------------------------------------

@@ -3,6 +3,8 @@ the drafter's forwards (an MTP head) over rows that start from kept hidden state
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from baton.engine.cache.pools import StateCache
@@ -34,6 +36,9 @@ class ModelRunner:
         # ... and the latest target step's batch and metadata (padded, when the graph runner ran
         # it), whose layouts a draft forward over the same rows reuses
         self.target_step: tuple[ScheduledBatch, Mamba2Metadata] | None = None
+        # Set by a graph runner that captures CPU steps: a draft pass replayed from its plan, or
+        # None where it cannot (then the pass runs here, eagerly)
+        self.captured_draft: Callable[[DraftBatch], torch.Tensor | None] | None = None
         # Eager steps vary in shape: these grow to the largest step seen, then stay.
         self.buffers = MetadataBuffers(device, ints=4096, kv_rows=16, kv_width=256, fixed=False)
         # A (1, heads, head_dim) query in the KV dtype: what the decode-kernel choice looks at
@@ -101,6 +106,10 @@ class ModelRunner:
         """One forward of the MTP head (engine/executor/draft_batch.py): float32 draft logits
         for the batch's logits rows. A first pass over the latest target step's own rows takes
         that step's metadata with its own tokens instead of building the same layouts again."""
+        if self.captured_draft is not None:
+            logits = self.captured_draft(batch)
+            if logits is not None:
+                return logits
         step = self.target_step
         if batch.hidden_from == "target" and step is not None and same_rows(step[0], batch.batch):
             if batch.hidden_rows != tuple(range(batch.batch.num_tokens)):
