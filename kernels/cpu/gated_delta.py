@@ -43,11 +43,13 @@ def supported(v: torch.Tensor, state_pool: torch.Tensor) -> bool:
     )
 
 
-def _f32c(t: torch.Tensor) -> torch.Tensor:
+def f32c(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the C kernels read it: float32, contiguous."""
     return t.to(torch.float32).contiguous()
 
 
-def _raise_bad_slot(result: int, slots: torch.Tensor, num_slots: int, what: str) -> None:
+def raise_bad_slot(result: int, slots: torch.Tensor, num_slots: int, what: str) -> None:
+    """A slot kernel's error code (1 + the row whose slot is outside the pool) as an IndexError."""
     if result:
         row = result - 1
         raise IndexError(
@@ -61,7 +63,7 @@ def _scan(q, k, v, g, beta, state_pool, slots, cu, start_pos, chunk, chunk_state
     slots64 = slots.to(torch.int64).contiguous()
     o = torch.empty(T, Hv, dv, dtype=torch.float32)
     qkn = torch.empty(T, Hk, 2 * dk + 1, dtype=torch.float32)
-    qf, kf, vf, gf, bf = (_f32c(t) for t in (q, k, v, g, beta))
+    qf, kf, vf, gf, bf = (f32c(t) for t in (q, k, v, g, beta))
     result = library().baton_gdn_scan(
         qf,
         kf,
@@ -86,7 +88,7 @@ def _scan(q, k, v, g, beta, state_pool, slots, cu, start_pos, chunk, chunk_state
         dv,
         torch.get_num_threads(),
     )
-    _raise_bad_slot(result, slots64, state_pool.shape[0], "gated delta rule")
+    raise_bad_slot(result, slots64, state_pool.shape[0], "gated delta rule")
     return o.to(v.dtype)
 
 
@@ -229,5 +231,5 @@ def gdn_decode_cpu(
         dv,
         torch.get_num_threads(),
     )
-    _raise_bad_slot(result, slots, state_pool.shape[0], "gdn_decode")
+    raise_bad_slot(result, slots, state_pool.shape[0], "gdn_decode")
     return out

@@ -16,9 +16,11 @@ from typing import NamedTuple
 
 import torch
 
-from baton.kernels.backend import select_backend
 from baton.kernels.cpu.extension import Kernels
 from baton.kernels.cpu.extension import library as cpu_library
+
+# one library, one pool contract: the gated delta rule's checks serve KDA's kernels as they are
+from baton.kernels.cpu.gated_delta import f32c, raise_bad_slot, supported
 from baton.kernels.layouts import ChunkLayout
 
 SOURCE = Path(__file__).with_name("kda.c")
@@ -32,36 +34,13 @@ def library() -> Kernels | None:
     return cpu_library()
 
 
-def supported(v: torch.Tensor, state_pool: torch.Tensor) -> bool:
-    """CPU tensors on the torch backend with a contiguous float32 pool and the library built."""
-    return (
-        v.device.type == "cpu"
-        and select_backend(v) == "torch"
-        and state_pool.dtype == torch.float32
-        and state_pool.is_contiguous()
-        and library() is not None
-    )
-
-
-def _f32c(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float32).contiguous()
-
-
-def _raise_bad_slot(result: int, slots: torch.Tensor, num_slots: int, what: str) -> None:
-    if result:
-        row = result - 1
-        raise IndexError(
-            f"{what}: slot index {int(slots[row])} of row {row} is outside the pool of {num_slots}"
-        )
-
-
 def _scan(q, k, v, g, beta, state_pool, slots, cu, start_pos, chunk, chunk_states, skip_padding):
     T, H, dk = q.shape
     dv = v.shape[-1]
     slots64 = slots.to(torch.int64).contiguous()
     o = torch.empty(T, H, dv, dtype=torch.float32)
     prep = torch.empty(T, H, 4 * dk + 1, dtype=torch.float32)
-    qf, kf, vf, gf, bf = (_f32c(t) for t in (q, k, v, g, beta))
+    qf, kf, vf, gf, bf = (f32c(t) for t in (q, k, v, g, beta))
     result = library().baton_kda_scan(
         qf, kf, vf, gf, bf,
         state_pool, state_pool.shape[0], slots64, cu,
@@ -70,7 +49,7 @@ def _scan(q, k, v, g, beta, state_pool, slots, cu, start_pos, chunk, chunk_state
         chunk_states.shape[1] if chunk_states is not None else 0, int(skip_padding),
         prep, o, H, dk, dv, torch.get_num_threads(),
     )  # fmt: skip
-    _raise_bad_slot(result, slots64, state_pool.shape[0], "KDA")
+    raise_bad_slot(result, slots64, state_pool.shape[0], "KDA")
     return o.to(v.dtype)
 
 
@@ -185,5 +164,5 @@ def kda_mixer_decode_cpu(
         xconv, prep, o, out,
         int(qkv.dtype == torch.bfloat16), H, d, torch.get_num_threads(),
     )  # fmt: skip
-    _raise_bad_slot(result, slots, state_pool.shape[0], "kda_decode")
+    raise_bad_slot(result, slots, state_pool.shape[0], "kda_decode")
     return out
