@@ -45,6 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from baton.kernels.backend import select_backend
 from baton.kernels.cpu import kda as cpu_kda
 from baton.kernels.layouts import ChunkLayout
 
@@ -185,10 +186,15 @@ def kda_prefill(
     """KDA with the states in the pool: sequence s starts from `state_pool[state_indices[s]]`
     (num_slots, heads, dk, dv) and its final state is written back there. state_indices:
     (num_seqs,) int64. Returns (o (num_tokens, heads, dv) in v's dtype, chunk_states (num_seqs,
-    num_chunks, heads, dk, dv) float32). CPU: the C scan when supported, else torch."""
+    num_chunks, heads, dk, dv) float32). CUDA: Triton (kernels/triton/recurrences.py); CPU: the C
+    scan when supported, else torch."""
     _check(q, k, v, g, beta, tuple(state_pool.shape), "kda_prefill")
     if state_indices.shape != (layout.num_seqs,):
         raise ValueError(f"kda_prefill: one slot per sequence, got {tuple(state_indices.shape)}")
+    if select_backend(v) == "triton":
+        from baton.kernels.triton.recurrences import kda_prefill_triton
+
+        return kda_prefill_triton(q, k, v, g, beta, state_pool, state_indices, layout)
     if cpu_kda.supported(v, state_pool):
         return cpu_kda.kda_prefill_cpu(q, k, v, g, beta, state_pool, state_indices, layout)
     out = chunk_kda_torch(q, k, v, g, beta, state_pool[state_indices], layout)
@@ -210,10 +216,15 @@ def kda_decode(
     q, k: (batch, heads, dk); v: (batch, heads, dv); g: (batch, heads, dk) float32; beta:
     (batch, heads); state_pool: (num_slots, heads, dk, dv); state_indices: (batch,) int64.
     Rows whose index is 0 are padding: their slot is left as it was and their output is zero.
-    Returns o: (batch, heads, dv) in v's dtype. CPU: the C step when supported, else torch."""
+    Returns o: (batch, heads, dv) in v's dtype. CUDA: Triton; CPU: the C step when supported,
+    else torch."""
     _check(q, k, v, g, beta, tuple(state_pool.shape), "kda_decode")
     if state_indices.shape != (q.shape[0],):
         raise ValueError(f"kda_decode: one slot per row, got {tuple(state_indices.shape)}")
+    if select_backend(v) == "triton":
+        from baton.kernels.triton.recurrences import kda_decode_triton
+
+        return kda_decode_triton(q, k, v, g, beta, state_pool, state_indices)
     if cpu_kda.supported(v, state_pool):
         return cpu_kda.kda_decode_cpu(q, k, v, g, beta, state_pool, state_indices)
     return kda_decode_torch(q, k, v, g, beta, state_pool, state_indices)

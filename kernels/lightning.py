@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from baton.kernels.backend import select_backend
 from baton.kernels.layouts import ChunkLayout
 
 
@@ -95,7 +96,13 @@ def lightning_prefill_pool(
     layout: ChunkLayout,
 ) -> LightningScan:
     """`lightning_prefill` from and back into the pool: sequence s starts from
-    `state_pool[slots[s]]` (zeros for a fresh slot) and its final state is written there."""
+    `state_pool[slots[s]]` (zeros for a fresh slot) and its final state is written there.
+    CUDA tensors run the Triton recurrence (kernels/triton/recurrences.py)."""
+    if select_backend(v) == "triton":
+        from baton.kernels.triton.recurrences import lightning_prefill_pool_triton
+
+        out, chunks = lightning_prefill_pool_triton(q, k, v, decay, state_pool, slots, layout)
+        return LightningScan(out=out, final_states=state_pool[slots].float(), chunk_states=chunks)
     scan = lightning_prefill(q, k, v, decay, state_pool[slots], layout)
     state_pool[slots] = scan.final_states.to(state_pool.dtype)
     return scan
@@ -111,6 +118,10 @@ def lightning_decode(
 ) -> torch.Tensor:
     """One token per row: q, k, v (batch, heads, head_dim); the pool updated in place at
     `slots` (batch,). Returns o (batch, heads, head_dim) in q's dtype."""
+    if select_backend(v) == "triton":
+        from baton.kernels.triton.recurrences import lightning_decode_triton
+
+        return lightning_decode_triton(q, k, v, decay, state_pool, slots)
     ratio = torch.exp(-decay.float()).view(1, -1, 1, 1)
     state = state_pool.index_select(0, slots).float()
     state = ratio * state + k.float()[..., :, None] * v.float()[..., None, :]

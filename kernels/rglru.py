@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from baton.kernels.backend import select_backend
 from baton.kernels.layouts import ChunkLayout
 
 
@@ -109,7 +110,13 @@ def rglru_scan_pool(
     layout: ChunkLayout,
 ) -> RGLRUScan:
     """`rglru_scan` from and back into the pool: sequence s starts from `state_pool[slots[s]]`
-    (zeros for a fresh slot) and its final state is written there."""
+    (zeros for a fresh slot) and its final state is written there. CUDA tensors run the Triton
+    scan (kernels/triton/recurrences.py)."""
+    if select_backend(u) == "triton":
+        from baton.kernels.triton.recurrences import rglru_scan_pool_triton
+
+        y, chunks = rglru_scan_pool_triton(a, u, state_pool, slots, layout)
+        return RGLRUScan(y=y, final_states=state_pool[slots].float(), chunk_states=chunks)
     out = rglru_scan(a, u, state_pool[slots], layout)
     state_pool[slots] = out.final_states.to(state_pool.dtype)
     return out
@@ -120,6 +127,10 @@ def rglru_update(
 ) -> torch.Tensor:
     """One token per row: a, u (batch, width); the pool updated in place at `slots` (batch,).
     Returns y (batch, width) in u's dtype."""
+    if select_backend(u) == "triton":
+        from baton.kernels.triton.recurrences import rglru_update_triton
+
+        return rglru_update_triton(a, u, state_pool, slots)
     state = torch.addcmul(u.float(), a.float(), state_pool.index_select(0, slots).float())
     state_pool.index_copy_(0, slots, state.to(state_pool.dtype))
     return state.to(u.dtype)
