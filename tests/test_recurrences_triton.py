@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import baton.kernels.triton.recurrences as triton_rec
-from baton.kernels.kda import kda_decode, kda_prefill
+from baton.kernels.kda import chunk_kda_torch, kda_decode, kda_decode_torch, kda_prefill
 from baton.kernels.lightning import lightning_decode, lightning_prefill_pool
 from baton.kernels.rglru import rglru_inputs, rglru_scan_pool, rglru_update
 from baton.kernels.ssd import build_chunk_layout
@@ -39,21 +39,24 @@ def backend(monkeypatch):
 
     def run(name: str, fn, *args):
         monkeypatch.setenv("BATON_KERNELS", name)
-        if name == "torch":
-            monkeypatch.setenv("BATON_CPU_OPS", "0")  # the torch path, not the C kernels
-        else:
-            monkeypatch.delenv("BATON_CPU_OPS", raising=False)
         return fn(*args)
 
     run.calls = calls
     return run
 
 
-def both(backend, fn, pool: torch.Tensor, args):
-    """fn(*args(pool copy)) under torch and under Triton: (torch result, torch pool, triton
-    result, triton pool)."""
+def kda_prefill_torch(q, k, v, g, beta, pool, slots, layout):
+    """kda_prefill's torch path (on the CPU, kda_prefill itself would run the C scan)."""
+    out = chunk_kda_torch(q, k, v, g, beta, pool[slots], layout)
+    pool[slots] = out.final_states
+    return out.o, out.chunk_states
+
+
+def both(backend, fn, pool: torch.Tensor, args, reference=None):
+    """fn(*args(pool copy)) under Triton and `reference` (default: fn) under torch: (torch
+    result, torch pool, triton result, triton pool)."""
     torch_pool, triton_pool = pool.clone(), pool.clone()
-    want = backend("torch", fn, *args(torch_pool))
+    want = backend("torch", reference or fn, *args(torch_pool))
     got = backend("triton", fn, *args(triton_pool))
     return want, torch_pool, got, triton_pool
 
@@ -68,7 +71,11 @@ def test_kda_prefill_and_decode_match_torch(backend, dtype):
     slots = torch.tensor([3, 1, 4])
     pool[slots] = init
     (o_want, ch_want), pool_want, (o_got, ch_got), pool_got = both(
-        backend, kda_prefill, pool, lambda p: (q, k, v, g, beta, p, slots, layout)
+        backend,
+        kda_prefill,
+        pool,
+        lambda p: (q, k, v, g, beta, p, slots, layout),
+        kda_prefill_torch,
     )
     torch.testing.assert_close(o_got.float(), o_want.float(), **TOL[dtype])
     torch.testing.assert_close(ch_got, ch_want, **TOL[torch.float32])
