@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from baton.kernels.backend import select_backend
+from baton.kernels.cpu import lightning as cpu_lightning
 from baton.kernels.layouts import ChunkLayout
 
 
@@ -97,11 +98,15 @@ def lightning_prefill_pool(
 ) -> LightningScan:
     """`lightning_prefill` from and back into the pool: sequence s starts from
     `state_pool[slots[s]]` (zeros for a fresh slot) and its final state is written there.
-    CUDA tensors run the Triton recurrence (kernels/triton/recurrences.py)."""
+    CUDA tensors run the Triton recurrence (kernels/triton/recurrences.py), CPU tensors the C
+    scan (kernels/cpu/lightning.c) when built and the pool is contiguous float32."""
     if select_backend(v) == "triton":
         from baton.kernels.triton.recurrences import lightning_prefill_pool_triton
 
         out, chunks = lightning_prefill_pool_triton(q, k, v, decay, state_pool, slots, layout)
+        return LightningScan(out=out, final_states=state_pool[slots].float(), chunk_states=chunks)
+    if cpu_lightning.supported(v, state_pool):
+        out, chunks = cpu_lightning.lightning_prefill_cpu(q, k, v, decay, state_pool, slots, layout)
         return LightningScan(out=out, final_states=state_pool[slots].float(), chunk_states=chunks)
     scan = lightning_prefill(q, k, v, decay, state_pool[slots], layout)
     state_pool[slots] = scan.final_states.to(state_pool.dtype)
@@ -117,11 +122,14 @@ def lightning_decode(
     slots: torch.Tensor,
 ) -> torch.Tensor:
     """One token per row: q, k, v (batch, heads, head_dim); the pool updated in place at
-    `slots` (batch,). Returns o (batch, heads, head_dim) in q's dtype."""
+    `slots` (batch,). Returns o (batch, heads, head_dim) in q's dtype. The C step treats rows
+    on the dummy slot 0 as padding (o = 0, slot untouched); the torch step runs them on it."""
     if select_backend(v) == "triton":
         from baton.kernels.triton.recurrences import lightning_decode_triton
 
         return lightning_decode_triton(q, k, v, decay, state_pool, slots)
+    if cpu_lightning.supported(v, state_pool):
+        return cpu_lightning.lightning_decode_cpu(q, k, v, decay, state_pool, slots)
     ratio = torch.exp(-decay.float()).view(1, -1, 1, 1)
     state = state_pool.index_select(0, slots).float()
     state = ratio * state + k.float()[..., :, None] * v.float()[..., None, :]

@@ -111,11 +111,17 @@ def rglru_scan_pool(
 ) -> RGLRUScan:
     """`rglru_scan` from and back into the pool: sequence s starts from `state_pool[slots[s]]`
     (zeros for a fresh slot) and its final state is written there. CUDA tensors run the Triton
-    scan (kernels/triton/recurrences.py)."""
+    scan (kernels/triton/recurrences.py), CPU tensors the C scan (kernels/cpu/rglru.c) when
+    built and the pool is contiguous float32."""
     if select_backend(u) == "triton":
         from baton.kernels.triton.recurrences import rglru_scan_pool_triton
 
         y, chunks = rglru_scan_pool_triton(a, u, state_pool, slots, layout)
+        return RGLRUScan(y=y, final_states=state_pool[slots].float(), chunk_states=chunks)
+    from baton.kernels.cpu import rglru as cpu_rglru  # it imports this module's types
+
+    if cpu_rglru.scan_supported(u, state_pool):
+        y, chunks = cpu_rglru.rglru_scan_cpu(a, u, state_pool, slots, layout)
         return RGLRUScan(y=y, final_states=state_pool[slots].float(), chunk_states=chunks)
     out = rglru_scan(a, u, state_pool[slots], layout)
     state_pool[slots] = out.final_states.to(state_pool.dtype)

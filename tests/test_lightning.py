@@ -1,19 +1,33 @@
-"""Lightning attention's torch path (kernels/lightning.py) against a float64 token-by-token oracle
-of S_t = g S_{t-1} + k_t^T v_t, o_t = q_t S_t: the chunked prefill over a batch of sequences
-resumed at unaligned positions (and one shorter than its chunk), its states after every chunk
-end a sequence crosses and its final states in the pool; decode steps after a prefill; and the
-decay rates against transformers' MiniMaxLightningAttention.get_slope_rate."""
+"""Lightning attention's torch path (kernels/lightning.py) and its C scan (kernels/cpu/lightning.c)
+against a float64 token-by-token oracle of S_t = g S_{t-1} + k_t^T v_t, o_t = q_t S_t: the
+prefill over a batch of sequences resumed at unaligned positions (and one shorter than its
+chunk), its states after every chunk end a sequence crosses (and the final state in the chunks
+past its end) and its final states in the pool; decode steps after a prefill; the C scan against
+the torch path at a width of a full and a partial column block; and the decay rates against
+transformers' MiniMaxLightningAttention.get_slope_rate."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from baton.engine.layers.lightning_attention import decay_rates
+from baton.kernels.cpu import lightning as cpu_lightning
 from baton.kernels.lightning import lightning_decode, lightning_prefill_pool
 from baton.kernels.ssd import build_chunk_layout
 
 H, D = 3, 4
 TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(params=["torch", "c"])
+def path(request, monkeypatch) -> str:
+    """Which implementation kernels/lightning.py runs on these CPU tensors."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_lightning, "supported", lambda v, pool: False)
+    elif cpu_lightning.library() is None:
+        pytest.skip("the C kernels are not built")
+    return request.param
 
 
 def oracle(q, k, v, decay, h0):
@@ -28,7 +42,7 @@ def oracle(q, k, v, decay, h0):
     return torch.stack(outs), torch.stack(states)
 
 
-def test_prefill_matches_the_float64_oracle_with_states_at_chunk_ends():
+def test_prefill_matches_the_float64_oracle_with_states_at_chunk_ends(path):
     gen = torch.Generator().manual_seed(0)
     decay = torch.rand(H, generator=gen) * 0.5
     chunk = 8
@@ -49,14 +63,12 @@ def test_prefill_matches_the_float64_oracle_with_states_at_chunk_ends():
         torch.testing.assert_close(pool[slots[s]].double(), states[-1], **TOL)
         for j in range(layout.num_chunks):
             end = (start // chunk + j + 1) * chunk
-            if start < end <= start + n:
-                torch.testing.assert_close(
-                    scan.chunk_states[s, j].double(), states[end - start - 1], **TOL
-                )
+            after = end - start - 1 if end <= start + n else n - 1  # past the end: final
+            torch.testing.assert_close(scan.chunk_states[s, j].double(), states[after], **TOL)
         offset += n
 
 
-def test_decode_steps_continue_the_prefill_state():
+def test_decode_steps_continue_the_prefill_state(path):
     gen = torch.Generator().manual_seed(1)
     decay = torch.rand(H, generator=gen)
     q, k, v = (torch.randn(9, H, D, generator=gen) for _ in range(3))
@@ -78,3 +90,29 @@ def test_decay_rates_are_transformers_slope_rates():
     for layer in (0, 3, 4):
         want = MiniMaxLightningAttention(config, layer).slope_rate.view(-1)
         torch.testing.assert_close(decay_rates(6, layer, 5), want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(cpu_lightning.library() is None, reason="the C kernels are not built")
+def test_c_scan_matches_torch_over_a_full_and_a_partial_column_block(monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    heads, d, chunk, lens, starts = 2, 40, 8, [13, 21], [5, 0]
+    decay = torch.rand(heads, generator=gen)
+    q, k, v = (torch.randn(sum(lens), heads, d, generator=gen) * 0.5 for _ in range(3))
+    layout = build_chunk_layout(lens, starts, chunk, "cpu")
+    pool = torch.randn(4, heads, d, d, generator=gen)
+    slots, rows = torch.tensor([3, 1]), torch.tensor([1, 0, 3])  # row 1: padding
+    runs = {}
+    for name in ("c", "torch"):
+        if name == "torch":
+            monkeypatch.setattr(cpu_lightning, "supported", lambda v, pool: False)
+        p = pool.clone()
+        scan = lightning_prefill_pool(q, k, v, decay, p, slots, layout)
+        step = lightning_decode(q[:3], k[:3], v[:3], decay, p, rows)
+        runs[name] = scan, step, p
+    (c_scan, c_step, c_pool), (t_scan, t_step, t_pool) = runs["c"], runs["torch"]
+    torch.testing.assert_close(c_scan.out, t_scan.out, **TOL)
+    torch.testing.assert_close(c_scan.chunk_states, t_scan.chunk_states, **TOL)
+    torch.testing.assert_close(c_step[[0, 2]], t_step[[0, 2]], **TOL)
+    assert (c_step[1] == 0).all()  # a padding row reads and writes nothing
+    torch.testing.assert_close(c_pool[1:], t_pool[1:], **TOL)
+    torch.testing.assert_close(c_pool[0], pool[0])

@@ -2,8 +2,8 @@
 Griffin's equations: the prefill scan over a batch of sequences resumed at unaligned positions
 (one from position 0, where the state resets and the input is not normalised), its states at
 every aligned chunk end and its final states in the pool; the decode step; the gates op for op
-against transformers' RecurrentGemmaRglru; and the fused C decode step (kernels/cpu/rglru.c)
-against the torch step."""
+against transformers' RecurrentGemmaRglru; and the C prefill scan and fused C decode step
+(kernels/cpu/rglru.c) against the oracle and the torch step."""
 
 from __future__ import annotations
 
@@ -24,13 +24,23 @@ HEADS, BW = 3, 4
 WIDTH = HEADS * BW
 
 
-def random_weights(gen: torch.Generator) -> RGLRUWeights:
+@pytest.fixture(params=["torch", "c"])
+def path(request, monkeypatch) -> str:
+    """Which scan kernels/rglru.py's rglru_scan_pool runs on these CPU tensors."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_rglru, "scan_supported", lambda u, pool: False)
+    elif cpu_rglru.library() is None:
+        pytest.skip("the C kernels are not built")
+    return request.param
+
+
+def random_weights(gen: torch.Generator, heads: int = HEADS) -> RGLRUWeights:
     return RGLRUWeights(
-        recurrent_param=torch.randn(WIDTH, generator=gen),
-        input_gate_weight=torch.randn(HEADS, BW, BW, generator=gen) / 2,
-        input_gate_bias=torch.randn(HEADS, BW, generator=gen) / 4,
-        recurrent_gate_weight=torch.randn(HEADS, BW, BW, generator=gen) / 2,
-        recurrent_gate_bias=torch.randn(HEADS, BW, generator=gen) / 4,
+        recurrent_param=torch.randn(heads * BW, generator=gen),
+        input_gate_weight=torch.randn(heads, BW, BW, generator=gen) / 2,
+        input_gate_bias=torch.randn(heads, BW, generator=gen) / 4,
+        recurrent_gate_weight=torch.randn(heads, BW, BW, generator=gen) / 2,
+        recurrent_gate_bias=torch.randn(heads, BW, generator=gen) / 4,
     )
 
 
@@ -42,7 +52,7 @@ def oracle(
     h = h0.double().clone()
     ys, states = [], []
     for t, xt in enumerate(x.double()):
-        blocks = xt.view(HEADS, BW)
+        blocks = xt.view(-1, BW)
         i = torch.sigmoid(torch.einsum("hb,hbc->hc", blocks, w64[1]) + w64[2]).flatten()
         r = torch.sigmoid(torch.einsum("hb,hbc->hc", blocks, w64[3]) + w64[4]).flatten()
         log_a = -8.0 * r * torch.nn.functional.softplus(w64[0])
@@ -55,16 +65,18 @@ def oracle(
     return torch.stack(ys), torch.stack(states)
 
 
-def test_prefill_scan_matches_the_float64_oracle_with_states_at_chunk_ends():
+@pytest.mark.parametrize("heads", [HEADS, 24], ids=["narrow", "two-blocks"])
+def test_prefill_scan_matches_the_float64_oracle_with_states_at_chunk_ends(path, heads):
+    """24 heads of 4: a width of 96, one full and one partial block of the C scan's 64."""
     gen = torch.Generator().manual_seed(0)
-    w = random_weights(gen)
-    chunk = 8
+    w = random_weights(gen, heads)
+    chunk, width = 8, heads * BW
     lens, starts = [1, 19, 30, 5], [0, 3, 0, 16]  # resumed unaligned, from 0, aligned
-    x = torch.randn(sum(lens), WIDTH, generator=gen)
+    x = torch.randn(sum(lens), width, generator=gen)
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
-    pool = torch.zeros(6, WIDTH)
+    pool = torch.zeros(6, width)
     slots = torch.tensor([4, 1, 2, 5])
-    pool[slots] = torch.randn(len(lens), WIDTH, generator=gen)
+    pool[slots] = torch.randn(len(lens), width, generator=gen)
     pool[2] = 0.0  # a fresh request (position 0): whatever a slot held must not matter
     h0 = pool[slots].clone()
     layout = build_chunk_layout(lens, starts, chunk, "cpu")
@@ -79,12 +91,13 @@ def test_prefill_scan_matches_the_float64_oracle_with_states_at_chunk_ends():
         torch.testing.assert_close(pool[slots[s]].double(), states[-1], rtol=1e-5, atol=1e-5)
         # the state after each aligned chunk end this sequence crosses (chunk index j holds
         # the state after absolute position (start // chunk + j + 1) * chunk - 1)
+        # (past the sequence's end: its final state)
         for j in range(layout.num_chunks):
             end = (start // chunk + j + 1) * chunk  # positions before it are in the state
-            if start < end <= start + n:
-                torch.testing.assert_close(
-                    out.chunk_states[s, j].double(), states[end - start - 1], rtol=1e-5, atol=1e-5
-                )
+            after = end - start - 1 if end <= start + n else n - 1
+            torch.testing.assert_close(
+                out.chunk_states[s, j].double(), states[after], rtol=1e-5, atol=1e-5
+            )
         offset += n
 
 

@@ -17,6 +17,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "common.h"
 
@@ -80,6 +81,47 @@ int64_t baton_rglru_decode(const void *x, void *conv_pool, float *state_pool, in
                 store_any(y, bf16, r * W + c, state[c]);
             }
         }
+    }
+    return 0;
+}
+
+#define BW 64 /* channels per scan task */
+
+/* The RG-LRU's diagonal scan for packed sequences on pool slots (prefill): h <- a h + u per
+ * channel, y = h. a, u (T, W) float32, contiguous (rglru_inputs' values); pool (num_slots, W)
+ * float32; sequence s is tokens cu[s]..cu[s+1], starts from (and leaves its final state in)
+ * pool[slots[s]]. chunk_states (S, num_chunks_out, W): the state at every end of an aligned chunk
+ * and at the sequence's last token, repeated into the chunks past its end. y (T, W) float32. A task
+ * is one (sequence, block of BW channels). */
+int64_t baton_rglru_scan(const float *a, const float *u, float *pool, int64_t num_slots,
+                         const int64_t *slots, const int64_t *cu, const int64_t *start_pos,
+                         int64_t num_seqs, int64_t chunk, float *chunk_states,
+                         int64_t num_chunks_out, float *y, int64_t W, int nthreads) {
+    for (int64_t s = 0; s < num_seqs; s++)
+        if (slots[s] < 0 || slots[s] >= num_slots) return s + 1;
+    const int64_t blocks = (W + BW - 1) / BW, tasks = num_seqs * blocks;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t s = task / blocks, c0 = (task % blocks) * BW;
+        const int64_t nc = W - c0 < BW ? W - c0 : BW;
+        const int64_t t0 = cu[s], n = cu[s + 1] - t0, offset = start_pos[s] % chunk;
+        float h[BW];
+        float *state = pool + slots[s] * W + c0;
+        float *cs = chunk_states + s * num_chunks_out * W + c0;
+        memcpy(h, state, nc * sizeof(float));
+        int64_t written = 0;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t at = (t0 + j) * W + c0;
+#pragma omp simd
+            for (int64_t c = 0; c < nc; c++) {
+                h[c] = a[at + c] * h[c] + u[at + c];
+                y[at + c] = h[c];
+            }
+            if ((offset + j + 1) % chunk == 0 || j == n - 1)
+                memcpy(cs + (written++) * W, h, nc * sizeof(float));
+        }
+        for (; written < num_chunks_out; written++) memcpy(cs + written * W, h, nc * sizeof(float));
+        memcpy(state, h, nc * sizeof(float));
     }
     return 0;
 }

@@ -1,6 +1,6 @@
 """RecurrentGemma's recurrent block on the CPU (kernels/cpu/rglru.c), compiled once per machine into
 the operator extension (kernels/cpu/extension.py): the fused decode step of the conv and the
-RG-LRU, both pools updated in place. `BATON_CPU_OPS=0`, no compiler, a failed build or pools of
+RG-LRU, both pools updated in place, and the prefill scan on pool slots with chunk-end states. `BATON_CPU_OPS=0`, no compiler, a failed build or pools of
 another layout select the torch path (kernels/conv1d.py + kernels/rglru.py), which agrees to
 float32 rounding (tests/test_rglru.py).
 """
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from baton.kernels.backend import select_backend
 from baton.kernels.cpu.extension import Kernels
 from baton.kernels.cpu.extension import library as cpu_library
+from baton.kernels.layouts import ChunkLayout
 from baton.kernels.rglru import RGLRUWeights
 
 
@@ -98,3 +99,43 @@ def rglru_decode_cpu(
             f"{state_pool.shape[0]}"
         )
     return y
+
+
+def scan_supported(u: torch.Tensor, state_pool: torch.Tensor) -> bool:
+    """CPU tensors on the torch backend, a contiguous float32 state pool, the library built."""
+    return (
+        u.device.type == "cpu"
+        and select_backend(u) == "torch"
+        and state_pool.dtype == torch.float32
+        and state_pool.is_contiguous()
+        and library() is not None
+    )
+
+
+def rglru_scan_cpu(
+    a: torch.Tensor,
+    u: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    layout: ChunkLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/rglru.py's rglru_scan_pool on the C scan (threaded over (sequence, block of 64
+    channels)): (y (T, W) in u's dtype, chunk_states (num_seqs, num_chunks, W) float32); the
+    final states are left in the pool."""
+    T, W = u.shape
+    slots64 = slots.to(torch.int64).contiguous()
+    chunk_states = torch.empty(layout.num_seqs, layout.num_chunks, W)
+    y = torch.empty(T, W, dtype=torch.float32)
+    result = library().baton_rglru_scan(
+        a.float().contiguous(), u.float().contiguous(), state_pool, state_pool.shape[0], slots64,
+        layout.cu_seqlens.to(torch.int64).contiguous(),
+        layout.start_pos.to(torch.int64).contiguous(), slots64.shape[0], layout.chunk_size,
+        chunk_states, layout.num_chunks, y, W, torch.get_num_threads(),
+    )  # fmt: skip
+    if result:
+        row = result - 1
+        raise IndexError(
+            f"RG-LRU: slot index {int(slots64[row])} of sequence {row} is outside the pool of "
+            f"{state_pool.shape[0]}"
+        )
+    return y.to(u.dtype), chunk_states
