@@ -222,6 +222,57 @@ CONFIGS = {
         num_key_value_heads=4,
         conv_L_cache=3,
     ),
+    # Kimi Linear's shape at ~110M: 3 KDA : 1 MLA over 8 layers (KDA 10 heads of 64, conv 4;
+    # MLA 10 heads, latent 256 + rope key 32), a dense first layer, then 16 experts top-2 with a
+    # shared expert (the release: 256 top-8, one shared, first_k_dense_replace 1).
+    "kimi100m": dict(
+        vocab_size=32000,
+        hidden_size=640,
+        intermediate_size=1792,
+        moe_intermediate_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=10,
+        num_key_value_heads=10,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        num_experts=16,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        first_k_dense_replace=1,
+        linear_attn_config=dict(
+            head_dim=64,
+            num_heads=10,
+            short_conv_kernel_size=4,
+            kda_layers=[1, 2, 3, 5, 6, 7],
+            full_attn_layers=[4, 8],
+        ),
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # LFM3's shape at ~100M: 12 layers, short convs (width 3) with sliding-window attention
+    # (window 512) and two full-attention layers, sandwich norms and the attention output gate
+    # (Lfm3Config's defaults).
+    "lfm3_100m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        layer_types=[
+            "full_attention" if i in (5, 11) else "sliding_attention" if i % 3 == 2 else "conv"
+            for i in range(12)
+        ],
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        sliding_window=512,
+        conv_L_cache=3,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 # transformers' (config class, model class) per config; NemotronH where not listed.
 FAMILY_CLASSES = {
@@ -233,6 +284,8 @@ FAMILY_CLASSES = {
     "granite100m": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
     "falcon100m": ("FalconH1Config", "FalconH1ForCausalLM"),
     "zamba2100m": ("Zamba2Config", "Zamba2ForCausalLM"),
+    "kimi100m": ("KimiLinearConfig", "KimiLinearForCausalLM"),
+    "lfm3_100m": ("Lfm3Config", "Lfm3ForCausalLM"),
 }
 
 

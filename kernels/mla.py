@@ -13,7 +13,8 @@ while transformers expands every cached row into per-head keys and values,
 Attention here is the "absorbed" form (DeepSeek-V2 paper, vLLM's and SGLang's MLA decode): the
 query takes W_UK into the latent space, so every head attends over the shared latent rows as one
 KV head (multi-query attention with keys of kv_lora_rank + rope and values of kv_lora_rank), and
-W_UV takes each head's latent output back out:
+W_UV takes each head's latent output back out (two batched matmuls per sequence, every head
+and query of the sequence against its latent rows once: no per-head expansion of the cache):
 
     q_h . K_h = (W_UK_h^T q_nope_h) . c_kv + q_rope_h . k_rope
     o_h       = W_UV_h (sum_j p_hj c_kv_j)
@@ -26,7 +27,6 @@ q_rope and k_rope (`rotary_interleaved`) before they get here, so the pages hold
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from baton.kernels.layouts import AttentionLayout
 
@@ -72,13 +72,15 @@ def mla_attention(
     w_uk, w_uv = w[:, :nope].to(compute), w[:, nope:].to(compute)
     q_latent = torch.einsum("thn,hnl->thl", q[..., :nope].to(compute), w_uk)
     q_abs = torch.cat([q_latent, q[..., nope:].to(compute)], dim=-1)  # (T, H, lora + rope)
-    S, Q = layout.num_seqs, layout.max_q
+    S, Q, K = layout.num_seqs, layout.max_q, layout.max_kv
     padded = torch.cat([q_abs, q_abs.new_zeros(1, H, q_abs.shape[-1])])[layout.slot_q]
-    padded = padded.view(S, Q, H, -1).transpose(1, 2)  # (S, H, Q, lora + rope)
-    rows = latent_cache.index_select(0, layout.kv_indices.reshape(-1)).to(compute)
-    keys = rows.view(S, 1, layout.max_kv, -1)  # one KV head shared by every query head
-    out = F.scaled_dot_product_attention(
-        padded, keys, keys[..., :lora], attn_mask=layout.mask, scale=scale, enable_gqa=H > 1
-    )  # (S, H, Q, lora)
-    o_latent = out.transpose(1, 2).reshape(S * Q, H, lora)[layout.q_slot]
+    padded = padded.view(S, Q * H, -1)  # (S, Q H, lora + rope): every head of every query
+    keys = latent_cache.index_select(0, layout.kv_indices.reshape(-1)).to(compute)
+    keys = keys.view(S, K, -1)  # one KV head shared by every query head: no per-head copies
+    scores = torch.bmm(padded, keys.transpose(1, 2)).view(S, Q, H, K) * scale
+    # a padded query row sees no key: a finite floor keeps its (discarded) softmax finite
+    scores = scores.masked_fill(~layout.mask.view(S, Q, 1, K), torch.finfo(compute).min)
+    probs = torch.softmax(scores, dim=-1).view(S, Q * H, K)
+    out = torch.bmm(probs, keys[..., :lora])  # (S, Q H, lora)
+    o_latent = out.view(S * Q, H, lora)[layout.q_slot]
     return torch.einsum("thl,hvl->thv", o_latent, w_uv).to(q.dtype)

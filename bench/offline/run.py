@@ -21,6 +21,9 @@ Workloads (random-weight NemotronH, fixed seed, ignore_eos):
   qwen35_100m / qwen35moe100m: Qwen3.5 dense and MoE shapes (gated DeltaNet + gated attention
         3:1; the MoE with 16 experts top-4 and a gated shared expert), ~90M parameters each; the
         19m workload, transformers in one static batch.
+  kimi100m / lfm3_100m: ~100M Kimi Linear (KDA + MLA 3:1, 16 experts top-2 + shared) and LFM3
+        (short convs + sliding-window attention + two full-attention layers); the 19m workload,
+        transformers in one static batch.
 Any config runs either workload with --workload uniform|mixed (the default: mixed for 110m,
 uniform for the others). With transformers, the machine's floor for the workload is printed too
 (bench/offline/roofline.py: matmuls at the mm peak, decode steps no faster than reading their weights at
