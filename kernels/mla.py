@@ -19,7 +19,10 @@ and query of the sequence against its latent rows once: no per-head expansion of
     q_h . K_h = (W_UK_h^T q_nope_h) . c_kv + q_rope_h . k_rope
     o_h       = W_UV_h (sum_j p_hj c_kv_j)
 
-the same sums in another order (fp32: ~1e-7 apart). The positions are NoPE in Kimi Linear (its
+the same sums in another order (fp32: ~1e-7 apart). On the CPU, when the C kernels are built,
+the absorbed attention is the paged-attention kernel itself with one KV head (keys and values
+both the latent rows): no gathered copy and no mask, so a captured decode step (engine/executor/
+cpu_plan.py) reads each row's kv_len and not the padded capacity. The positions are NoPE in Kimi Linear (its
 "rope" part is a shared key that is never rotated); a family with rotary (Bailing hybrid) rotates
 q_rope and k_rope (`rotary_interleaved`) before they get here, so the pages hold rotated keys.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from baton.kernels.cpu import ops as cpu_ops
 from baton.kernels.layouts import AttentionLayout
 
 
@@ -72,6 +76,9 @@ def mla_attention(
     w_uk, w_uv = w[:, :nope].to(compute), w[:, nope:].to(compute)
     q_latent = torch.einsum("thn,hnl->thl", q[..., :nope].to(compute), w_uk)
     q_abs = torch.cat([q_latent, q[..., nope:].to(compute)], dim=-1)  # (T, H, lora + rope)
+    if latent_attention_on_cpu(latent_cache):
+        o_latent = _latent_attention_cpu(q_abs, latent_cache, layout, scale)[..., :lora]
+        return torch.einsum("thl,hvl->thv", o_latent.to(compute), w_uv).to(q.dtype)
     S, Q, K = layout.num_seqs, layout.max_q, layout.max_kv
     padded = torch.cat([q_abs, q_abs.new_zeros(1, H, q_abs.shape[-1])])[layout.slot_q]
     padded = padded.view(S, Q * H, -1)  # (S, Q H, lora + rope): every head of every query
@@ -84,3 +91,28 @@ def mla_attention(
     out = torch.bmm(probs, keys[..., :lora])  # (S, Q H, lora)
     o_latent = out.view(S * Q, H, lora)[layout.q_slot]
     return torch.einsum("thl,hvl->thv", o_latent, w_uv).to(q.dtype)
+
+
+def latent_attention_on_cpu(latent_cache: torch.Tensor) -> bool:
+    """Whether mla_attention runs on the C kernels for this cache (else the torch path, which
+    reads the layout's mask)."""
+    return cpu_ops.decode_attention_supported(latent_cache[:1, None], latent_cache)
+
+
+def _latent_attention_cpu(
+    q_abs: torch.Tensor, latent_cache: torch.Tensor, layout: AttentionLayout, scale: float
+) -> torch.Tensor:
+    """The absorbed attention on the C paged-attention kernels (kernels/cpu/ops.c): one KV head
+    whose keys and values are both the latent rows (the values' rope columns are computed and
+    dropped), read straight from the pages up to each row's kv_len, no mask. Returns (T, H,
+    lora + rope) in the cache's dtype."""
+    T = q_abs.shape[0]
+    cache = latent_cache.view(latent_cache.shape[0], 1, -1)
+    q = q_abs.to(latent_cache.dtype)
+    if layout.max_q == 1 and T == layout.num_seqs:
+        return cpu_ops.decode_attention_cpu(
+            q, cache, cache, layout.kv_indices, layout.kv_lens, scale
+        )
+    return cpu_ops.extend_attention_cpu(
+        q, cache, cache, layout.kv_indices, layout.kv_lens, layout.query_start_loc, scale
+    )

@@ -62,7 +62,10 @@ def route_sigmoid_grouped(
         group_scores = choice.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
         group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-        expert_mask = group_mask.repeat_interleave(E // n_group, dim=1).bool()
+        # each group's flag over its experts (a broadcast: repeat_interleave with a Python
+        # count is a data-shaped op to a captured step's recorder)
+        expert_mask = group_mask[:, :, None].expand(-1, n_group, E // n_group).reshape(-1, E)
+        expert_mask = expert_mask.bool()
         choice = choice.masked_fill(~expert_mask, float("-inf"))
     ids = choice.topk(top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)

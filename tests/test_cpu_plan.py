@@ -121,6 +121,8 @@ FAMILIES = [
     ("ssm_models", "mamba_a"),
     ("ssm_models", "mamba2_a"),
     ("kimi_models", "minimax_one_in_four"),  # lightning attention + softmax attention + MoE
+    ("kimi_models", "kimi_moe"),  # KDA + MLA latent pages + grouped MoE
+    ("kimi_models", "bailing_safe_gate"),  # KDA's bounded gate + MLA with interleaved rotary
     ("window_models", "rgemma_hawk"),  # RecurrentGemma's RG-LRU only
     ("window_models", "rgemma_local"),  # RG-LRU + local attention, a window shorter than prompts
     ("window_models", "lfm3_sliding"),  # LFM3 with sliding layers only: pages released

@@ -21,6 +21,7 @@ from baton.engine.layers.causal_lm import CausalLM
 from baton.engine.layers.mtp import hidden_of_slots
 from baton.kernels.backend import select_backend
 from baton.kernels.cpu import ops as cpu_ops
+from baton.kernels.mla import latent_attention_on_cpu
 
 
 class ModelRunner:
@@ -43,29 +44,34 @@ class ModelRunner:
         self.buffers = MetadataBuffers(device, ints=4096, kv_rows=16, kv_width=256, fixed=False)
         # A (1, heads, head_dim) query in the KV dtype: what the decode-kernel choice looks at
         # (its head_dim and dtype).
-        # (layers, tokens, kv_heads, head_dim): full attention's K pool, else the windowed
-        # layers' (the same decode kernels read it, over each row's window)
-        keys = cache.pools.get("attention.k", cache.pools.get("sliding_attention.k"))
-        self._query_probe = (
-            torch.empty(1, *keys.shape[2:], dtype=keys.dtype, device=device)
-            if keys is not None
-            else None
-        )
+        # The paged pools decode attention reads: full attention's and the windowed layers'
+        # K ((layers, tokens, kv_heads, head_dim); the same decode kernels read both), with a
+        # query-shaped probe each, and MLA's latent pages (layers, tokens, latent).
+        self._query_probes = {
+            name: torch.empty(
+                1, *cache.pools[name].shape[2:], dtype=cache.pools[name].dtype, device=device
+            )  # fmt: skip
+            for name in ("attention.k", "sliding_attention.k")
+            if name in cache.pools
+        }
+        self._latent_pools = "mla.latent" in cache.pools
 
     def decode_reads_mask(self) -> bool:
-        """Whether decode attention runs the torch path, the only one that reads a mask (the C
-        and Triton decode kernels stop at each row's kv_len). Asked per step: BATON_KERNELS may
-        change the path. A model whose paged state is not the attention layers' K/V (a layer of
-        its own attending over it) has no probe: its mask is always built (a few host ops a
-        step), so its torch path never reads a missing one."""
-        probe = self._query_probe
-        if probe is None:
-            return bool(self.cache.paged)
+        """Whether decode attention runs a torch path, the only ones that read a mask (the C and
+        Triton decode kernels stop at each row's kv_len). Asked per step: BATON_KERNELS may
+        change the path. A model whose paged state none of these layers attends over (a layer
+        of its own) has no probe: its mask is always built (a few host ops a step), so its torch
+        path never reads a missing one."""
         pools = self.cache.pools
-        k_cache = pools.get("attention.k", pools.get("sliding_attention.k"))[0]
-        if select_backend(probe) == "triton":
-            return False
-        return not cpu_ops.decode_attention_supported(probe, k_cache)
+        if not self._query_probes and not self._latent_pools:
+            return bool(self.cache.paged)
+        if self._latent_pools and not latent_attention_on_cpu(pools["mla.latent"][0]):
+            return True  # MLA has no Triton kernel: off the C kernels it reads the mask
+        return any(
+            select_backend(probe) != "triton"
+            and not cpu_ops.decode_attention_supported(probe, pools[name][0])
+            for name, probe in self._query_probes.items()
+        )
 
     def build(self, sched: ScheduledBatch) -> Mamba2Metadata:
         return build_metadata(
