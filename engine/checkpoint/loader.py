@@ -50,18 +50,18 @@ def load_model(
     config = ModelConfig.from_hf(model_dir).with_mtp(with_mtp)
     check_tp_supported(config, tp.size)
     family = family_named(config.architecture)
-    quant = read_quantization(model_dir, quantization, family.checkpoint_name)
+    rename = family.checkpoint_renamer(config)
+    quant = read_quantization(model_dir, quantization, rename)
     if (
         family.untie_with_stored_lm_head
         and config.tie_word_embeddings
-        and "lm_head.weight" in tensor_names(model_dir, family.checkpoint_name)
+        and "lm_head.weight" in tensor_names(model_dir, rename)
     ):
         config = dataclasses.replace(config, tie_word_embeddings=False)
     began = time.perf_counter()
     with torch.device(device), parallel.building(tp), _NoRandomInit():
         model = family.model_class(config)
     built = time.perf_counter()
-    rename = family.checkpoint_name
     if quant is not None:
         rename = before_loading(model, model_dir, quant, rename, tp.size)
     load_into(model, model_dir, rename)

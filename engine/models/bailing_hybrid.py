@@ -22,8 +22,9 @@ Refused by name: non-zero SwiGLU clipping limits (`expert_swiglu_limit_list`,
 Weights as Ling's releases name them (transformers' save_pretrained writes the same):
 `model.word_embeddings`, `model.layers.{i}.attention.*` with `dense` for the output projection,
 the router's `gate.expert_bias`, per-expert `experts.{e}.{gate,up,down}_proj`; read into the
-shared layers' names. The MTP layers the releases store after the decoder
-(`model.layers.{num_hidden_layers + j}`) are neither run by transformers nor by baton.
+shared layers' names. The MTP layer the releases store after the decoder
+(`model.layers.{num_hidden_layers}`, `num_nextn_predict_layers` of them, at most 1) drafts for
+speculative decoding with method "mtp" (engine/models/bailing_mtp.py); transformers ignores it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import re
 from baton.engine.config import ConfigReader, ModelConfig
 from baton.engine.layers.kda import KDAConfig
 from baton.engine.layers.mla import MLAConfig
+from baton.engine.models.bailing_mtp import mtp_renamer
 from baton.engine.models.kimi_linear import (
     KimiLinearConfig,
     Model,
@@ -42,8 +44,8 @@ from baton.engine.models.kimi_linear import (
     state_spec,
 )
 
-__all__ = ["HF_CONFIG_CLASS_PATH", "Model", "check_tp", "checkpoint_name", "read_config",
-           "state_spec"]  # fmt: skip
+__all__ = ["HF_CONFIG_CLASS_PATH", "Model", "check_tp", "checkpoint_name", "checkpoint_renamer",
+           "read_config", "state_spec"]  # fmt: skip
 
 HF_CONFIG_CLASS_PATH = (
     "transformers.models.bailing_hybrid.configuration_bailing_hybrid.BailingHybridConfig"
@@ -63,6 +65,22 @@ def checkpoint_name(name: str) -> str:
     for pattern, replacement in RENAMES:
         name = pattern.sub(replacement, name)
     return name
+
+
+def read_mtp_layers(r: ConfigReader) -> int:
+    """The MTP layers the checkpoint stores after its decoder (transformers' default: 1)."""
+    count = int(r.opt("num_nextn_predict_layers") or 0)
+    if count > 1:
+        raise r.error(
+            f"num_nextn_predict_layers={count}: {count} MTP layers are not supported (baton "
+            "runs one MTP layer, chained for every draft, as SGLang does)"
+        )
+    return count
+
+
+def checkpoint_renamer(config: ModelConfig):
+    """checkpoint_name, with the MTP layer stored after the decoder read as `mtp.*`."""
+    return mtp_renamer(len(config.family.layer_types), checkpoint_name)
 
 
 def read_config(r: ConfigReader) -> ModelConfig:
@@ -103,7 +121,7 @@ def read_config(r: ConfigReader) -> ModelConfig:
         hidden_size=r.need("hidden_size"),
         tie_word_embeddings=bool(r.opt("tie_word_embeddings")),
         max_position_embeddings=int(aliased(r, "model_max_length", "max_position_embeddings")),
-        num_nextn_predict_layers=0,  # stored, not drafted with (transformers skips them too)
+        num_nextn_predict_layers=read_mtp_layers(r),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
         bos_token_id=r.opt("bos_token_id"),
         torch_dtype=r.torch_dtype(),

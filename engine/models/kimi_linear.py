@@ -47,7 +47,9 @@ from baton.engine.layers.kda import KDAConfig, KimiDeltaAttention
 from baton.engine.layers.mla import MLAConfig, MultiHeadLatentAttention, mla_state
 from baton.engine.layers.mlp import GatedMLP
 from baton.engine.layers.moe import MoE, MoEConfig
+from baton.engine.layers.mtp import mtp_state
 from baton.engine.layers.norm import RMSNorm
+from baton.engine.models.bailing_mtp import BailingMTP
 from baton.engine.parallel import TensorParallel
 
 HF_CONFIG_CLASS_PATH = "transformers.models.kimi_linear.configuration_kimi_linear.KimiLinearConfig"
@@ -238,7 +240,8 @@ def read_config(r: ConfigReader) -> ModelConfig:
 
 def state_spec(config: ModelConfig, dtype: torch.dtype) -> ModelStateSpec:
     """KDA conv windows and recurrent state at `linear_attention` layers, one MLA latent row per
-    token at the others."""
+    token at the others; with Bailing's MTP layer built, its latent pages (pool index after the
+    model's own) and the target's last hidden state per request (engine/layers/mtp.py)."""
     kimi = config.family
     uses: list[LayerState] = [
         KimiDeltaAttention.state_spec(kimi.kda, dtype)
@@ -246,6 +249,8 @@ def state_spec(config: ModelConfig, dtype: torch.dtype) -> ModelStateSpec:
         else mla_state(kimi.mla, dtype)
         for kind in kimi.layer_types
     ]
+    if config.num_nextn_predict_layers:
+        uses += [mla_state(kimi.mla, dtype), mtp_state(config.hidden_size, dtype)]
     return ModelStateSpec.of(uses)
 
 
@@ -275,14 +280,16 @@ def checkpoint_name(name: str) -> str:
     return name
 
 
-def decoder_layer(hidden: int, kimi: KimiLinearConfig, layer: int) -> MixerFFNLayer:
-    kind = kimi.layer_types[layer]
-    index = kimi.uses(kind).index(layer)  # its pool index among the layers of its kind
+def decoder_layer(
+    hidden: int, kimi: KimiLinearConfig, kind: LayerType, index: int, sparse: bool
+) -> MixerFFNLayer:
+    """index: the layer's pool index among the layers of its kind; sparse: MoE, else the dense
+    MLP."""
     if kind == "linear_attention":
         mixer: nn.Module = KimiDeltaAttention(hidden, kimi.kda, index)
     else:
         mixer = MultiHeadLatentAttention(hidden, kimi.mla, index)
-    if kimi.sparse_layers[layer]:
+    if sparse:
         ffn: nn.Module = MoE(hidden, kimi.moe, shared_name="shared_experts")
     else:
         ffn = GatedMLP(hidden, kimi.intermediate_size, False, "silu")
@@ -302,7 +309,8 @@ class KimiLinearModel(nn.Module):
         kimi, hidden = config.family, config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden)
         self.layers = nn.ModuleList(
-            decoder_layer(hidden, kimi, i) for i in range(len(kimi.layer_types))
+            decoder_layer(hidden, kimi, kind, kimi.uses(kind).index(i), kimi.sparse_layers[i])
+            for i, kind in enumerate(kimi.layer_types)
         )
         self.norm = RMSNorm(hidden, kimi.norm_eps)
 
@@ -315,4 +323,11 @@ class KimiLinearModel(nn.Module):
 
 class Model(CausalLM):
     def __init__(self, config: ModelConfig):
-        super().__init__(config, KimiLinearModel(config), "embed_tokens")
+        kimi, mtp = config.family, None
+        if config.num_nextn_predict_layers:  # Bailing's MTP layer: MLA, then MoE if any
+            index = len(kimi.uses("full_attention"))  # its latent pages follow the model's
+            layer = decoder_layer(
+                config.hidden_size, kimi, "full_attention", index, kimi.moe is not None
+            )
+            mtp = BailingMTP(config.hidden_size, kimi.norm_eps, layer)
+        super().__init__(config, KimiLinearModel(config), "embed_tokens", mtp=mtp)

@@ -10,6 +10,7 @@ and, where it has them, its capabilities:
     check_tp(config, size)    ConfigError unless `size` ranks can serve the model (a family
                               without it refuses TP > 1)
     checkpoint_name(name)     the in-memory name of a checkpoint tensor, None to skip it
+    checkpoint_renamer(cfg)   optional: that function for a config, where names depend on it
                               (default: the name itself)
     UNTIE_WITH_STORED_LM_HEAD True: a checkpoint that stores lm_head.weight uses it whatever
                               tie_word_embeddings says (transformers' NemotronH never ties)
@@ -106,6 +107,12 @@ class Family:
     def checkpoint_name(self, name: str) -> str | None:
         rename = getattr(self.module, "checkpoint_name", None)
         return name if rename is None else rename(name)
+
+    def checkpoint_renamer(self, config) -> Callable[[str], str | None]:
+        """checkpoint_name for this model's config: a family whose names depend on it (Bailing's
+        MTP layer, stored after the decoder's num_hidden_layers) gives `checkpoint_renamer`."""
+        make = getattr(self.module, "checkpoint_renamer", None)
+        return self.checkpoint_name if make is None else make(config)
 
     @property
     def untie_with_stored_lm_head(self) -> bool:
