@@ -11,6 +11,7 @@ import torch
 
 from tests.families import FAMILY_CONFIGS, save_model
 from tests.gdn_families import GDN_CONFIGS, QWEN_COMMON, VISION, save_gdn_model
+from tests.kimi_models import save_kimi_model
 from tests.quantize import quantize_checkpoint
 from tests.tiny import save_tiny_model
 
@@ -83,6 +84,9 @@ SOURCES = {
     "qwen3_5_dense": lambda path: save_gdn_model(path, QWEN["qwen3_5_dense"], seed=44),
     "qwen3_5_moe": lambda path: save_gdn_model(path, QWEN["qwen3_5_moe"], seed=45),
     "qwen3_next": lambda path: save_gdn_model(path, QWEN["qwen3_next"], seed=46),
+    # Kimi Linear and Bailing: KDA + MLA (kv_b_proj quantized with the rest) + grouped MoE
+    "kimi_moe": lambda path: save_kimi_model(path, "kimi_moe", seed=47),
+    "bailing": lambda path: save_kimi_model(path, "bailing_safe_gate", seed=48),
 }
 # Nemotron 3 Super's kind of mix: NVFP4 routed experts, FP8 shared experts and some Mamba
 # projections, FP8 q/k (v left bf16: the three are then not fused), NVFP4 o_proj and MLP down.

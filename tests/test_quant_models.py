@@ -1,5 +1,6 @@
 """Quantized checkpoints served as they are shipped: baton on each format's checkpoint of a tiny
-NemotronH (dense, MoE) and Granite-4.0-H (MoE) against transformers on the dequantized float32
+NemotronH (dense, MoE), Granite-4.0-H (MoE), Kimi Linear and Bailing (MLA's kv_b_proj stored
+quantized too: dequantized at load, as SGLang does) against transformers on the dequantized float32
 weights (logprobs within 1e-4 with float32 activations, greedy tokens identical), and against
 transformers' own fine-grained FP8 loader on the quantized checkpoint itself."""
 
@@ -22,6 +23,9 @@ CASES = [
     ("granite_moe", "modelopt_fp8"),
     ("granite_moe", "modelopt_nvfp4"),
     ("granite_moe", "fp8_block"),
+    ("kimi_moe", "fp8_block"),
+    ("kimi_moe", "modelopt_fp8"),
+    ("bailing", "fp8_block"),
 ]
 PROMPTS = [[5, 9, 17, 30, 41], list(range(40, 57)), [7] * 3 + list(range(100, 130))]
 NEW_TOKENS = 10

@@ -85,7 +85,10 @@ def mla_state(config: MLAConfig, dtype: torch.dtype) -> LayerState:
 
 class Weight(nn.Module):
     """A module holding one `weight` that is read, not called as a linear (kv_b_proj: the
-    attention reads its W_UK and W_UV halves), so the CPU backend leaves it unpacked."""
+    attention reads its W_UK and W_UV halves), so the CPU backend leaves it unpacked; a
+    checkpoint storing it quantized is dequantized at load (engine/quantization)."""
+
+    read_not_called = True
 
     def __init__(self, rows: int, cols: int):
         super().__init__()

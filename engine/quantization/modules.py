@@ -34,7 +34,7 @@ from baton.engine.quantization.schemes import (
     tensor_specs,
 )
 from baton.kernels.cpu import quant as cpu_quant
-from baton.kernels.quant import QuantizedTensor, concat_rows, quant_linear
+from baton.kernels.quant import QuantizedTensor, concat_rows, dequantize, quant_linear
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -169,6 +169,20 @@ class QuantizedLinear(QuantizedWeight):
                 f"{packed.format} packed for the CPU, ({packed.out_features}, {packed.in_features})"
             )
         return super().extra_repr()
+
+
+class ReadWeight(QuantizedWeight):
+    """A quantized weight its layer reads rather than calls (MLA's kv_b_proj: the absorbed
+    attention reads its W_UK and W_UV halves): loaded as the checkpoint stores it, then
+    dequantized once (`as_float`) into a plain `weight`, as SGLang does for kv_b_proj."""
+
+    def __init__(self, **kwargs):
+        super().__init__(lead=(), part_of=None, **kwargs)
+
+    def as_float(self) -> nn.Module:
+        holder = nn.Module()
+        holder.weight = nn.Parameter(dequantize(self.quantized, torch.float32), requires_grad=False)
+        return holder
 
 
 def stacked_weight(value: torch.Tensor | nn.Module) -> torch.Tensor | QuantizedTensor:

@@ -5,7 +5,9 @@ layers hold plain `nn.Linear`s and expert stacks and know nothing of it):
                        becomes a QuantizedLinear / QuantizedWeight with this rank's shapes, its
                        tensors checked against the scheme from the headers alone
     (the loader fills them, checking each tensor's values)
-    finalize           after loading: stored tensors -> the kernels' per-row form
+    finalize           after loading: stored tensors -> the kernels' per-row form; a weight its
+                       layer reads rather than calls (`read_not_called`: MLA's kv_b_proj) is
+                       dequantized into a plain weight
     quantize_online    `--quantization fp8` on an unquantized checkpoint, after loading
 
 Which weights are quantized is what the checkpoint holds, checked against its config: a layer
@@ -28,7 +30,12 @@ from torch import nn
 from baton.engine.checkpoint.weights import ExpertParts, Rename
 from baton.engine.parallel import Slices
 from baton.engine.quantization.config import QuantConfig
-from baton.engine.quantization.modules import QuantizedLinear, QuantizedWeight, StackPart
+from baton.engine.quantization.modules import (
+    QuantizedLinear,
+    QuantizedWeight,
+    ReadWeight,
+    StackPart,
+)
 from baton.engine.quantization.stored import Header, checked_shape, matrix_rule, stored_scheme
 from baton.kernels.quant import concat_rows, quantize_fp8
 
@@ -59,7 +66,8 @@ def quantize_modules(
     for parent_name, parent in list(model.named_modules()):
         prefix = f"{parent_name}." if parent_name else ""
         for attr, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or id(child.weight) in tied:
+            read = getattr(child, "read_not_called", False)  # a weight its layer reads
+            if (type(child) is not nn.Linear and not read) or id(child.weight) in tied:
                 continue
             name = prefix + attr
             scheme = stored_scheme(name, [name], quant, headers, left)
@@ -68,18 +76,10 @@ def quantize_modules(
             rule = matrix_rule(child.weight)
             shape, scale_shape = checked_shape([name], (), child.weight.shape, rule, scheme,
                                                 quant, headers)  # fmt: skip
+            common = dict(name=name, scheme=scheme, shape=shape, scale_shape=scale_shape,
+                          size_word=size_word, device=child.weight.device)  # fmt: skip
             setattr(
-                parent,
-                attr,
-                QuantizedLinear(
-                    child,
-                    name=name,
-                    scheme=scheme,
-                    shape=shape,
-                    scale_shape=scale_shape,
-                    size_word=size_word,
-                    device=child.weight.device,
-                ),
+                parent, attr, ReadWeight(**common) if read else QuantizedLinear(child, **common)
             )
             counts[scheme.algo] += 1
         for attr in getattr(parent, "quantizable_stacks", ()):
@@ -161,6 +161,10 @@ def finalize(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, QuantizedWeight) and module.specs:
             module.finalize()
+    for parent in list(model.modules()):
+        for attr, child in list(parent.named_children()):
+            if isinstance(child, ReadWeight):
+                setattr(parent, attr, child.as_float())
     for parent in list(model.modules()):
         for attr, child in list(parent.named_children()):
             part_of = getattr(child, "part_of", None)
