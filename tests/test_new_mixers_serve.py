@@ -1,10 +1,10 @@
 """HTTP disaggregated stacks (prefill worker + decode worker behind `baton router`) answer
-/v1/completions with the colocated engine's text for the round-4 mixers: Kimi Linear (KDA slots +
-MLA latent pages), MiniMax (lightning slots + softmax pages) and RecurrentGemma (sliding-window
-pages released behind the window + RG-LRU slots), with a prompt longer than the window. (Bailing
-has Kimi's state kinds and LFM3 RecurrentGemma's window with LFM2's short conv; their in-process
-pairs are in test_kimi_serving.py and test_window_serving.py. Three stacks, not five: each
-stack's three processes cost ~10 s of the suite in imports.)"""
+/v1/completions with the colocated engine's text for the round-4 state kinds: Kimi Linear (KDA
+slots + MLA latent pages) and RecurrentGemma (sliding-window pages released behind the window +
+RG-LRU slots), with a prompt longer than the window. (MiniMax's lightning slots, Bailing's and
+LFM3's kinds are the same handover code; their in-process pairs are in test_kimi_serving.py and
+test_window_serving.py. Two stacks, not five: each stack's three processes cost ~10 s of the
+suite in imports.)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from tests.test_family_serve import FLAGS, expected_and_served
 
 STACKS = [
     ("kimi_models", "kimi_moe"),
-    ("kimi_models", "minimax_one_in_four"),
     ("window_models", "rgemma_local"),
 ]
 
