@@ -127,9 +127,10 @@ class DecodeGraphRunner:
         self.verify_width = (
             verify_width if verify_width is not None and verify_width <= page else None
         )
-        # ints per row: decode (9 + its pages); verify (5 q + 3 + its pages: q each of ids,
-        # positions, slots, logits rows, q + 1 state slots, the working slot and kv_len)
-        per_row = max(9, 5 * self.verify_width + 3 if self.verify_width else 0)
+        # ints per row: decode (10 + its pages); verify (6 q + 3 + its pages: q each of ids,
+        # positions, slots, logits rows, adapter slots, q + 1 state slots, the working slot and
+        # kv_len)
+        per_row = max(10, 6 * self.verify_width + 3 if self.verify_width else 0)
         self.static_ints = max_bs * (per_row + -(-kv_capacity // page))
         # Graphs captured the addresses of these buffers: sized once for the worst step (every
         # row at full capacity, every row checkpointing), never reallocated.
@@ -201,6 +202,7 @@ class DecodeGraphRunner:
                 mamba_slots=sched.mamba_slots + (0,) * extra,
                 verify_slots=sched.verify_slots + ((0,) * q,) * extra,
                 logits_seqs=sched.logits_seqs + tuple(range(n, bs)),
+                lora_slots=sched.lora_slots + (-1,) * extra,
             )
         return dataclasses.replace(
             sched,
@@ -211,6 +213,7 @@ class DecodeGraphRunner:
             start_positions=sched.start_positions + (0,) * extra,
             kv_pages=sched.kv_pages + (self.dummy_pages,) * extra,
             mamba_slots=sched.mamba_slots + (0,) * extra,
+            lora_slots=sched.lora_slots + (-1,) * extra,
             logits_seqs=tuple(range(bs))
             if sched.logits_seqs == tuple(range(n))
             else sched.logits_seqs,
@@ -370,6 +373,7 @@ class DecodeGraphRunner:
             prompt_logprob_seqs=(),
             has_mamba_track_mask=track,
             track_points=points,
+            lora_slots=(-1,) * bs,
         )
 
     def _capture(self, mode: str, bs: int, track: bool):

@@ -55,8 +55,10 @@ class ReluSquaredMLP(nn.Module):
         quantized kernel's)."""
         if isinstance(self.up_proj, QuantizedLinear):
             self.up_proj.pack_cpu(relu=True)
-        else:
+        elif type(self.up_proj) is nn.Linear:
             self.up_proj = PackedLinear(self.up_proj, activation="relu")
+        # else an adapted projection (engine/lora/layer.py): its base is packed on its own and
+        # relu follows the adapter's delta
 
 
 # transformers' ACT2FN for these names ("gelu_pytorch_tanh": Gemma's, GELU's tanh approximation)

@@ -1,0 +1,134 @@
+"""The adapted linear: a base projection plus the batched low-rank deltas of the adapters in the
+slot table, each row applying its own slot's (or none).
+
+    y = base(x) + ((x @ A.T) * rows) @ B          per token row t, with slot s = slot(t):
+        A: (S * r, in)   the slots' A matrices stacked, each padded to r = max_lora_rank rows
+        B: (S * r, out)  the slots' B matrices, transposed, scaled (lora_alpha / r) and stacked
+        rows: (T, S * r) 1.0 on the r columns of the row's slot, 0.0 elsewhere (all 0: no adapter)
+
+Every shape is fixed by the batch and the table, never by which slots the rows pick: the same
+operators run whatever the mix, so a captured CPU step or CUDA graph replays any mix (the slot of
+each row comes from the metadata's fixed buffers, ForwardBatch.lora_slots). The zero columns of
+the rows a token does not use add exact zeros. The cost per token is S * r * (in + out) multiply-
+adds beside the base's in * out: small at a few slots of rank 16 on real widths.
+
+The wrapper is put around a layer's own nn.Linear (or QuantizedLinear) after the weights load and
+before the CPU backend packs them (engine/layers/cpu_backend.py): fusing passes leave a wrapped
+projection apart (`stored_as` is None for it) and the base inside is packed on its own. TP: the
+wrapper keeps the base weight's shard rule, which slices B's rows (column-parallel) or A's
+columns (row-parallel) exactly as the base weight was sliced (engine/lora/adapter.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from baton.engine import parallel
+from baton.engine.parallel import ShardRule
+from baton.engine.quantization.modules import QuantizedLinear
+
+# layer class name -> the projections of it an adapter may target (called as modules in the
+# layer's forward; a projection whose weight a fused kernel reads directly is not listed)
+ADAPTABLE: dict[str, tuple[str, ...]] = {
+    "Attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "QKNormAttention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "Mamba2Mixer": ("in_proj", "out_proj"),
+    "Mamba1Mixer": ("in_proj", "x_proj", "dt_proj", "out_proj"),
+    "GatedDeltaNet": (
+        "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+        "q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj", "out_proj", "o_proj",
+    ),  # fmt: skip
+    "ReluSquaredMLP": ("up_proj", "down_proj"),
+    "GatedMLP": ("gate_proj", "up_proj", "down_proj"),
+    "ShortConv": ("in_proj", "out_proj"),
+}
+
+
+class SlotRows:
+    """The rows' slot selection of one forward: `columns(dtype)` is the (T, S * r) 0/1 matrix
+    every adapted linear multiplies by, built once per forward and dtype."""
+
+    def __init__(self, lora_slots: torch.Tensor, slot_of_column: torch.Tensor):
+        self.lora_slots = lora_slots  # (T,) int64, -1: no adapter
+        self.slot_of_column = slot_of_column  # (S * r,) int64
+        self._columns: dict[torch.dtype, torch.Tensor] = {}
+
+    def columns(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._columns:
+            hit = self.lora_slots[:, None] == self.slot_of_column[None, :]
+            self._columns[dtype] = hit.to(dtype)
+        return self._columns[dtype]
+
+
+_current: list[SlotRows] = []
+
+
+@contextlib.contextmanager
+def slot_rows(lora_slots: torch.Tensor, slot_of_column: torch.Tensor) -> Iterator[SlotRows]:
+    """Scope one forward's row selection; adapted linears read it. Refuses nesting."""
+    if _current:
+        raise RuntimeError("an adapted forward is already running (slot_rows does not nest)")
+    rows = SlotRows(lora_slots, slot_of_column)
+    _current.append(rows)
+    try:
+        yield rows
+    finally:
+        _current.pop()
+
+
+class LoRALinear(nn.Module):
+    """`base(x)` plus the slot table's deltas (module docstring). `a_rows` and `b_rows` are this
+    projection's part of the table, written by the slot table (engine/lora/slots.py)."""
+
+    def __init__(self, base: nn.Module, max_loras: int, max_rank: int, name: str):
+        super().__init__()
+        if not (type(base) is nn.Linear or isinstance(base, QuantizedLinear)):
+            raise TypeError(f"{name}: an adapter wraps a linear layer, not {type(base).__name__}")
+        self.name = name
+        self.base = base
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        # relu stays outside the matmul (a ReLU² MLP then applies it after the delta)
+        self.activation = "none"
+        weight = base.weight
+        self.shard_rule: ShardRule | None = parallel.shard_rule(weight)
+        dtype, device = weight.dtype, weight.device
+        if not dtype.is_floating_point:  # a quantized base: the deltas run in the scales' dtype
+            dtype = torch.get_default_dtype()
+        width = max_loras * max_rank
+        self.register_buffer(
+            "a_rows", torch.zeros(width, self.in_features, dtype=dtype, device=device), False
+        )
+        self.register_buffer(
+            "b_rows", torch.zeros(width, self.out_features, dtype=dtype, device=device), False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if not _current:
+            raise RuntimeError(f"{self.name}: an adapted linear ran outside slot_rows")
+        columns = _current[-1].columns(self.a_rows.dtype)
+        inputs = x if x.dtype == self.a_rows.dtype else x.to(self.a_rows.dtype)
+        low = torch.mm(inputs.reshape(-1, self.in_features), self.a_rows.t())
+        delta = torch.mm(low.mul_(columns), self.b_rows)
+        return y.add_(delta.view(y.shape).to(y.dtype))
+
+
+def wrap_adaptable(backbone: nn.Module, max_loras: int, max_rank: int, prefix: str) -> dict:
+    """Wrap every adaptable projection under `backbone` (named from the model root with
+    `prefix`); returns {in-memory module name: its LoRALinear}."""
+    wrapped: dict[str, LoRALinear] = {}
+    for path, layer in list(backbone.named_modules()):
+        for attr in ADAPTABLE.get(type(layer).__name__, ()):
+            base = getattr(layer, attr, None)
+            if base is None:
+                continue
+            name = f"{prefix}{path}.{attr}" if path else f"{prefix}{attr}"
+            module = LoRALinear(base, max_loras, max_rank, name)
+            setattr(layer, attr, module)
+            wrapped[name] = module
+    return wrapped
