@@ -35,3 +35,26 @@ def enable_adapters(
         max_cpu_loras=limits.max_cpu_loras,
     )
     return model.adapters
+
+
+def lora_limits(args) -> LoRALimits | None:
+    """The limits EngineArgs ask for (None: LoRA off)."""
+    if not args.enable_lora:
+        return None
+    return LoRALimits(
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras,
+    )
+
+
+def check_adapter(name: str | None, adapters: AdapterTable | None) -> None:
+    """Refuse a request for an adapter this engine does not serve (ValueError naming it)."""
+    if name is None:
+        return
+    if adapters is None:
+        raise ValueError(f"adapter {name!r} requested, but LoRA is not enabled (--enable-lora)")
+    if not adapters.has(name):
+        raise ValueError(
+            f"adapter {name!r} is not loaded (loaded: {', '.join(adapters.names()) or 'none'})"
+        )
