@@ -220,6 +220,28 @@ def add_serve_parser(subparsers) -> None:
         "steps waited and first-step size as baton:request_* histograms on /metrics",
     )
 
+    lora = parser.add_argument_group("LoRA adapters", "vLLM's flags (PEFT adapter directories)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="adapters served from the start, each by NAME as a request's `model`",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=_non_negative_int,
+        help="adapters one batch may mix (slots of the adapter table; default 1)",
+    )
+    lora.add_argument(
+        "--max-lora-rank", type=_non_negative_int, help="largest adapter rank (default 16)"
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=_non_negative_int,
+        help="adapters kept read in host memory (default: --max-loras)",
+    )
+
     cache = parser.add_argument_group("prefix cache")
     cache.add_argument(
         "--no-prefix-cache",

@@ -80,7 +80,9 @@ def _config(name: str, root: Path, max_rank: int) -> tuple[int, float]:
         if config.get(key):
             raise AdapterError(f"adapter {name!r}: {why} (it sets {key}={config[key]!r})")
     if config.get("bias", "none") != "none":
-        raise AdapterError(f"adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')")
+        raise AdapterError(
+            f"adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')"
+        )
     r = config.get("r")
     if not isinstance(r, int) or r < 1:
         raise AdapterError(f"adapter {name!r}: r must be a positive integer, got {r!r}")

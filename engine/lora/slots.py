@@ -37,7 +37,9 @@ class AdapterTable:
         max_cpu_loras: int,
     ):
         if max_loras < 1 or max_rank < 1:
-            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras}, {max_rank}")
+            raise ValueError(
+                f"max_loras and max_lora_rank must be >= 1, got {max_loras}, {max_rank}"
+            )
         if max_cpu_loras < max_loras:
             raise ValueError(
                 f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras ({max_loras})"

@@ -27,6 +27,7 @@ from baton.server.openai.generation import (
     sse_guard,
     timed_deltas,
     usage,
+    with_adapter,
 )
 from baton.server.openai.logprobs import chat_logprobs
 from baton.server.openai.protocol import ChatCompletionRequest
@@ -93,6 +94,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     params = build_sampling_params(
         body, max_tokens=max_tokens, logprobs=num_logprobs(body), vocab_size=state.vocab_size
     )
+    params = with_adapter(state, body.model, params)
     params = plan.sampling(params, reasoning_end_ids(tokenizer, plan.settings))
     # a bad spec: 400, no compute; the engine compiles the lowered one
     params = await checked_structured(params, structured_source(body))

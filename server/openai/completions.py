@@ -26,6 +26,7 @@ from baton.server.openai.generation import (
     sse_guard,
     timed_deltas,
     usage,
+    with_adapter,
 )
 from baton.server.openai.logprobs import completion_logprobs
 from baton.server.openai.protocol import CompletionRequest
@@ -131,6 +132,7 @@ async def start_completion(
         vocab_size=state.vocab_size,
         prompt_logprobs=body.logprobs if scored else None,
     )
+    params = with_adapter(state, body.model, params)
     # a bad spec: 400, no compute; the engine compiles the lowered one
     params = await checked_structured(params, structured_source(body))
     # one set per prompt: each gets the max_tokens its own length leaves in the context
