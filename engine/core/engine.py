@@ -146,6 +146,8 @@ class Engine:
         shard_addresses = gather_addresses(tp, self.shard_connector)
         # The scheduler's pool operations, recorded for the other ranks' next step at TP > 1.
         self.pool_ops = PoolOps(self.cache, record=self.ranks is not None)
+        if self.ranks is not None and self.model.adapters is not None:
+            self.model.adapters.on_write = self.pool_ops.adapter_slot
         # A model with no paged state (no attention layer) holds no pages: no page accounting,
         # and its context is not bounded by a page budget.
         paged = self.state_spec.has_pages

@@ -86,8 +86,6 @@ class EngineArgs:
             )
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters with tensor_parallel_size > 1 are not supported yet")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules need enable_lora")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

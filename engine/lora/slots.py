@@ -52,6 +52,9 @@ class AdapterTable:
         self.slot_names: list[str | None] = [None] * max_loras
         self.pins = [0] * max_loras
         self.recency: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))
+        # Called (slot, name, path) after a slot is written: at TP > 1 the engine records it
+        # for the other ranks, which `install` the same adapter in the same slot.
+        self.on_write: Callable[[int, str, str], None] | None = None
         device = next(iter(targets.values())).a_rows.device if targets else torch.device("cpu")
         # (S * R,) the slot of each column of every a_rows.T / b_rows (layer.SlotRows)
         self.slot_of_column = torch.arange(max_loras, device=device).repeat_interleave(max_rank)
@@ -100,9 +103,19 @@ class AdapterTable:
                 return None
             self._write(slot, self._weights(name))
             self.slot_names[slot] = name
+            if self.on_write is not None:
+                self.on_write(slot, name, self.paths[name])
         self.pins[slot] += 1
         self.recency.move_to_end(slot)
         return slot
+
+    def install(self, slot: int, name: str, path: str) -> None:
+        """A TP rank other than 0: write the slot rank 0 wrote (its own slice of the adapter)."""
+        if self.paths.get(name) != path:  # new here, or another adapter under that name now
+            self.host.pop(name, None)
+        self.paths[name] = path
+        self._write(slot, self._weights(name))
+        self.slot_names[slot] = name
 
     def release(self, slot: int) -> None:
         if self.pins[slot] <= 0:
