@@ -11,9 +11,8 @@ and how (its exit code, or the timeout), the engine loop reports it to every req
 
 from __future__ import annotations
 
-import dataclasses
-
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil

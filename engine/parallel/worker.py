@@ -34,8 +34,8 @@ from baton.engine.handover.shards import (
     install_report,
     load_connector,
 )
-from baton.engine.models.registry import model_state_spec
 from baton.engine.lora.model import LoRALimits
+from baton.engine.models.registry import model_state_spec
 from baton.engine.parallel.messages import (
     CopySlot,
     InstallShard,
