@@ -9,6 +9,7 @@ import sys
 from baton.engine.config import DTYPE_NAMES, QUANTIZATION_NAMES
 from baton.engine.runtime.torch_import import defer_torch
 from baton.server.args import ServerArgs
+from baton.server.lora_args import add_lora_arguments
 from baton.server.parsers.reasoning import REASONING_PARSERS
 from baton.server.parsers.tools import TOOL_CALL_PARSERS
 from baton.server.secret_flags import (
@@ -220,27 +221,7 @@ def add_serve_parser(subparsers) -> None:
         "steps waited and first-step size as baton:request_* histograms on /metrics",
     )
 
-    lora = parser.add_argument_group("LoRA adapters", "vLLM's flags (PEFT adapter directories)")
-    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
-    lora.add_argument(
-        "--lora-modules",
-        nargs="+",
-        metavar="NAME=PATH",
-        help="adapters served from the start, each by NAME as a request's `model`",
-    )
-    lora.add_argument(
-        "--max-loras",
-        type=_non_negative_int,
-        help="adapters one batch may mix (slots of the adapter table; default 1)",
-    )
-    lora.add_argument(
-        "--max-lora-rank", type=_non_negative_int, help="largest adapter rank (default 16)"
-    )
-    lora.add_argument(
-        "--max-cpu-loras",
-        type=_non_negative_int,
-        help="adapters kept read in host memory (default: --max-loras)",
-    )
+    add_lora_arguments(parser)
 
     cache = parser.add_argument_group("prefix cache")
     cache.add_argument(

@@ -273,6 +273,9 @@ class Engine:
     def remove_lora(self, name: str) -> None:
         if self.model.adapters is None:
             raise ValueError("unloading a LoRA adapter needs enable_lora (--enable-lora)")
+        users = sum(r.params.lora_name == name for r in self.scheduler.requests.values())
+        if users:
+            raise ValueError(f"adapter {name!r} is in use by {users} unfinished request(s)")
         self.model.adapters.remove(name)
         if self.prefix_cache is not None:  # a later adapter of that name is another adapter
             self.prefix_cache.clear()
