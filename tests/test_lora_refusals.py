@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from baton import LLM, LoRARequest, SamplingParams
 from baton.engine.lora.adapter import AdapterError
+from tests.gdn_families import gdn_models  # noqa: F401 (fixture)
 from tests.lora_models import make_adapter
 from tests.reference import hf_greedy
 from tests.tiny import save_tiny_model
@@ -98,3 +99,12 @@ def test_regex_targets_rslora_and_a_smaller_rank_apply(base):
                        lora_request=LoRARequest("regex", 1, str(path)))[0]  # fmt: skip
     assert out.token_ids == hf_greedy(peft_model, PROMPT, 8)[0]
     assert out.token_ids != hf_greedy(hf, PROMPT, 8)[0]
+
+
+def test_adapters_on_routed_moe_experts_are_refused(gdn_models, tmp_path):  # noqa: F811
+    """PEFT (with transformers 5's fused experts) adapts MLP names on MoE layers through
+    target_parameters on the experts' stacked weights: baton refuses it by that name."""
+    model_dir, hf = gdn_models("qwen3_next_mixed")
+    make_adapter(hf, tmp_path / "experts", ["gate_proj", "up_proj", "down_proj"], seed=2)
+    llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
+    refused(llm, tmp_path / "experts", "target_parameters", "MoE experts")

@@ -65,12 +65,12 @@ def _config(name: str, root: Path, max_rank: int) -> tuple[int, float]:
         raise AdapterError(f"adapter {name!r}: {file} is not JSON: {e}") from None
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"adapter {name!r}: peft_type {config['peft_type']!r} is not LORA")
-    refusals = {
+    refusals = {  # the most telling first: PEFT sets rank_pattern for the experts it targets
+        "target_parameters": "target_parameters (adapters on raw parameters, e.g. MoE experts) "
+        "is not supported",
         "modules_to_save": "modules_to_save (fully trained copies of modules) is not supported",
         "rank_pattern": "rank_pattern (per-module ranks) is not supported",
         "alpha_pattern": "alpha_pattern (per-module alphas) is not supported",
-        "target_parameters": "target_parameters (adapters on raw parameters, e.g. MoE experts) "
-        "is not supported",
         "layers_to_transform": "layers_to_transform is not supported",
         "use_dora": "use_dora (DoRA) is not supported",
         "lora_bias": "lora_bias is not supported",

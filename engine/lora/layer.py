@@ -125,9 +125,11 @@ class LoRALinear(nn.Module):
             raise RuntimeError(f"{self.name}: an adapted linear ran outside slot_rows")
         columns = _current[-1].columns(self.a_rows.dtype)
         inputs = x if x.dtype == self.a_rows.dtype else x.to(self.a_rows.dtype)
-        low = torch.mm(inputs.reshape(-1, self.in_features), self.a_rows.t())
-        delta = torch.mm(low.mul_(columns), self.b_rows)
-        return y.add_(delta.view(y.shape).to(y.dtype))
+        low = torch.mm(inputs.reshape(-1, self.in_features), self.a_rows.t()).mul_(columns)
+        if y.dtype == low.dtype and y.is_contiguous():
+            y.view(-1, self.out_features).addmm_(low, self.b_rows)  # the delta added in place
+            return y
+        return y.add_(torch.mm(low, self.b_rows).view(y.shape).to(y.dtype))
 
 
 def wrap_adaptable(backbone: nn.Module, max_loras: int, max_rank: int, prefix: str) -> dict:
