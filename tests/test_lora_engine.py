@@ -10,6 +10,7 @@ import pytest
 from baton import LLM, LoRARequest, SamplingParams
 from baton.engine.core.sampling_params import StructuredOutputs
 from tests.lora_models import make_adapter
+from tests.mtp_models import add_mtp_layer
 from tests.reference import hf_greedy
 from tests.tiny import save_tiny_model
 
@@ -107,3 +108,18 @@ def test_structured_output_under_an_adapter(tiny):
     )
     out = llm.generate(["hello"], params, lora_request=request(adapters, "a"))[0]
     assert out.text in {a + b + c for a in "ab" for b in "ab" for c in "ab"}, out.text
+
+
+def test_mtp_drafts_with_the_base_head_under_an_adapter(tiny, tmp_path):
+    """The MTP head drafts as the base model (it is not adapted); verification runs the
+    adapted model, so the output is the adapter's greedy tokens whatever the drafts were."""
+    model_dir, adapters, hf = tiny
+    add_mtp_layer(model_dir, tmp_path / "mtp", ["full_attention"])
+    llm = LLM(tmp_path / "mtp", enable_lora=True, max_loras=2, max_lora_rank=8,
+              cpu_padded_decode=True,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})  # fmt: skip
+    prompts = [LONG[:9], LONG[2:13]]
+    outs = llm.generate(prompts, greedy(10), lora_request=[request(adapters, "a"), None])
+    assert outs[0].token_ids == hf_greedy(adapters["a"][1], prompts[0], 10)[0]
+    assert outs[1].token_ids == hf_greedy(hf, prompts[1], 10)[0]
+    assert llm.engine.stats().spec_decode_num_drafts > 0

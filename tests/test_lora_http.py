@@ -69,6 +69,11 @@ def test_model_name_selects_the_adapter(served):
     base_name = http.get("/v1/models").json()["data"][0]["id"]
     assert tokens(completion(http, "sql")) == hf_greedy(adapters["sql"][1], PROMPT, 6)[0]
     assert tokens(completion(http, base_name)) == hf_greedy(hf, PROMPT, 6)[0]
+    # chat (and the official client) take the adapter's name as well
+    chat = server.client().chat.completions.create(
+        model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+    )
+    assert chat.model == "sql" and chat.choices[0].message.content is not None
 
 
 def test_unknown_model_is_404_in_openai_shape(served):

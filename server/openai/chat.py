@@ -18,6 +18,7 @@ from baton.server.openai.generation import (
     ChoiceResult,
     ServerState,
     admit,
+    answered_model,
     check_disagg,
     check_model,
     collect,
@@ -118,7 +119,11 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     admit(state)
     request_id = new_request_id("chatcmpl")
     requests = fan_out(request_id, [prompt], params, body.n, body.baton_disagg)
-    head = {"id": request_id, "created": int(time.time()), "model": state.args.model_name}
+    head = {
+        "id": request_id,
+        "created": int(time.time()),
+        "model": answered_model(state, body.model),
+    }
     if body.stream:
         chunks = _stream(state, body, plan, head, prompt, requests, arrival)
         return StreamingResponse(sse_guard(chunks), media_type="text/event-stream")

@@ -17,6 +17,7 @@ from baton.server.openai.generation import (
     ChoiceResult,
     ServerState,
     admit,
+    answered_model,
     check_disagg,
     check_model,
     collect,
@@ -74,7 +75,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
         "id": started.request_id,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": state.args.model_name,
+        "model": answered_model(state, body.model),
     }
     if body.stream:
         chunks = _stream(state, body, head, prompts, requests, arrival, echo)

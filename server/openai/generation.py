@@ -71,6 +71,11 @@ def check_model(state: ServerState, model: str | None) -> None:
         )
 
 
+def answered_model(state: ServerState, model: str | None) -> str:
+    """The `model` an answer names: the adapter's when the request named one (vLLM's)."""
+    return model if model is not None and model in state.client.adapters else state.args.model_name
+
+
 def with_adapter(state: ServerState, model: str | None, params: SamplingParams) -> SamplingParams:
     """The request's params under the adapter its `model` names (unchanged for the base)."""
     if model is None or model not in state.client.adapters:
