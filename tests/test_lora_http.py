@@ -113,3 +113,13 @@ def test_refused_adapter_is_400_naming_why(served, tmp_path):
     )
     assert missing.status_code == 400 and "adapter_model.safetensors" in missing.text
     assert "bad" not in {m["id"] for m in http.get("/v1/models").json()["data"]}
+    # damaged files: refused, and the engine lives on
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\x00garbage")
+    damaged = http.post(
+        "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)}
+    )
+    assert damaged.status_code == 400 and "cannot read" in damaged.text, damaged.text
+    (tmp_path / "adapter_config.json").write_text("[1, 2]")
+    listed = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
+    assert listed.status_code == 400 and "JSON object" in listed.text, listed.text
+    assert tokens(completion(http, "sql"))  # still serving

@@ -61,8 +61,10 @@ def _config(name: str, root: Path, max_rank: int) -> tuple[int, float]:
         raise AdapterError(f"adapter {name!r}: {root / WEIGHTS_FILE} not found")
     try:
         config = json.loads(file.read_text())
-    except ValueError as e:
+    except (ValueError, UnicodeDecodeError) as e:
         raise AdapterError(f"adapter {name!r}: {file} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"adapter {name!r}: {file} is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"adapter {name!r}: peft_type {config['peft_type']!r} is not LORA")
     refusals = {  # the most telling first: PEFT sets rank_pattern for the experts it targets
@@ -84,11 +86,13 @@ def _config(name: str, root: Path, max_rank: int) -> tuple[int, float]:
             f"adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')"
         )
     r = config.get("r")
-    if not isinstance(r, int) or r < 1:
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise AdapterError(f"adapter {name!r}: r must be a positive integer, got {r!r}")
     if r > max_rank:
         raise AdapterError(f"adapter {name!r}: rank {r} exceeds --max-lora-rank {max_rank}")
     alpha = config.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise AdapterError(f"adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     return r, float(scaling)
 
@@ -125,6 +129,17 @@ def read_adapter(
     name -> its wrapper); `rename` is the family's checkpoint_name."""
     root = Path(path)
     r, scaling = _config(name, root, max_rank)
+    try:
+        return _read(name, root, targets, rename, r, scaling)
+    except AdapterError:
+        raise
+    except Exception as error:  # a damaged file: safetensors' own errors, bad dtypes
+        raise AdapterError(
+            f"adapter {name!r}: cannot read {root / WEIGHTS_FILE}: {error}"
+        ) from None
+
+
+def _read(name, root: Path, targets, rename, r: int, scaling: float) -> LoRAWeights:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     with safe_open(str(root / WEIGHTS_FILE), framework="pt") as file:
         modules = _module_names(name, list(file.keys()))

@@ -177,6 +177,9 @@ class EngineLoop:
             method(*((message.name, message.path) if message.action == "load" else (message.name,)))
         except (ValueError, OSError) as refused:
             error = str(refused)
+        except Exception as failed:  # never the engine's end: the adapter is refused
+            logger.exception("adapter %s %r failed", message.action, message.name)
+            error = f"adapter {message.name!r}: {message.action} failed: {failed!r}"
         self._send(AdapterDone(call_id=message.call_id, error=error))
 
     def _stats(self) -> dict[str, int | float]:
