@@ -69,11 +69,15 @@ class SlotRows:
         self.slot_of_column = slot_of_column  # (S * r,) int64
         self._columns: dict[torch.dtype, torch.Tensor] = {}
 
-    def columns(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self._columns:
-            hit = self.lora_slots[:, None] == self.slot_of_column[None, :]
-            self._columns[dtype] = hit.to(dtype)
-        return self._columns[dtype]
+    def columns(self, dtype: torch.dtype, parts: int = 1) -> torch.Tensor:
+        """(T, parts * S * r): the selection, repeated for a fused projection's parts."""
+        if (dtype, parts) not in self._columns:
+            if dtype not in self._columns:
+                hit = self.lora_slots[:, None] == self.slot_of_column[None, :]
+                self._columns[dtype] = hit.to(dtype)
+            if parts > 1:
+                self._columns[(dtype, parts)] = self._columns[dtype].repeat(1, parts)
+        return self._columns[(dtype, parts) if parts > 1 else dtype]
 
 
 _current: list[SlotRows] = []
@@ -130,6 +134,47 @@ class LoRALinear(nn.Module):
             y.view(-1, self.out_features).addmm_(low, self.b_rows)  # the delta added in place
             return y
         return y.add_(torch.mm(low, self.b_rows).view(y.shape).to(y.dtype))
+
+
+class FusedLoRALinear(nn.Module):
+    """Adapted projections fused for the CPU (q|k|v, gate|up, GDN's projections): one packed base
+    matmul, one matmul through every part's A (the parts' a_rows become views of one stacked
+    tensor, so the slot table still writes each part where it always did), and each part's B
+    added into its columns of the output."""
+
+    def __init__(self, base: nn.Module, parts: list[LoRALinear]):
+        super().__init__()
+        self.base = base
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.activation = "none"
+        self.width = parts[0].a_rows.shape[0]
+        self.register_buffer("a_rows", torch.cat([p.a_rows for p in parts]), False)
+        offsets = [0]
+        for i, part in enumerate(parts):
+            part.a_rows = self.a_rows[i * self.width : (i + 1) * self.width]
+            part.base = None  # its weight lives in the fused base now
+            offsets.append(offsets[-1] + part.out_features)
+        self.offsets = offsets
+        self.parts = list(parts)  # not submodules: their buffers are views or read from here
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if not _current:
+            raise RuntimeError("an adapted linear ran outside slot_rows")
+        dtype = self.a_rows.dtype
+        columns = _current[-1].columns(dtype, len(self.parts))
+        inputs = x if x.dtype == dtype else x.to(dtype)
+        low = torch.mm(inputs.reshape(-1, self.in_features), self.a_rows.t()).mul_(columns)
+        rows = y.view(-1, self.out_features)
+        for i, part in enumerate(self.parts):
+            out = rows[:, self.offsets[i] : self.offsets[i + 1]]
+            part_low = low[:, i * self.width : (i + 1) * self.width]
+            if out.dtype == dtype:
+                out.addmm_(part_low, part.b_rows)
+            else:
+                out.add_(torch.mm(part_low, part.b_rows).to(out.dtype))
+        return y
 
 
 def wrap_adaptable(backbone: nn.Module, max_loras: int, max_rank: int, prefix: str) -> dict:
