@@ -19,6 +19,7 @@ def test_up_serves_an_adapter_by_name_through_the_pair(tmp_path):
     peft_model = make_adapter(
         hf, tmp_path / "tuned", ["q_proj", "v_proj", "in_proj", "up_proj"], seed=80
     )
+    late_model = make_adapter(hf, tmp_path / "late", ["k_proj", "o_proj"], seed=81)
     stack = Stack(tmp_path / "model", tmp_path / "up.log", "--enable-lora",
                   "--lora-modules", f"tuned={tmp_path / 'tuned'}", "--max-lora-rank", "8")  # fmt: skip
     try:
@@ -32,5 +33,13 @@ def test_up_serves_an_adapter_by_name_through_the_pair(tmp_path):
         assert answer.json()["choices"][0]["token_ids"] == hf_greedy(peft_model, PROMPT, 6)[0]
         unknown = httpx.post(f"{base}/v1/completions", json=body | {"model": "nope"}, timeout=60)
         assert unknown.status_code == 404, unknown.text
+        # loaded at run time through the router: on both workers
+        load = {"lora_name": "late", "lora_path": str(tmp_path / "late")}
+        loaded = httpx.post(f"{base}/v1/load_lora_adapter", json=load, timeout=60)
+        assert loaded.status_code == 200, loaded.text
+        late = httpx.post(f"{base}/v1/completions", json=body | {"model": "late"}, timeout=60)
+        assert late.json()["choices"][0]["token_ids"] == hf_greedy(late_model, PROMPT, 6)[0]
+        refused = httpx.post(f"{base}/v1/load_lora_adapter", json=load, timeout=60)
+        assert refused.status_code == 400 and "already taken" in refused.text, refused.text
     finally:
         stack.stop()
