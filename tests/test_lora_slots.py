@@ -68,3 +68,18 @@ def test_unloading_a_pinned_adapter_is_refused(table):
         table.remove("a")
     with pytest.raises(AdapterError, match="already loaded"):
         table.add("b", "anywhere")
+
+
+def test_pool_budget_counts_what_the_slot_table_takes(tmp_path):
+    """The GPU pool budget subtracts the slot table; its estimate from the checkpoint's headers
+    is what the adapted model really holds."""
+    from baton import LLM
+    from baton.engine.lora.model import LoRALimits, slot_table_bytes
+    from tests.tiny import save_tiny_model
+
+    save_tiny_model(tmp_path / "model", seed=1)
+    limits = LoRALimits(max_loras=3, max_lora_rank=8, max_cpu_loras=3)
+    llm = LLM(tmp_path / "model", enable_lora=True, max_loras=3, max_lora_rank=8)
+    targets = llm.engine.model.adapters.targets.values()
+    held = sum(t.a_rows.nbytes + t.b_rows.nbytes for t in targets)
+    assert slot_table_bytes(tmp_path / "model", limits, torch.float32, 1) == held > 0

@@ -6,9 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+from safetensors import safe_open
 from torch import nn
 
-from baton.engine.lora.layer import wrap_adaptable
+from baton.engine.checkpoint.weights import checkpoint_files
+from baton.engine.lora.layer import ADAPTABLE, wrap_adaptable
 from baton.engine.lora.slots import AdapterTable
 
 
@@ -58,3 +61,26 @@ def check_adapter(name: str | None, adapters: AdapterTable | None) -> None:
         raise ValueError(
             f"adapter {name!r} is not loaded (loaded: {', '.join(adapters.names()) or 'none'})"
         )
+
+
+def slot_table_bytes(model_dir, limits: LoRALimits | None, dtype: torch.dtype, tp_size: int) -> int:
+    """About what the slot table's stacked A/B take on each rank (the pools' budget leaves it
+    out): every adaptable projection's (in + out) * max_loras * max_lora_rank elements, from the
+    checkpoint's headers (routed experts are never adapted)."""
+    if limits is None:
+        return 0
+    names = {name for names in ADAPTABLE.values() for name in names}
+    elements = 0
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as file:
+            for key in file.keys():
+                parts = key.split(".")
+                if len(parts) < 2 or parts[-1] != "weight" or parts[-2] not in names:
+                    continue
+                if ".experts." in key:
+                    continue
+                shape = file.get_slice(key).get_shape()
+                if len(shape) == 2:
+                    elements += shape[0] + shape[1]
+    per_rank = elements * limits.max_loras * limits.max_lora_rank // max(tp_size, 1)
+    return per_rank * torch.finfo(dtype).bits // 8
