@@ -113,7 +113,7 @@ class LoRALinear(nn.Module):
         weight = base.weight
         self.shard_rule: ShardRule | None = parallel.shard_rule(weight)
         dtype, device = weight.dtype, weight.device
-        if not dtype.is_floating_point:  # a quantized base: the deltas run in the scales' dtype
+        if not dtype.is_floating_point:  # a quantized base (int8, fp8): the deltas run in float32
             dtype = torch.get_default_dtype()
         width = max_loras * max_rank
         self.register_buffer(
