@@ -69,6 +69,11 @@ def test_captured_cpu_decode_steps_apply_each_rows_adapter(tiny):
     for prompt, name, out in zip(prompts, names, outs):
         ref = hf if name is None else adapters[name][1]
         assert out.token_ids == hf_greedy(ref, prompt, 10)[0], name
+    # a step with no adapter in it skips the deltas: a plan of its own (key[3], has_lora)
+    (base,) = llm.generate([prompts[1]], greedy(10))
+    assert base.token_ids == hf_greedy(hf, prompts[1], 10)[0]
+    plans = llm.engine.graph_runner.plans
+    assert {key[3] for key, plan in plans.items() if plan is not None} == {True, False}
 
 
 def test_more_adapters_than_slots_wait_for_a_slot(tiny):

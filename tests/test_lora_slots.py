@@ -53,7 +53,7 @@ def test_each_row_gets_its_own_slots_delta(table):
     target = table.targets["proj"]
     x = torch.randn(3, 4)
     slots = {name: table.acquire(name) for name in "ab"}
-    with slot_rows(torch.tensor([slots["a"], -1, slots["b"]]), table.slot_of_column):
+    with slot_rows(torch.tensor([slots["a"], -1, slots["b"]]), table.slot_of_column, True):
         y = target(x)
     base = target.base(x)
     for row, name in ((0, "a"), (2, "b")):

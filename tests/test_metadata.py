@@ -409,7 +409,7 @@ def test_padded_verify_step_replays_into_the_captured_metadata():
     sched = only_verify_rows(scheduled("verify", track=False))
     nv, q = sched.num_seqs, 3
     assert runner.can_run(sched)
-    static = runner.build(runner.dummy_batch("verify", 4, False))
+    static = runner.build(runner.dummy_batch("verify", 4, False, lora=True))  # rows 0, 2 have one
     md = runner.build(runner.pad(sched, 4))
     copy_from(static, md)
     eager = build(sched)

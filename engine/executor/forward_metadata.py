@@ -101,6 +101,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # (num_logit_rows,) int64 rows of the hidden states to project
     logits_row_owner: tuple[int, ...]  # (num_logit_rows,) seq index owning each logits row
     lora_slots: torch.Tensor  # (num_tokens,) int64 adapter slot of each token's row, -1: none
+    has_lora: bool  # host fact: some row runs under an adapter (else the deltas are skipped)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -266,6 +267,7 @@ def build_metadata(
         logits_indices=logits_d,
         logits_row_owner=tuple(owners),
         lora_slots=longs[11],
+        has_lora=any(slot >= 0 for slot in sched.lora_slots),
     )
     prefill_attention, chunk_layout, window_layout = prefill_layouts(
         buffers,
@@ -316,7 +318,7 @@ def build_metadata(
 
 def same_rows(a: ScheduledBatch, b: ScheduledBatch) -> bool:
     """Whether two batches feed the same rows (sequences, lengths, positions, pages, slots),
-    whatever tokens they feed."""
+    whatever tokens they feed (and whatever adapters: an MTP head's pass drafts as the base)."""
     return (
         a.mode == b.mode
         and a.num_decode_seqs == b.num_decode_seqs
@@ -325,7 +327,6 @@ def same_rows(a: ScheduledBatch, b: ScheduledBatch) -> bool:
         and a.start_positions == b.start_positions
         and a.kv_pages == b.kv_pages
         and a.mamba_slots == b.mamba_slots
-        and a.lora_slots == b.lora_slots
     )
 
 

@@ -99,7 +99,8 @@ class CausalLM(nn.Module):
         if self.adapters is None:
             hidden = self.model(md, cache)
         else:
-            with slot_rows(md.forward.batch.lora_slots, self.adapters.slot_of_column):
+            batch = md.forward.batch
+            with slot_rows(batch.lora_slots, self.adapters.slot_of_column, batch.has_lora):
                 hidden = self.model(md, cache)
         if self.mtp is not None:
             keep_hidden(hidden, md, cache)

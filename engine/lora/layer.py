@@ -64,9 +64,10 @@ class SlotRows:
     """The rows' slot selection of one forward: `columns(dtype)` is the (T, S * r) 0/1 matrix
     every adapted linear multiplies by, built once per forward and dtype."""
 
-    def __init__(self, lora_slots: torch.Tensor, slot_of_column: torch.Tensor):
+    def __init__(self, lora_slots: torch.Tensor, slot_of_column: torch.Tensor, active: bool):
         self.lora_slots = lora_slots  # (T,) int64, -1: no adapter
         self.slot_of_column = slot_of_column  # (S * r,) int64
+        self.active = active  # host fact: some row has an adapter (else no delta is computed)
         self._columns: dict[torch.dtype, torch.Tensor] = {}
 
     def columns(self, dtype: torch.dtype, parts: int = 1) -> torch.Tensor:
@@ -84,11 +85,14 @@ _current: list[SlotRows] = []
 
 
 @contextlib.contextmanager
-def slot_rows(lora_slots: torch.Tensor, slot_of_column: torch.Tensor) -> Iterator[SlotRows]:
-    """Scope one forward's row selection; adapted linears read it. Refuses nesting."""
+def slot_rows(
+    lora_slots: torch.Tensor, slot_of_column: torch.Tensor, active: bool
+) -> Iterator[SlotRows]:
+    """Scope one forward's row selection; adapted linears read it. Refuses nesting. `active`
+    False (no row has an adapter, ForwardBatch.has_lora): the projections run their base only."""
     if _current:
         raise RuntimeError("an adapted forward is already running (slot_rows does not nest)")
-    rows = SlotRows(lora_slots, slot_of_column)
+    rows = SlotRows(lora_slots, slot_of_column, active)
     _current.append(rows)
     try:
         yield rows
@@ -127,6 +131,8 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if not _current:
             raise RuntimeError(f"{self.name}: an adapted linear ran outside slot_rows")
+        if not _current[-1].active:
+            return y
         columns = _current[-1].columns(self.a_rows.dtype)
         inputs = x if x.dtype == self.a_rows.dtype else x.to(self.a_rows.dtype)
         low = torch.mm(inputs.reshape(-1, self.in_features), self.a_rows.t()).mul_(columns)
@@ -162,6 +168,8 @@ class FusedLoRALinear(nn.Module):
         y = self.base(x)
         if not _current:
             raise RuntimeError("an adapted linear ran outside slot_rows")
+        if not _current[-1].active:
+            return y
         dtype = self.a_rows.dtype
         columns = _current[-1].columns(dtype, len(self.parts))
         inputs = x if x.dtype == dtype else x.to(dtype)
