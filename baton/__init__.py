@@ -7,8 +7,8 @@ package of its own, so no process started in the repository root can import them
 `server`, `engine`, `disagg` or `bench` in place of another distribution's (Hugging Face's
 `kernels`, a transformers dependency, is one).
 
-`LLM` and `SamplingParams` (the offline API, vLLM's shape: `from baton import LLM,
-SamplingParams`) are imported on first use (PEP 562): the server and the router import this file
+`LLM`, `SamplingParams` and `LoRARequest` (the offline API, vLLM's shape: `from baton import LLM,
+SamplingParams, LoRARequest`) are imported on first use (PEP 562): the server and the router import this file
 too, and use only torch-free modules; they must not pay for torch (~1.5 s, ~230 MB) through it.
 """
 
@@ -20,10 +20,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from baton.engine.core.llm import LLM
     from baton.engine.core.sampling_params import SamplingParams
+    from baton.engine.lora.request import LoRARequest
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
-_HOMES = {"LLM": "baton.engine.core.llm", "SamplingParams": "baton.engine.core.sampling_params"}
+_HOMES = {
+    "LLM": "baton.engine.core.llm",
+    "SamplingParams": "baton.engine.core.sampling_params",
+    "LoRARequest": "baton.engine.lora.request",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -104,6 +104,13 @@ class PrefillWorker:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve a LoRA adapter (the other half of the pair must serve it under that name too)."""
+        self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
     def computing(self) -> bool:
         """Whether the engine itself has requests to step (not just rooms waiting on peers)."""
         return self.engine.has_unfinished_requests()

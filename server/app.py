@@ -16,7 +16,7 @@ from baton.server.middleware import (
     RequestBodyMiddleware,
     RequestCounterMiddleware,
 )
-from baton.server.openai import chat, completions, sglang_generate
+from baton.server.openai import adapters, chat, completions, sglang_generate
 from baton.server.openai.generation import ServerState, check_model
 from baton.server.openai.protocol import DetokenizeRequest, TokenizeRequest
 from baton.server.openai.responses import endpoint as responses
@@ -123,15 +123,22 @@ def build_app(state: ServerState) -> FastAPI:
             "max_model_len": state.max_model_len,
         }
 
+    def adapter_card(name: str) -> dict:
+        """vLLM's card of a LoRA adapter: its base model as `parent`."""
+        path = state.client.adapters[name]
+        return card() | {"id": name, "root": path, "parent": state.args.model_name}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [card(), *map(adapter_card, state.client.adapters)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict:
         """OpenAI's retrieve (`client.models.retrieve`); ids may hold slashes (org/name)."""
         check_model(state, model)
-        return card()
+        return adapter_card(model) if model in state.client.adapters else card()
+
+    app.include_router(adapters.router)
 
     @app.get("/version")
     async def version() -> dict:

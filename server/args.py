@@ -129,6 +129,12 @@ class ServerArgs:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    # LoRA adapters, vLLM's flags (engine/lora/): NAME=PATH each
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] | None = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in (None, "prefill", "decode"):
@@ -189,6 +195,9 @@ class ServerArgs:
         speculative = self.speculative()
         if speculative is not None:
             SpeculativeConfig.check_flags(speculative)
+        self.lora_paths()  # NAME=PATH each, a directory there
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         for name in (*ENGINE_ARG_NAMES, "max_queued_requests"):
@@ -200,6 +209,20 @@ class ServerArgs:
     def model_name(self) -> str:
         """The name clients pass as `model`: --served-model-name, else the model path."""
         return self.served_model_name or self.model
+
+    def lora_paths(self) -> dict[str, str]:
+        """--lora-modules as {name: PEFT directory}."""
+        paths: dict[str, str] = {}
+        for item in self.lora_modules or ():
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {item!r}: expected NAME=PATH")
+            if name in paths or name == self.model_name:
+                raise ValueError(f"--lora-modules: the name {name!r} is already taken")
+            if not Path(path, "adapter_config.json").is_file():
+                raise ValueError(f"--lora-modules {item}: no adapter_config.json in {path}")
+            paths[name] = path
+        return paths
 
     @property
     def worker_secret(self) -> str | None:
@@ -251,6 +274,12 @@ class ServerArgs:
             args["speculative_config"] = speculative
         if self.quantization is not None:
             args["quantization"] = self.quantization
+        if self.enable_lora:
+            args["enable_lora"] = True
+            args["lora_modules"] = self.lora_paths()
+            for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+                if getattr(self, name) is not None:
+                    args[name] = getattr(self, name)
         return args
 
     def disagg_options(self) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ import sys
 from baton.engine.config import DTYPE_NAMES, QUANTIZATION_NAMES
 from baton.engine.runtime.torch_import import defer_torch
 from baton.server.args import ServerArgs
+from baton.server.lora_args import add_lora_arguments
 from baton.server.parsers.reasoning import REASONING_PARSERS
 from baton.server.parsers.tools import TOOL_CALL_PARSERS
 from baton.server.secret_flags import (
@@ -219,6 +220,8 @@ def add_serve_parser(subparsers) -> None:
         help="time every request inside the engine and expose queue / prefill / decode time, "
         "steps waited and first-step size as baton:request_* histograms on /metrics",
     )
+
+    add_lora_arguments(parser)
 
     cache = parser.add_argument_group("prefix cache")
     cache.add_argument(

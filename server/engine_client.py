@@ -35,6 +35,8 @@ from baton.engine.runtime.cpu_allocator import release_freed_memory
 from baton.engine.runtime.cpu_threads import engine_environment
 from baton.engine.runtime.ipc import (
     AbortRequests,
+    AdapterCommand,
+    AdapterDone,
     AddRequest,
     EngineFailed,
     EngineProcessSpec,
@@ -119,6 +121,9 @@ class EngineClient:
         # fails what is in flight and exits non-zero, so a supervisor restarts the pair.
         self.engine_died = asyncio.Event()
         self._routes: dict[str, tuple[asyncio.Queue, int]] = {}
+        # LoRA adapters the engine serves, by name (--lora-modules, then load/unload calls)
+        self.adapters: dict[str, str] = args.lora_paths() if args.enable_lora else {}
+        self._adapter_calls: dict[str, asyncio.Future] = {}
         self._process: subprocess.Popen | None = None
         self._tasks: list[asyncio.Task] = []
         socket_base = os.path.join(
@@ -193,6 +198,26 @@ class EngineClient:
             asyncio.create_task(self._watch_process()),
         ]
         return message
+
+    async def adapter(self, action: str, name: str, path: str) -> None:
+        """Load (action "load", from path) or unload a LoRA adapter in the engine; raises
+        EngineRejected with the engine's reason when it refuses."""
+        call_id = uuid.uuid4().hex
+        done = asyncio.get_running_loop().create_future()
+        self._adapter_calls[call_id] = done
+        try:
+            sent = self._send(AdapterCommand(call_id=call_id, action=action, name=name, path=path))
+            if not sent:
+                raise EngineUnavailable("engine unavailable")
+            error = await asyncio.wait_for(done, timeout=self.args.engine_start_timeout)
+        finally:
+            self._adapter_calls.pop(call_id, None)
+        if error:
+            raise EngineRejected(error)
+        if action == "load":
+            self.adapters[name] = path
+        else:
+            self.adapters.pop(name, None)
 
     async def generate(
         self, requests: list[EngineRequest], tokenizer
@@ -326,6 +351,10 @@ class EngineClient:
                         EngineRejected if message.kind == "client" else RequestFailedServerSide
                     )
                     route[0].put_nowait((route[1], error_class(message.message)))
+            elif isinstance(message, AdapterDone):
+                call = self._adapter_calls.get(message.call_id)
+                if call is not None and not call.done():
+                    call.set_result(message.error)
             elif isinstance(message, EngineFailed):
                 logger.error("engine failed: %s", message.message)
                 self.fail_all(f"engine failed: {message.message}")

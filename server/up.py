@@ -30,6 +30,7 @@ import httpx
 from baton.engine.config import DTYPE_NAMES, QUANTIZATION_NAMES
 from baton.engine.runtime.cpu_threads import cores_per_engine
 from baton.engine.spec_decode.config import SpeculativeConfig
+from baton.server.lora_args import add_lora_arguments, lora_flags
 from baton.server.parsers.reasoning import REASONING_PARSERS
 from baton.server.parsers.tools import TOOL_CALL_PARSERS
 from baton.server.router.cli import DEFAULT_MAX_CONCURRENT_REQUESTS
@@ -141,6 +142,7 @@ def add_up_parser(subparsers) -> None:
     )
     parser.add_argument("--chat-template", help="a chat template file for both workers")
     add_speculative_arguments(parser)  # both workers: the prefill one builds the MTP state
+    add_lora_arguments(parser)  # both workers, the same adapters under the same names
     parser.add_argument(
         "worker_args", nargs="*", help="extra `baton serve` flags for both workers (after --)"
     )
@@ -202,6 +204,7 @@ def run_up(ns) -> int:
             common += [flag, value]
     if ns.enable_auto_tool_choice:
         common.append("--enable-auto-tool-choice")
+    common += lora_flags(ns)
     try:
         speculative = speculative_dict(
             ns.speculative_config,

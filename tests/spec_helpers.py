@@ -120,6 +120,7 @@ def verify_metadata(model, model_dir):
         prompt_logprob_seqs=(),
         has_mamba_track_mask=False,
         track_points=(),
+        lora_slots=(-1,) * len(("a", "b")),
     )
     md = ModelRunner(model, cache, "cpu").build(sched)
     return md, cache, torch.randn(6, model.config.hidden_size, generator=g)
@@ -150,5 +151,6 @@ def mtp_prefill_batch(model, tokens: list[int]):
         prompt_logprob_seqs=(),
         has_mamba_track_mask=False,
         track_points=(),
+        lora_slots=(-1,) * len(("r",)),
     )
     return ModelRunner(model, cache, "cpu"), batch

@@ -29,6 +29,7 @@ def _prefill(tokens: list[int], slot: int, pages: list[int]) -> ScheduledBatch:
         prompt_logprob_seqs=(0,),  # every row's logits: rows differ between the two forwards
         has_mamba_track_mask=False,
         track_points=(),
+        lora_slots=(-1,) * len((f"r{slot}",)),
     )
 
 

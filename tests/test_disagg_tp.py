@@ -340,7 +340,7 @@ def assert_checkpoints_as_colocated(decoder, colocated: Engine, prompt, num_bloc
     on every rank, that rank's slice of the colocated TP=1 engine's checkpoint at the same block
     end: rank 0 compared tensor by tensor, the others by the per-slot sums they report."""
     engine = decoder.engine
-    keys = colocated.prefix_cache.chain_keys(prompt, num_blocks)
+    keys = colocated.prefix_cache.chain_keys(prompt, num_blocks, adapter=None)
     blocks = [engine.prefix_cache.lookup(key) for key in keys]
     assert None not in blocks, "the decode side does not cache the transferred blocks"
     reference = [colocated.prefix_cache.lookup(key).checkpoint_slot for key in keys]

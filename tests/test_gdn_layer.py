@@ -167,6 +167,7 @@ def scheduled(mode, ids, lens, starts, pages, slots, points) -> ScheduledBatch:
         prompt_logprob_seqs=(),
         has_mamba_track_mask=bool(points),
         track_points=tuple(points),
+        lora_slots=(-1,) * len(tuple(f"r{i}" for i in range(len(lens)))),
         verify_slots=(),
     )
 

@@ -57,6 +57,7 @@ def prefill_all(runner, prompts, pages, slots):
                 prompt_logprob_seqs=(),
                 has_mamba_track_mask=False,
                 track_points=(),
+                lora_slots=(-1,) * len((f"r{i}",)),
             )
         )
 
@@ -109,6 +110,7 @@ def test_padded_decode_equals_eager_and_dummy_slot_absorbs_padding(base_model, n
             prompt_logprob_seqs=(),
             has_mamba_track_mask=track,
             track_points=points,
+            lora_slots=(-1,) * len(tuple(f"r{i}" for i in range(n))),
         )
         _, ref = eager.forward(sched)
         _, got = padded.forward(sched)
@@ -167,6 +169,7 @@ def test_padding_never_lands_on_a_live_slot(base_model):
         prompt_logprob_seqs=(),
         has_mamba_track_mask=False,
         track_points=(),
+        lora_slots=(-1,) * len(("a",)),
     )
     with pytest.raises(AssertionError, match="dummy"):
         runner.forward(bad)

@@ -4,6 +4,7 @@ tracking that really writes checkpoint slots."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -87,6 +88,8 @@ def scheduled(mode: str, track: bool) -> ScheduledBatch:
         prompt_logprob_seqs=(len(rows) - 1,) if prefill else (),
         has_mamba_track_mask=bool(points),
         track_points=points,
+        # every row its own adapter slot or none (-1), so a lost or shifted slot shows
+        lora_slots=tuple(i % 3 - 1 for i in range(len(rows))),
     )
 
 
@@ -148,6 +151,10 @@ def reconstruct(md: Mamba2Metadata, sched: ScheduledBatch) -> dict:
         "prompt_logprob_seqs": tuple(prompt_seqs),
         "has_mamba_track_mask": md.has_mamba_track_mask,
         "track_points": tuple(points),
+        # per token on the device: each sequence's first token's
+        "lora_slots": tuple(
+            batch.lora_slots.tolist()[start] for start in itertools.accumulate([0, *lens[:-1]])
+        ),
     }
 
 
@@ -291,6 +298,7 @@ def test_tracking_writes_true_states_into_checkpoint_slots(base_model):
             prompt_logprob_seqs=(),
             has_mamba_track_mask=bool(points),
             track_points=points,
+            lora_slots=(-1,) * len(("r",)),
         )
 
     # Start mid-chunk (position 5) so the first chunk is short; track at 2*cs and 3*cs.
@@ -336,6 +344,7 @@ def test_tracking_writes_true_states_into_checkpoint_slots(base_model):
         prompt_logprob_seqs=(),
         has_mamba_track_mask=True,
         track_points=(TrackPoint(seq_index=0, token_offset=0, dst_slot=5),),
+        lora_slots=(-1,) * len(("r",)),
     )
     runner2.forward(decode)
     torch.testing.assert_close(cache2.pools["mamba2.ssm"][:, 5], cache2.pools["mamba2.ssm"][:, 1])
@@ -384,6 +393,7 @@ def only_verify_rows(sched: ScheduledBatch) -> ScheduledBatch:
         start_positions=sched.start_positions[nd:],
         kv_pages=sched.kv_pages[nd:],
         mamba_slots=sched.mamba_slots[nd:],
+        lora_slots=sched.lora_slots[nd:],
         logits_seqs=tuple(range(sched.num_seqs - nd)),
     )
 
@@ -399,7 +409,7 @@ def test_padded_verify_step_replays_into_the_captured_metadata():
     sched = only_verify_rows(scheduled("verify", track=False))
     nv, q = sched.num_seqs, 3
     assert runner.can_run(sched)
-    static = runner.build(runner.dummy_batch("verify", 4, False))
+    static = runner.build(runner.dummy_batch("verify", 4, False, lora=True))  # rows 0, 2 have one
     md = runner.build(runner.pad(sched, 4))
     copy_from(static, md)
     eager = build(sched)

@@ -108,7 +108,7 @@ def test_bytes_copied_per_decode_step_do_not_depend_on_max_model_len(base_model,
         # allocated once at that capacity, on another device so that copies are visible.
         buffers = MetadataBuffers(
             "meta",
-            ints=4 * (9 + graphs.kv_capacity // PAGE),
+            ints=4 * (10 + graphs.kv_capacity // PAGE),
             kv_rows=4,
             kv_width=graphs.kv_capacity,
             fixed=True,
@@ -122,9 +122,10 @@ def test_bytes_copied_per_decode_step_do_not_depend_on_max_model_len(base_model,
         widths.append(md.forward.decode_attention.kv_indices.shape[1])
     assert widths == [64, 4096]  # the static key width follows the capacity ...
     assert copied[0] == copied[1]  # ... the bytes crossing over do not
-    # 4 rows x (ids, positions, slot, logits row, Mamba slot, kv_len) + their pages, as int32.
+    # 4 rows x (ids, positions, slot, logits row, Mamba slot, kv_len, adapter slot) + their
+    # pages, as int32.
     pages = max(len(p) for p in padded.kv_pages)
-    assert copied[0] == (4 * (6 + pages) * 4,) * 2
+    assert copied[0] == (4 * (7 + pages) * 4,) * 2
 
 
 def test_fixed_buffers_refuse_to_grow():

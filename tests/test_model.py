@@ -79,6 +79,7 @@ def _batch(tokens, start, slot, pages, logits=True) -> ScheduledBatch:
         prompt_logprob_seqs=(),
         has_mamba_track_mask=False,
         track_points=(),
+        lora_slots=(-1,) * len(("r",)),
     )
 
 

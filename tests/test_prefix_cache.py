@@ -146,6 +146,7 @@ def test_batched_unaligned_checkpoints_hold_true_states(base_model):
             prompt_logprob_seqs=(),
             has_mamba_track_mask=bool(points),
             track_points=tuple(points),
+            lora_slots=(-1,) * len(tuple(f"r{i}" for i, _ in parts)),
         )
 
     cache, runner = fresh()

@@ -34,6 +34,7 @@ class _OneTokenClient:
     alive = True
     unavailable_reason = None
     stats: dict = {}
+    adapters: dict = {}  # LoRA adapters served (none)
     ready = EngineReady(
         vocab_size=1024,
         max_model_len=512,

@@ -187,6 +187,7 @@ def _every_field_set() -> ScheduledBatch:
         prompt_logprob_seqs=(1,),
         has_mamba_track_mask=True,
         track_points=(TrackPoint(seq_index=1, token_offset=1, dst_slot=7),),
+        lora_slots=(-1,) * len(("a", "b", "c")),
     )
 
 

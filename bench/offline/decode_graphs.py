@@ -104,6 +104,7 @@ def main() -> None:
             prompt_logprob_seqs=(),
             has_mamba_track_mask=False,
             track_points=(),
+            lora_slots=(-1,) * len(tuple(str(i) for i in range(b))),
         )
         timings = {}
         for name, run in (("eager", eager.forward), ("graph", graphed.forward)):

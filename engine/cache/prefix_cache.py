@@ -76,8 +76,10 @@ class PrefixCache:
         parent_key = parent.key if isinstance(parent, CachedBlock) else parent
         return hash((parent_key, tokens))
 
-    def chain_keys(self, token_ids: list[int], num_blocks: int) -> list[int]:
-        keys, prev = [], None
+    def chain_keys(self, token_ids: list[int], num_blocks: int, *, adapter: str | None) -> list[int]:
+        """adapter: the LoRA adapter the tokens ran under (None: the base model). Its name
+        salts the chain's first parent key, so no chain is shared across adapters."""
+        keys, prev = [], None if adapter is None else hash(("lora adapter", adapter))
         for k in range(num_blocks):
             prev = self.block_key(
                 prev, tuple(token_ids[k * self.track_interval : (k + 1) * self.track_interval])
@@ -87,12 +89,13 @@ class PrefixCache:
 
     # -- lookup -----------------------------------------------------------------------------
 
-    def match(self, token_ids: list[int]) -> list[CachedBlock]:
+    def match(self, token_ids: list[int], *, adapter: str | None) -> list[CachedBlock]:
         """The longest chain of cached blocks that is a prefix of `token_ids`, leaving at least one
-        token to compute (its logits are needed). Blocks are locked (ref-counted) for the caller."""
+        token to compute (its logits are needed). Blocks are locked (ref-counted) for the caller.
+        adapter: the LoRA adapter of the request (chain_keys)."""
         usable = (len(token_ids) - 1) // self.track_interval
         found: list[CachedBlock] = []
-        for k, key in enumerate(self.chain_keys(token_ids, usable)):
+        for k, key in enumerate(self.chain_keys(token_ids, usable, adapter=adapter)):
             block = self.blocks.get(key)
             tokens = tuple(token_ids[k * self.track_interval : (k + 1) * self.track_interval])
             if block is None or block.tokens != tokens:

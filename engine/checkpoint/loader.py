@@ -15,6 +15,7 @@ from baton.engine.checkpoint.weights import load_into, tensor_names
 from baton.engine.config import DTYPE_ALIASES, DTYPE_NAMES, SERVING_DTYPES, ModelConfig
 from baton.engine.layers.causal_lm import CausalLM
 from baton.engine.layers.cpu_backend import prepare_for_cpu
+from baton.engine.lora.model import LoRALimits, enable_adapters
 from baton.engine.models.registry import family_named
 from baton.engine.parallel import TensorParallel
 from baton.engine.parallel.support import check_tp_supported
@@ -42,11 +43,13 @@ def load_model(
     *,
     with_mtp: bool = False,
     quantization: str | None = None,
+    lora: LoRALimits | None = None,
 ) -> CausalLM:
     """tp: this rank's place; every layer is built with, and loads, its shard only. with_mtp:
     build and load the checkpoint's MTP head (speculative decoding drafts with it).
     quantization: vLLM's `--quantization` (None: as the checkpoint is stored; "fp8" on an
-    unquantized checkpoint quantizes it at load)."""
+    unquantized checkpoint quantizes it at load). lora: wrap the backbone's adaptable
+    projections for adapters within these limits (engine/lora/), before the CPU packing."""
     config = ModelConfig.from_hf(model_dir).with_mtp(with_mtp)
     check_tp_supported(config, tp.size)
     family = family_named(config.architecture)
@@ -72,6 +75,8 @@ def load_model(
     # cast the whole module once so matmuls run in the serving dtype.
     cast_model(model, dtype)
     model.eval().requires_grad_(False)
+    if lora is not None:
+        enable_adapters(model, lora, family.checkpoint_name)
     if torch.device(device).type == "cpu":
         with _NoRandomInit():  # layers that fuse linears build new ones, filled from the old
             prepare_for_cpu(model, dtype)

@@ -24,6 +24,7 @@ from baton.engine.core.scheduler import SchedulerConfig
 from baton.engine.core.scheduler_spec import SpecSchedule
 from baton.engine.executor.cpu_plan import plans_available
 from baton.engine.executor.graph_runner import CPU_CAPTURE_MAX_BS, DecodeGraphRunner
+from baton.engine.lora.model import lora_limits, slot_table_bytes
 from baton.engine.models.registry import family_named
 from baton.engine.quantization import weight_bytes
 from baton.engine.runtime.cpu_allocator import available_memory
@@ -52,6 +53,7 @@ def pool_budget(
         # what the weights will take (quantized as they are stored) is not the pools'
         rename = family_named(config.architecture).checkpoint_name
         weights = weight_bytes(model_dir, dtype, quantization, rename, args.tensor_parallel_size)
+        weights += slot_table_bytes(model_dir, lora_limits(args), dtype, args.tensor_parallel_size)
         memory = int(free * args.mem_fraction - weights)
         if memory <= 0:
             raise ValueError(

@@ -37,6 +37,7 @@ from baton.engine.executor.model_runner import ModelRunner
 from baton.engine.handover.connector import Handover
 from baton.engine.handover.ranks import ShardHandover
 from baton.engine.handover.shards import gather_addresses, load_connector
+from baton.engine.lora.model import check_adapter, lora_limits
 from baton.engine.models.registry import family_named, model_state_spec
 from baton.engine.parallel.messages import PoolOps
 from baton.engine.parallel.ranks import RankedRunner, start_ranks
@@ -106,7 +107,10 @@ class Engine:
                 tp,
                 with_mtp=with_mtp,
                 quantization=args.quantization,
+                lora=lora_limits(args),
             )
+            for name, path in (args.lora_modules or {}).items():
+                self.model.adapters.add(name, path)
             if self.ranks is not None:
                 self.ranks.wait_loaded()
             if with_mtp and self.model.mtp is None:
@@ -142,6 +146,8 @@ class Engine:
         shard_addresses = gather_addresses(tp, self.shard_connector)
         # The scheduler's pool operations, recorded for the other ranks' next step at TP > 1.
         self.pool_ops = PoolOps(self.cache, record=self.ranks is not None)
+        if self.ranks is not None and self.model.adapters is not None:
+            self.model.adapters.on_write = self.pool_ops.adapter_slot
         # A model with no paged state (no attention layer) holds no pages: no page accounting,
         # and its context is not bounded by a page budget.
         paged = self.state_spec.has_pages
@@ -171,6 +177,7 @@ class Engine:
             prefix_cache=self.prefix_cache,
             constraint=self.grammars,
             speculation=assembly.spec_schedule(self.speculative),
+            adapters=self.model.adapters,
         )
         self.runner = ModelRunner(self.model, self.cache, self.device)
         if self.ranks is not None:
@@ -256,9 +263,30 @@ class Engine:
         if self.timing is not None:
             self.timing.added(request_id)
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` (AdapterError, a ValueError, names what
+        is refused)."""
+        if self.model.adapters is None:
+            raise ValueError("loading a LoRA adapter needs enable_lora (--enable-lora)")
+        self.model.adapters.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        if self.model.adapters is None:
+            raise ValueError("unloading a LoRA adapter needs enable_lora (--enable-lora)")
+        users = sum(r.params.lora_name == name for r in self.scheduler.requests.values())
+        if users:
+            raise ValueError(f"adapter {name!r} is in use by {users} unfinished request(s)")
+        self.model.adapters.remove(name)
+        if self.prefix_cache is not None:  # a later adapter of that name is another adapter
+            self.prefix_cache.clear()
+
+    def list_loras(self) -> list[str]:
+        return [] if self.model.adapters is None else self.model.adapters.names()
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming what is wrong with this request; nothing is created."""
         check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        check_adapter(params.lora_name, self.model.adapters)
         self.grammars.check(params)
 
     def _new_request(

@@ -61,6 +61,12 @@ class EngineArgs:
     # vLLM's --speculative-config as a dict ({"method": "mtp" | "ngram", "num_speculative_tokens":
     # k, ...}: engine/spec_decode/config.py); None: no speculative decoding
     speculative_config: dict | None = None
+    # LoRA adapters (engine/lora/), vLLM's flags: each row of a step applies its own adapter
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters in the slot table at once
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept read in host memory (default: max_loras)
+    lora_modules: dict[str, str] | None = None  # name -> PEFT directory, loaded at start
 
     def __post_init__(self) -> None:
         for name in (
@@ -69,6 +75,8 @@ class EngineArgs:
             "max_running_requests",
             "page_size",
             "tensor_parallel_size",
+            "max_loras",
+            "max_lora_rank",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -78,6 +86,12 @@ class EngineArgs:
             )
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules need enable_lora")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "

@@ -13,6 +13,7 @@ from baton.engine.core.engine import Engine
 from baton.engine.core.engine_args import EngineStats
 from baton.engine.core.outputs import RequestOutput
 from baton.engine.core.sampling_params import SamplingParams
+from baton.engine.lora.request import LoRARequest
 from baton.engine.structured_output import check_structured_outputs
 
 Prompt = str | list[int]
@@ -40,8 +41,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order; with n > 1, n consecutive outputs per prompt."""
+        """One output per prompt, in order; with n > 1, n consecutive outputs per prompt.
+        lora_request: the adapter of every prompt, or one per prompt (None: the base model);
+        an adapter not loaded yet is loaded from its path (LLM(..., enable_lora=True))."""
         prompts = _as_prompt_list(prompts)
         if params is None:
             params = SamplingParams()
@@ -49,6 +53,17 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(lora_request)} LoRARequests for {len(prompts)} prompts")
+        for lora in {r for r in lora_request if r is not None}:
+            if lora.lora_name not in self.engine.list_loras():
+                self.engine.add_lora(lora.lora_name, lora.lora_path)
+        params = [
+            p if r is None else dataclasses.replace(p, lora_name=r.lora_name)
+            for p, r in zip(params, lora_request)
+        ]
         # a bad schema, regex or grammar is refused before anything runs (each one once); the
         # engine compiles the checked spec (a JSON schema lowered to what it enforces)
         checked = {

@@ -36,6 +36,9 @@ class Request:
     num_computed: int = 0  # tokens whose K/V and Mamba state are in the cache
     kv_pages: list[int] = field(default_factory=list)
     mamba_slot: int = 0  # 0 = the dummy slot, i.e. none held
+    # the adapter slot held while running (engine/lora/slots.py); -1: none (no adapter, or
+    # not admitted yet). Its adapter is params.lora_name.
+    lora_slot: int = -1
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)

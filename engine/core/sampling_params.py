@@ -57,6 +57,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # A grammar the output must follow (None: unconstrained).
     structured_outputs: StructuredOutputs | None = None
+    # The LoRA adapter this request runs under (engine/lora/), by its served name; None: the
+    # base model. Not a sampling choice, but it travels with them to every worker (the server's
+    # engine, both PD halves, TP rank 0).
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -37,9 +37,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
-from baton.engine.cache.memory import IndexPool
+from baton.engine.cache.memory import IndexPool, OutOfMemory
 from baton.engine.cache.prefix_cache import PrefixCache
 from baton.engine.core.outputs import FinishReason, RequestDelta, SampledTokens, TokenLogprobs
 from baton.engine.core.request import Hold, Request, Status
@@ -49,6 +49,11 @@ from baton.engine.core.scheduler_memory import RequestMemory, SlotOps
 from baton.engine.core.scheduler_spec import SpecSchedule, Speculation
 from baton.engine.core.scheduler_tokens import Appended, OutputConstraint, append_tokens, delta_of
 from baton.engine.executor.forward_metadata import ScheduledBatch
+
+
+class AdapterSlots(Protocol):
+    def acquire(self, name: str) -> int | None: ...
+    def release(self, slot: int) -> None: ...
 
 SchedulePolicy = Literal["mixed", "prefill-first"]
 SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)
@@ -88,8 +93,12 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         constraint: OutputConstraint | None = None,
         speculation: SpecSchedule | None = None,
+        adapters: AdapterSlots | None = None,
     ):
+        """adapters: the LoRA slot table (engine/lora/slots.py); a request with an adapter is
+        admitted only while its adapter holds (or can take) a slot."""
         self.config = config
+        self.adapters = adapters
         self.constraint = constraint
         self.pages = pages
         self.slots = slots
@@ -186,7 +195,13 @@ class Scheduler:
         prompt this engine already caches are shared, not reserved (their pages need no
         transfer). OutOfMemory (and nothing registered) when the pools cannot hold it now."""
         self._check_unused(req.request_id)
-        self.memory.reserve_transfer(req)
+        if not self._take_adapter(req):
+            raise OutOfMemory(f"no adapter slot free for {req.params.lora_name!r}")
+        try:
+            self.memory.reserve_transfer(req)
+        except BaseException:
+            self._drop_adapter(req)
+            raise
         self.register(req)
         req.status = Status.TRANSFERRING
 
@@ -326,7 +341,10 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < cfg.max_running_requests:
             req = self.waiting[0]
+            if not self._take_adapter(req):
+                break  # every adapter slot is pinned by other adapters' running requests
             if not self.memory.admit(req, cfg.chunked_prefill_size, budget):
+                self._drop_adapter(req)
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -343,6 +361,24 @@ class Scheduler:
         return scheduled_batch(decodes, verifies, prefills, self.blocks)
 
     # -- memory -----------------------------------------------------------------------------
+
+    def _take_adapter(self, req: Request) -> bool:
+        """Pin `req`'s adapter in a slot (req.lora_slot); False when no slot can take it."""
+        name = req.params.lora_name
+        if name is None or req.lora_slot >= 0:
+            return True
+        if self.adapters is None:
+            raise ValueError(f"request {req.request_id}: adapter {name!r} but LoRA is not enabled")
+        slot = self.adapters.acquire(name)
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
+
+    def _drop_adapter(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.adapters.release(req.lora_slot)
+            req.lora_slot = -1
 
     def _reserve_pages(self, req: Request, num_tokens: int, scheduled: set[int]) -> bool:
         """Make req hold pages for `num_tokens` tokens, preempting later requests if needed.
@@ -380,4 +416,5 @@ class Scheduler:
         """Give back what `req` holds (engine/core/scheduler_memory.py), its scratch slots too."""
         if self.spec is not None:
             self.spec.release(req)  # scratch slots hold nothing a hold reads
+        self._drop_adapter(req)
         self.memory.release(req)

@@ -64,4 +64,5 @@ def scheduled_batch(
         prompt_logprob_seqs=tuple(prompt_logprob_seqs),
         has_mamba_track_mask=bool(points),
         track_points=tuple(points),
+        lora_slots=tuple(req.lora_slot for req, _ in rows),
     )

@@ -40,7 +40,7 @@ class PrefixBlocks:
                 k = boundary // interval - 1
                 if k < len(req.cached_blocks):
                     continue
-                key = cache.chain_keys(req.all_ids, k + 1)[-1]
+                key = cache.chain_keys(req.all_ids, k + 1, adapter=req.params.lora_name)[-1]
                 if cache.lookup(key) is not None:
                     continue  # someone cached it meanwhile: adopted in commit
                 slot = self.checkpoint_slot()
@@ -65,7 +65,7 @@ class PrefixBlocks:
             k = boundary // interval - 1
             if k < len(req.cached_blocks):
                 continue
-            key = cache.chain_keys(req.all_ids, k + 1)[-1]
+            key = cache.chain_keys(req.all_ids, k + 1, adapter=req.params.lora_name)[-1]
             if cache.lookup(key) is not None:
                 continue  # someone cached it meanwhile: adopted in commit
             slot = self.checkpoint_slot()
@@ -96,7 +96,7 @@ class PrefixBlocks:
         cache = self.cache
         ppb, interval = cache.pages_per_block, cache.track_interval
         tokens = tuple(req.all_ids[k * interval : (k + 1) * interval])
-        key = cache.chain_keys(req.all_ids, k + 1)[-1]
+        key = cache.chain_keys(req.all_ids, k + 1, adapter=req.params.lora_name)[-1]
         own = req.kv_pages[k * ppb : (k + 1) * ppb]
         existing = cache.lookup(key)
         if existing is not None and existing.tokens == tokens:

@@ -56,7 +56,12 @@ class RequestMemory:
         return 0 if self.page_size is None else -(-num_tokens // self.page_size)
 
     def _slot_and_prefix(
-        self, ids: list[int], pages_needed: Callable[[int], int], match: bool, what: str
+        self,
+        ids: list[int],
+        adapter: str | None,
+        pages_needed: Callable[[int], int],
+        match: bool,
+        what: str,
     ) -> tuple[list, int]:
         """A free slot, and the pages `pages_needed(number of cached blocks matched)` beyond
         the cached prefix of `ids` (matched when `match`), evicting idle cached blocks if
@@ -65,7 +70,7 @@ class RequestMemory:
         cache = self.prefix_cache
         if self.slots.available == 0 and not (cache and cache.evict(slots=1)):
             raise OutOfMemory(f"no free slot for {what}")
-        blocks = cache.match(ids) if cache is not None and match else []
+        blocks = cache.match(ids, adapter=adapter) if cache is not None and match else []
         shared = len(blocks) * cache.pages_per_block if blocks else 0
         need = pages_needed(len(blocks)) - shared
         if self.pages.available < need and not (cache and cache.evict(pages=need)):
@@ -87,7 +92,9 @@ class RequestMemory:
             return self.pages_for(cached + min(req.num_tokens - cached, chunk_size, budget))
 
         try:
-            blocks, _ = self._slot_and_prefix(req.all_ids, num_pages, match, "a request")
+            blocks, _ = self._slot_and_prefix(
+                req.all_ids, req.params.lora_name, num_pages, match, "a request"
+            )
         except OutOfMemory:
             return False
         req.mamba_slot = self.slots.alloc(1)[0]
@@ -108,7 +115,7 @@ class RequestMemory:
         OutOfMemory when the pools cannot hold it now."""
         pages = self.pages_for(len(req.prompt_ids) + 1)
         blocks, need = self._slot_and_prefix(
-            req.prompt_ids, lambda _: pages, match=True, what="a transferred request"
+            req.prompt_ids, req.params.lora_name, lambda _: pages, match=True, what="a transferred request"
         )
         req.mamba_slot = self.slots.alloc(1)[0]
         req.kv_pages = [p for b in blocks for p in b.pages] + self.pages.alloc(need)

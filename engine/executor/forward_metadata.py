@@ -74,6 +74,8 @@ class ScheduledBatch:
     prompt_logprob_seqs: tuple[int, ...]  # sequences needing logits for every token fed
     has_mamba_track_mask: bool  # decided on the host: is any TrackPoint present
     track_points: tuple[TrackPoint, ...]
+    # (num_seqs,) the adapter slot each sequence runs under (engine/lora/slots.py), -1: none
+    lora_slots: tuple[int, ...]
 
     @property
     def num_seqs(self) -> int:
@@ -98,6 +100,8 @@ class ForwardBatch:
     positions: torch.Tensor  # (num_tokens,) int64 absolute positions
     logits_indices: torch.Tensor  # (num_logit_rows,) int64 rows of the hidden states to project
     logits_row_owner: tuple[int, ...]  # (num_logit_rows,) seq index owning each logits row
+    lora_slots: torch.Tensor  # (num_tokens,) int64 adapter slot of each token's row, -1: none
+    has_lora: bool  # host fact: some row runs under an adapter (else the deltas are skipped)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,6 +166,8 @@ def build_metadata(
     if nd and any(n != 1 for n in lens[:nd]):
         raise ValueError("decode sequences must feed exactly one token each")
     q = _verify_width(sched)
+    if len(sched.lora_slots) != sched.num_seqs:
+        raise ValueError(f"{sched.num_seqs} sequences need {sched.num_seqs} adapter slots")
     npf = nd + nv  # the first prefill sequence
     num_seqs = sched.num_seqs
     lens_np = np.asarray(lens, dtype=np.int64).reshape(num_seqs)
@@ -236,6 +242,7 @@ def build_metadata(
                 [(sched.mamba_slots[nd + v], *sched.verify_slots[v]) for v in range(nv)],
                 dtype=np.int64,
             ).reshape(-1),
+            np.repeat(np.asarray(sched.lora_slots, dtype=np.int64).reshape(num_seqs), lens_np),
             # Last, the page tables, as wide as the batch's longest sequence: every part
             # before them keeps its offset from step to step at a batch size (a captured step
             # reads its parts where its recording found them), and a graph-runner step has
@@ -246,8 +253,8 @@ def build_metadata(
     )
     input_ids, positions_d, slot_mapping_d, logits_d, slots = longs[:5]
     track_window_d, track_src_d, track_dst_d = longs[6:9]
-    decode_kv_lens_d, decode_pages_d = ints[5], ints[11]
-    verify_kv_lens_d, verify_pages_d, verify_slots_d = ints[9], ints[12], longs[10]
+    decode_kv_lens_d, decode_pages_d = ints[5], ints[12]
+    verify_kv_lens_d, verify_pages_d, verify_slots_d = ints[9], ints[13], longs[10]
     batch = ForwardBatch(
         mode=sched.mode,
         num_seqs=sched.num_seqs,
@@ -259,6 +266,8 @@ def build_metadata(
         positions=positions_d,
         logits_indices=logits_d,
         logits_row_owner=tuple(owners),
+        lora_slots=longs[11],
+        has_lora=any(slot >= 0 for slot in sched.lora_slots),
     )
     prefill_attention, chunk_layout, window_layout = prefill_layouts(
         buffers,
@@ -309,7 +318,7 @@ def build_metadata(
 
 def same_rows(a: ScheduledBatch, b: ScheduledBatch) -> bool:
     """Whether two batches feed the same rows (sequences, lengths, positions, pages, slots),
-    whatever tokens they feed."""
+    whatever tokens they feed (and whatever adapters: an MTP head's pass drafts as the base)."""
     return (
         a.mode == b.mode
         and a.num_decode_seqs == b.num_decode_seqs

@@ -16,8 +16,8 @@ copying dummy slot 0 onto itself. Capturing both variants keeps the common no-ch
 free of copy work instead of paying for a masked copy on every step.
 
 On the CPU the same step is captured as a plan (engine/executor/cpu_plan.py): the first step
-of each (mode, batch size, tracking) runs eagerly under a dispatcher-level recorder over the
-fixed buffers, later ones copy their metadata in (`copy_from`, as for graphs) and replay the
+of each (mode, batch size, tracking, any adapter) runs eagerly under a dispatcher-level recorder
+over the fixed buffers, later ones copy their metadata in (`copy_from`, as for graphs) and replay the
 recorded operator calls in C++ with no Python per layer. A step the recorder cannot capture
 (an operator that hands a host value to Python, or whose output shape follows the data) runs
 eagerly at that key from then on. Without the C++ extension, or with `capture=None`, the padded
@@ -127,29 +127,32 @@ class DecodeGraphRunner:
         self.verify_width = (
             verify_width if verify_width is not None and verify_width <= page else None
         )
-        # ints per row: decode (9 + its pages); verify (5 q + 3 + its pages: q each of ids,
-        # positions, slots, logits rows, q + 1 state slots, the working slot and kv_len)
-        per_row = max(9, 5 * self.verify_width + 3 if self.verify_width else 0)
+        # ints per row: decode (10 + its pages); verify (6 q + 3 + its pages: q each of ids,
+        # positions, slots, logits rows, adapter slots, q + 1 state slots, the working slot and
+        # kv_len)
+        per_row = max(10, 6 * self.verify_width + 3 if self.verify_width else 0)
         self.static_ints = max_bs * (per_row + -(-kv_capacity // page))
         # Graphs captured the addresses of these buffers: sized once for the worst step (every
         # row at full capacity, every row checkpointing), never reallocated.
         self.buffers = self.static_buffers() if capture else runner.buffers
-        # (mode, batch size, tracking) -> (graph, its metadata, logits, final hidden states or
-        # None)
+        # (mode, batch size, tracking, any adapter) -> (graph, its metadata, logits, final hidden
+        # states or None)
         self.graphs: dict[
-            tuple[str, int, bool],
+            tuple[str, int, bool, bool],
             tuple[torch.cuda.CUDAGraph, Mamba2Metadata, torch.Tensor, torch.Tensor | None],
         ] = {}
-        # (mode, batch size, tracking) -> (plan, its metadata, logits, final hidden states or
-        # None), or None where the step could not be captured (it runs eagerly)
+        # (mode, batch size, tracking, any adapter) -> (plan, its metadata, logits, final hidden
+        # states or None), or None where the step could not be captured (it runs eagerly)
         self.plans: dict[
-            tuple[str, int, bool],
+            tuple[str, int, bool, bool],
             tuple[Any, Mamba2Metadata, torch.Tensor, torch.Tensor | None] | None,
         ] = {}
         # MTP draft passes: key -> (plan, its metadata, logits, the head's output hidden states,
         # the rows of the hidden source it gathers or None), or None (eager at that key)
         self.draft_plans: dict[tuple, tuple | None] = {}
-        self.last_plan: tuple[str, int, bool] | None = None  # the plan the latest step replayed
+        self.last_plan: tuple[str, int, bool, bool] | None = (
+            None  # the plan the latest step replayed
+        )
         self.num_padded_steps = 0
         self.num_replays = 0
         if capture == "cpu" and runner.model.mtp is not None:
@@ -201,6 +204,7 @@ class DecodeGraphRunner:
                 mamba_slots=sched.mamba_slots + (0,) * extra,
                 verify_slots=sched.verify_slots + ((0,) * q,) * extra,
                 logits_seqs=sched.logits_seqs + tuple(range(n, bs)),
+                lora_slots=sched.lora_slots + (-1,) * extra,
             )
         return dataclasses.replace(
             sched,
@@ -211,6 +215,7 @@ class DecodeGraphRunner:
             start_positions=sched.start_positions + (0,) * extra,
             kv_pages=sched.kv_pages + (self.dummy_pages,) * extra,
             mamba_slots=sched.mamba_slots + (0,) * extra,
+            lora_slots=sched.lora_slots + (-1,) * extra,
             logits_seqs=tuple(range(bs))
             if sched.logits_seqs == tuple(range(n))
             else sched.logits_seqs,
@@ -240,7 +245,7 @@ class DecodeGraphRunner:
         md = self.build(padded)
         self.num_padded_steps += 1
         rows = n * self.verify_width if sched.mode == "verify" else n
-        key = (sched.mode, bs, padded.has_mamba_track_mask)
+        key = (sched.mode, bs, padded.has_mamba_track_mask, md.forward.batch.has_lora)
         if self.capture == "cpu":
             return self._forward_cpu(sched, key, md, rows)
         if not self.use_cuda_graphs:
@@ -248,7 +253,7 @@ class DecodeGraphRunner:
             self.runner.keep_step(sched, md)
             return md, logits[:rows]
         if key not in self.graphs:
-            self.graphs[key] = self._capture(sched.mode, bs, padded.has_mamba_track_mask)
+            self.graphs[key] = self._capture(*key)
         graph, static_md, static_logits, static_hidden = self.graphs[key]
         copy_from(static_md, md)
         graph.replay()
@@ -258,7 +263,7 @@ class DecodeGraphRunner:
         return static_md, static_logits[:rows]
 
     def _forward_cpu(
-        self, sched: ScheduledBatch, key: tuple[str, int, bool], md: Mamba2Metadata, rows: int
+        self, sched: ScheduledBatch, key: tuple[str, int, bool, bool], md: Mamba2Metadata, rows: int
     ) -> tuple[Mamba2Metadata, torch.Tensor]:
         """Replay the plan recorded at `key`, or record this very step as it runs."""
         self.last_plan = None
@@ -350,9 +355,10 @@ class DecodeGraphRunner:
         runner.draft_hidden = hidden
         return logits[:rows]
 
-    def dummy_batch(self, mode: str, bs: int, track: bool) -> ScheduledBatch:
+    def dummy_batch(self, mode: str, bs: int, track: bool, lora: bool) -> ScheduledBatch:
         """bs padding rows only: capturing it touches nothing but dummy page 0 and slot 0. A
-        verify batch's rows feed q tokens each (and never checkpoint in the forward)."""
+        verify batch's rows feed q tokens each (and never checkpoint in the forward). `lora`:
+        the rows run under adapter slot 0 (a step with adapters captures their deltas)."""
         q = self.verify_width if mode == "verify" else 1
         points = (TrackPoint(seq_index=0, token_offset=0, dst_slot=0),) if track else ()
         return ScheduledBatch(
@@ -370,11 +376,13 @@ class DecodeGraphRunner:
             prompt_logprob_seqs=(),
             has_mamba_track_mask=track,
             track_points=points,
+            lora_slots=(0 if lora else -1,) * bs,
         )
 
-    def _capture(self, mode: str, bs: int, track: bool):
-        """Capture one graph over static buffers built from an all-padding batch (warm-up first)."""
-        static_md = self.build(self.dummy_batch(mode, bs, track))
+    def _capture(self, mode: str, bs: int, track: bool, lora: bool):
+        """Capture one graph over static buffers built from an all-padding batch (warm-up first);
+        `lora`: its rows run under adapter slot 0 (the deltas are in the graph)."""
+        static_md = self.build(self.dummy_batch(mode, bs, track, lora))
         model = self.runner.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

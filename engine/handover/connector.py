@@ -242,7 +242,7 @@ class Handover:
             if k != len(req.cached_blocks):
                 return
             slot = None
-            key = cache.chain_keys(req.all_ids, k + 1)[-1]
+            key = cache.chain_keys(req.all_ids, k + 1, adapter=req.params.lora_name)[-1]
             if cache.lookup(key) is None:
                 slot = self.scheduler.checkpoint_slot()
                 if slot is None:

@@ -19,6 +19,7 @@ from baton.engine.cache.pools import StateCache
 from baton.engine.config import ModelConfig
 from baton.engine.executor.forward_metadata import Mamba2Metadata
 from baton.engine.layers.mtp import keep_hidden
+from baton.engine.lora.layer import slot_rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -75,6 +76,9 @@ class CausalLM(nn.Module):
         if tp.size > 1:
             parallel.shard(self.lm_head.weight, parallel.Slices(dim=0, ranges=((first, rows),)))
         self.tied_parameters: tuple[str, ...] = ()
+        # The adapter slot table (engine/lora/slots.py) when LoRA is enabled: the backbone's
+        # adaptable projections are wrapped and read each row's slot from the metadata.
+        self.adapters = None
         # CPU: the float32 logits of the latest forward, widened in place (see _widen_logits).
         self._logits_f32 = torch.empty(0, rows, device="cpu")
         if config.tie_word_embeddings:
@@ -92,7 +96,12 @@ class CausalLM(nn.Module):
         """(logits as `forward`, the final hidden states of every token (num_tokens, hidden)):
         what an MTP head drafts from. With an MTP head, each request's last hidden state is
         kept in its slot too (engine/layers/mtp.py)."""
-        hidden = self.model(md, cache)
+        if self.adapters is None:
+            hidden = self.model(md, cache)
+        else:
+            batch = md.forward.batch
+            with slot_rows(batch.lora_slots, self.adapters.slot_of_column, batch.has_lora):
+                hidden = self.model(md, cache)
         if self.mtp is not None:
             keep_hidden(hidden, md, cache)
         return self.logits(hidden[md.forward.batch.logits_indices]), hidden

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine import parallel
+from baton.engine.lora.layer import FusedLoRALinear, LoRALinear
 from baton.engine.quantization.modules import QuantizedLinear
 from baton.kernels.cpu import ops as cpu_ops
 from baton.kernels.linear import PackedLinear
@@ -55,8 +56,10 @@ class ReluSquaredMLP(nn.Module):
         quantized kernel's)."""
         if isinstance(self.up_proj, QuantizedLinear):
             self.up_proj.pack_cpu(relu=True)
-        else:
+        elif type(self.up_proj) is nn.Linear:
             self.up_proj = PackedLinear(self.up_proj, activation="relu")
+        # else an adapted projection (engine/lora/layer.py): its base is packed on its own and
+        # relu follows the adapter's delta
 
 
 # transformers' ACT2FN for these names ("gelu_pytorch_tanh": Gemma's, GELU's tanh approximation)
@@ -182,7 +185,11 @@ def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
 
 def stored_as(linear: nn.Module) -> tuple[str, int] | None:
     """What must match for linears to fuse on the CPU: ("plain", 0) for an nn.Linear, (format,
-    scale group) for a loaded QuantizedLinear, None for anything else (never fused)."""
+    scale group) for a loaded QuantizedLinear, an adapted projection's base's marked as adapted
+    (engine/lora/layer.py), None for anything else (never fused)."""
+    if isinstance(linear, LoRALinear):
+        kind = stored_as(linear.base)
+        return None if kind is None else ("adapted " + kind[0], kind[1])
     if type(linear) is nn.Linear:
         return ("plain", 0)
     if isinstance(linear, QuantizedLinear) and linear.quantized is not None:
@@ -198,6 +205,9 @@ def fuse_for_cpu(parts: list[nn.Module]) -> nn.Module | None:
     kinds = {stored_as(p) for p in parts}
     if len(kinds) != 1 or None in kinds:
         return None
+    if isinstance(parts[0], LoRALinear):  # the bases fused, each part's delta kept apart
+        base = fuse_for_cpu([p.base for p in parts])
+        return None if base is None else FusedLoRALinear(base, parts)
     if kinds == {("plain", 0)}:
         return PackedLinear(fuse_linears(parts))
     fused = QuantizedLinear.fuse(parts)

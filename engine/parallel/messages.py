@@ -49,6 +49,7 @@ class RankSpec:
     handover_connector: dict[str, str] | None
     with_mtp: bool  # the model's MTP head is built (speculative decoding drafts with it)
     quantization: str | None  # --quantization (engine/quantization)
+    lora: dict[str, int] | None  # LoRALimits as a dict (engine/lora/model.py); None: LoRA off
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -74,7 +75,17 @@ class CopySlot:
     dst: int
 
 
-PoolOp = ResetSlot | CopySlot
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoadAdapterSlot:
+    """Adapter slot `slot` now holds LoRA adapter `name` (read from `path`, each rank its own
+    slice: engine/lora/slots.py)."""
+
+    slot: int
+    name: str
+    path: str
+
+
+PoolOp = ResetSlot | CopySlot | LoadAdapterSlot
 
 
 # Handover operations (disaggregation across TP sizes): every rank does its part with its own
@@ -168,6 +179,7 @@ _CARRIERS: dict[str, type] = {
     for cls in (
         ResetSlot,
         CopySlot,
+        LoadAdapterSlot,
         SnapshotShard,
         SendShard,
         DropShard,
@@ -233,6 +245,11 @@ class PoolOps:
         self.cache.copy_slot(src, dst)
         if self.record:
             self.pending.append(CopySlot(src=src, dst=dst))
+
+    def adapter_slot(self, slot: int, name: str, path: str) -> None:
+        """Rank 0's slot table wrote adapter `name` into `slot`: the other ranks do it too."""
+        if self.record:
+            self.pending.append(LoadAdapterSlot(slot=slot, name=name, path=path))
 
     def drain(self) -> tuple[PoolOp, ...]:
         ops, self.pending = tuple(self.pending), []

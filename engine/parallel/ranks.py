@@ -12,6 +12,7 @@ and how (its exit code, or the timeout), the engine loop reports it to every req
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -30,6 +31,7 @@ from baton.engine.cache.memory import PoolSizes
 from baton.engine.executor.draft_batch import DraftBatch
 from baton.engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatch
 from baton.engine.executor.model_runner import ModelRunner
+from baton.engine.lora.model import lora_limits
 from baton.engine.parallel.messages import (
     PoolOps,
     RankShutdown,
@@ -79,6 +81,7 @@ class Ranks:
         handover_connector: dict[str, str] | None,
         with_mtp: bool,
         quantization: str | None,
+        lora: dict[str, int] | None,
     ):
         self.size = size
         self.timeout_s = timeout_s
@@ -117,6 +120,7 @@ class Ranks:
                     handover_connector=handover_connector,
                     with_mtp=with_mtp,
                     quantization=quantization,
+                    lora=lora,
                 )
                 self.procs.append(
                     subprocess.Popen(
@@ -261,4 +265,5 @@ def start_ranks(
         ),
         with_mtp=with_mtp,
         quantization=args.quantization,
+        lora=None if (limits := lora_limits(args)) is None else dataclasses.asdict(limits),
     )

@@ -34,10 +34,12 @@ from baton.engine.handover.shards import (
     install_report,
     load_connector,
 )
+from baton.engine.lora.model import LoRALimits
 from baton.engine.models.registry import model_state_spec
 from baton.engine.parallel.messages import (
     CopySlot,
     InstallShard,
+    LoadAdapterSlot,
     RankShutdown,
     RankSpec,
     ReportPools,
@@ -76,7 +78,13 @@ def run(spec: RankSpec) -> int:
     config = ModelConfig.from_hf(spec.model).with_mtp(spec.with_mtp)
     dtype = resolve_dtype(spec.dtype, config)
     model = load_model(
-        spec.model, dtype, device, tp, with_mtp=spec.with_mtp, quantization=spec.quantization
+        spec.model,
+        dtype,
+        device,
+        tp,
+        with_mtp=spec.with_mtp,
+        quantization=spec.quantization,
+        lora=LoRALimits(**spec.lora) if spec.lora is not None else None,
     )
     cache = StateCache(
         model_state_spec(config, dtype),
@@ -122,6 +130,9 @@ def run(spec: RankSpec) -> int:
             for op in message.ops:
                 if isinstance(op, (ResetSlot, CopySlot)):
                     apply(op, cache)
+                    continue
+                if isinstance(op, LoadAdapterSlot):
+                    model.adapters.install(op.slot, op.name, op.path)
                     continue
                 error = apply_handover(op, cache, connector)
                 if isinstance(op, InstallShard):

@@ -1,7 +1,8 @@
 """Typed messages between the server process and its engine process (msgpack, never pickle).
 
-    server ──PUSH──> engine:  AddRequest | AbortRequests | Shutdown
+    server ──PUSH──> engine:  AddRequest | AbortRequests | Shutdown | AdapterCommand
     server <──PULL── engine:  EngineReady (once) | StepOutput | RequestFailed | EngineFailed
+                              | AdapterDone (one per AdapterCommand)
 
 A frame is msgpack `[tag, payload]`; every message class names its tag and converts itself to
 and from a payload of plain msgpack types. Decoding an unknown tag raises ValueError.
@@ -176,13 +177,58 @@ class EngineFailed:
         return cls(message=payload["message"])
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdapterCommand:
+    """Load (from `path`) or unload LoRA adapter `name` (engine/lora/); answered by an
+    AdapterDone with the same call_id."""
+
+    tag: ClassVar[str] = "adapter"
+    call_id: str
+    action: Literal["load", "unload"]
+    name: str
+    path: str  # "" for unload
+
+    def to_payload(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in ("call_id", "action", "name", "path")}
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> AdapterCommand:
+        if payload["action"] not in ("load", "unload"):
+            raise ValueError(f"unknown adapter action {payload['action']!r}")
+        return cls(**{f: str(payload[f]) for f in ("call_id", "action", "name", "path")})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdapterDone:
+    """The answer to an AdapterCommand: `error` says why it was refused ("" when done)."""
+
+    tag: ClassVar[str] = "adapter_done"
+    call_id: str
+    error: str
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"call_id": self.call_id, "error": self.error}
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> AdapterDone:
+        return cls(call_id=str(payload["call_id"]), error=str(payload["error"]))
+
+
 def _delta_to_payload(delta: RequestDelta) -> dict[str, Any]:
     # Logprob dicts keep their int keys: msgpack maps allow them (decode with strict_map_key off).
     return {field.name: getattr(delta, field.name) for field in dataclasses.fields(delta)}
 
 
 Message = (
-    AddRequest | AbortRequests | Shutdown | EngineReady | StepOutput | RequestFailed | EngineFailed
+    AddRequest
+    | AbortRequests
+    | Shutdown
+    | EngineReady
+    | StepOutput
+    | RequestFailed
+    | EngineFailed
+    | AdapterCommand
+    | AdapterDone
 )
 
 _BY_TAG: dict[str, type] = {
@@ -195,6 +241,8 @@ _BY_TAG: dict[str, type] = {
         StepOutput,
         RequestFailed,
         EngineFailed,
+        AdapterCommand,
+        AdapterDone,
     )
 }
 

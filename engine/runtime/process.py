@@ -29,6 +29,8 @@ from baton.engine.runtime.cpu_allocator import release_freed_memory
 from baton.engine.runtime.gc_freeze import freeze_startup_objects
 from baton.engine.runtime.ipc import (
     AbortRequests,
+    AdapterCommand,
+    AdapterDone,
     AddRequest,
     EngineFailed,
     EngineProcessSpec,
@@ -141,6 +143,8 @@ class EngineLoop:
                     self.engine.abort_request(request_id)
             elif isinstance(message, AddRequest):
                 self._add(message)
+            elif isinstance(message, AdapterCommand):
+                self._adapter(message)
             else:
                 logger.error("engine ignores unexpected message %s", type(message).__name__)
 
@@ -160,6 +164,23 @@ class EngineLoop:
             self._send(
                 RequestFailed(request_id=message.request_id, message=str(error), kind="client")
             )
+
+    def _adapter(self, message: AdapterCommand) -> None:
+        """Load or unload a LoRA adapter between steps; a refusal is the caller's answer."""
+        error = ""
+        method = getattr(
+            self.engine, "add_lora" if message.action == "load" else "remove_lora", None
+        )
+        try:
+            if method is None:
+                raise ValueError("this worker does not load adapters at run time")
+            method(*((message.name, message.path) if message.action == "load" else (message.name,)))
+        except (ValueError, OSError) as refused:
+            error = str(refused)
+        except Exception as failed:  # never the engine's end: the adapter is refused
+            logger.exception("adapter %s %r failed", message.action, message.name)
+            error = f"adapter {message.name!r}: {message.action} failed: {failed!r}"
+        self._send(AdapterDone(call_id=message.call_id, error=error))
 
     def _stats(self) -> dict[str, int | float]:
         # request timing histograms when the engine keeps them (wrapped disagg engines do not)

@@ -144,4 +144,5 @@ def _batch(
         prompt_logprob_seqs=(),
         has_mamba_track_mask=False,
         track_points=(),
+        lora_slots=(-1,) * len(rows),  # the head drafts as the base model
     )

@@ -18,6 +18,7 @@ from baton.server.openai.generation import (
     ChoiceResult,
     ServerState,
     admit,
+    answered_model,
     check_disagg,
     check_model,
     collect,
@@ -27,6 +28,7 @@ from baton.server.openai.generation import (
     sse_guard,
     timed_deltas,
     usage,
+    with_adapter,
 )
 from baton.server.openai.logprobs import chat_logprobs
 from baton.server.openai.protocol import ChatCompletionRequest
@@ -93,6 +95,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
     params = build_sampling_params(
         body, max_tokens=max_tokens, logprobs=num_logprobs(body), vocab_size=state.vocab_size
     )
+    params = with_adapter(state, body.model, params)
     params = plan.sampling(params, reasoning_end_ids(tokenizer, plan.settings))
     # a bad spec: 400, no compute; the engine compiles the lowered one
     params = await checked_structured(params, structured_source(body))
@@ -116,7 +119,11 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     admit(state)
     request_id = new_request_id("chatcmpl")
     requests = fan_out(request_id, [prompt], params, body.n, body.baton_disagg)
-    head = {"id": request_id, "created": int(time.time()), "model": state.args.model_name}
+    head = {
+        "id": request_id,
+        "created": int(time.time()),
+        "model": answered_model(state, body.model),
+    }
     if body.stream:
         chunks = _stream(state, body, plan, head, prompt, requests, arrival)
         return StreamingResponse(sse_guard(chunks), media_type="text/event-stream")

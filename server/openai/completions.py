@@ -17,6 +17,7 @@ from baton.server.openai.generation import (
     ChoiceResult,
     ServerState,
     admit,
+    answered_model,
     check_disagg,
     check_model,
     collect,
@@ -26,6 +27,7 @@ from baton.server.openai.generation import (
     sse_guard,
     timed_deltas,
     usage,
+    with_adapter,
 )
 from baton.server.openai.logprobs import completion_logprobs
 from baton.server.openai.protocol import CompletionRequest
@@ -73,7 +75,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request):
         "id": started.request_id,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": state.args.model_name,
+        "model": answered_model(state, body.model),
     }
     if body.stream:
         chunks = _stream(state, body, head, prompts, requests, arrival, echo)
@@ -131,6 +133,7 @@ async def start_completion(
         vocab_size=state.vocab_size,
         prompt_logprobs=body.logprobs if scored else None,
     )
+    params = with_adapter(state, body.model, params)
     # a bad spec: 400, no compute; the engine compiles the lowered one
     params = await checked_structured(params, structured_source(body))
     # one set per prompt: each gets the max_tokens its own length leaves in the context

@@ -58,7 +58,10 @@ def new_request_id(prefix: str) -> str:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    """404 for a model this server does not serve (omitting `model` means the served one)."""
+    """404 for a model this server does not serve (omitting `model` means the served one); a
+    LoRA adapter's name is a model it serves."""
+    if model is not None and model in state.client.adapters:
+        return
     if model is not None and model not in (state.args.model_name, state.args.model):
         raise APIError(
             404,
@@ -66,6 +69,18 @@ def check_model(state: ServerState, model: str | None) -> None:
             "model",
             "model_not_found",
         )
+
+
+def answered_model(state: ServerState, model: str | None) -> str:
+    """The `model` an answer names: the adapter's when the request named one (vLLM's)."""
+    return model if model is not None and model in state.client.adapters else state.args.model_name
+
+
+def with_adapter(state: ServerState, model: str | None, params: SamplingParams) -> SamplingParams:
+    """The request's params under the adapter its `model` names (unchanged for the base)."""
+    if model is None or model not in state.client.adapters:
+        return params
+    return dataclasses.replace(params, lora_name=model)
 
 
 def check_disagg(state: ServerState, disagg: DisaggField | None) -> None:

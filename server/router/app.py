@@ -32,6 +32,7 @@ from baton.server.args import DEFAULT_MAX_REQUEST_BYTES
 from baton.server.errors import APIError, ErrorJSONResponse, install_error_handlers
 from baton.server.middleware import OPEN_PATHS, AnswerGuard, ApiKeyMiddleware, RequestBodyMiddleware
 from baton.server.openai.validation import parse_generation
+from baton.server.router.adapters import adapter_routes
 from baton.server.router.admin import admin_routes
 from baton.server.router.answers import ANSWER_BODY_BYTES, NO_CODING, BadAnswer, exchange
 from baton.server.router.args import RoutingArgs
@@ -142,6 +143,7 @@ def build_router_app(
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.include_router(admin_routes(workers, api_key))
+    app.include_router(adapter_routes(workers, client))
     # outermost: every answer counted (413s, 401s and 404s too), none a plain-text 500
     app.add_middleware(
         AnswerGuard,

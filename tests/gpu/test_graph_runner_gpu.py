@@ -135,6 +135,7 @@ def test_graph_replay_equals_eager_with_tracking(model_dir):
                     prompt_logprob_seqs=(),
                     has_mamba_track_mask=False,
                     track_points=(),
+                    lora_slots=(-1,) * len((f"r{i}",)),
                 )
             )
     torch.cuda.synchronize()
@@ -160,6 +161,7 @@ def test_graph_replay_equals_eager_with_tracking(model_dir):
             prompt_logprob_seqs=(),
             has_mamba_track_mask=track,
             track_points=points,
+            lora_slots=(-1,) * len(tuple(f"r{i}" for i in range(n))),
         )
         _, ref = eager.forward(sched)
         _, got = graphed.forward(sched)

@@ -21,6 +21,7 @@ from baton.server.openai.chat import prepare_chat
 from baton.server.openai.generation import (
     ServerState,
     admit,
+    answered_model,
     check_disagg,
     collect,
     fan_out,
@@ -102,7 +103,7 @@ def _response_shell(state: ServerState, body: ResponsesRequest, chat, response_i
         "id": response_id,
         "object": "response",
         "created_at": int(time.time()),
-        "model": state.args.model_name,
+        "model": answered_model(state, body.model),
         "status": "in_progress",
         "output": [],
         "instructions": body.instructions,
