@@ -76,7 +76,7 @@ def load_model(
     cast_model(model, dtype)
     model.eval().requires_grad_(False)
     if lora is not None:
-        enable_adapters(model, lora, family.checkpoint_name)
+        enable_adapters(model, lora, family.checkpoint_renamer(config))
     if torch.device(device).type == "cpu":
         with _NoRandomInit():  # layers that fuse linears build new ones, filled from the old
             prepare_for_cpu(model, dtype)
