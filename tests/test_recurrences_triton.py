@@ -82,7 +82,9 @@ def test_kda_prefill_and_decode_match_torch(backend, dtype):
     torch.testing.assert_close(pool_got, pool_want, **TOL[torch.float32])
     rows = torch.tensor([1, 0, 3])  # row 1 is padding on the dummy slot
     step = [t[: len(rows)] for t in (q, k, v, g, beta)]
-    want, pool_want, got, pool_got = both(backend, kda_decode, pool_got, lambda p: (*step, p, rows))
+    want, pool_want, got, pool_got = both(
+        backend, kda_decode, pool_got, lambda p: (*step, p, rows), kda_decode_torch
+    )
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
     assert (got[1] == 0).all()
     torch.testing.assert_close(pool_got, pool_want, **TOL[torch.float32])

@@ -24,7 +24,7 @@ returning an int or a float: Python may branch on it, and a replay would not ask
 operators whose output shape follows the data (`nonzero`, boolean-mask indexing, ...). Python control
 flow on host values outside tensors (the metadata's host fields) is fixed by the graph runner,
 which keys plans by (mode, batch size, tracking) and refuses a replay whose host values differ
-from the recorded step's (graph_runner.copy_from), as for CUDA graphs.
+from the recorded step's (static_copy.copy_from), as for CUDA graphs.
 
 Intermediates are not pooled: a plan holds every tensor its step made (a few MiB at the batch
 sizes the runner captures on the CPU).

@@ -33,72 +33,27 @@ from typing import Any, Literal
 import torch
 
 from baton.engine.executor.cpu_plan import Recorder, new_plan
-from baton.engine.executor.draft_batch import DraftBatch
+from baton.engine.executor.draft_plans import DraftPlans
 from baton.engine.executor.forward_metadata import (
     Mamba2Metadata,
     ScheduledBatch,
     TrackPoint,
     build_metadata,
-    same_rows,
-    with_tokens,
 )
 from baton.engine.executor.metadata_buffers import MetadataBuffers
 from baton.engine.executor.model_runner import ModelRunner
+from baton.engine.executor.static_copy import copy_from
 
 log = logging.getLogger(__name__)
 
 # Largest CPU batch recorded by default: a plan keeps every intermediate its step made, and past
 # a few dozen rows the step's arithmetic outweighs the Python a plan saves.
 CPU_CAPTURE_MAX_BS = 16
-# Draft-pass plans are keyed by which rows draft as well: past this many, new keys run eagerly.
-MAX_DRAFT_PLANS = 64
 
 
 def capture_sizes(max_bs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s < max_bs] + list(range(16, max_bs, 8))
     return sorted(set(sizes + [max_bs]))
-
-
-# type -> how copy_from walks its values: "tensor", field names (a dataclass or a NamedTuple),
-# or None (a host value, compared)
-_WALKS: dict[type, str | tuple[str, ...] | None] = {}
-
-
-def _walk(kind: type) -> str | tuple[str, ...] | None:
-    walk = _WALKS.get(kind, ())
-    if walk == ():
-        if issubclass(kind, torch.Tensor):
-            walk = "tensor"
-        elif dataclasses.is_dataclass(kind):
-            walk = tuple(f.name for f in dataclasses.fields(kind))
-        elif issubclass(kind, tuple) and hasattr(kind, "_fields"):  # NamedTuple layouts
-            walk = kind._fields
-        else:
-            walk = None
-        _WALKS[kind] = walk
-    return walk
-
-
-def copy_from(static: Any, new: Any) -> None:
-    """Copy every tensor of `new` into the matching tensor of `static` (same structure)."""
-    if static is new:  # a part reused from step to step (a staged view, an empty layout)
-        return
-    walk = _walk(type(static))
-    if walk == "tensor":
-        if static.shape != new.shape:
-            raise ValueError(f"static buffer {tuple(static.shape)} cannot take {tuple(new.shape)}")
-        if static.data_ptr() == new.data_ptr() and static.stride() == new.stride():
-            return  # built in place (the decode token table): no copy as wide as the capacity
-        if static.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
-            # the builder moved a part within the fixed buffers: copying it back could
-            # overwrite parts not yet copied
-            raise ValueError("a metadata part moved within the fixed buffers between steps")
-        static.copy_(new)
-    elif walk is not None:
-        for name in walk:
-            copy_from(getattr(static, name), getattr(new, name))
-    elif static != new:
-        raise ValueError(f"host value changed between capture and replay: {static!r} -> {new!r}")
 
 
 class DecodeGraphRunner:
@@ -147,19 +102,22 @@ class DecodeGraphRunner:
             tuple[str, int, bool, bool],
             tuple[Any, Mamba2Metadata, torch.Tensor, torch.Tensor | None] | None,
         ] = {}
-        # MTP draft passes: key -> (plan, its metadata, logits, the head's output hidden states,
-        # the rows of the hidden source it gathers or None), or None (eager at that key)
-        self.draft_plans: dict[tuple, tuple | None] = {}
+        # the MTP head's draft passes, captured beside the target's steps (draft_plans.py)
+        self.drafts = DraftPlans(self)
         self.last_plan: tuple[str, int, bool, bool] | None = (
             None  # the plan the latest step replayed
         )
         self.num_padded_steps = 0
         self.num_replays = 0
         if capture == "cpu" and runner.model.mtp is not None:
-            runner.captured_draft = self.draft
+            runner.captured_draft = self.drafts.draft
         # padding rows write their K/V into dummy page 0; a model that keeps no pages (capacity
         # 0: no attention) has none for them
         self.dummy_pages = (0,) if kv_capacity else ()
+
+    @property
+    def draft_plans(self) -> dict[tuple, tuple | None]:
+        return self.drafts.plans
 
     def static_buffers(self) -> MetadataBuffers:
         page = self.runner.cache.page_size
@@ -294,66 +252,6 @@ class DecodeGraphRunner:
             self.runner.target_hidden = static_hidden
         self.runner.keep_step(sched, static_md)
         return static_md, static_logits[:rows]
-
-    @torch.inference_mode()
-    def draft(self, batch: DraftBatch) -> torch.Tensor | None:
-        """An MTP head's pass replayed from a plan (recorded by its first run), or None where
-        the runner must run it eagerly. Two passes have plans: the first after a replayed
-        target step (its rows and static metadata, the head's tokens in; the target's static
-        hidden states as the source), and a chained pass over one-token rows padded like a
-        decode step, from the hidden states a replayed pass left in its static output."""
-        runner = self.runner
-        step = runner.target_step
-        if batch.hidden_from == "target":
-            entry = self.plans.get(self.last_plan) if self.last_plan is not None else None
-            if (
-                entry is None
-                or step is None
-                or step[1] is not entry[1]
-                or not same_rows(step[0], batch.batch)
-                or batch.hidden_rows != tuple(range(batch.batch.num_tokens))
-            ):
-                return None
-            md = with_tokens(step[1], batch.batch)
-            owners = md.forward.batch.logits_row_owner
-            rows = md.forward.batch.input_ids.shape[0]
-            hidden = entry[3]
-            key = ("target", self.last_plan, owners)
-            return self._draft_pass(key, md, lambda: hidden[:rows], None, len(owners))
-        if batch.hidden_from != "draft":
-            return None
-        sched, source = batch.batch, runner.draft_hidden
-        outputs = {id(e[3]) for e in self.draft_plans.values() if e is not None}
-        if sched.mode != "decode" or sched.num_seqs > self.max_bs or id(source) not in outputs:
-            return None
-        n = sched.num_seqs
-        bs = next(s for s in self.sizes if s >= n)
-        md = self.build(self.pad(sched, bs))
-        key = ("chain", bs, id(source))
-        gather = torch.tensor(batch.hidden_rows + (0,) * (bs - n), dtype=torch.int64)
-        return self._draft_pass(key, md, lambda: source.index_select(0, gather), gather, n)
-
-    def _draft_pass(self, key, md, prev, gather, rows: int) -> torch.Tensor | None:
-        runner, model = self.runner, self.runner.model
-        entry = self.draft_plans.get(key, ())
-        if entry is None or (entry == () and len(self.draft_plans) >= MAX_DRAFT_PLANS):
-            return None
-        if entry == ():
-            plan = new_plan()
-            with Recorder(plan) as recorder:
-                logits, hidden = model.draft(md, runner.cache, prev())
-            self.draft_plans[key] = (
-                None if recorder.error is not None else (plan, md, logits, hidden, gather)
-            )
-            runner.draft_hidden = hidden
-            return logits[:rows]
-        plan, static_md, logits, hidden, static_gather = entry
-        copy_from(static_md, md)
-        if static_gather is not None:
-            static_gather.copy_(gather)
-        plan.replay()
-        runner.draft_hidden = hidden
-        return logits[:rows]
 
     def dummy_batch(self, mode: str, bs: int, track: bool, lora: bool) -> ScheduledBatch:
         """bs padding rows only: capturing it touches nothing but dummy page 0 and slot 0. A
