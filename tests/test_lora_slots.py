@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+import baton.engine.lora.slots as slots_module
 from baton.engine.lora.adapter import AdapterError
 from baton.engine.lora.layer import LoRALinear, slot_rows
 from baton.engine.lora.slots import AdapterTable
@@ -83,3 +84,17 @@ def test_pool_budget_counts_what_the_slot_table_takes(tmp_path):
     targets = llm.engine.model.adapters.targets.values()
     held = sum(t.a_rows.nbytes + t.b_rows.nbytes for t in targets)
     assert slot_table_bytes(tmp_path / "model", limits, torch.float32, 1) == held > 0
+
+
+def test_the_registry_is_bounded_and_names_are_short(table, tmp_path, monkeypatch):
+    """Loading in a loop stops at the bound with an error naming it (the engine keeps every
+    registered name until it is unloaded); unloading makes room again."""
+    monkeypatch.setattr(slots_module, "MAX_REGISTERED_ADAPTERS", 4)
+    write(tmp_path / "d", 9)
+    table.add("d", tmp_path / "d")
+    with pytest.raises(AdapterError, match="4 adapters are loaded"):
+        table.add("e", tmp_path / "d")
+    table.remove("d")
+    table.add("e", tmp_path / "d")
+    with pytest.raises(AdapterError, match="at most 256 characters"):
+        table.add("x" * 257, tmp_path / "d")

@@ -25,6 +25,11 @@ import torch
 from baton.engine.lora.adapter import AdapterError, LoRAWeights, read_adapter
 from baton.engine.lora.layer import LoRALinear
 
+# The registry is names and paths only, but every one is kept until unloaded: a bound, so that
+# a client loading adapters in a loop cannot grow an engine for good.
+MAX_REGISTERED_ADAPTERS = 1024
+MAX_NAME_LENGTH = 256
+
 
 class AdapterTable:
     def __init__(
@@ -65,6 +70,12 @@ class AdapterTable:
         """Register (and read, so that a bad adapter is refused now) adapter `name`."""
         if not name:
             raise AdapterError("an adapter needs a non-empty name")
+        if len(name) > MAX_NAME_LENGTH:
+            raise AdapterError(f"an adapter name is at most {MAX_NAME_LENGTH} characters")
+        if len(self.paths) >= MAX_REGISTERED_ADAPTERS:
+            raise AdapterError(
+                f"{MAX_REGISTERED_ADAPTERS} adapters are loaded: unload one before loading another"
+            )
         if name in self.paths:
             raise AdapterError(f"adapter {name!r} is already loaded")
         weights = read_adapter(name, path, self.targets, self.rename, self.max_rank)
