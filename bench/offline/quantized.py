@@ -92,6 +92,7 @@ def run_weights(
     batches: list[int],
     new_tokens: int,
     rounds: int,
+    capture: bool = True,
 ) -> dict:
     from baton import LLM
     from tests.quantize import quantize_checkpoint
@@ -105,7 +106,10 @@ def run_weights(
             else:
                 dirs[name] = str(Path(tmp, name))
                 quantize_checkpoint(Path(model_dir), Path(dirs[name]), None, fmt)
-        llms = {name: LLM(d, dtype="bfloat16", max_running_requests=64) for name, d in dirs.items()}
+        llms = {
+            name: LLM(d, dtype="bfloat16", max_running_requests=64, cpu_step_capture=capture)
+            for name, d in dirs.items()
+        }
         for llm in llms.values():
             decode_rate(llm, 2, 4, vocab, seed=0)  # warm-up
         rates: dict[str, dict[int, list[float]]] = {n: {b: [] for b in batches} for n in weights}
@@ -117,7 +121,8 @@ def run_weights(
                     print(
                         f"  round {round_index} batch {batch} {name}: {rate:.1f} tok/s", flush=True
                     )
-        result = {"batches": batches, "new_tokens": new_tokens, "rounds": rounds, "variants": {}}
+        result = {"batches": batches, "new_tokens": new_tokens, "rounds": rounds,
+                  "captured": capture, "variants": {}}  # fmt: skip
         base = weights[0]
         for name, llm in llms.items():
             spec = llm.engine.state_spec

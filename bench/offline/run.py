@@ -43,6 +43,7 @@ Quantized weights (issue 41): `--weights bf16,fp8,nvfp4` writes the model's FP8 
 checkpoints and compares their decode tokens/s at --decode-batches and the bytes a step reads
 (bench/offline/quantized.py):
     python -m baton.bench.offline.run --config 110m --weights bf16,fp8,nvfp4 --output quant.json
+(`--enforce-eager`: every step eager, without the captured CPU plans, for a before/after.)
 
 Any Hugging Face model directory baton serves (a real checkpoint, any family) instead of a random
 config: `--model DIR` (random ids below its config's vocab_size; the workload is uniform unless
@@ -213,7 +214,10 @@ def run_weight_comparison(args) -> None:
         args.model, args.config, with_hf=False, with_tokenizer=False
     ):
         print(f"[{name}] weights {', '.join(weights)}", flush=True)
-        result = run_weights(model_dir, vocab, weights, batches, args.decode_tokens, args.rounds)
+        result = run_weights(
+            model_dir, vocab, weights, batches, args.decode_tokens, args.rounds,
+            capture=not args.enforce_eager,
+        )  # fmt: skip
         print_weights(result)
         results.append({"config": name, **result})
     if args.output:
@@ -275,6 +279,12 @@ def main() -> None:
     ap.add_argument("--decode-batches", default="1,8,32", help="with --weights")
     ap.add_argument("--decode-tokens", type=int, default=64, help="with --weights")
     ap.add_argument("--rounds", type=int, default=3, help="with --weights: alternated rounds")
+    ap.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="with --weights: decode steps run eagerly (no captured CPU plans), the before of "
+        "issue 52's byte-bound shares",
+    )
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     if args.weights:
