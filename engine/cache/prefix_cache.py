@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from baton.engine.cache.memory import IndexPool
+
+if TYPE_CHECKING:
+    from baton.engine.cache.tiers import Tiers
 
 
 @dataclass(eq=False)
@@ -61,6 +65,9 @@ class PrefixCache:
     blocks: dict[int, CachedBlock] = field(default_factory=dict)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     _clock: itertools.count = field(default_factory=itertools.count)
+    # Tiers below the pools (engine/cache/tiers.py): an evicted block goes down to them, and a
+    # lookup continues there where the device chain ends. None: evicted blocks are lost.
+    tiers: Tiers | None = None
 
     def __post_init__(self) -> None:
         if self.track_interval % self.page_size:
@@ -162,6 +169,8 @@ class PrefixCache:
         return True
 
     def _drop(self, block: CachedBlock) -> None:
+        if self.tiers is not None:
+            self.tiers.demote(block)  # copies its pages and checkpoint: freed right after
         del self.blocks[block.key]
         if block.parent is not None:
             block.parent.num_children -= 1

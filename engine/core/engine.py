@@ -153,6 +153,15 @@ class Engine:
         self.prefix_cache = assembly.make_prefix_cache(
             args, self.state_spec, self.pages, self.slots
         )
+        self.tiers = assembly.make_tiers(
+            args,
+            self.prefix_cache,
+            self.cache,
+            config,
+            self.model_dir,
+            self.dtype,
+            self.quantization is not None and self.quantization.online,
+        )
         # structured outputs (engine/structured_output/): compiles off the loop, masks per step
         self.grammars = Grammars(
             self.lazy_tokenizer,
@@ -234,6 +243,9 @@ class Engine:
             self.shard_connector = None
         if getattr(self, "grammars", None) is not None:
             self.grammars.close()
+        if getattr(self, "tiers", None) is not None:
+            self.tiers.close()  # (the queued writes first)
+            self.tiers = None
 
     def reset_prefix_cache(self) -> None:
         if self.prefix_cache is not None:
@@ -318,6 +330,10 @@ class Engine:
             spec_decode_num_accepted_tokens=self.spec_counters.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_counters.accepted_per_pos),
         )
+
+    def tier_stats(self) -> dict[str, int | float]:
+        """The tiers' counters (engine/cache/tier_stats.py); empty without tiers."""
+        return self.tiers.stats() if self.tiers is not None else {}
 
     def timing_stats(self) -> dict[str, float]:
         """The request timing histograms (engine/core/request_timing.py); empty when off."""

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from baton.engine.cache.tier_config import TierConfig, tier_config
 from baton.engine.core.scheduler import SCHEDULE_POLICIES, SchedulePolicy
 
 if TYPE_CHECKING:
@@ -61,6 +62,14 @@ class EngineArgs:
     # vLLM's --speculative-config as a dict ({"method": "mtp" | "ngram", "num_speculative_tokens":
     # k, ...}: engine/spec_decode/config.py); None: no speculative decoding
     speculative_config: dict | None = None
+    # Tiers under the pools (engine/cache/tiers.py), SGLang's flags: evicted prefix blocks go to
+    # host memory (hicache_size GiB) and/or files (hicache_storage_backend "file" in
+    # hicache_storage_dir, within hicache_storage_size GiB); checked by tier_config
+    enable_hierarchical_cache: bool = False
+    hicache_size: float | None = None
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_size: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -78,11 +87,23 @@ class EngineArgs:
             )
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        self.tier_config()  # ValueError naming the flag
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
                 f"got {self.schedule_policy!r}"
             )
+
+    def tier_config(self) -> TierConfig | None:
+        return tier_config(
+            enable=self.enable_hierarchical_cache,
+            host_gib=self.hicache_size,
+            backend=self.hicache_storage_backend,
+            storage_dir=self.hicache_storage_dir,
+            storage_gib=self.hicache_storage_size,
+            prefix_caching=self.enable_prefix_caching,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -66,6 +66,8 @@ class RequestMemory:
         if self.slots.available == 0 and not (cache and cache.evict(slots=1)):
             raise OutOfMemory(f"no free slot for {what}")
         blocks = cache.match(ids) if cache is not None and match else []
+        if cache is not None and match and cache.tiers is not None:
+            blocks = cache.tiers.restore(ids, blocks)  # continued from the tiers below
         shared = len(blocks) * cache.pages_per_block if blocks else 0
         need = pages_needed(len(blocks)) - shared
         if self.pages.available < need and not (cache and cache.evict(pages=need)):

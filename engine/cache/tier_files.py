@@ -1,0 +1,335 @@
+"""The file tier: one file per evicted prefix-cache block in a directory that outlives the server.
+
+    <dir>/<digest hex>.blk      a block (engine/cache/tier_records.py), named by its stable
+                                chain digest
+    <dir>/.<digest>.<pid>.tmp   a write in progress (renamed into place when complete)
+    <dir>/.lock                 flock'ed around renames and evictions (size accounting)
+    <dir>/.size                 the bytes of *.blk files, as the last writer counted them
+
+A file is
+
+    magic "BATONTR1" | u32 version | u32 header bytes | u64 payload bytes | 32-byte blake2b of
+    (header + payload) | header (JSON: identity, digest, tokens, live pages, tensors) | payload
+
+Writes run on a background thread (eviction only queues a snapshot; a full queue drops it):
+temp file, fsync, then, under the lock, the oldest files (mtime; a hit touches its file) are
+deleted until the new one fits the size bound, and the temp file is renamed into place. Every
+server on the directory takes the same lock, so the bound holds for all of them, and a rename
+is atomic, so a reader sees a whole file or none. A reader trusts nothing it reads: sizes,
+checksum, then the header's identity (another model's or layout's file is ignored with a log
+line, left to its owner) and its digest, tokens and tensor layout (anything else is corrupt:
+deleted). A crash leaves at worst a temp file, deleted at the next start once its writer is gone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import struct
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from baton.engine.cache.tier_records import FORMAT_VERSION, BlockRecord, TierIdentity, TierLayout
+from baton.engine.cache.tier_stats import TierCounters
+
+logger = logging.getLogger("baton.engine.tiers")
+
+MAGIC = b"BATONTR1"
+PREFIX = struct.Struct("<8sIIQ32s")  # magic, version, header bytes, payload bytes, checksum
+MAX_HEADER_BYTES = 1 << 20
+NAME = re.compile(r"^[0-9a-f]{32}\.blk$")
+TEMP = re.compile(r"^\.[0-9a-f]{32}\.(\d+)\.\d+\.tmp$")
+STALE_TEMP_S = 600.0  # a temp file this old has no live writer, whoever's it is
+MAX_PENDING = 64  # snapshots queued for writing; more are dropped (eviction never waits)
+
+
+class ForeignFile(ValueError):
+    """A sound file of another model, dtype or layout: not ours to load or delete."""
+
+
+class CorruptFile(ValueError):
+    """Truncated, damaged or inconsistent: never loaded, deleted."""
+
+
+def encode(record: BlockRecord, identity: TierIdentity, layout: TierLayout) -> bytes:
+    entries, offset = [], 0
+    for t in layout.tensors:
+        entries.append({"key": t.key, "offset": offset, "bytes": t.nbytes})
+        offset += t.nbytes
+    header = json.dumps(
+        {
+            "identity": identity.fingerprint,
+            "description": identity.description,
+            "digest": record.digest.hex(),
+            "tokens": list(record.tokens),
+            "live_pages": list(record.live_pages),
+            "tensors": entries,
+        }
+    ).encode()
+    payload = b"".join(
+        record.tensors[t.key].contiguous().view(torch.uint8).numpy().tobytes()
+        for t in layout.tensors
+    )
+    checksum = hashlib.blake2b(header + payload, digest_size=32).digest()
+    return (
+        PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), len(payload), checksum) + header + payload
+    )
+
+
+def decode(
+    data: bytes,
+    identity: TierIdentity,
+    layout: TierLayout,
+    digest: bytes,
+    tokens: tuple[int, ...],
+) -> BlockRecord:
+    """The record in `data` if it is sound and the one asked for; ForeignFile / CorruptFile."""
+    if len(data) < PREFIX.size:
+        raise CorruptFile(f"{len(data)} bytes, shorter than the file prefix")
+    magic, version, header_len, payload_len, checksum = PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptFile("not a baton tier file (bad magic)")
+    if version != FORMAT_VERSION:
+        raise ForeignFile(f"format version {version}, this server writes {FORMAT_VERSION}")
+    if header_len > MAX_HEADER_BYTES or len(data) != PREFIX.size + header_len + payload_len:
+        raise CorruptFile(
+            f"{len(data)} bytes, the prefix says {PREFIX.size} + {header_len} + {payload_len}"
+        )
+    body = memoryview(data)[PREFIX.size :]
+    if hashlib.blake2b(body, digest_size=32).digest() != checksum:
+        raise CorruptFile("checksum mismatch")
+    try:
+        header = json.loads(bytes(body[:header_len]))
+        if header["identity"] != identity.fingerprint:
+            raise ForeignFile(f"written for {header.get('description')!r}")
+        if header["digest"] != digest.hex() or tuple(header["tokens"]) != tokens:
+            raise CorruptFile("digest or tokens are not the block's the name says")
+        live = tuple(header["live_pages"])
+        entries = header["tensors"]
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        if isinstance(error, (ForeignFile, CorruptFile)):
+            raise
+        raise CorruptFile(f"unreadable header ({error})") from None
+    if len(live) != layout.pages_per_block or not all(isinstance(x, bool) for x in live):
+        raise CorruptFile(f"{len(live)} page flags, a block has {layout.pages_per_block} pages")
+    expected = [(t.key, t.nbytes) for t in layout.tensors]
+    if [(e.get("key"), e.get("bytes")) for e in entries] != expected:
+        raise CorruptFile("tensor layout differs from this model's")
+    if sum(n for _, n in expected) != payload_len:
+        raise CorruptFile("payload size differs from its tensors'")
+    payload = bytearray(body[header_len:])  # writable: the tensors own it
+    tensors, offset = {}, 0
+    for t in layout.tensors:
+        flat = torch.frombuffer(payload, dtype=torch.uint8, count=t.nbytes, offset=offset)
+        tensors[t.key] = flat.view(t.dtype).view(t.shape)
+        offset += t.nbytes
+    return BlockRecord(digest=digest, tokens=tokens, live_pages=live, tensors=tensors)
+
+
+class FileStore:
+    name = "file"
+
+    def __init__(
+        self, directory: str | Path, capacity: int, identity: TierIdentity, layout: TierLayout
+    ):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.capacity = capacity
+        self.identity = identity
+        self.layout = layout
+        self.counters = TierCounters()
+        self._pending: dict[bytes, BlockRecord] = {}  # queued or being written
+        self._pending_lock = threading.Lock()
+        self._known: set[bytes] = set()  # digests written or loaded by this process
+        self._foreign_logged: set[str] = set()
+        self._queue: queue.Queue[BlockRecord | None] = queue.Queue()
+        self._remove_stale_temps()
+        with self._locked():
+            self._write_total(self._evict_to(capacity))
+        self._thread = threading.Thread(target=self._write_loop, name="tier-files", daemon=True)
+        self._thread.start()
+
+    # -- the scheduler's side ---------------------------------------------------------------------
+
+    def put(self, record: BlockRecord) -> None:
+        """Queue a snapshot for writing (dropped, and counted, if MAX_PENDING are queued)."""
+        with self._pending_lock:
+            if record.digest in self._known or record.digest in self._pending:
+                return
+            if len(self._pending) >= MAX_PENDING:
+                self.counters.dropped += 1
+                return
+            self._pending[record.digest] = record
+        self._queue.put(record)
+
+    def get(self, digest: bytes, tokens: tuple[int, ...]) -> BlockRecord | None:
+        with self._pending_lock:
+            record = self._pending.get(digest)
+        if record is not None:
+            return record if record.tokens == tokens else None
+        path = self._path(digest)
+        try:
+            with open(path, "rb") as file:
+                data = file.read(PREFIX.size + MAX_HEADER_BYTES + self.layout.nbytes + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            logger.warning("tier file %s unreadable: %s", path.name, error)
+            return None
+        try:
+            record = decode(data, self.identity, self.layout, digest, tokens)
+        except ForeignFile as error:
+            self.counters.foreign += 1
+            if path.name not in self._foreign_logged:
+                self._foreign_logged.add(path.name)
+                logger.info("tier file %s ignored: another model or layout (%s)", path.name, error)
+            return None
+        except CorruptFile as error:
+            self.counters.corrupt += 1
+            logger.warning("tier file %s is corrupt (%s): deleted", path.name, error)
+            path.unlink(missing_ok=True)
+            self._known.discard(digest)
+            return None
+        self._known.add(digest)
+        try:
+            os.utime(path)  # recently used: evicted last
+        except OSError:
+            pass
+        return record
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every queued snapshot is written (tests, restarts, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60.0)
+
+    # -- the writer thread ------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while (record := self._queue.get()) is not None:
+            try:
+                self._write(record)
+            except Exception:  # a failed write loses a cache entry, never the engine
+                self.counters.write_errors += 1
+                logger.exception("tier file write failed")
+            finally:
+                with self._pending_lock:
+                    self._pending.pop(record.digest, None)
+
+    def _write(self, record: BlockRecord) -> None:
+        began = time.perf_counter()
+        data = encode(record, self.identity, self.layout)
+        if len(data) > self.capacity:
+            self.counters.dropped += 1
+            return
+        path = self._path(record.digest)
+        temp = self.dir / f".{record.digest.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            with self._locked():
+                total = self._read_total()
+                old = path.stat().st_size if path.exists() else 0
+                if total - old + len(data) > self.capacity:
+                    total = self._evict_to(self.capacity - len(data), keep=path.name)
+                    old = path.stat().st_size if path.exists() else 0
+                os.replace(temp, path)
+                self._write_total(total - old + len(data))
+        except OSError:
+            temp.unlink(missing_ok=True)
+            raise
+        self._known.add(record.digest)
+        self.counters.writes += 1
+        self.counters.written_bytes += len(data)
+        self.counters.write_seconds += time.perf_counter() - began
+
+    # -- the directory ----------------------------------------------------------------------------
+
+    def _path(self, digest: bytes) -> Path:
+        return self.dir / f"{digest.hex()}.blk"
+
+    @contextmanager
+    def _locked(self):
+        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _read_total(self) -> int:
+        try:
+            return int((self.dir / ".size").read_text())
+        except (OSError, ValueError):
+            return self.capacity + 1  # unknown: count again
+
+    def _write_total(self, total: int) -> None:
+        (self.dir / ".size").write_text(str(total))
+
+    def _evict_to(self, limit: int, keep: str = "") -> int:
+        """Delete the least recently used block files until they take at most `limit` bytes
+        (under the lock); their total after."""
+        files = []
+        for entry in os.scandir(self.dir):
+            if NAME.match(entry.name) and entry.name != keep:
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                files.append((st.st_mtime, st.st_size, entry.name))
+        total = sum(size for _, size, _ in files)
+        for _, size, name in sorted(files):
+            if total <= limit:
+                break
+            (self.dir / name).unlink(missing_ok=True)
+            self._known.discard(bytes.fromhex(name[:-4]))
+            total -= size
+            self.counters.evictions += 1
+        return total
+
+    def _remove_stale_temps(self) -> None:
+        """Temp files of writers that died mid-write (a crash, a kill)."""
+        now = time.time()
+        for entry in os.scandir(self.dir):
+            match = TEMP.match(entry.name)
+            if match is None:
+                continue
+            pid = int(match.group(1))
+            try:
+                stale = now - entry.stat().st_mtime > STALE_TEMP_S or not _alive(pid)
+                if stale:
+                    os.unlink(entry.path)
+                    logger.info("tier: removed %s, left by an interrupted write", entry.name)
+            except FileNotFoundError:
+                continue
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # another store of this process may be writing it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
