@@ -9,6 +9,7 @@ from typing import Any
 
 from baton.disagg.rooms import is_loopback
 from baton.engine.spec_decode.config import SpeculativeConfig
+from baton.server import tier_args
 from baton.server.parsers.output import ParserSettings
 from baton.server.parsers.reasoning import REASONING_PARSERS
 from baton.server.parsers.tools import TOOL_CALL_PARSERS
@@ -129,6 +130,13 @@ class ServerArgs:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    # Tiers under the pools (server/tier_args.py; GiB sizes)
+    enable_hierarchical_cache: bool = False
+    hicache_size: float | None = None
+    kv_offloading_size: float | None = None  # vLLM's name for hicache_size
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_size: float | None = None
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in (None, "prefill", "decode"):
@@ -189,6 +197,9 @@ class ServerArgs:
         speculative = self.speculative()
         if speculative is not None:
             SpeculativeConfig.check_flags(speculative)
+        tier_args.check(
+            self._tier_values(), not self.no_prefix_cache, self.tensor_parallel_size or 1
+        )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         for name in (*ENGINE_ARG_NAMES, "max_queued_requests"):
@@ -251,7 +262,13 @@ class ServerArgs:
             args["speculative_config"] = speculative
         if self.quantization is not None:
             args["quantization"] = self.quantization
+        tiers = tier_args.resolved(self._tier_values())
+        if tiers["enable_hierarchical_cache"]:
+            args |= tiers
         return args
+
+    def _tier_values(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in tier_args.TIER_FIELDS}
 
     def disagg_options(self) -> dict[str, Any] | None:
         """What `python -m baton.disagg.process` needs; None for a colocated worker. Not the secret:

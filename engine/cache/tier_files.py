@@ -171,6 +171,21 @@ class FileStore:
             self._pending[record.digest] = record
         self._queue.put(record)
 
+    def contains(self, digest: bytes) -> bool:
+        """Whether this process wrote or loaded the block and its file is still there (then it
+        counts as just used); a file only another server wrote is not known: written again."""
+        with self._pending_lock:
+            if digest in self._pending:
+                return True
+        if digest not in self._known:
+            return False
+        try:
+            os.utime(self._path(digest))
+        except OSError:
+            self._known.discard(digest)  # evicted by another server meanwhile
+            return False
+        return True
+
     def get(self, digest: bytes, tokens: tuple[int, ...]) -> BlockRecord | None:
         with self._pending_lock:
             record = self._pending.get(digest)

@@ -45,6 +45,13 @@ class HostStore:
         self.bytes = 0
         self.counters = TierCounters()
 
+    def contains(self, digest: bytes) -> bool:
+        """Whether the block is here (then it counts as just used)."""
+        if digest not in self.records:
+            return False
+        self.records.move_to_end(digest)
+        return True
+
     def put(self, record: BlockRecord) -> None:
         if record.digest in self.records:
             self.records.move_to_end(record.digest)
@@ -116,9 +123,11 @@ class Tiers:
         ids = [t for tokens in reversed(chain) for t in tokens]
         interval = self.cache.track_interval
         digest = chain_digests(self.identity.fingerprint, ids, interval, len(chain))[-1]
-        record = self.snapshot(block, digest)
-        for store in self.stores:
-            store.put(record)
+        missing = [store for store in self.stores if not store.contains(digest)]
+        if missing:  # (a block restored from below and evicted again is there already)
+            record = self.snapshot(block, digest)
+            for store in missing:
+                store.put(record)
 
     def snapshot(self, block: CachedBlock, digest: bytes) -> BlockRecord:
         """Copies of `block`'s pages and checkpoint, out of the pools (they are reused next)."""

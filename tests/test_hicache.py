@@ -1,0 +1,111 @@
+"""Tiers under the pools (engine/cache/tiers.py): returning conversations whose prefix blocks were
+evicted from the pools resume from the file tier (and after a restart on the same directory) or
+the host tier, with outputs identical to a server without prefix caching, token for token and
+logprob for logprob."""
+
+from __future__ import annotations
+
+import pytest
+
+from baton import LLM
+from tests.hicache_helpers import (
+    FAMILIES,
+    INTERVAL,
+    POOLS,
+    block_files,
+    conversations,
+    family_model,
+    first_turns,
+    one_by_one,
+    tiered,
+    without_prefix_cache,
+)
+from tests.same_outputs import assert_same_outputs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_returning_conversations_resume_from_files_also_after_a_restart(request, tmp_path, family):
+    model_dir, vocab = family_model(request, family)
+    store = tmp_path / "tier"
+    with LLM(model_dir, **tiered(store)) as llm:
+        returning = first_turns(llm, conversations(vocab))
+        outs, hits = one_by_one(llm, returning)
+        assert llm.stats().kv_pages_used == 0 and llm.stats().mamba_slots_used == 0
+    expected = without_prefix_cache(model_dir, returning)
+    assert_same_outputs(outs, expected)
+    # the pools hold ~2 conversations: at least 8 of 10 come back from files
+    assert sum(h > 0 for h in hits) >= 8, hits
+    assert sum(o.num_cached_tokens >= 3 * INTERVAL for o in outs) >= 8
+    assert block_files(store)
+
+    with LLM(model_dir, **tiered(store)) as restarted:  # same directory, nothing in the pools
+        again, hits = one_by_one(restarted, returning)
+    assert_same_outputs(again, expected)
+    assert sum(h > 0 for h in hits) >= 8, hits
+
+
+def test_host_tier_alone_serves_returning_conversations(request):
+    model_dir, vocab = family_model(request, "nemotron_h")
+    with LLM(model_dir, **POOLS, enable_hierarchical_cache=True, hicache_size=0.01) as llm:
+        returning = first_turns(llm, conversations(vocab))
+        before = llm.engine.tier_stats()["hicache:host:hits"]
+        outs, _ = one_by_one(llm, returning)
+        stats = llm.engine.tier_stats()
+    assert_same_outputs(outs, without_prefix_cache(model_dir, returning))
+    assert stats["hicache:host:hits"] - before >= 8 * 3
+    assert "hicache:file:hits" not in stats
+
+
+def test_without_tiers_the_same_pools_miss(request):
+    """The scenario's baseline: what the tiers fix (evicted checkpoints are lost)."""
+    model_dir, vocab = family_model(request, "nemotron_h")
+    with LLM(model_dir, **POOLS) as llm:
+        returning = first_turns(llm, conversations(vocab))
+        outs, _ = one_by_one(llm, returning)
+    assert sum(o.num_cached_tokens > 0 for o in outs) <= 3
+
+
+def test_host_and_file_tiers_write_through_and_host_hits_first(request, tmp_path):
+    model_dir, vocab = family_model(request, "nemotron_h")
+    with LLM(model_dir, **tiered(tmp_path / "tier", hicache_size=0.01)) as llm:
+        returning = first_turns(llm, conversations(vocab))
+        one_by_one(llm, returning)
+        stats = llm.engine.tier_stats()
+    assert stats["hicache:host:hits"] >= 8 * 3
+    assert stats["hicache:file:hits"] == 0  # the host had every block the files had
+    assert stats["hicache:file:writes"] == stats["hicache:host:writes"] > 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(hicache_size=1.0), "--hicache-size needs --enable-hierarchical-cache"),
+        (dict(enable_hierarchical_cache=True), "needs a tier"),
+        (dict(enable_hierarchical_cache=True, hicache_size=0.0), "--hicache-size must be > 0"),
+        (
+            dict(enable_hierarchical_cache=True, hicache_storage_backend="s3"),
+            "--hicache-storage-backend must be one of file",
+        ),
+        (
+            dict(enable_hierarchical_cache=True, hicache_storage_backend="file"),
+            "needs --hicache-storage-dir",
+        ),
+        (
+            dict(enable_hierarchical_cache=True, hicache_storage_dir="/tmp/x"),
+            "--hicache-storage-dir needs --hicache-storage-backend file",
+        ),
+        (
+            dict(enable_hierarchical_cache=True, hicache_size=1.0, enable_prefix_caching=False),
+            "needs prefix caching",
+        ),
+        (
+            dict(enable_hierarchical_cache=True, hicache_size=1.0, tensor_parallel_size=2),
+            "not supported with --tensor-parallel-size > 1",
+        ),
+    ],
+)
+def test_bad_tier_settings_are_refused_naming_the_flag(flags, message):
+    from baton.engine.core.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**flags)
