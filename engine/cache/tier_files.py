@@ -137,6 +137,7 @@ def decode(
 
 class FileStore:
     name = "file"
+    durable = True  # a restarted server finds it
 
     def __init__(
         self, directory: str | Path, capacity: int, identity: TierIdentity, layout: TierLayout
@@ -160,8 +161,11 @@ class FileStore:
 
     # -- the scheduler's side ---------------------------------------------------------------------
 
-    def put(self, record: BlockRecord) -> None:
-        """Queue a snapshot for writing (dropped, and counted, if MAX_PENDING are queued)."""
+    def put(self, record: BlockRecord, wait: bool = False) -> None:
+        """Queue a snapshot for writing; if MAX_PENDING are queued, it is dropped (and counted),
+        or with `wait` (a server that stops) the queue is drained first."""
+        if wait and len(self._pending) >= MAX_PENDING:
+            self.flush()
         with self._pending_lock:
             if record.digest in self._known or record.digest in self._pending:
                 return

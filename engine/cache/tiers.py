@@ -38,6 +38,7 @@ class HostStore:
     memory, kept apart from the pools' budget."""
 
     name = "host"
+    durable = False  # gone with the process
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -52,7 +53,7 @@ class HostStore:
         self.records.move_to_end(digest)
         return True
 
-    def put(self, record: BlockRecord) -> None:
+    def put(self, record: BlockRecord, wait: bool = False) -> None:
         if record.digest in self.records:
             self.records.move_to_end(record.digest)
             return
@@ -109,6 +110,7 @@ class Tiers:
         self.clock = clock
         self.lookups = 0  # admissions that looked below the device
         self.lookup_misses = 0  # ... and found nothing there
+        self._persisting = False
         cache.tiers = self
 
     # -- down: eviction ---------------------------------------------------------------------------
@@ -123,11 +125,12 @@ class Tiers:
         ids = [t for tokens in reversed(chain) for t in tokens]
         interval = self.cache.track_interval
         digest = chain_digests(self.identity.fingerprint, ids, interval, len(chain))[-1]
-        missing = [store for store in self.stores if not store.contains(digest)]
+        stores = [s for s in self.stores if s.durable] if self._persisting else self.stores
+        missing = [store for store in stores if not store.contains(digest)]
         if missing:  # (a block restored from below and evicted again is there already)
             record = self.snapshot(block, digest)
             for store in missing:
-                store.put(record)
+                store.put(record, wait=self._persisting)
 
     def snapshot(self, block: CachedBlock, digest: bytes) -> BlockRecord:
         """Copies of `block`'s pages and checkpoint, out of the pools (they are reused next)."""
@@ -219,6 +222,18 @@ class Tiers:
         """Wait for the writes queued so far (the file tier's thread)."""
         for store in self.stores:
             store.flush(timeout)
+
+    def persist(self) -> None:
+        """Every idle block of the pools down to the durable tiers (the files), waiting for
+        room in their write queues: what a restart on the same directory finds. For a server
+        that stops; the pools' idle blocks are dropped."""
+        if not any(store.durable for store in self.stores):
+            return
+        self._persisting = True
+        try:
+            self.cache.clear()
+        finally:
+            self._persisting = False
 
     def close(self) -> None:
         for store in self.stores:

@@ -244,6 +244,7 @@ class Engine:
         if getattr(self, "grammars", None) is not None:
             self.grammars.close()
         if getattr(self, "tiers", None) is not None:
+            self.tiers.persist()  # the pools' idle blocks too: a restart finds them
             self.tiers.close()  # (the queued writes first)
             self.tiers = None
 
