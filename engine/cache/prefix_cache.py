@@ -16,7 +16,9 @@ Blocks are page-aligned, so a request never writes into a cached page (no copy-o
 needed). Under a sliding window a block may hold the dummy page 0 where its request released a
 page behind the window before the block closed (engine/core/scheduler_memory.py): a hit there
 reads only the window of the block's end. A block is evictable when no request holds it and no cached block extends it; eviction
-is LRU and gives back its pages and its checkpoint slot.
+is LRU and gives back its pages and its checkpoint slot; with tiers under the pools
+(engine/cache/tiers.py) the block is copied down to them first, and an admission continues its
+match there (engine/core/scheduler_memory.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ cached blocks of their prefix.
                                or is parked while its hold (a disaggregated prefill's send)
                                still reads it, and freed once the hold is done
 
-Under memory pressure idle cached blocks are evicted before an admission fails. Plain Python on
+Under memory pressure idle cached blocks are evicted before an admission fails. A match that ends
+in the pools continues in the tiers below them when the engine has some (engine/cache/tiers.py). Plain Python on
 host data, like the scheduler (engine/core/scheduler.py) that owns every call.
 """
 
