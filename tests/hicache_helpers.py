@@ -13,7 +13,7 @@ from baton import LLM, SamplingParams
 INTERVAL = 64  # a multiple of every family's chunk (16 or 64) and of the page (4)
 # ~2 conversations of 250 tokens in the KV pool; a slot per cached block plus working slots
 POOLS = dict(page_size=4, mamba_track_interval=INTERVAL, max_total_tokens=600, max_mamba_slots=12)
-FAMILIES = ("nemotron_h", "qwen3_5_dense", "jamba_dense", "mamba_a")
+FAMILIES = ("nemotron_h", "qwen3_5_dense", "jamba_dense", "mamba_a", "rgemma_local")
 
 
 def family_model(request: pytest.FixtureRequest, family: str) -> tuple[Path, int]:
@@ -22,6 +22,8 @@ def family_model(request: pytest.FixtureRequest, family: str) -> tuple[Path, int
         path, hf = request.getfixturevalue("tiny_models")("base")
     elif family.startswith("qwen"):
         path, hf = request.getfixturevalue("gdn_models")(family)
+    elif family.startswith(("rgemma", "lfm3")):
+        path, hf = request.getfixturevalue("window_models")(family)
     else:
         path, hf = request.getfixturevalue("ssm_models")(family)
     config = getattr(hf.config, "text_config", hf.config)
@@ -51,20 +53,20 @@ def file_hits(llm: LLM) -> int:
     return llm.engine.tier_stats().get("hicache:file:hits", 0)
 
 
-def one_by_one(llm: LLM, prompts: list[list[int]]) -> tuple[list, list[int]]:
+def one_by_one(llm: LLM, prompts: list[list[int]], max_tokens: int = 4) -> tuple[list, list[int]]:
     """Each prompt alone, in order (so the pools turn over); its output and how many blocks it
     restored from the file tier."""
     outs, hits = [], []
     for prompt in prompts:
         before = file_hits(llm)
-        outs += llm.generate([prompt], greedy())
+        outs += llm.generate([prompt], greedy(max_tokens))
         hits.append(file_hits(llm) - before)
     return outs, hits
 
 
-def first_turns(llm: LLM, convs: list[list[int]]) -> list[list[int]]:
+def first_turns(llm: LLM, convs: list[list[int]], max_tokens: int = 4) -> list[list[int]]:
     """Run every first turn; the second-turn prompts (history + answer + a new question)."""
-    outs, _ = one_by_one(llm, convs)
+    outs, _ = one_by_one(llm, convs, max_tokens)
     g = torch.Generator().manual_seed(99)
     return [
         c + o.token_ids + torch.randint(3, 200, (10,), generator=g).tolist()

@@ -5,9 +5,12 @@ logprob for logprob."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from baton import LLM
+from baton.engine.cache.tier_files import PREFIX
 from tests.hicache_helpers import (
     FAMILIES,
     INTERVAL,
@@ -109,3 +112,24 @@ def test_bad_tier_settings_are_refused_naming_the_flag(flags, message):
 
     with pytest.raises(ValueError, match=message):
         EngineArgs(**flags)
+
+
+def test_a_block_closed_behind_a_sliding_window_comes_back_with_its_dead_pages(request, tmp_path):
+    """RecurrentGemma's local attention (window 10): a block that closes during decode has given
+    back its pages behind the window (the dummy page 0 in its list); its file says so, and the
+    hit resumes with the dummy there again, as a device hit would."""
+    model_dir, vocab = family_model(request, "rgemma_local")
+    store = tmp_path / "tier"
+    with LLM(model_dir, **tiered(store)) as llm:
+        convs = conversations(vocab, length=230)
+        returning = first_turns(llm, convs, max_tokens=30)  # block 3 closes at 256, in decode
+        outs, hits = one_by_one(llm, returning)
+    headers = [
+        json.loads(
+            p.read_bytes()[PREFIX.size : PREFIX.size + PREFIX.unpack_from(p.read_bytes())[2]]
+        )
+        for p in block_files(store)
+    ]
+    assert any(not all(h["live_pages"]) for h in headers)  # dead pages were not stored as live
+    assert_same_outputs(outs, without_prefix_cache(model_dir, returning))
+    assert sum(o.num_cached_tokens >= 4 * INTERVAL for o in outs) >= 8
