@@ -223,3 +223,46 @@ def test_two_servers_on_one_directory_keep_the_bound_and_every_file_sound(tmp_pa
         r = by_name[p.name]
         assert same(reader.get(r.digest, r.tokens), r)
     assert reader.counters.corrupt == 0
+
+
+def resealed(data: bytes, edit) -> bytes:
+    """`data` with its header edited by `edit` and a checksum that matches again (a file made to
+    pass the checksum: only the checks after it stand in the way)."""
+    import hashlib
+    import json
+
+    magic, version, header_len, payload_len, _ = PREFIX.unpack_from(data)
+    header = json.loads(data[PREFIX.size : PREFIX.size + header_len])
+    payload = data[PREFIX.size + header_len :]
+    raw = json.dumps(edit(header)).encode()
+    checksum = hashlib.blake2b(raw + payload, digest_size=32).digest()
+    return PREFIX.pack(magic, version, len(raw), payload_len, checksum) + raw + payload
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda h: [h],
+        lambda h: {**h, "tensors": [1, 2, 3]},
+        lambda h: {**h, "tensors": [{**h["tensors"][0], "bytes": 10**12}, *h["tensors"][1:]]},
+        lambda h: {**h, "live_pages": "yes"},
+        lambda h: {**h, "live_pages": [True]},
+        lambda h: {**h, "tokens": h["tokens"][:-1] + [0]},
+        lambda h: {k: v for k, v in h.items() if k != "digest"},
+        lambda h: {**h, "identity": 7},
+    ],
+)
+def test_a_header_that_passes_the_checksum_is_still_checked_field_by_field(tmp_path, edit):
+    r = record(10)
+    written(tmp_path, [r]).close()
+    (path,) = tmp_path.glob("*.blk")
+    path.write_bytes(resealed(path.read_bytes(), edit))
+    files = store(tmp_path)
+    assert files.get(r.digest, r.tokens) is None
+    assert files.counters.corrupt == 1 and not path.exists()
+
+
+def test_a_directory_that_cannot_be_used_is_refused_naming_the_flag(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(ValueError, match="--hicache-storage-dir .*a-file/tier: cannot use it"):
+        store(tmp_path / "a-file" / "tier")

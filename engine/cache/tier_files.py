@@ -38,7 +38,13 @@ from pathlib import Path
 
 import torch
 
-from baton.engine.cache.tier_records import FORMAT_VERSION, BlockRecord, TierIdentity, TierLayout
+from baton.engine.cache.tier_records import (
+    FORMAT_VERSION,
+    BlockRecord,
+    TierIdentity,
+    TierLayout,
+    TierTensor,
+)
 from baton.engine.cache.tier_stats import TierCounters
 
 logger = logging.getLogger("baton.engine.tiers")
@@ -60,11 +66,35 @@ class CorruptFile(ValueError):
     """Truncated, damaged or inconsistent: never loaded, deleted."""
 
 
-def encode(record: BlockRecord, identity: TierIdentity, layout: TierLayout) -> bytes:
-    entries, offset = [], 0
+def _offsets(layout: TierLayout) -> list[tuple[TierTensor, int]]:
+    out, offset = [], 0
     for t in layout.tensors:
-        entries.append({"key": t.key, "offset": offset, "bytes": t.nbytes})
+        out.append((t, offset))
         offset += t.nbytes
+    return out
+
+
+def _header(raw: bytes) -> dict:
+    """The header's fields, each of the type it must have; CorruptFile for anything else."""
+    try:
+        header = json.loads(raw)
+    except ValueError as error:
+        raise CorruptFile(f"unreadable header ({error})") from None
+    types = {
+        "identity": str, "description": str, "digest": str, "tokens": list,
+        "live_pages": list, "tensors": list,
+    }  # fmt: skip
+    if not isinstance(header, dict) or any(
+        not isinstance(header.get(key), kind) for key, kind in types.items()
+    ):
+        raise CorruptFile("header fields missing or of the wrong type")
+    if not all(isinstance(x, bool) for x in header["live_pages"]):
+        raise CorruptFile("page flags are not booleans")
+    return header
+
+
+def encode(record: BlockRecord, identity: TierIdentity, layout: TierLayout) -> bytes:
+    entries = [{"key": t.key, "offset": o, "bytes": t.nbytes} for t, o in _offsets(layout)]
     header = json.dumps(
         {
             "identity": identity.fingerprint,
@@ -79,7 +109,9 @@ def encode(record: BlockRecord, identity: TierIdentity, layout: TierLayout) -> b
         record.tensors[t.key].contiguous().view(torch.uint8).numpy().tobytes()
         for t in layout.tensors
     )
-    checksum = hashlib.blake2b(header + payload, digest_size=32).digest()
+    hasher = hashlib.blake2b(header, digest_size=32)
+    hasher.update(payload)
+    checksum = hasher.digest()
     return (
         PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), len(payload), checksum) + header + payload
     )
@@ -107,25 +139,17 @@ def decode(
     body = memoryview(data)[PREFIX.size :]
     if hashlib.blake2b(body, digest_size=32).digest() != checksum:
         raise CorruptFile("checksum mismatch")
-    try:
-        header = json.loads(bytes(body[:header_len]))
-        if header["identity"] != identity.fingerprint:
-            raise ForeignFile(f"written for {header.get('description')!r}")
-        if header["digest"] != digest.hex() or tuple(header["tokens"]) != tokens:
-            raise CorruptFile("digest or tokens are not the block's the name says")
-        live = tuple(header["live_pages"])
-        entries = header["tensors"]
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
-        if isinstance(error, (ForeignFile, CorruptFile)):
-            raise
-        raise CorruptFile(f"unreadable header ({error})") from None
-    if len(live) != layout.pages_per_block or not all(isinstance(x, bool) for x in live):
+    header = _header(bytes(body[:header_len]))
+    if header["identity"] != identity.fingerprint:
+        raise ForeignFile(f"written for {header['description']!r}")
+    if header["digest"] != digest.hex() or header["tokens"] != list(tokens):
+        raise CorruptFile("digest or tokens are not the block's the name says")
+    live = tuple(header["live_pages"])
+    if len(live) != layout.pages_per_block:
         raise CorruptFile(f"{len(live)} page flags, a block has {layout.pages_per_block} pages")
-    expected = [(t.key, t.nbytes) for t in layout.tensors]
-    if [(e.get("key"), e.get("bytes")) for e in entries] != expected:
+    expected = [{"key": t.key, "offset": o, "bytes": t.nbytes} for t, o in _offsets(layout)]
+    if header["tensors"] != expected or sum(t.nbytes for t in layout.tensors) != payload_len:
         raise CorruptFile("tensor layout differs from this model's")
-    if sum(n for _, n in expected) != payload_len:
-        raise CorruptFile("payload size differs from its tensors'")
     payload = bytearray(body[header_len:])  # writable: the tensors own it
     tensors, offset = {}, 0
     for t in layout.tensors:
@@ -143,7 +167,13 @@ class FileStore:
         self, directory: str | Path, capacity: int, identity: TierIdentity, layout: TierLayout
     ):
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644))
+        except OSError as error:
+            raise ValueError(
+                f"--hicache-storage-dir {directory}: cannot use it ({error})"
+            ) from None
         self.capacity = capacity
         self.identity = identity
         self.layout = layout
@@ -297,9 +327,10 @@ class FileStore:
 
     def _read_total(self) -> int:
         try:
-            return int((self.dir / ".size").read_text())
+            total = int((self.dir / ".size").read_text())
         except (OSError, ValueError):
-            return self.capacity + 1  # unknown: count again
+            total = -1
+        return total if total >= 0 else self.capacity + 1  # unknown: count again
 
     def _write_total(self, total: int) -> None:
         (self.dir / ".size").write_text(str(total))
@@ -309,7 +340,11 @@ class FileStore:
         (under the lock); their total after."""
         files = []
         for entry in os.scandir(self.dir):
-            if NAME.match(entry.name) and entry.name != keep:
+            if (
+                NAME.match(entry.name)
+                and entry.name != keep
+                and entry.is_file(follow_symlinks=False)
+            ):
                 try:
                     st = entry.stat()
                 except FileNotFoundError:
