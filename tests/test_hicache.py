@@ -10,7 +10,7 @@ import json
 import pytest
 
 from baton import LLM
-from baton.engine.cache.tier_files import PREFIX
+from baton.engine.cache.tier_format import PREFIX
 from tests.hicache_helpers import (
     FAMILIES,
     INTERVAL,

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from baton import LLM
-from baton.engine.cache.tier_files import PREFIX
+from baton.engine.cache.tier_format import PREFIX
 from baton.engine.cache.tier_records import chain_digests
 from tests.hicache_helpers import (
     INTERVAL,

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from baton.engine.cache import tier_files
-from baton.engine.cache.tier_files import PREFIX, FileStore, decode, encode
+from baton.engine.cache.tier_files import FileStore
+from baton.engine.cache.tier_format import PREFIX, ForeignFile, decode, encode
 from baton.engine.cache.tier_records import (
     BlockRecord,
     TierIdentity,
@@ -135,7 +136,7 @@ def test_a_file_of_another_model_is_ignored_and_left_alone(tmp_path):
     assert files.get(r.digest, r.tokens) is None
     assert files.counters.foreign == 1 and files.counters.corrupt == 0
     assert (tmp_path / f"{r.digest.hex()}.blk").exists()
-    with pytest.raises(tier_files.ForeignFile):
+    with pytest.raises(ForeignFile):
         decode(encode(r, theirs, LAYOUT), identity(), LAYOUT, r.digest, r.tokens)
 
 

@@ -6,10 +6,7 @@
     <dir>/.lock                 flock'ed around renames and evictions (size accounting)
     <dir>/.size                 the bytes of *.blk files, as the last writer counted them
 
-A file is
-
-    magic "BATONTR1" | u32 version | u32 header bytes | u64 payload bytes | 32-byte blake2b of
-    (header + payload) | header (JSON: identity, digest, tokens, live pages, tensors) | payload
+A file's format: engine/cache/tier_format.py.
 
 Writes run on a background thread (eviction only queues a snapshot; a full queue drops it):
 temp file, fsync, then, under the lock, the oldest files (mtime; a hit touches its file) are
@@ -24,139 +21,32 @@ deleted). A crash leaves at worst a temp file, deleted at the next start once it
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import json
 import logging
 import os
 import queue
 import re
-import struct
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
-from baton.engine.cache.tier_records import (
-    FORMAT_VERSION,
-    BlockRecord,
-    TierIdentity,
-    TierLayout,
-    TierTensor,
+from baton.engine.cache.tier_format import (
+    MAX_HEADER_BYTES,
+    PREFIX,
+    CorruptFile,
+    ForeignFile,
+    decode,
+    encode,
 )
+from baton.engine.cache.tier_records import BlockRecord, TierIdentity, TierLayout
 from baton.engine.cache.tier_stats import TierCounters
 
 logger = logging.getLogger("baton.engine.tiers")
 
-MAGIC = b"BATONTR1"
-PREFIX = struct.Struct("<8sIIQ32s")  # magic, version, header bytes, payload bytes, checksum
-MAX_HEADER_BYTES = 1 << 20
 NAME = re.compile(r"^[0-9a-f]{32}\.blk$")
 TEMP = re.compile(r"^\.[0-9a-f]{32}\.(\d+)\.\d+\.tmp$")
 STALE_TEMP_S = 600.0  # a temp file this old has no live writer, whoever's it is
 MAX_PENDING = 64  # snapshots queued for writing; more are dropped (eviction never waits)
-
-
-class ForeignFile(ValueError):
-    """A sound file of another model, dtype or layout: not ours to load or delete."""
-
-
-class CorruptFile(ValueError):
-    """Truncated, damaged or inconsistent: never loaded, deleted."""
-
-
-def _offsets(layout: TierLayout) -> list[tuple[TierTensor, int]]:
-    out, offset = [], 0
-    for t in layout.tensors:
-        out.append((t, offset))
-        offset += t.nbytes
-    return out
-
-
-def _header(raw: bytes) -> dict:
-    """The header's fields, each of the type it must have; CorruptFile for anything else."""
-    try:
-        header = json.loads(raw)
-    except ValueError as error:
-        raise CorruptFile(f"unreadable header ({error})") from None
-    types = {
-        "identity": str, "description": str, "digest": str, "tokens": list,
-        "live_pages": list, "tensors": list,
-    }  # fmt: skip
-    if not isinstance(header, dict) or any(
-        not isinstance(header.get(key), kind) for key, kind in types.items()
-    ):
-        raise CorruptFile("header fields missing or of the wrong type")
-    if not all(isinstance(x, bool) for x in header["live_pages"]):
-        raise CorruptFile("page flags are not booleans")
-    return header
-
-
-def encode(record: BlockRecord, identity: TierIdentity, layout: TierLayout) -> bytes:
-    entries = [{"key": t.key, "offset": o, "bytes": t.nbytes} for t, o in _offsets(layout)]
-    header = json.dumps(
-        {
-            "identity": identity.fingerprint,
-            "description": identity.description,
-            "digest": record.digest.hex(),
-            "tokens": list(record.tokens),
-            "live_pages": list(record.live_pages),
-            "tensors": entries,
-        }
-    ).encode()
-    payload = b"".join(
-        record.tensors[t.key].contiguous().view(torch.uint8).numpy().tobytes()
-        for t in layout.tensors
-    )
-    hasher = hashlib.blake2b(header, digest_size=32)
-    hasher.update(payload)
-    checksum = hasher.digest()
-    return (
-        PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), len(payload), checksum) + header + payload
-    )
-
-
-def decode(
-    data: bytes,
-    identity: TierIdentity,
-    layout: TierLayout,
-    digest: bytes,
-    tokens: tuple[int, ...],
-) -> BlockRecord:
-    """The record in `data` if it is sound and the one asked for; ForeignFile / CorruptFile."""
-    if len(data) < PREFIX.size:
-        raise CorruptFile(f"{len(data)} bytes, shorter than the file prefix")
-    magic, version, header_len, payload_len, checksum = PREFIX.unpack_from(data)
-    if magic != MAGIC:
-        raise CorruptFile("not a baton tier file (bad magic)")
-    if version != FORMAT_VERSION:
-        raise ForeignFile(f"format version {version}, this server writes {FORMAT_VERSION}")
-    if header_len > MAX_HEADER_BYTES or len(data) != PREFIX.size + header_len + payload_len:
-        raise CorruptFile(
-            f"{len(data)} bytes, the prefix says {PREFIX.size} + {header_len} + {payload_len}"
-        )
-    body = memoryview(data)[PREFIX.size :]
-    if hashlib.blake2b(body, digest_size=32).digest() != checksum:
-        raise CorruptFile("checksum mismatch")
-    header = _header(bytes(body[:header_len]))
-    if header["identity"] != identity.fingerprint:
-        raise ForeignFile(f"written for {header['description']!r}")
-    if header["digest"] != digest.hex() or header["tokens"] != list(tokens):
-        raise CorruptFile("digest or tokens are not the block's the name says")
-    live = tuple(header["live_pages"])
-    if len(live) != layout.pages_per_block:
-        raise CorruptFile(f"{len(live)} page flags, a block has {layout.pages_per_block} pages")
-    expected = [{"key": t.key, "offset": o, "bytes": t.nbytes} for t, o in _offsets(layout)]
-    if header["tensors"] != expected or sum(t.nbytes for t in layout.tensors) != payload_len:
-        raise CorruptFile("tensor layout differs from this model's")
-    payload = bytearray(body[header_len:])  # writable: the tensors own it
-    tensors, offset = {}, 0
-    for t in layout.tensors:
-        flat = torch.frombuffer(payload, dtype=torch.uint8, count=t.nbytes, offset=offset)
-        tensors[t.key] = flat.view(t.dtype).view(t.shape)
-        offset += t.nbytes
-    return BlockRecord(digest=digest, tokens=tokens, live_pages=live, tensors=tensors)
 
 
 class FileStore:
