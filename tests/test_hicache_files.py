@@ -267,3 +267,26 @@ def test_a_directory_that_cannot_be_used_is_refused_naming_the_flag(tmp_path):
     (tmp_path / "a-file").write_text("not a directory")
     with pytest.raises(ValueError, match="--hicache-storage-dir .*a-file/tier: cannot use it"):
         store(tmp_path / "a-file" / "tier")
+
+
+def taken(files: FileStore, r: BlockRecord, timeout: float = 10.0):
+    """take() until the reader thread has answered."""
+    deadline = time.monotonic() + timeout
+    while (got := files.take(r.digest, r.tokens)) is tier_files.READING:
+        assert time.monotonic() < deadline, "the read never finished"
+        time.sleep(0.001)
+    return got
+
+
+def test_a_block_is_read_ahead_on_the_reader_thread_and_taken_once(tmp_path):
+    good, bad, missing = record(11), record(12), record(13)
+    written(tmp_path, [good, bad]).close()
+    path = tmp_path / f"{bad.digest.hex()}.blk"
+    path.write_bytes(path.read_bytes()[:-1])
+    files = store(tmp_path)
+    assert files.take(missing.digest, missing.tokens) is None  # no file: no read
+    assert files.take(good.digest, good.tokens) is tier_files.READING  # the read starts
+    assert files.prefetch(bad.digest, bad.tokens)
+    assert same(taken(files, good), good)
+    assert taken(files, bad) is None and not path.exists()  # checked there, deleted there
+    assert files.counters.corrupt == 1 and not files.reading

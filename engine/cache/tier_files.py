@@ -1,15 +1,13 @@
 """The file tier: one file per evicted prefix-cache block in a directory that outlives the server.
 
     <dir>/<digest hex>.blk      a block (engine/cache/tier_records.py), named by its stable
-                                chain digest
-    <dir>/.<digest>.<pid>.tmp   a write in progress (renamed into place when complete)
-    <dir>/.lock                 flock'ed around renames and evictions (size accounting)
-    <dir>/.size                 the bytes of *.blk files, as the last writer counted them
+                                chain digest; the directory's other files: engine/cache/tier_dir.py
 
 A file's format: engine/cache/tier_format.py.
 
-Writes run on a background thread (eviction only queues a snapshot; a full queue drops it):
-temp file, fsync, then, under the lock, the oldest files (mtime; a hit touches its file) are
+Reads run ahead of admission on a thread of their own (prefetch / take: an admission whose next
+block is being read waits while other requests step). Writes run on another (eviction only
+queues a snapshot; a full queue drops it): temp file, fsync, then, under the lock, the oldest files (mtime; a hit touches its file) are
 deleted until the new one fits the size bound, and the temp file is renamed into place. Every
 server on the directory takes the same lock, so the bound holds for all of them, and a rename
 is atomic, so a reader sees a whole file or none. A reader trusts nothing it reads: sizes,
@@ -20,16 +18,15 @@ deleted). A crash leaves at worst a temp file, deleted at the next start once it
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import queue
-import re
 import threading
 import time
-from contextlib import contextmanager
+from collections import OrderedDict
 from pathlib import Path
 
+from baton.engine.cache.tier_dir import TierDirectory
 from baton.engine.cache.tier_format import (
     MAX_HEADER_BYTES,
     PREFIX,
@@ -43,10 +40,9 @@ from baton.engine.cache.tier_stats import TierCounters
 
 logger = logging.getLogger("baton.engine.tiers")
 
-NAME = re.compile(r"^[0-9a-f]{32}\.blk$")
-TEMP = re.compile(r"^\.[0-9a-f]{32}\.(\d+)\.\d+\.tmp$")
-STALE_TEMP_S = 600.0  # a temp file this old has no live writer, whoever's it is
 MAX_PENDING = 64  # snapshots queued for writing; more are dropped (eviction never waits)
+MAX_LOADED = 256  # blocks read ahead and not taken yet (a request aborted meanwhile): oldest go
+READING = "reading"  # take(): the block's file is being read; ask again later
 
 
 class FileStore:
@@ -73,11 +69,20 @@ class FileStore:
         self._known: set[bytes] = set()  # digests written or loaded by this process
         self._foreign_logged: set[str] = set()
         self._queue: queue.Queue[BlockRecord | None] = queue.Queue()
-        self._remove_stale_temps()
-        with self._locked():
-            self._write_total(self._evict_to(capacity))
+        self.files = TierDirectory(self.dir)
+        self.files.remove_stale_temps()
+        with self.files.locked():
+            self.files.write_total(self._evict_to(capacity))
         self._thread = threading.Thread(target=self._write_loop, name="tier-files", daemon=True)
         self._thread.start()
+        # Reads ahead of admission: the scheduler asks (prefetch / take), a thread reads and
+        # checks (blake2b releases the GIL: the check runs beside the step).
+        self._reads: queue.Queue[tuple[bytes, tuple[int, ...]] | None] = queue.Queue()
+        self._read_lock = threading.Lock()
+        self._reading: set[bytes] = set()
+        self._loaded: OrderedDict[bytes, BlockRecord | None] = OrderedDict()
+        self._reader = threading.Thread(target=self._read_loop, name="tier-reads", daemon=True)
+        self._reader.start()
 
     # -- the scheduler's side ---------------------------------------------------------------------
 
@@ -109,6 +114,38 @@ class FileStore:
             self._known.discard(digest)  # evicted by another server meanwhile
             return False
         return True
+
+    @property
+    def reading(self) -> bool:
+        return bool(self._reading)
+
+    def prefetch(self, digest: bytes, tokens: tuple[int, ...]) -> bool:
+        """Start reading the block's file on the reader thread, if there is one; whether the
+        block is read, being read, or queued for writing (take() has it or will)."""
+        with self._pending_lock:
+            if digest in self._pending:
+                return True
+        with self._read_lock:
+            if digest in self._reading or digest in self._loaded:
+                return True
+            if not self._path(digest).exists():
+                return False
+            self._reading.add(digest)
+        self._reads.put((digest, tokens))
+        return True
+
+    def take(self, digest: bytes, tokens: tuple[int, ...]) -> BlockRecord | str | None:
+        """The block if it was read (or is queued for writing), READING while its file is read
+        (the read is started if need be), None if this tier cannot give it."""
+        with self._pending_lock:
+            record = self._pending.get(digest)
+        if record is not None:
+            return record if record.tokens == tokens else None
+        with self._read_lock:
+            if digest in self._loaded:
+                record = self._loaded.pop(digest)
+                return record if record is not None and record.tokens == tokens else None
+        return READING if self.prefetch(digest, tokens) else None
 
     def get(self, digest: bytes, tokens: tuple[int, ...]) -> BlockRecord | None:
         with self._pending_lock:
@@ -152,8 +189,28 @@ class FileStore:
             time.sleep(0.002)
 
     def close(self) -> None:
+        self._reads.put(None)
         self._queue.put(None)
         self._thread.join(timeout=60.0)
+        self._reader.join(timeout=60.0)
+
+    # -- the reader thread ------------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        while (item := self._reads.get()) is not None:
+            digest, tokens = item
+            began = time.perf_counter()
+            try:
+                record = self.get(digest, tokens)
+            except Exception:  # a failed read is a miss, never the engine's end
+                logger.exception("tier file read failed")
+                record = None
+            self.counters.load_seconds += time.perf_counter() - began
+            with self._read_lock:
+                self._reading.discard(digest)
+                self._loaded[digest] = record
+                while len(self._loaded) > MAX_LOADED:
+                    self._loaded.popitem(last=False)
 
     # -- the writer thread ------------------------------------------------------------------------
 
@@ -185,14 +242,14 @@ class FileStore:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            with self._locked():
-                total = self._read_total()
+            with self.files.locked():
+                total = self.files.read_total(self.capacity)
                 old = path.stat().st_size if path.exists() else 0
                 if total - old + len(data) > self.capacity:
                     total = self._evict_to(self.capacity - len(data), keep=path.name)
                     old = path.stat().st_size if path.exists() else 0
                 os.replace(temp, path)
-                self._write_total(total - old + len(data))
+                self.files.write_total(total - old + len(data))
         except OSError:
             temp.unlink(missing_ok=True)
             raise
@@ -206,74 +263,11 @@ class FileStore:
     def _path(self, digest: bytes) -> Path:
         return self.dir / f"{digest.hex()}.blk"
 
-    @contextmanager
-    def _locked(self):
-        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
-
-    def _read_total(self) -> int:
-        try:
-            total = int((self.dir / ".size").read_text())
-        except (OSError, ValueError):
-            total = -1
-        return total if total >= 0 else self.capacity + 1  # unknown: count again
-
-    def _write_total(self, total: int) -> None:
-        (self.dir / ".size").write_text(str(total))
-
     def _evict_to(self, limit: int, keep: str = "") -> int:
-        """Delete the least recently used block files until they take at most `limit` bytes
-        (under the lock); their total after."""
-        files = []
-        for entry in os.scandir(self.dir):
-            if (
-                NAME.match(entry.name)
-                and entry.name != keep
-                and entry.is_file(follow_symlinks=False)
-            ):
-                try:
-                    st = entry.stat()
-                except FileNotFoundError:
-                    continue
-                files.append((st.st_mtime, st.st_size, entry.name))
-        total = sum(size for _, size, _ in files)
-        for _, size, name in sorted(files):
-            if total <= limit:
-                break
-            (self.dir / name).unlink(missing_ok=True)
-            self._known.discard(bytes.fromhex(name[:-4]))
-            total -= size
-            self.counters.evictions += 1
+        """The least recently used files deleted until they take at most `limit` bytes (under
+        the lock); their total after."""
+        total, evicted = self.files.evict_to(limit, keep)
+        for name in evicted:
+            self._known.discard(bytes.fromhex(name.removesuffix(".blk")))
+        self.counters.evictions += len(evicted)
         return total
-
-    def _remove_stale_temps(self) -> None:
-        """Temp files of writers that died mid-write (a crash, a kill)."""
-        now = time.time()
-        for entry in os.scandir(self.dir):
-            match = TEMP.match(entry.name)
-            if match is None:
-                continue
-            pid = int(match.group(1))
-            try:
-                stale = now - entry.stat().st_mtime > STALE_TEMP_S or not _alive(pid)
-                if stale:
-                    os.unlink(entry.path)
-                    logger.info("tier: removed %s, left by an interrupted write", entry.name)
-            except FileNotFoundError:
-                continue
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True  # another store of this process may be writing it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -10,7 +10,9 @@ and where a prefix lookup that misses the device looks next (DESIGN.md section 1
     admission ──> Tiers.restore(ids, chain): the device chain continued block by block from the
         first tier that has the next block: fresh pages and a fresh checkpoint slot (idle
         device blocks evicted for them, as for any admission), the record written in, the
-        block registered in the prefix cache, locked for the request like a device hit
+        block registered in the prefix cache, locked for the request like a device hit. A
+        block in a file is read on the file tier's reader thread first (with the blocks after
+        it): the request waits in the queue meanwhile and other requests step.
 
 Nothing here names a mixer: what a block holds is the state spec's (TierLayout). A block is
 stored alone (its own pages, its own checkpoint), so a chain costs its length, not its square.
@@ -24,12 +26,18 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import NamedTuple
 
 from baton.engine.cache.prefix_cache import CachedBlock, PrefixCache
-from baton.engine.cache.tier_files import FileStore
+from baton.engine.cache.tier_files import READING, FileStore
 from baton.engine.cache.tier_records import BlockRecord, TierIdentity, TierLayout, chain_digests
 from baton.engine.cache.tier_stats import TierCounters
 from baton.engine.handover.io import StateIO
+
+
+class Restored(NamedTuple):
+    chain: list[CachedBlock]  # the device's match continued from the tiers, locked
+    reading: bool  # its next block is being read from a file: admit the request later
 
 
 class HostStore:
@@ -70,6 +78,14 @@ class HostStore:
         self.counters.writes += 1
         self.counters.written_bytes += record.nbytes
         self.counters.write_seconds += time.perf_counter() - began
+
+    reading = False  # (memory: nothing is ever being read)
+
+    def prefetch(self, digest: bytes, tokens: tuple[int, ...]) -> bool:
+        return digest in self.records
+
+    def take(self, digest: bytes, tokens: tuple[int, ...]) -> BlockRecord | None:
+        return self.get(digest, tokens)
 
     def get(self, digest: bytes, tokens: tuple[int, ...]) -> BlockRecord | None:
         record = self.records.get(digest)
@@ -149,25 +165,33 @@ class Tiers:
 
     # -- up: admission ----------------------------------------------------------------------------
 
-    def restore(self, ids: list[int], found: list[CachedBlock]) -> list[CachedBlock]:
+    def restore(self, ids: list[int], found: list[CachedBlock]) -> Restored:
         """`found` (the device's match for `ids`, locked) continued with the blocks the tiers
-        hold, each loaded into the pools, registered and locked."""
+        hold, each loaded into the pools, registered and locked. `reading`: the chain goes on
+        in a file being read (the reads of the blocks after it are started too): the caller
+        gives the chain back and admits the request on a later step, when they are in memory."""
         cache = self.cache
         interval = cache.track_interval
         usable = (len(ids) - 1) // interval
         k = len(found)
         if k >= usable:
-            return found
-        self.lookups += 1
+            return Restored(found, False)
         keys = cache.chain_keys(ids, usable)
         digests = chain_digests(self.identity.fingerprint, ids, interval, usable)
-        chain = list(found)
+        chain, reading = list(found), False
         while k < usable:
             tokens = tuple(ids[k * interval : (k + 1) * interval])
             if cache.lookup(keys[k]) is not None:
                 break  # a device block under this key with other tokens: the match stopped here
             began = self.clock()
             store, record = self._fetch(digests[k], tokens)
+            if record is READING:
+                reading = True
+                for later in range(k + 1, usable):
+                    block = tuple(ids[later * interval : (later + 1) * interval])
+                    if not any(s.prefetch(digests[later], block) for s in self.stores):
+                        break
+                break
             if record is None:
                 break
             live = [i for i, alive in enumerate(record.live_pages) if alive]
@@ -186,15 +210,22 @@ class Tiers:
             store.counters.hit_bytes += record.nbytes
             store.counters.load_seconds += self.clock() - began
             k += 1
-        if len(chain) == len(found):
-            self.lookup_misses += 1
-        return chain
+        if not reading:  # (a lookup that waits for a read counts once, when it is done)
+            self.lookups += 1
+            self.lookup_misses += len(chain) == len(found)
+        return Restored(chain, reading)
+
+    @property
+    def reading(self) -> bool:
+        """Whether a file is being read for an admission (an idle engine waits a moment)."""
+        return any(store.reading for store in self.stores)
 
     def _fetch(
         self, digest: bytes, tokens: tuple[int, ...]
-    ) -> tuple[Store | None, BlockRecord | None]:
+    ) -> tuple[Store | None, BlockRecord | str | None]:
+        """The first tier's answer that is not None: the block, or READING (file tier)."""
         for store in self.stores:
-            record = store.get(digest, tokens)
+            record = store.take(digest, tokens)
             if record is not None:
                 return store, record
         return None, None

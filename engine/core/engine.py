@@ -358,6 +358,8 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched is None:
             self.grammars.wait()  # nothing to run but grammars to compile: no busy loop
+            if self.tiers is not None and self.tiers.reading:
+                time.sleep(0.001)  # ... or a cached prefix to read from a file
             return []
         if self.timing is not None:
             self.timing.scheduled(sched)

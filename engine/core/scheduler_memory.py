@@ -68,7 +68,10 @@ class RequestMemory:
             raise OutOfMemory(f"no free slot for {what}")
         blocks = cache.match(ids) if cache is not None and match else []
         if cache is not None and match and cache.tiers is not None:
-            blocks = cache.tiers.restore(ids, blocks)  # continued from the tiers below
+            blocks, reading = cache.tiers.restore(ids, blocks)  # continued from the tiers below
+            if reading:  # ... whose next blocks are being read: admitted once they are here
+                cache.release(blocks)
+                raise OutOfMemory(f"{what}: its cached prefix is being read from the tiers")
         shared = len(blocks) * cache.pages_per_block if blocks else 0
         need = pages_needed(len(blocks)) - shared
         if self.pages.available < need and not (cache and cache.evict(pages=need)):
