@@ -6,6 +6,7 @@ logprob for logprob."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -19,6 +20,7 @@ from tests.hicache_helpers import (
     conversations,
     family_model,
     first_turns,
+    greedy,
     one_by_one,
     tiered,
     without_prefix_cache,
@@ -133,3 +135,35 @@ def test_a_block_closed_behind_a_sliding_window_comes_back_with_its_dead_pages(r
     assert any(not all(h["live_pages"]) for h in headers)  # dead pages were not stored as live
     assert_same_outputs(outs, without_prefix_cache(model_dir, returning))
     assert sum(o.num_cached_tokens >= 4 * INTERVAL for o in outs) >= 8
+
+
+def test_running_requests_step_while_a_returning_prefix_is_read_from_files(
+    request, tmp_path, monkeypatch
+):
+    """The file read happens off the step: a returning conversation waits in the queue while its
+    blocks are read (held here until released), and a running request keeps decoding."""
+    model_dir, vocab = family_model(request, "nemotron_h")
+    with LLM(model_dir, **tiered(tmp_path / "tier")) as llm:
+        returning = first_turns(llm, conversations(vocab))
+        engine = llm.engine
+        files = engine.tiers.stores[0]
+        gate, read = threading.Event(), files.get
+        monkeypatch.setattr(files, "get", lambda *a: (gate.wait(30), read(*a))[1])
+        engine.add_request("running", returning[9][:40], greedy(30))
+        engine.step()
+        engine.add_request("returning", returning[0], greedy())
+        tokens: dict[str, list[int]] = {"running": [], "returning": []}
+        for _ in range(5):
+            for delta in engine.step():
+                tokens[delta.request_id] += delta.new_token_ids
+        assert len(tokens["running"]) >= 5 and not tokens["returning"]
+        assert engine.tiers.reading and engine.scheduler.waiting[0].request_id == "returning"
+        gate.set()
+        cached = 0
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens[delta.request_id] += delta.new_token_ids
+                if delta.request_id == "returning":
+                    cached = delta.num_cached_tokens
+    (expected,) = without_prefix_cache(model_dir, [returning[0]])
+    assert tokens["returning"] == expected.token_ids and cached >= 3 * INTERVAL
