@@ -1,7 +1,7 @@
 """How the engine's parts are sized and chosen from its arguments, its model and its device: the
-pools' budget, the prefix cache and the tiers under it, the padded-decode graph runner, and speculation's schedule and
-drafter. `Engine.__init__` (engine/core/engine.py) calls each once, in that order of need; none
-keeps state of its own.
+pools' budget, the prefix cache and the tiers under it, the padded-decode graph runner, and
+speculation's schedule and drafter. `Engine.__init__` (engine/core/engine.py) calls each once, in
+that order of need; none keeps state of its own.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ cached blocks of their prefix.
                                still reads it, and freed once the hold is done
 
 Under memory pressure idle cached blocks are evicted before an admission fails. A match that ends
-in the pools continues in the tiers below them when the engine has some (engine/cache/tiers.py). Plain Python on
-host data, like the scheduler (engine/core/scheduler.py) that owns every call.
+in the pools continues in the tiers below them when the engine has some (engine/cache/tiers.py);
+an admission whose next blocks are being read from a file waits (OutOfMemory: not now). Plain
+Python on host data, like the scheduler (engine/core/scheduler.py) that owns every call.
 """
 
 from __future__ import annotations
