@@ -89,3 +89,31 @@ def test_baton_up_refuses_a_bad_tier_flag_before_starting_workers(base_model, ca
     model_dir, _ = base_model
     assert main(["up", "--model", str(model_dir), "--hicache-storage-size", "-1"]) == 2
     assert "--hicache-storage-size must be > 0" in capsys.readouterr().err
+
+
+def test_baton_up_hands_the_tier_flags_to_both_workers_as_serve_reads_them(base_model):
+    from baton.server.args import ServerArgs
+    from baton.server.cli import build_parser
+    from baton.server.tier_args import TIER_FIELDS, worker_flags
+
+    model_dir, _ = base_model
+    up = build_parser().parse_args(
+        ["up", "--model", str(model_dir), "--kv-offloading-size", "0.5",
+         "--hicache-storage-backend", "file", "--hicache-storage-dir", "/tmp/t",
+         "--enable-hierarchical-cache"]
+    )  # fmt: skip
+    flags = worker_flags({name: getattr(up, name) for name in TIER_FIELDS})
+    serve = build_parser().parse_args(["serve", str(model_dir), *flags])
+    args = ServerArgs(
+        **{n: getattr(serve, n) for n in ServerArgs.field_names() if hasattr(serve, n)}
+        | {"model": str(model_dir)}
+    )
+    assert {
+        k: v for k, v in args.engine_args().items() if "hicache" in k or "hierarchical" in k
+    } == {
+        "enable_hierarchical_cache": True,
+        "hicache_size": 0.5,
+        "hicache_storage_backend": "file",
+        "hicache_storage_dir": "/tmp/t",
+        "hicache_storage_size": None,
+    }
