@@ -95,7 +95,7 @@ class FileStore:
             if record.digest in self._known or record.digest in self._pending:
                 return
             if len(self._pending) >= MAX_PENDING:
-                self.counters.dropped += 1
+                self.counters.add(dropped=1)
                 return
             self._pending[record.digest] = record
         self._queue.put(record)
@@ -164,13 +164,13 @@ class FileStore:
         try:
             record = decode(data, self.identity, self.layout, digest, tokens)
         except ForeignFile as error:
-            self.counters.foreign += 1
+            self.counters.add(foreign=1)
             if path.name not in self._foreign_logged:
                 self._foreign_logged.add(path.name)
                 logger.info("tier file %s ignored: another model or layout (%s)", path.name, error)
             return None
         except CorruptFile as error:
-            self.counters.corrupt += 1
+            self.counters.add(corrupt=1)
             logger.warning("tier file %s is corrupt (%s): deleted", path.name, error)
             path.unlink(missing_ok=True)
             self._known.discard(digest)
@@ -205,7 +205,7 @@ class FileStore:
             except Exception:  # a failed read is a miss, never the engine's end
                 logger.exception("tier file read failed")
                 record = None
-            self.counters.load_seconds += time.perf_counter() - began
+            self.counters.add(load_seconds=time.perf_counter() - began)
             with self._read_lock:
                 self._reading.discard(digest)
                 self._loaded[digest] = record
@@ -219,7 +219,7 @@ class FileStore:
             try:
                 self._write(record)
             except Exception:  # a failed write loses a cache entry, never the engine
-                self.counters.write_errors += 1
+                self.counters.add(write_errors=1)
                 logger.exception("tier file write failed")
             finally:
                 with self._pending_lock:
@@ -229,7 +229,7 @@ class FileStore:
         began = time.perf_counter()
         data = encode(record, self.identity, self.layout)
         if len(data) > self.capacity:
-            self.counters.dropped += 1
+            self.counters.add(dropped=1)
             return
         path = self._path(record.digest)
         temp = self.dir / f".{record.digest.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -254,9 +254,9 @@ class FileStore:
             temp.unlink(missing_ok=True)
             raise
         self._known.add(record.digest)
-        self.counters.writes += 1
-        self.counters.written_bytes += len(data)
-        self.counters.write_seconds += time.perf_counter() - began
+        self.counters.add(
+            writes=1, written_bytes=len(data), write_seconds=time.perf_counter() - began
+        )
 
     # -- the directory ----------------------------------------------------------------------------
 
@@ -269,5 +269,5 @@ class FileStore:
         total, evicted = self.files.evict_to(limit, keep)
         for name in evicted:
             self._known.discard(bytes.fromhex(name.removesuffix(".blk")))
-        self.counters.evictions += len(evicted)
+        self.counters.add(evictions=len(evicted))
         return total

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import threading
+from dataclasses import dataclass, field, fields
 
 STATS_PREFIX = "hicache:"
 
@@ -21,6 +22,15 @@ class TierCounters:
     write_errors: int = 0  # writes that failed (a full disk, an I/O error)
     corrupt: int = 0  # files found truncated or damaged: deleted, never loaded
     foreign: int = 0  # files of another model or layout: ignored
+    # the file tier counts from three threads (the step's, its reader's and its writer's)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **amounts: int | float) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
 
     def flat(self, tier: str) -> dict[str, int | float]:
-        return {f"{STATS_PREFIX}{tier}:{name}": value for name, value in asdict(self).items()}
+        with self._lock:
+            values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
+        return {f"{STATS_PREFIX}{tier}:{name}": value for name, value in values.items()}

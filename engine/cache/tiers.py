@@ -66,7 +66,7 @@ class HostStore:
             self.records.move_to_end(record.digest)
             return
         if record.nbytes > self.capacity:
-            self.counters.dropped += 1
+            self.counters.add(dropped=1)
             return
         began = time.perf_counter()
         self.records[record.digest] = record
@@ -74,10 +74,10 @@ class HostStore:
         while self.bytes > self.capacity:
             _, old = self.records.popitem(last=False)
             self.bytes -= old.nbytes
-            self.counters.evictions += 1
-        self.counters.writes += 1
-        self.counters.written_bytes += record.nbytes
-        self.counters.write_seconds += time.perf_counter() - began
+            self.counters.add(evictions=1)
+        self.counters.add(
+            writes=1, written_bytes=record.nbytes, write_seconds=time.perf_counter() - began
+        )
 
     reading = False  # (memory: nothing is ever being read)
 
@@ -206,9 +206,7 @@ class Tiers:
                 block_pages[i] = page
             parent = chain[-1] if chain else None
             chain.append(cache.insert(keys[k], tokens, parent, block_pages, slot))
-            store.counters.hits += 1
-            store.counters.hit_bytes += record.nbytes
-            store.counters.load_seconds += self.clock() - began
+            store.counters.add(hits=1, hit_bytes=record.nbytes, load_seconds=self.clock() - began)
             k += 1
         if not reading:  # (a lookup that waits for a read counts once, when it is done)
             self.lookups += 1
