@@ -33,7 +33,7 @@ from baton.engine.cache.tier_format import (
     CorruptFile,
     ForeignFile,
     decode,
-    encode,
+    encode_parts,
 )
 from baton.engine.cache.tier_records import BlockRecord, TierIdentity, TierLayout
 from baton.engine.cache.tier_stats import TierCounters
@@ -155,7 +155,10 @@ class FileStore:
         path = self._path(digest)
         try:
             with open(path, "rb") as file:
-                data = file.read(PREFIX.size + MAX_HEADER_BYTES + self.layout.nbytes + 1)
+                size = os.fstat(file.fileno()).st_size
+                limit = PREFIX.size + MAX_HEADER_BYTES + self.layout.nbytes
+                data = bytearray(min(size, limit + 1))  # (a larger one fails its size check)
+                del data[file.readinto(data) :]  # (in place: shorter only if it shrank)
         except FileNotFoundError:
             return None
         except OSError as error:
@@ -227,8 +230,9 @@ class FileStore:
 
     def _write(self, record: BlockRecord) -> None:
         began = time.perf_counter()
-        data = encode(record, self.identity, self.layout)
-        if len(data) > self.capacity:
+        parts = encode_parts(record, self.identity, self.layout)
+        size = sum(len(part) for part in parts)
+        if size > self.capacity:
             self.counters.add(dropped=1)
             return
         path = self._path(record.digest)
@@ -236,27 +240,26 @@ class FileStore:
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                for part in parts:
+                    view = memoryview(part)
+                    while view:
+                        view = view[os.write(fd, view) :]
                 os.fsync(fd)
             finally:
                 os.close(fd)
             with self.files.locked():
                 total = self.files.read_total(self.capacity)
                 old = path.stat().st_size if path.exists() else 0
-                if total - old + len(data) > self.capacity:
-                    total = self._evict_to(self.capacity - len(data), keep=path.name)
+                if total - old + size > self.capacity:
+                    total = self._evict_to(self.capacity - size, keep=path.name)
                     old = path.stat().st_size if path.exists() else 0
                 os.replace(temp, path)
-                self.files.write_total(total - old + len(data))
+                self.files.write_total(total - old + size)
         except OSError:
             temp.unlink(missing_ok=True)
             raise
         self._known.add(record.digest)
-        self.counters.add(
-            writes=1, written_bytes=len(data), write_seconds=time.perf_counter() - began
-        )
+        self.counters.add(writes=1, written_bytes=size, write_seconds=time.perf_counter() - began)
 
     # -- the directory ----------------------------------------------------------------------------
 

@@ -65,7 +65,9 @@ def _header(raw: bytes) -> dict:
     return header
 
 
-def encode(record: BlockRecord, identity: TierIdentity, layout: TierLayout) -> bytes:
+def encode_parts(record: BlockRecord, identity: TierIdentity, layout: TierLayout) -> list:
+    """The file as consecutive buffers (prefix, header, then each tensor's bytes as a view of
+    the record's own memory: a block is not copied to be hashed and written)."""
     entries = [{"key": t.key, "offset": o, "bytes": t.nbytes} for t, o in _offsets(layout)]
     header = json.dumps(
         {
@@ -77,26 +79,30 @@ def encode(record: BlockRecord, identity: TierIdentity, layout: TierLayout) -> b
             "tensors": entries,
         }
     ).encode()
-    payload = b"".join(
-        record.tensors[t.key].contiguous().view(torch.uint8).numpy().tobytes()
+    payload = [
+        memoryview(record.tensors[t.key].contiguous().view(torch.uint8).numpy()).cast("B")
         for t in layout.tensors
-    )
+    ]
     hasher = hashlib.blake2b(header, digest_size=32)
-    hasher.update(payload)
-    checksum = hasher.digest()
-    return (
-        PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), len(payload), checksum) + header + payload
-    )
+    for part in payload:
+        hasher.update(part)
+    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), layout.nbytes, hasher.digest())
+    return [prefix, header, *payload]
+
+
+def encode(record: BlockRecord, identity: TierIdentity, layout: TierLayout) -> bytes:
+    return b"".join(encode_parts(record, identity, layout))
 
 
 def decode(
-    data: bytes,
+    data: bytes | bytearray,
     identity: TierIdentity,
     layout: TierLayout,
     digest: bytes,
     tokens: tuple[int, ...],
 ) -> BlockRecord:
-    """The record in `data` if it is sound and the one asked for; ForeignFile / CorruptFile."""
+    """The record in `data` if it is sound and the one asked for; ForeignFile / CorruptFile.
+    The record's tensors are views of `data` (copied first when it is immutable bytes)."""
     if len(data) < PREFIX.size:
         raise CorruptFile(f"{len(data)} bytes, shorter than the file prefix")
     magic, version, header_len, payload_len, checksum = PREFIX.unpack_from(data)
@@ -122,10 +128,11 @@ def decode(
     expected = [{"key": t.key, "offset": o, "bytes": t.nbytes} for t, o in _offsets(layout)]
     if header["tensors"] != expected or sum(t.nbytes for t in layout.tensors) != payload_len:
         raise CorruptFile("tensor layout differs from this model's")
-    payload = bytearray(body[header_len:])  # writable: the tensors own it
-    tensors, offset = {}, 0
-    for t in layout.tensors:
-        flat = torch.frombuffer(payload, dtype=torch.uint8, count=t.nbytes, offset=offset)
+    if isinstance(data, bytes):
+        data = bytearray(data)  # writable: the tensors own it
+    tensors = {}
+    for t, offset in _offsets(layout):
+        at = PREFIX.size + header_len + offset
+        flat = torch.frombuffer(data, dtype=torch.uint8, count=t.nbytes, offset=at)
         tensors[t.key] = flat.view(t.dtype).view(t.shape)
-        offset += t.nbytes
     return BlockRecord(digest=digest, tokens=tokens, live_pages=live, tensors=tensors)
