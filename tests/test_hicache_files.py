@@ -290,3 +290,17 @@ def test_a_block_is_read_ahead_on_the_reader_thread_and_taken_once(tmp_path):
     assert same(taken(files, good), good)
     assert taken(files, bad) is None and not path.exists()  # checked there, deleted there
     assert files.counters.corrupt == 1 and not files.reading
+
+
+def test_the_write_queue_is_bounded_by_bytes_too(tmp_path, monkeypatch):
+    gate = threading.Event()
+    files = store(tmp_path)
+    real = files._write
+    monkeypatch.setattr(files, "_write", lambda r: (gate.wait(), real(r)))
+    monkeypatch.setattr(tier_files, "MAX_PENDING_BYTES", 3 * record(0).nbytes)
+    for i in range(5):
+        files.put(record(200 + i))
+    assert files.counters.dropped == 2
+    gate.set()
+    files.flush()
+    assert files.counters.writes == 3

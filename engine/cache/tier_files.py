@@ -41,6 +41,7 @@ from baton.engine.cache.tier_stats import TierCounters
 logger = logging.getLogger("baton.engine.tiers")
 
 MAX_PENDING = 64  # snapshots queued for writing; more are dropped (eviction never waits)
+MAX_PENDING_BYTES = 1 << 30  # ... and their memory (a Nano-9B-v2 block is ~145 MiB)
 MAX_LOADED = 256  # blocks read ahead and not taken yet (a request aborted meanwhile): oldest go
 READING = "reading"  # take(): the block's file is being read; ask again later
 
@@ -65,6 +66,7 @@ class FileStore:
         self.layout = layout
         self.counters = TierCounters()
         self._pending: dict[bytes, BlockRecord] = {}  # queued or being written
+        self._pending_bytes = 0
         self._pending_lock = threading.Lock()
         self._known: set[bytes] = set()  # digests written or loaded by this process
         self._foreign_logged: set[str] = set()
@@ -89,16 +91,23 @@ class FileStore:
     def put(self, record: BlockRecord, wait: bool = False) -> None:
         """Queue a snapshot for writing; if MAX_PENDING are queued, it is dropped (and counted),
         or with `wait` (a server that stops) the queue is drained first."""
-        if wait and len(self._pending) >= MAX_PENDING:
+        if wait and self._full(record):
             self.flush()
         with self._pending_lock:
             if record.digest in self._known or record.digest in self._pending:
                 return
-            if len(self._pending) >= MAX_PENDING:
+            if self._full(record):
                 self.counters.add(dropped=1)
                 return
             self._pending[record.digest] = record
+            self._pending_bytes += record.nbytes
         self._queue.put(record)
+
+    def _full(self, record: BlockRecord) -> bool:
+        return bool(self._pending) and (
+            len(self._pending) >= MAX_PENDING
+            or self._pending_bytes + record.nbytes > MAX_PENDING_BYTES
+        )
 
     def contains(self, digest: bytes) -> bool:
         """Whether this process wrote or loaded the block and its file is still there (then it
@@ -226,7 +235,8 @@ class FileStore:
                 logger.exception("tier file write failed")
             finally:
                 with self._pending_lock:
-                    self._pending.pop(record.digest, None)
+                    if self._pending.pop(record.digest, None) is not None:
+                        self._pending_bytes -= record.nbytes
 
     def _write(self, record: BlockRecord) -> None:
         began = time.perf_counter()
