@@ -42,7 +42,10 @@ logger = logging.getLogger("baton.engine.tiers")
 
 MAX_PENDING = 64  # snapshots queued for writing; more are dropped (eviction never waits)
 MAX_PENDING_BYTES = 1 << 30  # ... and their memory (a Nano-9B-v2 block is ~145 MiB)
-MAX_LOADED = 256  # blocks read ahead and not taken yet (a request aborted meanwhile): oldest go
+# Blocks read (or being read) and not taken yet: at most this many bytes' worth, and MAX_LOADED
+# (a request aborted meanwhile leaves its blocks here: the oldest go)
+MAX_READ_AHEAD_BYTES = 1 << 30
+MAX_LOADED = 256
 READING = "reading"  # take(): the block's file is being read; ask again later
 
 
@@ -128,15 +131,22 @@ class FileStore:
     def reading(self) -> bool:
         return bool(self._reading)
 
-    def prefetch(self, digest: bytes, tokens: tuple[int, ...]) -> bool:
+    @property
+    def _max_ahead(self) -> int:
+        return max(2, min(MAX_LOADED, MAX_READ_AHEAD_BYTES // max(1, self.layout.nbytes)))
+
+    def prefetch(self, digest: bytes, tokens: tuple[int, ...], ahead: bool = True) -> bool:
         """Start reading the block's file on the reader thread, if there is one; whether the
-        block is read, being read, or queued for writing (take() has it or will)."""
+        block is read, being read, or queued for writing (take() has it or will). `ahead`
+        (not needed yet): not when the read-ahead is full."""
         with self._pending_lock:
             if digest in self._pending:
                 return True
         with self._read_lock:
             if digest in self._reading or digest in self._loaded:
                 return True
+            if ahead and len(self._reading) + len(self._loaded) >= self._max_ahead:
+                return False
             if not self._path(digest).exists():
                 return False
             self._reading.add(digest)
@@ -154,7 +164,7 @@ class FileStore:
             if digest in self._loaded:
                 record = self._loaded.pop(digest)
                 return record if record is not None and record.tokens == tokens else None
-        return READING if self.prefetch(digest, tokens) else None
+        return READING if self.prefetch(digest, tokens, ahead=False) else None
 
     def get(self, digest: bytes, tokens: tuple[int, ...]) -> BlockRecord | None:
         with self._pending_lock:
@@ -221,7 +231,7 @@ class FileStore:
             with self._read_lock:
                 self._reading.discard(digest)
                 self._loaded[digest] = record
-                while len(self._loaded) > MAX_LOADED:
+                while len(self._loaded) > self._max_ahead:
                     self._loaded.popitem(last=False)
 
     # -- the writer thread ------------------------------------------------------------------------

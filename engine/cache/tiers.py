@@ -81,7 +81,7 @@ class HostStore:
 
     reading = False  # (memory: nothing is ever being read)
 
-    def prefetch(self, digest: bytes, tokens: tuple[int, ...]) -> bool:
+    def prefetch(self, digest: bytes, tokens: tuple[int, ...], ahead: bool = True) -> bool:
         return digest in self.records
 
     def take(self, digest: bytes, tokens: tuple[int, ...]) -> BlockRecord | None:
