@@ -18,11 +18,13 @@ deleted). A crash leaves at worst a temp file, deleted at the next start once it
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -88,6 +90,8 @@ class FileStore:
         self._loaded: OrderedDict[bytes, BlockRecord | None] = OrderedDict()
         self._reader = threading.Thread(target=self._read_loop, name="tier-reads", daemon=True)
         self._reader.start()
+        # the queued writes of an engine nobody closed still reach the disk at exit
+        atexit.register(_flush_at_exit, weakref.ref(self))
 
     # -- the scheduler's side ---------------------------------------------------------------------
 
@@ -294,3 +298,9 @@ class FileStore:
             self._known.discard(bytes.fromhex(name.removesuffix(".blk")))
         self.counters.add(evictions=len(evicted))
         return total
+
+
+def _flush_at_exit(store: weakref.ref[FileStore]) -> None:
+    alive = store()
+    if alive is not None:
+        alive.flush(timeout=30.0)
