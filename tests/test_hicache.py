@@ -167,3 +167,18 @@ def test_running_requests_step_while_a_returning_prefix_is_read_from_files(
                     cached = delta.num_cached_tokens
     (expected,) = without_prefix_cache(model_dir, [returning[0]])
     assert tokens["returning"] == expected.token_ids and cached >= 3 * INTERVAL
+
+
+def test_a_stopping_engine_persists_what_its_pools_hold(request, tmp_path):
+    """Two conversations fit the pools: nothing is evicted while they run, yet the engine that
+    stops writes their blocks down, and the next one on the directory starts from them."""
+    model_dir, vocab = family_model(request, "nemotron_h")
+    store = tmp_path / "tier"
+    with LLM(model_dir, **tiered(store)) as llm:
+        returning = first_turns(llm, conversations(vocab, n=2))
+        assert llm.stats().prefix_cache_evictions == 0 and not block_files(store)
+    assert len(block_files(store)) >= 2 * 3
+    with LLM(model_dir, **tiered(store)) as restarted:
+        outs, hits = one_by_one(restarted, returning)
+    assert all(h >= 3 for h in hits), hits
+    assert_same_outputs(outs, without_prefix_cache(model_dir, returning))
