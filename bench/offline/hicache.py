@@ -1,7 +1,8 @@
 """TTFT of returning long conversations with the file tier vs without, and what its writes cost.
 
     python -m baton.bench.offline.hicache [--config 110m] [--tokens 4096] [--conversations 10]
-        [--pool-conversations 2] [--track-interval 256] [--threads N] [--output FILE]
+        [--pool-conversations 2] [--track-interval 256] [--storage-dir DIR] [--threads N]
+        [--output FILE]
 
 Two engines with the same pools, sized to hold `--pool-conversations` conversations: "plain"
 (prefix caching, no tier: evicted checkpoints are lost, issue 56's baseline) and "tier" (prefix
@@ -65,6 +66,11 @@ def main() -> None:
     ap.add_argument("--track-interval", type=int, default=256, help="--mamba-track-interval")
     ap.add_argument("--batch", type=int, default=16, help="prompts of the throughput run")
     ap.add_argument("--batch-tokens", type=int, default=512)
+    ap.add_argument(
+        "--storage-dir",
+        help="where the file tier writes (default: a temporary directory; ~2 GB at the defaults:"
+        " /tmp may be memory)",
+    )
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--output")
     args = ap.parse_args()
@@ -84,7 +90,10 @@ def main() -> None:
         max_mamba_slots=args.pool_conversations * (args.tokens // interval + 2) + 2,
     )
     result: dict = {"config": args.config, "tokens": args.tokens}
-    with tempfile.TemporaryDirectory() as model_dir, tempfile.TemporaryDirectory() as store:
+    with (
+        tempfile.TemporaryDirectory() as model_dir,
+        tempfile.TemporaryDirectory(dir=args.storage_dir) as store,
+    ):
         save_model(args.config, model_dir)
         tier_args = dict(
             enable_hierarchical_cache=True,
@@ -122,7 +131,7 @@ def main() -> None:
             for _ in range(2)
         )
         small = dict(pools, max_total_tokens=args.batch * (args.batch_tokens + 64) // 2)
-        with tempfile.TemporaryDirectory() as store2:
+        with tempfile.TemporaryDirectory(dir=args.storage_dir) as store2:
             rates = {}
             for name, extra in (
                 ("plain", {}),
