@@ -226,7 +226,7 @@ class DecodeWorker:
         by_state: dict[str, int] = {"bootstrapping": len(self.queued)}
         for r in self.rooms.values():
             by_state[r.state] = by_state.get(r.state, 0) + 1
-        return self.counters.as_dict(by_state)
+        return self.counters.as_dict(by_state) | self.engine.tier_stats()
 
     def sockets(self) -> list[zmq.Socket]:
         return self.peers.sockets()

@@ -186,7 +186,11 @@ class PrefillWorker:
         by_state: dict[str, int] = {}
         for r in self.rooms.values():
             by_state[r.state] = by_state.get(r.state, 0) + 1
-        return self.counters.as_dict(by_state) | {"disagg_transfer_address": self.address}
+        return (
+            self.counters.as_dict(by_state)
+            | self.engine.tier_stats()
+            | {"disagg_transfer_address": self.address}
+        )
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.socket]

@@ -9,6 +9,7 @@ from typing import Any
 
 from baton.disagg.rooms import is_loopback
 from baton.engine.spec_decode.config import SpeculativeConfig
+from baton.server import tier_args
 from baton.server.parsers.output import ParserSettings
 from baton.server.parsers.reasoning import REASONING_PARSERS
 from baton.server.parsers.tools import TOOL_CALL_PARSERS
@@ -135,6 +136,13 @@ class ServerArgs:
     max_loras: int | None = None
     max_lora_rank: int | None = None
     max_cpu_loras: int | None = None
+    # Tiers under the pools (server/tier_args.py; GiB sizes)
+    enable_hierarchical_cache: bool = False
+    hicache_size: float | None = None
+    kv_offloading_size: float | None = None  # vLLM's name for hicache_size
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_size: float | None = None
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in (None, "prefill", "decode"):
@@ -198,6 +206,14 @@ class ServerArgs:
         self.lora_paths()  # NAME=PATH each, a directory there
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        tier_args.check(
+            self._tier_values(), not self.no_prefix_cache, self.tensor_parallel_size or 1
+        )
+        if self.enable_lora and tier_args.resolved(self._tier_values())["enable_hierarchical_cache"]:
+            raise ValueError(
+                "--enable-hierarchical-cache with --enable-lora is not supported: the tiers' "
+                "files are keyed by the base model's tokens"
+            )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         for name in (*ENGINE_ARG_NAMES, "max_queued_requests"):
@@ -280,7 +296,13 @@ class ServerArgs:
             for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
                 if getattr(self, name) is not None:
                     args[name] = getattr(self, name)
+        tiers = tier_args.resolved(self._tier_values())
+        if tiers["enable_hierarchical_cache"]:
+            args |= tiers
         return args
+
+    def _tier_values(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in tier_args.TIER_FIELDS}
 
     def disagg_options(self) -> dict[str, Any] | None:
         """What `python -m baton.disagg.process` needs; None for a colocated worker. Not the secret:

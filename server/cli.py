@@ -20,6 +20,7 @@ from baton.server.secret_flags import (
     secret,
 )
 from baton.server.spec_args import add_speculative_arguments
+from baton.server.tier_args import add_tier_arguments
 
 _DEFAULTS = ServerArgs.__dataclass_fields__
 
@@ -312,6 +313,7 @@ def add_serve_parser(subparsers) -> None:
         help="a Jinja chat template file (or the template itself) to use instead of the model's",
     )
 
+    add_tier_arguments(parser)
     add_speculative_arguments(parser)
 
     server = parser.add_argument_group("admission")

@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 from baton.disagg.rooms import BACKEND_KEYS, LATENCY_BUCKET_KEY
 from baton.engine.core.request_timing import HISTOGRAMS, STATS_PREFIX
+from baton.server.metrics_tiers import tier_families
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -252,6 +253,7 @@ class EngineStatsCollector(Collector):
             checkpoints.add_metric([step], float(stats.get(f"mamba_checkpoints_{step}", 0)))
         yield checkpoints
         yield from _spec_decode_families(stats)
+        yield from tier_families(stats)
         queried = stats.get("prefix_cache_query_tokens", 0)
         yield GaugeMetricFamily(
             "baton:prefix_cache_hit_rate",

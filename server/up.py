@@ -43,6 +43,8 @@ from baton.server.secret_flags import (
     secret,
 )
 from baton.server.spec_args import add_speculative_arguments, speculative_dict, speculative_flag
+from baton.server.tier_args import TIER_FIELDS, add_tier_arguments, worker_flags
+from baton.server.tier_args import check as tier_check
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets")
 
@@ -143,6 +145,7 @@ def add_up_parser(subparsers) -> None:
     parser.add_argument("--chat-template", help="a chat template file for both workers")
     add_speculative_arguments(parser)  # both workers: the prefill one builds the MTP state
     add_lora_arguments(parser)  # both workers, the same adapters under the same names
+    add_tier_arguments(parser)  # both workers (one storage directory may serve both)
     parser.add_argument(
         "worker_args", nargs="*", help="extra `baton serve` flags for both workers (after --)"
     )
@@ -216,6 +219,9 @@ def run_up(ns) -> int:
         if speculative is not None:
             SpeculativeConfig.check_flags(speculative)
         common += speculative_flag(speculative)
+        tier_values = {name: getattr(ns, name) for name in TIER_FIELDS}
+        tier_check(tier_values, prefix_caching=True, tensor_parallel_size=max(sizes.values()))
+        common += worker_flags(tier_values)
     except ValueError as error:
         print(f"baton up: {error}", file=sys.stderr)
         return 2

@@ -16,15 +16,21 @@ Blocks are page-aligned, so a request never writes into a cached page (no copy-o
 needed). Under a sliding window a block may hold the dummy page 0 where its request released a
 page behind the window before the block closed (engine/core/scheduler_memory.py): a hit there
 reads only the window of the block's end. A block is evictable when no request holds it and no cached block extends it; eviction
-is LRU and gives back its pages and its checkpoint slot.
+is LRU and gives back its pages and its checkpoint slot; with tiers under the pools
+(engine/cache/tiers.py) the block is copied down to them first, and an admission continues its
+match there (engine/core/scheduler_memory.py).
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from baton.engine.cache.memory import IndexPool
+
+if TYPE_CHECKING:
+    from baton.engine.cache.tiers import Tiers
 
 
 @dataclass(eq=False)
@@ -34,6 +40,7 @@ class CachedBlock:
     parent: CachedBlock | None
     pages: list[int]
     checkpoint_slot: int
+    adapter: str | None  # the LoRA adapter its tokens ran under (None: the base model)
     ref_count: int = 0  # running requests holding this block
     num_children: int = 0
     last_used: int = 0
@@ -61,6 +68,9 @@ class PrefixCache:
     blocks: dict[int, CachedBlock] = field(default_factory=dict)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     _clock: itertools.count = field(default_factory=itertools.count)
+    # Tiers below the pools (engine/cache/tiers.py): an evicted block goes down to them, and a
+    # lookup continues there where the device chain ends. None: evicted blocks are lost.
+    tiers: Tiers | None = None
 
     def __post_init__(self) -> None:
         if self.track_interval % self.page_size:
@@ -126,14 +136,18 @@ class PrefixCache:
         parent: CachedBlock | None,
         pages: list[int],
         checkpoint_slot: int,
+        *,
+        adapter: str | None,
     ) -> CachedBlock:
-        """Register a block whose KV pages and checkpoint were just written; returned locked."""
+        """Register a block whose KV pages and checkpoint were just written; returned locked.
+        adapter: the LoRA adapter its chain is salted with (chain_keys)."""
         block = CachedBlock(
             key=key,
             tokens=tokens,
             parent=parent,
             pages=list(pages),
             checkpoint_slot=checkpoint_slot,
+            adapter=adapter,
             ref_count=1,
             last_used=next(self._clock),
             depth=0 if parent is None else parent.depth + 1,
@@ -165,12 +179,31 @@ class PrefixCache:
         return True
 
     def _drop(self, block: CachedBlock) -> None:
+        if self.tiers is not None:
+            self.tiers.demote(block)  # copies its pages and checkpoint: freed right after
         del self.blocks[block.key]
         if block.parent is not None:
             block.parent.num_children -= 1
         self.pages.free([p for p in block.pages if p])  # 0: released behind a sliding window
         self.slots.free([block.checkpoint_slot])
         self.stats.evicted_blocks += 1
+
+    def drop_adapter(self, adapter: str) -> int:
+        """Drop every block cached under `adapter` (unloaded: an adapter loaded later under the
+        same name must not resume from these), deepest first, not sent down a tier. Returns how
+        many were dropped; a block a request still holds is an error (an adapter in use is not
+        unloaded)."""
+        mine = sorted((b for b in self.blocks.values() if b.adapter == adapter),
+                      key=lambda b: -b.depth)  # fmt: skip
+        tiers, self.tiers = self.tiers, None
+        try:
+            for block in mine:
+                if block.ref_count:
+                    raise RuntimeError(f"adapter {adapter!r}: a cached block is still in use")
+                self._drop(block)
+        finally:
+            self.tiers = tiers
+        return len(mine)
 
     def clear(self) -> None:
         """Drop every unreferenced block (all of them once no request runs)."""

@@ -1,7 +1,7 @@
 """How the engine's parts are sized and chosen from its arguments, its model and its device: the
-pools' budget, the prefix cache, the padded-decode graph runner, and speculation's schedule and
-drafter. `Engine.__init__` (engine/core/engine.py) calls each once, in that order of need; none
-keeps state of its own.
+pools' budget, the prefix cache and the tiers under it, the padded-decode graph runner, and
+speculation's schedule and drafter. `Engine.__init__` (engine/core/engine.py) calls each once, in
+that order of need; none keeps state of its own.
 """
 
 from __future__ import annotations
@@ -16,8 +16,13 @@ from baton.engine.cache.memory import (
     PoolBudget,
     budget_pools,
 )
+from baton.engine.cache.pools import StateCache
 from baton.engine.cache.prefix_cache import PrefixCache
 from baton.engine.cache.spec import ModelStateSpec
+from baton.engine.cache.tier_files import FileStore
+from baton.engine.cache.tier_records import TierIdentity, TierLayout
+from baton.engine.cache.tiers import HostStore, Tiers
+from baton.engine.checkpoint.fingerprint import config_fingerprint, weights_fingerprint
 from baton.engine.config import ModelConfig
 from baton.engine.core.engine_args import EngineArgs, default_track_interval
 from baton.engine.core.scheduler import SchedulerConfig
@@ -25,6 +30,7 @@ from baton.engine.core.scheduler_spec import SpecSchedule
 from baton.engine.executor.cpu_plan import plans_available
 from baton.engine.executor.graph_runner import CPU_CAPTURE_MAX_BS, DecodeGraphRunner
 from baton.engine.lora.model import lora_limits, slot_table_bytes
+from baton.engine.handover.io import StateIO
 from baton.engine.models.registry import family_named
 from baton.engine.quantization import weight_bytes
 from baton.engine.runtime.cpu_allocator import available_memory
@@ -90,6 +96,43 @@ def make_prefix_cache(
             f"{chunk} and of the KV page size {args.page_size}"
         )
     return PrefixCache(track_interval=interval, page_size=args.page_size, pages=pages, slots=slots)
+
+
+def make_tiers(
+    args: EngineArgs,
+    prefix_cache: PrefixCache | None,
+    cache: StateCache,
+    config: ModelConfig,
+    model_dir: Path,
+    dtype: torch.dtype,
+    online_quantization: bool,
+) -> Tiers | None:
+    """The tiers under the pools (engine/cache/tiers.py) the tier flags ask for, attached to the
+    prefix cache; their records are named for this model, its weights, dtype and layout."""
+    tiers = args.tier_config()
+    if tiers is None or prefix_cache is None:
+        return None
+    layout = TierLayout.of(cache, prefix_cache.pages_per_block)
+    identity = TierIdentity.of(
+        config_fingerprint=config_fingerprint(config),
+        weights_fingerprint=weights_fingerprint(
+            model_dir,
+            family_named(config.architecture).checkpoint_name,
+            "online fp8" if online_quantization else "",
+        ),
+        dtype=dtype,
+        page_size=cache.page_size,
+        track_interval=prefix_cache.track_interval,
+        layout=layout,
+    )
+    stores: list = []
+    if tiers.host_bytes is not None:
+        stores.append(HostStore(tiers.host_bytes))
+    if tiers.storage_dir is not None:
+        stores.append(FileStore(tiers.storage_dir, tiers.storage_bytes, identity, layout))
+    return Tiers(
+        cache=prefix_cache, io=StateIO(cache), identity=identity, layout=layout, stores=stores
+    )
 
 
 def make_graph_runner(

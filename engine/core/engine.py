@@ -159,6 +159,15 @@ class Engine:
         self.prefix_cache = assembly.make_prefix_cache(
             args, self.state_spec, self.pages, self.slots
         )
+        self.tiers = assembly.make_tiers(
+            args,
+            self.prefix_cache,
+            self.cache,
+            config,
+            self.model_dir,
+            self.dtype,
+            self.quantization is not None and self.quantization.online,
+        )
         # structured outputs (engine/structured_output/): compiles off the loop, masks per step
         self.grammars = Grammars(
             self.lazy_tokenizer,
@@ -241,6 +250,10 @@ class Engine:
             self.shard_connector = None
         if getattr(self, "grammars", None) is not None:
             self.grammars.close()
+        if getattr(self, "tiers", None) is not None:
+            self.tiers.persist()  # the pools' idle blocks too: a restart finds them
+            self.tiers.close()  # (the queued writes first)
+            self.tiers = None
 
     def reset_prefix_cache(self) -> None:
         if self.prefix_cache is not None:
@@ -278,7 +291,7 @@ class Engine:
             raise ValueError(f"adapter {name!r} is in use by {users} unfinished request(s)")
         self.model.adapters.remove(name)
         if self.prefix_cache is not None:  # a later adapter of that name is another adapter
-            self.prefix_cache.clear()
+            self.prefix_cache.drop_adapter(name)
 
     def list_loras(self) -> list[str]:
         return [] if self.model.adapters is None else self.model.adapters.names()
@@ -347,6 +360,10 @@ class Engine:
             spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_counters.accepted_per_pos),
         )
 
+    def tier_stats(self) -> dict[str, int | float]:
+        """The tiers' counters (engine/cache/tier_stats.py); empty without tiers."""
+        return self.tiers.stats() if self.tiers is not None else {}
+
     def timing_stats(self) -> dict[str, float]:
         """The request timing histograms (engine/core/request_timing.py); empty when off."""
         return self.timing.as_stats() if self.timing is not None else {}
@@ -369,6 +386,8 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched is None:
             self.grammars.wait()  # nothing to run but grammars to compile: no busy loop
+            if self.tiers is not None and self.tiers.reading:
+                time.sleep(0.001)  # ... or a cached prefix to read from a file
             return []
         if self.timing is not None:
             self.timing.scheduled(sched)

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from baton.engine.cache.tier_config import TierConfig, tier_config
 from baton.engine.core.scheduler import SCHEDULE_POLICIES, SchedulePolicy
 
 if TYPE_CHECKING:
@@ -67,6 +68,14 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept read in host memory (default: max_loras)
     lora_modules: dict[str, str] | None = None  # name -> PEFT directory, loaded at start
+    # Tiers under the pools (engine/cache/tiers.py), SGLang's flags: evicted prefix blocks go to
+    # host memory (hicache_size GiB) and/or files (hicache_storage_backend "file" in
+    # hicache_storage_dir, within hicache_storage_size GiB); checked by tier_config
+    enable_hierarchical_cache: bool = False
+    hicache_size: float | None = None
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_size: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -92,11 +101,27 @@ class EngineArgs:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
+        if self.tier_config() is not None and self.enable_lora:  # ValueError naming the flag
+            raise ValueError(
+                "--enable-hierarchical-cache with --enable-lora is not supported: the tiers' "
+                "files are keyed by the base model's tokens"
+            )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
                 f"got {self.schedule_policy!r}"
             )
+
+    def tier_config(self) -> TierConfig | None:
+        return tier_config(
+            enable=self.enable_hierarchical_cache,
+            host_gib=self.hicache_size,
+            backend=self.hicache_storage_backend,
+            storage_dir=self.hicache_storage_dir,
+            storage_gib=self.hicache_storage_size,
+            prefix_caching=self.enable_prefix_caching,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -113,7 +113,9 @@ class PrefixBlocks:
         # block's end (they were dead before the step that closed the block): a hit resuming
         # there never reads them, so the block is a correct checkpoint with them missing.
         parent = req.cached_blocks[-1] if req.cached_blocks else None
-        req.cached_blocks.append(cache.insert(key, tokens, parent, own, checkpoint_slot))
+        req.cached_blocks.append(
+            cache.insert(key, tokens, parent, own, checkpoint_slot, adapter=req.params.lora_name)
+        )
         return True
 
     def checkpoint_slot(self) -> int | None:

@@ -12,8 +12,10 @@ cached blocks of their prefix.
                                or is parked while its hold (a disaggregated prefill's send)
                                still reads it, and freed once the hold is done
 
-Under memory pressure idle cached blocks are evicted before an admission fails. Plain Python on
-host data, like the scheduler (engine/core/scheduler.py) that owns every call.
+Under memory pressure idle cached blocks are evicted before an admission fails. A match that ends
+in the pools continues in the tiers below them when the engine has some (engine/cache/tiers.py);
+an admission whose next blocks are being read from a file waits (OutOfMemory: not now). Plain
+Python on host data, like the scheduler (engine/core/scheduler.py) that owns every call.
 """
 
 from __future__ import annotations
@@ -71,6 +73,12 @@ class RequestMemory:
         if self.slots.available == 0 and not (cache and cache.evict(slots=1)):
             raise OutOfMemory(f"no free slot for {what}")
         blocks = cache.match(ids, adapter=adapter) if cache is not None and match else []
+        if cache is not None and match and cache.tiers is not None:
+            # continued from the tiers below (never with adapters: tier_config refuses them)
+            blocks, reading = cache.tiers.restore(ids, blocks)
+            if reading:  # ... whose next blocks are being read: admitted once they are here
+                cache.release(blocks)
+                raise OutOfMemory(f"{what}: its cached prefix is being read from the tiers")
         shared = len(blocks) * cache.pages_per_block if blocks else 0
         need = pages_needed(len(blocks)) - shared
         if self.pages.available < need and not (cache and cache.evict(pages=need)):

@@ -185,8 +185,9 @@ class EngineLoop:
     def _stats(self) -> dict[str, int | float]:
         # request timing histograms when the engine keeps them (wrapped disagg engines do not)
         timing = getattr(self.engine, "timing_stats", dict)()
+        tiers = getattr(self.engine, "tier_stats", dict)()  # (wrapped disagg engines: extra_stats)
         refused = {REFUSED_STAT: REFUSALS.total}
-        return asdict(self.engine.stats()) | timing | refused
+        return asdict(self.engine.stats()) | timing | tiers | refused
 
     def _send(self, message) -> None:
         self.outbox.send(encode(message))
