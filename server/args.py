@@ -209,7 +209,10 @@ class ServerArgs:
         tier_args.check(
             self._tier_values(), not self.no_prefix_cache, self.tensor_parallel_size or 1
         )
-        if self.enable_lora and tier_args.resolved(self._tier_values())["enable_hierarchical_cache"]:
+        if (
+            self.enable_lora
+            and tier_args.resolved(self._tier_values())["enable_hierarchical_cache"]
+        ):
             raise ValueError(
                 "--enable-hierarchical-cache with --enable-lora is not supported: the tiers' "
                 "files are keyed by the base model's tokens"

@@ -86,7 +86,9 @@ class PrefixCache:
         parent_key = parent.key if isinstance(parent, CachedBlock) else parent
         return hash((parent_key, tokens))
 
-    def chain_keys(self, token_ids: list[int], num_blocks: int, *, adapter: str | None) -> list[int]:
+    def chain_keys(
+        self, token_ids: list[int], num_blocks: int, *, adapter: str | None
+    ) -> list[int]:
         """adapter: the LoRA adapter the tokens ran under (None: the base model). Its name
         salts the chain's first parent key, so no chain is shared across adapters."""
         keys, prev = [], None if adapter is None else hash(("lora adapter", adapter))

@@ -29,8 +29,8 @@ from baton.engine.core.scheduler import SchedulerConfig
 from baton.engine.core.scheduler_spec import SpecSchedule
 from baton.engine.executor.cpu_plan import plans_available
 from baton.engine.executor.graph_runner import CPU_CAPTURE_MAX_BS, DecodeGraphRunner
-from baton.engine.lora.model import lora_limits, slot_table_bytes
 from baton.engine.handover.io import StateIO
+from baton.engine.lora.model import lora_limits, slot_table_bytes
 from baton.engine.models.registry import family_named
 from baton.engine.quantization import weight_bytes
 from baton.engine.runtime.cpu_allocator import available_memory

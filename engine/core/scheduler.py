@@ -55,6 +55,7 @@ class AdapterSlots(Protocol):
     def acquire(self, name: str) -> int | None: ...
     def release(self, slot: int) -> None: ...
 
+
 SchedulePolicy = Literal["mixed", "prefill-first"]
 SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)
 

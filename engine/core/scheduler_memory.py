@@ -123,7 +123,11 @@ class RequestMemory:
         OutOfMemory when the pools cannot hold it now."""
         pages = self.pages_for(len(req.prompt_ids) + 1)
         blocks, need = self._slot_and_prefix(
-            req.prompt_ids, req.params.lora_name, lambda _: pages, match=True, what="a transferred request"
+            req.prompt_ids,
+            req.params.lora_name,
+            lambda _: pages,
+            match=True,
+            what="a transferred request",
         )
         req.mamba_slot = self.slots.alloc(1)[0]
         req.kv_pages = [p for b in blocks for p in b.pages] + self.pages.alloc(need)

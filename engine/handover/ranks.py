@@ -202,9 +202,9 @@ class ShardHandover:
         if cache is None or first != len(req.cached_blocks):  # not the next blocks of its
             return ()  # chain here: checked, none kept
         slots: list[int] = []
-        for key in cache.chain_keys(
-            req.prompt_ids, first + count, adapter=req.params.lora_name
-        )[first:]:
+        for key in cache.chain_keys(req.prompt_ids, first + count, adapter=req.params.lora_name)[
+            first:
+        ]:
             slot = 0 if cache.lookup(key) is not None else self.scheduler.checkpoint_slot()
             if slot is None:
                 break
