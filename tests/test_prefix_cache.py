@@ -215,3 +215,35 @@ def test_a_request_waiting_for_memory_is_looked_up_once(base_model):
         engine.step()
     assert waited >= 3  # b waited for a's pages over several steps
     assert engine.stats().prefix_cache_query_tokens == len(first) + len(second)
+
+
+def test_an_unloaded_adapters_blocks_are_dropped_and_only_its_own():
+    """remove_lora's cleanup (PrefixCache.drop_adapter): the blocks salted with one adapter go,
+    the base model's and another adapter's stay, nothing is sent down a tier."""
+    from baton.engine.cache.memory import IndexPool
+    from baton.engine.cache.prefix_cache import PrefixCache
+
+    cache = PrefixCache(track_interval=4, page_size=4, pages=IndexPool(16, "pages"),
+                        slots=IndexPool(8, "slots"))  # fmt: skip
+    demoted = []
+    cache.tiers = type("Tiers", (), {"demote": lambda self, block: demoted.append(block)})()
+    ids = list(range(3, 12))
+    for adapter in (None, "a", "b"):
+        parent = None
+        for k, key in enumerate(cache.chain_keys(ids, 2, adapter=adapter)):
+            pages, slot = cache.pages.alloc(1), cache.slots.alloc(1)[0]
+            parent = cache.insert(key, tuple(ids[4 * k : 4 * k + 4]), parent, pages, slot,
+                                  adapter=adapter)  # fmt: skip
+            cache.release([parent])
+    free = cache.pages.available
+    assert cache.drop_adapter("a") == 2 and not demoted
+    assert cache.pages.available == free + 2
+    assert {b.adapter for b in cache.blocks.values()} == {None, "b"}
+    assert len(cache.match(ids, adapter="a")) == 0 and len(cache.match(ids, adapter="b")) == 2
+
+
+def test_tiers_are_refused_with_adapters():
+    from baton.engine.core.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="enable-hierarchical-cache with --enable-lora"):
+        EngineArgs(enable_lora=True, enable_hierarchical_cache=True, hicache_size=1.0)
