@@ -94,11 +94,17 @@ def test_c_kernels_match_the_oracle(backend, dtype, parts):
 
 
 @needs_c
-def test_c_kernels_take_bf16_activations_on_a_float32_table(backend):
-    """A quantized base keeps the table in float32 while the model runs in bf16."""
+@pytest.mark.parametrize(
+    ("activations", "table_dtype"),
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)],
+)
+def test_c_kernels_take_activations_and_table_of_different_dtypes(
+    backend, activations, table_dtype
+):
+    """A quantized base keeps the table in float32 while the model may run in bf16."""
     calls = backend("torch")
-    x, a_rows, b_rows, lora_slots, y = table(torch.float32)
-    x, y = x.bfloat16(), y.bfloat16()
+    x, a_rows, b_rows, lora_slots, y = table(table_dtype)
+    x, y = x.to(activations), y.to(activations)
     want = oracle(x, a_rows, b_rows, lora_slots, y)
     got = lora.lora_delta(x, a_rows, b_rows[0], lora_slots, RANK, y.clone())
     assert calls == ["lora_shrink_cpu", "lora_expand_cpu"]

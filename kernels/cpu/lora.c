@@ -29,52 +29,47 @@ static int64_t check_slots(const int64_t *slots, int64_t T, int64_t num_slots) {
     return 0;
 }
 
-static inline void load_row(const void *base, int bf16, int64_t at, int64_t n, float *dst) {
-    if (bf16) {
-        const uint16_t *src = (const uint16_t *)base + at;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
-    } else {
-        memcpy(dst, (const float *)base + at, n * sizeof(float));
-    }
-}
-
-static inline float dot(const float *x, const void *w, int bf16, int64_t at, int64_t n) {
+/* sum_i x[i] w[i] over a row of x (float32 or bf16) and a row of A (float32 or bf16): one
+ * loop per dtype pair, so each vectorises. */
+static inline float dot(const void *x, int x_bf16, int64_t xat, const void *w, int w_bf16,
+                        int64_t wat, int64_t n) {
     float acc = 0.0f;
-    if (bf16) {
-        const uint16_t *row = (const uint16_t *)w + at;
+    if (x_bf16 && w_bf16) {
+        const uint16_t *xr = (const uint16_t *)x + xat, *wr = (const uint16_t *)w + wat;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < n; i++) acc += x[i] * bf16_to_f32(row[i]);
+        for (int64_t i = 0; i < n; i++) acc += bf16_to_f32(xr[i]) * bf16_to_f32(wr[i]);
+    } else if (x_bf16) {
+        const uint16_t *xr = (const uint16_t *)x + xat;
+        const float *wr = (const float *)w + wat;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < n; i++) acc += bf16_to_f32(xr[i]) * wr[i];
+    } else if (w_bf16) {
+        const float *xr = (const float *)x + xat;
+        const uint16_t *wr = (const uint16_t *)w + wat;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < n; i++) acc += xr[i] * bf16_to_f32(wr[i]);
     } else {
-        const float *row = (const float *)w + at;
+        const float *xr = (const float *)x + xat, *wr = (const float *)w + wat;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < n; i++) acc += x[i] * row[i];
+        for (int64_t i = 0; i < n; i++) acc += xr[i] * wr[i];
     }
     return acc;
 }
 
-/* low (T, parts * r) float32 := each row's x through its own slot's A of every part. xf
- * (T, width) float32 is scratch for the rows converted once. */
+/* low (T, parts * r) float32 := each row's x through its own slot's A of every part. */
 int64_t baton_lora_shrink(const void *x, int64_t x_stride, int x_bf16, int64_t T, int64_t width,
                           const void *a_rows, int w_bf16, int64_t num_slots, int64_t rank,
-                          int64_t parts, const int64_t *slots, float *xf, float *low,
-                          int nthreads) {
+                          int64_t parts, const int64_t *slots, float *low, int nthreads) {
     const int64_t bad = check_slots(slots, T, num_slots);
     if (bad) return bad;
     const int64_t cols = parts * rank;
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            if (slots[t] >= 0) load_row(x, x_bf16, t * x_stride, width, xf + t * width);
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < T * cols; task++) {
-            const int64_t t = task / cols, pj = task % cols, p = pj / rank, j = pj % rank;
-            const int64_t s = slots[t];
-            low[task] = s < 0 ? 0.0f
-                              : dot(xf + t * width, a_rows, w_bf16,
-                                    ((p * num_slots + s) * rank + j) * width, width);
-        }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t task = 0; task < T * cols; task++) {
+        const int64_t t = task / cols, pj = task % cols, p = pj / rank, j = pj % rank;
+        const int64_t s = slots[t];
+        low[task] = s < 0 ? 0.0f
+                          : dot(x, x_bf16, t * x_stride, a_rows, w_bf16,
+                                ((p * num_slots + s) * rank + j) * width, width);
     }
     return 0;
 }

@@ -39,6 +39,11 @@ def supported(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> bool:
     )
 
 
+def _check_slots(lora_slots: torch.Tensor) -> None:
+    if lora_slots.dtype != torch.int64 or not lora_slots.is_contiguous():
+        raise ValueError(f"LoRA: lora_slots must be contiguous int64, got {lora_slots.dtype}")
+
+
 def _refuse(result: int, lora_slots: torch.Tensor, num_slots: int) -> None:
     if result:
         row = result - 1
@@ -52,15 +57,15 @@ def lora_shrink_cpu(
     x: torch.Tensor, a_rows: torch.Tensor, lora_slots: torch.Tensor, rank: int, parts: int
 ) -> torch.Tensor:
     """kernels/lora.py's lora_shrink: low (T, parts * rank) float32."""
+    _check_slots(lora_slots)
     if x.stride(-1) != 1:
         x = x.contiguous()
     T, width = x.shape
     num_slots = a_rows.shape[0] // (parts * rank)
-    xf = torch.empty(T, width, dtype=torch.float32)
     low = torch.empty(T, parts * rank, dtype=torch.float32)
     result = library().baton_lora_shrink(
         x, x.stride(0), int(x.dtype == torch.bfloat16), T, width, a_rows,
-        int(a_rows.dtype == torch.bfloat16), num_slots, rank, parts, lora_slots, xf, low,
+        int(a_rows.dtype == torch.bfloat16), num_slots, rank, parts, lora_slots, low,
         torch.get_num_threads(),
     )  # fmt: skip
     _refuse(result, lora_slots, num_slots)
@@ -71,6 +76,9 @@ def lora_expand_cpu(
     low: torch.Tensor, b_rows: torch.Tensor, lora_slots: torch.Tensor, rank: int, out: torch.Tensor
 ) -> None:
     """kernels/lora.py's lora_expand: out (T, n) += low[:, :rank] @ each row's slot's B."""
+    _check_slots(lora_slots)
+    if low.dtype != torch.float32 or low.stride(-1) != 1:
+        raise ValueError("LoRA: low must be float32 with unit column stride (lora_shrink's)")
     T, n = out.shape
     num_slots = b_rows.shape[0] // rank
     result = library().baton_lora_expand(
