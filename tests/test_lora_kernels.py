@@ -72,10 +72,11 @@ def backend(monkeypatch):
 
             monkeypatch.setattr(module, name, spy)
 
+    library = cpu_lora.library
+
     def select(name: str, c_ops: bool = True):
         monkeypatch.setenv("BATON_KERNELS", name)
-        if not c_ops:
-            monkeypatch.setattr(cpu_lora, "library", lambda: None)
+        monkeypatch.setattr(cpu_lora, "library", library if c_ops else lambda: None)
         return calls
 
     return select
@@ -191,3 +192,57 @@ def test_a_replayed_capture_refills_from_new_inputs_and_slots(backend):
         torch.testing.assert_close(
             y.double(), oracle(x, a_rows, b_rows, lora_slots, base), **TOL[torch.float32]
         )
+
+
+def adapted_layers(seed=0):
+    """A LoRALinear (out 40) and a FusedLoRALinear of three parts (q|k|v widths 16, 8, 8), with
+    random slot tables."""
+    from baton.engine.lora.layer import FusedLoRALinear, LoRALinear
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def adapted(n: int, name: str) -> LoRALinear:
+        layer = LoRALinear(torch.nn.Linear(IN, n), SLOTS, RANK, name)
+        layer.base.weight.data.copy_(torch.randn(n, IN, generator=gen))
+        layer.a_rows.copy_(torch.randn(SLOTS * RANK, IN, generator=gen))
+        layer.b_rows.copy_(torch.randn(SLOTS * RANK, n, generator=gen))
+        return layer
+
+    single = adapted(OUT, "single")
+    parts = [adapted(n, f"part{i}") for i, n in enumerate((16, 8, 8))]
+    base = torch.nn.Linear(IN, 32)
+    base.weight.data.copy_(torch.cat([p.base.weight for p in parts]))
+    base.bias.data.copy_(torch.cat([p.base.bias for p in parts]))
+    return single, FusedLoRALinear(base, parts)
+
+
+@pytest.mark.parametrize("name", ["cpu", "triton"])
+def test_adapted_layers_on_the_kernels_equal_the_dense_selection(backend, name):
+    """LoRALinear and FusedLoRALinear give the dense path's outputs (every slot computed, the
+    row's selected) when the batched kernels run instead."""
+    from baton.engine.lora.layer import slot_rows
+
+    if name == "cpu" and cpu_lora.library() is None:
+        pytest.skip("the C extension is not built")
+    single, fused_layer = adapted_layers()
+    x = torch.randn(len(ROW_SLOTS), IN, generator=torch.Generator().manual_seed(3))
+    lora_slots = torch.tensor(ROW_SLOTS)
+    slot_of_column = torch.arange(SLOTS).repeat_interleave(RANK)
+
+    def forward():
+        with torch.no_grad(), slot_rows(lora_slots, slot_of_column, True):
+            return single(x), fused_layer(x)
+
+    calls = backend("torch", c_ops=False)
+    want = forward()
+    assert calls == []  # the dense selection ran
+    backend("triton" if name == "triton" else "torch", c_ops=True)
+    got = forward()
+    suffix = "_cpu" if name == "cpu" else "_triton"
+    assert (
+        calls
+        == [f"lora_shrink{suffix}", f"lora_expand{suffix}", f"lora_shrink{suffix}"]
+        + [f"lora_expand{suffix}"] * 3
+    )
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-5)
