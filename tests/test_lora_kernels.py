@@ -24,13 +24,17 @@ TOL = {
 needs_c = pytest.mark.skipif(cpu_lora.library() is None, reason="the C extension is not built")
 
 
-def table(dtype, parts=1, seed=0, out=OUT):
+# a prefill's rows: runs of one slot (sequences), boundaries inside 16-row blocks, a block of -1
+SEGMENTS = [1] * 21 + [-1] * 19 + [0] * 5 + [2] * 30 + [1] * 3
+
+
+def table(dtype, parts=1, seed=0, out=OUT, row_slots=ROW_SLOTS):
     gen = torch.Generator().manual_seed(seed)
     a_rows = torch.randn(parts * SLOTS * RANK, IN, generator=gen).to(dtype)
     b_rows = [torch.randn(SLOTS * RANK, out, generator=gen).to(dtype) for _ in range(parts)]
-    x = torch.randn(len(ROW_SLOTS), IN, generator=gen).to(dtype)
-    y = torch.randn(len(ROW_SLOTS), out * parts, generator=gen).to(dtype)
-    return x, a_rows, b_rows, torch.tensor(ROW_SLOTS), y
+    x = torch.randn(len(row_slots), IN, generator=gen).to(dtype)
+    y = torch.randn(len(row_slots), out * parts, generator=gen).to(dtype)
+    return x, a_rows, b_rows, torch.tensor(row_slots), y
 
 
 def oracle(x, a_rows, b_rows, lora_slots, y):
@@ -141,6 +145,22 @@ def test_triton_kernels_match_the_oracle(backend, dtype, parts):
     got = fused(x, a_rows, b_rows, lora_slots, y.clone())
     assert calls == ["lora_shrink_triton"] + ["lora_expand_triton"] * parts
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("parts", [1, 3])
+def test_triton_grouped_kernels_match_the_oracle_on_a_prefill(backend, dtype, parts):
+    """From GROUPED_ROWS rows on, blocks of rows go through each slot they use with tl.dot."""
+    assert len(SEGMENTS) >= triton_lora.GROUPED_ROWS
+    calls = backend("triton")
+    x, a_rows, b_rows, lora_slots, y = table(dtype, parts, row_slots=SEGMENTS)
+    want = oracle(x, a_rows, b_rows, lora_slots, y)
+    got = fused(x, a_rows, b_rows, lora_slots, y.clone())
+    assert calls == ["lora_shrink_triton"] + ["lora_expand_triton"] * parts
+    untouched = lora_slots < 0
+    assert torch.equal(got[untouched], y[untouched])
+    tol = TOL[dtype] if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(got.double(), want, **tol)
 
 
 @pytest.mark.parametrize("name", ["torch", "triton", "cpu"])

@@ -223,18 +223,20 @@ def run_gated_delta_launchers(dtype: torch.dtype, dims: dict) -> None:
 
 def run_lora_launchers(dtype: torch.dtype, dims: dict) -> None:
     """The batched LoRA shrink (one part and a fused projection's three) and expand into a column
-    range of a wider output, at rank 16 and at an odd rank (padded to a power of two)."""
+    range of a wider output, at rank 16 and at an odd rank (padded), per row (a decode batch)
+    and grouped by slot with tl.dot (a prefill's 70 rows)."""
     from baton.kernels.triton.lora import lora_expand_triton, lora_shrink_triton
 
-    hidden, n, slots = dims["hidden"], dims["conv"], torch.tensor([0, -1, 1, 1, 0])
-    x = torch.randn(len(slots), hidden).to(dtype)
-    for rank in (16, 5):
-        for parts in (1, 3):
-            low = lora_shrink_triton(x, torch.randn(parts * 2 * rank, hidden).to(dtype), slots,
-                                     rank, parts)  # fmt: skip
-        out = torch.randn(len(slots), 2 * n).to(dtype)
-        b_rows = torch.randn(2 * rank, n).to(dtype)
-        lora_expand_triton(low[:, rank : 2 * rank], b_rows, slots, rank, out[:, n:])
+    hidden, n = dims["hidden"], dims["conv"]
+    for slots in (torch.tensor([0, -1, 1, 1, 0]), torch.tensor([0] * 30 + [-1] * 20 + [1] * 20)):
+        x = torch.randn(len(slots), hidden).to(dtype)
+        for rank in (16, 5):
+            for parts in (1, 3):
+                a_rows = torch.randn(parts * 2 * rank, hidden).to(dtype)
+                low = lora_shrink_triton(x, a_rows, slots, rank, parts)
+            out = torch.randn(len(slots), 2 * n).to(dtype)
+            b_rows = torch.randn(2 * rank, n).to(dtype)
+            lora_expand_triton(low[:, rank : 2 * rank], b_rows, slots, rank, out[:, n:])
 
 
 SEQ_LENS = [30, 10]  # a varlen batch: one sequence over several chunks, one in a single chunk

@@ -1,7 +1,8 @@
 """The batched LoRA Triton kernels (kernels/triton/lora.py) compiled on a CUDA device against a
 float64 oracle at a published width (Nemotron-Nano-9B-v2: hidden 4480, Mamba in_proj 22656) with
-8 slots of rank 16, a decode batch mixing slots and rows without an adapter, and a fused
-projection's three parts expanded into their column ranges; then LoRALinear on CUDA runs them.
+8 slots of rank 16, a decode batch mixing slots and rows without an adapter (a row per program)
+and a prefill's runs of one slot (the grouped tl.dot kernels), a fused projection's three parts
+expanded into their column ranges; then LoRALinear on CUDA runs them.
 
     TRITON_INTERPRET=0 .venv/bin/python -m pytest -m gpu tests/gpu/test_lora_gpu.py
 """
@@ -28,7 +29,8 @@ pytestmark = [
 ]
 
 SLOTS, RANK, HIDDEN, WIDE = 8, 16, 4480, 22656
-ROW_SLOTS = [3, -1, 0, 7, 3, 3, -1, 5, 1, 0, 2, 6, -1, 4, 4, 7]
+ROW_SLOTS = [3, -1, 0, 7, 3, 3, -1, 5, 1, 0, 2, 6, -1, 4, 4, 7]  # a decode batch: a row each
+PREFILL = [2] * 100 + [-1] * 37 + [5] * 60 + [0] * 3  # the grouped (tl.dot) kernels
 
 
 def oracle(x, a_rows, b_rows, lora_slots, y, slots, rank):
@@ -48,19 +50,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b).norm() / b.norm().clamp_min(1e-12))
 
 
+@pytest.mark.parametrize("row_slots", [ROW_SLOTS, PREFILL], ids=["decode", "prefill"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("parts", "n"), [(1, WIDE), (3, 1024)])
-def test_shrink_expand_match_the_oracle_on_the_gpu(dtype, parts, n):
+def test_shrink_expand_match_the_oracle_on_the_gpu(row_slots, dtype, parts, n):
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
 
-    x = rand(len(ROW_SLOTS), HIDDEN)
+    x = rand(len(row_slots), HIDDEN)
     a_rows = rand(parts * SLOTS * RANK, HIDDEN, scale=0.02)
     b_rows = [rand(SLOTS * RANK, n, scale=0.02) for _ in range(parts)]
-    y = rand(len(ROW_SLOTS), parts * n)
-    lora_slots = torch.tensor(ROW_SLOTS, device="cuda")
+    y = rand(len(row_slots), parts * n)
+    lora_slots = torch.tensor(row_slots, device="cuda")
     want = oracle(x, a_rows, b_rows, lora_slots, y, SLOTS, RANK)
     got = y.clone()
     low = lora_shrink_triton(x, a_rows, lora_slots, RANK, parts)
