@@ -30,6 +30,7 @@ from torch import nn
 from baton.engine import parallel
 from baton.engine.parallel import ShardRule
 from baton.engine.quantization.modules import QuantizedLinear
+from baton.kernels.lora import lora_expand, lora_kernel, lora_shrink
 
 # layer class name -> the projections of it an adapter may target (called as modules in the
 # layer's forward; a projection whose weight a fused kernel reads directly is not listed)
@@ -112,6 +113,7 @@ class LoRALinear(nn.Module):
         self.base = base
         self.in_features = base.in_features
         self.out_features = base.out_features
+        self.rank = max_rank
         # relu stays outside the matmul (a ReLU² MLP then applies it after the delta)
         self.activation = "none"
         weight = base.weight
@@ -132,6 +134,12 @@ class LoRALinear(nn.Module):
         if not _current:
             raise RuntimeError(f"{self.name}: an adapted linear ran outside slot_rows")
         if not _current[-1].active:
+            return y
+        inputs = x.reshape(-1, self.in_features)
+        if y.is_contiguous() and lora_kernel(inputs, self.a_rows, y) is not None:
+            slots = _current[-1].lora_slots  # each row its own slot only
+            low = lora_shrink(inputs, self.a_rows, slots, self.rank, 1)
+            lora_expand(low, self.b_rows, slots, self.rank, y.view(-1, self.out_features))
             return y
         columns = _current[-1].columns(self.a_rows.dtype)
         inputs = x if x.dtype == self.a_rows.dtype else x.to(self.a_rows.dtype)
@@ -154,6 +162,7 @@ class FusedLoRALinear(nn.Module):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.activation = "none"
+        self.rank = parts[0].rank
         self.width = parts[0].a_rows.shape[0]
         self.register_buffer("a_rows", torch.cat([p.a_rows for p in parts]), False)
         offsets = [0]
@@ -170,11 +179,19 @@ class FusedLoRALinear(nn.Module):
             raise RuntimeError("an adapted linear ran outside slot_rows")
         if not _current[-1].active:
             return y
+        rows = y.view(-1, self.out_features)
+        inputs = x.reshape(-1, self.in_features)
+        if lora_kernel(inputs, self.a_rows, rows) is not None:  # each row its own slot only
+            slots, r = _current[-1].lora_slots, self.rank
+            low = lora_shrink(inputs, self.a_rows, slots, r, len(self.parts))
+            for i, part in enumerate(self.parts):
+                out = rows[:, self.offsets[i] : self.offsets[i + 1]]
+                lora_expand(low[:, i * r : (i + 1) * r], part.b_rows, slots, r, out)
+            return y
         dtype = self.a_rows.dtype
         columns = _current[-1].columns(dtype, len(self.parts))
-        inputs = x if x.dtype == dtype else x.to(dtype)
-        low = torch.mm(inputs.reshape(-1, self.in_features), self.a_rows.t()).mul_(columns)
-        rows = y.view(-1, self.out_features)
+        inputs = inputs if inputs.dtype == dtype else inputs.to(dtype)
+        low = torch.mm(inputs, self.a_rows.t()).mul_(columns)
         for i, part in enumerate(self.parts):
             out = rows[:, self.offsets[i] : self.offsets[i + 1]]
             part_low = low[:, i * self.width : (i + 1) * self.width]

@@ -43,6 +43,7 @@ KERNEL_MODULES = (
     "baton.kernels.triton.selective_scan",
     "baton.kernels.triton.quant",
     "baton.kernels.triton.moe",
+    "baton.kernels.triton.lora",
 )
 
 
@@ -220,6 +221,24 @@ def run_gated_delta_launchers(dtype: torch.dtype, dims: dict) -> None:
     gated_delta_decode_triton(q[:3], k[:3], v[:3], g[:3], beta[:3], pool, torch.tensor([1, 0, 2]))
 
 
+def run_lora_launchers(dtype: torch.dtype, dims: dict) -> None:
+    """The batched LoRA shrink (one part and a fused projection's three) and expand into a column
+    range of a wider output, at rank 16 and at an odd rank (padded), per row (a decode batch)
+    and grouped by slot with tl.dot (a prefill's 70 rows)."""
+    from baton.kernels.triton.lora import lora_expand_triton, lora_shrink_triton
+
+    hidden, n = dims["hidden"], dims["conv"]
+    for slots in (torch.tensor([0, -1, 1, 1, 0]), torch.tensor([0] * 30 + [-1] * 20 + [1] * 20)):
+        x = torch.randn(len(slots), hidden).to(dtype)
+        for rank in (16, 5):
+            for parts in (1, 3):
+                a_rows = torch.randn(parts * 2 * rank, hidden).to(dtype)
+                low = lora_shrink_triton(x, a_rows, slots, rank, parts)
+            out = torch.randn(len(slots), 2 * n).to(dtype)
+            b_rows = torch.randn(2 * rank, n).to(dtype)
+            lora_expand_triton(low[:, rank : 2 * rank], b_rows, slots, rank, out[:, n:])
+
+
 SEQ_LENS = [30, 10]  # a varlen batch: one sequence over several chunks, one in a single chunk
 # gdn: a gated DeltaNet layer's shapes (at full size, Qwen3-Next's)
 NANO_9B_V2 = dict(H=128, P=80, G=8, N=128, chunk=128, conv=12288, K=4, q_heads=40, kv_heads=8,
@@ -237,6 +256,7 @@ GROUPS = {
     "gated_delta": run_gated_delta_launchers,
     "mamba1": run_mamba1_launchers,
     "quantized": run_quantized_launchers,
+    "lora": run_lora_launchers,
 }
 # Every (shapes, group) pair is one task; `--part i/n` runs tasks[i::n], so n processes share the
 # compiles (Triton's pipeline is single-threaded: one process per core is ~n times faster).
