@@ -59,7 +59,8 @@ def decode_rate(llm, batch: int, new_tokens: int, vocab: int, seed: int) -> floa
         torch.randint(3, vocab, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(batch)
     ]
     engine = llm.engine
-    step, forward = engine.step, engine.runner.forward
+    # Engine.forward: every step passes it, replayed (graph runner) or eager (runner)
+    step, forward = engine.step, engine.forward
     modes: list[str] = []
     decode_s, decode_tokens = 0.0, 0
 
@@ -76,12 +77,12 @@ def decode_rate(llm, batch: int, new_tokens: int, vocab: int, seed: int) -> floa
             decode_tokens += sum(len(d.new_token_ids) for d in deltas)
         return deltas
 
-    engine.step, engine.runner.forward = timed_step, recording_forward
+    engine.step, engine.forward = timed_step, recording_forward
     try:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         llm.generate(prompts, [params] * batch)
     finally:
-        engine.step, engine.runner.forward = step, forward
+        engine.step, engine.forward = step, forward
     return decode_tokens / decode_s
 
 
