@@ -269,13 +269,16 @@ SSM_CONFIGS: dict[str, tuple[str, str, dict]] = {
 
 @pytest.fixture(scope="session")
 def ssm_models(tmp_path_factory):
-    """name -> (model_dir, transformers model), built once per session."""
+    """name -> (model_dir, transformers model), built once per session. Each model's seed is
+    its place in SSM_CONFIGS, not the order tests ask for them: a test that must catch a
+    broken path sees the same weights alone and in the whole suite."""
     built = {}
 
     def get(name: str):
         if name not in built:
             path = tmp_path_factory.mktemp(f"ssm-{name}")
-            built[name] = (path, save_model(path, *SSM_CONFIGS[name], seed=300 + len(built)))
+            seed = 300 + list(SSM_CONFIGS).index(name)
+            built[name] = (path, save_model(path, *SSM_CONFIGS[name], seed=seed))
         return built[name]
 
     return get
