@@ -186,13 +186,13 @@ def kda_prefill(
     """KDA with the states in the pool: sequence s starts from `state_pool[state_indices[s]]`
     (num_slots, heads, dk, dv) and its final state is written back there. state_indices:
     (num_seqs,) int64. Returns (o (num_tokens, heads, dv) in v's dtype, chunk_states (num_seqs,
-    num_chunks, heads, dk, dv) float32). CUDA: Triton (kernels/triton/recurrences.py); CPU: the C
+    num_chunks, heads, dk, dv) float32). CUDA: Triton (kernels/triton/kda.py); CPU: the C
     scan when supported, else torch."""
     _check(q, k, v, g, beta, tuple(state_pool.shape), "kda_prefill")
     if state_indices.shape != (layout.num_seqs,):
         raise ValueError(f"kda_prefill: one slot per sequence, got {tuple(state_indices.shape)}")
     if select_backend(v) == "triton":
-        from baton.kernels.triton.recurrences import kda_prefill_triton
+        from baton.kernels.triton.kda import kda_prefill_triton
 
         return kda_prefill_triton(q, k, v, g, beta, state_pool, state_indices, layout)
     if cpu_kda.supported(v, state_pool):
@@ -222,7 +222,7 @@ def kda_decode(
     if state_indices.shape != (q.shape[0],):
         raise ValueError(f"kda_decode: one slot per row, got {tuple(state_indices.shape)}")
     if select_backend(v) == "triton":
-        from baton.kernels.triton.recurrences import kda_decode_triton
+        from baton.kernels.triton.kda import kda_decode_triton
 
         return kda_decode_triton(q, k, v, g, beta, state_pool, state_indices)
     if cpu_kda.supported(v, state_pool):

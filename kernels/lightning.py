@@ -98,10 +98,10 @@ def lightning_prefill_pool(
 ) -> LightningScan:
     """`lightning_prefill` from and back into the pool: sequence s starts from
     `state_pool[slots[s]]` (zeros for a fresh slot) and its final state is written there.
-    CUDA tensors run the Triton recurrence (kernels/triton/recurrences.py), CPU tensors the C
+    CUDA tensors run the Triton recurrence (kernels/triton/lightning.py), CPU tensors the C
     scan (kernels/cpu/lightning.c) when built and the pool is contiguous float32."""
     if select_backend(v) == "triton":
-        from baton.kernels.triton.recurrences import lightning_prefill_pool_triton
+        from baton.kernels.triton.lightning import lightning_prefill_pool_triton
 
         out, chunks = lightning_prefill_pool_triton(q, k, v, decay, state_pool, slots, layout)
         return LightningScan(out=out, final_states=state_pool[slots].float(), chunk_states=chunks)
@@ -125,7 +125,7 @@ def lightning_decode(
     `slots` (batch,). Returns o (batch, heads, head_dim) in q's dtype. The C step treats rows
     on the dummy slot 0 as padding (o = 0, slot untouched); the torch step runs them on it."""
     if select_backend(v) == "triton":
-        from baton.kernels.triton.recurrences import lightning_decode_triton
+        from baton.kernels.triton.lightning import lightning_decode_triton
 
         return lightning_decode_triton(q, k, v, decay, state_pool, slots)
     if cpu_lightning.supported(v, state_pool):

@@ -111,10 +111,10 @@ def rglru_scan_pool(
 ) -> RGLRUScan:
     """`rglru_scan` from and back into the pool: sequence s starts from `state_pool[slots[s]]`
     (zeros for a fresh slot) and its final state is written there. CUDA tensors run the Triton
-    scan (kernels/triton/recurrences.py), CPU tensors the C scan (kernels/cpu/rglru.c) when
+    scan (kernels/triton/rglru.py), CPU tensors the C scan (kernels/cpu/rglru.c) when
     built and the pool is contiguous float32."""
     if select_backend(u) == "triton":
-        from baton.kernels.triton.recurrences import rglru_scan_pool_triton
+        from baton.kernels.triton.rglru import rglru_scan_pool_triton
 
         y, chunks = rglru_scan_pool_triton(a, u, state_pool, slots, layout)
         return RGLRUScan(y=y, final_states=state_pool[slots].float(), chunk_states=chunks)
@@ -134,7 +134,7 @@ def rglru_update(
     """One token per row: a, u (batch, width); the pool updated in place at `slots` (batch,).
     Returns y (batch, width) in u's dtype."""
     if select_backend(u) == "triton":
-        from baton.kernels.triton.recurrences import rglru_update_triton
+        from baton.kernels.triton.rglru import rglru_update_triton
 
         return rglru_update_triton(a, u, state_pool, slots)
     state = torch.addcmul(u.float(), a.float(), state_pool.index_select(0, slots).float())

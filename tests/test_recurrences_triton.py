@@ -1,6 +1,6 @@
-"""The Triton recurrences of KDA, lightning attention and the RG-LRU (kernels/triton/
-recurrences.py), run by the interpreter (TRITON_INTERPRET=1, set in conftest) on CPU tensors with
-BATON_KERNELS=triton, against the torch paths (themselves checked against float64 oracles in
+"""The Triton recurrences of KDA, lightning attention and the RG-LRU (kernels/triton/kda.py,
+lightning.py, rglru.py), run by the interpreter (TRITON_INTERPRET=1, set in conftest) on CPU
+tensors with BATON_KERNELS=triton, against the torch paths (themselves checked against float64 oracles in
 test_kimi_kernels.py, test_lightning.py, test_rglru.py): varlen batches resumed mid-chunk, every
 chunk-end state including the chunks past a sequence's end, the pool slots left behind, decode
 steps with padding rows; each test proves the Triton launcher ran."""
@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import baton.kernels.triton.recurrences as triton_rec
+import baton.kernels.triton.kda as triton_kda
+import baton.kernels.triton.lightning as triton_lightning
+import baton.kernels.triton.rglru as triton_rglru
 from baton.kernels.kda import chunk_kda_torch, kda_decode, kda_decode_torch, kda_prefill
 from baton.kernels.lightning import lightning_decode, lightning_prefill_pool
 from baton.kernels.rglru import rglru_inputs, rglru_scan_pool, rglru_update
@@ -28,14 +30,15 @@ def backend(monkeypatch):
     """backend(name, fn, *args): fn run under BATON_KERNELS=name; `calls` records the Triton
     launchers that ran."""
     calls: list[str] = []
-    for name in [n for n in dir(triton_rec) if n.endswith("_triton")]:
-        launcher = getattr(triton_rec, name)
+    for module in (triton_kda, triton_lightning, triton_rglru):
+        for name in [n for n in dir(module) if n.endswith("_triton")]:
+            launcher = getattr(module, name)
 
-        def spy(*args, _launcher=launcher, _name=name, **kwargs):
-            calls.append(_name)
-            return _launcher(*args, **kwargs)
+            def spy(*args, _launcher=launcher, _name=name, **kwargs):
+                calls.append(_name)
+                return _launcher(*args, **kwargs)
 
-        monkeypatch.setattr(triton_rec, name, spy)
+            monkeypatch.setattr(module, name, spy)
 
     def run(name: str, fn, *args):
         monkeypatch.setenv("BATON_KERNELS", name)

@@ -1,5 +1,5 @@
-"""The Triton recurrences of KDA, lightning attention and the RG-LRU (kernels/triton/recurrences.py)
-compiled on a CUDA device against their torch paths at published widths (Kimi Linear: 32 heads of
+"""The Triton recurrences of KDA, lightning attention and the RG-LRU (kernels/triton/kda.py,
+lightning.py, rglru.py) compiled on a CUDA device against their torch paths at published widths (Kimi Linear: 32 heads of
 128, MiniMax-Text-01: 64 heads of 128, RecurrentGemma-2B: an LRU width of 2560), and the whole
 engine on CUDA (compiled kernels, CUDA-graph decode) for Kimi Linear, Bailing, MiniMax and
 RecurrentGemma against transformers on the CPU.
@@ -17,15 +17,9 @@ from baton.kernels.kda import chunk_kda_torch, kda_decode_torch, kda_gate
 from baton.kernels.lightning import lightning_prefill
 from baton.kernels.rglru import rglru_scan
 from baton.kernels.ssd import build_chunk_layout
-from baton.kernels.triton.recurrences import (
-    _kda_scan_kernel,
-    kda_decode_triton,
-    kda_prefill_triton,
-    lightning_decode_triton,
-    lightning_prefill_pool_triton,
-    rglru_scan_pool_triton,
-    rglru_update_triton,
-)
+from baton.kernels.triton.kda import _kda_scan_kernel, kda_decode_triton, kda_prefill_triton
+from baton.kernels.triton.lightning import lightning_decode_triton, lightning_prefill_pool_triton
+from baton.kernels.triton.rglru import rglru_scan_pool_triton, rglru_update_triton
 from tests.reference import hf_greedy
 from tests.test_engine import check_against_reference
 
