@@ -88,13 +88,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """name -> (model_dir, transformers model), built once per session."""
+    """name -> (model_dir, transformers model), built once per session, seeded by the name's
+    place in its config list (the same weights alone and in the whole suite)."""
     built = {}
 
     def get(name: str):
         if name not in built:
             path = tmp_path_factory.mktemp(f"tiny-{name}")
-            built[name] = (path, save_tiny_model(path, seed=len(built), **TINY_CONFIGS[name]))
+            built[name] = (
+                path,
+                save_tiny_model(path, seed=list(TINY_CONFIGS).index(name), **TINY_CONFIGS[name]),
+            )
         return built[name]
 
     return get

@@ -286,13 +286,17 @@ def save_family_model(path: Path, name: str, seed: int):
 
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory):
-    """name -> (model_dir, transformers model), built once per session."""
+    """name -> (model_dir, transformers model), built once per session, seeded by the name's
+    place in its config list (the same weights alone and in the whole suite)."""
     built = {}
 
     def get(name: str):
         if name not in built:
             path = tmp_path_factory.mktemp(f"family-{name}")
-            built[name] = (path, save_family_model(path, name, seed=100 + len(built)))
+            built[name] = (
+                path,
+                save_family_model(path, name, seed=100 + list(FAMILY_CONFIGS).index(name)),
+            )
         return built[name]
 
     return get

@@ -282,13 +282,17 @@ def _write_olmo_release_layout(path: Path, model, release_names: bool) -> None:
 
 @pytest.fixture(scope="session")
 def gdn_models(tmp_path_factory):
-    """name -> (model_dir, transformers model), built once per session."""
+    """name -> (model_dir, transformers model), built once per session, seeded by the name's
+    place in its config list (the same weights alone and in the whole suite)."""
     built = {}
 
     def get(name: str):
         if name not in built:
             path = tmp_path_factory.mktemp(f"gdn-{name}")
-            built[name] = (path, save_gdn_model(path, name, seed=300 + len(built)))
+            built[name] = (
+                path,
+                save_gdn_model(path, name, seed=300 + list(GDN_CONFIGS).index(name)),
+            )
         return built[name]
 
     return get

@@ -186,13 +186,15 @@ def save_kimi_model(path: Path, name: str, seed: int):
 
 @pytest.fixture(scope="session")
 def kimi_models(tmp_path_factory):
-    """name -> (model_dir, transformers model), built once per session."""
+    """name -> (model_dir, transformers model), built once per session, seeded by the name's
+    place in its config list (the same weights alone and in the whole suite)."""
     built = {}
 
     def get(name: str):
         if name not in built:
             path = tmp_path_factory.mktemp(f"kimi-{name}")
-            built[name] = (path, save_kimi_model(path, name, seed=500 + len(built)))
+            seed = 500 + list(KIMI_CONFIGS | BAILING_CONFIGS | MINIMAX_CONFIGS).index(name)
+            built[name] = (path, save_kimi_model(path, name, seed=seed))
         return built[name]
 
     return get

@@ -141,14 +141,16 @@ RECURRENT_ONLY_CONFIGS: dict[str, tuple[str, str, dict]] = {
 
 @pytest.fixture(scope="session")
 def window_models(tmp_path_factory):
-    """name -> (model_dir, transformers model), built once per session."""
+    """name -> (model_dir, transformers model), built once per session, seeded by the name's
+    place in its config list (the same weights alone and in the whole suite)."""
     built = {}
 
     def get(name: str):
         if name not in built:
             path = tmp_path_factory.mktemp(f"window-{name}")
-            spec = (WINDOW_CONFIGS | RECURRENT_ONLY_CONFIGS)[name]
-            built[name] = (path, save_model(path, *spec, seed=700 + len(built)))
+            configs = WINDOW_CONFIGS | RECURRENT_ONLY_CONFIGS
+            seed = 700 + list(configs).index(name)
+            built[name] = (path, save_model(path, *configs[name], seed=seed))
         return built[name]
 
     return get
