@@ -85,6 +85,10 @@ def test_tp2_speculation_matches_tp1(mtp_model):
             o.token_ids for o in tp1_out
         ]
         assert tp2.stats().spec_decode_num_drafts == tp1.stats().spec_decode_num_drafts
+        # every rank replayed captured verify steps and draft passes (their collectives too)
+        graphs = tp2.engine.graph_runner
+        assert graphs.num_replays > 0 and any(p is not None for p in graphs.plans.values())
+        assert any(p is not None for p in graphs.draft_plans.values())
         reference = {tuple(p): o.token_ids for p, o in zip(prompts, want)}
         tp2.engine.drafter = ScriptedDrafter(reference, 2, tp2.engine.model_config.vocab_size)
         tp2.engine.reset_prefix_cache()

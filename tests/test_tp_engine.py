@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (gloo, two processes): TP=2 gives TP=1's greedy tokens and
 logprobs (within 1e-4: the all-reduces sum in another order) through chunked prefill,
-preemption and prefix-cache hits, on tiny NemotronH shapes that cover every sharding rule:
+preemption and prefix-cache hits, with every rank's decode steps captured as CPU plans and
+replayed (engine/executor/cpu_plan.py), on tiny NemotronH shapes that cover every sharding rule:
 
     single_group: n_groups = 1 (B/C replicated, the gated norm all-reduces its variance),
                   1 KV head for 2 ranks (replicated), tied vocab-parallel embeddings, odd vocab
@@ -115,6 +116,13 @@ def test_tp2_matches_tp1_through_chunks_preemption_and_cache_hits(engines, name)
     for prompts in (first, second):
         _assert_same(tp1.generate(prompts, params), tp2.generate(prompts, params))
     s1, s2 = tp1.stats(), tp2.stats()
+    # Both engines' decode steps were captured and replayed (rank 0's and rank 1's plans: their
+    # all-reduces and the logits' gather are operators the plans replay; a plan that skipped one
+    # would leave rank 0's logits apart from TP=1's, or hang the ranks)
+    for llm in (tp1, tp2):
+        plans = llm.engine.graph_runner.plans
+        assert plans and all(plan is not None for plan in plans.values()), plans
+        assert llm.engine.graph_runner.num_replays > 0
     assert s2.num_preemptions == s1.num_preemptions > 0
     assert s2.prefix_cache_hit_tokens == s1.prefix_cache_hit_tokens > 0
     assert s2.kv_pages_used == 0 and s2.mamba_slots_used == 0

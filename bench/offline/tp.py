@@ -1,6 +1,6 @@
 """Tensor-parallel communication per decode step: the bytes rank 0 hands to all-reduces (and to
 the logits gather) at TP=2, against the analytic count for the model, and the decode step time
-at TP=2 against TP=1 in the same run.
+at TP=2 (captured, and eager) against TP=1 in the same run.
 
     python -m baton.bench.offline.tp --config 19m --batch 8 --output tp.json
 
@@ -200,25 +200,35 @@ def main() -> None:
     results: dict = {"config": args.config, "batch": args.batch, "dtype": args.dtype}
     with tempfile.TemporaryDirectory() as model_dir:
         save_model(args.config, model_dir)
-        for size in (1, 2):
-            with LLM(model_dir, dtype=args.dtype, tensor_parallel_size=size) as llm:
-                decode_steps(llm, prompts, 4)  # warm-up: first-use costs (prepacking, caches)
+        # tp2_eager: the decode step run layer by layer in Python, which is where the
+        # all-reduce and gather bytes are counted (a replayed plan calls its collectives in C++)
+        runs = {"tp1": (1, True), "tp2_eager": (2, False), "tp2": (2, True)}
+        for key, (size, capture) in runs.items():
+            with LLM(
+                model_dir, dtype=args.dtype, tensor_parallel_size=size, cpu_step_capture=capture
+            ) as llm:
+                decode_steps(llm, prompts, 4)  # warm-up: first-use costs (prepacking, plans)
                 measured = decode_steps(llm, prompts, args.steps)
-            results[f"tp{size}"] = measured
+            results[key] = measured
         results["handover"] = [
             handover_bytes(model_dir, args.dtype, *map(int, pair.split(":")), prompts)
             for pair in args.handover
         ]
     expected = analytic_bytes(config, args.batch, itemsize, 2)
     results["analytic_tp2"] = expected
-    results["all_reduce_bytes_ratio"] = (
-        results["tp2"]["all_reduce_bytes"] / expected["all_reduce_bytes"]
-    )
-    results["gather_bytes_ratio"] = results["tp2"]["gather_bytes"] / expected["gather_bytes"]
+    eager = results["tp2_eager"]
+    results["all_reduce_bytes_ratio"] = eager["all_reduce_bytes"] / expected["all_reduce_bytes"]
+    results["gather_bytes_ratio"] = eager["gather_bytes"] / expected["gather_bytes"]
     results["step_time_tp2_over_tp1"] = results["tp2"]["step_ms"] / results["tp1"]["step_ms"]
+    results["tp2_eager_over_captured"] = eager["step_ms"] / results["tp2"]["step_ms"]
     print(json.dumps(results, indent=2))
     print(
-        f"all-reduce TP=2: {results['tp2']['all_reduce_bytes']:.0f} B per decode step per rank, "
+        f"decode step: TP=1 {results['tp1']['step_ms']:.2f} ms, TP=2 captured "
+        f"{results['tp2']['step_ms']:.2f} ms, TP=2 eager {eager['step_ms']:.2f} ms "
+        f"(captured {results['tp2_eager_over_captured']:.2f}x faster)"
+    )
+    print(
+        f"all-reduce TP=2: {eager['all_reduce_bytes']:.0f} B per decode step per rank, "
         f"analytic {expected['all_reduce_bytes']} B (ratio {results['all_reduce_bytes_ratio']:.3f})"
     )
     for h in results["handover"]:

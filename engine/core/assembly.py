@@ -32,6 +32,7 @@ from baton.engine.executor.graph_runner import CPU_CAPTURE_MAX_BS, DecodeGraphRu
 from baton.engine.handover.io import StateIO
 from baton.engine.lora.model import lora_limits, slot_table_bytes
 from baton.engine.models.registry import family_named
+from baton.engine.parallel.messages import UseGraphs
 from baton.engine.quantization import weight_bytes
 from baton.engine.runtime.cpu_allocator import available_memory
 from baton.engine.spec_decode.config import SpeculativeConfig
@@ -145,7 +146,11 @@ def make_graph_runner(
 ) -> DecodeGraphRunner | None:
     """CUDA graphs on a GPU, or the padded decode runner on the CPU when asked; else None.
     Speculating, verify steps (k + 1 tokens a row) run through it as well."""
-    on_cuda = device.type == "cuda" and not args.disable_cuda_graph
+    # CUDA graphs stay single-rank (a graph over the ranks' NCCL all-reduces is not done yet);
+    # CPU plans replay the ranks' collectives (engine/parallel: functional collectives).
+    on_cuda = (
+        device.type == "cuda" and not args.disable_cuda_graph and args.tensor_parallel_size == 1
+    )
     capture = "cuda" if on_cuda else None
     # A step whose decode attention reads a mask (no C kernel for it) would attend over the
     # whole fixed capacity in a plan: it stays eager and tight.
@@ -171,6 +176,16 @@ def make_graph_runner(
         kv_capacity=pages * page,
         capture=capture,
         verify_width=speculative.num_speculative_tokens + 1 if speculative else None,
+    )
+
+
+def use_graphs(graphs: DecodeGraphRunner) -> UseGraphs:
+    """The message that has every other tensor-parallel rank build `graphs`' twin."""
+    return UseGraphs(
+        max_bs=graphs.max_bs,
+        kv_capacity=graphs.kv_capacity,
+        capture=graphs.capture,
+        verify_width=graphs.verify_width,
     )
 
 

@@ -188,23 +188,17 @@ class Engine:
             speculation=assembly.spec_schedule(self.speculative),
             adapters=self.model.adapters,
         )
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        model_runner = ModelRunner(self.model, self.cache, self.device)
+        self.runner = model_runner
         if self.ranks is not None:
-            self.runner = RankedRunner(self.runner, self.ranks, self.pool_ops)
+            self.runner = RankedRunner(model_runner, self.ranks, self.pool_ops)
         self.drafter = assembly.make_drafter(self.speculative, self.runner, self.max_model_len)
         self.spec_counters = SpecDecodeCounters()
-        self.graph_runner = (
-            assembly.make_graph_runner(
-                args,
-                self.device,
-                self.runner,
-                self.max_model_len,
-                self.state_spec,
-                self.speculative,
-            )
-            if self.ranks is None
-            else None
+        self.graph_runner = assembly.make_graph_runner(
+            args, self.device, model_runner, self.max_model_len, self.state_spec, self.speculative
         )
+        if self.ranks is not None and self.graph_runner is not None:
+            self.ranks.send_message(assembly.use_graphs(self.graph_runner))
         self.sampler = Sampler(args.seed, self.device)
         self.timing = RequestTiming() if args.request_timing else None
         self._arrivals = 0
@@ -373,9 +367,11 @@ class Engine:
     def forward(self, sched: ScheduledBatch) -> tuple[Mamba2Metadata, torch.Tensor]:
         """One scheduled batch through the model: the graph runner's padded step (a CUDA graph
         or a CPU plan, replayed) where it takes the batch, else the eager runner."""
-        if self.graph_runner is not None and self.graph_runner.can_run(sched):
-            return self.graph_runner.forward(sched)
-        return self.runner.forward(sched)
+        graphs = self.graph_runner
+        local = graphs.forward if graphs is not None and graphs.can_run(sched) else None
+        if self.ranks is not None:  # the step to every rank first (RankedRunner)
+            return self.runner.forward(sched, local)
+        return (local or self.runner.forward)(sched)
 
     def step(self) -> list[RequestDelta]:
         for req, reason in self.grammars.release():  # compiled grammars start their requests

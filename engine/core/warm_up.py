@@ -45,9 +45,7 @@ def warm_up(engine: Engine) -> int:
         sched = scheduler.schedule()
         if sched is None:  # cannot happen with empty pools; never spin
             raise RuntimeError("warm-up request could not be scheduled")
-        graphs = engine.graph_runner
-        runner = graphs if graphs is not None and graphs.can_run(sched) else engine.runner
-        _, logits = runner.forward(sched)
+        _, logits = engine.forward(sched)
         forwards += 1
         # greedy; the batch is this one sequence, whose sampled row is the last one
         token = int(logits[-1].argmax())

@@ -10,7 +10,8 @@ since issue 52). What it keeps, per call:
 - `empty*` is nothing either: the tensor recorded stays allocated, and the calls that fill it
   are recorded;
 - a call that writes its arguments (in-place, `out=`, a baton kernel) is replayed as is, and a
-  baton kernel's integer result is checked to be 0 (its error code) on every replay;
+  baton kernel's integer result is checked to be 0 (its error code) on every replay; so is a
+  collective's wait (tensor parallelism's all-reduces are operators too: engine/parallel);
 - a functional call is replayed through its `out=` overload into the tensors it returned when
   recorded (where its overload packet has one with the same arguments), else called and its
   results copied into those tensors.
@@ -74,6 +75,9 @@ _DATA_SHAPED = frozenset(
 )
 
 
+# Calls made for what they wait on, whose result is their input: a collective's wait (the gloo
+# work a replayed `all_reduce_` started is done once it returns), replayed as they are.
+_WAITS = frozenset({"_c10d_functional::wait_tensor"})
 # Indexing whose rows a boolean mask picks (x[mask]): how many follows the data.
 _INDEXING = frozenset(
     {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
@@ -179,7 +183,7 @@ class Recorder(TorchDispatchMode):
                 raise CaptureError(f"{schema.name} returned {out} while recorded")
             self._append(f"{namespace}::{name}", func._overloadname, full, [], True)
             return
-        if _writes(schema):
+        if _writes(schema) or schema.name in _WAITS:
             self._append(f"{namespace}::{name}", func._overloadname, full, [], False)
             return
         results = out if isinstance(out, (tuple, list)) else (out,)

@@ -17,6 +17,11 @@ layers' all-reduces run on a `ProcessGroupNCCL` beside it (vLLM keeps the same p
 group for the model, a host group for control); gathers, barriers and every other host-side
 exchange stay on gloo. Several ranks on one GPU (NCCL refuses a GPU twice in a communicator)
 all-reduce over gloo, through host memory.
+
+On the CPU the collectives the forward calls (the all-reduces and the logits' gather) go through
+torch's functional collectives (`_c10d_functional`), operators of the dispatcher over the gloo
+group registered under a name: a captured CPU step (engine/executor/cpu_plan.py) records and
+replays them in C++ like any other operator, so every rank can replay its plan.
 """
 
 from __future__ import annotations
@@ -42,15 +47,18 @@ class TensorParallel:
         group: dist.ProcessGroup | None,
         timeout_s: float,
         device_group: dist.ProcessGroup | None = None,
+        group_name: str | None = None,
     ):
         self.rank = rank
         self.size = size
         self.group = group
+        # the name `group` is registered under for the functional collectives (None: size 1)
+        self.group_name = group_name
         # NCCL over the ranks' GPUs when each rank has its own; None: all-reduces on gloo
         self.device_group = device_group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         # Bytes this rank handed to all-reduces (bench/offline/tp.py compares them with the analytic
-        # count); an integer add per call.
+        # count); an integer add per Python call: a replayed plan's collectives are not counted.
         self.all_reduce_bytes = 0
         self.all_reduce_calls = 0
         self.gather_bytes = 0  # bytes this rank handed to gathers (logits)
@@ -66,6 +74,9 @@ class TensorParallel:
         x = x.contiguous()
         self.all_reduce_bytes += x.numel() * x.element_size()
         self.all_reduce_calls += 1
+        if x.device.type == "cpu" and self.group_name is not None:  # a captured step replays it
+            functional = torch.ops._c10d_functional
+            return functional.wait_tensor(functional.all_reduce_(x, "sum", self.group_name))
         group = self.device_group if self.device_group is not None else self.group
         group.allreduce([x]).wait(self.timeout)
         return x
@@ -78,6 +89,16 @@ class TensorParallel:
         # gloo gathers host tensors only: a CUDA rank's logits travel through host memory.
         host = x.contiguous().cpu()
         self.gather_bytes += host.numel() * host.element_size()
+        if x.device.type == "cpu" and self.group_name is not None:  # a captured step replays it
+            functional = torch.ops._c10d_functional
+            # (size * rows, ..., width), rank r's rows r-th; into a tensor of its own (`out`:
+            # a replay writes the recorded one, which the wait then finds)
+            every = host.new_empty(self.size * host.shape[0], *host.shape[1:])
+            functional.all_gather_into_tensor_out(host, self.size, self.group_name, out=every)
+            functional.wait_tensor(every)
+            if not self.is_first:
+                return x
+            return every.view(self.size, *host.shape).movedim(0, -2).flatten(-2).to(x.device)
         options = dist.GatherOptions()
         options.rootRank = 0
         outputs = [[torch.empty_like(host) for _ in range(self.size)]] if self.is_first else []
@@ -126,14 +147,24 @@ def connect(
         "127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=join_timeout_s)
     )
     timeout = datetime.timedelta(seconds=timeout_s)
-    group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+    group = dist.ProcessGroup(store, rank, size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    # The functional collectives find the group by this name; the port is this group's alone
+    # in this process (several engines of a test process each have their own).
+    name = f"baton-tp-{port}"
+    registered = torch._C._distributed_c10d
+    with contextlib.suppress(Exception):  # a name left by an earlier group on the same port
+        registered._unregister_process_group(name)
+    registered._register_process_group(name, group)
     device_group = None
     if one_gpu_per_rank(device, size):
         torch.cuda.set_device(rank)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         device_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
-    return TensorParallel(rank, size, group, timeout_s, device_group)
+    return TensorParallel(rank, size, group, timeout_s, device_group, group_name=name)
 
 
 _building: list[TensorParallel] = []

@@ -172,7 +172,20 @@ class ReportPools:
     reason: str
 
 
-RankMessage = RankStep | RankShutdown | ReportPools
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UseGraphs:
+    """Rank 0 runs the decode and verify steps its graph runner takes through one of these
+    settings (engine/executor/graph_runner.py's DecodeGraphRunner); every rank builds the same,
+    so that each pads a step alike and replays a plan whose collectives meet rank 0's. Sent
+    once, before the first step."""
+
+    max_bs: int
+    kv_capacity: int
+    capture: str | None  # "cuda", "cpu" or None (the padded step run eagerly)
+    verify_width: int | None
+
+
+RankMessage = RankStep | RankShutdown | ReportPools | UseGraphs
 
 _CARRIERS: dict[str, type] = {
     cls.__name__: cls
@@ -187,6 +200,7 @@ _CARRIERS: dict[str, type] = {
         RankStep,
         RankShutdown,
         ReportPools,
+        UseGraphs,
         ScheduledBatch,
         DraftBatch,
         TrackPoint,
@@ -220,9 +234,10 @@ def encode(message: RankMessage) -> bytes:
 
 def decode(frame: bytes) -> RankMessage:
     message = _from_wire(msgpack.unpackb(frame, raw=False))
-    if not isinstance(message, (RankStep, RankShutdown, ReportPools)):
+    if not isinstance(message, (RankStep, RankShutdown, ReportPools, UseGraphs)):
         raise ValueError(
-            f"a rank message must be RankStep, RankShutdown or ReportPools, got {message!r}"
+            f"a rank message must be RankStep, RankShutdown, ReportPools or UseGraphs, got"
+            f" {message!r}"
         )
     return message
 

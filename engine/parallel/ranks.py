@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import zmq
@@ -38,6 +38,7 @@ from baton.engine.parallel.messages import (
     RankSpec,
     RankStep,
     ReportPools,
+    UseGraphs,
     encode,
     pool_digest,
 )
@@ -155,7 +156,7 @@ class Ranks:
     def send(self, step: RankStep) -> None:
         self.send_message(step)
 
-    def send_message(self, message: RankStep | ReportPools) -> None:
+    def send_message(self, message: RankStep | ReportPools | UseGraphs) -> None:
         self.check_alive()
         frame = encode(message)
         for rank, sock in enumerate(self.sockets, start=1):
@@ -233,10 +234,16 @@ class RankedRunner:
         self.ranks = ranks
         self.pool_ops = pool_ops
 
-    def forward(self, sched: ScheduledBatch) -> tuple[Mamba2Metadata, torch.Tensor]:
+    def forward(
+        self,
+        sched: ScheduledBatch,
+        local: Callable[[ScheduledBatch], tuple[Mamba2Metadata, torch.Tensor]] | None = None,
+    ) -> tuple[Mamba2Metadata, torch.Tensor]:
+        """local: how rank 0 runs its part (the graph runner's padded step, which the other
+        ranks choose alike: UseGraphs); None: the eager forward."""
         self.ranks.send(RankStep(ops=self.pool_ops.drain(), batch=sched))
         with self.ranks.failures("running a step"):
-            return self.runner.forward(sched)
+            return (local or self.runner.forward)(sched)
 
     def draft(self, batch: DraftBatch) -> torch.Tensor:
         """A drafter forward (speculative decoding's MTP head), on every rank alike."""

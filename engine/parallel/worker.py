@@ -26,6 +26,7 @@ from baton.engine.cache.pools import StateCache
 from baton.engine.checkpoint.loader import load_model, resolve_dtype
 from baton.engine.config import ModelConfig
 from baton.engine.executor.draft_batch import DraftBatch
+from baton.engine.executor.graph_runner import DecodeGraphRunner
 from baton.engine.executor.model_runner import ModelRunner
 from baton.engine.handover.shards import (
     ConnectorSpec,
@@ -44,6 +45,7 @@ from baton.engine.parallel.messages import (
     RankSpec,
     ReportPools,
     ResetSlot,
+    UseGraphs,
     apply,
     decode,
     pool_digest,
@@ -111,6 +113,7 @@ def run(spec: RankSpec) -> int:
     tp.barrier(spec.load_timeout_s)
     gather_addresses(tp, connector)  # rank 0 learns where this rank receives shards
     freeze_startup_objects()
+    graphs = None  # rank 0's padded runner, built alike when it says so (UseGraphs)
     try:
         while True:
             if not steps.poll(POLL_MS):
@@ -127,6 +130,15 @@ def run(spec: RankSpec) -> int:
             if isinstance(message, ReportPools):
                 tp.gather_last_dim(pool_digest(cache))
                 continue
+            if isinstance(message, UseGraphs):
+                graphs = DecodeGraphRunner(
+                    runner,
+                    max_bs=message.max_bs,
+                    kv_capacity=message.kv_capacity,
+                    capture=message.capture,
+                    verify_width=message.verify_width,
+                )
+                continue
             for op in message.ops:
                 if isinstance(op, (ResetSlot, CopySlot)):
                     apply(op, cache)
@@ -139,8 +151,11 @@ def run(spec: RankSpec) -> int:
                     install_report(tp, error, connector)
             if isinstance(message.batch, DraftBatch):
                 runner.draft(message.batch)
-            elif message.batch is not None:
-                runner.forward(message.batch)
+            elif message.batch is not None:  # the runner rank 0 chose, by the same rule
+                if graphs is not None and graphs.can_run(message.batch):
+                    graphs.forward(message.batch)
+                else:
+                    runner.forward(message.batch)
     finally:
         if connector is not None:
             connector.close()
