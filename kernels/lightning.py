@@ -135,3 +135,25 @@ def lightning_decode(
     state = ratio * state + k.float()[..., :, None] * v.float()[..., None, :]
     state_pool.index_copy_(0, slots, state.to(state_pool.dtype))
     return (q.float()[..., None, :] @ state).squeeze(-2).to(q.dtype)
+
+
+def lightning_layer_decode(
+    qkv: torch.Tensor,
+    gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    decay: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    eps: float,
+) -> torch.Tensor | None:
+    """The lightning layer's whole decode step on one rank, from its projections' rows (qkv
+    before the SiLU, gate before the sigmoid) to out_proj's input, where a fused kernel runs it:
+    the C step on the CPU (kernels/cpu/lightning.c). None where none does (the layer runs
+    `lightning_decode` between its own ops)."""
+    if select_backend(qkv) == "triton" or not cpu_lightning.lightning_layer_decode_supported(
+        qkv, state_pool
+    ):
+        return None
+    return cpu_lightning.lightning_layer_decode_cpu(
+        qkv, gate, norm_weight, decay, state_pool, slots, eps
+    )

@@ -116,3 +116,47 @@ def test_c_scan_matches_torch_over_a_full_and_a_partial_column_block(monkeypatch
     assert (c_step[1] == 0).all()  # a padding row reads and writes nothing
     torch.testing.assert_close(c_pool[1:], t_pool[1:], **TOL)
     torch.testing.assert_close(c_pool[0], pool[0])
+
+
+@pytest.mark.skipif(cpu_lightning.library() is None, reason="the C kernels are not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_decode_step_matches_the_layer_parts(dtype):
+    """baton_lightning_decode (SiLU, the step, the output norm over every head, the gate) against
+    the layer's unfused path: the SiLU'd projections, the torch step, MiniMax's RMS norm and the
+    sigmoid gate, rounded to the model dtype where they are (two heads of 40: a full and a
+    partial column block). A padding row (slot 0) writes nothing and gives 0."""
+    gen = torch.Generator().manual_seed(5)
+    heads, d, eps = 2, 40, 1e-6
+    width = heads * d
+    qkv = (torch.randn(3, 3 * width, generator=gen) * 0.7).to(dtype)
+    gate = torch.randn(3, width, generator=gen).to(dtype)
+    norm_weight = (1 + 0.3 * torch.randn(width, generator=gen)).to(dtype)
+    decay = torch.rand(heads, generator=gen)
+    pool = torch.randn(4, heads, d, d, generator=gen) * 0.3
+    slots = torch.tensor([2, 0, 3])  # row 1: padding
+    fused_pool = pool.clone()
+    fused = cpu_lightning.lightning_layer_decode_cpu(
+        qkv, gate, norm_weight, decay, fused_pool, slots, eps
+    )
+    parts_pool = pool.clone()
+    q, k, v = torch.nn.functional.silu(qkv).view(3, heads, 3 * d).split(d, dim=-1)
+    ratio = torch.exp(-decay).view(1, -1, 1, 1)
+    state = ratio * parts_pool[slots] + k.float()[..., :, None] * v.float()[..., None, :]
+    parts_pool[slots[[0, 2]]] = state[[0, 2]]
+    o = (q.float()[..., None, :] @ state).squeeze(-2).to(dtype).reshape(3, width).float()
+    normed = (o * torch.rsqrt(o.pow(2).sum(-1, keepdim=True) / width + eps)).to(dtype)
+    parts = torch.sigmoid(gate) * (norm_weight * normed)
+    tol = TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fused[[0, 2]].float(), parts[[0, 2]].float(), **tol)
+    assert (fused[1] == 0).all()
+    torch.testing.assert_close(fused_pool, parts_pool, **TOL)  # slot 0 untouched in both
+
+
+@pytest.mark.skipif(cpu_lightning.library() is None, reason="the C kernels are not built")
+def test_fused_layer_decode_refuses_a_slot_outside_the_pool():
+    qkv, gate, weight = torch.zeros(1, 3 * 8), torch.zeros(1, 8), torch.ones(8)
+    pool = torch.zeros(2, 2, 4, 4)
+    with pytest.raises(IndexError, match="slot index 5 of row 0"):
+        cpu_lightning.lightning_layer_decode_cpu(
+            qkv, gate, weight, torch.ones(2), pool, torch.tensor([5]), 1e-6
+        )

@@ -29,7 +29,11 @@ from baton.engine.cache.pools import StateCache
 from baton.engine.cache.spec import LayerState, Segment, StateTensor, TPSplit
 from baton.engine.executor.forward_metadata import Mamba2Metadata
 from baton.engine.layers.checkpoints import checkpoint_states
-from baton.kernels.lightning import lightning_decode, lightning_prefill_pool
+from baton.kernels.lightning import (
+    lightning_decode,
+    lightning_layer_decode,
+    lightning_prefill_pool,
+)
 from baton.kernels.verify_steps import token_rows, verify_by_steps
 
 # The prefill's chunk grid (no config key; transformers' `block_size` only cuts its own loop):
@@ -120,14 +124,26 @@ class LightningAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
         """Decode rows first, then verify rows (speculation: kernels/verify_steps.py), then
-        prefill rows."""
+        prefill rows. A step of decode rows only on one rank runs as one fused kernel where
+        there is one (kernels/lightning.py's lightning_layer_decode)."""
         batch = md.forward.batch
         nd, T = batch.num_decode_tokens, x.shape[0]
         n = nd + batch.num_verify_tokens
         pool = cache.layer("lightning", self.index)["recurrent"]
-        qkv = F.silu(self.qkv_proj(x)).view(T, self.heads, 3 * self.head_dim)
-        q, k, v = qkv.split(self.head_dim, dim=-1)
+        projected = self.qkv_proj(x)
         decay = self.decay.to(x.device)
+        gate = None
+        if nd == T and self.tp.size == 1:  # a decode step: one fused kernel where one runs it
+            gate = self.output_gate(x)
+            out = lightning_layer_decode(
+                projected, gate, self.norm.weight, decay, pool, md.decode_slots, NORM_EPS
+            )
+            if out is not None:
+                if md.has_mamba_track_mask:
+                    checkpoint_states(md, pool, None)
+                return self.out_proj(out)
+        qkv = F.silu(projected).view(T, self.heads, 3 * self.head_dim)
+        q, k, v = qkv.split(self.head_dim, dim=-1)
         parts, chunk_states = [], None
         if nd:
             parts.append(lightning_decode(q[:nd], k[:nd], v[:nd], decay, pool, md.decode_slots))
@@ -157,5 +173,6 @@ class LightningAttention(nn.Module):
         if md.has_mamba_track_mask:
             checkpoint_states(md, pool, chunk_states)
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out = torch.sigmoid(self.output_gate(x)) * self.output_norm(o.reshape(T, -1))
+        gate = self.output_gate(x) if gate is None else gate
+        out = torch.sigmoid(gate) * self.output_norm(o.reshape(T, -1))
         return self.tp.all_reduce(self.out_proj(out))

@@ -1,5 +1,4 @@
-/* Scalar helpers shared by baton's CPU kernels (cpu/ops.c, cpu/prefill.c, cpu/moe.c), which
- * include this header; kernels/cpu_ops.compile_library hashes it into each library's cache key,
+/* Scalar helpers shared by baton's CPU kernels (kernels/cpu/*.c), which include this header; kernels/cpu_ops.compile_library hashes it into each library's cache key,
  * so a change here rebuilds all three. */
 #ifndef BATON_CPU_COMMON_H
 #define BATON_CPU_COMMON_H
@@ -42,5 +41,22 @@ static inline float exp_approx(float x) {
     memcpy(&scale, &bits, 4);
     return p * scale;
 }
+
+static inline float silu(float v) { return v / (1.0f + exp_approx(-v)); }
+
+/* A float32 or bfloat16 (bf16 = 1) element of a model-dtype tensor. */
+static inline float load_any(const void *base, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline void store_any(void *base, int bf16, int64_t i, float v) {
+    if (bf16)
+        ((uint16_t *)base)[i] = f32_to_bf16(v);
+    else
+        ((float *)base)[i] = v;
+}
+
+/* The value a tensor of the model dtype holds (the torch path rounds between ops). */
+static inline float round_to(int bf16, float v) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 #endif

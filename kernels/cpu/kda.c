@@ -28,22 +28,6 @@
 
 #define BV 32 /* state columns per task */
 
-static inline float silu(float v) { return v / (1.0f + exp_approx(-v)); }
-
-static inline float load_any(const void *base, int bf16, int64_t i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-static inline void store_any(void *base, int bf16, int64_t i, float v) {
-    if (bf16)
-        ((uint16_t *)base)[i] = f32_to_bf16(v);
-    else
-        ((float *)base)[i] = v;
-}
-
-/* The value a tensor of the model dtype holds (the torch path rounds between ops). */
-static inline float round_to(int bf16, float v) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
 /* The prepared vectors of one (token, head): [qe | ke | kn | e | qk], 4 dk + 1 floats. */
 #define PREP(dk) (4 * (dk) + 1)
 

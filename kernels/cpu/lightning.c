@@ -12,7 +12,11 @@
  * kernels/ssd.py) and at the sequence's last token; chunks past the sequence's end repeat its final
  * state. Rows whose slot is 0 are decode padding when skip_padding is set: no read, no write,
  * o = 0. Slots are checked before anything is written: the first bad row + 1 is returned, else 0.
+ *
+ * baton_lightning_decode is the layer's whole decode step on one rank (SiLU, the step, the output
+ * norm and gate) over the same per-token update.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -83,6 +87,66 @@ int64_t baton_lightning_scan(const float *q, const float *k, const float *v, con
         }
         for (; cs && written < num_chunks_out; written++)
             copy_block(cs + (written * H + h) * state + c0, S, dk, dv, nc);
+    }
+    return 0;
+}
+
+/* One fused decode step of MiniMax's lightning attention layer, from the projections to the
+ * out_proj input (one rank: the output norm spans every head):
+ *   q | k | v = silu(qkv_in)                 per head [q_h | k_h | v_h], rounded to the dtype
+ *   o = g (q^T S) + (q . k) v,  S <- g S + k v^T    (state[slot], float32), o rounded
+ *   out = sigmoid(gate) * (norm_w * rmsnorm(o))     over the row's H d values, eps `eps`
+ * rounded where the torch path (engine/layers/lightning_attention.py) rounds. qkv (batch, 3 H d)
+ * and gate (batch, H d): model-dtype rows with their own row strides; norm_w (H d) model dtype;
+ * ratio (H) = exp(-lambda); pool (num_slots, H, d, d) float32; o (batch, H d) float32 scratch;
+ * out (batch, H d) model dtype. Rows with slot 0 are padding: no read, no write, out = 0. */
+int64_t baton_lightning_decode(const void *qkv, int64_t qkv_stride, const void *gate,
+                               int64_t gate_stride, const void *norm_w, const float *ratio,
+                               float *pool, int64_t num_slots, const int64_t *slots, int64_t batch,
+                               float eps, float *o, void *out, int bf16, int64_t H, int64_t d,
+                               int nthreads) {
+    for (int64_t r = 0; r < batch; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) return r + 1;
+    const int64_t W = H * d;
+    if (d > 256) return -1; /* the per-head vectors below live on the stack */
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < batch; r++) {
+            for (int64_t h = 0; h < H; h++) {
+                if (slots[r] == 0) continue;
+                float q[256], k[256], v[256];
+                const int64_t in = r * qkv_stride + h * 3 * d;
+                for (int64_t i = 0; i < d; i++) {
+                    q[i] = round_to(bf16, silu(load_any(qkv, bf16, in + i)));
+                    k[i] = round_to(bf16, silu(load_any(qkv, bf16, in + d + i)));
+                    v[i] = round_to(bf16, silu(load_any(qkv, bf16, in + 2 * d + i)));
+                }
+                float *S = pool + (slots[r] * H + h) * d * d, *oh = o + r * W + h * d;
+                for (int64_t c0 = 0; c0 < d; c0 += BV)
+                    lightning_token(S + c0, d, q, k, v + c0, ratio[h], oh + c0, d,
+                                    d - c0 < BV ? d - c0 : BV);
+                for (int64_t i = 0; i < d; i++) oh[i] = round_to(bf16, oh[i]);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < batch; r++) {
+            const float *orow = o + r * W;
+            if (slots[r] == 0) {
+                for (int64_t c = 0; c < W; c++) store_any(out, bf16, r * W + c, 0.0f);
+                continue;
+            }
+            float squares = 0.0f;
+            for (int64_t c = 0; c < W; c++) squares += orow[c] * orow[c];
+            const float scale = 1.0f / sqrtf(squares / (float)W + eps);
+            for (int64_t c = 0; c < W; c++) {
+                const float normed = round_to(bf16, orow[c] * scale);
+                const float y = round_to(bf16, load_any(norm_w, bf16, c) * normed);
+                const float g = load_any(gate, bf16, r * gate_stride + c);
+                const float s = round_to(bf16, 1.0f / (1.0f + expf(-g)));
+                store_any(out, bf16, r * W + c, s * y);
+            }
+        }
     }
     return 0;
 }

@@ -28,8 +28,6 @@
 
 #define CHANNELS 16
 
-static inline float silu(float v) { return v / (1.0f + exp_approx(-v)); }
-
 /* One token of one channel: its state row (N) updated in place; returns h . C. */
 static inline __attribute__((always_inline)) float step(float *h, const float *Ad, float delta,
                                                          float u, const float *Bt, const float *Ct,

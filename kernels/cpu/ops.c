@@ -22,22 +22,6 @@ static int64_t check_slots(const int64_t *slots, int64_t batch, int64_t num_slot
     return 0;
 }
 
-static inline float silu(float v) { return v / (1.0f + exp_approx(-v)); }
-
-static inline float load(const void *base, int bf16, int64_t i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-static inline void store(void *base, int bf16, int64_t i, float v) {
-    if (bf16)
-        ((uint16_t *)base)[i] = f32_to_bf16(v);
-    else
-        ((float *)base)[i] = v;
-}
-
-/* The value a tensor of the model dtype would hold (the torch path rounds between ops). */
-static inline float round_to(int bf16, float v) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
 /* One (row, head) of the selective state update, in place on its pool state (P, N):
  *   state = state * decay + (dt x) (outer) B;  y = state . C + D x   (y rounded like the model
  * dtype when bf16). */
@@ -71,13 +55,13 @@ static inline __attribute__((always_inline)) void conv_row(
         for (int64_t c = 0; c < dim; c++) {
             const int64_t at = pool_row + c * 3;
             const float *wc = w + c * 4;
-            const float w0 = load(pool, pool_bf16, at), w1 = load(pool, pool_bf16, at + 1);
-            const float w2 = load(pool, pool_bf16, at + 2);
-            const float xin = load(x, x_bf16, x_off + c);
+            const float w0 = load_any(pool, pool_bf16, at), w1 = load_any(pool, pool_bf16, at + 1);
+            const float w2 = load_any(pool, pool_bf16, at + 2);
+            const float xin = load_any(x, x_bf16, x_off + c);
             pre[c] = bias[c] + w0 * wc[0] + w1 * wc[1] + w2 * wc[2] + xin * wc[3];
-            store(pool, pool_bf16, at, w1);
-            store(pool, pool_bf16, at + 1, w2);
-            store(pool, pool_bf16, at + 2, xin);
+            store_any(pool, pool_bf16, at, w1);
+            store_any(pool, pool_bf16, at + 1, w2);
+            store_any(pool, pool_bf16, at + 2, xin);
         }
     } else {
         for (int64_t c = 0; c < dim; c++) {
@@ -85,13 +69,13 @@ static inline __attribute__((always_inline)) void conv_row(
             const float *wc = w + c * K;
             float acc = bias[c];
             for (int64_t k = 0; k < km1; k++) {
-                const float v = load(pool, pool_bf16, at + k);
+                const float v = load_any(pool, pool_bf16, at + k);
                 acc += v * wc[k];
-                if (k) store(pool, pool_bf16, at + k - 1, v);
+                if (k) store_any(pool, pool_bf16, at + k - 1, v);
             }
-            const float xin = load(x, x_bf16, x_off + c);
+            const float xin = load_any(x, x_bf16, x_off + c);
             pre[c] = acc + xin * wc[km1];
-            if (km1) store(pool, pool_bf16, at + km1 - 1, xin);
+            if (km1) store_any(pool, pool_bf16, at + km1 - 1, xin);
         }
     }
 }
@@ -219,7 +203,7 @@ static inline __attribute__((always_inline)) void mamba_decode_body(
         for (int64_t b = 0; b < batch; b++) {
             for (int64_t h = 0; h < H; h++) {
                 const int64_t g = h / heads_per_group;
-                float dt = load(zxbcdt, bf16, b * row_stride + I + conv_dim + h) + dt_bias[h];
+                float dt = load_any(zxbcdt, bf16, b * row_stride + I + conv_dim + h) + dt_bias[h];
                 dt = dt > 20.0f ? dt : log1pf(expf(dt)); /* softplus, torch's threshold */
                 dt = dt < dt_min ? dt_min : (dt > dt_max ? dt_max : dt);
                 const float decay = expf(dt * A[h]);
@@ -243,7 +227,7 @@ static inline __attribute__((always_inline)) void mamba_decode_body(
                 const int64_t o = b * I + q * norm_group;
                 if (norm_mode == 2) {
                     for (int64_t i = 0; i < norm_group; i++) {
-                        const float v = yg[i] * silu(load(zxbcdt, bf16, zoff + i));
+                        const float v = yg[i] * silu(load_any(zxbcdt, bf16, zoff + i));
                         if (bf16)
                             ((uint16_t *)out)[o + i] = f32_to_bf16(v);
                         else
@@ -255,7 +239,7 @@ static inline __attribute__((always_inline)) void mamba_decode_body(
                 if (norm_mode == 0) {
 #pragma omp simd reduction(+ : ss)
                     for (int64_t i = 0; i < norm_group; i++) {
-                        const float hv = yg[i] * silu(load(zxbcdt, bf16, zoff + i));
+                        const float hv = yg[i] * silu(load_any(zxbcdt, bf16, zoff + i));
                         yg[i] = hv;
                         ss += hv * hv;
                     }
@@ -267,7 +251,7 @@ static inline __attribute__((always_inline)) void mamba_decode_body(
                 const float *wg = norm_w + q * norm_group;
                 if (norm_mode == 1) {
                     for (int64_t i = 0; i < norm_group; i++) {
-                        const float v = (wg[i] * (yg[i] * inv)) * silu(load(zxbcdt, bf16, zoff + i));
+                        const float v = (wg[i] * (yg[i] * inv)) * silu(load_any(zxbcdt, bf16, zoff + i));
                         if (bf16)
                             ((uint16_t *)out)[o + i] = f32_to_bf16(v);
                         else
@@ -611,7 +595,7 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
                             out_off[0] = (r * H + h0) * Dh;
                             for (int64_t v = 0; v < group; v++)
                                 for (int64_t d = 0; d < Dh; d++)
-                                    qv[v * Dh + d] = load(q, bf16, out_off[0] + v * Dh + d) * scale;
+                                    qv[v * Dh + d] = load_any(q, bf16, out_off[0] + v * Dh + d) * scale;
                             switch (group) { /* a constant row count per copy: registers */
 #define ITEM(G)                                                                                   \
     case G:                                                                                        \
@@ -631,7 +615,7 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
                                 lens[v] = len + i;
                                 out_off[v] = row;
                                 for (int64_t d = 0; d < Dh; d++)
-                                    qv[v * Dh + d] = load(q, bf16, row + d) * scale;
+                                    qv[v * Dh + d] = load_any(q, bf16, row + d) * scale;
                             }
                         switch (nq * group) {
 #define ITEM(G)                                                                                   \
@@ -647,7 +631,7 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
 #endif
                     for (int64_t g = 0; g < group; g++)
                         for (int64_t d = 0; d < Dh; d++) {
-                            qv[g * Dh + d] = load(q, bf16, (r * H + h0 + g) * Dh + d) * scale;
+                            qv[g * Dh + d] = load_any(q, bf16, (r * H + h0 + g) * Dh + d) * scale;
                             acc[g * Dh + d] = 0.0f;
                         }
                     const int64_t row_bytes = Dh * (bf16 ? 2 : 4);
@@ -689,7 +673,7 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
                     }
                     for (int64_t g = 0; g < group; g++)
                         for (int64_t d = 0; d < Dh; d++)
-                            store(out, bf16, (r * H + h0 + g) * Dh + d, acc[g * Dh + d] * inv[g]);
+                            store_any(out, bf16, (r * H + h0 + g) * Dh + d, acc[g * Dh + d] * inv[g]);
                 }
             }
         }

@@ -21,19 +21,6 @@
 
 #include "common.h"
 
-static inline float load_any(const void *base, int bf16, int64_t i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-static inline void store_any(void *base, int bf16, int64_t i, float v) {
-    if (bf16)
-        ((uint16_t *)base)[i] = f32_to_bf16(v);
-    else
-        ((float *)base)[i] = v;
-}
-
-static inline float round_to(int bf16, float v) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
 static inline float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
 
 int64_t baton_rglru_decode(const void *x, void *conv_pool, float *state_pool, int64_t num_slots,

@@ -19,21 +19,6 @@
 #define MAX_STATE 512 /* dstate: one state row lives on the stack */
 #define MAX_TOKENS 64 /* q: a verify feeds k + 1 <= 17 tokens per request */
 
-static inline float v_silu(float v) { return v / (1.0f + exp_approx(-v)); }
-
-static inline float v_load(const void *base, int bf16, int64_t i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-static inline void v_store(void *base, int bf16, int64_t i, float v) {
-    if (bf16)
-        ((uint16_t *)base)[i] = f32_to_bf16(v);
-    else
-        ((float *)base)[i] = v;
-}
-
-static inline float v_round(int bf16, float v) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
 static int64_t check_table(const int64_t *slots, int64_t n, int64_t num_slots) {
     for (int64_t i = 0; i < n; i++)
         if (slots[i] < 0 || slots[i] >= num_slots) return i + 1;
@@ -68,19 +53,19 @@ int64_t baton_mamba_verify(const void *zxbcdt, int64_t row_stride, void *conv_po
                 const int64_t *row_slots = slots + b * (q + 1);
                 float window[MAX_KM1];
                 for (int64_t k = 0; k < km1; k++)
-                    window[k] = v_load(conv_pool, bf16, (row_slots[0] * conv_dim + c) * km1 + k);
+                    window[k] = load_any(conv_pool, bf16, (row_slots[0] * conv_dim + c) * km1 + k);
                 const float *wc = conv_w + c * K;
                 for (int64_t i = 0; i < q; i++) {
                     const int64_t r = b * q + i;
-                    const float xin = v_load(zxbcdt, bf16, r * row_stride + I + c);
+                    const float xin = load_any(zxbcdt, bf16, r * row_stride + I + c);
                     float acc = conv_b[c];
                     for (int64_t k = 0; k < km1; k++) acc += window[k] * wc[k];
                     acc += xin * wc[km1];
                     for (int64_t k = 0; k + 1 < km1; k++) window[k] = window[k + 1];
-                    if (km1) window[km1 - 1] = v_round(bf16, xin);
+                    if (km1) window[km1 - 1] = round_to(bf16, xin);
                     const int64_t at = (row_slots[i + 1] * conv_dim + c) * km1;
-                    for (int64_t k = 0; k < km1; k++) v_store(conv_pool, bf16, at + k, window[k]);
-                    xbc[r * conv_dim + c] = v_round(bf16, v_silu(v_round(bf16, acc)));
+                    for (int64_t k = 0; k < km1; k++) store_any(conv_pool, bf16, at + k, window[k]);
+                    xbc[r * conv_dim + c] = round_to(bf16, silu(round_to(bf16, acc)));
                 }
             }
         }
@@ -93,7 +78,7 @@ int64_t baton_mamba_verify(const void *zxbcdt, int64_t row_stride, void *conv_po
                 const int64_t g = h / heads_per_group;
                 float dts[MAX_TOKENS], decays[MAX_TOKENS];
                 for (int64_t i = 0; i < q; i++) {
-                    float dt = v_load(zxbcdt, bf16, (b * q + i) * row_stride + I + conv_dim + h) +
+                    float dt = load_any(zxbcdt, bf16, (b * q + i) * row_stride + I + conv_dim + h) +
                                dt_bias[h];
                     dt = dt > 20.0f ? dt : log1pf(expf(dt)); /* softplus, torch's threshold */
                     dts[i] = dt < dt_min ? dt_min : (dt > dt_max ? dt_max : dt);
@@ -118,7 +103,7 @@ int64_t baton_mamba_verify(const void *zxbcdt, int64_t row_stride, void *conv_po
                         }
                         memcpy(ssm_pool + ((row_slots[i + 1] * H + h) * P + p) * N, state,
                                N * sizeof(float));
-                        y[r * I + h * P + p] = v_round(bf16, acc + D[h] * xv);
+                        y[r * I + h * P + p] = round_to(bf16, acc + D[h] * xv);
                     }
                 }
             }
@@ -132,13 +117,13 @@ int64_t baton_mamba_verify(const void *zxbcdt, int64_t row_stride, void *conv_po
                 const int64_t o = r * I + grp * norm_group;
                 if (norm_mode == 2) {
                     for (int64_t i = 0; i < norm_group; i++)
-                        v_store(out, bf16, o + i, yg[i] * v_silu(v_load(zxbcdt, bf16, zoff + i)));
+                        store_any(out, bf16, o + i, yg[i] * silu(load_any(zxbcdt, bf16, zoff + i)));
                     continue;
                 }
                 float ss = 0.0f;
                 if (norm_mode == 0) {
                     for (int64_t i = 0; i < norm_group; i++) {
-                        const float hv = yg[i] * v_silu(v_load(zxbcdt, bf16, zoff + i));
+                        const float hv = yg[i] * silu(load_any(zxbcdt, bf16, zoff + i));
                         yg[i] = hv;
                         ss += hv * hv;
                     }
@@ -150,10 +135,10 @@ int64_t baton_mamba_verify(const void *zxbcdt, int64_t row_stride, void *conv_po
                 for (int64_t i = 0; i < norm_group; i++) {
                     float v;
                     if (norm_mode == 1)
-                        v = (wg[i] * (yg[i] * inv)) * v_silu(v_load(zxbcdt, bf16, zoff + i));
+                        v = (wg[i] * (yg[i] * inv)) * silu(load_any(zxbcdt, bf16, zoff + i));
                     else
-                        v = bf16 ? wg[i] * v_round(1, yg[i] * inv) : wg[i] * (yg[i] * inv);
-                    v_store(out, bf16, o + i, v);
+                        v = bf16 ? wg[i] * round_to(1, yg[i] * inv) : wg[i] * (yg[i] * inv);
+                    store_any(out, bf16, o + i, v);
                 }
             }
         }
