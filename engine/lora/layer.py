@@ -129,6 +129,17 @@ class LoRALinear(nn.Module):
             "b_rows", torch.zeros(width, self.out_features, dtype=dtype, device=device), False
         )
 
+    @torch.no_grad()
+    def write(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Slot `slot` := A (r', in) and scaled B (out, r') padded to the table's rank, or zeros."""
+        rows = slice(slot * self.rank, (slot + 1) * self.rank)
+        self.a_rows[rows].zero_()
+        self.b_rows[rows].zero_()
+        if pair is not None:
+            r = pair[0].shape[0]
+            self.a_rows[rows][:r].copy_(pair[0])
+            self.b_rows[rows][:r].copy_(pair[1].t())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if not _current:

@@ -1,0 +1,144 @@
+"""LoRA adapters on routed MoE experts (PEFT's target_parameters on transformers 5's stacked
+experts): greedy tokens identical to transformers + PEFT in fp32 on Qwen3-Next (PEFT's own
+gate/up/down conversion, rank_pattern 2r on gate_up_proj), Jamba and NemotronH (explicit
+target_parameters), adapters and the base mixed in one batch, eager and captured; what baton
+still cannot apply is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from baton import LLM, LoRARequest, SamplingParams
+from baton.engine.lora.adapter import AdapterError
+from baton.engine.lora.experts import ExpertLoRA
+from baton.engine.lora.model import LoRALimits, slot_table_bytes
+from tests.conftest import MOE_CONFIGS
+from tests.gdn_families import gdn_models  # noqa: F401 (fixture)
+from tests.lora_models import make_adapter
+from tests.reference import hf_greedy
+from tests.ssm_families import ssm_models  # noqa: F401 (fixture)
+from tests.tiny import save_tiny_model
+
+NEW = 8
+PROMPTS = [[5, 17, 42, 9, 33, 8, 71], [100, 3, 64, 12, 7, 250, 19, 2, 45, 60, 11]]
+# transformers 5 + PEFT turn Qwen3-Next's gate/up/down targets into target_parameters
+# gate_up_proj (rank_pattern 2r) and down_proj on the routed experts
+QWEN_EXPERTS = ["gate_proj", "up_proj", "down_proj"]
+
+
+def greedy(n=NEW):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen(gdn_models, tmp_path_factory):  # noqa: F811
+    """(model dir, {name: (dir, PEFT model)}, base): one adapter on the experts only, one on
+    the experts and attention."""
+    model_dir, hf = gdn_models("qwen3_next_mixed")
+    root = tmp_path_factory.mktemp("lora-moe-qwen")
+    adapters = {
+        "experts": (root / "experts", make_adapter(hf, root / "experts", QWEN_EXPERTS, seed=5)),
+        "both": (root / "both", make_adapter(hf, root / "both", ["q_proj", "v_proj", *QWEN_EXPERTS], seed=6)),
+    }  # fmt: skip
+    return model_dir, adapters, hf
+
+
+def check(llm, adapters, hf, prompts=PROMPTS):
+    """Every prompt under every adapter and the base in one generate call (one batch)."""
+    jobs = [(p, name) for p in prompts for name in (*adapters, None)]
+    requests = [
+        None if name is None else LoRARequest(name, i + 1, str(adapters[name][0]))
+        for i, (_, name) in enumerate(jobs)
+    ]
+    outs = llm.generate([p for p, _ in jobs], greedy(), lora_request=requests)
+    for (prompt, name), out in zip(jobs, outs):
+        reference = hf if name is None else adapters[name][1]
+        assert out.token_ids == hf_greedy(reference, prompt, NEW)[0], f"{name}, {prompt}"
+
+
+def test_peft_writes_target_parameters_with_a_doubled_gate_up_rank(qwen):
+    _, adapters, _ = qwen
+    config = json.loads((adapters["experts"][0] / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["down_proj", "gate_up_proj"]
+    assert config["rank_pattern"] == {r".*\.gate_up_proj": 8}
+
+
+def test_expert_only_adapter_changes_the_output(qwen):
+    """So the tests below fail if baton dropped the expert deltas."""
+    _, adapters, hf = qwen
+    for prompt in PROMPTS:
+        assert hf_greedy(adapters["experts"][1], prompt, NEW)[0] != hf_greedy(hf, prompt, NEW)[0]
+
+
+def test_qwen3_next_expert_adapters_mixed_with_the_base_match_peft(qwen):
+    model_dir, adapters, hf = qwen
+    check(LLM(model_dir, enable_lora=True, max_loras=2, max_lora_rank=8), adapters, hf)
+
+
+def test_captured_decode_steps_apply_each_rows_expert_adapter(qwen):
+    model_dir, adapters, hf = qwen
+    llm = LLM(model_dir, enable_lora=True, max_loras=2, max_lora_rank=8, cpu_padded_decode=True,
+              enable_prefix_caching=False)  # fmt: skip
+    check(llm, adapters, hf)
+    assert llm.engine.graph_runner.num_replays > 0, "no decode step was replayed"
+
+
+def test_jamba_expert_adapters_match_peft(ssm_models, tmp_path):  # noqa: F811
+    model_dir, hf = ssm_models("jamba_moe")
+    adapters = {
+        f"j{i}": (tmp_path / f"j{i}", make_adapter(
+            hf, tmp_path / f"j{i}", ["q_proj", "in_proj"], seed=50 + i,
+            target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]))
+        for i in range(2)
+    }  # fmt: skip
+    check(LLM(model_dir, enable_lora=True, max_loras=2, max_lora_rank=8), adapters, hf)
+
+
+def test_nemotron_h_relu2_expert_and_shared_expert_adapters_match_peft(tmp_path):
+    hf = save_tiny_model(tmp_path / "model", seed=9, **MOE_CONFIGS["moe_nano"])
+    path = tmp_path / "nemo"
+    peft_model = make_adapter(hf, path, ["up_proj", "down_proj"], seed=60,
+                              target_parameters=["up_proj", "down_proj"])  # fmt: skip
+    llm = LLM(tmp_path / "model", enable_lora=True, max_loras=1, max_lora_rank=8)
+    check(llm, {"nemo": (path, peft_model)}, hf, PROMPTS[:1])
+
+
+def test_slot_table_estimate_counts_the_expert_tables(qwen):
+    model_dir, adapters, _ = qwen
+    llm = LLM(model_dir, enable_lora=True, max_loras=2, max_lora_rank=8)
+    targets = llm.engine.model.adapters.targets
+    experts = [t for t in targets.values() if isinstance(t, ExpertLoRA)]
+    assert experts, "no expert stack was given a slot table"
+    held = sum(t.a_rows.nbytes + t.b_rows.nbytes for t in targets.values())
+    limits = LoRALimits(max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    assert slot_table_bytes(model_dir, limits, torch.float32, 1) == held
+
+
+def test_expert_rank_over_max_lora_rank_is_refused_by_name(qwen, tmp_path):
+    model_dir, _, hf = qwen
+    make_adapter(hf, tmp_path / "wide", QWEN_EXPERTS, seed=7, r=8)  # gate_up_proj: rank 16
+    llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
+    with pytest.raises(AdapterError, match=r"gate_up_proj has rank 16 .*max-lora-rank 8"):
+        llm.engine.add_lora("wide", str(tmp_path / "wide"))
+
+
+def test_rank_pattern_on_a_projection_and_per_expert_tensors_are_refused(qwen, tmp_path):
+    model_dir, adapters, hf = qwen
+    llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
+    make_adapter(hf, tmp_path / "pattern", ["q_proj"], seed=8, rank_pattern={"q_proj": 2})
+    with pytest.raises(AdapterError, match=r"rank_pattern 'q_proj' applies to .*q_proj"):
+        llm.engine.add_lora("pattern", str(tmp_path / "pattern"))
+    # transformers 4's per-expert layout (what vLLM reads for Qwen2-MoE / Mixtral adapters)
+    v4 = tmp_path / "v4"
+    v4.mkdir()
+    (v4 / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4,
+        "lora_alpha": 8, "target_modules": ["gate_proj"]}))  # fmt: skip
+    save_file({f"base_model.model.model.layers.1.mlp.experts.3.gate_proj.lora_{p}.weight":
+               torch.zeros(4, 64) if p == "A" else torch.zeros(16, 4) for p in "AB"},
+              str(v4 / "adapter_model.safetensors"))  # fmt: skip
+    with pytest.raises(AdapterError, match=r"experts\.3\.gate_proj, one routed expert's own"):
+        llm.engine.add_lora("v4", str(v4))
