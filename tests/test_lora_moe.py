@@ -84,7 +84,11 @@ def test_captured_decode_steps_apply_each_rows_expert_adapter(qwen):
     llm = LLM(model_dir, enable_lora=True, max_loras=2, max_lora_rank=8, cpu_padded_decode=True,
               enable_prefix_caching=False)  # fmt: skip
     check(llm, adapters, hf)
-    assert llm.engine.graph_runner.num_replays > 0, "no decode step was replayed"
+    runner = llm.engine.graph_runner
+    assert runner.num_replays > 0, "no decode step was replayed"
+    assert any(key[3] and plan is not None for key, plan in runner.plans.items()), (
+        "no step with adapters was captured"
+    )
 
 
 def test_jamba_expert_adapters_match_peft(ssm_models, tmp_path):  # noqa: F811
@@ -142,3 +146,50 @@ def test_rank_pattern_on_a_projection_and_per_expert_tensors_are_refused(qwen, t
               str(v4 / "adapter_model.safetensors"))  # fmt: skip
     with pytest.raises(AdapterError, match=r"experts\.3\.gate_proj, one routed expert's own"):
         llm.engine.add_lora("v4", str(v4))
+
+
+def _expert_reference(x, w_up, w_down, ids, weights, deltas, activation):
+    """Token by token: each choice's expert with its slot's B_e A_e added, as PEFT's merged
+    weights compute it."""
+    r, E = deltas.rank, deltas.num_experts
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e, s = int(ids[t, j]), int(deltas.lora_slots[t])
+            up, down = w_up[e].double(), w_down[e].double()
+            if s >= 0:
+                rows = slice((s * E + e) * r, (s * E + e + 1) * r)
+                up = up + deltas.up_b[rows].double().t() @ deltas.up_a[rows].double()
+                down = down + deltas.down_b[rows].double().t() @ deltas.down_a[rows].double()
+            h = up @ x[t].double()
+            if activation == "relu2":
+                h = torch.relu(h).square()
+            else:
+                gate, lin = h.chunk(2)
+                h = torch.nn.functional.silu(gate) * lin
+            out[t] += float(weights[t, j]) * (down @ h)
+    return out
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_c_and_torch_expert_paths_add_each_rows_own_expert_delta(activation):
+    from baton.kernels.cpu.moe import pack_panels
+    from baton.kernels.layouts import Routing
+    from baton.kernels.lora import ExpertDeltas
+    from baton.kernels.moe import fused_moe_torch
+
+    torch.manual_seed(0)
+    T, D, inter, E, k, S, r = 6, 20, 70, 4, 2, 2, 3  # inter > 64: two panels of h
+    up_rows = 2 * inter if activation == "swiglu" else inter
+    w_up, w_down = torch.randn(E, up_rows, D) / 4, torch.randn(E, D, inter) / 8
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    routing = Routing(torch.rand(T, k), ids)
+    x = torch.randn(T, D)
+    tables = [torch.randn(S * E * r, n) / 3 for n in (D, up_rows, inter, D)]
+    deltas = ExpertDeltas(*tables, rank=r, num_experts=E,
+                          lora_slots=torch.tensor([0, -1, 1, 0, 1, -1]))  # fmt: skip
+    want = _expert_reference(x, w_up, w_down, ids, routing.weights, deltas, activation)
+    panels = pack_panels(w_up, w_down, activation == "swiglu")
+    for packed in (None, panels):
+        got = fused_moe_torch(x, w_up, w_down, routing, activation, packed, deltas)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
