@@ -172,11 +172,12 @@ def _expert_reference(x, w_up, w_down, ids, weights, deltas, activation):
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "relu2"])
-def test_c_and_torch_expert_paths_add_each_rows_own_expert_delta(activation):
+def test_c_torch_and_triton_expert_paths_add_each_rows_own_expert_delta(activation, monkeypatch):
+    """The Triton kernels run in the interpreter (TRITON_INTERPRET=1, tests/conftest.py)."""
     from baton.kernels.cpu.moe import pack_panels
     from baton.kernels.layouts import Routing
     from baton.kernels.lora import ExpertDeltas
-    from baton.kernels.moe import fused_moe_torch
+    from baton.kernels.moe import fused_moe, fused_moe_torch
 
     torch.manual_seed(0)
     T, D, inter, E, k, S, r = 6, 20, 70, 4, 2, 2, 3  # inter > 64: two panels of h
@@ -193,3 +194,6 @@ def test_c_and_torch_expert_paths_add_each_rows_own_expert_delta(activation):
     for packed in (None, panels):
         got = fused_moe_torch(x, w_up, w_down, routing, activation, packed, deltas)
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("BATON_KERNELS", "triton")
+    got = fused_moe(x, w_up, w_down, routing, activation, None, deltas)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
