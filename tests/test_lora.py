@@ -95,7 +95,7 @@ def test_qwen3_next_packed_qkvz_ba_and_shared_expert_adapters_match(gdn_models, 
     rows regrouped, and B's rows must follow the same regrouping."""
     model_dir, hf = gdn_models("qwen3_next_mixed")
     # Not gate/up/down: with transformers 5's fused experts PEFT turns those names into
-    # target_parameters on the routed experts too, which baton refuses (test_lora_refusals.py)
+    # target_parameters on the routed experts (tests/test_lora_moe.py)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]
     adapters = {
         name: (tmp_path / name, make_adapter(hf, tmp_path / name, targets, seed=90 + i))

@@ -48,7 +48,11 @@ def qwen(gdn_models, tmp_path_factory):  # noqa: F811
 
 
 def check(llm, adapters, hf, prompts=PROMPTS):
-    """Every prompt under every adapter and the base in one generate call (one batch)."""
+    """Every prompt under every adapter and the base in one generate call (one batch); each
+    adapter changes each prompt's tokens."""
+    for _, peft_model in adapters.values():
+        for prompt in prompts:
+            assert hf_greedy(peft_model, prompt, NEW)[0] != hf_greedy(hf, prompt, NEW)[0]
     jobs = [(p, name) for p in prompts for name in (*adapters, None)]
     requests = [
         None if name is None else LoRARequest(name, i + 1, str(adapters[name][0]))
@@ -197,3 +201,15 @@ def test_c_torch_and_triton_expert_paths_add_each_rows_own_expert_delta(activati
     monkeypatch.setenv("BATON_KERNELS", "triton")
     got = fused_moe(x, w_up, w_down, routing, activation, None, deltas)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_tp2_slices_expert_adapters_like_the_experts(tmp_path):
+    """TP=2 (gloo, two CPU processes): each rank keeps every expert with half its intermediate,
+    so B of up_proj loses the same rows and A of down_proj the same columns."""
+    hf = save_tiny_model(tmp_path / "model", seed=9, **MOE_CONFIGS["moe_nano"])
+    path = tmp_path / "nemo"
+    peft_model = make_adapter(hf, path, [], seed=61,
+                              target_parameters=["up_proj", "down_proj"])  # fmt: skip
+    with LLM(tmp_path / "model", tensor_parallel_size=2, enable_lora=True, max_loras=1,
+             max_lora_rank=8) as llm:  # fmt: skip
+        check(llm, {"nemo": (path, peft_model)}, hf, PROMPTS[:1])
