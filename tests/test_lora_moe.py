@@ -6,6 +6,7 @@ still cannot apply is refused by name."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -134,22 +135,49 @@ def test_expert_rank_over_max_lora_rank_is_refused_by_name(qwen, tmp_path):
         llm.engine.add_lora("wide", str(tmp_path / "wide"))
 
 
-def test_rank_pattern_on_a_projection_and_per_expert_tensors_are_refused(qwen, tmp_path):
-    model_dir, adapters, hf = qwen
+def save_per_expert_adapter(path, experts: str, E: int, D: int, inter: int, seed: int):
+    """An adapter as PEFT wrote them for transformers 4: `<experts>.{e}.gate_proj.lora_A` ...
+    (what vLLM reads for Qwen2-MoE / Mixtral adapters), r 4, alpha 8."""
+    torch.manual_seed(seed)
+    tensors = {}
+    for e in range(E):
+        for proj, (fan_in, fan_out) in (("gate_proj", (D, inter)), ("up_proj", (D, inter)),
+                                        ("down_proj", (inter, D))):  # fmt: skip
+            key = f"base_model.model.{experts}.{e}.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(4, fan_in) * 0.3
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, 4) * 0.3
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "task_type": "CAUSAL_LM",
+              "target_modules": ["gate_proj", "up_proj", "down_proj"]}  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(config))
+
+
+def test_qwen3_next_per_expert_adapter_of_transformers_4_matches_peft(qwen, tmp_path):
+    """PEFT converts it for Qwen3-Next (gate/up fused: A stacked, B block-diagonal, rank 2 r)."""
+    from peft import PeftModel
+
+    model_dir, _, hf = qwen
+    save_per_expert_adapter(tmp_path / "v4", "model.layers.1.mlp.experts", 8, 64, 16, seed=12)
+    reference = PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path / "v4")).eval()
+    llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
+    check(llm, {"v4": (tmp_path / "v4", reference)}, hf, PROMPTS[:1])
+
+
+def test_rank_pattern_on_a_projection_and_per_expert_tensors_are_refused(
+    qwen, ssm_models, tmp_path  # noqa: F811
+):
+    model_dir, _, hf = qwen
     llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
     make_adapter(hf, tmp_path / "pattern", ["q_proj"], seed=8, rank_pattern={"q_proj": 2})
     with pytest.raises(AdapterError, match=r"rank_pattern 'q_proj' applies to .*q_proj"):
         llm.engine.add_lora("pattern", str(tmp_path / "pattern"))
-    # transformers 4's per-expert layout (what vLLM reads for Qwen2-MoE / Mixtral adapters)
-    v4 = tmp_path / "v4"
-    v4.mkdir()
-    (v4 / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4,
-        "lora_alpha": 8, "target_modules": ["gate_proj"]}))  # fmt: skip
-    save_file({f"base_model.model.model.layers.1.mlp.experts.3.gate_proj.lora_{p}.weight":
-               torch.zeros(4, 64) if p == "A" else torch.zeros(16, 4) for p in "AB"},
-              str(v4 / "adapter_model.safetensors"))  # fmt: skip
-    with pytest.raises(AdapterError, match=r"experts\.3\.gate_proj, one routed expert's own"):
-        llm.engine.add_lora("v4", str(v4))
+    # transformers 5 + PEFT do not convert Jamba's per-expert adapters: neither does baton
+    jamba_dir, _ = ssm_models("jamba_moe")
+    save_per_expert_adapter(tmp_path / "v4", "model.layers.1.feed_forward.experts", 4, 32, 48, 1)
+    llm = LLM(jamba_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
+    with pytest.raises(AdapterError, match=r"experts\.0\.down_proj, one routed expert's own"):
+        llm.engine.add_lora("v4", str(tmp_path / "v4"))
 
 
 def _expert_reference(x, w_up, w_down, ids, weights, deltas, activation):

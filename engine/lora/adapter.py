@@ -29,10 +29,13 @@ import torch
 from safetensors import safe_open
 
 from baton.engine.lora.expert_adapter import (
+    PER_EXPERT,
     ExpertConfig,
     container,
     expert_targets,
+    per_expert_stack,
     read_experts,
+    stack_per_expert,
 )
 from baton.engine.lora.layer import LoRALinear
 from baton.engine.parallel import Slices
@@ -101,7 +104,7 @@ def _config(name: str, root: Path, max_rank: int) -> tuple[int, float, ExpertCon
         raise AdapterError(f"adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     _check_patterns(name, config)
-    return r, float(scaling), ExpertConfig(config, r, alpha)
+    return r, float(scaling), ExpertConfig.of(config, r, alpha)
 
 
 def _check_patterns(name: str, config: dict) -> None:
@@ -163,6 +166,7 @@ def read_adapter(
 def _read(name, root: Path, targets, rename, r, scaling, experts, max_rank) -> LoRAWeights:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     wrapped: dict[str, list] = {}  # expert container -> [(depth, A, B)] of its ParamWrappers
+    per_expert: dict[str, dict] = {}  # expert container -> {proj: {e: (A, B)}} (transformers 4)
     with safe_open(str(root / WEIGHTS_FILE), framework="pt") as file:
         modules = _module_names(name, list(file.keys()))
         if not modules:
@@ -173,11 +177,21 @@ def _read(name, root: Path, targets, rename, r, scaling, experts, max_rank) -> L
             if expert_targets(outer, experts, targets, rename):
                 wrapped.setdefault(outer, []).append((depth, a, b))
                 continue
+            if per_expert_stack(module, targets, rename) is not None:
+                match = PER_EXPERT.match(module)
+                projections = per_expert.setdefault(match["experts"], {})
+                projections.setdefault(match["proj"], {})[int(match["e"])] = (a, b)
+                continue
             target = _target(name, module, targets, rename, experts)
             weights[target.name] = _fit(name, module, target, a, b, r, scaling)
     for module, wrappers in wrapped.items():
         found = expert_targets(module, experts, targets, rename)
         weights |= read_experts(name, module, wrappers, found, experts, max_rank)
+    for module, projections in per_expert.items():
+        up = per_expert_stack(f"{module}.0.up_proj", targets, rename)
+        stacked, converted = stack_per_expert(name, module, projections, experts, up)
+        found = expert_targets(module, converted, targets, rename)
+        weights |= read_experts(name, module, stacked, found, converted, max_rank)
     return LoRAWeights(name=name, path=str(root), rank=r, weights=weights)
 
 
@@ -188,8 +202,9 @@ def _target(name, module: str, targets, rename, experts: ExpertConfig) -> LoRALi
     if re.search(r"\.experts\.\d+\.", module):
         raise AdapterError(
             f"adapter {name!r} targets {module}, one routed expert's own projection (a per-expert "
-            "adapter as PEFT wrote them for transformers 4): baton reads routed-expert adapters "
-            "as PEFT writes them for transformers 5's stacked experts (target_parameters)"
+            "adapter as PEFT wrote them for transformers 4): transformers 5 + PEFT convert those "
+            "for Qwen3-Next only, and so does baton; elsewhere save the adapter for "
+            "transformers 5's stacked experts (target_parameters)"
         )
     if not isinstance(target, LoRALinear):
         raise AdapterError(

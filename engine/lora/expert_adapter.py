@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,14 +33,27 @@ from baton.engine.parallel import Slices
 BASE_LAYER = ".base_layer"
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ExpertConfig:
     """The config's fields expert adapters read (checked by engine/lora/adapter.py)."""
 
-    def __init__(self, config: dict, r: int, alpha: float):
-        self.r, self.alpha, self.rslora = r, alpha, bool(config.get("use_rslora"))
-        self.target_parameters = list(config.get("target_parameters") or [])
-        self.rank_pattern = dict(config.get("rank_pattern") or {})
-        self.alpha_pattern = dict(config.get("alpha_pattern") or {})
+    r: int
+    alpha: float
+    rslora: bool
+    target_parameters: tuple[str, ...]
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+
+    @classmethod
+    def of(cls, config: dict, r: int, alpha: float) -> ExpertConfig:
+        return cls(
+            r=r,
+            alpha=alpha,
+            rslora=bool(config.get("use_rslora")),
+            target_parameters=tuple(config.get("target_parameters") or ()),
+            rank_pattern=dict(config.get("rank_pattern") or {}),
+            alpha_pattern=dict(config.get("alpha_pattern") or {}),
+        )
 
     def pattern(self, patterns: dict, key: str) -> str | None:
         """PEFT's get_pattern_key: the first pattern matching a suffix of `key` at a dot."""
@@ -137,3 +151,63 @@ def _fits(target: ExpertLoRA, a: torch.Tensor, b: torch.Tensor) -> bool:
         if sliced == dim and max(start + length for start, length in rule.ranges) > size:
             return False
     return True
+
+
+# Per-expert adapters as PEFT wrote them for transformers 4 (`<experts>.{e}.gate_proj.lora_A`
+# ...): transformers 5 + PEFT 0.21 load them only for the model types whose checkpoint
+# conversion PEFT mirrors for adapters (`_MOE_TARGET_MODULE_MAPPING`: Qwen2-MoE's pattern, which
+# Qwen3-Next takes; Mixtral's). Of baton's families that is Qwen3-Next; elsewhere they are
+# refused (the reference would not apply them).
+PER_EXPERT_ARCHITECTURES = frozenset({"Qwen3NextForCausalLM"})
+PER_EXPERT = re.compile(
+    r"^(?P<experts>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$"
+)
+
+
+def stack_per_expert(
+    name: str, experts: str, projections: dict, config: ExpertConfig, up: ExpertLoRA
+) -> tuple[list, ExpertConfig]:
+    """PEFT's own conversion of one module's per-expert tensors {proj: {e: (A (r, in), B (out,
+    r))}} into its target_parameters form: ([(depth, A (r' E, in), B (out, r' E))], the config
+    with PEFT's rank/alpha patterns). SwiGLU: gate_up's A is [A_gate; A_up] and B the block
+    diagonal of B_gate and B_up, rank 2 r and alpha 2 alpha. up: the experts' up stack."""
+    from baton.engine.lora.adapter import AdapterError
+
+    swiglu, count = up.swiglu, up.num_experts
+    fused = ("gate_proj", "up_proj") if swiglu else ("up_proj",)
+    up_name = "gate_up_proj" if swiglu else "up_proj"
+    wrappers = []
+    for depth, parts, param in ((1, fused, up_name), (0, ("down_proj",), "down_proj")):
+        if not any(p in projections for p in parts):
+            continue
+        if any(sorted(projections.get(p, {})) != list(range(count)) for p in parts):
+            raise AdapterError(
+                f"adapter {name!r}: {experts} has per-expert {'/'.join(parts)} tensors that do "
+                f"not cover experts 0..{count - 1} for each of {', '.join(parts)} (they are "
+                f"fused into {param})"
+            )
+        a = torch.stack([torch.cat([projections[p][e][0] for p in parts]) for e in range(count)])
+        b = torch.stack(
+            [torch.block_diag(*[projections[p][e][1] for p in parts]) for e in range(count)], -1
+        )
+        wrappers.append((depth, a.flatten(0, 1), b.flatten(1, 2)))
+    converted = replace(config, target_parameters=(up_name, "down_proj"))
+    if swiglu:
+        pattern = rf".*\.{up_name}"
+        converted = replace(
+            converted,
+            rank_pattern=config.rank_pattern | {pattern: 2 * config.r},
+            alpha_pattern=config.alpha_pattern | {pattern: 2 * config.alpha},
+        )
+    return wrappers, converted
+
+
+def per_expert_stack(
+    module: str, targets: dict, rename: Callable[[str], str | None]
+) -> ExpertLoRA | None:
+    """The up stack of the experts a per-expert module belongs to, where this model reads
+    per-expert adapters (PER_EXPERT_ARCHITECTURES); else None."""
+    match = PER_EXPERT.match(module)
+    renamed = rename(f"{match['experts']}.up_proj") if match else None
+    target = targets.get(renamed) if renamed else None
+    return target if isinstance(target, ExpertLoRA) and target.reads_per_expert else None

@@ -34,9 +34,21 @@ STACKED_NAMES = {"gate_up_proj": "up_proj", "up_proj": "up_proj", "down_proj": "
 class ExpertLoRA(nn.Module):
     """One stacked projection's (`up_proj` or `down_proj`) part of the slot table."""
 
-    def __init__(self, stack: torch.Tensor | nn.Module, max_loras: int, max_rank: int, name: str):
+    def __init__(
+        self,
+        stack: torch.Tensor | nn.Module,
+        max_loras: int,
+        max_rank: int,
+        name: str,
+        *,
+        swiglu: bool,
+        reads_per_expert: bool,
+    ):
+        """swiglu: the experts' up stack is [gate | up]; reads_per_expert: transformers 4's
+        per-expert adapter tensors apply to this model (engine/lora/expert_adapter.py)."""
         super().__init__()
         self.name = name  # the stacked parameter's in-memory name, `...experts.up_proj`
+        self.swiglu, self.reads_per_expert = swiglu, reads_per_expert
         weight = stacked_weight(stack)  # a quantized stack's deltas run in float32
         self.num_experts, self.out_features, self.in_features = weight.shape
         self.rank = max_rank
@@ -91,7 +103,9 @@ class ExpertAdapters(nn.Module):
         )
 
 
-def wrap_experts(backbone: nn.Module, max_loras: int, max_rank: int, prefix: str) -> dict:
+def wrap_experts(
+    backbone: nn.Module, max_loras: int, max_rank: int, prefix: str, reads_per_expert: bool
+) -> dict:
     """Give every `Experts` under `backbone` its slot table; returns {in-memory stacked
     parameter name: its ExpertLoRA}."""
     wrapped: dict[str, ExpertLoRA] = {}
@@ -99,7 +113,14 @@ def wrap_experts(backbone: nn.Module, max_loras: int, max_rank: int, prefix: str
         if type(layer).__name__ != "Experts":
             continue
         up, down = (
-            ExpertLoRA(getattr(layer, attr), max_loras, max_rank, f"{prefix}{path}.{attr}")
+            ExpertLoRA(
+                getattr(layer, attr),
+                max_loras,
+                max_rank,
+                f"{prefix}{path}.{attr}",
+                swiglu=layer.activation == "swiglu",
+                reads_per_expert=reads_per_expert,
+            )
             for attr in ("up_proj", "down_proj")
         )
         layer.adapters = ExpertAdapters(up, down)

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from baton.engine.checkpoint.weights import checkpoint_files
+from baton.engine.lora.expert_adapter import PER_EXPERT_ARCHITECTURES
 from baton.engine.lora.experts import expert_elements, wrap_experts
 from baton.engine.lora.layer import ADAPTABLE, wrap_adaptable
 from baton.engine.lora.slots import AdapterTable
@@ -29,7 +30,10 @@ def enable_adapters(
     """Wrap `model.model` (the backbone; an MTP head drafts as the base) and attach the table
     as `model.adapters`. Call after the weights load, before the CPU packing."""
     targets = wrap_adaptable(model.model, limits.max_loras, limits.max_lora_rank, "model.")
-    targets |= wrap_experts(model.model, limits.max_loras, limits.max_lora_rank, "model.")
+    per_expert = model.config.architecture in PER_EXPERT_ARCHITECTURES
+    targets |= wrap_experts(
+        model.model, limits.max_loras, limits.max_lora_rank, "model.", per_expert
+    )
     if not targets:
         raise ValueError(f"{type(model.model).__name__}: no projection baton can adapt")
     model.adapters = AdapterTable(
