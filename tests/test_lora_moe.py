@@ -229,6 +229,15 @@ def test_c_torch_and_triton_expert_paths_add_each_rows_own_expert_delta(activati
     monkeypatch.setenv("BATON_KERNELS", "triton")
     got = fused_moe(x, w_up, w_down, routing, activation, None, deltas)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    monkeypatch.delenv("BATON_KERNELS")
+    # bfloat16 weights, tables and rows (the C path's bf16 loops): near the float64 reference
+    half = ExpertDeltas(*(t.bfloat16() for t in tables), rank=r, num_experts=E,
+                        lora_slots=deltas.lora_slots)  # fmt: skip
+    w_up, w_down, x = w_up.bfloat16(), w_down.bfloat16(), x.bfloat16()
+    want = _expert_reference(x, w_up, w_down, ids, routing.weights, half, activation)
+    for packed in (None, pack_panels(w_up, w_down, activation == "swiglu")):
+        got = fused_moe_torch(x, w_up, w_down, routing, activation, packed, half)
+        torch.testing.assert_close(got.double(), want, rtol=0.05, atol=0.05)
 
 
 def test_tp2_slices_expert_adapters_like_the_experts(tmp_path):
