@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from baton import LLM, LoRARequest, SamplingParams
+from baton import LLM, SamplingParams
 from baton.engine.lora.adapter import AdapterError
 from baton.engine.lora.experts import ExpertLoRA
 from baton.engine.lora.model import LoRALimits, slot_table_bytes
 from tests.conftest import MOE_CONFIGS
 from tests.gdn_families import gdn_models  # noqa: F401 (fixture)
-from tests.lora_models import make_adapter
+from tests.lora_models import assert_mixed_batch_matches, make_adapter
 from tests.reference import hf_greedy
 from tests.ssm_families import ssm_models  # noqa: F401 (fixture)
 from tests.tiny import save_tiny_model
@@ -54,15 +54,7 @@ def check(llm, adapters, hf, prompts=PROMPTS):
     for _, peft_model in adapters.values():
         for prompt in prompts:
             assert hf_greedy(peft_model, prompt, NEW)[0] != hf_greedy(hf, prompt, NEW)[0]
-    jobs = [(p, name) for p in prompts for name in (*adapters, None)]
-    requests = [
-        None if name is None else LoRARequest(name, i + 1, str(adapters[name][0]))
-        for i, (_, name) in enumerate(jobs)
-    ]
-    outs = llm.generate([p for p, _ in jobs], greedy(), lora_request=requests)
-    for (prompt, name), out in zip(jobs, outs):
-        reference = hf if name is None else adapters[name][1]
-        assert out.token_ids == hf_greedy(reference, prompt, NEW)[0], f"{name}, {prompt}"
+    assert_mixed_batch_matches(llm, adapters, hf, prompts, NEW)
 
 
 def test_peft_writes_target_parameters_with_a_doubled_gate_up_rank(qwen):
@@ -164,15 +156,16 @@ def test_qwen3_next_per_expert_adapter_of_transformers_4_matches_peft(qwen, tmp_
     check(llm, {"v4": (tmp_path / "v4", reference)}, hf, PROMPTS[:1])
 
 
-def test_rank_pattern_on_a_projection_and_per_expert_tensors_are_refused(
-    qwen, ssm_models, tmp_path  # noqa: F811
-):
+def test_rank_pattern_on_a_projection_is_refused_by_name(qwen, tmp_path):
     model_dir, _, hf = qwen
     llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
     make_adapter(hf, tmp_path / "pattern", ["q_proj"], seed=8, rank_pattern={"q_proj": 2})
     with pytest.raises(AdapterError, match=r"rank_pattern 'q_proj' applies to .*q_proj"):
         llm.engine.add_lora("pattern", str(tmp_path / "pattern"))
-    # transformers 5 + PEFT do not convert Jamba's per-expert adapters: neither does baton
+
+
+def test_per_expert_adapters_peft_does_not_convert_are_refused(ssm_models, tmp_path):  # noqa: F811
+    """transformers 5 + PEFT do not convert Jamba's per-expert adapters: neither does baton."""
     jamba_dir, _ = ssm_models("jamba_moe")
     save_per_expert_adapter(tmp_path / "v4", "model.layers.1.feed_forward.experts", 4, 32, 48, 1)
     llm = LLM(jamba_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
