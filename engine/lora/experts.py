@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from baton.engine import parallel
-from baton.engine.lora.layer import _current
+from baton.engine.lora.layer import active_rows
 from baton.engine.parallel import ShardRule
 from baton.engine.quantization.modules import stacked_weight
 from baton.kernels.lora import ExpertDeltas
@@ -86,10 +86,8 @@ class ExpertAdapters(nn.Module):
 
     def deltas(self) -> ExpertDeltas | None:
         """This forward's deltas; None when no row has an adapter (the base experts only)."""
-        if not _current:
-            raise RuntimeError(f"{self.up.name}: adapted experts ran outside slot_rows")
-        rows = _current[-1]
-        if not rows.active:
+        rows = active_rows(self.up.name)
+        if rows is None:
             return None
         up, down = self.up, self.down
         return ExpertDeltas(

@@ -101,6 +101,14 @@ def slot_rows(
         _current.pop()
 
 
+def active_rows(name: str) -> SlotRows | None:
+    """This forward's row selection for the adapted module `name`; None when no row has an
+    adapter. Refuses a call outside slot_rows."""
+    if not _current:
+        raise RuntimeError(f"{name}: an adapted module ran outside slot_rows")
+    return _current[-1] if _current[-1].active else None
+
+
 class LoRALinear(nn.Module):
     """`base(x)` plus the slot table's deltas (module docstring). `a_rows` and `b_rows` are this
     projection's part of the table, written by the slot table (engine/lora/slots.py)."""
