@@ -99,6 +99,15 @@ def test_jamba_expert_adapters_match_peft(ssm_models, tmp_path):  # noqa: F811
     check(LLM(model_dir, enable_lora=True, max_loras=2, max_lora_rank=8), adapters, hf)
 
 
+def test_qwen3_5_moe_expert_adapters_match_peft(gdn_models, tmp_path):  # noqa: F811
+    model_dir, hf = gdn_models("qwen3_5_moe")
+    path = tmp_path / "q35"
+    peft_model = make_adapter(hf, path, [], seed=62,
+                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
+    check(llm, {"q35": (path, peft_model)}, hf, PROMPTS[:1])
+
+
 def test_nemotron_h_relu2_expert_and_shared_expert_adapters_match_peft(tmp_path):
     hf = save_tiny_model(tmp_path / "model", seed=9, **MOE_CONFIGS["moe_nano"])
     path = tmp_path / "nemo"

@@ -11,8 +11,9 @@ that parameter): one `ParamWrapper` per targeted parameter, nested when a module
 
 For a parameter (E, out, in) PEFT swaps its in/out (`is_transposed` False), and expert e's
 delta is B_e A_e * scaling with A_e = A.reshape(E, r, in)[e] and B_e = B.reshape(out, r, E)[:, :, e]
-(`ParamWrapper.get_delta_weight`). Models whose v4 checkpoints had separate gate_proj / up_proj
-experts (Qwen2-MoE's conversion: Qwen3-Next, Qwen3.5-MoE) get their `target_modules`
+(`ParamWrapper.get_delta_weight`). The model types PEFT converts from transformers 4's
+per-expert modules (Qwen2-MoE's pattern, which Qwen3-Next takes; not Jamba, NemotronH, Qwen3.5-MoE:
+there target_parameters are written by hand) get their `target_modules`
 gate_proj / up_proj / down_proj turned into target_parameters gate_up_proj / down_proj, with
 `rank_pattern` / `alpha_pattern` {'.*\\.gate_up_proj': 2 r / 2 alpha}: the fused projection's
 rank is twice the adapter's. Those patterns are read with PEFT's matching (`get_pattern_key`).
