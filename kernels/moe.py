@@ -193,7 +193,7 @@ def fused_moe_torch(
         if n == 0:
             continue
         pairs = order[start : start + n]
-        adapter = None if lora is None else (lora, up_delta[pairs], pair_slots[pairs])
+        adapter = None if lora is None else _RowsAdapter(lora, up_delta[pairs], pair_slots[pairs])
         outs.append(_expert(rows[start : start + n], e, w_up, w_down, activation, packed, adapter))
         start += n
     ys = torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -208,12 +208,19 @@ def _combine(ys, routing: Routing, order, token_of, T: int, dtype: torch.dtype) 
     return out.to(dtype)
 
 
+class _RowsAdapter(NamedTuple):
+    """One expert's rows' adapters in the torch path."""
+
+    deltas: ExpertDeltas
+    up_delta: torch.Tensor  # (n, up_rows) float32, the rows' pairs' up deltas
+    pair_slots: torch.Tensor  # (n,) int64, the rows' pairs' row groups (ExpertDeltas)
+
+
 def _expert(rows, e, w_up, w_down, activation: Activation, packed: PackedExperts | None, adapter):
-    """One expert on its rows: (n, D) -> (n, D). adapter: None, or (ExpertDeltas, the rows' up
-    deltas (n, up_rows) float32, the rows' pair slots (n,))."""
+    """One expert on its rows: (n, D) -> (n, D); adapter: a _RowsAdapter or None."""
     h = _project(rows, None if packed is None else packed.up[e], w_up, e)
     if adapter is not None:
-        h = (h.float() + adapter[1]).to(h.dtype)
+        h = (h.float() + adapter.up_delta).to(h.dtype)
     if activation == "relu2":
         h = torch.relu(h).square()
     else:
@@ -221,7 +228,7 @@ def _expert(rows, e, w_up, w_down, activation: Activation, packed: PackedExperts
         h = F.silu(gate) * up
     y = _project(h, None if packed is None else packed.down[e], w_down, e)
     if adapter is not None:
-        adapter[0].down_delta(h, adapter[2], y)
+        adapter.deltas.down_delta(h, adapter.pair_slots, y)
     return y
 
 
