@@ -252,3 +252,34 @@ def test_tp2_slices_expert_adapters_like_the_experts(tmp_path):
     with LLM(tmp_path / "model", tensor_parallel_size=2, enable_lora=True, max_loras=1,
              max_lora_rank=8) as llm:  # fmt: skip
         check(llm, {"nemo": (path, peft_model)}, hf, PROMPTS[:1])
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_fp8_experts_take_float32_expert_deltas(activation):
+    """Quantized experts (weight-only FP8): the C call's quantized loops and the torch path add
+    the same deltas as on the dequantized weights."""
+    from baton.kernels.cpu.moe import QuantPanelExperts
+    from baton.kernels.layouts import Routing
+    from baton.kernels.lora import ExpertDeltas
+    from baton.kernels.moe import fused_moe_torch, pack_experts
+    from baton.kernels.quant import dequantize, quantize_fp8
+
+    torch.manual_seed(1)
+    T, D, inter, E, k, S, r = 5, 24, 40, 3, 2, 2, 2
+    up_rows = 2 * inter if activation == "swiglu" else inter
+    q_up, q_down = (
+        quantize_fp8(torch.randn(E, up_rows, D) / 4),
+        quantize_fp8(torch.randn(E, D, inter) / 8),
+    )
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    routing = Routing(torch.rand(T, k), ids)
+    x = torch.randn(T, D)
+    tables = [torch.randn(S * E * r, n) / 3 for n in (D, up_rows, inter, D)]
+    deltas = ExpertDeltas(*tables, rank=r, num_experts=E, lora_slots=torch.tensor([1, 0, -1, 1, 0]))
+    w_up, w_down = dequantize(q_up), dequantize(q_down)
+    want = _expert_reference(x, w_up, w_down, ids, routing.weights, deltas, activation)
+    packed = pack_experts(q_up, q_down, activation)
+    paths = (None, packed) if isinstance(packed, QuantPanelExperts) else (None,)
+    for panels in paths:
+        got = fused_moe_torch(x, q_up, q_down, routing, activation, panels, deltas)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
