@@ -24,7 +24,7 @@ captured CPU step or CUDA graph replays any mix.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -88,6 +88,40 @@ def lora_delta(
     """out (T, n) += each row's own adapter's x @ A.T @ B, in place; returns out."""
     lora_expand(lora_shrink(x, a_rows, lora_slots, rank, 1), b_rows, lora_slots, rank, out)
     return out
+
+
+class ExpertDeltas(NamedTuple):
+    """One MoE layer's routed-expert adapters for one forward (engine/lora/experts.py). The slot
+    table is slot-major, then expert: the r rows of slot s, expert e start at row (s E + e) r,
+    so a (token, choice) pair is a row of the kernels above with "slot" s E + e.
+
+        up_a:   (S * E * r, D)        up_b:   (S * E * r, up_rows)   (gate | up for SwiGLU)
+        down_a: (S * E * r, I)        down_b: (S * E * r, D)         B transposed and scaled
+        lora_slots: (T,) int64, -1: the token has no adapter
+    """
+
+    up_a: torch.Tensor
+    up_b: torch.Tensor
+    down_a: torch.Tensor
+    down_b: torch.Tensor
+    rank: int
+    num_experts: int
+    lora_slots: torch.Tensor
+
+    def pair_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """(T * k,) int64: each (token, choice) pair's row group s E + e, or -1 (fixed shapes)."""
+        slots = self.lora_slots[:, None]
+        return torch.where(slots >= 0, slots * self.num_experts + ids, -1).flatten()
+
+    def up_delta(self, x: torch.Tensor, pair_slots: torch.Tensor, k: int) -> torch.Tensor:
+        """(T * k, up_rows) float32: each pair's B_e A_e x of its token, 0 for pairs without."""
+        rows = x[:, None, :].expand(-1, k, -1).reshape(-1, x.shape[1])
+        out = torch.zeros(rows.shape[0], self.up_b.shape[1], dtype=torch.float32, device=x.device)
+        return lora_delta(rows, self.up_a, self.up_b, pair_slots, self.rank, out)
+
+    def down_delta(self, h: torch.Tensor, pair_slots: torch.Tensor, out: torch.Tensor) -> None:
+        """out (n, D) += each pair's B_e A_e h of the activated expert rows h (n, I)."""
+        lora_delta(h, self.down_a, self.down_b, pair_slots, self.rank, out)
 
 
 # -- torch path -------------------------------------------------------------------------------

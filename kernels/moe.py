@@ -8,6 +8,9 @@ Shapes (T tokens, D model width seen by the experts, I expert width, E experts, 
   topk_ids:    (T, k) int64      chosen experts per token
   topk_weights:(T, k) float32    their weights
   returns      (T, D)            model dtype; sum over k of weight * expert(x), summed in float32
+  lora:        the routed experts' adapters of this forward (kernels/lora.py's ExpertDeltas) or
+               None: each pair's up projection gets its token's slot's B_e A_e x before the
+               activation, its down projection B_e A_e h (rows without an adapter: nothing)
 
 On the CPU, experts packed by `pack_experts` run in one C call (kernels/cpu/moe.py: grouping,
 experts and combine, no host sync). Otherwise the torch path sorts the (token, choice) pairs by
@@ -29,6 +32,7 @@ from baton.kernels.cpu import moe as cpu_moe
 from baton.kernels.cpu.moe import PanelExperts, QuantPanelExperts
 from baton.kernels.layouts import Activation, Routing
 from baton.kernels.linear import can_pack
+from baton.kernels.lora import ExpertDeltas
 from baton.kernels.quant import QuantizedTensor, dequantize
 
 # An expert stack: a plain (E, out, in) tensor or its quantized form (kernels/quant.py)
@@ -146,14 +150,15 @@ def fused_moe(
     routing: Routing,
     activation: Activation,
     packed: PanelExperts | QuantPanelExperts | PackedExperts | None = None,
+    lora: ExpertDeltas | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); dispatches on device like every kernel."""
     _check(x, w_up, w_down, routing, activation)
     if select_backend(x) == "triton":
         from baton.kernels.triton.moe import fused_moe_triton
 
-        return fused_moe_triton(x, w_up, w_down, routing, activation)
-    return fused_moe_torch(x, w_up, w_down, routing, activation, packed)
+        return fused_moe_triton(x, w_up, w_down, routing, activation, lora)
+    return fused_moe_torch(x, w_up, w_down, routing, activation, packed, lora)
 
 
 def fused_moe_torch(
@@ -163,13 +168,14 @@ def fused_moe_torch(
     routing: Routing,
     activation: Activation,
     packed: PanelExperts | QuantPanelExperts | PackedExperts | None = None,
+    lora: ExpertDeltas | None = None,
 ) -> torch.Tensor:
     T, k = routing.ids.shape
     E = w_up.shape[0]
     if T == 0:
         return x.new_zeros(0, x.shape[1])
-    if isinstance(packed, (PanelExperts, QuantPanelExperts)) and cpu_moe.supported(x, k):
-        return cpu_moe.routed_experts(x, routing.ids, routing.weights, packed)
+    if isinstance(packed, (PanelExperts, QuantPanelExperts)) and cpu_moe.supported(x, k, lora):
+        return cpu_moe.routed_experts(x, routing.ids, routing.weights, packed, lora)
     flat_ids = routing.ids.flatten()
     # Stable sort: within an expert, pairs keep token order, as transformers' loop does.
     order = torch.argsort(flat_ids, stable=True)
@@ -178,12 +184,17 @@ def fused_moe_torch(
     rows = x[token_of]
     if isinstance(packed, (PanelExperts, QuantPanelExperts)):
         packed = None  # panels the C call cannot take (more choices per token than it sorts)
+    if lora is not None:
+        pair_slots = lora.pair_slots(routing.ids)
+        up_delta = lora.up_delta(x, pair_slots, k)
     outs = []
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        outs.append(_expert(rows[start : start + n], e, w_up, w_down, activation, packed))
+        pairs = order[start : start + n]
+        adapter = None if lora is None else _RowsAdapter(lora, up_delta[pairs], pair_slots[pairs])
+        outs.append(_expert(rows[start : start + n], e, w_up, w_down, activation, packed, adapter))
         start += n
     ys = torch.cat(outs) if len(outs) > 1 else outs[0]
     return _combine(ys, routing, order, token_of, T, x.dtype)
@@ -197,23 +208,35 @@ def _combine(ys, routing: Routing, order, token_of, T: int, dtype: torch.dtype) 
     return out.to(dtype)
 
 
-def _expert(rows, e, w_up, w_down, activation: Activation, packed: PackedExperts | None):
-    """One expert on its rows: (n, D) -> (n, D)."""
-    if packed is not None:
-        linear = torch.ops.mkldnn._linear_pointwise
-        if activation == "relu2":
-            h = linear(rows, packed.up[e], None, "relu", [], "").square()
-        else:
-            gate, up = linear(rows, packed.up[e], None, "none", [], "").chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        return linear(h, packed.down[e], None, "none", [], "")
-    h = F.linear(rows, _matrix(w_up, e, rows.dtype))
+class _RowsAdapter(NamedTuple):
+    """One expert's rows' adapters in the torch path."""
+
+    deltas: ExpertDeltas
+    up_delta: torch.Tensor  # (n, up_rows) float32, the rows' pairs' up deltas
+    pair_slots: torch.Tensor  # (n,) int64, the rows' pairs' row groups (ExpertDeltas)
+
+
+def _expert(rows, e, w_up, w_down, activation: Activation, packed: PackedExperts | None, adapter):
+    """One expert on its rows: (n, D) -> (n, D); adapter: a _RowsAdapter or None."""
+    h = _project(rows, None if packed is None else packed.up[e], w_up, e)
+    if adapter is not None:
+        h = (h.float() + adapter.up_delta).to(h.dtype)
     if activation == "relu2":
         h = torch.relu(h).square()
     else:
         gate, up = h.chunk(2, dim=-1)
         h = F.silu(gate) * up
-    return F.linear(h, _matrix(w_down, e, rows.dtype))
+    y = _project(h, None if packed is None else packed.down[e], w_down, e)
+    if adapter is not None:
+        adapter.deltas.down_delta(h, adapter.pair_slots, y)
+    return y
+
+
+def _project(rows: torch.Tensor, packed: torch.Tensor | None, w: ExpertWeights, e: int):
+    """rows @ expert e's matrix of w: oneDNN's packed copy where there is one."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+    return F.linear(rows, _matrix(w, e, rows.dtype))
 
 
 def _matrix(w: ExpertWeights, e: int, dtype: torch.dtype) -> torch.Tensor:

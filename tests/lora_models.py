@@ -33,3 +33,21 @@ def make_adapter(hf_model, path: Path, targets, seed: int, r: int = 4, **config)
     peft_model.eval()
     peft_model.save_pretrained(str(path))
     return peft_model
+
+
+def assert_mixed_batch_matches(llm, adapters: dict, hf, prompts: list, new: int) -> None:
+    """Every prompt under every adapter ({name: (dir, PEFT model)}) and the base, in one
+    generate call (one batch): each gets its reference's greedy tokens."""
+    from baton import LoRARequest, SamplingParams
+    from tests.reference import hf_greedy
+
+    jobs = [(p, name) for p in prompts for name in (*adapters, None)]
+    requests = [
+        None if name is None else LoRARequest(name, i + 1, str(adapters[name][0]))
+        for i, (_, name) in enumerate(jobs)
+    ]
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([p for p, _ in jobs], params, lora_request=requests)
+    for (prompt, name), out in zip(jobs, outs):
+        reference = hf if name is None else adapters[name][1]
+        assert out.token_ids == hf_greedy(reference, prompt, new)[0], f"adapter {name}, {prompt}"

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from baton import LLM, LoRARequest, SamplingParams
+from baton import LLM, SamplingParams
 from tests.gdn_families import gdn_models  # noqa: F401 (fixture)
-from tests.lora_models import make_adapter
+from tests.lora_models import assert_mixed_batch_matches, make_adapter
 from tests.reference import hf_greedy
 from tests.ssm_families import ssm_models  # noqa: F401 (fixture)
 from tests.tiny import save_tiny_model
@@ -46,16 +46,7 @@ def greedy(n=NEW):
 def check_mixed(model_dir, adapters, hf, **engine):
     """Every prompt under every adapter and the base, in one generate call (one batch)."""
     llm = LLM(model_dir, enable_lora=True, max_loras=len(adapters), max_lora_rank=8, **engine)
-    jobs = [(p, name) for p in PROMPTS for name in (*adapters, None)]
-    requests = [
-        None if name is None else LoRARequest(name, i + 1, str(adapters[name][0]))
-        for i, (_, name) in enumerate(jobs)
-    ]
-    outs = llm.generate([p for p, _ in jobs], greedy(), lora_request=requests)
-    for (prompt, name), out in zip(jobs, outs):
-        reference = hf if name is None else adapters[name][1]
-        want, _ = hf_greedy(reference, prompt, NEW)
-        assert out.token_ids == want, f"adapter {name}, prompt {prompt}"
+    assert_mixed_batch_matches(llm, adapters, hf, PROMPTS, NEW)
     return llm
 
 
@@ -95,7 +86,7 @@ def test_qwen3_next_packed_qkvz_ba_and_shared_expert_adapters_match(gdn_models, 
     rows regrouped, and B's rows must follow the same regrouping."""
     model_dir, hf = gdn_models("qwen3_next_mixed")
     # Not gate/up/down: with transformers 5's fused experts PEFT turns those names into
-    # target_parameters on the routed experts too, which baton refuses (test_lora_refusals.py)
+    # target_parameters on the routed experts (tests/test_lora_moe.py)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]
     adapters = {
         name: (tmp_path / name, make_adapter(hf, tmp_path / name, targets, seed=90 + i))

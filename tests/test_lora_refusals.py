@@ -101,10 +101,10 @@ def test_regex_targets_rslora_and_a_smaller_rank_apply(base):
     assert out.token_ids != hf_greedy(hf, PROMPT, 8)[0]
 
 
-def test_adapters_on_routed_moe_experts_are_refused(gdn_models, tmp_path):  # noqa: F811
-    """PEFT (with transformers 5's fused experts) adapts MLP names on MoE layers through
-    target_parameters on the experts' stacked weights: baton refuses it by that name."""
+def test_target_parameter_baton_has_no_delta_for_is_refused_by_module(gdn_models, tmp_path):  # noqa: F811
+    """Routed experts' stacked parameters are adapted (tests/test_lora_moe.py); a router's
+    weight targeted through target_parameters is not, and is named."""
     model_dir, hf = gdn_models("qwen3_next_mixed")
-    make_adapter(hf, tmp_path / "experts", ["gate_proj", "up_proj", "down_proj"], seed=2)
+    make_adapter(hf, tmp_path / "router", [], seed=2, target_parameters=["mlp.gate.weight"])
     llm = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
-    refused(llm, tmp_path / "experts", "target_parameters", "MoE experts")
+    refused(llm, tmp_path / "router", "model.layers.1.mlp.gate", "cannot apply an adapter")

@@ -152,10 +152,14 @@ class Experts(nn.Module):
             parallel.shard(self.up_proj, parallel.Slices(dim=-2, ranges=up))
             parallel.shard(self.down_proj, parallel.Slices(dim=-1, ranges=((first, inter),)))
         self.packed: PanelExperts | PackedExperts | None = None  # CPU: C panels or oneDNN
+        # LoRA on the experts (engine/lora/experts.py's ExpertAdapters, set when adapters are
+        # enabled): its `deltas()` are this forward's per-expert deltas, or None
+        self.adapters: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         up, down = stacked_weight(self.up_proj), stacked_weight(self.down_proj)
-        return fused_moe(x, up, down, routing, self.activation, self.packed)
+        lora = self.adapters.deltas() if self.adapters is not None else None
+        return fused_moe(x, up, down, routing, self.activation, self.packed, lora)
 
     def pack_for_cpu(self) -> None:
         """Pack each expert's weights once for the C path (or oneDNN); the stacked copies stay

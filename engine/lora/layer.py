@@ -101,6 +101,14 @@ def slot_rows(
         _current.pop()
 
 
+def active_rows(name: str) -> SlotRows | None:
+    """This forward's row selection for the adapted module `name`; None when no row has an
+    adapter. Refuses a call outside slot_rows."""
+    if not _current:
+        raise RuntimeError(f"{name}: an adapted module ran outside slot_rows")
+    return _current[-1] if _current[-1].active else None
+
+
 class LoRALinear(nn.Module):
     """`base(x)` plus the slot table's deltas (module docstring). `a_rows` and `b_rows` are this
     projection's part of the table, written by the slot table (engine/lora/slots.py)."""
@@ -128,6 +136,17 @@ class LoRALinear(nn.Module):
         self.register_buffer(
             "b_rows", torch.zeros(width, self.out_features, dtype=dtype, device=device), False
         )
+
+    @torch.no_grad()
+    def write(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Slot `slot` := A (r', in) and scaled B (out, r') padded to the table's rank, or zeros."""
+        rows = slice(slot * self.rank, (slot + 1) * self.rank)
+        self.a_rows[rows].zero_()
+        self.b_rows[rows].zero_()
+        if pair is not None:
+            r = pair[0].shape[0]
+            self.a_rows[rows][:r].copy_(pair[0])
+            self.b_rows[rows][:r].copy_(pair[1].t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)

@@ -11,6 +11,8 @@ from safetensors import safe_open
 from torch import nn
 
 from baton.engine.checkpoint.weights import checkpoint_files
+from baton.engine.lora.expert_adapter import PER_EXPERT_ARCHITECTURES
+from baton.engine.lora.experts import expert_elements, wrap_experts
 from baton.engine.lora.layer import ADAPTABLE, wrap_adaptable
 from baton.engine.lora.slots import AdapterTable
 
@@ -28,6 +30,10 @@ def enable_adapters(
     """Wrap `model.model` (the backbone; an MTP head drafts as the base) and attach the table
     as `model.adapters`. Call after the weights load, before the CPU packing."""
     targets = wrap_adaptable(model.model, limits.max_loras, limits.max_lora_rank, "model.")
+    per_expert = model.config.architecture in PER_EXPERT_ARCHITECTURES
+    targets |= wrap_experts(
+        model.model, limits.max_loras, limits.max_lora_rank, "model.", per_expert
+    )
     if not targets:
         raise ValueError(f"{type(model.model).__name__}: no projection baton can adapt")
     model.adapters = AdapterTable(
@@ -65,8 +71,8 @@ def check_adapter(name: str | None, adapters: AdapterTable | None) -> None:
 
 def slot_table_bytes(model_dir, limits: LoRALimits | None, dtype: torch.dtype, tp_size: int) -> int:
     """About what the slot table's stacked A/B take on each rank (the pools' budget leaves it
-    out): every adaptable projection's (in + out) * max_loras * max_lora_rank elements, from the
-    checkpoint's headers (routed experts are never adapted)."""
+    out): every adaptable projection's (in + out) * max_loras * max_lora_rank elements, and each
+    routed expert's (engine/lora/experts.py), from the checkpoint's headers."""
     if limits is None:
         return 0
     names = {name for names in ADAPTABLE.values() for name in names}
@@ -75,9 +81,10 @@ def slot_table_bytes(model_dir, limits: LoRALimits | None, dtype: torch.dtype, t
         with safe_open(str(path), framework="pt") as file:
             for key in file.keys():
                 parts = key.split(".")
-                if len(parts) < 2 or parts[-1] != "weight" or parts[-2] not in names:
-                    continue
                 if ".experts." in key:
+                    elements += expert_elements(key, file.get_slice(key).get_shape())
+                    continue
+                if len(parts) < 2 or parts[-1] != "weight" or parts[-2] not in names:
                     continue
                 shape = file.get_slice(key).get_shape()
                 if len(shape) == 2:

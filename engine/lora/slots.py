@@ -6,7 +6,8 @@ request uses it).
     host:      name -> LoRAWeights  (LRU, <= max_cpu_loras; re-read from its path when evicted)
     slots:     slot s -> name       (LRU over unpinned slots, <= max_loras)
                every LoRALinear's a_rows / b_rows [s * R : (s + 1) * R] hold that adapter's
-               A and scaled B (R = max_lora_rank, ranks below R padded with zeros)
+               A and scaled B (R = max_lora_rank, ranks below R padded with zeros); every
+               ExpertLoRA's [s * E * R : (s + 1) * E * R] its E experts' (engine/lora/experts.py)
 
 The scheduler acquires a request's slot when it admits it (`acquire`: None when every slot is
 pinned by other adapters, and the request waits) and releases it when the request finishes or
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from baton.engine.lora.adapter import AdapterError, LoRAWeights, read_adapter
+from baton.engine.lora.experts import ExpertLoRA
 from baton.engine.lora.layer import LoRALinear
 
 # The registry is names and paths only, but every one is kept until unloaded: a bound, so that
@@ -34,7 +36,7 @@ MAX_NAME_LENGTH = 256
 class AdapterTable:
     def __init__(
         self,
-        targets: dict[str, LoRALinear],
+        targets: dict[str, LoRALinear | ExpertLoRA],
         rename: Callable[[str], str | None],
         *,
         max_loras: int,
@@ -146,17 +148,8 @@ class AdapterTable:
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
 
-    @torch.no_grad()
     def _write(self, slot: int, weights: LoRAWeights) -> None:
-        """Slot `slot` of every adapted projection := this adapter's A and B (zeros where the
-        adapter leaves a projection alone, and in the rank padding)."""
-        rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
-        r = weights.rank
+        """Slot `slot` of every adapted projection and expert stack := this adapter's A and B
+        (zeros where the adapter leaves one alone, and in the rank padding)."""
         for name, target in self.targets.items():
-            target.a_rows[rows].zero_()
-            target.b_rows[rows].zero_()
-            pair = weights.weights.get(name)
-            if pair is not None:
-                a, b = pair
-                target.a_rows[rows][:r].copy_(a)
-                target.b_rows[rows][:r].copy_(b.t())
+            target.write(slot, weights.weights.get(name))

@@ -59,4 +59,31 @@ static inline void store_any(void *base, int bf16, int64_t i, float v) {
 /* The value a tensor of the model dtype holds (the torch path rounds between ops). */
 static inline float round_to(int bf16, float v) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
+/* sum_i x[i] w[i] over a row of x (float32 or bf16) and a row of w (float32 or bf16): one
+ * loop per dtype pair, so each vectorises (cpu/lora.c's shrink, cpu/moe.c's expert LoRA). */
+static inline float mixed_dot(const void *x, int x_bf16, int64_t xat, const void *w, int w_bf16,
+                        int64_t wat, int64_t n) {
+    float acc = 0.0f;
+    if (x_bf16 && w_bf16) {
+        const uint16_t *xr = (const uint16_t *)x + xat, *wr = (const uint16_t *)w + wat;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < n; i++) acc += bf16_to_f32(xr[i]) * bf16_to_f32(wr[i]);
+    } else if (x_bf16) {
+        const uint16_t *xr = (const uint16_t *)x + xat;
+        const float *wr = (const float *)w + wat;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < n; i++) acc += bf16_to_f32(xr[i]) * wr[i];
+    } else if (w_bf16) {
+        const float *xr = (const float *)x + xat;
+        const uint16_t *wr = (const uint16_t *)w + wat;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < n; i++) acc += xr[i] * bf16_to_f32(wr[i]);
+    } else {
+        const float *xr = (const float *)x + xat, *wr = (const float *)w + wat;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < n; i++) acc += xr[i] * wr[i];
+    }
+    return acc;
+}
+
 #endif

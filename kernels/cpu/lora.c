@@ -29,33 +29,6 @@ static int64_t check_slots(const int64_t *slots, int64_t T, int64_t num_slots) {
     return 0;
 }
 
-/* sum_i x[i] w[i] over a row of x (float32 or bf16) and a row of A (float32 or bf16): one
- * loop per dtype pair, so each vectorises. */
-static inline float dot(const void *x, int x_bf16, int64_t xat, const void *w, int w_bf16,
-                        int64_t wat, int64_t n) {
-    float acc = 0.0f;
-    if (x_bf16 && w_bf16) {
-        const uint16_t *xr = (const uint16_t *)x + xat, *wr = (const uint16_t *)w + wat;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < n; i++) acc += bf16_to_f32(xr[i]) * bf16_to_f32(wr[i]);
-    } else if (x_bf16) {
-        const uint16_t *xr = (const uint16_t *)x + xat;
-        const float *wr = (const float *)w + wat;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < n; i++) acc += bf16_to_f32(xr[i]) * wr[i];
-    } else if (w_bf16) {
-        const float *xr = (const float *)x + xat;
-        const uint16_t *wr = (const uint16_t *)w + wat;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < n; i++) acc += xr[i] * bf16_to_f32(wr[i]);
-    } else {
-        const float *xr = (const float *)x + xat, *wr = (const float *)w + wat;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < n; i++) acc += xr[i] * wr[i];
-    }
-    return acc;
-}
-
 /* low (T, parts * r) float32 := each row's x through its own slot's A of every part. */
 int64_t baton_lora_shrink(const void *x, int64_t x_stride, int x_bf16, int64_t T, int64_t width,
                           const void *a_rows, int w_bf16, int64_t num_slots, int64_t rank,
@@ -68,7 +41,7 @@ int64_t baton_lora_shrink(const void *x, int64_t x_stride, int x_bf16, int64_t T
         const int64_t t = task / cols, pj = task % cols, p = pj / rank, j = pj % rank;
         const int64_t s = slots[t];
         low[task] = s < 0 ? 0.0f
-                          : dot(x, x_bf16, t * x_stride, a_rows, w_bf16,
+                          : mixed_dot(x, x_bf16, t * x_stride, a_rows, w_bf16,
                                 ((p * num_slots + s) * rank + j) * width, width);
     }
     return 0;

@@ -313,16 +313,25 @@ static void store_act_bf16(const float *g, const float *u, int swiglu, uint16_t 
  *   scales per panel, output multipliers (E, parts, I_pad) / (E, D_pad) or NULL, and FP8's
  *   inputs per scale group (NULL / unused otherwise)
  *   I_pad: the padded expert width (a multiple of NB); swiglu: 0 relu2, 1 silu(gate) * up
- *   scratch: offsets (E + 1) + pair_token (T * k) + pos (T * k) + active (E) int64;
+ *   scratch: offsets (E + 1) + pair_of (T * k) + pos (T * k) + active (E) int64;
  *   h (T * k, I_pad) float32 or bfloat16; ys (T * k, D) float32
  *   out (T, D): float32, or bfloat16 when fmt is BF16
+ * Expert adapters (kernels/lora.py's ExpertDeltas; pair_slots NULL: none), pair p = t k + j:
+ *   up_delta (T * k, up_width) float32: added to the pair's up projection before the
+ *   activation (up_width = I, or 2 I for swiglu: gate then up)
+ *   pair_slots (T * k,) int64: the pair's row group s E + e of down_a / down_b, -1 for none;
+ *   down_a (groups * rank, I), down_b (groups * rank, D) float32 or bf16 (lora_bf16): ys of the
+ *   pair += (down_a's rows . h) @ down_b's rows; low (T * k, rank) float32 scratch
  * Returns the first token with an expert id outside [0, E) + 1 before writing anything, or 0. */
 int64_t baton_moe_routed(const void *x, int64_t x_stride, int64_t T, int64_t D, const int64_t *ids,
                          const float *weights, int64_t k, int64_t E, const void *up,
                          const void *down, int fmt, int64_t I_pad, int swiglu, int64_t *scratch,
                          void *h, float *ys, void *out, int threads, const void *up_scales,
                          const void *down_scales, const float *up_col, const float *down_col,
-                         int64_t up_group, int64_t down_group) {
+                         int64_t up_group, int64_t down_group, const float *up_delta,
+                         int64_t up_width, const int64_t *pair_slots, const void *down_a,
+                         const void *down_b, int lora_bf16, int64_t rank, int64_t inter,
+                         float *low) {
     const int bf16 = fmt == FMT_BF16, quant = fmt == FMT_FP8 || fmt == FMT_NVFP4;
     const int64_t P = T * k, nbI = I_pad / NB, nbD = (D + NB - 1) / NB;
     const int64_t esize = bf16 ? 2 : 4, parts = swiglu ? 2 : 1, D_k = bf16 ? (D + 1) / 2 * 2 : D;
@@ -333,7 +342,7 @@ int64_t baton_moe_routed(const void *x, int64_t x_stride, int64_t T, int64_t D, 
     const int64_t up_scale = SCALE_BYTES(D_k, up_group), down_scale = SCALE_BYTES(I_pad, down_group);
 #undef PANEL_BYTES
 #undef SCALE_BYTES
-    int64_t *offsets = scratch, *pair_token = offsets + E + 1, *pos = pair_token + P;
+    int64_t *offsets = scratch, *pair_of = offsets + E + 1, *pos = pair_of + P;
     int64_t *active = pos + P;
     for (int64_t p = 0; p < P; p++)
         if (ids[p] < 0 || ids[p] >= E) return p / k + 1;
@@ -344,7 +353,7 @@ int64_t baton_moe_routed(const void *x, int64_t x_stride, int64_t T, int64_t D, 
     memcpy(cursor, offsets, sizeof(int64_t) * E);
     for (int64_t p = 0; p < P; p++) { /* token order within an expert, as transformers loops */
         const int64_t at = cursor[ids[p]]++;
-        pair_token[at] = p / k;
+        pair_of[at] = p;
         pos[p] = at;
     }
     int64_t n_active = 0; /* a decode step touches a subset of the experts */
@@ -372,7 +381,7 @@ int64_t baton_moe_routed(const void *x, int64_t x_stride, int64_t T, int64_t D, 
                 const int64_t nr = offsets[e + 1] - rb < MR ? offsets[e + 1] - rb : MR;
                 const void *xr[MR];
                 for (int64_t r = 0; r < nr; r++)
-                    xr[r] = (const char *)x + pair_token[rb + r] * x_stride * esize;
+                    xr[r] = (const char *)x + pair_of[rb + r] / k * x_stride * esize;
                 panel_block(fmt, nr, xr, gate_panel, gate_scales, up_group, D_k, acc_g);
                 if (swiglu) panel_block(fmt, nr, xr, up_panel_p, up_scales_p, up_group, D_k, acc_u);
                 for (int64_t r = 0; r < nr; r++) {
@@ -382,10 +391,28 @@ int64_t baton_moe_routed(const void *x, int64_t x_stride, int64_t T, int64_t D, 
                             g[j] *= gate_col[j];
                             if (swiglu) u[j] *= up_col_p[j];
                         }
+                    if (pair_slots) { /* the pair's adapter, before the activation */
+                        const float *add = up_delta + pair_of[rb + r] * up_width + ib * NB;
+                        const int64_t n = inter - ib * NB < NB ? inter - ib * NB : NB;
+                        for (int64_t j = 0; j < n; j++) {
+                            g[j] += add[j];
+                            if (swiglu) u[j] += add[inter + j];
+                        }
+                    }
                     const int64_t at = (rb + r) * I_pad + ib * NB;
                     if (bf16) store_act_bf16(g, u, swiglu, (uint16_t *)h + at);
                     else store_act_f32(g, u, swiglu, (float *)h + at);
                 }
+            }
+        }
+        /* the adapters' down shrink: low[row] = A_(s E + e) h[row] (0 without an adapter) */
+        if (pair_slots) {
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < P * rank; task++) {
+                const int64_t at = task / rank, j = task % rank, c = pair_slots[pair_of[at]];
+                low[task] = c < 0 ? 0.0f
+                                  : mixed_dot(h, bf16, at * I_pad, down_a, lora_bf16,
+                                              (c * rank + j) * inter, inter);
             }
         }
         /* down projection: one item per (active expert, panel of NB output columns) */
@@ -412,6 +439,19 @@ int64_t baton_moe_routed(const void *x, int64_t x_stride, int64_t T, int64_t D, 
                         for (int64_t j = 0; j < width; j++) yr[j] = a[j] * col[j];
                     } else {
                         memcpy(yr, a, sizeof(float) * width);
+                    }
+                    const int64_t c = pair_slots ? pair_slots[pair_of[rb + r]] : -1;
+                    for (int64_t j = 0; j < (c < 0 ? 0 : rank); j++) { /* the adapter's expand */
+                        const float l = low[(rb + r) * rank + j];
+                        const int64_t at = (c * rank + j) * D + jb * NB;
+                        if (lora_bf16) {
+                            const uint16_t *b = (const uint16_t *)down_b + at;
+                            for (int64_t jj = 0; jj < width; jj++) yr[jj] += l * bf16_to_f32(b[jj]);
+                        } else {
+                            const float *b = (const float *)down_b + at;
+#pragma omp simd
+                            for (int64_t jj = 0; jj < width; jj++) yr[jj] += l * b[jj];
+                        }
                     }
                 }
             }

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from baton.kernels.cpu import quant as cpu_quant
 from baton.kernels.cpu.extension import Kernels
 from baton.kernels.cpu.extension import library as cpu_library
+from baton.kernels.lora import ExpertDeltas
 from baton.kernels.quant import NVFP4_GROUP, QuantFormat, QuantizedTensor
 
 SOURCE = Path(__file__).with_name("moe.c")
@@ -149,8 +150,14 @@ def _quant_panel(q: QuantizedTensor, rows_pad: int, k_pad: int | None) -> QuantP
     return QuantPanel(panels(codes), panels(scale), col, q.group)
 
 
-def supported(x: torch.Tensor, top_k: int) -> bool:
-    return x.device.type == "cpu" and 0 < top_k <= MAX_TOP_K and library() is not None
+def supported(x: torch.Tensor, top_k: int, lora: ExpertDeltas | None) -> bool:
+    """lora: expert adapters, whose tables the C call reads in float32 or bfloat16."""
+    return (
+        x.device.type == "cpu"
+        and 0 < top_k <= MAX_TOP_K
+        and library() is not None
+        and (lora is None or lora.down_a.dtype in (torch.float32, torch.bfloat16))
+    )
 
 
 def routed_experts(
@@ -158,8 +165,10 @@ def routed_experts(
     ids: torch.Tensor,
     weights: torch.Tensor,
     panels: PanelExperts | QuantPanelExperts,
+    lora: ExpertDeltas | None = None,
 ) -> torch.Tensor:
-    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), summed in float32: (T, D) in x's dtype."""
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), summed in float32: (T, D) in x's dtype;
+    with each pair's adapter deltas (kernels/lora.py's ExpertDeltas) when `lora`."""
     lib = library()
     assert lib is not None
     T, D = x.shape
@@ -204,10 +213,27 @@ def routed_experts(
         out,
         torch.get_num_threads(),
         *(_quant_args(panels) if quant else (None, None, None, None, 0, 0)),
+        *(
+            _lora_args(lora, x, ids)
+            if lora is not None
+            else (None, 0, None, None, None, 0, 0, 0, None)
+        ),
     )
     if bad:
         raise IndexError(f"routed_experts: token {bad - 1} chose an expert outside [0, {E})")
     return out.to(x.dtype)
+
+
+def _lora_args(lora: ExpertDeltas, x: torch.Tensor, ids: torch.Tensor) -> tuple:
+    """cpu/moe.c's expert-adapter arguments: each pair's up delta, its row group, the down
+    tables, their dtype, rank and width, the shrink's scratch."""
+    pair_slots = lora.pair_slots(ids).contiguous()
+    up_delta = lora.up_delta(x, pair_slots, ids.shape[1])
+    inter = lora.down_a.shape[1]
+    low = torch.empty(pair_slots.shape[0], lora.rank, dtype=torch.float32)
+    bf16 = int(lora.down_a.dtype == torch.bfloat16)
+    return (up_delta, up_delta.shape[1], pair_slots, lora.down_a, lora.down_b, bf16, lora.rank,
+            inter, low)  # fmt: skip
 
 
 def _quant_args(panels: QuantPanelExperts) -> tuple:

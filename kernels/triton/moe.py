@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from baton.kernels.backend import dot_precision
 from baton.kernels.layouts import Activation, Routing
+from baton.kernels.lora import ExpertDeltas
 from baton.kernels.quant import QuantizedTensor
 from baton.kernels.triton.quant import FORMAT_PLAIN, FORMATS, load_weight_tile
 
@@ -62,6 +63,7 @@ def _moe_up_kernel(
     scale_ptr,  # quantized: (E, R, SCALE_COLS) scales (kernels/triton/quant.py), else unused
     global_ptr,  # NVFP4: (E, R) global scales, else unused
     h_ptr,  # (T*k, I)
+    delta_ptr,  # HAS_DELTA: (T*k, ROWS) float32, each pair's adapter delta (kernels/lora.py)
     sorted_pairs_ptr,
     block_expert_ptr,
     num_pairs,
@@ -74,6 +76,7 @@ def _moe_up_kernel(
     TOP_K: tl.constexpr,
     SWIGLU: tl.constexpr,
     FORMAT: tl.constexpr,  # triton_quant's FORMAT_PLAIN / FP8 / NVFP4
+    HAS_DELTA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -133,6 +136,12 @@ def _moe_up_kernel(
                 FORMAT,
             )
             acc_up += tl.dot(a, b_up.to(a.dtype), input_precision=PRECISION)
+    if HAS_DELTA:  # the pair's adapter, before the activation
+        delta_rows = delta_ptr + pairs[:, None].to(tl.int64) * ROWS + offs_n[None, :]
+        mask = valid[:, None] & mask_n[None, :]
+        acc += tl.load(delta_rows, mask=mask, other=0.0)
+        if SWIGLU:
+            acc_up += tl.load(delta_rows + INTER, mask=mask, other=0.0)
     if SWIGLU:
         h = acc * tl.sigmoid(acc) * acc_up
     else:
@@ -238,9 +247,12 @@ def fused_moe_triton(
     w_down: torch.Tensor | QuantizedTensor,
     routing: Routing,
     activation: Activation,
+    lora: ExpertDeltas | None = None,
 ) -> torch.Tensor:
     """Same contract as baton.kernels.moe.fused_moe_torch; quantized stacks are decoded in the tiles
-    (weight-only, kernels/triton/quant.py)."""
+    (weight-only, kernels/triton/quant.py). Expert adapters: each pair's up delta (the batched
+    LoRA kernels, kernels/lora.py) enters the up kernel before the activation, the down delta of
+    its h is added to its weighted output."""
     T, D = x.shape
     E, inter = w_down.shape[0], w_down.shape[2]
     up_rows = w_up.shape[1]
@@ -256,10 +268,14 @@ def fused_moe_triton(
     num_blocks = block_expert.shape[0]
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     precision = dot_precision(x.dtype)
+    if lora is not None:
+        pair_slots = lora.pair_slots(routing.ids)
+        up_delta = lora.up_delta(x, pair_slots, k)
     _moe_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
         x,
         *up_args[:3],
         h,
+        up_delta if lora is not None else h,
         sorted_pairs,
         block_expert,
         num_pairs,
@@ -270,6 +286,7 @@ def fused_moe_triton(
         TOP_K=k,
         SWIGLU=activation == "swiglu",
         FORMAT=up_args[6],
+        HAS_DELTA=lora is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -294,4 +311,8 @@ def fused_moe_triton(
         BLOCK_K=block_k,
         PRECISION=precision,
     )
+    if lora is not None:
+        delta = torch.zeros_like(y)
+        lora.down_delta(h, pair_slots, delta)
+        y.addcmul_(weights[:, None], delta)
     return y.view(T, k, D).sum(dim=1).to(x.dtype)
