@@ -119,6 +119,40 @@ def test_step_timer_splits_model_metadata_and_host_time():
     assert not {"step", "forward"} & set(vars(engine)) and "build" not in vars(engine.runner)
 
 
+def test_step_timer_counts_the_draft_passes_apart_with_their_own_metadata():
+    class Runner:
+        def build(self, sched):
+            time.sleep(0.05 if sched == "draft" else 0.005)  # metadata
+
+        def draft(self, batch):
+            self.build("draft")  # an eager draft pass builds its own
+            time.sleep(0.01)
+
+    class Engine:
+        graph_runner = None
+        drafter = "mtp"
+
+        def __init__(self):
+            self.runner = Runner()
+
+        def forward(self, sched):
+            self.runner.build(sched)
+            time.sleep(0.02)  # the model
+
+        def step(self):
+            self.forward(None)
+            self.runner.draft(None)
+            return []
+
+    engine = Engine()
+    with StepTimer(engine) as timer:
+        engine.step()
+    summary = timer.summary()
+    assert 60 <= summary["draft_ms"] < summary["host_ms"]
+    assert 5 <= summary["metadata_ms"] < 50  # the target's build only
+    assert "draft" not in vars(engine.runner)
+
+
 def test_matmul_timer_counts_every_linear_call_and_unwraps():
     import torch
     from torch import nn
