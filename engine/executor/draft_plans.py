@@ -64,13 +64,14 @@ class DraftPlans:
         n = sched.num_seqs
         bs = next(s for s in self.graphs.sizes if s >= n)
         key = ("chain", bs, id(source))
-        gather = torch.tensor(batch.hidden_rows + (0,) * (bs - n), dtype=torch.int64)
+        rows = batch.hidden_rows + (0,) * (bs - n)
         entry = self.plans.get(key)
         token_slots = self._step_token_slots(sched)
         if entry is not None and token_slots is not None:
             advance(entry[1], sched, token_slots)
-            entry[4].copy_(gather)
+            entry[4].numpy()[:] = rows
             return self._replay(entry, n)
+        gather = torch.tensor(rows, dtype=torch.int64)
         md = self.graphs.build(self.graphs.pad(sched, bs))
         return self._draft_pass(key, md, lambda: source.index_select(0, gather), gather, n)
 
