@@ -87,27 +87,38 @@ def test_side_by_side_workload_is_the_vllm_comparison():
     assert {(len(prompt), new) for prompt, new in requests} == {(128, 64)}
 
 
+class FakeRunner:
+    def build(self, sched):
+        time.sleep(0.05 if sched == "draft" else 0.005)  # metadata
+
+    def draft(self, batch):
+        self.build("draft")  # an eager draft pass builds its own
+        time.sleep(0.01)
+
+
+class FakeEngine:
+    """A step: host work, the forward (metadata, model), with a drafter its draft pass."""
+
+    graph_runner = None
+
+    def __init__(self, drafter: str | None):
+        self.runner = FakeRunner()
+        self.drafter = drafter
+
+    def forward(self, sched):
+        self.runner.build(sched)
+        time.sleep(0.02)  # the model
+
+    def step(self):
+        time.sleep(0.01)  # host work
+        self.forward(None)
+        if self.drafter is not None:
+            self.runner.draft(None)
+        return ["delta"]
+
+
 def test_step_timer_splits_model_metadata_and_host_time():
-    class Runner:
-        def build(self, sched):
-            time.sleep(0.005)  # metadata
-
-    class Engine:
-        graph_runner = None
-
-        def __init__(self):
-            self.runner = Runner()
-
-        def forward(self, sched):
-            self.runner.build(sched)
-            time.sleep(0.02)  # the model
-
-        def step(self):
-            time.sleep(0.01)  # host work
-            self.forward(None)
-            return ["delta"]
-
-    engine = Engine()
+    engine = FakeEngine(drafter=None)
     with StepTimer(engine) as timer:
         assert engine.step() == ["delta"]
         engine.step()
@@ -116,7 +127,18 @@ def test_step_timer_splits_model_metadata_and_host_time():
     assert summary["forward_ms"] >= 20 and summary["metadata_ms"] >= 5
     assert summary["host_ms"] >= 15  # the host work and the metadata
     assert summary["step_ms"] == pytest.approx(summary["forward_ms"] + summary["host_ms"])
+    assert summary["draft_ms"] == 0
     assert not {"step", "forward"} & set(vars(engine)) and "build" not in vars(engine.runner)
+
+
+def test_step_timer_counts_the_draft_passes_apart_with_their_own_metadata():
+    engine = FakeEngine(drafter="mtp")
+    with StepTimer(engine) as timer:
+        engine.step()
+    summary = timer.summary()
+    assert 60 <= summary["draft_ms"] < summary["host_ms"]
+    assert 5 <= summary["metadata_ms"] < 50  # the target's build only
+    assert "draft" not in vars(engine.runner)
 
 
 def test_matmul_timer_counts_every_linear_call_and_unwraps():

@@ -452,7 +452,7 @@ def test_verify_steps_the_padded_runner_leaves_to_eager():
 def test_with_tokens_equals_building_the_draft_batch(mode):
     """An MTP head's first pass reuses its step's metadata with other tokens and logits rows:
     what it reads equals a fresh build of that batch."""
-    from baton.engine.executor.forward_metadata import same_rows, with_tokens
+    from baton.engine.executor.draft_metadata import same_rows, with_tokens
 
     sched = scheduled(mode, track=False)
     draft = dataclasses.replace(

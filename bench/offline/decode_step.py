@@ -11,8 +11,8 @@ default CPU step plans), then alternates them for --rounds rounds of one greedy 
   the arithmetic alone would allow ~100x, the Python per step is what keeps it low);
 - MTP k=2 with the shipped model's MTP layer over plain decoding, both captured, with whether
   the outputs were the same;
-- the step breakdown of the captured runs (model, metadata, the rest of the host work:
-  bench/offline/step_time.py).
+- the step breakdown of the captured runs (model, metadata, the drafter's passes, the rest of
+  the host work: bench/offline/step_time.py).
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def main() -> None:
         print(
             f"{name:24s} {row['tok_per_s']:8.1f} tok/s  step {steps['step_ms']:.3f} ms: model "
             f"{steps['forward_ms']:.3f} ms ({steps['replayed_steps']} replayed), metadata "
-            f"{steps['metadata_ms']:.3f} ms, other host "
-            f"{steps['host_ms'] - steps['metadata_ms']:.3f} ms",
+            f"{steps['metadata_ms']:.3f} ms, draft passes {steps['draft_ms']:.3f} ms, other host "
+            f"{steps['host_ms'] - steps['metadata_ms'] - steps['draft_ms']:.3f} ms",
             flush=True,
         )
     rate = {name: row["tok_per_s"] for name, row in results.items()}

@@ -9,9 +9,12 @@ from types import TracebackType
 
 
 class StepTimer:
-    """Times `engine.step`, `engine.forward` (metadata and model, eager or replayed) and the
-    metadata builders of both runners while active (instance-level wrappers, removed on exit):
-    model time = forward - metadata; host time = step - model."""
+    """Times `engine.step`, `engine.forward` (metadata and model, eager or replayed), the
+    metadata builders of both runners and, with speculation, the drafter's forwards
+    (`runner.draft`: an MTP head's passes, replayed or eager, with whatever metadata they
+    make) while active (instance-level wrappers, removed on exit): model time = forward -
+    metadata (the target's); host time = step - model, of which the draft passes and the
+    target's metadata are parts."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -21,9 +24,14 @@ class StepTimer:
         self.step_s = 0.0
         self.forward_s = 0.0
         self.metadata_s = 0.0
+        self.draft_s = 0.0
+        self.drafting = False  # inside runner.draft: its builds count as the draft's
 
     def _timed(self, fn, field: str):
         def timed(*args, **kwargs):
+            if field == "metadata_s" and self.drafting:
+                return fn(*args, **kwargs)
+            self.drafting |= field == "draft_s"
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -31,6 +39,8 @@ class StepTimer:
                 setattr(self, field, getattr(self, field) + time.perf_counter() - start)
                 if field == "step_s":
                     self.steps += 1
+                if field == "draft_s":
+                    self.drafting = False
 
         return timed
 
@@ -39,6 +49,8 @@ class StepTimer:
         self.engine.forward = self._timed(self.engine.forward, "forward_s")
         for runner in self.builders:
             runner.build = self._timed(runner.build, "metadata_s")
+        if getattr(self.engine, "drafter", None) is not None:
+            self.engine.runner.draft = self._timed(self.engine.runner.draft, "draft_s")
         return self
 
     def __exit__(
@@ -47,9 +59,11 @@ class StepTimer:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        for owner, name in [(self.engine, "step"), (self.engine, "forward")] + [
-            (runner, "build") for runner in self.builders
-        ]:
+        for owner, name in [
+            (self.engine, "step"),
+            (self.engine, "forward"),
+            (self.engine.runner, "draft"),
+        ] + [(runner, "build") for runner in self.builders]:
             vars(owner).pop(name, None)  # the class's method again
 
     def summary(self) -> dict[str, float | int]:
@@ -61,6 +75,7 @@ class StepTimer:
             "step_ms": 1e3 * self.step_s / steps,
             "forward_ms": 1e3 * model_s / steps,
             "metadata_ms": 1e3 * self.metadata_s / steps,
+            "draft_ms": 1e3 * self.draft_s / steps,
             "host_ms": 1e3 * (self.step_s - model_s) / steps,
             "host_fraction": (self.step_s - model_s) / max(self.step_s, 1e-12),
             "replayed_steps": getattr(graphs, "num_replays", 0),

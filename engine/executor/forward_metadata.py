@@ -25,7 +25,6 @@ Acceptance then picks the slot of the last accepted position: that is the whole 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Literal
@@ -200,7 +199,7 @@ def build_metadata(
         slot_mapping = np.zeros(len(positions), dtype=np.int64)
     kv_lens = starts_np + lens_np
 
-    logits_rows, owners = _logits_rows(sched, token_offsets)
+    logits_rows, owners = logits_rows_of(sched, token_offsets)
 
     prefill_lens, prefill_starts = list(lens[npf:]), list(starts[npf:])
     num_chunks = max(
@@ -316,51 +315,6 @@ def build_metadata(
     )
 
 
-def same_rows(a: ScheduledBatch, b: ScheduledBatch) -> bool:
-    """Whether two batches feed the same rows (sequences, lengths, positions, pages, slots),
-    whatever tokens they feed (and whatever adapters: an MTP head's pass drafts as the base)."""
-    return (
-        a.mode == b.mode
-        and a.num_decode_seqs == b.num_decode_seqs
-        and a.num_verify_seqs == b.num_verify_seqs
-        and a.seq_lens == b.seq_lens
-        and a.start_positions == b.start_positions
-        and a.kv_pages == b.kv_pages
-        and a.mamba_slots == b.mamba_slots
-    )
-
-
-def with_tokens(md: Mamba2Metadata, sched: ScheduledBatch) -> Mamba2Metadata:
-    """`md`, built for a step, feeding `sched`'s tokens with `sched`'s logits rows instead: the
-    batch of an MTP head's first pass over the step it follows (the same rows, each with the
-    token after it; engine/spec_decode/mtp.py), without a second build of the same layouts.
-    `sched` must have the rows `md` was built from (same_rows), or their first rows when `md`
-    is a padded step's (engine/executor/graph_runner.py), whose padding rows then feed token 0.
-    Only the token-level fields change: the head reads no recurrent state (its blocks are
-    attention and MoE), so the state slots and track entries are left as they were."""
-    batch = md.forward.batch
-    token_offsets = [0, *itertools.accumulate(sched.seq_lens)]
-    logits_rows, owners = _logits_rows(sched, token_offsets)
-    padding = batch.input_ids.shape[0] - sched.num_tokens
-    if padding < 0 or sched.num_seqs > batch.num_seqs:
-        raise ValueError(f"{sched.num_tokens} tokens do not fit a step of {batch.num_seqs} rows")
-    device = batch.input_ids.device
-    return dataclasses.replace(
-        md,
-        forward=dataclasses.replace(
-            md.forward,
-            batch=dataclasses.replace(
-                batch,
-                input_ids=torch.tensor(
-                    (*sched.input_ids, *(0,) * padding), dtype=torch.int64, device=device
-                ),
-                logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
-                logits_row_owner=tuple(owners),
-            ),
-        ),
-    )
-
-
 def _verify_width(sched: ScheduledBatch) -> int:
     """q, the tokens every verify sequence feeds (0 without verify sequences)."""
     nd, nv = sched.num_decode_seqs, sched.num_verify_seqs
@@ -377,7 +331,7 @@ def _verify_width(sched: ScheduledBatch) -> int:
     return q
 
 
-def _logits_rows(sched: ScheduledBatch, token_offsets: list[int]) -> tuple[list[int], list[int]]:
+def logits_rows_of(sched: ScheduledBatch, token_offsets: list[int]) -> tuple[list[int], list[int]]:
     """Rows of the hidden states projected to logits, and the sequence owning each: a sampled
     sequence's last row, every row of a verify sequence or of one that wants prompt logprobs."""
     nd, nv = sched.num_decode_seqs, sched.num_verify_seqs

@@ -91,6 +91,11 @@ class MetadataBuffers:
         # decode rows -> (arange(rows) int64, arange(rows + 1) int32, the (rows, 1, 1, 0) mask
         # of the kernels that read none): the query layout of one query per sequence
         self.decode_rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # (verify rows, q) -> the same for q queries per sequence: (arange(rows * q) int64,
+        # arange(0, (rows + 1) q, q) int32, the (rows, 1, q, 0) mask of the kernels that read none)
+        self.verify_rows: dict[
+            tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = {}
         # page size -> arange(page_size) int64: a page's token offsets (token_table)
         self.page_offsets: dict[int, torch.Tensor] = {}
 
@@ -279,8 +284,13 @@ def verify_attention_layout(
                 mask=torch.ones(0, 1, 0, 0, dtype=torch.bool, device=device),
             )
         return buffers.empty_layouts["verify"]
-    flat = torch.arange(nv * q, dtype=torch.int64, device=device)
-    query_start_loc = torch.arange(0, (nv + 1) * q, q, dtype=torch.int32, device=device)
+    if (nv, q) not in buffers.verify_rows:  # per shape, once: replays find them in place
+        buffers.verify_rows[nv, q] = (
+            torch.arange(nv * q, dtype=torch.int64, device=device),
+            torch.arange(0, (nv + 1) * q, q, dtype=torch.int32, device=device),
+            torch.ones(nv, 1, q, 0, dtype=torch.bool, device=device),
+        )
+    flat, query_start_loc, no_mask = buffers.verify_rows[nv, q]
     if with_mask:
         # query i of a sequence sits at kv_len - q + i and sees keys 0 .. that
         q_pos = kv_lens[:, None].long() - q + torch.arange(q, device=device)[None, :]
@@ -290,7 +300,7 @@ def verify_attention_layout(
             mask[:, :, 0] = True  # as build_attention_layout: no all -inf rows
         mask = mask.unsqueeze(1)
     else:
-        mask = torch.ones(nv, 1, q, 0, dtype=torch.bool, device=device)
+        mask = no_mask
     return AttentionLayout(
         num_seqs=nv,
         max_q=q if nv else 0,

@@ -9,13 +9,8 @@ import torch
 
 from baton.engine.cache.pools import StateCache
 from baton.engine.executor.draft_batch import DraftBatch
-from baton.engine.executor.forward_metadata import (
-    Mamba2Metadata,
-    ScheduledBatch,
-    build_metadata,
-    same_rows,
-    with_tokens,
-)
+from baton.engine.executor.draft_metadata import same_rows, with_tokens
+from baton.engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatch, build_metadata
 from baton.engine.executor.metadata_buffers import MetadataBuffers
 from baton.engine.layers.causal_lm import CausalLM
 from baton.engine.layers.mtp import hidden_of_slots
