@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,19 +145,31 @@ def test_broken_compiler_falls_back_to_torch(monkeypatch, tmp_path):
 @needs_cc
 def test_a_changed_shared_header_rebuilds_the_library(monkeypatch, tmp_path):
     """The kernels include cpu/common.h: the cache key covers the headers beside the sources,
-    or an edit there would keep loading the stale library."""
+    or an edit there would keep loading the stale library. The compiler is stubbed (each of its
+    commands just writes its `-o` file): what is under test is which builds run, not gcc (the
+    real build is tests/test_startup.py's `make install`)."""
     from baton.kernels.cpu import extension
 
+    commands = []
+
+    def compiler(command: list[str]) -> None:
+        commands.append(command)
+        Path(command[command.index("-o") + 1]).write_bytes(b"")
+
+    monkeypatch.setattr(extension, "_run", compiler)
     src = tmp_path / "src"
     src.mkdir()
     (src / "k.c").write_text('#include "k.h"\nint baton_answer(void) { return ANSWER; }\n')
     monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path / "cache"))
-    built = []
+    built, runs = [], []
     for value in (41, 42, 42):
         (src / "k.h").write_text(f"#define ANSWER {value}\n")
         built.append(extension.build([src / "k.c"], namespace="baton_header_test"))
+        runs.append(len(commands))
     assert built[0] != built[1] and built[1] == built[2]
     assert all(path.exists() for path in built)
+    # two builds of three commands (the kernel, the shim, the link); the third was cached
+    assert runs == [3, 6, 6]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

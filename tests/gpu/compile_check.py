@@ -44,6 +44,9 @@ KERNEL_MODULES = (
     "baton.kernels.triton.quant",
     "baton.kernels.triton.moe",
     "baton.kernels.triton.lora",
+    "baton.kernels.triton.kda",
+    "baton.kernels.triton.lightning",
+    "baton.kernels.triton.rglru",
 )
 
 
@@ -239,14 +242,51 @@ def run_lora_launchers(dtype: torch.dtype, dims: dict) -> None:
             lora_expand_triton(low[:, rank : 2 * rank], b_rows, slots, rank, out[:, n:])
 
 
+def run_recurrence_launchers(dtype: torch.dtype, dims: dict) -> None:
+    """Call the KDA, lightning attention and RG-LRU launchers once each: prefill on pool slots
+    with chunk-end states, and decode with a padding row."""
+    from baton.kernels.ssd import build_chunk_layout
+    from baton.kernels.triton.kda import kda_decode_triton, kda_prefill_triton
+    from baton.kernels.triton.lightning import (
+        lightning_decode_triton,
+        lightning_prefill_pool_triton,
+    )
+    from baton.kernels.triton.rglru import rglru_scan_pool_triton, rglru_update_triton
+
+    rec = dims["recurrent"]
+    T = sum(SEQ_LENS)
+    layout = build_chunk_layout(SEQ_LENS, [5, 0], rec["chunk"], "cpu")
+    slots, rows = torch.tensor([1, 2]), torch.tensor([1, 0, 2])
+    H, dk, dv = rec["kda"]
+    q, k, v = (torch.randn(T, H, d).to(dtype) for d in (dk, dk, dv))
+    g, beta = -torch.rand(T, H, dk), torch.rand(T, H).to(dtype)
+    pool = torch.randn(3, H, dk, dv)
+    kda_prefill_triton(q, k, v, g, beta, pool, slots, layout)
+    kda_decode_triton(q[:3], k[:3], v[:3], g[:3], beta[:3], pool, rows)
+    H, d = rec["lightning"]
+    q, k, v = (torch.randn(T, H, d).to(dtype) for _ in range(3))
+    decay, pool = torch.rand(H), torch.randn(3, H, d, d)
+    lightning_prefill_pool_triton(q, k, v, decay, pool, slots, layout)
+    lightning_decode_triton(q[:3], k[:3], v[:3], decay, pool, rows)
+    width = rec["rglru"]
+    a, u, pool = torch.rand(T, width), torch.randn(T, width).to(dtype), torch.randn(3, width)
+    rglru_scan_pool_triton(a, u, pool, slots, layout)
+    rglru_update_triton(a[:3], u[:3], pool, rows)
+
+
 SEQ_LENS = [30, 10]  # a varlen batch: one sequence over several chunks, one in a single chunk
-# gdn: a gated DeltaNet layer's shapes (at full size, Qwen3-Next's)
+# gdn: a gated DeltaNet layer's shapes (at full size, Qwen3-Next's); recurrent: KDA (heads, dk, dv),
+# lightning (heads, head_dim) and RG-LRU width (at full size, Kimi Linear's, MiniMax-Text-01's and
+# RecurrentGemma-2B's)
 NANO_9B_V2 = dict(H=128, P=80, G=8, N=128, chunk=128, conv=12288, K=4, q_heads=40, kv_heads=8,
-                  head_dim=128, hidden=4480, gdn=dict(Hk=16, Hv=32, dk=128, dv=128, chunk=64))  # fmt: skip
+                  head_dim=128, hidden=4480, gdn=dict(Hk=16, Hv=32, dk=128, dv=128, chunk=64),
+                  recurrent=dict(kda=(32, 128, 128), lightning=(64, 128), rglru=2560, chunk=64))  # fmt: skip
 TINY = dict(H=4, P=16, G=2, N=8, chunk=16, conv=96, K=4, q_heads=4, kv_heads=2, head_dim=16,
-            hidden=64, gdn=dict(Hk=2, Hv=4, dk=16, dv=16, chunk=16))  # fmt: skip
+            hidden=64, gdn=dict(Hk=2, Hv=4, dk=16, dv=16, chunk=16),
+            recurrent=dict(kda=(2, 16, 16), lightning=(2, 16), rglru=64, chunk=16))  # fmt: skip
 ODD = dict(H=6, P=12, G=3, N=5, chunk=8, conv=102, K=3, q_heads=5, kv_heads=1, head_dim=8,
-           hidden=40, gdn=dict(Hk=1, Hv=3, dk=12, dv=20, chunk=8))  # fmt: skip
+           hidden=40, gdn=dict(Hk=1, Hv=3, dk=12, dv=20, chunk=8),
+           recurrent=dict(kda=(3, 12, 40), lightning=(3, 12), rglru=1100, chunk=8))  # fmt: skip
 
 
 SHAPES = {"nano_9b_v2": (torch.bfloat16, NANO_9B_V2), "tiny": (torch.float32, TINY),
@@ -257,6 +297,7 @@ GROUPS = {
     "mamba1": run_mamba1_launchers,
     "quantized": run_quantized_launchers,
     "lora": run_lora_launchers,
+    "recurrences": run_recurrence_launchers,
 }
 # Every (shapes, group) pair is one task; `--part i/n` runs tasks[i::n], so n processes share the
 # compiles (Triton's pipeline is single-threaded: one process per core is ~n times faster).
