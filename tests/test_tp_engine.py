@@ -295,3 +295,16 @@ def test_ranks_take_a_gpu_each_only_when_there_is_one_per_rank(monkeypatch):
     assert rank_device("cuda", 3, 4) == torch.device("cuda")
     assert not one_gpu_per_rank("cuda", 1) and rank_device("cuda:1", 0, 1) == torch.device("cuda:1")
     assert not one_gpu_per_rank("cpu", 2) and rank_device("cpu", 1, 2) == torch.device("cpu")
+
+
+def test_a_closed_tp_engine_unregisters_its_group(tmp_path):
+    """The functional collectives find the gloo group by name in torch's registry, which would
+    keep the group (and its connections to the exited ranks) alive after the engine stops."""
+    save_tiny_model(tmp_path, seed=3, tokenizer=False)
+    llm = LLM(tmp_path, tensor_parallel_size=2)
+    name = llm.engine.ranks.tp.group_name
+    registry = torch._C._distributed_c10d
+    assert registry._resolve_process_group(name) is not None
+    llm.close()
+    with pytest.raises(RuntimeError, match="Could not resolve the process group"):
+        registry._resolve_process_group(name)

@@ -67,6 +67,14 @@ class TensorParallel:
     def is_first(self) -> bool:
         return self.rank == 0
 
+    def close(self) -> None:
+        """Drop the group's registration (the registry would keep it, and its gloo connections,
+        alive after the engine stops); idempotent."""
+        if self.group_name is not None:
+            with contextlib.suppress(Exception):  # already gone
+                torch._C._distributed_c10d._unregister_process_group(self.group_name)
+            self.group_name = None
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks (in place where possible); `x` itself at size 1."""
         if self.size == 1:

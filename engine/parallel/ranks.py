@@ -222,6 +222,8 @@ class Ranks:
         self.procs = []
         self.context.term()
         shutil.rmtree(self.step_dir, ignore_errors=True)
+        if getattr(self, "tp", None) is not None:
+            self.tp.close()
 
 
 class RankedRunner:
