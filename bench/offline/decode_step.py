@@ -2,6 +2,7 @@
 
     python -m baton.bench.offline.decode_step                 # shipped fp32 + 110M bf16, MTP k=2
     python -m baton.bench.offline.decode_step --rounds 5 --tokens 256 --output decode.json
+    python -m baton.bench.offline.decode_step --prompt gsm8k   # a GSM8K prompt: real acceptance
 
 One process loads each engine once per mode (eager: --enforce-eager's settings; captured: the
 default CPU step plans), then alternates them for --rounds rounds of one greedy request of
@@ -27,26 +28,45 @@ ASSETS = Path(__file__).resolve().parents[2] / "assets"
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
-def one_round(llm, tokens: int) -> tuple[float, list[int], dict]:
+def gsm8k_prompt() -> list[int]:
+    """The first held-out GSM8K question after its 5 shots, as `baton eval gsm8k` asks it, in the
+    shipped tokenizer's ids: text of the kind the shipped model (and its MTP layer) was trained
+    on, where drafts are accepted as in use (the ids of PROMPT are not text)."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    from baton.bench.accuracy.gsm8k import build_prompts
+    from baton.bench.accuracy.gsm8k_data import HELDOUT_PATH
+
+    rows = [json.loads(line) for line in HELDOUT_PATH.read_text().splitlines() if line.strip()]
+    text = build_prompts(rows, num_shots=5, num_questions=1)[0]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(ASSETS / "tokenizer.json"))
+    return tokenizer(text)["input_ids"]
+
+
+def one_round(llm, prompt: list[int], tokens: int) -> tuple[float, list[int], dict]:
     from baton import SamplingParams
     from baton.bench.offline.step_time import StepTimer
 
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     with StepTimer(llm.engine) as timer:
         start = time.perf_counter()
-        out = llm.generate([PROMPT], params)[0]
+        out = llm.generate([prompt], params)[0]
         elapsed = time.perf_counter() - start
     return tokens / elapsed, out.token_ids, timer.summary()
 
 
-def alternate(engines: dict[str, object], rounds: int, tokens: int) -> dict[str, dict]:
+def alternate(
+    engines: dict[str, object], prompt: list[int], rounds: int, tokens: int
+) -> dict[str, dict]:
     """Best tokens/s of each engine over `rounds` alternated rounds (after one warm round)."""
     results = {name: {"tok_per_s": 0.0} for name in engines}
     for llm in engines.values():
-        one_round(llm, tokens)  # records the plans, warms the caches
+        one_round(llm, prompt, tokens)  # records the plans, warms the caches
     for _ in range(rounds):
         for name, llm in engines.items():
-            rate, token_ids, steps = one_round(llm, tokens)
+            rate, token_ids, steps = one_round(llm, prompt, tokens)
             if rate > results[name]["tok_per_s"]:
                 results[name] = {"tok_per_s": rate, "step_time": steps}
             results[name]["token_ids"] = token_ids
@@ -62,6 +82,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--big-dtype", default="bfloat16")
     parser.add_argument("--no-mtp", action="store_true")
+    parser.add_argument(
+        "--prompt",
+        choices=["ids", "gsm8k"],
+        default="ids",
+        help="ids: 8 fixed token ids (not text); gsm8k: a 5-shot held-out GSM8K question, the"
+        " text the shipped model and its MTP layer know (realistic draft acceptance)",
+    )
     parser.add_argument("--output")
     args = parser.parse_args()
 
@@ -80,7 +107,12 @@ def main() -> None:
                 dtype="float32",
                 speculative_config={"method": "mtp", "num_speculative_tokens": 2},
             )
-        results = alternate(engines, args.rounds, args.tokens)
+        prompt = gsm8k_prompt() if args.prompt == "gsm8k" else PROMPT
+        results = alternate(engines, prompt, args.rounds, args.tokens)
+        if not args.no_mtp:  # tokens a verify row gains: 1 + its accepted drafts (vLLM's count)
+            stats = engines["shipped captured mtp2"].stats()
+            accepted = stats.spec_decode_num_accepted_tokens / max(1, stats.spec_decode_num_drafts)
+            report["mtp2_tokens_per_verify"] = 1 + accepted
     for name, row in results.items():
         steps = row["step_time"]
         print(
