@@ -10,8 +10,11 @@ import triton
 import triton.language as tl
 from baton.kernels.layouts import ChunkLayout
 from baton.kernels.triton.recurrences import (
+    head_tile,
+    scan_outputs,
     slot_tiles,
     store_chunk_ends,
+    store_state,
     store_tail_chunks,
     v_block,
 )
@@ -55,12 +58,8 @@ def _kda_scan_kernel(
 ):
     # fmt: on
     s = tl.program_id(0)
-    h = tl.program_id(1)
-    dk_i = tl.arange(0, BLOCK_K)
-    dv_j = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_ok, v_ok = dk_i < dk, dv_j < dv
+    h, dk_i, dv_j, k_ok, v_ok, tile = head_tile(dk, dv, BLOCK_K, BLOCK_V)
     tile_ok = k_ok[:, None] & v_ok[None, :]
-    tile = h * dk * dv + dk_i[:, None] * dv + dv_j[None, :]  # a slot is (H, dk, dv) contiguous
     t0 = tl.load(cu_ptr + s).to(tl.int64)
     count = tl.load(cu_ptr + s + 1).to(tl.int64) - t0
     offset = tl.load(start_ptr + s).to(tl.int64) % L
@@ -79,9 +78,7 @@ def _kda_scan_kernel(
         tl.store(o_ptr + t * stride_o_t + h * stride_o_h + dv_j, o, mask=v_ok)
         store_chunk_ends(chunk_at, stride_chunk_c, state, tile_ok, offset, j, L)
     store_tail_chunks(chunk_at, stride_chunk_c, state, tile_ok, offset, count, L, num_chunks)
-    tl.debug_barrier()  # every thread has read its part of the slot before any rewrites it
-    tl.store(state_ptr + slot * stride_state_s + tile, state.to(state_ptr.dtype.element_ty),
-             mask=tile_ok)
+    store_state(state_ptr, slot, stride_state_s, tile, state, tile_ok)
 
 
 # fmt: off
@@ -94,11 +91,7 @@ def _kda_decode_kernel(
 ):
     # fmt: on
     b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    dk_i = tl.arange(0, BLOCK_K)
-    dv_j = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_ok, v_ok = dk_i < dk, dv_j < dv
-    tile = h * dk * dv + dk_i[:, None] * dv + dv_j[None, :]
+    h, dk_i, dv_j, k_ok, v_ok, tile = head_tile(dk, dv, BLOCK_K, BLOCK_V)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     live = slot != 0
     tile_ok = k_ok[:, None] & v_ok[None, :] & ((dk_i * 0 + slot) != 0)[:, None]
@@ -111,9 +104,7 @@ def _kda_decode_kernel(
                           scale, eps, live)
     # fmt: on
     tl.store(o_ptr + b * stride_o_t + h * stride_o_h + dv_j, o, mask=v_ok)
-    tl.debug_barrier()
-    tl.store(state_ptr + slot * stride_state_s + tile, state.to(state_ptr.dtype.element_ty),
-             mask=tile_ok)
+    store_state(state_ptr, slot, stride_state_s, tile, state, tile_ok)
 
 
 
@@ -132,8 +123,7 @@ def kda_prefill_triton(q, k, v, g, beta, state_pool, state_indices, layout: Chun
     T, H, dk = q.shape
     dv = v.shape[-1]
     S, Cn = layout.num_seqs, layout.num_chunks
-    o = torch.empty(T, H, dv, device=v.device, dtype=v.dtype)
-    chunks = torch.empty(S, Cn, H, dk, dv, device=v.device, dtype=torch.float32)
+    o, chunks = scan_outputs(q, v, v.dtype, layout)
     if T == 0 or S == 0:
         return o, chunks
     BLOCK_K, BLOCK_V = v_block(dk, dv)

@@ -10,8 +10,11 @@ import triton
 import triton.language as tl
 from baton.kernels.layouts import ChunkLayout
 from baton.kernels.triton.recurrences import (
+    head_tile,
+    scan_outputs,
     slot_tiles,
     store_chunk_ends,
+    store_state,
     store_tail_chunks,
     v_block,
 )
@@ -41,12 +44,8 @@ def _lightning_scan_kernel(
 ):
     # fmt: on
     s = tl.program_id(0)
-    h = tl.program_id(1)
-    dk_i = tl.arange(0, BLOCK_K)
-    dv_j = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_ok, v_ok = dk_i < dk, dv_j < dv
+    h, dk_i, dv_j, k_ok, v_ok, tile = head_tile(dk, dv, BLOCK_K, BLOCK_V)
     tile_ok = k_ok[:, None] & v_ok[None, :]
-    tile = h * dk * dv + dk_i[:, None] * dv + dv_j[None, :]
     t0 = tl.load(cu_ptr + s).to(tl.int64)
     count = tl.load(cu_ptr + s + 1).to(tl.int64) - t0
     offset = tl.load(start_ptr + s).to(tl.int64) % L
@@ -65,9 +64,7 @@ def _lightning_scan_kernel(
         tl.store(o_ptr + t * stride_o_t + h * stride_o_h + dv_j, o, mask=v_ok)
         store_chunk_ends(chunk_at, stride_chunk_c, state, tile_ok, offset, j, L)
     store_tail_chunks(chunk_at, stride_chunk_c, state, tile_ok, offset, count, L, num_chunks)
-    tl.debug_barrier()
-    tl.store(state_ptr + slot * stride_state_s + tile, state.to(state_ptr.dtype.element_ty),
-             mask=tile_ok)
+    store_state(state_ptr, slot, stride_state_s, tile, state, tile_ok)
 
 
 # fmt: off
@@ -79,12 +76,8 @@ def _lightning_decode_kernel(
 ):
     # fmt: on
     b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    dk_i = tl.arange(0, BLOCK_K)
-    dv_j = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_ok, v_ok = dk_i < dk, dv_j < dv
+    h, dk_i, dv_j, k_ok, v_ok, tile = head_tile(dk, dv, BLOCK_K, BLOCK_V)
     tile_ok = k_ok[:, None] & v_ok[None, :]
-    tile = h * dk * dv + dk_i[:, None] * dv + dv_j[None, :]
     slot = tl.load(slots_ptr + b).to(tl.int64)
     ratio = tl.exp(-tl.load(decay_ptr + h).to(tl.float32))
     state = tl.load(state_ptr + slot * stride_state_s + tile, mask=tile_ok, other=0.0).to(
@@ -95,9 +88,7 @@ def _lightning_decode_kernel(
                                 stride_t, stride_h, stride_v_t, stride_v_h, ratio)
     # fmt: on
     tl.store(o_ptr + b * stride_o_t + h * stride_o_h + dv_j, o, mask=v_ok)
-    tl.debug_barrier()
-    tl.store(state_ptr + slot * stride_state_s + tile, state.to(state_ptr.dtype.element_ty),
-             mask=tile_ok)
+    store_state(state_ptr, slot, stride_state_s, tile, state, tile_ok)
 
 
 def _lightning_args(q, k, v, decay, state_pool, what: str):
@@ -113,8 +104,7 @@ def lightning_prefill_pool_triton(q, k, v, decay, state_pool, slots, layout: Chu
     T, H, dk = q.shape
     dv = v.shape[-1]
     S, Cn = layout.num_seqs, layout.num_chunks
-    o = torch.empty(T, H, dv, device=v.device, dtype=q.dtype)
-    chunks = torch.empty(S, Cn, H, dk, dv, device=v.device, dtype=torch.float32)
+    o, chunks = scan_outputs(q, v, q.dtype, layout)
     if T == 0 or S == 0:
         return o, chunks
     BLOCK_K, BLOCK_V = v_block(dk, dv)

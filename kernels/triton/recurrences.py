@@ -41,6 +41,36 @@ def store_tail_chunks(chunk_at, stride_c, state, mask, offset, count, L, num_chu
         tl.store(chunk_at + c * stride_c, state, mask=mask)
 
 
+@triton.jit
+def head_tile(dk, dv, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """This program's tile of a (H, dk, dv) contiguous slot: its head (program axis 1) and block
+    of value columns (axis 2): (key offsets, value columns, their masks, the tile's offsets)."""
+    h = tl.program_id(1)
+    dk_i = tl.arange(0, BLOCK_K)
+    dv_j = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    return h, dk_i, dv_j, dk_i < dk, dv_j < dv, h * dk * dv + dk_i[:, None] * dv + dv_j[None, :]
+
+
+@triton.jit
+def store_state(state_ptr, slot, stride_state_s, tile, state, mask):
+    """The tile back into its slot, once every thread has read its part of it."""
+    tl.debug_barrier()
+    tl.store(
+        state_ptr + slot * stride_state_s + tile, state.to(state_ptr.dtype.element_ty), mask=mask
+    )
+
+
+def scan_outputs(q: torch.Tensor, v: torch.Tensor, out_dtype: torch.dtype, layout):
+    """A prefill scan's outputs: o (T, H, dv) and the chunk-end states (S, num_chunks, H, dk,
+    dv) float32."""
+    T, H, dk = q.shape
+    dv = v.shape[-1]
+    o = torch.empty(T, H, dv, device=v.device, dtype=out_dtype)
+    chunks = torch.empty(layout.num_seqs, layout.num_chunks, H, dk, dv, device=v.device,
+                         dtype=torch.float32)  # fmt: skip
+    return o, chunks
+
+
 def slot_tiles(states: torch.Tensor, what: str) -> None:
     if not states[0].is_contiguous():
         raise ValueError(f"{what}: each state slot must be contiguous")
