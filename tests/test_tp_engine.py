@@ -36,6 +36,7 @@ from baton.engine.parallel.messages import (
     ResetSlot,
     SendShard,
     SnapshotShard,
+    UseGraphs,
     decode,
     encode,
     pool_digest,
@@ -240,6 +241,8 @@ def test_every_field_of_the_step_message_round_trips():
     draft = DraftBatch(batch=batch, hidden_from="target", hidden_rows=(0, 2, 4))
     assert decode(encode(RankStep(ops=(), batch=draft))).batch == draft
     assert decode(encode(RankShutdown(reason="done"))) == RankShutdown(reason="done")
+    graphs = UseGraphs(max_bs=16, kv_capacity=2048, capture="cpu", verify_width=3)
+    assert decode(encode(graphs)) == graphs
     assert decode(encode(ReportPools(reason="check"))) == ReportPools(reason="check")
 
 
