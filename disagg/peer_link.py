@@ -189,7 +189,8 @@ def decode_side_limits(
     context's checkpoints and its end for every layer; a message has at most a frame per layer
     of every paged tensor (PagesChunk), per layer of every slot tensor (SlotChunk), or per
     pool and field (StateTransfer)."""
-    tokens = -(-max_model_len // layout.page_size) * layout.page_size
+    # (a page entry per page table at every position: HandoverLayout.page_tables)
+    tokens = -(-max_model_len // layout.page_size) * layout.page_size * layout.page_tables
     states = 2 + max_model_len // max(1, track_interval)
     largest = [
         t.layers * t.bytes * (tokens if t.kind == "paged" else states) for t in layout.tensors

@@ -297,7 +297,7 @@ class PrefillWorker:
         r = self._room(message.room)
         r.peer, r.lease, r.registration = identity, now(), message
         r.sends.deadline = now() + message.transfer_timeout_s + HOLD_GRACE_S
-        r.pages_sent = max(r.pages_sent, message.cached_tokens // self.compat.page_size)
+        r.pages_sent = max(r.pages_sent, self.layout.pages_of(message.cached_tokens))
         if r.state == "bootstrapping":
             r.state = "waiting_for_input"
         if r.snapshot is not None:

@@ -158,7 +158,7 @@ class RoomSender:
         the first it does not cache), with this engine's agent and pool regions; the bytes the
         decode side will read."""
         reg, state, place = r.registration, r.snapshot, r.place
-        first_page = min(reg.cached_tokens, state.num_prompt_tokens) // self.page_size
+        first_page = self.layout.pages_of(min(reg.cached_tokens, state.num_prompt_tokens))
         first_page = min(first_page, len(place.pages))  # (a model with no pages: 0)
         skip = self.skipped_blocks(r)
         control = self.engine.handover.first_token_state(state.skip(0, skip), first_page)
@@ -187,7 +187,7 @@ class RoomSender:
         side as a StateTransfer without tensors (as `send_shards` sends it); the bytes the
         decode ranks will read in all."""
         reg, state, place = r.registration, r.snapshot, r.place
-        first_page = min(reg.cached_tokens, state.num_prompt_tokens) // self.page_size
+        first_page = self.layout.pages_of(min(reg.cached_tokens, state.num_prompt_tokens))
         skip = self.skipped_blocks(r)
         handover = self.engine.handover
         control = handover.first_token_state(state.skip(0, skip), first_page)
@@ -196,7 +196,11 @@ class RoomSender:
         message, tensors = state_message(r.room, control, tp_size=self.tp_size)
         self.send_tensors(r, message, tensors, track=False)
         r.offered = True
-        tokens = (len(place.pages) - first_page) * self.page_size if self.layout.page_bytes else 0
+        tokens = (
+            (len(place.pages) - first_page) // self.layout.page_tables * self.page_size
+            if self.layout.page_bytes
+            else 0
+        )
         return planned_bytes(
             self.engine.state_spec,
             reg.tp.size,
@@ -215,7 +219,7 @@ class RoomSender:
         that follows from here carries the first token and no tensors (its checkpoints no
         layers: their block count says which blocks the ranks sent)."""
         reg, state = r.registration, r.snapshot
-        first_page = min(reg.cached_tokens, state.num_prompt_tokens) // self.page_size
+        first_page = self.layout.pages_of(min(reg.cached_tokens, state.num_prompt_tokens))
         first_page = max(first_page, state.first_page)
         handover = self.engine.handover
         if self.tp_size == 1:  # the whole snapshot is this only rank's shard

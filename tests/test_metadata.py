@@ -162,6 +162,7 @@ def build(sched):
     return build_metadata(
         sched,
         page_size=PAGE,
+        page_tables=1,
         chunk_size=CHUNK,
         window_width=CONV,
         # Small on purpose: every build grows them (the path eager steps take).
@@ -192,7 +193,9 @@ def test_builder_carries_every_field_in_every_mode():
 def graph_runner(kv_capacity: int = 64, verify_width: int | None = None) -> DecodeGraphRunner:
     fake = SimpleNamespace(
         cache=SimpleNamespace(
-            page_size=PAGE, spec=SimpleNamespace(chunk_size=CHUNK, window_width=CONV)
+            page_size=PAGE,
+            page_tables=1,
+            spec=SimpleNamespace(chunk_size=CHUNK, window_width=CONV),
         ),
         device="cpu",
         buffers=MetadataBuffers("cpu", ints=8, kv_rows=1, kv_width=4, fixed=False),

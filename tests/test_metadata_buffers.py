@@ -22,6 +22,7 @@ def _build(sched, buffers, *, decode_mask=True, kv_capacity=None, track_capacity
     return build_metadata(
         sched,
         page_size=PAGE,
+        page_tables=1,
         chunk_size=CHUNK,
         window_width=CONV,
         buffers=buffers,

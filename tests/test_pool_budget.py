@@ -37,6 +37,7 @@ def _budget(**overrides):
         max_total_tokens=None,
         max_mamba_slots=None,
         slots_per_request=1,
+        page_tables=1,
     )
     return budget_pools(**(sizes | overrides))
 
@@ -85,6 +86,7 @@ def test_the_110m_model_at_llama_cpps_budget_reserves_what_its_spec_says(tiny_mo
         max_total_tokens=None,
         max_mamba_slots=None,
         slots_per_request=1,
+        page_tables=1,
     )
     assert (budget.tokens, budget.slots) == (16384, 32)
     # 2 attention layers x K and V x 2 KV heads x 128 x fp32; 7 Mamba layers of conv + SSM

@@ -224,7 +224,7 @@ def test_an_unloaded_adapters_blocks_are_dropped_and_only_its_own():
     from baton.engine.cache.prefix_cache import PrefixCache
 
     cache = PrefixCache(track_interval=4, page_size=4, pages=IndexPool(16, "pages"),
-                        slots=IndexPool(8, "slots"))  # fmt: skip
+                        slots=IndexPool(8, "slots"), page_tables=1)  # fmt: skip
     demoted = []
     cache.tiers = type("Tiers", (), {"demote": lambda self, block: demoted.append(block)})()
     ids = list(range(3, 12))

@@ -33,6 +33,7 @@ def make(
     policy="mixed",
     prefill_budget=None,
     page_window=None,
+    page_tables=1,
 ):
     ops = RecordedSlotOps()
     sched = Scheduler(
@@ -41,6 +42,7 @@ def make(
             chunked_prefill_size=chunk,
             max_running_requests=max_running,
             page_size=page_size,
+            page_tables=page_tables,
             page_window=page_window,
             policy=policy,
             max_prefill_tokens=prefill_budget or budget,

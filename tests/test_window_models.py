@@ -37,16 +37,24 @@ def test_engine_matches_transformers(window_models, name):
     assert stats.kv_pages_used == 0 and stats.mamba_slots_used == 0
 
 
-def test_only_a_model_without_full_attention_releases_pages(window_models):
-    """LFM3's full-attention layers read every page: its pages stay; with sliding layers only,
-    a long decode holds the window's pages, not the sequence's."""
-    kept = LLM(window_models("lfm3_mixed")[0], **ENGINE)
-    released = LLM(window_models("lfm3_sliding")[0], **ENGINE)
-    assert kept.engine.scheduler.config.page_window is None
-    assert released.engine.scheduler.config.page_window == 10  # its sliding_window
+def test_windowed_layers_release_their_own_page_table_beside_full_attention(window_models):
+    """LFM3's full-attention layers read every page, so its sliding layers keep a page table of
+    their own, whose pages behind the window go back during decode while the full table keeps
+    every page; with sliding layers only there is one table, released the same way. Both
+    tables draw from one pool whose page slots hold one layer of each kind at once (the
+    sliding pool shares the full pool's memory)."""
+    mixed = LLM(window_models("lfm3_mixed")[0], **ENGINE)
+    sliding = LLM(window_models("lfm3_sliding")[0], **ENGINE)
+    for llm, tables in ((mixed, (2, 16)), (sliding, (1, 10))):
+        config = llm.engine.scheduler.config
+        assert (config.page_tables, config.page_window) == tables
+    pools = mixed.engine.cache.pools
+    assert pools["sliding_attention.k"].untyped_storage().data_ptr() == (
+        pools["attention.k"].untyped_storage().data_ptr()
+    )
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     last_step, most = [], []
-    for llm in (kept, released):
+    for llm in (mixed, sliding):
         engine, used = llm.engine, []
         original = engine.forward
         engine.forward = lambda sched, e=engine, u=used, f=original: (
@@ -57,10 +65,14 @@ def test_only_a_model_without_full_attention_releases_pages(window_models):
         last_step.append(used[-1])
         most.append(max(used))
         assert engine.pages.used == 0
-    # the last step feeds position 68 (30 + 39 tokens in pages of 4): all 18 pages kept, or the
-    # pages of positions 59..68, the window of 10
-    assert last_step == [18, 4]
-    assert most == [18, 8]  # with the window: the 30-token prompt's (no release in prefill)
+    # The last step feeds position 68 (30 + 39 tokens in pages of 4). Mixed: the full table's
+    # 18 pages and the window table's pages of positions 53..68 (pages 13..17: the window of
+    # 16); sliding only: the pages of positions 59..68, the window of 10.
+    assert last_step == [18 + 5, 4]
+    # mixed peaks at its last step (the window table never holds more than 6 pages once
+    # decoding: 16 tokens span 5 or 6 pages); sliding only at the 30-token prompt's 8 pages (no
+    # release in prefill)
+    assert most == [18 + 5, 8]
 
 
 @pytest.mark.parametrize("name", list(RECURRENT_ONLY_CONFIGS))

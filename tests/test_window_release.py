@@ -18,11 +18,24 @@ from tests.test_scheduler import RecordedSlotOps, fake_step, make, req
 CONV = ShortConv.state_spec(ShortConvConfig(channels=8, conv_kernel=3, bias=False), torch.float32)
 
 
-def test_page_window_is_the_widest_window_and_none_beside_full_attention():
+def test_page_window_is_the_widest_window_and_windowed_kinds_beside_full_get_a_table():
     sliding = [attention_state(2, 8, torch.float32, w) for w in (16,)] * 2
-    assert ModelStateSpec.of([CONV, *sliding]).page_window == 16
+    alone = ModelStateSpec.of([CONV, *sliding])
+    assert (alone.page_window, alone.page_tables) == (16, 1)
     full = attention_state(2, 8, torch.float32)
-    assert ModelStateSpec.of([CONV, *sliding, full]).page_window is None  # full reads all
+    mixed = ModelStateSpec.of([CONV, *sliding, full])
+    # the windowed kinds read a page table of their own (1), released behind the window
+    assert (mixed.page_window, mixed.page_tables) == (16, 2)
+    assert (mixed.table_of("attention"), mixed.table_of("sliding_attention")) == (0, 1)
+    # ... whose pools share the full kind's memory: a page slot holds 2 layers, not 3
+    assert mixed.aliases() == {
+        "sliding_attention.k": "attention.k",
+        "sliding_attention.v": "attention.v",
+    }
+    assert mixed.bytes_per_page_token() == 2 * 2 * (2 * 8 * 4)
+    assert mixed.bytes_per_token() == 3 * 2 * (2 * 8 * 4)
+    only_full = ModelStateSpec.of([CONV, full])
+    assert (only_full.page_window, only_full.page_tables) == (None, 1)
     assert ModelStateSpec.of([CONV]).page_window is None  # no paged state at all
     assert ModelStateSpec.of(sliding).names("paged") == (
         "sliding_attention.k",
@@ -50,9 +63,16 @@ def test_decode_keeps_only_the_pages_its_window_still_reads():
     assert sched.pages.used == 0 and sched.slots.used == 0
 
 
-def peak_pages(page_window: int | None) -> int:
-    """The most pages a 16-token prompt decoding 2,048 tokens holds (page size 16)."""
-    sched, _ = make(budget=64, chunk=64, pages=200, page_size=16, page_window=page_window)
+def peak_pages(page_window: int | None, page_tables: int = 1) -> int:
+    """The most page entries a 16-token prompt decoding 2,048 tokens holds (page size 16)."""
+    sched, _ = make(
+        budget=64,
+        chunk=64,
+        pages=400,
+        page_size=16,
+        page_window=page_window,
+        page_tables=page_tables,
+    )
     r = req("r", 16, max_tokens=2048)
     sched.add(r)
     peak = 0
@@ -71,6 +91,29 @@ def test_occupancy_stays_flat_over_a_2k_token_decode_with_a_256_token_window():
     assert peak_pages(None) == 129
 
 
+def test_beside_full_attention_only_the_window_table_stays_flat():
+    """Two page tables (sliding layers beside full ones): the full table holds all 129 pages,
+    the window table 17, where a single table would hold 129 pages of every layer."""
+    assert peak_pages(256, page_tables=2) == 129 + 17
+
+
+def test_published_lfm3_pools_share_memory_between_its_tables():
+    """LFM3-1.7B's published layout (6 full, 5 sliding attention layers, window 256): a page
+    slot holds 6 layers (the sliding pool inside the full one), so a 2,064-token sequence
+    (the 2k decode above) holds 129 + 17 slots of 6 layers, 876 layer-pages, where one table
+    would hold 129 pages of 11 layers, 1,419: 62% of the memory."""
+    from baton.engine.config import ModelConfig
+    from baton.engine.models.registry import model_state_spec
+    from tests.test_lfm3_published_config import published
+
+    spec = model_state_spec(ModelConfig.from_dict(published()), torch.bfloat16)
+    assert (spec.page_tables, spec.page_window) == (2, 256)
+    layer_token = 2 * 4 * 128 * 2  # K and V, 4 KV heads of 128, bf16
+    assert spec.bytes_per_token() == 11 * layer_token
+    assert spec.bytes_per_page_token() == 6 * layer_token
+    assert (129 + 17) * 6 == 876 and 129 * 11 == 1419
+
+
 def test_nothing_is_released_without_a_page_window():
     sched, _ = make(budget=64, chunk=64, pages=64, page_size=4, page_window=None)
     r = req("r", 5, max_tokens=40)
@@ -86,12 +129,13 @@ def test_cached_blocks_keep_their_pages_and_a_released_block_still_commits():
     pages of committed blocks are never released by the request, and ending it gives back only
     what it owns."""
     pages, slots = IndexPool(64, "pages"), IndexPool(8, "slots")
-    cache = PrefixCache(track_interval=8, page_size=4, pages=pages, slots=slots)
+    cache = PrefixCache(track_interval=8, page_size=4, pages=pages, slots=slots, page_tables=1)
     config = SchedulerConfig(
         max_num_batched_tokens=64,
         chunked_prefill_size=64,
         max_running_requests=4,
         page_size=4,
+        page_tables=1,
         page_window=3,
         policy="mixed",
         max_prefill_tokens=64,

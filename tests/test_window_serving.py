@@ -1,7 +1,9 @@
 """The sliding-window families on the serving paths that follow the state spec (nothing in the
 pools, prefix cache, handover, wire or TP planning names LFM3, RecurrentGemma or the window),
-each for the two models whose only paged kind is windowed (LFM3 with sliding layers only,
-RecurrentGemma) and so release pages:
+each for the models that release pages: the two whose only paged kind is windowed (LFM3 with
+sliding layers only, RecurrentGemma: one page table) and LFM3 with sliding and full attention
+(two page tables, interleaved in each request's page list: the sliding one is released, the
+full one kept; ModelStateSpec.page_tables):
 
     prefix cache on     == off, with hits: the model releases the pages behind its window
                         while decoding, so the block its decode closes is cached with the dummy
@@ -40,7 +42,8 @@ from tests.test_gdn_serving import (
 )
 
 SECRET = "window-s3cret"
-RELEASING = ["lfm3_sliding", "rgemma_local"]  # windows of 10: every paged kind is windowed
+# windows of 10: every paged kind is windowed; lfm3_mixed: a window of 16 beside full attention
+RELEASING = ["lfm3_sliding", "rgemma_local", "lfm3_mixed"]
 
 
 @pytest.mark.parametrize("name", RELEASING)
@@ -56,11 +59,16 @@ def test_prefix_cache_on_matches_off_with_hits_on_blocks_closed_after_a_release(
     (got,) = on.generate([first], greedy)  # its decode crosses 64: block 0 closes there
     assert_same_outputs([got], [want])
     (block,) = on.engine.prefix_cache.blocks.values()
+    tables = on.engine.state_spec.page_tables
     released = block.pages.count(0)
-    # the pages behind the window of 10 were given back before the block closed at 64: the
-    # last step before it fed position 63 and read back to 54, so pages 0..12 (positions
-    # 0..51) went
-    assert released == 13
+    # the pages behind the window were given back before the block closed at 64: the last
+    # step before it fed position 63 and read back to 54 (window 10), so pages 0..12
+    # (positions 0..51) went; or, beside full attention, to 48 (window 16): the sliding
+    # table's pages 0..11, the full table's all kept
+    assert released == (12 if tables == 2 else 13)
+    assert len(block.pages) == 16 * tables  # 64 positions in pages of 4, each table's
+    if tables == 2:
+        assert all(block.pages[0::2])  # the full table's
     items = [first + got.token_ids[:8] + p for p in prompts(hf.config.vocab_size, 2, (3, 9))]
     outs = on.generate(items, greedy)
     assert [o.num_cached_tokens for o in outs] == [64, 64]
@@ -141,12 +149,13 @@ def test_tensor_parallel_matches_one_rank(window_models, name):
         engine.close()
 
 
-def test_speculative_verify_keeps_plain_outputs_at_every_acceptance_count(window_models):
+@pytest.mark.parametrize("name", ["rgemma_local", "lfm3_mixed"])
+def test_speculative_verify_keeps_plain_outputs_at_every_acceptance_count(window_models, name):
     """A scripted drafter (tests/spec_helpers.py) makes every acceptance count from 0 to k
     happen: the RG-LRU keeps its window and state after each drafted position in that
-    position's slot, windowed attention reads the verify rows; greedy output and its logprobs
-    are plain decoding's."""
-    model_dir, hf = window_models("rgemma_local")
+    position's slot, windowed attention reads the verify rows (LFM3: over its own page table,
+    beside full attention's); greedy output and its logprobs are plain decoding's."""
+    model_dir, hf = window_models(name)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     items = prompts(hf.config.vocab_size, 6, (9, 50, 61))
     want = LLM(model_dir, **ARGS).generate(items, greedy)

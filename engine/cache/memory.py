@@ -98,6 +98,7 @@ def budget_pools(
     max_total_tokens: int | None,
     max_mamba_slots: int | None,
     slots_per_request: int,
+    page_tables: int,
 ) -> PoolBudget:
     """The pools' sizes from the model's state spec (`token_bytes` of paged state per token,
     `slot_bytes` per slot, every layer) and the context budget, as vLLM and SGLang size theirs:
@@ -108,15 +109,19 @@ def budget_pools(
             leaves after the slots.
 
     `slots_per_request`: 1, or 1 + k under speculative decoding (a speculating request keeps
-    the state after each of its k drafts in a slot of its own).
+    the state after each of its k drafts in a slot of its own). `page_tables`: 2 when windowed
+    layers beside full ones keep a page table of their own (ModelStateSpec.page_tables): a
+    token then takes a page slot in each table until its windowed page is released, and
+    `token_bytes` is one page slot's (ModelStateSpec.bytes_per_page_token), so every count
+    of tokens asked for is doubled.
     --max-total-tokens / --max-mamba-slots set either outright. A model without paged state
     (no attention) still counts tokens, in pages that hold nothing: the context budget."""
     slots = max_mamba_slots or max_running_requests * slots_per_request
     if max_mamba_slots is None and slot_bytes:
         slots = max(1, min(slots, memory_bytes // 2 // slot_bytes))
     if max_total_tokens is not None:
-        return PoolBudget(tokens=max_total_tokens, slots=slots)
-    tokens = max_running_requests * max_model_len * (2 if prefix_cache else 1)
+        return PoolBudget(tokens=max_total_tokens * page_tables, slots=slots)
+    tokens = max_running_requests * max_model_len * (2 if prefix_cache else 1) * page_tables
     if token_bytes:
         tokens = min(tokens, max(0, memory_bytes - slots * slot_bytes) // token_bytes)
     return PoolBudget(tokens=max(1, tokens), slots=slots)

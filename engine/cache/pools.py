@@ -45,10 +45,27 @@ class StateCache:
         self.num_slots = num_slots
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.pools: dict[str, torch.Tensor] = {}
-        for name, group, tensor in spec.entries():
+        # With two page tables a windowed pool shares the memory of a full one (spec.aliases):
+        # one tensor with the larger layer count, each kind viewing its first layers.
+        aliases = spec.aliases()
+        layers = {name: group.num_layers for name, group, _ in spec.entries()}
+        for window, full in aliases.items():
+            layers[full] = max(layers[full], layers[window])
+        for name, _, tensor in spec.entries():
+            if name in aliases:
+                continue
             rows = num_pages * page_size if tensor.kind == "paged" else num_slots
-            shape = (group.num_layers, rows, *tensor.local_shape(tp_size, tp_rank))
+            shape = (layers[name], rows, *tensor.local_shape(tp_size, tp_rank))
             self.pools[name] = zeroed(shape, tensor.dtype, torch.device(device))
+        for window, full in aliases.items():
+            self.pools[window] = self.pools[full][: spec.tensor(window)[0].num_layers]
+        for name, group, _ in spec.entries():
+            if self.pools[name].shape[0] != group.num_layers:
+                self.pools[name] = self.pools[name][: group.num_layers]
+        self.aliases = aliases
+        # page entries per page of positions (spec.page_tables): every paged pool is indexed
+        # by every entry, and a layer reads only its own table's
+        self.page_tables = spec.page_tables
         self.paged = spec.names("paged")
         self.slotted = spec.names("slot")
         self.checkpointed = frozenset(spec.checkpointed())
@@ -62,8 +79,17 @@ class StateCache:
         }
 
     def nbytes(self) -> int:
-        """The pools' size (on the CPU, the memory they may grow to as requests write them)."""
-        return sum(pool.numel() * pool.element_size() for pool in self.pools.values())
+        """The pools' size (on the CPU, the memory they may grow to as requests write them);
+        an aliased pool (two page tables) counts once."""
+        return sum(
+            pool.untyped_storage().nbytes()
+            for name, pool in self.pools.items()
+            if name not in self.aliases
+        )
+
+    def entries(self, pages: int) -> int:
+        """A request's page entries covering `pages` pages of positions, every table's."""
+        return pages * self.page_tables
 
     def layer(self, kind: str, index: int) -> dict[str, torch.Tensor]:
         """Layer `index` of state kind `kind`: its pool views by tensor name (a paged tensor's
@@ -94,7 +120,7 @@ class StateCache:
         return pool.view(pool.shape[0], self.num_pages, self.page_size, *pool.shape[2:])
 
     def bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.pools.values())
+        return self.nbytes()
 
     @classmethod
     def for_model(

@@ -65,6 +65,9 @@ class PrefixCache:
     page_size: int
     pages: IndexPool
     slots: IndexPool
+    # page tables a request holds (ModelStateSpec.page_tables): a block's page list interleaves
+    # them, one entry per table per page of positions
+    page_tables: int
     blocks: dict[int, CachedBlock] = field(default_factory=dict)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     _clock: itertools.count = field(default_factory=itertools.count)
@@ -80,7 +83,8 @@ class PrefixCache:
 
     @property
     def pages_per_block(self) -> int:
-        return self.track_interval // self.page_size
+        """Page entries of a block, every table's."""
+        return self.track_interval // self.page_size * self.page_tables
 
     def block_key(self, parent: CachedBlock | int | None, tokens: tuple[int, ...]) -> int:
         parent_key = parent.key if isinstance(parent, CachedBlock) else parent

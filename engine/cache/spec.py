@@ -195,16 +195,69 @@ class ModelStateSpec:
     def window_width(self) -> int:
         return self._geometry("window_width")
 
+    def _paged_groups(self) -> list[StateGroup]:
+        return [g for g in self.groups if any(t.kind == "paged" for t in g.tensors)]
+
+    @property
+    def page_tables(self) -> int:
+        """How many page tables a request holds: 2 when some paged kinds read every token (full
+        attention, MLA) and others only a window (sliding-window attention), else 1. The
+        windowed kinds then have a table of their own (table 1), whose pages behind the window
+        are released while the other table keeps every page (vLLM's hybrid KV allocator, with
+        one table per window instead of one per layer group). Both tables draw pages from one
+        pool, and a windowed kind's pool shares its memory with a full kind's of the same
+        shape (`aliases`), so a released page serves either table.
+
+        A request's page list interleaves its tables (engine/core/request.py): entry
+        `i * page_tables + t` is table t's page for positions [i * page_size, (i + 1) *
+        page_size). What treats the list as a list (the prefix cache's blocks, freeing,
+        trimming) is table-blind; what maps positions to pages takes the stride."""
+        windows = {g.page_window is None for g in self._paged_groups()}
+        return 2 if windows == {True, False} else 1
+
+    def table_of(self, kind: str) -> int:
+        """The page table a paged state kind reads: 1 for a windowed kind beside full ones."""
+        group = next(g for g in self.groups if g.kind == kind)
+        return 1 if self.page_tables == 2 and group.page_window is not None else 0
+
     @property
     def page_window(self) -> int | None:
-        """How many most recent tokens any paged state is still read at: the widest window over
-        the paged kinds, or None when one of them reads every token (full attention, MLA) or
-        there is no paged state. A request's pages wholly behind it can be given back
-        (engine/core/scheduler_memory.py); with None every page is kept while it runs."""
-        windows = [g.page_window for g in self.groups if any(t.kind == "paged" for t in g.tensors)]
+        """How many most recent tokens the paged state of the request's last page table is
+        still read at: the widest window over its kinds, or None when one of them reads every
+        token (full attention, MLA) or there is no paged state. That table's pages wholly
+        behind it can be given back (engine/core/scheduler_memory.py); with None every page is
+        kept while the request runs. With two tables (`page_tables`) it is the windowed
+        kinds' table."""
+        windows = [g.page_window for g in self._paged_groups()]
+        if self.page_tables == 2:
+            windows = [w for w in windows if w is not None]
         if not windows or None in windows:
             return None
         return max(windows)
+
+    def aliases(self) -> dict[str, str]:
+        """Pool name of a windowed kind's paged tensor -> the full kind's pool it shares memory
+        with (same shape, dtype and split: the pool holds the larger layer count, each kind
+        reads its first layers). Pages come from one pool and a page id belongs to one table
+        at a time, so the two never hold a page at once. Empty with one page table."""
+        if self.page_tables == 1:
+            return {}
+        out: dict[str, str] = {}
+        taken: set[str] = set()
+        full = [(n, t) for n, g, t in self.entries("paged") if self.table_of(g.kind) == 0]
+        for name, group, tensor in self.entries("paged"):
+            if self.table_of(group.kind) == 0:
+                continue
+            for other, t in full:
+                if other not in taken and (t.shape, t.dtype, t.split) == (
+                    tensor.shape,
+                    tensor.dtype,
+                    tensor.split,
+                ):
+                    out[name] = other
+                    taken.add(other)
+                    break
+        return out
 
     def entries(self, kind: StateKind | None = None) -> list[tuple[str, StateGroup, StateTensor]]:
         """(pool name "kind.tensor", group, tensor) of every state tensor, in spec order."""
@@ -238,6 +291,21 @@ class ModelStateSpec:
     def bytes_per_token(self, size: int = 1, rank: int = 0) -> int:
         """Paged state of one token over every layer, on that rank."""
         return sum(g.num_layers * t.bytes(size, rank) for _, g, t in self.entries("paged"))
+
+    def bytes_per_page_token(self, size: int = 1, rank: int = 0) -> int:
+        """The pools' bytes per token of one page id, on that rank: bytes_per_token with one
+        page table; with two, a windowed pool and the full pool it aliases count once, at the
+        larger layer count. A token then takes one page id in each table until its windowed
+        page is released."""
+        aliases = self.aliases()
+        layers = {name: g.num_layers for name, g, _ in self.entries("paged")}
+        for window, full in aliases.items():
+            layers[full] = max(layers[full], layers[window])
+        return sum(
+            layers[name] * t.bytes(size, rank)
+            for name, _, t in self.entries("paged")
+            if name not in aliases
+        )
 
     def bytes_per_slot(self, size: int = 1, rank: int = 0) -> int:
         """Slot state of one request over every layer, on that rank."""

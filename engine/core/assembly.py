@@ -72,7 +72,7 @@ def pool_budget(
     else:
         memory = min(DEFAULT_CPU_POOL_BYTES, int(available_memory() * args.mem_fraction))
     return budget_pools(
-        token_bytes=state_spec.bytes_per_token(),
+        token_bytes=state_spec.bytes_per_page_token(),
         slot_bytes=state_spec.bytes_per_slot(),
         memory_bytes=memory,
         max_running_requests=args.max_running_requests,
@@ -81,6 +81,7 @@ def pool_budget(
         max_total_tokens=args.max_total_tokens,
         max_mamba_slots=args.max_mamba_slots,
         slots_per_request=1 + (speculative.num_speculative_tokens if speculative else 0),
+        page_tables=state_spec.page_tables,
     )
 
 
@@ -96,7 +97,13 @@ def make_prefix_cache(
             f"mamba_track_interval {interval} must be a multiple of the state's chunk size "
             f"{chunk} and of the KV page size {args.page_size}"
         )
-    return PrefixCache(track_interval=interval, page_size=args.page_size, pages=pages, slots=slots)
+    return PrefixCache(
+        track_interval=interval,
+        page_size=args.page_size,
+        pages=pages,
+        slots=slots,
+        page_tables=state_spec.page_tables,
+    )
 
 
 def make_tiers(
@@ -227,6 +234,7 @@ def scheduler_config(
         chunked_prefill_size=min(args.chunked_prefill_size, args.max_num_batched_tokens),
         max_running_requests=args.max_running_requests,
         page_size=args.page_size if paged else None,
+        page_tables=state_spec.page_tables,
         page_window=state_spec.page_window if paged else None,
         policy=args.schedule_policy,
         max_prefill_tokens=min(

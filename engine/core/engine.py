@@ -154,8 +154,11 @@ class Engine:
         self.pages = IndexPool(sizes.num_pages - 1 if paged else 0, "KV pages")
         self.slots = IndexPool(sizes.num_mamba_slots - 1, "state slots")
         self.max_model_len = args.max_model_len or config.max_position_embeddings
-        if paged:
-            self.max_model_len = min(self.max_model_len, (sizes.num_pages - 1) * sizes.page_size)
+        if paged:  # (every page table's page for each position: ModelStateSpec.page_tables)
+            self.max_model_len = min(
+                self.max_model_len,
+                (sizes.num_pages - 1) // self.state_spec.page_tables * sizes.page_size,
+            )
         self.prefix_cache = assembly.make_prefix_cache(
             args, self.state_spec, self.pages, self.slots
         )

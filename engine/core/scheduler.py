@@ -71,8 +71,11 @@ class SchedulerConfig:
     chunked_prefill_size: int
     max_running_requests: int
     page_size: int | None  # None: the model keeps no paged state (requests hold no pages)
-    # Tokens every paged state still reads back (ModelStateSpec.page_window): a decoding
-    # request's pages wholly behind it are released; None: pages are kept while it runs.
+    # Page tables a request holds (ModelStateSpec.page_tables), interleaved in its page list
+    page_tables: int
+    # Tokens the paged state of the last page table still reads back (ModelStateSpec.page_window):
+    # a decoding request's pages of that table wholly behind it are released; None: pages are
+    # kept while it runs.
     page_window: int | None
     policy: SchedulePolicy
     max_prefill_tokens: int  # token budget of a prefill-first step (<= max_num_batched_tokens)
@@ -104,7 +107,9 @@ class Scheduler:
         self.pages = pages
         self.slots = slots
         self.prefix_cache = prefix_cache
-        self.memory = RequestMemory(config.page_size, pages, slots, slot_ops, prefix_cache)
+        self.memory = RequestMemory(
+            config.page_size, config.page_tables, pages, slots, slot_ops, prefix_cache
+        )
         self.blocks = PrefixBlocks(prefix_cache, pages, slots) if prefix_cache else None
         self.spec = (
             Speculation(
@@ -359,7 +364,7 @@ class Scheduler:
 
         if not decodes and not verifies and not prefills:
             return None
-        return scheduled_batch(decodes, verifies, prefills, self.blocks)
+        return scheduled_batch(decodes, verifies, prefills, self.blocks, cfg.page_tables)
 
     # -- memory -----------------------------------------------------------------------------
 

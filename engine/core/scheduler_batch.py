@@ -12,22 +12,26 @@ from baton.engine.executor.forward_metadata import ScheduledBatch
 Rows = list[tuple[Request, int]]  # (request, tokens it feeds this step)
 
 
-def page_table(req: Request) -> tuple[int, ...]:
-    """The request's pages by position. Pages released behind a sliding window are 0 in
+def page_table(req: Request, tables: int) -> tuple[int, ...]:
+    """The request's page entries by position (`tables` interleaved page tables:
+    ModelStateSpec.page_tables). Pages released behind a sliding window are 0 in
     `req.kv_pages` (engine/core/scheduler_memory.py); here they show the request's last page
-    instead, so that no live row's table names the dummy page that padded rows write (the
-    graph runners refuse that). Those positions are behind every window: nothing reads or
-    writes them (kernels/window_attention.py), whatever page they name."""
-    if 0 not in req.kv_pages:
-        return tuple(req.kv_pages)
-    last = req.kv_pages[-1]
-    return tuple(p or last for p in req.kv_pages)
+    of the same table instead, so that no live row's table names the dummy page that padded
+    rows write (the graph runners refuse that). Those positions are behind the window of
+    every layer that reads that table: nothing reads or writes them
+    (kernels/window_attention.py), whatever page they name."""
+    pages = req.kv_pages
+    if 0 not in pages:
+        return tuple(pages)
+    last = len(pages) - tables
+    return tuple(p or pages[last + i % tables] for i, p in enumerate(pages))
 
 
 def scheduled_batch(
-    decodes: Rows, verifies: Rows, prefills: Rows, blocks: PrefixBlocks | None
+    decodes: Rows, verifies: Rows, prefills: Rows, blocks: PrefixBlocks | None, page_tables: int
 ) -> ScheduledBatch:
-    """The batch of these rows; `blocks` marks the rows whose tokens cross a checkpoint
+    """The batch of these rows (requests holding `page_tables` interleaved page tables);
+    `blocks` marks the rows whose tokens cross a checkpoint
     position (the track points and `has_mamba_track_mask`; verify rows are checkpointed only at
     accepted positions, after the step)."""
     rows = decodes + verifies + prefills
@@ -57,7 +61,7 @@ def scheduled_batch(
         input_ids=tuple(input_ids),
         seq_lens=tuple(n for _, n in rows),
         start_positions=tuple(req.num_computed for req, _ in rows),
-        kv_pages=tuple(page_table(req) for req, _ in rows),
+        kv_pages=tuple(page_table(req, page_tables) for req, _ in rows),
         mamba_slots=tuple(req.mamba_slot for req, _ in rows),
         verify_slots=tuple(Speculation.verify_slots(req) for req, _ in verifies),
         logits_seqs=tuple(logits_seqs),

@@ -41,12 +41,15 @@ class RequestMemory:
     def __init__(
         self,
         page_size: int | None,
+        page_tables: int,
         pages: IndexPool,
         slots: IndexPool,
         slot_ops: SlotOps,
         prefix_cache: PrefixCache | None,
     ):
         self.page_size = page_size  # None: the model keeps no paged state
+        # One page entry per table per page of positions, interleaved (ModelStateSpec.page_tables)
+        self.page_tables = page_tables
         self.pages = pages
         self.slots = slots
         self.slot_ops = slot_ops
@@ -55,7 +58,8 @@ class RequestMemory:
         self.held: list[tuple[Hold, list[int], int, list]] = []
 
     def pages_for(self, num_tokens: int) -> int:
-        return 0 if self.page_size is None else -(-num_tokens // self.page_size)
+        """Page entries (every table's) covering `num_tokens` positions."""
+        return 0 if self.page_size is None else -(-num_tokens // self.page_size) * self.page_tables
 
     def _slot_and_prefix(
         self,
@@ -155,11 +159,12 @@ class RequestMemory:
             del req.kv_pages[keep:]
 
     def release_window(self, req: Request, window: int | None) -> int:
-        """Give back the pages of `req` that no query of it will read again: every paged state
-        of the model reads only the last `window` tokens (None: some reads them all), and the
-        next query sits at position num_computed, so a page whose last token is at or before
-        num_computed - window is dead. Its entry in `req.kv_pages` becomes the dummy page 0 (the
-        list stays indexed by page; nothing reads those slots: kernels/window_attention.py).
+        """Give back the pages of `req` that no query of it will read again: the paged state of
+        its last page table reads only the last `window` tokens (None: some reads them all),
+        and the next query sits at position num_computed, so a page of that table whose last
+        token is at or before num_computed - window is dead. Its entry in `req.kv_pages`
+        becomes the dummy page 0 (the list stays indexed by page; nothing reads those slots:
+        kernels/window_attention.py). With two tables only the windowed one's entries go.
 
         Kept: the pages of the request's cached blocks (the prefix cache owns them, and a later
         hit reads them), and everything of a request whose hold still reads its pages in place
@@ -170,14 +175,18 @@ class RequestMemory:
         if window is None or self.page_size is None or req.hold is not None:
             return 0
         cache = self.prefix_cache
+        tables = self.page_tables
         first = len(req.cached_blocks) * cache.pages_per_block if cache is not None else 0
         dead = (req.num_computed - window + 1) // self.page_size  # pages [0, dead) are behind
+        dead *= tables  # ... entries: the last table's of those pages
         if dead <= first:
             return 0
-        released = [p for p in req.kv_pages[first:dead] if p]
+        entries = range(first + tables - 1, dead, tables)
+        released = [req.kv_pages[i] for i in entries if req.kv_pages[i]]
         if released:
             self.pages.free(released)
-            req.kv_pages[first:dead] = [0] * (dead - first)
+            for i in entries:
+                req.kv_pages[i] = 0
         return len(released)
 
     def release(self, req: Request) -> None:

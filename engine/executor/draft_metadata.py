@@ -101,6 +101,8 @@ def advance(static: Mamba2Metadata, sched: ScheduledBatch, token_slots: torch.Te
     part left as recorded (the logits rows, the adapter slots) may hold another step's ints by
     now. The rest (the query layout, the empty segments) lives outside them."""
     forward, layout = static.forward, static.forward.decode_attention
+    if forward.window is not None:  # (no family has an MTP head beside windowed layers)
+        raise ValueError("a chained pass over two page tables is built, not advanced")
     bs, n = forward.batch.num_seqs, sched.num_seqs
     if sched.mode != "decode" or forward.batch.mode != "decode" or n > bs:
         raise ValueError(f"{n} one-token rows cannot refill a decode step of {bs}")

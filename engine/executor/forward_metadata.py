@@ -64,7 +64,9 @@ class ScheduledBatch:
     input_ids: tuple[int, ...]  # (num_tokens,) packed
     seq_lens: tuple[int, ...]  # (num_seqs,) tokens fed this step
     start_positions: tuple[int, ...]  # (num_seqs,) tokens already in the state/cache
-    kv_pages: tuple[tuple[int, ...], ...]  # (num_seqs,) page table covering start + len tokens
+    # (num_seqs,) page entries covering start + len tokens, the page tables interleaved (entry
+    # i * page_tables + t: table t's page of positions i * page_size ..; ModelStateSpec)
+    kv_pages: tuple[tuple[int, ...], ...]
     mamba_slots: tuple[int, ...]  # (num_seqs,) working Mamba slot
     # (num_verify_seqs,) each (q,): the slot that receives the recurrent state after each fed
     # token (the first is the working slot itself)
@@ -104,6 +106,18 @@ class ForwardBatch:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class WindowTable:
+    """The second page table's token slots and layouts (ModelStateSpec.page_tables == 2: the
+    windowed kinds beside full ones read their own pages), the same fields as ForwardMetadata's
+    so a windowed layer reads either alike."""
+
+    slot_mapping: torch.Tensor
+    decode_attention: AttentionLayout
+    verify_attention: AttentionLayout
+    prefill_attention: AttentionLayout
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ForwardMetadata:
     """What attention layers need. Empty segments have layouts with num_seqs == 0."""
 
@@ -112,6 +126,12 @@ class ForwardMetadata:
     decode_attention: AttentionLayout  # decode segment (max_q == 1)
     verify_attention: AttentionLayout  # verify segment (max_q == q, every sequence q queries)
     prefill_attention: AttentionLayout  # prefill segment
+    # the windowed kinds' table beside full ones (two page tables), else None
+    window: WindowTable | None
+
+    def table(self, windowed: bool) -> ForwardMetadata | WindowTable:
+        """What a paged layer reads: the window table for a windowed kind when there is one."""
+        return self.window if windowed and self.window is not None else self
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,6 +161,7 @@ def build_metadata(
     sched: ScheduledBatch,
     *,
     page_size: int,
+    page_tables: int,
     chunk_size: int,
     window_width: int,
     buffers: MetadataBuffers,
@@ -191,12 +212,17 @@ def build_metadata(
         page_row,
         np.arange(len(all_pages)) - np.repeat(np.cumsum(page_counts) - page_counts, page_counts),
     ] = all_pages
+    # one table per kind of paged state (interleaved entries: ScheduledBatch.kv_pages)
+    tables = [page_table[:, t::page_tables] for t in range(page_tables)]
+    num_pages = tables[0].shape[1]
     if num_pages:
-        slot_mapping = (
-            page_table[seq_of_token, positions // page_size] * page_size + positions % page_size
-        )
+        slot_mappings = [
+            table[seq_of_token, positions // page_size] * page_size + positions % page_size
+            for table in tables
+        ]
     else:  # no sequence holds a page (a model with no paged state): nothing writes by token
-        slot_mapping = np.zeros(len(positions), dtype=np.int64)
+        slot_mappings = [np.zeros(len(positions), dtype=np.int64)] * page_tables
+    slot_mapping = slot_mappings[0]
     kv_lens = starts_np + lens_np
 
     logits_rows, owners = logits_rows_of(sched, token_offsets)
@@ -242,18 +268,18 @@ def build_metadata(
                 dtype=np.int64,
             ).reshape(-1),
             np.repeat(np.asarray(sched.lora_slots, dtype=np.int64).reshape(num_seqs), lens_np),
+            *slot_mappings[1:],
             # Last, the page tables, as wide as the batch's longest sequence: every part
             # before them keeps its offset from step to step at a batch size (a captured step
             # reads its parts where its recording found them), and a graph-runner step has
             # decode rows or verify rows, never both, so the one of them it has comes last.
-            page_table[:nd].reshape(-1),
-            page_table[nd:npf].reshape(-1),
+            *(part for table in tables for part in (table[:nd].ravel(), table[nd:npf].ravel())),
         ]
     )
     input_ids, positions_d, slot_mapping_d, logits_d, slots = longs[:5]
     track_window_d, track_src_d, track_dst_d = longs[6:9]
-    decode_kv_lens_d, decode_pages_d = ints[5], ints[12]
-    verify_kv_lens_d, verify_pages_d, verify_slots_d = ints[9], ints[13], longs[10]
+    first_table = 12 + page_tables - 1
+    decode_kv_lens_d, verify_kv_lens_d, verify_slots_d = ints[5], ints[9], longs[10]
     batch = ForwardBatch(
         mode=sched.mode,
         num_seqs=sched.num_seqs,
@@ -273,32 +299,63 @@ def build_metadata(
         prefill_lens,
         prefill_starts,
         kv_lens[npf:].tolist(),
-        page_table[npf:],
+        tables[0][npf:],
         page_size=page_size,
         chunk_size=chunk_size,
         window_width=window_width,
     )
+    decode_kv = kv_capacity if kv_capacity is not None else int(kv_lens[:nd].max(initial=0))
+    verify_kv = kv_capacity if kv_capacity is not None else int(kv_lens[nd:npf].max(initial=0))
+
+    def attention(table: int) -> dict[str, AttentionLayout]:
+        """The decode and verify layouts over page table `table` (its staged parts)."""
+        suffix = "" if table == 0 else "_window"
+        decode_pages = ints[first_table + 2 * table]
+        verify_pages = ints[first_table + 2 * table + 1]
+        return dict(
+            decode_attention=decode_attention_layout(
+                buffers,
+                decode_kv_lens_d,
+                decode_pages.view(nd, num_pages),
+                page_size,
+                max_kv=decode_kv,
+                with_mask=decode_mask,
+                segment="decode" + suffix,
+            ),
+            verify_attention=verify_attention_layout(
+                buffers,
+                verify_kv_lens_d,
+                verify_pages.view(nv, num_pages),
+                page_size,
+                q=q,
+                max_kv=verify_kv,
+                with_mask=decode_mask,
+                segment="verify" + suffix,
+            ),
+        )
+
+    window = None
+    if page_tables == 2:
+        window = WindowTable(
+            slot_mapping=longs[12],
+            prefill_attention=prefill_layouts(
+                buffers,
+                prefill_lens,
+                prefill_starts,
+                kv_lens[npf:].tolist(),
+                tables[1][npf:],
+                page_size=page_size,
+                chunk_size=chunk_size,
+                window_width=window_width,
+            )[0],
+            **attention(1),
+        )
     forward = ForwardMetadata(
         batch=batch,
         slot_mapping=slot_mapping_d,
-        decode_attention=decode_attention_layout(
-            buffers,
-            decode_kv_lens_d,
-            decode_pages_d.view(nd, num_pages),
-            page_size,
-            max_kv=kv_capacity if kv_capacity is not None else int(kv_lens[:nd].max(initial=0)),
-            with_mask=decode_mask,
-        ),
-        verify_attention=verify_attention_layout(
-            buffers,
-            verify_kv_lens_d,
-            verify_pages_d.view(nv, num_pages),
-            page_size,
-            q=q,
-            max_kv=kv_capacity if kv_capacity is not None else int(kv_lens[nd:npf].max(initial=0)),
-            with_mask=decode_mask,
-        ),
         prefill_attention=prefill_attention,
+        window=window,
+        **attention(0),
     )
     return Mamba2Metadata(
         forward=forward,

@@ -85,8 +85,12 @@ class DecodeGraphRunner:
         # ints per row: decode (10 + its pages); verify (6 q + 3 + its pages: q each of ids,
         # positions, slots, logits rows, adapter slots, q + 1 state slots, the working slot and
         # kv_len)
+        # With two page tables (ModelStateSpec.page_tables) each row has a second slot mapping
+        # entry per token and a second page table.
+        tables = runner.cache.page_tables
         per_row = max(10, 6 * self.verify_width + 3 if self.verify_width else 0)
-        self.static_ints = max_bs * (per_row + -(-kv_capacity // page))
+        per_row += (tables - 1) * (self.verify_width or 1)
+        self.static_ints = max_bs * (per_row + tables * -(-kv_capacity // page))
         # Graphs captured the addresses of these buffers: sized once for the worst step (every
         # row at full capacity, every row checkpointing), never reallocated.
         self.buffers = self.static_buffers() if capture else runner.buffers
@@ -113,7 +117,7 @@ class DecodeGraphRunner:
             runner.captured_draft = self.drafts.draft
         # padding rows write their K/V into dummy page 0; a model that keeps no pages (capacity
         # 0: no attention) has none for them
-        self.dummy_pages = (0,) if kv_capacity else ()
+        self.dummy_pages = (0,) * runner.cache.page_tables if kv_capacity else ()
 
     @property
     def draft_plans(self) -> dict[tuple, tuple | None]:
@@ -184,6 +188,7 @@ class DecodeGraphRunner:
         return build_metadata(
             padded,
             page_size=self.runner.cache.page_size,
+            page_tables=self.runner.cache.page_tables,
             chunk_size=spec.chunk_size,
             window_width=spec.window_width,
             buffers=self.buffers,

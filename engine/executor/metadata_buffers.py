@@ -80,7 +80,9 @@ class MetadataBuffers:
         self._copy_done: torch.cuda.Event | None = None
         self._alloc_ints(ints)
         # The token tables of the decode rows and of the verify rows (speculation), each
-        # allocated once: (rows, width) int64 token slots, expanded on the device.
+        # allocated once: (rows, width) int64 token slots, expanded on the device; "_window":
+        # the same over the second page table (ModelStateSpec.page_tables), allocated when a
+        # step first has one.
         self.token_tables = {
             segment: torch.zeros(kv_rows, kv_width, dtype=torch.int64, device=self.device)
             for segment in ("decode", "verify")
@@ -151,7 +153,11 @@ class MetadataBuffers:
         table (rows, pages), expanded on the device into that segment's allocated-once table."""
         rows, pages = page_table.shape
         covered = pages * page_size
-        table = self.token_tables[segment]
+        table = self.token_tables.get(segment)
+        if table is None:  # a window table: as its full table's
+            table = self.token_tables[segment] = torch.zeros_like(
+                self.token_tables[segment.removesuffix("_window")]
+            )
         if rows > table.shape[0] or max(width, covered) > table.shape[1]:
             if self.fixed:
                 raise ValueError(
@@ -220,6 +226,7 @@ def decode_attention_layout(
     *,
     max_kv: int,
     with_mask: bool,
+    segment: str,
 ) -> AttentionLayout:
     """What `build_attention_layout` gives for one query per sequence, built on the device from
     the staged int32 kv_lens (nd,) and page table (nd, pages): nothing else crosses over."""
@@ -245,7 +252,7 @@ def decode_attention_layout(
         max_kv=max_kv,
         query_start_loc=query_start_loc,
         kv_lens=kv_lens,
-        kv_indices=buffers.token_table("decode", page_table, page_size, max_kv),
+        kv_indices=buffers.token_table(segment, page_table, page_size, max_kv),
         q_slot=rows,
         slot_q=rows,
         mask=mask,
@@ -261,6 +268,7 @@ def verify_attention_layout(
     q: int,
     max_kv: int,
     with_mask: bool,
+    segment: str,
 ) -> AttentionLayout:
     """What `build_attention_layout` gives for `q` causal queries per sequence (a speculative
     verify: the last token and its k drafts over the cached prefix), built on the device from
@@ -307,7 +315,7 @@ def verify_attention_layout(
         max_kv=max_kv,
         query_start_loc=query_start_loc,
         kv_lens=kv_lens,
-        kv_indices=buffers.token_table("verify", page_table, page_size, max_kv),
+        kv_indices=buffers.token_table(segment, page_table, page_size, max_kv),
         q_slot=flat,
         slot_q=flat,
         mask=mask,

@@ -72,6 +72,7 @@ class ModelRunner:
         return build_metadata(
             sched,
             page_size=self.cache.page_size,
+            page_tables=self.cache.page_tables,
             chunk_size=self.cache.spec.chunk_size,
             window_width=self.cache.spec.window_width,
             buffers=self.buffers,

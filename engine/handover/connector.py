@@ -170,7 +170,7 @@ class Handover:
         n = counts.pop() if counts else 0
         if n and first_page + n > len(req.kv_pages):
             raise ValueError(f"request {request_id}: streamed pages do not fit its preallocation")
-        cached_pages = req.num_cached_tokens // self.cache.page_size
+        cached_pages = self.cache.entries(req.num_cached_tokens // self.cache.page_size)
         if n and first_page < cached_pages:  # shared with other requests: never written here
             raise ValueError(
                 f"request {request_id}: pages from {first_page} sent, but the first"
@@ -199,8 +199,9 @@ class Handover:
         req = self._transferring(request_id)
         if req is None:
             raise ValueError(f"request {request_id} is gone")
-        num_pages = -(-len(req.prompt_ids) // self.cache.page_size) if self.cache.paged else 0
-        cached_pages = req.num_cached_tokens // self.cache.page_size if self.cache.paged else 0
+        ps = self.cache.page_size
+        num_pages = self.cache.entries(-(-len(req.prompt_ids) // ps)) if self.cache.paged else 0
+        cached_pages = self.cache.entries(req.num_cached_tokens // ps) if self.cache.paged else 0
         if not cached_pages == first_page <= num_pages:
             raise ValueError(
                 f"the prefill worker sends pages from {first_page}, expected from"
@@ -268,7 +269,7 @@ class Handover:
         )
 
     def prompt_pages(self, req: Request) -> list[int]:
-        return req.kv_pages[: -(-len(req.prompt_ids) // self.cache.page_size)]
+        return req.kv_pages[: self.cache.entries(-(-len(req.prompt_ids) // self.cache.page_size))]
 
     def export_pages(
         self, request_id: str, first_page: int, max_pages: int | None = None
@@ -285,7 +286,7 @@ class Handover:
             return None
         ps, prompt = self.cache.page_size, len(req.prompt_ids)
         done = min(req.num_computed, prompt)
-        end = -(-prompt // ps) if done == prompt else done // ps
+        end = self.cache.entries(-(-prompt // ps) if done == prompt else done // ps)
         if max_pages is not None:
             end = min(end, first_page + max_pages)
         if end <= first_page:
@@ -309,7 +310,7 @@ class Handover:
         already) and its slot state after its prefill (unless it was pushed already:
         `with_slots=False` leaves the slot tensors with no layers), with the checkpoints of its
         prefix-cache blocks."""
-        num_pages = -(-len(req.prompt_ids) // self.cache.page_size)
+        num_pages = self.cache.entries(-(-len(req.prompt_ids) // self.cache.page_size))
         first_page = min(first_page, num_pages)
         return RequestState(
             num_prompt_tokens=len(req.prompt_ids),

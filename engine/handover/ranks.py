@@ -91,7 +91,7 @@ class ShardHandover:
     def snapshot(self, room: str, req: Request) -> None:
         """Every rank copies its shard of the finished prefill's pages, slot and block
         checkpoints for `room`."""
-        num_pages = -(-len(req.prompt_ids) // self.cache.page_size)
+        num_pages = self.cache.entries(-(-len(req.prompt_ids) // self.cache.page_size))
         self._rank_op(
             SnapshotShard(
                 room=room,
@@ -149,11 +149,11 @@ class ShardHandover:
         req = self.scheduler.get(request_id)
         if req is None:
             raise ValueError(f"request {request_id} is gone")
-        num_pages = -(-len(req.prompt_ids) // self.cache.page_size)
+        num_pages = self.cache.entries(-(-len(req.prompt_ids) // self.cache.page_size))
         first_page = control.first_page
         # The pages before are this engine's cached prefix, shared with other requests: a peer
         # may not write them (an honest one starts right after them).
-        cached_pages = req.num_cached_tokens // self.cache.page_size
+        cached_pages = self.cache.entries(req.num_cached_tokens // self.cache.page_size)
         if not cached_pages == first_page <= num_pages:
             raise ValueError(
                 f"the prefill worker sends pages from {first_page}, expected from"

@@ -120,6 +120,10 @@ class HandoverLayout:
     weights_fingerprint: str  # of the checkpoint's tensors (engine/checkpoint/fingerprint.py)
     dtype: str  # the serving dtype
     page_size: int
+    # Page entries per page of positions (ModelStateSpec.page_tables): a handover's page
+    # counts and first pages are in entries, interleaved as the request holds them; every
+    # paged tensor travels at every entry (a layer reads only its table's)
+    page_tables: int
     tp_size: int
     tensors: tuple[TensorLayout, ...]  # in spec order
 
@@ -140,6 +144,7 @@ class HandoverLayout:
             weights_fingerprint=weights_fingerprint,
             dtype=str(dtype).removeprefix("torch."),
             page_size=page_size,
+            page_tables=spec.page_tables,
             tp_size=tp_size,
             tensors=tuple(
                 TensorLayout(
@@ -164,9 +169,13 @@ class HandoverLayout:
                 return t
         raise KeyError(name)
 
+    def pages_of(self, tokens: int) -> int:
+        """The page entries holding `tokens` positions (whole pages only)."""
+        return tokens // self.page_size * self.page_tables
+
     @property
     def page_bytes(self) -> int:
-        """One page of every paged tensor over every layer."""
+        """One page entry of every paged tensor over every layer."""
         return sum(t.layers * t.bytes * self.page_size for t in self.of_kind("paged"))
 
     def slot_units(self) -> tuple[SlotUnit, ...]:

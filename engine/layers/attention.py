@@ -195,6 +195,8 @@ class Attention(nn.Module):
         (rotated when this layer has rotary) and returns (T, heads * head_dim) before o_proj.
         kv_index: the KV pool of this use when one module serves several depths (Zamba2)."""
         fm = md.forward
+        # a windowed layer beside full ones reads its own page table (ModelStateSpec.page_tables)
+        table = fm.table(self.sliding_window is not None)
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -209,15 +211,16 @@ class Attention(nn.Module):
         if self.inv_freq is not None:
             # A few cos/sin per token per layer: cheaper than threading a shared table through.
             cos, sin = rotary_cos_sin(fm.batch.positions, self.inv_freq)
-            q = rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, fm.slot_mapping)
+            q = rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, table.slot_mapping)
         else:
-            store_kv(k_cache, v_cache, k, v, fm.slot_mapping)
+            store_kv(k_cache, v_cache, k, v, table.slot_mapping)
         nd, nv = fm.batch.num_decode_tokens, fm.batch.num_verify_tokens
         parts = []
+        # speculative verify rows: k + 1 causal queries each
         for rows, layout in (
-            (slice(0, nd), fm.decode_attention),
-            (slice(nd, nd + nv), fm.verify_attention),  # speculative verify: k + 1 causal queries
-            (slice(nd + nv, T), fm.prefill_attention),
+            (slice(0, nd), table.decode_attention),
+            (slice(nd, nd + nv), table.verify_attention),
+            (slice(nd + nv, T), table.prefill_attention),
         ):
             if not layout.num_seqs:
                 continue
