@@ -116,11 +116,16 @@ def test_bad_tier_settings_are_refused_naming_the_flag(flags, message):
         EngineArgs(**flags)
 
 
-def test_a_block_closed_behind_a_sliding_window_comes_back_with_its_dead_pages(request, tmp_path):
-    """RecurrentGemma's local attention (window 10): a block that closes during decode has given
-    back its pages behind the window (the dummy page 0 in its list); its file says so, and the
-    hit resumes with the dummy there again, as a device hit would."""
-    model_dir, vocab = family_model(request, "rgemma_local")
+@pytest.mark.parametrize("family", ["rgemma_local", "lfm3_mixed"])
+def test_a_block_closed_behind_a_sliding_window_comes_back_with_its_dead_pages(
+    request, tmp_path, family
+):
+    """RecurrentGemma's local attention (window 10), or LFM3's sliding layers beside full
+    attention (window 16, a page table of their own): a block that closes during decode has
+    given back its pages behind the window (the dummy page 0 in its list; LFM3: in its sliding
+    table only); its file says so, and the hit resumes with the dummy there again, as a
+    device hit would."""
+    model_dir, vocab = family_model(request, family)
     store = tmp_path / "tier"
     with LLM(model_dir, **tiered(store)) as llm:
         convs = conversations(vocab, length=230)

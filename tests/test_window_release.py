@@ -158,3 +158,16 @@ def test_cached_blocks_keep_their_pages_and_a_released_block_still_commits():
     assert pages.used == sum(1 for b in blocks for p in b.pages if p)  # only the cache's
     cache.clear()
     assert pages.used == 0 and slots.used == 0
+
+
+def test_the_occupancy_benchmark_reports_the_release_on_a_real_engine(capsys):
+    """bench/offline/window_pages.py on LFM3-1.7B's layers, short: 16 + 40 tokens, window 16,
+    pages of 16. The last step feeds position 55: the full table's 4 pages and the sliding
+    table's pages of positions 40..55 (pages 2 and 3), 6 slots of 6 layers, where one table
+    held 4 pages of 11 layers: 36 / 44."""
+    from baton.bench.offline.window_pages import main
+
+    main(["--tokens", "40", "--window", "16"])
+    out = capsys.readouterr().out
+    assert "(2 page tables, window 16)" in out
+    assert "last step: 6 page entries" in out and "4 pages" in out and "82% of it" in out

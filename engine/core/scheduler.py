@@ -12,8 +12,9 @@ requests wait, step 1 skips the decodes, so the step is prefill chunks only (run
 next chunks and new requests), within `max_prefill_tokens`; the decodes run in the next step
 that has no prefill to run (a new request's first token sooner, running requests' next token
 later). When no prefill can run (the waiting ones cannot be admitted), the step is the mixed one.
-Under a sliding window (every paged state reads only the last `page_window` tokens) a decoding
-request gives back its pages wholly behind the window before its step. When the KV pool runs
+Under a sliding window (the paged state of the request's last page table reads only the last
+`page_window` tokens: every paged kind's, or the windowed kinds' beside full attention) a
+decoding request gives back that table's pages wholly behind the window before its step. When the KV pool runs
 dry, the most recently admitted request not yet scheduled this step is
 preempted by recompute: its pages and slot are freed and it goes back to the front of the
 waiting queue with its generated tokens kept (they are re-fed as prompt on resumption).

@@ -106,11 +106,14 @@ class DraftPlans:
         target = self.graphs.plans.get(last) if last is not None else None
         if target is None or step is None or step[1] is not target[1]:
             return None
-        done, page = step[0], self.graphs.runner.cache.page_size
+        done, cache = step[0], self.graphs.runner.cache
+        page = cache.page_size
         row_of = {rid: row for row, rid in enumerate(done.request_ids)}
         rows = [row_of.get(rid, -1) for rid in sched.request_ids]
-        if any(
-            row < 0 or done.kv_pages[row] != pages or position >= page * len(pages)
+        if any(  # (a page entry per page table: the pages cover len // page_tables pages)
+            row < 0
+            or done.kv_pages[row] != pages
+            or position >= page * (len(pages) // cache.page_tables)
             for row, pages, position in zip(rows, sched.kv_pages, sched.start_positions)
         ):
             return None

@@ -44,8 +44,9 @@ def attention_state(
     rotary). Under TP split by KV heads, each replicated when there are fewer than ranks.
 
     sliding_window: the layer reads only the last that-many tokens (its own included), a kind
-    of its own ("sliding_attention") whose `page_window` says so: where every paged kind of the
-    model has a window, the pages behind it are released during decode."""
+    of its own ("sliding_attention") whose `page_window` says so: its pages behind the window
+    are released during decode (beside full attention, from a page table of its own:
+    ModelStateSpec.page_tables)."""
     heads = TPSplit(
         dim=0,
         segments=(

@@ -22,9 +22,10 @@ pattern (full at i % 4 == 2, sliding at i % 4 == 0 past layer 0, conv elsewhere)
 layer) is refused by name: transformers looks it up by layer type and fails; so is a rope_type
 other than default / proportional, and `sliding_window: null` with sliding layers.
 
-Pages: with full-attention layers every page is read until a request ends; a model whose
-attention layers are all sliding (no "full_attention") releases the pages behind the window
-during decode (ModelStateSpec.page_window).
+Pages: the sliding layers' pages behind the window are released during decode
+(ModelStateSpec.page_window). Beside full-attention layers, which read every page until a
+request ends, they keep a page table of their own, whose pool shares the full layers' memory
+(ModelStateSpec.page_tables).
 
 Weights: `model.embed_tokens`, `model.layers.{i}.{operator_norm,ffn_norm,post_operator_norm,
 post_ffn_norm}`, `.conv.{in_proj,conv,out_proj}` or `.self_attn.{q,k,v,o}_proj`,
