@@ -94,6 +94,9 @@ FAMILIES = [
     ("gdn", "qwen3_next_mixed"),  # gated DeltaNet + gated attention
     ("ssm", "jamba_moe"),  # Mamba1 + attention + MoE
     ("tiny", "mamba_only"),  # no attention: nothing but slot state and checkpoints
+    # sliding beside full attention: two page tables interleaved in one page list, the
+    # sliding pool inside the full one (regions that overlap)
+    ("window", "lfm3_mixed"),
 ]
 # The zmq pair beside the nixl one (tests/test_disagg_families.py proves zmq equal to colocated
 # for every family; once here is the direct comparison, kept to one family for the time)
@@ -103,13 +106,14 @@ BESIDE_ZMQ = {"odd"}
 @needs_nixl
 @pytest.mark.parametrize(("where", "name"), FAMILIES, ids=[n for _, n in FAMILIES])
 def test_nixl_pair_matches_colocated_and_zmq_through_prefix_hits_on_both_sides(
-    where, name, tiny_models, gdn_models, ssm_models
+    where, name, tiny_models, gdn_models, ssm_models, window_models
 ):
     """A prompt over several blocks; then prompts sharing its prefix (the prefill side resumes
     from its checkpoints; the decode side's own blocks of the first one are not read again:
     fewer pages, later checkpoints); a first-token-only request: as colocated, and as the
     zmq backend."""
-    model_dir, hf = {"tiny": tiny_models, "gdn": gdn_models, "ssm": ssm_models}[where](name)
+    models = {"tiny": tiny_models, "gdn": gdn_models, "ssm": ssm_models, "window": window_models}
+    model_dir, hf = models[where](name)
     page = 4
     interval = math.lcm(chunk_size(model_dir), page)
     vocab = hf.config.vocab_size

@@ -135,7 +135,8 @@ class Engine:
         )
         logger.info(
             "pools: %d KV tokens, %d state slots, %.0f MiB reserved (committed as used on the CPU)",
-            (sizes.num_pages - 1) * sizes.page_size,
+            # (with two page tables a token takes a page slot in each: spec.page_tables)
+            (sizes.num_pages - 1) // self.state_spec.page_tables * sizes.page_size,
             sizes.num_mamba_slots - 1,
             self.cache.nbytes() / 2**20,
         )
