@@ -14,7 +14,8 @@ that has no prefill to run (a new request's first token sooner, running requests
 later). When no prefill can run (the waiting ones cannot be admitted), the step is the mixed one.
 Under a sliding window (the paged state of the request's last page table reads only the last
 `page_window` tokens: every paged kind's, or the windowed kinds' beside full attention) a
-decoding request gives back that table's pages wholly behind the window before its step. When the KV pool runs
+running request gives back that table's pages wholly behind the window before its step (a
+decode, or its next prefill chunk). When the KV pool runs
 dry, the most recently admitted request not yet scheduled this step is
 preempted by recompute: its pages and slot are freed and it goes back to the front of the
 waiting queue with its generated tokens kept (they are re-fed as prompt on resumption).
@@ -329,8 +330,8 @@ class Scheduler:
             decoding = req.num_remaining == 1
             if decoding and not with_decodes:
                 continue
-            if decoding:
-                self.memory.release_window(req, cfg.page_window)
+            # pages behind the window of its next query go back, between prefill chunks too
+            self.memory.release_window(req, cfg.page_window)
             drafts = spec.drafts_to_verify(req) if spec is not None and decoding else []
             if len(drafts) >= budget:
                 drafts = []  # a verify row would not fit the step's budget: decode

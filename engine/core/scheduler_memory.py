@@ -5,7 +5,7 @@ cached blocks of their prefix.
                                the pages of the cached prefix plus what is asked for
     grow / trim                pages for more tokens (nothing preempted here: the scheduler
                                picks victims) / back to fewer (a verify's rejected drafts)
-    release_window             a decoding request's own pages wholly behind the model's
+    release_window             a running request's own pages wholly behind the model's
                                sliding window (ModelStateSpec.page_window) go back to the pool;
                                their entries in its page list become the dummy page 0
     release -> held -> free    what an ended or preempted request held goes back to the pools,
