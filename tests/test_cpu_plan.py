@@ -126,6 +126,7 @@ FAMILIES = [
     ("window_models", "rgemma_hawk"),  # RecurrentGemma's RG-LRU only
     ("window_models", "rgemma_local"),  # RG-LRU + local attention, a window shorter than prompts
     ("window_models", "lfm3_sliding"),  # LFM3 with sliding layers only: pages released
+    ("window_models", "lfm3_mixed"),  # sliding + full attention: two page tables
 ]
 
 
