@@ -23,7 +23,8 @@ import itertools
 
 import torch
 
-from baton.engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatch, logits_rows_of
+from baton.engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatch
+from baton.engine.executor.metadata_rows import logits_rows_of
 
 
 def same_rows(a: ScheduledBatch, b: ScheduledBatch) -> bool:

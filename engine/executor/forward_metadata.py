@@ -25,7 +25,6 @@ Acceptance then picks the slot of the last accepted position: that is the whole 
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,6 +36,13 @@ from baton.engine.executor.metadata_buffers import (
     decode_attention_layout,
     prefill_layouts,
     verify_attention_layout,
+)
+from baton.engine.executor.metadata_rows import (
+    logits_rows_of,
+    split_page_tables,
+    token_slots,
+    track_indices,
+    verify_width,
 )
 from baton.kernels.layouts import AttentionLayout, ChunkLayout, ConvLayout
 
@@ -185,7 +191,7 @@ def build_metadata(
     lens, starts = sched.seq_lens, sched.start_positions
     if nd and any(n != 1 for n in lens[:nd]):
         raise ValueError("decode sequences must feed exactly one token each")
-    q = _verify_width(sched)
+    q = verify_width(sched)
     if len(sched.lora_slots) != sched.num_seqs:
         raise ValueError(f"{sched.num_seqs} sequences need {sched.num_seqs} adapter slots")
     npf = nd + nv  # the first prefill sequence
@@ -199,29 +205,12 @@ def build_metadata(
     positions = np.repeat(starts_np - np.asarray(token_offsets[:-1]), lens_np) + np.arange(
         token_offsets[-1]
     )
-    # Page table as wide as the batch's longest page list (padding -> dummy page 0); it
-    # crosses over as int32 pages, never as a token-level table.
-    page_counts = np.fromiter(map(len, sched.kv_pages), dtype=np.int64, count=num_seqs)
-    num_pages = int(page_counts.max(initial=0))
-    page_table = np.zeros((num_seqs, num_pages), dtype=np.int64)
-    all_pages = np.fromiter(
-        itertools.chain.from_iterable(sched.kv_pages), dtype=np.int64, count=int(page_counts.sum())
-    )
-    page_row = np.repeat(np.arange(num_seqs), page_counts)
-    page_table[
-        page_row,
-        np.arange(len(all_pages)) - np.repeat(np.cumsum(page_counts) - page_counts, page_counts),
-    ] = all_pages
-    # one table per kind of paged state (interleaved entries: ScheduledBatch.kv_pages)
-    tables = [page_table[:, t::page_tables] for t in range(page_tables)]
+    # one page table per kind of paged state (ScheduledBatch.kv_pages interleaves them), each
+    # as wide as the batch's longest page list; they cross over as int32 pages, never as a
+    # token-level table
+    tables = split_page_tables(sched.kv_pages, page_tables)
     num_pages = tables[0].shape[1]
-    if num_pages:
-        slot_mappings = [
-            table[seq_of_token, positions // page_size] * page_size + positions % page_size
-            for table in tables
-        ]
-    else:  # no sequence holds a page (a model with no paged state): nothing writes by token
-        slot_mappings = [np.zeros(len(positions), dtype=np.int64)] * page_tables
+    slot_mappings = [token_slots(t, seq_of_token, positions, page_size) for t in tables]
     slot_mapping = slot_mappings[0]
     kv_lens = starts_np + lens_np
 
@@ -235,7 +224,7 @@ def build_metadata(
         ),
         default=0,
     )
-    track_window, track_src, track_dst, num_decode_tracks = _track_indices(
+    track_window, track_src, track_dst, num_decode_tracks = track_indices(
         sched, num_chunks, chunk_size, token_offsets
     )
     if track_capacity is not None and sched.has_mamba_track_mask:
@@ -370,74 +359,3 @@ def build_metadata(
         track_state_src=track_src_d,
         track_state_dst=track_dst_d,
     )
-
-
-def _verify_width(sched: ScheduledBatch) -> int:
-    """q, the tokens every verify sequence feeds (0 without verify sequences)."""
-    nd, nv = sched.num_decode_seqs, sched.num_verify_seqs
-    widths = set(sched.seq_lens[nd : nd + nv])
-    if len(sched.verify_slots) != nv:
-        raise ValueError(f"{nv} verify sequences need {nv} verify slot lists")
-    if len(widths) > 1 or widths & {0, 1}:
-        raise ValueError(
-            f"verify sequences must each feed the same q >= 2 tokens, got {sorted(widths)}"
-        )
-    q = widths.pop() if widths else 0
-    if any(len(slots) != q for slots in sched.verify_slots):
-        raise ValueError(f"each verify sequence needs one state slot per token ({q})")
-    return q
-
-
-def logits_rows_of(sched: ScheduledBatch, token_offsets: list[int]) -> tuple[list[int], list[int]]:
-    """Rows of the hidden states projected to logits, and the sequence owning each: a sampled
-    sequence's last row, every row of a verify sequence or of one that wants prompt logprobs."""
-    nd, nv = sched.num_decode_seqs, sched.num_verify_seqs
-    if not sched.prompt_logprob_seqs and not nv:  # the common case: one row a sequence
-        owners = sorted(sched.logits_seqs)
-        return [token_offsets[s + 1] - 1 for s in owners], owners
-    every_row = set(sched.prompt_logprob_seqs) | set(range(nd, nd + nv))
-    logits_rows, owners = [], []
-    sampled = set(sched.logits_seqs)
-    for s in range(sched.num_seqs):
-        if s in every_row:
-            rows = range(token_offsets[s], token_offsets[s + 1])
-        elif s in sampled:
-            rows = range(token_offsets[s + 1] - 1, token_offsets[s + 1])
-        else:
-            continue
-        logits_rows.extend(rows)
-        owners.extend([s] * len(rows))
-    return logits_rows, owners
-
-
-def _track_indices(
-    sched: ScheduledBatch, num_chunks: int, chunk_size: int, token_offsets: list[int]
-) -> tuple[list[int], list[int], list[int], int]:
-    """Translate TrackPoints into index lists, decode entries first. Verify sequences carry
-    none: which of their positions to keep is known only after acceptance, when the scheduler
-    copies the accepted position's slot (engine/core/scheduler_spec.py)."""
-    if sched.has_mamba_track_mask != bool(sched.track_points):
-        raise ValueError("has_mamba_track_mask must be True exactly when track points exist")
-    nd, npf = sched.num_decode_seqs, sched.num_decode_seqs + sched.num_verify_seqs
-    if any(nd <= p.seq_index < npf for p in sched.track_points):
-        raise ValueError("verify sequences are checkpointed after acceptance, not in the forward")
-    decode = [p for p in sched.track_points if p.seq_index < nd]
-    prefill = [p for p in sched.track_points if p.seq_index >= npf]
-    window, src, dst = [], [], []
-    for p in decode:
-        window.append(p.seq_index)
-        src.append(p.seq_index)
-        dst.append(p.dst_slot)
-    for p in prefill:
-        s_p = p.seq_index - npf
-        start = sched.start_positions[p.seq_index]
-        end = start + p.token_offset + 1  # absolute position right after the token
-        if end % chunk_size:
-            raise ValueError(
-                f"prefill checkpoint at position {end} is not a multiple of the chunk size {chunk_size}"
-            )
-        chunk = (start % chunk_size + p.token_offset) // chunk_size
-        window.append(token_offsets[p.seq_index] - token_offsets[npf] + p.token_offset)
-        src.append(nd + s_p * num_chunks + chunk)
-        dst.append(p.dst_slot)
-    return window, src, dst, len(decode)
