@@ -432,10 +432,12 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
     const float *qv, const void *k_cache, const void *v_cache, const int64_t *slot,
     const int64_t *lens, int64_t len, int64_t KVH, int64_t kvh, int64_t Dh, int bf16,
     float *scores, int64_t max_len, float *inv, void *out, const int64_t *out_off, const int G,
-    const int per_row) {
+    const int per_row, const int64_t *firsts) {
     /* scores are computed over the first `len` keys for every row; with per_row (a constant
      * after inlining, 0 for decode) row g uses its first lens[g] <= len and writes at
-     * out_off[g], else every row uses all `len` and row g writes at out_off[0] + g * Dh */
+     * out_off[g], else every row uses all `len` and row g writes at out_off[0] + g * Dh;
+     * firsts (per_row only, NULL: none): row g's keys start at firsts[g] (a sliding window),
+     * the keys before it get weight 0 */
     const int64_t row_bytes = Dh * (bf16 ? 2 : 4);
     int64_t j = 0;
     /* Four keys at a time: their G x 4 dot products reduce together (one horizontal pass
@@ -476,7 +478,9 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
     for (int g = 0; g < G; g++) {
         float *sg = scores + g * max_len;
         const int64_t n = per_row ? lens[g] : len;
-        inv[g] = softmax_row(sg, n);
+        const int64_t first = per_row && firsts ? firsts[g] : 0;
+        for (int64_t j = 0; j < first; j++) sg[j] = 0.0f; /* behind this query's window */
+        inv[g] = softmax_row(sg + first, n - first);
         if (per_row)
             for (int64_t j = n; j < len; j++) sg[j] = 0.0f; /* past this query: weight 0 */
     }
@@ -533,8 +537,9 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
                               int64_t num_token_slots, const int64_t *kv_indices,
                               int64_t idx_stride, const int32_t *kv_lens, const int32_t *cu,
                               void *out, int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t Dh,
-                              float scale, int bf16, int nthreads) {
+                              float scale, int64_t window, int bf16, int nthreads) {
     int64_t max_len = 0;
+    if (window < 0) return -2;
     if (cu != NULL && S == 0 && T != 0) return -2;
     for (int64_t s = 0; s < S; s++) {
         if (kv_lens[s] < 0) return -2;
@@ -585,6 +590,12 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
                     }
                     const int64_t h0 = kvh * group;
                     const int64_t *slot = kv_indices + s * idx_stride;
+                    /* a sliding window (extend only): this row's keys start at len - window;
+                     * the keys before the first one any query of the item reads are skipped
+                     * (their slots may have been released), and `len` counts from there */
+                    const int64_t skipped = window && len > window ? len - window : 0;
+                    slot += skipped;
+                    len -= skipped;
 #if defined(__AVX512F__)
                     if (Dh % 16 == 0 && group <= 8) {
                         /* An extend's query r leads a block of `per_block` consecutive queries
@@ -600,7 +611,7 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
 #define ITEM(G)                                                                                   \
     case G:                                                                                        \
         attend_item_avx512(qv, k_cache, v_cache, slot, lens, len, KVH, kvh, Dh, bf16, scores,     \
-                           max_len, inv, out, out_off, G, 0);                                      \
+                           max_len, inv, out, out_off, G, 0, NULL);                                \
         break;
                                 ITEM(1) ITEM(2) ITEM(3) ITEM(4) ITEM(5) ITEM(6) ITEM(7) ITEM(8)
 #undef ITEM
@@ -609,10 +620,13 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
                         }
                         if ((r - cu[s]) % per_block) continue;
                         const int64_t nq = cu[s + 1] - r < per_block ? cu[s + 1] - r : per_block;
+                        int64_t firsts[8];
                         for (int64_t i = 0; i < nq; i++)
                             for (int64_t g = 0; g < group; g++) {
                                 const int64_t v = i * group + g, row = ((r + i) * H + h0 + g) * Dh;
                                 lens[v] = len + i;
+                                /* query i's window starts i keys after the leader's */
+                                firsts[v] = window && len + i > window ? len + i - window : 0;
                                 out_off[v] = row;
                                 for (int64_t d = 0; d < Dh; d++)
                                     qv[v * Dh + d] = load_any(q, bf16, row + d) * scale;
@@ -621,7 +635,7 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
 #define ITEM(G)                                                                                   \
     case G:                                                                                        \
         attend_item_avx512(qv, k_cache, v_cache, slot, lens, len + nq - 1, KVH, kvh, Dh, bf16,    \
-                           scores, max_len, inv, out, out_off, G, 1);                              \
+                           scores, max_len, inv, out, out_off, G, 1, window ? firsts : NULL);      \
         break;
                             ITEM(1) ITEM(2) ITEM(3) ITEM(4) ITEM(5) ITEM(6) ITEM(7) ITEM(8)
 #undef ITEM
@@ -688,19 +702,20 @@ int64_t baton_decode_attention(const void *q, const void *k_cache, const void *v
                                int64_t H, int64_t KVH, int64_t Dh, float scale, int bf16,
                                int nthreads) {
     return attention_rows(q, k_cache, v_cache, num_token_slots, kv_indices, idx_stride, kv_lens,
-                          NULL, out, S, S, H, KVH, Dh, scale, bf16, nthreads);
+                          NULL, out, S, S, H, KVH, Dh, scale, 0, bf16, nthreads);
 }
 
 /* Extend (prefill) attention, causal, straight from the paged cache: the queries of sequence s
  * are rows cu[s]..cu[s+1] of q / out (T, H, Dh), the last cu[s+1] - cu[s] of its kv_lens[s]
  * tokens (whose K/V are in the cache already); the same work items as decode, one per query
- * row and KV head. Returns as baton_decode_attention, and -2 for query offsets that do not fit
- * the lengths. */
+ * row and KV head. window > 0: each query sees only the last `window` keys up to its own
+ * position (sliding-window attention; the slots behind every window are never read), 0: all.
+ * Returns as baton_decode_attention, and -2 for query offsets that do not fit the lengths. */
 int64_t baton_extend_attention(const void *q, const void *k_cache, const void *v_cache,
                                int64_t num_token_slots, const int64_t *kv_indices,
                                int64_t idx_stride, const int32_t *kv_lens, const int32_t *cu,
                                void *out, int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t Dh,
-                               float scale, int bf16, int nthreads) {
+                               float scale, int64_t window, int bf16, int nthreads) {
     return attention_rows(q, k_cache, v_cache, num_token_slots, kv_indices, idx_stride, kv_lens,
-                          cu, out, T, S, H, KVH, Dh, scale, bf16, nthreads);
+                          cu, out, T, S, H, KVH, Dh, scale, window, bf16, nthreads);
 }

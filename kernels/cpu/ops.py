@@ -355,14 +355,17 @@ def extend_attention_cpu(
     kv_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of packed queries over the paged cache (their own K/V stored already):
     sequence s's queries are rows query_start_loc[s]..[s + 1] of q (T, H, Dh), its last tokens
-    of kv_lens[s]. Returns (T, H, Dh) in q's dtype; float32 arithmetic, like decode's."""
-    return _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, query_start_loc, scale)
+    of kv_lens[s]. window > 0: each query sees only the last `window` keys up to its own
+    position (sliding-window attention: the slots behind a window are never read). Returns
+    (T, H, Dh) in q's dtype; float32 arithmetic, like decode's."""
+    return _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, query_start_loc, scale, window)
 
 
-def _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, query_start_loc, scale):
+def _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, query_start_loc, scale, window=0):
     T, H, Dh = q.shape
     S = kv_lens.shape[0]
     q = q.contiguous()
@@ -380,12 +383,13 @@ def _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, query_start_loc, s
         kv_indices.stride(0),
         kv_lens,
     )
-    tail = (H, k_cache.shape[1], Dh, scale, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    shape = (H, k_cache.shape[1], Dh, scale)
+    tail = (int(q.dtype == torch.bfloat16), torch.get_num_threads())
     if query_start_loc is None:
-        result = library().baton_decode_attention(*common, out, S, *tail)
+        result = library().baton_decode_attention(*common, out, S, *shape, *tail)
     else:
         cu = query_start_loc.to(torch.int32).contiguous()
-        result = library().baton_extend_attention(*common, cu, out, T, S, *tail)
+        result = library().baton_extend_attention(*common, cu, out, T, S, *shape, window, *tail)
     if result == -1:
         raise MemoryError("attention: no memory for the per-thread score buffers")
     if result == -2:
