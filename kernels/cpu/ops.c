@@ -359,6 +359,57 @@ void baton_rms_norm(const void *x, int64_t x_stride, const float *weight, void *
     }
 }
 
+/* One row of rotate_half rotary, as kernels/attention.py's torch path computes it in the model
+ * dtype: out = x * c + rotate_half(x) * s on the first 2 * half channels (c, s the float32
+ * cos / sin rounded to the dtype, each product and the sum rounded to it), the rest copied. */
+static inline void rotary_row(const void *x, int64_t x_off, void *out, int64_t out_off,
+                              const float *c, const float *s, int64_t half, int64_t Dh, int bf16) {
+    for (int64_t i = 0; i < 2 * half; i++) {
+        const int64_t j = i < half ? i + half : i - half;
+        const float other = load_any(x, bf16, x_off + j);
+        const float ci = c[i % half], si = s[i % half];
+        const float a = round_to(bf16, load_any(x, bf16, x_off + i) * ci);
+        const float b = round_to(bf16, (i < half ? -other : other) * si);
+        store_any(out, bf16, out_off + i, a + b);
+    }
+    for (int64_t i = 2 * half; i < Dh; i++) store_any(out, bf16, out_off + i, load_any(x, bf16, x_off + i));
+}
+
+/* Rotary embedding of q and k and the K/V store of an attention step (kernels/attention.py's
+ * rotary_store_kv_torch in one pass): q (T, H, Dh), k and v (T, KVH, Dh) rows with token strides
+ * q_stride / k_stride / v_stride (each row's heads contiguous); cos_t, sin_t (T, half) float32;
+ * rotated q -> q_out (T, H, Dh) contiguous, rotated k and v -> the caches' rows (slots, KVH, Dh)
+ * at slot_mapping (T). Everything in the model dtype (bf16 = 1). Returns the first token with a
+ * slot outside the caches + 1 (nothing written), else 0. */
+int64_t baton_rotary_store_kv(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
+                              const void *v, int64_t v_stride, const float *cos_t,
+                              const float *sin_t, int64_t half, void *q_out, void *k_cache,
+                              void *v_cache, int64_t num_token_slots, const int64_t *slot_mapping,
+                              int64_t T, int64_t H, int64_t KVH, int64_t Dh, int bf16,
+                              int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_token_slots) return t + 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * (H + KVH) * Dh > 16384)
+    for (int64_t t = 0; t < T; t++) {
+        float c[256], s[256]; /* half <= 256: the wrapper checks */
+        for (int64_t i = 0; i < half; i++) {
+            c[i] = round_to(bf16, cos_t[t * half + i]);
+            s[i] = round_to(bf16, sin_t[t * half + i]);
+        }
+        for (int64_t h = 0; h < H; h++)
+            rotary_row(q, t * q_stride + h * Dh, q_out, (t * H + h) * Dh, c, s, half, Dh, bf16);
+        const int64_t slot = slot_mapping[t];
+        for (int64_t h = 0; h < KVH; h++) {
+            rotary_row(k, t * k_stride + h * Dh, k_cache, (slot * KVH + h) * Dh, c, s, half, Dh,
+                       bf16);
+            for (int64_t i = 0; i < Dh; i++)
+                store_any(v_cache, bf16, (slot * KVH + h) * Dh + i,
+                          load_any(v, bf16, t * v_stride + h * Dh + i));
+        }
+    }
+    return 0;
+}
+
 /* Attention reads cold rows (the step's GEMMs evicted the cache) through the page table, whose
  * indirection defeats the hardware prefetcher: each pass asks for the row of one KV head a few
  * keys ahead of the one it reads, keys in pass 1 and values in pass 3. Prefetching the values

@@ -320,6 +320,49 @@ def rms_norm_cpu(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch
     return out
 
 
+MAX_ROTARY_HALF = 256  # cos / sin entries a token's rotation keeps on the stack (ops.c)
+
+
+def rotary_store_supported(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, cos: torch.Tensor
+) -> bool:
+    """Whether baton_rotary_store_kv runs this step: CPU tensors of one float32 / bfloat16
+    dtype, each token's heads contiguous, at most MAX_ROTARY_HALF rotated pairs."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k.dtype == v.dtype == k_cache.dtype == q.dtype
+        and all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v))
+        and cos.shape[1] <= MAX_ROTARY_HALF
+        and library() is not None
+    )
+
+
+def rotary_store_kv_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """kernels/attention.py's rotary_store_kv_torch in one pass (same roundings): q (T, H, Dh),
+    k, v (T, KVH, Dh) with contiguous heads; cos, sin (T, half) float32. Stores the rotated k and
+    v at `slot_mapping`; returns the rotated q (T, H, Dh), a new tensor."""
+    T, H, Dh = q.shape
+    out = torch.empty(T, H, Dh, dtype=q.dtype)
+    slots = slot_mapping.to(torch.int64).contiguous()
+    result = library().baton_rotary_store_kv(
+        q, q.stride(0), k, k.stride(0), v, v.stride(0), _f32(cos), _f32(sin), cos.shape[1],
+        out, k_cache, v_cache, k_cache.shape[0], slots, T, H, k.shape[1], Dh,
+        int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    _check(result, slots, k_cache.shape[0], "rotary_store_kv")
+    return out
+
+
 MAX_HEAD_DIM = 512  # the per-thread accumulators in baton_decode_attention
 
 
