@@ -361,15 +361,26 @@ void baton_rms_norm(const void *x, int64_t x_stride, const float *weight, void *
 
 /* One row of rotate_half rotary, as kernels/attention.py's torch path computes it in the model
  * dtype: out = x * c + rotate_half(x) * s on the first 2 * half channels (c, s the float32
- * cos / sin rounded to the dtype, each product and the sum rounded to it), the rest copied. */
+ * cos / sin rounded to the dtype, each product and the sum rounded to it), the rest copied.
+ * Two loops, one per half of the rotated channels, so that each vectorises (-std=c11 keeps the
+ * products and the sum apart: no fused multiply-add, the torch path's roundings). */
 static inline void rotary_row(const void *x, int64_t x_off, void *out, int64_t out_off,
                               const float *c, const float *s, int64_t half, int64_t Dh, int bf16) {
+    if (!bf16) {
+        const float *xr = (const float *)x + x_off;
+        float *o = (float *)out + out_off;
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) o[i] = xr[i] * c[i] + (-xr[i + half]) * s[i];
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) o[half + i] = xr[half + i] * c[i] + xr[i] * s[i];
+        memcpy(o + 2 * half, xr + 2 * half, sizeof(float) * (size_t)(Dh - 2 * half));
+        return;
+    }
     for (int64_t i = 0; i < 2 * half; i++) {
-        const int64_t j = i < half ? i + half : i - half;
-        const float other = load_any(x, bf16, x_off + j);
-        const float ci = c[i % half], si = s[i % half];
-        const float a = round_to(bf16, load_any(x, bf16, x_off + i) * ci);
-        const float b = round_to(bf16, (i < half ? -other : other) * si);
+        const int64_t p = i < half ? i : i - half; /* the cos / sin pair of channel i */
+        const float other = load_any(x, bf16, x_off + (i < half ? i + half : i - half));
+        const float a = round_to(bf16, load_any(x, bf16, x_off + i) * c[p]);
+        const float b = round_to(bf16, (i < half ? -other : other) * s[p]);
         store_any(out, bf16, out_off + i, a + b);
     }
     for (int64_t i = 2 * half; i < Dh; i++) store_any(out, bf16, out_off + i, load_any(x, bf16, x_off + i));
@@ -402,9 +413,9 @@ int64_t baton_rotary_store_kv(const void *q, int64_t q_stride, const void *k, in
         for (int64_t h = 0; h < KVH; h++) {
             rotary_row(k, t * k_stride + h * Dh, k_cache, (slot * KVH + h) * Dh, c, s, half, Dh,
                        bf16);
-            for (int64_t i = 0; i < Dh; i++)
-                store_any(v_cache, bf16, (slot * KVH + h) * Dh + i,
-                          load_any(v, bf16, t * v_stride + h * Dh + i));
+            const size_t row_bytes = (size_t)Dh * (bf16 ? 2 : 4);
+            memcpy((char *)v_cache + (slot * KVH + h) * (int64_t)row_bytes,
+                   (const char *)v + (t * v_stride + h * Dh) * (bf16 ? 2 : 4), row_bytes);
         }
     }
     return 0;
