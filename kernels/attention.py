@@ -135,6 +135,10 @@ def rotary_store_kv_torch(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
+    contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
+    if contiguous and cpu_ops.rotary_store_supported(q, k, v, k_cache, cos):
+        # one C pass (kernels/cpu/ops.c) instead of ~20 operators a layer: the same roundings
+        return cpu_ops.rotary_store_kv_cpu(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
     store_kv(k_cache, v_cache, apply_rotary_torch(k, cos, sin), v, slot_mapping)
     return apply_rotary_torch(q, cos, sin)
 

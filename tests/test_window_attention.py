@@ -1,7 +1,8 @@
 """Sliding-window attention over the paged cache (kernels/window_attention.py) against a float64
 oracle that attends to the last `window` keys of each query only: decode through the narrowed
 layout (the C decode kernel where built, the torch path otherwise), extend and verify through the
-masked path, windows shorter and longer than the sequences, GQA and MQA. The slots behind every
+C extend kernel where built (each query's window read from the pages) and the masked path
+otherwise, windows shorter and longer than the sequences, GQA and MQA. The slots behind every
 window are poisoned with NaN (as if their pages had been released to the dummy page): nothing may
 read them."""
 
@@ -12,7 +13,7 @@ import torch
 
 from baton.kernels.attention import build_attention_layout
 from baton.kernels.cpu import ops as cpu_ops
-from baton.kernels.window_attention import window_attention
+from baton.kernels.window_attention import window_attention, window_attention_masked
 
 PAGE = 4
 
@@ -103,3 +104,41 @@ def test_decode_window_layout_runs_the_triton_decode_kernel():
     for s, (keys, values) in enumerate(seqs):
         want = window_oracle(q[s : s + 1], keys, values, 0.3, 8)
         torch.testing.assert_close(out[s : s + 1].double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])  # the C kernel's portable loop, its AVX-512 items
+@pytest.mark.parametrize(
+    "q_lens, kv_lens, window",
+    [
+        ((37, 16, 3, 9), (37, 60, 25, 9), 10),  # from scratch past the window, resumed, short
+        ((5, 5), (5, 12), 1),  # a window of one token: a query sees itself
+        ((4, 4, 4), (30, 4, 11), 3),  # verify-like rows, several queries an AVX-512 item
+    ],
+)
+@pytest.mark.parametrize("heads, kv_heads", [(12, 4), (4, 2), (3, 1)])
+def test_extend_takes_the_c_kernel_where_built_and_matches_the_oracle(
+    monkeypatch, head_dim, q_lens, kv_lens, window, heads, kv_heads
+):
+    """Extend and verify rows run the C extend kernel with the window (each query's own window
+    start, also inside an AVX-512 item of consecutive queries): the oracle's answer, nothing
+    behind a window read (NaN there), and the masked SDPA path's answer."""
+    q, k_cache, v_cache, layout, seqs = paged_case(
+        q_lens, kv_lens, heads, kv_heads, head_dim, window, 11
+    )
+    if not cpu_ops.decode_attention_supported(q, k_cache):
+        pytest.skip("the C kernels are not built here")
+    windows = []
+    fused = cpu_ops.extend_attention_cpu
+    monkeypatch.setattr(
+        cpu_ops, "extend_attention_cpu", lambda *a: windows.append(a[-1]) or fused(*a)
+    )
+    out = window_attention(q, k_cache, v_cache, layout, 0.3, window)
+    assert windows == [window]
+    assert torch.isfinite(out).all()
+    start = 0
+    for ql, (keys, values) in zip(q_lens, seqs):
+        want = window_oracle(q[start : start + ql], keys, values, 0.3, window)
+        torch.testing.assert_close(out[start : start + ql].double(), want, atol=1e-5, rtol=1e-5)
+        start += ql
+    masked = window_attention_masked(q, k_cache, v_cache, layout, 0.3, window)
+    torch.testing.assert_close(out, masked, atol=1e-5, rtol=1e-5)

@@ -88,6 +88,16 @@ def _gated_torch(
     return up * ACTIVATIONS[activation](gate)
 
 
+# Rows a CPU prefill runs through a gated MLP at a time. The whole step's [gate | up] at once
+# is (tokens, 2 x intermediate): 32 MiB at 2048 tokens of a 4096-wide gate_up, the size from
+# which glibc maps every allocation afresh, so each layer's GEMM paid for page faults on its
+# output (~20% of its time) and the activation then re-read it from memory. 256 rows keep the
+# intermediate (4 MiB there) in the caches between the three calls. Each output row depends on
+# its own input row only (baton's GEMM gives the same bits at any row count; measured on the
+# 2-core VM: 0.92x the MLP's time at 2048 rows, one thread).
+CPU_ROW_CHUNK = 256
+
+
 class GatedMLP(nn.Module):
     """down_proj(act(gate_proj(x) * gate_multiplier) * up_proj(x)) * down_multiplier (the
     multipliers are Falcon-H1's `mlp_multipliers`, 1.0 elsewhere).
@@ -124,8 +134,19 @@ class GatedMLP(nn.Module):
             parallel.shard(self.down_proj.weight, parallel.Slices(dim=1, ranges=part.ranges))
             parallel.shard(self.down_proj.bias, parallel.FirstRankOnly(rank=tp.rank))
         self.gate_up: nn.Module | None = None  # CPU: gate and up in one packed matmul
+        self.by_rows = False  # CPU: a prefill's rows run CPU_ROW_CHUNK at a time (forward)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and self.by_rows and x.dim() == 2 and len(x) > CPU_ROW_CHUNK:
+            out = x.new_empty(len(x), self.down_proj.out_features)
+            for first in range(0, len(x), CPU_ROW_CHUNK):
+                rows = slice(first, first + CPU_ROW_CHUNK)
+                out[rows] = self._unreduced(x[rows])
+        else:
+            out = self._unreduced(x)
+        return self.tp.all_reduce(out) if self.reduce_output else out
+
+    def _unreduced(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             hidden = gated_activation(self.gate_up(x), self.activation, self.gate_multiplier)
         else:
@@ -133,8 +154,7 @@ class GatedMLP(nn.Module):
                 self.gate_proj(x), self.up_proj(x), self.activation, self.gate_multiplier
             )
         out = self.down_proj(hidden)
-        out = out if self.down_multiplier == 1.0 else out * self.down_multiplier
-        return self.tp.all_reduce(out) if self.reduce_output else out
+        return out if self.down_multiplier == 1.0 else out * self.down_multiplier
 
     def pack_for_cpu(self) -> None:
         """One packed matmul for gate and up (the two plain projections are dropped), unless
@@ -142,6 +162,11 @@ class GatedMLP(nn.Module):
         self.gate_up = fuse_for_cpu([self.gate_proj, self.up_proj])
         if self.gate_up is not None:
             del self.gate_proj, self.up_proj
+        # An adapted projection reads each row's adapter from the step's rows (engine/lora):
+        # its rows must stay whole.
+        self.by_rows = not any(
+            isinstance(m, (LoRALinear, FusedLoRALinear)) for m in (self.gate_up, self.down_proj)
+        )
 
 
 class FusedGatedMLP(nn.Module):

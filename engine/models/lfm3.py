@@ -51,7 +51,7 @@ from baton.engine.config import ConfigReader, ModelConfig, RotaryConfig
 from baton.engine.executor.forward_metadata import Mamba2Metadata
 from baton.engine.layers.attention import Attention, attention_state
 from baton.engine.layers.causal_lm import CausalLM, VocabParallelEmbedding
-from baton.engine.layers.mlp import GatedMLP
+from baton.engine.layers.mlp import GatedMLP, fuse_for_cpu
 from baton.engine.layers.norm import RMSNorm
 from baton.engine.layers.short_conv import ShortConv, ShortConvConfig
 from baton.engine.models import lfm2
@@ -255,6 +255,7 @@ class GatedAttention(Attention):
         # proportional rope's trailing zeros leave their channels unrotated)
         self.inv_freq = inv_freq(rope, lfm.head_dim)
         self.g_proj: nn.Linear | None = None
+        self.qkvg_proj: nn.Module | None = None  # CPU: q, k, v and the gate in one matmul
         if lfm.attention_gate:
             self.g_proj = nn.Linear(hidden_size, self.num_heads, bias=False)
             if self.tp.size > 1:
@@ -264,12 +265,30 @@ class GatedAttention(Attention):
                     parallel.Slices(dim=0, ranges=((first, self.num_heads),)),
                 )
 
-    def forward(self, x: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
-        q, k, v = self.project_qkv(x)
-        out = self.attend(q, k, v, md, cache)
+    def pack_for_cpu(self) -> None:
+        """q, k, v and the gate in one packed matmul (`qkvg_proj`): the gate's few columns
+        ride along the q/k/v GEMM instead of a matmul call of their own per layer and step
+        (oneDNN's fixed cost per call is most of a 12-column product). Parts stored differently
+        (mixed precision, an adapter on some of them) fall back to q/k/v fused alone."""
         if self.g_proj is not None:
+            fused = fuse_for_cpu([self.q_proj, self.k_proj, self.v_proj, self.g_proj])
+            if fused is not None:
+                self.qkvg_proj = fused
+                del self.q_proj, self.k_proj, self.v_proj
+                self.g_proj = None
+                return
+        super().pack_for_cpu()
+
+    def forward(self, x: torch.Tensor, md: Mamba2Metadata, cache: StateCache) -> torch.Tensor:
+        if self.qkvg_proj is not None:
+            q, k, v, g = self.qkvg_proj(x).split([*self.qkv_sizes, self.num_heads], dim=-1)
+        else:
+            q, k, v = self.project_qkv(x)
+            g = self.g_proj(x) if self.g_proj is not None else None
+        out = self.attend(q, k, v, md, cache)
+        if g is not None:
             T = out.shape[0]
-            gate = torch.sigmoid(self.g_proj(x)).unsqueeze(-1)
+            gate = torch.sigmoid(g).unsqueeze(-1)
             out = (out.view(T, self.num_heads, self.head_dim) * gate).view(T, -1)
         return self.tp.all_reduce(self.o_proj(out))
 

@@ -359,6 +359,68 @@ void baton_rms_norm(const void *x, int64_t x_stride, const float *weight, void *
     }
 }
 
+/* One row of rotate_half rotary, as kernels/attention.py's torch path computes it in the model
+ * dtype: out = x * c + rotate_half(x) * s on the first 2 * half channels (c, s the float32
+ * cos / sin rounded to the dtype, each product and the sum rounded to it), the rest copied.
+ * Two loops, one per half of the rotated channels, so that each vectorises (-std=c11 keeps the
+ * products and the sum apart: no fused multiply-add, the torch path's roundings). */
+static inline void rotary_row(const void *x, int64_t x_off, void *out, int64_t out_off,
+                              const float *c, const float *s, int64_t half, int64_t Dh, int bf16) {
+    if (!bf16) {
+        const float *xr = (const float *)x + x_off;
+        float *o = (float *)out + out_off;
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) o[i] = xr[i] * c[i] + (-xr[i + half]) * s[i];
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) o[half + i] = xr[half + i] * c[i] + xr[i] * s[i];
+        memcpy(o + 2 * half, xr + 2 * half, sizeof(float) * (size_t)(Dh - 2 * half));
+        return;
+    }
+    for (int64_t i = 0; i < 2 * half; i++) {
+        const int64_t p = i < half ? i : i - half; /* the cos / sin pair of channel i */
+        const float other = load_any(x, bf16, x_off + (i < half ? i + half : i - half));
+        const float a = round_to(bf16, load_any(x, bf16, x_off + i) * c[p]);
+        const float b = round_to(bf16, (i < half ? -other : other) * s[p]);
+        store_any(out, bf16, out_off + i, a + b);
+    }
+    for (int64_t i = 2 * half; i < Dh; i++) store_any(out, bf16, out_off + i, load_any(x, bf16, x_off + i));
+}
+
+/* Rotary embedding of q and k and the K/V store of an attention step (kernels/attention.py's
+ * rotary_store_kv_torch in one pass): q (T, H, Dh), k and v (T, KVH, Dh) rows with token strides
+ * q_stride / k_stride / v_stride (each row's heads contiguous); cos_t, sin_t (T, half) float32;
+ * rotated q -> q_out (T, H, Dh) contiguous, rotated k and v -> the caches' rows (slots, KVH, Dh)
+ * at slot_mapping (T). Everything in the model dtype (bf16 = 1). Returns the first token with a
+ * slot outside the caches + 1 (nothing written), else 0. */
+int64_t baton_rotary_store_kv(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
+                              const void *v, int64_t v_stride, const float *cos_t,
+                              const float *sin_t, int64_t half, void *q_out, void *k_cache,
+                              void *v_cache, int64_t num_token_slots, const int64_t *slot_mapping,
+                              int64_t T, int64_t H, int64_t KVH, int64_t Dh, int bf16,
+                              int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_token_slots) return t + 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * (H + KVH) * Dh > 16384)
+    for (int64_t t = 0; t < T; t++) {
+        float c[256], s[256]; /* half <= 256: the wrapper checks */
+        for (int64_t i = 0; i < half; i++) {
+            c[i] = round_to(bf16, cos_t[t * half + i]);
+            s[i] = round_to(bf16, sin_t[t * half + i]);
+        }
+        for (int64_t h = 0; h < H; h++)
+            rotary_row(q, t * q_stride + h * Dh, q_out, (t * H + h) * Dh, c, s, half, Dh, bf16);
+        const int64_t slot = slot_mapping[t];
+        for (int64_t h = 0; h < KVH; h++) {
+            rotary_row(k, t * k_stride + h * Dh, k_cache, (slot * KVH + h) * Dh, c, s, half, Dh,
+                       bf16);
+            const size_t row_bytes = (size_t)Dh * (bf16 ? 2 : 4);
+            memcpy((char *)v_cache + (slot * KVH + h) * (int64_t)row_bytes,
+                   (const char *)v + (t * v_stride + h * Dh) * (bf16 ? 2 : 4), row_bytes);
+        }
+    }
+    return 0;
+}
+
 /* Attention reads cold rows (the step's GEMMs evicted the cache) through the page table, whose
  * indirection defeats the hardware prefetcher: each pass asks for the row of one KV head a few
  * keys ahead of the one it reads, keys in pass 1 and values in pass 3. Prefetching the values
@@ -432,10 +494,12 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
     const float *qv, const void *k_cache, const void *v_cache, const int64_t *slot,
     const int64_t *lens, int64_t len, int64_t KVH, int64_t kvh, int64_t Dh, int bf16,
     float *scores, int64_t max_len, float *inv, void *out, const int64_t *out_off, const int G,
-    const int per_row) {
+    const int per_row, const int64_t *firsts) {
     /* scores are computed over the first `len` keys for every row; with per_row (a constant
      * after inlining, 0 for decode) row g uses its first lens[g] <= len and writes at
-     * out_off[g], else every row uses all `len` and row g writes at out_off[0] + g * Dh */
+     * out_off[g], else every row uses all `len` and row g writes at out_off[0] + g * Dh;
+     * firsts (per_row only, NULL: none): row g's keys start at firsts[g] (a sliding window),
+     * the keys before it get weight 0 */
     const int64_t row_bytes = Dh * (bf16 ? 2 : 4);
     int64_t j = 0;
     /* Four keys at a time: their G x 4 dot products reduce together (one horizontal pass
@@ -476,7 +540,9 @@ static inline __attribute__((always_inline)) void attend_item_avx512(
     for (int g = 0; g < G; g++) {
         float *sg = scores + g * max_len;
         const int64_t n = per_row ? lens[g] : len;
-        inv[g] = softmax_row(sg, n);
+        const int64_t first = per_row && firsts ? firsts[g] : 0;
+        for (int64_t j = 0; j < first; j++) sg[j] = 0.0f; /* behind this query's window */
+        inv[g] = softmax_row(sg + first, n - first);
         if (per_row)
             for (int64_t j = n; j < len; j++) sg[j] = 0.0f; /* past this query: weight 0 */
     }
@@ -533,8 +599,9 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
                               int64_t num_token_slots, const int64_t *kv_indices,
                               int64_t idx_stride, const int32_t *kv_lens, const int32_t *cu,
                               void *out, int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t Dh,
-                              float scale, int bf16, int nthreads) {
+                              float scale, int64_t window, int bf16, int nthreads) {
     int64_t max_len = 0;
+    if (window < 0) return -2;
     if (cu != NULL && S == 0 && T != 0) return -2;
     for (int64_t s = 0; s < S; s++) {
         if (kv_lens[s] < 0) return -2;
@@ -585,6 +652,12 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
                     }
                     const int64_t h0 = kvh * group;
                     const int64_t *slot = kv_indices + s * idx_stride;
+                    /* a sliding window (extend only): this row's keys start at len - window;
+                     * the keys before the first one any query of the item reads are skipped
+                     * (their slots may have been released), and `len` counts from there */
+                    const int64_t skipped = window && len > window ? len - window : 0;
+                    slot += skipped;
+                    len -= skipped;
 #if defined(__AVX512F__)
                     if (Dh % 16 == 0 && group <= 8) {
                         /* An extend's query r leads a block of `per_block` consecutive queries
@@ -600,7 +673,7 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
 #define ITEM(G)                                                                                   \
     case G:                                                                                        \
         attend_item_avx512(qv, k_cache, v_cache, slot, lens, len, KVH, kvh, Dh, bf16, scores,     \
-                           max_len, inv, out, out_off, G, 0);                                      \
+                           max_len, inv, out, out_off, G, 0, NULL);                                \
         break;
                                 ITEM(1) ITEM(2) ITEM(3) ITEM(4) ITEM(5) ITEM(6) ITEM(7) ITEM(8)
 #undef ITEM
@@ -609,10 +682,13 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
                         }
                         if ((r - cu[s]) % per_block) continue;
                         const int64_t nq = cu[s + 1] - r < per_block ? cu[s + 1] - r : per_block;
+                        int64_t firsts[8];
                         for (int64_t i = 0; i < nq; i++)
                             for (int64_t g = 0; g < group; g++) {
                                 const int64_t v = i * group + g, row = ((r + i) * H + h0 + g) * Dh;
                                 lens[v] = len + i;
+                                /* query i's window starts i keys after the leader's */
+                                firsts[v] = window && len + i > window ? len + i - window : 0;
                                 out_off[v] = row;
                                 for (int64_t d = 0; d < Dh; d++)
                                     qv[v * Dh + d] = load_any(q, bf16, row + d) * scale;
@@ -621,7 +697,7 @@ static int64_t attention_rows(const void *q, const void *k_cache, const void *v_
 #define ITEM(G)                                                                                   \
     case G:                                                                                        \
         attend_item_avx512(qv, k_cache, v_cache, slot, lens, len + nq - 1, KVH, kvh, Dh, bf16,    \
-                           scores, max_len, inv, out, out_off, G, 1);                              \
+                           scores, max_len, inv, out, out_off, G, 1, window ? firsts : NULL);      \
         break;
                             ITEM(1) ITEM(2) ITEM(3) ITEM(4) ITEM(5) ITEM(6) ITEM(7) ITEM(8)
 #undef ITEM
@@ -688,19 +764,20 @@ int64_t baton_decode_attention(const void *q, const void *k_cache, const void *v
                                int64_t H, int64_t KVH, int64_t Dh, float scale, int bf16,
                                int nthreads) {
     return attention_rows(q, k_cache, v_cache, num_token_slots, kv_indices, idx_stride, kv_lens,
-                          NULL, out, S, S, H, KVH, Dh, scale, bf16, nthreads);
+                          NULL, out, S, S, H, KVH, Dh, scale, 0, bf16, nthreads);
 }
 
 /* Extend (prefill) attention, causal, straight from the paged cache: the queries of sequence s
  * are rows cu[s]..cu[s+1] of q / out (T, H, Dh), the last cu[s+1] - cu[s] of its kv_lens[s]
  * tokens (whose K/V are in the cache already); the same work items as decode, one per query
- * row and KV head. Returns as baton_decode_attention, and -2 for query offsets that do not fit
- * the lengths. */
+ * row and KV head. window > 0: each query sees only the last `window` keys up to its own
+ * position (sliding-window attention; the slots behind every window are never read), 0: all.
+ * Returns as baton_decode_attention, and -2 for query offsets that do not fit the lengths. */
 int64_t baton_extend_attention(const void *q, const void *k_cache, const void *v_cache,
                                int64_t num_token_slots, const int64_t *kv_indices,
                                int64_t idx_stride, const int32_t *kv_lens, const int32_t *cu,
                                void *out, int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t Dh,
-                               float scale, int bf16, int nthreads) {
+                               float scale, int64_t window, int bf16, int nthreads) {
     return attention_rows(q, k_cache, v_cache, num_token_slots, kv_indices, idx_stride, kv_lens,
-                          cu, out, T, S, H, KVH, Dh, scale, bf16, nthreads);
+                          cu, out, T, S, H, KVH, Dh, scale, window, bf16, nthreads);
 }

@@ -320,6 +320,49 @@ def rms_norm_cpu(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch
     return out
 
 
+MAX_ROTARY_HALF = 256  # cos / sin entries a token's rotation keeps on the stack (ops.c)
+
+
+def rotary_store_supported(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, cos: torch.Tensor
+) -> bool:
+    """Whether baton_rotary_store_kv runs this step: CPU tensors of one float32 / bfloat16
+    dtype, each token's heads contiguous, at most MAX_ROTARY_HALF rotated pairs."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k.dtype == v.dtype == k_cache.dtype == q.dtype
+        and all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v))
+        and cos.shape[1] <= MAX_ROTARY_HALF
+        and library() is not None
+    )
+
+
+def rotary_store_kv_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """kernels/attention.py's rotary_store_kv_torch in one pass (same roundings): q (T, H, Dh),
+    k, v (T, KVH, Dh) with contiguous heads; cos, sin (T, half) float32. Stores the rotated k and
+    v at `slot_mapping`; returns the rotated q (T, H, Dh), a new tensor."""
+    T, H, Dh = q.shape
+    out = torch.empty(T, H, Dh, dtype=q.dtype)
+    slots = slot_mapping.to(torch.int64).contiguous()
+    result = library().baton_rotary_store_kv(
+        q, q.stride(0), k, k.stride(0), v, v.stride(0), _f32(cos), _f32(sin), cos.shape[1],
+        out, k_cache, v_cache, k_cache.shape[0], slots, T, H, k.shape[1], Dh,
+        int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    _check(result, slots, k_cache.shape[0], "rotary_store_kv")
+    return out
+
+
 MAX_HEAD_DIM = 512  # the per-thread accumulators in baton_decode_attention
 
 
@@ -355,14 +398,17 @@ def extend_attention_cpu(
     kv_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of packed queries over the paged cache (their own K/V stored already):
     sequence s's queries are rows query_start_loc[s]..[s + 1] of q (T, H, Dh), its last tokens
-    of kv_lens[s]. Returns (T, H, Dh) in q's dtype; float32 arithmetic, like decode's."""
-    return _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, query_start_loc, scale)
+    of kv_lens[s]. window > 0: each query sees only the last `window` keys up to its own
+    position (sliding-window attention: the slots behind a window are never read). Returns
+    (T, H, Dh) in q's dtype; float32 arithmetic, like decode's."""
+    return _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, query_start_loc, scale, window)
 
 
-def _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, query_start_loc, scale):
+def _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, query_start_loc, scale, window=0):
     T, H, Dh = q.shape
     S = kv_lens.shape[0]
     q = q.contiguous()
@@ -380,12 +426,13 @@ def _attention_rows(q, k_cache, v_cache, kv_indices, kv_lens, query_start_loc, s
         kv_indices.stride(0),
         kv_lens,
     )
-    tail = (H, k_cache.shape[1], Dh, scale, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    shape = (H, k_cache.shape[1], Dh, scale)
+    tail = (int(q.dtype == torch.bfloat16), torch.get_num_threads())
     if query_start_loc is None:
-        result = library().baton_decode_attention(*common, out, S, *tail)
+        result = library().baton_decode_attention(*common, out, S, *shape, *tail)
     else:
         cu = query_start_loc.to(torch.int32).contiguous()
-        result = library().baton_extend_attention(*common, cu, out, T, S, *tail)
+        result = library().baton_extend_attention(*common, cu, out, T, S, *shape, window, *tail)
     if result == -1:
         raise MemoryError("attention: no memory for the per-thread score buffers")
     if result == -2:
