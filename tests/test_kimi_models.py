@@ -12,14 +12,15 @@ import pytest
 
 from baton import LLM, SamplingParams
 from tests.kimi_models import BAILING_CONFIGS, KIMI_CONFIGS, MINIMAX_CONFIGS
-from tests.test_gdn_models import ENGINE, NEW_TOKENS, assert_matches_transformers, prompts_for
+from tests.test_gdn_models import NEW_TOKENS, assert_matches_transformers, prompts_for
+from tests.window_models import preempting
 
 
 @pytest.mark.parametrize("name", [*KIMI_CONFIGS, *BAILING_CONFIGS, *MINIMAX_CONFIGS])
 def test_engine_matches_transformers(kimi_models, name):
     model_dir, hf = kimi_models(name)
-    prompts = prompts_for(hf.config.vocab_size)
-    llm = LLM(model_dir, **ENGINE)
+    prompts, args = preempting(model_dir, hf.config.vocab_size, prompts_for(hf.config.vocab_size))
+    llm = LLM(model_dir, **args)
     modes = []
     original = llm.engine.forward
     llm.engine.forward = lambda sched: (modes.append(sched.mode), original(sched))[1]

@@ -10,29 +10,16 @@ preemption (nothing to preempt for)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from baton import LLM, SamplingParams
-from baton.engine.config import ModelConfig
-from baton.engine.models.registry import model_state_spec
 from tests.test_gdn_models import ENGINE, NEW_TOKENS, assert_matches_transformers, prompts_for
-from tests.window_models import RECURRENT_ONLY_CONFIGS, WINDOW_CONFIGS
+from tests.window_models import RECURRENT_ONLY_CONFIGS, WINDOW_CONFIGS, preempting
 
 
 @pytest.mark.parametrize("name", list(WINDOW_CONFIGS))
 def test_engine_matches_transformers(window_models, name):
     model_dir, hf = window_models(name)
-    prompts = prompts_for(hf.config.vocab_size)
-    spec = model_state_spec(ModelConfig.from_hf(model_dir), torch.float32)
-    args = ENGINE
-    if spec.page_tables == 1 and spec.page_window is not None:
-        # Every paged kind windowed: pages go back between prefill chunks too, so the three
-        # prompts fit the 21 pages one chunk at a time; three more 70-token ones, prefilled
-        # four at a time, make a request preempted.
-        g = torch.Generator().manual_seed(12)
-        prompts += [torch.randint(3, hf.config.vocab_size, (70,), generator=g).tolist()
-                    for _ in range(3)]  # fmt: skip
-        args = ENGINE | dict(max_num_batched_tokens=64)
+    prompts, args = preempting(model_dir, hf.config.vocab_size, prompts_for(hf.config.vocab_size))
     llm = LLM(model_dir, **args)
     modes = []
     original = llm.engine.forward

@@ -154,3 +154,23 @@ def window_models(tmp_path_factory):
         return built[name]
 
     return get
+
+
+def preempting(model_dir, vocab: int, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
+    """The prompts and engine arguments (tests/test_gdn_models.py's ENGINE) under which one of
+    the three test prompts' requests is preempted for memory. A model whose every paged kind
+    is windowed gives its pages back between prefill chunks too, so the three prompts fit the
+    21 pages one chunk at a time: three more 70-token prompts, prefilled four at a time, make
+    a request preempted there."""
+    import torch
+
+    from baton.engine.config import ModelConfig
+    from baton.engine.models.registry import model_state_spec
+    from tests.test_gdn_models import ENGINE
+
+    spec = model_state_spec(ModelConfig.from_hf(model_dir), torch.float32)
+    if spec.page_tables > 1 or spec.page_window is None:
+        return prompts, ENGINE
+    g = torch.Generator().manual_seed(12)
+    more = [torch.randint(3, vocab, (70,), generator=g).tolist() for _ in range(3)]
+    return prompts + more, ENGINE | dict(max_num_batched_tokens=64)
