@@ -34,6 +34,7 @@ import torch
 from baton.engine.executor.metadata_buffers import (
     MetadataBuffers,
     decode_attention_layout,
+    prefill_attention_layout,
     prefill_layouts,
     verify_attention_layout,
 )
@@ -327,16 +328,11 @@ def build_metadata(
     if page_tables == 2:
         window = WindowTable(
             slot_mapping=longs[12],
-            prefill_attention=prefill_layouts(
-                buffers,
-                prefill_lens,
-                prefill_starts,
-                kv_lens[npf:].tolist(),
-                tables[1][npf:],
-                page_size=page_size,
-                chunk_size=chunk_size,
-                window_width=window_width,
-            )[0],
+            prefill_attention=prefill_attention
+            if not prefill_lens  # (the empty layout, built once)
+            else prefill_attention_layout(
+                buffers, prefill_lens, kv_lens[npf:].tolist(), tables[1][npf:], page_size
+            ),
             **attention(1),
         )
     forward = ForwardMetadata(

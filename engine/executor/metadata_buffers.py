@@ -210,12 +210,24 @@ def prefill_layouts(
                 build_window_layout([], window_width, device),
             )
         return buffers.empty_layouts[key]
-    table = torch.from_numpy(page_table[:, :, None] * page_size + np.arange(page_size))
     return (
-        build_attention_layout(lens, kv_lens, table.reshape(len(lens), -1), device),
+        prefill_attention_layout(buffers, lens, kv_lens, page_table, page_size),
         build_chunk_layout(lens, starts, chunk_size, device),
         build_window_layout(lens, window_width, device),
     )
+
+
+def prefill_attention_layout(
+    buffers: MetadataBuffers,
+    lens: list[int],
+    kv_lens: list[int],
+    page_table: np.ndarray,
+    page_size: int,
+) -> AttentionLayout:
+    """A non-empty prefill segment's attention layout over `page_table` (prefill_layouts'
+    first; a second page table's alone: ModelStateSpec.page_tables)."""
+    table = torch.from_numpy(page_table[:, :, None] * page_size + np.arange(page_size))
+    return build_attention_layout(lens, kv_lens, table.reshape(len(lens), -1), buffers.device)
 
 
 def decode_attention_layout(
