@@ -77,6 +77,8 @@ def _reference(x, w, bias, relu):
         (33, 32, 9),
         # AMX: two row panels (128 + 22 rows: a pair and a single tile), 19 runs of 16 k pairs
         (150, 600, 40),
+        # rows in chunks of L2's size (cpu/gemm.c row_chunk): fp32 32 + 32 + 11, bf16 56 + 19
+        (75, 4200, 40),
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
