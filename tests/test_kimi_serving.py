@@ -159,8 +159,15 @@ def colocated(kimi_models):
     return get
 
 
-@pytest.mark.parametrize("name", LINEAR_HYBRIDS)
-@pytest.mark.parametrize("sizes", [(1, 1), (2, 1)])
+@pytest.mark.parametrize(
+    "name,sizes",
+    [
+        # Kimi's 1 -> 1 pair runs over HTTP in test_new_mixers_serve.py (~5 s saved here)
+        ("kimi_moe", (2, 1)),
+        ("minimax_one_in_four", (1, 1)),
+        ("minimax_one_in_four", (2, 1)),
+    ],
+)
 def test_pd_pair_matches_colocated(workers, colocated, sizes, name):
     items, again, expected, expected_again = colocated(name)
     prefill, decoder = workers(name, "prefill", sizes[0]), workers(name, "decode", sizes[1])
