@@ -82,7 +82,7 @@ class NixlShardConnector:
     ) -> None:
         self.config, self.rank, self.size, self.cache = config, rank, size, cache
         role = options["role"]
-        self.agent = NixlAgent(role, options["host"], dict(cache.pools))
+        self.agent = NixlAgent(role, options["host"], cache.moved_pools())
         decoding = role == "decode"
         self.channel = ShardChannel(
             role=role,
@@ -253,6 +253,7 @@ class NixlShardConnector:
         expected = {
             name: (group.num_layers, tensor.bytes(prefill_size, source))
             for name, group, tensor in spec.entries()
+            if name not in self.cache.covered
         }
         local_regions = self.agent.region_by_name
         remote_regions = check_pool_regions(

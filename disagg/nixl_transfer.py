@@ -290,7 +290,8 @@ class NixlAgent:
             )
         # Pools that share memory (a sliding-window pool inside a full-attention one:
         # ModelStateSpec.aliases) are registered once, by the view that spans the most of it
-        # (UCX does not take two registrations of one range).
+        # (UCX does not take two registrations of one range; StateCache.moved_pools, what the
+        # workers pass, already leaves out a pool that another's memory holds).
         spans: dict[int, torch.Tensor] = {}
         for t in pools.values():
             start = t.untyped_storage().data_ptr()

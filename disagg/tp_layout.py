@@ -69,7 +69,10 @@ class Piece:
 def owned(spec: ModelStateSpec, size: int, rank: int) -> dict[str, Ranges]:
     """Component -> the whole-model unit ranges rank `rank` of `size` holds, in local order."""
     out: dict[str, Ranges] = {}
+    covered = spec.covered_pools()  # moved by the pool whose memory holds them
     for name, _, tensor in spec.entries():
+        if name in covered:
+            continue
         ranges = tensor.ranges(size, rank)
         if tensor.kind == "paged":
             out[f"pages/{name}"] = ranges

@@ -34,6 +34,11 @@ def test_page_window_is_the_widest_window_and_windowed_kinds_beside_full_get_a_t
     }
     assert mixed.bytes_per_page_token() == 2 * 2 * (2 * 8 * 4)
     assert mixed.bytes_per_token() == 3 * 2 * (2 * 8 * 4)
+    # the two sliding layers' pools hold the full layer's: only they move (handover, tiers)
+    assert mixed.covered_pools() == {
+        "attention.k": "sliding_attention.k",
+        "attention.v": "sliding_attention.v",
+    }
     only_full = ModelStateSpec.of([CONV, full])
     assert (only_full.page_window, only_full.page_tables) == (None, 1)
     assert ModelStateSpec.of([CONV]).page_window is None  # no paged state at all
@@ -112,6 +117,47 @@ def test_published_lfm3_pools_share_memory_between_its_tables():
     assert spec.bytes_per_token() == 11 * layer_token
     assert spec.bytes_per_page_token() == 6 * layer_token
     assert (129 + 17) * 6 == 876 and 129 * 11 == 1419
+
+
+def test_a_mixed_window_model_moves_each_page_memory_once():
+    """LFM3-1.7B's layout: the sliding pools lie inside the full ones, so a handover, a TP
+    shard plan and a tier record move the full pools at every page entry, 6 layers an entry:
+    moving every pool (as before) sent 11, each sliding page's memory twice."""
+    from baton.disagg.tp_layout import owned
+    from baton.engine.cache.pools import StateCache
+    from baton.engine.cache.tier_records import TierLayout
+    from baton.engine.config import ModelConfig
+    from baton.engine.handover.state import HandoverLayout
+    from baton.engine.models.registry import model_state_spec
+    from tests.test_lfm3_published_config import published
+
+    spec = model_state_spec(ModelConfig.from_dict(published()), torch.bfloat16)
+    full = ["attention.k", "attention.v"]
+    assert spec.covered_pools() == {"sliding_attention.k": full[0], "sliding_attention.v": full[1]}
+    layout = HandoverLayout.of(
+        spec,
+        model_fingerprint="m",
+        weights_fingerprint="w",
+        dtype=torch.bfloat16,
+        page_size=16,
+        tp_size=1,
+        tp_rank=0,
+    )
+    assert [t.name for t in layout.of_kind("paged")] == full
+    assert layout.page_bytes == 16 * 6 * (2 * 4 * 128 * 2)
+    assert [c for c in owned(spec, 2, 1) if c.startswith("pages/")] == [f"pages/{n}" for n in full]
+    cache = StateCache(spec, num_pages=8, page_size=16, num_slots=2, device="cpu")
+    assert cache.paged == tuple(full) and set(cache.moved_pools()) == set(cache.pools) - set(
+        spec.covered_pools()
+    )
+    # the moved pools span the memory of the ones left out: every layer of both kinds
+    for narrow, wide in spec.covered_pools().items():
+        assert cache.pools[narrow].data_ptr() == cache.pools[wide].data_ptr()
+        assert cache.pools[narrow].shape[0] < cache.pools[wide].shape[0]
+    tier = TierLayout.of(cache, pages_per_block=4)
+    assert [t.key for t in tier.tensors if t.key.startswith("pages:")] == [
+        f"pages:{n}" for n in full
+    ]
 
 
 def test_nothing_is_released_without_a_page_window():

@@ -66,7 +66,10 @@ class StateCache:
         # page entries per page of positions (spec.page_tables): every paged pool is indexed
         # by every entry, and a layer reads only its own table's
         self.page_tables = spec.page_tables
-        self.paged = spec.names("paged")
+        # the paged pools whose bytes move (a handover, a tier record): each memory once, by the
+        # pool spanning all of it (spec.covered_pools); every pool has its own layer views
+        self.covered = spec.covered_pools()
+        self.paged = tuple(n for n in spec.names("paged") if n not in self.covered)
         self.slotted = spec.names("slot")
         self.checkpointed = frozenset(spec.checkpointed())
         # (kind, layer) -> {tensor name: this layer's pool view}: what a layer's forward reads
@@ -86,6 +89,11 @@ class StateCache:
             for name, pool in self.pools.items()
             if name not in self.aliases
         )
+
+    def moved_pools(self) -> dict[str, torch.Tensor]:
+        """Every pool by name but those another pool's memory holds (spec.covered_pools): what a
+        transfer engine registers and reads."""
+        return {name: pool for name, pool in self.pools.items() if name not in self.covered}
 
     def entries(self, pages: int) -> int:
         """A request's page entries covering `pages` pages of positions, every table's."""

@@ -259,6 +259,19 @@ class ModelStateSpec:
                     break
         return out
 
+    def covered_pools(self) -> dict[str, str]:
+        """Paged pool name -> the pool whose memory holds all of it: of a windowed pool and the
+        full pool it aliases (`aliases`), the one with fewer layers (the windowed one on a tie).
+        What moves the pools' bytes (a handover, a tier record) moves only the wider of the two,
+        at every page entry: it holds both kinds' layers, so moving both sent each page's memory
+        twice. Empty with one page table."""
+        out: dict[str, str] = {}
+        for window, full in self.aliases().items():
+            wide = self.tensor(window)[0].num_layers > self.tensor(full)[0].num_layers
+            narrow, wider = (full, window) if wide else (window, full)
+            out[narrow] = wider
+        return out
+
     def entries(self, kind: StateKind | None = None) -> list[tuple[str, StateGroup, StateTensor]]:
         """(pool name "kind.tensor", group, tensor) of every state tensor, in spec order."""
         return [

@@ -255,9 +255,10 @@ class Handover:
     # -- prefill side -----------------------------------------------------------------------
 
     def pool_tensors(self) -> dict[str, torch.Tensor]:
-        """Every pool tensor by name (engine/cache/pools.py's layout), for a transfer engine to
-        register once at start: what it then reads or writes there is a request's StatePlace."""
-        return dict(self.cache.pools)
+        """Every pool tensor by name (engine/cache/pools.py's layout) but those another pool's
+        memory holds, for a transfer engine to register once at start: what it then reads or
+        writes there is a request's StatePlace."""
+        return self.cache.moved_pools()
 
     def place_of(self, req: Request) -> StatePlace:
         """Where a finished prefill's state sits (its prompt's pages, its slot, its blocks'

@@ -122,7 +122,8 @@ class HandoverLayout:
     page_size: int
     # Page entries per page of positions (ModelStateSpec.page_tables): a handover's page
     # counts and first pages are in entries, interleaved as the request holds them; every
-    # paged tensor travels at every entry (a layer reads only its table's)
+    # paged tensor travels at every entry (a layer reads only its table's), but a pool that
+    # another's memory holds (ModelStateSpec.covered_pools) is not among `tensors`
     page_tables: int
     tp_size: int
     tensors: tuple[TensorLayout, ...]  # in spec order
@@ -139,6 +140,7 @@ class HandoverLayout:
         tp_size: int,
         tp_rank: int,
     ) -> HandoverLayout:
+        covered = spec.covered_pools()
         return cls(
             model_fingerprint=model_fingerprint,
             weights_fingerprint=weights_fingerprint,
@@ -157,6 +159,7 @@ class HandoverLayout:
                     checkpointed=t.checkpointed,
                 )
                 for name, g, t in spec.entries()
+                if name not in covered
             ),
         )
 
