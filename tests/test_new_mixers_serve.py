@@ -1,10 +1,11 @@
 """HTTP disaggregated stacks (prefill worker + decode worker behind `baton router`) answer
 /v1/completions with the colocated engine's text for the round-4 state kinds: Kimi Linear (KDA
-slots + MLA latent pages) and RecurrentGemma (sliding-window pages released behind the window +
-RG-LRU slots), with a prompt longer than the window. (MiniMax's lightning slots, Bailing's and
-LFM3's kinds are the same handover code; their in-process pairs are in test_kimi_serving.py and
-test_window_serving.py. Two stacks, not five: each stack's three processes cost ~10 s of the
-suite in imports.)"""
+slots + MLA latent pages) and LFM3 (short-conv slots, sliding-window attention beside full
+attention: two page tables, the sliding pages released behind the window, the sliding pools
+moved inside the full ones), with a prompt longer than the window. (MiniMax's lightning slots,
+Bailing's and RecurrentGemma's kinds are the same handover code; their in-process pairs are in
+test_kimi_serving.py and test_window_serving.py. Two stacks, not five: each stack's three
+processes cost ~10 s of the suite in imports.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tests.test_family_serve import FLAGS, expected_and_served
 
 STACKS = [
     ("kimi_models", "kimi_moe"),
-    ("window_models", "rgemma_local"),
+    ("window_models", "lfm3_mixed"),
 ]
 
 
