@@ -66,6 +66,39 @@ def test_replay_refills_views_in_place_writes_and_functional_results():
         torch.testing.assert_close(acc, acc_eager, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_2d_linear_replays_as_one_matmul_call(bias):
+    """A 2-D linear is recorded as the call aten's linear makes for it (mm, or addmm with a
+    bias, on the weight's transpose): one dispatcher call a replay, the same result bit for
+    bit; a 3-D one stays a linear."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(16, 8, generator=gen)
+    b = torch.randn(16, generator=gen) if bias else None
+    x, x3 = torch.randn(4, 8, generator=gen), torch.randn(2, 3, 8, generator=gen)
+    names = []
+
+    class Names(Recorder):
+        def _append(self, name, overload, args, copy_into, check_zero):
+            names.append(name)
+            super()._append(name, overload, args, copy_into, check_zero)
+
+    plan = new_plan()
+    with torch.inference_mode(), Names(plan) as recorder:
+        y = torch.ops.aten.linear(x, weight, b)
+        y3 = torch.ops.aten.linear(x3, weight, b)
+    assert recorder.error is None
+    assert names == ["aten::addmm" if bias else "aten::mm", "aten::linear"]
+    for _ in range(2):
+        x.copy_(torch.randn(4, 8, generator=gen))
+        x3.copy_(torch.randn(2, 3, 8, generator=gen))
+        plan.replay()
+        with torch.inference_mode():
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, weight, b), rtol=0, atol=0)
+            torch.testing.assert_close(
+                y3, torch.nn.functional.linear(x3, weight, b), rtol=0, atol=0
+            )
+
+
 @pytest.mark.parametrize(
     ("what", "fn"),
     [
