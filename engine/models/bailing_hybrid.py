@@ -69,7 +69,7 @@ def checkpoint_name(name: str) -> str:
 
 def read_mtp_layers(r: ConfigReader) -> int:
     """The MTP layers the checkpoint stores after its decoder (transformers' default: 1)."""
-    count = int(r.opt("num_nextn_predict_layers") or 0)
+    count = int(aliased(r, "num_nextn_predict_layers", "num_mtp_layers") or 0)
     if count > 1:
         raise r.error(
             f"num_nextn_predict_layers={count}: {count} MTP layers are not supported (baton "
@@ -83,9 +83,24 @@ def checkpoint_renamer(config: ModelConfig):
     return mtp_renamer(len(config.family.layer_types), checkpoint_name)
 
 
+# Keys of Ling's releases that transformers' BailingHybridConfig does not read: its model runs
+# these values only (head-wise MLA output gate, full-rank KDA gates, interleaved rotary, the
+# router's expert bias), so a file saying otherwise would be silently misrun: refused by name.
+FIXED = {
+    "gated_attention_proj_granularity_type": "head_wise",
+    "no_kda_lora": True,
+    "rope_interleave": True,
+    "moe_router_enable_expert_bias": True,
+}
+
+
 def read_config(r: ConfigReader) -> ModelConfig:
     num_layers = int(r.opt("num_hidden_layers"))
     r.require("hidden_act", ("silu",))  # the conv activation and every MLP's
+    for key, runs in FIXED.items():
+        if key in r.hf and r.hf[key] != runs:
+            raise r.error(f"{key}={r.hf[key]!r} is not supported (the Bailing hybrid of "
+                          f"transformers, and baton, run {runs!r})")  # fmt: skip
     for key in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
         limits = r.hf.get(key) or []
         if any(limits):
@@ -115,6 +130,13 @@ def read_config(r: ConfigReader) -> ModelConfig:
     norm_eps = float(r.opt("rms_norm_eps"))
     eos = r.opt("eos_token_id")
     q_lora = r.opt("q_lora_rank")
+    moe = read_moe(r) if any(sparse) else None
+    shared = r.hf.get("moe_shared_expert_intermediate_size")  # Ling's; transformers derives it
+    if moe is not None and shared is not None and int(shared) != moe.shared_intermediate_size:
+        raise r.error(
+            f"moe_shared_expert_intermediate_size={shared}: transformers runs the shared expert "
+            f"at moe_intermediate_size x num_shared_experts = {moe.shared_intermediate_size}"
+        )
     return ModelConfig(
         architecture="BailingHybridForCausalLM",
         vocab_size=r.need("vocab_size"),
@@ -153,6 +175,6 @@ def read_config(r: ConfigReader) -> ModelConfig:
                 head_gate=True,
             ),
             intermediate_size=None if all(sparse) else int(r.opt("intermediate_size")),
-            moe=read_moe(r) if any(sparse) else None,
+            moe=moe,
         ),
     )

@@ -151,13 +151,17 @@ def family_for(hf: dict[str, Any], source: str = "config.json") -> Family:
 
 def architecture_for(hf: dict[str, Any], source: str = "config.json") -> str:
     """The architecture baton serves a config.json as: `architectures[0]` decides; a file without
-    it is looked up by `model_type`. Anything else is refused with the list of what baton serves.
-    Imports no family module (nor torch): the server checks this before it starts an engine."""
+    it, or naming an architecture baton does not know, is looked up by `model_type`, as
+    transformers' Auto classes load it (inclusionAI's Ling 3.0 releases name
+    `BailingMoeV3ForCausalLM` for model_type `bailing_hybrid`). Anything else is refused with the
+    list of what baton serves. Imports no family module (nor torch): the server checks this
+    before it starts an engine."""
     architectures = hf.get("architectures") or []
     model_type = hf.get("model_type")
     arch = architectures[0] if architectures else None
-    if arch is None:
-        arch = next((a for a, (t, _) in FAMILIES.items() if t == model_type), None)
+    if arch not in FAMILIES:
+        by_type = next((a for a, (t, _) in FAMILIES.items() if t == model_type), None)
+        arch = arch if by_type is None else by_type
     if arch not in FAMILIES:
         named = (
             f"architecture {architectures[0]!r} (key 'architectures')"
