@@ -14,8 +14,11 @@ import torch
 Backend = Literal["torch", "triton"]
 
 
+KERNELS_ENV = "BATON_KERNELS"
+
+
 def select_backend(tensor: torch.Tensor) -> Backend:
-    forced = os.environ.get("BATON_KERNELS", "").strip().lower()
+    forced = os.environ.get(KERNELS_ENV, "").strip().lower()
     if forced in ("torch", "triton"):
         return forced  # type: ignore[return-value]
     if forced:

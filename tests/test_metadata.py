@@ -195,7 +195,8 @@ def graph_runner(kv_capacity: int = 64, verify_width: int | None = None) -> Deco
         cache=SimpleNamespace(
             page_size=PAGE,
             page_tables=1,
-            spec=SimpleNamespace(chunk_size=CHUNK, window_width=CONV),
+            chunk_size=CHUNK,
+            window_width=CONV,
         ),
         device="cpu",
         buffers=MetadataBuffers("cpu", ints=8, kv_rows=1, kv_width=4, fixed=False),

@@ -66,6 +66,9 @@ class StateCache:
         # page entries per page of positions (spec.page_tables): every paged pool is indexed
         # by every entry, and a layer reads only its own table's
         self.page_tables = spec.page_tables
+        # the recurrent kinds' shared geometry, which every metadata build reads (the spec
+        # derives it over its groups on each ask)
+        self.chunk_size, self.window_width = spec.chunk_size, spec.window_width
         # the paged pools whose bytes move (a handover, a tier record): each memory once, by the
         # pool spanning all of it (spec.covered_pools); every pool has its own layer views
         self.covered = spec.covered_pools()

@@ -184,13 +184,13 @@ class DecodeGraphRunner:
         )
 
     def build(self, padded: ScheduledBatch) -> Mamba2Metadata:
-        spec = self.runner.cache.spec
+        cache = self.runner.cache
         return build_metadata(
             padded,
-            page_size=self.runner.cache.page_size,
-            page_tables=self.runner.cache.page_tables,
-            chunk_size=spec.chunk_size,
-            window_width=spec.window_width,
+            page_size=cache.page_size,
+            page_tables=cache.page_tables,
+            chunk_size=cache.chunk_size,
+            window_width=cache.window_width,
             buffers=self.buffers,
             decode_mask=self.runner.decode_reads_mask(),
             # Static key width only matters for a captured step; eager keeps it tight.

@@ -4,7 +4,6 @@ numpy and Python over a ScheduledBatch; nothing here touches a device."""
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,18 +16,11 @@ def split_page_tables(kv_pages: tuple[tuple[int, ...], ...], page_tables: int) -
     """(num_seqs, pages) int64 per page table, as wide as the longest page list (padding:
     dummy page 0), from each sequence's interleaved page entries (entry i * page_tables + t is
     table t's page of positions i * page_size ..: ModelStateSpec.page_tables)."""
-    num_seqs = len(kv_pages)
-    page_counts = np.fromiter(map(len, kv_pages), dtype=np.int64, count=num_seqs)
-    num_pages = int(page_counts.max(initial=0))
-    page_table = np.zeros((num_seqs, num_pages), dtype=np.int64)
-    all_pages = np.fromiter(
-        itertools.chain.from_iterable(kv_pages), dtype=np.int64, count=int(page_counts.sum())
-    )
-    page_row = np.repeat(np.arange(num_seqs), page_counts)
-    page_table[
-        page_row,
-        np.arange(len(all_pages)) - np.repeat(np.cumsum(page_counts) - page_counts, page_counts),
-    ] = all_pages
+    # a row copy per sequence: faster than one vectorized scatter at every batch size (batch
+    # 1: 2.6 vs 16 us; 64 sequences of 48 pages: 69 vs 76 us)
+    page_table = np.zeros((len(kv_pages), max(map(len, kv_pages), default=0)), dtype=np.int64)
+    for row, pages in zip(page_table, kv_pages):
+        row[: len(pages)] = pages
     return [page_table[:, t::page_tables] for t in range(page_tables)]
 
 

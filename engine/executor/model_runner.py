@@ -3,6 +3,7 @@ the drafter's forwards (an MTP head) over rows that start from kept hidden state
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -14,7 +15,7 @@ from baton.engine.executor.forward_metadata import Mamba2Metadata, ScheduledBatc
 from baton.engine.executor.metadata_buffers import MetadataBuffers
 from baton.engine.layers.causal_lm import CausalLM
 from baton.engine.layers.mtp import hidden_of_slots
-from baton.kernels.backend import select_backend
+from baton.kernels.backend import KERNELS_ENV, select_backend
 from baton.kernels.cpu import ops as cpu_ops
 from baton.kernels.mla import latent_attention_on_cpu
 
@@ -50,13 +51,23 @@ class ModelRunner:
             if name in cache.pools
         }
         self._latent_pools = "mla.latent" in cache.pools
+        # decode_reads_mask's answer, for the BATON_KERNELS value it was found under (what
+        # else it looks at, the probes and the C library, stays for the process)
+        self._reads_mask: tuple[str | None, bool] | None = None
 
     def decode_reads_mask(self) -> bool:
         """Whether decode attention runs a torch path, the only ones that read a mask (the C and
-        Triton decode kernels stop at each row's kv_len). Asked per step: BATON_KERNELS may
-        change the path. A model whose paged state none of these layers attends over (a layer
+        Triton decode kernels stop at each row's kv_len). Asked per step and found again when
+        BATON_KERNELS changes, which may change the path (finding it cost ~30 us a step). A
+        model whose paged state none of these layers attends over (a layer
         of its own) has no probe: its mask is always built (a few host ops a step), so its torch
         path never reads a missing one."""
+        forced = os.environ.get(KERNELS_ENV)
+        if self._reads_mask is None or self._reads_mask[0] != forced:
+            self._reads_mask = (forced, self._find_reads_mask())
+        return self._reads_mask[1]
+
+    def _find_reads_mask(self) -> bool:
         pools = self.cache.pools
         if not self._query_probes and not self._latent_pools:
             return bool(self.cache.paged)
@@ -73,8 +84,8 @@ class ModelRunner:
             sched,
             page_size=self.cache.page_size,
             page_tables=self.cache.page_tables,
-            chunk_size=self.cache.spec.chunk_size,
-            window_width=self.cache.spec.window_width,
+            chunk_size=self.cache.chunk_size,
+            window_width=self.cache.window_width,
             buffers=self.buffers,
             decode_mask=self.decode_reads_mask(),
             kv_capacity=None,
