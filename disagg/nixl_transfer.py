@@ -288,16 +288,10 @@ class NixlAgent:
                 "NIXL could not create its UCX backend (check UCX_TLS: tcp,self or sm,tcp,self"
                 " work on one host; shm,self alone does not)"
             )
-        # Pools that share memory (a sliding-window pool inside a full-attention one:
-        # ModelStateSpec.aliases) are registered once, by the view that spans the most of it
-        # (UCX does not take two registrations of one range; StateCache.moved_pools, what the
-        # workers pass, already leaves out a pool that another's memory holds).
-        spans: dict[int, torch.Tensor] = {}
-        for t in pools.values():
-            start = t.untyped_storage().data_ptr()
-            if t.numel() and (start not in spans or t.nbytes > spans[start].nbytes):
-                spans[start] = t
-        registered = list(spans.values())
+        # The pools given share no memory (StateCache.moved_pools leaves out a sliding-window
+        # pool inside a full-attention one, ModelStateSpec.covered_pools): UCX does not take
+        # two registrations of one range.
+        registered = [t for t in pools.values() if t.numel()]
         self.registration = self.agent.register_memory(registered) if registered else None
         self.regions = [region_of(name, t) for name, t in pools.items() if t.numel()]
         self.region_by_name = {r.name: r for r in self.regions}

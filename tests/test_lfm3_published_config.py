@@ -11,13 +11,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from baton import LLM, SamplingParams
 from baton.engine.config import ModelConfig
 from baton.engine.config_error import ConfigError
-from tests.test_gdn_models import assert_matches_transformers
-from tests.tiny import save_tokenizer, spread_parameters
+from tests.published_runs import assert_runs_as_transformers, prompt_ids
 
 FIXTURE = Path(__file__).parent / "fixtures" / "published_configs" / "lfm3_1_7b"
 VOCAB, LAYERS = 512, 7  # conv, conv, full, conv, sliding, conv, full
@@ -78,21 +75,14 @@ def test_keys_transformers_would_misrun_are_refused_by_name(change, key):
 
 
 def test_config_runs_as_transformers_runs_it(tmp_path):
-    import transformers
-
     raw = shrink(published())
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    config = transformers.AutoConfig.from_pretrained(tmp_path)
-    torch.manual_seed(9)
-    hf = transformers.Lfm3ForCausalLM(config).float().eval()
-    spread_parameters(hf)
-    hf.save_pretrained(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(raw))  # the fixture's file, not a re-save
-    save_tokenizer(tmp_path, vocab_size=VOCAB)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, VOCAB - 8, (n,), generator=g).tolist() for n in (6, 300)]
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1,
-                            prompt_logprobs=1)  # fmt: skip
-    outs = LLM(tmp_path, page_size=16, chunked_prefill_size=128).generate(prompts, params)
-    for prompt, out in zip(prompts, outs):
-        assert_matches_transformers(hf, prompt, out)
+    assert_runs_as_transformers(
+        tmp_path,
+        raw,
+        "Lfm3ForCausalLM",
+        model_seed=9,
+        prompts=prompt_ids(3, (6, 300), VOCAB - 8),
+        max_tokens=4,
+        page_size=16,
+        chunked_prefill_size=128,
+    )

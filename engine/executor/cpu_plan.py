@@ -193,7 +193,7 @@ class Recorder(TorchDispatchMode):
             return
         if _storages(results) & _storages(full):
             raise CaptureError(f"{schema.name} returns a mix of new and aliased tensors")
-        if schema.name == "aten::linear" and _as_matmul(self, full, results):
+        if schema.name == "aten::linear" and self._as_matmul(full, results):
             return
         overload = _out_overload(func)
         if overload is not None:
@@ -206,21 +206,20 @@ class Recorder(TorchDispatchMode):
         else:
             self._append(f"{namespace}::{name}", func._overloadname, full, list(results), False)
 
-
-def _as_matmul(recorder: Recorder, full: list, results: tuple) -> bool:
-    """A 2-D `linear` recorded as what aten's linear calls for it, `mm` (or `addmm` with a
-    bias) on the weight's transpose, into its recorded output: a replay then makes one
-    dispatcher call instead of four (linear, matmul, t, mm: ~3 us of a ~10 us call on a small
-    model's weights). False where linear would do something else (other ranks of input)."""
-    x, weight, bias = full
-    (out,) = results
-    if x.dim() != 2 or weight.dim() != 2 or out.dim() != 2:
-        return False
-    if bias is None:
-        recorder._append("aten::mm", "out", [x, weight.t(), out], [], False)
-    else:
-        recorder._append("aten::addmm", "out", [bias, x, weight.t(), 1, 1, out], [], False)
-    return True
+    def _as_matmul(self, full: list, results: tuple) -> bool:
+        """A 2-D `linear` recorded as what aten's linear calls for it, `mm` (or `addmm` with a
+        bias) on the weight's transpose, into its recorded output: a replay then makes one
+        dispatcher call instead of four (linear, matmul, t, mm: ~3 us of a ~10 us call on a small
+        model's weights). False where linear would do something else (other ranks of input)."""
+        x, weight, bias = full
+        (out,) = results
+        if x.dim() != 2 or weight.dim() != 2 or out.dim() != 2:
+            return False
+        if bias is None:
+            self._append("aten::mm", "out", [x, weight.t(), out], [], False)
+        else:
+            self._append("aten::addmm", "out", [bias, x, weight.t(), 1, 1, out], [], False)
+        return True
 
 
 def plans_available() -> bool:
